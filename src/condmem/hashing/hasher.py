@@ -41,7 +41,7 @@ class NgramHasher:
         self.layout = layout
         pad_id = layout.config.pad_id if pad_id is None else pad_id
         if token_lookup is not None:
-            lookup = torch.as_tensor(np.asarray(token_lookup), dtype=torch.int64).flatten()
+            lookup = torch.from_numpy(np.array(token_lookup, dtype=np.int64)).flatten()
             if lookup.numel() == 0:
                 raise HashInputError("token_lookup is empty")
             compressed_size = int(lookup.max()) + 1

@@ -1,0 +1,73 @@
+"""The command line: `condmem layout` and `condmem hash` end to end, and their error messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from condmem.cli import main
+
+
+@pytest.fixture
+def v41_config(tmp_path):
+    from condmem import EngramConfig
+
+    path = tmp_path / "v41.json"
+    EngramConfig.deepseek_v41_flash().save(path, dialect="v4")
+    return str(path)
+
+
+def test_layout_prints_v41_rows(v41_config, capsys):
+    assert main(["layout", "--config", v41_config]) == 0
+    out = capsys.readouterr().out
+    assert "384,006,168" in out and "384,016,682" in out and "196.6B" in out
+    assert main(["layout", "--config", v41_config, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_embeddings"] == [384006168, 384016682]
+
+
+def test_hash_json_matches_the_library(v41_config, capsys):
+    import torch
+
+    from condmem import EngramConfig, NgramHasher
+    from condmem.tokenizer import CompressedTokenizer
+
+    assert main(["hash", "--tokenizer", "deepseek-v4", "--config", v41_config, "--text", "Hello, World! hello world"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("compressed_vocab_size", "layer_ids", "compressed_ids", "bucket_ids", "row_ids"):
+        assert key in out
+    assert out["compressed_vocab_size"] == 99092 and out["layer_ids"] == [1, 14]
+    ctok = CompressedTokenizer.from_any("deepseek-v4")
+    hasher = NgramHasher.from_tokenizer(EngramConfig.deepseek_v41_flash(), ctok)
+    rows = hasher(torch.tensor([out["token_ids"]]))[0]
+    assert out["row_ids"]["14"] == rows[:, 1].tolist()
+    T = len(out["token_ids"])
+    assert len(out["compressed_ids"]) == T and len(out["row_ids"]["1"]) == T and len(out["row_ids"]["1"][0]) == 24
+    # bucket + offset == row
+    offsets = hasher.layout.layer(1).offsets
+    assert [[b + o for b, o in zip(r, offsets)] for r in out["bucket_ids"]["1"]] == out["row_ids"]["1"]
+
+
+def test_hash_accepts_ids_and_the_demo_dialect(tmp_path, capsys):
+    cfg = {"engram_vocab_size": [1000, 2000], "max_ngram_size": 3, "n_embed_per_ngram": 64, "n_head_per_ngram": 4,
+           "layer_ids": [1, 5], "pad_id": 2, "seed": 0, "kernel_size": 4}
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["hash", "--tokenizer", "deepseek-v4", "--config", str(path), "--ids", "0,15,2024"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["row_ids"]["5"]) == 3 and len(out["row_ids"]["5"][0]) == 8
+
+
+def test_hash_errors_are_clear(v41_config, tmp_path, capsys):
+    assert main(["hash", "--tokenizer", "deepseek-v4", "--config", v41_config, "--ids", "1,999999"]) == 1
+    assert "token id 999999 is outside the tokenizer's ids 0..129279" in capsys.readouterr().err
+    # A config whose compressed vocab disagrees with the tokenizer is refused.
+    bad = json.loads(open(v41_config).read())
+    bad["engram_compressed_vocab_size"] = 129280
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    assert main(["hash", "--tokenizer", "deepseek-v4", "--config", str(path), "--ids", "1"]) == 1
+    assert "silently rehashed" in capsys.readouterr().err
+    assert main(["hash", "--tokenizer", "deepseek-v4", "--config", v41_config, "--ids", "1,x"]) == 1
+    assert "comma-separated" in capsys.readouterr().err
