@@ -40,6 +40,8 @@ DTYPES: dict[str, torch.dtype] = {
     "I32": torch.int32,
     "I64": torch.int64,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # how some checkpoints type their ue8m0 scales
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # the safetensors library's own bound
 

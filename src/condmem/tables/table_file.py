@@ -246,6 +246,23 @@ class EngramTableFile:
         scales = mmap_tensor(self.header, names["scales"]) if "scales" in names else None
         return LayerRows(self.format, weight, scales)
 
+    def tables(self) -> dict[int, LayerRows]:
+        """Every layer's memory-mapped rows."""
+        return {lid: self.layer(lid) for lid in self.layer_ids}
+
+    def layout(self) -> EngramLayout:
+        """Rebuild the layout the file was made with (from its recorded description)."""
+        from condmem.config import EngramConfig
+
+        d = self.layout_description
+        config = EngramConfig(layer_ids=d["layer_ids"], max_ngram_size=d["max_ngram_size"], n_heads=d["n_heads"],
+                              head_dim=self.head_dim, table_size=d["table_sizes"], pad_id=d["pad_id"], seed=d["seed"],
+                              compressed_vocab_size=d["compressed_vocab_size"])
+        layout = EngramLayout(config)
+        if layout.fingerprint != self.layout_fingerprint:
+            raise TableFileError(f"{self.path}: recorded layout does not reproduce its fingerprint (damaged metadata?)")
+        return layout
+
     def __repr__(self) -> str:
         return f"EngramTableFile({str(self.path)!r}, {self.format}, layers={self.layer_ids}, rows={self.num_embeddings})"
 
