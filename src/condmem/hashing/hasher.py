@@ -4,7 +4,12 @@ Row ids depend only on token ids, so one call before the first transformer layer
 gives every Engram layer its addresses (what lets tables live off the GPU and be
 prefetched). The hasher owns the compression map and the layout's constants, keeps
 one copy of them per device, validates its inputs once, and calls the hash
-implementation (the torch reference here; Triton kernels plug in behind `backend`).
+implementation: the Triton kernels (`triton_hash`) for CUDA tensors, the torch
+reference (`reference`) elsewhere; ``backend="triton"|"torch"`` forces either. Both
+give identical numbers.
+
+Decoding hashes one new token per sequence against an `NgramHistory` (`new_history`,
+`prefill_history`, `decode`).
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ import numpy as np
 import torch
 
 from condmem.config import EngramConfig
+from condmem.hashing.history import NgramHistory, hash_decode_reference
 from condmem.hashing.reference import hash_reference
 from condmem.layout import EngramLayout
+from condmem.ops.triton_util import BACKENDS, resolve_backend
 
 
 class HashInputError(ValueError):
@@ -30,6 +37,8 @@ class NgramHasher:
             None when the inputs are compressed ids already.
         pad_id: token id of the pad (a compressed id when `token_lookup` is None);
             defaults to ``layout.config.pad_id``.
+        backend: ``"auto"`` (Triton on CUDA tensors, the torch reference elsewhere),
+            ``"triton"`` or ``"torch"``; a call's own ``backend=`` overrides it.
 
     Example:
         >>> hasher = NgramHasher.from_tokenizer(config, CompressedTokenizer.from_any("deepseek-v4"))
@@ -37,8 +46,11 @@ class NgramHasher:
         >>> rows_l1 = rows[:, :, hasher.layer_index(1)]
     """
 
-    def __init__(self, layout: EngramLayout, token_lookup=None, pad_id: int | None = None):
+    def __init__(self, layout: EngramLayout, token_lookup=None, pad_id: int | None = None, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise HashInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.layout = layout
+        self.backend = backend
         pad_id = layout.config.pad_id if pad_id is None else pad_id
         if token_lookup is not None:
             lookup = torch.from_numpy(np.array(token_lookup, dtype=np.int64)).flatten()
@@ -66,13 +78,14 @@ class NgramHasher:
             "primes": torch.from_numpy(layout.primes_array()),
             "offsets": torch.from_numpy(layout.offsets_array()),
         }
+        self._magic_host: torch.Tensor | None = None
         self._per_device: dict[torch.device, dict[str, torch.Tensor | None]] = {}
 
     @classmethod
-    def from_tokenizer(cls, config: EngramConfig, tokenizer) -> "NgramHasher":
+    def from_tokenizer(cls, config: EngramConfig, tokenizer, backend: str = "auto") -> "NgramHasher":
         """Build the layout and hasher for a `CompressedTokenizer`, checking V' against the config."""
         layout = EngramLayout(config, compressed_vocab_size=tokenizer.vocab_size)
-        return cls(layout, token_lookup=tokenizer.lookup, pad_id=config.pad_id)
+        return cls(layout, token_lookup=tokenizer.lookup, pad_id=config.pad_id, backend=backend)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -90,11 +103,27 @@ class NgramHasher:
     def constants(self, device: torch.device | str) -> dict[str, torch.Tensor | None]:
         """The lookup, multipliers, primes and offsets on `device` (copied once, then cached)."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._per_device:
             self._per_device[device] = {
                 k: (None if v is None else v.to(device)) for k, v in self._host.items()
             }
         return self._per_device[device]
+
+    def _magic(self, device: torch.device) -> torch.Tensor:
+        """Barrett constants of the primes (Triton backend only), cached per device."""
+        c = self.constants(device)
+        if "magic" not in c:
+            if self._magic_host is None:
+                from condmem.hashing.triton_hash import barrett_magic
+
+                self._magic_host = barrett_magic(self._host["primes"])
+            c["magic"] = self._magic_host.to(device)
+        return c["magic"]
+
+    def _backend(self, backend: str | None, device: torch.device) -> str:
+        return resolve_backend(backend or self.backend, device, "NgramHasher")
 
     def _check_ids(self, input_ids: torch.Tensor, name: str = "input_ids") -> None:
         if not isinstance(input_ids, torch.Tensor):
@@ -146,6 +175,7 @@ class NgramHasher:
         doc_starts: torch.Tensor | None = None,
         with_offsets: bool = True,
         check: bool = True,
+        backend: str | None = None,
     ) -> torch.Tensor:
         """Row ids for every Engram layer.
 
@@ -158,22 +188,48 @@ class NgramHasher:
             with_offsets: True -> row ids into each layer's table; False -> bucket ids
                 within each column's prime range.
             check: validate the id range (costs one device->host sync on GPU).
+            backend: override the hasher's backend for this call.
 
         Returns:
             int64 [B, T, n_layers, n_cols] on the device of `input_ids`.
         """
-        compressed = self.compress(input_ids, check=check)
+        self._check_ids(input_ids)
         blocked = self._check_mask(blocked, input_ids, "blocked")
         doc_starts = self._check_mask(doc_starts, input_ids, "doc_starts")
         if doc_starts is not None:
             from_docs = self.blocked_from_doc_starts(doc_starts)
             blocked = from_docs if blocked is None else blocked | from_docs
-        return self.hash_compressed(compressed, blocked=blocked, with_offsets=with_offsets)
+        if self._backend(backend, input_ids.device) == "triton":
+            # The kernel applies the compression map itself: one launch from token ids to rows.
+            if check:
+                self.compress(input_ids, check=True)  # range check only (result unused)
+            return self._hash_triton(input_ids, self.constants(input_ids.device)["lookup"], blocked, with_offsets)
+        compressed = self.compress(input_ids, check=check)
+        return self.hash_compressed(compressed, blocked=blocked, with_offsets=with_offsets, backend="torch")
+
+    def _hash_triton(self, ids: torch.Tensor, lookup, blocked, with_offsets: bool) -> torch.Tensor:
+        from condmem.hashing.triton_hash import hash_prefill_triton
+
+        c = self.constants(ids.device)
+        return hash_prefill_triton(
+            ids,
+            multipliers=c["multipliers"],
+            primes=c["primes"],
+            magic=self._magic(ids.device),
+            offsets=c["offsets"] if with_offsets else None,
+            n_heads=self.layout.n_heads,
+            pad_id=self.pad_compressed_id,
+            lookup=lookup,
+            blocked=blocked,
+        )
 
     def hash_compressed(
-        self, compressed: torch.Tensor, *, blocked: torch.Tensor | None = None, with_offsets: bool = True
+        self, compressed: torch.Tensor, *, blocked: torch.Tensor | None = None, with_offsets: bool = True,
+        backend: str | None = None,
     ) -> torch.Tensor:
         """Like `__call__` but for compressed ids already (no range check)."""
+        if self._backend(backend, compressed.device) == "triton":
+            return self._hash_triton(compressed, None, blocked, with_offsets)
         c = self.constants(compressed.device)
         return hash_reference(
             compressed,
@@ -183,6 +239,87 @@ class NgramHasher:
             n_heads=self.layout.n_heads,
             pad_id=self.pad_compressed_id,
             blocked=blocked,
+        )
+
+    # ------------------------------------------------------------------ decoding
+    def new_history(self, n_slots: int, device: torch.device | str = "cpu") -> NgramHistory:
+        """An empty `NgramHistory` of `n_slots` sequences for this hasher's N and pad."""
+        return NgramHistory(n_slots, self.layout.max_ngram_size, self.pad_compressed_id, device)
+
+    def prefill_history(
+        self, history: NgramHistory, slots, input_ids: torch.Tensor, *, blocked: torch.Tensor | None = None,
+        doc_starts: torch.Tensor | None = None, lengths: torch.Tensor | None = None, check: bool = True,
+    ) -> None:
+        """Seed the slots' histories from prompts [B, T] (token ids), as `__call__` would see them."""
+        compressed = self.compress(input_ids, check=check)
+        blocked = self._check_mask(blocked, input_ids, "blocked")
+        doc_starts = self._check_mask(doc_starts, input_ids, "doc_starts")
+        if doc_starts is not None:
+            from_docs = self.blocked_from_doc_starts(doc_starts)
+            blocked = from_docs if blocked is None else blocked | from_docs
+        history.prefill(slots, compressed, blocked=blocked, lengths=lengths)
+
+    def decode(
+        self,
+        history: NgramHistory,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        *,
+        valid: torch.Tensor | None = None,
+        blocked: torch.Tensor | None = None,
+        with_offsets: bool = True,
+        check: bool = False,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Row ids of one new token per sequence; updates `history` in the same step.
+
+        Args:
+            history: the sequences' `NgramHistory` (on the device of `input_ids`).
+            slots: [B] int slot of each row; -1 (or any id outside the history) marks padding.
+            input_ids: [B] new token ids.
+            valid: optional bool [B]; False marks a padding row (CUDA-graph padding), which
+                neither hashes meaningfully nor writes history, even if it names a live slot.
+            blocked: optional bool [B]; the new token is hidden from later look-backs.
+            check: validate the id range (one host sync; off by default for decode).
+
+        Returns:
+            int64 [B, n_layers, n_cols]; padding rows hold bucket 0 (+ offset) of every column.
+            Live rows must name distinct slots.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise HashInputError(f"decode input_ids must be a [B] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+        if history.max_ngram_size != self.layout.max_ngram_size or history.pad_id != self.pad_compressed_id:
+            raise HashInputError(f"{history!r} was not made for this hasher (N={self.layout.max_ngram_size}, "
+                                 f"pad={self.pad_compressed_id}): use hasher.new_history")
+        device = input_ids.device
+        if history.device != device:
+            raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
+        if slots.shape != input_ids.shape:
+            raise HashInputError(f"slots {tuple(slots.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+        for name, m in (("valid", valid), ("blocked", blocked)):
+            if m is not None and (m.dtype != torch.bool or m.shape != input_ids.shape):
+                raise HashInputError(f"{name} must be bool {tuple(input_ids.shape)}, got {m.dtype} {tuple(m.shape)}")
+        if check:
+            self.compress(input_ids[None], check=True)
+        c = self.constants(device)
+        offsets = c["offsets"] if with_offsets else None
+        if self._backend(backend, device) == "triton":
+            from condmem.hashing.triton_hash import hash_decode_triton
+
+            return hash_decode_triton(
+                history.ids, slots.to(device), input_ids, multipliers=c["multipliers"], primes=c["primes"],
+                magic=self._magic(device), offsets=offsets, n_heads=self.layout.n_heads,
+                pad_id=self.pad_compressed_id, lookup=c["lookup"], valid=valid, blocked=blocked,
+            )
+        lookup = c["lookup"]
+        ids = input_ids.long()
+        if lookup is not None:
+            # Out-of-range ids read the pad, as in the kernel (memory-safe; `check` reports them).
+            inside = (ids >= 0) & (ids < lookup.numel())
+            ids = torch.where(inside, lookup[ids.clamp(0, lookup.numel() - 1)], torch.full_like(ids, self.pad_compressed_id))
+        return hash_decode_reference(
+            history.ids, slots.to(device), ids, multipliers=c["multipliers"], primes=c["primes"], offsets=offsets,
+            n_heads=self.layout.n_heads, pad_id=self.pad_compressed_id, valid=valid, blocked=blocked,
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,70 @@
+"""Helpers of the kernel tests: where Triton can run, bit-exact float comparison, relative error."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+HAS_CUDA = torch.cuda.is_available()
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+
+def kernel_devices() -> list[str]:
+    """Devices the Triton kernels run on here: CPU through the interpreter, CUDA when present."""
+    if not HAS_TRITON:
+        return []
+    out = []
+    if INTERPRET:
+        out.append("cpu")
+    if HAS_CUDA and not INTERPRET:
+        out.append("cuda")
+    return out
+
+
+needs_kernels = pytest.mark.skipif(not kernel_devices(), reason="needs triton with CUDA, or TRITON_INTERPRET=1")
+cuda_kernels = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON and not INTERPRET), reason="needs a CUDA device")
+
+
+def assert_bits_equal(name: str, ref: torch.Tensor, got: torch.Tensor) -> None:
+    """Bit-for-bit equality of float tensors; NaN matches NaN whatever its payload."""
+    assert ref.shape == got.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+    assert ref.dtype == got.dtype, f"{name}: dtype {got.dtype} != reference {ref.dtype}"
+    ref, got = ref.cpu(), got.cpu()
+    rn, gn = ref.isnan(), got.isnan()
+    if not torch.equal(rn, gn):
+        i = int((rn != gn).nonzero()[0][0]) if rn.dim() == 1 else tuple((rn != gn).nonzero()[0].tolist())
+        raise AssertionError(f"{name}: NaN pattern differs ({int((rn != gn).sum())} elements), first at {i}: "
+                             f"ref {ref[i]} got {got[i]}")
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ref.element_size()]
+    rb, gb = ref.view(ints)[~rn], got.view(ints)[~gn]
+    if not torch.equal(rb, gb):
+        bad = (rb != gb).nonzero().flatten()
+        raise AssertionError(f"{name}: {bad.numel()} of {rb.numel()} values differ in their bits; first: "
+                             f"ref {ref[~rn][bad[0]].item()!r} got {got[~gn][bad[0]].item()!r}")
+
+
+def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref64, got64 = ref.detach().double().cpu(), got.detach().double().cpu()
+    denom = ref64.norm().item()
+    return (ref64 - got64).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_rel(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float) -> None:
+    """||got - ref|| / ||ref|| <= tol, printing max/mean error on failure; NaN never passes."""
+    assert ref.shape == got.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+    got64 = got.detach().double().cpu()
+    assert torch.isfinite(got64).all(), f"{name}: non-finite values in the result"
+    err = rel_err(ref, got)
+    if not err <= tol:
+        d = (ref.detach().double().cpu() - got64).abs()
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.1e} (max abs {d.max().item():.3e}, "
+                             f"mean abs {d.mean().item():.3e})")
