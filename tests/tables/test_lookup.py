@@ -1,0 +1,118 @@
+"""Every lookup path returns rows torch.equal to a plain gather of the original table.
+
+Paths: tiers (host, disk; hbm on a GPU) x formats (bf16, fp8 separate, fp8 interleaved)
+x HBM cache on/off x CPU/zero-copy split (GPU). CPU runs the same engine synchronously.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from condmem import EngramConfig, EngramLayout
+from condmem.ops.gather import gather_reference
+from condmem.tables.host_memory import HostMemoryError, allocate_host, mem_available
+from condmem.tables.lookup import LookupEngine
+from condmem.tables.quant import quantize_fp8_e8m0
+from condmem.tables.row_cache import RowCache
+from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file
+from helpers import cuda_only
+
+D = 64
+
+
+def _layout():
+    return EngramLayout(EngramConfig(layer_ids=[2], max_ngram_size=3, n_heads=2, head_dim=D, table_size=211,
+                                     compressed_vocab_size=90))
+
+
+@pytest.fixture(scope="module")
+def table_files(tmp_path_factory):
+    """One file per format holding the same values (fp8 ones quantized from the bf16)."""
+    tmp = tmp_path_factory.mktemp("tables")
+    layout = _layout()
+    rows = layout.num_embeddings[0]
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(rows, D, generator=gen) * 4).bfloat16()
+    q, s = quantize_fp8_e8m0(x.float())
+    packed = torch.cat([q.view(torch.uint8), s], dim=1)
+    sources = {"bf16": LayerRows("bf16", x), "fp8": LayerRows("fp8", q, s), "fp8_interleaved": LayerRows("fp8_interleaved", packed)}
+    paths = {}
+    for fmt, lr in sources.items():
+        paths[fmt] = tmp / f"{fmt}.safetensors"
+        write_table_file(paths[fmt], layout, fmt, {2: [lr]})
+    return layout, sources, paths
+
+
+def _expected(rows: LayerRows, ids: torch.Tensor) -> torch.Tensor:
+    return gather_reference(ids.cpu(), rows.weight, rows.scales, head_dim=D)
+
+
+def _batches(n_rows: int, seed: int, n: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        # Zipf-ish ids so the cache sees repeats, plus a uniform part.
+        hot = torch.randint(0, 40, (37, 6), generator=gen)
+        cold = torch.randint(0, n_rows, (37, 6), generator=gen)
+        yield torch.where(torch.rand(37, 6, generator=gen) < 0.5, hot, cold)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
+def test_cpu_lookup_equals_plain_gather(table_files, fmt, tier, cached):
+    layout, sources, paths = table_files
+    f = EngramTableFile(paths[fmt], layout=layout)
+    store = place_layer(f.layer(2), tier, host_alloc="pageable", progress=False, chunk_rows=100)
+    cache = RowCache(64, store.row_bytes, ways=4) if cached else None
+    engine = LookupEngine(store, "cpu", cache=cache)
+    for ids in _batches(store.num_rows, seed=1):
+        got = engine.lookup(ids).wait()
+        assert got.dtype == torch.bfloat16 and got.shape == (37, 6, D)
+        assert torch.equal(got, _expected(sources[fmt], ids))
+    if cached:
+        assert 0 < cache.stats.hits
+
+
+def test_out_of_memory_is_refused_clearly():
+    avail = mem_available()
+    if avail is None:
+        pytest.skip("no /proc/meminfo")
+    with pytest.raises(HostMemoryError, match="not enough host memory.*GiB available"):
+        allocate_host(avail + 2**40, "pageable")
+    with pytest.raises(HostMemoryError, match="unknown host allocation"):
+        allocate_host(10, "magic")
+
+
+def test_hbm_tier_needs_cuda_and_mmap_strategy_works_on_cpu(table_files):
+    layout, sources, paths = table_files
+    f = EngramTableFile(paths["fp8"], layout=layout)
+    if not torch.cuda.is_available():
+        with pytest.raises(StorageError, match="needs a CUDA device"):
+            place_layer(f.layer(2), "hbm", progress=False)
+        # mmap + MADV_HUGEPAGE without pinning still gives a correct host store.
+        store = place_layer(f.layer(2), "host", host_alloc="mmap_register", progress=False)
+        engine = LookupEngine(store, "cpu")
+        ids = torch.randint(0, store.num_rows, (5, 6))
+        assert torch.equal(engine.lookup(ids).wait(), _expected(sources["fp8"], ids))
+        store.close()
+
+
+@cuda_only
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
+@pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc"),
+                                        ("disk", None)])
+@pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5, 1.0])
+def test_gpu_lookup_equals_plain_gather(table_files, fmt, tier, alloc, cached, cpu_fraction):
+    layout, sources, paths = table_files
+    f = EngramTableFile(paths[fmt], layout=layout)
+    store = place_layer(f.layer(2), tier, host_alloc=alloc or "mmap_register", progress=False)
+    cache = RowCache(64, store.row_bytes, ways=4, device="cuda") if cached else None
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction)
+    handles = [(ids, engine.lookup(ids.cuda())) for ids in _batches(store.num_rows, seed=2, n=6)]
+    for ids, h in handles:
+        assert torch.equal(h.wait().cpu(), _expected(sources[fmt], ids))
+    engine.close()
+    store.close()
