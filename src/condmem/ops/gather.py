@@ -211,9 +211,24 @@ if triton is not None:
                 tl.store(out_ptr + r[:, None, None] * D + col, yb, mask=om)
 
 
-def _launch_table(t: torch.Tensor) -> torch.Tensor:
-    """The tensor a kernel launch receives for a table (uint8 view of fp8 data)."""
-    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+class _HostPointer:
+    """A host table at a kernel launch: Triton reads ``data_ptr()`` and ``dtype`` only, and its
+    launcher turns the address into the device address of the page-locked memory."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.dtype = t.dtype
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+
+def _launch_table(t: torch.Tensor):
+    """What a kernel launch receives for a table: a uint8 view of fp8 data; host tables wrapped."""
+    t = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+    if t.device.type == "cpu" and not interpreting():
+        return _HostPointer(t)
+    return t
 
 
 def engram_gather(
