@@ -22,10 +22,10 @@ if [ "$run_tests" = 1 ]; then
   # Small-shape kernel tests in parallel (compilation dominates), then the full-geometry ones alone
   # (one of them fills 101 GB of HBM with a whole V4.1 layer table).
   T0=$(date +%s)
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider -n 8 -k "not v41" tests/kernels tests/tables/test_quant.py \
+  timeout 200 "$PY" -m pytest -q -p no:cacheprovider -n 8 -k "not v41" tests/kernels tests/tables/test_quant.py \
       tests/test_hashing.py tests/test_module.py > "$OUT/tests.log" 2>&1 || status=1
   tail -15 "$OUT/tests.log" | tee -a "$OUT/gpu_run.log"
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=6 -k "v41" tests/kernels > "$OUT/tests_v41.log" 2>&1 \
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=6 -k "v41" tests/kernels > "$OUT/tests_v41.log" 2>&1 \
       || status=1
   tail -12 "$OUT/tests_v41.log" | tee -a "$OUT/gpu_run.log"
   echo "tests: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/gpu_run.log"
@@ -33,7 +33,7 @@ fi
 if [ "$run_bench" = 1 ]; then
   T0=$(date +%s)
   # Through the bench module's own entry point: the other subcommands' imports stay out of it.
-  timeout 280 "$PY" -m condmem.cli.bench all --variants --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+  timeout 200 "$PY" -m condmem.cli.bench all --variants --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
   echo "bench: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/gpu_run.log"
 fi
 exit $status
