@@ -61,3 +61,14 @@ def test_bad_admit_shapes():
         cache.admit(torch.tensor([1]), torch.zeros(1, 5, dtype=torch.uint8))
     with pytest.raises(ValueError, match="positive"):
         RowCache(0, 4)
+
+
+def test_admitting_a_cached_id_again_keeps_one_copy():
+    cache = RowCache(capacity_rows=16, row_bytes=4, ways=4)
+    ids = torch.tensor([3, 7, 11])
+    cache.admit(ids, _rows(ids, 4))
+    again = torch.tensor([7, 19])
+    slot = cache.admit(again, _rows(again, 4))
+    assert slot[0] == -1 and slot[1] >= 0
+    keys = cache.keys.flatten()
+    assert int((keys == 7).sum()) == 1

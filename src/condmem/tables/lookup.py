@@ -8,12 +8,12 @@ For one batch of row ids [T, n_cols] (one Engram layer):
 3. **misses** are served from the store:
    * HBM store: an index_select;
    * host store: a fraction ``cpu_fraction`` of the misses is gathered by CPU threads
-     into a pinned staging buffer and sent with one DMA; the rest is read by the GPU
-     zero-copy (the gather kernel on the page-locked table). Zero-copy gathers are
-     translation-bound (~30M rows/s on the H200 whatever the row size) while CPU
-     gathers plus one DMA are bandwidth-bound, so splitting lets both run at once;
-     `calibrate` measures both rates and picks the split that ends them together;
-   * disk store: CPU gather (page cache) into staging, then one DMA;
+     into a pinned staging buffer and sent in a few DMAs that overlap the gathering;
+     the rest is read by the GPU zero-copy (the gather kernel on the page-locked
+     table). Zero-copy gathers are translation-bound (~30M rows/s on the H200 whatever
+     the row size) while CPU gathers plus DMA are bandwidth-bound, so splitting lets
+     both run at once; `calibrate` times candidate splits and keeps the fastest;
+   * disk store: CPU gather (page cache) into staging, then DMA;
 4. missed rows are **admitted** to the cache;
 5. **expand**: the gather kernel reads the compact unique rows with the inverse index
    and writes [T, n_cols, head_dim] bf16, dequantizing fp8 on the way.
@@ -96,11 +96,14 @@ class LookupEngine:
         cpu_fraction: share of a host store's misses gathered by CPU threads (0: all
             zero-copy; 1: all CPU). `calibrate()` sets it from measurements.
         cpu_threads: torch intra-op threads used by the CPU gather (default: torch's).
+        cpu_chunks: pieces the CPU share is cut into, so each piece's DMA overlaps the
+            next piece's gather.
         max_rows: staging capacity (rows per lookup) for the CPU path.
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
-                 cpu_fraction: float = 0.5, cpu_threads: int | None = None, max_rows: int = 1 << 20):
+                 cpu_fraction: float = 0.5, cpu_threads: int | None = None, cpu_chunks: int = 4,
+                 max_rows: int = 1 << 20):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -113,6 +116,7 @@ class LookupEngine:
             raise ValueError(f"cpu_fraction must be in [0, 1], got {cpu_fraction}")
         self.cpu_fraction = cpu_fraction
         self.cpu_threads = cpu_threads
+        self.cpu_chunks = max(1, cpu_chunks)
         self.max_rows = max_rows
         self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
@@ -123,6 +127,7 @@ class LookupEngine:
             self._pool = None
         self._staging: torch.Tensor | None = None
         self._staging_free = None   # event: the last DMA out of the staging buffer finished
+        self._pending: concurrent.futures.Future | None = None
 
     # ------------------------------------------------------------------ helpers
     def _staging_rows(self, n: int) -> torch.Tensor:
@@ -136,19 +141,32 @@ class LookupEngine:
         table = compact.view(torch.bfloat16) if self.store.format == "bf16" else compact
         return engram_gather(inverse, table, head_dim=None if self.store.format == "bf16" else d)
 
-    def _cpu_gather(self, ids_host: torch.Tensor) -> torch.Tensor:
+    def _cpu_share(self, ids_host: torch.Tensor) -> torch.Tensor:
+        """Gather rows on CPU threads into pinned staging, chunk by chunk, each chunk's DMA
+        enqueued as soon as it is gathered (so copying overlaps the next chunk's gather).
+
+        Runs on the lookup stream; returns the rows on the device.
+        """
         if self._staging_free is not None:
             self._staging_free.synchronize()   # the previous DMA may still be reading the buffer
-        staging = self._staging_rows(ids_host.numel())
+        n = ids_host.numel()
+        staging = self._staging_rows(n)
+        on_device = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
+        chunk = max(1 << 14, -(-n // self.cpu_chunks))
         if self.cpu_threads is not None:
             previous = torch.get_num_threads()
             torch.set_num_threads(self.cpu_threads)
         try:
-            self.store.gather_raw(ids_host, out=staging)
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                self.store.gather_raw(ids_host[s:e], out=staging[s:e])
+                on_device[s:e].copy_(staging[s:e], non_blocking=True)
         finally:
             if self.cpu_threads is not None:
                 torch.set_num_threads(previous)
-        return staging
+        self._staging_free = torch.cuda.Event()
+        self._staging_free.record(self.stream)
+        return on_device
 
     # ------------------------------------------------------------------ the lookup
     def lookup(self, row_ids: torch.Tensor) -> LookupHandle:
@@ -161,6 +179,11 @@ class LookupEngine:
             rows = self._lookup_sync(row_ids, stats)
             stats.seconds = time.perf_counter() - start
             return LookupHandle(rows, None, None, stats)
+        if self._pending is not None:
+            # One lookup at a time per engine: the next probe must see this one's admissions,
+            # and stream work must not interleave between the two threads.
+            self._pending.result()
+            self._pending = None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         row_ids.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
@@ -168,6 +191,7 @@ class LookupEngine:
         future = None
         if plan["cpu_ids"] is not None:
             future = self._pool.submit(self._finish_gpu, plan, stats, start)
+            self._pending = future
         else:
             self._finish_gpu(plan, stats, start)
         return LookupHandle(plan["out"], plan["event"], future, stats)
@@ -211,16 +235,13 @@ class LookupEngine:
                 "out": out}
 
     def _finish_gpu(self, plan: dict, stats: LookupStats, start: float) -> None:
-        """Second half: CPU share -> staging -> one DMA, then admit and expand; records the event."""
+        """Second half: CPU share -> staging -> DMA (chunked), then admit and expand; records the event."""
         compact, miss_pos = plan["compact"], plan["miss_pos"]
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if plan["cpu_ids"] is not None:
                 plan["ids_ready"].synchronize()                 # the ids have reached the host
-                staged = self._cpu_gather(plan["cpu_ids"])
-                n_cpu = staged.shape[0]
-                compact[miss_pos[:n_cpu]] = staged.to(self.device, non_blocking=True)
-                self._staging_free = torch.cuda.Event()
-                self._staging_free.record(self.stream)
+                staged = self._cpu_share(plan["cpu_ids"])
+                compact[miss_pos[: staged.shape[0]]] = staged
             if self.cache is not None and plan["miss_ids"].numel():
                 self.cache.admit(plan["miss_ids"], compact[miss_pos])
             d = self.store.head_dim

