@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from condmem.ops.gate import engram_gate, engram_gate_reference
-from kernel_helpers import HAS_CUDA, INTERPRET, assert_rel, kernel_devices, needs_kernels
+from kernel_helpers import HAS_CUDA, INTERPRET, assert_rel, kernel_devices, needs_kernels, rel_err
 
 pytestmark = needs_kernels
 DEVICES = kernel_devices()
@@ -37,7 +37,18 @@ def _fp64_reference(inputs, mask, grad_out):
     return out, grads
 
 
-TOL = {torch.float32: (2e-6, 2e-5), torch.bfloat16: (8e-3, 2e-2)}  # (forward, gradients)
+def _torch_same_precision(inputs, mask, grad_out):
+    """The eager composition in the inputs' own precision: how far any implementation at that precision lands."""
+    ins = [t.detach().clone().requires_grad_() for t in inputs]
+    out = engram_gate_reference(*ins, token_mask=mask)
+    return out, torch.autograd.grad(out, ins, grad_out)
+
+
+# Tolerances on ||got - fp64|| / ||fp64||: (forward, gradients), or RATIO x the error of the eager torch
+# composition at the same precision, whichever is larger. The gate's slope 1/(2 sqrt|s|) makes gradients
+# of tokens with |s| near 0 ill-conditioned (an fp32 rounding of s moves them a lot) whatever computes them.
+TOL = {torch.float32: (2e-6, 2e-5), torch.bfloat16: (8e-3, 2e-2)}
+RATIO = 4.0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -54,13 +65,19 @@ def test_gate_forward_and_grads_vs_fp64(hc, dim, n, dtype, masked, device):
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     grads = torch.autograd.grad(out, inputs, grad_out)
     ref_out, ref_grads = _fp64_reference(inputs, mask, grad_out)
+    base_out, base_grads = _torch_same_precision(inputs, mask, grad_out)
     fwd_tol, grad_tol = TOL[dtype]
-    assert_rel(f"forward (seed {seed})", ref_out, out, fwd_tol)
-    for name, r, g in zip(("d hidden", "d kv", "d q_weight", "d k_weight"), ref_grads, grads):
+    assert_rel(f"forward (seed {seed})", ref_out, out, max(fwd_tol, RATIO * rel_err(ref_out, base_out)))
+    for name, r, g, b in zip(("d hidden", "d kv", "d q_weight", "d k_weight"), ref_grads, grads, base_grads):
         assert g.dtype == dtype
-        assert_rel(f"{name} (seed {seed})", r, g, grad_tol)
+        assert_rel(f"{name} (seed {seed})", r, g, max(grad_tol, RATIO * rel_err(r, b)))
     if mask is not None and (~mask).any():
         assert torch.all(out[~mask] == 0)
+    # The other forward grid gives the same numbers up to rounding.
+    from condmem.ops.gate_triton import SPLIT_BRANCHES, gate_forward_triton
+
+    other = gate_forward_triton(*[t.detach() for t in inputs], 1e-6, 1e-6, mask, split_branches=not SPLIT_BRANCHES)
+    assert_rel(f"forward, other grid (seed {seed})", ref_out, other, max(fwd_tol, RATIO * rel_err(ref_out, base_out)))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,6 +11,7 @@ import torch
 
 from condmem.bench.harness import Rotator, time_ms
 from condmem.ops.gate import engram_gate, engram_gate_reference
+from condmem.ops.gate_triton import gate_backward_triton, gate_forward_triton
 
 SHAPES = [(8192, 4, 4096), (4096, 4, 7168), (16384, 1, 2560), (256, 4, 4096)]
 SMOKE_SHAPES = [(16, 2, 96), (4, 1, 64)]
@@ -37,6 +38,12 @@ def run(args, ceiling: dict) -> list[dict]:
             "triton": lambda h, kv: engram_gate(h, kv, qw, kw, token_mask=mask, backend="triton"),
             "torch-eager": lambda h, kv: engram_gate_reference(h, kv, qw, kw, token_mask=mask),
         }
+        if args.variants:
+            for split in (True, False):
+                for nw in (4, 8, 16):
+                    impls[f"triton-{'branch' if split else 'token'}-w{nw}"] = (
+                        lambda h, kv, split=split, nw=nw: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask,
+                                                                             split_branches=split, num_warps=nw))
         res = {}
         for name, fn in impls.items():
             res[name] = time_ms(Rotator(fn, sets), dev)
@@ -44,7 +51,7 @@ def run(args, ceiling: dict) -> list[dict]:
             gbps = fwd_bytes / (t["ms"] * 1e-3) / 1e9
             row = {**base, "pass": "forward", "impl": name, **t, "bytes": fwd_bytes, "gbps": gbps,
                    "hbm_fraction": gbps / ceiling["d2d_gbps"]}
-            if name == "triton":
+            if name.startswith("triton"):
                 row["speedup_vs_eager"] = res["torch-eager"]["ms"] / t["ms"]
             rows.append(row)
         # forward + backward (training)
@@ -60,12 +67,19 @@ def run(args, ceiling: dict) -> list[dict]:
 
             bres = {name: time_ms(Rotator(lambda h, kv, go, b=b: step(h, kv, go, b), gsets), dev)
                     for name, b in (("triton", "triton"), ("torch-eager", "torch"))}
+            if args.variants:
+                # The backward kernels alone (no forward), at two widths.
+                for nw in (8, 16):
+                    bres[f"triton-bwd-only-w{nw}"] = time_ms(Rotator(
+                        lambda h, kv, go, nw=nw: gate_backward_triton(go, h.detach(), kv.detach(), qw, kw, 1e-6, 1e-6,
+                                                                      mask, num_warps=nw), gsets), dev)
             # backward reads h, kv, dout, writes dh, dkv; the weight pass re-reads h and the keys.
             bwd_bytes = fwd_bytes + n * (5 * hc * dim + 2 * (hc + 1) * dim) * esz
             for name, t in bres.items():
-                gbps = bwd_bytes / (t["ms"] * 1e-3) / 1e9
-                row = {**base, "pass": "forward+backward", "impl": name, **t, "bytes": bwd_bytes, "gbps": gbps,
-                       "hbm_fraction": gbps / ceiling["d2d_gbps"]}
+                nbytes = bwd_bytes - fwd_bytes if "bwd-only" in name else bwd_bytes
+                gbps = nbytes / (t["ms"] * 1e-3) / 1e9
+                row = {**base, "pass": "backward" if "bwd-only" in name else "forward+backward", "impl": name, **t,
+                       "bytes": nbytes, "gbps": gbps, "hbm_fraction": gbps / ceiling["d2d_gbps"]}
                 if name == "triton":
                     row["speedup_vs_eager"] = bres["torch-eager"]["ms"] / t["ms"]
                 rows.append(row)

@@ -50,11 +50,12 @@ def run(args, ceiling: dict) -> list[dict]:
     base = {"op": "gather", "head_dim": HEAD_DIM, "table_rows": table_rows}
     sets = [(torch.randint(0, table_rows, (n_ids,), device=dev, generator=gen),) for _ in range(4)]
     out = torch.empty((n_ids, HEAD_DIM), dtype=torch.bfloat16, device=dev)
-    variants = [("triton", dict(block_rows=16, num_warps=4, programs_per_sm=4))]
+    variants = [("triton", dict(block_rows=32, num_warps=4, programs_per_sm=4))]
     if args.variants:
-        variants += [("triton", dict(block_rows=32, num_warps=4, programs_per_sm=4)),
-                     ("triton", dict(block_rows=8, num_warps=4, programs_per_sm=8)),
-                     ("triton", dict(block_rows=32, num_warps=8, programs_per_sm=2)),
+        variants += [("triton", dict(block_rows=16, num_warps=4, programs_per_sm=4)),
+                     ("triton", dict(block_rows=64, num_warps=4, programs_per_sm=4)),
+                     ("triton", dict(block_rows=32, num_warps=4, programs_per_sm=8)),
+                     ("triton", dict(block_rows=32, num_warps=8, programs_per_sm=4)),
                      ("triton", dict(block_rows=64, num_warps=8, programs_per_sm=2))]
     # -- packed fp8 rows (264 B) in HBM
     packed = _random_rows(table_rows, PACKED_ROW, dev, scale_from=HEAD_DIM)
@@ -70,7 +71,7 @@ def run(args, ceiling: dict) -> list[dict]:
     s = packed[:, HEAD_DIM:].contiguous()
     del packed
     _free(dev)
-    _time_variants(rows, b, "fp8-separate", (q, s), {}, sets, out, PACKED_ROW + 2 * HEAD_DIM, ceiling, variants[:1])
+    _time_variants(rows, b, "fp8-separate", (q, s), {}, sets, out, PACKED_ROW + 2 * HEAD_DIM, ceiling, variants[:2])
     del q, s
     _free(dev)
     # -- bf16 rows (512 B) in HBM, same table bytes

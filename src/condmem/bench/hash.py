@@ -48,7 +48,9 @@ def run(args, ceiling: dict) -> list[dict]:
         bytes_moved = tokens * (8 + out_bytes_per_token)  # ids read + row ids written
         variants = [("triton", dict(fast_mod=True, block_t=128)), ("triton-plain-mod", dict(fast_mod=False, block_t=128))]
         if args.variants:
-            variants += [("triton-bt64", dict(fast_mod=True, block_t=64)), ("triton-bt256", dict(fast_mod=True, block_t=256))]
+            variants += [("triton-bt64", dict(fast_mod=True, block_t=64)), ("triton-bt256", dict(fast_mod=True, block_t=256)),
+                         ("triton-bt128-w8", dict(fast_mod=True, block_t=128, num_warps=8)),
+                         ("triton-bt256-w8", dict(fast_mod=True, block_t=256, num_warps=8))]
         results = {}
         for name, kw in variants:
             fn = Rotator(lambda ids, kw=kw: hash_prefill_triton(

@@ -32,6 +32,11 @@ import triton.language as tl
 from condmem.ops.triton_util import next_pow2
 
 
+# Forward grid: one program per (token, branch) or one per token; chosen from the H200 runs
+# (benchmarks/kernels_notes.md).
+SPLIT_BRANCHES = True
+
+
 def _warps(block_d: int) -> int:
     return 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
 
@@ -47,7 +52,9 @@ def _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp):
     sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
     g = sgn * tl.sqrt_rn(tl.maximum(tl.abs(s), clamp))
     a = 1.0 / (1.0 + tl.exp(-g))
-    return rh, rk, qn, kn, s, a
+    # a * (1 - a) without the cancellation of 1 - a near a = 1 (and no inf * 0 for large |g|).
+    da_dg = 1.0 / ((1.0 + tl.exp(-g)) * (1.0 + tl.exp(g)))
+    return rh, rk, qn, kn, s, a, da_dg
 
 
 @triton.jit
@@ -68,9 +75,31 @@ def _gate_fwd_kernel(
         k = tl.load(kv_ptr + t * kv_stride + m * D + d, mask=dm, other=0).to(tl.float32)
         qw = tl.load(qw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
         kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
-        rh, rk, qn, kn, s, a = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
+        rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
         y = (a * keep) * v
         tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _gate_fwd_branch_kernel(
+    h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
+    D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """One program per (token, branch): more programs in flight; the value is re-read from L2."""
+    t = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    h = tl.load(h_ptr + t * h_stride + m * D + d, mask=dm, other=0).to(tl.float32)
+    k = tl.load(kv_ptr + t * kv_stride + m * D + d, mask=dm, other=0).to(tl.float32)
+    v = tl.load(kv_ptr + t * kv_stride + HC * D + d, mask=dm, other=0).to(tl.float32)
+    qw = tl.load(qw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
+    kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
+    rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
+    if HAS_MASK:
+        a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
+    tl.store(out_ptr + t * out_stride + m * D + d, (a * v).to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -93,12 +122,12 @@ def _gate_bwd_kernel(
         qw = tl.load(qw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
         kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
         go = tl.load(dout_ptr + t * dout_stride + m * D + d, mask=dm, other=0).to(tl.float32)
-        rh, rk, qn, kn, s, a = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
+        rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
         dv += (a * keep) * go
         da = tl.sum(go * v, axis=0) * keep
         abs_s = tl.abs(s)
         dgds = tl.where(abs_s >= clamp, 0.5 / tl.sqrt_rn(tl.maximum(abs_s, clamp)), 0.0)
-        c = da * a * (1.0 - a) * dgds * inv_sqrt_d
+        c = da * da_dg * dgds * inv_sqrt_d
         yh = h * rh
         yk = k * rk
         u = c * kn * qw
@@ -153,8 +182,15 @@ def _flatten(hidden: torch.Tensor, kv: torch.Tensor, token_mask: torch.Tensor | 
     return h2, kv2, mask, hc, dim
 
 
-def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None) -> torch.Tensor:
-    """Fused forward: [..., hc, D] hidden, [..., (hc+1)*D] kv -> [..., hc, D] in hidden's dtype."""
+def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *,
+                        split_branches: bool | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Fused forward: [..., hc, D] hidden, [..., (hc+1)*D] kv -> [..., hc, D] in hidden's dtype.
+
+    `split_branches`: one program per (token, branch), or per token (the value read once);
+    default `SPLIT_BRANCHES`.
+    """
+    if split_branches is None:
+        split_branches = SPLIT_BRANCHES
     h2, kv2, mask, hc, dim = _flatten(hidden, kv, token_mask)
     n = h2.shape[0]
     out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
@@ -162,15 +198,17 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
         return out
     o2 = out.view(n, hc * dim)
     block_d = next_pow2(dim)
-    _gate_fwd_kernel[(n,)](
+    kernel, grid = (_gate_fwd_branch_kernel, (n, hc)) if split_branches else (_gate_fwd_kernel, (n,))
+    kernel[grid](
         h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2,
         dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
-        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=_warps(block_d),
+        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=num_warps or _warps(block_d),
     )
     return out
 
 
-def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None):
+def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *,
+                         num_warps: int | None = None):
     """Gradients (d hidden, d kv, d q_weight, d k_weight) of the fused gate."""
     h2, kv2, mask, hc, dim = _flatten(hidden, kv, token_mask)
     n = h2.shape[0]
@@ -189,7 +227,7 @@ def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token
         h2, kv2, qw, kw, mask if mask is not None else h2, do2, dh2, dkv2, coef,
         dim, h2.stride(0), kv2.stride(0), do2.stride(0), dh2.stride(0), dkv2.stride(0),
         float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
-        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=_warps(block_d),
+        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=num_warps or _warps(block_d),
     )
     # Weight gradients: fixed token chunks per program, partial sums added in torch.
     wblock = min(next_pow2(dim), 1024)

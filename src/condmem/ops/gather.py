@@ -296,7 +296,8 @@ def engram_gather(
     else:
         row_stride, scale_t, scale_stride, scale_off = table.stride(0), table, table.stride(0), d
     if block_rows is None:
-        block_rows = 8 if interpreting() else (16 if fmt.mode != PLAIN else 16)
+        # 32 rows x 4 warps x 4 programs/SM: 0.79 of the D2D copy at 1M fp8 rows on the H200 (16 rows: 0.65).
+        block_rows = 8 if interpreting() else 32
     if num_warps is None:
         num_warps = 4
     nb = d // SCALE_BLOCK if fmt.mode != PLAIN else 1
