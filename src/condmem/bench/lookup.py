@@ -154,7 +154,7 @@ def run_lookup(args) -> list[dict]:
             cached = stream == "text" and args.cache_fraction > 0
             cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
                      if cached else None)
-            engine = LookupEngine(store, device, cache=cache, cpu_fraction=args.cpu_fraction)
+            engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)))
             if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                 engine.calibrate(n_ids=16384 * N_COLS)
             for tokens in batches:

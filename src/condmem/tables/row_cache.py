@@ -68,6 +68,8 @@ class RowCache:
         self.n_sets = max(1, capacity_rows // self.ways)
         self.row_bytes = row_bytes
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.decay_every = decay_every
         slots = self.n_sets * self.ways
         self.keys = torch.full((self.n_sets, self.ways), EMPTY, dtype=torch.int64, device=self.device)
