@@ -73,11 +73,13 @@ def test_gate_forward_and_grads_vs_fp64(hc, dim, n, dtype, masked, device):
         assert_rel(f"{name} (seed {seed})", r, g, max(grad_tol, RATIO * rel_err(r, b)))
     if mask is not None and (~mask).any():
         assert torch.all(out[~mask] == 0)
-    # The other forward grid gives the same numbers up to rounding.
+    # The other forward grids give the same numbers up to rounding.
     from condmem.ops.gate_triton import SPLIT_BRANCHES, gate_forward_triton
 
-    other = gate_forward_triton(*[t.detach() for t in inputs], 1e-6, 1e-6, mask, split_branches=not SPLIT_BRANCHES)
-    assert_rel(f"forward, other grid (seed {seed})", ref_out, other, max(fwd_tol, RATIO * rel_err(ref_out, base_out)))
+    plain = [t.detach() for t in inputs]
+    for name, kw in (("other grid", dict(split_branches=not SPLIT_BRANCHES)), ("persistent", dict(persistent_stages=2))):
+        other = gate_forward_triton(*plain, 1e-6, 1e-6, mask, **kw)
+        assert_rel(f"forward, {name} (seed {seed})", ref_out, other, max(fwd_tol, RATIO * rel_err(ref_out, base_out)))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -39,11 +39,18 @@ def run(args, ceiling: dict) -> list[dict]:
             "torch-eager": lambda h, kv: engram_gate_reference(h, kv, qw, kw, token_mask=mask),
         }
         if args.variants:
-            for split in (True, False):
-                for nw in (4, 8, 16):
-                    impls[f"triton-{'branch' if split else 'token'}-w{nw}"] = (
-                        lambda h, kv, split=split, nw=nw: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask,
-                                                                             split_branches=split, num_warps=nw))
+            for split, nw in ((True, 8), (False, 4), (False, 8)):
+                impls[f"triton-{'branch' if split else 'token'}-w{nw}"] = (
+                    lambda h, kv, split=split, nw=nw: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask,
+                                                                         split_branches=split, num_warps=nw))
+            for stages, nw in ((2, 4), (3, 4), (2, 8)):
+                impls[f"triton-persistent-s{stages}-w{nw}"] = (
+                    lambda h, kv, st=stages, nw=nw: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask, num_warps=nw,
+                                                                       persistent_stages=st))
+        ref = impls["torch-eager"](*sets[0]).float()
+        for name, fn in impls.items():  # every variant computes the same thing before it is timed
+            err = ((fn(*sets[0]).float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"gate variant {name}: relative error {err:.2e} against the eager composition"
         res = {}
         for name, fn in impls.items():
             res[name] = time_ms(Rotator(fn, sets), dev)
@@ -69,7 +76,7 @@ def run(args, ceiling: dict) -> list[dict]:
                     for name, b in (("triton", "triton"), ("torch-eager", "torch"))}
             if args.variants:
                 # The backward kernels alone (no forward), at two widths.
-                for nw in (8, 16):
+                for nw in (4, 8, 16):
                     bres[f"triton-bwd-only-w{nw}"] = time_ms(Rotator(
                         lambda h, kv, go, nw=nw: gate_backward_triton(go, h.detach(), kv.detach(), qw, kw, 1e-6, 1e-6,
                                                                       mask, num_warps=nw), gsets), dev)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
@@ -42,6 +43,12 @@ def machine_info() -> dict:
             info["nvidia_smi"] = smi.stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
+    # The source itself, for runs from a copy without .git (the device tool's machines).
+    pkg = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for f in sorted(pkg.rglob("*.py")):
+        digest.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes())
+    info["source_sha256"] = digest.hexdigest()[:16]
     try:
         root = Path(__file__).resolve().parents[3]
         info["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -286,7 +286,7 @@ def hash_decode_triton(
         valid_b if valid_b is not None else slots, blocked_b if blocked_b is not None else slots, history,
         multipliers, primes, magic, offsets if offsets is not None else primes, out,
         batch, history.shape[0], 0 if lookup is None else lookup.numel(), n_layers, max_n, n_heads, pad_id,
-        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_H=block_h, BLOCK_K=max(2, next_pow2(max_n - 1)),  # (a 1-wide tile breaks Triton 3.6's layouts)
+        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_H=block_h, BLOCK_K=max(4, next_pow2(max_n - 1)),  # (narrower tiles crash Triton 3.6)
         HAS_LOOKUP=lookup is not None, HAS_VALID=valid is not None, HAS_BLOCKED=blocked is not None,
         WITH_OFFSETS=offsets is not None, FAST_MOD=fast_mod, num_warps=4,
     )

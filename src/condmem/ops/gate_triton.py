@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from condmem.ops.triton_util import next_pow2
+from condmem.ops.triton_util import next_pow2, persistent_programs
 
 
 # Forward grid: one program per (token, branch) or one per token; chosen from the H200 runs
@@ -37,8 +37,13 @@ from condmem.ops.triton_util import next_pow2
 SPLIT_BRANCHES = True
 
 
-def _warps(block_d: int) -> int:
-    return 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
+def _fwd_warps(block_d: int) -> int:
+    # 4 warps beat 8 and 16 at D 2560..7168 on the H200 (0.67 vs 0.56 of D2D at D 4096).
+    return 4
+
+
+def _bwd_warps(block_d: int) -> int:
+    return 4 if block_d <= 1024 else 8  # 8 >= 16 by 2-5 % on the H200
 
 
 @triton.jit
@@ -100,6 +105,29 @@ def _gate_fwd_branch_kernel(
     if HAS_MASK:
         a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
     tl.store(out_ptr + t * out_stride + m * D + d, (a * v).to(out_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _gate_fwd_persistent_kernel(
+    h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
+    n_items, D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Persistent grid over (token, branch) items, loads of the next item software-pipelined."""
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0), num_stages=STAGES):
+        t = tl.cast(item // HC, tl.int64)  # (item is a plain int in the interpreter)
+        m = item % HC
+        h = tl.load(h_ptr + t * h_stride + m * D + d, mask=dm, other=0).to(tl.float32)
+        k = tl.load(kv_ptr + t * kv_stride + m * D + d, mask=dm, other=0).to(tl.float32)
+        v = tl.load(kv_ptr + t * kv_stride + HC * D + d, mask=dm, other=0).to(tl.float32)
+        qw = tl.load(qw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
+        kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
+        rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
+        if HAS_MASK:
+            a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
+        tl.store(out_ptr + t * out_stride + m * D + d, (a * v).to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -183,11 +211,13 @@ def _flatten(hidden: torch.Tensor, kv: torch.Tensor, token_mask: torch.Tensor | 
 
 
 def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *,
-                        split_branches: bool | None = None, num_warps: int | None = None) -> torch.Tensor:
+                        split_branches: bool | None = None, num_warps: int | None = None,
+                        persistent_stages: int | None = None) -> torch.Tensor:
     """Fused forward: [..., hc, D] hidden, [..., (hc+1)*D] kv -> [..., hc, D] in hidden's dtype.
 
     `split_branches`: one program per (token, branch), or per token (the value read once);
-    default `SPLIT_BRANCHES`.
+    default `SPLIT_BRANCHES`. `persistent_stages`: instead, a persistent grid over (token,
+    branch) items with that many software-pipeline stages (an experiment; see the notes).
     """
     if split_branches is None:
         split_branches = SPLIT_BRANCHES
@@ -198,12 +228,15 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
         return out
     o2 = out.view(n, hc * dim)
     block_d = next_pow2(dim)
-    kernel, grid = (_gate_fwd_branch_kernel, (n, hc)) if split_branches else (_gate_fwd_kernel, (n,))
-    kernel[grid](
-        h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2,
-        dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
-        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=num_warps or _warps(block_d),
-    )
+    args = (h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2)
+    scalars = (dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim))
+    meta = dict(HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=num_warps or _fwd_warps(block_d))
+    if persistent_stages:
+        grid = (persistent_programs(n * hc, hidden.device, per_sm=4),)
+        _gate_fwd_persistent_kernel[grid](*args, n * hc, *scalars, STAGES=persistent_stages, **meta)
+    else:
+        kernel, grid = (_gate_fwd_branch_kernel, (n, hc)) if split_branches else (_gate_fwd_kernel, (n,))
+        kernel[grid](*args, *scalars, **meta)
     return out
 
 
@@ -227,7 +260,7 @@ def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token
         h2, kv2, qw, kw, mask if mask is not None else h2, do2, dh2, dkv2, coef,
         dim, h2.stride(0), kv2.stride(0), do2.stride(0), dh2.stride(0), dkv2.stride(0),
         float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
-        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=num_warps or _warps(block_d),
+        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=num_warps or _bwd_warps(block_d),
     )
     # Weight gradients: fixed token chunks per program, partial sums added in torch.
     wblock = min(next_pow2(dim), 1024)
