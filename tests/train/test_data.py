@@ -1,0 +1,97 @@
+"""Corpus reading, the split, token streams and bytes-per-token accounting."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from condmem.train.bpe import token_byte_lengths, train_bpe
+from condmem.train.data import CorpusError, Corpus, Document, TokenStream, cached_encode, load_corpus, split_corpus
+
+
+def test_load_directory_jsonl_and_file(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.py").write_text("print(1)\n")
+    (tmp_path / "d" / "b.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "d" / "sub").mkdir()
+    (tmp_path / "d" / "sub" / "c.md").write_text("# title\n")
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
+    (tmp_path / "y.txt").write_text("plain")
+    corpus = load_corpus([tmp_path / "d", tmp_path / "x.jsonl", tmp_path / "y.txt"])
+    assert [d.name for d in corpus.documents] == ["d/a.py", "d/sub/c.md", "x.jsonl:1", "x.jsonl:3", "y.txt"]
+    assert corpus.info["n_documents"] == 5 and len(corpus.sha256) == 64
+    assert load_corpus([tmp_path / "d"]).sha256 == load_corpus([tmp_path / "d"]).sha256
+    with pytest.raises(CorpusError, match="neither"):
+        load_corpus(tmp_path / "missing")
+    (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
+    with pytest.raises(CorpusError, match="bad.jsonl:1"):
+        load_corpus(tmp_path / "bad.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CorpusError, match="no text"):
+        load_corpus(tmp_path / "empty")
+
+
+def test_stdlib_corpus_records_python_version_and_hash():
+    corpus = load_corpus(max_bytes=200_000)
+    info = corpus.info
+    assert info["python_version"].count(".") == 2 and len(info["sha256"]) == 64
+    assert all(d.name.startswith("stdlib/") and d.name.endswith(".py") for d in corpus.documents)
+    assert info["n_bytes"] <= 200_000 and info["truncated"]
+
+
+def test_split_is_deterministic_disjoint_and_non_empty():
+    docs = [Document(f"f{i}.py", f"x = {i}\n") for i in range(50)]
+    corpus = Corpus(docs, {"sha256": "0"})
+    train, val = split_corpus(corpus, 0.1, seed=0)
+    train2, val2 = split_corpus(Corpus(list(reversed(docs)), {}), 0.1, seed=0)
+    assert {d.name for d in val} == {d.name for d in val2}, "the split depends on names, not order"
+    assert val and train and not ({d.name for d in train} & {d.name for d in val})
+    assert len(train) + len(val) == 50
+    two = Corpus(docs[:2], {})
+    t, v = split_corpus(two, 0.01)
+    assert len(t) == 1 and len(v) == 1
+
+
+def test_token_stream_batches():
+    eos = 0
+    tokens = np.array([5, 6, 7, eos, 8, 9, eos, 10, 11, 12, 13, eos] * 5, dtype=np.uint16)
+    stream = TokenStream(tokens, eos)
+    a, b = stream.batch(3, 4, 6, seed=1), stream.batch(3, 4, 6, seed=1)
+    assert torch.equal(a.inputs, b.inputs)
+    assert not torch.equal(a.inputs, stream.batch(4, 4, 6, seed=1).inputs)
+    assert a.inputs.dtype == torch.int64 and a.inputs.shape == (4, 6)
+    assert torch.equal(a.inputs[:, 1:], a.targets[:, :-1])
+    assert torch.equal(a.doc_starts[:, 1:], a.inputs[:, :-1] == eos) and not a.doc_starts[:, 0].any()
+    windows = list(stream.eval_batches(seq_len=5, max_tokens=20, batch_size=3))
+    flat = torch.cat([w.inputs for w in windows]).flatten()
+    assert torch.equal(flat, torch.from_numpy(tokens[:20].astype(np.int64)))
+
+
+def test_bytes_per_token_are_exact_for_byte_level_bpe():
+    text = "def f(x):\n    return x  # héllo wörld 你好 🙂\n" * 30
+    tok = train_bpe([text], vocab_size=300)
+    lengths = token_byte_lengths(tok)
+    ids = tok.encode(text).ids
+    assert int(lengths[ids].sum()) == len(text.encode("utf-8"))
+    assert lengths[tok.token_to_id("<|endoftext|>")] == 0
+
+
+def test_token_cache_roundtrip(tmp_path):
+    tok = train_bpe(["abc abd abe"] * 10, vocab_size=270)
+    docs = [Document("a", "abc abd"), Document("b", "abe")]
+    first = cached_encode(tok, docs, 0, "k", tmp_path)
+    assert list(tmp_path.glob("tokens-*k.npy"))
+    second = cached_encode(tok, docs, 0, "k", tmp_path)
+    assert np.array_equal(first, second) and first[-1] == 0
+
+
+def test_prepared_data(tiny_data):
+    info = tiny_data.info
+    assert info["tokenizer"]["vocab_size"] == 320
+    assert 0 < info["tokenizer"]["compressed_vocab_size"] < 320
+    assert tiny_data.ctok.vocab_size == info["tokenizer"]["compressed_vocab_size"]
+    assert len(tiny_data.train) > 1000 and len(tiny_data.val) > 100
+    assert tiny_data.tokenizer.id_to_token(tiny_data.pad_id) == "<|pad|>"
