@@ -10,10 +10,4 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m pytest -q -x -p no:cacheprovider tests/tables 2>&1 | tail -n 15 | tee "$OUT/tables_tests.log"
-python3 -c "
-import argparse, logging, sys
-logging.basicConfig(level=logging.INFO, format='%(asctime)s %(name)s: %(message)s', datefmt='%H:%M:%S')
-from condmem.bench.lookup import add_arguments, main
-p = argparse.ArgumentParser(); add_arguments(p); p.add_argument('--out'); p.add_argument('--smoke', action='store_true')
-main(p.parse_args(sys.argv[1:]))
-" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_lookup.log"
+python3 -m condmem bench lookup --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_lookup.log"

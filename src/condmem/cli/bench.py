@@ -1,4 +1,7 @@
-"""``condmem bench hash|gather|gate|all``: kernel benchmarks on the GPU, JSON rows + a ratio table.
+"""``condmem bench hash|gather|gate|all|lookup``: GPU benchmarks, JSON rows + a ratio table.
+
+``lookup`` (the table lookup engine per tier, against PCIe) lives in `condmem.bench.lookup`
+and measures its own ceilings (H2D memcpy, D2D copy).
 
 Every run measures its own ceiling first (device-to-device copy bandwidth) and reports
 each kernel against it and against the plain-torch composition, in the same process.
@@ -24,9 +27,11 @@ def register(sub) -> None:
         "machine info to <out>/kernels_<op>.json and print a table of ratios.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem bench hash\n  condmem bench all --out benchmarks/results --variants\n"
-        "  condmem bench gather --table-gib 16 --gather-ids 1048576",
+        "  condmem bench gather --table-mib 16384 --gather-ids 1048576\n"
+        "  condmem bench lookup --table-gib 64 --tiers hbm host --streams uniform text",
     )
-    p.add_argument("op", choices=(*OPS, "all"), help="which kernel to benchmark")
+    p.add_argument("op", choices=(*OPS, "all", "lookup"),
+                   help="which kernel to benchmark (all = hash, gather, gate), or lookup: the table lookup engine")
     p.add_argument("--out", default="benchmarks/results", help="folder of the kernels_<op>.json result files")
     p.add_argument("--variants", action="store_true", help="also time tuning variants (block sizes, plain %%)")
     p.add_argument("--hash-tokens", type=int, nargs="+", default=[16384, 262144, 1048576],
@@ -40,6 +45,10 @@ def register(sub) -> None:
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on the CPU through the Triton interpreter (TRITON_INTERPRET=1): checks the "
                    "benchmark code runs, times nothing meaningful")
+    lookup = p.add_argument_group("lookup (condmem bench lookup)")
+    from condmem.bench.lookup import add_arguments as add_lookup_arguments
+
+    add_lookup_arguments(lookup)
     p.set_defaults(func=run)
 
 
@@ -67,6 +76,11 @@ def run(args) -> int:
 
     from condmem.ops.triton_util import interpreting
 
+    if args.op == "lookup":
+        from condmem.bench.lookup import main as bench_lookup
+
+        bench_lookup(args)
+        return 0
     if args.smoke:
         if not interpreting():
             raise CliError("--smoke runs the kernels on the CPU: set TRITON_INTERPRET=1")

@@ -1,0 +1,17 @@
+"""`condmem bench lookup --smoke`: the benchmark's code path runs on CPU at a tiny size (times mean nothing)."""
+
+from __future__ import annotations
+
+import json
+
+from condmem.cli import main
+
+
+def test_bench_lookup_smoke(tmp_path, capsys):
+    rc = main(["bench", "lookup", "--smoke", "--table-gib", "0.002", "--batch-tokens", "1", "16",
+               "--text-batches", "2", "--text-warmup", "1", "--repeats", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
+    assert {(r["tier"], r["stream"], r["tokens"]) for r in rows} == {
+        ("host", s, t) for s in ("uniform", "text") for t in (1, 16)}
+    assert all(r["effective_gbps"] > 0 for r in rows)
