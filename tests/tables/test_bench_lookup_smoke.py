@@ -12,6 +12,8 @@ def test_bench_lookup_smoke(tmp_path, capsys):
                "--text-batches", "2", "--text-warmup", "1", "--repeats", "1", "--out", str(tmp_path)])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
+    assert any(r["bench"] == "cpu_gather" for r in rows)
+    rows = [r for r in rows if r["bench"] == "lookup"]
     assert {(r["tier"], r["stream"], r["tokens"]) for r in rows} == {
         ("host", s, t) for s in ("uniform", "text") for t in (1, 16)}
     assert all(r["effective_gbps"] > 0 for r in rows)

@@ -119,6 +119,35 @@ def text_row_ids(rows: int, tokens: int) -> tuple[torch.Tensor, str]:
     return row_ids, source
 
 
+def cpu_gather_rows(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 16384 * N_COLS) -> list[dict]:
+    """CPU gather rate alone (no GPU), torch.index_select vs the native prefetching gather, random and sorted ids."""
+    from condmem.tables import native_gather
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, store.num_rows, (n_ids,), generator=gen)
+    out = torch.empty((n_ids, store.row_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    rows = []
+    impls = [("torch", False)] + ([("native", True)] if native_gather.available() else [])
+    for impl, native in impls:
+        store.native = native
+        for order, batch in (("random", ids), ("sorted", ids.sort().values)):
+            store.gather_raw(batch, out=out)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                store.gather_raw(batch, out=out)
+                times.append(time.perf_counter() - t0)
+            sec = sorted(times)[2]
+            rows.append({"bench": "cpu_gather", "tier": store.tier, "stream": f"cpu-{impl}-{order}", "tokens": n_ids // N_COLS,
+                         "ids": n_ids, "ms": sec * 1e3, "rows_per_s": n_ids / sec,
+                         "effective_gbps": n_ids * store.row_bytes / sec / 1e9, "threads": torch.get_num_threads(),
+                         "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
+            log.info("CPU gather %s %s: %.2f ms, %.0fM rows/s, %.1f GB/s", impl, order, sec * 1e3, n_ids / sec / 1e6,
+                     rows[-1]["effective_gbps"])
+    store.native = native_gather.available()
+    return rows
+
+
 def run_lookup(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     info = machine_info()
@@ -150,6 +179,8 @@ def run_lookup(args) -> list[dict]:
             store = host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc)
         else:
             continue  # disk tier: see README (needs a file larger than the lent machine's disk at this size)
+        if tier == "host":
+            rows_out.extend(cpu_gather_rows(store, info, ceiling))
         for stream in args.streams:
             cached = stream == "text" and args.cache_fraction > 0
             cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
@@ -216,6 +247,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     except ImportError:
         log.warning("matplotlib missing: no plot")
         return None
+    rows = [r for r in rows if r.get("bench") == "lookup"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in sorted({(r["tier"], r["stream"]) for r in rows}):
         pts = sorted((r["tokens"], r["effective_gbps"]) for r in rows if (r["tier"], r["stream"]) == key)

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, report_coverage
+from condmem.tables.native_gather import native_gather_rows
 from condmem.tables.quant import pack_rows
 from condmem.tables.table_file import LayerRows
 
@@ -63,6 +64,8 @@ class LayerStore:
         self.raw = raw
         self._split = split
         self._buffer = buffer
+        self.native = raw is not None and raw.device.type == "cpu" and raw.is_contiguous()
+        """Use the native CPU gather (set False to force torch.index_select, e.g. to compare)."""
 
     @property
     def num_rows(self) -> int:
@@ -89,9 +92,20 @@ class LayerStore:
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
 
-    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Raw rows at `ids` (on the store's device), into `out` when given ([n, row_bytes] uint8)."""
+    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        """Raw rows at `ids` (on the store's device), into `out` when given ([n, row_bytes] uint8).
+
+        On the CPU the native prefetching gather is used when it is available.
+        """
         if self.raw is not None:
+            if self.raw.device.type == "cpu" and ids.numel():
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= self.num_rows:
+                    raise StorageError(f"row id {lo if lo < 0 else hi} outside the table's 0..{self.num_rows - 1}")
+                if out is None:
+                    out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8)
+                if self.native and native_gather_rows(self.raw, ids, out, threads) is not None:
+                    return out
             if out is None:
                 return self.raw.index_select(0, ids)
             return torch.index_select(self.raw, 0, ids, out=out)
