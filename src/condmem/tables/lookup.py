@@ -121,6 +121,8 @@ class LookupEngine:
         self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
             self.stream = torch.cuda.Stream(self.device)
+            # DMAs of the CPU share run on their own stream, beside the zero-copy kernel.
+            self.copy_stream = torch.cuda.Stream(self.device)
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
         else:
             self.stream = None
@@ -143,29 +145,28 @@ class LookupEngine:
 
     def _cpu_share(self, ids_host: torch.Tensor) -> torch.Tensor:
         """Gather rows on CPU threads into pinned staging, chunk by chunk, each chunk's DMA
-        enqueued as soon as it is gathered (so copying overlaps the next chunk's gather).
+        enqueued on the copy stream as soon as it is gathered (copying overlaps the next
+        chunk's gather, and the zero-copy kernel on the lookup stream).
 
-        Runs on the lookup stream; returns the rows on the device.
+        Returns the rows on the device, ready for work on the lookup stream.
         """
         if self._staging_free is not None:
             self._staging_free.synchronize()   # the previous DMA may still be reading the buffer
         n = ids_host.numel()
         staging = self._staging_rows(n)
-        on_device = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(self.copy_stream):
+            # Allocated from the copy stream's pool (ordered with its own work), used later on the lookup stream.
+            on_device = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
+        on_device.record_stream(self.stream)
         chunk = max(1 << 14, -(-n // self.cpu_chunks))
-        if self.cpu_threads is not None:
-            previous = torch.get_num_threads()
-            torch.set_num_threads(self.cpu_threads)
-        try:
-            for s in range(0, n, chunk):
-                e = min(n, s + chunk)
-                self.store.gather_raw(ids_host[s:e], out=staging[s:e])
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            self.store.gather_raw(ids_host[s:e], out=staging[s:e], threads=self.cpu_threads)
+            with torch.cuda.stream(self.copy_stream):
                 on_device[s:e].copy_(staging[s:e], non_blocking=True)
-        finally:
-            if self.cpu_threads is not None:
-                torch.set_num_threads(previous)
         self._staging_free = torch.cuda.Event()
-        self._staging_free.record(self.stream)
+        self._staging_free.record(self.copy_stream)
+        self.stream.wait_event(self._staging_free)
         return on_device
 
     # ------------------------------------------------------------------ the lookup
@@ -213,6 +214,7 @@ class LookupEngine:
         n_miss = miss_ids.numel()                      # (a sync: sizes decide the split)
         stats.unique, stats.hits = n, n - n_miss
         cpu_ids = None
+        ids_ready = torch.cuda.Event()
         if self.store.tier == "hbm":
             compact[miss_pos] = self.store.raw.index_select(0, miss_ids)
             stats.gpu_rows = n_miss
@@ -221,14 +223,15 @@ class LookupEngine:
             fraction = 1.0 if words is None else self.cpu_fraction
             n_cpu = int(round(n_miss * fraction))
             # Sorted ids: the CPU takes one contiguous range of the sorted misses, the GPU the other.
+            # The CPU's ids go to the host first, so the CPU gather starts while the zero-copy
+            # kernel below still runs.
+            if n_cpu:
+                cpu_ids = miss_ids[:n_cpu].to("cpu", non_blocking=True)
+                ids_ready.record(self.stream)
             if n_cpu < n_miss:
                 got = engram_gather(miss_ids[n_cpu:], words)
                 compact[miss_pos[n_cpu:]] = got.view(torch.uint8)
-            if n_cpu:
-                cpu_ids = miss_ids[:n_cpu].to("cpu", non_blocking=True)
             stats.cpu_rows, stats.gpu_rows = n_cpu, n_miss - n_cpu
-        ids_ready = torch.cuda.Event()
-        ids_ready.record(self.stream)
         out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
         return {"inverse": inverse.view(row_ids.shape), "compact": compact, "miss_pos": miss_pos,
                 "miss_ids": miss_ids, "cpu_ids": cpu_ids, "ids_ready": ids_ready, "event": torch.cuda.Event(),
