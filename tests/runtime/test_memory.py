@@ -1,0 +1,87 @@
+"""EngramMemory: prefetched rows give exactly the module's own result; decode history equals full hashing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from condmem import Engram, EngramConfig, EngramLayout, NgramHasher
+from condmem.runtime import EngramMemory, EngramMemoryError
+from helpers import devices
+
+
+def _setup(device="cpu"):
+    cfg = EngramConfig(layer_ids=[1, 3], max_ngram_size=3, n_heads=2, head_dim=16, table_size=101, hidden_size=32,
+                       hc_mult=1, compressed_vocab_size=70)
+    hasher = NgramHasher(EngramLayout(cfg))
+    torch.manual_seed(0)
+    modules = {lid: Engram(cfg, hasher.layout.layer(lid).num_embeddings, layer_id=lid, dtype=torch.bfloat16).to(device)
+               for lid in cfg.layer_ids}
+    return cfg, hasher, modules
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tier", ["host", "hbm"])
+@pytest.mark.parametrize("cache", [0, 4096], ids=["nocache", "cache"])
+def test_prefetched_rows_equal_the_module_table(device, tier, cache):
+    if tier == "hbm" and device == "cpu":
+        pytest.skip("hbm tier needs CUDA")
+    cfg, hasher, modules = _setup(device)
+    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, tier, device,
+                                       host_alloc="pageable" if device == "cpu" else "mmap_register",
+                                       cache_bytes=cache)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 70, (3, 11), generator=gen).to(device)
+        prepared = memory.prepare(ids)
+        h = torch.randn(3, 11, 32, generator=gen).to(device, torch.bfloat16)
+        for lid, module in modules.items():
+            expect = module(h, hasher(ids)[:, :, hasher.layer_index(lid)])
+            got = module(h, prepared.row_ids(lid), rows=prepared.rows(lid))
+            assert torch.equal(got, expect)
+    memory.close()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_decode_history_equals_hashing_whole_sequences(device):
+    cfg, hasher, modules = _setup(device)
+    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
+                                       host_alloc="pageable" if device == "cpu" else "mmap_register", max_sequences=4)
+    gen = torch.Generator().manual_seed(2)
+    # Three requests with different prompt lengths; one leaves early and a new one reuses its slot.
+    seqs = {name: torch.randint(0, 70, (n,), generator=gen).tolist() for name, n in (("a", 5), ("b", 2), ("c", 7))}
+    live = {}
+    for name in ("a", "b"):
+        slot = memory.allocate()
+        memory.prepare(torch.tensor([seqs[name]], device=device), slots=torch.tensor([slot]))
+        live[name] = slot
+    for step in range(8):
+        if step == 3:                                    # b leaves, c joins in its slot
+            memory.free(live.pop("b"))
+            slot = memory.allocate()
+            memory.prepare(torch.tensor([seqs["c"]], device=device), slots=torch.tensor([slot]))
+            live["c"] = slot
+        names = sorted(live)
+        new = torch.randint(0, 70, (len(names),), generator=gen)
+        # A padding row that names a live slot must change nothing.
+        slots = torch.tensor([live[n] for n in names] + [live[names[0]]])
+        ids = torch.cat([new, torch.tensor([0])])
+        valid = torch.tensor([True] * len(names) + [False])
+        prepared = memory.prepare_decode(slots, ids, valid=valid)
+        for i, name in enumerate(names):
+            seqs[name].append(int(new[i]))
+            full = hasher(torch.tensor([seqs[name]], device=device))[0, -1]       # [L, C]
+            assert torch.equal(prepared.row_ids_all[i, 0], full)
+            for lid in cfg.layer_ids:
+                rows = prepared.rows(lid)[i, 0]
+                assert torch.equal(rows, modules[lid].table.weight[full[hasher.layer_index(lid)]].to(rows.device))
+    memory.close()
+
+
+def test_memory_refuses_mismatched_tables():
+    cfg, hasher, modules = _setup()
+    weights = {lid: m.table.weight for lid, m in modules.items()}
+    with pytest.raises(EngramMemoryError, match=r"no table for Engram layer\(s\) \[3\]"):
+        EngramMemory.from_weights(hasher, {1: weights[1]}, "host", host_alloc="pageable")
+    with pytest.raises(EngramMemoryError, match="rows"):
+        EngramMemory.from_weights(hasher, {1: weights[1], 3: weights[1][:50]}, "host", host_alloc="pageable")
