@@ -85,3 +85,22 @@ def test_memory_refuses_mismatched_tables():
         EngramMemory.from_weights(hasher, {1: weights[1]}, "host", host_alloc="pageable")
     with pytest.raises(EngramMemoryError, match="rows"):
         EngramMemory.from_weights(hasher, {1: weights[1], 3: weights[1][:50]}, "host", host_alloc="pageable")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_negative_control_rows_read_without_waiting_are_wrong():
+    """Removing the wait on the lookup's event must break exactness, or the test above proves nothing."""
+    cfg, hasher, modules = _setup("cuda")
+    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", "cuda",
+                                       cpu_fraction=1.0)
+    ids = torch.randint(0, 70, (4, 64), device="cuda")
+    engine = memory.engines[1]
+    with torch.cuda.stream(engine.copy_stream):
+        torch.cuda._sleep(200_000_000)            # hold the DMAs back ~0.1 s
+    prepared = memory.prepare(ids)
+    early = prepared.rows(1, wait=False).clone()  # no wait: reads the buffer before it is filled
+    late = prepared.rows(1)
+    expect = modules[1].table.weight[hasher(ids)[:, :, 0]]
+    assert torch.equal(late, expect)
+    assert not torch.equal(early, expect)
+    memory.close()
