@@ -83,8 +83,9 @@ def format_table(base: dict, eng: dict) -> str:
         ("FLOPs / token (train)", _fmt_m(base["flops_per_token"]), _fmt_m(eng["flops_per_token"]),
          f"ratio {ratio:.4f}"),
         ("training tokens", _fmt_m(base["train_tokens"]), _fmt_m(eng["train_tokens"]), ""),
-        ("val loss (nats/token)", f"{base['val_loss']:.4f}", f"{eng['val_loss']:.4f}", f"{gap:+.2f}% lower" if gap >= 0 else f"{-gap:.2f}% HIGHER"),
-        ("bits per byte", f"{base['bits_per_byte']:.4f}", f"{eng['bits_per_byte']:.4f}", f"{bpb_gap:+.2f}%"),
+        ("val loss (nats/token)", f"{base['val_loss']:.4f}", f"{eng['val_loss']:.4f}", f"{gap:.2f}% lower" if gap >= 0 else f"{-gap:.2f}% HIGHER"),
+        ("bits per byte", f"{base['bits_per_byte']:.4f}", f"{eng['bits_per_byte']:.4f}",
+         f"{bpb_gap:.2f}% lower" if bpb_gap >= 0 else f"{-bpb_gap:.2f}% HIGHER"),
         ("tokens / s (train)", f"{base['tokens_per_s']:,.0f}", f"{eng['tokens_per_s']:,.0f}",
          f"ratio {eng['tokens_per_s'] / max(base['tokens_per_s'], 1e-9):.3f}"),
     ]
@@ -215,8 +216,8 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
 
     figures = {}
     fig = plot_loss_curves(runs, out / "loss_curves.png",
-                           title=f"{src}: baseline vs Engram ({_fmt_m(eng['train_tokens'])} tokens, "
-                                 f"FLOPs/token ratio {flops_ratio:.3f})")
+                           title=f"baseline vs Engram on {src}\n{_fmt_m(eng['train_tokens'])} training tokens each, "
+                                 f"FLOPs/token ratio {flops_ratio:.3f}; Engram val loss {-gap:+.2f}%")
     if fig:
         figures["loss_curves"] = fig.name
     gates = gate_sample(models["engram"], data, dev)

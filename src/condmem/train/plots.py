@@ -63,14 +63,23 @@ def plot_loss_curves(runs: dict[str, dict], path: str | Path, title: str = "") -
                     markersize=4, linewidth=1, label=f"{label} validation")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("loss (nats / token)")
-    if runs:
-        finals = [r["evals"][-1]["val_loss"] for r in runs.values() if r.get("evals")]
-        if finals:
-            lo = min(finals)
-            ax.set_ylim(lo - 0.3, lo + 2.5)
+    # Frame the second half of training, where the gap shows; the early drop is off the top.
+    lows, highs = [], []
+    for run in runs.values():
+        hist = run.get("history", [])
+        if hist:
+            loss = np.array([h["loss"] for h in hist], dtype=float)
+            smooth = _ema(loss, 0.9 if len(loss) < 2000 else 0.98)
+            lows.append(smooth.min())
+            highs.append(smooth[min(len(smooth) - 1, len(smooth) // 6)])
+        lows += [e["val_loss"] for e in run.get("evals", [])]
+    if lows and highs:
+        lo, hi = min(lows), max(highs)
+        if hi > lo:
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(title or "baseline vs Engram (same tokens, matched FLOPs/token)")
+    ax.set_title(title or "baseline vs Engram (same tokens, matched FLOPs/token)", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ PRESETS: dict[str, dict] = {
         "model": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 352, "max_seq_len": 256},
         "engram": {"layer_ids": [1], "max_ngram_size": 3, "n_heads": 4, "head_dim": 16, "table_size": 20_000,
                    "short_conv": True, "table_init_std": 0.02},
-        "train": {"steps": 300, "batch_size": 16, "seq_len": 256, "lr": 3e-3, "warmup_steps": 30,
-                  "eval_tokens": 32_768, "eval_every": 50, "log_every": 1},
+        "train": {"steps": 240, "batch_size": 16, "seq_len": 256, "lr": 3e-3, "warmup_steps": 24,
+                  "eval_tokens": 32_768, "eval_every": 60, "log_every": 1},
         "data": {"vocab_size": 4096, "max_train_bytes": 12_000_000, "tokenizer_train_bytes": 6_000_000},
     },
     "gpu": {
