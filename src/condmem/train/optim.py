@@ -216,8 +216,7 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
             continue
         s = scale.to(g.device)
         if g.is_sparse:
-            p.grad = torch.sparse_coo_tensor(g.indices(), g.values() * s.to(g.dtype), g.shape, is_coalesced=True,
-                                             check_invariants=False)
+            g._values().mul_(s.to(g.dtype))  # in place on the coalesced gradient's value storage
         else:
             g.mul_(s.to(g.dtype))
     return total
