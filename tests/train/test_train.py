@@ -104,3 +104,11 @@ def test_cli_train_resume_and_generate(tiny_corpus, tmp_path, monkeypatch, capsy
     assert main(["generate", "--checkpoint", str(tmp_path / "crashed"), "--prompt", "def f(x):",
                  "--max-new-tokens", "8", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("def f(x):")
+
+
+def test_time_budget_resolves_the_step_count(tiny_data):
+    trainer = make_trainer(tiny_data, steps=10**6, max_minutes=0.03, warmup_steps=20)
+    summary = trainer.fit()
+    assert trainer.budget_resolved and 12 <= trainer.cfg.steps < 10**6
+    assert summary["steps"] == trainer.cfg.steps
+    assert trainer.state()["train_config"]["steps"] == trainer.cfg.steps, "the resolved count is what a checkpoint keeps"
