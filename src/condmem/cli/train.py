@@ -92,7 +92,6 @@ def run(args) -> int:
     from condmem.train.pipeline import prepare_data
     from condmem.train.presets import get_preset
     from condmem.utils.atomic import atomic_write_text
-    from condmem.models import ModelConfig
 
     device = resolve_device(args.device)
     if args.resume:
