@@ -60,7 +60,7 @@ class GateCapture:
 
 
 def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_state: torch.Tensor | None = None,
-                  capture: GateCapture | None = None) -> torch.Tensor:
+                  capture: GateCapture | None = None, looked_up: torch.Tensor | None = None) -> torch.Tensor:
     """The Engram module's residual update, composed from its parts.
 
     Args:
@@ -70,12 +70,15 @@ def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv
         conv_state: optional [B, pad, 1, D] ShortConv inputs of the positions just before
             these (zeros at a sequence start); updated in place.
         capture: optional; receives the gate values [B, T].
+        looked_up: optional [B, T, n_cols, head_dim] rows already fetched (e.g. prefetched by
+            `EngramMemory` from host memory); the module's own table is then not read.
 
     Returns:
         [B, T, D], equal to ``engram(hidden, rows)`` when conv_state is None or zeros.
     """
     h4 = hidden.unsqueeze(2)
-    kv = engram.wkv(engram.embed(rows).to(engram.wkv.weight.dtype))
+    embedded = engram.embed(rows) if looked_up is None else looked_up.flatten(-2)
+    kv = engram.wkv(embedded.to(engram.wkv.weight.dtype))
     out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP)
     if capture is not None:
         dim = engram.hidden_size
@@ -112,12 +115,13 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.dim, cfg.ffn_width(layer_id), device=device)
 
     def forward(self, x, cos, sin, rows=None, kv: KVCache | None = None, start_pos: int = 0,
-                conv_state: torch.Tensor | None = None, capture: GateCapture | None = None):
+                conv_state: torch.Tensor | None = None, capture: GateCapture | None = None,
+                looked_up: torch.Tensor | None = None):
         if self.engram is not None:
             if conv_state is None and capture is None:
-                x = x + self.engram(x, rows)
+                x = x + self.engram(x, rows, rows=looked_up)
             else:
-                x = x + engram_update(self.engram, x, rows, conv_state, capture)
+                x = x + engram_update(self.engram, x, rows, conv_state, capture, looked_up)
         x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -223,7 +227,8 @@ class DecoderLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
-                cache: InferenceCache | None = None, capture: GateCapture | None = None) -> torch.Tensor:
+                cache: InferenceCache | None = None, capture: GateCapture | None = None,
+                prepared=None) -> torch.Tensor:
         """Logits [B, T, vocab] for token ids [B, T].
 
         Args:
@@ -232,6 +237,10 @@ class DecoderLM(nn.Module):
             cache: incremental decoding state (see `new_cache`); the ids are appended at
                 ``cache.length`` and the cache advances.
             capture: records the Engram gate values.
+            prepared: a `condmem.runtime.Prepared` from `EngramMemory.prepare` /
+                `prepare_decode` for these ids: row ids and rows come from it (tables in
+                host memory, fetched while the earlier blocks run), each Engram layer
+                waiting only for its own rows.
         """
         batch, length = input_ids.shape
         start = 0
@@ -241,23 +250,27 @@ class DecoderLM(nn.Module):
             if start + length > cache.max_len:
                 raise ValueError(f"the cache holds {cache.max_len} positions; {start + length} asked")
             cache.tokens[:batch, start : start + length] = input_ids
-            if self.cfg.engram is not None:
+            if self.cfg.engram is not None and prepared is None:
                 # A position's rows depend on it and the N-1 ids before: hash that window only.
                 back = min(start, self.cfg.engram.max_ngram_size - 1)
                 window = cache.tokens[:batch, start - back : start + length]
                 rows = self.row_ids(window)[:, back:]
-        else:
+        elif prepared is None:
             rows = self.row_ids(input_ids, doc_starts)
         x = self.embed(input_ids)
         cos, sin = self.rotary(start, length)
         slot = 0
         for block in self.blocks:
-            layer_rows = None
+            layer_rows = looked_up = None
             if block.engram is not None:
-                layer_rows = rows[:, :, slot]
+                if prepared is not None:
+                    layer_rows = prepared.row_ids(block.layer_id)
+                    looked_up = prepared.rows(block.layer_id)   # waits for this layer's lookup only
+                else:
+                    layer_rows = rows[:, :, slot]
                 slot += 1
             x = block(
-                x, cos, sin, layer_rows,
+                x, cos, sin, layer_rows, looked_up=looked_up,
                 kv=None if cache is None else cache.kv[block.layer_id],
                 start_pos=start,
                 conv_state=self._conv_state(cache, block, batch),

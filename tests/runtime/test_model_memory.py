@@ -1,0 +1,55 @@
+"""The reference LM with its tables served by EngramMemory gives torch.equal logits, prefill and decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from condmem import EngramConfig
+from condmem.models.config import ModelConfig
+from condmem.models.transformer import DecoderLM
+from condmem.runtime import EngramMemory
+from helpers import devices
+
+
+def _model(device):
+    ecfg = EngramConfig(layer_ids=[1, 2], max_ngram_size=3, n_heads=2, head_dim=16, table_size=97, hidden_size=64,
+                        compressed_vocab_size=40, short_conv=True)
+    cfg = ModelConfig(vocab_size=50, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, engram=ecfg, max_seq_len=128)
+    model = DecoderLM(cfg, token_lookup=np.arange(50) % 40, sparse_tables=False).to(device).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for block in model.blocks:
+            if block.engram is not None:
+                w = block.engram.table.weight
+                # bf16-exact values, so host rows (bf16) and the fp32 module table agree bit for bit.
+                w.copy_(w.bfloat16().float())
+                block.engram.short_conv.weight.copy_(torch.randn(block.engram.short_conv.weight.shape, generator=gen))
+    tables = {b.layer_id: b.engram.table.weight for b in model.blocks if b.engram is not None}
+    return model, tables
+
+
+@pytest.mark.parametrize("device", devices())
+def test_prefill_and_decode_logits_equal_with_prefetched_host_tables(device):
+    model, tables = _model(device)
+    memory = EngramMemory.from_weights(model.hasher, tables, "host", device,
+                                       host_alloc="pageable" if device == "cpu" else "mmap_register", max_sequences=8)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        ids = torch.randint(0, 50, (3, 17), generator=gen).to(device)
+        assert torch.equal(model(ids, prepared=memory.prepare(ids)), model(ids))
+
+        batch = 4
+        prompt = torch.randint(0, 50, (batch, 9), generator=gen).to(device)
+        slots = torch.tensor([memory.allocate() for _ in range(batch)])
+        ref_cache, cache = model.new_cache(batch, 64), model.new_cache(batch, 64)
+        ref = model(prompt, cache=ref_cache)
+        got = model(prompt, cache=cache, prepared=memory.prepare(prompt, slots=slots))
+        assert torch.equal(got, ref)
+        for _ in range(24):
+            nxt = ref[:, -1].argmax(-1)
+            ref = model(nxt[:, None], cache=ref_cache)
+            got = model(nxt[:, None], cache=cache, prepared=memory.prepare_decode(slots, nxt))
+            assert torch.equal(got, ref)
+    memory.close()
