@@ -148,6 +148,57 @@ def cpu_gather_rows(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 1
     return rows
 
 
+def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384) -> list[dict]:
+    """Each step of a host lookup timed alone on the same uniform batch (GPU), to show where the time goes.
+
+    unique (dedup + sort), ids to host, CPU gather of all misses, H2D of all rows, zero-copy
+    gather of all misses, expand (inverse gather + dequant from HBM).
+    """
+    from condmem.bench.harness import gpu_time_ms
+    from condmem.ops.gather import engram_gather
+    from condmem.tables.lookup import _as_words
+
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).cuda()
+    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    n = uniq.numel()
+    staging = torch.empty((n, ROW_BYTES), dtype=torch.uint8, pin_memory=True)
+    ids_host = uniq.cpu()
+    compact = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    host_ids = torch.empty(n, dtype=torch.int64, pin_memory=True)
+    words = _as_words(store.raw)
+
+    def cpu_gather():
+        store.gather_raw(ids_host, out=staging)
+
+    def cpu_timed(fn, reps=5):
+        fn()
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[reps // 2]
+
+    phases = {
+        "unique": gpu_time_ms(lambda: torch.unique(ids, sorted=True, return_inverse=True))["ms"],
+        "ids_to_host": cpu_timed(lambda: host_ids.copy_(uniq, non_blocking=True)),
+        "cpu_gather_all": cpu_timed(cpu_gather),
+        "h2d_all": gpu_time_ms(lambda: compact.copy_(staging, non_blocking=True))["ms"],
+        "zero_copy_all": gpu_time_ms(lambda: engram_gather(uniq, words))["ms"],
+        "expand": gpu_time_ms(lambda: engram_gather(inverse, compact))["ms"],
+    }
+    rows = []
+    for name, ms in phases.items():
+        rows.append({"bench": "lookup_phase", "tier": store.tier, "stream": f"phase-{name}", "tokens": tokens,
+                     "ids": ids.numel(), "unique": n, "ms": ms, "table_gib": round(store.nbytes / 2**30, 2),
+                     **ceiling, "machine": info})
+        log.info("phase %-15s %.3f ms", name, ms)
+    return rows
+
+
 def run_lookup(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     info = machine_info()
@@ -181,6 +232,8 @@ def run_lookup(args) -> list[dict]:
             continue  # disk tier: see README (needs a file larger than the lent machine's disk at this size)
         if tier == "host":
             rows_out.extend(cpu_gather_rows(store, info, ceiling))
+            if device == "cuda":
+                rows_out.extend(phase_rows(store, info, ceiling))
         for stream in args.streams:
             cached = stream == "text" and args.cache_fraction > 0
             cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
