@@ -116,3 +116,20 @@ def test_gpu_lookup_equals_plain_gather(table_files, fmt, tier, alloc, cached, c
         assert torch.equal(h.wait().cpu(), _expected(sources[fmt], ids))
     engine.close()
     store.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_interleaved", "bf16"])
+def test_disk_with_dram_cache_and_hbm_cache_levels(table_files, fmt):
+    """HBM cache -> DRAM cache -> file: every level returns the same bytes as a plain gather."""
+    layout, sources, paths = table_files
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "disk", progress=False)
+    dram = store.attach_dram_cache(64 * store.row_bytes, ways=4)
+    engine = LookupEngine(store, "cpu", cache=RowCache(16, store.row_bytes, ways=4))
+    for ids in _batches(store.num_rows, seed=3, n=6):
+        assert torch.equal(engine.lookup(ids).wait(), _expected(sources[fmt], ids))
+    assert dram.stats.hits > 0 and dram.stats.admitted > 0
+    with pytest.raises(StorageError, match="outside"):
+        store.gather_raw(torch.tensor([0, store.num_rows]))
+    with pytest.raises(StorageError, match="fronts the disk tier"):
+        place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", host_alloc="pageable",
+                    progress=False).attach_dram_cache(1000)

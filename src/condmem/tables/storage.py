@@ -9,8 +9,9 @@ them into bf16 [.., head_dim] at the end.
 * `hbm`: a CUDA tensor; gathers run at HBM speed.
 * `host`: a `HostBuffer` (see `host_memory`), page-locked so the GPU can read it
   zero-copy and DMA engines can copy from it.
-* `disk`: the table file's bytes, memory-mapped: tables larger than DRAM; the OS page
-  cache is the first DRAM level, a `RowCache` in front can bound what is kept hot.
+* `disk`: the table file's bytes, memory-mapped: tables larger than DRAM. The OS page
+  cache keeps recently read pages; `attach_dram_cache` adds a bounded DRAM `RowCache`
+  of rows (so HBM cache -> DRAM cache -> file is the paper's multi-level hierarchy).
   Only interleaved (or bf16) files are mapped as raw rows; separate fp8 + scales
   files are read with two accesses per row.
 
@@ -29,6 +30,7 @@ import torch
 from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, report_coverage
 from condmem.tables.native_gather import native_gather_rows
 from condmem.tables.quant import pack_rows
+from condmem.tables.row_cache import RowCache
 from condmem.tables.table_file import LayerRows
 
 log = logging.getLogger("condmem.tables")
@@ -64,6 +66,7 @@ class LayerStore:
         self.raw = raw
         self._split = split
         self._buffer = buffer
+        self.dram_cache: RowCache | None = None
         self.native = raw is not None and raw.device.type == "cpu" and raw.is_contiguous()
         """Use the native CPU gather (set False to force torch.index_select, e.g. to compare)."""
 
@@ -92,16 +95,54 @@ class LayerStore:
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
 
+    def attach_dram_cache(self, capacity_bytes: int, ways: int = 16) -> RowCache:
+        """Put a DRAM `RowCache` in front of a disk store: the middle level of HBM -> DRAM -> disk.
+
+        Rows read from the file are admitted to it; later reads of hot rows skip the file
+        (and its page faults). Returns the cache (its `stats` count DRAM hits).
+        """
+        if self.tier != "disk":
+            raise StorageError(f"a DRAM cache fronts the disk tier; this store is {self.tier}")
+        self.dram_cache = RowCache.from_bytes(capacity_bytes, self.row_bytes, ways=ways, device="cpu")
+        return self.dram_cache
+
     def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """Raw rows at `ids` (on the store's device), into `out` when given ([n, row_bytes] uint8).
 
-        On the CPU the native prefetching gather is used when it is available.
+        On the CPU the native prefetching gather is used when it is available; a disk store
+        with a DRAM cache serves hits from it.
         """
+        if self.dram_cache is not None and ids.numel():
+            return self._gather_through_cache(ids, out, threads)
+        return self._gather_direct(ids, out, threads)
+
+    def _gather_through_cache(self, ids: torch.Tensor, out: torch.Tensor | None, threads: int | None) -> torch.Tensor:
+        cache = self.dram_cache
+        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        if int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_rows:
+            bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
+            raise StorageError(f"row id {bad} outside the table's 0..{self.num_rows - 1}")
+        slot = cache.probe(uniq)
+        hit = slot >= 0
+        rows = torch.empty((uniq.numel(), self.row_bytes), dtype=torch.uint8)
+        rows[hit] = cache.read(slot[hit])
+        miss = torch.nonzero(~hit).flatten()
+        if miss.numel():
+            fetched = self._gather_direct(uniq[miss], None, threads)
+            rows[miss] = fetched
+            cache.admit(uniq[miss], fetched)
+        if out is None:
+            return rows.index_select(0, inverse)
+        return torch.index_select(rows, 0, inverse, out=out)
+
+    def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, threads: int | None) -> torch.Tensor:
+        if self.device.type == "cpu" and ids.numel():
+            # The native gather trusts its ids; a bad one must be an error, not a stray read.
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.num_rows:
+                raise StorageError(f"row id {lo if lo < 0 else hi} outside the table's 0..{self.num_rows - 1}")
         if self.raw is not None:
             if self.raw.device.type == "cpu" and ids.numel():
-                lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= self.num_rows:
-                    raise StorageError(f"row id {lo if lo < 0 else hi} outside the table's 0..{self.num_rows - 1}")
                 if out is None:
                     out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8)
                 if self.native and native_gather_rows(self.raw, ids, out, threads) is not None:
