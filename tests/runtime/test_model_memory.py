@@ -53,3 +53,15 @@ def test_prefill_and_decode_logits_equal_with_prefetched_host_tables(device):
             got = model(nxt[:, None], cache=cache, prepared=memory.prepare_decode(slots, nxt))
             assert torch.equal(got, ref)
     memory.close()
+
+
+def test_generate_with_memory_equals_generate_with_module_tables():
+    from condmem.models.generate import generate
+
+    model, tables = _model("cpu")
+    memory = EngramMemory.from_weights(model.hasher, tables, "host", "cpu", host_alloc="pageable", max_sequences=4)
+    prompt = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+    plain = generate(model, prompt, 20, temperature=0)
+    with_memory = generate(model, prompt, 20, temperature=0, memory=memory)
+    assert torch.equal(plain, with_memory)
+    assert memory.history.ids.shape[0] == 4 and len(memory.history._live) == 0   # slots given back

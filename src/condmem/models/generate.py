@@ -26,8 +26,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, gen
 
 @torch.no_grad()
 def generate(model: DecoderLM, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.8,
-             top_k: int | None = 40, seed: int | None = 0, stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
+             top_k: int | None = 40, seed: int | None = 0, stop_ids: tuple[int, ...] = (), memory=None) -> torch.Tensor:
     """Continue `prompt_ids` [B, T] (or [T]) by up to `max_new_tokens` tokens.
+
+    With `memory` (a `condmem.runtime.EngramMemory` holding the model's tables in some
+    tier), rows are prefetched from it: the prompt seeds per-sequence decode histories and
+    each step hashes only the new token.
 
     Returns:
         The new token ids [B, n] (n <= max_new_tokens; stops early when every row hit a stop id).
@@ -51,17 +55,28 @@ def generate(model: DecoderLM, prompt_ids: torch.Tensor, max_new_tokens: int, *,
     out = []
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    slots = None
     with eval_mode(model):
         cache = model.new_cache(batch, length + n_new)
-        logits = model(ids, cache=cache)[:, -1]
-        for i in range(n_new):
-            nxt = sample_next(logits, temperature, top_k, generator)
-            out.append(nxt)
-            if stop_ids:
-                done |= torch.isin(nxt, stop)
-                if bool(done.all()):
-                    break
-            if i + 1 < n_new:
-                logits = model(nxt[:, None], cache=cache)[:, -1]
+        prepared = None
+        if memory is not None:
+            slots = torch.tensor([memory.allocate() for _ in range(batch)])
+            prepared = memory.prepare(ids, slots=slots)
+        logits = model(ids, cache=cache, prepared=prepared)[:, -1]
+        try:
+            for i in range(n_new):
+                nxt = sample_next(logits, temperature, top_k, generator)
+                out.append(nxt)
+                if stop_ids:
+                    done |= torch.isin(nxt, stop)
+                    if bool(done.all()):
+                        break
+                if i + 1 < n_new:
+                    prepared = memory.prepare_decode(slots, nxt) if memory is not None else None
+                    logits = model(nxt[:, None], cache=cache, prepared=prepared)[:, -1]
+        finally:
+            if slots is not None:
+                for slot in slots.tolist():
+                    memory.free(slot)
     new = torch.stack(out, dim=1) if out else ids.new_zeros(batch, 0)
     return new[0] if squeeze else new
