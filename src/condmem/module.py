@@ -70,8 +70,10 @@ class Engram(nn.Module):
         num_embeddings: rows of this layer's table (``EngramLayout.layer(id).num_embeddings``).
         layer_id: the transformer layer this module sits in (for messages and checkpoints).
         sparse: sparse table gradients (train the table with a sparse optimizer).
-        device, dtype: where and in what the parameters are made; ``device="meta"`` skips
-            allocating the table (materialize it where it will live, e.g. host memory).
+        device, dtype: where and in what the parameters are made.
+        table_device: where the table is made, if not `device`; ``"meta"`` describes it without
+            memory, for tables that live elsewhere (host memory, disk) and are read through
+            `forward(..., rows=...)`.
 
     Shapes:
         hidden: [B, T, hc, D] (or [B, T, D] when hc_mult == 1); row_ids: [B, T, n_cols]
@@ -85,7 +87,7 @@ class Engram(nn.Module):
     """
 
     def __init__(self, config: EngramConfig, num_embeddings: int, layer_id: int = -1, *, sparse: bool = False,
-                 table_init_std: float = 1.0, device=None, dtype=None):
+                 table_init_std: float = 1.0, device=None, dtype=None, table_device=None):
         super().__init__()
         config.validate()
         self.config = config
@@ -95,7 +97,7 @@ class Engram(nn.Module):
         self.n_cols = config.n_cols
         self.eps = config.rms_norm_eps
         self.table = EngramTable(num_embeddings, config.head_dim, sparse=sparse, init_std=table_init_std,
-                                 device=device, dtype=dtype)
+                                 device=table_device if table_device is not None else device, dtype=dtype)
         # One GEMM makes hc keys and the shared value (production fuses them the same way).
         self.wkv = nn.Linear(config.engram_dim, (config.hc_mult + 1) * config.hidden_size, bias=False,
                              device=device, dtype=dtype)
@@ -156,6 +158,9 @@ class Engram(nn.Module):
         """
         squeeze = hidden.dim() == 3
         hidden4 = self._check(hidden, row_ids, token_mask)
+        if rows is None and self.table.weight.device.type == "meta":
+            raise EngramInputError(f"Engram(layer {self.layer_id}): the table lives outside this module (meta); "
+                                   "pass the looked-up rows (e.g. EngramMemory.prepare(...).rows(layer_id))")
         embedded = self.embed(row_ids) if rows is None else rows.flatten(-2)
         kv = self.wkv(embedded.to(self.wkv.weight.dtype))
         out = engram_gate(hidden4, kv, self.q_weight, self.k_weight, self.eps, GATE_CLAMP, token_mask)

@@ -65,3 +65,19 @@ def test_generate_with_memory_equals_generate_with_module_tables():
     with_memory = generate(model, prompt, 20, temperature=0, memory=memory)
     assert torch.equal(plain, with_memory)
     assert memory.history.ids.shape[0] == 4 and len(memory.history._live) == 0   # slots given back
+
+
+def test_model_with_meta_tables_runs_from_memory_only():
+    """Tables larger than the device: the model holds none (meta) and reads every row from EngramMemory."""
+    from condmem.module import EngramInputError
+
+    model, tables = _model("cpu")
+    lean = DecoderLM(model.cfg, token_lookup=np.arange(50) % 40, sparse_tables=False, table_device="meta").eval()
+    lean.load_state_dict({k: v for k, v in model.state_dict().items() if not k.endswith("table.weight")}, strict=False)
+    assert all(b.engram.table.weight.is_meta for b in lean.blocks if b.engram is not None)
+    memory = EngramMemory.from_weights(model.hasher, tables, "host", "cpu", host_alloc="pageable", max_sequences=2)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(lean(ids, prepared=memory.prepare(ids)), model(ids))
+        with pytest.raises(EngramInputError, match="lives outside this module"):
+            lean(ids)

@@ -77,6 +77,8 @@ def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv
         [B, T, D], equal to ``engram(hidden, rows)`` when conv_state is None or zeros.
     """
     h4 = hidden.unsqueeze(2)
+    if looked_up is None and engram.table.weight.device.type == "meta":
+        raise ValueError(f"Engram layer {engram.layer_id}'s table lives outside the model (meta): pass prepared= rows")
     embedded = engram.embed(rows) if looked_up is None else looked_up.flatten(-2)
     kv = engram.wkv(embedded.to(engram.wkv.weight.dtype))
     out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP)
@@ -100,12 +102,13 @@ def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv
 class Block(nn.Module):
     """One decoder block: optional Engram, attention, SwiGLU (all pre-norm residual)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None, sparse_tables: bool, device=None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None, sparse_tables: bool, device=None,
+                 table_device=None):
         super().__init__()
         self.layer_id = layer_id
         self.engram = (
             Engram(cfg.engram, engram_rows, layer_id=layer_id, sparse=sparse_tables,
-                   table_init_std=cfg.engram_table_init_std, device=device)
+                   table_init_std=cfg.engram_table_init_std, device=device, table_device=table_device)
             if engram_rows is not None
             else None
         )
@@ -137,6 +140,9 @@ class DecoderLM(nn.Module):
         seed: initialization seed. Each backbone parameter draws from a generator seeded by
             (seed, its name), so a baseline and an Engram model start from the same backbone.
         device: where to build the parameters.
+        table_device: where to build the Engram tables, if not `device`; ``"meta"`` for tables
+            that live in an `EngramMemory` (host memory, disk): the model then needs
+            ``forward(..., prepared=memory.prepare(ids))``.
 
     Example:
         >>> model = DecoderLM(cfg, token_lookup=ctok.lookup)
@@ -145,7 +151,7 @@ class DecoderLM(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, token_lookup=None, *, sparse_tables: bool = True, seed: int = 0,
-                 device=None):
+                 device=None, table_device=None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
@@ -165,7 +171,8 @@ class DecoderLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
         self.blocks = nn.ModuleList(
-            Block(cfg, i, rows_of.get(i), sparse_tables, device=device) for i in range(cfg.n_layers)
+            Block(cfg, i, rows_of.get(i), sparse_tables, device=device, table_device=table_device)
+            for i in range(cfg.n_layers)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
