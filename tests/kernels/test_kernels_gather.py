@@ -7,14 +7,12 @@ DeepSeek-V4.1-Flash geometry (row ids from the real layout, head_dim 256, 384M-r
 
 from __future__ import annotations
 
-import warnings
 
-import numpy as np
 import pytest
 import torch
 
 from condmem.ops.gather import GatherError, engram_gather, gather_reference, host_register, host_unregister
-from condmem.tables.quant import FP8_DTYPE, pack_rows, quantize_fp8_e8m0
+from condmem.tables.quant import FP8_DTYPE, pack_rows
 from kernel_helpers import assert_bits_equal, cuda_kernels, kernel_devices, needs_kernels
 
 pytestmark = [needs_kernels, pytest.mark.filterwarnings("ignore:overflow encountered")]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from condmem import EngramConfig, EngramLayout, NgramHasher
 from condmem.hashing.history import HistoryError, NgramHistory, hash_decode_reference
-from kernel_helpers import HAS_CUDA, INTERPRET, cuda_kernels, kernel_devices, needs_kernels
+from kernel_helpers import INTERPRET, cuda_kernels, kernel_devices, needs_kernels
 
 pytestmark = needs_kernels
 DEVICES = kernel_devices()

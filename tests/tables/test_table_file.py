@@ -3,7 +3,6 @@ damaged files give clear errors, nothing half-written is left behind."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
