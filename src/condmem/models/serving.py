@@ -78,13 +78,16 @@ def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor,
 
 @torch.no_grad()
 def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor, ids: torch.Tensor,
-                prepared=None) -> torch.Tensor:
-    """One new token per live slot: ids [B] for slots [B] (distinct); returns logits [B, vocab]."""
+                prepared=None, check: bool = True) -> torch.Tensor:
+    """One new token per live slot: ids [B] for slots [B] (distinct); returns logits [B, vocab].
+
+    `check=False` skips the cache-full test (a host sync), e.g. inside a CUDA graph.
+    """
     cfg = model.cfg
     device = cache.tokens.device
     slots, ids = slots.to(device), ids.to(device)
     pos = cache.lengths[slots]                                    # [B] position of the new token
-    if bool((pos >= cache.max_len).any()):
+    if check and bool((pos >= cache.max_len).any()):
         raise ValueError(f"a sequence reached the cache's {cache.max_len} positions")
     cache.tokens[slots, pos] = ids
     batch = ids.numel()

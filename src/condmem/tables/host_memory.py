@@ -108,6 +108,14 @@ class HostBuffer:
         """Huge-page coverage of the buffer (None where smaps is unreadable or nothing is resident)."""
         return huge_page_coverage(self.tensor.data_ptr(), self.nbytes)
 
+    def __del__(self) -> None:
+        # A registered range must be unregistered before its pages go back to the OS, or a later
+        # mapping at the same address cannot be registered ("already mapped").
+        try:
+            self.close()
+        except Exception:
+            pass
+
     def close(self) -> None:
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
