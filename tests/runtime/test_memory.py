@@ -95,6 +95,7 @@ def test_negative_control_rows_read_without_waiting_are_wrong():
                                        cpu_fraction=1.0)
     ids = torch.randint(0, 70, (4, 64), device="cuda")
     engine = memory.engines[1]
+    engine.direct_max_ids = 0                     # the full path: CPU gather -> staging -> DMA
     with torch.cuda.stream(engine.copy_stream):
         torch.cuda._sleep(200_000_000)            # hold the DMAs back ~0.1 s
     prepared = memory.prepare(ids)

@@ -110,7 +110,8 @@ def test_gpu_lookup_equals_plain_gather(table_files, fmt, tier, alloc, cached, c
     f = EngramTableFile(paths[fmt], layout=layout)
     store = place_layer(f.layer(2), tier, host_alloc=alloc or "mmap_register", progress=False)
     cache = RowCache(64, store.row_bytes, ways=4, device="cuda") if cached else None
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction)
+    # direct_max_ids=0: these small batches take the full path (dedup, cache, CPU/zero-copy split).
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, direct_max_ids=0)
     handles = [(ids, engine.lookup(ids.cuda())) for ids in _batches(store.num_rows, seed=2, n=6)]
     for ids, h in handles:
         assert torch.equal(h.wait().cpu(), _expected(sources[fmt], ids))
@@ -133,3 +134,20 @@ def test_disk_with_dram_cache_and_hbm_cache_levels(table_files, fmt):
     with pytest.raises(StorageError, match="fronts the disk tier"):
         place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", host_alloc="pageable",
                     progress=False).attach_dram_cache(1000)
+
+
+@cuda_only
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
+@pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc")])
+def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
+    """Decode-sized batches: one gather kernel from the table in place, same rows."""
+    layout, sources, paths = table_files
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), tier, host_alloc=alloc or "mmap_register",
+                        progress=False)
+    engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"))
+    for ids in _batches(store.num_rows, seed=4, n=4):
+        handle = engine.lookup(ids.cuda())
+        assert handle.stats.unique == -1          # took the direct path
+        assert torch.equal(handle.wait().cpu(), _expected(sources[fmt], ids))
+    engine.close()
+    store.close()
