@@ -152,10 +152,11 @@ class RowCache:
         run_start = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=0).values
         rank = idx - run_start
         keep = (rank < self.ways) & ~present[order]
-        # Ways of each set from least to most frequent (empty slots have freq 0 and go first).
-        way_order = torch.argsort(self.freq, dim=1, stable=True)     # [n_sets, ways]
+        # Ways of each touched set from least to most frequent (empty slots have freq 0 and go
+        # first); only the newcomers' sets are sorted, never the whole table of counters.
         chosen_sets = sorted_sets[keep]
-        chosen_way = way_order[chosen_sets, rank[keep]]
+        way_order = torch.argsort(self.freq[chosen_sets], dim=1, stable=True)   # [n_kept, ways]
+        chosen_way = way_order.gather(1, rank[keep][:, None]).squeeze(1)
         slot = chosen_sets * self.ways + chosen_way
         src = order[keep]
         self.keys.view(-1)[slot] = ids[src]
