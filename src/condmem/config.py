@@ -29,6 +29,14 @@ class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or inconsistent with another."""
 
 
+def require_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    """Raise `ConfigError` naming ``owner.name`` unless `value` is an int (not a bool) >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{owner}.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{owner}.{name} must be >= {minimum}, got {value}")
+
+
 @dataclass
 class EngramConfig:
     """Geometry of every Engram layer of one model."""
@@ -71,10 +79,7 @@ class EngramConfig:
         """Raise `ConfigError` naming the field when a value is out of its domain."""
 
         def need_int(name: str, value: Any, minimum: int) -> None:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"EngramConfig.{name} must be an int, got {value!r}")
-            if value < minimum:
-                raise ConfigError(f"EngramConfig.{name} must be >= {minimum}, got {value}")
+            require_int("EngramConfig", name, value, minimum)
 
         if isinstance(self.layer_ids, (str, bytes)) or not hasattr(self.layer_ids, "__iter__"):
             raise ConfigError(f"EngramConfig.layer_ids must be a list of ints, got {self.layer_ids!r}")

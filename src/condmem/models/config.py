@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from condmem.config import ConfigError, EngramConfig
+from condmem.config import ConfigError, EngramConfig, require_int
 
 
 @dataclass
@@ -56,10 +56,7 @@ class ModelConfig:
         """Raise `ConfigError` naming the field when a value is out of its domain."""
 
         def need_int(name: str, value: Any, minimum: int) -> None:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"ModelConfig.{name} must be an int, got {value!r}")
-            if value < minimum:
-                raise ConfigError(f"ModelConfig.{name} must be >= {minimum}, got {value}")
+            require_int("ModelConfig", name, value, minimum)
 
         need_int("vocab_size", self.vocab_size, 2)
         need_int("dim", self.dim, 2)
