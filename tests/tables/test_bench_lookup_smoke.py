@@ -17,3 +17,13 @@ def test_bench_lookup_smoke(tmp_path, capsys):
     assert {(r["tier"], r["stream"], r["tokens"]) for r in rows} == {
         ("host", s, t) for s in ("uniform", "text") for t in (1, 16)}
     assert all(r["effective_gbps"] > 0 for r in rows)
+
+
+def test_bench_lookup_disk_tier_smoke(tmp_path):
+    rc = main(["bench", "lookup", "--smoke", "--tiers", "disk", "--disk-gib", "0.002", "--dram-cache-gib", "0.0005",
+               "--disk-dir", str(tmp_path), "--streams", "uniform", "--batch-tokens", "4", "--repeats", "1",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
+    assert [r["tier"] for r in rows if r["bench"] == "lookup"] == ["disk"]
+    assert not list(tmp_path.glob("condmem-bench-*"))   # the temporary table file is gone

@@ -86,6 +86,42 @@ def host_store(rows: int, alloc: str, progress: bool = True) -> LayerStore:
     return LayerStore("host", "fp8_interleaved", HEAD_DIM, raw, buffer=buffer)
 
 
+def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> LayerStore:
+    """A disk-tier store: a file of random rows, evicted from the page cache, memory-mapped;
+    with a bounded DRAM row cache of `dram_cache_gib` in front (0: none)."""
+    import os
+    import tempfile
+
+    import numpy as np
+
+    from condmem.tables.storage import place_layer
+    from condmem.tables.table_file import LayerRows
+
+    fd, path = tempfile.mkstemp(prefix="condmem-bench-", suffix=".rows", dir=directory)
+    t0 = time.perf_counter()
+    with os.fdopen(fd, "wb") as fh:
+        block = torch.empty((min(rows, 1 << 20), ROW_BYTES), dtype=torch.uint8)
+        fill_table(block)
+        for s in range(0, rows, block.shape[0]):
+            fh.write(block[: min(block.shape[0], rows - s)].numpy().tobytes())
+        fh.flush()
+        os.fsync(fh.fileno())
+        if hasattr(os, "posix_fadvise"):  # reads must come from the device, not the page cache
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    import warnings
+
+    with warnings.catch_warnings():  # a read-only map: torch cannot mark it so; nothing writes through it
+        warnings.simplefilter("ignore", UserWarning)
+        mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, ROW_BYTES)))
+    os.unlink(path)  # the mapping keeps the file alive; nothing is left behind
+    store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False, name="bench disk table")
+    if dram_cache_gib > 0:
+        store.attach_dram_cache(int(dram_cache_gib * 2**30))
+    log.info("disk table: %.1f GiB written and evicted in %.1f s; DRAM cache %.1f GiB", rows * ROW_BYTES / 2**30,
+             time.perf_counter() - t0, dram_cache_gib)
+    return store
+
+
 def text_row_ids(rows: int, tokens: int) -> tuple[torch.Tensor, str]:
     """Row ids [tokens, 24] of real text, hashed with a V4.1-style layout sized to `rows` rows."""
     text = []
@@ -229,7 +265,7 @@ def run_lookup(args) -> list[dict]:
         elif tier == "host":
             store = host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc)
         else:
-            continue  # disk tier: see README (needs a file larger than the lent machine's disk at this size)
+            store = disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
         if tier == "host":
             rows_out.extend(cpu_gather_rows(store, info, ceiling))
             if device == "cuda":
@@ -339,7 +375,11 @@ def add_arguments(p) -> None:
     p.add_argument("--table-gib", type=float, default=None,
                    help="host table size in GiB (default: 64, or half the available memory if less)")
     p.add_argument("--hbm-gib", type=float, default=16.0, help="HBM table size for the HBM tier (default 16)")
-    p.add_argument("--tiers", nargs="+", default=["hbm", "host"], choices=["hbm", "host"], help="tiers to measure")
+    p.add_argument("--tiers", nargs="+", default=["hbm", "host"], choices=["hbm", "host", "disk"],
+                   help="tiers to measure (disk: a file of --disk-gib, page cache dropped, memory-mapped)")
+    p.add_argument("--disk-gib", type=float, default=8.0, help="disk-tier table size in GiB (default 8)")
+    p.add_argument("--disk-dir", default=None, help="folder for the disk-tier file (default: the temp folder)")
+    p.add_argument("--dram-cache-gib", type=float, default=1.0, help="DRAM row cache in front of the disk tier")
     p.add_argument("--streams", nargs="+", default=["uniform", "text"], choices=["uniform", "text"],
                    help="id streams: uniform random, or real text hashed with a V4.1-style layout")
     p.add_argument("--batch-tokens", type=int, nargs="+", default=[1, 64, 1024, 16384],
