@@ -32,7 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,7 +53,6 @@ class LookupStats:
     cpu_rows: int = 0
     gpu_rows: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class LookupHandle:
@@ -78,6 +77,14 @@ class LookupHandle:
 
     def done(self) -> bool:
         return (self._future is None or self._future.done()) and (self.event is None or self.event.query())
+
+
+def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 rows [..., head_dim] of `ids` from raw rows (bf16 bytes, or interleaved fp8 + scales, dequantized)."""
+    if fmt == "bf16":
+        return engram_gather(ids, raw.view(torch.bfloat16), out=out)
+    return engram_gather(ids, raw, head_dim=head_dim, out=out)
 
 
 def _as_words(raw: torch.Tensor) -> torch.Tensor | None:
@@ -145,10 +152,9 @@ class LookupEngine:
             self._staging = torch.empty((cap, self.store.row_bytes), dtype=torch.uint8, pin_memory=self.on_gpu)
         return self._staging[:n]
 
-    def _expand(self, compact: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        d = self.store.head_dim
-        table = compact.view(torch.bfloat16) if self.store.format == "bf16" else compact
-        return engram_gather(inverse, table, head_dim=None if self.store.format == "bf16" else d)
+    def _expand(self, compact: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
+        return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
     def _cpu_share(self, ids_host: torch.Tensor) -> torch.Tensor:
         """Gather rows on CPU threads into pinned staging, chunk by chunk, each chunk's DMA
@@ -212,10 +218,8 @@ class LookupEngine:
         No dedup, no cache, no host sync: a few thousand rows cost one kernel of tens of
         microseconds, far less than the sort and synchronizations of the full path.
         """
-        d = self.store.head_dim
         with torch.cuda.stream(self.stream):
-            table = self.store.raw.view(torch.bfloat16) if self.store.format == "bf16" else self.store.raw
-            out = engram_gather(row_ids, table, head_dim=None if self.store.format == "bf16" else d)
+            out = _rows_from_raw(row_ids, self.store.raw, self.store.format, self.store.head_dim)
             event = torch.cuda.Event()
             event.record(self.stream)
         stats.unique, stats.gpu_rows = -1, row_ids.numel()
@@ -271,9 +275,7 @@ class LookupEngine:
                 compact[miss_pos[: staged.shape[0]]] = staged
             if self.cache is not None and plan["miss_ids"].numel():
                 self.cache.admit(plan["miss_ids"], compact[miss_pos])
-            d = self.store.head_dim
-            table = compact.view(torch.bfloat16) if self.store.format == "bf16" else compact
-            engram_gather(plan["inverse"], table, head_dim=None if self.store.format == "bf16" else d, out=plan["out"])
+            self._expand(compact, plan["inverse"], out=plan["out"])
             plan["event"].record(self.stream)
         stats.seconds = time.perf_counter() - start
 

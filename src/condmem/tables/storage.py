@@ -32,6 +32,7 @@ from condmem.tables.native_gather import native_gather_rows
 from condmem.tables.quant import pack_rows
 from condmem.tables.row_cache import RowCache
 from condmem.tables.table_file import LayerRows
+from condmem.utils.progress import Progress
 
 log = logging.getLogger("condmem.tables")
 
@@ -158,14 +159,6 @@ class LayerStore:
         out[:, d:].copy_(scales.index_select(0, ids))
         return out
 
-    def as_gather_table(self) -> tuple[torch.Tensor, None]:
-        """(table, scales) arguments for `condmem.ops.gather.engram_gather` reading this store in place."""
-        if self.raw is None:
-            raise StorageError("a disk store of separate fp8 rows + scales cannot be read by the GPU in place")
-        if self.format == "bf16":
-            return self.raw.view(torch.bfloat16), None
-        return self.raw, None
-
     def close(self) -> None:
         self.raw = None
         self._split = None
@@ -185,16 +178,6 @@ def _raw_chunk(chunk: LayerRows) -> torch.Tensor:
     if chunk.format == "fp8":
         return pack_rows(chunk.weight.contiguous(), chunk.scales.contiguous())
     return chunk.weight
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
 
 
 def place_layer(
@@ -232,7 +215,7 @@ def place_layer(
     row_bytes = 2 * d if fmt == "bf16" else d + d // 32
     n = rows.num_rows
     start = time.perf_counter()
-    bar = _progress(n * row_bytes, f"{name} -> {tier}", progress)
+    bar = Progress(n * row_bytes, f"{name} -> {tier}", enabled=progress, unit="B", unit_scale=True)
     if tier == "hbm":
         if not torch.cuda.is_available():
             raise StorageError("the hbm tier needs a CUDA device")
@@ -250,10 +233,8 @@ def place_layer(
         e = min(n, s + chunk_rows)
         piece = LayerRows(rows.format, rows.weight[s:e], None if rows.scales is None else rows.scales[s:e])
         raw[s:e].copy_(_raw_chunk(piece))
-        if bar is not None:
-            bar.update((e - s) * row_bytes)
-    if bar is not None:
-        bar.close()
+        bar.update((e - s) * row_bytes)
+    bar.close()
     if buffer is not None and buffer.strategy in ("mmap_register", "shared") and torch.cuda.is_available():
         t_pin = time.perf_counter()
         buffer.pin()

@@ -27,6 +27,7 @@ import torch
 
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
 from condmem.tables.safetensors_io import Header, StreamingWriter, TableFileError, mmap_tensor, read_header
+from condmem.utils.progress import Progress
 
 TableFormat = Literal["bf16", "fp8", "fp8_interleaved"]
 FORMATS: tuple[str, ...] = ("bf16", "fp8", "fp8_interleaved")
@@ -148,7 +149,7 @@ def write_table_file(
     if missing:
         raise TableFileError(f"no rows given for Engram layer(s) {sorted(missing)}")
     specs = _specs(layout, fmt)
-    bar = _progress(sum(layout.num_embeddings), f"write {Path(path).name}", progress)
+    bar = Progress(sum(layout.num_embeddings), f"write {Path(path).name}", enabled=progress, unit="row", unit_scale=True)
     with StreamingWriter(path, specs, table_metadata(layout, fmt, tokenizer_fingerprint)) as writer:
         for layer in layout.layers:
             names = tensor_names(layer.layer_id, fmt)
@@ -270,22 +271,3 @@ class EngramTableFile:
 def _short(value) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-
-            return tqdm(total=total, desc=desc, unit="row", unit_scale=True)
-        except ImportError:  # pragma: no cover - tqdm is a dependency
-            pass
-
-    class _Null:
-        def update(self, n):
-            pass
-
-        def close(self):
-            pass
-
-    return _Null()

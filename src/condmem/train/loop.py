@@ -26,7 +26,8 @@ import torch
 from condmem.config import ConfigError
 from condmem.train.data import TokenStream
 from condmem.train.optim import build_optimizers, clip_grad_norm_, lr_factor, set_lr
-from condmem.train.progress import Progress, format_duration
+from condmem.train.progress import format_duration
+from condmem.utils.progress import Progress
 
 logger = logging.getLogger("condmem.train")
 
