@@ -14,16 +14,17 @@ from model_fixtures import tiny_engram_lm
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _run(model, memory=None, graphed=True, steps=12):
+def _run(model, memory=None, graphed=True, steps=12, **graph_kw):
     """Two sequences, a third joins at step 4 and the first leaves at step 8; per-step logits."""
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 50, (n,), generator=gen).cuda() for n in (6, 3, 8)]
-    cache = ServingCache(model, n_slots=4, max_len=64)           # 3 sequences + the scratch slot
-    graph = GraphedDecoder(model, cache, rows=3, with_memory=memory is not None) if graphed else None
+    cache = ServingCache(model, n_slots=3, max_len=64)
+    graph = GraphedDecoder(model, cache, memory=memory, **graph_kw) if graphed else None
     live, last, out = [], {}, []
+    free = [0, 1, 2]
 
     def join(i):
-        slot = memory.allocate() if memory is not None else i
+        slot = memory.allocate() if memory is not None else free.pop(0)
         prep = memory.prepare(prompts[i][None], slots=torch.tensor([slot])) if memory is not None else None
         last[slot] = prefill(model, cache, slot, prompts[i], prepared=prep)[-1]
         live.append(slot)
@@ -35,13 +36,13 @@ def _run(model, memory=None, graphed=True, steps=12):
         if step == 8:
             slot = live.pop(0)
             cache.release(slot)
-            if memory is not None:
-                memory.free(slot)
-        slots = torch.tensor(live, device="cuda")
+            memory.free(slot) if memory is not None else free.append(slot)
         nxt = torch.stack([last[s].argmax() for s in live])
-        prep = memory.prepare_decode(slots, nxt) if memory is not None else None
-        logits = graph.step(slots, nxt, prepared=prep) if graphed else decode_step(model, cache, slots, nxt,
-                                                                                  prepared=prep)
+        if graphed:
+            logits = graph.step(live, nxt)
+        else:
+            prep = memory.prepare_decode(torch.tensor(live, device="cuda"), nxt) if memory is not None else None
+            logits = decode_step(model, cache, torch.tensor(live, device="cuda"), nxt, prepared=prep)
         logits = logits.clone()
         for i, s in enumerate(live):
             last[s] = logits[i]
@@ -57,11 +58,39 @@ def test_graph_replay_matches_eager_steps():
         assert_close(f"step {i}", a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_graph_with_prefetched_host_rows_is_exact():
+@pytest.mark.parametrize("tier", ["host", "hbm"])
+@pytest.mark.parametrize("wait", ["at_layer", "before_step"])
+def test_graph_fetching_rows_inside_is_exact(tier, wait):
+    """Rows gathered inside the graph (side branch) give logits equal to the model's own tables."""
     model, tables = tiny_engram_lm("cuda")
-    memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=4)
+    memory = EngramMemory.from_weights(model.hasher, tables, tier, "cuda", max_sequences=3)
     with torch.no_grad():
-        plain, served = _run(model, graphed=True), _run(model, memory=memory, graphed=True)
+        plain, served = _run(model, graphed=True), _run(model, memory=memory, graphed=True, wait=wait)
     for i, (a, b) in enumerate(zip(plain, served)):
         assert torch.equal(a, b), f"step {i}"
     memory.close()
+
+
+def test_graph_negative_control_rows_read_without_waiting_are_wrong():
+    """A slowed fetch still gives exact logits with the wait, and wrong ones when the Engram layer skips it."""
+    model, tables = tiny_engram_lm("cuda")
+    delay = 50_000_000   # ~25 ms of GPU sleep before the side branch gathers
+    with torch.no_grad():
+        plain = _run(model, graphed=True, steps=6)
+        memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
+        waited = _run(model, memory=memory, graphed=True, steps=6, _side_delay_cycles=delay)
+        memory.close()
+        memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
+        raced = _run(model, memory=memory, graphed=True, steps=6, _side_delay_cycles=delay, _late_join=True)
+        memory.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, waited))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, raced)), "rows read without the wait were still right"
+
+
+def test_graph_refuses_a_meta_model_without_memory():
+    model, _ = tiny_engram_lm("cuda")
+    for block in model.blocks:
+        if block.engram is not None:
+            block.engram.table.weight = torch.nn.Parameter(torch.empty_like(block.engram.table.weight, device="meta"))
+    with pytest.raises(ValueError, match="meta"):
+        GraphedDecoder(model, ServingCache(model, n_slots=2, max_len=16))

@@ -86,3 +86,26 @@ def test_serving_from_prefetched_host_tables_is_exact(device):
         for name in a:
             assert torch.equal(a[name][0], b[name][0]), name
     memory.close()
+
+
+def test_all_slots_step_with_valid_mask_matches_and_leaves_invalid_rows_untouched():
+    """`decode_step(slots=None, valid=...)` (the CUDA-graph form) equals stepping the valid slots only,
+    and leaves every piece of an invalid slot's state (KV, tokens, length, ShortConv) as it was."""
+    model, _ = _model("cpu")
+    gen = torch.Generator().manual_seed(11)
+    caches = [ServingCache(model, n_slots=3, max_len=32) for _ in range(2)]
+    for cache in caches:
+        for slot, n in enumerate((4, 7, 2)):
+            prefill(model, cache, slot, torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(slot)))
+    ids = torch.randint(0, 50, (3,), generator=gen)
+    before = [t.clone() for t in (*caches[1].k, *caches[1].v, caches[1].tokens, caches[1].lengths,
+                                  *[c for c in caches[1].conv.values() if c is not None])]
+    by_slots = decode_step(model, caches[0], torch.tensor([0, 2]), ids[[0, 2]])
+    all_rows = decode_step(model, caches[1], None, ids, valid=torch.tensor([True, False, True]))
+    assert_close("valid rows", by_slots, all_rows[[0, 2]], atol=1e-5, rtol=1e-5)
+    after = [*caches[1].k, *caches[1].v, caches[1].tokens, caches[1].lengths,
+             *[c for c in caches[1].conv.values() if c is not None]]
+    for old, new in zip(before, after):
+        assert torch.equal(old[1], new[1]), "the invalid slot's state changed"
+    assert caches[1].lengths.tolist() == [5, 7, 3]
+    assert caches[0].host_lengths == [5, 7, 3]

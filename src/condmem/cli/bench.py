@@ -1,7 +1,8 @@
-"""``condmem bench hash|gather|gate|all|lookup``: GPU benchmarks, JSON rows + a ratio table.
+"""``condmem bench hash|gather|gate|all|lookup|e2e``: GPU benchmarks, JSON rows + a ratio table.
 
 ``lookup`` (the table lookup engine per tier, against PCIe) lives in `condmem.bench.lookup`
-and measures its own ceilings (H2D memcpy, D2D copy).
+and measures its own ceilings (H2D memcpy, D2D copy); ``e2e`` (serving throughput with the
+table in HBM vs host memory) in `condmem.bench.e2e`.
 
 Every run measures its own ceiling first (device-to-device copy bandwidth) and reports
 each kernel against it and against the plain-torch composition, in the same process.
@@ -28,10 +29,12 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem bench hash\n  condmem bench all --out benchmarks/results --variants\n"
         "  condmem bench gather --table-mib 16384 --gather-ids 1048576\n"
-        "  condmem bench lookup --table-gib 64 --tiers hbm host --streams uniform text",
+        "  condmem bench lookup --table-gib 64 --tiers hbm host --streams uniform text\n"
+        "  condmem bench e2e --backbones 4b 8b --table-gib 64 --sequences 512",
     )
-    p.add_argument("op", choices=(*OPS, "all", "lookup"),
-                   help="which kernel to benchmark (all = hash, gather, gate), or lookup: the table lookup engine")
+    p.add_argument("op", choices=(*OPS, "all", "lookup", "e2e"),
+                   help="which kernel to benchmark (all = hash, gather, gate); lookup: the table lookup engine; "
+                   "e2e: serving throughput of 4B/8B decoders with the Engram table in HBM vs host memory")
     p.add_argument("--out", default="benchmarks/results", help="folder of the kernels_<op>.json result files")
     p.add_argument("--variants", action="store_true", help="also time tuning variants (block sizes, plain %%)")
     p.add_argument("--hash-tokens", type=int, nargs="+", default=[16384, 262144, 1048576],
@@ -49,6 +52,10 @@ def register(sub) -> None:
     from condmem.bench.lookup import add_arguments as add_lookup_arguments
 
     add_lookup_arguments(lookup)
+    e2e = p.add_argument_group("e2e (condmem bench e2e)")
+    from condmem.bench.e2e import add_arguments as add_e2e_arguments
+
+    add_e2e_arguments(e2e)
     p.set_defaults(func=run)
 
 
@@ -80,6 +87,13 @@ def run(args) -> int:
         from condmem.bench.lookup import main as bench_lookup
 
         bench_lookup(args)
+        return 0
+    if args.op == "e2e":
+        from condmem.bench.e2e import main as bench_e2e
+
+        if not args.smoke and not torch.cuda.is_available():
+            raise CliError("condmem bench e2e needs a CUDA device; --smoke runs a tiny model on the CPU")
+        bench_e2e(args)
         return 0
     if args.smoke:
         if not interpreting():

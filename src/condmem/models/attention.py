@@ -44,6 +44,28 @@ class KVCache(nn.Module):
         return self.k[: k.shape[0], :, :end], self.v[: v.shape[0], :, :end]
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keys_seen: torch.Tensor) -> torch.Tensor:
+    """Attention of one new query per sequence over its cached keys (grouped-query heads).
+
+    Args:
+        q: [B, H, 1, hd] queries.
+        keys, values: [B, KV, L, hd] cached keys/values (KV divides H); read in place, never
+            repeated per query head: a decode step is bound by reading the cache, so SDPA's
+            GQA fallbacks (which copy K and V per head when a mask is given) would double it.
+        keys_seen: bool [B, L], True where a sequence's query may look (its positions so far).
+
+    Returns:
+        [B, H, 1, hd], softmax in fp32.
+    """
+    batch, n_heads, _, head_dim = q.shape
+    n_kv = keys.shape[1]
+    grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)                      # [B, KV, rep, hd]
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * head_dim ** -0.5  # [B, KV, rep, L]
+    scores = scores.masked_fill(~keys_seen[:, None, None, :], float("-inf"))
+    y = torch.matmul(scores.softmax(-1).to(values.dtype), values)                      # [B, KV, rep, hd]
+    return y.reshape(batch, n_heads, 1, head_dim)
+
+
 class Attention(nn.Module):
     """Causal self-attention with RoPE and grouped-query heads (scaled_dot_product_attention)."""
 

@@ -1,15 +1,25 @@
-"""CUDA-graph decode: one captured `decode_step` for a fixed number of batch rows.
+"""CUDA-graph decode: one captured step over every slot of a `ServingCache`, Engram lookups inside.
 
 Python and kernel-launch overhead dominate a decode step of a small batch, which would
 hide what Engram costs; a CUDA graph replays the whole step in one launch. The graph
-holds a fixed batch of `rows` entries: live sequences fill the first ones, the rest are
-padding rows pointed at a scratch slot of the `ServingCache` (reset inside the graph, so
-padding never grows, never touches a live sequence, and costs no lookups).
+has one row per cache slot (row j is slot j, so the KV cache is read in place); a step
+marks the slots it advances as valid, and the other rows compute but change nothing.
 
-Engram rows come into the graph through static buffers: with an `EngramMemory`, the
-lookup for the step runs *outside* the graph (its dedup and host gather need the host),
-and `step` copies the finished rows into the buffers before the replay; the copy waits on
-the lookup's event only. Without a memory, the graph hashes each slot's history itself.
+Engram rows, with an `EngramMemory` whose tables the GPU can read in place (HBM, or
+page-locked host memory), are fetched *inside* the graph::
+
+    main stream:  hash + history ──► embed ─► block 0 ─► [wait] ─► Engram ─► block 1 ...
+    side stream:              └──► gather rows (host: zero-copy over PCIe) ──┘
+
+The hash updates the decode history on the main stream; a side branch gathers every
+Engram layer's rows into static buffers; the Engram layer waits for that branch only
+(``wait="at_layer"``), so the fetch overlaps the blocks before it, the paper's prefetch.
+``wait="before_step"`` puts the same wait before block 0 instead: the synchronous
+baseline that shows what prefetching saves. Without a memory the graph hashes each
+slot's history window and reads the model's own tables.
+
+Stores the GPU cannot read in place (disk) are not supported here: serve those with
+eager `decode_step` and `EngramMemory.prepare_decode` (the lookup needs the host).
 """
 
 from __future__ import annotations
@@ -19,48 +29,99 @@ import torch
 from condmem.models.serving import ServingCache, decode_step
 from condmem.models.transformer import DecoderLM
 
+WAIT_MODES = ("at_layer", "before_step")
 
-class _StaticPrepared:
-    """Row ids and rows of every Engram layer, in fixed buffers the graph reads."""
 
-    def __init__(self, model: DecoderLM, rows: int, device):
-        cfg = model.cfg.engram
-        self.row_ids_buf = {}
+class _GraphRows:
+    """Row ids and rows of every Engram layer in fixed buffers, filled by the graph's side branch."""
+
+    def __init__(self, memory, n_rows: int, device, join: str):
+        self.memory = memory
+        self.join = join
+        self.event = torch.cuda.Event()
+        self.side = torch.cuda.Stream(device)
+        self.row_ids_all: torch.Tensor | None = None
         self.rows_buf = {}
-        for block in model.blocks:
-            if block.engram is not None:
-                lid = block.layer_id
-                self.row_ids_buf[lid] = torch.zeros(rows, 1, cfg.n_cols, dtype=torch.long, device=device)
-                self.rows_buf[lid] = torch.zeros(rows, 1, cfg.n_cols, cfg.head_dim, dtype=torch.bfloat16, device=device)
+        for lid in memory.layer_ids:
+            store = memory.stores[lid]
+            n_cols = memory.hasher.layout.n_cols
+            self.rows_buf[lid] = torch.zeros(n_rows, 1, n_cols, store.head_dim, dtype=torch.bfloat16, device=device)
 
+    def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, delay_cycles: int = 0) -> None:
+        """Hash the step's tokens (updating history), then gather the rows on the side stream."""
+        memory = self.memory
+        self.row_ids_all = memory.hasher.decode(memory.history, slots, ids, valid=valid)[:, None]   # [B, 1, L, C]
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            if delay_cycles:
+                torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
+            for i, lid in enumerate(memory.layer_ids):
+                memory.engines[lid].gather_into(self.row_ids_all[:, :, i], out=self.rows_buf[lid])
+            self.event.record(self.side)
+        if self.join == "before_step":
+            main.wait_event(self.event)
+
+    def finish(self) -> None:
+        """Join the side branch if no Engram layer did (a graph must end joined)."""
+        torch.cuda.current_stream().wait_event(self.event)
+
+    # The interface `decode_step` reads (as from `condmem.runtime.Prepared`).
     def row_ids(self, layer_id: int) -> torch.Tensor:
-        return self.row_ids_buf[layer_id]
+        return self.row_ids_all[:, :, self.memory.layer_ids.index(layer_id)]
 
     def rows(self, layer_id: int) -> torch.Tensor:
+        if self.join == "at_layer":
+            torch.cuda.current_stream().wait_event(self.event)
         return self.rows_buf[layer_id]
 
 
 class GraphedDecoder:
-    """`decode_step` captured in a CUDA graph for up to `rows` sequences per step.
+    """`decode_step` over all slots of `cache`, captured in a CUDA graph.
 
     Args:
         model: the decoder (on CUDA, eval mode).
-        cache: its `ServingCache`; its last slot is used as the padding rows' scratch slot,
-            so give it one slot more than the sequences it serves.
-        rows: batch rows of the graph (live sequences per step at most).
-        with_memory: rows come from an `EngramMemory` (pass `prepared=` to `step`).
+        cache: its `ServingCache`; the graph has one row per slot.
+        memory: optional `EngramMemory` holding the Engram tables (HBM or page-locked host
+            stores); its history slots must be the cache's slot numbers (allocate both
+            from the memory, or keep them equal).
+        wait: where the main stream waits for the fetched rows: ``"at_layer"`` (each
+            Engram layer: the fetch overlaps the blocks before it) or ``"before_step"``
+            (synchronous fetch, for comparison).
+
+    Example:
+        >>> graph = GraphedDecoder(model, cache, memory=memory)
+        >>> logits = graph.step([0, 3], next_ids)          # advances slots 0 and 3
     """
 
-    def __init__(self, model: DecoderLM, cache: ServingCache, rows: int, *, with_memory: bool = False,
-                 warmup: int = 3):
+    def __init__(self, model: DecoderLM, cache: ServingCache, *, memory=None, wait: str = "at_layer",
+                 warmup: int = 3, _side_delay_cycles: int = 0, _late_join: bool = False):
         if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")
-        self.model, self.cache, self.rows = model, cache, rows
-        self.scratch = cache.n_slots - 1
+        if wait not in WAIT_MODES:
+            raise ValueError(f"wait must be one of {WAIT_MODES}, got {wait!r}")
+        if memory is not None and model.cfg.engram is None:
+            raise ValueError("a memory was given but the model has no Engram layers")
+        if memory is not None:
+            unreadable = [lid for lid, s in memory.stores.items() if not s.gpu_readable]
+            if unreadable:
+                raise ValueError(f"Engram layer(s) {unreadable} live in a tier the GPU cannot read in place "
+                                 "(disk?): serve them with eager decode_step + memory.prepare_decode")
+            if memory.history.n_slots < cache.n_slots:
+                raise ValueError(f"the memory's history has {memory.history.n_slots} slots, the cache "
+                                 f"{cache.n_slots}: they must share slot numbers")
+        if memory is None and model.cfg.engram is not None and model.engram_layers[0].table.weight.is_meta:
+            raise ValueError("the model's Engram tables live outside it (meta): pass memory=")
+        self.model, self.cache, self.memory = model, cache, memory
         device = cache.tokens.device
-        self.slots = torch.full((rows,), self.scratch, dtype=torch.long, device=device)
-        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.static = _StaticPrepared(model, rows, device) if with_memory and model.cfg.engram is not None else None
+        n = cache.n_slots
+        self.slots = torch.arange(n, device=device)
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.valid = torch.zeros(n, dtype=torch.bool, device=device)
+        self._delay = _side_delay_cycles
+        self._late_join = _late_join       # tests only: the Engram layer reads rows without waiting
+        join = "none" if _late_join else wait
+        self.fetch = _GraphRows(memory, n, device, join) if memory is not None else None
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -70,30 +131,30 @@ class GraphedDecoder:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._body()
-        cache.lengths.narrow(0, self.scratch, 1).zero_()
 
     def _body(self) -> torch.Tensor:
-        # Padding rows restart at position 0 every step (a device op: no host value in the graph).
-        self.cache.lengths.narrow(0, self.scratch, 1).zero_()
-        return decode_step(self.model, self.cache, self.slots, self.ids, prepared=self.static, check=False)
+        if self.fetch is not None:
+            self.fetch.launch(self.slots, self.ids, self.valid, self._delay)
+        logits = decode_step(self.model, self.cache, None, self.ids, prepared=self.fetch, check=False,
+                             valid=self.valid)
+        if self.fetch is not None and self._late_join:
+            self.fetch.finish()
+        return logits
 
     @torch.no_grad()
-    def step(self, slots: torch.Tensor, ids: torch.Tensor, prepared=None) -> torch.Tensor:
-        """Advance live `slots` [B <= rows] by `ids` [B]; returns logits [B, vocab] (a view, valid until the next step)."""
-        n = slots.numel()
-        if n > self.rows:
-            raise ValueError(f"{n} sequences in a step; the graph holds {self.rows}")
-        if bool((self.cache.lengths[slots] >= self.cache.max_len).any()):
-            raise ValueError(f"a sequence reached the cache's {self.cache.max_len} positions")
-        self.slots.fill_(self.scratch)
-        self.slots[:n].copy_(slots)
-        self.ids.zero_()
-        self.ids[:n].copy_(ids)
-        if self.static is not None:
-            if prepared is None:
-                raise ValueError("this graph reads Engram rows from memory: pass prepared=memory.prepare_decode(...)")
-            for lid in self.static.rows_buf:
-                self.static.row_ids_buf[lid][:n].copy_(prepared.row_ids(lid))
-                self.static.rows_buf[lid][:n].copy_(prepared.rows(lid))   # waits for this layer's lookup
+    def step(self, slots, ids: torch.Tensor) -> torch.Tensor:
+        """Advance `slots` (host ints: a list or CPU tensor) by `ids` [B]; returns logits [B, vocab]."""
+        slots = [int(s) for s in (slots.tolist() if isinstance(slots, torch.Tensor) else slots)]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots} repeat a slot")
+        bad = [s for s in slots if not 0 <= s < self.cache.n_slots]
+        if bad:
+            raise ValueError(f"slots {bad} are not slots of the cache (0..{self.cache.n_slots - 1})")
+        self.cache.check_room(slots)
+        index = torch.tensor(slots, dtype=torch.long).to(self.ids.device, non_blocking=True)
+        self.valid.zero_()
+        self.valid[index] = True
+        self.ids[index] = ids.to(self.ids.device)
         self.graph.replay()
-        return self.logits[:n]
+        self.cache.advance(slots)
+        return self.logits[index]

@@ -4,7 +4,10 @@
 ``max_len`` tokens, each slot's length, its token history and each Engram layer's
 ShortConv state. Sequences join (`prefill` one prompt into a free slot) and leave
 (`release`) between steps; `decode_step` advances any set of live slots by one token,
-each at its own position (per-row RoPE angles, per-row attention masks).
+each at its own position (per-row RoPE angles, per-row attention masks). With
+``slots=None`` and a ``valid`` mask, a step covers every slot in order and leaves the
+rows marked invalid exactly as they were (what a CUDA graph of fixed shape needs: no
+index copies of the KV cache, and no host values).
 
 Engram rows for a step come either from the model's own tables (hashing the last N-1
 tokens of each slot's history) or, with ``prepared=``, from an `EngramMemory` lookup
@@ -15,15 +18,18 @@ numbers as these cache slots).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from condmem.models.attention import _SDPA_GQA, KVCache
+from condmem.models.attention import KVCache, decode_attention
 from condmem.models.layers import apply_rotary
 from condmem.models.transformer import DecoderLM, InferenceCache, engram_update
 
 
 class ServingCache:
-    """Per-slot decoding state for up to `n_slots` concurrent sequences of `max_len` tokens."""
+    """Per-slot decoding state for up to `n_slots` concurrent sequences of `max_len` tokens.
+
+    ``host_lengths`` mirrors each slot's length on the host (kept by `prefill`,
+    `release` and the decoders), so schedulers can check capacity without a device sync.
+    """
 
     def __init__(self, model: DecoderLM, n_slots: int, max_len: int | None = None, dtype: torch.dtype | None = None):
         cfg = model.cfg
@@ -36,6 +42,7 @@ class ServingCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
         self.lengths = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self.host_lengths = [0] * n_slots
         self.tokens = torch.zeros(n_slots, self.max_len, dtype=torch.long, device=device)
         self.conv: dict[int, torch.Tensor | None] = {}
         for block in model.blocks:
@@ -60,77 +67,113 @@ class ServingCache:
     def release(self, slot: int) -> None:
         """Forget a finished sequence (its slot is reset; the next prefill overwrites it)."""
         self.lengths[slot] = 0
+        self.host_lengths[slot] = 0
         for c in self.conv.values():
             if c is not None:
                 c[slot].zero_()
 
+    def check_room(self, slots) -> None:
+        """Raise if a slot in `slots` (host ints) has no position left for one more token."""
+        full = [s for s in slots if self.host_lengths[s] >= self.max_len]
+        if full:
+            raise ValueError(f"slot(s) {full} reached the cache's {self.max_len} positions")
+
+    def advance(self, slots) -> None:
+        """Host mirror of a decode step over `slots` (host ints)."""
+        for s in slots:
+            self.host_lengths[s] += 1
+
 
 @torch.no_grad()
-def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor, prepared=None) -> torch.Tensor:
-    """Run prompt `ids` [T] into `slot` (which must be empty); returns logits [T, vocab]."""
-    if int(cache.lengths[slot]) != 0:
+def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor, prepared=None,
+            last_only: bool = False) -> torch.Tensor:
+    """Run prompt `ids` [T] into `slot` (which must be empty); returns logits [T, vocab] ([1, vocab] with `last_only`)."""
+    if cache.host_lengths[slot] != 0:
         raise ValueError(f"slot {slot} holds a live sequence; release it first")
+    if ids.numel() > cache.max_len:
+        raise ValueError(f"a prompt of {ids.numel()} tokens does not fit the cache's {cache.max_len} positions")
     cache.release(slot)
-    logits = model(ids[None].to(cache.tokens.device), cache=cache._row_cache(slot), prepared=prepared)[0]
+    logits = model(ids[None].to(cache.tokens.device), cache=cache._row_cache(slot), prepared=prepared,
+                   last_only=last_only)[0]
     cache.lengths[slot] = ids.numel()
+    cache.host_lengths[slot] = ids.numel()
     return logits
 
 
-@torch.no_grad()
-def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor, ids: torch.Tensor,
-                prepared=None, check: bool = True) -> torch.Tensor:
-    """One new token per live slot: ids [B] for slots [B] (distinct); returns logits [B, vocab].
+def _masked_put(dest: torch.Tensor, index: tuple, new: torch.Tensor, valid: torch.Tensor | None) -> None:
+    """dest[index] = new, except rows where `valid` is False keep their old value."""
+    new = new.to(dest.dtype)
+    if valid is not None:
+        old = dest[index]
+        new = torch.where(valid.view(-1, *([1] * (new.dim() - 1))), new, old)
+    dest[index] = new
 
-    `check=False` skips the cache-full test (a host sync), e.g. inside a CUDA graph.
+
+@torch.no_grad()
+def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | None, ids: torch.Tensor,
+                prepared=None, check: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """One new token per live slot; returns logits [B, vocab].
+
+    Args:
+        slots: [B] distinct slots to advance, or None for every slot in order (B = n_slots;
+            the KV cache is then read in place, without index copies).
+        ids: [B] new token ids.
+        valid: optional bool [B]; False rows compute but change nothing (graph padding).
+        check: test that no advanced slot is full (a host sync; off inside CUDA graphs).
     """
     cfg = model.cfg
     device = cache.tokens.device
-    slots, ids = slots.to(device), ids.to(device)
-    pos = cache.lengths[slots]                                    # [B] position of the new token
-    if check and bool((pos >= cache.max_len).any()):
-        raise ValueError(f"a sequence reached the cache's {cache.max_len} positions")
-    cache.tokens[slots, pos] = ids
+    ids = ids.to(device)
     batch = ids.numel()
-    x = model.embed(ids)[:, None]                                 # [B, 1, D]
-    cos = model.rotary.cos[pos][:, None, None, :]                 # [B, 1, 1, hd/2]
-    sin = model.rotary.sin[pos][:, None, None, :]
+    rows = torch.arange(batch, device=device) if slots is None else slots.to(device)
+    if slots is None and batch != cache.n_slots:
+        raise ValueError(f"slots=None covers all {cache.n_slots} slots; got {batch} ids")
+    pos = cache.lengths[rows]                                      # [B] position of the new token
+    if check:
+        over = pos >= cache.max_len if valid is None else (pos >= cache.max_len) & valid
+        if bool(over.any()):
+            raise ValueError(f"a sequence reached the cache's {cache.max_len} positions")
+    at = pos.clamp(max=cache.max_len - 1)                          # invalid rows may sit at a full slot
+    _masked_put(cache.tokens, (rows, at), ids, valid)
+    x = model.embed(ids)[:, None]                                  # [B, 1, D]
+    cos = model.rotary.cos[at][:, None, None, :]                   # [B, 1, 1, hd/2]
+    sin = model.rotary.sin[at][:, None, None, :]
     rows_all = None
     if cfg.engram is not None and prepared is None:
         # Each slot's last N tokens; look-backs before its start are blocked (read as pad).
         n = cfg.engram.max_ngram_size
-        back = pos[:, None] - torch.arange(n - 1, -1, -1, device=device)[None, :]        # [B, N]
-        window = cache.tokens[slots[:, None], back.clamp(min=0)]
+        back = at[:, None] - torch.arange(n - 1, -1, -1, device=device)[None, :]        # [B, N]
+        window = cache.tokens[rows[:, None], back.clamp(min=0)]
         rows_all = model.hasher(window, blocked=back < 0, check=False)[:, -1:]          # [B, 1, L, C]
-    keys_seen = torch.arange(cache.max_len, device=device)[None, :] <= pos[:, None]    # [B, max_len]
-    slot_index = 0
+    keys_seen = torch.arange(cache.max_len, device=device)[None, :] <= at[:, None]     # [B, max_len]
+    layer_slot = 0
     for i, block in enumerate(model.blocks):
         if block.engram is not None:
             lid = block.layer_id
             if prepared is not None:
-                rows, looked_up = prepared.row_ids(lid), prepared.rows(lid)
+                row_ids, looked_up = prepared.row_ids(lid), prepared.rows(lid)   # waits for this layer's rows
             else:
-                rows, looked_up = rows_all[:, :, slot_index], None
-            slot_index += 1
+                row_ids, looked_up = rows_all[:, :, layer_slot], None
+            layer_slot += 1
             conv = cache.conv[lid]
-            state = None if conv is None else conv[slots]
-            x = x + engram_update(block.engram, x, rows, state, looked_up=looked_up)
+            state = None if conv is None else conv[rows]
+            x = x + engram_update(block.engram, x, row_ids, state, looked_up=looked_up)
             if conv is not None:
-                conv[slots] = state
+                _masked_put(conv, (rows,), state, valid)
         attn = block.attn
         h = block.attn_norm(x)
         q = attn.wq(h).view(batch, 1, attn.n_heads, attn.head_dim).transpose(1, 2)
         k = attn.wk(h).view(batch, 1, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
         v = attn.wv(h).view(batch, 1, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache.k[i][slots, :, pos] = k[:, :, 0].to(cache.k[i].dtype)
-        cache.v[i][slots, :, pos] = v[:, :, 0].to(cache.v[i].dtype)
-        keys, values = cache.k[i][slots].to(q.dtype), cache.v[i][slots].to(q.dtype)
-        if attn.n_kv_heads != attn.n_heads and not _SDPA_GQA:
-            rep = attn.n_heads // attn.n_kv_heads
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        kwargs = {"enable_gqa": True} if attn.n_kv_heads != attn.n_heads and _SDPA_GQA else {}
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=keys_seen[:, None, None, :], **kwargs)
+        _masked_put(cache.k[i], (rows, slice(None), at), k[:, :, 0], valid)
+        _masked_put(cache.v[i], (rows, slice(None), at), v[:, :, 0], valid)
+        keys = cache.k[i] if slots is None else cache.k[i][rows]
+        values = cache.v[i] if slots is None else cache.v[i][rows]
+        y = decode_attention(q, keys.to(q.dtype), values.to(q.dtype), keys_seen)
         x = x + attn.wo(y.transpose(1, 2).reshape(batch, 1, -1))
         x = x + block.mlp(block.mlp_norm(x))
-    cache.lengths[slots] = pos + 1
+    _masked_put(cache.lengths, (rows,), pos + 1, valid)
+    if slots is not None:   # host mirror (a sync for device slots; graphs pass slots=None)
+        cache.advance((slots if valid is None else slots[valid.to(slots.device)]).tolist())
     return model.lm_head(model.norm(x))[:, 0]

@@ -235,7 +235,7 @@ class DecoderLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
                 cache: InferenceCache | None = None, capture: GateCapture | None = None,
-                prepared=None) -> torch.Tensor:
+                prepared=None, last_only: bool = False) -> torch.Tensor:
         """Logits [B, T, vocab] for token ids [B, T].
 
         Args:
@@ -248,6 +248,9 @@ class DecoderLM(nn.Module):
                 `prepare_decode` for these ids: row ids and rows come from it (tables in
                 host memory, fetched while the earlier blocks run), each Engram layer
                 waiting only for its own rows.
+            last_only: logits of the last position only ([B, 1, vocab]): what a prefill
+                that samples the next token needs (the output projection over a whole
+                prompt is a large, wasted matmul).
         """
         batch, length = input_ids.shape
         start = 0
@@ -285,6 +288,8 @@ class DecoderLM(nn.Module):
             )
         if cache is not None:
             cache.length = start + length
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(self.norm(x))
 
     @staticmethod

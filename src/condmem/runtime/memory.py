@@ -152,14 +152,24 @@ class EngramMemory:
                 slots: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> Prepared:
         """Prefill: hash [B, T] token ids for every layer and start every lookup.
 
+        Ids given on the CPU are range-checked there (no device sync); ids already on the
+        device are checked with one sync.
+
         With `slots` ([B] history slots), the prompts also seed the decode histories
         (`lengths` [B]: real tokens per row when rows are right-padded).
         """
-        input_ids = input_ids.to(self.device)
-        row_ids = self.hasher(input_ids, doc_starts=doc_starts)
+        if input_ids.device.type == "cpu":
+            # Range-check on the host, where the ids are: a check on the device would cost a sync
+            # that stalls the host until the GPU has finished everything queued before.
+            self.hasher.compress(input_ids, check=True)
+            check = False
+        else:
+            check = True
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        row_ids = self.hasher(input_ids, doc_starts=doc_starts, check=check)
         if slots is not None:
             self.hasher.prefill_history(self.history, torch.as_tensor(slots, device=self.device), input_ids,
-                                        doc_starts=doc_starts, lengths=lengths)
+                                        doc_starts=doc_starts, lengths=lengths, check=False)
         return self._start(row_ids)
 
     def prepare_decode(self, slots: torch.Tensor, input_ids: torch.Tensor, *,
