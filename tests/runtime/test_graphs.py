@@ -14,10 +14,14 @@ from model_fixtures import tiny_engram_lm
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _run(model, memory=None, graphed=True, steps=12, **graph_kw):
-    """Two sequences, a third joins at step 4 and the first leaves at step 8; per-step logits."""
+def _run(model, memory=None, graphed=True, steps=12, host_prompts=False, **graph_kw):
+    """Two sequences, a third joins at step 4 and the first leaves at step 8; per-step logits.
+
+    `host_prompts`: prompts stay on the CPU (EngramMemory hashes them on its own stream)."""
     gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 50, (n,), generator=gen).cuda() for n in (6, 3, 8)]
+    prompts = [torch.randint(0, 50, (n,), generator=gen) for n in (6, 3, 8)]
+    if not host_prompts:
+        prompts = [p.cuda() for p in prompts]
     cache = ServingCache(model, n_slots=3, max_len=64)
     graph = GraphedDecoder(model, cache, memory=memory, **graph_kw) if graphed else None
     live, last, out = [], {}, []
@@ -26,7 +30,7 @@ def _run(model, memory=None, graphed=True, steps=12, **graph_kw):
     def join(i):
         slot = memory.allocate() if memory is not None else free.pop(0)
         prep = memory.prepare(prompts[i][None], slots=torch.tensor([slot])) if memory is not None else None
-        last[slot] = prefill(model, cache, slot, prompts[i], prepared=prep)[-1]
+        last[slot] = prefill(model, cache, slot, prompts[i].cuda(), prepared=prep)[-1]
         live.append(slot)
 
     join(0), join(1)
@@ -60,12 +64,14 @@ def test_graph_replay_matches_eager_steps():
 
 @pytest.mark.parametrize("tier", ["host", "hbm"])
 @pytest.mark.parametrize("wait", ["at_layer", "before_step"])
-def test_graph_fetching_rows_inside_is_exact(tier, wait):
+@pytest.mark.parametrize("host_prompts", [False, True])
+def test_graph_fetching_rows_inside_is_exact(tier, wait, host_prompts):
     """Rows gathered inside the graph (side branch) give logits equal to the model's own tables."""
     model, tables = tiny_engram_lm("cuda")
     memory = EngramMemory.from_weights(model.hasher, tables, tier, "cuda", max_sequences=3)
     with torch.no_grad():
-        plain, served = _run(model, graphed=True), _run(model, memory=memory, graphed=True, wait=wait)
+        plain = _run(model, graphed=True)
+        served = _run(model, memory=memory, graphed=True, wait=wait, host_prompts=host_prompts)
     for i, (a, b) in enumerate(zip(plain, served)):
         assert torch.equal(a, b), f"step {i}"
     memory.close()

@@ -109,3 +109,42 @@ def test_all_slots_step_with_valid_mask_matches_and_leaves_invalid_rows_untouche
         assert torch.equal(old[1], new[1]), "the invalid slot's state changed"
     assert caches[1].lengths.tolist() == [5, 7, 3]
     assert caches[0].host_lengths == [5, 7, 3]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_batched_prefill_equals_one_prompt_at_a_time(device):
+    """Right-padded group prefill: same last-token logits and the same decode afterwards; from
+    prefetched host rows it is torch.equal to the model's own tables."""
+    from condmem.models.serving import padded_ids, prefill_batch
+
+    model, tables = _model(device, short_conv=False)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 50, (n,), generator=gen).to(device) for n in (7, 2, 11)]
+    one, grouped, served = (ServingCache(model, n_slots=3, max_len=32) for _ in range(3))
+    first = torch.stack([prefill(model, one, s, p, last_only=True)[0] for s, p in enumerate(prompts)])
+    batched = prefill_batch(model, grouped, [0, 1, 2], prompts)
+    assert_close("prefill", first, batched, atol=1e-4, rtol=1e-4)
+    memory = EngramMemory.from_weights(model.hasher, tables, "host", device, max_sequences=3)
+    slots = [memory.allocate() for _ in prompts]
+    ids, lengths = padded_ids([p.cpu() for p in prompts])
+    from_memory = prefill_batch(model, served, slots, prompts, prepared=memory.prepare(ids, slots=torch.tensor(slots),
+                                                                                         lengths=lengths))
+    assert torch.equal(batched, from_memory)
+    assert grouped.host_lengths == [7, 2, 11] and grouped.lengths.tolist() == [7, 2, 11]
+    nxt = batched.argmax(-1)
+    a = decode_step(model, one, torch.tensor([0, 1, 2]), nxt)
+    b = decode_step(model, grouped, torch.tensor([0, 1, 2]), nxt)
+    c = decode_step(model, served, torch.tensor(slots), nxt, prepared=memory.prepare_decode(torch.tensor(slots), nxt))
+    assert_close("decode after prefill", a, b, atol=1e-4, rtol=1e-4)
+    assert torch.equal(b, c)
+    memory.close()
+
+
+def test_batched_prefill_of_a_shortconv_model_goes_one_prompt_at_a_time():
+    from condmem.models.serving import prefill_batch
+
+    model, _ = _model("cpu")
+    prompts = [torch.randint(0, 50, (n,)) for n in (5, 3)]
+    one, grouped = ServingCache(model, n_slots=2, max_len=16), ServingCache(model, n_slots=2, max_len=16)
+    first = torch.stack([prefill(model, one, s, p, last_only=True)[0] for s, p in enumerate(prompts)])
+    assert torch.equal(first, prefill_batch(model, grouped, [0, 1], prompts))

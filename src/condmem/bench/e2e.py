@@ -4,9 +4,10 @@ The paper's offloading experiment: a dense backbone (about 4B or 8B parameters, 
 random weights) with one Engram layer at the second block, whose table (fp8 rows with
 their scales, V4.1 geometry: 24 columns x 256 per token) is sized in GiB (default 64).
 A workload of ``--sequences`` prompts (lengths uniform in ``--prompt-min..--prompt-max``)
-is served in waves of ``--batch`` concurrent sequences: each prompt is prefilled into a
-cache slot, then every sequence decodes ``--gen`` tokens greedily, one CUDA-graph step
-per token for the whole wave (`GraphedDecoder`).
+is served in waves of ``--batch`` concurrent sequences: the prompts are prefilled into
+cache slots, ``--prefill-batch`` prompts of similar length per forward, then every
+sequence decodes ``--gen`` tokens greedily, one CUDA-graph step per token for the whole
+wave (`GraphedDecoder`).
 
 Variants, same backbone weights (the no-Engram model shares every backbone module):
 
@@ -15,8 +16,9 @@ Variants, same backbone weights (the no-Engram model shares every backbone modul
 * ``host_sync``: the table in page-locked host memory, each lookup waited for before
   the step (or the prompt) starts: its latency is on the critical path;
 * ``host_prefetch``: the same table, each lookup started before block 0 and waited for
-  by the Engram layer only (decode: inside the graph, on a side branch); prompts are
-  hashed and fetched one prompt ahead (the scheduler knows the next prompt).
+  by the Engram layer only (decode: inside the graph, on a side branch); prompt groups
+  are hashed and fetched one group ahead (a scheduler knows its queue), the misses
+  gathered by CPU threads and sent by DMA, so the fetch takes no SMs from the forward.
 
 Throughput = (prompt + generated tokens) / wall time, best of ``--e2e-repeats`` runs.
 The tokens generated with the table in host memory are compared (``torch.equal``) with
@@ -37,7 +39,7 @@ import torch
 from condmem.bench.harness import append_rows, machine_info, rows_table
 from condmem.config import EngramConfig
 from condmem.models.config import ModelConfig
-from condmem.models.serving import ServingCache, prefill
+from condmem.models.serving import ServingCache, padded_ids, prefill_batch
 from condmem.models.transformer import DecoderLM
 from condmem.runtime import EngramMemory
 from condmem.tables.storage import LayerStore
@@ -120,10 +122,18 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[torch.
 
 
 class Server:
-    """Serves waves of prompts with one model, cache, decode graph and (optionally) an EngramMemory."""
+    """Serves waves of prompts with one model, cache, decode graph and (optionally) an EngramMemory.
 
-    def __init__(self, model: DecoderLM, batch: int, max_len: int, memory: EngramMemory | None, mode: str):
+    Prompts are prefilled in groups of `prefill_batch` of similar length (one forward per
+    group, right-padded); with ``mode="prefetch"`` the next group's rows are hashed and
+    fetched while the current group runs, with ``mode="sync"`` each group waits for its
+    rows before its first block.
+    """
+
+    def __init__(self, model: DecoderLM, batch: int, max_len: int, memory: EngramMemory | None, mode: str,
+                 prefill_batch: int = 16):
         self.model, self.memory, self.mode = model, memory, mode
+        self.prefill_batch = prefill_batch
         self.device = model.embed.weight.device
         self.cache = ServingCache(model, n_slots=batch, max_len=max_len)
         self.graph = None
@@ -133,8 +143,9 @@ class Server:
             wait = "before_step" if mode == "sync" else "at_layer"
             self.graph = GraphedDecoder(model, self.cache, memory=memory, wait=wait)
 
-    def _prepare(self, prompt: torch.Tensor, slot: int):
-        return self.memory.prepare(prompt[None], slots=torch.tensor([slot]))
+    def _prepare(self, group: list[torch.Tensor], slots: list[int]):
+        ids, lengths = padded_ids(group)
+        return self.memory.prepare(ids, slots=torch.tensor(slots), lengths=lengths)
 
     def wave(self, prompts: list[torch.Tensor], gen: int) -> tuple[torch.Tensor, float, float]:
         """Prefill `prompts` (one per slot) and decode `gen` tokens each; (tokens [n, gen], prefill s, decode s)."""
@@ -142,23 +153,30 @@ class Server:
         slots = [self.memory.allocate() for _ in range(n)] if self.memory is not None else list(range(n))
         out = torch.empty(n, gen, dtype=torch.long, device=self.device)
         timer = _Timer(self.device)
+        order = sorted(range(n), key=lambda i: -prompts[i].numel())
+        groups = [order[s:s + self.prefill_batch] for s in range(0, n, self.prefill_batch)]
         ahead = {}
+
+        def start(g):
+            return self._prepare([prompts[i] for i in groups[g]], [slots[i] for i in groups[g]])
+
         if self.memory is not None and self.mode == "prefetch":
-            ahead[0] = self._prepare(prompts[0], slots[0])
-        for j, (prompt, slot) in enumerate(zip(prompts, slots)):
+            ahead[0] = start(0)
+        for g, members in enumerate(groups):
             prepared = None
             if self.memory is not None:
                 if self.mode == "prefetch":
-                    prepared = ahead.pop(j)
-                    if j + 1 < n:   # the next prompt's rows are fetched while this prompt runs
-                        ahead[j + 1] = self._prepare(prompts[j + 1], slots[j + 1])
+                    prepared = ahead.pop(g)
+                    if g + 1 < len(groups):   # the next group's rows are fetched while this group runs
+                        ahead[g + 1] = start(g + 1)
                 else:
-                    prepared = self._prepare(prompt, slot)
+                    prepared = start(g)
                     for lid in self.memory.layer_ids:
                         prepared.rows(lid)          # the stream waits here, before block 0
-            logits = prefill(self.model, self.cache, slot, prompt.to(self.device, non_blocking=True),
-                             prepared=prepared, last_only=True)
-            out[j, 0] = logits[-1].argmax()
+            logits = prefill_batch(self.model, self.cache, [slots[i] for i in members],
+                                   [prompts[i].to(self.device, non_blocking=True) for i in members],
+                                   prepared=prepared)
+            out[torch.tensor(members, device=self.device), 0] = logits.argmax(-1)
         t_prefill = timer.lap()
         ids = out[:, 0]
         for t in range(1, gen):
@@ -233,28 +251,34 @@ def run_backbone(args, backbone: str, host_store: LayerStore, info: dict) -> lis
     warm = workload(min(args.batch, 8), args.prompt_min, args.prompt_max, model.cfg.vocab_size, args.seed + 1)
 
     def memory_for(store):
-        return EngramMemory(model.hasher, {lid: store}, device, cpu_fraction=0.0, max_sequences=args.batch)
+        # Prompts: dedup, then CPU threads gather the misses into pinned staging and DMA them
+        # (copy engines: no SMs taken from the forward running beside); decode: in the graph.
+        return EngramMemory(model.hasher, {lid: store}, device, cpu_fraction=1.0, max_sequences=args.batch)
 
     results: dict[str, dict] = {}
     variants = [v for v in args.e2e_variants if v != "hbm" or device.type == "cuda"]
     hbm_store = None
     for variant in variants:
         if variant == "none":
-            server = Server(twin, args.batch, max_len, None, "prefetch")
+            server = Server(twin, args.batch, max_len, None, "prefetch", args.prefill_batch)
         else:
             store = host_store
             if variant == "hbm":
                 hbm_store = store = hbm_copy(host_store, device)
             memory = memory_for(store)
-            for engine in memory.engines.values():
-                engine.direct_max_ids = max(engine.direct_max_ids, args.prompt_max * N_COLS)
-            server = Server(model, args.batch, max_len, memory, "sync" if variant == "host_sync" else "prefetch")
+            server = Server(model, args.batch, max_len, memory, "sync" if variant == "host_sync" else "prefetch",
+                            args.prefill_batch)
         serve_all(server, warm, args.batch, min(args.gen, 4))      # warm-up: kernels, allocator, graph pools
         best = None
         for _ in range(args.e2e_repeats):
             r = serve_all(server, prompts, args.batch, args.gen)
+            log.info("%s / %s run: %.2f s (prefill %.2f, decode %.2f)", backbone, variant, r["total_s"],
+                     r["prefill_s"], r["decode_s"])
             if best is None or r["total_s"] < best["total_s"]:
                 best = r
+        if args.profile:
+            profile(server, prompts[: args.batch], args.batch, min(args.gen, 8),
+                    Path(args.out) / f"profile_{backbone}_{variant}.txt")
         results[variant] = best
         log.info("%s / %s: %.0f tok/s (prefill %.0f, decode %.0f)", backbone, variant, best["tokens_per_s"],
                  best["prefill_tokens_per_s"], best["decode_tokens_per_s"])
@@ -289,6 +313,27 @@ def run_backbone(args, backbone: str, host_store: LayerStore, info: dict) -> lis
             row["tokens_equal"] = bool(torch.equal(r["tokens"], results[reference]["tokens"]))
         rows.append(row)
     return rows
+
+
+def profile(server: Server, prompts: list[torch.Tensor], batch: int, gen: int, path: Path) -> None:
+    """One wave under torch.profiler: the top ops by device time and by host time, to `path`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if server.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        _, t_prefill, t_decode = server.wave(prompts, gen)
+        wall = time.perf_counter() - t0
+    table = prof.key_averages()
+    device_key = "self_device_time_total" if server.device.type == "cuda" else "self_cpu_time_total"
+    text = (f"one wave of {len(prompts)} prompts, {gen} tokens: prefill {t_prefill:.3f} s, decode {t_decode:.3f} s, "
+            f"wall {wall:.3f} s (profiled)\n\n== by device time\n"
+            + table.table(sort_by=device_key, row_limit=30)
+            + "\n== by host time\n" + table.table(sort_by="self_cpu_time_total", row_limit=20))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    log.info("profile -> %s", path)
 
 
 def plot(rows: list[dict], path: Path) -> Path | None:
@@ -341,13 +386,14 @@ def main(args) -> list[dict]:
     layout = EngramLayout(engram_config(BACKBONES[args.backbones[0]]["dim"], args.table_gib, v_prime, pad))
     store = make_host_store(layout.layer(1).num_embeddings, "mmap_register" if args.device == "cuda" else "pageable")
     rows = []
+    out = Path(args.out)
     try:
         for backbone in args.backbones:
-            rows += run_backbone(args, backbone, store, info)
+            new = run_backbone(args, backbone, store, info)
+            append_rows(out / "e2e.json", new)          # each backbone's rows as soon as they exist
+            rows += new
     finally:
         store.close()
-    out = Path(args.out)
-    append_rows(out / "e2e.json", rows)
     plot(rows, out / "e2e.png")
     print(rows_table(rows, [("backbone", "model", ""), ("variant", "variant", ""), ("table_gib", "GiB", ".1f"),
                             ("tokens_per_s", "tok/s", ".0f"), ("prefill_tokens_per_s", "prefill tok/s", ".0f"),
@@ -365,8 +411,12 @@ def add_arguments(p) -> None:
                    help="what to serve (the table size is --table-gib)")
     p.add_argument("--sequences", type=int, default=512, help="prompts in the workload")
     p.add_argument("--batch", type=int, default=128, help="concurrent sequences (cache slots, graph rows)")
+    p.add_argument("--prefill-batch", type=int, default=16,
+                   help="prompts per prefill forward (grouped by length, right-padded)")
     p.add_argument("--prompt-min", type=int, default=100, help="shortest prompt (tokens)")
     p.add_argument("--prompt-max", type=int, default=1024, help="longest prompt (tokens)")
     p.add_argument("--gen", type=int, default=128, help="tokens generated per sequence (greedy)")
     p.add_argument("--e2e-repeats", type=int, default=2, help="timed runs of the workload per variant (best kept)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one wave per variant (torch.profiler tables to <out>/profile_*.txt)")

@@ -49,20 +49,22 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     Args:
         q: [B, H, 1, hd] queries.
-        keys, values: [B, KV, L, hd] cached keys/values (KV divides H); read in place, never
-            repeated per query head: a decode step is bound by reading the cache, so SDPA's
-            GQA fallbacks (which copy K and V per head when a mask is given) would double it.
+        keys, values: [B, KV, L, hd] cached keys/values (KV divides H).
         keys_seen: bool [B, L], True where a sequence's query may look (its positions so far).
 
     Returns:
-        [B, H, 1, hd], softmax in fp32.
+        [B, H, 1, hd].
+
+    The H/KV query heads that share a key head are folded into the query-length axis
+    ([B, KV, H/KV, hd] against [B, KV, L, hd]), so a fused attention kernel reads each
+    cached key once and nothing is repeated per query head: a decode step is bound by
+    reading the cache, and SDPA's GQA fallbacks (which copy K and V per head when a mask
+    is given) would multiply that.
     """
     batch, n_heads, _, head_dim = q.shape
     n_kv = keys.shape[1]
-    grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)                      # [B, KV, rep, hd]
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * head_dim ** -0.5  # [B, KV, rep, L]
-    scores = scores.masked_fill(~keys_seen[:, None, None, :], float("-inf"))
-    y = torch.matmul(scores.softmax(-1).to(values.dtype), values)                      # [B, KV, rep, hd]
+    grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)                 # [B, KV, rep, hd]
+    y = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=keys_seen[:, None, None, :])
     return y.reshape(batch, n_heads, 1, head_dim)
 
 

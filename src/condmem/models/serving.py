@@ -100,6 +100,56 @@ def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor,
     return logits
 
 
+@torch.no_grad()
+def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], prompts: list[torch.Tensor],
+                  prepared=None) -> torch.Tensor:
+    """Run several prompts in one forward (right-padded to the longest); returns last-token logits [B, vocab].
+
+    One forward over B prompts launches the kernels of one, so a GPU that a single short
+    prompt leaves idle between launches stays busy. Right padding is invisible to the real
+    tokens (causal attention); the padded positions' keys land past each slot's length,
+    where decode overwrites them before reading. `prepared` must come from
+    ``memory.prepare(padded_ids(prompts), slots=..., lengths=...)``. Models with a
+    ShortConv are prefilled one prompt at a time (its state must end at each row's own
+    length).
+    """
+    if len(slots) != len(prompts) or not prompts:
+        raise ValueError(f"{len(slots)} slots for {len(prompts)} prompts")
+    for slot, ids in zip(slots, prompts):
+        if cache.host_lengths[slot] != 0:
+            raise ValueError(f"slot {slot} holds a live sequence; release it first")
+        if ids.numel() > cache.max_len or ids.numel() == 0:
+            raise ValueError(f"a prompt of {ids.numel()} tokens does not fit the cache's {cache.max_len} positions")
+    if any(c is not None for c in cache.conv.values()):
+        if prepared is not None and len(prompts) > 1:
+            raise ValueError("a model with a ShortConv prefills one prompt at a time")
+        return torch.cat([prefill(model, cache, s, p, prepared=prepared, last_only=True) for s, p in zip(slots, prompts)])
+    device = cache.tokens.device
+    ids, lengths = padded_ids(prompts)
+    batch, width = ids.shape
+    temp = model.new_cache(batch, width)
+    lengths_dev = lengths.to(device)
+    logits = model(ids.to(device), cache=temp, prepared=prepared, logits_at=lengths_dev - 1)[:, 0]
+    index = torch.tensor(slots, dtype=torch.long).to(device)
+    for i in range(len(cache.k)):
+        cache.k[i][index, :, :width] = temp.kv[i].k
+        cache.v[i][index, :, :width] = temp.kv[i].v
+    cache.tokens[index, :width] = temp.tokens
+    cache.lengths[index] = lengths_dev
+    for slot, ids_row in zip(slots, prompts):
+        cache.host_lengths[slot] = ids_row.numel()
+    return logits
+
+
+def padded_ids(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [T_i] -> (right-padded ids [B, max T] on the prompts' device, lengths [B] on the CPU)."""
+    lengths = torch.tensor([p.numel() for p in prompts], dtype=torch.long)
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=prompts[0].device)
+    for i, p in enumerate(prompts):
+        ids[i, : p.numel()] = p
+    return ids, lengths
+
+
 def _masked_put(dest: torch.Tensor, index: tuple, new: torch.Tensor, valid: torch.Tensor | None) -> None:
     """dest[index] = new, except rows where `valid` is False keep their old value."""
     new = new.to(dest.dtype)

@@ -235,7 +235,7 @@ class DecoderLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
                 cache: InferenceCache | None = None, capture: GateCapture | None = None,
-                prepared=None, last_only: bool = False) -> torch.Tensor:
+                prepared=None, last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for token ids [B, T].
 
         Args:
@@ -251,6 +251,8 @@ class DecoderLM(nn.Module):
             last_only: logits of the last position only ([B, 1, vocab]): what a prefill
                 that samples the next token needs (the output projection over a whole
                 prompt is a large, wasted matmul).
+            logits_at: optional [B] positions: logits of one position per row ([B, 1, vocab]),
+                e.g. the last real token of right-padded prompts.
         """
         batch, length = input_ids.shape
         start = 0
@@ -290,6 +292,8 @@ class DecoderLM(nn.Module):
             cache.length = start + length
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(batch, device=x.device), logits_at.to(x.device)][:, None]
         return self.lm_head(self.norm(x))
 
     @staticmethod

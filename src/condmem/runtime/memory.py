@@ -101,6 +101,8 @@ class EngramMemory:
                 engine.calibrate()
             self.engines[layer_id] = engine
         self.history = hasher.new_history(max_sequences, self.device)
+        # Prompts given on the host are hashed on this stream, beside the caller's queue.
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._layer_index = {lid: i for i, lid in enumerate(hasher.layer_ids)}
 
     # ------------------------------------------------------------------ construction helpers
@@ -162,6 +164,8 @@ class EngramMemory:
             # Range-check on the host, where the ids are: a check on the device would cost a sync
             # that stalls the host until the GPU has finished everything queued before.
             self.hasher.compress(input_ids, check=True)
+            if self.stream is not None:
+                return self._prepare_on_side(input_ids, doc_starts, slots, lengths)
             check = False
         else:
             check = True
@@ -171,6 +175,28 @@ class EngramMemory:
             self.hasher.prefill_history(self.history, torch.as_tensor(slots, device=self.device), input_ids,
                                         doc_starts=doc_starts, lengths=lengths, check=False)
         return self._start(row_ids)
+
+    def _prepare_on_side(self, input_ids, doc_starts, slots, lengths) -> Prepared:
+        """Host ids on a GPU: copy, hash and start the lookups on the memory's own stream.
+
+        Nothing here waits for the work already queued on the caller's stream (e.g. the
+        forward of the previous batch), so the lookups start at once and overlap it. Only
+        the history update goes to the caller's stream: decode steps queued there may still
+        read and write the same slots.
+        """
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            ids = input_ids.to(self.device, non_blocking=True)
+            starts = None if doc_starts is None else doc_starts.to(self.device, non_blocking=True)
+            row_ids = self.hasher(ids, doc_starts=starts, check=False)
+            prepared = self._start(row_ids)
+        main.wait_stream(self.stream)            # the ids and row ids (hashing is short)
+        for t in (ids, row_ids) + (() if starts is None else (starts,)):
+            t.record_stream(main)
+        if slots is not None:
+            self.hasher.prefill_history(self.history, torch.as_tensor(slots, device=self.device), ids,
+                                        doc_starts=starts, lengths=lengths, check=False)
+        return prepared
 
     def prepare_decode(self, slots: torch.Tensor, input_ids: torch.Tensor, *,
                        valid: torch.Tensor | None = None) -> Prepared:
