@@ -147,18 +147,23 @@ class Server:
         ids, lengths = padded_ids(group)
         return self.memory.prepare(ids, slots=torch.tensor(slots), lengths=lengths)
 
-    def wave(self, prompts: list[torch.Tensor], gen: int) -> tuple[torch.Tensor, float, float]:
+    def stage(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(host copy, device copy) of each prompt: the host copy is what the memory hashes beside
+        the forward, the device copy what the forward reads (no pageable copy, no sync, per group)."""
+        return [(p, p.to(self.device)) for p in prompts]
+
+    def wave(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], gen: int) -> tuple[torch.Tensor, float, float]:
         """Prefill `prompts` (one per slot) and decode `gen` tokens each; (tokens [n, gen], prefill s, decode s)."""
         n = len(prompts)
         slots = [self.memory.allocate() for _ in range(n)] if self.memory is not None else list(range(n))
         out = torch.empty(n, gen, dtype=torch.long, device=self.device)
         timer = _Timer(self.device)
-        order = sorted(range(n), key=lambda i: -prompts[i].numel())
+        order = sorted(range(n), key=lambda i: -prompts[i][0].numel())
         groups = [order[s:s + self.prefill_batch] for s in range(0, n, self.prefill_batch)]
         ahead = {}
 
         def start(g):
-            return self._prepare([prompts[i] for i in groups[g]], [slots[i] for i in groups[g]])
+            return self._prepare([prompts[i][0] for i in groups[g]], [slots[i] for i in groups[g]])
 
         if self.memory is not None and self.mode == "prefetch":
             ahead[0] = start(0)
@@ -174,7 +179,7 @@ class Server:
                     for lid in self.memory.layer_ids:
                         prepared.rows(lid)          # the stream waits here, before block 0
             logits = prefill_batch(self.model, self.cache, [slots[i] for i in members],
-                                   [prompts[i].to(self.device, non_blocking=True) for i in members],
+                                   [prompts[i][1] for i in members],
                                    prepared=prepared)
             out[torch.tensor(members, device=self.device), 0] = logits.argmax(-1)
         t_prefill = timer.lap()
@@ -219,9 +224,10 @@ class _Timer:
 
 
 def serve_all(server: Server, prompts: list[torch.Tensor], batch: int, gen: int) -> dict:
+    staged = server.stage(prompts)
     tokens, t_prefill, t_decode = [], 0.0, 0.0
     for s in range(0, len(prompts), batch):
-        out, tp, td = server.wave(prompts[s:s + batch], gen)
+        out, tp, td = server.wave(staged[s:s + batch], gen)
         tokens.append(out)
         t_prefill += tp
         t_decode += td
@@ -253,7 +259,10 @@ def run_backbone(args, backbone: str, host_store: LayerStore, info: dict) -> lis
     def memory_for(store):
         # Prompts: dedup, then CPU threads gather the misses into pinned staging and DMA them
         # (copy engines: no SMs taken from the forward running beside); decode: in the graph.
-        return EngramMemory(model.hasher, {lid: store}, device, cpu_fraction=1.0, max_sequences=args.batch)
+        memory = EngramMemory(model.hasher, {lid: store}, device, cpu_fraction=1.0, max_sequences=args.batch)
+        for engine in memory.engines.values():
+            engine.cpu_threads = args.lookup_threads   # leave cores to the thread launching the forward
+        return memory
 
     results: dict[str, dict] = {}
     variants = [v for v in args.e2e_variants if v != "hbm" or device.type == "cuda"]
@@ -323,7 +332,7 @@ def profile(server: Server, prompts: list[torch.Tensor], batch: int, gen: int, p
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if server.device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        _, t_prefill, t_decode = server.wave(prompts, gen)
+        _, t_prefill, t_decode = server.wave(server.stage(prompts), gen)
         wall = time.perf_counter() - t0
     table = prof.key_averages()
     device_key = "self_device_time_total" if server.device.type == "cuda" else "self_cpu_time_total"
@@ -413,6 +422,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=128, help="concurrent sequences (cache slots, graph rows)")
     p.add_argument("--prefill-batch", type=int, default=16,
                    help="prompts per prefill forward (grouped by length, right-padded)")
+    p.add_argument("--lookup-threads", type=int, default=8,
+                   help="CPU threads gathering host rows for prompts (the rest launch the forward)")
     p.add_argument("--prompt-min", type=int, default=100, help="shortest prompt (tokens)")
     p.add_argument("--prompt-max", type=int, default=1024, help="longest prompt (tokens)")
     p.add_argument("--gen", type=int, default=128, help="tokens generated per sequence (greedy)")

@@ -39,7 +39,7 @@ class _GraphRows:
         self.memory = memory
         self.join = join
         self.event = torch.cuda.Event()
-        self.side = torch.cuda.Stream(device)
+        self.side = torch.cuda.Stream(device, priority=-1)   # the fetch is on the critical path
         self.row_ids_all: torch.Tensor | None = None
         self.rows_buf = {}
         for lid in memory.layer_ids:
@@ -118,6 +118,8 @@ class GraphedDecoder:
         self.slots = torch.arange(n, device=device)
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.valid = torch.zeros(n, dtype=torch.bool, device=device)
+        self._slots: list[int] | None = None
+        self._index: torch.Tensor | None = None
         self._delay = _side_delay_cycles
         self._late_join = _late_join       # tests only: the Engram layer reads rows without waiting
         join = "none" if _late_join else wait
@@ -151,9 +153,12 @@ class GraphedDecoder:
         if bad:
             raise ValueError(f"slots {bad} are not slots of the cache (0..{self.cache.n_slots - 1})")
         self.cache.check_room(slots)
-        index = torch.tensor(slots, dtype=torch.long).to(self.ids.device, non_blocking=True)
-        self.valid.zero_()
-        self.valid[index] = True
+        if slots != self._slots:   # a new set of live slots: one host->device copy (a sync), then reused
+            self._slots = slots
+            self._index = torch.tensor(slots, dtype=torch.long).to(self.ids.device)
+            self.valid.zero_()
+            self.valid[self._index] = True
+        index = self._index
         self.ids[index] = ids.to(self.ids.device)
         self.graph.replay()
         self.cache.advance(slots)

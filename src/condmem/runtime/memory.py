@@ -102,7 +102,7 @@ class EngramMemory:
             self.engines[layer_id] = engine
         self.history = hasher.new_history(max_sequences, self.device)
         # Prompts given on the host are hashed on this stream, beside the caller's queue.
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._layer_index = {lid: i for i, lid in enumerate(hasher.layer_ids)}
 
     # ------------------------------------------------------------------ construction helpers

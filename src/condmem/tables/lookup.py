@@ -134,9 +134,11 @@ class LookupEngine:
         self.max_rows = max_rows
         self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
-            self.stream = torch.cuda.Stream(self.device)
+            # High priority: when the lookup runs beside a forward pass, its few short kernels
+            # take the next free SMs instead of queueing behind the forward's.
+            self.stream = torch.cuda.Stream(self.device, priority=-1)
             # DMAs of the CPU share run on their own stream, beside the zero-copy kernel.
-            self.copy_stream = torch.cuda.Stream(self.device)
+            self.copy_stream = torch.cuda.Stream(self.device, priority=-1)
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
         else:
             self.stream = None
