@@ -248,11 +248,18 @@ def run_lookup(args) -> list[dict]:
     n_rows = table_bytes // ROW_BYTES
     batches = sorted(set(args.batch_tokens))
     gen = torch.Generator().manual_seed(0)
-    text_ids, text_source = (None, None)
-    if "text" in args.streams:
-        need = max(batches) * (args.text_batches + args.text_warmup)
-        text_ids, text_source = text_row_ids(n_rows, need)
-        log.info("text stream: %d tokens from %s", text_ids.shape[0], text_source)
+    text_source = None
+    text_by_rows: dict[int, torch.Tensor] = {}
+
+    def text_ids_for(rows: int) -> torch.Tensor:
+        """The text stream hashed with a layout sized to a table of `rows` rows (tiers differ in size)."""
+        nonlocal text_source
+        if rows not in text_by_rows:
+            need = max(batches) * (args.text_batches + args.text_warmup)
+            text_by_rows[rows], text_source = text_row_ids(rows, need)
+            log.info("text stream: %d tokens from %s, for a table of %d rows", text_by_rows[rows].shape[0],
+                     text_source, rows)
+        return text_by_rows[rows]
 
     for tier in args.tiers:
         if tier == "hbm":
@@ -284,8 +291,7 @@ def run_lookup(args) -> list[dict]:
                     seconds = engine.time_lookup(sets, repeats=args.repeats)
                     hit_rate, unique = 0.0, None
                 else:
-                    if text_ids is None or tier == "hbm" and text_ids.max() >= store.num_rows:
-                        continue
+                    text_ids = text_ids_for(store.num_rows)
                     sets = [text_ids[i * tokens:(i + 1) * tokens].to(device)
                             for i in range(args.text_batches + args.text_warmup)]
                     for ids in sets[: args.text_warmup]:
