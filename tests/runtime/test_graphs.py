@@ -22,7 +22,7 @@ def _run(model, memory=None, graphed=True, steps=12, host_prompts=False, **graph
     prompts = [torch.randint(0, 50, (n,), generator=gen) for n in (6, 3, 8)]
     if not host_prompts:
         prompts = [p.cuda() for p in prompts]
-    cache = ServingCache(model, n_slots=3, max_len=64)
+    cache = ServingCache(model, n_slots=3, max_len=16 + steps)
     graph = GraphedDecoder(model, cache, memory=memory, **graph_kw) if graphed else None
     live, last, out = [], {}, []
     free = [0, 1, 2]
@@ -70,8 +70,9 @@ def test_graph_fetching_rows_inside_is_exact(tier, wait, host_prompts):
     model, tables = tiny_engram_lm("cuda")
     memory = EngramMemory.from_weights(model.hasher, tables, tier, "cuda", max_sequences=3)
     with torch.no_grad():
-        plain = _run(model, graphed=True)
-        served = _run(model, memory=memory, graphed=True, wait=wait, host_prompts=host_prompts)
+        plain = _run(model, graphed=True, steps=64)
+        served = _run(model, memory=memory, graphed=True, wait=wait, host_prompts=host_prompts, steps=64)
+    assert len(served) == 64
     for i, (a, b) in enumerate(zip(plain, served)):
         assert torch.equal(a, b), f"step {i}"
     memory.close()

@@ -16,11 +16,11 @@ from helpers import assert_close, devices
 from model_fixtures import tiny_engram_lm as _model
 
 
-def _schedule(model, device, memory=None, steps=14):
+def _schedule(model, device, memory=None, steps=14, leave_b=3, join_c=3, join_d=7, leave_a=9):
     """Run a join/leave schedule; returns [(slot -> logits)] per step and the sequences."""
     gen = torch.Generator().manual_seed(5)
     prompts = {name: torch.randint(0, 50, (n,), generator=gen) for name, n in (("a", 5), ("b", 9), ("c", 3), ("d", 1))}
-    cache = ServingCache(model, n_slots=3, max_len=64)
+    cache = ServingCache(model, n_slots=3, max_len=16 + steps)
     free = [0, 1, 2]
     live, seqs, history = {}, {}, []
 
@@ -39,12 +39,13 @@ def _schedule(model, device, memory=None, steps=14):
 
     last = {n: join(n) for n in ("a", "b")}
     for step in range(steps):
-        if step == 3:
+        if step == leave_b:
             leave("b")
+        if step == join_c:
             last["c"] = join("c")
-        if step == 7:
+        if step == join_d:
             last["d"] = join("d")
-        if step == 9:
+        if step == leave_a:
             leave("a")
         names = sorted(live)
         nxt = torch.stack([last[n].argmax() for n in names])
@@ -79,8 +80,11 @@ def test_serving_from_prefetched_host_tables_is_exact(device):
     model, tables = _model(device)
     memory = EngramMemory.from_weights(model.hasher, tables, "host", device, max_sequences=3,
                                        host_alloc="pageable" if device == "cpu" else "mmap_register")
-    plain = _schedule(model, device)
-    served = _schedule(model, device, memory=memory)
+    # 64 decode steps; sequences join and leave along the way.
+    schedule = dict(steps=64, leave_b=10, join_c=10, join_d=30, leave_a=45)
+    plain = _schedule(model, device, **schedule)
+    served = _schedule(model, device, memory=memory, **schedule)
+    assert len(served) == 64
     for a, b in zip(plain, served):
         assert a.keys() == b.keys()
         for name in a:

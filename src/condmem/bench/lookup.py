@@ -235,6 +235,40 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
     return rows
 
 
+def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384, cpu_fraction: float = 1.0,
+                    runs: int = 7) -> list[dict]:
+    """Where one lookup's host time goes: the engine's own step marks, medians over uniform batches.
+
+    The marks are host clock readings (when each step finished on the host, or was queued
+    for the GPU); ``end`` is when the rows were ready on the device (a synchronize).
+    """
+    engine = LookupEngine(store, "cuda", cpu_fraction=cpu_fraction)
+    gen = torch.Generator().manual_seed(3)
+    marks: dict[str, list[float]] = {}
+    for i in range(runs + 2):
+        ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to("cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        handle = engine.lookup(ids)
+        handle.wait()
+        torch.cuda.synchronize()
+        end = time.perf_counter() - t0
+        if i < 2:
+            continue   # warm-up: staging buffers, thread pools
+        for step, t in handle.stats.marks + [("end (rows on the device)", end)]:
+            marks.setdefault(step, []).append(t)
+    engine.close()
+    rows = []
+    for step, ts in marks.items():
+        ts.sort()
+        ms = ts[len(ts) // 2] * 1e3
+        log.info("timeline cpu_fraction %.1f, %d tokens: %-52s %7.3f ms", cpu_fraction, tokens, step, ms)
+        rows.append({"bench": "engine_timeline", "tier": "host", "stream": f"timeline {step}", "tokens": tokens,
+                     "cpu_fraction": cpu_fraction, "ms": ms, "table_gib": round(store.nbytes / 2**30, 2),
+                     **ceiling, "machine": info})
+    return rows
+
+
 def run_lookup(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     info = machine_info()
@@ -277,6 +311,8 @@ def run_lookup(args) -> list[dict]:
             rows_out.extend(cpu_gather_rows(store, info, ceiling))
             if device == "cuda":
                 rows_out.extend(phase_rows(store, info, ceiling))
+                for fraction in (1.0, 0.6):
+                    rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction))
         for stream in args.streams:
             cached = stream == "text" and args.cache_fraction > 0
             cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)

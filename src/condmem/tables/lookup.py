@@ -32,7 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,11 @@ class LookupStats:
     cpu_rows: int = 0
     gpu_rows: int = 0
     seconds: float = 0.0
+    marks: list = field(default_factory=list)
+    """(step, host seconds since the lookup started), in order: where the host's time went."""
+
+    def mark(self, step: str, start: float) -> None:
+        self.marks.append((step, time.perf_counter() - start))
 
 
 class LookupHandle:
@@ -158,7 +163,7 @@ class LookupEngine:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _cpu_share(self, ids_host: torch.Tensor) -> torch.Tensor:
+    def _cpu_share(self, ids_host: torch.Tensor, stats: LookupStats | None = None, start: float = 0.0) -> torch.Tensor:
         """Gather rows on CPU threads into pinned staging, chunk by chunk, each chunk's DMA
         enqueued on the copy stream as soon as it is gathered (copying overlaps the next
         chunk's gather, and the zero-copy kernel on the lookup stream).
@@ -169,6 +174,8 @@ class LookupEngine:
             self._staging_free.synchronize()   # the previous DMA may still be reading the buffer
         n = ids_host.numel()
         staging = self._staging_rows(n)
+        if stats is not None:
+            stats.mark("staging ready", start)
         with torch.cuda.stream(self.copy_stream):
             # Allocated from the copy stream's pool (ordered with its own work), used later on the lookup stream.
             on_device = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
@@ -177,6 +184,8 @@ class LookupEngine:
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             self.store.gather_raw(ids_host[s:e], out=staging[s:e], threads=self.cpu_threads)
+            if stats is not None:
+                stats.mark(f"chunk {s // chunk} gathered", start)
             with torch.cuda.stream(self.copy_stream):
                 on_device[s:e].copy_(staging[s:e], non_blocking=True)
         self._staging_free = torch.cuda.Event()
@@ -206,6 +215,7 @@ class LookupEngine:
             return self._lookup_direct(row_ids, stats)
         with torch.cuda.stream(self.stream):
             plan = self._plan(row_ids, stats)
+        stats.mark("planned (dedup, sizes synced, zero-copy share queued)", start)
         future = None
         if plan["cpu_ids"] is not None:
             future = self._pool.submit(self._finish_gpu, plan, stats, start)
@@ -288,12 +298,14 @@ class LookupEngine:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if plan["cpu_ids"] is not None:
                 plan["ids_ready"].synchronize()                 # the ids have reached the host
-                staged = self._cpu_share(plan["cpu_ids"])
+                stats.mark("cpu ids on host", start)
+                staged = self._cpu_share(plan["cpu_ids"], stats, start)
                 compact[miss_pos[: staged.shape[0]]] = staged
             if self.cache is not None and plan["miss_ids"].numel():
                 self.cache.admit(plan["miss_ids"], compact[miss_pos])
             self._expand(compact, plan["inverse"], out=plan["out"])
             plan["event"].record(self.stream)
+        stats.mark("expand queued", start)
         stats.seconds = time.perf_counter() - start
 
     def _lookup_sync(self, row_ids: torch.Tensor, stats: LookupStats) -> torch.Tensor:
