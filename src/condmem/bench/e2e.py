@@ -346,7 +346,7 @@ def profile(server: Server, prompts: list[torch.Tensor], batch: int, gen: int, p
 
 
 def plot(rows: list[dict], path: Path) -> Path | None:
-    """Tokens/s per backbone and variant, relative to no Engram."""
+    """Throughput of each variant relative to no Engram, per backbone (absolute tok/s on the bars)."""
     try:
         import matplotlib
 
@@ -355,21 +355,27 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     except ImportError:
         log.warning("matplotlib missing: no plot")
         return None
-    backbones = sorted({r["backbone"] for r in rows})
+    backbones = list(dict.fromkeys(r["backbone"] for r in rows))
+    colors = {"none": "#999999", "hbm": "#4477aa", "host_sync": "#cc6677", "host_prefetch": "#228833"}
     fig, axes = plt.subplots(1, len(backbones), figsize=(5 * len(backbones), 4), squeeze=False)
     for ax, bb in zip(axes[0], backbones):
         sel = [r for r in rows if r["backbone"] == bb]
-        names = [r["variant"] for r in sel]
-        vals = [r["tokens_per_s"] for r in sel]
-        bars = ax.bar(names, vals, color=["#999999", "#4477aa", "#cc6677", "#228833"][: len(sel)])
-        for bar, r in zip(bars, sel):
-            label = f"{r.get('x_none', 1):.3f}x" if "x_none" in r else ""
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=8)
-        ax.set_title(f"{bb} backbone, {sel[-1]['sequences']} sequences")
-        ax.set_ylabel("tokens/s (prompt + generated)")
+        rel = [r.get("x_none", 1.0) for r in sel]
+        bars = ax.bar([r["variant"] for r in sel], rel, color=[colors.get(r["variant"], "#777777") for r in sel])
+        for bar, r, x in zip(bars, sel, rel):
+            ax.annotate(f"{x:.3f}x\n{r['tokens_per_s']:,.0f} tok/s", (bar.get_x() + bar.get_width() / 2, x),
+                        ha="center", va="bottom", fontsize=7)
+        low = min(rel)
+        ax.set_ylim(max(0.0, low - (1.02 - low) * 0.6), 1.0 + (1.02 - low) * 0.35)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        if bb in PAPER_DROP:
+            ax.axhline(1 - PAPER_DROP[bb], color="black", linestyle=":", linewidth=1,
+                       label=f"paper: -{PAPER_DROP[bb] * 100:.1f}% (100B host table)")
+            ax.legend(fontsize=7, loc="lower left")
+        ax.set_title(f"{bb}: {sel[-1]['sequences']} sequences, table {max(r['table_gib'] for r in sel):.0f} GiB")
+        ax.set_ylabel("throughput / no Engram")
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("Engram table in HBM vs host memory (labels: x no-Engram)")
+    fig.suptitle("Engram table in HBM vs host memory (prompt + generated tokens/s)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
