@@ -160,16 +160,17 @@ def cpu_gather_rows(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 1
     from condmem.tables import native_gather
 
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, store.num_rows, (n_ids,), generator=gen)
+    # Fresh ids for every timed call: repeating one set would time rows left in the caches and TLBs.
+    id_sets = [torch.randint(0, store.num_rows, (n_ids,), generator=gen) for _ in range(6)]
     out = torch.empty((n_ids, store.row_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     rows = []
     impls = [("torch", False)] + ([("native", True)] if native_gather.available() else [])
     for impl, native in impls:
         store.native = native
-        for order, batch in (("random", ids), ("sorted", ids.sort().values)):
-            store.gather_raw(batch, out=out)
+        for order, sets in (("random", id_sets), ("sorted", [i.sort().values for i in id_sets])):
+            store.gather_raw(sets[0], out=out)
             times = []
-            for _ in range(5):
+            for batch in sets[1:]:
                 t0 = time.perf_counter()
                 store.gather_raw(batch, out=out)
                 times.append(time.perf_counter() - t0)
@@ -199,13 +200,17 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
     uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     n = uniq.numel()
     staging = torch.empty((n, ROW_BYTES), dtype=torch.uint8, pin_memory=True)
-    ids_host = uniq.cpu()
     compact = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device="cuda")
     host_ids = torch.empty(n, dtype=torch.int64, pin_memory=True)
     words = _as_words(store.raw)
 
+    # The CPU gather gets fresh sorted ids per call (a repeated set would be timed from warm caches).
+    fresh = [torch.unique(torch.randint(0, store.num_rows, (ids.numel(),), generator=gen))[:n] for _ in range(7)]
+    fresh = [f if f.numel() == n else torch.cat([f, f[: n - f.numel()]]) for f in fresh]
+    turn = iter(range(10**9))
+
     def cpu_gather():
-        store.gather_raw(ids_host, out=staging)
+        store.gather_raw(fresh[next(turn) % len(fresh)], out=staging)
 
     def cpu_timed(fn, reps=5):
         fn()
