@@ -241,13 +241,13 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
 
 
 def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384, cpu_fraction: float = 1.0,
-                    runs: int = 7) -> list[dict]:
+                    cpu_chunks: int = 4, runs: int = 7) -> list[dict]:
     """Where one lookup's host time goes: the engine's own step marks, medians over uniform batches.
 
     The marks are host clock readings (when each step finished on the host, or was queued
     for the GPU); ``end`` is when the rows were ready on the device (a synchronize).
     """
-    engine = LookupEngine(store, "cuda", cpu_fraction=cpu_fraction)
+    engine = LookupEngine(store, "cuda", cpu_fraction=cpu_fraction, cpu_chunks=cpu_chunks)
     gen = torch.Generator().manual_seed(3)
     marks: dict[str, list[float]] = {}
     for i in range(runs + 2):
@@ -267,9 +267,11 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
     for step, ts in marks.items():
         ts.sort()
         ms = ts[len(ts) // 2] * 1e3
-        log.info("timeline cpu_fraction %.1f, %d tokens: %-52s %7.3f ms", cpu_fraction, tokens, step, ms)
+        log.info("timeline cpu_fraction %.1f, %d chunks, %d tokens: %-52s %7.3f ms", cpu_fraction, cpu_chunks,
+                 tokens, step, ms)
         rows.append({"bench": "engine_timeline", "tier": "host", "stream": f"timeline {step}", "tokens": tokens,
-                     "cpu_fraction": cpu_fraction, "ms": ms, "table_gib": round(store.nbytes / 2**30, 2),
+                     "cpu_fraction": cpu_fraction, "cpu_chunks": cpu_chunks, "ms": ms,
+                     "table_gib": round(store.nbytes / 2**30, 2),
                      **ceiling, "machine": info})
     return rows
 
@@ -316,8 +318,10 @@ def run_lookup(args) -> list[dict]:
             rows_out.extend(cpu_gather_rows(store, info, ceiling))
             if device == "cuda":
                 rows_out.extend(phase_rows(store, info, ceiling))
-                for fraction in (1.0, 0.6):
-                    rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction))
+                # All-CPU with one DMA after the gather vs chunked DMAs overlapping it, and the usual split:
+                # separates "the gather is slow cold" from "PCIe traffic slows the gather".
+                for fraction, chunks in ((1.0, 1), (1.0, 4), (0.6, 4)):
+                    rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction, cpu_chunks=chunks))
         for stream in args.streams:
             cached = stream == "text" and args.cache_fraction > 0
             cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
