@@ -152,3 +152,25 @@ def test_batched_prefill_of_a_shortconv_model_goes_one_prompt_at_a_time():
     one, grouped = ServingCache(model, n_slots=2, max_len=16), ServingCache(model, n_slots=2, max_len=16)
     first = torch.stack([prefill(model, one, s, p, last_only=True)[0] for s, p in enumerate(prompts)])
     assert torch.equal(first, prefill_batch(model, grouped, [0, 1], prompts))
+
+
+def test_serving_errors_name_the_problem():
+    from condmem.models.serving import prefill_batch
+
+    model, _ = _model("cpu", short_conv=False)
+    cache = ServingCache(model, n_slots=2, max_len=8)
+    prefill_batch(model, cache, [0], [torch.tensor([1, 2, 3])])
+    with pytest.raises(ValueError, match="holds a live sequence"):
+        prefill_batch(model, cache, [0], [torch.tensor([4])])
+    with pytest.raises(ValueError, match="does not fit"):
+        prefill_batch(model, cache, [1], [torch.arange(9) % 50])
+    with pytest.raises(ValueError, match="2 slots for 1 prompts"):
+        prefill_batch(model, cache, [0, 1], [torch.tensor([4])])
+    with pytest.raises(ValueError, match="covers all 2 slots"):
+        decode_step(model, cache, None, torch.tensor([1, 2, 3]), valid=torch.tensor([True, False, False]))
+    for _ in range(5):
+        decode_step(model, cache, torch.tensor([0]), torch.tensor([7]))
+    with pytest.raises(ValueError, match="reached the cache's 8 positions"):
+        decode_step(model, cache, torch.tensor([0]), torch.tensor([7]))
+    with pytest.raises(ValueError, match=r"slot\(s\) \[0\] reached"):
+        cache.check_room([0])

@@ -39,7 +39,7 @@ import torch
 from condmem.bench.harness import append_rows, machine_info, rows_table
 from condmem.config import EngramConfig
 from condmem.models.config import ModelConfig
-from condmem.models.serving import ServingCache, padded_ids, prefill_batch
+from condmem.models.serving import ServingCache, decode_step, padded_ids, prefill_batch
 from condmem.models.transformer import DecoderLM
 from condmem.runtime import EngramMemory
 from condmem.tables.storage import LayerStore
@@ -188,8 +188,6 @@ class Server:
             if self.graph is not None:
                 logits = self.graph.step(slots, ids)
             else:
-                from condmem.models.serving import decode_step
-
                 prep = None
                 if self.memory is not None:
                     prep = self.memory.prepare_decode(torch.tensor(slots), ids)
