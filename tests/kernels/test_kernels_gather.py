@@ -112,6 +112,18 @@ def test_gather_into_out_and_persistent_loop(device):
     assert_bits_equal("out=", gather_reference(ids, q, e), out)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_capped_grid_still_covers_every_row(device):
+    """`max_programs=1`: one program loops over every block (a fetch beside other work)."""
+    q, e = _fp8_table(64, 64, seed=4, device=device)
+    ids = _ids((37, 3), 64, seed=6, device=device)
+    out = torch.full((37, 3, 64), float("nan"), dtype=torch.bfloat16, device=device)   # poisoned
+    engram_gather(ids, q, e, out=out, backend="triton", block_rows=4, max_programs=1)
+    assert_bits_equal("max_programs=1", gather_reference(ids, q, e), out)
+    with pytest.raises(GatherError, match="max_programs"):
+        engram_gather(ids, q, e, backend="triton", max_programs=0)
+
+
 def test_gather_errors():
     q, e = _fp8_table(8, 64, seed=1)
     with pytest.raises(GatherError, match="scales"):

@@ -78,6 +78,17 @@ def test_graph_fetching_rows_inside_is_exact(tier, wait, host_prompts):
     memory.close()
 
 
+def test_graph_with_a_capped_fetch_grid_is_exact():
+    """`fetch_programs=1`: the in-graph fetch loops in one program and still gives exact logits."""
+    model, tables = tiny_engram_lm("cuda")
+    memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
+    with torch.no_grad():
+        plain = _run(model, graphed=True, steps=16)
+        served = _run(model, memory=memory, graphed=True, steps=16, fetch_programs=1)
+    assert all(torch.equal(a, b) for a, b in zip(plain, served))
+    memory.close()
+
+
 def test_graph_negative_control_rows_read_without_waiting_are_wrong():
     """A slowed fetch still gives exact logits with the wait, and wrong ones when the Engram layer skips it."""
     model, tables = tiny_engram_lm("cuda")

@@ -131,7 +131,7 @@ class Server:
     """
 
     def __init__(self, model: DecoderLM, batch: int, max_len: int, memory: EngramMemory | None, mode: str,
-                 prefill_batch: int = 16):
+                 prefill_batch: int = 16, fetch_programs: int | None = None):
         self.model, self.memory, self.mode = model, memory, mode
         self.prefill_batch = prefill_batch
         self.device = model.embed.weight.device
@@ -141,7 +141,7 @@ class Server:
             from condmem.models.graphs import GraphedDecoder
 
             wait = "before_step" if mode == "sync" else "at_layer"
-            self.graph = GraphedDecoder(model, self.cache, memory=memory, wait=wait)
+            self.graph = GraphedDecoder(model, self.cache, memory=memory, wait=wait, fetch_programs=fetch_programs)
 
     def _prepare(self, group: list[torch.Tensor], slots: list[int]):
         ids, lengths = padded_ids(group)
@@ -274,7 +274,7 @@ def run_backbone(args, backbone: str, host_store: LayerStore, info: dict) -> lis
                 hbm_store = store = hbm_copy(host_store, device)
             memory = memory_for(store)
             server = Server(model, args.batch, max_len, memory, "sync" if variant == "host_sync" else "prefetch",
-                            args.prefill_batch)
+                            args.prefill_batch, args.fetch_programs)
         serve_all(server, warm, args.batch, min(args.gen, 4))      # warm-up: kernels, allocator, graph pools
         best = None
         for _ in range(args.e2e_repeats):
@@ -426,6 +426,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=128, help="concurrent sequences (cache slots, graph rows)")
     p.add_argument("--prefill-batch", type=int, default=16,
                    help="prompts per prefill forward (grouped by length, right-padded)")
+    p.add_argument("--fetch-programs", type=int, default=None,
+                   help="cap on the decode graph's fetch kernel grid (default: uncapped)")
     p.add_argument("--lookup-threads", type=int, default=8,
                    help="CPU threads gathering host rows for prompts (the rest launch the forward)")
     p.add_argument("--prompt-min", type=int, default=100, help="shortest prompt (tokens)")

@@ -35,9 +35,10 @@ WAIT_MODES = ("at_layer", "before_step")
 class _GraphRows:
     """Row ids and rows of every Engram layer in fixed buffers, filled by the graph's side branch."""
 
-    def __init__(self, memory, n_rows: int, device, join: str):
+    def __init__(self, memory, n_rows: int, device, join: str, max_programs: int | None = None):
         self.memory = memory
         self.join = join
+        self.max_programs = max_programs
         self.event = torch.cuda.Event()
         self.side = torch.cuda.Stream(device, priority=-1)   # the fetch is on the critical path
         self.row_ids_all: torch.Tensor | None = None
@@ -57,7 +58,8 @@ class _GraphRows:
             if delay_cycles:
                 torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
             for i, lid in enumerate(memory.layer_ids):
-                memory.engines[lid].gather_into(self.row_ids_all[:, :, i], out=self.rows_buf[lid])
+                memory.engines[lid].gather_into(self.row_ids_all[:, :, i], out=self.rows_buf[lid],
+                                                max_programs=self.max_programs)
             self.event.record(self.side)
         if self.join == "before_step":
             main.wait_event(self.event)
@@ -88,6 +90,8 @@ class GraphedDecoder:
         wait: where the main stream waits for the fetched rows: ``"at_layer"`` (each
             Engram layer: the fetch overlaps the blocks before it) or ``"before_step"``
             (synchronous fetch, for comparison).
+        fetch_programs: cap on the fetch kernel's grid (None: as many as it can use); a
+            small grid leaves SMs to the blocks that run beside the fetch.
 
     Example:
         >>> graph = GraphedDecoder(model, cache, memory=memory)
@@ -95,7 +99,8 @@ class GraphedDecoder:
     """
 
     def __init__(self, model: DecoderLM, cache: ServingCache, *, memory=None, wait: str = "at_layer",
-                 warmup: int = 3, _side_delay_cycles: int = 0, _late_join: bool = False):
+                 fetch_programs: int | None = None, warmup: int = 3, _side_delay_cycles: int = 0,
+                 _late_join: bool = False):
         if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")
         if wait not in WAIT_MODES:
@@ -123,7 +128,7 @@ class GraphedDecoder:
         self._delay = _side_delay_cycles
         self._late_join = _late_join       # tests only: the Engram layer reads rows without waiting
         join = "none" if _late_join else wait
-        self.fetch = _GraphRows(memory, n, device, join) if memory is not None else None
+        self.fetch = _GraphRows(memory, n, device, join, fetch_programs) if memory is not None else None
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

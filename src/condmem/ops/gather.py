@@ -243,6 +243,7 @@ def engram_gather(
     block_rows: int | None = None,
     programs_per_sm: int = 4,
     num_warps: int | None = None,
+    max_programs: int | None = None,
 ) -> torch.Tensor:
     """Gather (and dequantize) table rows.
 
@@ -256,6 +257,8 @@ def engram_gather(
         out: optional output [..., D] (bf16 for fp8 tables, the table's dtype otherwise).
         backend: "auto" (Triton when `row_ids` are on CUDA), "triton" or "torch".
         block_rows, programs_per_sm, num_warps: kernel tuning (defaults suit an H200).
+        max_programs: cap on the persistent grid, for a gather that runs beside other work
+            (a zero-copy gather's programs wait on PCIe while holding SMs).
 
     Returns:
         [..., D] rows; zero rows for ids outside the table's range.
@@ -302,7 +305,12 @@ def engram_gather(
         num_warps = 4
     nb = d // SCALE_BLOCK if fmt.mode != PLAIN else 1
     n_blocks = triton.cdiv(n_rows, block_rows)
-    grid = (persistent_programs(n_blocks, row_ids.device, per_sm=programs_per_sm),)
+    programs = persistent_programs(n_blocks, row_ids.device, per_sm=programs_per_sm)
+    if max_programs is not None:
+        if max_programs < 1:
+            raise GatherError(f"max_programs must be >= 1, got {max_programs}")
+        programs = min(programs, max_programs)
+    grid = (programs,)
     tab = _launch_table(table)
     try:
         _gather_kernel[grid](

@@ -238,16 +238,17 @@ class LookupEngine:
         return LookupHandle(out, event, None, stats)
 
     def gather_into(self, row_ids: torch.Tensor, out: torch.Tensor | None = None, *,
-                    programs_per_sm: int | None = None) -> torch.Tensor:
+                    max_programs: int | None = None) -> torch.Tensor:
         """The direct path on the current stream: rows [..., head_dim] bf16 read from the table in place.
 
         One kernel, no host work: what a CUDA graph captures (`GraphedDecoder` with a
         memory). Needs a store the GPU can read (HBM or page-locked host memory).
-        `programs_per_sm` bounds the kernel's grid (fewer SMs taken from concurrent work).
+        `max_programs` caps the kernel's grid (fewer SMs held by a fetch that runs beside
+        other work).
         """
         if not self.store.gpu_readable:
             raise ValueError(f"a {self.store.tier} store cannot be read by the GPU in place; use lookup()")
-        kwargs = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}
+        kwargs = {} if max_programs is None else {"max_programs": max_programs}
         if self.store.format == "bf16":
             return engram_gather(row_ids, self.store.raw.view(torch.bfloat16), out=out, **kwargs)
         return engram_gather(row_ids, self.store.raw, head_dim=self.store.head_dim, out=out, **kwargs)
