@@ -106,7 +106,14 @@ def backbone_twin(model: DecoderLM) -> DecoderLM:
 
 def hbm_copy(store: LayerStore, device) -> LayerStore:
     """An HBM store holding the same bytes as a host store (copied in 1 GiB pieces)."""
-    raw = torch.empty(store.raw.shape, dtype=torch.uint8, device=device)
+    try:
+        raw = torch.empty(store.raw.shape, dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError as exc:
+        free, total = torch.cuda.mem_get_info(device)
+        raise RuntimeError(
+            f"the {store.nbytes / 2**30:.1f} GiB table does not fit in HBM beside the model "
+            f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free): pass a smaller --table-gib, or leave "
+            "'hbm' out of --e2e-variants") from exc
     step = max(1, (1 << 30) // store.row_bytes)
     for s in range(0, raw.shape[0], step):
         raw[s:s + step].copy_(store.raw[s:s + step], non_blocking=True)
@@ -264,14 +271,14 @@ def run_backbone(args, backbone: str, host_store: LayerStore, info: dict) -> lis
 
     results: dict[str, dict] = {}
     variants = [v for v in args.e2e_variants if v != "hbm" or device.type == "cuda"]
-    hbm_store = None
     for variant in variants:
+        memory = store = None
         if variant == "none":
             server = Server(twin, args.batch, max_len, None, "prefetch", args.prefill_batch)
         else:
             store = host_store
             if variant == "hbm":
-                hbm_store = store = hbm_copy(host_store, device)
+                store = hbm_copy(host_store, device)
             memory = memory_for(store)
             server = Server(model, args.batch, max_len, memory, "sync" if variant == "host_sync" else "prefetch",
                             args.prefill_batch, args.fetch_programs)
@@ -292,9 +299,7 @@ def run_backbone(args, backbone: str, host_store: LayerStore, info: dict) -> lis
         if server.memory is not None:
             for engine in server.memory.engines.values():   # not memory.close(): the host table is reused
                 engine.close()
-        del server
-        if variant == "hbm":
-            hbm_store = None                                 # give the HBM copy back before the next variant
+        server = memory = store = None       # drop this variant's tables (an HBM copy is given back here)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
