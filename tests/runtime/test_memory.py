@@ -87,6 +87,21 @@ def test_memory_refuses_mismatched_tables():
         EngramMemory.from_weights(hasher, {1: weights[1], 3: weights[1][:50]}, "host", host_alloc="pageable")
 
 
+@pytest.mark.parametrize("device", devices())
+def test_prepare_refuses_ids_outside_the_vocabulary(device):
+    """Host ids are range-checked on the host (before any device work); device ids on the device."""
+    from condmem.hashing.hasher import HashInputError
+
+    cfg, hasher, modules = _setup(device)
+    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
+                                       host_alloc="pageable" if device == "cpu" else "mmap_register")
+    bad = torch.tensor([[1, 2, 70]])
+    for ids in (bad, bad.to(device)):
+        with pytest.raises(HashInputError, match="token id 70 is outside"):
+            memory.prepare(ids)
+    memory.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_negative_control_rows_read_without_waiting_are_wrong():
     """Removing the wait on the lookup's event must break exactness, or the test above proves nothing."""
