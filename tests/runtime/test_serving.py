@@ -135,6 +135,10 @@ def test_batched_prefill_equals_one_prompt_at_a_time(device):
                                                                                          lengths=lengths))
     assert torch.equal(batched, from_memory)
     assert grouped.host_lengths == [7, 2, 11] and grouped.lengths.tolist() == [7, 2, 11]
+    rounded = ServingCache(model, n_slots=3, max_len=32)
+    assert_close("pad_to=8", batched, prefill_batch(model, rounded, [0, 1, 2], prompts, pad_to=8), atol=1e-4, rtol=1e-4)
+    assert padded_ids([p.cpu() for p in prompts], 8)[0].shape == (3, 16)
+    assert padded_ids([p.cpu() for p in prompts], 64, 20)[0].shape == (3, 20)
     nxt = batched.argmax(-1)
     a = decode_step(model, one, torch.tensor([0, 1, 2]), nxt)
     b = decode_step(model, grouped, torch.tensor([0, 1, 2]), nxt)

@@ -102,7 +102,7 @@ def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor,
 
 @torch.no_grad()
 def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], prompts: list[torch.Tensor],
-                  prepared=None) -> torch.Tensor:
+                  prepared=None, pad_to: int = 1) -> torch.Tensor:
     """Run several prompts in one forward (right-padded to the longest); returns last-token logits [B, vocab].
 
     One forward over B prompts launches the kernels of one, so a GPU that a single short
@@ -111,7 +111,9 @@ def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], promp
     where decode overwrites them before reading. `prepared` must come from
     ``memory.prepare(padded_ids(prompts), slots=..., lengths=...)``. Models with a
     ShortConv are prefilled one prompt at a time (its state must end at each row's own
-    length).
+    length). `pad_to` rounds the padded width up to a multiple (fewer distinct shapes for
+    the GEMM heuristics and the allocator; pass the same value to `padded_ids` for the
+    memory), capped at the cache length.
     """
     if len(slots) != len(prompts) or not prompts:
         raise ValueError(f"{len(slots)} slots for {len(prompts)} prompts")
@@ -125,7 +127,7 @@ def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], promp
             raise ValueError("a model with a ShortConv prefills one prompt at a time")
         return torch.cat([prefill(model, cache, s, p, prepared=prepared, last_only=True) for s, p in zip(slots, prompts)])
     device = cache.tokens.device
-    ids, lengths = padded_ids(prompts)
+    ids, lengths = padded_ids(prompts, pad_to, cache.max_len)
     batch, width = ids.shape
     temp = model.new_cache(batch, width)
     lengths_dev = lengths.to(device)
@@ -141,10 +143,17 @@ def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], promp
     return logits
 
 
-def padded_ids(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts [T_i] -> (right-padded ids [B, max T] on the prompts' device, lengths [B] on the CPU)."""
+def padded_ids(prompts: list[torch.Tensor], pad_to: int = 1, max_width: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [T_i] -> (right-padded ids [B, W] on the prompts' device, lengths [B] on the CPU).
+
+    W is the longest prompt rounded up to a multiple of `pad_to` (at most `max_width`).
+    """
     lengths = torch.tensor([p.numel() for p in prompts], dtype=torch.long)
-    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=prompts[0].device)
+    width = -(-int(lengths.max()) // pad_to) * pad_to
+    if max_width is not None:
+        width = max(int(lengths.max()), min(width, max_width))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=prompts[0].device)
     for i, p in enumerate(prompts):
         ids[i, : p.numel()] = p
     return ids, lengths
