@@ -44,7 +44,9 @@ from condmem.models.config import ModelConfig
 from condmem.models.serving import ServingCache, decode_step, padded_ids, prefill_batch
 from condmem.models.transformer import DecoderLM
 from condmem.runtime import EngramMemory
-from condmem.tables.storage import LayerStore
+from condmem.tables.storage import LayerStore, place_layer
+from condmem.tables.table_file import LayerRows
+from condmem.utils.plotting import pyplot
 
 log = logging.getLogger("condmem.bench")
 
@@ -108,20 +110,8 @@ def backbone_twin(model: DecoderLM) -> DecoderLM:
 
 
 def hbm_copy(store: LayerStore, device) -> LayerStore:
-    """An HBM store holding the same bytes as a host store (copied in 1 GiB pieces)."""
-    try:
-        raw = torch.empty(store.raw.shape, dtype=torch.uint8, device=device)
-    except torch.cuda.OutOfMemoryError as exc:
-        free, total = torch.cuda.mem_get_info(device)
-        raise RuntimeError(
-            f"the {store.nbytes / 2**30:.1f} GiB table does not fit in HBM beside the model "
-            f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free): pass a smaller --table-gib, or leave "
-            "'hbm' out of --e2e-variants") from exc
-    step = max(1, (1 << 30) // store.row_bytes)
-    for s in range(0, raw.shape[0], step):
-        raw[s:s + step].copy_(store.raw[s:s + step], non_blocking=True)
-    torch.cuda.synchronize(device)
-    return LayerStore("hbm", store.format, store.head_dim, raw)
+    """An HBM store holding the same bytes as a host store (refused with a clear error when it does not fit)."""
+    return place_layer(LayerRows(store.format, store.raw), "hbm", device=device, progress=False, name="e2e table")
 
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
@@ -356,13 +346,8 @@ def profile(server: Server, prompts: list[torch.Tensor], batch: int, gen: int, p
 
 def plot(rows: list[dict], path: Path) -> Path | None:
     """Throughput of each variant relative to no Engram, per backbone (absolute tok/s on the bars)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return None
     backbones = list(dict.fromkeys(r["backbone"] for r in rows))
     colors = {"none": "#999999", "hbm": "#4477aa", "host_sync": "#cc6677", "host_prefetch": "#228833"}

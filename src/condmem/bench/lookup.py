@@ -34,6 +34,7 @@ from condmem.tables.host_memory import HostBuffer, allocate_host, report_coverag
 from condmem.tables.lookup import LookupEngine
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore
+from condmem.utils.plotting import pyplot
 
 log = logging.getLogger("condmem.bench")
 
@@ -205,12 +206,10 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
     words = _as_words(store.raw)
 
     # The CPU gather gets fresh sorted ids per call (a repeated set would be timed from warm caches).
-    fresh = [torch.unique(torch.randint(0, store.num_rows, (ids.numel(),), generator=gen))[:n] for _ in range(7)]
-    fresh = [f if f.numel() == n else torch.cat([f, f[: n - f.numel()]]) for f in fresh]
-    turn = iter(range(10**9))
+    from condmem.bench.harness import Rotator
 
-    def cpu_gather():
-        store.gather_raw(fresh[next(turn) % len(fresh)], out=staging)
+    fresh = [(torch.randint(0, store.num_rows, (n,), generator=gen).sort().values,) for _ in range(7)]
+    cpu_gather = Rotator(lambda batch: store.gather_raw(batch, out=staging), fresh)
 
     def cpu_timed(fn, reps=5):
         fn()
@@ -379,13 +378,8 @@ def run_lookup(args) -> list[dict]:
 
 def plot(rows: list[dict], path: Path) -> Path | None:
     """Effective GB/s vs batch tokens per tier and stream, with the H2D line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return None
     rows = [r for r in rows if r.get("bench") == "lookup"]
     fig, ax = plt.subplots(figsize=(7, 4.5))

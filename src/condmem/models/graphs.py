@@ -70,7 +70,7 @@ class _GraphRows:
 
     # The interface `decode_step` reads (as from `condmem.runtime.Prepared`).
     def row_ids(self, layer_id: int) -> torch.Tensor:
-        return self.row_ids_all[:, :, self.memory.layer_ids.index(layer_id)]
+        return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
 
     def rows(self, layer_id: int) -> torch.Tensor:
         if self.join == "at_layer":

@@ -21,6 +21,7 @@ layers' fetches proceed independently; waiting for one never waits for the host.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -160,40 +161,27 @@ class EngramMemory:
         With `slots` ([B] history slots), the prompts also seed the decode histories
         (`lengths` [B]: real tokens per row when rows are right-padded).
         """
-        if input_ids.device.type == "cpu":
+        on_host = input_ids.device.type == "cpu"
+        if on_host:
             # Range-check on the host, where the ids are: a check on the device would cost a sync
             # that stalls the host until the GPU has finished everything queued before.
             self.hasher.compress(input_ids, check=True)
-            if self.stream is not None:
-                return self._prepare_on_side(input_ids, doc_starts, slots, lengths)
-            check = False
-        else:
-            check = True
-        input_ids = input_ids.to(self.device, non_blocking=True)
-        row_ids = self.hasher(input_ids, doc_starts=doc_starts, check=check)
-        if slots is not None:
-            self.hasher.prefill_history(self.history, torch.as_tensor(slots, device=self.device), input_ids,
-                                        doc_starts=doc_starts, lengths=lengths, check=False)
-        return self._start(row_ids)
-
-    def _prepare_on_side(self, input_ids, doc_starts, slots, lengths) -> Prepared:
-        """Host ids on a GPU: copy, hash and start the lookups on the memory's own stream.
-
-        Nothing here waits for the work already queued on the caller's stream (e.g. the
-        forward of the previous batch), so the lookups start at once and overlap it. Only
-        the history update goes to the caller's stream: decode steps queued there may still
-        read and write the same slots.
-        """
-        main = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
+        # Host ids on a GPU are copied, hashed and their lookups started on the memory's own
+        # stream: nothing there waits for the work already queued on the caller's stream (e.g.
+        # the forward of the previous batch), so the lookups start at once and overlap it.
+        side = self.stream if on_host else None
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             ids = input_ids.to(self.device, non_blocking=True)
             starts = None if doc_starts is None else doc_starts.to(self.device, non_blocking=True)
-            row_ids = self.hasher(ids, doc_starts=starts, check=False)
+            row_ids = self.hasher(ids, doc_starts=starts, check=not on_host)
             prepared = self._start(row_ids)
-        main.wait_stream(self.stream)            # the ids and row ids (hashing is short)
-        for t in (ids, row_ids) + (() if starts is None else (starts,)):
-            t.record_stream(main)
+        if side is not None:
+            main.wait_stream(side)             # the ids and row ids (hashing is short)
+            for t in (ids, row_ids) + (() if starts is None else (starts,)):
+                t.record_stream(main)
         if slots is not None:
+            # On the caller's stream: decode steps queued there may still read and write these slots.
             self.hasher.prefill_history(self.history, torch.as_tensor(slots, device=self.device), ids,
                                         doc_starts=starts, lengths=lengths, check=False)
         return prepared

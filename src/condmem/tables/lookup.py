@@ -85,11 +85,13 @@ class LookupHandle:
 
 
 def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 rows [..., head_dim] of `ids` from raw rows (bf16 bytes, or interleaved fp8 + scales, dequantized)."""
+                   out: torch.Tensor | None = None, **kernel) -> torch.Tensor:
+    """bf16 rows [..., head_dim] of `ids` from raw rows (bf16 bytes, or interleaved fp8 + scales, dequantized).
+
+    `kernel`: gather kernel options (e.g. ``max_programs``)."""
     if fmt == "bf16":
-        return engram_gather(ids, raw.view(torch.bfloat16), out=out)
-    return engram_gather(ids, raw, head_dim=head_dim, out=out)
+        return engram_gather(ids, raw.view(torch.bfloat16), out=out, **kernel)
+    return engram_gather(ids, raw, head_dim=head_dim, out=out, **kernel)
 
 
 def _as_words(raw: torch.Tensor) -> torch.Tensor | None:
@@ -248,10 +250,8 @@ class LookupEngine:
         """
         if not self.store.gpu_readable:
             raise ValueError(f"a {self.store.tier} store cannot be read by the GPU in place; use lookup()")
-        kwargs = {} if max_programs is None else {"max_programs": max_programs}
-        if self.store.format == "bf16":
-            return engram_gather(row_ids, self.store.raw.view(torch.bfloat16), out=out, **kwargs)
-        return engram_gather(row_ids, self.store.raw, head_dim=self.store.head_dim, out=out, **kwargs)
+        return _rows_from_raw(row_ids, self.store.raw, self.store.format, self.store.head_dim, out,
+                              max_programs=max_programs)
 
     def _plan(self, row_ids: torch.Tensor, stats: LookupStats) -> dict:
         """GPU side, first half: dedup, probe, zero-copy / HBM share; hands the CPU share to the worker."""

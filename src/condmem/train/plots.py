@@ -12,20 +12,9 @@ from typing import Sequence
 
 import numpy as np
 
+from condmem.utils.plotting import pyplot as _pyplot
+
 logger = logging.getLogger("condmem.train.plots")
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        return plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no PNG figures (pip install matplotlib)")
-        return None
 
 
 def _ema(values: Sequence[float], alpha: float) -> np.ndarray:
