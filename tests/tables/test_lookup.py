@@ -151,3 +151,73 @@ def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
         assert torch.equal(handle.wait().cpu(), _expected(sources[fmt], ids))
     engine.close()
     store.close()
+
+
+def test_split_by_density_gives_the_cpu_the_lone_rows():
+    """The split is a partition of the misses; the CPU share takes lone rows before shared ones, both in id order."""
+    from condmem.tables.lookup import split_by_density
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        ids = torch.unique(torch.randint(0, 5000, (int(torch.randint(1, 400, (1,), generator=gen)),), generator=gen))
+        n = ids.numel()
+        region = ids * 24 // 960                      # 40 rows of 24 B per 960 B region
+        counts = torch.bincount(region)[region]
+        lone = counts == 1
+        for n_cpu in (0, 1, n // 3, int(lone.sum()), n - 1, n):
+            gpu, cpu = split_by_density(ids, 24, 960, n_cpu)
+            assert cpu.numel() == max(0, min(n, n_cpu)) and gpu.numel() == n - cpu.numel()
+            assert torch.equal(torch.cat([gpu, cpu]).sort().values, torch.arange(n))
+            for part in (gpu, cpu):
+                assert torch.equal(part, part.sort().values)
+            if 0 < n_cpu < n:
+                # Every lone row is on the CPU before any shared one is.
+                if n_cpu <= int(lone.sum()):
+                    assert bool(lone[cpu].all())
+                else:
+                    assert bool((~lone[gpu]).all())
+
+
+@cuda_only
+@pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
+@pytest.mark.parametrize("region_bytes", [64 << 10, 4 * 72], ids=["region64k", "region4rows"])
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3])
+def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight):
+    """Many lookups in flight (the next planned while the last is gathered), waited out of order,
+    with hot ids repeating across batches so hits come from rows admitted by earlier lookups."""
+    layout, sources, paths = table_files
+    fmt = "fp8_interleaved"
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
+    cache = RowCache(128, store.row_bytes, ways=4, device="cuda") if cached else None
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=0.5, direct_max_ids=0, cpu_chunks=3,
+                          region_bytes=region_bytes, max_in_flight=max_in_flight)
+    batches = list(_batches(store.num_rows, seed=7, n=12))
+    handles = [engine.lookup(ids.cuda()) for ids in batches[:8]]
+    for i in (3, 0, 7, 1, 2, 6, 5, 4):                       # out of order
+        assert torch.equal(handles[i].wait().cpu(), _expected(sources[fmt], batches[i]))
+    for ids in batches[8:]:                                # one at a time after the burst
+        assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(sources[fmt], ids))
+    engine.flush()
+    if cached:
+        stats = cache.stats
+        assert stats.hits > 0 and stats.admitted > 0
+    engine.close()
+    store.close()
+
+
+@cuda_only
+def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(table_files):
+    """With the DMAs held back, rows read without waiting for the handle differ from the waited rows."""
+    layout, sources, paths = table_files
+    fmt = "fp8_interleaved"
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
+    engine = LookupEngine(store, "cuda", cpu_fraction=1.0, direct_max_ids=0)
+    ids = next(_batches(store.num_rows, seed=8, n=1))
+    with torch.cuda.stream(engine.copy_stream):
+        torch.cuda._sleep(200_000_000)
+    handle = engine.lookup(ids.cuda())
+    early = handle.rows.clone()          # on the default stream, no wait
+    assert torch.equal(handle.wait().cpu(), _expected(sources[fmt], ids))
+    assert not torch.equal(early.cpu(), _expected(sources[fmt], ids))
+    engine.close()
+    store.close()

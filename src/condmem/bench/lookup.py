@@ -222,12 +222,20 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
             times.append((time.perf_counter() - t0) * 1e3)
         return sorted(times)[reps // 2]
 
+    # Zero-copy cost vs locality: the same number of rows in groups of 4 that share 1 KiB
+    # (adjacent rows) or ~48 KiB (rows 60 apart). Equal times: per-row cost; the spread
+    # group cheaper than uniform but dearer than adjacent: a translation granule in between.
+    groups = torch.randint(0, store.num_rows // 256 - 1, (n // 4,), generator=gen).cuda() * 256
+    adjacent = (groups[:, None] + torch.arange(4, device="cuda")).flatten().sort().values
+    spread = (groups[:, None] + torch.arange(4, device="cuda") * 60).flatten().sort().values
     phases = {
         "unique": gpu_time_ms(lambda: torch.unique(ids, sorted=True, return_inverse=True))["ms"],
         "ids_to_host": cpu_timed(lambda: host_ids.copy_(uniq, non_blocking=True)),
         "cpu_gather_all": cpu_timed(cpu_gather),
         "h2d_all": gpu_time_ms(lambda: compact.copy_(staging, non_blocking=True))["ms"],
         "zero_copy_all": gpu_time_ms(lambda: engram_gather(uniq, words))["ms"],
+        "zero_copy_groups_of_4_in_1KiB": gpu_time_ms(lambda: engram_gather(adjacent, words))["ms"],
+        "zero_copy_groups_of_4_in_48KiB": gpu_time_ms(lambda: engram_gather(spread, words))["ms"],
         "expand": gpu_time_ms(lambda: engram_gather(inverse, compact))["ms"],
     }
     rows = []
@@ -236,6 +244,102 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
                      "ids": ids.numel(), "unique": n, "ms": ms, "table_gib": round(store.nbytes / 2**30, 2),
                      **ceiling, "machine": info})
         log.info("phase %-15s %.3f ms", name, ms)
+    return rows
+
+
+def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 16384 * N_COLS,
+                      repeats: int = 5) -> list[dict]:
+    """The native CPU gather of fresh sorted ids, alone and under the conditions the engine runs it in.
+
+    Separates the causes of a slow in-engine gather: the calling thread (main vs a worker),
+    chunking, the threading (one OpenMP team vs one OS thread per slice), and traffic on
+    the GPU side while it runs (an H2D copy loop; a zero-copy gather loop on the same
+    table). Each variant's median over `repeats` fresh id sets; ``overlapped`` says the GPU
+    load was still running when the gather ended.
+    """
+    import concurrent.futures
+
+    from condmem.ops.gather import engram_gather
+    from condmem.tables import native_gather
+    from condmem.tables.lookup import _as_words
+    from condmem.tables.native_gather import native_gather_rows
+
+    if not native_gather.available():
+        return []
+    gen = torch.Generator().manual_seed(11)
+    staging = torch.empty((n_ids, store.row_bytes), dtype=torch.uint8, pin_memory=True)
+    threads = torch.get_num_threads()
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+    worker = concurrent.futures.ThreadPoolExecutor(1)
+    load_src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    load_dst = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    zc_ids = torch.randint(0, store.num_rows, (n_ids,), generator=gen).sort().values.cuda()
+    words = _as_words(store.raw)
+    side = torch.cuda.Stream()
+
+    def omp(ids, nthreads=threads):
+        native_gather_rows(store.raw, ids, staging[: ids.numel()], nthreads)
+
+    def chunked(ids, pieces=4):
+        step = -(-ids.numel() // pieces)
+        for s in range(0, ids.numel(), step):
+            native_gather_rows(store.raw, ids[s:s + step], staging[s:s + step], threads)
+
+    def os_threads(ids):
+        step = -(-ids.numel() // threads)
+        jobs = [pool.submit(native_gather_rows, store.raw, ids[s:s + step], staging[s:s + step], 1)
+                for s in range(0, ids.numel(), step)]
+        for j in jobs:
+            j.result()
+
+    def h2d_load():
+        with torch.cuda.stream(side):
+            for _ in range(60):                      # ~70 ms of copies at 55 GB/s
+                load_dst.copy_(load_src, non_blocking=True)
+
+    def zero_copy_load():
+        with torch.cuda.stream(side):
+            for _ in range(8):                       # ~100 ms of zero-copy reads
+                engram_gather(zc_ids, words)
+
+    variants = {
+        "omp, main thread": (omp, None),
+        "omp, worker thread": (lambda ids: worker.submit(omp, ids).result(), None),
+        "omp, 4 chunks": (chunked, None),
+        "OS thread per slice": (os_threads, None),
+        "omp, half the threads": (lambda ids: omp(ids, max(1, threads // 2)), None),
+        "omp, during H2D copies": (omp, h2d_load),
+        "omp, during zero-copy gather": (omp, zero_copy_load),
+        "OS thread per slice, during H2D copies": (os_threads, h2d_load),
+    }
+    rows = []
+    for name, (fn, load) in variants.items():
+        times, overlapped = [], True
+        for r in range(repeats + 1):
+            ids = torch.randint(0, store.num_rows, (n_ids,), generator=gen).sort().values
+            torch.cuda.synchronize()
+            if load is not None:
+                load()
+                done = torch.cuda.Event()
+                done.record(side)
+                time.sleep(0.002)                    # the load is under way before the gather starts
+            t0 = time.perf_counter()
+            fn(ids)
+            sec = time.perf_counter() - t0
+            if load is not None:
+                overlapped &= not done.query()
+            torch.cuda.synchronize()
+            if r:
+                times.append(sec)
+        sec = sorted(times)[len(times) // 2]
+        rows.append({"bench": "gather_under_load", "tier": store.tier, "stream": name, "ids": n_ids,
+                     "tokens": n_ids // N_COLS, "ms": sec * 1e3, "rows_per_s": n_ids / sec,
+                     "overlapped": overlapped if load is not None else None, "threads": threads,
+                     "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
+        log.info("gather under load: %-40s %6.2f ms  %5.0fM rows/s%s", name, sec * 1e3, n_ids / sec / 1e6,
+                 "" if load is None else f"  (load still running at the end: {overlapped})")
+    pool.shutdown()
+    worker.shutdown()
     return rows
 
 
@@ -273,6 +377,62 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
                      "table_gib": round(store.nbytes / 2**30, 2),
                      **ceiling, "machine": info})
     return rows
+
+
+PIPELINE_MIN_TOKENS = 1024
+"""Batches from this size up are also timed as a pipeline (decode-sized ones are one kernel each)."""
+
+
+def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerStore, args, gen, text_ids_for,
+                   device: str) -> list[tuple[str, float, float, float | None]]:
+    """(mode, seconds per lookup, hit rate, unique fraction) for one stream and batch size.
+
+    ``latency``: each lookup waited for before the next starts (what one prefetch must hide).
+    ``pipelined``: lookups issued back to back, each waited for `max_in_flight` later (the
+    steady state of a caller that prefetches ahead). The text stream runs ``--text-warmup``
+    batches first (cache warm-up), then ``--text-batches`` timed ones; the cache restarts
+    empty for each mode.
+    """
+    pipelined = device == "cuda" and tokens >= PIPELINE_MIN_TOKENS
+    out = []
+    if stream == "uniform":
+        sets = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device) for _ in range(4)]
+        out.append(("latency", engine.time_lookup(sets, repeats=args.repeats), 0.0, None))
+        if pipelined:
+            engine.time_pipelined(sets)
+            out.append(("pipelined", engine.time_pipelined(sets * args.repeats), 0.0, None))
+        return out
+    text_ids = text_ids_for(store.num_rows)
+    sets = [text_ids[i * tokens:(i + 1) * tokens].to(device) for i in range(args.text_batches + args.text_warmup)]
+    warm, timed = sets[: args.text_warmup], sets[args.text_warmup:]
+    unique = sum(torch.unique(ids).numel() / ids.numel() for ids in timed) / len(timed)
+    for mode in ("latency", "pipelined") if pipelined else ("latency",):
+        if engine.cache is not None:
+            engine.flush()
+            engine.cache.clear()
+        if mode == "latency":
+            for ids in warm:
+                engine.lookup(ids).wait()
+        else:
+            engine.time_pipelined(warm)
+        engine.flush()
+        if engine.cache is not None:
+            engine.cache.reset_stats()
+        if mode == "latency":
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for ids in timed:
+                engine.lookup(ids).wait()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds = (time.perf_counter() - t0) / len(timed)
+        else:
+            seconds = engine.time_pipelined(timed)
+        engine.flush()
+        hit_rate = engine.cache.stats.hit_rate if engine.cache is not None else 0.0
+        out.append((mode, seconds, hit_rate, unique))
+    return out
 
 
 def run_lookup(args) -> list[dict]:
@@ -317,6 +477,7 @@ def run_lookup(args) -> list[dict]:
             rows_out.extend(cpu_gather_rows(store, info, ceiling))
             if device == "cuda":
                 rows_out.extend(phase_rows(store, info, ceiling))
+                rows_out.extend(gather_under_load(store, info, ceiling))
                 # All-CPU with one DMA after the gather vs chunked DMAs overlapping it, and the usual split:
                 # separates "the gather is slow cold" from "PCIe traffic slows the gather".
                 for fraction, chunks in ((1.0, 1), (1.0, 4), (0.6, 4)):
@@ -329,45 +490,24 @@ def run_lookup(args) -> list[dict]:
             if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                 engine.calibrate(n_ids=16384 * N_COLS)
             for tokens in batches:
-                if stream == "uniform":
-                    sets = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device)
-                            for _ in range(4)]
-                    seconds = engine.time_lookup(sets, repeats=args.repeats)
-                    hit_rate, unique = 0.0, None
-                else:
-                    text_ids = text_ids_for(store.num_rows)
-                    sets = [text_ids[i * tokens:(i + 1) * tokens].to(device)
-                            for i in range(args.text_batches + args.text_warmup)]
-                    for ids in sets[: args.text_warmup]:
-                        engine.lookup(ids).wait()
-                    if cache is not None:
-                        cache.reset_stats()
-                    uniq = [torch.unique(ids).numel() / ids.numel() for ids in sets[args.text_warmup:]]
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for ids in sets[args.text_warmup:]:
-                        engine.lookup(ids).wait()
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    seconds = (time.perf_counter() - t0) / args.text_batches
-                    hit_rate = cache.stats.hit_rate if cache is not None else 0.0
-                    unique = sum(uniq) / len(uniq)
-                requested = tokens * N_COLS * ROW_BYTES
-                gbps = requested / seconds / 1e9
-                row = {
-                    "bench": "lookup", "tier": tier, "stream": stream, "tokens": tokens, "table_gib": round(
-                        store.nbytes / 2**30, 2), "row_bytes": ROW_BYTES, "ms": seconds * 1e3, "effective_gbps": gbps,
-                    "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
-                    "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
-                    "hit_rate": hit_rate, "unique_fraction": unique, "device": device,
-                    "text_source": text_source if stream == "text" else None, **ceiling, "machine": info,
-                }
-                if "h2d_gbps" in ceiling:
-                    row["x_h2d"] = gbps / ceiling["h2d_gbps"]
-                rows_out.append(row)
-                log.info("%s %s %6d tokens: %.3f ms, %.1f GB/s%s", tier, stream, tokens, seconds * 1e3, gbps,
-                         f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "")
+                for mode, seconds, hit_rate, unique in measure_stream(engine, stream, tokens, store, args, gen,
+                                                                      text_ids_for, device):
+                    requested = tokens * N_COLS * ROW_BYTES
+                    gbps = requested / seconds / 1e9
+                    row = {
+                        "bench": "lookup", "tier": tier, "stream": stream, "mode": mode, "tokens": tokens,
+                        "table_gib": round(store.nbytes / 2**30, 2), "row_bytes": ROW_BYTES, "ms": seconds * 1e3,
+                        "effective_gbps": gbps, "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
+                        "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
+                        "hit_rate": hit_rate, "unique_fraction": unique, "device": device,
+                        "text_source": text_source if stream == "text" else None, **ceiling, "machine": info,
+                    }
+                    if "h2d_gbps" in ceiling:
+                        row["x_h2d"] = gbps / ceiling["h2d_gbps"]
+                    rows_out.append(row)
+                    log.info("%s %s %s %6d tokens: %.3f ms, %.1f GB/s%s%s", tier, stream, mode, tokens, seconds * 1e3,
+                             gbps, f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
+                             f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
             engine.close()
             del cache
         store.close()
@@ -383,9 +523,11 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         return None
     rows = [r for r in rows if r.get("bench") == "lookup"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key in sorted({(r["tier"], r["stream"]) for r in rows}):
-        pts = sorted((r["tokens"], r["effective_gbps"]) for r in rows if (r["tier"], r["stream"]) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} / {key[1]}")
+    for key in sorted({(r["tier"], r["stream"], r.get("mode", "latency")) for r in rows}):
+        pts = sorted((r["tokens"], r["effective_gbps"]) for r in rows
+                     if (r["tier"], r["stream"], r.get("mode", "latency")) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if key[2] == "latency" else "s",
+                linestyle="-" if key[2] == "latency" else ":", label=" / ".join(key))
     h2d = [r["h2d_gbps"] for r in rows if "h2d_gbps" in r]
     if h2d:
         ax.axhline(h2d[0], color="gray", linestyle="--", label=f"H2D memcpy {h2d[0]:.0f} GB/s")
@@ -408,7 +550,7 @@ def main(args) -> list[dict]:
     out = Path(args.out)
     append_rows(out / "lookup.json", rows)
     plot(rows, out / "lookup.png")
-    print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("tokens", "tokens", "d"),
+    print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""), ("tokens", "tokens", "d"),
                             ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
                             ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
                             ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f")]))

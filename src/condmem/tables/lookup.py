@@ -10,25 +10,32 @@ For one batch of row ids [T, n_cols] (one Engram layer):
    * host store: a fraction ``cpu_fraction`` of the misses is gathered by CPU threads
      into a pinned staging buffer and sent in a few DMAs that overlap the gathering;
      the rest is read by the GPU zero-copy (the gather kernel on the page-locked
-     table). Zero-copy gathers are translation-bound (~30M rows/s on the H200 whatever
-     the row size) while CPU gathers plus DMA are bandwidth-bound, so splitting lets
-     both run at once; `calibrate` times candidate splits and keeps the fastest;
+     table). On the H200 a zero-copy read costs about one address translation per
+     64 KiB region touched, not per row, while a CPU thread pays per row; so the GPU
+     takes the misses that share a region with another miss and the CPU the lone ones
+     (`split_by_density`); `calibrate` times candidate fractions and keeps the fastest;
    * disk store: CPU gather (page cache) into staging, then DMA;
-4. missed rows are **admitted** to the cache;
-5. **expand**: the gather kernel reads the compact unique rows with the inverse index
-   and writes [T, n_cols, head_dim] bf16, dequantizing fp8 on the way.
+4. **expand**: the gather kernel reads the compact unique rows with the inverse index
+   and writes [T, n_cols, head_dim] bf16, dequantizing fp8 on the way;
+5. the misses are **admitted** to the cache when a later lookup starts and finds their
+   rows landed (on the plan stream, so in order with every probe: a hit can never read
+   a slot being rewritten).
 
 Small batches (decode: up to ``direct_max_ids`` ids) skip all of it: one gather kernel
 reads the rows straight from the table (HBM or page-locked host), with no host sync.
 
-On a GPU all of it runs on a side stream: `lookup` returns a `LookupHandle` at once
-(the CPU share runs in a worker thread), and `handle.wait()` makes the caller's stream
+On a GPU, lookups are **pipelined**: `lookup` returns a `LookupHandle` once its plan
+(dedup, probe, split: one host sync) is queued; the CPU share runs in a worker thread
+and its DMAs, the zero-copy share and the final assembly run on their own streams. So
+while batch i's rows are gathered on the CPU, batch i+1 is already deduplicated and
+probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
 wait for the rows' event, so layers queued before it overlap with the fetch. The rows
-are bit-identical whatever the path (tested against a plain gather).
+are bit-identical whatever the path and timing (tested against a plain gather).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
@@ -63,11 +70,13 @@ class LookupStats:
 class LookupHandle:
     """A lookup in flight. `wait()` returns the rows, ready on the caller's current stream."""
 
-    def __init__(self, rows: torch.Tensor, event, future: concurrent.futures.Future | None, stats: LookupStats):
+    def __init__(self, rows: torch.Tensor, event, future: concurrent.futures.Future | None, stats: LookupStats,
+                 batch: "_Batch | None" = None):
         self.rows = rows
         self.event = event
         self._future = future
         self.stats = stats
+        self._batch = batch
 
     def wait(self) -> torch.Tensor:
         """Rows [T, n_cols, head_dim] bf16. Blocks the host only until the CPU share is enqueued."""
@@ -78,6 +87,8 @@ class LookupHandle:
             stream = torch.cuda.current_stream(self.rows.device)
             stream.wait_event(self.event)
             self.rows.record_stream(stream)   # allocated on the lookup stream, used and freed on this one
+            if self._batch is not None:
+                self._batch.waited = True     # the caller's stream now waits for it: admitting it is free
         return self.rows
 
     def done(self) -> bool:
@@ -103,27 +114,90 @@ def _as_words(raw: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+@dataclass
+class _Batch:
+    """One lookup on its way through the pipeline (GPU path)."""
+
+    inverse: torch.Tensor          # [..] position of each requested id among the unique ids
+    compact: torch.Tensor          # [n_unique, row_bytes] raw rows, filled by hits, zero-copy and CPU shares
+    miss_pos: torch.Tensor         # positions in `compact` of the cache misses (sorted ids)
+    miss_ids: torch.Tensor         # the missed row ids
+    cpu_pos: torch.Tensor | None   # positions in `compact` the CPU share fills
+    cpu_ids: torch.Tensor | None   # their row ids, on the host once `ids_ready` has passed
+    out: torch.Tensor              # [.., head_dim] bf16 rows for the caller
+    stats: LookupStats
+    start: float
+    planned: object = None         # event: dedup, probe and hits done (plan stream)
+    ids_ready: object = None       # event: the CPU share's ids reached the host
+    zero_copy_done: object = None  # event: the zero-copy share is in `compact`
+    ready: object = None           # event: `out` holds the rows (recorded by `_finish`)
+    future: concurrent.futures.Future | None = None
+    waited: bool = False           # a handle's wait() made the caller's stream wait for `ready`
+
+    def enqueued(self) -> bool:
+        """True once every GPU step of the lookup has been queued (the CPU share is done)."""
+        return self.future is None or self.future.done()
+
+
+def split_by_density(miss_ids: torch.Tensor, row_bytes: int, region_bytes: int, n_cpu: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (into the sorted `miss_ids`) of the zero-copy share and of the CPU share.
+
+    A zero-copy read from host memory costs about one GPU address translation per
+    ``region_bytes`` region touched (measured on the H200: ~37 ns per 64 KiB region,
+    almost independent of how many rows of it are read), while a CPU thread pays per row.
+    So the GPU takes the rows that share a region with a neighbour first, and the CPU the
+    lone rows: the CPU share is the `n_cpu` rows that are loneliest. Both shares come
+    back in id order (locality for both readers).
+    """
+    n = miss_ids.numel()
+    if n_cpu <= 0:
+        return torch.arange(n, device=miss_ids.device), miss_ids.new_empty(0)
+    if n_cpu >= n:
+        return miss_ids.new_empty(0), torch.arange(n, device=miss_ids.device)
+    region = torch.div(miss_ids * row_bytes, region_bytes, rounding_mode="floor")
+    shared = torch.zeros(n, dtype=torch.bool, device=miss_ids.device)
+    same = region[1:] == region[:-1]
+    shared[1:] |= same
+    shared[:-1] |= same
+    # Stable: shared rows first, then lone ones, each group still in id order.
+    order = torch.argsort((~shared).to(torch.int8), stable=True)
+    n_gpu = n - n_cpu
+    return order[:n_gpu].sort().values, order[n_gpu:].sort().values
+
+
 class LookupEngine:
     """Serves one layer's row ids from a `LayerStore`, with an optional HBM cache.
+
+    Lookups are pipelined: `lookup` returns once its GPU-side planning is queued, so the
+    next batch's dedup and cache probe run while this one's rows are still being gathered
+    on the CPU and copied. Up to ``max_in_flight`` lookups are in flight; the CPU shares
+    are gathered one after another by a worker thread into a ring of pinned staging buffers.
 
     Args:
         store: the layer's rows (any tier).
         device: where rows are wanted (a CUDA device, or CPU).
-        cache: optional `RowCache` on `device` (raw rows of the store's format).
+        cache: optional `RowCache` on `device` (raw rows of the store's format). A lookup's
+            misses are admitted when a later lookup starts and finds them fetched, so
+            results never depend on timing; only the hit rate can.
         cpu_fraction: share of a host store's misses gathered by CPU threads (0: all
             zero-copy; 1: all CPU). `calibrate()` sets it from measurements.
-        cpu_threads: torch intra-op threads used by the CPU gather (default: torch's).
+        cpu_threads: threads of the native CPU gather (default: torch's intra-op count).
         cpu_chunks: pieces the CPU share is cut into, so each piece's DMA overlaps the
             next piece's gather.
-        max_rows: staging capacity (rows per lookup) for the CPU path.
+        max_rows: initial staging capacity (rows) for the CPU path.
         direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
+        region_bytes: the zero-copy translation granule used to split misses (`split_by_density`).
+        max_in_flight: lookups in flight at once (and pinned staging buffers); a further
+            `lookup` waits for the oldest one's CPU share.
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
                  cpu_fraction: float = 0.5, cpu_threads: int | None = None, cpu_chunks: int = 4,
-                 max_rows: int = 1 << 20, direct_max_ids: int = 8192):
+                 max_rows: int = 1 << 20, direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
+                 max_in_flight: int = 2):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -134,66 +208,74 @@ class LookupEngine:
                              f"({store.row_bytes} B) and device {self.device}")
         if not 0.0 <= cpu_fraction <= 1.0:
             raise ValueError(f"cpu_fraction must be in [0, 1], got {cpu_fraction}")
+        if max_in_flight < 1 or region_bytes < 1:
+            raise ValueError(f"max_in_flight and region_bytes must be positive, got {max_in_flight}, {region_bytes}")
         self.cpu_fraction = cpu_fraction
         self.cpu_threads = cpu_threads
         self.cpu_chunks = max(1, cpu_chunks)
         self.direct_max_ids = direct_max_ids
         self.max_rows = max_rows
+        self.region_bytes = region_bytes
+        self.max_in_flight = max_in_flight
         self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
-            # High priority: when the lookup runs beside a forward pass, its few short kernels
+            # High priority everywhere: beside a forward pass, the lookup's few short kernels
             # take the next free SMs instead of queueing behind the forward's.
-            self.stream = torch.cuda.Stream(self.device, priority=-1)
-            # DMAs of the CPU share run on their own stream, beside the zero-copy kernel.
-            self.copy_stream = torch.cuda.Stream(self.device, priority=-1)
+            self.stream = torch.cuda.Stream(self.device, priority=-1)            # plan: dedup, cache, ids out
+            self.zero_copy_stream = torch.cuda.Stream(self.device, priority=-1)  # GPU reads of host rows
+            self.copy_stream = torch.cuda.Stream(self.device, priority=-1)       # DMAs of the CPU share
+            self.finish_stream = torch.cuda.Stream(self.device, priority=-1)     # assemble, expand
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
         else:
-            self.stream = None
+            self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
             self._pool = None
-        self._staging: torch.Tensor | None = None
-        self._staging_free = None   # event: the last DMA out of the staging buffer finished
-        self._pending: concurrent.futures.Future | None = None
+        self._staging: list[torch.Tensor | None] = [None] * max_in_flight
+        self._staging_free: list = [None] * max_in_flight   # events: the last DMA out of each buffer finished
+        self._next_staging = 0
+        self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
 
     # ------------------------------------------------------------------ helpers
-    def _staging_rows(self, n: int) -> torch.Tensor:
-        if self._staging is None or self._staging.shape[0] < n:
+    def _staging_rows(self, k: int, n: int) -> torch.Tensor:
+        buf = self._staging[k]
+        if buf is None or buf.shape[0] < n:
             cap = max(n, min(self.max_rows, 1 << 16))
-            self._staging = torch.empty((cap, self.store.row_bytes), dtype=torch.uint8, pin_memory=self.on_gpu)
-        return self._staging[:n]
+            buf = self._staging[k] = torch.empty((cap, self.store.row_bytes), dtype=torch.uint8,
+                                                 pin_memory=self.on_gpu)
+        return buf[:n]
 
     def _expand(self, compact: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _cpu_share(self, ids_host: torch.Tensor, stats: LookupStats | None = None, start: float = 0.0) -> torch.Tensor:
-        """Gather rows on CPU threads into pinned staging, chunk by chunk, each chunk's DMA
-        enqueued on the copy stream as soon as it is gathered (copying overlaps the next
-        chunk's gather, and the zero-copy kernel on the lookup stream).
+    def _cpu_share(self, ids_host: torch.Tensor, stats: LookupStats, start: float) -> tuple[torch.Tensor, object]:
+        """Gather rows on CPU threads into the next pinned staging buffer, chunk by chunk, each
+        chunk's DMA enqueued on the copy stream as soon as it is gathered (so copying
+        overlaps the next chunk's gather, the zero-copy kernel and the next lookup's plan).
 
-        Returns the rows on the device, ready for work on the lookup stream.
+        Returns the rows on the device and the event after their last DMA.
         """
-        if self._staging_free is not None:
-            self._staging_free.synchronize()   # the previous DMA may still be reading the buffer
+        k = self._next_staging
+        self._next_staging = (k + 1) % self.max_in_flight
+        if self._staging_free[k] is not None:
+            self._staging_free[k].synchronize()   # a DMA two lookups back may still read this buffer
         n = ids_host.numel()
-        staging = self._staging_rows(n)
-        if stats is not None:
-            stats.mark("staging ready", start)
+        staging = self._staging_rows(k, n)
+        stats.mark("staging ready", start)
         with torch.cuda.stream(self.copy_stream):
-            # Allocated from the copy stream's pool (ordered with its own work), used later on the lookup stream.
+            # Allocated from the copy stream's pool (ordered with its own work), used later on the finish stream.
             on_device = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
-        on_device.record_stream(self.stream)
+        on_device.record_stream(self.finish_stream)
         chunk = max(1 << 14, -(-n // self.cpu_chunks))
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             self.store.gather_raw(ids_host[s:e], out=staging[s:e], threads=self.cpu_threads)
-            if stats is not None:
-                stats.mark(f"chunk {s // chunk} gathered", start)
+            stats.mark(f"chunk {s // chunk} gathered", start)
             with torch.cuda.stream(self.copy_stream):
                 on_device[s:e].copy_(staging[s:e], non_blocking=True)
-        self._staging_free = torch.cuda.Event()
-        self._staging_free.record(self.copy_stream)
-        self.stream.wait_event(self._staging_free)
-        return on_device
+        done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        self._staging_free[k] = done
+        return on_device, done
 
     # ------------------------------------------------------------------ the lookup
     def lookup(self, row_ids: torch.Tensor) -> LookupHandle:
@@ -206,25 +288,51 @@ class LookupEngine:
             rows = self._lookup_sync(row_ids, stats)
             stats.seconds = time.perf_counter() - start
             return LookupHandle(rows, None, None, stats)
-        if self._pending is not None:
-            # One lookup at a time per engine: the next probe must see this one's admissions,
-            # and stream work must not interleave between the two threads.
-            self._pending.result()
-            self._pending = None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         row_ids.record_stream(self.stream)
         if row_ids.numel() <= self.direct_max_ids and self.store.gpu_readable:
             return self._lookup_direct(row_ids, stats)
+        # Back-pressure: at most max_in_flight lookups (and staging buffers) in use.
+        while sum(not b.enqueued() for b in self._in_flight) >= self.max_in_flight:
+            next(b for b in self._in_flight if not b.enqueued()).future.result()
         with torch.cuda.stream(self.stream):
-            plan = self._plan(row_ids, stats)
-        stats.mark("planned (dedup, sizes synced, zero-copy share queued)", start)
-        future = None
-        if plan["cpu_ids"] is not None:
-            future = self._pool.submit(self._finish_gpu, plan, stats, start)
-            self._pending = future
+            self._admit_fetched()
+            batch = self._plan(row_ids, stats, start)
+        stats.mark("planned (dedup, probe, sizes synced, zero-copy share queued)", start)
+        if batch.cpu_ids is not None:
+            batch.future = self._pool.submit(self._finish, batch)
         else:
-            self._finish_gpu(plan, stats, start)
-        return LookupHandle(plan["out"], plan["event"], future, stats)
+            self._finish(batch)
+        self._in_flight.append(batch)
+        return LookupHandle(batch.out, batch.ready, batch.future, stats, batch)
+
+    def _admit_fetched(self) -> None:
+        """Admit to the cache (on the plan stream, so in order with every probe and hit read)
+        the misses of earlier lookups whose rows are all queued: at once if they have landed
+        or the caller already waits for them, otherwise only once `max_in_flight` lookups
+        wait (bounding staleness and memory, at the cost of a short GPU-side wait)."""
+        while self._in_flight and self._in_flight[0].enqueued():
+            batch = self._in_flight[0]
+            if not (batch.waited or batch.ready.query()) and len(self._in_flight) < self.max_in_flight:
+                break
+            self._in_flight.popleft()
+            if self.cache is not None and batch.miss_ids.numel():
+                self.stream.wait_event(batch.ready)
+                self.cache.admit(batch.miss_ids, batch.compact[batch.miss_pos])
+
+    def flush(self) -> None:
+        """Wait for every lookup in flight and admit its misses to the cache."""
+        if not self.on_gpu:
+            return
+        for batch in self._in_flight:
+            if batch.future is not None:
+                batch.future.result()
+        with torch.cuda.stream(self.stream):
+            while self._in_flight:
+                batch = self._in_flight.popleft()
+                if self.cache is not None and batch.miss_ids.numel():
+                    self.stream.wait_event(batch.ready)
+                    self.cache.admit(batch.miss_ids, batch.compact[batch.miss_pos])
 
     def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats) -> LookupHandle:
         """Small batches (decode): one gather kernel straight from the table (HBM or page-locked host).
@@ -253,8 +361,9 @@ class LookupEngine:
         return _rows_from_raw(row_ids, self.store.raw, self.store.format, self.store.head_dim, out,
                               max_programs=max_programs)
 
-    def _plan(self, row_ids: torch.Tensor, stats: LookupStats) -> dict:
-        """GPU side, first half: dedup, probe, zero-copy / HBM share; hands the CPU share to the worker."""
+    def _plan(self, row_ids: torch.Tensor, stats: LookupStats, start: float) -> _Batch:
+        """Plan stream: dedup, cache probe and hits, the split of the misses; the CPU share's
+        ids start for the host, the zero-copy (or HBM) share is queued on its own stream."""
         flat = row_ids.reshape(-1)
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         n = uniq.numel()
@@ -269,43 +378,63 @@ class LookupEngine:
         miss_ids = uniq[miss_pos]
         n_miss = miss_ids.numel()                      # (a sync: sizes decide the split)
         stats.unique, stats.hits = n, n - n_miss
-        cpu_ids = None
-        ids_ready = torch.cuda.Event()
+        out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
+        batch = _Batch(inverse.view(row_ids.shape), compact, miss_pos, miss_ids, None, None, out, stats, start)
+        for t in (batch.inverse, compact, out, miss_pos):
+            t.record_stream(self.finish_stream)
+        batch.planned, batch.ready = torch.cuda.Event(), torch.cuda.Event()
         if self.store.tier == "hbm":
-            compact[miss_pos] = self.store.raw.index_select(0, miss_ids)
-            stats.gpu_rows = n_miss
+            gpu_sel = torch.arange(n_miss, device=self.device)
+            cpu_sel = None
         else:
             words = _as_words(self.store.raw) if self.store.gpu_readable else None
             fraction = 1.0 if words is None else self.cpu_fraction
             n_cpu = int(round(n_miss * fraction))
-            # Sorted ids: the CPU takes one contiguous range of the sorted misses, the GPU the other.
-            # The CPU's ids go to the host first, so the CPU gather starts while the zero-copy
-            # kernel below still runs.
+            gpu_sel, cpu_sel = split_by_density(miss_ids, self.store.row_bytes, self.region_bytes, n_cpu)
             if n_cpu:
-                cpu_ids = miss_ids[:n_cpu].to("cpu", non_blocking=True)
-                ids_ready.record(self.stream)
-            if n_cpu < n_miss:
-                got = engram_gather(miss_ids[n_cpu:], words)
-                compact[miss_pos[n_cpu:]] = got.view(torch.uint8)
-            stats.cpu_rows, stats.gpu_rows = n_cpu, n_miss - n_cpu
-        out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
-        return {"inverse": inverse.view(row_ids.shape), "compact": compact, "miss_pos": miss_pos,
-                "miss_ids": miss_ids, "cpu_ids": cpu_ids, "ids_ready": ids_ready, "event": torch.cuda.Event(),
-                "out": out}
+                batch.cpu_pos = miss_pos[cpu_sel]
+                batch.cpu_pos.record_stream(self.finish_stream)
+                # Sent first, so the CPU gather can start while the zero-copy kernel below runs.
+                batch.cpu_ids = miss_ids[cpu_sel].to("cpu", non_blocking=True)
+                batch.ids_ready = torch.cuda.Event()
+                batch.ids_ready.record(self.stream)
+            stats.cpu_rows = n_cpu
+        stats.gpu_rows = gpu_sel.numel()
+        batch.planned.record(self.stream)
+        if stats.gpu_rows:
+            with torch.cuda.stream(self.zero_copy_stream):
+                self.zero_copy_stream.wait_event(batch.planned)
+                gpu_ids, gpu_pos = miss_ids[gpu_sel], miss_pos[gpu_sel]
+                if self.store.tier == "hbm":
+                    compact[gpu_pos] = self.store.raw.index_select(0, gpu_ids)
+                else:
+                    compact[gpu_pos] = engram_gather(gpu_ids, _as_words(self.store.raw)).view(torch.uint8)
+                batch.zero_copy_done = torch.cuda.Event()
+                batch.zero_copy_done.record(self.zero_copy_stream)
+            for t in (miss_ids, miss_pos, gpu_sel):
+                t.record_stream(self.zero_copy_stream)
+            compact.record_stream(self.zero_copy_stream)
+        return batch
 
-    def _finish_gpu(self, plan: dict, stats: LookupStats, start: float) -> None:
-        """Second half: CPU share -> staging -> DMA (chunked), then admit and expand; records the event."""
-        compact, miss_pos = plan["compact"], plan["miss_pos"]
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            if plan["cpu_ids"] is not None:
-                plan["ids_ready"].synchronize()                 # the ids have reached the host
+    def _finish(self, batch: _Batch) -> None:
+        """Finish stream (from the worker thread when there is a CPU share): the CPU share
+        -> staging -> DMA (chunked), then the rows assembled and expanded; records `ready`."""
+        stats, start = batch.stats, batch.start
+        with torch.cuda.device(self.device):
+            staged = None
+            if batch.cpu_ids is not None:
+                batch.ids_ready.synchronize()                 # the ids have reached the host
                 stats.mark("cpu ids on host", start)
-                staged = self._cpu_share(plan["cpu_ids"], stats, start)
-                compact[miss_pos[: staged.shape[0]]] = staged
-            if self.cache is not None and plan["miss_ids"].numel():
-                self.cache.admit(plan["miss_ids"], compact[miss_pos])
-            self._expand(compact, plan["inverse"], out=plan["out"])
-            plan["event"].record(self.stream)
+                staged, dma_done = self._cpu_share(batch.cpu_ids, stats, start)
+            with torch.cuda.stream(self.finish_stream):
+                self.finish_stream.wait_event(batch.planned)
+                if batch.zero_copy_done is not None:
+                    self.finish_stream.wait_event(batch.zero_copy_done)
+                if staged is not None:
+                    self.finish_stream.wait_event(dma_done)
+                    batch.compact[batch.cpu_pos] = staged
+                self._expand(batch.compact, batch.inverse, out=batch.out)
+                batch.ready.record(self.finish_stream)
         stats.mark("expand queued", start)
         stats.seconds = time.perf_counter() - start
 
@@ -343,23 +472,45 @@ class LookupEngine:
         times.sort()
         return times[len(times) // 2]
 
+    def time_pipelined(self, batches: list[torch.Tensor], depth: int | None = None) -> float:
+        """Mean seconds per lookup when `batches` are looked up back to back, each waited for
+        only `depth` lookups later (default `max_in_flight`): the steady-state cost a
+        prefetching caller sees, with consecutive lookups overlapping."""
+        depth = depth or self.max_in_flight
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        handles: collections.deque[LookupHandle] = collections.deque()
+        for ids in batches:
+            handles.append(self.lookup(ids))
+            if len(handles) >= depth:
+                handles.popleft().wait()
+        while handles:
+            handles.popleft().wait()
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - t0) / max(1, len(batches))
+
     def calibrate(self, n_ids: int = 1 << 18, candidates: tuple[float, ...] | None = None, seed: int = 0) -> float:
         """Pick `cpu_fraction` for a host store from measurements on uniform random ids.
 
-        Each candidate split is timed end to end (the CPU gather, its DMA and the zero-copy
-        gather share the PCIe link, so rates measured alone do not add up); the fastest
-        wins. The cache is bypassed while measuring. Returns the chosen fraction.
+        Each candidate split is timed on a pipeline of lookups (`time_pipelined`: the CPU
+        gather, its DMA and the zero-copy gather share the PCIe link and the host's memory
+        system, so rates measured alone do not add up); the fastest wins. The cache is
+        bypassed while measuring. Returns the chosen fraction.
         """
         if self.store.tier != "host" or not self.on_gpu or _as_words(self.store.raw) is None:
             return self.cpu_fraction
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        batches = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device) for _ in range(3)]
+        batches = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device) for _ in range(4)]
+        self.flush()
         cache, self.cache = self.cache, None
         results = {}
         try:
             for f in candidates or (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
                 self.cpu_fraction = f
-                results[f] = self.time_lookup(batches, repeats=2)
+                self.time_pipelined(batches[:2])                 # warm-up (staging buffers, the split's shapes)
+                results[f] = self.time_pipelined(batches * 2)
         finally:
             self.cache = cache
         self.cpu_fraction = min(results, key=results.get)
@@ -369,6 +520,8 @@ class LookupEngine:
         return self.cpu_fraction
 
     def close(self) -> None:
+        """Finish the lookups in flight and stop the worker thread."""
+        self.flush()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -33,10 +33,12 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* Copy rows ids[0..n) of `row_bytes` each from src to dst (dst row i <- src row ids[i]). */
+/* Copy rows ids[0..n) of `row_bytes` each from src to dst (dst row i <- src row ids[i]).
+   Dynamic chunks of rows: a thread that shares its core (with a thread spinning on a GPU
+   sync, say) must not hold back the whole team, as a static split would. */
 void condmem_gather_rows(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t n,
                          uint8_t *dst, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1024)
     for (int64_t i = 0; i < n; i++) {
         if (i + PF < n) {
             const uint8_t *ahead = src + ids[i + PF] * row_bytes;
