@@ -379,6 +379,54 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
     return rows
 
 
+def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
+                      cpu_fraction: float, cache: RowCache | None = None, depth: int = 2) -> list[dict]:
+    """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
+
+    Shows what overlaps with what: for each batch, when the host finished planning it,
+    when its CPU share was gathered, and on the GPU when its plan, zero-copy share, DMA
+    and final rows completed.
+    """
+    import collections
+
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction)
+    engine.timing = True
+    engine.time_pipelined(batches[:3])
+    engine.flush()
+    torch.cuda.synchronize()
+    base = torch.cuda.Event(enable_timing=True)
+    base.record()
+    t0 = time.perf_counter()
+    handles, waiting = [], collections.deque()
+    for ids in batches:
+        handles.append(engine.lookup(ids))
+        waiting.append(handles[-1])
+        if len(waiting) >= depth:
+            waiting.popleft().wait()
+    while waiting:
+        waiting.popleft().wait()
+    torch.cuda.synchronize()
+    total = (time.perf_counter() - t0) * 1e3
+    rows = []
+    for i, h in enumerate(handles):
+        b = h._batch
+        host = {step: round((h.stats.started - t0 + t) * 1e3, 3) for step, t in h.stats.marks}
+        host["called"] = round((h.stats.started - t0) * 1e3, 3)
+        gpu = {name: round(base.elapsed_time(ev), 3) for name, ev in
+               (("planned", b.planned), ("zero_copy_done", b.zero_copy_done), ("dma_done", b.dma_done),
+                ("ready", b.ready)) if ev is not None}
+        rows.append({"bench": "pipeline_timeline", "tier": "host", "stream": label, "batch": i,
+                     "tokens": batches[i].shape[0], "cpu_fraction": cpu_fraction, "host_ms": host, "gpu_ms": gpu,
+                     "cpu_rows": h.stats.cpu_rows, "gpu_rows": h.stats.gpu_rows, "hits": h.stats.hits,
+                     "total_ms": total, "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
+        log.info("pipeline %s batch %d: host %s | gpu %s | cpu %d gpu %d hit %d rows", label, i,
+                 " ".join(f"{k.split(' (')[0]}={v:.2f}" for k, v in host.items()),
+                 " ".join(f"{k}={v:.2f}" for k, v in gpu.items()), h.stats.cpu_rows, h.stats.gpu_rows, h.stats.hits)
+    log.info("pipeline %s: %d lookups in %.2f ms (%.2f ms each)", label, len(batches), total, total / len(batches))
+    engine.close()
+    return rows
+
+
 PIPELINE_MIN_TOKENS = 1024
 """Batches from this size up are also timed as a pipeline (decode-sized ones are one kernel each)."""
 
@@ -474,14 +522,31 @@ def run_lookup(args) -> list[dict]:
         else:
             store = disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
         if tier == "host":
-            rows_out.extend(cpu_gather_rows(store, info, ceiling))
+            diag = set(args.diagnostics)
+            if "gather" in diag:
+                rows_out.extend(cpu_gather_rows(store, info, ceiling))
             if device == "cuda":
-                rows_out.extend(phase_rows(store, info, ceiling))
-                rows_out.extend(gather_under_load(store, info, ceiling))
-                # All-CPU with one DMA after the gather vs chunked DMAs overlapping it, and the usual split:
-                # separates "the gather is slow cold" from "PCIe traffic slows the gather".
-                for fraction, chunks in ((1.0, 1), (1.0, 4), (0.6, 4)):
-                    rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction, cpu_chunks=chunks))
+                if "phases" in diag:
+                    rows_out.extend(phase_rows(store, info, ceiling))
+                if "gather" in diag:
+                    rows_out.extend(gather_under_load(store, info, ceiling))
+                if "timeline" in diag:
+                    # All-CPU with one DMA after the gather vs chunked DMAs overlapping it, and the usual split.
+                    for fraction, chunks in ((1.0, 1), (1.0, 4), (0.6, 4)):
+                        rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction,
+                                                        cpu_chunks=chunks))
+                if "pipeline" in diag:
+                    tokens = max(batches)
+                    uniform = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).cuda()
+                               for _ in range(8)]
+                    for fraction in (0.6, 1.0):
+                        rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction))
+                    text_ids = text_ids_for(store.num_rows)
+                    text = [text_ids[i * tokens:(i + 1) * tokens].cuda() for i in range(11)]
+                    cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
+                                                device="cuda")
+                    rows_out.extend(pipeline_timeline(store, info, ceiling, text, "text", 0.7, cache=cache))
+                    del cache
         for stream in args.streams:
             cached = stream == "text" and args.cache_fraction > 0
             cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
@@ -580,6 +645,11 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-fraction", type=float, default=-1.0,
                    help="share of host misses gathered by CPU threads; negative: calibrate at start (default)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per uniform batch set")
+    p.add_argument("--diagnostics", nargs="*", default=["gather", "phases", "timeline"],
+                   choices=["gather", "phases", "timeline", "pipeline"],
+                   help="host-tier diagnostics run before the lookups: CPU gather rates (alone and under GPU "
+                        "load), each phase alone, one lookup's timeline, a pipeline of lookups' timeline "
+                        "(default: all but pipeline; none: give the flag alone)")
 
 
 def resolve_defaults(args) -> None:

@@ -60,6 +60,8 @@ class LookupStats:
     cpu_rows: int = 0
     gpu_rows: int = 0
     seconds: float = 0.0
+    started: float = 0.0
+    """Host clock (time.perf_counter) when the lookup was called."""
     marks: list = field(default_factory=list)
     """(step, host seconds since the lookup started), in order: where the host's time went."""
 
@@ -131,6 +133,7 @@ class _Batch:
     ids_ready: object = None       # event: the CPU share's ids reached the host
     zero_copy_done: object = None  # event: the zero-copy share is in `compact`
     ready: object = None           # event: `out` holds the rows (recorded by `_finish`)
+    dma_done: object = None        # event: the CPU share is on the device
     future: concurrent.futures.Future | None = None
     waited: bool = False           # a handle's wait() made the caller's stream wait for `ready`
 
@@ -233,8 +236,13 @@ class LookupEngine:
         self._staging_free: list = [None] * max_in_flight   # events: the last DMA out of each buffer finished
         self._next_staging = 0
         self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
+        self.timing = False   # benchmarks: CUDA events that can be timed (`bench lookup`'s pipeline timeline)
 
     # ------------------------------------------------------------------ helpers
+    def _event(self):
+        """A CUDA event; with ``self.timing`` set (benchmarks), one that can be timed."""
+        return torch.cuda.Event(enable_timing=self.timing)
+
     def _staging_rows(self, k: int, n: int) -> torch.Tensor:
         buf = self._staging[k]
         if buf is None or buf.shape[0] < n:
@@ -272,7 +280,7 @@ class LookupEngine:
             stats.mark(f"chunk {s // chunk} gathered", start)
             with torch.cuda.stream(self.copy_stream):
                 on_device[s:e].copy_(staging[s:e], non_blocking=True)
-        done = torch.cuda.Event()
+        done = self._event()
         done.record(self.copy_stream)
         self._staging_free[k] = done
         return on_device, done
@@ -283,7 +291,7 @@ class LookupEngine:
         if row_ids.device != self.device:
             raise ValueError(f"row ids on {row_ids.device}, engine serves {self.device}")
         start = time.perf_counter()
-        stats = LookupStats(ids=row_ids.numel())
+        stats = LookupStats(ids=row_ids.numel(), started=start)
         if not self.on_gpu:
             rows = self._lookup_sync(row_ids, stats)
             stats.seconds = time.perf_counter() - start
@@ -382,7 +390,7 @@ class LookupEngine:
         batch = _Batch(inverse.view(row_ids.shape), compact, miss_pos, miss_ids, None, None, out, stats, start)
         for t in (batch.inverse, compact, out, miss_pos):
             t.record_stream(self.finish_stream)
-        batch.planned, batch.ready = torch.cuda.Event(), torch.cuda.Event()
+        batch.planned, batch.ready = self._event(), self._event()
         if self.store.tier == "hbm":
             gpu_sel = torch.arange(n_miss, device=self.device)
             cpu_sel = None
@@ -396,7 +404,7 @@ class LookupEngine:
                 batch.cpu_pos.record_stream(self.finish_stream)
                 # Sent first, so the CPU gather can start while the zero-copy kernel below runs.
                 batch.cpu_ids = miss_ids[cpu_sel].to("cpu", non_blocking=True)
-                batch.ids_ready = torch.cuda.Event()
+                batch.ids_ready = self._event()
                 batch.ids_ready.record(self.stream)
             stats.cpu_rows = n_cpu
         stats.gpu_rows = gpu_sel.numel()
@@ -409,7 +417,7 @@ class LookupEngine:
                     compact[gpu_pos] = self.store.raw.index_select(0, gpu_ids)
                 else:
                     compact[gpu_pos] = engram_gather(gpu_ids, _as_words(self.store.raw)).view(torch.uint8)
-                batch.zero_copy_done = torch.cuda.Event()
+                batch.zero_copy_done = self._event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
             for t in (miss_ids, miss_pos, gpu_sel):
                 t.record_stream(self.zero_copy_stream)
@@ -425,13 +433,13 @@ class LookupEngine:
             if batch.cpu_ids is not None:
                 batch.ids_ready.synchronize()                 # the ids have reached the host
                 stats.mark("cpu ids on host", start)
-                staged, dma_done = self._cpu_share(batch.cpu_ids, stats, start)
+                staged, batch.dma_done = self._cpu_share(batch.cpu_ids, stats, start)
             with torch.cuda.stream(self.finish_stream):
                 self.finish_stream.wait_event(batch.planned)
                 if batch.zero_copy_done is not None:
                     self.finish_stream.wait_event(batch.zero_copy_done)
                 if staged is not None:
-                    self.finish_stream.wait_event(dma_done)
+                    self.finish_stream.wait_event(batch.dma_done)
                     batch.compact[batch.cpu_pos] = staged
                 self._expand(batch.compact, batch.inverse, out=batch.out)
                 batch.ready.record(self.finish_stream)
