@@ -165,7 +165,9 @@ if triton is not None:
         r = tl.where(y != y, 0x7FC0, r)
         return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
-    @triton.jit
+    # Row counts change with every batch (unique ids, cache misses): specializing on them
+    # (divisible by 16 or not) would compile new variants at random moments mid-run.
+    @triton.jit(do_not_specialize=["n_rows", "lo", "n_local"])
     def _gather_kernel(
         ids_ptr, tab_ptr, scale_ptr, out_ptr,
         n_rows, lo, n_local,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -243,10 +244,12 @@ class LookupEngine:
         """A CUDA event; with ``self.timing`` set (benchmarks), one that can be timed."""
         return torch.cuda.Event(enable_timing=self.timing)
 
-    def _staging_rows(self, k: int, n: int) -> torch.Tensor:
+    def _staging_rows(self, k: int, n: int, batch_ids: int) -> torch.Tensor:
+        """Rows [n] of staging buffer k, sized for a whole batch of `batch_ids` ids (the CPU share
+        varies from batch to batch; pinning a bigger buffer mid-run costs tens of milliseconds)."""
         buf = self._staging[k]
         if buf is None or buf.shape[0] < n:
-            cap = max(n, min(self.max_rows, 1 << 16))
+            cap = max(n, batch_ids, min(self.max_rows, 1 << 16))
             buf = self._staging[k] = torch.empty((cap, self.store.row_bytes), dtype=torch.uint8,
                                                  pin_memory=self.on_gpu)
         return buf[:n]
@@ -255,7 +258,8 @@ class LookupEngine:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _cpu_share(self, ids_host: torch.Tensor, stats: LookupStats, start: float) -> tuple[torch.Tensor, object]:
+    def _cpu_share(self, ids_host: torch.Tensor, batch_ids: int, stats: LookupStats, start: float
+                   ) -> tuple[torch.Tensor, object]:
         """Gather rows on CPU threads into the next pinned staging buffer, chunk by chunk, each
         chunk's DMA enqueued on the copy stream as soon as it is gathered (so copying
         overlaps the next chunk's gather, the zero-copy kernel and the next lookup's plan).
@@ -267,7 +271,7 @@ class LookupEngine:
         if self._staging_free[k] is not None:
             self._staging_free[k].synchronize()   # a DMA two lookups back may still read this buffer
         n = ids_host.numel()
-        staging = self._staging_rows(k, n)
+        staging = self._staging_rows(k, n, batch_ids)
         stats.mark("staging ready", start)
         with torch.cuda.stream(self.copy_stream):
             # Allocated from the copy stream's pool (ordered with its own work), used later on the finish stream.
@@ -433,7 +437,7 @@ class LookupEngine:
             if batch.cpu_ids is not None:
                 batch.ids_ready.synchronize()                 # the ids have reached the host
                 stats.mark("cpu ids on host", start)
-                staged, batch.dma_done = self._cpu_share(batch.cpu_ids, stats, start)
+                staged, batch.dma_done = self._cpu_share(batch.cpu_ids, batch.inverse.numel(), stats, start)
             with torch.cuda.stream(self.finish_stream):
                 self.finish_stream.wait_event(batch.planned)
                 if batch.zero_copy_done is not None:
@@ -487,14 +491,19 @@ class LookupEngine:
         depth = depth or self.max_in_flight
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
+        # The rows are consumed on a stream of their own: waits queued on the stream the ids
+        # come from would hold back the next lookup's plan (it waits for that stream).
+        consumer = torch.cuda.Stream(self.device) if self.on_gpu else None
         t0 = time.perf_counter()
         handles: collections.deque[LookupHandle] = collections.deque()
         for ids in batches:
             handles.append(self.lookup(ids))
             if len(handles) >= depth:
+                with contextlib.nullcontext() if consumer is None else torch.cuda.stream(consumer):
+                    handles.popleft().wait()
+        with contextlib.nullcontext() if consumer is None else torch.cuda.stream(consumer):
+            while handles:
                 handles.popleft().wait()
-        while handles:
-            handles.popleft().wait()
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / max(1, len(batches))
