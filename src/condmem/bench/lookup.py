@@ -380,7 +380,8 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
 
 
 def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
-                      cpu_fraction: float, cache: RowCache | None = None, depth: int = 2) -> list[dict]:
+                      cpu_fraction: float, cache: RowCache | None = None, depth: int = 2,
+                      cpu_threads: int | None = None) -> list[dict]:
     """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
 
     Shows what overlaps with what: for each batch, when the host finished planning it,
@@ -389,8 +390,9 @@ def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: lis
     """
     import collections
 
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction)
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads)
     engine.timing = True
+    label = f"{label} cpu {cpu_fraction:.1f} threads {engine.cpu_threads}"
     engine.time_pipelined(batches[:3])
     engine.flush()
     torch.cuda.synchronize()
@@ -543,7 +545,9 @@ def run_lookup(args) -> list[dict]:
                     uniform = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).cuda()
                                for _ in range(8)]
                     for fraction in (0.6, 1.0):
-                        rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction))
+                        for threads in args.cpu_threads or [None]:
+                            rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
+                                                              cpu_threads=threads))
                     text_ids = text_ids_for(store.num_rows)
                     text = [text_ids[i * tokens:(i + 1) * tokens].cuda() for i in range(11)]
                     cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
@@ -554,7 +558,8 @@ def run_lookup(args) -> list[dict]:
             cached = stream == "text" and args.cache_fraction > 0
             cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
                      if cached else None)
-            engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)))
+            engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
+                                  cpu_threads=(args.cpu_threads or [None])[0])
             if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                 engine.calibrate(n_ids=16384 * N_COLS)
             for tokens in batches:
@@ -648,6 +653,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-fraction", type=float, default=-1.0,
                    help="share of host misses gathered by CPU threads; negative: calibrate at start (default)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per uniform batch set")
+    p.add_argument("--cpu-threads", type=int, nargs="*", default=None,
+                   help="threads of the CPU gather (default: one fewer than the cores torch uses); several "
+                        "values: the pipeline diagnostic compares them, lookups use the first")
     p.add_argument("--diagnostics", nargs="*", default=["gather", "phases", "timeline"],
                    choices=["gather", "phases", "timeline", "pipeline"],
                    help="host-tier diagnostics run before the lookups: CPU gather rates (alone and under GPU "
