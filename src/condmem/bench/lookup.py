@@ -381,7 +381,7 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
 
 def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
                       cpu_fraction: float, cache: RowCache | None = None, depth: int = 2,
-                      cpu_threads: int | None = None) -> list[dict]:
+                      cpu_threads: int | None = None, trace: Path | None = None) -> list[dict]:
     """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
 
     Shows what overlaps with what: for each batch, when the host finished planning it,
@@ -398,6 +398,11 @@ def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: lis
     torch.cuda.synchronize()
     base = torch.cuda.Event(enable_timing=True)
     base.record()
+    profiler = None
+    if trace is not None:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+        profiler.__enter__()
     t0 = time.perf_counter()
     handles, waiting = [], collections.deque()
     consumer = torch.cuda.Stream()         # as in `time_pipelined`: waits off the ids' stream
@@ -412,6 +417,10 @@ def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: lis
             waiting.popleft().wait()
     torch.cuda.synchronize()
     total = (time.perf_counter() - t0) * 1e3
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(str(trace))
+        log.info("pipeline %s: profiler trace (chrome://tracing) in %s", label, trace)
     rows = []
     for i, h in enumerate(handles):
         b = h._batch
@@ -546,8 +555,10 @@ def run_lookup(args) -> list[dict]:
                                for _ in range(8)]
                     for fraction in (0.6, 1.0):
                         for threads in args.cpu_threads or [None]:
+                            trace = (Path(args.out) / f"lookup_trace_uniform_{fraction:.1f}_{threads}.json"
+                                     if args.trace else None)
                             rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
-                                                              cpu_threads=threads))
+                                                              cpu_threads=threads, trace=trace))
                     text_ids = text_ids_for(store.num_rows)
                     text = [text_ids[i * tokens:(i + 1) * tokens].cuda() for i in range(11)]
                     cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
@@ -656,6 +667,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-threads", type=int, nargs="*", default=None,
                    help="threads of the CPU gather (default: one fewer than the cores torch uses); several "
                         "values: the pipeline diagnostic compares them, lookups use the first")
+    p.add_argument("--trace", action="store_true",
+                   help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline")
     p.add_argument("--diagnostics", nargs="*", default=["gather", "phases", "timeline"],
                    choices=["gather", "phases", "timeline", "pipeline"],
                    help="host-tier diagnostics run before the lookups: CPU gather rates (alone and under GPU "
