@@ -241,6 +241,8 @@ class LookupEngine:
         self._staging: list[torch.Tensor | None] = [None] * max_in_flight
         self._staging_free: list = [None] * max_in_flight   # events: the last DMA out of each buffer finished
         self._next_staging = 0
+        self._host_id_buffers: list[torch.Tensor | None] = [None] * max_in_flight
+        self._next_host_ids = 0
         self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
         self.timing = False   # benchmarks: CUDA events that can be timed (`bench lookup`'s pipeline timeline)
 
@@ -257,6 +259,16 @@ class LookupEngine:
             cap = max(n, batch_ids, min(self.max_rows, 1 << 16))
             buf = self._staging[k] = torch.empty((cap, self.store.row_bytes), dtype=torch.uint8,
                                                  pin_memory=self.on_gpu)
+        return buf[:n]
+
+    def _host_ids(self, n: int, batch_ids: int) -> torch.Tensor:
+        """The next of `max_in_flight` pinned id buffers, [n] int64. Safe to reuse: when a lookup
+        is planned, the one `max_in_flight` back has finished its CPU gather (back-pressure)."""
+        k = self._next_host_ids
+        self._next_host_ids = (k + 1) % self.max_in_flight
+        buf = self._host_id_buffers[k]
+        if buf is None or buf.numel() < n:
+            buf = self._host_id_buffers[k] = torch.empty(max(n, batch_ids), dtype=torch.int64, pin_memory=True)
         return buf[:n]
 
     def _expand(self, compact: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -412,7 +424,10 @@ class LookupEngine:
                 batch.cpu_pos = miss_pos[cpu_sel]
                 batch.cpu_pos.record_stream(self.finish_stream)
                 # Sent first, so the CPU gather can start while the zero-copy kernel below runs.
-                batch.cpu_ids = miss_ids[cpu_sel].to("cpu", non_blocking=True)
+                # Into a pinned buffer of the engine's own: pinning a fresh one per lookup
+                # (what .to("cpu", non_blocking=True) may do) costs milliseconds and a driver lock.
+                batch.cpu_ids = self._host_ids(n_cpu, flat.numel())
+                batch.cpu_ids.copy_(miss_ids[cpu_sel], non_blocking=True)
                 batch.ids_ready = self._event()
                 batch.ids_ready.record(self.stream)
             stats.cpu_rows = n_cpu
