@@ -277,8 +277,8 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
     words = _as_words(store.raw)
     side = torch.cuda.Stream()
 
-    def omp(ids, nthreads=threads):
-        native_gather_rows(store.raw, ids, staging[: ids.numel()], nthreads)
+    def omp(ids, nthreads=threads, streaming=False):
+        native_gather_rows(store.raw, ids, staging[: ids.numel()], nthreads, streaming)
 
     def chunked(ids, pieces=4):
         step = -(-ids.numel() // pieces)
@@ -304,6 +304,8 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
 
     variants = {
         "omp, main thread": (omp, None),
+        "omp, streaming stores": (lambda ids: omp(ids, streaming=True), None),
+        "omp, streaming stores, during H2D copies": (lambda ids: omp(ids, streaming=True), h2d_load),
         "omp, worker thread": (lambda ids: worker.submit(omp, ids).result(), None),
         "omp, 4 chunks": (chunked, None),
         "OS thread per slice": (os_threads, None),
@@ -340,6 +342,22 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
                  "" if load is None else f"  (load still running at the end: {overlapped})")
     pool.shutdown()
     worker.shutdown()
+    # The host's own copy bandwidth (read + write), the budget the gather, its staging writes
+    # and the DMA reads of staging share.
+    a = torch.empty(1 << 31, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    a.fill_(1)
+    b.copy_(a)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    gbps = 2 * a.numel() / sorted(times)[1] / 1e9
+    rows.append({"bench": "host_memcpy", "tier": "host", "stream": "host memcpy (read + write)", "gbps": gbps,
+                 "threads": threads, **ceiling, "machine": info})
+    log.info("host memcpy, %d threads: %.1f GB/s (read + write counted)", threads, gbps)
+    del a, b
     return rows
 
 

@@ -199,12 +199,14 @@ class LookupEngine:
         region_bytes: the zero-copy translation granule used to split misses (`split_by_density`).
         max_in_flight: lookups in flight at once (and pinned staging buffers); a further
             `lookup` waits for the oldest one's CPU share.
+        streaming_stores: the CPU gather writes staging with non-temporal stores (only the
+            DMA reads it): less host memory traffic, which the gather and the DMAs share.
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
                  cpu_fraction: float = 0.5, cpu_threads: int | None = None, cpu_chunks: int = 4,
                  max_rows: int = 1 << 20, direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
-                 max_in_flight: int = 2):
+                 max_in_flight: int = 2, streaming_stores: bool = True):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -226,6 +228,7 @@ class LookupEngine:
         self.max_rows = max_rows
         self.region_bytes = region_bytes
         self.max_in_flight = max_in_flight
+        self.streaming_stores = streaming_stores
         self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
             # High priority everywhere: beside a forward pass, the lookup's few short kernels
@@ -297,7 +300,8 @@ class LookupEngine:
         chunk = max(1 << 14, -(-n // self.cpu_chunks))
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            self.store.gather_raw(ids_host[s:e], out=staging[s:e], threads=self.cpu_threads)
+            self.store.gather_raw(ids_host[s:e], out=staging[s:e], threads=self.cpu_threads,
+                                  streaming=self.streaming_stores)
             stats.mark(f"chunk {s // chunk} gathered", start)
             with torch.cuda.stream(self.copy_stream):
                 on_device[s:e].copy_(staging[s:e], non_blocking=True)
