@@ -189,7 +189,8 @@ def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_
     fmt = "fp8_interleaved"
     store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
     cache = RowCache(128, store.row_bytes, ways=4, device="cuda") if cached else None
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=0.5, direct_max_ids=0, cpu_chunks=3,
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7,
+                          staging_ring=2,
                           region_bytes=region_bytes, max_in_flight=max_in_flight)
     batches = list(_batches(store.num_rows, seed=7, n=12))
     handles = [engine.lookup(ids.cuda()) for ids in batches[:8]]

@@ -277,8 +277,8 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
     words = _as_words(store.raw)
     side = torch.cuda.Stream()
 
-    def omp(ids, nthreads=threads, streaming=False):
-        native_gather_rows(store.raw, ids, staging[: ids.numel()], nthreads, streaming)
+    def omp(ids, nthreads=threads):
+        native_gather_rows(store.raw, ids, staging[: ids.numel()], nthreads)
 
     def chunked(ids, pieces=4):
         step = -(-ids.numel() // pieces)
@@ -304,8 +304,6 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
 
     variants = {
         "omp, main thread": (omp, None),
-        "omp, streaming stores": (lambda ids: omp(ids, streaming=True), None),
-        "omp, streaming stores, during H2D copies": (lambda ids: omp(ids, streaming=True), h2d_load),
         "omp, worker thread": (lambda ids: worker.submit(omp, ids).result(), None),
         "omp, 4 chunks": (chunked, None),
         "OS thread per slice": (os_threads, None),
@@ -362,13 +360,13 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
 
 
 def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384, cpu_fraction: float = 1.0,
-                    cpu_chunks: int = 4, runs: int = 7) -> list[dict]:
+                    chunk_rows: int = 16384, runs: int = 7) -> list[dict]:
     """Where one lookup's host time goes: the engine's own step marks, medians over uniform batches.
 
     The marks are host clock readings (when each step finished on the host, or was queued
     for the GPU); ``end`` is when the rows were ready on the device (a synchronize).
     """
-    engine = LookupEngine(store, "cuda", cpu_fraction=cpu_fraction, cpu_chunks=cpu_chunks)
+    engine = LookupEngine(store, "cuda", cpu_fraction=cpu_fraction, staging_chunk_rows=chunk_rows)
     gen = torch.Generator().manual_seed(3)
     marks: dict[str, list[float]] = {}
     for i in range(runs + 2):
@@ -388,10 +386,10 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
     for step, ts in marks.items():
         ts.sort()
         ms = ts[len(ts) // 2] * 1e3
-        log.info("timeline cpu_fraction %.1f, %d chunks, %d tokens: %-52s %7.3f ms", cpu_fraction, cpu_chunks,
+        log.info("timeline cpu_fraction %.1f, chunks of %d rows, %d tokens: %-52s %7.3f ms", cpu_fraction, chunk_rows,
                  tokens, step, ms)
         rows.append({"bench": "engine_timeline", "tier": "host", "stream": f"timeline {step}", "tokens": tokens,
-                     "cpu_fraction": cpu_fraction, "cpu_chunks": cpu_chunks, "ms": ms,
+                     "cpu_fraction": cpu_fraction, "chunk_rows": chunk_rows, "ms": ms,
                      "table_gib": round(store.nbytes / 2**30, 2),
                      **ceiling, "machine": info})
     return rows
@@ -399,7 +397,8 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
 
 def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
                       cpu_fraction: float, cache: RowCache | None = None, depth: int = 2,
-                      cpu_threads: int | None = None, trace: Path | None = None) -> list[dict]:
+                      cpu_threads: int | None = None, trace: Path | None = None,
+                      chunk_rows: int = 16384) -> list[dict]:
     """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
 
     Shows what overlaps with what: for each batch, when the host finished planning it,
@@ -408,9 +407,10 @@ def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: lis
     """
     import collections
 
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads)
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads,
+                          staging_chunk_rows=chunk_rows)
     engine.timing = True
-    label = f"{label} cpu {cpu_fraction:.1f} threads {engine.cpu_threads}"
+    label = f"{label} cpu {cpu_fraction:.1f} threads {engine.cpu_threads} chunks {chunk_rows}"
     engine.time_pipelined(batches[:3])
     engine.flush()
     torch.cuda.synchronize()
@@ -564,19 +564,20 @@ def run_lookup(args) -> list[dict]:
                     rows_out.extend(gather_under_load(store, info, ceiling))
                 if "timeline" in diag:
                     # All-CPU with one DMA after the gather vs chunked DMAs overlapping it, and the usual split.
-                    for fraction, chunks in ((1.0, 1), (1.0, 4), (0.6, 4)):
+                    for fraction, chunks in ((1.0, 16384), (1.0, 131072), (0.6, 16384)):
                         rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction,
-                                                        cpu_chunks=chunks))
+                                                        chunk_rows=chunks))
                 if "pipeline" in diag:
                     tokens = max(batches)
                     uniform = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).cuda()
                                for _ in range(8)]
                     for fraction in (0.6, 1.0):
                         for threads in args.cpu_threads or [None]:
-                            trace = (Path(args.out) / f"lookup_trace_uniform_{fraction:.1f}_{threads}.json"
-                                     if args.trace else None)
-                            rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
-                                                              cpu_threads=threads, trace=trace))
+                            for chunk in args.staging_chunk_rows:
+                                trace = (Path(args.out) / f"lookup_trace_uniform_{fraction:.1f}_{threads}_{chunk}.json"
+                                         if args.trace else None)
+                                rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
+                                                                  cpu_threads=threads, trace=trace, chunk_rows=chunk))
                     text_ids = text_ids_for(store.num_rows)
                     text = [text_ids[i * tokens:(i + 1) * tokens].cuda() for i in range(11)]
                     cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
@@ -588,7 +589,8 @@ def run_lookup(args) -> list[dict]:
             cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
                      if cached else None)
             engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
-                                  cpu_threads=(args.cpu_threads or [None])[0])
+                                  cpu_threads=(args.cpu_threads or [None])[0],
+                                  staging_chunk_rows=args.staging_chunk_rows[0])
             if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                 engine.calibrate(n_ids=16384 * N_COLS)
             for tokens in batches:
@@ -685,6 +687,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-threads", type=int, nargs="*", default=None,
                    help="threads of the CPU gather (default: one fewer than the cores torch uses); several "
                         "values: the pipeline diagnostic compares them, lookups use the first")
+    p.add_argument("--staging-chunk-rows", type=int, nargs="+", default=[16384],
+                   help="rows per pinned staging chunk of the CPU share (default 16384); several values: the "
+                        "pipeline diagnostic compares them, lookups use the first")
     p.add_argument("--trace", action="store_true",
                    help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline")
     p.add_argument("--diagnostics", nargs="*", default=["gather", "phases", "timeline"],

@@ -8,7 +8,7 @@ For one batch of row ids [T, n_cols] (one Engram layer):
 3. **misses** are served from the store:
    * HBM store: an index_select;
    * host store: a fraction ``cpu_fraction`` of the misses is gathered by CPU threads
-     into a pinned staging buffer and sent in a few DMAs that overlap the gathering;
+     into a small ring of pinned staging chunks, each sent by DMA while the next is gathered;
      the rest is read by the GPU zero-copy (the gather kernel on the page-locked
      table). On the H200 a zero-copy read costs about one address translation per
      64 KiB region touched, not per row, while a CPU thread pays per row; so the GPU
@@ -176,7 +176,7 @@ class LookupEngine:
     Lookups are pipelined: `lookup` returns once its GPU-side planning is queued, so the
     next batch's dedup and cache probe run while this one's rows are still being gathered
     on the CPU and copied. Up to ``max_in_flight`` lookups are in flight; the CPU shares
-    are gathered one after another by a worker thread into a ring of pinned staging buffers.
+    are gathered one after another by a worker thread through a ring of pinned staging chunks.
 
     Args:
         store: the layer's rows (any tier).
@@ -190,23 +190,23 @@ class LookupEngine:
             torch's intra-op count, leaving a core to the thread that plans the next lookup
             (measured on the H200: with every core gathering, that thread's few
             milliseconds of launches and syncs stretched to ~5 ms per lookup).
-        cpu_chunks: pieces the CPU share is cut into, so each piece's DMA overlaps the
-            next piece's gather.
-        max_rows: initial staging capacity (rows) for the CPU path.
+        staging_chunk_rows: rows per pinned staging chunk: the CPU share is gathered and
+            sent chunk by chunk (each chunk's DMA overlaps the next one's gather).
+        staging_ring: staging chunks in the ring (default 4 x 16384 rows of 264 B = 17 MiB,
+            small enough to stay in the host's last-level cache).
         direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
         region_bytes: the zero-copy translation granule used to split misses (`split_by_density`).
-        max_in_flight: lookups in flight at once (and pinned staging buffers); a further
+        max_in_flight: lookups in flight at once (and pinned id buffers); a further
             `lookup` waits for the oldest one's CPU share.
-        streaming_stores: the CPU gather writes staging with non-temporal stores (only the
-            DMA reads it): less host memory traffic, which the gather and the DMAs share.
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
-                 cpu_fraction: float = 0.5, cpu_threads: int | None = None, cpu_chunks: int = 4,
-                 max_rows: int = 1 << 20, direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
-                 max_in_flight: int = 2, streaming_stores: bool = True):
+                 cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 16384,
+                 staging_ring: int = 4,
+                 direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
+                 max_in_flight: int = 2):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -223,12 +223,12 @@ class LookupEngine:
         if cpu_threads is None and self.device.type == "cuda":
             cpu_threads = max(1, torch.get_num_threads() - 1)
         self.cpu_threads = cpu_threads
-        self.cpu_chunks = max(1, cpu_chunks)
+        if staging_chunk_rows < 1:
+            raise ValueError(f"staging_chunk_rows must be positive, got {staging_chunk_rows}")
+        self.staging_chunk_rows = staging_chunk_rows
         self.direct_max_ids = direct_max_ids
-        self.max_rows = max_rows
         self.region_bytes = region_bytes
         self.max_in_flight = max_in_flight
-        self.streaming_stores = streaming_stores
         self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
             # High priority everywhere: beside a forward pass, the lookup's few short kernels
@@ -241,9 +241,9 @@ class LookupEngine:
         else:
             self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
             self._pool = None
-        self._staging: list[torch.Tensor | None] = [None] * max_in_flight
-        self._staging_free: list = [None] * max_in_flight   # events: the last DMA out of each buffer finished
-        self._next_staging = 0
+        self._ring: list[torch.Tensor | None] = [None] * max(2, staging_ring)
+        self._ring_free: list = [None] * len(self._ring)   # events: the last DMA out of each buffer finished
+        self._ring_next = 0
         self._host_id_buffers: list[torch.Tensor | None] = [None] * max_in_flight
         self._next_host_ids = 0
         self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
@@ -253,16 +253,6 @@ class LookupEngine:
     def _event(self):
         """A CUDA event; with ``self.timing`` set (benchmarks), one that can be timed."""
         return torch.cuda.Event(enable_timing=self.timing)
-
-    def _staging_rows(self, k: int, n: int, batch_ids: int) -> torch.Tensor:
-        """Rows [n] of staging buffer k, sized for a whole batch of `batch_ids` ids (the CPU share
-        varies from batch to batch; pinning a bigger buffer mid-run costs tens of milliseconds)."""
-        buf = self._staging[k]
-        if buf is None or buf.shape[0] < n:
-            cap = max(n, batch_ids, min(self.max_rows, 1 << 16))
-            buf = self._staging[k] = torch.empty((cap, self.store.row_bytes), dtype=torch.uint8,
-                                                 pin_memory=self.on_gpu)
-        return buf[:n]
 
     def _host_ids(self, n: int, batch_ids: int) -> torch.Tensor:
         """The next of `max_in_flight` pinned id buffers, [n] int64. Safe to reuse: when a lookup
@@ -278,36 +268,47 @@ class LookupEngine:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _cpu_share(self, ids_host: torch.Tensor, batch_ids: int, stats: LookupStats, start: float
-                   ) -> tuple[torch.Tensor, object]:
-        """Gather rows on CPU threads into the next pinned staging buffer, chunk by chunk, each
-        chunk's DMA enqueued on the copy stream as soon as it is gathered (so copying
-        overlaps the next chunk's gather, the zero-copy kernel and the next lookup's plan).
+    def _ring_buffer(self) -> tuple[int, torch.Tensor]:
+        """The next pinned staging chunk of the ring, once the DMA that last read it has finished."""
+        k = self._ring_next
+        self._ring_next = (k + 1) % len(self._ring)
+        if self._ring_free[k] is not None:
+            self._ring_free[k].synchronize()
+        if self._ring[k] is None:
+            self._ring[k] = torch.empty((self.staging_chunk_rows, self.store.row_bytes), dtype=torch.uint8,
+                                        pin_memory=self.on_gpu)
+        return k, self._ring[k]
+
+    def _cpu_share(self, ids_host: torch.Tensor, stats: LookupStats, start: float) -> tuple[torch.Tensor, object]:
+        """Gather rows on CPU threads chunk by chunk into a ring of small pinned staging
+        buffers, each chunk's DMA enqueued on the copy stream as soon as it is gathered.
+
+        Why small chunks: every byte a CPU gather stages costs the host's memory system a
+        write (and the read-for-ownership before it) and the DMA's read, on top of reading
+        the row, and that memory bandwidth (~67 GB/s read + write on the H200 host) is what
+        the gather and the DMAs share. A ring of a few MiB stays in the last-level cache, so
+        staging writes and DMA reads hit the cache instead of DRAM.
 
         Returns the rows on the device and the event after their last DMA.
         """
-        k = self._next_staging
-        self._next_staging = (k + 1) % self.max_in_flight
-        if self._staging_free[k] is not None:
-            self._staging_free[k].synchronize()   # a DMA two lookups back may still read this buffer
         n = ids_host.numel()
-        staging = self._staging_rows(k, n, batch_ids)
-        stats.mark("staging ready", start)
         with torch.cuda.stream(self.copy_stream):
             # Allocated from the copy stream's pool (ordered with its own work), used later on the finish stream.
             on_device = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
         on_device.record_stream(self.finish_stream)
-        chunk = max(1 << 14, -(-n // self.cpu_chunks))
+        chunk = self.staging_chunk_rows
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            self.store.gather_raw(ids_host[s:e], out=staging[s:e], threads=self.cpu_threads,
-                                  streaming=self.streaming_stores)
-            stats.mark(f"chunk {s // chunk} gathered", start)
+            k, buf = self._ring_buffer()
+            self.store.gather_raw(ids_host[s:e], out=buf[: e - s], threads=self.cpu_threads)
+            if s == 0 or e == n:
+                stats.mark("first chunk gathered" if s == 0 else "last chunk gathered", start)
             with torch.cuda.stream(self.copy_stream):
-                on_device[s:e].copy_(staging[s:e], non_blocking=True)
+                on_device[s:e].copy_(buf[: e - s], non_blocking=True)
+                self._ring_free[k] = self._event()
+                self._ring_free[k].record(self.copy_stream)
         done = self._event()
         done.record(self.copy_stream)
-        self._staging_free[k] = done
         return on_device, done
 
     # ------------------------------------------------------------------ the lookup
@@ -325,7 +326,7 @@ class LookupEngine:
         row_ids.record_stream(self.stream)
         if row_ids.numel() <= self.direct_max_ids and self.store.gpu_readable:
             return self._lookup_direct(row_ids, stats)
-        # Back-pressure: at most max_in_flight lookups (and staging buffers) in use.
+        # Back-pressure: at most max_in_flight lookups (and pinned id buffers) in use.
         while sum(not b.enqueued() for b in self._in_flight) >= self.max_in_flight:
             next(b for b in self._in_flight if not b.enqueued()).future.result()
         with torch.cuda.stream(self.stream):
@@ -461,7 +462,7 @@ class LookupEngine:
             if batch.cpu_ids is not None:
                 batch.ids_ready.synchronize()                 # the ids have reached the host
                 stats.mark("cpu ids on host", start)
-                staged, batch.dma_done = self._cpu_share(batch.cpu_ids, batch.inverse.numel(), stats, start)
+                staged, batch.dma_done = self._cpu_share(batch.cpu_ids, stats, start)
             with torch.cuda.stream(self.finish_stream):
                 self.finish_stream.wait_event(batch.planned)
                 if batch.zero_copy_done is not None:

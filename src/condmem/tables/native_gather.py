@@ -32,44 +32,19 @@ PREFETCH_DISTANCE = 12
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 /* Copy rows ids[0..n) of `row_bytes` each from src to dst (dst row i <- src row ids[i]).
    Dynamic chunks of rows: a thread that shares its core (with a thread spinning on a GPU
-   sync, say) must not hold back the whole team, as a static split would.
-   streaming != 0 (x86-64, 8-byte aligned rows): non-temporal stores, for a destination only
-   a DMA reads next: no read-for-ownership of its lines, no cache pollution; a third less
-   DRAM traffic for the gather. */
+   sync, say) must not hold back the whole team, as a static split would. */
 void condmem_gather_rows(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t n,
-                         uint8_t *dst, int nthreads, int streaming) {
-#if defined(__x86_64__)
-    const int nt = streaming && (row_bytes % 8 == 0) && (((uintptr_t)dst) % 8 == 0);
-#else
-    const int nt = 0;
-#endif
-    #pragma omp parallel num_threads(nthreads)
-    {
-        #pragma omp for schedule(dynamic, 1024)
-        for (int64_t i = 0; i < n; i++) {
-            if (i + PF < n) {
-                const uint8_t *ahead = src + ids[i + PF] * row_bytes;
-                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
-            }
-#if defined(__x86_64__)
-            if (nt) {
-                const long long *s = (const long long *)(src + ids[i] * row_bytes);
-                long long *d = (long long *)(dst + i * row_bytes);
-                for (int64_t k = 0; k < row_bytes / 8; k++) _mm_stream_si64(d + k, s[k]);
-                continue;
-            }
-#endif
-            memcpy(dst + i * row_bytes, src + ids[i] * row_bytes, (size_t)row_bytes);
+                         uint8_t *dst, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1024)
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PF < n) {
+            const uint8_t *ahead = src + ids[i + PF] * row_bytes;
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
         }
-#if defined(__x86_64__)
-        if (nt) _mm_sfence();   /* the stores are visible before the caller starts a DMA */
-#endif
+        memcpy(dst + i * row_bytes, src + ids[i] * row_bytes, (size_t)row_bytes);
     }
 }
 """.replace("PF", str(PREFETCH_DISTANCE))
@@ -119,7 +94,7 @@ def _load():
             log.warning("loading the native CPU gather failed (%s): falling back to torch.index_select", exc)
             return None
         lib.condmem_gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                                            ctypes.c_void_p, ctypes.c_int]
         lib.condmem_gather_rows.restype = None
         _lib = lib
         return lib
@@ -131,11 +106,8 @@ def available() -> bool:
 
 
 def native_gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
-                       threads: int | None = None, streaming: bool = False) -> torch.Tensor | None:
+                       threads: int | None = None) -> torch.Tensor | None:
     """Rows ``table[ids]`` into `out` (uint8 [n, row_bytes]); None when the native code is unavailable.
-
-    `streaming`: write `out` with non-temporal stores (for a staging buffer that only a DMA
-    reads next; slower for a destination the CPU reads right away).
 
     `table` is uint8 [rows, row_bytes] on the CPU (any memory: pinned, mmap'd, plain);
     `ids` int64 on the CPU, all in range (callers check); `out` contiguous.
@@ -151,5 +123,5 @@ def native_gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor
     n = ids.numel()
     if n:
         lib.condmem_gather_rows(table.data_ptr(), table.shape[1], ids.data_ptr(), n, out.data_ptr(),
-                                int(threads or torch.get_num_threads()), int(streaming))
+                                int(threads or torch.get_num_threads()))
     return out
