@@ -38,7 +38,7 @@ _SOURCE = r"""
    sync, say) must not hold back the whole team, as a static split would. */
 void condmem_gather_rows(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t n,
                          uint8_t *dst, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1024)
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 256)
     for (int64_t i = 0; i < n; i++) {
         if (i + PF < n) {
             const uint8_t *ahead = src + ids[i + PF] * row_bytes;
