@@ -360,7 +360,7 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
 
 
 def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384, cpu_fraction: float = 1.0,
-                    chunk_rows: int = 16384, runs: int = 7) -> list[dict]:
+                    chunk_rows: int = 131072, runs: int = 7) -> list[dict]:
     """Where one lookup's host time goes: the engine's own step marks, medians over uniform batches.
 
     The marks are host clock readings (when each step finished on the host, or was queued
@@ -398,7 +398,7 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
 def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
                       cpu_fraction: float, cache: RowCache | None = None, depth: int = 2,
                       cpu_threads: int | None = None, trace: Path | None = None,
-                      chunk_rows: int = 16384) -> list[dict]:
+                      chunk_rows: int = 131072) -> list[dict]:
     """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
 
     Shows what overlaps with what: for each batch, when the host finished planning it,
@@ -564,7 +564,7 @@ def run_lookup(args) -> list[dict]:
                     rows_out.extend(gather_under_load(store, info, ceiling))
                 if "timeline" in diag:
                     # All-CPU with one DMA after the gather vs chunked DMAs overlapping it, and the usual split.
-                    for fraction, chunks in ((1.0, 16384), (1.0, 131072), (0.6, 16384)):
+                    for fraction, chunks in ((1.0, 131072), (1.0, 32768), (0.6, 131072)):
                         rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction,
                                                         chunk_rows=chunks))
                 if "pipeline" in diag:
@@ -687,8 +687,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-threads", type=int, nargs="*", default=None,
                    help="threads of the CPU gather (default: one fewer than the cores torch uses); several "
                         "values: the pipeline diagnostic compares them, lookups use the first")
-    p.add_argument("--staging-chunk-rows", type=int, nargs="+", default=[16384],
-                   help="rows per pinned staging chunk of the CPU share (default 16384); several values: the "
+    p.add_argument("--staging-chunk-rows", type=int, nargs="+", default=[131072],
+                   help="rows per pinned staging chunk of the CPU share (default 131072); several values: the "
                         "pipeline diagnostic compares them, lookups use the first")
     p.add_argument("--trace", action="store_true",
                    help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline")
