@@ -222,3 +222,23 @@ def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(tabl
     assert not torch.equal(early.cpu(), _expected(sources[fmt], ids))
     engine.close()
     store.close()
+
+
+@cuda_only
+def test_gpu_calibration_on_a_sample_with_the_cache_keeps_rows_exact(table_files):
+    """calibrate(sample=...) times the caller's batches with the cache; lookups stay exact afterwards."""
+    layout, sources, paths = table_files
+    fmt = "fp8_interleaved"
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
+    cache = RowCache(64, store.row_bytes, ways=4, device="cuda")
+    engine = LookupEngine(store, "cuda", cache=cache, direct_max_ids=0)
+    batches = [ids.cuda() for ids in _batches(store.num_rows, seed=9, n=6)]
+    with pytest.raises(ValueError, match="at least two batches"):
+        engine.calibrate(sample=batches[:1])
+    chosen = engine.calibrate(sample=batches, candidates=(0.0, 0.5, 1.0))
+    assert chosen in (0.0, 0.5, 1.0) and set(engine.calibration) == {0.0, 0.5, 1.0}
+    assert engine.cache is cache
+    for ids in _batches(store.num_rows, seed=10, n=3):
+        assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(sources[fmt], ids))
+    engine.close()
+    store.close()
