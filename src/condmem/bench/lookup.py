@@ -582,7 +582,11 @@ def run_lookup(args) -> list[dict]:
                     text = [text_ids[i * tokens:(i + 1) * tokens].cuda() for i in range(11)]
                     cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
                                                 device="cuda")
-                    rows_out.extend(pipeline_timeline(store, info, ceiling, text, "text", 0.7, cache=cache))
+                    for fraction in (0.7, 1.0):
+                        cache.clear()
+                        trace = Path(args.out) / f"lookup_trace_text_{fraction:.1f}.json" if args.trace else None
+                        rows_out.extend(pipeline_timeline(store, info, ceiling, text, "text", fraction, cache=cache,
+                                                          trace=trace))
                     del cache
         for stream in args.streams:
             cached = stream == "text" and args.cache_fraction > 0
