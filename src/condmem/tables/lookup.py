@@ -349,7 +349,7 @@ class LookupEngine:
             self._in_flight.popleft()
             if self.cache is not None and batch.miss_ids.numel():
                 self.stream.wait_event(batch.ready)
-                self.cache.admit(batch.miss_ids, batch.compact[batch.miss_pos])
+                self.cache.admit(batch.miss_ids, batch.compact.index_select(0, batch.miss_pos))
 
     def flush(self) -> None:
         """Wait for every lookup in flight and admit its misses to the cache."""
@@ -363,7 +363,7 @@ class LookupEngine:
                 batch = self._in_flight.popleft()
                 if self.cache is not None and batch.miss_ids.numel():
                     self.stream.wait_event(batch.ready)
-                    self.cache.admit(batch.miss_ids, batch.compact[batch.miss_pos])
+                    self.cache.admit(batch.miss_ids, batch.compact.index_select(0, batch.miss_pos))
 
     def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats) -> LookupHandle:
         """Small batches (decode): one gather kernel straight from the table (HBM or page-locked host).
@@ -398,15 +398,17 @@ class LookupEngine:
         flat = row_ids.reshape(-1)
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         n = uniq.numel()
-        compact = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
-        miss_pos = torch.arange(n, device=self.device)
         if self.cache is not None:
             slot = self.cache.probe(uniq)
-            hit = slot >= 0
-            hit_pos = torch.nonzero(hit).flatten()
-            compact[hit_pos] = self.cache.read(slot[hit_pos])
-            miss_pos = torch.nonzero(~hit).flatten()
-        miss_ids = uniq[miss_pos]
+            # Every unique row is read from the cache (a miss reads slot 0, overwritten below):
+            # a few MB of HBM reads instead of compacting the hits, which would be a host sync.
+            compact = self.cache.read(slot.clamp(min=0))
+            miss_pos = torch.nonzero(slot < 0).flatten()
+            miss_ids = uniq.index_select(0, miss_pos)
+        else:
+            compact = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
+            miss_pos = torch.arange(n, device=self.device)
+            miss_ids = uniq
         n_miss = miss_ids.numel()                      # (a sync: sizes decide the split)
         stats.unique, stats.hits = n, n - n_miss
         out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)

@@ -72,9 +72,15 @@ class RowCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.decay_every = decay_every
         slots = self.n_sets * self.ways
-        self.keys = torch.full((self.n_sets, self.ways), EMPTY, dtype=torch.int64, device=self.device)
-        self.freq = torch.zeros((self.n_sets, self.ways), dtype=torch.int32, device=self.device)
-        self.data = torch.empty((slots, row_bytes), dtype=torch.uint8, device=self.device)
+        # One extra slot past the end, outside the views below: `admit` sends the rows it
+        # drops there, so it never has to compact its inputs (a compaction is a host sync).
+        self._trash = slots
+        self._keys_all = torch.full((slots + 1,), EMPTY, dtype=torch.int64, device=self.device)
+        self._freq_all = torch.zeros((slots + 1,), dtype=torch.int32, device=self.device)
+        self._data_all = torch.empty((slots + 1, row_bytes), dtype=torch.uint8, device=self.device)
+        self.keys = self._keys_all[:slots].view(self.n_sets, self.ways)
+        self.freq = self._freq_all[:slots].view(self.n_sets, self.ways)
+        self.data = self._data_all[:slots]
         # Counters stay on the device so probing never waits for the host.
         self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)  # lookups, hits, admitted
         self._admissions = 0
@@ -102,8 +108,8 @@ class RowCache:
         self._counters.zero_()
 
     def clear(self) -> None:
-        self.keys.fill_(EMPTY)
-        self.freq.zero_()
+        self._keys_all.fill_(EMPTY)
+        self._freq_all.zero_()
 
     # ------------------------------------------------------------------ operations
     def probe(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
@@ -132,7 +138,8 @@ class RowCache:
 
         Within a set, newcomers take the least-frequent ways; when more ids than ways map
         to one set in a batch, the surplus is not admitted (a one-batch burst must not
-        flush the set's hot rows).
+        flush the set's hot rows). No host synchronization (fixed-size tensor ops only), so
+        a lookup engine can queue it between other work.
         """
         if ids.numel() == 0:
             return ids.new_empty(0)
@@ -144,26 +151,25 @@ class RowCache:
         # key, one slot. Its would-be rank is pushed past the ways so it is dropped below.
         present = (self.keys[sets] == ids[:, None]).any(dim=1)
         order = torch.argsort(sets, stable=True)
-        sorted_sets = sets[order]
+        sorted_sets = sets.index_select(0, order)
         # Rank of each newcomer among the newcomers of its set: 0, 1, 2, ...
         first = torch.ones_like(sorted_sets, dtype=torch.bool)
         first[1:] = sorted_sets[1:] != sorted_sets[:-1]
         idx = torch.arange(sorted_sets.numel(), device=ids.device)
         run_start = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=0).values
         rank = idx - run_start
-        keep = (rank < self.ways) & ~present[order]
-        # Ways of each touched set from least to most frequent (empty slots have freq 0 and go
-        # first); only the newcomers' sets are sorted, never the whole table of counters.
-        chosen_sets = sorted_sets[keep]
-        way_order = torch.argsort(self.freq[chosen_sets], dim=1, stable=True)   # [n_kept, ways]
-        chosen_way = way_order.gather(1, rank[keep][:, None]).squeeze(1)
-        slot = chosen_sets * self.ways + chosen_way
-        src = order[keep]
-        self.keys.view(-1)[slot] = ids[src]
-        self.freq.view(-1)[slot] = 1
-        self.data[slot] = rows[src].to(self.device)
-        out = torch.full_like(ids, -1)
-        out[src] = slot
+        keep = (rank < self.ways) & ~present.index_select(0, order)
+        # Ways of each newcomer's set from least to most frequent (empty slots have freq 0 and
+        # go first); only the newcomers' sets are sorted, never the whole table of counters.
+        way_order = torch.argsort(self.freq.index_select(0, sorted_sets), dim=1, stable=True)   # [n, ways]
+        chosen_way = way_order.gather(1, rank.clamp(max=self.ways - 1)[:, None]).squeeze(1)
+        # Kept newcomers get distinct slots; dropped ones all write the trash slot (never probed).
+        slot = torch.where(keep, sorted_sets * self.ways + chosen_way, torch.full_like(sorted_sets, self._trash))
+        self._keys_all[slot] = ids.index_select(0, order)
+        self._freq_all[slot] = 1
+        self._data_all[slot] = rows.index_select(0, order.to(rows.device)).to(self.device)
+        out = torch.empty_like(ids)
+        out[order] = torch.where(keep, slot, torch.full_like(slot, -1))
         self._counters[2] += keep.sum()
         self._admissions += 1
         if self.decay_every and self._admissions % self.decay_every == 0:
