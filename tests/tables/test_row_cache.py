@@ -34,12 +34,19 @@ def test_cached_reads_equal_the_backing_rows(device):
     assert s.lookups > 0 and 0 < s.hits < s.lookups
 
 
-def test_burst_into_one_set_does_not_overflow():
-    cache = RowCache(capacity_rows=8, row_bytes=4, ways=4)           # 2 sets
-    ids = torch.arange(0, 20, 2)                                    # all in set 0
+@pytest.mark.parametrize("device", devices())
+def test_burst_into_one_set_does_not_overflow(device):
+    cache = RowCache(capacity_rows=8, row_bytes=4, ways=4, device=device)   # 2 sets
+    ids = torch.arange(0, 20, 2, device=device)                     # all in set 0
     slot = cache.admit(ids, _rows(ids, 4))
     assert int((slot >= 0).sum()) == 4
     assert (slot[slot >= 0] < 4).all()                              # only set 0's ways
+    # The dropped ids went nowhere visible: not probed, not in the keys, and the kept ones
+    # read back their own bytes.
+    assert torch.equal(cache.probe(ids, count=False), slot)
+    assert int((cache.keys >= 0).sum()) == 4 and cache.keys.numel() == 8
+    kept = slot >= 0
+    assert torch.equal(cache.read(slot[kept]), _rows(ids[kept], 4))
 
 
 def test_frequent_rows_survive_a_scan():
