@@ -242,3 +242,18 @@ def test_gpu_calibration_on_a_sample_with_the_cache_keeps_rows_exact(table_files
         assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(sources[fmt], ids))
     engine.close()
     store.close()
+
+
+def test_cpu_pipelined_timing_and_calibration_are_harmless(table_files):
+    """On the CPU, lookups run synchronously: time_pipelined still times them, calibrate keeps the split."""
+    layout, sources, paths = table_files
+    store = place_layer(EngramTableFile(paths["fp8_interleaved"], layout=layout).layer(2), "host",
+                        host_alloc="pageable", progress=False)
+    engine = LookupEngine(store, "cpu", cpu_fraction=0.3)
+    batches = list(_batches(store.num_rows, seed=11, n=3))
+    assert engine.time_pipelined(batches) > 0
+    assert engine.calibrate(sample=batches) == 0.3
+    engine.flush()
+    for ids in batches:
+        assert torch.equal(engine.lookup(ids).wait(), _expected(sources["fp8_interleaved"], ids))
+    engine.close()
