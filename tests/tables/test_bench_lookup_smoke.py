@@ -27,3 +27,23 @@ def test_bench_lookup_disk_tier_smoke(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
     assert [r["tier"] for r in rows if r["bench"] == "lookup"] == ["disk"]
     assert not list(tmp_path.glob("condmem-bench-*"))   # the temporary table file is gone
+
+
+def test_pipeline_timeline_plot_from_rows(tmp_path):
+    """The pipeline diagnostic's rows (GPU-only to produce) draw a timeline PNG."""
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    from condmem.bench.lookup import plot_pipeline
+
+    rows = []
+    for label in ("uniform cpu 0.7", "text cpu 1.0"):
+        for i in range(4):
+            t = 5.0 * i
+            rows.append({"bench": "pipeline_timeline", "stream": label, "batch": i, "tokens": 16384,
+                         "host_ms": {"called": t, "planned (dedup, probe)": t + 1.0, "cpu ids on host": t + 1.2,
+                                     "first chunk gathered": t + 3.0, "last chunk gathered": t + 4.5},
+                         "gpu_ms": {"planned": t + 0.9, "zero_copy_done": t + 3.5, "ready": t + 5.2}})
+    path = plot_pipeline(rows + [{"bench": "lookup"}], tmp_path / "pipeline.png")
+    assert path is not None and path.stat().st_size > 10_000
+    assert plot_pipeline([{"bench": "lookup"}], tmp_path / "none.png") is None

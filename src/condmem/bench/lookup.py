@@ -413,14 +413,14 @@ def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: lis
     label = f"{label} cpu {cpu_fraction:.1f} threads {engine.cpu_threads} chunks {chunk_rows}"
     engine.time_pipelined(batches[:3])
     engine.flush()
-    torch.cuda.synchronize()
-    base = torch.cuda.Event(enable_timing=True)
-    base.record()
     profiler = None
     if trace is not None:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                       torch.profiler.ProfilerActivity.CUDA])
         profiler.__enter__()
+    torch.cuda.synchronize()
+    base = torch.cuda.Event(enable_timing=True)   # after the profiler's start-up (seconds)
+    base.record()
     t0 = time.perf_counter()
     handles, waiting = [], collections.deque()
     consumer = torch.cuda.Stream()         # as in `time_pipelined`: waits off the ids' stream
@@ -659,12 +659,54 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
+def plot_pipeline(rows: list[dict], path: Path) -> Path | None:
+    """A timeline per pipeline diagnostic: for each lookup, the host's plan, the worker's CPU
+    gather and, on the GPU, the zero-copy share and the moment the rows were ready."""
+    plt = pyplot()
+    rows = [r for r in rows if r.get("bench") == "pipeline_timeline"]
+    if plt is None or not rows:
+        return None
+    labels = sorted({r["stream"] for r in rows})
+    fig, axes = plt.subplots(len(labels), 1, figsize=(9, 1.2 + 0.35 * max(
+        sum(r["stream"] == lab for r in rows) for lab in labels) * len(labels)), squeeze=False)
+    for ax, label in zip(axes[:, 0], labels):
+        for r in (r for r in rows if r["stream"] == label):
+            y, host, gpu = r["batch"], r["host_ms"], r["gpu_ms"]
+            plan_end = next((v for k, v in host.items() if k.startswith("planned")), None)
+            gathered = max((v for k, v in host.items() if "gathered" in k), default=None)
+            # One lane each, top to bottom within the lookup's row.
+            spans = [("host plan", host.get("called"), plan_end, "tab:blue", -0.3),
+                     ("CPU gather (worker)", host.get("cpu ids on host"), gathered, "tab:orange", 0.0),
+                     ("zero-copy (GPU)", gpu.get("planned"), gpu.get("zero_copy_done"), "tab:green", 0.3)]
+            for name, a, b, color, lane in spans:
+                if a is not None and b is not None and b > a:
+                    ax.broken_barh([(a, b - a)], (y + lane - 0.14, 0.28), color=color, label=name)
+            if "ready" in gpu:
+                ax.plot([gpu["ready"]], [y], marker="|", color="black", markersize=12, linestyle="none",
+                        label="rows ready (GPU)")
+        ax.set_title(f"{label}: {rows[0]['tokens']} tokens per lookup", fontsize=9)
+        ax.set_ylabel("lookup")
+        ax.invert_yaxis()
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms since the first lookup was called")
+    legend = {}
+    for ax in axes[:, 0]:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    fig.legend(list(legend.values()), list(legend), loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(args) -> list[dict]:
     resolve_defaults(args)
     rows = run_lookup(args)
     out = Path(args.out)
     append_rows(out / "lookup.json", rows)
     plot(rows, out / "lookup.png")
+    plot_pipeline(rows, out / "lookup_pipeline.png")
     print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""), ("tokens", "tokens", "d"),
                             ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
                             ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
