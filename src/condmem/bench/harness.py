@@ -53,6 +53,12 @@ def machine_info() -> dict:
         root = Path(__file__).resolve().parents[3]
         info["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True, timeout=5).stdout.strip() or None
+        # A tree that differs from its commit (e.g. a copy whose .git is older than its files)
+        # says so: then only source_sha256 identifies the code.
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if info["commit"] and dirty:
+            info["commit"] += "+dirty"
     except (OSError, subprocess.SubprocessError):
         info["commit"] = None
     return info
