@@ -120,3 +120,28 @@ def test_negative_control_rows_read_without_waiting_are_wrong():
     assert torch.equal(late, expect)
     assert not torch.equal(early, expect)
     memory.close()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_calibration_on_token_batches_keeps_rows_exact(device):
+    """EngramMemory.calibrate hashes the caller's batches and times each host layer's split on
+    them (on the CPU the split is unused and kept); rows stay exact afterwards."""
+    cfg, hasher, modules = _setup(device)
+    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
+                                       host_alloc="pageable" if device == "cpu" else "mmap_register",
+                                       cache_bytes=4096, cpu_fraction=0.5)
+    gen = torch.Generator().manual_seed(2)
+    sample = [torch.randint(0, 70, (4, 64), generator=gen) for _ in range(4)]
+    with pytest.raises(EngramMemoryError, match="at least two"):
+        memory.calibrate(sample[:1])
+    chosen = memory.calibrate(sample, candidates=(0.0, 0.5, 1.0))
+    assert set(chosen) == set(cfg.layer_ids) and all(f in (0.0, 0.5, 1.0) for f in chosen.values())
+    from condmem.hashing.hasher import HashInputError
+
+    with pytest.raises(HashInputError, match="outside"):
+        memory.calibrate([torch.tensor([[1, 2, 70]])] * 2)
+    ids = torch.randint(0, 70, (2, 9), generator=gen).to(device)
+    prepared = memory.prepare(ids)
+    for lid, module in modules.items():
+        assert torch.equal(prepared.rows(lid), module.table.weight[hasher(ids)[:, :, hasher.layer_ids.index(lid)]])
+    memory.close()
