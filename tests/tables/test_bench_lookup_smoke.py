@@ -34,7 +34,7 @@ def test_pipeline_timeline_plot_from_rows(tmp_path):
     import pytest
 
     pytest.importorskip("matplotlib")
-    from condmem.bench.lookup import plot_pipeline
+    from condmem.bench.lookup_diagnostics import plot_pipeline
 
     rows = []
     for label in ("uniform cpu 0.7", "text cpu 1.0"):

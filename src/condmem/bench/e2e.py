@@ -377,7 +377,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
 
 
 def main(args) -> list[dict]:
-    from condmem.bench.lookup import ROW_BYTES as LOOKUP_ROW_BYTES, host_store as make_host_store
+    from condmem.bench.lookup_setup import ROW_BYTES as LOOKUP_ROW_BYTES, host_store as make_host_store
 
     assert LOOKUP_ROW_BYTES == ROW_BYTES
     from condmem.bench.lookup import resolve_defaults
