@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from condmem.cli import main
 
 
@@ -31,8 +33,6 @@ def test_bench_lookup_disk_tier_smoke(tmp_path):
 
 def test_pipeline_timeline_plot_from_rows(tmp_path):
     """The pipeline diagnostic's rows (GPU-only to produce) draw a timeline PNG."""
-    import pytest
-
     pytest.importorskip("matplotlib")
     from condmem.bench.lookup_diagnostics import plot_pipeline
 

@@ -30,7 +30,7 @@ from condmem.bench.harness import append_rows, copy_bandwidth_gbps, machine_info
 from condmem.bench.lookup_diagnostics import (cpu_gather_rows, engine_timeline, gather_under_load, phase_rows,
                                               pipeline_timeline, plot_pipeline)
 from condmem.bench.lookup_setup import (HEAD_DIM, N_COLS, ROW_BYTES, disk_store, fill_table, h2d_bandwidth_gbps, host_store,
-                                        text_row_ids)
+                                        text_batches, text_row_ids)
 from condmem.tables.lookup import LookupEngine
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore
@@ -62,7 +62,7 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
             out.append(("pipelined", engine.time_pipelined(sets * args.repeats), 0.0, None))
         return out
     text_ids = text_ids_for(store.num_rows)
-    sets = [text_ids[i * tokens:(i + 1) * tokens].to(device) for i in range(args.text_batches + args.text_warmup)]
+    sets = text_batches(text_ids, tokens, args.text_batches + args.text_warmup, device)
     warm, timed = sets[: args.text_warmup], sets[args.text_warmup:]
     unique = sum(torch.unique(ids).numel() / ids.numel() for ids in timed) / len(timed)
     for mode in ("latency", "pipelined") if pipelined else ("latency",):
@@ -158,7 +158,7 @@ def run_lookup(args) -> list[dict]:
                                 rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
                                                                   cpu_threads=threads, trace=trace, chunk_rows=chunk))
                     text_ids = text_ids_for(store.num_rows)
-                    text = [text_ids[i * tokens:(i + 1) * tokens].cuda() for i in range(11)]
+                    text = text_batches(text_ids, tokens, 11, "cuda")
                     cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
                                                 device="cuda")
                     for fraction in (0.7, 1.0):
@@ -179,8 +179,7 @@ def run_lookup(args) -> list[dict]:
                     # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
                     tokens = max(batches)
                     text_ids = text_ids_for(store.num_rows)
-                    engine.calibrate(sample=[text_ids[i * tokens:(i + 1) * tokens].to(device)
-                                             for i in range(args.text_warmup)])
+                    engine.calibrate(sample=text_batches(text_ids, tokens, args.text_warmup, device))
                 else:
                     engine.calibrate(n_ids=16384 * N_COLS)
             for tokens in batches:

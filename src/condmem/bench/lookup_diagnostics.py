@@ -276,8 +276,6 @@ def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: lis
     when its CPU share was gathered, and on the GPU when its plan, zero-copy share, DMA
     and final rows completed.
     """
-    import collections
-
     engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads,
                           staging_chunk_rows=chunk_rows)
     engine.timing = True
@@ -293,17 +291,7 @@ def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: lis
     base = torch.cuda.Event(enable_timing=True)   # after the profiler's start-up (seconds)
     base.record()
     t0 = time.perf_counter()
-    handles, waiting = [], collections.deque()
-    consumer = torch.cuda.Stream()         # as in `time_pipelined`: waits off the ids' stream
-    for ids in batches:
-        handles.append(engine.lookup(ids))
-        waiting.append(handles[-1])
-        if len(waiting) >= depth:
-            with torch.cuda.stream(consumer):
-                waiting.popleft().wait()
-    with torch.cuda.stream(consumer):
-        while waiting:
-            waiting.popleft().wait()
+    handles = engine.run_pipelined(batches, depth)
     torch.cuda.synchronize()
     total = (time.perf_counter() - t0) * 1e3
     if profiler is not None:

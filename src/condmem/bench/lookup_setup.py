@@ -137,3 +137,8 @@ def text_row_ids(rows: int, tokens: int) -> tuple[torch.Tensor, str]:
     row_ids = hasher(torch.tensor([ids]))[0, :, 0]          # layer 1, [T, 24]
     row_ids = row_ids.clamp(max=rows - 1)                    # primes overshoot the table by a few rows
     return row_ids, source
+
+
+def text_batches(text_ids: torch.Tensor, tokens: int, n: int, device: str) -> list[torch.Tensor]:
+    """The first `n` consecutive batches of `tokens` tokens of the text stream, on `device`."""
+    return [text_ids[i * tokens:(i + 1) * tokens].to(device) for i in range(n)]

@@ -227,7 +227,8 @@ class LookupEngine:
         self.cpu_threads = cpu_threads
         if staging_chunk_rows < 1:
             raise ValueError(f"staging_chunk_rows must be positive, got {staging_chunk_rows}")
-        self.staging_chunk_rows = staging_chunk_rows
+        # A CPU share never exceeds the table's rows: small tables get small pinned buffers.
+        self.staging_chunk_rows = min(staging_chunk_rows, max(1, store.num_rows))
         self.direct_max_ids = direct_max_ids
         self.region_bytes = region_bytes
         self.max_in_flight = max_in_flight
@@ -346,10 +347,13 @@ class LookupEngine:
             batch = self._in_flight[0]
             if not (batch.waited or batch.ready.query()) and len(self._in_flight) < self.max_in_flight:
                 break
-            self._in_flight.popleft()
-            if self.cache is not None and batch.miss_ids.numel():
-                self.stream.wait_event(batch.ready)
-                self.cache.admit(batch.miss_ids, batch.compact.index_select(0, batch.miss_pos))
+            self._admit(self._in_flight.popleft())
+
+    def _admit(self, batch: _Batch) -> None:
+        """One finished-enqueueing lookup's misses into the cache, on the plan stream (the current one)."""
+        if self.cache is not None and batch.miss_ids.numel():
+            self.stream.wait_event(batch.ready)
+            self.cache.admit(batch.miss_ids, batch.compact.index_select(0, batch.miss_pos))
 
     def flush(self) -> None:
         """Wait for every lookup in flight and admit its misses to the cache."""
@@ -360,10 +364,7 @@ class LookupEngine:
                 batch.future.result()
         with torch.cuda.stream(self.stream):
             while self._in_flight:
-                batch = self._in_flight.popleft()
-                if self.cache is not None and batch.miss_ids.numel():
-                    self.stream.wait_event(batch.ready)
-                    self.cache.admit(batch.miss_ids, batch.compact.index_select(0, batch.miss_pos))
+                self._admit(self._in_flight.popleft())
 
     def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats) -> LookupHandle:
         """Small batches (decode): one gather kernel straight from the table (HBM or page-locked host).
@@ -508,26 +509,35 @@ class LookupEngine:
         times.sort()
         return times[len(times) // 2]
 
-    def time_pipelined(self, batches: list[torch.Tensor], depth: int | None = None) -> float:
-        """Mean seconds per lookup when `batches` are looked up back to back, each waited for
-        only `depth` lookups later (default `max_in_flight`): the steady-state cost a
-        prefetching caller sees, with consecutive lookups overlapping."""
+    def run_pipelined(self, batches: list[torch.Tensor], depth: int | None = None) -> list[LookupHandle]:
+        """Look up `batches` back to back, each waited for only `depth` lookups later (default
+        `max_in_flight`), as a prefetching caller would; returns the handles, all waited for."""
         depth = depth or self.max_in_flight
-        if self.on_gpu:
-            torch.cuda.synchronize(self.device)
         # The rows are consumed on a stream of their own: waits queued on the stream the ids
         # come from would hold back the next lookup's plan (it waits for that stream).
         consumer = torch.cuda.Stream(self.device) if self.on_gpu else None
-        t0 = time.perf_counter()
-        handles: collections.deque[LookupHandle] = collections.deque()
+        handles, waiting = [], collections.deque()
+
+        def wait_oldest():
+            with contextlib.nullcontext() if consumer is None else torch.cuda.stream(consumer):
+                waiting.popleft().wait()
+
         for ids in batches:
             handles.append(self.lookup(ids))
-            if len(handles) >= depth:
-                with contextlib.nullcontext() if consumer is None else torch.cuda.stream(consumer):
-                    handles.popleft().wait()
-        with contextlib.nullcontext() if consumer is None else torch.cuda.stream(consumer):
-            while handles:
-                handles.popleft().wait()
+            waiting.append(handles[-1])
+            if len(waiting) >= depth:
+                wait_oldest()
+        while waiting:
+            wait_oldest()
+        return handles
+
+    def time_pipelined(self, batches: list[torch.Tensor], depth: int | None = None) -> float:
+        """Mean seconds per lookup of `run_pipelined`: the steady-state cost a prefetching
+        caller sees, with consecutive lookups overlapping."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self.run_pipelined(batches, depth)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / max(1, len(batches))

@@ -131,18 +131,11 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
     p = get_preset(preset_name)
     for section, values in (overrides or {}).items():
         p[section].update(values)
-    if vocab_size is not None:
-        p["data"]["vocab_size"] = vocab_size
-    if max_train_bytes is not None:
-        p["data"]["max_train_bytes"] = max_train_bytes
-    if steps is not None:
-        p["train"]["steps"] = steps
-    if batch_size is not None:
-        p["train"]["batch_size"] = batch_size
-    if table_size is not None:
-        p["engram"]["table_size"] = table_size
-    if log_every is not None:
-        p["train"]["log_every"] = log_every
+    for section, key, value in (("data", "vocab_size", vocab_size), ("data", "max_train_bytes", max_train_bytes),
+                                ("train", "steps", steps), ("train", "batch_size", batch_size),
+                                ("engram", "table_size", table_size), ("train", "log_every", log_every)):
+        if value is not None:
+            p[section][key] = value
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
