@@ -99,6 +99,9 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
     groups = torch.randint(0, store.num_rows // 256 - 1, (n // 4,), generator=gen).cuda() * 256
     adjacent = (groups[:, None] + torch.arange(4, device="cuda")).flatten().sort().values
     spread = (groups[:, None] + torch.arange(4, device="cuda") * 60).flatten().sort().values
+    # Rows ~1300 apart: a group spans ~1 MiB: as cheap as adjacent rows only with 2 MiB GPU pages.
+    groups_m = torch.randint(0, store.num_rows // 4096 - 1, (n // 4,), generator=gen).cuda() * 4096
+    spread_m = (groups_m[:, None] + torch.arange(4, device="cuda") * 1300).flatten().sort().values
     phases = {
         "unique": gpu_time_ms(lambda: torch.unique(ids, sorted=True, return_inverse=True))["ms"],
         "ids_to_host": cpu_timed(lambda: host_ids.copy_(uniq, non_blocking=True)),
@@ -107,6 +110,7 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
         "zero_copy_all": gpu_time_ms(lambda: engram_gather(uniq, words))["ms"],
         "zero_copy_groups_of_4_in_1KiB": gpu_time_ms(lambda: engram_gather(adjacent, words))["ms"],
         "zero_copy_groups_of_4_in_48KiB": gpu_time_ms(lambda: engram_gather(spread, words))["ms"],
+        "zero_copy_groups_of_4_in_1MiB": gpu_time_ms(lambda: engram_gather(spread_m, words))["ms"],
         "expand": gpu_time_ms(lambda: engram_gather(inverse, compact))["ms"],
     }
     rows = []
