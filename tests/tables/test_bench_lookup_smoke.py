@@ -47,3 +47,16 @@ def test_pipeline_timeline_plot_from_rows(tmp_path):
     path = plot_pipeline(rows + [{"bench": "lookup"}], tmp_path / "pipeline.png")
     assert path is not None and path.stat().st_size > 10_000
     assert plot_pipeline([{"bench": "lookup"}], tmp_path / "none.png") is None
+
+
+def test_text_stream_hashed_in_chunks_equals_hashed_at_once():
+    """The text stream is hashed chunk by chunk (bounded memory); each chunk carries the previous
+    one's last N-1 tokens, so the row ids are exactly those of hashing the text in one piece."""
+    import torch
+
+    from condmem.bench.lookup_setup import N_COLS, text_row_ids
+
+    whole, source = text_row_ids(100_003, 3000, chunk_tokens=1 << 20)
+    chunked, _ = text_row_ids(100_003, 3000, chunk_tokens=677)
+    assert whole.shape == (3000, N_COLS)
+    assert torch.equal(whole, chunked), source

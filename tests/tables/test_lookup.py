@@ -102,7 +102,7 @@ def test_hbm_tier_needs_cuda_and_mmap_strategy_works_on_cpu(table_files):
 @cuda_only
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
 @pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc"),
-                                        ("host", "vmm"), ("disk", None)])
+                                        ("disk", None)])
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("cpu_fraction", [0.0, 0.5, 1.0])
 def test_gpu_lookup_equals_plain_gather(table_files, fmt, tier, alloc, cached, cpu_fraction):
@@ -138,8 +138,7 @@ def test_disk_with_dram_cache_and_hbm_cache_levels(table_files, fmt):
 
 @cuda_only
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
-@pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc"),
-                                        ("host", "vmm")])
+@pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc")])
 def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
     """Decode-sized batches: one gather kernel from the table in place, same rows."""
     layout, sources, paths = table_files

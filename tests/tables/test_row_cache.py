@@ -79,3 +79,16 @@ def test_admitting_a_cached_id_again_keeps_one_copy():
     assert slot[0] == -1 and slot[1] >= 0
     keys = cache.keys.flatten()
     assert int((keys == 7).sum()) == 1
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_set_with_empty_ways_never_evicts_a_live_row(device):
+    # Counters decay to 0, but a live row still outranks an empty way: while a set has room,
+    # admitting never drops what it holds (the bug this guards: decayed rows were evicted first).
+    cache = RowCache(capacity_rows=8, row_bytes=4, ways=8, device=device, decay_every=1)   # one set
+    held = []
+    for i in range(8):
+        ids = torch.tensor([i], device=device)
+        assert int(cache.admit(ids, _rows(ids, 4))[0]) >= 0
+        held.append(i)
+        assert (cache.probe(torch.tensor(held, device=device), count=False) >= 0).all(), held

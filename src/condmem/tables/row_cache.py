@@ -159,9 +159,12 @@ class RowCache:
         run_start = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=0).values
         rank = idx - run_start
         keep = (rank < self.ways) & ~present.index_select(0, order)
-        # Ways of each newcomer's set from least to most frequent (empty slots have freq 0 and
-        # go first); only the newcomers' sets are sorted, never the whole table of counters.
-        way_order = torch.argsort(self.freq.index_select(0, sorted_sets), dim=1, stable=True)   # [n, ways]
+        # Ways of each newcomer's set, empty ones first, then from least to most frequent; only
+        # the newcomers' sets are sorted, never the whole table of counters. (Empty slots must
+        # rank below every live one: a live row whose counter decayed to 0 is still worth keeping.)
+        set_freq = self.freq.index_select(0, sorted_sets)
+        set_freq = torch.where(self.keys.index_select(0, sorted_sets) == EMPTY, -1, set_freq)
+        way_order = torch.argsort(set_freq, dim=1, stable=True)   # [n, ways]
         chosen_way = way_order.gather(1, rank.clamp(max=self.ways - 1)[:, None]).squeeze(1)
         # Kept newcomers get distinct slots; dropped ones all write the trash slot (never probed).
         slot = torch.where(keep, sorted_sets * self.ways + chosen_way, torch.full_like(sorted_sets, self._trash))
