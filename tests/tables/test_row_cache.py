@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import devices
 
 from condmem.tables.row_cache import RowCache
-from helpers import devices
 
 
 def _rows(ids: torch.Tensor, row_bytes: int) -> torch.Tensor:

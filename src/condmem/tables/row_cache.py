@@ -86,7 +86,7 @@ class RowCache:
         self._admissions = 0
 
     @classmethod
-    def from_bytes(cls, capacity_bytes: int, row_bytes: int, **kwargs) -> "RowCache":
+    def from_bytes(cls, capacity_bytes: int, row_bytes: int, **kwargs) -> RowCache:
         """A cache holding as many rows as fit in `capacity_bytes` (keys and counters extra, 12 B/slot)."""
         return cls(max(1, int(capacity_bytes) // row_bytes), row_bytes, **kwargs)
 
