@@ -118,6 +118,15 @@ def run_lookup(args) -> list[dict]:
             text_by_rows[rows], text_source = text_row_ids(rows, need)
             log.info("text stream: %d tokens from %s, for a table of %d rows", text_by_rows[rows].shape[0],
                      text_source, rows)
+            have = text_by_rows[rows].shape[0] // max(batches)
+            if have < args.text_batches + args.text_warmup:
+                if have <= args.text_batches:
+                    raise SystemExit(f"the text stream has only {have} batches of {max(batches)} tokens; "
+                                     f"ask for fewer than --text-batches {args.text_batches}")
+                log.warning("text stream: %d batches of %d tokens, fewer than %d warm-up + %d timed: warm-up cut "
+                            "to %d", have, max(batches), args.text_warmup, args.text_batches,
+                            have - args.text_batches)
+                args.text_warmup = have - args.text_batches
         return text_by_rows[rows]
 
     for tier in args.tiers:
@@ -158,14 +167,15 @@ def run_lookup(args) -> list[dict]:
                                 rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
                                                                   cpu_threads=threads, trace=trace, chunk_rows=chunk))
                     text_ids = text_ids_for(store.num_rows)
-                    text = text_batches(text_ids, tokens, 11, "cuda")
+                    text = text_batches(text_ids, tokens, args.text_warmup + 11, "cuda")
                     cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
                                                 device="cuda")
                     for fraction in (0.7, 1.0):
-                        cache.clear()
+                        cache.clear()   # then warmed to the steady state on the warm-up batches
                         trace = Path(args.out) / f"lookup_trace_text_{fraction:.1f}.json" if args.trace else None
-                        rows_out.extend(pipeline_timeline(store, info, ceiling, text, "text", fraction, cache=cache,
-                                                          trace=trace))
+                        rows_out.extend(pipeline_timeline(store, info, ceiling, text[args.text_warmup:], "text",
+                                                          fraction, cache=cache, trace=trace,
+                                                          warm=text[:args.text_warmup]))
                     del cache
         for stream in args.streams:
             cached = stream == "text" and args.cache_fraction > 0
@@ -268,7 +278,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-fraction", type=float, default=0.1, help="HBM cache size as a fraction of the table "
                    "(text stream; 0 disables)")
     p.add_argument("--text-batches", type=int, default=50, help="consecutive text batches timed (steady state)")
-    p.add_argument("--text-warmup", type=int, default=20, help="text batches run before timing (cache warm-up)")
+    p.add_argument("--text-warmup", type=int, default=300,
+                   help="text batches run before timing, bringing the cache to its steady state (default 300: "
+                        "~5M tokens, about 30M distinct rows at 16K tokens per batch, more than a 10%% cache holds)")
     p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
                    help="host memory strategy")
     p.add_argument("--cpu-fraction", type=float, default=-1.0,

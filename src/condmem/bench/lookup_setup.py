@@ -168,4 +168,6 @@ def text_row_ids(rows: int, tokens: int, chunk_tokens: int = 1 << 20) -> tuple[t
 
 def text_batches(text_ids: torch.Tensor, tokens: int, n: int, device: str) -> list[torch.Tensor]:
     """The first `n` consecutive batches of `tokens` tokens of the text stream, on `device`."""
+    if n * tokens > text_ids.shape[0]:
+        raise ValueError(f"the text stream has {text_ids.shape[0]} tokens, not the {n} x {tokens} asked")
     return [text_ids[i * tokens:(i + 1) * tokens].to(device) for i in range(n)]
