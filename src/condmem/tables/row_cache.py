@@ -29,6 +29,15 @@ import torch
 EMPTY = -1
 
 
+def row_words(rows: torch.Tensor) -> torch.Tensor:
+    """Raw uint8 rows [n, row_bytes] viewed as the widest words that divide a row: a row
+    scatter then moves 33 words of 8 B per 264 B row instead of 264 single bytes."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if rows.shape[-1] % size == 0:
+            return rows.view(dtype)
+    return rows
+
+
 @dataclass
 class CacheStats:
     """Counters since the last `reset_stats`."""
@@ -117,21 +126,22 @@ class RowCache:
         if ids.numel() == 0:
             return ids.new_empty(0)
         sets = torch.remainder(ids, self.n_sets)
-        match = self.keys[sets] == ids[:, None]                  # [n, ways]
+        match = self.keys.index_select(0, sets) == ids[:, None]   # [n, ways]
         hit = match.any(dim=1)
         way = match.to(torch.int8).argmax(dim=1)
         slot = torch.where(hit, sets * self.ways + way, torch.full_like(ids, -1))
         if count:
-            # Unique ids -> distinct slots, so an indexed add has no collisions.
-            flat = self.freq.view(-1)
-            flat.index_add_(0, slot.clamp(min=0), hit.to(torch.int32))
+            # Unique ids -> distinct hit slots, so a plain read-add-write is exact; misses all
+            # bump the trash slot (a gather and a scatter: cheaper than an atomic index_add).
+            bump = torch.where(hit, slot, torch.full_like(slot, self._trash))
+            self._freq_all[bump] = self._freq_all.index_select(0, bump) + 1
             self._counters[0] += ids.numel()
             self._counters[1] += hit.sum()
         return slot
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """Raw rows [n, row_bytes] at `slots`."""
-        return self.data.index_select(0, slots)
+        return row_words(self.data).index_select(0, slots).view(torch.uint8)
 
     def admit(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Insert missed `ids` (unique, not cached) with their raw `rows`; returns the slot of each (-1: not admitted).
@@ -149,28 +159,30 @@ class RowCache:
         sets = torch.remainder(ids, self.n_sets)
         # An id already cached (admitted since the caller's probe) is not admitted twice: one
         # key, one slot. Its would-be rank is pushed past the ways so it is dropped below.
-        present = (self.keys[sets] == ids[:, None]).any(dim=1)
-        order = torch.argsort(sets, stable=True)
-        sorted_sets = sets.index_select(0, order)
-        # Rank of each newcomer among the newcomers of its set: 0, 1, 2, ...
-        first = torch.ones_like(sorted_sets, dtype=torch.bool)
-        first[1:] = sorted_sets[1:] != sorted_sets[:-1]
+        present = (self.keys.index_select(0, sets) == ids[:, None]).any(dim=1)
+        sorted_sets, order = torch.sort(sets, stable=True)
+        # Rank of each newcomer among the newcomers of its set: 0, 1, 2, ... (its distance from
+        # the first newcomer of the same set in the sorted order).
         idx = torch.arange(sorted_sets.numel(), device=ids.device)
-        run_start = torch.cummax(torch.where(first, idx, torch.zeros_like(idx)), dim=0).values
-        rank = idx - run_start
+        rank = idx - torch.searchsorted(sorted_sets, sorted_sets)
         keep = (rank < self.ways) & ~present.index_select(0, order)
-        # Ways of each newcomer's set, empty ones first, then from least to most frequent; only
-        # the newcomers' sets are sorted, never the whole table of counters. (Empty slots must
-        # rank below every live one: a live row whose counter decayed to 0 is still worth keeping.)
-        set_freq = self.freq.index_select(0, sorted_sets)
-        set_freq = torch.where(self.keys.index_select(0, sorted_sets) == EMPTY, -1, set_freq)
-        way_order = torch.argsort(set_freq, dim=1, stable=True)   # [n, ways]
-        chosen_way = way_order.gather(1, rank.clamp(max=self.ways - 1)[:, None]).squeeze(1)
+        # The newcomer of rank r takes its set's r-th way in eviction order: empty ways first,
+        # then live ways from least to most frequent, ties by way index. (Empty ways must rank
+        # below every live one: a live row whose counter decayed to 0 is still worth keeping.)
+        # Only the newcomers' sets are looked at, never the whole table of counters; the
+        # order is found by counting, per way, the ways that precede it (no segmented sort).
+        ways = torch.arange(self.ways, device=ids.device)
+        live = self.keys.index_select(0, sorted_sets) != EMPTY
+        prio = torch.where(live, self.freq.index_select(0, sorted_sets).to(torch.int64) + 1, 0)
+        key = prio * self.ways + ways                                         # [n, ways], distinct per row
+        position = (key[:, None, :] < key[:, :, None]).sum(dim=2)            # [n, ways]: place in the order
+        chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
         # Kept newcomers get distinct slots; dropped ones all write the trash slot (never probed).
         slot = torch.where(keep, sorted_sets * self.ways + chosen_way, torch.full_like(sorted_sets, self._trash))
         self._keys_all[slot] = ids.index_select(0, order)
         self._freq_all[slot] = 1
-        self._data_all[slot] = rows.index_select(0, order.to(rows.device)).to(self.device)
+        rows_sorted = rows.index_select(0, order.to(rows.device)).to(self.device)
+        row_words(self._data_all)[slot] = row_words(rows_sorted)
         out = torch.empty_like(ids)
         out[order] = torch.where(keep, slot, torch.full_like(slot, -1))
         self._counters[2] += keep.sum()
