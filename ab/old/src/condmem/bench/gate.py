@@ -1,0 +1,96 @@
+"""``condmem bench gate``: the fused gate (forward; forward + backward) against the eager torch composition.
+
+Bytes counted: hidden (hc*D) + kv ((hc+1)*D) read and the output (hc*D) written per token for the
+forward; the backward additionally reads dout and writes d hidden and d kv (and re-reads hidden and
+the keys for the weight gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from condmem.bench.harness import Rotator, time_ms
+from condmem.ops.gate import engram_gate, engram_gate_reference
+from condmem.ops.gate_triton import gate_backward_triton, gate_forward_triton
+
+SHAPES = [(8192, 4, 4096), (4096, 4, 7168), (16384, 1, 2560), (256, 4, 4096)]
+SMOKE_SHAPES = [(16, 2, 96), (4, 1, 64)]
+
+
+def run(args, ceiling: dict) -> list[dict]:
+    rows = []
+    dev = args.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for n, hc, dim in (SMOKE_SHAPES if args.smoke else SHAPES):
+        dtype = torch.bfloat16
+        esz = 2
+        sets = []
+        for _ in range(2):
+            h = torch.randn((n, hc, dim), device=dev, dtype=dtype, generator=gen)
+            kv = torch.randn((n, (hc + 1) * dim), device=dev, dtype=dtype, generator=gen)
+            sets.append((h, kv))
+        qw = torch.ones(hc, dim, device=dev, dtype=dtype)
+        kw = torch.ones(hc, dim, device=dev, dtype=dtype)
+        mask = torch.ones(n, dtype=torch.bool, device=dev)
+        fwd_bytes = n * (hc * dim + (hc + 1) * dim + hc * dim) * esz
+        base = {"op": "gate", "tokens": n, "hc": hc, "hidden": dim, "dtype": "bf16"}
+        impls = {
+            "triton": lambda h, kv: engram_gate(h, kv, qw, kw, token_mask=mask, backend="triton"),
+            "torch-eager": lambda h, kv: engram_gate_reference(h, kv, qw, kw, token_mask=mask),
+        }
+        if args.variants:
+            for split, nw in ((True, 8), (False, 4), (False, 8)):
+                impls[f"triton-{'branch' if split else 'token'}-w{nw}"] = (
+                    lambda h, kv, split=split, nw=nw: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask,
+                                                                         split_branches=split, num_warps=nw))
+            for stages, nw in ((2, 4), (3, 4), (2, 8)):
+                impls[f"triton-persistent-s{stages}-w{nw}"] = (
+                    lambda h, kv, st=stages, nw=nw: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask, num_warps=nw,
+                                                                       persistent_stages=st))
+        ref = impls["torch-eager"](*sets[0]).float()
+        for name, fn in impls.items():  # every variant computes the same thing before it is timed
+            err = ((fn(*sets[0]).float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"gate variant {name}: relative error {err:.2e} against the eager composition"
+        res = {}
+        for name, fn in impls.items():
+            res[name] = time_ms(Rotator(fn, sets), dev)
+        for name, t in res.items():
+            gbps = fwd_bytes / (t["ms"] * 1e-3) / 1e9
+            row = {**base, "pass": "forward", "impl": name, **t, "bytes": fwd_bytes, "gbps": gbps,
+                   "hbm_fraction": gbps / ceiling["d2d_gbps"]}
+            if name.startswith("triton"):
+                row["speedup_vs_eager"] = res["torch-eager"]["ms"] / t["ms"]
+            rows.append(row)
+        # forward + backward (training)
+        if n >= 1024 or (args.smoke and n >= 16):
+            gsets = []
+            for h, kv in sets:
+                gsets.append((h.detach().requires_grad_(), kv.detach().requires_grad_(), torch.randn_like(h)))
+            qg, kg = qw.clone().requires_grad_(), kw.clone().requires_grad_()
+
+            def step(h, kv, go, backend):
+                out = engram_gate(h, kv, qg, kg, token_mask=mask, backend=backend)
+                torch.autograd.grad(out, (h, kv, qg, kg), go)
+
+            bres = {name: time_ms(Rotator(lambda h, kv, go, b=b: step(h, kv, go, b), gsets), dev)
+                    for name, b in (("triton", "triton"), ("torch-eager", "torch"))}
+            if args.variants:
+                # The backward kernels alone (no forward), at two widths.
+                for nw in (4, 8, 16):
+                    bres[f"triton-bwd-only-w{nw}"] = time_ms(Rotator(
+                        lambda h, kv, go, nw=nw: gate_backward_triton(go, h.detach(), kv.detach(), qw, kw, 1e-6, 1e-6,
+                                                                      mask, num_warps=nw), gsets), dev)
+            # backward reads h, kv, dout, writes dh, dkv; the weight pass re-reads h and the keys.
+            bwd_bytes = fwd_bytes + n * (5 * hc * dim + 2 * (hc + 1) * dim) * esz
+            for name, t in bres.items():
+                nbytes = bwd_bytes - fwd_bytes if "bwd-only" in name else bwd_bytes
+                gbps = nbytes / (t["ms"] * 1e-3) / 1e9
+                row = {**base, "pass": "backward" if "bwd-only" in name else "forward+backward", "impl": name, **t,
+                       "bytes": nbytes, "gbps": gbps, "hbm_fraction": gbps / ceiling["d2d_gbps"]}
+                if name == "triton":
+                    row["speedup_vs_eager"] = bres["torch-eager"]["ms"] / t["ms"]
+                rows.append(row)
+        del sets
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,364 @@
+"""Diagnostics of ``condmem bench lookup`` (host tier, GPU): where a host lookup's time goes.
+
+* `cpu_gather_rows`: the CPU gather alone (torch vs the native gather, random vs sorted ids);
+* `phase_rows`: each step of a lookup timed alone (dedup, ids to host, CPU gather, H2D,
+  zero-copy gather and its locality, expand);
+* `gather_under_load`: the native gather alone and beside GPU traffic, threading variants,
+  and the host's own memcpy bandwidth;
+* `engine_timeline`: one lookup's host-side step marks;
+* `pipeline_timeline` + `plot_pipeline`: consecutive pipelined lookups, host marks and timed
+  CUDA events (optionally a profiler trace), drawn as a timeline PNG.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from condmem.bench.lookup_setup import N_COLS, ROW_BYTES
+from condmem.tables.lookup import LookupEngine
+from condmem.tables.row_cache import RowCache
+from condmem.tables.storage import LayerStore
+from condmem.utils.plotting import pyplot
+
+log = logging.getLogger("condmem.bench")
+
+
+def cpu_gather_rows(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 16384 * N_COLS) -> list[dict]:
+    """CPU gather rate alone (no GPU), torch.index_select vs the native prefetching gather, random and sorted ids."""
+    from condmem.tables import native_gather
+
+    gen = torch.Generator().manual_seed(1)
+    # Fresh ids for every timed call: repeating one set would time rows left in the caches and TLBs.
+    id_sets = [torch.randint(0, store.num_rows, (n_ids,), generator=gen) for _ in range(6)]
+    out = torch.empty((n_ids, store.row_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    rows = []
+    impls = [("torch", False)] + ([("native", True)] if native_gather.available() else [])
+    for impl, native in impls:
+        store.native = native
+        for order, sets in (("random", id_sets), ("sorted", [i.sort().values for i in id_sets])):
+            store.gather_raw(sets[0], out=out)
+            times = []
+            for batch in sets[1:]:
+                t0 = time.perf_counter()
+                store.gather_raw(batch, out=out)
+                times.append(time.perf_counter() - t0)
+            sec = sorted(times)[2]
+            rows.append({"bench": "cpu_gather", "tier": store.tier, "stream": f"cpu-{impl}-{order}", "tokens": n_ids // N_COLS,
+                         "ids": n_ids, "ms": sec * 1e3, "rows_per_s": n_ids / sec,
+                         "effective_gbps": n_ids * store.row_bytes / sec / 1e9, "threads": torch.get_num_threads(),
+                         "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
+            log.info("CPU gather %s %s: %.2f ms, %.0fM rows/s, %.1f GB/s", impl, order, sec * 1e3, n_ids / sec / 1e6,
+                     rows[-1]["effective_gbps"])
+    store.native = native_gather.available()
+    return rows
+
+
+def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384) -> list[dict]:
+    """Each step of a host lookup timed alone on the same uniform batch (GPU), to show where the time goes.
+
+    unique (dedup + sort), ids to host, CPU gather of all misses, H2D of all rows, zero-copy
+    gather of all misses, expand (inverse gather + dequant from HBM).
+    """
+    from condmem.bench.harness import gpu_time_ms
+    from condmem.ops.gather import engram_gather
+    from condmem.tables.lookup import _as_words
+
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).cuda()
+    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    n = uniq.numel()
+    staging = torch.empty((n, ROW_BYTES), dtype=torch.uint8, pin_memory=True)
+    compact = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device="cuda")
+    host_ids = torch.empty(n, dtype=torch.int64, pin_memory=True)
+    words = _as_words(store.raw)
+
+    # The CPU gather gets fresh sorted ids per call (a repeated set would be timed from warm caches).
+    from condmem.bench.harness import Rotator
+
+    fresh = [(torch.randint(0, store.num_rows, (n,), generator=gen).sort().values,) for _ in range(7)]
+    cpu_gather = Rotator(lambda batch: store.gather_raw(batch, out=staging), fresh)
+
+    def cpu_timed(fn, reps=5):
+        fn()
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[reps // 2]
+
+    # Zero-copy cost vs locality: the same number of rows in groups of 4 that share 1 KiB
+    # (adjacent rows) or ~48 KiB (rows 60 apart). Equal times: per-row cost; the spread
+    # group cheaper than uniform but dearer than adjacent: a translation granule in between.
+    groups = torch.randint(0, store.num_rows // 256 - 1, (n // 4,), generator=gen).cuda() * 256
+    adjacent = (groups[:, None] + torch.arange(4, device="cuda")).flatten().sort().values
+    spread = (groups[:, None] + torch.arange(4, device="cuda") * 60).flatten().sort().values
+    # Rows ~1300 apart: a group spans ~1 MiB: as cheap as adjacent rows only with 2 MiB GPU pages.
+    groups_m = torch.randint(0, store.num_rows // 4096 - 1, (n // 4,), generator=gen).cuda() * 4096
+    spread_m = (groups_m[:, None] + torch.arange(4, device="cuda") * 1300).flatten().sort().values
+    phases = {
+        "unique": gpu_time_ms(lambda: torch.unique(ids, sorted=True, return_inverse=True))["ms"],
+        "ids_to_host": cpu_timed(lambda: host_ids.copy_(uniq, non_blocking=True)),
+        "cpu_gather_all": cpu_timed(cpu_gather),
+        "h2d_all": gpu_time_ms(lambda: compact.copy_(staging, non_blocking=True))["ms"],
+        "zero_copy_all": gpu_time_ms(lambda: engram_gather(uniq, words))["ms"],
+        "zero_copy_groups_of_4_in_1KiB": gpu_time_ms(lambda: engram_gather(adjacent, words))["ms"],
+        "zero_copy_groups_of_4_in_48KiB": gpu_time_ms(lambda: engram_gather(spread, words))["ms"],
+        "zero_copy_groups_of_4_in_1MiB": gpu_time_ms(lambda: engram_gather(spread_m, words))["ms"],
+        "expand": gpu_time_ms(lambda: engram_gather(inverse, compact))["ms"],
+    }
+    rows = []
+    for name, ms in phases.items():
+        rows.append({"bench": "lookup_phase", "tier": store.tier, "stream": f"phase-{name}", "tokens": tokens,
+                     "ids": ids.numel(), "unique": n, "ms": ms, "table_gib": round(store.nbytes / 2**30, 2),
+                     **ceiling, "machine": info})
+        log.info("phase %-15s %.3f ms", name, ms)
+    return rows
+
+
+def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 16384 * N_COLS,
+                      repeats: int = 5) -> list[dict]:
+    """The native CPU gather of fresh sorted ids, alone and under the conditions the engine runs it in.
+
+    Separates the causes of a slow in-engine gather: the calling thread (main vs a worker),
+    chunking, the threading (one OpenMP team vs one OS thread per slice), and traffic on
+    the GPU side while it runs (an H2D copy loop; a zero-copy gather loop on the same
+    table). Each variant's median over `repeats` fresh id sets; ``overlapped`` says the GPU
+    load was still running when the gather ended.
+    """
+    import concurrent.futures
+
+    from condmem.ops.gather import engram_gather
+    from condmem.tables import native_gather
+    from condmem.tables.lookup import _as_words
+    from condmem.tables.native_gather import native_gather_rows
+
+    if not native_gather.available():
+        return []
+    gen = torch.Generator().manual_seed(11)
+    staging = torch.empty((n_ids, store.row_bytes), dtype=torch.uint8, pin_memory=True)
+    threads = torch.get_num_threads()
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+    worker = concurrent.futures.ThreadPoolExecutor(1)
+    load_src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    load_dst = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    zc_ids = torch.randint(0, store.num_rows, (n_ids,), generator=gen).sort().values.cuda()
+    words = _as_words(store.raw)
+    side = torch.cuda.Stream()
+
+    def omp(ids, nthreads=threads):
+        native_gather_rows(store.raw, ids, staging[: ids.numel()], nthreads)
+
+    def chunked(ids, pieces=4):
+        step = -(-ids.numel() // pieces)
+        for s in range(0, ids.numel(), step):
+            native_gather_rows(store.raw, ids[s:s + step], staging[s:s + step], threads)
+
+    def os_threads(ids):
+        step = -(-ids.numel() // threads)
+        jobs = [pool.submit(native_gather_rows, store.raw, ids[s:s + step], staging[s:s + step], 1)
+                for s in range(0, ids.numel(), step)]
+        for j in jobs:
+            j.result()
+
+    def h2d_load():
+        with torch.cuda.stream(side):
+            for _ in range(60):                      # ~70 ms of copies at 55 GB/s
+                load_dst.copy_(load_src, non_blocking=True)
+
+    def zero_copy_load():
+        with torch.cuda.stream(side):
+            for _ in range(8):                       # ~100 ms of zero-copy reads
+                engram_gather(zc_ids, words)
+
+    variants = {
+        "omp, main thread": (omp, None),
+        "omp, worker thread": (lambda ids: worker.submit(omp, ids).result(), None),
+        "omp, 4 chunks": (chunked, None),
+        "OS thread per slice": (os_threads, None),
+        "omp, half the threads": (lambda ids: omp(ids, max(1, threads // 2)), None),
+        "omp, during H2D copies": (omp, h2d_load),
+        "omp, during zero-copy gather": (omp, zero_copy_load),
+        "OS thread per slice, during H2D copies": (os_threads, h2d_load),
+    }
+    rows = []
+    for name, (fn, load) in variants.items():
+        times, overlapped = [], True
+        for r in range(repeats + 1):
+            ids = torch.randint(0, store.num_rows, (n_ids,), generator=gen).sort().values
+            torch.cuda.synchronize()
+            if load is not None:
+                load()
+                done = torch.cuda.Event()
+                done.record(side)
+                time.sleep(0.002)                    # the load is under way before the gather starts
+            t0 = time.perf_counter()
+            fn(ids)
+            sec = time.perf_counter() - t0
+            if load is not None:
+                overlapped &= not done.query()
+            torch.cuda.synchronize()
+            if r:
+                times.append(sec)
+        sec = sorted(times)[len(times) // 2]
+        rows.append({"bench": "gather_under_load", "tier": store.tier, "stream": name, "ids": n_ids,
+                     "tokens": n_ids // N_COLS, "ms": sec * 1e3, "rows_per_s": n_ids / sec,
+                     "overlapped": overlapped if load is not None else None, "threads": threads,
+                     "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
+        log.info("gather under load: %-40s %6.2f ms  %5.0fM rows/s%s", name, sec * 1e3, n_ids / sec / 1e6,
+                 "" if load is None else f"  (load still running at the end: {overlapped})")
+    pool.shutdown()
+    worker.shutdown()
+    # The host's own copy bandwidth (read + write), the budget the gather, its staging writes
+    # and the DMA reads of staging share.
+    a = torch.empty(1 << 31, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    a.fill_(1)
+    b.copy_(a)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    gbps = 2 * a.numel() / sorted(times)[1] / 1e9
+    rows.append({"bench": "host_memcpy", "tier": "host", "stream": "host memcpy (read + write)", "gbps": gbps,
+                 "threads": threads, **ceiling, "machine": info})
+    log.info("host memcpy, %d threads: %.1f GB/s (read + write counted)", threads, gbps)
+    del a, b
+    return rows
+
+
+def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384, cpu_fraction: float = 1.0,
+                    chunk_rows: int = 131072, runs: int = 7) -> list[dict]:
+    """Where one lookup's host time goes: the engine's own step marks, medians over uniform batches.
+
+    The marks are host clock readings (when each step finished on the host, or was queued
+    for the GPU); ``end`` is when the rows were ready on the device (a synchronize).
+    """
+    engine = LookupEngine(store, "cuda", cpu_fraction=cpu_fraction, staging_chunk_rows=chunk_rows)
+    gen = torch.Generator().manual_seed(3)
+    marks: dict[str, list[float]] = {}
+    for i in range(runs + 2):
+        ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to("cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        handle = engine.lookup(ids)
+        handle.wait()
+        torch.cuda.synchronize()
+        end = time.perf_counter() - t0
+        if i < 2:
+            continue   # warm-up: staging buffers, thread pools
+        for step, t in handle.stats.marks + [("end (rows on the device)", end)]:
+            marks.setdefault(step, []).append(t)
+    engine.close()
+    rows = []
+    for step, ts in marks.items():
+        ts.sort()
+        ms = ts[len(ts) // 2] * 1e3
+        log.info("timeline cpu_fraction %.1f, chunks of %d rows, %d tokens: %-52s %7.3f ms", cpu_fraction, chunk_rows,
+                 tokens, step, ms)
+        rows.append({"bench": "engine_timeline", "tier": "host", "stream": f"timeline {step}", "tokens": tokens,
+                     "cpu_fraction": cpu_fraction, "chunk_rows": chunk_rows, "ms": ms,
+                     "table_gib": round(store.nbytes / 2**30, 2),
+                     **ceiling, "machine": info})
+    return rows
+
+
+def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
+                      cpu_fraction: float, cache: RowCache | None = None, depth: int = 2,
+                      cpu_threads: int | None = None, trace: Path | None = None,
+                      chunk_rows: int = 131072, warm: list[torch.Tensor] | None = None) -> list[dict]:
+    """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
+
+    Shows what overlaps with what: for each batch, when the host finished planning it,
+    when its CPU share was gathered, and on the GPU when its plan, zero-copy share, DMA
+    and final rows completed. `warm`: batches run first (default: the first three), e.g. to
+    bring a cache to its steady state.
+    """
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads,
+                          staging_chunk_rows=chunk_rows)
+    engine.timing = True
+    label = f"{label} cpu {cpu_fraction:.1f} threads {engine.cpu_threads} chunks {chunk_rows}"
+    engine.time_pipelined(warm or batches[:3])
+    engine.flush()
+    profiler = None
+    if trace is not None:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+        profiler.__enter__()
+    torch.cuda.synchronize()
+    base = torch.cuda.Event(enable_timing=True)   # after the profiler's start-up (seconds)
+    base.record()
+    t0 = time.perf_counter()
+    handles = engine.run_pipelined(batches, depth)
+    torch.cuda.synchronize()
+    total = (time.perf_counter() - t0) * 1e3
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(str(trace))
+        log.info("pipeline %s: profiler trace (chrome://tracing) in %s", label, trace)
+    rows = []
+    for i, h in enumerate(handles):
+        b = h._batch
+        host = {step: round((h.stats.started - t0 + t) * 1e3, 3) for step, t in h.stats.marks}
+        host["called"] = round((h.stats.started - t0) * 1e3, 3)
+        gpu = {name: round(base.elapsed_time(ev), 3) for name, ev in
+               (("planned", b.planned), ("zero_copy_done", b.zero_copy_done), ("dma_done", b.dma_done),
+                ("ready", b.ready)) if ev is not None}
+        rows.append({"bench": "pipeline_timeline", "tier": "host", "stream": label, "batch": i,
+                     "tokens": batches[i].shape[0], "cpu_fraction": cpu_fraction, "host_ms": host, "gpu_ms": gpu,
+                     "cpu_rows": h.stats.cpu_rows, "gpu_rows": h.stats.gpu_rows, "hits": h.stats.hits,
+                     "total_ms": total, "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
+        log.info("pipeline %s batch %d: host %s | gpu %s | cpu %d gpu %d hit %d rows", label, i,
+                 " ".join(f"{k.split(' (')[0]}={v:.2f}" for k, v in host.items()),
+                 " ".join(f"{k}={v:.2f}" for k, v in gpu.items()), h.stats.cpu_rows, h.stats.gpu_rows, h.stats.hits)
+    log.info("pipeline %s: %d lookups in %.2f ms (%.2f ms each)", label, len(batches), total, total / len(batches))
+    engine.close()
+    return rows
+
+
+def plot_pipeline(rows: list[dict], path: Path) -> Path | None:
+    """A timeline per pipeline diagnostic: for each lookup, the host's plan, the worker's CPU
+    gather and, on the GPU, the zero-copy share and the moment the rows were ready."""
+    plt = pyplot()
+    rows = [r for r in rows if r.get("bench") == "pipeline_timeline"]
+    if plt is None or not rows:
+        return None
+    labels = sorted({r["stream"] for r in rows})
+    fig, axes = plt.subplots(len(labels), 1, figsize=(9, 1.2 + 0.35 * max(
+        sum(r["stream"] == lab for r in rows) for lab in labels) * len(labels)), squeeze=False)
+    for ax, label in zip(axes[:, 0], labels):
+        for r in (r for r in rows if r["stream"] == label):
+            y, host, gpu = r["batch"], r["host_ms"], r["gpu_ms"]
+            plan_end = next((v for k, v in host.items() if k.startswith("planned")), None)
+            gathered = max((v for k, v in host.items() if "gathered" in k), default=None)
+            # One lane each, top to bottom within the lookup's row.
+            spans = [("host plan", host.get("called"), plan_end, "tab:blue", -0.3),
+                     ("CPU gather (worker)", host.get("cpu ids on host"), gathered, "tab:orange", 0.0),
+                     ("zero-copy (GPU)", gpu.get("planned"), gpu.get("zero_copy_done"), "tab:green", 0.3)]
+            for name, a, b, color, lane in spans:
+                if a is not None and b is not None and b > a:
+                    ax.broken_barh([(a, b - a)], (y + lane - 0.14, 0.28), color=color, label=name)
+            if "ready" in gpu:
+                ax.plot([gpu["ready"]], [y], marker="|", color="black", markersize=12, linestyle="none",
+                        label="rows ready (GPU)")
+        ax.set_title(f"{label}: {rows[0]['tokens']} tokens per lookup", fontsize=9)
+        ax.set_ylabel("lookup")
+        ax.invert_yaxis()
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms since the first lookup was called")
+    legend = {}
+    for ax in axes[:, 0]:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    fig.legend(list(legend.values()), list(legend), loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,74 @@
+"""``condmem convert``: re-format Engram tables (bf16 / fp8 / interleaved fp8), streaming."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from condmem.cli import CliError
+from condmem.cli.common import load_config
+
+log = logging.getLogger("condmem.convert")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert table files between bf16, fp8 and interleaved fp8 rows",
+        description="Stream an Engram table file (or a released DeepSeek-V4.1 checkpoint's Engram tensors) into a new "
+        "condmem table file in another row format, chunk by chunk: memory stays bounded whatever the table size; the "
+        "output appears atomically when complete. bf16 -> fp8 quantizes (fp8 e4m3 + e8m0 scale per 32); fp8 <-> "
+        "fp8_interleaved only moves bytes (exact).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  condmem convert tables.safetensors tables-i.safetensors --to fp8_interleaved\n"
+        "  condmem convert ./DeepSeek-V4.1-Flash tables.safetensors --released --config ./DeepSeek-V4.1-Flash \\\n"
+        "      --tokenizer deepseek-v4 --to fp8_interleaved",
+    )
+    p.add_argument("src", help="condmem table file, or (with --released) a checkpoint directory / safetensors file")
+    p.add_argument("dst", help="output table file (.safetensors)")
+    p.add_argument("--to", required=True, choices=["bf16", "fp8", "fp8_interleaved"], help="row format to write")
+    p.add_argument("--released", action="store_true",
+                   help="SRC is a released checkpoint (fp8 rows + ue8m0 scales named ...engram.embed.weight[_scale_inv])")
+    p.add_argument("--config", help="Engram config (required with --released; any dialect, a HF config.json too)")
+    p.add_argument("--tokenizer", help="tokenizer whose compressed-map fingerprint is recorded (and checked)")
+    p.add_argument("--weight-name", help="tensor name template for rows, e.g. 'layers.{layer_id}.engram.embed.weight'")
+    p.add_argument("--scale-name", help="tensor name template for scales")
+    p.add_argument("--chunk-rows", type=int, default=1 << 18, help="rows converted at a time (default 262144)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from condmem.layout import EngramLayout
+    from condmem.tables.convert import convert_tables
+    from condmem.tables.released import load_released_tables
+    from condmem.tables.table_file import EngramTableFile
+
+    fingerprint = None
+    vocab = None
+    if args.tokenizer:
+        from condmem.tokenizer import CompressedTokenizer
+
+        ctok = CompressedTokenizer.from_any(args.tokenizer)
+        fingerprint, vocab = ctok.fingerprint, ctok.vocab_size
+    if args.released:
+        if not args.config:
+            raise CliError("--released needs --config (released checkpoints do not record the hash layout)")
+        layout = EngramLayout(load_config(args.config), compressed_vocab_size=vocab)
+        tables = load_released_tables(args.src, layout, args.weight_name, args.scale_name)
+    else:
+        source = EngramTableFile(args.src, tokenizer_fingerprint=fingerprint)
+        layout = source.layout()
+        if args.config:
+            source.check_layout(EngramLayout(load_config(args.config), compressed_vocab_size=vocab))
+        fingerprint = fingerprint or source.tokenizer_fingerprint
+        tables = source.tables()
+    start = time.perf_counter()
+    out = convert_tables(tables, layout, args.dst, args.to, fingerprint, args.chunk_rows, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    size = out.stat().st_size
+    log.info("wrote %s: %s rows of layers %s, %.2f GiB in %.1f s (%.2f GiB/s)", out, f"{sum(layout.num_embeddings):,}",
+             layout.layer_ids, size / 2**30, seconds, size / 2**30 / max(seconds, 1e-9))
+    return 0

@@ -1,0 +1,145 @@
+"""``condmem train``: train one reference LM (with or without Engram) with checkpoints and --resume."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+logger = logging.getLogger("condmem.train")
+
+_MODEL_ARGS = {"dim": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "ffn": "ffn_hidden",
+               "max_seq_len": "max_seq_len"}
+_ENGRAM_ARGS = {"engram_layers": "layer_ids", "ngram": "max_ngram_size", "engram_heads": "n_heads",
+                "engram_head_dim": "head_dim", "table_size": "table_size", "table_init_std": "table_init_std"}
+_TRAIN_ARGS = {"steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr",
+               "table_lr_mult": "table_lr_mult", "warmup": "warmup_steps", "weight_decay": "weight_decay",
+               "grad_clip": "grad_clip", "eval_every": "eval_every", "eval_tokens": "eval_tokens",
+               "checkpoint_every": "checkpoint_every", "minutes": "max_minutes", "log_every": "log_every",
+               "precision": "precision"}
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train one reference LM (Engram by default) with checkpoints; --resume continues exactly",
+        description="Train the reference decoder LM on a corpus (default: the Python standard library source). "
+        "AdamW for the backbone, sparse Adam for the Engram tables (their own learning rate, no weight decay), "
+        "warm-up + cosine, gradient clipping, bf16 autocast on GPU. Checkpoints (safetensors, resolved config, "
+        "tokenizer, fingerprints) go to OUT/checkpoints; --resume continues the latest one step for step.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  condmem train --out runs/engram --steps 1000\n"
+        "  condmem train --out runs/base --no-engram --iso-flop\n  condmem train --out runs/engram --resume",
+    )
+    p.add_argument("--out", required=True, help="run directory (checkpoints, summary.json)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--preset", choices=["cpu", "gpu", "tiny"], help="base settings (default: gpu with CUDA, else cpu)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("data")
+    d.add_argument("--corpus", nargs="+", metavar="PATH", help="directories, text or .jsonl files (default: stdlib)")
+    d.add_argument("--tokenizer", help="tokenizer.json / directory / 'deepseek-v4' instead of training a BPE")
+    d.add_argument("--vocab-size", type=int, help="BPE vocabulary size")
+    d.add_argument("--max-train-bytes", type=int, help="encode at most this much of the training split")
+    m = p.add_argument_group("model")
+    m.add_argument("--dim", type=int)
+    m.add_argument("--layers", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--kv-heads", type=int)
+    m.add_argument("--ffn", type=int, help="SwiGLU hidden width")
+    m.add_argument("--max-seq-len", type=int)
+    e = p.add_argument_group("engram")
+    e.add_argument("--no-engram", action="store_true", help="train the plain baseline")
+    e.add_argument("--iso-flop", action="store_true",
+                   help="with --no-engram: widen the MLP of the would-be Engram blocks by the Engram's FLOPs")
+    e.add_argument("--engram-layers", type=int, nargs="+", help="blocks holding an Engram (default: 1)")
+    e.add_argument("--ngram", type=int, help="max n-gram order N (orders 2..N)")
+    e.add_argument("--engram-heads", type=int, help="hash heads per order")
+    e.add_argument("--engram-head-dim", type=int, help="width of one table row")
+    e.add_argument("--table-size", type=int, help="bucket range per (order, head)")
+    e.add_argument("--table-init-std", type=float)
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--lr", type=float, help="backbone peak learning rate")
+    t.add_argument("--table-lr-mult", type=float, help="table learning rate / backbone learning rate (default 5)")
+    t.add_argument("--warmup", type=int, help="warm-up steps")
+    t.add_argument("--weight-decay", type=float)
+    t.add_argument("--grad-clip", type=float)
+    t.add_argument("--eval-every", type=int)
+    t.add_argument("--eval-tokens", type=int)
+    t.add_argument("--checkpoint-every", type=int)
+    t.add_argument("--minutes", type=float, help="wall-clock budget; the step count is fitted to it")
+    t.add_argument("--log-every", type=int)
+    t.add_argument("--precision", choices=["auto", "fp32", "bf16"])
+    t.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _apply(target: dict, args, mapping: dict) -> None:
+    for arg, key in mapping.items():
+        value = getattr(args, arg, None)
+        if value is not None:
+            target[key] = value
+
+
+def run(args) -> int:
+    from condmem.models import DecoderLM, iso_flop_baseline, train_flops_per_token
+    from condmem.train.checkpoint import load_checkpoint
+    from condmem.train.demo import build_model_config, resolve_device
+    from condmem.train.loop import Trainer, TrainConfig
+    from condmem.train.pipeline import prepare_data
+    from condmem.train.presets import get_preset
+    from condmem.utils.atomic import atomic_write_text
+
+    device = resolve_device(args.device)
+    if args.resume:
+        ckpt = load_checkpoint(args.out, device=device)
+        cfg = ckpt.model.cfg
+        tc = TrainConfig.from_dict(ckpt.config["train"])
+        a = ckpt.config["data"].get("args", {})
+        data = prepare_data(a.get("corpus"), tokenizer=ckpt.tokenizer, max_corpus_bytes=a.get("max_corpus_bytes"),
+                            max_train_bytes=a.get("max_train_bytes"), tokenizer_train_bytes=a.get("tokenizer_train_bytes"),
+                            val_fraction=a.get("val_fraction", 0.02), seed=a.get("seed", 0))
+        data.info["args"] = a
+        model = ckpt.model
+        label = ckpt.state.get("label", "model")
+        print(f"resuming {ckpt.path} at step {ckpt.state['step']}/{tc.steps}", flush=True)
+    else:
+        preset = get_preset(args.preset or ("gpu" if device.type == "cuda" else "cpu"))
+        _apply(preset["model"], args, _MODEL_ARGS)
+        _apply(preset["engram"], args, _ENGRAM_ARGS)
+        _apply(preset["train"], args, _TRAIN_ARGS)
+        if args.vocab_size:
+            preset["data"]["vocab_size"] = args.vocab_size
+        if args.max_train_bytes:
+            preset["data"]["max_train_bytes"] = args.max_train_bytes
+        if args.seq_len and not args.max_seq_len:
+            preset["model"]["max_seq_len"] = max(preset["model"]["max_seq_len"], args.seq_len)
+        data = prepare_data(args.corpus, tokenizer=args.tokenizer, vocab_size=preset["data"]["vocab_size"],
+                            max_train_bytes=preset["data"].get("max_train_bytes"),
+                            tokenizer_train_bytes=preset["data"].get("tokenizer_train_bytes"), seed=args.seed)
+        cfg = build_model_config(preset, data)
+        label = "engram"
+        if args.no_engram:
+            cfg = iso_flop_baseline(cfg) if args.iso_flop else cfg.replace(engram=None)
+            label = "baseline"
+        tc = TrainConfig(**dict(preset["train"], seed=args.seed))
+        model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=args.seed, device=device)
+        print(f"[{label}] {model.param_counts()['total']:,} parameters, "
+              f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)", flush=True)
+    trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, device, run_dir=args.out, label=label,
+                      checkpoint_extra={"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info},
+                      progress=not args.no_progress)
+    if args.resume:
+        trainer.restore(ckpt)
+    summary = trainer.fit()
+    summary.update(params=model.param_counts(), flops_per_token=train_flops_per_token(cfg, tc.seq_len),
+                   checkpoint=str(trainer.last_checkpoint))
+    from pathlib import Path
+
+    atomic_write_text(Path(args.out) / "summary.json",
+                      json.dumps({"summary": summary, "model": cfg.to_dict(), "train": tc.to_dict(),
+                                  "data": data.info, "history": trainer.history, "evals": trainer.evals}, indent=1) + "\n")
+    return 0

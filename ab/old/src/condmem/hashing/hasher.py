@@ -1,0 +1,326 @@
+"""`NgramHasher`: token ids [B, T] -> row ids [B, T, n_layers, n_cols] for every Engram layer.
+
+Row ids depend only on token ids, so one call before the first transformer layer
+gives every Engram layer its addresses (what lets tables live off the GPU and be
+prefetched). The hasher owns the compression map and the layout's constants, keeps
+one copy of them per device, validates its inputs once, and calls the hash
+implementation: the Triton kernels (`triton_hash`) for CUDA tensors, the torch
+reference (`reference`) elsewhere; ``backend="triton"|"torch"`` forces either. Both
+give identical numbers.
+
+Decoding hashes one new token per sequence against an `NgramHistory` (`new_history`,
+`prefill_history`, `decode`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from condmem.config import EngramConfig
+from condmem.hashing.history import NgramHistory, hash_decode_reference
+from condmem.hashing.reference import hash_reference
+from condmem.layout import EngramLayout
+from condmem.ops.triton_util import BACKENDS, resolve_backend
+
+
+class HashInputError(ValueError):
+    """Token ids or masks given to the hasher are of the wrong shape, dtype or range."""
+
+
+class NgramHasher:
+    """Hashes token ids into table row ids for all Engram layers of one model.
+
+    Args:
+        layout: the model's `EngramLayout` (its V' must match the compression map).
+        token_lookup: compressed id per token id (int array of the tokenizer's size), or
+            None when the inputs are compressed ids already.
+        pad_id: token id of the pad (a compressed id when `token_lookup` is None);
+            defaults to ``layout.config.pad_id``.
+        backend: ``"auto"`` (Triton on CUDA tensors, the torch reference elsewhere),
+            ``"triton"`` or ``"torch"``; a call's own ``backend=`` overrides it.
+
+    Example:
+        >>> hasher = NgramHasher.from_tokenizer(config, CompressedTokenizer.from_any("deepseek-v4"))
+        >>> rows = hasher(input_ids)            # [B, T, n_layers, n_cols] int64
+        >>> rows_l1 = rows[:, :, hasher.layer_index(1)]
+    """
+
+    def __init__(self, layout: EngramLayout, token_lookup=None, pad_id: int | None = None, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise HashInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.layout = layout
+        self.backend = backend
+        pad_id = layout.config.pad_id if pad_id is None else pad_id
+        if token_lookup is not None:
+            lookup = torch.from_numpy(np.array(token_lookup, dtype=np.int64)).flatten()
+            if lookup.numel() == 0:
+                raise HashInputError("token_lookup is empty")
+            compressed_size = int(lookup.max()) + 1
+            if int(lookup.min()) < 0 or compressed_size != layout.compressed_vocab_size:
+                raise HashInputError(
+                    f"token_lookup maps onto {compressed_size} compressed ids but the layout was built for "
+                    f"V'={layout.compressed_vocab_size}: the tables would be silently rehashed"
+                )
+            if not 0 <= pad_id < lookup.numel():
+                raise HashInputError(f"pad_id {pad_id} is outside the tokenizer's ids 0..{lookup.numel() - 1}")
+            self.vocab_size = lookup.numel()
+            self.pad_compressed_id = int(lookup[pad_id])
+        else:
+            lookup = None
+            self.vocab_size = layout.compressed_vocab_size
+            if not 0 <= pad_id < self.vocab_size:
+                raise HashInputError(f"pad_id {pad_id} is outside the compressed ids 0..{self.vocab_size - 1}")
+            self.pad_compressed_id = pad_id
+        self._host = {
+            "lookup": lookup,
+            "multipliers": torch.from_numpy(layout.multipliers_array()),
+            "primes": torch.from_numpy(layout.primes_array()),
+            "offsets": torch.from_numpy(layout.offsets_array()),
+        }
+        self._magic_host: torch.Tensor | None = None
+        self._per_device: dict[torch.device, dict[str, torch.Tensor | None]] = {}
+
+    @classmethod
+    def from_tokenizer(cls, config: EngramConfig, tokenizer, backend: str = "auto") -> "NgramHasher":
+        """Build the layout and hasher for a `CompressedTokenizer`, checking V' against the config."""
+        layout = EngramLayout(config, compressed_vocab_size=tokenizer.vocab_size)
+        return cls(layout, token_lookup=tokenizer.lookup, pad_id=config.pad_id, backend=backend)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.layout.layer_ids
+
+    @property
+    def n_cols(self) -> int:
+        return self.layout.n_cols
+
+    def layer_index(self, layer_id: int) -> int:
+        """Index of `layer_id` along the hasher's layer axis."""
+        return self.layout.layer_index(layer_id)
+
+    def constants(self, device: torch.device | str) -> dict[str, torch.Tensor | None]:
+        """The lookup, multipliers, primes and offsets on `device` (copied once, then cached)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._per_device:
+            self._per_device[device] = {
+                k: (None if v is None else v.to(device)) for k, v in self._host.items()
+            }
+        return self._per_device[device]
+
+    def _magic(self, device: torch.device) -> torch.Tensor:
+        """Barrett constants of the primes (Triton backend only), cached per device."""
+        c = self.constants(device)
+        if "magic" not in c:
+            if self._magic_host is None:
+                from condmem.hashing.triton_hash import barrett_magic
+
+                self._magic_host = barrett_magic(self._host["primes"])
+            c["magic"] = self._magic_host.to(device)
+        return c["magic"]
+
+    def _backend(self, backend: str | None, device: torch.device) -> str:
+        return resolve_backend(backend or self.backend, device, "NgramHasher")
+
+    def _check_ids(self, input_ids: torch.Tensor, name: str = "input_ids") -> None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise HashInputError(f"{name} must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise HashInputError(f"{name} must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            hint = " (add a batch axis: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
+            raise HashInputError(f"{name} must be [B, T], got shape {tuple(input_ids.shape)}{hint}")
+
+    def _check_mask(self, mask: torch.Tensor | None, like: torch.Tensor, name: str) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise HashInputError(f"{name} must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+        if mask.shape != like.shape:
+            raise HashInputError(f"{name} has shape {tuple(mask.shape)}, input_ids {tuple(like.shape)}")
+        return mask.to(like.device)
+
+    def compress(self, input_ids: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """Token ids [B, T] -> int64 compressed ids; `check` validates the id range (one host sync)."""
+        self._check_ids(input_ids)
+        ids = input_ids.long()
+        if check and ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                what = "tokenizer" if self._host["lookup"] is not None else "compressed vocabulary"
+                raise HashInputError(
+                    f"token id {bad} is outside the {what}'s ids 0..{self.vocab_size - 1}: "
+                    "were these ids made by another tokenizer?"
+                )
+        lookup = self.constants(ids.device)["lookup"]
+        return ids if lookup is None else lookup[ids]
+
+    @staticmethod
+    def blocked_from_doc_starts(doc_starts: torch.Tensor) -> torch.Tensor:
+        """Packed batches: a position before a document start is blocked for the documents after it."""
+        blocked = torch.zeros_like(doc_starts)
+        blocked[:, :-1] = doc_starts[:, 1:]
+        return blocked
+
+    # ------------------------------------------------------------------ hashing
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        blocked: torch.Tensor | None = None,
+        doc_starts: torch.Tensor | None = None,
+        with_offsets: bool = True,
+        check: bool = True,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Row ids for every Engram layer.
+
+        Args:
+            input_ids: [B, T] integer token ids (any device).
+            blocked: optional bool [B, T]: positions no later look-back may read (image
+                spans); the block cascades to every older position.
+            doc_starts: optional bool [B, T]: first token of each document in a packed
+                row; look-backs stop there (same as blocking the position before).
+            with_offsets: True -> row ids into each layer's table; False -> bucket ids
+                within each column's prime range.
+            check: validate the id range (costs one device->host sync on GPU).
+            backend: override the hasher's backend for this call.
+
+        Returns:
+            int64 [B, T, n_layers, n_cols] on the device of `input_ids`.
+        """
+        self._check_ids(input_ids)
+        blocked = self._check_mask(blocked, input_ids, "blocked")
+        doc_starts = self._check_mask(doc_starts, input_ids, "doc_starts")
+        if doc_starts is not None:
+            from_docs = self.blocked_from_doc_starts(doc_starts)
+            blocked = from_docs if blocked is None else blocked | from_docs
+        if self._backend(backend, input_ids.device) == "triton":
+            # The kernel applies the compression map itself: one launch from token ids to rows.
+            if check:
+                self.compress(input_ids, check=True)  # range check only (result unused)
+            return self._hash_triton(input_ids, self.constants(input_ids.device)["lookup"], blocked, with_offsets)
+        compressed = self.compress(input_ids, check=check)
+        return self.hash_compressed(compressed, blocked=blocked, with_offsets=with_offsets, backend="torch")
+
+    def _hash_triton(self, ids: torch.Tensor, lookup, blocked, with_offsets: bool) -> torch.Tensor:
+        from condmem.hashing.triton_hash import hash_prefill_triton
+
+        c = self.constants(ids.device)
+        return hash_prefill_triton(
+            ids,
+            multipliers=c["multipliers"],
+            primes=c["primes"],
+            magic=self._magic(ids.device),
+            offsets=c["offsets"] if with_offsets else None,
+            n_heads=self.layout.n_heads,
+            pad_id=self.pad_compressed_id,
+            lookup=lookup,
+            blocked=blocked,
+        )
+
+    def hash_compressed(
+        self, compressed: torch.Tensor, *, blocked: torch.Tensor | None = None, with_offsets: bool = True,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Like `__call__` but for compressed ids already (no range check)."""
+        if self._backend(backend, compressed.device) == "triton":
+            return self._hash_triton(compressed, None, blocked, with_offsets)
+        c = self.constants(compressed.device)
+        return hash_reference(
+            compressed,
+            multipliers=c["multipliers"],
+            primes=c["primes"],
+            offsets=c["offsets"] if with_offsets else None,
+            n_heads=self.layout.n_heads,
+            pad_id=self.pad_compressed_id,
+            blocked=blocked,
+        )
+
+    # ------------------------------------------------------------------ decoding
+    def new_history(self, n_slots: int, device: torch.device | str = "cpu") -> NgramHistory:
+        """An empty `NgramHistory` of `n_slots` sequences for this hasher's N and pad."""
+        return NgramHistory(n_slots, self.layout.max_ngram_size, self.pad_compressed_id, device)
+
+    def prefill_history(
+        self, history: NgramHistory, slots, input_ids: torch.Tensor, *, blocked: torch.Tensor | None = None,
+        doc_starts: torch.Tensor | None = None, lengths: torch.Tensor | None = None, check: bool = True,
+    ) -> None:
+        """Seed the slots' histories from prompts [B, T] (token ids), as `__call__` would see them."""
+        compressed = self.compress(input_ids, check=check)
+        blocked = self._check_mask(blocked, input_ids, "blocked")
+        doc_starts = self._check_mask(doc_starts, input_ids, "doc_starts")
+        if doc_starts is not None:
+            from_docs = self.blocked_from_doc_starts(doc_starts)
+            blocked = from_docs if blocked is None else blocked | from_docs
+        history.prefill(slots, compressed, blocked=blocked, lengths=lengths)
+
+    def decode(
+        self,
+        history: NgramHistory,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        *,
+        valid: torch.Tensor | None = None,
+        blocked: torch.Tensor | None = None,
+        with_offsets: bool = True,
+        check: bool = False,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Row ids of one new token per sequence; updates `history` in the same step.
+
+        Args:
+            history: the sequences' `NgramHistory` (on the device of `input_ids`).
+            slots: [B] int slot of each row; -1 (or any id outside the history) marks padding.
+            input_ids: [B] new token ids.
+            valid: optional bool [B]; False marks a padding row (CUDA-graph padding), which
+                neither hashes meaningfully nor writes history, even if it names a live slot.
+            blocked: optional bool [B]; the new token is hidden from later look-backs.
+            check: validate the id range (one host sync; off by default for decode).
+
+        Returns:
+            int64 [B, n_layers, n_cols]; padding rows hold bucket 0 (+ offset) of every column.
+            Live rows must name distinct slots.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise HashInputError(f"decode input_ids must be a [B] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+        if history.max_ngram_size != self.layout.max_ngram_size or history.pad_id != self.pad_compressed_id:
+            raise HashInputError(f"{history!r} was not made for this hasher (N={self.layout.max_ngram_size}, "
+                                 f"pad={self.pad_compressed_id}): use hasher.new_history")
+        device = input_ids.device
+        if history.device != device:
+            raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
+        if slots.shape != input_ids.shape:
+            raise HashInputError(f"slots {tuple(slots.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+        for name, m in (("valid", valid), ("blocked", blocked)):
+            if m is not None and (m.dtype != torch.bool or m.shape != input_ids.shape):
+                raise HashInputError(f"{name} must be bool {tuple(input_ids.shape)}, got {m.dtype} {tuple(m.shape)}")
+        if check:
+            self.compress(input_ids[None], check=True)
+        c = self.constants(device)
+        offsets = c["offsets"] if with_offsets else None
+        if self._backend(backend, device) == "triton":
+            from condmem.hashing.triton_hash import hash_decode_triton
+
+            return hash_decode_triton(
+                history.ids, slots.to(device), input_ids, multipliers=c["multipliers"], primes=c["primes"],
+                magic=self._magic(device), offsets=offsets, n_heads=self.layout.n_heads,
+                pad_id=self.pad_compressed_id, lookup=c["lookup"], valid=valid, blocked=blocked,
+            )
+        lookup = c["lookup"]
+        ids = input_ids.long()
+        if lookup is not None:
+            # Out-of-range ids read the pad, as in the kernel (memory-safe; `check` reports them).
+            inside = (ids >= 0) & (ids < lookup.numel())
+            ids = torch.where(inside, lookup[ids.clamp(0, lookup.numel() - 1)], torch.full_like(ids, self.pad_compressed_id))
+        return hash_decode_reference(
+            history.ids, slots.to(device), ids, multipliers=c["multipliers"], primes=c["primes"], offsets=offsets,
+            n_heads=self.layout.n_heads, pad_id=self.pad_compressed_id, valid=valid, blocked=blocked,
+        )
+
+    def __repr__(self) -> str:
+        return f"NgramHasher({self.layout!r}, vocab={self.vocab_size}, pad->{self.pad_compressed_id})"

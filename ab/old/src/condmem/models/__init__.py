@@ -1,0 +1,33 @@
+"""The reference decoder LM: a Llama-style dense decoder with Engram layers where the config says.
+
+* `ModelConfig`: geometry (and the optional `EngramConfig`);
+* `DecoderLM`: the model (training forward, loss, gate capture, incremental decoding);
+* `generate`: sampling with a KV cache;
+* `forward_flops_per_token`, `train_flops_per_token`, `iso_flop_baseline`: FLOPs accounting.
+"""
+
+from condmem.models.attention import Attention, KVCache
+from condmem.models.config import ModelConfig
+from condmem.models.flops import (
+    engram_flops_per_token,
+    forward_flops_per_token,
+    iso_flop_baseline,
+    train_flops_per_token,
+)
+from condmem.models.generate import generate
+from condmem.models.transformer import DecoderLM, GateCapture, InferenceCache, engram_update
+
+__all__ = [
+    "Attention",
+    "KVCache",
+    "ModelConfig",
+    "DecoderLM",
+    "GateCapture",
+    "InferenceCache",
+    "engram_update",
+    "generate",
+    "engram_flops_per_token",
+    "forward_flops_per_token",
+    "iso_flop_baseline",
+    "train_flops_per_token",
+]

@@ -1,0 +1,139 @@
+"""`ModelConfig`: the geometry of the reference decoder LM, with or without Engram layers.
+
+A Llama-style dense decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention). The
+optional `engram` field is the model's `EngramConfig`; its ``hidden_size`` must be the
+model's ``dim`` and its ``layer_ids`` must be layers of this model. Validation errors
+are `ConfigError` naming the field, as for `EngramConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from condmem.config import ConfigError, EngramConfig, require_int
+
+
+@dataclass
+class ModelConfig:
+    """Geometry of the reference decoder LM."""
+
+    vocab_size: int
+    """Token ids 0..vocab_size-1 (the tokenizer's full size, special tokens included)."""
+    dim: int = 256
+    """Width D of the residual stream."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads; the head width is dim / n_heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    ffn_hidden: int | list[int] = 688
+    """SwiGLU hidden width: one int for every block, or one per block (a baseline can
+    spend an Engram's FLOPs on a wider MLP in the same block)."""
+    max_seq_len: int = 256
+    """Longest sequence (RoPE table and KV cache length)."""
+    rope_theta: float = 10_000.0
+    """RoPE base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon of the backbone."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the backbone's normal initialization."""
+    engram: EngramConfig | None = None
+    """Engram layers (None: a plain baseline). ``engram.hidden_size`` must equal ``dim``."""
+    engram_table_init_std: float = 1.0
+    """Initial standard deviation of the Engram table rows."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.engram, dict):
+            self.engram = EngramConfig.from_dict(self.engram)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the field when a value is out of its domain."""
+
+        def need_int(name: str, value: Any, minimum: int) -> None:
+            require_int("ModelConfig", name, value, minimum)
+
+        need_int("vocab_size", self.vocab_size, 2)
+        need_int("dim", self.dim, 2)
+        need_int("n_layers", self.n_layers, 1)
+        need_int("n_heads", self.n_heads, 1)
+        need_int("n_kv_heads", self.n_kv_heads, 1)
+        need_int("max_seq_len", self.max_seq_len, 1)
+        if self.dim % self.n_heads:
+            raise ConfigError(f"ModelConfig.dim ({self.dim}) must be a multiple of n_heads ({self.n_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(f"ModelConfig: head width dim/n_heads = {self.dim // self.n_heads} must be even (RoPE)")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if isinstance(self.ffn_hidden, (list, tuple)):
+            self.ffn_hidden = list(self.ffn_hidden)
+            if len(self.ffn_hidden) != self.n_layers:
+                raise ConfigError(
+                    f"ModelConfig.ffn_hidden has {len(self.ffn_hidden)} entries for n_layers={self.n_layers}"
+                )
+            for width in self.ffn_hidden:
+                need_int("ffn_hidden[]", width, 1)
+        else:
+            need_int("ffn_hidden", self.ffn_hidden, 1)
+        for name in ("rope_theta", "norm_eps", "init_std", "engram_table_init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if self.engram is not None:
+            if not isinstance(self.engram, EngramConfig):
+                raise ConfigError(f"ModelConfig.engram must be an EngramConfig or None, got {type(self.engram).__name__}")
+            self.engram.validate()
+            if self.engram.hidden_size != self.dim:
+                raise ConfigError(
+                    f"ModelConfig.engram.hidden_size ({self.engram.hidden_size}) must equal ModelConfig.dim ({self.dim})"
+                )
+            if self.engram.hc_mult != 1:
+                raise ConfigError(
+                    f"ModelConfig.engram.hc_mult is {self.engram.hc_mult}: the reference decoder has one residual "
+                    "stream (hc_mult 1)"
+                )
+            bad = [lid for lid in self.engram.layer_ids if lid >= self.n_layers]
+            if bad:
+                raise ConfigError(
+                    f"ModelConfig.engram.layer_ids {bad} are not layers of a {self.n_layers}-layer model"
+                )
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def ffn_width(self, layer: int) -> int:
+        """SwiGLU hidden width of block `layer`."""
+        return self.ffn_hidden[layer] if isinstance(self.ffn_hidden, list) else self.ffn_hidden
+
+    @property
+    def engram_layer_ids(self) -> list[int]:
+        return [] if self.engram is None else list(self.engram.layer_ids)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ (de)serialization
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["engram"] = None if self.engram is None else self.engram.to_dict("native")
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"a model config must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s) {unknown}; known: {sorted(names)}")
+        data = dict(data)
+        if data.get("engram") is not None:
+            data["engram"] = EngramConfig.from_dict(data["engram"])
+        return cls(**data)

@@ -1,0 +1,65 @@
+"""FLOPs per token of the reference decoder, and the iso-FLOP baseline of an Engram model.
+
+Counted: every matrix product (2 FLOPs per multiply-add), attention scores and values
+over the average causal context, the Engram's ``wkv`` GEMM, its depthwise ShortConv
+and its gate dot product. Not counted: embedding and table lookups (gathers, no
+arithmetic), norms, activations, softmax and other elementwise work, which is the
+same order for both models and small beside the GEMMs. Training costs 3x the
+forward (backward = 2x forward), the usual convention.
+"""
+
+from __future__ import annotations
+
+from condmem.models.config import ModelConfig
+
+
+def engram_flops_per_token(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token of ONE Engram module of `cfg` (0 without Engram)."""
+    e = cfg.engram
+    if e is None:
+        return 0
+    wkv = 2 * e.engram_dim * (e.hc_mult + 1) * e.hidden_size
+    conv = 2 * e.hidden_size * e.hc_mult * e.kernel_size if e.short_conv else 0
+    gate = 2 * e.hidden_size * e.hc_mult
+    return wkv + conv + gate
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, int]:
+    """Forward FLOPs per token by component, for sequences of `seq_len` tokens (default max_seq_len).
+
+    Returns:
+        dict with ``attention_proj``, ``attention_scores``, ``mlp``, ``lm_head``, ``engram`` and ``total``.
+    """
+    seq_len = seq_len or cfg.max_seq_len
+    d, hd = cfg.dim, cfg.head_dim
+    kv_dim = cfg.n_kv_heads * hd
+    # Causal attention: the token at position t attends to t+1 keys; average (T+1)/2.
+    context = (seq_len + 1) / 2
+    out = {
+        "attention_proj": cfg.n_layers * 2 * (d * d + 2 * d * kv_dim + d * d),
+        "attention_scores": int(cfg.n_layers * 2 * 2 * cfg.n_heads * hd * context),
+        "mlp": sum(2 * 3 * d * cfg.ffn_width(i) for i in range(cfg.n_layers)),
+        "lm_head": 2 * d * cfg.vocab_size,
+        "engram": len(cfg.engram_layer_ids) * engram_flops_per_token(cfg),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token: 3x the forward."""
+    return 3 * forward_flops_per_token(cfg, seq_len)["total"]
+
+
+def iso_flop_baseline(cfg: ModelConfig) -> ModelConfig:
+    """The same backbone without Engram, its MLP widened in each Engram block by the Engram's FLOPs.
+
+    A SwiGLU hidden unit costs 2*3*dim forward FLOPs per token, so each Engram block's MLP
+    gains round(engram FLOPs / (6*dim)) units: the two models then differ by less than
+    one hidden unit's FLOPs per Engram layer.
+    """
+    if cfg.engram is None:
+        return cfg
+    extra = round(engram_flops_per_token(cfg) / (2 * 3 * cfg.dim))
+    widths = [cfg.ffn_width(i) + (extra if i in cfg.engram_layer_ids else 0) for i in range(cfg.n_layers)]
+    return cfg.replace(engram=None, ffn_hidden=widths)

@@ -1,0 +1,170 @@
+"""CUDA-graph decode: one captured step over every slot of a `ServingCache`, Engram lookups inside.
+
+Python and kernel-launch overhead dominate a decode step of a small batch, which would
+hide what Engram costs; a CUDA graph replays the whole step in one launch. The graph
+has one row per cache slot (row j is slot j, so the KV cache is read in place); a step
+marks the slots it advances as valid, and the other rows compute but change nothing.
+
+Engram rows, with an `EngramMemory` whose tables the GPU can read in place (HBM, or
+page-locked host memory), are fetched *inside* the graph::
+
+    main stream:  hash + history ──► embed ─► block 0 ─► [wait] ─► Engram ─► block 1 ...
+    side stream:              └──► gather rows (host: zero-copy over PCIe) ──┘
+
+The hash updates the decode history on the main stream; a side branch gathers every
+Engram layer's rows into static buffers; the Engram layer waits for that branch only
+(``wait="at_layer"``), so the fetch overlaps the blocks before it, the paper's prefetch.
+``wait="before_step"`` puts the same wait before block 0 instead: the synchronous
+baseline that shows what prefetching saves. Without a memory the graph hashes each
+slot's history window and reads the model's own tables.
+
+Stores the GPU cannot read in place (disk) are not supported here: serve those with
+eager `decode_step` and `EngramMemory.prepare_decode` (the lookup needs the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from condmem.models.serving import ServingCache, decode_step
+from condmem.models.transformer import DecoderLM
+
+WAIT_MODES = ("at_layer", "before_step")
+
+
+class _GraphRows:
+    """Row ids and rows of every Engram layer in fixed buffers, filled by the graph's side branch."""
+
+    def __init__(self, memory, n_rows: int, device, join: str, max_programs: int | None = None):
+        self.memory = memory
+        self.join = join
+        self.max_programs = max_programs
+        self.event = torch.cuda.Event()
+        self.side = torch.cuda.Stream(device, priority=-1)   # the fetch is on the critical path
+        self.row_ids_all: torch.Tensor | None = None
+        self.rows_buf = {}
+        for lid in memory.layer_ids:
+            store = memory.stores[lid]
+            n_cols = memory.hasher.layout.n_cols
+            self.rows_buf[lid] = torch.zeros(n_rows, 1, n_cols, store.head_dim, dtype=torch.bfloat16, device=device)
+
+    def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, delay_cycles: int = 0) -> None:
+        """Hash the step's tokens (updating history), then gather the rows on the side stream."""
+        memory = self.memory
+        self.row_ids_all = memory.hasher.decode(memory.history, slots, ids, valid=valid)[:, None]   # [B, 1, L, C]
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            if delay_cycles:
+                torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
+            for i, lid in enumerate(memory.layer_ids):
+                memory.engines[lid].gather_into(self.row_ids_all[:, :, i], out=self.rows_buf[lid],
+                                                max_programs=self.max_programs)
+            self.event.record(self.side)
+        if self.join == "before_step":
+            main.wait_event(self.event)
+
+    def finish(self) -> None:
+        """Join the side branch if no Engram layer did (a graph must end joined)."""
+        torch.cuda.current_stream().wait_event(self.event)
+
+    # The interface `decode_step` reads (as from `condmem.runtime.Prepared`).
+    def row_ids(self, layer_id: int) -> torch.Tensor:
+        return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
+
+    def rows(self, layer_id: int) -> torch.Tensor:
+        if self.join == "at_layer":
+            torch.cuda.current_stream().wait_event(self.event)
+        return self.rows_buf[layer_id]
+
+
+class GraphedDecoder:
+    """`decode_step` over all slots of `cache`, captured in a CUDA graph.
+
+    Args:
+        model: the decoder (on CUDA, eval mode).
+        cache: its `ServingCache`; the graph has one row per slot.
+        memory: optional `EngramMemory` holding the Engram tables (HBM or page-locked host
+            stores); its history slots must be the cache's slot numbers (allocate both
+            from the memory, or keep them equal).
+        wait: where the main stream waits for the fetched rows: ``"at_layer"`` (each
+            Engram layer: the fetch overlaps the blocks before it) or ``"before_step"``
+            (synchronous fetch, for comparison).
+        fetch_programs: cap on the fetch kernel's grid (None: as many as it can use); a
+            small grid leaves SMs to the blocks that run beside the fetch.
+
+    Example:
+        >>> graph = GraphedDecoder(model, cache, memory=memory)
+        >>> logits = graph.step([0, 3], next_ids)          # advances slots 0 and 3
+    """
+
+    def __init__(self, model: DecoderLM, cache: ServingCache, *, memory=None, wait: str = "at_layer",
+                 fetch_programs: int | None = None, warmup: int = 3, _side_delay_cycles: int = 0,
+                 _late_join: bool = False):
+        if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
+            raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")
+        if wait not in WAIT_MODES:
+            raise ValueError(f"wait must be one of {WAIT_MODES}, got {wait!r}")
+        if memory is not None and model.cfg.engram is None:
+            raise ValueError("a memory was given but the model has no Engram layers")
+        if memory is not None:
+            unreadable = [lid for lid, s in memory.stores.items() if not s.gpu_readable]
+            if unreadable:
+                raise ValueError(f"Engram layer(s) {unreadable} live in a tier the GPU cannot read in place "
+                                 "(disk?): serve them with eager decode_step + memory.prepare_decode")
+            if memory.history.n_slots < cache.n_slots:
+                raise ValueError(f"the memory's history has {memory.history.n_slots} slots, the cache "
+                                 f"{cache.n_slots}: they must share slot numbers")
+        if memory is None and model.cfg.engram is not None and model.engram_layers[0].table.weight.is_meta:
+            raise ValueError("the model's Engram tables live outside it (meta): pass memory=")
+        self.model, self.cache, self.memory = model, cache, memory
+        device = cache.tokens.device
+        n = cache.n_slots
+        self.slots = torch.arange(n, device=device)
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.valid = torch.zeros(n, dtype=torch.bool, device=device)
+        self._slots: list[int] | None = None
+        self._index: torch.Tensor | None = None
+        self._delay = _side_delay_cycles
+        self._late_join = _late_join       # tests only: the Engram layer reads rows without waiting
+        join = "none" if _late_join else wait
+        self.fetch = _GraphRows(memory, n, device, join, fetch_programs) if memory is not None else None
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):  # compiles kernels and caches constants outside the capture
+                self._body()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._body()
+
+    def _body(self) -> torch.Tensor:
+        if self.fetch is not None:
+            self.fetch.launch(self.slots, self.ids, self.valid, self._delay)
+        logits = decode_step(self.model, self.cache, None, self.ids, prepared=self.fetch, check=False,
+                             valid=self.valid)
+        if self.fetch is not None and self._late_join:
+            self.fetch.finish()
+        return logits
+
+    @torch.no_grad()
+    def step(self, slots, ids: torch.Tensor) -> torch.Tensor:
+        """Advance `slots` (host ints: a list or CPU tensor) by `ids` [B]; returns logits [B, vocab]."""
+        slots = [int(s) for s in (slots.tolist() if isinstance(slots, torch.Tensor) else slots)]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots} repeat a slot")
+        bad = [s for s in slots if not 0 <= s < self.cache.n_slots]
+        if bad:
+            raise ValueError(f"slots {bad} are not slots of the cache (0..{self.cache.n_slots - 1})")
+        self.cache.check_room(slots)
+        if slots != self._slots:   # a new set of live slots: one host->device copy (a sync), then reused
+            self._slots = slots
+            self._index = torch.tensor(slots, dtype=torch.long).to(self.ids.device)
+            self.valid.zero_()
+            self.valid[self._index] = True
+        index = self._index
+        self.ids[index] = ids.to(self.ids.device)
+        self.graph.replay()
+        self.cache.advance(slots)
+        return self.logits[index]

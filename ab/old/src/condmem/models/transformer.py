@@ -1,0 +1,349 @@
+"""`DecoderLM`: the reference Llama-style decoder, with Engram modules at chosen layers.
+
+    token ids ──> NgramHasher ──> row ids for every Engram layer (once, before block 0)
+    embed ──> block 0 ──> block 1 [h += Engram(h, rows[1])] ──> ... ──> norm ──> logits
+
+Each block is ``h += Engram(h, rows)`` (Engram layers only), ``h += Attn(norm(h))``,
+``h += SwiGLU(norm(h))``. Without an Engram config the same code is a plain baseline.
+
+The Engram module is `condmem.module.Engram` and is called as a whole in training.
+Two paths compose its parts instead (`engram_update`): incremental decoding, which
+keeps the ShortConv's recent inputs between steps, and gate capture, which records
+the per-token gate for inspection (the paper's case study). A test holds the composed
+path equal to the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from condmem.hashing import NgramHasher
+from condmem.layout import EngramLayout
+from condmem.models.attention import Attention, KVCache
+from condmem.models.config import ModelConfig
+from condmem.models.layers import RMSNorm, Rotary, SwiGLU
+from condmem.module import Engram
+from condmem.ops.gate import GATE_CLAMP, engram_gate, gate_values
+
+
+@dataclass
+class InferenceCache:
+    """Everything incremental decoding keeps between steps for `batch` sequences.
+
+    * ``kv``: one `KVCache` per block;
+    * ``conv``: per Engram layer, the last (kernel-1)*dilation ShortConv inputs [B, pad, 1, D];
+    * ``tokens``: the token ids so far [B, max_len] (the hash of a new token looks back N-1 ids).
+    """
+
+    kv: list[KVCache]
+    conv: dict[int, torch.Tensor]
+    tokens: torch.Tensor
+    length: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class GateCapture:
+    """Gate values recorded during a forward: layer id -> fp32 [B, T]."""
+
+    gates: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_state: torch.Tensor | None = None,
+                  capture: GateCapture | None = None, looked_up: torch.Tensor | None = None) -> torch.Tensor:
+    """The Engram module's residual update, composed from its parts.
+
+    Args:
+        engram: the module (hc_mult 1).
+        hidden: [B, T, D] residual stream.
+        rows: [B, T, n_cols] row ids.
+        conv_state: optional [B, pad, 1, D] ShortConv inputs of the positions just before
+            these (zeros at a sequence start); updated in place.
+        capture: optional; receives the gate values [B, T].
+        looked_up: optional [B, T, n_cols, head_dim] rows already fetched (e.g. prefetched by
+            `EngramMemory` from host memory); the module's own table is then not read.
+
+    Returns:
+        [B, T, D], equal to ``engram(hidden, rows)`` when conv_state is None or zeros.
+    """
+    h4 = hidden.unsqueeze(2)
+    if looked_up is None and engram.table.weight.device.type == "meta":
+        raise ValueError(f"Engram layer {engram.layer_id}'s table lives outside the model (meta): pass prepared= rows")
+    embedded = engram.embed(rows) if looked_up is None else looked_up.flatten(-2)
+    kv = engram.wkv(embedded.to(engram.wkv.weight.dtype))
+    out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP)
+    if capture is not None:
+        dim = engram.hidden_size
+        keys = kv[..., :dim].unflatten(-1, (1, dim))
+        capture.gates[engram.layer_id] = gate_values(h4, keys, engram.q_weight, engram.k_weight, engram.eps)[..., 0].detach()
+    if engram.short_conv is not None:
+        if conv_state is None:
+            out = out + engram.short_conv(out)
+        else:
+            pad = conv_state.shape[1]
+            full = torch.cat([conv_state.to(out.dtype), out], dim=1)
+            # Outputs at positions >= pad see only real inputs; the module's own zero padding
+            # never reaches them, and a zero state equals the zero padding of a prefill.
+            out = out + engram.short_conv(full)[:, pad:]
+            conv_state.copy_(full[:, full.shape[1] - pad :])
+    return out.squeeze(2)
+
+
+class Block(nn.Module):
+    """One decoder block: optional Engram, attention, SwiGLU (all pre-norm residual)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None, sparse_tables: bool, device=None,
+                 table_device=None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.engram = (
+            Engram(cfg.engram, engram_rows, layer_id=layer_id, sparse=sparse_tables,
+                   table_init_std=cfg.engram_table_init_std, device=device, table_device=table_device)
+            if engram_rows is not None
+            else None
+        )
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, device=device)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn_width(layer_id), device=device)
+
+    def forward(self, x, cos, sin, rows=None, kv: KVCache | None = None, start_pos: int = 0,
+                conv_state: torch.Tensor | None = None, capture: GateCapture | None = None,
+                looked_up: torch.Tensor | None = None):
+        if self.engram is not None:
+            if conv_state is None and capture is None:
+                x = x + self.engram(x, rows, rows=looked_up)
+            else:
+                x = x + engram_update(self.engram, x, rows, conv_state, capture, looked_up)
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """The reference decoder LM.
+
+    Args:
+        cfg: geometry; ``cfg.engram`` adds Engram layers (its compressed_vocab_size must be set).
+        token_lookup: the compressed tokenizer's map (``CompressedTokenizer.lookup``), needed
+            to hash when the model has Engram layers; its V' must match the config's.
+        sparse_tables: Engram tables produce sparse gradients (train them with `SparseAdam`).
+        seed: initialization seed. Each backbone parameter draws from a generator seeded by
+            (seed, its name), so a baseline and an Engram model start from the same backbone.
+        device: where to build the parameters.
+        table_device: where to build the Engram tables, if not `device`; ``"meta"`` for tables
+            that live in an `EngramMemory` (host memory, disk): the model then needs
+            ``forward(..., prepared=memory.prepare(ids))``.
+
+    Example:
+        >>> model = DecoderLM(cfg, token_lookup=ctok.lookup)
+        >>> logits = model(input_ids)                        # [B, T, vocab]
+        >>> loss = model.loss(input_ids, targets)
+    """
+
+    def __init__(self, cfg: ModelConfig, token_lookup=None, *, sparse_tables: bool = True, seed: int = 0,
+                 device=None, table_device=None):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.layout: EngramLayout | None = None
+        self.hasher: NgramHasher | None = None
+        rows_of: dict[int, int] = {}
+        if cfg.engram is not None:
+            self.layout = EngramLayout(cfg.engram)
+            rows_of = dict(zip(self.layout.layer_ids, self.layout.num_embeddings))
+            if token_lookup is not None:
+                self.hasher = NgramHasher(self.layout, token_lookup=token_lookup, pad_id=cfg.engram.pad_id)
+                if self.hasher.vocab_size != cfg.vocab_size:
+                    raise ValueError(
+                        f"the tokenizer's map covers {self.hasher.vocab_size} token ids but the model's "
+                        f"vocab_size is {cfg.vocab_size}"
+                    )
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        self.blocks = nn.ModuleList(
+            Block(cfg, i, rows_of.get(i), sparse_tables, device=device, table_device=table_device)
+            for i in range(cfg.n_layers)
+        )
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters(seed)
+
+    # ------------------------------------------------------------------ parameters
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Initialize every parameter from a generator seeded by (seed, parameter name)."""
+        cfg = self.cfg
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            gen = torch.Generator(device=p.device)
+            gen.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:7], "little"))
+            with torch.no_grad():
+                if name.endswith("table.weight"):
+                    p.normal_(0.0, cfg.engram_table_init_std, generator=gen)
+                elif name.endswith("engram.wkv.weight"):
+                    p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]), generator=gen)
+                elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                    p.normal_(0.0, resid_std, generator=gen)
+                elif p.dim() >= 2:
+                    p.normal_(0.0, cfg.init_std, generator=gen)
+                elif name.endswith("short_conv.weight"):
+                    p.zero_()
+                else:  # norm weights, gate norm weights
+                    p.fill_(1.0)
+
+    def table_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of every Engram table (trained by the sparse optimizer)."""
+        return [(n, p) for n, p in self.named_parameters() if n.endswith("table.weight")]
+
+    def backbone_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of everything else (Engram projections and gates included)."""
+        return [(n, p) for n, p in self.named_parameters() if not n.endswith("table.weight")]
+
+    def param_counts(self) -> dict[str, int]:
+        tables = sum(p.numel() for _, p in self.table_parameters())
+        total = sum(p.numel() for p in self.parameters())
+        embed = self.embed.weight.numel() + (0 if self.cfg.tie_embeddings else self.lm_head.weight.numel())
+        return {"total": total, "tables": tables, "backbone": total - tables, "embeddings": embed,
+                "non_embedding": total - tables - embed}
+
+    @property
+    def engram_layers(self) -> list[Engram]:
+        return [b.engram for b in self.blocks if b.engram is not None]
+
+    # ------------------------------------------------------------------ hashing
+    def row_ids(self, input_ids: torch.Tensor, doc_starts: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[B, T, n_engram_layers, n_cols] row ids, or None for a model without Engram."""
+        if self.cfg.engram is None:
+            return None
+        if self.hasher is None:
+            raise RuntimeError("this model has Engram layers but no tokenizer map: pass token_lookup= when building it")
+        return self.hasher(input_ids, doc_starts=doc_starts, check=input_ids.device.type == "cpu")
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
+                cache: InferenceCache | None = None, capture: GateCapture | None = None,
+                prepared=None, last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for token ids [B, T].
+
+        Args:
+            doc_starts: optional bool [B, T], True at the first token of each document of a
+                packed row: n-gram look-backs stop there.
+            cache: incremental decoding state (see `new_cache`); the ids are appended at
+                ``cache.length`` and the cache advances.
+            capture: records the Engram gate values.
+            prepared: a `condmem.runtime.Prepared` from `EngramMemory.prepare` /
+                `prepare_decode` for these ids: row ids and rows come from it (tables in
+                host memory, fetched while the earlier blocks run), each Engram layer
+                waiting only for its own rows.
+            last_only: logits of the last position only ([B, 1, vocab]): what a prefill
+                that samples the next token needs (the output projection over a whole
+                prompt is a large, wasted matmul).
+            logits_at: optional [B] positions: logits of one position per row ([B, 1, vocab]),
+                e.g. the last real token of right-padded prompts.
+        """
+        batch, length = input_ids.shape
+        start = 0
+        rows = None
+        if cache is not None:
+            start = cache.length
+            if start + length > cache.max_len:
+                raise ValueError(f"the cache holds {cache.max_len} positions; {start + length} asked")
+            cache.tokens[:batch, start : start + length] = input_ids
+            if self.cfg.engram is not None and prepared is None:
+                # A position's rows depend on it and the N-1 ids before: hash that window only.
+                back = min(start, self.cfg.engram.max_ngram_size - 1)
+                window = cache.tokens[:batch, start - back : start + length]
+                rows = self.row_ids(window)[:, back:]
+        elif prepared is None:
+            rows = self.row_ids(input_ids, doc_starts)
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(start, length)
+        slot = 0
+        for block in self.blocks:
+            layer_rows = looked_up = None
+            if block.engram is not None:
+                if prepared is not None:
+                    layer_rows = prepared.row_ids(block.layer_id)
+                    looked_up = prepared.rows(block.layer_id)   # waits for this layer's lookup only
+                else:
+                    layer_rows = rows[:, :, slot]
+                slot += 1
+            x = block(
+                x, cos, sin, layer_rows, looked_up=looked_up,
+                kv=None if cache is None else cache.kv[block.layer_id],
+                start_pos=start,
+                conv_state=self._conv_state(cache, block, batch),
+                capture=capture,
+            )
+        if cache is not None:
+            cache.length = start + length
+        if last_only:
+            x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(batch, device=x.device), logits_at.to(x.device)][:, None]
+        return self.lm_head(self.norm(x))
+
+    @staticmethod
+    def _conv_state(cache: InferenceCache | None, block: Block, batch: int) -> torch.Tensor | None:
+        if cache is None or block.engram is None or cache.conv.get(block.layer_id) is None:
+            return None
+        return cache.conv[block.layer_id][:batch]
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_starts: torch.Tensor | None = None,
+             reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy (nats) of `targets` [B, T] given `input_ids` [B, T]; -100 targets are ignored."""
+        logits = self(input_ids, doc_starts=doc_starts)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+        return loss if reduction != "none" else loss.view_as(targets)
+
+    # ------------------------------------------------------------------ inference helpers
+    def new_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> InferenceCache:
+        """An empty decoding state for `batch` sequences of up to `max_len` tokens."""
+        cfg = self.cfg
+        max_len = max_len or cfg.max_seq_len
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        device = self.embed.weight.device
+        dtype = dtype or self.embed.weight.dtype
+        kv = [KVCache(batch, cfg.n_kv_heads, max_len, cfg.head_dim, device=device, dtype=dtype) for _ in self.blocks]
+        conv = {}
+        for block in self.blocks:
+            if block.engram is not None and block.engram.short_conv is not None:
+                sc = block.engram.short_conv
+                conv[block.layer_id] = torch.zeros(batch, (sc.kernel_size - 1) * sc.dilation, 1, cfg.dim,
+                                                   device=device, dtype=dtype)
+            elif block.engram is not None:
+                conv[block.layer_id] = None
+        tokens = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        return InferenceCache(kv=kv, conv=conv, tokens=tokens)
+
+    @torch.no_grad()
+    def gate_values(self, input_ids: torch.Tensor, doc_starts: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+        """Per-token Engram gate values {layer id: fp32 [B, T]} (sigmoid outputs in (0, 1))."""
+        capture = GateCapture()
+        self(input_ids, doc_starts=doc_starts, capture=capture)
+        return capture.gates
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Switch to eval for the block, then restore the previous mode."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)

@@ -1,0 +1,216 @@
+"""`EngramMemory`: one model's hasher, decode history and tables, with lookups started before layer 0.
+
+Row ids depend only on token ids, so a forward pass can hash every Engram layer's ids
+and start every layer's lookup before the first transformer layer runs::
+
+    prepared = memory.prepare(input_ids)          # hash all layers, start all lookups
+    h = embed(input_ids)
+    for block in blocks:                          # layers 0..k-1 run while rows arrive
+        if block.layer_id in memory.layer_ids:
+            rows = prepared.rows(block.layer_id)  # waits for this layer's rows only
+            h = h + block.engram(h, prepared.row_ids(block.layer_id), rows=rows)
+        h = block(h)
+
+Decode keeps the last N-1 compressed ids of each sequence in an `NgramHistory` slot
+(`allocate` / `free`, reused across requests); `prepare_decode` hashes one new token per
+sequence and updates the history in the same step, padding rows excluded.
+
+Each layer has its own `LookupEngine` (tier, HBM cache, CPU/zero-copy split), so the
+layers' fetches proceed independently; waiting for one never waits for the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from condmem.hashing import NgramHasher
+from condmem.tables.lookup import LookupEngine, LookupHandle
+from condmem.tables.row_cache import RowCache
+from condmem.tables.storage import LayerStore, place_layer
+from condmem.tables.table_file import EngramTableFile, LayerRows
+
+
+class EngramMemoryError(ValueError):
+    """An EngramMemory is used with inputs or slots it cannot serve."""
+
+
+@dataclass
+class Prepared:
+    """Row ids of every Engram layer for one batch, and their lookups in flight."""
+
+    row_ids_all: torch.Tensor
+    """int64 [B, T, n_layers, n_cols]."""
+    handles: dict[int, LookupHandle]
+    layer_index: dict[int, int]
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def row_ids(self, layer_id: int) -> torch.Tensor:
+        """[B, T, n_cols] row ids of one layer."""
+        return self.row_ids_all[:, :, self.layer_index[layer_id]]
+
+    def rows(self, layer_id: int, wait: bool = True) -> torch.Tensor:
+        """[B, T, n_cols, head_dim] bf16 rows of one layer, ready on the current stream.
+
+        `wait=False` hands out the buffer without waiting for the lookup: only for tests
+        that prove the handoff matters (the result is then undefined).
+        """
+        if layer_id not in self.handles:
+            raise EngramMemoryError(f"layer {layer_id} has no Engram; Engram layers are {sorted(self.handles)}")
+        if not wait:
+            return self.handles[layer_id].rows
+        if layer_id not in self._rows:
+            self._rows[layer_id] = self.handles[layer_id].wait()
+        return self._rows[layer_id]
+
+
+class EngramMemory:
+    """All Engram layers' tables of one model, in any tier, with prefetched lookups.
+
+    Args:
+        hasher: the model's `NgramHasher`.
+        stores: {layer_id: LayerStore}, one per Engram layer.
+        device: where rows are wanted (the model's device).
+        cache_bytes: HBM cache per layer in bytes (0: none); only for host/disk stores.
+        cpu_fraction: CPU share of host-store misses; None calibrates each host layer.
+        max_sequences: decode history slots.
+    """
+
+    def __init__(self, hasher: NgramHasher, stores: Mapping[int, LayerStore], device: str | torch.device = "cpu", *,
+                 cache_bytes: int = 0, cpu_fraction: float | None = 0.5, max_sequences: int = 256):
+        missing = set(hasher.layer_ids) - set(stores)
+        if missing:
+            raise EngramMemoryError(f"no table for Engram layer(s) {sorted(missing)}")
+        self.hasher = hasher
+        self.device = torch.device(device)
+        self.stores = dict(stores)
+        self.engines: dict[int, LookupEngine] = {}
+        for layer_id in hasher.layer_ids:
+            store = self.stores[layer_id]
+            expected = hasher.layout.layer(layer_id).num_embeddings
+            if store.num_rows != expected:
+                raise EngramMemoryError(f"layer {layer_id}: the table has {store.num_rows:,} rows, the layout "
+                                   f"{expected:,}")
+            cache = None
+            if cache_bytes and store.tier != "hbm":
+                cache = RowCache.from_bytes(cache_bytes, store.row_bytes, ways=16, device=self.device)
+            engine = LookupEngine(store, self.device, cache=cache, cpu_fraction=cpu_fraction or 0.0)
+            if cpu_fraction is None:
+                engine.calibrate()
+            self.engines[layer_id] = engine
+        self.history = hasher.new_history(max_sequences, self.device)
+        # Prompts given on the host are hashed on this stream, beside the caller's queue.
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self._layer_index = {lid: i for i, lid in enumerate(hasher.layer_ids)}
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_table_file(cls, path, hasher: NgramHasher, tier: str = "host", device: str | torch.device = "cpu", *,
+                        tokenizer_fingerprint: str | None = None, host_alloc: str = "mmap_register",
+                        progress: bool = True, **kwargs) -> "EngramMemory":
+        """Open a table file (identity checked against the hasher's layout) and place each layer in `tier`."""
+        table = EngramTableFile(path, layout=hasher.layout, tokenizer_fingerprint=tokenizer_fingerprint)
+        stores = {lid: place_layer(table.layer(lid), tier, device=device if tier == "hbm" else None,
+                                   host_alloc=host_alloc, progress=progress, name=f"layer {lid}")
+                  for lid in hasher.layer_ids}
+        return cls(hasher, stores, device, **kwargs)
+
+    @classmethod
+    def from_weights(cls, hasher: NgramHasher, weights: Mapping[int, torch.Tensor], tier: str = "host",
+                     device: str | torch.device = "cpu", *, host_alloc: str = "mmap_register", progress: bool = False,
+                     **kwargs) -> "EngramMemory":
+        """Place bf16 table weights (e.g. a trained model's `Engram.table.weight`s) in `tier`."""
+        missing = set(hasher.layer_ids) - set(weights)
+        if missing:
+            raise EngramMemoryError(f"no table for Engram layer(s) {sorted(missing)}")
+        stores = {}
+        for lid in hasher.layer_ids:
+            w = weights[lid].detach().to("cpu", torch.bfloat16).contiguous()
+            stores[lid] = place_layer(LayerRows("bf16", w), tier, device=device if tier == "hbm" else None,
+                                      host_alloc=host_alloc, progress=progress, name=f"layer {lid}")
+        return cls(hasher, stores, device, **kwargs)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.hasher.layer_ids
+
+    # ------------------------------------------------------------------ sequences
+    def allocate(self) -> int:
+        """A free decode-history slot for a new sequence."""
+        return self.history.allocate()
+
+    def free(self, slot: int) -> None:
+        """Release a finished sequence's slot (it is reset when reused)."""
+        self.history.free(slot)
+
+    # ------------------------------------------------------------------ batches
+    def _start(self, row_ids: torch.Tensor) -> Prepared:
+        handles = {lid: self.engines[lid].lookup(row_ids[:, :, i]) for lid, i in self._layer_index.items()}
+        return Prepared(row_ids, handles, self._layer_index)
+
+    def prepare(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> Prepared:
+        """Prefill: hash [B, T] token ids for every layer and start every lookup.
+
+        Ids given on the CPU are range-checked there (no device sync); ids already on the
+        device are checked with one sync.
+
+        With `slots` ([B] history slots), the prompts also seed the decode histories
+        (`lengths` [B]: real tokens per row when rows are right-padded).
+        """
+        on_host = input_ids.device.type == "cpu"
+        if on_host:
+            # Range-check on the host, where the ids are: a check on the device would cost a sync
+            # that stalls the host until the GPU has finished everything queued before.
+            self.hasher.compress(input_ids, check=True)
+        # Host ids on a GPU are copied, hashed and their lookups started on the memory's own
+        # stream: nothing there waits for the work already queued on the caller's stream (e.g.
+        # the forward of the previous batch), so the lookups start at once and overlap it.
+        side = self.stream if on_host else None
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            ids = input_ids.to(self.device, non_blocking=True)
+            starts = None if doc_starts is None else doc_starts.to(self.device, non_blocking=True)
+            row_ids = self.hasher(ids, doc_starts=starts, check=not on_host)
+            prepared = self._start(row_ids)
+        if side is not None:
+            main.wait_stream(side)             # the ids and row ids (hashing is short)
+            for t in (ids, row_ids) + (() if starts is None else (starts,)):
+                t.record_stream(main)
+        if slots is not None:
+            # On the caller's stream: decode steps queued there may still read and write these slots.
+            self.hasher.prefill_history(self.history, torch.as_tensor(slots, device=self.device), ids,
+                                        doc_starts=starts, lengths=lengths, check=False)
+        return prepared
+
+    def prepare_decode(self, slots: torch.Tensor, input_ids: torch.Tensor, *,
+                       valid: torch.Tensor | None = None) -> Prepared:
+        """Decode: one new token per sequence ([B] ids, [B] slots; `valid` False marks padding rows)."""
+        row_ids = self.hasher.decode(self.history, slots.to(self.device), input_ids.to(self.device),
+                                     valid=None if valid is None else valid.to(self.device))
+        return self._start(row_ids[:, None])
+
+    def calibrate(self, sample_ids: list[torch.Tensor], candidates: tuple[float, ...] | None = None
+                  ) -> dict[int, float]:
+        """Pick each host layer's CPU / zero-copy split on the caller's own token batches.
+
+        `sample_ids`: at least two [B, T] token batches like the traffic to come (half warm
+        the HBM cache, half are timed; see `LookupEngine.calibrate`). Better than the
+        constructor's uniform-id calibration when a cache is used (H200, text with a 10%
+        cache: the best split was all-CPU, 4.0-4.8 ms per 16K-token batch, vs 6.3 ms at the
+        uniform optimum). Returns {layer_id: chosen fraction}; tiers other than host keep theirs.
+        """
+        if len(sample_ids) < 2:
+            raise EngramMemoryError(f"calibrate needs at least two token batches, got {len(sample_ids)}")
+        row_batches = [self.hasher(ids.to(self.device), check=True) for ids in sample_ids]
+        return {lid: self.engines[lid].calibrate(sample=[r[:, :, i] for r in row_batches], candidates=candidates)
+                for lid, i in self._layer_index.items()}
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        for store in self.stores.values():
+            store.close()

@@ -1,0 +1,21 @@
+"""Engram tables: storage formats (fp8 e4m3 rows + e8m0 scales) and, later, storage tiers."""
+
+from condmem.tables.quant import (
+    QuantError,
+    dequantize_fp8_e8m0,
+    e8m0_to_float,
+    pack_rows,
+    quantize_fp8_e8m0,
+    quantize_table,
+    unpack_rows,
+)
+
+__all__ = [
+    "QuantError",
+    "quantize_fp8_e8m0",
+    "dequantize_fp8_e8m0",
+    "e8m0_to_float",
+    "pack_rows",
+    "unpack_rows",
+    "quantize_table",
+]

@@ -1,0 +1,86 @@
+"""Convert Engram tables between row formats, streaming, with bounded memory.
+
+Any of bf16 / fp8 (+ separate scales) / fp8_interleaved to any other, from a condmem
+table file or a released checkpoint's memory-mapped tensors, `chunk_rows` rows at a
+time (memory: a few chunks, whatever the table size). bf16 -> fp8 quantizes
+(`quantize_fp8_e8m0`); fp8 -> bf16 dequantizes; fp8 <-> interleaved only moves bytes,
+so it is exact. The output is written atomically: an interrupted conversion leaves no
+partial file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+
+from condmem.layout import EngramLayout
+from condmem.tables.quant import dequantize_fp8_e8m0, pack_rows, quantize_fp8_e8m0, unpack_rows
+from condmem.tables.table_file import FORMATS, LayerRows, TableFileError, write_table_file
+
+
+def convert_rows(chunk: LayerRows, to_format: str) -> LayerRows:
+    """One chunk of rows in another format (materialized in memory)."""
+    if to_format not in FORMATS:
+        raise TableFileError(f"unknown table format {to_format!r}; choose one of {FORMATS}")
+    src = chunk.format
+    if src == to_format:
+        return LayerRows(src, chunk.weight.clone(), None if chunk.scales is None else chunk.scales.clone())
+    if src == "bf16":
+        q, s = quantize_fp8_e8m0(chunk.weight.float())
+    elif src == "fp8":
+        q, s = chunk.weight, chunk.scales
+    else:
+        q, s = unpack_rows(chunk.weight)
+    if to_format == "bf16":
+        return LayerRows("bf16", dequantize_fp8_e8m0(q.contiguous(), s.contiguous(), torch.bfloat16))
+    if to_format == "fp8":
+        return LayerRows("fp8", q.contiguous(), s.contiguous())
+    return LayerRows("fp8_interleaved", pack_rows(q.contiguous(), s.contiguous()))
+
+
+def iter_chunks(rows: LayerRows, chunk_rows: int) -> Iterator[LayerRows]:
+    """Slices of `rows` of at most `chunk_rows` rows (views of the source)."""
+    for start in range(0, rows.num_rows, chunk_rows):
+        stop = min(rows.num_rows, start + chunk_rows)
+        yield LayerRows(rows.format, rows.weight[start:stop], None if rows.scales is None else rows.scales[start:stop])
+
+
+def convert_tables(
+    tables: Mapping[int, LayerRows],
+    layout: EngramLayout,
+    dst: str | os.PathLike,
+    to_format: str,
+    tokenizer_fingerprint: str | None = None,
+    chunk_rows: int = 1 << 18,
+    progress: bool = True,
+) -> Path:
+    """Write `tables` (any formats, e.g. memory maps) to a new table file in `to_format`.
+
+    Args:
+        tables: {layer_id: LayerRows} covering every layer of `layout`.
+        layout: the layout the tables belong to (recorded in the file).
+        dst: output path (written atomically).
+        to_format: bf16, fp8 or fp8_interleaved.
+        tokenizer_fingerprint: the compressed tokenizer's fingerprint, recorded for checks.
+        chunk_rows: rows converted at a time (bounds memory).
+        progress: show a progress bar.
+    """
+    if chunk_rows < 1:
+        raise TableFileError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    for layer in layout.layers:
+        rows = tables.get(layer.layer_id)
+        if rows is None:
+            raise TableFileError(f"no table for Engram layer {layer.layer_id}")
+        rows.validate()
+        if rows.num_rows != layer.num_embeddings:
+            raise TableFileError(f"layer {layer.layer_id}: {rows.num_rows} rows, the layout has {layer.num_embeddings}")
+        if rows.head_dim != layout.config.head_dim:
+            raise TableFileError(f"layer {layer.layer_id}: rows are {rows.head_dim} wide, head_dim is {layout.config.head_dim}")
+    sources = {
+        lid: (convert_rows(c, to_format) for c in iter_chunks(rows, chunk_rows)) for lid, rows in tables.items()
+        if lid in layout.layer_ids
+    }
+    return write_table_file(dst, layout, to_format, sources, tokenizer_fingerprint, progress=progress)

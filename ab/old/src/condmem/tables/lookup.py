@@ -1,0 +1,602 @@
+"""The lookup engine: row ids of one batch -> bf16 rows, from any tier, overlappable with compute.
+
+For one batch of row ids [T, n_cols] (one Engram layer):
+
+1. **dedup** on the device (`torch.unique`: sorted, so the misses below come out sorted,
+   which is what makes host reads local: more ids per page, fewer translations);
+2. **cache probe** in the HBM `RowCache` (optional): hits are copied from HBM;
+3. **misses** are served from the store:
+   * HBM store: an index_select;
+   * host store: a fraction ``cpu_fraction`` of the misses is gathered by CPU threads
+     into a small ring of pinned staging chunks, each sent by DMA while the next is gathered;
+     the rest is read by the GPU zero-copy (the gather kernel on the page-locked
+     table). On the H200 a zero-copy read costs about one address translation per
+     64 KiB region touched, not per row, while a CPU thread pays per row; so the GPU
+     takes the misses that share a region with another miss and the CPU the lone ones
+     (`split_by_density`); `calibrate` times candidate fractions and keeps the fastest;
+   * disk store: CPU gather (page cache) into staging, then DMA;
+4. **expand**: the gather kernel reads the compact unique rows with the inverse index
+   and writes [T, n_cols, head_dim] bf16, dequantizing fp8 on the way;
+5. the misses are **admitted** to the cache when a later lookup starts and finds their
+   rows landed (on the plan stream, so in order with every probe: a hit can never read
+   a slot being rewritten).
+
+Small batches (decode: up to ``direct_max_ids`` ids) skip all of it: one gather kernel
+reads the rows straight from the table (HBM or page-locked host), with no host sync.
+
+On a GPU, lookups are **pipelined**: `lookup` returns a `LookupHandle` once its plan
+(dedup, probe, split: one host sync) is queued; the CPU share runs in a worker thread
+and its DMAs, the zero-copy share and the final assembly run on their own streams. So
+while batch i's rows are gathered on the CPU, batch i+1 is already deduplicated and
+probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
+wait for the rows' event, so layers queued before it overlap with the fetch. The rows
+are bit-identical whatever the path and timing (tested against a plain gather).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from condmem.ops.gather import engram_gather
+from condmem.tables.row_cache import RowCache
+from condmem.tables.storage import LayerStore
+
+log = logging.getLogger("condmem.tables")
+
+
+@dataclass
+class LookupStats:
+    """What one lookup did."""
+
+    ids: int = 0
+    unique: int = 0
+    hits: int = 0
+    cpu_rows: int = 0
+    gpu_rows: int = 0
+    seconds: float = 0.0
+    started: float = 0.0
+    """Host clock (time.perf_counter) when the lookup was called."""
+    marks: list = field(default_factory=list)
+    """(step, host seconds since the lookup started), in order: where the host's time went."""
+
+    def mark(self, step: str, start: float) -> None:
+        self.marks.append((step, time.perf_counter() - start))
+
+
+class LookupHandle:
+    """A lookup in flight. `wait()` returns the rows, ready on the caller's current stream."""
+
+    def __init__(self, rows: torch.Tensor, event, future: concurrent.futures.Future | None, stats: LookupStats,
+                 batch: "_Batch | None" = None):
+        self.rows = rows
+        self.event = event
+        self._future = future
+        self.stats = stats
+        self._batch = batch
+
+    def wait(self) -> torch.Tensor:
+        """Rows [T, n_cols, head_dim] bf16. Blocks the host only until the CPU share is enqueued."""
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+        if self.event is not None:
+            stream = torch.cuda.current_stream(self.rows.device)
+            stream.wait_event(self.event)
+            self.rows.record_stream(stream)   # allocated on the lookup stream, used and freed on this one
+            if self._batch is not None:
+                self._batch.waited = True     # the caller's stream now waits for it: admitting it is free
+        return self.rows
+
+    def done(self) -> bool:
+        return (self._future is None or self._future.done()) and (self.event is None or self.event.query())
+
+
+def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int,
+                   out: torch.Tensor | None = None, **kernel) -> torch.Tensor:
+    """bf16 rows [..., head_dim] of `ids` from raw rows (bf16 bytes, or interleaved fp8 + scales, dequantized).
+
+    `kernel`: gather kernel options (e.g. ``max_programs``)."""
+    if fmt == "bf16":
+        return engram_gather(ids, raw.view(torch.bfloat16), out=out, **kernel)
+    return engram_gather(ids, raw, head_dim=head_dim, out=out, **kernel)
+
+
+def _as_words(raw: torch.Tensor) -> torch.Tensor | None:
+    """Raw uint8 rows viewed as 4- or 2-byte float words, which the gather kernel moves bit for bit
+    (a plain load and store, no arithmetic); None when the row size is odd."""
+    for dtype, size in ((torch.float32, 4), (torch.float16, 2)):
+        if raw.shape[-1] % size == 0:
+            return raw.view(dtype)
+    return None
+
+
+@dataclass
+class _Batch:
+    """One lookup on its way through the pipeline (GPU path)."""
+
+    inverse: torch.Tensor          # [..] position of each requested id among the unique ids
+    compact: torch.Tensor          # [n_unique, row_bytes] raw rows, filled by hits, zero-copy and CPU shares
+    miss_pos: torch.Tensor         # positions in `compact` of the cache misses (sorted ids)
+    miss_ids: torch.Tensor         # the missed row ids
+    cpu_pos: torch.Tensor | None   # positions in `compact` the CPU share fills
+    cpu_ids: torch.Tensor | None   # their row ids, on the host once `ids_ready` has passed
+    out: torch.Tensor              # [.., head_dim] bf16 rows for the caller
+    stats: LookupStats
+    start: float
+    planned: object = None         # event: dedup, probe and hits done (plan stream)
+    ids_ready: object = None       # event: the CPU share's ids reached the host
+    zero_copy_done: object = None  # event: the zero-copy share is in `compact`
+    ready: object = None           # event: `out` holds the rows (recorded by `_finish`)
+    dma_done: object = None        # event: the CPU share is on the device
+    future: concurrent.futures.Future | None = None
+    waited: bool = False           # a handle's wait() made the caller's stream wait for `ready`
+
+    def enqueued(self) -> bool:
+        """True once every GPU step of the lookup has been queued (the CPU share is done)."""
+        return self.future is None or self.future.done()
+
+
+def split_by_density(miss_ids: torch.Tensor, row_bytes: int, region_bytes: int, n_cpu: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (into the sorted `miss_ids`) of the zero-copy share and of the CPU share.
+
+    A zero-copy read from host memory costs about one GPU address translation per
+    ``region_bytes`` region touched (measured on the H200: ~37 ns per 64 KiB region,
+    almost independent of how many rows of it are read), while a CPU thread pays per row.
+    So the GPU takes the rows that share a region with a neighbour first, and the CPU the
+    lone rows: the CPU share is the `n_cpu` rows that are loneliest. Both shares come
+    back in id order (locality for both readers).
+    """
+    n = miss_ids.numel()
+    if n_cpu <= 0:
+        return torch.arange(n, device=miss_ids.device), miss_ids.new_empty(0)
+    if n_cpu >= n:
+        return miss_ids.new_empty(0), torch.arange(n, device=miss_ids.device)
+    region = torch.div(miss_ids * row_bytes, region_bytes, rounding_mode="floor")
+    shared = torch.zeros(n, dtype=torch.bool, device=miss_ids.device)
+    same = region[1:] == region[:-1]
+    shared[1:] |= same
+    shared[:-1] |= same
+    # Stable: shared rows first, then lone ones, each group still in id order.
+    order = torch.argsort((~shared).to(torch.int8), stable=True)
+    n_gpu = n - n_cpu
+    return order[:n_gpu].sort().values, order[n_gpu:].sort().values
+
+
+class LookupEngine:
+    """Serves one layer's row ids from a `LayerStore`, with an optional HBM cache.
+
+    Lookups are pipelined: `lookup` returns once its GPU-side planning is queued, so the
+    next batch's dedup and cache probe run while this one's rows are still being gathered
+    on the CPU and copied. Up to ``max_in_flight`` lookups are in flight; the CPU shares
+    are gathered one after another by a worker thread through a ring of pinned staging chunks.
+
+    Args:
+        store: the layer's rows (any tier).
+        device: where rows are wanted (a CUDA device, or CPU).
+        cache: optional `RowCache` on `device` (raw rows of the store's format). A lookup's
+            misses are admitted when a later lookup starts and finds them fetched, so
+            results never depend on timing; only the hit rate can.
+        cpu_fraction: share of a host store's misses gathered by CPU threads (0: all
+            zero-copy; 1: all CPU). `calibrate()` sets it from measurements.
+        cpu_threads: threads of the native CPU gather. Default on a GPU: one fewer than
+            torch's intra-op count, leaving a core to the thread that plans the next lookup
+            (measured on the H200: with every core gathering, that thread's few
+            milliseconds of launches and syncs stretched to ~5 ms per lookup).
+        staging_chunk_rows: rows per pinned staging chunk: the CPU share is gathered and
+            sent chunk by chunk (each chunk's DMA overlaps the next one's gather). Measured
+            on the H200 (pipelined 16K-token lookups): 131072 rows 6.1-6.7 ms, 16384 rows
+            8.3-11 ms per lookup; big chunks win.
+        staging_ring: staging chunks in the ring (default 3 x 131072 rows of 264 B = 104 MiB
+            pinned).
+        direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
+            and the CPU split: one gather kernel reads the table in place (when the GPU can
+            read it: HBM or page-locked host). 0 disables.
+        region_bytes: the zero-copy translation granule used to split misses (`split_by_density`).
+        max_in_flight: lookups in flight at once (and pinned id buffers); a further
+            `lookup` waits for the oldest one's CPU share.
+    """
+
+    def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
+                 cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 131072,
+                 staging_ring: int = 3,
+                 direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
+                 max_in_flight: int = 2):
+        self.store = store
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.cache = cache
+        if cache is not None and (cache.row_bytes != store.row_bytes or cache.device != self.device):
+            raise ValueError(f"cache rows ({cache.row_bytes} B on {cache.device}) do not match the store "
+                             f"({store.row_bytes} B) and device {self.device}")
+        if not 0.0 <= cpu_fraction <= 1.0:
+            raise ValueError(f"cpu_fraction must be in [0, 1], got {cpu_fraction}")
+        if max_in_flight < 1 or region_bytes < 1:
+            raise ValueError(f"max_in_flight and region_bytes must be positive, got {max_in_flight}, {region_bytes}")
+        self.cpu_fraction = cpu_fraction
+        if cpu_threads is None and self.device.type == "cuda":
+            cpu_threads = max(1, torch.get_num_threads() - 1)
+        self.cpu_threads = cpu_threads
+        if staging_chunk_rows < 1:
+            raise ValueError(f"staging_chunk_rows must be positive, got {staging_chunk_rows}")
+        # A CPU share never exceeds the table's rows: small tables get small pinned buffers.
+        self.staging_chunk_rows = min(staging_chunk_rows, max(1, store.num_rows))
+        self.direct_max_ids = direct_max_ids
+        self.region_bytes = region_bytes
+        self.max_in_flight = max_in_flight
+        self.on_gpu = self.device.type == "cuda"
+        if self.on_gpu:
+            # High priority everywhere: beside a forward pass, the lookup's few short kernels
+            # take the next free SMs instead of queueing behind the forward's.
+            self.stream = torch.cuda.Stream(self.device, priority=-1)            # plan: dedup, cache, ids out
+            self.zero_copy_stream = torch.cuda.Stream(self.device, priority=-1)  # GPU reads of host rows
+            self.copy_stream = torch.cuda.Stream(self.device, priority=-1)       # DMAs of the CPU share
+            self.finish_stream = torch.cuda.Stream(self.device, priority=-1)     # assemble, expand
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
+        else:
+            self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
+            self._pool = None
+        self._ring: list[torch.Tensor | None] = [None] * max(2, staging_ring)
+        self._ring_free: list = [None] * len(self._ring)   # events: the last DMA out of each buffer finished
+        self._ring_next = 0
+        self._host_id_buffers: list[torch.Tensor | None] = [None] * max_in_flight
+        self._next_host_ids = 0
+        self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
+        self.timing = False   # benchmarks: CUDA events that can be timed (`bench lookup`'s pipeline timeline)
+
+    # ------------------------------------------------------------------ helpers
+    def _event(self):
+        """A CUDA event; with ``self.timing`` set (benchmarks), one that can be timed."""
+        return torch.cuda.Event(enable_timing=self.timing)
+
+    def _host_ids(self, n: int, batch_ids: int) -> torch.Tensor:
+        """The next of `max_in_flight` pinned id buffers, [n] int64. Safe to reuse: when a lookup
+        is planned, the one `max_in_flight` back has finished its CPU gather (back-pressure)."""
+        k = self._next_host_ids
+        self._next_host_ids = (k + 1) % self.max_in_flight
+        buf = self._host_id_buffers[k]
+        if buf is None or buf.numel() < n:
+            buf = self._host_id_buffers[k] = torch.empty(max(n, batch_ids), dtype=torch.int64, pin_memory=True)
+        return buf[:n]
+
+    def _expand(self, compact: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
+        return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
+
+    def _ring_buffer(self) -> tuple[int, torch.Tensor]:
+        """The next pinned staging chunk of the ring, once the DMA that last read it has finished."""
+        k = self._ring_next
+        self._ring_next = (k + 1) % len(self._ring)
+        if self._ring_free[k] is not None:
+            self._ring_free[k].synchronize()
+        if self._ring[k] is None:
+            self._ring[k] = torch.empty((self.staging_chunk_rows, self.store.row_bytes), dtype=torch.uint8,
+                                        pin_memory=self.on_gpu)
+        return k, self._ring[k]
+
+    def _cpu_share(self, ids_host: torch.Tensor, stats: LookupStats, start: float) -> tuple[torch.Tensor, object]:
+        """Gather rows on CPU threads chunk by chunk into a ring of pinned staging chunks,
+        each chunk's DMA enqueued on the copy stream as soon as it is gathered (so copying
+        overlaps the next chunk's gather, the zero-copy kernel and the next lookup's plan).
+
+        Returns the rows on the device and the event after their last DMA.
+        """
+        n = ids_host.numel()
+        with torch.cuda.stream(self.copy_stream):
+            # Allocated from the copy stream's pool (ordered with its own work), used later on the finish stream.
+            on_device = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
+        on_device.record_stream(self.finish_stream)
+        chunk = self.staging_chunk_rows
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            k, buf = self._ring_buffer()
+            self.store.gather_raw(ids_host[s:e], out=buf[: e - s], threads=self.cpu_threads)
+            if s == 0 or e == n:
+                stats.mark("first chunk gathered" if s == 0 else "last chunk gathered", start)
+            with torch.cuda.stream(self.copy_stream):
+                on_device[s:e].copy_(buf[: e - s], non_blocking=True)
+                self._ring_free[k] = self._event()
+                self._ring_free[k].record(self.copy_stream)
+        done = self._event()
+        done.record(self.copy_stream)
+        return on_device, done
+
+    # ------------------------------------------------------------------ the lookup
+    def lookup(self, row_ids: torch.Tensor) -> LookupHandle:
+        """Start fetching rows for `row_ids` [..] (int64 on `device`); returns a handle at once."""
+        if row_ids.device != self.device:
+            raise ValueError(f"row ids on {row_ids.device}, engine serves {self.device}")
+        start = time.perf_counter()
+        stats = LookupStats(ids=row_ids.numel(), started=start)
+        if not self.on_gpu:
+            rows = self._lookup_sync(row_ids, stats)
+            stats.seconds = time.perf_counter() - start
+            return LookupHandle(rows, None, None, stats)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        row_ids.record_stream(self.stream)
+        if row_ids.numel() <= self.direct_max_ids and self.store.gpu_readable:
+            return self._lookup_direct(row_ids, stats)
+        # Back-pressure: at most max_in_flight lookups (and pinned id buffers) in use.
+        while sum(not b.enqueued() for b in self._in_flight) >= self.max_in_flight:
+            next(b for b in self._in_flight if not b.enqueued()).future.result()
+        with torch.cuda.stream(self.stream):
+            self._admit_fetched()
+            batch = self._plan(row_ids, stats, start)
+        stats.mark("planned (dedup, probe, sizes synced, zero-copy share queued)", start)
+        if batch.cpu_ids is not None:
+            batch.future = self._pool.submit(self._finish, batch)
+        else:
+            self._finish(batch)
+        self._in_flight.append(batch)
+        return LookupHandle(batch.out, batch.ready, batch.future, stats, batch)
+
+    def _admit_fetched(self) -> None:
+        """Admit to the cache (on the plan stream, so in order with every probe and hit read)
+        the misses of earlier lookups whose rows are all queued: at once if they have landed
+        or the caller already waits for them, otherwise only once `max_in_flight` lookups
+        wait (bounding staleness and memory, at the cost of a short GPU-side wait)."""
+        while self._in_flight and self._in_flight[0].enqueued():
+            batch = self._in_flight[0]
+            if not (batch.waited or batch.ready.query()) and len(self._in_flight) < self.max_in_flight:
+                break
+            self._admit(self._in_flight.popleft())
+
+    def _admit(self, batch: _Batch) -> None:
+        """One finished-enqueueing lookup's misses into the cache, on the plan stream (the current one)."""
+        if self.cache is not None and batch.miss_ids.numel():
+            self.stream.wait_event(batch.ready)
+            self.cache.admit(batch.miss_ids, batch.compact.index_select(0, batch.miss_pos))
+
+    def flush(self) -> None:
+        """Wait for every lookup in flight and admit its misses to the cache."""
+        if not self.on_gpu:
+            return
+        for batch in self._in_flight:
+            if batch.future is not None:
+                batch.future.result()
+        with torch.cuda.stream(self.stream):
+            while self._in_flight:
+                self._admit(self._in_flight.popleft())
+
+    def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats) -> LookupHandle:
+        """Small batches (decode): one gather kernel straight from the table (HBM or page-locked host).
+
+        No dedup, no cache, no host sync: a few thousand rows cost one kernel of tens of
+        microseconds, far less than the sort and synchronizations of the full path.
+        """
+        with torch.cuda.stream(self.stream):
+            out = self.gather_into(row_ids)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        stats.unique, stats.gpu_rows = -1, row_ids.numel()
+        return LookupHandle(out, event, None, stats)
+
+    def gather_into(self, row_ids: torch.Tensor, out: torch.Tensor | None = None, *,
+                    max_programs: int | None = None) -> torch.Tensor:
+        """The direct path on the current stream: rows [..., head_dim] bf16 read from the table in place.
+
+        One kernel, no host work: what a CUDA graph captures (`GraphedDecoder` with a
+        memory). Needs a store the GPU can read (HBM or page-locked host memory).
+        `max_programs` caps the kernel's grid (fewer SMs held by a fetch that runs beside
+        other work).
+        """
+        if not self.store.gpu_readable:
+            raise ValueError(f"a {self.store.tier} store cannot be read by the GPU in place; use lookup()")
+        return _rows_from_raw(row_ids, self.store.raw, self.store.format, self.store.head_dim, out,
+                              max_programs=max_programs)
+
+    def _plan(self, row_ids: torch.Tensor, stats: LookupStats, start: float) -> _Batch:
+        """Plan stream: dedup, cache probe and hits, the split of the misses; the CPU share's
+        ids start for the host, the zero-copy (or HBM) share is queued on its own stream."""
+        flat = row_ids.reshape(-1)
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        n = uniq.numel()
+        if self.cache is not None:
+            slot = self.cache.probe(uniq)
+            # Every unique row is read from the cache (a miss reads slot 0, overwritten below):
+            # a few MB of HBM reads instead of compacting the hits, which would be a host sync.
+            compact = self.cache.read(slot.clamp(min=0))
+            miss_pos = torch.nonzero(slot < 0).flatten()
+            miss_ids = uniq.index_select(0, miss_pos)
+        else:
+            compact = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
+            miss_pos = torch.arange(n, device=self.device)
+            miss_ids = uniq
+        n_miss = miss_ids.numel()                      # (a sync: sizes decide the split)
+        stats.unique, stats.hits = n, n - n_miss
+        out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
+        batch = _Batch(inverse.view(row_ids.shape), compact, miss_pos, miss_ids, None, None, out, stats, start)
+        for t in (batch.inverse, compact, out, miss_pos):
+            t.record_stream(self.finish_stream)
+        batch.planned, batch.ready = self._event(), self._event()
+        if self.store.tier == "hbm":
+            gpu_sel = torch.arange(n_miss, device=self.device)
+            cpu_sel = None
+        else:
+            words = _as_words(self.store.raw) if self.store.gpu_readable else None
+            fraction = 1.0 if words is None else self.cpu_fraction
+            n_cpu = int(round(n_miss * fraction))
+            gpu_sel, cpu_sel = split_by_density(miss_ids, self.store.row_bytes, self.region_bytes, n_cpu)
+            if n_cpu:
+                batch.cpu_pos = miss_pos[cpu_sel]
+                batch.cpu_pos.record_stream(self.finish_stream)
+                # Sent first, so the CPU gather can start while the zero-copy kernel below runs.
+                # Into a pinned buffer of the engine's own: pinning a fresh one per lookup
+                # (what .to("cpu", non_blocking=True) may do) costs milliseconds and a driver lock.
+                batch.cpu_ids = self._host_ids(n_cpu, flat.numel())
+                batch.cpu_ids.copy_(miss_ids[cpu_sel], non_blocking=True)
+                batch.ids_ready = self._event()
+                batch.ids_ready.record(self.stream)
+            stats.cpu_rows = n_cpu
+        stats.gpu_rows = gpu_sel.numel()
+        batch.planned.record(self.stream)
+        if stats.gpu_rows:
+            with torch.cuda.stream(self.zero_copy_stream):
+                self.zero_copy_stream.wait_event(batch.planned)
+                gpu_ids, gpu_pos = miss_ids[gpu_sel], miss_pos[gpu_sel]
+                if self.store.tier == "hbm":
+                    compact[gpu_pos] = self.store.raw.index_select(0, gpu_ids)
+                else:
+                    compact[gpu_pos] = engram_gather(gpu_ids, _as_words(self.store.raw)).view(torch.uint8)
+                batch.zero_copy_done = self._event()
+                batch.zero_copy_done.record(self.zero_copy_stream)
+            for t in (miss_ids, miss_pos, gpu_sel):
+                t.record_stream(self.zero_copy_stream)
+            compact.record_stream(self.zero_copy_stream)
+        return batch
+
+    def _finish(self, batch: _Batch) -> None:
+        """Finish stream (from the worker thread when there is a CPU share): the CPU share
+        -> staging -> DMA (chunked), then the rows assembled and expanded; records `ready`."""
+        stats, start = batch.stats, batch.start
+        with torch.cuda.device(self.device):
+            staged = None
+            if batch.cpu_ids is not None:
+                batch.ids_ready.synchronize()                 # the ids have reached the host
+                stats.mark("cpu ids on host", start)
+                staged, batch.dma_done = self._cpu_share(batch.cpu_ids, stats, start)
+            with torch.cuda.stream(self.finish_stream):
+                self.finish_stream.wait_event(batch.planned)
+                if batch.zero_copy_done is not None:
+                    self.finish_stream.wait_event(batch.zero_copy_done)
+                if staged is not None:
+                    self.finish_stream.wait_event(batch.dma_done)
+                    batch.compact[batch.cpu_pos] = staged
+                self._expand(batch.compact, batch.inverse, out=batch.out)
+                batch.ready.record(self.finish_stream)
+        stats.mark("expand queued", start)
+        stats.seconds = time.perf_counter() - start
+
+    def _lookup_sync(self, row_ids: torch.Tensor, stats: LookupStats) -> torch.Tensor:
+        """The same steps on the CPU (CI, CPU-only inference), synchronously."""
+        flat = row_ids.reshape(-1)
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        compact = torch.empty((uniq.numel(), self.store.row_bytes), dtype=torch.uint8)
+        miss_pos = torch.arange(uniq.numel())
+        if self.cache is not None:
+            slot = self.cache.probe(uniq)
+            hit = slot >= 0
+            compact[hit] = self.cache.read(slot[hit])
+            miss_pos = torch.nonzero(~hit).flatten()
+        miss_ids = uniq[miss_pos]
+        compact[miss_pos] = self.store.gather_raw(miss_ids)
+        if self.cache is not None:
+            self.cache.admit(miss_ids, compact[miss_pos])
+        stats.unique, stats.hits, stats.cpu_rows = uniq.numel(), uniq.numel() - miss_ids.numel(), miss_ids.numel()
+        return self._expand(compact, inverse.view(row_ids.shape))
+
+    # ------------------------------------------------------------------ tuning
+    def time_lookup(self, batches: list[torch.Tensor], repeats: int = 3) -> float:
+        """Median seconds of one lookup over `batches` (rotated), end to end on the device."""
+        times = []
+        for r in range(repeats):
+            for ids in batches:
+                if self.on_gpu:
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                self.lookup(ids).wait()
+                if self.on_gpu:
+                    torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]
+
+    def run_pipelined(self, batches: list[torch.Tensor], depth: int | None = None) -> list[LookupHandle]:
+        """Look up `batches` back to back, each waited for only `depth` lookups later (default
+        `max_in_flight`), as a prefetching caller would; returns the handles, all waited for."""
+        depth = depth or self.max_in_flight
+        # The rows are consumed on a stream of their own: waits queued on the stream the ids
+        # come from would hold back the next lookup's plan (it waits for that stream).
+        consumer = torch.cuda.Stream(self.device) if self.on_gpu else None
+        handles, waiting = [], collections.deque()
+
+        def wait_oldest():
+            with contextlib.nullcontext() if consumer is None else torch.cuda.stream(consumer):
+                waiting.popleft().wait()
+
+        for ids in batches:
+            handles.append(self.lookup(ids))
+            waiting.append(handles[-1])
+            if len(waiting) >= depth:
+                wait_oldest()
+        while waiting:
+            wait_oldest()
+        return handles
+
+    def time_pipelined(self, batches: list[torch.Tensor], depth: int | None = None) -> float:
+        """Mean seconds per lookup of `run_pipelined`: the steady-state cost a prefetching
+        caller sees, with consecutive lookups overlapping."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self.run_pipelined(batches, depth)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - t0) / max(1, len(batches))
+
+    def calibrate(self, n_ids: int = 1 << 18, candidates: tuple[float, ...] | None = None, seed: int = 0,
+                  sample: list[torch.Tensor] | None = None) -> float:
+        """Pick `cpu_fraction` for a host store from measurements; returns the chosen fraction.
+
+        Each candidate split is timed on a pipeline of lookups (`time_pipelined`: the CPU
+        gather, its DMAs and the zero-copy gather share the PCIe link, the host's memory
+        and the GPU's address translation, so rates measured alone do not add up); the
+        fastest wins.
+
+        Args:
+            n_ids: ids per batch of the default sample (uniform random ids, cache bypassed).
+            candidates: fractions to try.
+            seed: of the default sample.
+            sample: the caller's own id batches (e.g. the first batches of real traffic),
+                served with the cache: for each candidate the cache is cleared, warmed on the
+                first half and the second half is timed. Prefer this when a cache is in use:
+                a running zero-copy kernel slows the cache's own kernels, so the best split
+                with a cache differs from the uniform one (H200, text stream: all-CPU
+                4.9 ms vs 6.3 ms at the uniform optimum 0.7).
+        """
+        if self.store.tier != "host" or not self.on_gpu or _as_words(self.store.raw) is None:
+            return self.cpu_fraction
+        self.flush()
+        if sample is None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            warm = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device) for _ in range(2)]
+            timed = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device)
+                     for _ in range(4)] * 2
+            cache, self.cache = self.cache, None
+        else:
+            if len(sample) < 2:
+                raise ValueError("calibrate(sample=...) needs at least two batches (half warm the cache)")
+            half = len(sample) // 2
+            warm, timed, cache = sample[:half], sample[half:], self.cache
+        results = {}
+        try:
+            for f in candidates or (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+                self.cpu_fraction = f
+                if self.cache is not None:
+                    self.cache.clear()
+                self.time_pipelined(warm)                 # warm-up: staging, the split's shapes, the cache
+                results[f] = self.time_pipelined(timed)
+                self.flush()
+        finally:
+            self.cache = cache
+        self.cpu_fraction = min(results, key=results.get)
+        log.info("lookup split calibrated on %s: %s -> cpu_fraction %.2f",
+                 "the caller's sample" if sample is not None else f"{n_ids} random ids",
+                 ", ".join(f"{f:.1f}: {t * 1e3:.2f} ms" for f, t in results.items()), self.cpu_fraction)
+        self.calibration = results
+        return self.cpu_fraction
+
+    def close(self) -> None:
+        """Finish the lookups in flight and stop the worker thread."""
+        self.flush()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,232 @@
+"""Streaming writes and zero-copy memory maps of safetensors files, for tables larger than DRAM.
+
+The `safetensors` library writes a file from tensors that are all in memory at once
+and reads through its own handles; a 190 GiB Engram table needs neither. The format
+is simple and fixed (8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and byte range, then the raw bytes), so this module:
+
+* `StreamingWriter` writes the header first and then each tensor's bytes in chunks
+  through an atomic temp file: memory stays bounded by one chunk;
+* `read_header` parses and validates a header (truncated or foreign files get a clear
+  `TableFileError`, never a garbage tensor);
+* `mmap_tensor` maps one tensor's bytes read-only as a torch tensor (no copy), the
+  basis of the disk tier.
+
+Files written here are ordinary safetensors files: `safetensors.safe_open` reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from condmem.utils.atomic import atomic_path
+
+# safetensors dtype names <-> torch dtypes (the subset Engram tables use, plus common ones).
+DTYPES: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+if hasattr(torch, "float8_e8m0fnu"):  # how some checkpoints type their ue8m0 scales
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 2**20  # the safetensors library's own bound
+
+
+class TableFileError(ValueError):
+    """A table file is missing, truncated, not safetensors, or not of the expected layout."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in a safetensors file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    """Absolute byte offset of the first element in the file."""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed safetensors header."""
+
+    path: Path
+    metadata: dict[str, str]
+    tensors: dict[str, TensorEntry]
+    file_size: int
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Parse and validate the header of a safetensors file (no tensor bytes are read)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise TableFileError(f"{path}: {size} bytes is too short to be a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise TableFileError(f"{path}: header length {n} does not fit a {size}-byte file: not safetensors, "
+                                     "or truncated")
+            raw = fh.read(n)
+    except FileNotFoundError:
+        raise TableFileError(f"table file not found: {path}") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TableFileError(f"{path}: header is not JSON ({exc}): not a safetensors file") from None
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    tensors = {}
+    for name, info in header.items():
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise TableFileError(f"{path}: tensor {name!r} has an unsupported or malformed entry {info}") from None
+        expect = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        if end - begin != expect:
+            raise TableFileError(f"{path}: tensor {name!r} spans {end - begin} bytes but {shape} x {dtype} needs {expect}")
+        if data_start + end > size:
+            raise TableFileError(
+                f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes: truncated "
+                "(an interrupted copy or download?)"
+            )
+        tensors[name] = TensorEntry(name, dtype, shape, data_start + begin, expect)
+    return Header(path, dict(metadata), tensors, size)
+
+
+def mmap_tensor(header: Header, name: str, writable: bool = False) -> torch.Tensor:
+    """Map one tensor of a safetensors file as a torch tensor without reading it.
+
+    Pages are read from disk on first touch (and kept in the page cache by the OS). The
+    mapping is read-only unless `writable` (used by the streaming converter's verify step).
+    """
+    if name not in header.tensors:
+        raise TableFileError(f"{header.path}: no tensor {name!r}; it holds {sorted(header.tensors)}")
+    entry = header.tensors[name]
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    # numpy memmap handles the page-unaligned offset; torch views its buffer without a copy.
+    arr = np.memmap(header.path, dtype=np.uint8, mode="r+" if writable else "r", offset=entry.start, shape=(entry.nbytes,))
+    import warnings
+
+    with warnings.catch_warnings():
+        # A read-only map: torch warns that it cannot protect it; we never write through it.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(arr)
+    return flat.view(entry.dtype).view(entry.shape)
+
+
+class StreamingWriter:
+    """Write a safetensors file chunk by chunk, atomically; memory stays bounded by one chunk.
+
+    Each tensor has its own cursor, so chunks of different tensors may interleave (an fp8
+    table's rows and scales are written from the same pass over the source).
+
+    Args:
+        path: destination; written through a temp file renamed into place on `close()`.
+        specs: {name: (dtype, shape)}.
+        metadata: str -> str, stored in the header.
+
+    Example:
+        >>> with StreamingWriter(path, {"t": (torch.uint8, (rows, 264))}, {"k": "v"}) as w:
+        ...     for chunk in chunks: w.write("t", chunk)
+    """
+
+    def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict[str, Any] = {}
+        if metadata:
+            bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+            if bad:
+                raise TableFileError(f"safetensors metadata must be str -> str; bad keys {bad}")
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        self._span: dict[str, tuple[int, int]] = {}
+        for name, (dtype, shape) in specs.items():
+            if dtype not in DTYPE_NAMES:
+                raise TableFileError(f"tensor {name!r}: dtype {dtype} cannot be stored")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._span[name] = (offset, nbytes)
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the library pads the header to 8-byte alignment
+        self._data_start = 8 + len(raw)
+        self._ctx = atomic_path(self.path)
+        self._tmp = self._ctx.__enter__()
+        self._fh = open(self._tmp, "wb")
+        self._fh.write(struct.pack("<Q", len(raw)))
+        self._fh.write(raw)
+        self._fh.truncate(self._data_start + offset)  # sparse until written
+        self._cursor = {name: 0 for name in self._span}
+        self._closed = False
+
+    def write(self, name: str, chunk: torch.Tensor) -> None:
+        """Append the next bytes (rows, in order) of tensor `name`."""
+        if name not in self._span:
+            raise TableFileError(f"write({name!r}): not a declared tensor ({sorted(self._span)})")
+        begin, nbytes = self._span[name]
+        data = chunk.detach().contiguous().cpu().view(torch.uint8).numpy() if chunk.numel() else np.empty(0, np.uint8)
+        done = self._cursor[name]
+        if done + data.nbytes > nbytes:
+            raise TableFileError(f"tensor {name!r}: {done + data.nbytes} bytes written, only {nbytes} declared")
+        self._fh.seek(self._data_start + begin + done)
+        self._fh.write(data.tobytes())
+        self._cursor[name] = done + data.nbytes
+
+    def close(self) -> None:
+        """Check that every byte of every tensor was written, then move the file into place."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fh.close()
+        short = [(n, self._cursor[n], size) for n, (_, size) in self._span.items() if self._cursor[n] != size]
+        if short:
+            name, done, size = short[0]
+            exc = TableFileError(f"tensor {name!r} incomplete: {done} of {size} bytes written; "
+                                 f"nothing was written to {self.path}")
+            self._ctx.__exit__(type(exc), exc, None)
+            raise exc
+        self._ctx.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        """Drop the temp file; the destination is left untouched."""
+        if not self._closed:
+            self._closed = True
+            self._fh.close()
+            exc = RuntimeError("aborted")
+            self._ctx.__exit__(type(exc), exc, None)
+
+    def __enter__(self) -> "StreamingWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,281 @@
+"""Checkpoints: safetensors weights and tables, resolved configs, tokenizer, fingerprints.
+
+A run directory holds ``checkpoints/step-XXXXXXX/`` folders and a ``checkpoints/LATEST``
+pointer. One checkpoint folder::
+
+    model.safetensors       backbone weights (everything but the Engram tables)
+    tables.safetensors      one tensor per Engram layer, ``layer<id>.table``; metadata: layout
+                            and tokenizer fingerprints, V', rows per layer
+    optimizer.safetensors   AdamW moments and SparseAdam slots/moments
+    config.json             resolved model + train configs (+ the Engram config in V4.1 keys)
+    tokenizer.json          the tokenizer the model was trained with
+    state.json              step, loss history, fingerprints, and the sha256 of every file above
+
+Every file is written atomically into a temporary folder, which is renamed into place
+when complete; ``state.json`` is written last and ``LATEST`` moves only after the rename,
+so a crash leaves the previous checkpoint current. Loading verifies every file's hash
+(`CorruptCheckpointError` names the damaged one) and refuses a tokenizer that does not
+match the tables (`CheckpointMismatchError`): with another compression map every row id
+would differ, silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from condmem.layout import EngramLayout, LayoutError
+from condmem.models import DecoderLM, ModelConfig
+from condmem.utils.atomic import atomic_path, atomic_write_text
+
+logger = logging.getLogger("condmem.train.checkpoint")
+
+FORMAT = "condmem-checkpoint"
+FORMAT_VERSION = 1
+TABLES_FORMAT = "condmem-engram-tables-v1"
+FILES = ("model.safetensors", "tables.safetensors", "optimizer.safetensors", "config.json", "tokenizer.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is missing, truncated or altered."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint's parts (tables, tokenizer, config) do not belong together."""
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _table_names(model: DecoderLM) -> dict[str, str]:
+    """Parameter name -> tensor name in tables.safetensors."""
+    out = {}
+    for name, _ in model.table_parameters():
+        layer_id = int(name.split(".")[1])  # blocks.<id>.engram.table.weight
+        out[name] = f"layer{layer_id}.table"
+    return out
+
+
+def _fingerprints(model: DecoderLM, tokenizer: Tokenizer, ctok) -> dict[str, Any]:
+    fp = {"tokenizer_json_sha256": hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()}
+    if model.layout is not None:
+        fp.update(layout=model.layout.fingerprint, tokenizer_map=ctok.fingerprint,
+                  compressed_vocab_size=ctok.vocab_size)
+    return fp
+
+
+def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, sparse, train_cfg, trainer_state: dict,
+                    tokenizer: Tokenizer, ctok=None, data: dict | None = None, keep: int = 2) -> Path:
+    """Write a checkpoint of the current step under ``run_dir/checkpoints`` and point LATEST at it."""
+    from condmem.train.optim import export_adamw_state
+
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    step = int(trainer_state["step"])
+    name = f"step-{step:07d}"
+    final = root / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    try:
+        tables = _table_names(model)
+        names = {p: n for n, p in model.named_parameters()}
+        state = model.state_dict()
+        backbone = {k: v.detach().contiguous() for k, v in state.items() if k not in tables}
+        if model.cfg.tie_embeddings:
+            backbone.pop("lm_head.weight", None)  # the same tensor as embed.weight
+        fingerprints = _fingerprints(model, tokenizer, ctok)
+        with atomic_path(tmp / "model.safetensors") as p:
+            save_file(backbone, str(p), metadata={"format": FORMAT})
+        table_meta = {"format": TABLES_FORMAT, **{k: str(v) for k, v in fingerprints.items()}}
+        if model.layout is not None:
+            table_meta.update(layer_ids=json.dumps(model.layout.layer_ids),
+                              num_embeddings=json.dumps(model.layout.num_embeddings))
+        with atomic_path(tmp / "tables.safetensors") as p:
+            save_file({tables[k]: state[k].detach().contiguous() for k in tables}, str(p), metadata=table_meta)
+        opt = {f"adamw.{k}": v.detach().contiguous() for k, v in export_adamw_state(adamw, names).items()}
+        if sparse is not None:
+            opt.update({f"sparse_adam.{k}": v.detach().contiguous() for k, v in sparse.export_state(names).items()})
+        with atomic_path(tmp / "optimizer.safetensors") as p:
+            save_file(opt, str(p), metadata={"format": FORMAT})
+        config = {"model": model.cfg.to_dict(), "train": train_cfg.to_dict(), "data": data or {}}
+        if model.cfg.engram is not None:
+            config["engram_v4"] = model.cfg.engram.to_dict("v4")
+        atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
+        atomic_write_text(tmp / "tokenizer.json", tokenizer.to_str())
+        files = {f: {"sha256": _sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES}
+        meta = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprints": fingerprints, "files": files,
+                **trainer_state}
+        atomic_write_text(tmp / "state.json", json.dumps(meta) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(root / "LATEST", name + "\n")
+    # Keep the newest `keep` checkpoints.
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    for old in done[: max(0, len(done) - max(1, keep))]:
+        shutil.rmtree(old, ignore_errors=True)
+    logger.info("checkpoint written: %s", final)
+    return final
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder from itself, a run directory, or its ``checkpoints`` folder."""
+    path = Path(path).expanduser()
+    if (path / "state.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        latest = root / "LATEST"
+        if latest.is_file():
+            target = root / latest.read_text().strip()
+            if not (target / "state.json").is_file():
+                raise CorruptCheckpointError(f"{latest} points at {target}, which holds no state.json")
+            return target
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist")
+    raise FileNotFoundError(f"no checkpoint at {path}: expected a state.json, or checkpoints/LATEST in a run directory")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: DecoderLM
+    config: dict
+    """The resolved configs (model, train, data)."""
+    state: dict
+    """state.json: step, history, evals, fingerprints."""
+    tokenizer: Tokenizer
+    ctok: Any
+    """CompressedTokenizer (Engram models) or None."""
+    optimizer_tensors: dict[str, torch.Tensor]
+
+
+def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu", tokenizer: Tokenizer | str | None = None,
+                    verify: bool = True, load_optimizer: bool = True) -> Checkpoint:
+    """Load a checkpoint (a folder, or a run directory's latest).
+
+    Args:
+        tokenizer: use this tokenizer instead of the checkpoint's own (a Tokenizer or a path);
+            refused unless it is the one the model was trained with.
+        verify: check every file against the sha256 recorded in state.json.
+
+    Raises:
+        CorruptCheckpointError: a file is missing, truncated or altered.
+        CheckpointMismatchError: the tokenizer does not match the tables / embeddings.
+    """
+    from condmem.tokenizer import CompressedTokenizer
+
+    folder = resolve_checkpoint(path)
+    try:
+        state = json.loads((folder / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{folder / 'state.json'} is unreadable ({exc}): the checkpoint is damaged") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("files"), dict):
+        raise CorruptCheckpointError(f"{folder / 'state.json'} is not a condmem checkpoint state")
+    for name, want in state["files"].items():
+        file = folder / name
+        if not file.is_file():
+            raise CorruptCheckpointError(f"checkpoint file {file} is missing")
+        size = file.stat().st_size
+        if size != want.get("bytes"):
+            raise CorruptCheckpointError(
+                f"checkpoint file {file} has {size} bytes, {want.get('bytes')} were written: it is truncated or altered"
+            )
+        if verify and _sha256_file(file) != want.get("sha256"):
+            raise CorruptCheckpointError(f"checkpoint file {file} does not match its recorded sha256: it is corrupted")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        model_cfg = ModelConfig.from_dict(config["model"])
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{folder / 'config.json'} is not a valid checkpoint config ({exc})") from None
+
+    if tokenizer is None:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    elif isinstance(tokenizer, Tokenizer):
+        tok = tokenizer
+    else:
+        from condmem.train.bpe import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+    fp = state.get("fingerprints", {})
+    ctok = None
+    if model_cfg.engram is not None:
+        ctok = CompressedTokenizer.from_any(tok)
+        if ctok.fingerprint != fp.get("tokenizer_map"):
+            raise CheckpointMismatchError(
+                f"checkpoint {folder}: its Engram tables were trained with the compressed tokenizer map "
+                f"{str(fp.get('tokenizer_map'))[:16]}... (V'={fp.get('compressed_vocab_size')}), but this tokenizer maps "
+                f"to {ctok.fingerprint[:16]}... (V'={ctok.vocab_size}): every row id would differ. Use the "
+                "tokenizer.json saved with the checkpoint."
+            )
+        try:
+            layout = EngramLayout(model_cfg.engram, compressed_vocab_size=ctok.vocab_size)
+        except LayoutError as exc:
+            raise CheckpointMismatchError(f"checkpoint {folder}: {exc}") from None
+        if layout.fingerprint != fp.get("layout"):
+            raise CheckpointMismatchError(
+                f"checkpoint {folder}: the Engram layout of its config ({layout.fingerprint[:16]}...) is not the "
+                f"layout its tables were trained with ({str(fp.get('layout'))[:16]}...)"
+            )
+    tok_sha = hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+    if tok_sha != fp.get("tokenizer_json_sha256"):
+        raise CheckpointMismatchError(
+            f"checkpoint {folder}: the tokenizer given differs from the one the model was trained with "
+            f"(tokenizer.json sha256 {tok_sha[:16]}... vs {str(fp.get('tokenizer_json_sha256'))[:16]}...): token ids "
+            "would mean other strings"
+        )
+
+    device = torch.device(device)
+    model = DecoderLM(model_cfg, token_lookup=None if ctok is None else ctok.lookup, device=device)
+    try:
+        weights = load_file(str(folder / "model.safetensors"), device=str(device))
+        tables_file = folder / "tables.safetensors"
+        from safetensors import safe_open
+
+        with safe_open(str(tables_file), framework="pt") as fh:
+            table_meta = fh.metadata() or {}
+        table_tensors = load_file(str(tables_file), device=str(device))
+    except Exception as exc:  # safetensors raises its own error type for damaged headers
+        raise CorruptCheckpointError(f"checkpoint {folder}: cannot read weights ({exc})") from None
+    if model.layout is not None and table_meta.get("layout") != fp.get("layout"):
+        raise CheckpointMismatchError(
+            f"checkpoint {folder}: tables.safetensors was written for layout {table_meta.get('layout', '?')[:16]}..., "
+            f"state.json says {str(fp.get('layout'))[:16]}..."
+        )
+    names = _table_names(model)
+    for param_name, tensor_name in names.items():
+        if tensor_name not in table_tensors:
+            raise CheckpointMismatchError(f"checkpoint {folder}: tables.safetensors lacks {tensor_name}")
+        weights[param_name] = table_tensors[tensor_name]
+    if model_cfg.tie_embeddings:
+        weights["lm_head.weight"] = weights["embed.weight"]
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: {exc}") from None
+    optimizer_tensors = {}
+    if load_optimizer:
+        optimizer_tensors = load_file(str(folder / "optimizer.safetensors"), device="cpu")
+    return Checkpoint(folder, model, config, state, tok, ctok, optimizer_tensors)

@@ -1,0 +1,324 @@
+"""Corpus, train/validation split, token streams and batches.
+
+* `load_corpus`: text documents from directories, files or JSONL; by default the
+  standard library source of the running interpreter (real text on every machine,
+  no download), described by its Python version and a content hash.
+* `split_corpus`: a deterministic train/validation split by document name.
+* `encode_corpus`: documents -> one token stream per split, EOS between documents,
+  cached on disk keyed by (corpus hash, tokenizer hash).
+* `TokenStream`: batches are a pure function of (seed, step), so a resumed run sees
+  exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from condmem.utils.atomic import atomic_path
+
+logger = logging.getLogger("condmem.train.data")
+
+STDLIB = "stdlib"
+"""`load_corpus` name of the default corpus: the running interpreter's standard library source."""
+
+DEFAULT_PATTERNS = ("*.py", "*.txt", "*.md", "*.rst")
+"""File name patterns read from a corpus directory."""
+
+# Bump when the token cache layout changes; older files are then simply not found.
+_TOKEN_CACHE_FORMAT = 1
+
+
+class CorpusError(ValueError):
+    """The corpus cannot be read or is empty."""
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    """Stable identity (relative path, or file:line for JSONL); decides the split."""
+    text: str
+
+
+@dataclass
+class Corpus:
+    documents: list[Document]
+    info: dict = field(default_factory=dict)
+    """source, python_version (stdlib), n_documents, n_bytes, sha256 of the content."""
+
+    @property
+    def sha256(self) -> str:
+        return self.info["sha256"]
+
+
+def cache_root() -> Path:
+    """`$CONDMEM_CACHE_DIR`, else `$XDG_CACHE_HOME/condmem`, else `~/.cache/condmem`."""
+    root = os.environ.get("CONDMEM_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "condmem"
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_files() -> tuple[Path, list[Path]]:
+    root = stdlib_dir()
+    files = [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts and p.is_file()]
+    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _dir_files(root: Path, patterns: Sequence[str]) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for name in filenames:
+            if any(fnmatch.fnmatch(name, pat) for pat in patterns):
+                out.append(Path(dirpath) / name)
+    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return None  # a few stdlib test files are deliberately not UTF-8
+    except OSError as exc:
+        logger.warning("skipping unreadable file %s (%s)", path, exc)
+        return None
+
+
+def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
+                patterns: Sequence[str] = DEFAULT_PATTERNS, jsonl_key: str = "text",
+                max_bytes: int | None = None) -> Corpus:
+    """Read documents.
+
+    Args:
+        sources: None or ``"stdlib"`` (the interpreter's standard library ``*.py``), or
+            paths: a directory (files matching `patterns`, recursively), a ``.jsonl`` file
+            (one document per line, its `jsonl_key` field), or any other text file (one document).
+        max_bytes: stop adding documents after this many UTF-8 bytes (files in sorted order).
+
+    Returns:
+        A `Corpus` whose ``info`` records the source, the Python version for the stdlib,
+        and a sha256 over every (name, text) pair.
+    """
+    if sources is None or (isinstance(sources, str) and sources == STDLIB):
+        sources = [STDLIB]
+    elif isinstance(sources, (str, os.PathLike)):
+        sources = [sources]
+    docs: list[Document] = []
+    digest = hashlib.sha256()
+    n_bytes = 0
+    info: dict = {"sources": [str(s) for s in sources]}
+    full = False
+
+    def add(name: str, text: str) -> bool:
+        nonlocal n_bytes
+        if not text:
+            return True
+        data = text.encode("utf-8")
+        if max_bytes is not None and n_bytes + len(data) > max_bytes and docs:
+            return False
+        docs.append(Document(name, text))
+        digest.update(name.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little") + data)
+        n_bytes += len(data)
+        return True
+
+    for source in sources:
+        if full:
+            break
+        if str(source) == STDLIB:
+            root, files = _stdlib_files()
+            info["python_version"] = platform.python_version()
+            info["python_implementation"] = platform.python_implementation()
+            info["stdlib_dir"] = str(root)
+            for path in files:
+                text = _read_text(path)
+                if text is not None and not add(f"stdlib/{path.relative_to(root).as_posix()}", text):
+                    full = True
+                    break
+            continue
+        path = Path(source).expanduser()
+        if path.is_dir():
+            for file in _dir_files(path, patterns):
+                text = _read_text(file)
+                if text is not None and not add(f"{path.name}/{file.relative_to(path).as_posix()}", text):
+                    full = True
+                    break
+        elif path.is_file() and path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise CorpusError(f"{path}:{lineno} is not valid JSON: {exc}") from None
+                    if not isinstance(record, dict) or not isinstance(record.get(jsonl_key), str):
+                        raise CorpusError(f"{path}:{lineno} has no string field {jsonl_key!r}")
+                    if not add(f"{path.name}:{lineno}", record[jsonl_key]):
+                        full = True
+                        break
+        elif path.is_file():
+            text = _read_text(path)
+            if text is None:
+                raise CorpusError(f"corpus file {path} is not UTF-8 text")
+            add(path.name, text)
+        else:
+            raise CorpusError(f"corpus source {str(source)!r} is neither 'stdlib', a directory, nor a file")
+    if not docs:
+        raise CorpusError(f"the corpus {info['sources']} holds no text (patterns {list(patterns)})")
+    info.update(n_documents=len(docs), n_bytes=n_bytes, sha256=digest.hexdigest(), truncated=full)
+    return Corpus(docs, info)
+
+
+def split_corpus(corpus: Corpus, val_fraction: float = 0.02, seed: int = 0) -> tuple[list[Document], list[Document]]:
+    """Deterministic (train, val) split by document: a document is in val when the hash of
+    (seed, its name) falls below `val_fraction`. Both splits are non-empty when there are
+    two documents or more."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+
+    def score(doc: Document) -> float:
+        h = hashlib.sha256(f"{seed}:{doc.name}".encode()).digest()
+        return int.from_bytes(h[:8], "little") / 2**64
+
+    scored = [(score(d), d) for d in corpus.documents]
+    val = [d for s, d in scored if s < val_fraction]
+    train = [d for s, d in scored if s >= val_fraction]
+    if len(corpus.documents) >= 2 and (not val or not train):
+        ranked = sorted(scored, key=lambda sd: sd[0])
+        cut = max(1, min(len(ranked) - 1, round(val_fraction * len(ranked))))
+        val_names = {d.name for _, d in ranked[:cut]}
+        val = [d for d in corpus.documents if d.name in val_names]
+        train = [d for d in corpus.documents if d.name not in val_names]
+    if not val:
+        raise CorpusError("the corpus has a single document: it cannot be split into train and validation")
+    return train, val
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def encode_documents(tokenizer, docs: Sequence[Document], eos_id: int, batch_docs: int = 256) -> np.ndarray:
+    """Token ids of every document, EOS after each, as one array (uint16 when the vocab allows)."""
+    dtype = np.uint16 if tokenizer.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
+    parts: list[np.ndarray] = []
+    for i in range(0, len(docs), batch_docs):
+        chunk = docs[i : i + batch_docs]
+        for enc in tokenizer.encode_batch([d.text for d in chunk], add_special_tokens=False):
+            parts.append(np.asarray(enc.ids, dtype=dtype))
+            parts.append(np.asarray([eos_id], dtype=dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def cached_encode(tokenizer, docs: Sequence[Document], eos_id: int, key: str, cache_dir: Path | None = None,
+                  use_cache: bool = True) -> np.ndarray:
+    """`encode_documents`, cached at ``cache_dir/tokens-<key>.npy`` (written atomically)."""
+    if not use_cache:
+        return encode_documents(tokenizer, docs, eos_id)
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "tokens"
+    path = folder / f"tokens-v{_TOKEN_CACHE_FORMAT}-{key}.npy"
+    if path.is_file():
+        try:
+            return np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable token cache %s (%s)", path, exc)
+    tokens = encode_documents(tokenizer, docs, eos_id)
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+            np.save(fh, tokens, allow_pickle=False)
+    except OSError as exc:
+        logger.warning("could not write token cache %s (%s)", path, exc)
+    return tokens
+
+
+def docs_key(docs: Iterable[Document], *extra: str) -> str:
+    digest = hashlib.sha256()
+    for d in docs:
+        data = d.text.encode("utf-8")
+        digest.update(d.name.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little") + data)
+    for e in extra:
+        digest.update(b"\1" + e.encode("utf-8"))
+    return digest.hexdigest()[:32]
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    """int64 [B, T] token ids."""
+    targets: torch.Tensor
+    """int64 [B, T] next token ids."""
+    doc_starts: torch.Tensor
+    """bool [B, T]: the first token of a document (the previous token is EOS)."""
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.inputs, self.targets, self.doc_starts)))
+
+    @property
+    def n_tokens(self) -> int:
+        return self.targets.numel()
+
+
+class TokenStream:
+    """One split's tokens; random training windows and fixed validation windows.
+
+    Args:
+        tokens: 1-D integer array (EOS between documents).
+        eos_id: the EOS token id (marks document starts for the hasher).
+    """
+
+    def __init__(self, tokens: np.ndarray, eos_id: int):
+        if tokens.ndim != 1:
+            raise ValueError(f"a token stream is 1-D, got shape {tokens.shape}")
+        self.tokens = tokens
+        self.eos_id = eos_id
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def _windows(self, starts: np.ndarray, seq_len: int) -> Batch:
+        idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+        chunk = torch.from_numpy(self.tokens[idx].astype(np.int64))
+        inputs, targets = chunk[:, :-1], chunk[:, 1:]
+        doc_starts = torch.zeros_like(inputs, dtype=torch.bool)
+        doc_starts[:, 1:] = inputs[:, :-1] == self.eos_id
+        return Batch(inputs.contiguous(), targets.contiguous(), doc_starts)
+
+    def batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0) -> Batch:
+        """Training batch `step`: `batch_size` windows at offsets drawn from a generator seeded by (seed, step)."""
+        if len(self) < seq_len + 2:
+            raise CorpusError(f"the training split has {len(self)} tokens, fewer than one window of {seq_len + 1}")
+        rng = np.random.default_rng([seed, step])
+        starts = rng.integers(0, len(self) - seq_len - 1, size=batch_size)
+        return self._windows(starts, seq_len)
+
+    def eval_batches(self, seq_len: int, max_tokens: int, batch_size: int) -> Iterable[Batch]:
+        """Consecutive non-overlapping windows from the start, up to `max_tokens` targets in all."""
+        n_windows = max(1, min((len(self) - 1) // seq_len, max(1, max_tokens // seq_len)))
+        if len(self) < seq_len + 1:
+            raise CorpusError(f"the validation split has {len(self)} tokens, fewer than one window of {seq_len + 1}")
+        starts = np.arange(n_windows) * seq_len
+        for i in range(0, n_windows, batch_size):
+            yield self._windows(starts[i : i + batch_size], seq_len)
+
+
+def describe_python() -> str:
+    return f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})"

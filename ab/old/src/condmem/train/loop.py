@@ -1,0 +1,346 @@
+"""The training loop: `TrainConfig`, `Trainer` (fit, evaluate, checkpoint, resume).
+
+One step: batch ``step`` of the stream (a pure function of seed and step), forward and
+loss (bf16 autocast on GPU), backward, global-norm clipping over dense and sparse
+gradients, AdamW on the backbone and `SparseAdam` on the tables, both on the same
+warm-up + cosine curve (the tables at ``table_lr_mult`` times the rate). A run is
+deterministic given its seed, and a resumed run repeats an uninterrupted one exactly:
+the data order, the schedule and every optimizer state are restored from the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from condmem.config import ConfigError
+from condmem.train.data import TokenStream
+from condmem.train.optim import build_optimizers, clip_grad_norm_, lr_factor, set_lr
+from condmem.train.progress import format_duration
+from condmem.utils.progress import Progress
+
+logger = logging.getLogger("condmem.train")
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class TrainConfig:
+    """How one model is trained."""
+
+    steps: int = 1000
+    """Optimizer steps (with ``max_minutes``: an upper bound, resolved after a short probe)."""
+    batch_size: int = 16
+    """Sequences per step."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate of the backbone (AdamW)."""
+    table_lr_mult: float = 5.0
+    """Engram tables' peak learning rate as a multiple of ``lr`` (paper: 5x)."""
+    warmup_steps: int = 50
+    """Linear warm-up steps."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to this fraction of the peak."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on backbone matrices (none on tables, norms, gates)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Max global gradient norm (0: no clipping)."""
+    eval_every: int = 0
+    """Validate every this many steps (0: only at the end)."""
+    eval_tokens: int = 65_536
+    """Validation tokens per evaluation (consecutive windows from the start of the split)."""
+    eval_batch_size: int = 16
+    seed: int = 0
+    """Seeds the initialization and the batch order."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 autocast on CUDA, fp32 on CPU."""
+    log_every: int = 1
+    """A progress line every this many steps."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in a run directory (older ones are deleted)."""
+    max_minutes: float | None = None
+    """Wall-clock budget: the step count is resolved from the measured step time during warm-up."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_tokens", "eval_batch_size", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"TrainConfig.{name} must be a positive int, got {value!r}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "keep_checkpoints"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"TrainConfig.{name} must be a non-negative int, got {value!r}")
+        for name in ("lr", "table_lr_mult", "eps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"TrainConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"TrainConfig.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"TrainConfig.precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ConfigError(f"TrainConfig.max_minutes must be positive, got {self.max_minutes!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown TrainConfig field(s) {unknown}")
+        return cls(**data)
+
+
+def autocast_for(device: torch.device, precision: str):
+    """The autocast context of a precision setting on a device."""
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if use_bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory (CUDA) or peak resident memory of the process (CPU), GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+@torch.no_grad()
+def evaluate(model, stream: TokenStream, token_bytes: torch.Tensor, *, seq_len: int, max_tokens: int,
+             batch_size: int, device: torch.device, precision: str = "auto") -> dict[str, float]:
+    """Validation loss (nats per token) and bits per byte over consecutive windows of `stream`.
+
+    Bits per byte = total NLL / (ln 2 x the UTF-8 bytes of the predicted tokens), so models
+    with different tokenizers are comparable.
+    """
+    was = model.training
+    model.eval()
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    n_tokens = 0
+    n_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    token_bytes = token_bytes.to(device)
+    try:
+        for batch in stream.eval_batches(seq_len, max_tokens, batch_size):
+            batch = batch.to(device)
+            with autocast_for(device, precision):
+                losses = model.loss(batch.inputs, batch.targets, batch.doc_starts, reduction="none")
+            nll += losses.double().sum()
+            n_tokens += batch.n_tokens
+            n_bytes += token_bytes[batch.targets].sum()
+    finally:
+        model.train(was)
+    total = float(nll)
+    return {"val_loss": total / n_tokens, "bits_per_byte": total / (LN2 * max(1, int(n_bytes))),
+            "val_tokens": n_tokens}
+
+
+class Trainer:
+    """Trains one `DecoderLM`.
+
+    Args:
+        model: the model (on `device`).
+        cfg: training settings.
+        train_stream, val_stream: token streams.
+        token_bytes: int64 [vocab] UTF-8 bytes per token id (for bits per byte).
+        device: where to train.
+        run_dir: where checkpoints go (None: no checkpoints).
+        label: name in progress lines ("baseline", "engram").
+        checkpoint_extra: what a checkpoint needs besides tensors: ``tokenizer`` (a
+            tokenizers.Tokenizer), ``ctok`` (CompressedTokenizer or None), ``data`` (dict).
+    """
+
+    def __init__(self, model, cfg: TrainConfig, train_stream: TokenStream, val_stream: TokenStream,
+                 token_bytes: np.ndarray | torch.Tensor, device: torch.device | str, *, run_dir: str | Path | None = None,
+                 label: str = "model", checkpoint_extra: dict | None = None, progress: bool = True):
+        self.model = model
+        self.cfg = cfg
+        self.train_stream = train_stream
+        self.val_stream = val_stream
+        self.token_bytes = torch.as_tensor(np.asarray(token_bytes), dtype=torch.int64)
+        self.device = torch.device(device)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.label = label
+        self.checkpoint_extra = checkpoint_extra or {}
+        self.show_progress = progress
+        self.adamw, self.sparse = build_optimizers(
+            model, cfg.lr, cfg.lr * cfg.table_lr_mult, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+            (cfg.beta1, cfg.beta2), cfg.eps,
+        )
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.step = 0
+        self.history: list[dict] = []
+        self.evals: list[dict] = []
+        self.timed_tokens = 0
+        self.timed_seconds = 0.0
+        self.budget_resolved = cfg.max_minutes is None
+        self.last_checkpoint: Path | None = None
+
+    @property
+    def optimizers(self):
+        return [o for o in (self.adamw, self.sparse) if o is not None]
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict:
+        """Everything besides tensors that a resumed run needs."""
+        return {"step": self.step, "history": self.history, "evals": self.evals, "timed_tokens": self.timed_tokens,
+                "timed_seconds": self.timed_seconds, "budget_resolved": self.budget_resolved,
+                "train_config": self.cfg.to_dict(), "label": self.label}
+
+    def restore(self, checkpoint) -> None:
+        """Continue from a `condmem.train.checkpoint.Checkpoint` of this model."""
+        from condmem.train.optim import import_adamw_state
+
+        names = {p: n for n, p in self.model.named_parameters()}
+        tensors = checkpoint.optimizer_tensors
+        import_adamw_state(self.adamw, {k[len("adamw."):]: v for k, v in tensors.items() if k.startswith("adamw.")}, names)
+        if self.sparse is not None:
+            self.sparse.import_state({k[len("sparse_adam."):]: v for k, v in tensors.items()
+                                      if k.startswith("sparse_adam.")}, names)
+        st = checkpoint.state
+        self.step = int(st["step"])
+        self.history = list(st.get("history", []))
+        self.evals = list(st.get("evals", []))
+        self.timed_tokens = int(st.get("timed_tokens", 0))
+        self.timed_seconds = float(st.get("timed_seconds", 0.0))
+        self.budget_resolved = bool(st.get("budget_resolved", True))
+
+    def save(self) -> Path | None:
+        if self.run_dir is None:
+            return None
+        from condmem.train.checkpoint import save_checkpoint
+
+        self.last_checkpoint = save_checkpoint(
+            self.run_dir, model=self.model, adamw=self.adamw, sparse=self.sparse, train_cfg=self.cfg,
+            trainer_state=self.state(), keep=self.cfg.keep_checkpoints, **self.checkpoint_extra,
+        )
+        return self.last_checkpoint
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        result = evaluate(self.model, self.val_stream, self.token_bytes, seq_len=self.cfg.seq_len,
+                          max_tokens=self.cfg.eval_tokens, batch_size=self.cfg.eval_batch_size, device=self.device,
+                          precision=self.cfg.precision)
+        result.update(step=self.step, train_tokens=self.step * self.cfg.batch_size * self.cfg.seq_len)
+        if not self.evals or self.evals[-1]["step"] != self.step:
+            self.evals.append(result)
+        return result
+
+    # ------------------------------------------------------------------ training
+    def _resolve_budget(self, step_seconds: float, elapsed: float) -> None:
+        cfg = self.cfg
+        remaining = cfg.max_minutes * 60 - elapsed
+        # Keep ~5% for evaluation and checkpoints.
+        fit = self.step + int(max(0.0, 0.95 * remaining) / max(step_seconds, 1e-9))
+        steps = max(self.step + 1, min(cfg.steps, fit))
+        if steps != cfg.steps:
+            logger.info("%s: %.1f min budget at %.3f s/step -> %d steps", self.label, cfg.max_minutes, step_seconds, steps)
+        cfg.steps = steps
+        cfg.warmup_steps = min(cfg.warmup_steps, max(0, steps - 1))
+        self.budget_resolved = True
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        cfg = self.cfg
+        batch = self.train_stream.batch(step, cfg.batch_size, cfg.seq_len, cfg.seed).to(self.device, non_blocking=True)
+        lr_mult = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
+        set_lr(self.optimizers, lr_mult)
+        with autocast_for(self.device, cfg.precision):
+            loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts)
+        loss.backward()
+        clip_grad_norm_(self.params, cfg.grad_clip)
+        for opt in self.optimizers:
+            opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return float(loss.detach()), cfg.lr * lr_mult
+
+    def fit(self) -> dict:
+        """Train up to ``cfg.steps`` (from the current step), validate, checkpoint; returns the summary."""
+        cfg = self.cfg
+        self.model.train()
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        warm = min(3, max(0, cfg.steps - self.step - 1))  # steps left out of tok/s (allocations, caches)
+        probe_until = self.step + max(warm + 2, min(cfg.warmup_steps, 12))
+        start = time.perf_counter()
+        bar = Progress(cfg.steps, self.label, initial=self.step, enabled=self.show_progress)
+        first = self.step
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                loss, lr = self.train_step(self.step)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"{self.label}: loss is {loss} at step {self.step + 1}")
+                dt = time.perf_counter() - t0
+                self.step += 1
+                if self.step - first > warm:
+                    self.timed_tokens += tokens_per_step
+                    self.timed_seconds += dt
+                self.history.append({"step": self.step, "loss": loss, "lr": lr, "tokens": self.step * tokens_per_step})
+                if not self.budget_resolved and self.step >= probe_until and self.timed_seconds > 0:
+                    step_s = self.timed_seconds / (self.timed_tokens / tokens_per_step)
+                    self._resolve_budget(step_s, time.perf_counter() - start)
+                    bar.close()
+                    bar = Progress(cfg.steps, self.label, initial=self.step, enabled=self.show_progress)
+                tok_s = self.timed_tokens / self.timed_seconds if self.timed_seconds else tokens_per_step / dt
+                eta = (cfg.steps - self.step) * tokens_per_step / max(tok_s, 1e-9)
+                bar.update(1, loss=f"{loss:.3f}")
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    bar.write(
+                        f"[{self.label}] step {self.step:>{len(str(cfg.steps))}}/{cfg.steps} | loss {loss:7.4f} | "
+                        f"lr {lr:.2e} | {tok_s:>9,.0f} tok/s | mem {memory_gib(self.device):5.2f} GiB | "
+                        f"eta {format_duration(eta)}"
+                    )
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                    ev = self.evaluate()
+                    bar.write(f"[{self.label}] step {self.step}: val loss {ev['val_loss']:.4f} | "
+                              f"{ev['bits_per_byte']:.4f} bits/byte")
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                    self.save()
+        finally:
+            bar.close()
+        ev = self.evaluate()
+        print(f"[{self.label}] done: {self.step} steps, val loss {ev['val_loss']:.4f}, "
+              f"{ev['bits_per_byte']:.4f} bits/byte, {self.tokens_per_s:,.0f} tok/s", flush=True)
+        self.save()
+        return self.summary()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.timed_tokens / self.timed_seconds if self.timed_seconds else 0.0
+
+    def summary(self) -> dict:
+        last = self.evals[-1] if self.evals else {}
+        tail = [h["loss"] for h in self.history[-max(1, min(50, len(self.history) // 10)):]]
+        return {
+            "val_loss": last.get("val_loss"),
+            "bits_per_byte": last.get("bits_per_byte"),
+            "val_tokens": last.get("val_tokens"),
+            "train_tokens": self.step * self.cfg.batch_size * self.cfg.seq_len,
+            "steps": self.step,
+            "tokens_per_s": self.tokens_per_s,
+            "train_seconds": self.timed_seconds,
+            "final_train_loss": float(np.mean(tail)) if tail else None,
+            "sparse_state_rows": self.sparse.state_rows() if self.sparse is not None else 0,
+        }

@@ -1,0 +1,250 @@
+"""Optimizers and schedule: AdamW for the backbone, sparse (lazy) Adam for Engram tables.
+
+`SparseAdam` keeps Adam moments only for rows that have received a gradient: a row ->
+slot map (int32, one entry per table row) and moment buffers that grow with the
+number of distinct rows touched. A step costs time in the rows touched by the batch,
+never the table size, and a row no batch has read holds no state and never moves.
+Each row counts its own steps for the bias correction, so a row read at every step
+follows dense Adam exactly.
+
+`lr_factor` is linear warm-up then cosine decay to ``min_ratio``; each parameter group
+keeps its own base learning rate (``base_lr``), so the tables' higher rate follows the
+same curve. `clip_grad_norm_` clips by the global norm over dense and sparse gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class SparseAdam(torch.optim.Optimizer):
+    """Lazy Adam for embedding tables trained with sparse gradients.
+
+    Args:
+        params: table parameters (2-D); their gradients may be sparse COO (``sparse=True``
+            embeddings) or dense (then every row with a nonzero gradient counts as touched).
+        lr, betas, eps: as `torch.optim.Adam`. No weight decay: a row not read is not pulled
+            anywhere.
+
+    State per parameter: ``slot_of_row`` int32 [rows] (-1: no state yet), ``exp_avg`` and
+    ``exp_avg_sq`` [capacity, dim], ``row_step`` fp32 [capacity], ``n_slots``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid SparseAdam hyper-parameters lr={lr} betas={betas} eps={eps}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["slot_of_row"] = torch.full((p.shape[0],), -1, dtype=torch.int32, device=p.device)
+            state["exp_avg"] = torch.zeros(0, *p.shape[1:], dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(0, *p.shape[1:], dtype=torch.float32, device=p.device)
+            state["row_step"] = torch.zeros(0, dtype=torch.float32, device=p.device)
+            state["n_slots"] = 0
+        return state
+
+    @staticmethod
+    def _grow(state: dict, needed: int, rows: int) -> None:
+        capacity = state["exp_avg"].shape[0]
+        if needed <= capacity:
+            return
+        new_cap = min(rows, max(needed, 2 * capacity, 1024))
+        for key in ("exp_avg", "exp_avg_sq", "row_step"):
+            old = state[key]
+            grown = old.new_zeros((new_cap, *old.shape[1:]))
+            grown[: old.shape[0]] = old
+            state[key] = grown
+
+    @staticmethod
+    def touched(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unique row ids [k], their summed gradient rows [k, dim]) of a sparse or dense gradient."""
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            return grad.indices()[0], grad.values()
+        rows = grad.flatten(1).ne(0).any(dim=1).nonzero().squeeze(1)
+        return rows, grad[rows]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                rows, grad = self.touched(p.grad)
+                if rows.numel() == 0:
+                    continue
+                grad = grad.float()
+                state = self._state(p)
+                slot_of_row = state["slot_of_row"]
+                slots = slot_of_row[rows].long()
+                fresh = slots < 0
+                n_fresh = int(fresh.sum())  # one host sync; the sparse coalesce already needed one
+                if n_fresh:
+                    first = state["n_slots"]
+                    self._grow(state, first + n_fresh, p.shape[0])
+                    new_slots = torch.arange(first, first + n_fresh, device=p.device)
+                    slots[fresh] = new_slots
+                    slot_of_row[rows[fresh]] = new_slots.to(torch.int32)
+                    state["n_slots"] = first + n_fresh
+                m = state["exp_avg"][slots]
+                v = state["exp_avg_sq"][slots]
+                t = state["row_step"][slots] + 1
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                shape = (-1,) + (1,) * (grad.dim() - 1)
+                bias1 = (1 - beta1 ** t).view(shape)
+                bias2_sqrt = (1 - beta2 ** t).sqrt().view(shape)
+                # torch.optim.Adam's formula: p -= lr/bias1 * m / (sqrt(v)/sqrt(bias2) + eps)
+                update = (m / bias1) / (v.sqrt() / bias2_sqrt + eps)
+                p.index_add_(0, rows, update.mul_(-lr).to(p.dtype))
+                state["exp_avg"][slots] = m
+                state["exp_avg_sq"][slots] = v
+                state["row_step"][slots] = t
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def export_state(self, names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
+        """Flat {name: tensor} of every table's state (buffers trimmed to the slots in use)."""
+        out = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                n = state["n_slots"]
+                base = names[p]
+                out[f"{base}.slot_of_row"] = state["slot_of_row"]
+                for key in ("exp_avg", "exp_avg_sq", "row_step"):
+                    out[f"{base}.{key}"] = state[key][:n]
+        return out
+
+    def import_state(self, tensors: dict[str, torch.Tensor], names: dict[nn.Parameter, str]) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                base = names[p]
+                if f"{base}.slot_of_row" not in tensors:
+                    continue
+                slot_of_row = tensors[f"{base}.slot_of_row"].to(p.device, torch.int32)
+                if slot_of_row.shape != (p.shape[0],):
+                    raise ValueError(f"optimizer state for {base} has {slot_of_row.shape[0]} rows, the table {p.shape[0]}")
+                self.state[p] = {
+                    "slot_of_row": slot_of_row.clone(),
+                    "exp_avg": tensors[f"{base}.exp_avg"].to(p.device, torch.float32).clone(),
+                    "exp_avg_sq": tensors[f"{base}.exp_avg_sq"].to(p.device, torch.float32).clone(),
+                    "row_step": tensors[f"{base}.row_step"].to(p.device, torch.float32).clone(),
+                    "n_slots": int(tensors[f"{base}.exp_avg"].shape[0]),
+                }
+
+    def state_rows(self) -> int:
+        """Rows holding optimizer state, over all tables."""
+        return sum(s.get("n_slots", 0) for s in self.state.values())
+
+
+def export_adamw_state(opt: torch.optim.Optimizer, names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
+    """Flat {name.key: tensor} of a torch Adam/AdamW state (step counts as 0-d fp32 tensors)."""
+    out = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                out[f"{names[p]}.{key}"] = value if torch.is_tensor(value) else torch.tensor(float(value))
+    return out
+
+
+def import_adamw_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], names: dict[nn.Parameter, str]) -> None:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            base = names[p]
+            state = {}
+            for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if f"{base}.{key}" in tensors:
+                    value = tensors[f"{base}.{key}"]
+                    # Adam keeps `step` on the CPU unless it is fused/capturable.
+                    state[key] = value.clone() if key == "step" else value.to(p.device, p.dtype).clone()
+            if state:
+                opt.state[p] = state
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float = 0.1) -> float:
+    """Learning-rate multiplier at `step` (0-based): linear warm-up, then cosine to `min_ratio`."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizers, factor: float) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * factor
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global L2 norm is at most `max_norm`; returns the norm before.
+
+    Sparse gradients are coalesced (in place of the parameter's ``.grad``) so that each row
+    counts once. No host sync: the scale is a tensor.
+    """
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+        grads.append(p.grad)
+    if not grads:
+        return torch.zeros(())
+    squares = [(g.values() if g.is_sparse else g).float().pow(2).sum() for g in grads]
+    total = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
+    if max_norm is None or max_norm <= 0:
+        return total
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        s = scale.to(g.device)
+        if g.is_sparse:
+            g._values().mul_(s.to(g.dtype))  # in place on the coalesced gradient's value storage
+        else:
+            g.mul_(s.to(g.dtype))
+    return total
+
+
+def build_optimizers(model, lr: float, table_lr: float, weight_decay: float = 0.1,
+                     betas: tuple[float, float] = (0.9, 0.95), table_betas: tuple[float, float] = (0.9, 0.95),
+                     eps: float = 1e-8, fused: bool | None = None):
+    """(AdamW over the backbone, SparseAdam over the tables or None).
+
+    Matrices (dim >= 2: linear weights, token embedding) get weight decay; norms, gate
+    weights and the ShortConv kernel do not.
+    """
+    decay, no_decay = [], []
+    for name, p in model.backbone_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and not name.endswith("short_conv.weight") else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "base_lr": lr},
+        {"params": no_decay, "weight_decay": 0.0, "base_lr": lr},
+    ]
+    kwargs = {}
+    if fused is not None:
+        kwargs["fused"] = fused
+    adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+    tables = [p for _, p in model.table_parameters()]
+    sparse = None
+    if tables:
+        sparse = SparseAdam([{"params": tables, "base_lr": table_lr}], lr=table_lr, betas=table_betas, eps=eps)
+    return adamw, sparse

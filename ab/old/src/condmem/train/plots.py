@@ -1,0 +1,147 @@
+"""Figures of the demo: both models' loss curves, and the Engram gate over validation text.
+
+matplotlib is optional: without it the functions log a warning and return None (the
+numbers are in summary.json and gates.json either way).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from condmem.utils.plotting import pyplot as _pyplot
+
+logger = logging.getLogger("condmem.train.plots")
+
+
+def _ema(values: Sequence[float], alpha: float) -> np.ndarray:
+    out = np.empty(len(values))
+    acc = values[0] if len(values) else 0.0
+    for i, v in enumerate(values):
+        acc = alpha * acc + (1 - alpha) * v if i else v
+        out[i] = acc
+    return out
+
+
+def plot_loss_curves(runs: dict[str, dict], path: str | Path, title: str = "") -> Path | None:
+    """Training loss (smoothed) and validation loss against training tokens.
+
+    Args:
+        runs: label -> {"history": [{"tokens", "loss"}...], "evals": [{"train_tokens", "val_loss"}...]}.
+    """
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
+    colors = {"baseline": "#4c72b0", "engram": "#dd8452"}
+    for label, run in runs.items():
+        color = colors.get(label)
+        hist = run.get("history", [])
+        if hist:
+            tokens = np.array([h["tokens"] for h in hist], dtype=float)
+            loss = np.array([h["loss"] for h in hist], dtype=float)
+            alpha = 0.9 if len(loss) < 2000 else 0.98
+            ax.plot(tokens / 1e6, loss, color=color, alpha=0.15, linewidth=0.6)
+            ax.plot(tokens / 1e6, _ema(loss, alpha), color=color, linewidth=1.6, label=f"{label} train (EMA)")
+        evals = run.get("evals", [])
+        if evals:
+            ax.plot([e["train_tokens"] / 1e6 for e in evals], [e["val_loss"] for e in evals], "o--", color=color,
+                    markersize=4, linewidth=1, label=f"{label} validation")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("loss (nats / token)")
+    # Frame the second half of training, where the gap shows; the early drop is off the top.
+    lows, highs = [], []
+    for run in runs.values():
+        hist = run.get("history", [])
+        if hist:
+            loss = np.array([h["loss"] for h in hist], dtype=float)
+            smooth = _ema(loss, 0.9 if len(loss) < 2000 else 0.98)
+            lows.append(smooth.min())
+            highs.append(smooth[min(len(smooth) - 1, len(smooth) // 6)])
+        lows += [e["val_loss"] for e in run.get("evals", [])]
+    if lows and highs:
+        lo, hi = min(lows), max(highs)
+        if hi > lo:
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title or "baseline vs Engram (same tokens, matched FLOPs/token)", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _display(piece: str) -> str:
+    return piece.replace("\t", "→").replace("\r", "")
+
+
+def plot_gate_heatmap(pieces: Sequence[str], gates: np.ndarray, path: str | Path, title: str = "",
+                      max_cols: int = 80) -> Path | None:
+    """Validation text with each token's background coloured by its Engram gate value.
+
+    Args:
+        pieces: the text of each token (decoded), in order.
+        gates: [n_layers, n_tokens] gate values in (0, 1), one row per Engram layer (the
+            first row colours the text; every row is summarised in the colour bar title).
+    """
+    plt = _pyplot()
+    if plt is None:
+        return None
+    from matplotlib import cm, colors as mcolors
+
+    gates = np.atleast_2d(np.asarray(gates, dtype=float))
+    values = gates[0]
+    # Lay the tokens out like the text: a newline token ends its line.
+    placed = []  # (line, col, width, text, value)
+    line, col = 0, 0
+    for piece, value in zip(pieces, values):
+        # A newline shows as a marker at the end of its line, then the text breaks.
+        parts = piece.replace("\n", "⏎\n").split("\n")
+        for k, part in enumerate(parts):
+            text = _display(part)
+            if k > 0:
+                line, col = line + 1, 0
+            width = len(text)
+            if col + width > max_cols and col > 0:
+                line, col = line + 1, 0
+            if width:
+                placed.append((line, col, width, text, value))
+                col += width
+    n_lines = line + 1
+    lo, hi = float(values.min()), float(values.max())
+    norm = mcolors.Normalize(vmin=lo, vmax=hi if hi > lo else lo + 1e-6)
+    cmap = plt.get_cmap("Reds")
+    # Cells are sized to the monospace font so that the text fills its coloured box.
+    fontsize = 8.0
+    char_w, line_h = 0.6 * fontsize / 72 * 1.02, 1.45 * fontsize / 72  # inches
+    text_w, text_h = max_cols * char_w, n_lines * line_h
+    margin_l, margin_r, margin_t, margin_b = 0.2, 1.1, 0.45, 0.15
+    fig = plt.figure(figsize=(text_w + margin_l + margin_r, text_h + margin_t + margin_b), dpi=150)
+    fw, fh = fig.get_size_inches()
+    ax = fig.add_axes([margin_l / fw, margin_b / fh, text_w / fw, text_h / fh])
+    ax.set_xlim(0, max_cols)
+    ax.set_ylim(n_lines, 0)
+    ax.axis("off")
+    for ln, c, w, text, value in placed:
+        ax.add_patch(plt.Rectangle((c, ln + 0.04), w, 0.92, facecolor=cmap(norm(value)), edgecolor="white",
+                                   linewidth=0.4))
+        ax.text(c, ln + 0.5, text, fontsize=fontsize, family="monospace", va="center", ha="left",
+                color="white" if norm(value) > 0.65 else "black")
+    cax = fig.add_axes([(margin_l + text_w + 0.25) / fw, margin_b / fh, 0.15 / fw, text_h / fh])
+    sm = cm.ScalarMappable(norm=norm, cmap=cmap)
+    cbar = fig.colorbar(sm, cax=cax)
+    cbar.set_label("gate", fontsize=8)
+    cbar.ax.tick_params(labelsize=7)
+    fig.suptitle(title or "Engram gate per token over validation text (darker = more memory used)", fontsize=9,
+                 x=margin_l / fw, ha="left", y=1 - 0.12 / fh, va="top")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
