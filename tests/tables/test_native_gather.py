@@ -31,21 +31,3 @@ def test_store_gather_checks_ids_and_both_paths_agree():
     assert torch.equal(native, store.gather_raw(ids))
     with pytest.raises(StorageError, match="row id 100 outside"):
         store.gather_raw(torch.tensor([1, 100]))
-
-
-def test_native_gather_with_lowered_priority_is_exact():
-    """Gather threads that renice themselves (nice > 0) still copy every row exactly."""
-    import torch
-
-    from condmem.tables.native_gather import available, native_gather_rows
-
-    if not available():
-        import pytest
-
-        pytest.skip("no C compiler")
-    gen = torch.Generator().manual_seed(5)
-    table = torch.randint(0, 256, (5000, 264), dtype=torch.uint8, generator=gen)
-    ids = torch.randint(0, 5000, (3001,), generator=gen)
-    out = torch.full((3001, 264), 0xEE, dtype=torch.uint8)
-    native_gather_rows(table, ids, out, threads=2, nice=3)
-    assert torch.equal(out, table[ids])

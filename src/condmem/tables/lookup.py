@@ -202,15 +202,13 @@ class LookupEngine:
         region_bytes: the zero-copy translation granule used to split misses (`split_by_density`).
         max_in_flight: lookups in flight at once (and pinned id buffers); a further
             `lookup` waits for the oldest one's CPU share.
-        gather_nice: scheduling niceness of the CPU gather threads (0: unchanged). Above 0
-            the thread that plans the next lookup preempts the gather when it needs a core.
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
                  cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 131072,
                  staging_ring: int = 3,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
-                 max_in_flight: int = 2, gather_nice: int = 0):
+                 max_in_flight: int = 2):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -227,7 +225,6 @@ class LookupEngine:
         if cpu_threads is None and self.device.type == "cuda":
             cpu_threads = max(1, torch.get_num_threads() - 1)
         self.cpu_threads = cpu_threads
-        self.gather_nice = gather_nice
         if staging_chunk_rows < 1:
             raise ValueError(f"staging_chunk_rows must be positive, got {staging_chunk_rows}")
         # A CPU share never exceeds the table's rows: small tables get small pinned buffers.
@@ -301,7 +298,7 @@ class LookupEngine:
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             k, buf = self._ring_buffer()
-            self.store.gather_raw(ids_host[s:e], out=buf[: e - s], threads=self.cpu_threads, nice=self.gather_nice)
+            self.store.gather_raw(ids_host[s:e], out=buf[: e - s], threads=self.cpu_threads)
             if s == 0 or e == n:
                 stats.mark("first chunk gathered" if s == 0 else "last chunk gathered", start)
             with torch.cuda.stream(self.copy_stream):

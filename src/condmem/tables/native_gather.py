@@ -32,35 +32,19 @@ PREFETCH_DISTANCE = 12
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* The niceness each gather thread last gave itself (threads of the OpenMP pool persist). */
-static __thread int condmem_thread_nice = 0;
 
 /* Copy rows ids[0..n) of `row_bytes` each from src to dst (dst row i <- src row ids[i]).
    Dynamic chunks of rows: a thread that shares its core (with a thread spinning on a GPU
-   sync, say) must not hold back the whole team, as a static split would.
-   nice > 0: each gather thread lowers its own scheduling priority to that niceness, so a
-   thread that plans the next lookup (a few launches, latency-bound) preempts the gather
-   instead of queueing behind it. */
+   sync, say) must not hold back the whole team, as a static split would. */
 void condmem_gather_rows(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t n,
-                         uint8_t *dst, int nthreads, int nice) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        if (nice != condmem_thread_nice) {
-            setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), nice);
-            condmem_thread_nice = nice;   /* once per thread and value, even if refused */
+                         uint8_t *dst, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 256)
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PF < n) {
+            const uint8_t *ahead = src + ids[i + PF] * row_bytes;
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
         }
-        #pragma omp for schedule(dynamic, 256)
-        for (int64_t i = 0; i < n; i++) {
-            if (i + PF < n) {
-                const uint8_t *ahead = src + ids[i + PF] * row_bytes;
-                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
-            }
-            memcpy(dst + i * row_bytes, src + ids[i] * row_bytes, (size_t)row_bytes);
-        }
+        memcpy(dst + i * row_bytes, src + ids[i] * row_bytes, (size_t)row_bytes);
     }
 }
 """.replace("PF", str(PREFETCH_DISTANCE))
@@ -110,7 +94,7 @@ def _load():
             log.warning("loading the native CPU gather failed (%s): falling back to torch.index_select", exc)
             return None
         lib.condmem_gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                                            ctypes.c_void_p, ctypes.c_int]
         lib.condmem_gather_rows.restype = None
         _lib = lib
         return lib
@@ -122,12 +106,8 @@ def available() -> bool:
 
 
 def native_gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
-                       threads: int | None = None, nice: int = 0) -> torch.Tensor | None:
+                       threads: int | None = None) -> torch.Tensor | None:
     """Rows ``table[ids]`` into `out` (uint8 [n, row_bytes]); None when the native code is unavailable.
-
-    `nice`: scheduling niceness the gather threads give themselves, the calling thread
-    included (it is one of the team): call from a worker thread. A thread keeps its
-    niceness, so a later call with 0 restores 0 only where the OS allows it.
 
     `table` is uint8 [rows, row_bytes] on the CPU (any memory: pinned, mmap'd, plain);
     `ids` int64 on the CPU, all in range (callers check); `out` contiguous.
@@ -143,5 +123,5 @@ def native_gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor
     n = ids.numel()
     if n:
         lib.condmem_gather_rows(table.data_ptr(), table.shape[1], ids.data_ptr(), n, out.data_ptr(),
-                                int(threads or torch.get_num_threads()), int(nice))
+                                int(threads or torch.get_num_threads()))
     return out

@@ -107,16 +107,15 @@ class LayerStore:
         self.dram_cache = RowCache.from_bytes(capacity_bytes, self.row_bytes, ways=ways, device="cpu")
         return self.dram_cache
 
-    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None,
-                   nice: int = 0) -> torch.Tensor:
+    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """Raw rows at `ids` (on the store's device), into `out` when given ([n, row_bytes] uint8).
 
-        On the CPU the native prefetching gather is used when it is available (its threads
-        at niceness `nice`); a disk store with a DRAM cache serves hits from it.
+        On the CPU the native prefetching gather is used when it is available; a disk store
+        with a DRAM cache serves hits from it.
         """
         if self.dram_cache is not None and ids.numel():
             return self._gather_through_cache(ids, out, threads)
-        return self._gather_direct(ids, out, threads, nice)
+        return self._gather_direct(ids, out, threads)
 
     def _gather_through_cache(self, ids: torch.Tensor, out: torch.Tensor | None, threads: int | None) -> torch.Tensor:
         cache = self.dram_cache
@@ -137,8 +136,7 @@ class LayerStore:
             return rows.index_select(0, inverse)
         return torch.index_select(rows, 0, inverse, out=out)
 
-    def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, threads: int | None,
-                       nice: int = 0) -> torch.Tensor:
+    def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, threads: int | None) -> torch.Tensor:
         if self.device.type == "cpu" and ids.numel():
             # The native gather trusts its ids; a bad one must be an error, not a stray read.
             lo, hi = int(ids.min()), int(ids.max())
@@ -148,7 +146,7 @@ class LayerStore:
             if self.raw.device.type == "cpu" and ids.numel():
                 if out is None:
                     out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8)
-                if self.native and native_gather_rows(self.raw, ids, out, threads, nice) is not None:
+                if self.native and native_gather_rows(self.raw, ids, out, threads) is not None:
                     return out
             if out is None:
                 return self.raw.index_select(0, ids)
