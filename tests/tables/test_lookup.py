@@ -257,3 +257,45 @@ def test_cpu_pipelined_timing_and_calibration_are_harmless(table_files):
     for ids in batches:
         assert torch.equal(engine.lookup(ids).wait(), _expected(sources["fp8_interleaved"], ids))
     engine.close()
+
+
+@cuda_only
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fraction):
+    """Plans replayed as CUDA graphs give the rows and the cache state of the same kernels launched one by one."""
+    layout, sources, paths = table_files
+    fmt = "fp8_interleaved"
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
+    results = {}
+    for graphs in (False, True):
+        cache = RowCache(64, store.row_bytes, ways=4, device="cuda")
+        engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=fraction, direct_max_ids=0, graphs=graphs)
+        batches = list(_batches(store.num_rows, seed=21, n=9))
+        rows = [h.wait().clone() for h in engine.run_pipelined([ids.cuda() for ids in batches])]
+        engine.flush()
+        for ids, r in zip(batches, rows):
+            assert torch.equal(r.cpu(), _expected(sources[fmt], ids))
+        results[graphs] = (cache.keys.clone(), cache.freq.clone(), cache.stats)
+        engine.close()
+    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
+    assert results[False][2] == results[True][2]
+    store.close()
+
+
+@cuda_only
+@pytest.mark.parametrize("tier", ["hbm", "host"])
+def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_files, tier):
+    layout, sources, paths = table_files
+    fmt = "fp8_interleaved"
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), tier, progress=False)
+    engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
+                          cpu_fraction=0.5, direct_max_ids=0)
+    good = next(_batches(store.num_rows, seed=22, n=1))
+    bad = good.clone()
+    bad[3, 2] = store.num_rows + 5
+    with pytest.raises(StorageError, match=str(store.num_rows + 5)):
+        engine.lookup(bad.cuda()).wait()
+    for _ in range(3):   # the failed lookup's slot is reused and nothing of it was admitted
+        assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(sources[fmt], good))
+    engine.close()
+    store.close()

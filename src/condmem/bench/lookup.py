@@ -183,7 +183,7 @@ def run_lookup(args) -> list[dict]:
                      if cached else None)
             engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
                                   cpu_threads=(args.cpu_threads or [None])[0],
-                                  staging_chunk_rows=args.staging_chunk_rows[0])
+                                  staging_chunk_rows=args.staging_chunk_rows[0], graphs=not args.eager_plans)
             if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                 if stream == "text":
                     # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
@@ -283,6 +283,9 @@ def add_arguments(p) -> None:
                         "~5M tokens, about 30M distinct rows at 16K tokens per batch, more than a 10%% cache holds)")
     p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
                    help="host memory strategy")
+    p.add_argument("--eager-plans", action="store_true",
+                   help="launch each lookup's plan kernel by kernel instead of replaying it as a CUDA graph "
+                        "(to compare; the rows are identical)")
     p.add_argument("--cpu-fraction", type=float, default=-1.0,
                    help="share of host misses gathered by CPU threads; negative: calibrate at start (default)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per uniform batch set")

@@ -2,8 +2,8 @@
 
 For one batch of row ids [T, n_cols] (one Engram layer):
 
-1. **dedup** on the device (`torch.unique`: sorted, so the misses below come out sorted,
-   which is what makes host reads local: more ids per page, fewer translations);
+1. **dedup** on the device (sorted, so the misses below come out sorted, which is what
+   makes host reads local: more ids per page, fewer translations);
 2. **cache probe** in the HBM `RowCache` (optional): hits are copied from HBM;
 3. **misses** are served from the store:
    * HBM store: an index_select;
@@ -24,9 +24,11 @@ For one batch of row ids [T, n_cols] (one Engram layer):
 Small batches (decode: up to ``direct_max_ids`` ids) skip all of it: one gather kernel
 reads the rows straight from the table (HBM or page-locked host), with no host sync.
 
-On a GPU, lookups are **pipelined**: `lookup` returns a `LookupHandle` once its plan
-(dedup, probe, split: one host sync) is queued; the CPU share runs in a worker thread
-and its DMAs, the zero-copy share and the final assembly run on their own streams. So
+On a GPU, steps 1-3's planning runs on fixed-size padded buffers with no host sync, as
+one CUDA graph (`condmem.tables.lookup_plan`; the admission of step 5 too), and lookups
+are **pipelined**: `lookup` returns a `LookupHandle` once the plan is queued; a worker
+thread waits for its counts, gathers the CPU share, and queues the DMAs and the final
+assembly, while the zero-copy share runs on a stream of its own. So
 while batch i's rows are gathered on the CPU, batch i+1 is already deduplicated and
 probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
 wait for the rows' event, so layers queued before it overlap with the fetch. The rows
@@ -45,8 +47,9 @@ from dataclasses import dataclass, field
 import torch
 
 from condmem.ops.gather import engram_gather
+from condmem.tables.lookup_plan import COUNT_NAMES, N_COUNTS, LookupPlan
 from condmem.tables.row_cache import RowCache, row_words
-from condmem.tables.storage import LayerStore
+from condmem.tables.storage import LayerStore, StorageError
 
 log = logging.getLogger("condmem.tables")
 
@@ -74,7 +77,7 @@ class LookupHandle:
     """A lookup in flight. `wait()` returns the rows, ready on the caller's current stream."""
 
     def __init__(self, rows: torch.Tensor, event, future: concurrent.futures.Future | None, stats: LookupStats,
-                 batch: "_Batch | None" = None):
+                 batch: _Batch | None = None):
         self.rows = rows
         self.event = event
         self._future = future
@@ -121,25 +124,21 @@ def _as_words(raw: torch.Tensor) -> torch.Tensor | None:
 class _Batch:
     """One lookup on its way through the pipeline (GPU path)."""
 
-    inverse: torch.Tensor          # [..] position of each requested id among the unique ids
-    compact: torch.Tensor          # [n_unique, row_bytes] raw rows, filled by hits, zero-copy and CPU shares
-    miss_pos: torch.Tensor         # positions in `compact` of the cache misses (sorted ids)
-    miss_ids: torch.Tensor         # the missed row ids
-    cpu_pos: torch.Tensor | None   # positions in `compact` the CPU share fills
-    cpu_ids: torch.Tensor | None   # their row ids, on the host once `ids_ready` has passed
+    plan: LookupPlan               # its plan slot: dedup, hits, misses, shares (static buffers)
     out: torch.Tensor              # [.., head_dim] bf16 rows for the caller
+    shape: tuple                   # the row ids' shape
     stats: LookupStats
     start: float
-    planned: object = None         # event: dedup, probe and hits done (plan stream)
-    ids_ready: object = None       # event: the CPU share's ids reached the host
-    zero_copy_done: object = None  # event: the zero-copy share is in `compact`
-    ready: object = None           # event: `out` holds the rows (recorded by `_finish`)
+    planned: object = None         # event: plan done and its counts / CPU ids copied to the host
+    zero_copy_done: object = None  # event: the GPU share is in `plan.compact`
+    ready: object = None           # event: `out` holds the rows (recorded by `_assemble`)
     dma_done: object = None        # event: the CPU share is on the device
     future: concurrent.futures.Future | None = None
     waited: bool = False           # a handle's wait() made the caller's stream wait for `ready`
+    failed: bool = False           # ids outside the table: nothing to admit
 
     def enqueued(self) -> bool:
-        """True once every GPU step of the lookup has been queued (the CPU share is done)."""
+        """True once every GPU step of the lookup has been queued (the gather thread is done with it)."""
         return self.future is None or self.future.done()
 
 
@@ -200,15 +199,19 @@ class LookupEngine:
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
         region_bytes: the zero-copy translation granule used to split misses (`split_by_density`).
-        max_in_flight: lookups in flight at once (and pinned id buffers); a further
+        max_in_flight: lookups in flight at once (and plan slots per batch size); a further
             `lookup` waits for the oldest one's CPU share.
+        graphs: replay each plan and admission as a CUDA graph (captured on the second use
+            of a batch size; False: the same kernels launched one by one, for debugging).
+            Each batch size holds `max_in_flight` plan slots of fixed-size buffers (about
+            1.3 KB per id with a cache: ~0.5 GB at 16K tokens x 24 columns).
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
                  cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 131072,
                  staging_ring: int = 3,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
-                 max_in_flight: int = 2):
+                 max_in_flight: int = 2, graphs: bool = True):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -247,8 +250,10 @@ class LookupEngine:
         self._ring: list[torch.Tensor | None] = [None] * max(2, staging_ring)
         self._ring_free: list = [None] * len(self._ring)   # events: the last DMA out of each buffer finished
         self._ring_next = 0
-        self._host_id_buffers: list[torch.Tensor | None] = [None] * max_in_flight
-        self._next_host_ids = 0
+        self.graphs = graphs and self.on_gpu
+        self._plans: dict[int, list[LookupPlan]] = {}   # plan slots by batch size (ids)
+        self._plan_next: dict[int, int] = {}
+        self._plans_fraction: float | None = None
         self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
         self.timing = False   # benchmarks: CUDA events that can be timed (`bench lookup`'s pipeline timeline)
 
@@ -256,16 +261,6 @@ class LookupEngine:
     def _event(self):
         """A CUDA event; with ``self.timing`` set (benchmarks), one that can be timed."""
         return torch.cuda.Event(enable_timing=self.timing)
-
-    def _host_ids(self, n: int, batch_ids: int) -> torch.Tensor:
-        """The next of `max_in_flight` pinned id buffers, [n] int64. Safe to reuse: when a lookup
-        is planned, the one `max_in_flight` back has finished its CPU gather (back-pressure)."""
-        k = self._next_host_ids
-        self._next_host_ids = (k + 1) % self.max_in_flight
-        buf = self._host_id_buffers[k]
-        if buf is None or buf.numel() < n:
-            buf = self._host_id_buffers[k] = torch.empty(max(n, batch_ids), dtype=torch.int64, pin_memory=True)
-        return buf[:n]
 
     def _expand(self, compact: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
@@ -320,21 +315,25 @@ class LookupEngine:
             rows = self._lookup_sync(row_ids, stats)
             stats.seconds = time.perf_counter() - start
             return LookupHandle(rows, None, None, stats)
+        if row_ids.numel() == 0:
+            return LookupHandle(torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16,
+                                            device=self.device), None, None, stats)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         row_ids.record_stream(self.stream)
         if row_ids.numel() <= self.direct_max_ids and self.store.gpu_readable:
             return self._lookup_direct(row_ids, stats)
-        # Back-pressure: at most max_in_flight lookups (and pinned id buffers) in use.
+        if self._plans and self._plans_fraction != self._split_fraction():
+            self.flush()                    # plans of the old split may still be in flight
+            self._plans.clear()
+            self._plan_next.clear()
+        # Back-pressure: at most max_in_flight lookups (and plan slots) in use.
         while sum(not b.enqueued() for b in self._in_flight) >= self.max_in_flight:
-            next(b for b in self._in_flight if not b.enqueued()).future.result()
+            concurrent.futures.wait([next(b.future for b in self._in_flight if not b.enqueued())])
         with torch.cuda.stream(self.stream):
             self._admit_fetched()
             batch = self._plan(row_ids, stats, start)
-        stats.mark("planned (dedup, probe, sizes synced, zero-copy share queued)", start)
-        if batch.cpu_ids is not None:
-            batch.future = self._pool.submit(self._finish, batch)
-        else:
-            self._finish(batch)
+        stats.mark("planned (queued: dedup, probe, split, counts to the host)", start)
+        batch.future = self._pool.submit(self._finish, batch)
         self._in_flight.append(batch)
         return LookupHandle(batch.out, batch.ready, batch.future, stats, batch)
 
@@ -350,19 +349,17 @@ class LookupEngine:
             self._admit(self._in_flight.popleft())
 
     def _admit(self, batch: _Batch) -> None:
-        """One finished-enqueueing lookup's misses into the cache, on the plan stream (the current one)."""
-        if self.cache is not None and batch.miss_ids.numel():
-            self.stream.wait_event(batch.ready)
-            rows = row_words(batch.compact).index_select(0, batch.miss_pos).view(torch.uint8)
-            self.cache.admit(batch.miss_ids, rows)
+        """One finished-enqueueing lookup's misses into the cache, on the plan stream (the current
+        one). Also what frees its plan slot: the next plan in it is queued after this wait."""
+        self.stream.wait_event(batch.ready)
+        if self.cache is not None and not batch.failed:
+            batch.plan.admit(capture=self.graphs)
 
     def flush(self) -> None:
         """Wait for every lookup in flight and admit its misses to the cache."""
         if not self.on_gpu:
             return
-        for batch in self._in_flight:
-            if batch.future is not None:
-                batch.future.result()
+        concurrent.futures.wait([b.future for b in self._in_flight if b.future is not None])
         with torch.cuda.stream(self.stream):
             while self._in_flight:
                 self._admit(self._in_flight.popleft())
@@ -394,87 +391,91 @@ class LookupEngine:
         return _rows_from_raw(row_ids, self.store.raw, self.store.format, self.store.head_dim, out,
                               max_programs=max_programs)
 
-    def _plan(self, row_ids: torch.Tensor, stats: LookupStats, start: float) -> _Batch:
-        """Plan stream: dedup, cache probe and hits, the split of the misses; the CPU share's
-        ids start for the host, the zero-copy (or HBM) share is queued on its own stream."""
-        flat = row_ids.reshape(-1)
-        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        n = uniq.numel()
-        if self.cache is not None:
-            slot = self.cache.probe(uniq)
-            # Every unique row is read from the cache (a miss reads slot 0, overwritten below):
-            # a few MB of HBM reads instead of compacting the hits, which would be a host sync.
-            compact = self.cache.read(slot.clamp(min=0))
-            miss_pos = torch.nonzero(slot < 0).flatten()
-            miss_ids = uniq.index_select(0, miss_pos)
-        else:
-            compact = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
-            miss_pos = torch.arange(n, device=self.device)
-            miss_ids = uniq
-        n_miss = miss_ids.numel()                      # (a sync: sizes decide the split)
-        stats.unique, stats.hits = n, n - n_miss
-        out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
-        batch = _Batch(inverse.view(row_ids.shape), compact, miss_pos, miss_ids, None, None, out, stats, start)
-        for t in (batch.inverse, compact, out, miss_pos):
-            t.record_stream(self.finish_stream)
-        batch.planned, batch.ready = self._event(), self._event()
+    def _split_fraction(self) -> float:
+        """Share of the misses the CPU gathers: none from HBM, all when the GPU cannot read the store."""
         if self.store.tier == "hbm":
-            gpu_sel = torch.arange(n_miss, device=self.device)
-            cpu_sel = None
-        else:
-            words = _as_words(self.store.raw) if self.store.gpu_readable else None
-            fraction = 1.0 if words is None else self.cpu_fraction
-            n_cpu = int(round(n_miss * fraction))
-            gpu_sel, cpu_sel = split_by_density(miss_ids, self.store.row_bytes, self.region_bytes, n_cpu)
-            if n_cpu:
-                batch.cpu_pos = miss_pos[cpu_sel]
-                batch.cpu_pos.record_stream(self.finish_stream)
-                # Sent first, so the CPU gather can start while the zero-copy kernel below runs.
-                # Into a pinned buffer of the engine's own: pinning a fresh one per lookup
-                # (what .to("cpu", non_blocking=True) may do) costs milliseconds and a driver lock.
-                batch.cpu_ids = self._host_ids(n_cpu, flat.numel())
-                batch.cpu_ids.copy_(miss_ids[cpu_sel], non_blocking=True)
-                batch.ids_ready = self._event()
-                batch.ids_ready.record(self.stream)
-            stats.cpu_rows = n_cpu
-        stats.gpu_rows = gpu_sel.numel()
+            return 0.0
+        if not self.store.gpu_readable or _as_words(self.store.raw) is None:
+            return 1.0
+        return self.cpu_fraction
+
+    def _plan_slot(self, n: int) -> LookupPlan:
+        """The next of `max_in_flight` plan slots for batches of `n` ids. Safe to reuse: when a
+        lookup is planned, every lookup `max_in_flight` back has been admitted, and its
+        admission (on the plan stream) waited for its rows."""
+        self._plans_fraction = self._split_fraction()
+        ring = self._plans.setdefault(n, [])
+        k = self._plan_next.get(n, 0)
+        if k == len(ring):
+            ring.append(LookupPlan(n, self.store.row_bytes, self.store.num_rows, self.device, self.cache,
+                                   self._plans_fraction, self.region_bytes, pin=True))
+        self._plan_next[n] = (k + 1) % self.max_in_flight
+        return ring[k]
+
+    def _plan(self, row_ids: torch.Tensor, stats: LookupStats, start: float) -> _Batch:
+        """Plan stream: the plan (one CUDA graph: dedup, probe and hits, misses, split, counts and
+        the CPU share's ids to the host); the GPU share is queued on its own stream, and when
+        there is no CPU share, the assembly too. No host sync."""
+        plan = self._plan_slot(row_ids.numel())
+        plan.ids.copy_(row_ids.reshape(-1))
+        plan.run(capture=self.graphs)
+        out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
+        out.record_stream(self.finish_stream)
+        batch = _Batch(plan, out, tuple(row_ids.shape), stats, start, planned=self._event(), ready=self._event())
         batch.planned.record(self.stream)
-        if stats.gpu_rows:
+        if plan.gpu_share:
+            n = plan.n
             with torch.cuda.stream(self.zero_copy_stream):
                 self.zero_copy_stream.wait_event(batch.planned)
-                gpu_ids, gpu_pos = miss_ids[gpu_sel], miss_pos[gpu_sel]
-                # Rows moved as 8-byte words (a row scatter of single bytes is ~8x slower).
+                # Padding ids (-1) read nothing and land in the spare row; rows move as 8-byte words.
                 if self.store.tier == "hbm":
-                    row_words(compact)[gpu_pos] = row_words(self.store.raw).index_select(0, gpu_ids)
+                    ids = plan.gpu_ids[:n].clamp(0, self.store.num_rows - 1)
+                    fetched = row_words(self.store.raw).index_select(0, ids)
                 else:
-                    fetched = engram_gather(gpu_ids, _as_words(self.store.raw)).view(torch.uint8)
-                    row_words(compact)[gpu_pos] = row_words(fetched)
+                    fetched = row_words(engram_gather(plan.gpu_ids[:n], _as_words(self.store.raw)).view(torch.uint8))
+                row_words(plan.compact)[plan.gpu_pos[:n]] = fetched
                 batch.zero_copy_done = self._event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
-            for t in (miss_ids, miss_pos, gpu_sel):
-                t.record_stream(self.zero_copy_stream)
-            compact.record_stream(self.zero_copy_stream)
+        if not plan.cpu_share:
+            self._assemble(batch)
         return batch
 
+    def _assemble(self, batch: _Batch, staged: torch.Tensor | None = None, n_cpu: int = 0,
+                  expand: bool = True) -> None:
+        """Finish stream: the CPU share into `compact`, then the rows expanded; records `ready`."""
+        plan = batch.plan
+        with torch.cuda.stream(self.finish_stream):
+            self.finish_stream.wait_event(batch.planned)
+            if batch.zero_copy_done is not None:
+                self.finish_stream.wait_event(batch.zero_copy_done)
+            if staged is not None:
+                self.finish_stream.wait_event(batch.dma_done)
+                row_words(plan.compact)[plan.cpu_pos[:n_cpu]] = row_words(staged)
+            if expand:
+                self._expand(plan.compact, plan.inverse.view(batch.shape), out=batch.out)
+            batch.ready.record(self.finish_stream)
+
     def _finish(self, batch: _Batch) -> None:
-        """Finish stream (from the worker thread when there is a CPU share): the CPU share
-        -> staging -> DMA (chunked), then the rows assembled and expanded; records `ready`."""
-        stats, start = batch.stats, batch.start
+        """Gather thread: wait for the plan's counts, check the ids, gather the CPU share
+        (staging, chunked DMAs) and queue the assembly."""
+        stats, start, plan = batch.stats, batch.start, batch.plan
         with torch.cuda.device(self.device):
-            staged = None
-            if batch.cpu_ids is not None:
-                batch.ids_ready.synchronize()                 # the ids have reached the host
-                stats.mark("cpu ids on host", start)
-                staged, batch.dma_done = self._cpu_share(batch.cpu_ids, stats, start)
-            with torch.cuda.stream(self.finish_stream):
-                self.finish_stream.wait_event(batch.planned)
-                if batch.zero_copy_done is not None:
-                    self.finish_stream.wait_event(batch.zero_copy_done)
-                if staged is not None:
-                    self.finish_stream.wait_event(batch.dma_done)
-                    row_words(batch.compact)[batch.cpu_pos] = row_words(staged)
-                self._expand(batch.compact, batch.inverse, out=batch.out)
-                batch.ready.record(self.finish_stream)
+            batch.planned.synchronize()                   # counts and CPU ids are on the host
+            counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
+            stats.mark("counts on host", start)
+            stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
+            stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
+            if counts["bad"]:
+                batch.failed = True
+                if plan.cpu_share:
+                    self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
+                bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
+                raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
+            if plan.cpu_share:
+                staged, n_cpu = None, counts["n_cpu"]
+                if n_cpu:
+                    staged, batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + n_cpu], stats, start)
+                self._assemble(batch, staged, n_cpu)
         stats.mark("expand queued", start)
         stats.seconds = time.perf_counter() - start
 
@@ -598,8 +599,9 @@ class LookupEngine:
         return self.cpu_fraction
 
     def close(self) -> None:
-        """Finish the lookups in flight and stop the worker thread."""
+        """Finish the lookups in flight, stop the worker thread and free the plan slots."""
         self.flush()
+        self._plans.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

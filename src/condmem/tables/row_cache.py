@@ -121,13 +121,18 @@ class RowCache:
         self._freq_all.zero_()
 
     # ------------------------------------------------------------------ operations
-    def probe(self, ids: torch.Tensor, count: bool = True) -> torch.Tensor:
-        """Slot of each id (int64, -1 on a miss); ids must be unique, int64, on the cache's device."""
+    def probe(self, ids: torch.Tensor, count: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot of each id (int64, -1 on a miss); ids must be unique, int64, on the cache's device.
+
+        `valid`: optional bool mask; ids where it is False (padding) always miss and are not counted.
+        """
         if ids.numel() == 0:
             return ids.new_empty(0)
         sets = torch.remainder(ids, self.n_sets)
         match = self.keys.index_select(0, sets) == ids[:, None]   # [n, ways]
         hit = match.any(dim=1)
+        if valid is not None:
+            hit &= valid
         way = match.to(torch.int8).argmax(dim=1)
         slot = torch.where(hit, sets * self.ways + way, torch.full_like(ids, -1))
         if count:
@@ -135,7 +140,7 @@ class RowCache:
             # bump the trash slot (a gather and a scatter: cheaper than an atomic index_add).
             bump = torch.where(hit, slot, torch.full_like(slot, self._trash))
             self._freq_all[bump] = self._freq_all.index_select(0, bump) + 1
-            self._counters[0] += ids.numel()
+            self._counters[0] += ids.numel() if valid is None else valid.sum()
             self._counters[1] += hit.sum()
         return slot
 
@@ -153,6 +158,23 @@ class RowCache:
         """
         if ids.numel() == 0:
             return ids.new_empty(0)
+        out = self.admit_rows(ids, rows)
+        self.note_admission()
+        return out
+
+    def note_admission(self) -> None:
+        """Count one admission and decay the counters when due (host-side bookkeeping of `admit`,
+        kept apart from `admit_rows` so that one can be captured in a CUDA graph)."""
+        self._admissions += 1
+        if self.decay_every and self._admissions % self.decay_every == 0:
+            self.freq.bitwise_right_shift_(1)
+
+    def admit_rows(self, ids: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The device work of `admit` (fixed shapes, no host sync: capturable in a CUDA graph).
+
+        `valid`: optional bool mask; ids where it is False (padding) are ignored: never
+        admitted, and they take no way from a real newcomer.
+        """
         if rows.shape != (ids.numel(), self.row_bytes) or rows.dtype != torch.uint8:
             raise ValueError(f"admit: rows must be uint8 [{ids.numel()}, {self.row_bytes}], got {rows.dtype} "
                              f"{tuple(rows.shape)}")
@@ -160,6 +182,10 @@ class RowCache:
         # An id already cached (admitted since the caller's probe) is not admitted twice: one
         # key, one slot. Its would-be rank is pushed past the ways so it is dropped below.
         present = (self.keys.index_select(0, sets) == ids[:, None]).any(dim=1)
+        if valid is not None:
+            # Padding sorts into a set of its own past the last one, out of every real set's ranks.
+            present |= ~valid
+            sets = torch.where(valid, sets, self.n_sets)
         sorted_sets, order = torch.sort(sets, stable=True)
         # Rank of each newcomer among the newcomers of its set: 0, 1, 2, ... (its distance from
         # the first newcomer of the same set in the sorted order).
@@ -172,8 +198,9 @@ class RowCache:
         # Only the newcomers' sets are looked at, never the whole table of counters; the
         # order is found by counting, per way, the ways that precede it (no segmented sort).
         ways = torch.arange(self.ways, device=ids.device)
-        live = self.keys.index_select(0, sorted_sets) != EMPTY
-        prio = torch.where(live, self.freq.index_select(0, sorted_sets).to(torch.int64) + 1, 0)
+        real_sets = sorted_sets.clamp(max=self.n_sets - 1)
+        live = self.keys.index_select(0, real_sets) != EMPTY
+        prio = torch.where(live, self.freq.index_select(0, real_sets).to(torch.int64) + 1, 0)
         key = prio * self.ways + ways                                         # [n, ways], distinct per row
         position = (key[:, None, :] < key[:, :, None]).sum(dim=2)            # [n, ways]: place in the order
         chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
@@ -186,9 +213,6 @@ class RowCache:
         out = torch.empty_like(ids)
         out[order] = torch.where(keep, slot, torch.full_like(slot, -1))
         self._counters[2] += keep.sum()
-        self._admissions += 1
-        if self.decay_every and self._admissions % self.decay_every == 0:
-            self.freq.bitwise_right_shift_(1)
         return out
 
     def __repr__(self) -> str:

@@ -1,0 +1,195 @@
+"""A lookup's plan on fixed-size (padded) buffers, with no host synchronization: one CUDA graph.
+
+Planning a batch of N row ids (dedup, cache probe, misses, their split between the GPU's
+zero-copy gather and the CPU threads) takes ~80 small kernels. Launched one by one from
+Python, with the syncs that size each step's output (`torch.unique`, `torch.nonzero`),
+that cost 1.5-4 ms of host time per 16K-token lookup on the H200 host (profiler trace,
+session 4): more than the GPU work itself, and on the thread that also launches the model.
+
+Here every intermediate keeps the batch's full size N: the unique ids, the misses and each
+share are the first n_unique / n_miss / n_gpu / n_cpu entries of their buffers, followed by
+padding (row id `PAD_ID`, position N, which names a spare row at the end of `compact`).
+The counts stay on the device; one copy sends them, with the CPU share's ids, to pinned
+host memory for the gather thread. Fixed shapes and no syncs make the plan capturable as
+a CUDA graph, so replaying it costs one launch.
+
+Row ids must be >= 0 (`PAD_ID` marks padding); ids outside the table are reported through
+the ``bad`` count (the engine raises on the gather thread) and never read.
+
+The functions run eagerly on any device; tests hold them to `torch.unique`,
+`torch.nonzero` and `split_by_density` on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from condmem.tables.row_cache import RowCache, row_words
+
+PAD_ID = -1
+N_COUNTS = 8
+"""Counts sent to the host before the CPU share's ids: n_cpu, n_gpu, n_miss, n_unique, bad, min id, max id, spare."""
+COUNT_NAMES = ("n_cpu", "n_gpu", "n_miss", "n_unique", "bad", "min_id", "max_id")
+
+
+def dedup_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted unique ids of `ids` [N] without a host sync.
+
+    Returns (uniq [N + 1]: the n_unique unique ids in ascending order, then `PAD_ID`;
+    inverse [N]: position of each id in `uniq`; n_unique [1]).
+    """
+    n = ids.numel()
+    sorted_ids, perm = torch.sort(ids)
+    first = torch.ones(n, dtype=torch.bool, device=ids.device)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    rank = torch.cumsum(first, 0) - 1                      # unique index of each sorted id
+    inverse = torch.empty_like(rank)
+    inverse.scatter_(0, perm, rank)
+    uniq = torch.full((n + 1,), PAD_ID, dtype=ids.dtype, device=ids.device)
+    # Repeats write their (equal) id to the spare slot n, reset to padding after.
+    uniq.scatter_(0, torch.where(first, rank, n), sorted_ids)
+    uniq[n] = PAD_ID
+    return uniq, inverse, rank[-1:] + 1
+
+
+def compact_padded(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the True entries of `mask` [N] in order, without a host sync.
+
+    Returns (positions [N + 1]: the count positions, then `fill`; count [1]).
+    """
+    n = mask.numel()
+    running = torch.cumsum(mask, 0)
+    target = torch.where(mask, running - 1, n)
+    pos = torch.full((n + 1,), fill, dtype=torch.int64, device=mask.device)
+    pos.scatter_(0, target, torch.arange(n, device=mask.device))
+    pos[n] = fill
+    return pos, running[-1:]
+
+
+def split_padded(miss_ids: torch.Tensor, n_miss: torch.Tensor, row_bytes: int, region_bytes: int,
+                 fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The density split of `split_by_density` on padded misses, without a host sync.
+
+    `miss_ids` [N + 1]: sorted missed ids then `PAD_ID`. The CPU takes round(n_miss *
+    fraction) of them, the loneliest (fewest other misses in their ``region_bytes``
+    region); the GPU the rest, rows that share a region first.
+
+    Returns (gpu_sel [N + 1], cpu_sel [N + 1]: indices into `miss_ids`, each share in id
+    order then the padding index N; n_gpu [1]; n_cpu [1]).
+    """
+    n = miss_ids.numel() - 1
+    dev = miss_ids.device
+    n_cpu = torch.round(n_miss.double() * fraction).long()
+    n_gpu = n_miss - n_cpu
+    idx = torch.arange(n + 1, device=dev)
+    if fraction >= 1.0 or fraction <= 0.0:
+        every = torch.where(idx < n_miss, idx, n)
+        padding = torch.full_like(idx, n)
+        return (padding, every, n_gpu, n_cpu) if fraction >= 1.0 else (every, padding, n_gpu, n_cpu)
+    ids = miss_ids[:n]
+    valid = ids >= 0
+    region = torch.div(ids * row_bytes, region_bytes, rounding_mode="floor")
+    same = (region[1:] == region[:-1]) & valid[1:] & valid[:-1]
+    shared = torch.zeros(n, dtype=torch.bool, device=dev)
+    shared[1:] |= same
+    shared[:-1] |= same
+    # Shared rows first, then lone ones, then padding; each group in id order (stable).
+    order = torch.argsort(torch.where(valid, (~shared).to(torch.int64), 2), stable=True)
+    r = idx[:n]
+    group = torch.where(r < n_gpu, 0, torch.where(r < n_miss, 1, 2))
+    # Each share back in id order: one sort by (share, position).
+    sel = torch.sort(group * (n + 1) + order).values % (n + 1)
+    gpu_sel = torch.full((n + 1,), n, dtype=torch.int64, device=dev)
+    gpu_sel[:n] = torch.where(r < n_gpu, sel, n)
+    shifted = sel.gather(0, (r + n_gpu).clamp(max=n - 1))    # the CPU share starts at n_gpu
+    cpu_sel = torch.full((n + 1,), n, dtype=torch.int64, device=dev)
+    cpu_sel[:n] = torch.where(r < n_cpu, shifted, n)
+    return gpu_sel, cpu_sel, n_gpu, n_cpu
+
+
+class LookupPlan:
+    """Static buffers of the plan for batches of N ids, and (on CUDA) its captured graphs.
+
+    Fill `ids`, call `run()` (a graph replay once captured); then on the device:
+    ``inverse`` [N], ``compact`` [N + 1, row_bytes] (cache hits already in place; row N is
+    the spare that padding writes to), ``miss_ids`` / ``miss_pos`` (padded), the GPU share
+    ``gpu_ids`` / ``gpu_pos`` and the CPU share's positions ``cpu_pos``; on the host, once
+    the copy is done, ``host[:N_COUNTS]`` the counts and ``host[N_COUNTS:]`` the CPU share's
+    ids. `admit()` queues the misses' admission to the cache (also a graph).
+    """
+
+    def __init__(self, n: int, row_bytes: int, num_rows: int, device: torch.device, cache: RowCache | None,
+                 fraction: float, region_bytes: int, pin: bool):
+        self.n, self.row_bytes, self.num_rows = n, row_bytes, num_rows
+        self.cache, self.fraction, self.region_bytes = cache, fraction, region_bytes
+        self.gpu_share = fraction < 1.0    # else no GPU share (and for fraction 0, no CPU share)
+        self.cpu_share = fraction > 0.0
+        self.ids = torch.empty(n, dtype=torch.int64, device=device)
+        self.compact = torch.empty((n + 1, row_bytes), dtype=torch.uint8, device=device)
+        self._to_host = torch.empty(N_COUNTS + n, dtype=torch.int64, device=device)
+        self.host = torch.empty(N_COUNTS + n, dtype=torch.int64, pin_memory=pin)
+        self._graphs: dict[str, object] = {}
+
+    # ------------------------------------------------------------------ the steps
+    def _plan(self) -> None:
+        n = self.n
+        uniq, self.inverse, n_unique = dedup_padded(self.ids)
+        valid = uniq[:n] >= 0
+        if self.cache is not None:
+            slot = self.cache.probe(uniq[:n], valid=valid)
+            # Every entry reads a cache row (misses and padding read slot 0, overwritten later):
+            # a gather of a few MB instead of a compaction of the hits.
+            torch.index_select(row_words(self.cache.data), 0, slot.clamp(min=0), out=row_words(self.compact[:n]))
+            miss = valid & (slot < 0)
+        else:
+            miss = valid
+        self.miss_pos, n_miss = compact_padded(miss, fill=n)
+        self.miss_ids = uniq.index_select(0, self.miss_pos)
+        gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(self.miss_ids, n_miss, self.row_bytes, self.region_bytes,
+                                                      self.fraction)
+        self.gpu_ids = self.miss_ids.index_select(0, gpu_sel)
+        self.gpu_pos = self.miss_pos.index_select(0, gpu_sel)
+        self.cpu_pos = self.miss_pos.index_select(0, cpu_sel)
+        lo = uniq[:1]
+        hi = uniq.gather(0, (n_unique - 1).clamp(min=0))
+        bad = ((lo < 0) | (hi >= self.num_rows)).long()
+        counts = torch.cat([n_cpu, n_gpu, n_miss, n_unique, bad, lo, hi, torch.zeros_like(lo)])
+        self._to_host[:N_COUNTS] = counts
+        self._to_host[N_COUNTS:] = self.miss_ids.index_select(0, cpu_sel[:n])
+        self.host.copy_(self._to_host, non_blocking=True)
+
+    def _admit(self) -> None:
+        rows = row_words(self.compact).index_select(0, self.miss_pos[: self.n]).view(torch.uint8)
+        ids = self.miss_ids[: self.n]
+        self.cache.admit_rows(ids, rows, valid=ids >= 0)
+
+    # ------------------------------------------------------------------ running
+    def _call(self, name: str, fn, capture: bool) -> None:
+        """Run step `fn` eagerly, or as its CUDA graph (captured on first use after one eager
+        warm-up run: the capture itself computes nothing, so the graph is replayed at once)."""
+        if not capture:
+            fn()
+            return
+        graph = self._graphs.get(name)
+        if graph is None:
+            stream = torch.cuda.current_stream(self.ids.device)
+            if name not in self._graphs:
+                self._graphs[name] = None       # first use: eager (allocations, kernel loading)
+                fn()
+                return
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the gather thread keeps syncing and copying while this one captures.
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                fn()
+            self._graphs[name] = graph
+        graph.replay()
+
+    def run(self, capture: bool) -> None:
+        """The plan of the batch in `ids`, on the current stream."""
+        self._call("plan", self._plan, capture)
+
+    def admit(self, capture: bool) -> None:
+        """The batch's misses into the cache, on the current stream (after its rows landed)."""
+        if self.cache is not None:
+            self._call("admit", self._admit, capture)
+            self.cache.note_admission()

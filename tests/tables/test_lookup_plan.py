@@ -1,0 +1,117 @@
+"""The sync-free padded plan equals the plain steps it replaces (torch.unique, nonzero, split_by_density)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import devices
+
+from condmem.tables.lookup import split_by_density
+from condmem.tables.lookup_plan import (COUNT_NAMES, N_COUNTS, PAD_ID, LookupPlan, compact_padded, dedup_padded,
+                                        split_padded)
+from condmem.tables.row_cache import RowCache
+
+
+def _ids(n: int, hi: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, hi, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("n,hi", [(1, 5), (7, 3), (1000, 50), (1000, 10**9), (4096, 4096)])
+def test_dedup_padded_equals_torch_unique(device, n, hi):
+    ids = _ids(n, hi, seed=n + hi).to(device)
+    uniq, inverse, count = dedup_padded(ids)
+    ref, ref_inv = torch.unique(ids, sorted=True, return_inverse=True)
+    k = ref.numel()
+    assert int(count) == k and uniq.shape == (n + 1,)
+    assert torch.equal(uniq[:k], ref) and bool((uniq[k:] == PAD_ID).all())
+    assert torch.equal(inverse, ref_inv)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_compact_padded_equals_nonzero(device):
+    for seed, p in ((0, 0.0), (1, 0.3), (2, 1.0)):
+        mask = (torch.rand(777, generator=torch.Generator().manual_seed(seed)) < p).to(device)
+        pos, count = compact_padded(mask, fill=777)
+        ref = torch.nonzero(mask).flatten()
+        assert int(count) == ref.numel()
+        assert torch.equal(pos[: ref.numel()], ref) and bool((pos[ref.numel():] == 777).all())
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("region_rows", [1, 4, 64])
+def test_split_padded_equals_split_by_density(fraction, region_rows):
+    row_bytes = 72
+    miss = torch.unique(_ids(600, 5000, seed=3))
+    n_miss = miss.numel()
+    n = 900                                              # padded size > n_miss
+    padded = torch.full((n + 1,), PAD_ID, dtype=torch.int64)
+    padded[:n_miss] = miss
+    gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(padded, torch.tensor([n_miss]), row_bytes, region_rows * row_bytes,
+                                                  fraction)
+    ref_gpu, ref_cpu = split_by_density(miss, row_bytes, region_rows * row_bytes, int(round(n_miss * fraction)))
+    assert (int(n_gpu), int(n_cpu)) == (ref_gpu.numel(), ref_cpu.numel())
+    assert torch.equal(gpu_sel[: ref_gpu.numel()], ref_gpu) and bool((gpu_sel[ref_gpu.numel():] == n).all())
+    assert torch.equal(cpu_sel[: ref_cpu.numel()], ref_cpu) and bool((cpu_sel[ref_cpu.numel():] == n).all())
+
+
+def _rows(ids: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    return ((ids[:, None] * 131 + torch.arange(row_bytes, device=ids.device)) % 251).to(torch.uint8)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
+@pytest.mark.parametrize("fraction", [0.0, 0.6, 1.0])
+def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, fraction):
+    """A plan run eagerly: hits already in `compact`, misses and shares as the plain steps make them,
+    counts and the CPU share's ids in the host buffer; admission matches RowCache.admit."""
+    row_bytes, num_rows, n = 16, 3000, 1200
+    cache = plain = None
+    if cached:
+        cache = RowCache(512, row_bytes, ways=4, device=device)
+        plain = RowCache(512, row_bytes, ways=4, device=device)
+        warm = torch.unique(_ids(400, num_rows, seed=7)).to(device)
+        for c in (cache, plain):
+            c.admit(warm, _rows(warm, row_bytes))
+    plan = LookupPlan(n, row_bytes, num_rows, torch.device(device), cache, fraction, 8 * row_bytes, pin=False)
+    for seed in range(3):
+        ids = _ids(n, num_rows, seed=10 + seed).to(device)
+        plan.ids.copy_(ids)
+        plan.compact.fill_(0xEE)   # poisoned
+        plan.run(capture=False)
+        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        assert torch.equal(plan.inverse, inverse)
+        slot = plain.probe(uniq) if cached else torch.full_like(uniq, -1)
+        hit = slot >= 0
+        hit_pos = torch.nonzero(hit).flatten()
+        if cached:
+            assert torch.equal(plan.compact[hit_pos], plain.read(slot[hit]))
+        miss_pos = torch.nonzero(~hit).flatten()
+        k = miss_pos.numel()
+        assert torch.equal(plan.miss_pos[:k], miss_pos) and torch.equal(plan.miss_ids[:k], uniq[miss_pos])
+        counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
+        ref_gpu, ref_cpu = split_by_density(uniq[miss_pos], row_bytes, 8 * row_bytes, int(round(k * fraction)))
+        assert counts["n_miss"] == k and counts["n_unique"] == uniq.numel() and counts["bad"] == 0
+        assert (counts["n_gpu"], counts["n_cpu"]) == (ref_gpu.numel(), ref_cpu.numel())
+        assert torch.equal(plan.gpu_ids[: ref_gpu.numel()], uniq[miss_pos][ref_gpu])
+        assert torch.equal(plan.gpu_pos[: ref_gpu.numel()], miss_pos[ref_gpu])
+        assert torch.equal(plan.cpu_pos[: ref_cpu.numel()], miss_pos[ref_cpu])
+        assert torch.equal(plan.host[N_COUNTS:N_COUNTS + ref_cpu.numel()].to(device), uniq[miss_pos][ref_cpu])
+        if cached:
+            # The misses' rows land (as the engine's shares would write them), then both caches admit.
+            plan.compact[miss_pos] = _rows(uniq[miss_pos], row_bytes)
+            plan.admit(capture=False)
+            plain.admit(uniq[miss_pos], _rows(uniq[miss_pos], row_bytes))
+            assert torch.equal(cache.keys, plain.keys) and torch.equal(cache.freq, plain.freq)
+            live = torch.nonzero(cache.keys.flatten() >= 0).flatten()
+            assert torch.equal(cache.data[live], plain.data[live])
+            assert cache.stats == plain.stats
+
+
+@pytest.mark.parametrize("device", devices())
+def test_plan_reports_ids_outside_the_table(device):
+    plan = LookupPlan(5, 8, 100, torch.device(device), None, 1.0, 64, pin=False)
+    plan.ids.copy_(torch.tensor([3, 99, 100, 3, 7]))
+    plan.run(capture=False)
+    counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
+    assert counts["bad"] == 1 and counts["max_id"] == 100 and counts["min_id"] == 3
