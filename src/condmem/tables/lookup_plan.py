@@ -48,7 +48,7 @@ def dedup_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     uniq = torch.full((n + 1,), PAD_ID, dtype=ids.dtype, device=ids.device)
     # Repeats write their (equal) id to the spare slot n, reset to padding after.
     uniq.scatter_(0, torch.where(first, rank, n), sorted_ids)
-    uniq[n] = PAD_ID
+    uniq[n:].fill_(PAD_ID)      # (fill_, not item assignment: no host tensor copied in a graph)
     return uniq, inverse, rank[-1:] + 1
 
 
@@ -62,7 +62,7 @@ def compact_padded(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.T
     target = torch.where(mask, running - 1, n)
     pos = torch.full((n + 1,), fill, dtype=torch.int64, device=mask.device)
     pos.scatter_(0, target, torch.arange(n, device=mask.device))
-    pos[n] = fill
+    pos[n:].fill_(fill)
     return pos, running[-1:]
 
 

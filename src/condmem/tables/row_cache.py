@@ -207,7 +207,7 @@ class RowCache:
         # Kept newcomers get distinct slots; dropped ones all write the trash slot (never probed).
         slot = torch.where(keep, sorted_sets * self.ways + chosen_way, torch.full_like(sorted_sets, self._trash))
         self._keys_all[slot] = ids.index_select(0, order)
-        self._freq_all[slot] = 1
+        self._freq_all.index_fill_(0, slot, 1)
         rows_sorted = rows.index_select(0, order.to(rows.device)).to(self.device)
         row_words(self._data_all)[slot] = row_words(rows_sorted)
         out = torch.empty_like(ids)
