@@ -356,13 +356,15 @@ class LookupEngine:
             batch.plan.admit(capture=self.graphs)
 
     def flush(self) -> None:
-        """Wait for every lookup in flight and admit its misses to the cache."""
+        """Wait for every lookup in flight and admit its misses to the cache. Work the caller
+        queues afterwards (on its current stream: reading, clearing the cache) follows the admissions."""
         if not self.on_gpu:
             return
         concurrent.futures.wait([b.future for b in self._in_flight if b.future is not None])
         with torch.cuda.stream(self.stream):
             while self._in_flight:
                 self._admit(self._in_flight.popleft())
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats) -> LookupHandle:
         """Small batches (decode): one gather kernel straight from the table (HBM or page-locked host).
