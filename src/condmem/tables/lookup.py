@@ -573,7 +573,9 @@ class LookupEngine:
         self.flush()
         if sample is None:
             gen = torch.Generator(device="cpu").manual_seed(seed)
-            warm = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device) for _ in range(2)]
+            # Two uses of every plan slot: the first runs eagerly, the second captures its graph.
+            warm = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device)
+                    for _ in range(2 * self.max_in_flight)]
             timed = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device)
                      for _ in range(4)] * 2
             cache, self.cache = self.cache, None
