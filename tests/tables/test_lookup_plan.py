@@ -115,3 +115,42 @@ def test_plan_reports_ids_outside_the_table(device):
     plan.run(capture=False)
     counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
     assert counts["bad"] == 1 and counts["max_id"] == 100 and counts["min_id"] == 3
+
+
+def test_plan_buckets_bound_the_padding_and_keep_the_prefill_size():
+    from condmem.tables.lookup_plan import plan_bucket
+
+    for n in list(range(1, 300)) + [1000, 4097, 65535, 65536, 65537, 393_215, 393_216, 1 << 20]:
+        b = plan_bucket(n)
+        assert b >= n and (b - n) * 8 <= max(n, 16), (n, b)
+    assert plan_bucket(16384 * 24) == 16384 * 24
+    assert len({plan_bucket(n) for n in range(100_000, 200_001)}) <= 17   # few plans for many sizes
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
+def test_a_bucketed_plan_equals_the_plan_of_the_batch_alone(cached):
+    """A batch in a bigger plan (tail filled with its first id) has the counts, misses, shares
+    and inverse of a plan of its own size."""
+    from condmem.tables.lookup_plan import fill_plan_ids
+
+    row_bytes, num_rows, n = 16, 3000, 1000
+    ids = _ids(n, num_rows, seed=31)
+    plans = []
+    for size in (n, 1152):
+        cache = None
+        if cached:
+            cache = RowCache(512, row_bytes, ways=4)
+            warm = torch.unique(_ids(400, num_rows, seed=7))
+            cache.admit(warm, _rows(warm, row_bytes))
+        plan = LookupPlan(size, row_bytes, num_rows, torch.device("cpu"), cache, 0.5, 8 * row_bytes, pin=False)
+        fill_plan_ids(plan.ids, ids)
+        plan.run(capture=False)
+        plans.append(plan)
+    alone, bucketed = plans
+    assert torch.equal(alone.host[:N_COUNTS], bucketed.host[:N_COUNTS])
+    counts = dict(zip(COUNT_NAMES, alone.host[:N_COUNTS].tolist()))
+    k, g, c = counts["n_miss"], counts["n_gpu"], counts["n_cpu"]
+    assert torch.equal(alone.inverse, bucketed.inverse[:n])
+    for name, m in (("miss_ids", k), ("miss_pos", k), ("gpu_ids", g), ("gpu_pos", g), ("cpu_pos", c)):
+        assert torch.equal(getattr(alone, name)[:m], getattr(bucketed, name)[:m]), name
+    assert torch.equal(alone.compact[:k], bucketed.compact[:k]) or not cached

@@ -41,13 +41,14 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from condmem.ops.gather import engram_gather
-from condmem.tables.lookup_plan import COUNT_NAMES, N_COUNTS, LookupPlan
+from condmem.tables.lookup_plan import COUNT_NAMES, N_COUNTS, LookupPlan, fill_plan_ids, plan_bucket
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.storage import LayerStore, StorageError
 
@@ -205,13 +206,16 @@ class LookupEngine:
             of a batch size; False: the same kernels launched one by one, for debugging).
             Each batch size holds `max_in_flight` plan slots of fixed-size buffers (about
             1.3 KB per id with a cache: ~0.5 GB at 16K tokens x 24 columns).
+        max_plan_sizes: plan sizes kept at once. Batch sizes are rounded up to buckets
+            (`plan_bucket`: at most 12.5% more ids); a new bucket beyond this many waits for
+            the lookups in flight and frees the least recently used one.
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
                  cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 131072,
                  staging_ring: int = 3,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
-                 max_in_flight: int = 2, graphs: bool = True):
+                 max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -251,7 +255,8 @@ class LookupEngine:
         self._ring_free: list = [None] * len(self._ring)   # events: the last DMA out of each buffer finished
         self._ring_next = 0
         self.graphs = graphs and self.on_gpu
-        self._plans: dict[int, list[LookupPlan]] = {}   # plan slots by batch size (ids)
+        self.max_plan_sizes = max(1, max_plan_sizes)
+        self._plans: collections.OrderedDict[int, list[LookupPlan]] = collections.OrderedDict()  # by bucket, LRU
         self._plan_next: dict[int, int] = {}
         self._plans_fraction: float | None = None
         self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
@@ -402,11 +407,19 @@ class LookupEngine:
         return self.cpu_fraction
 
     def _plan_slot(self, n: int) -> LookupPlan:
-        """The next of `max_in_flight` plan slots for batches of `n` ids. Safe to reuse: when a
+        """The next of `max_in_flight` plan slots of size `n` (a bucket). Safe to reuse: when a
         lookup is planned, every lookup `max_in_flight` back has been admitted, and its
         admission (on the plan stream) waited for its rows."""
         self._plans_fraction = self._split_fraction()
-        ring = self._plans.setdefault(n, [])
+        ring = self._plans.get(n)
+        if ring is None:
+            if len(self._plans) >= self.max_plan_sizes:
+                self.flush()                        # nothing in flight may use the evicted slots
+                old, _ = self._plans.popitem(last=False)
+                self._plan_next.pop(old, None)
+            ring = self._plans[n] = []
+        else:
+            self._plans.move_to_end(n)
         k = self._plan_next.get(n, 0)
         if k == len(ring):
             ring.append(LookupPlan(n, self.store.row_bytes, self.store.num_rows, self.device, self.cache,
@@ -418,8 +431,8 @@ class LookupEngine:
         """Plan stream: the plan (one CUDA graph: dedup, probe and hits, misses, split, counts and
         the CPU share's ids to the host); the GPU share is queued on its own stream, and when
         there is no CPU share, the assembly too. No host sync."""
-        plan = self._plan_slot(row_ids.numel())
-        plan.ids.copy_(row_ids.reshape(-1))
+        plan = self._plan_slot(plan_bucket(row_ids.numel()))
+        fill_plan_ids(plan.ids, row_ids.reshape(-1))
         plan.run(capture=self.graphs)
         out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
         out.record_stream(self.finish_stream)
@@ -454,7 +467,8 @@ class LookupEngine:
                 self.finish_stream.wait_event(batch.dma_done)
                 row_words(plan.compact)[plan.cpu_pos[:n_cpu]] = row_words(staged)
             if expand:
-                self._expand(plan.compact, plan.inverse.view(batch.shape), out=batch.out)
+                inverse = plan.inverse[: math.prod(batch.shape)].view(batch.shape)
+                self._expand(plan.compact, inverse, out=batch.out)
             batch.ready.record(self.finish_stream)
 
     def _finish(self, batch: _Batch) -> None:
