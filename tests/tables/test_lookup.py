@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cuda_only
 
 from condmem import EngramConfig, EngramLayout
 from condmem.ops.gather import gather_reference
@@ -17,7 +18,6 @@ from condmem.tables.quant import quantize_fp8_e8m0
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import StorageError, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file
-from helpers import cuda_only
 
 D = 64
 

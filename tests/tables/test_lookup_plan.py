@@ -7,8 +7,15 @@ import torch
 from helpers import devices
 
 from condmem.tables.lookup import split_by_density
-from condmem.tables.lookup_plan import (COUNT_NAMES, N_COUNTS, PAD_ID, LookupPlan, compact_padded, dedup_padded,
-                                        split_padded)
+from condmem.tables.lookup_plan import (
+    COUNT_NAMES,
+    N_COUNTS,
+    PAD_ID,
+    LookupPlan,
+    compact_padded,
+    dedup_padded,
+    split_padded,
+)
 from condmem.tables.row_cache import RowCache
 
 

@@ -48,7 +48,13 @@ from dataclasses import dataclass, field
 import torch
 
 from condmem.ops.gather import engram_gather
-from condmem.tables.lookup_plan import COUNT_NAMES, N_COUNTS, LookupPlan, fill_plan_ids, plan_bucket
+from condmem.tables.lookup_plan import (
+    COUNT_NAMES,
+    N_COUNTS,
+    LookupPlan,
+    fill_plan_ids,
+    plan_bucket,
+)
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.storage import LayerStore, StorageError
 
@@ -146,6 +152,9 @@ class _Batch:
 def split_by_density(miss_ids: torch.Tensor, row_bytes: int, region_bytes: int, n_cpu: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (into the sorted `miss_ids`) of the zero-copy share and of the CPU share.
+
+    The plain version of the split: the engine runs `lookup_plan.split_padded`, its padded,
+    sync-free twin, which tests hold to this one.
 
     A zero-copy read from host memory costs about one GPU address translation per
     ``region_bytes`` region touched (measured on the H200: ~37 ns per 64 KiB region,
