@@ -60,3 +60,15 @@ def test_text_stream_hashed_in_chunks_equals_hashed_at_once():
     chunked, _ = text_row_ids(100_003, 3000, chunk_tokens=677)
     assert whole.shape == (3000, N_COLS)
     assert torch.equal(whole, chunked), source
+
+
+def test_bench_lookup_engine_variants_are_measured_in_turn(tmp_path):
+    """--engines A B --engine-rounds 2 measures A, B, A, B on the same table, rows tagged by engine."""
+    rc = main(["bench", "lookup", "--smoke", "--table-gib", "0.002", "--batch-tokens", "16", "--streams", "uniform",
+               "--repeats", "1", "--diagnostics", "--engines", "graphs", "eager:8", "--engine-rounds", "2",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
+    assert [r["variant"] for r in rows if r["bench"] == "lookup"] == ["graphs", "eager:8", "graphs", "eager:8"]
+    with pytest.raises(SystemExit, match="graphs|eager"):
+        main(["bench", "lookup", "--smoke", "--engines", "fast", "--out", str(tmp_path)])

@@ -94,6 +94,15 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     return out
 
 
+def parse_variant(text: str, default_spread: int) -> dict:
+    """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``:N`` spare
+    rows for padding writes (e.g. ``graphs:1024``)."""
+    name, _, spread = text.partition(":")
+    if name not in ("graphs", "eager") or (spread and not spread.isdigit()):
+        raise SystemExit(f"--engines: {text!r} is not graphs|eager[:spare_rows]")
+    return {"label": text, "graphs": name == "graphs", "spread": int(spread) if spread else default_spread}
+
+
 def run_lookup(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     info = machine_info()
@@ -177,42 +186,49 @@ def run_lookup(args) -> list[dict]:
                                                           fraction, cache=cache, trace=trace,
                                                           warm=text[:args.text_warmup]))
                     del cache
+        variants = [parse_variant(v, args.padding_spread)
+                    for v in (args.engines or ["eager" if args.eager_plans else "graphs"])] * args.engine_rounds
         for stream in args.streams:
-            cached = stream == "text" and args.cache_fraction > 0
-            cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
-                     if cached else None)
-            engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
-                                  cpu_threads=(args.cpu_threads or [None])[0],
-                                  staging_chunk_rows=args.staging_chunk_rows[0], graphs=not args.eager_plans)
-            if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
-                if stream == "text":
-                    # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
-                    tokens = max(batches)
-                    text_ids = text_ids_for(store.num_rows)
-                    engine.calibrate(sample=text_batches(text_ids, tokens, args.text_warmup, device))
-                else:
-                    engine.calibrate(n_ids=16384 * N_COLS)
-            for tokens in batches:
-                for mode, seconds, hit_rate, unique in measure_stream(engine, stream, tokens, store, args, gen,
-                                                                      text_ids_for, device):
-                    requested = tokens * N_COLS * ROW_BYTES
-                    gbps = requested / seconds / 1e9
-                    row = {
-                        "bench": "lookup", "tier": tier, "stream": stream, "mode": mode, "tokens": tokens,
-                        "table_gib": round(store.nbytes / 2**30, 2), "row_bytes": ROW_BYTES, "ms": seconds * 1e3,
-                        "effective_gbps": gbps, "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
-                        "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
-                        "hit_rate": hit_rate, "unique_fraction": unique, "device": device,
-                        "text_source": text_source if stream == "text" else None, **ceiling, "machine": info,
-                    }
-                    if "h2d_gbps" in ceiling:
-                        row["x_h2d"] = gbps / ceiling["h2d_gbps"]
-                    rows_out.append(row)
-                    log.info("%s %s %s %6d tokens: %.3f ms, %.1f GB/s%s%s", tier, stream, mode, tokens, seconds * 1e3,
-                             gbps, f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
-                             f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
-            engine.close()
-            del cache
+            for variant in variants:
+                label = variant["label"] if len(variants) > 1 else ""
+                cached = stream == "text" and args.cache_fraction > 0
+                cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device,
+                                             trash_slots=variant["spread"]) if cached else None)
+                engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
+                                      cpu_threads=(args.cpu_threads or [None])[0],
+                                      staging_chunk_rows=args.staging_chunk_rows[0], graphs=variant["graphs"],
+                                      padding_spread=variant["spread"])
+                if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
+                    if stream == "text":
+                        # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
+                        tokens = max(batches)
+                        text_ids = text_ids_for(store.num_rows)
+                        engine.calibrate(sample=text_batches(text_ids, tokens, args.text_warmup, device))
+                    else:
+                        engine.calibrate(n_ids=16384 * N_COLS)
+                for tokens in batches:
+                    for mode, seconds, hit_rate, unique in measure_stream(engine, stream, tokens, store, args, gen,
+                                                                          text_ids_for, device):
+                        requested = tokens * N_COLS * ROW_BYTES
+                        gbps = requested / seconds / 1e9
+                        row = {
+                            "bench": "lookup", "tier": tier, "stream": stream, "mode": mode, "tokens": tokens,
+                            "table_gib": round(store.nbytes / 2**30, 2), "row_bytes": ROW_BYTES, "ms": seconds * 1e3,
+                            "effective_gbps": gbps, "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
+                            "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
+                            "hit_rate": hit_rate, "unique_fraction": unique, "device": device,
+                            "text_source": text_source if stream == "text" else None, "variant": variant["label"],
+                            **ceiling, "machine": info,
+                        }
+                        if "h2d_gbps" in ceiling:
+                            row["x_h2d"] = gbps / ceiling["h2d_gbps"]
+                        rows_out.append(row)
+                        log.info("%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s", tier, stream, mode, tokens,
+                                 f" [{label}]" if label else "", seconds * 1e3, gbps,
+                                 f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
+                                 f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
+                engine.close()
+                del cache
         store.close()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -254,7 +270,8 @@ def main(args) -> list[dict]:
     append_rows(out / "lookup.json", rows)
     plot(rows, out / "lookup.png")
     plot_pipeline(rows, out / "lookup_pipeline.png")
-    print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""), ("tokens", "tokens", "d"),
+    print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
+                            ("variant", "engine", ""), ("tokens", "tokens", "d"),
                             ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
                             ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
                             ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f")]))
@@ -283,6 +300,13 @@ def add_arguments(p) -> None:
                         "~5M tokens, about 30M distinct rows at 16K tokens per batch, more than a 10%% cache holds)")
     p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
                    help="host memory strategy")
+    p.add_argument("--padding-spread", type=int, default=1,
+                   help="spare rows (and cache trash slots) the plans' padding writes cycle over (1: one)")
+    p.add_argument("--engines", nargs="+", default=None,
+                   help="engine variants measured one after another on the same table, for A/B runs: "
+                        "graphs|eager[:spare_rows], e.g. 'graphs eager graphs:1024'")
+    p.add_argument("--engine-rounds", type=int, default=1,
+                   help="repeat the engine list this many times (ABAB...: machines drift within a run)")
     p.add_argument("--eager-plans", action="store_true",
                    help="launch each lookup's plan kernel by kernel instead of replaying it as a CUDA graph "
                         "(to compare; the rows are identical)")

@@ -16,6 +16,10 @@ a CUDA graph, so replaying it costs one launch.
 Row ids must be >= 0 (`PAD_ID` marks padding); ids outside the table are reported through
 the ``bad`` count (the engine raises on the gather thread) and never read.
 
+Padding writes land in spare entries past N: one by default; ``spare`` > 1 cycles them over
+that many (in a text batch ~40% of the entries are padding, and ~10^5 stores to one address
+may serialize in the GPU's memory system: to be measured, `bench lookup --engines`).
+
 The functions run eagerly on any device; tests hold them to `torch.unique`,
 `torch.nonzero` and `split_by_density` on the CPU.
 """
@@ -49,8 +53,14 @@ def fill_plan_ids(plan_ids: torch.Tensor, ids: torch.Tensor) -> None:
         plan_ids[n:].copy_(ids[:1].expand(plan_ids.numel() - n))
 
 
-def dedup_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sorted unique ids of `ids` [N] without a host sync.
+def spread(n: int, spare: int, device) -> torch.Tensor:
+    """[n] offsets 0..spare-1, cycling: where entry i's padding write goes among the spares."""
+    return torch.remainder(torch.arange(n, device=device), spare)
+
+
+def dedup_padded(ids: torch.Tensor, spare: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted unique ids of `ids` [N] without a host sync. (`spare`: scratch entries the repeats'
+    writes cycle over; more of them, fewer stores to one address.)
 
     Returns (uniq [N + 1]: the n_unique unique ids in ascending order, then `PAD_ID`;
     inverse [N]: position of each id in `uniq`; n_unique [1]).
@@ -62,25 +72,26 @@ def dedup_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     rank = torch.cumsum(first, 0) - 1                      # unique index of each sorted id
     inverse = torch.empty_like(rank)
     inverse.scatter_(0, perm, rank)
-    uniq = torch.full((n + 1,), PAD_ID, dtype=ids.dtype, device=ids.device)
-    # Repeats write their (equal) id to the spare slot n, reset to padding after.
-    uniq.scatter_(0, torch.where(first, rank, n), sorted_ids)
+    uniq = torch.full((n + spare,), PAD_ID, dtype=ids.dtype, device=ids.device)
+    # Repeats write their id to spare entries past n, reset to padding after.
+    uniq.scatter_(0, torch.where(first, rank, n + spread(n, spare, ids.device)), sorted_ids)
     uniq[n:].fill_(PAD_ID)      # (fill_, not item assignment: no host tensor copied in a graph)
-    return uniq, inverse, rank[-1:] + 1
+    return uniq[: n + 1], inverse, rank[-1:] + 1
 
 
-def compact_padded(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_padded(mask: torch.Tensor, fill: int, spare: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the True entries of `mask` [N] in order, without a host sync.
 
-    Returns (positions [N + 1]: the count positions, then `fill`; count [1]).
+    Returns (positions [N + 1]: the count positions, then `fill`; count [1]). `spare`: as in
+    `dedup_padded`.
     """
     n = mask.numel()
     running = torch.cumsum(mask, 0)
-    target = torch.where(mask, running - 1, n)
-    pos = torch.full((n + 1,), fill, dtype=torch.int64, device=mask.device)
+    target = torch.where(mask, running - 1, n + spread(n, spare, mask.device))
+    pos = torch.full((n + spare,), fill, dtype=torch.int64, device=mask.device)
     pos.scatter_(0, target, torch.arange(n, device=mask.device))
     pos[n:].fill_(fill)
-    return pos, running[-1:]
+    return pos[: n + 1], running[-1:]
 
 
 def split_padded(miss_ids: torch.Tensor, n_miss: torch.Tensor, row_bytes: int, region_bytes: int,
@@ -129,21 +140,23 @@ class LookupPlan:
 
     Fill `ids` (`fill_plan_ids` for a batch smaller than N), call `run()` (a graph replay once
     captured); then on the device:
-    ``inverse`` [N], ``compact`` [N + 1, row_bytes] (cache hits already in place; row N is
-    the spare that padding writes to), ``miss_ids`` / ``miss_pos`` (padded), the GPU share
+    ``inverse`` [N], ``compact`` [N + spare, row_bytes] (cache hits already in place; rows
+    from N on are spares that padding writes to), ``miss_ids`` / ``miss_pos`` (padded), the GPU share
     ``gpu_ids`` / ``gpu_pos`` and the CPU share's positions ``cpu_pos``; on the host, once
     the copy is done, ``host[:N_COUNTS]`` the counts and ``host[N_COUNTS:]`` the CPU share's
     ids. `admit()` queues the misses' admission to the cache (also a graph).
     """
 
     def __init__(self, n: int, row_bytes: int, num_rows: int, device: torch.device, cache: RowCache | None,
-                 fraction: float, region_bytes: int, pin: bool):
+                 fraction: float, region_bytes: int, pin: bool, spare: int = 1):
         self.n, self.row_bytes, self.num_rows = n, row_bytes, num_rows
         self.cache, self.fraction, self.region_bytes = cache, fraction, region_bytes
         self.gpu_share = fraction < 1.0    # else no GPU share (and for fraction 0, no CPU share)
         self.cpu_share = fraction > 0.0
         self.ids = torch.empty(n, dtype=torch.int64, device=device)
-        self.compact = torch.empty((n + 1, row_bytes), dtype=torch.uint8, device=device)
+        self.spare = max(1, spare)
+        self.compact = torch.empty((n + self.spare, row_bytes), dtype=torch.uint8, device=device)
+        self.spare_rows = n + spread(n, self.spare, device)   # where the GPU share's padding rows land
         self._to_host = torch.empty(N_COUNTS + n, dtype=torch.int64, device=device)
         self.host = torch.empty(N_COUNTS + n, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[str, object] = {}
@@ -151,7 +164,7 @@ class LookupPlan:
     # ------------------------------------------------------------------ the steps
     def _plan(self) -> None:
         n = self.n
-        uniq, self.inverse, n_unique = dedup_padded(self.ids)
+        uniq, self.inverse, n_unique = dedup_padded(self.ids, self.spare)
         valid = uniq[:n] >= 0
         if self.cache is not None:
             slot = self.cache.probe(uniq[:n], valid=valid)
@@ -161,7 +174,7 @@ class LookupPlan:
             miss = valid & (slot < 0)
         else:
             miss = valid
-        self.miss_pos, n_miss = compact_padded(miss, fill=n)
+        self.miss_pos, n_miss = compact_padded(miss, fill=n, spare=self.spare)
         self.miss_ids = uniq.index_select(0, self.miss_pos)
         gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(self.miss_ids, n_miss, self.row_bytes, self.region_bytes,
                                                       self.fraction)

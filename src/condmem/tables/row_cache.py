@@ -60,6 +60,8 @@ class RowCache:
         ways: associativity (slots per set).
         device: where keys, counters and rows live (``cuda`` for the HBM cache).
         decay_every: halve all frequency counters after this many `admit` calls (0: never).
+        trash_slots: slots past the end that dropped admissions and missed probes write to
+            (1: one; more spread those stores over more addresses).
 
     Example:
         >>> cache = RowCache.from_bytes(8 * 2**30, row_bytes=264, device="cuda")
@@ -69,7 +71,7 @@ class RowCache:
     """
 
     def __init__(self, capacity_rows: int, row_bytes: int, ways: int = 8, device: str | torch.device = "cpu",
-                 decay_every: int = 64):
+                 decay_every: int = 64, trash_slots: int = 1):
         if capacity_rows < 1 or row_bytes < 1 or ways < 1:
             raise ValueError(f"RowCache needs positive capacity_rows, row_bytes and ways, got "
                              f"{capacity_rows}, {row_bytes}, {ways}")
@@ -81,18 +83,24 @@ class RowCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.decay_every = decay_every
         slots = self.n_sets * self.ways
-        # One extra slot past the end, outside the views below: `admit` sends the rows it
-        # drops there, so it never has to compact its inputs (a compaction is a host sync).
-        self._trash = slots
-        self._keys_all = torch.full((slots + 1,), EMPTY, dtype=torch.int64, device=self.device)
-        self._freq_all = torch.zeros((slots + 1,), dtype=torch.int32, device=self.device)
-        self._data_all = torch.empty((slots + 1, row_bytes), dtype=torch.uint8, device=self.device)
+        # Trash slots past the end, outside the views below: `admit` sends the rows it drops
+        # there, so it never has to compact its inputs (a compaction is a host sync). With
+        # several, drop i goes to trash slot i % trash_slots (fewer stores to one address).
+        self._trash, self.trash_slots = slots, max(1, trash_slots)
+        total = slots + self.trash_slots
+        self._keys_all = torch.full((total,), EMPTY, dtype=torch.int64, device=self.device)
+        self._freq_all = torch.zeros((total,), dtype=torch.int32, device=self.device)
+        self._data_all = torch.empty((total, row_bytes), dtype=torch.uint8, device=self.device)
         self.keys = self._keys_all[:slots].view(self.n_sets, self.ways)
         self.freq = self._freq_all[:slots].view(self.n_sets, self.ways)
         self.data = self._data_all[:slots]
         # Counters stay on the device so probing never waits for the host.
         self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)  # lookups, hits, admitted
         self._admissions = 0
+
+    def _trash_slots(self, n: int, device) -> torch.Tensor:
+        """[n] trash slots, cycling over the `trash_slots` past the end."""
+        return self._trash + torch.remainder(torch.arange(n, device=device), self.trash_slots)
 
     @classmethod
     def from_bytes(cls, capacity_bytes: int, row_bytes: int, **kwargs) -> RowCache:
@@ -136,9 +144,9 @@ class RowCache:
         way = match.to(torch.int8).argmax(dim=1)
         slot = torch.where(hit, sets * self.ways + way, torch.full_like(ids, -1))
         if count:
-            # Unique ids -> distinct hit slots, so a plain read-add-write is exact; misses all
-            # bump the trash slot (a gather and a scatter: cheaper than an atomic index_add).
-            bump = torch.where(hit, slot, torch.full_like(slot, self._trash))
+            # Unique ids -> distinct hit slots, so a plain read-add-write is exact; misses bump
+            # trash slots (a gather and a scatter: cheaper than an atomic index_add).
+            bump = torch.where(hit, slot, self._trash_slots(slot.numel(), slot.device))
             self._freq_all[bump] = self._freq_all.index_select(0, bump) + 1
             self._counters[0] += ids.numel() if valid is None else valid.sum()
             self._counters[1] += hit.sum()
@@ -204,8 +212,8 @@ class RowCache:
         key = prio * self.ways + ways                                         # [n, ways], distinct per row
         position = (key[:, None, :] < key[:, :, None]).sum(dim=2)            # [n, ways]: place in the order
         chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
-        # Kept newcomers get distinct slots; dropped ones all write the trash slot (never probed).
-        slot = torch.where(keep, sorted_sets * self.ways + chosen_way, torch.full_like(sorted_sets, self._trash))
+        # Kept newcomers get distinct slots; dropped ones write trash slots (never probed).
+        slot = torch.where(keep, sorted_sets * self.ways + chosen_way, self._trash_slots(idx.numel(), idx.device))
         self._keys_all[slot] = ids.index_select(0, order)
         self._freq_all.index_fill_(0, slot, 1)
         rows_sorted = rows.index_select(0, order.to(rows.device)).to(self.device)
