@@ -412,7 +412,10 @@ class LookupEngine:
                               max_programs=max_programs)
 
     def _split_fraction(self) -> float:
-        """Share of the misses the CPU gathers: none from HBM, all when the GPU cannot read the store."""
+        """Share of the misses the CPU gathers: none from HBM, all when the GPU cannot read the
+        store (or there is no GPU)."""
+        if not self.on_gpu:
+            return 1.0
         if self.store.tier == "hbm":
             return 0.0
         if not self.store.gpu_readable or _as_words(self.store.raw) is None:
@@ -436,7 +439,8 @@ class LookupEngine:
         k = self._plan_next.get(n, 0)
         if k == len(ring):
             ring.append(LookupPlan(n, self.store.row_bytes, self.store.num_rows, self.device, self.cache,
-                                   self._plans_fraction, self.region_bytes, pin=True, spare=self.padding_spread))
+                                   self._plans_fraction, self.region_bytes, pin=self.on_gpu,
+                                   spare=self.padding_spread))
         self._plan_next[n] = (k + 1) % self.max_in_flight
         return ring[k]
 
@@ -510,22 +514,24 @@ class LookupEngine:
         stats.seconds = time.perf_counter() - start
 
     def _lookup_sync(self, row_ids: torch.Tensor, stats: LookupStats) -> torch.Tensor:
-        """The same steps on the CPU (CI, CPU-only inference), synchronously."""
-        flat = row_ids.reshape(-1)
-        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        compact = torch.empty((uniq.numel(), self.store.row_bytes), dtype=torch.uint8)
-        miss_pos = torch.arange(uniq.numel())
+        """The same plan on the CPU (CI, CPU-only inference), synchronously: every miss is
+        gathered by the CPU threads straight into the plan's compact rows."""
+        plan = self._plan_slot(plan_bucket(row_ids.numel()))
+        fill_plan_ids(plan.ids, row_ids.reshape(-1))
+        plan.run(capture=False)
+        counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
+        stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
+        stats.cpu_rows = n_cpu = counts["n_cpu"]
+        if counts["bad"]:
+            bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
+            raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
+        if n_cpu:
+            rows = self.store.gather_raw(plan.host[N_COUNTS:N_COUNTS + n_cpu])
+            row_words(plan.compact)[plan.cpu_pos[:n_cpu]] = row_words(rows)
+        out = self._expand(plan.compact, plan.inverse[: row_ids.numel()].view(row_ids.shape))
         if self.cache is not None:
-            slot = self.cache.probe(uniq)
-            hit = slot >= 0
-            compact[hit] = self.cache.read(slot[hit])
-            miss_pos = torch.nonzero(~hit).flatten()
-        miss_ids = uniq[miss_pos]
-        compact[miss_pos] = self.store.gather_raw(miss_ids)
-        if self.cache is not None:
-            self.cache.admit(miss_ids, compact[miss_pos])
-        stats.unique, stats.hits, stats.cpu_rows = uniq.numel(), uniq.numel() - miss_ids.numel(), miss_ids.numel()
-        return self._expand(compact, inverse.view(row_ids.shape))
+            plan.admit(capture=False)
+        return out
 
     # ------------------------------------------------------------------ tuning
     def time_lookup(self, batches: list[torch.Tensor], repeats: int = 3) -> float:
