@@ -72,3 +72,13 @@ def test_bench_lookup_engine_variants_are_measured_in_turn(tmp_path):
     assert [r["variant"] for r in rows if r["bench"] == "lookup"] == ["graphs", "eager:8", "graphs", "eager:8"]
     with pytest.raises(SystemExit, match="graphs|eager"):
         main(["bench", "lookup", "--smoke", "--engines", "fast", "--out", str(tmp_path)])
+
+
+def test_bench_lookup_plan_diagnostic_times_plan_and_admission_per_engine(tmp_path):
+    rc = main(["bench", "lookup", "--smoke", "--table-gib", "0.002", "--batch-tokens", "16", "--streams", "uniform",
+               "--text-batches", "3", "--text-warmup", "2", "--repeats", "1", "--diagnostics", "plan",
+               "--engines", "graphs", "eager:8", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
+    costs = {(r["variant"], r["stream"]) for r in rows if r["bench"] == "plan_cost"}
+    assert costs == {(v, f"text {s}") for v in ("graphs", "eager:8") for s in ("plan", "admit")}

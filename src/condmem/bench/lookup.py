@@ -28,7 +28,7 @@ import torch
 
 from condmem.bench.harness import append_rows, copy_bandwidth_gbps, machine_info, rows_table
 from condmem.bench.lookup_diagnostics import (cpu_gather_rows, engine_timeline, gather_under_load, phase_rows,
-                                              pipeline_timeline, plot_pipeline)
+                                              pipeline_timeline, plan_costs, plot_pipeline)
 from condmem.bench.lookup_setup import (HEAD_DIM, N_COLS, ROW_BYTES, disk_store, fill_table, h2d_bandwidth_gbps, host_store,
                                         text_batches, text_row_ids)
 from condmem.tables.lookup import LookupEngine
@@ -138,6 +138,14 @@ def run_lookup(args) -> list[dict]:
                 args.text_warmup = have - args.text_batches
         return text_by_rows[rows]
 
+    variants = [parse_variant(v, args.padding_spread)
+                for v in (args.engines or ["eager" if args.eager_plans else "graphs"])] * args.engine_rounds
+    if "plan" in args.diagnostics:
+        # The cache path alone: no table is read, so none is built.
+        tokens = max(batches)
+        text = text_batches(text_ids_for(n_rows), tokens, args.text_warmup + args.text_batches, device)
+        rows_out.extend(plan_costs(n_rows, max(1, int(n_rows * args.cache_fraction)), text, args.text_warmup,
+                                   variants, info, ceiling))
     for tier in args.tiers:
         if tier == "hbm":
             if device != "cuda":
@@ -186,8 +194,6 @@ def run_lookup(args) -> list[dict]:
                                                           fraction, cache=cache, trace=trace,
                                                           warm=text[:args.text_warmup]))
                     del cache
-        variants = [parse_variant(v, args.padding_spread)
-                    for v in (args.engines or ["eager" if args.eager_plans else "graphs"])] * args.engine_rounds
         for stream in args.streams:
             for variant in variants:
                 label = variant["label"] if len(variants) > 1 else ""
@@ -322,10 +328,11 @@ def add_arguments(p) -> None:
     p.add_argument("--trace", action="store_true",
                    help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline")
     p.add_argument("--diagnostics", nargs="*", default=["gather", "phases", "timeline"],
-                   choices=["gather", "phases", "timeline", "pipeline"],
-                   help="host-tier diagnostics run before the lookups: CPU gather rates (alone and under GPU "
-                        "load), each phase alone, one lookup's timeline, a pipeline of lookups' timeline "
-                        "(default: all but pipeline; none: give the flag alone)")
+                   choices=["gather", "phases", "timeline", "pipeline", "plan"],
+                   help="diagnostics run before the lookups: CPU gather rates (alone and under GPU load), each "
+                        "phase alone, one lookup's timeline, a pipeline of lookups' timeline (host tier); the "
+                        "plan and the cache admission timed alone per --engines variant on the text stream "
+                        "(plan: needs no table). Default: gather phases timeline; none: give the flag alone")
 
 
 def resolve_defaults(args) -> None:

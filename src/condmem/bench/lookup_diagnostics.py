@@ -7,11 +7,15 @@
   and the host's own memcpy bandwidth;
 * `engine_timeline`: one lookup's host-side step marks;
 * `pipeline_timeline` + `plot_pipeline`: consecutive pipelined lookups, host marks and timed
-  CUDA events (optionally a profiler trace), drawn as a timeline PNG.
+  CUDA events (optionally a profiler trace), drawn as a timeline PNG;
+* `plan_costs`: a lookup's plan and its cache admission timed alone on the device, per
+  engine variant (graphs or eager, padding spread), on the text stream at steady state.
+  Reads no table, so it needs none: it isolates the cache path's own cost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -20,6 +24,7 @@ import torch
 
 from condmem.bench.lookup_setup import N_COLS, ROW_BYTES
 from condmem.tables.lookup import LookupEngine
+from condmem.tables.lookup_plan import LookupPlan, fill_plan_ids, plan_bucket
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore
 from condmem.utils.plotting import pyplot
@@ -362,3 +367,52 @@ def plot_pipeline(rows: list[dict], path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm: int, variants: list[dict],
+               info: dict, ceiling: dict) -> list[dict]:
+    """Median device ms of a plan (dedup, probe, hits, misses, split, counts to the host) and of
+    its cache admission, each alone, per variant; the cache warmed on the first `warm` batches.
+
+    The misses' rows are not fetched (their bytes are whatever `compact` holds): only the
+    time of the plan's own kernels is measured. On the CPU (smoke runs) times are host times.
+    """
+    device = batches[0].device
+    on_gpu = device.type == "cuda"
+    rows = []
+    for variant in variants:
+        cache = RowCache(cache_rows, ROW_BYTES, ways=16, device=device, trash_slots=variant["spread"])
+        n = plan_bucket(batches[0].numel())
+        plan = LookupPlan(n, ROW_BYTES, num_rows, device, cache, 1.0, 64 << 10, pin=on_gpu, spare=variant["spread"])
+        capture = variant["graphs"] and on_gpu
+        stream = torch.cuda.Stream() if on_gpu else None   # graphs are captured off the default stream
+        times: dict[str, list[float]] = {"plan": [], "admit": []}
+        with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
+            for i, ids in enumerate(batches):
+                fill_plan_ids(plan.ids, ids.reshape(-1))
+                for name, step in (("plan", plan.run), ("admit", plan.admit)):
+                    if on_gpu:
+                        torch.cuda.synchronize()
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        step(capture=capture)
+                        end.record()
+                        torch.cuda.synchronize()
+                        ms = start.elapsed_time(end)
+                    else:
+                        t0 = time.perf_counter()
+                        step(capture=capture)
+                        ms = (time.perf_counter() - t0) * 1e3
+                    if i >= warm:
+                        times[name].append(ms)
+        hit = cache.stats.hit_rate
+        for name, ts in times.items():
+            ts.sort()
+            ms = ts[len(ts) // 2] if ts else float("nan")
+            rows.append({"bench": "plan_cost", "tier": "-", "stream": f"text {name}", "variant": variant["label"],
+                         "tokens": batches[0].shape[0], "ids": n, "ms": ms, "hit_rate": hit, **ceiling,
+                         "machine": info})
+            log.info("plan cost [%s] %-5s %.3f ms (median of %d text batches, hit %.2f)", variant["label"], name, ms,
+                     len(ts), hit)
+        del plan, cache
+    return rows
