@@ -309,3 +309,35 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
         assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(sources[fmt], good))
     engine.close()
     store.close()
+
+
+def test_cpu_lookups_of_any_shape_and_repeat_pattern_are_exact(table_files):
+    """Property: batches of any size (plan buckets, their tails), any repeat pattern, int32 or int64
+    ids, interleaved sizes (plan slots evicted and rebuilt) give the rows of a plain gather;
+    ids outside the table raise StorageError and leave the engine usable."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    layout, sources, paths = table_files
+    fmt = "fp8_interleaved"
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", host_alloc="pageable",
+                        progress=False)
+    engine = LookupEngine(store, "cpu", cache=RowCache(32, store.row_bytes, ways=4), max_plan_sizes=2)
+
+    @settings(max_examples=60, deadline=None)
+    @given(n=st.integers(1, 400), distinct=st.integers(1, 50), seed=st.integers(0, 2**16),
+           wide=st.booleans(), cols=st.sampled_from([1, 3, 6]))
+    def check(n, distinct, seed, wide, cols):
+        gen = torch.Generator().manual_seed(seed)
+        pool = torch.randint(0, store.num_rows, (distinct,), generator=gen)
+        ids = pool[torch.randint(0, distinct, (n, cols), generator=gen)]
+        ids = ids if wide else ids.to(torch.int32)
+        assert torch.equal(engine.lookup(ids).wait(), _expected(sources[fmt], ids.long()))
+
+    check()
+    bad = torch.tensor([[0, store.num_rows]])
+    with pytest.raises(StorageError, match=str(store.num_rows)):
+        engine.lookup(bad)
+    ok = torch.tensor([[1, 2, 3]])
+    assert torch.equal(engine.lookup(ok).wait(), _expected(sources[fmt], ok))
+    store.close()
