@@ -213,8 +213,10 @@ class LookupEngine:
             `lookup` waits for the oldest one's CPU share.
         graphs: replay each plan and admission as a CUDA graph (captured on the second use
             of a batch size; False: the same kernels launched one by one, for debugging).
-            Each batch size holds `max_in_flight` plan slots of fixed-size buffers (about
-            1.3 KB per id with a cache: ~0.5 GB at 16K tokens x 24 columns).
+            Each batch size holds `max_in_flight` plan slots of fixed-size buffers and graph
+            memory: ~0.3 KB per id of buffers, plus the graphs' temporaries, up to ~1.5 KB
+            per id with a cache (an estimate from the tensors; not measured): ~0.3-0.7 GB
+            per slot at 16K tokens x 24 columns.
         max_plan_sizes: plan sizes kept at once. Batch sizes are rounded up to buckets
             (`plan_bucket`: at most 12.5% more ids); a new bucket beyond this many waits for
             the lookups in flight and frees the least recently used one.
