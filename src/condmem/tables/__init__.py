@@ -1,4 +1,6 @@
-"""Engram tables: storage formats (fp8 e4m3 rows + e8m0 scales) and, later, storage tiers."""
+"""Engram tables: storage formats (fp8 e4m3 rows + e8m0 scales) re-exported here; the files
+(`table_file`), tiers (`storage`, `host_memory`), the HBM row cache (`row_cache`) and the
+lookup engine (`lookup`, `lookup_plan`) are imported from their submodules."""
 
 from condmem.tables.quant import (
     QuantError,
