@@ -12,6 +12,10 @@ them into bf16 [.., head_dim] at the end.
 * `disk`: the table file's bytes, memory-mapped: tables larger than DRAM. The OS page
   cache keeps recently read pages; `attach_dram_cache` adds a bounded DRAM `RowCache`
   of rows (so HBM cache -> DRAM cache -> file is the paper's multi-level hierarchy).
+  The mapping is advised ``MADV_RANDOM``: a row is a few hundred bytes, and the kernel's
+  default read-around turns each cold row into ~100 KiB of disk reads (measured on a
+  virtual disk, 20K random rows of a 2 GiB file, page cache dropped: 79-103 KiB read per
+  row and 1.7-2.3 s by default, 2.2 KiB per row and 0.48 s advised).
   Only interleaved (or bf16) files are mapped as raw rows; separate fp8 + scales
   files are read with two accesses per row.
 
@@ -21,7 +25,9 @@ tier, in chunks, with a progress bar.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import time
 from typing import Literal
 
@@ -38,6 +44,27 @@ log = logging.getLogger("condmem.tables")
 
 Tier = Literal["hbm", "host", "disk"]
 TIERS: tuple[str, ...] = ("hbm", "host", "disk")
+
+
+def advise_random(t: torch.Tensor) -> bool:
+    """Tell the kernel that the pages under CPU tensor `t` (a file mapping) are read at random:
+    no read-around on a fault. Returns False where that is not possible (no madvise, not a
+    mapping); reads stay correct either way."""
+    advice = getattr(mmap, "MADV_RANDOM", None)
+    if advice is None or t.device.type != "cpu" or t.numel() == 0:
+        return False
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    end = t.data_ptr() + t.numel() * t.element_size()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(advice)) == 0
+    except (OSError, AttributeError):
+        return False
+    if not ok:
+        log.debug("madvise(MADV_RANDOM) refused (errno %d): the disk tier keeps the default read-around",
+                  ctypes.get_errno())
+    return ok
 
 
 class StorageError(ValueError):
@@ -208,6 +235,9 @@ def place_layer(
     d = rows.head_dim
     fmt = raw_format(rows.format)
     if tier == "disk":
+        for t in (rows.weight, rows.scales):
+            if t is not None:
+                advise_random(t)
         if rows.format == "fp8":
             return LayerStore("disk", fmt, d, None, split=(rows.weight, rows.scales))
         raw = rows.weight.view(torch.uint8) if rows.format == "bf16" else rows.weight
