@@ -532,7 +532,11 @@ class LookupEngine:
             row_words(plan.compact)[plan.cpu_pos[:n_cpu]] = row_words(rows)
         out = self._expand(plan.compact, plan.inverse[: row_ids.numel()].view(row_ids.shape))
         if self.cache is not None:
-            plan.admit(capture=False)
+            # On the CPU the miss count is known here, so only the misses are admitted (the
+            # padded admission does the same work over the whole bucket: ~1.4x slower here).
+            k = counts["n_miss"]
+            rows = row_words(plan.compact).index_select(0, plan.miss_pos[:k]).view(torch.uint8)
+            self.cache.admit(plan.miss_ids[:k], rows)
         return out
 
     # ------------------------------------------------------------------ tuning

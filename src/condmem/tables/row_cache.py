@@ -210,7 +210,7 @@ class RowCache:
         live = self.keys.index_select(0, real_sets) != EMPTY
         prio = torch.where(live, self.freq.index_select(0, real_sets).to(torch.int64) + 1, 0)
         key = prio * self.ways + ways                                         # [n, ways], distinct per row
-        position = (key[:, None, :] < key[:, :, None]).sum(dim=2)            # [n, ways]: place in the order
+        position = (key[:, None, :] < key[:, :, None]).sum(dim=2, dtype=torch.int16)   # [n, ways]: place in the order
         chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
         # Kept newcomers get distinct slots; dropped ones write trash slots (never probed).
         slot = torch.where(keep, sorted_sets * self.ways + chosen_way, self._trash_slots(idx.numel(), idx.device))
