@@ -343,9 +343,7 @@ class LookupEngine:
         if row_ids.numel() <= self.direct_max_ids and self.store.gpu_readable:
             return self._lookup_direct(row_ids, stats)
         if self._plans and self._plans_fraction != self._split_fraction():
-            self.flush()                    # plans of the old split may still be in flight
-            self._plans.clear()
-            self._plan_next.clear()
+            self._drop_plans(list(self._plans))     # plans of the old split
         # Back-pressure: at most max_in_flight lookups (and plan slots) in use.
         while sum(not b.enqueued() for b in self._in_flight) >= self.max_in_flight:
             concurrent.futures.wait([next(b.future for b in self._in_flight if not b.enqueued())])
@@ -424,6 +422,19 @@ class LookupEngine:
             return 1.0
         return self.cpu_fraction
 
+    def _drop_plans(self, sizes: list[int]) -> None:
+        """Free the plan slots of these sizes, once no lookup uses them: every lookup in flight
+        is finished and admitted, and the device has run past it (the slots' memory, graph
+        pools included, may be reused by any stream once freed)."""
+        self.flush()
+        if self.on_gpu:
+            self.stream.synchronize()
+            self.finish_stream.synchronize()
+            self.zero_copy_stream.synchronize()
+        for size in sizes:
+            self._plans.pop(size, None)
+            self._plan_next.pop(size, None)
+
     def _plan_slot(self, n: int) -> LookupPlan:
         """The next of `max_in_flight` plan slots of size `n` (a bucket). Safe to reuse: when a
         lookup is planned, every lookup `max_in_flight` back has been admitted, and its
@@ -432,9 +443,7 @@ class LookupEngine:
         ring = self._plans.get(n)
         if ring is None:
             if len(self._plans) >= self.max_plan_sizes:
-                self.flush()                        # nothing in flight may use the evicted slots
-                old, _ = self._plans.popitem(last=False)
-                self._plan_next.pop(old, None)
+                self._drop_plans([next(iter(self._plans))])   # the least recently used size
             ring = self._plans[n] = []
         else:
             self._plans.move_to_end(n)
@@ -644,8 +653,7 @@ class LookupEngine:
 
     def close(self) -> None:
         """Finish the lookups in flight, stop the worker thread and free the plan slots."""
-        self.flush()
-        self._plans.clear()
+        self._drop_plans(list(self._plans))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
