@@ -49,6 +49,13 @@ def _expected(rows: LayerRows, ids: torch.Tensor) -> torch.Tensor:
     return gather_reference(ids.cpu(), rows.weight, rows.scales, head_dim=D)
 
 
+def _place(table_files, fmt: str, tier: str, **kwargs):
+    """Layer 2 of the `fmt` table file placed in `tier` (no progress bar), and its source rows."""
+    layout, sources, paths = table_files
+    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), tier, progress=False, **kwargs)
+    return store, sources[fmt]
+
+
 def _batches(n_rows: int, seed: int, n: int = 4):
     gen = torch.Generator().manual_seed(seed)
     for i in range(n):
@@ -122,18 +129,16 @@ def test_gpu_lookup_equals_plain_gather(table_files, fmt, tier, alloc, cached, c
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_interleaved", "bf16"])
 def test_disk_with_dram_cache_and_hbm_cache_levels(table_files, fmt):
     """HBM cache -> DRAM cache -> file: every level returns the same bytes as a plain gather."""
-    layout, sources, paths = table_files
-    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "disk", progress=False)
+    store, source = _place(table_files, fmt, "disk")
     dram = store.attach_dram_cache(64 * store.row_bytes, ways=4)
     engine = LookupEngine(store, "cpu", cache=RowCache(16, store.row_bytes, ways=4))
     for ids in _batches(store.num_rows, seed=3, n=6):
-        assert torch.equal(engine.lookup(ids).wait(), _expected(sources[fmt], ids))
+        assert torch.equal(engine.lookup(ids).wait(), _expected(source, ids))
     assert dram.stats.hits > 0 and dram.stats.admitted > 0
     with pytest.raises(StorageError, match="outside"):
         store.gather_raw(torch.tensor([0, store.num_rows]))
     with pytest.raises(StorageError, match="fronts the disk tier"):
-        place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", host_alloc="pageable",
-                    progress=False).attach_dram_cache(1000)
+        _place(table_files, fmt, "host", host_alloc="pageable")[0].attach_dram_cache(1000)
 
 
 @cuda_only
@@ -141,14 +146,12 @@ def test_disk_with_dram_cache_and_hbm_cache_levels(table_files, fmt):
 @pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc")])
 def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
     """Decode-sized batches: one gather kernel from the table in place, same rows."""
-    layout, sources, paths = table_files
-    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), tier, host_alloc=alloc or "mmap_register",
-                        progress=False)
+    store, source = _place(table_files, fmt, tier, host_alloc=alloc or "mmap_register")
     engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"))
     for ids in _batches(store.num_rows, seed=4, n=4):
         handle = engine.lookup(ids.cuda())
         assert handle.stats.unique == -1          # took the direct path
-        assert torch.equal(handle.wait().cpu(), _expected(sources[fmt], ids))
+        assert torch.equal(handle.wait().cpu(), _expected(source, ids))
     engine.close()
     store.close()
 
@@ -185,9 +188,8 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
 def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight):
     """Many lookups in flight (the next planned while the last is gathered), waited out of order,
     with hot ids repeating across batches so hits come from rows admitted by earlier lookups."""
-    layout, sources, paths = table_files
     fmt = "fp8_interleaved"
-    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
+    store, source = _place(table_files, fmt, "host")
     cache = RowCache(128, store.row_bytes, ways=4, device="cuda") if cached else None
     engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7,
                           staging_ring=2,
@@ -195,9 +197,9 @@ def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_
     batches = list(_batches(store.num_rows, seed=7, n=12))
     handles = [engine.lookup(ids.cuda()) for ids in batches[:8]]
     for i in (3, 0, 7, 1, 2, 6, 5, 4):                       # out of order
-        assert torch.equal(handles[i].wait().cpu(), _expected(sources[fmt], batches[i]))
+        assert torch.equal(handles[i].wait().cpu(), _expected(source, batches[i]))
     for ids in batches[8:]:                                # one at a time after the burst
-        assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(sources[fmt], ids))
+        assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(source, ids))
     engine.flush()
     if cached:
         stats = cache.stats
@@ -209,17 +211,16 @@ def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_
 @cuda_only
 def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(table_files):
     """With the DMAs held back, rows read without waiting for the handle differ from the waited rows."""
-    layout, sources, paths = table_files
     fmt = "fp8_interleaved"
-    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
+    store, source = _place(table_files, fmt, "host")
     engine = LookupEngine(store, "cuda", cpu_fraction=1.0, direct_max_ids=0)
     ids = next(_batches(store.num_rows, seed=8, n=1))
     with torch.cuda.stream(engine.copy_stream):
         torch.cuda._sleep(200_000_000)
     handle = engine.lookup(ids.cuda())
     early = handle.rows.clone()          # on the default stream, no wait
-    assert torch.equal(handle.wait().cpu(), _expected(sources[fmt], ids))
-    assert not torch.equal(early.cpu(), _expected(sources[fmt], ids))
+    assert torch.equal(handle.wait().cpu(), _expected(source, ids))
+    assert not torch.equal(early.cpu(), _expected(source, ids))
     engine.close()
     store.close()
 
@@ -227,9 +228,8 @@ def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(tabl
 @cuda_only
 def test_gpu_calibration_on_a_sample_with_the_cache_keeps_rows_exact(table_files):
     """calibrate(sample=...) times the caller's batches with the cache; lookups stay exact afterwards."""
-    layout, sources, paths = table_files
     fmt = "fp8_interleaved"
-    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
+    store, source = _place(table_files, fmt, "host")
     cache = RowCache(64, store.row_bytes, ways=4, device="cuda")
     engine = LookupEngine(store, "cuda", cache=cache, direct_max_ids=0)
     batches = [ids.cuda() for ids in _batches(store.num_rows, seed=9, n=6)]
@@ -239,23 +239,21 @@ def test_gpu_calibration_on_a_sample_with_the_cache_keeps_rows_exact(table_files
     assert chosen in (0.0, 0.5, 1.0) and set(engine.calibration) == {0.0, 0.5, 1.0}
     assert engine.cache is cache
     for ids in _batches(store.num_rows, seed=10, n=3):
-        assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(sources[fmt], ids))
+        assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(source, ids))
     engine.close()
     store.close()
 
 
 def test_cpu_pipelined_timing_and_calibration_are_harmless(table_files):
     """On the CPU, lookups run synchronously: time_pipelined still times them, calibrate keeps the split."""
-    layout, sources, paths = table_files
-    store = place_layer(EngramTableFile(paths["fp8_interleaved"], layout=layout).layer(2), "host",
-                        host_alloc="pageable", progress=False)
+    store, source = _place(table_files, "fp8_interleaved", "host", host_alloc="pageable")
     engine = LookupEngine(store, "cpu", cpu_fraction=0.3)
     batches = list(_batches(store.num_rows, seed=11, n=3))
     assert engine.time_pipelined(batches) > 0
     assert engine.calibrate(sample=batches) == 0.3
     engine.flush()
     for ids in batches:
-        assert torch.equal(engine.lookup(ids).wait(), _expected(sources["fp8_interleaved"], ids))
+        assert torch.equal(engine.lookup(ids).wait(), _expected(source, ids))
     engine.close()
 
 
@@ -268,9 +266,8 @@ def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fractio
     admitted before the next (when an admission lands relative to later probes is timing, so
     only in this order are the two runs' cache states comparable).
     """
-    layout, sources, paths = table_files
     fmt = "fp8_interleaved"
-    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", progress=False)
+    store, source = _place(table_files, fmt, "host")
     results = {}
     for graphs in (False, True):
         cache = RowCache(64, store.row_bytes, ways=4, device="cuda")
@@ -279,11 +276,11 @@ def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fractio
         rows = [h.wait().clone() for h in engine.run_pipelined([ids.cuda() for ids in batches])]
         engine.flush()
         for ids, r in zip(batches, rows):
-            assert torch.equal(r.cpu(), _expected(sources[fmt], ids))
+            assert torch.equal(r.cpu(), _expected(source, ids))
         cache.clear()
         cache.reset_stats()
         for ids in batches:
-            assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(sources[fmt], ids))
+            assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(source, ids))
             engine.flush()
         results[graphs] = (cache.keys.clone(), cache.freq.clone(), cache.stats)
         engine.close()
@@ -295,9 +292,8 @@ def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fractio
 @cuda_only
 @pytest.mark.parametrize("tier", ["hbm", "host"])
 def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_files, tier):
-    layout, sources, paths = table_files
     fmt = "fp8_interleaved"
-    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), tier, progress=False)
+    store, source = _place(table_files, fmt, tier)
     engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
                           cpu_fraction=0.5, direct_max_ids=0)
     good = next(_batches(store.num_rows, seed=22, n=1))
@@ -306,7 +302,7 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
     with pytest.raises(StorageError, match=str(store.num_rows + 5)):
         engine.lookup(bad.cuda()).wait()
     for _ in range(3):   # the failed lookup's slot is reused and nothing of it was admitted
-        assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(sources[fmt], good))
+        assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(source, good))
     engine.close()
     store.close()
 
@@ -318,10 +314,8 @@ def test_cpu_lookups_of_any_shape_and_repeat_pattern_are_exact(table_files):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    layout, sources, paths = table_files
     fmt = "fp8_interleaved"
-    store = place_layer(EngramTableFile(paths[fmt], layout=layout).layer(2), "host", host_alloc="pageable",
-                        progress=False)
+    store, source = _place(table_files, fmt, "host", host_alloc="pageable")
     engine = LookupEngine(store, "cpu", cache=RowCache(32, store.row_bytes, ways=4), max_plan_sizes=2)
 
     @settings(max_examples=60, deadline=None)
@@ -332,12 +326,12 @@ def test_cpu_lookups_of_any_shape_and_repeat_pattern_are_exact(table_files):
         pool = torch.randint(0, store.num_rows, (distinct,), generator=gen)
         ids = pool[torch.randint(0, distinct, (n, cols), generator=gen)]
         ids = ids if wide else ids.to(torch.int32)
-        assert torch.equal(engine.lookup(ids).wait(), _expected(sources[fmt], ids.long()))
+        assert torch.equal(engine.lookup(ids).wait(), _expected(source, ids.long()))
 
     check()
     bad = torch.tensor([[0, store.num_rows]])
     with pytest.raises(StorageError, match=str(store.num_rows)):
         engine.lookup(bad)
     ok = torch.tensor([[1, 2, 3]])
-    assert torch.equal(engine.lookup(ok).wait(), _expected(sources[fmt], ok))
+    assert torch.equal(engine.lookup(ok).wait(), _expected(source, ok))
     store.close()
