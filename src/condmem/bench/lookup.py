@@ -42,7 +42,7 @@ PIPELINE_MIN_TOKENS = 1024
 """Batches from this size up are also timed as a pipeline (decode-sized ones are one kernel each)."""
 
 
-def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerStore, args, gen, text_ids_for,
+def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerStore, args, gen, text_sets_for,
                    device: str) -> list[tuple[str, float, float, float | None]]:
     """(mode, seconds per lookup, hit rate, unique fraction) for one stream and batch size.
 
@@ -61,8 +61,7 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
             engine.time_pipelined(sets)
             out.append(("pipelined", engine.time_pipelined(sets * args.repeats), 0.0, None))
         return out
-    text_ids = text_ids_for(store.num_rows)
-    sets = text_batches(text_ids, tokens, args.text_batches + args.text_warmup, device)
+    sets = text_sets_for(store.num_rows, tokens)
     warm, timed = sets[: args.text_warmup], sets[args.text_warmup:]
     unique = sum(torch.unique(ids).numel() / ids.numel() for ids in timed) / len(timed)
     for mode in ("latency", "pipelined") if pipelined else ("latency",):
@@ -138,12 +137,21 @@ def run_lookup(args) -> list[dict]:
                 args.text_warmup = have - args.text_batches
         return text_by_rows[rows]
 
+    text_on_device: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def text_sets_for(rows: int, tokens: int) -> list[torch.Tensor]:
+        """Every batch (warm-up, then timed) of the text stream on the device, moved there once."""
+        if (rows, tokens) not in text_on_device:
+            ids = text_ids_for(rows)
+            text_on_device[(rows, tokens)] = text_batches(ids, tokens, args.text_warmup + args.text_batches, device)
+        return text_on_device[(rows, tokens)]
+
     variants = [parse_variant(v, args.padding_spread)
                 for v in (args.engines or ["eager" if args.eager_plans else "graphs"])] * args.engine_rounds
     if "plan" in args.diagnostics:
         # The cache path alone: no table is read, so none is built.
         tokens = max(batches)
-        text = text_batches(text_ids_for(n_rows), tokens, args.text_warmup + args.text_batches, device)
+        text = text_sets_for(n_rows, tokens)
         rows_out.extend(plan_costs(n_rows, max(1, int(n_rows * args.cache_fraction)), text, args.text_warmup,
                                    variants, info, ceiling))
     for tier in args.tiers:
@@ -183,8 +191,7 @@ def run_lookup(args) -> list[dict]:
                                          if args.trace else None)
                                 rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
                                                                   cpu_threads=threads, trace=trace, chunk_rows=chunk))
-                    text_ids = text_ids_for(store.num_rows)
-                    text = text_batches(text_ids, tokens, args.text_warmup + 11, "cuda")
+                    text = text_sets_for(store.num_rows, tokens)[: args.text_warmup + 11]
                     cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
                                                 device="cuda")
                     for fraction in (0.7, 1.0):
@@ -208,13 +215,12 @@ def run_lookup(args) -> list[dict]:
                     if stream == "text":
                         # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
                         tokens = max(batches)
-                        text_ids = text_ids_for(store.num_rows)
-                        engine.calibrate(sample=text_batches(text_ids, tokens, args.text_warmup, device))
+                        engine.calibrate(sample=text_sets_for(store.num_rows, tokens)[: args.text_warmup])
                     else:
                         engine.calibrate(n_ids=16384 * N_COLS)
                 for tokens in batches:
                     for mode, seconds, hit_rate, unique in measure_stream(engine, stream, tokens, store, args, gen,
-                                                                          text_ids_for, device):
+                                                                          text_sets_for, device):
                         requested = tokens * N_COLS * ROW_BYTES
                         gbps = requested / seconds / 1e9
                         row = {

@@ -273,7 +273,6 @@ class LookupEngine:
         self.padding_spread = max(1, padding_spread)
         self._plans: collections.OrderedDict[int, list[LookupPlan]] = collections.OrderedDict()  # by bucket, LRU
         self._plan_next: dict[int, int] = {}
-        self._plans_fraction: float | None = None
         self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
         self.timing = False   # benchmarks: CUDA events that can be timed (`bench lookup`'s pipeline timeline)
 
@@ -342,8 +341,9 @@ class LookupEngine:
         row_ids.record_stream(self.stream)
         if row_ids.numel() <= self.direct_max_ids and self.store.gpu_readable:
             return self._lookup_direct(row_ids, stats)
-        if self._plans and self._plans_fraction != self._split_fraction():
-            self._drop_plans(list(self._plans))     # plans of the old split
+        fraction = self._split_fraction()
+        if any(ring[0].fraction != fraction for ring in self._plans.values()):
+            self._drop_plans(list(self._plans))     # plans of an old split (calibrate changed it)
         # Back-pressure: at most max_in_flight lookups (and plan slots) in use.
         while sum(not b.enqueued() for b in self._in_flight) >= self.max_in_flight:
             concurrent.futures.wait([next(b.future for b in self._in_flight if not b.enqueued())])
@@ -439,7 +439,6 @@ class LookupEngine:
         """The next of `max_in_flight` plan slots of size `n` (a bucket). Safe to reuse: when a
         lookup is planned, every lookup `max_in_flight` back has been admitted, and its
         admission (on the plan stream) waited for its rows."""
-        self._plans_fraction = self._split_fraction()
         ring = self._plans.get(n)
         if ring is None:
             if len(self._plans) >= self.max_plan_sizes:
@@ -450,7 +449,7 @@ class LookupEngine:
         k = self._plan_next.get(n, 0)
         if k == len(ring):
             ring.append(LookupPlan(n, self.store.row_bytes, self.store.num_rows, self.device, self.cache,
-                                   self._plans_fraction, self.region_bytes, pin=self.on_gpu,
+                                   self._split_fraction(), self.region_bytes, pin=self.on_gpu,
                                    spare=self.padding_spread))
         self._plan_next[n] = (k + 1) % self.max_in_flight
         return ring[k]

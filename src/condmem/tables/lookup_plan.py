@@ -144,7 +144,7 @@ class LookupPlan:
     from N on are spares that padding writes to), ``miss_ids`` / ``miss_pos`` (padded), the GPU share
     ``gpu_ids`` / ``gpu_pos`` and the CPU share's positions ``cpu_pos``; on the host, once
     the copy is done, ``host[:N_COUNTS]`` the counts and ``host[N_COUNTS:]`` the CPU share's
-    ids. `admit()` queues the misses' admission to the cache (also a graph).
+    ids (absent when `fraction` is 0: no CPU share, so only the counts cross). `admit()` queues the misses' admission to the cache (also a graph).
     """
 
     def __init__(self, n: int, row_bytes: int, num_rows: int, device: torch.device, cache: RowCache | None,
@@ -157,8 +157,10 @@ class LookupPlan:
         self.spare = max(1, spare)
         self.compact = torch.empty((n + self.spare, row_bytes), dtype=torch.uint8, device=device)
         self.spare_rows = n + spread(n, self.spare, device)   # where the GPU share's padding rows land
-        self._to_host = torch.empty(N_COUNTS + n, dtype=torch.int64, device=device)
-        self.host = torch.empty(N_COUNTS + n, dtype=torch.int64, pin_memory=pin)
+        # Counts, then (only when there can be a CPU share) that share's ids.
+        host_len = N_COUNTS + (n if self.cpu_share else 0)
+        self._to_host = torch.empty(host_len, dtype=torch.int64, device=device)
+        self.host = torch.empty(host_len, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[str, object] = {}
 
     # ------------------------------------------------------------------ the steps
@@ -186,7 +188,8 @@ class LookupPlan:
         bad = ((lo < 0) | (hi >= self.num_rows)).long()
         counts = torch.cat([n_cpu, n_gpu, n_miss, n_unique, bad, lo, hi, torch.zeros_like(lo)])
         self._to_host[:N_COUNTS] = counts
-        self._to_host[N_COUNTS:] = self.miss_ids.index_select(0, cpu_sel[:n])
+        if self.cpu_share:
+            self._to_host[N_COUNTS:] = self.miss_ids.index_select(0, cpu_sel[:n])
         self.host.copy_(self._to_host, non_blocking=True)
 
     def _admit(self) -> None:
