@@ -153,7 +153,7 @@ def run_lookup(args) -> list[dict]:
         tokens = max(batches)
         text = text_sets_for(n_rows, tokens)
         rows_out.extend(plan_costs(n_rows, max(1, int(n_rows * args.cache_fraction)), text, args.text_warmup,
-                                   variants, info, ceiling))
+                                   variants, info, ceiling, kernels=args.trace))
     for tier in args.tiers:
         if tier == "hbm":
             if device != "cuda":
@@ -253,6 +253,8 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     if plt is None:
         return None
     rows = [r for r in rows if r.get("bench") == "lookup"]
+    if not rows:
+        return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in sorted({(r["tier"], r["stream"], r.get("mode", "latency")) for r in rows}):
         pts = sorted((r["tokens"], r["effective_gbps"]) for r in rows
@@ -295,8 +297,9 @@ def add_arguments(p) -> None:
     p.add_argument("--table-gib", type=float, default=None,
                    help="host table size in GiB (default: 64, or half the available memory if less)")
     p.add_argument("--hbm-gib", type=float, default=16.0, help="HBM table size for the HBM tier (default 16)")
-    p.add_argument("--tiers", nargs="+", default=["hbm", "host"], choices=["hbm", "host", "disk"],
-                   help="tiers to measure (disk: a file of --disk-gib, page cache dropped, memory-mapped)")
+    p.add_argument("--tiers", nargs="*", default=["hbm", "host"], choices=["hbm", "host", "disk"],
+                   help="tiers to measure (disk: a file of --disk-gib, page cache dropped, memory-mapped); "
+                        "the flag alone: none (with --diagnostics plan: the cache path only, no table built)")
     p.add_argument("--disk-gib", type=float, default=8.0, help="disk-tier table size in GiB (default 8)")
     p.add_argument("--disk-dir", default=None, help="folder for the disk-tier file (default: the temp folder)")
     p.add_argument("--dram-cache-gib", type=float, default=1.0, help="DRAM row cache in front of the disk tier")
@@ -332,7 +335,8 @@ def add_arguments(p) -> None:
                    help="rows per pinned staging chunk of the CPU share (default 131072); several values: the "
                         "pipeline diagnostic compares them, lookups use the first")
     p.add_argument("--trace", action="store_true",
-                   help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline")
+                   help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline; "
+                        "with --diagnostics plan: log each step's kernels by device time")
     p.add_argument("--diagnostics", nargs="*", default=["gather", "phases", "timeline"],
                    choices=["gather", "phases", "timeline", "pipeline", "plan"],
                    help="diagnostics run before the lookups: CPU gather rates (alone and under GPU load), each "

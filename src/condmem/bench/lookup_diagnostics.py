@@ -370,12 +370,13 @@ def plot_pipeline(rows: list[dict], path: Path) -> Path | None:
 
 
 def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm: int, variants: list[dict],
-               info: dict, ceiling: dict) -> list[dict]:
+               info: dict, ceiling: dict, kernels: bool = False) -> list[dict]:
     """Median device ms of a plan (dedup, probe, hits, misses, split, counts to the host) and of
     its cache admission, each alone, per variant; the cache warmed on the first `warm` batches.
 
     The misses' rows are not fetched (their bytes are whatever `compact` holds): only the
     time of the plan's own kernels is measured. On the CPU (smoke runs) times are host times.
+    `kernels`: also profile a few batches per variant and report each step's kernels by device time.
     """
     device = batches[0].device
     on_gpu = device.type == "cuda"
@@ -406,6 +407,8 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
                     if i >= warm:
                         times[name].append(ms)
         hit = cache.stats.hit_rate
+        if kernels and on_gpu:
+            rows.extend(plan_kernel_rows(plan, batches[warm:warm + 4], variant, capture, stream, info))
         for name, ts in times.items():
             ts.sort()
             ms = ts[len(ts) // 2] if ts else float("nan")
@@ -415,4 +418,43 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
             log.info("plan cost [%s] %-5s %.3f ms (median of %d text batches, hit %.2f)", variant["label"], name, ms,
                      len(ts), hit)
         del plan, cache
+    return rows
+
+
+def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: dict, capture: bool, stream,
+                     info: dict) -> list[dict]:
+    """Device time per kernel of the plan and the admission over `batches` (torch profiler), one
+    row per step with its kernels sorted by total time: where the cache path's milliseconds go."""
+    rows = []
+    for name, step in (("plan", plan.run), ("admit", plan.admit)):
+        with torch.cuda.stream(stream), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for ids in batches:
+                fill_plan_ids(plan.ids, ids.reshape(-1))
+                plan.run(capture=capture)
+                if name == "admit":
+                    torch.cuda.synchronize()
+                    step(capture=capture)
+                torch.cuda.synchronize()
+        per_kernel: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                entry = per_kernel.setdefault(event.name[:90], [0.0, 0])
+                entry[0] += event.device_time / 1e3 / len(batches)
+                entry[1] += 1
+        if name == "admit":     # the profile of "admit" holds the plan's kernels too: subtract them
+            for kernel, (ms, count) in plan_only.items():
+                if kernel in per_kernel:
+                    per_kernel[kernel][0] -= ms
+                    per_kernel[kernel][1] -= count
+        else:
+            plan_only = {k: list(v) for k, v in per_kernel.items()}
+        top = sorted(((ms, count, k) for k, (ms, count) in per_kernel.items() if ms > 1e-3), reverse=True)
+        total = sum(ms for ms, _, _ in top)
+        log.info("plan kernels [%s] %s: %.3f ms of kernels per batch", variant["label"], name, total)
+        for ms, count, kernel in top[:12]:
+            log.info("    %7.3f ms  x%-4d %s", ms, count // max(1, len(batches)), kernel)
+        rows.append({"bench": "plan_kernels", "variant": variant["label"], "step": name, "ms_total": total,
+                     "kernels": [{"name": k, "ms": ms, "launches": c // max(1, len(batches))} for ms, c, k in top],
+                     "machine": info})
     return rows
