@@ -95,11 +95,14 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
 
 def parse_variant(text: str, default_spread: int) -> dict:
     """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``:N`` spare
-    rows for padding writes (e.g. ``graphs:1024``)."""
-    name, _, spread = text.partition(":")
-    if name not in ("graphs", "eager") or (spread and not spread.isdigit()):
-        raise SystemExit(f"--engines: {text!r} is not graphs|eager[:spare_rows]")
-    return {"label": text, "graphs": name == "graphs", "spread": int(spread) if spread else default_spread}
+    rows for padding writes and ``/torch`` or ``/triton`` for the cache's probe and admission
+    (default: Triton on CUDA), e.g. ``graphs:1024/torch``."""
+    head, _, backend = text.partition("/")
+    name, _, spread = head.partition(":")
+    if name not in ("graphs", "eager") or (spread and not spread.isdigit()) or backend not in ("", "torch", "triton"):
+        raise SystemExit(f"--engines: {text!r} is not graphs|eager[:spare_rows][/torch|/triton]")
+    return {"label": text, "graphs": name == "graphs", "spread": int(spread) if spread else default_spread,
+            "cache_backend": backend or "auto"}
 
 
 def run_lookup(args) -> list[dict]:
@@ -206,7 +209,8 @@ def run_lookup(args) -> list[dict]:
                 label = variant["label"] if len(variants) > 1 else ""
                 cached = stream == "text" and args.cache_fraction > 0
                 cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device,
-                                             trash_slots=variant["spread"]) if cached else None)
+                                             trash_slots=variant["spread"], backend=variant["cache_backend"])
+                         if cached else None)
                 engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
                                       cpu_threads=(args.cpu_threads or [None])[0],
                                       staging_chunk_rows=args.staging_chunk_rows[0], graphs=variant["graphs"],
@@ -319,7 +323,9 @@ def add_arguments(p) -> None:
                    help="spare rows (and cache trash slots) the plans' padding writes cycle over (1: one)")
     p.add_argument("--engines", nargs="+", default=None,
                    help="engine variants measured one after another on the same table, for A/B runs: "
-                        "graphs|eager[:spare_rows], e.g. 'graphs eager graphs:1024'")
+                        "graphs|eager[:spare_rows][/torch|/triton] (plans as CUDA graphs or kernel by kernel; "
+                        "spare rows for padding writes; the cache's probe and admission as torch ops or Triton "
+                        "kernels, default Triton on CUDA), e.g. 'graphs graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")
     p.add_argument("--eager-plans", action="store_true",

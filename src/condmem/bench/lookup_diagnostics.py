@@ -382,7 +382,8 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
     on_gpu = device.type == "cuda"
     rows = []
     for variant in variants:
-        cache = RowCache(cache_rows, ROW_BYTES, ways=16, device=device, trash_slots=variant["spread"])
+        cache = RowCache(cache_rows, ROW_BYTES, ways=16, device=device, trash_slots=variant["spread"],
+                         backend=variant.get("cache_backend", "auto"))
         n = plan_bucket(batches[0].numel())
         plan = LookupPlan(n, ROW_BYTES, num_rows, device, cache, 1.0, 64 << 10, pin=on_gpu, spare=variant["spread"])
         capture = variant["graphs"] and on_gpu
@@ -426,6 +427,7 @@ def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: dic
     """Device time per kernel of the plan and the admission over `batches` (torch profiler), one
     row per step with its kernels sorted by total time: where the cache path's milliseconds go."""
     rows = []
+    plan_only: dict[str, list] = {}
     for name, step in (("plan", plan.run), ("admit", plan.admit)):
         with torch.cuda.stream(stream), torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from condmem.tables.row_cache import RowCache, row_words
+from condmem.tables.row_cache import RowCache
 
 PAD_ID = -1
 N_COUNTS = 8
@@ -169,10 +169,8 @@ class LookupPlan:
         uniq, self.inverse, n_unique = dedup_padded(self.ids, self.spare)
         valid = uniq[:n] >= 0
         if self.cache is not None:
-            slot = self.cache.probe(uniq[:n], valid=valid)
-            # Every entry reads a cache row (misses and padding read slot 0, overwritten later):
-            # a gather of a few MB instead of a compaction of the hits.
-            torch.index_select(row_words(self.cache.data), 0, slot.clamp(min=0), out=row_words(self.compact[:n]))
+            # Hits' rows land in `compact` at their unique position; the misses' rows come later.
+            slot = self.cache.probe(uniq[:n], valid=valid, rows_out=self.compact[:n])
             miss = valid & (slot < 0)
         else:
             miss = valid
@@ -193,9 +191,9 @@ class LookupPlan:
         self.host.copy_(self._to_host, non_blocking=True)
 
     def _admit(self) -> None:
-        rows = row_words(self.compact).index_select(0, self.miss_pos[: self.n]).view(torch.uint8)
         ids = self.miss_ids[: self.n]
-        self.cache.admit_rows(ids, rows, valid=ids >= 0)
+        self.cache.admit_rows(ids, self.compact, valid=ids >= 0, row_index=self.miss_pos[: self.n],
+                              return_slots=False)
 
     # ------------------------------------------------------------------ running
     def _call(self, name: str, fn, capture: bool) -> None:

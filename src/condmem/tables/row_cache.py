@@ -18,6 +18,10 @@ Design (all steps are vectorized torch; no Python loop over rows):
 
 Rows are stored as raw bytes (uint8 [slots, row_bytes]) in the table's own format
 (bf16, fp8 or interleaved fp8+scales), so the cache is format-agnostic.
+
+On CUDA, probe and admission run as Triton kernels (`row_cache_kernels`: one launch for
+the probe, two for the admission; ~10x less device time than the torch ops, which remain
+the reference and the CPU path). Both give the same keys, counters, rows and slots.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from condmem.ops.triton_util import resolve_backend
 
 EMPTY = -1
 
@@ -60,8 +66,10 @@ class RowCache:
         ways: associativity (slots per set).
         device: where keys, counters and rows live (``cuda`` for the HBM cache).
         decay_every: halve all frequency counters after this many `admit` calls (0: never).
-        trash_slots: slots past the end that dropped admissions and missed probes write to
-            (1: one; more spread those stores over more addresses).
+        trash_slots: slots past the end that the torch path's dropped admissions and missed
+            probes write to (1: one; more spread those stores over more addresses).
+        backend: "auto" (the Triton kernels on CUDA when `ways` is a power of two, else the
+            torch ops), "triton" or "torch".
 
     Example:
         >>> cache = RowCache.from_bytes(8 * 2**30, row_bytes=264, device="cuda")
@@ -71,7 +79,7 @@ class RowCache:
     """
 
     def __init__(self, capacity_rows: int, row_bytes: int, ways: int = 8, device: str | torch.device = "cpu",
-                 decay_every: int = 64, trash_slots: int = 1):
+                 decay_every: int = 64, trash_slots: int = 1, backend: str = "auto"):
         if capacity_rows < 1 or row_bytes < 1 or ways < 1:
             raise ValueError(f"RowCache needs positive capacity_rows, row_bytes and ways, got "
                              f"{capacity_rows}, {row_bytes}, {ways}")
@@ -82,6 +90,11 @@ class RowCache:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.decay_every = decay_every
+        self.backend = resolve_backend(backend, self.device, "RowCache")
+        if self.backend == "triton" and self.ways & (self.ways - 1):
+            if backend == "triton":
+                raise ValueError(f"RowCache: the Triton kernels need a power-of-two number of ways, got {self.ways}")
+            self.backend = "torch"
         slots = self.n_sets * self.ways
         # Trash slots past the end, outside the views below: `admit` sends the rows it drops
         # there, so it never has to compact its inputs (a compaction is a host sync). With
@@ -129,25 +142,40 @@ class RowCache:
         self._freq_all.zero_()
 
     # ------------------------------------------------------------------ operations
-    def probe(self, ids: torch.Tensor, count: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def probe(self, ids: torch.Tensor, count: bool = True, valid: torch.Tensor | None = None,
+              rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """Slot of each id (int64, -1 on a miss); ids must be unique, int64, on the cache's device.
 
         `valid`: optional bool mask; ids where it is False (padding) always miss and are not counted.
+        `rows_out`: optional uint8 [n, row_bytes]: each hit's row is copied to its id's position
+        (other positions: unspecified).
         """
         if ids.numel() == 0:
             return ids.new_empty(0)
-        sets = torch.remainder(ids, self.n_sets)
-        match = self.keys.index_select(0, sets) == ids[:, None]   # [n, ways]
-        hit = match.any(dim=1)
-        if valid is not None:
-            hit &= valid
-        way = match.to(torch.int8).argmax(dim=1)
-        slot = torch.where(hit, sets * self.ways + way, torch.full_like(ids, -1))
+        if self.backend == "triton":
+            from condmem.tables import row_cache_kernels
+
+            out_words = row_words(rows_out) if rows_out is not None else None
+            slot = row_cache_kernels.probe(ids, valid, self.keys, self._freq_all, row_words(self.data), count,
+                                           out_words)
+            hit = slot >= 0
+        else:
+            sets = torch.remainder(ids, self.n_sets)
+            match = self.keys.index_select(0, sets) == ids[:, None]   # [n, ways]
+            hit = match.any(dim=1)
+            if valid is not None:
+                hit &= valid
+            way = match.to(torch.int8).argmax(dim=1)
+            slot = torch.where(hit, sets * self.ways + way, torch.full_like(ids, -1))
+            if count:
+                # Unique ids -> distinct hit slots, so a plain read-add-write is exact; misses bump
+                # trash slots (a gather and a scatter: cheaper than an atomic index_add).
+                bump = torch.where(hit, slot, self._trash_slots(slot.numel(), slot.device))
+                self._freq_all[bump] = self._freq_all.index_select(0, bump) + 1
+            if rows_out is not None:
+                # Misses read slot 0 (their rows are the caller's to fill): no compaction, no sync.
+                torch.index_select(row_words(self.data), 0, slot.clamp(min=0), out=row_words(rows_out))
         if count:
-            # Unique ids -> distinct hit slots, so a plain read-add-write is exact; misses bump
-            # trash slots (a gather and a scatter: cheaper than an atomic index_add).
-            bump = torch.where(hit, slot, self._trash_slots(slot.numel(), slot.device))
-            self._freq_all[bump] = self._freq_all.index_select(0, bump) + 1
             self._counters[0] += ids.numel() if valid is None else valid.sum()
             self._counters[1] += hit.sum()
         return slot
@@ -177,28 +205,56 @@ class RowCache:
         if self.decay_every and self._admissions % self.decay_every == 0:
             self.freq.bitwise_right_shift_(1)
 
-    def admit_rows(self, ids: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def admit_rows(self, ids: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None,
+                   row_index: torch.Tensor | None = None, return_slots: bool = True) -> torch.Tensor | None:
         """The device work of `admit` (fixed shapes, no host sync: capturable in a CUDA graph).
 
         `valid`: optional bool mask; ids where it is False (padding) are ignored: never
         admitted, and they take no way from a real newcomer.
+        `row_index`: optional; newcomer i's row is ``rows[row_index[i]]`` (read in place, not
+        gathered into a copy first).
+        `return_slots`: False returns None (one scatter less).
         """
-        if rows.shape != (ids.numel(), self.row_bytes) or rows.dtype != torch.uint8:
-            raise ValueError(f"admit: rows must be uint8 [{ids.numel()}, {self.row_bytes}], got {rows.dtype} "
+        n_rows = ids.numel() if row_index is None else rows.shape[0]
+        if rows.dim() != 2 or rows.shape != (n_rows, self.row_bytes) or rows.dtype != torch.uint8:
+            raise ValueError(f"admit: rows must be uint8 [{n_rows}, {self.row_bytes}], got {rows.dtype} "
                              f"{tuple(rows.shape)}")
+        if row_index is not None and row_index.shape != ids.shape:
+            raise ValueError(f"admit: row_index must be shaped like ids {tuple(ids.shape)}, got "
+                             f"{tuple(row_index.shape)}")
         sets = torch.remainder(ids, self.n_sets)
-        # An id already cached (admitted since the caller's probe) is not admitted twice: one
-        # key, one slot. Its would-be rank is pushed past the ways so it is dropped below.
-        present = (self.keys.index_select(0, sets) == ids[:, None]).any(dim=1)
         if valid is not None:
             # Padding sorts into a set of its own past the last one, out of every real set's ranks.
-            present |= ~valid
             sets = torch.where(valid, sets, self.n_sets)
         sorted_sets, order = torch.sort(sets, stable=True)
         # Rank of each newcomer among the newcomers of its set: 0, 1, 2, ... (its distance from
         # the first newcomer of the same set in the sorted order).
         idx = torch.arange(sorted_sets.numel(), device=ids.device)
         rank = idx - torch.searchsorted(sorted_sets, sorted_sets)
+        if self.backend == "triton" and rows.device == self.device:
+            from condmem.tables import row_cache_kernels
+
+            slot = row_cache_kernels.admit(sorted_sets, rank, order, ids, self.keys, self._freq_all,
+                                           row_words(self.data), row_words(rows), row_index)
+            kept = slot >= 0
+        else:
+            if row_index is not None:
+                rows = row_words(rows).index_select(0, row_index.to(rows.device)).view(torch.uint8)
+            slot, kept = self._admit_sorted(ids, rows, valid, sorted_sets, order, rank)
+        self._counters[2] += kept.sum()
+        if not return_slots:
+            return None
+        out = torch.empty_like(ids)
+        out[order] = slot
+        return out
+
+    def _admit_sorted(self, ids, rows, valid, sorted_sets, order, rank):
+        """The torch admission (reference and CPU path): (slot of each sorted newcomer or -1, kept mask)."""
+        # An id already cached (admitted since the caller's probe) is not admitted twice: one
+        # key, one slot. Its would-be rank is pushed past the ways so it is dropped below.
+        present = (self.keys.index_select(0, torch.remainder(ids, self.n_sets)) == ids[:, None]).any(dim=1)
+        if valid is not None:
+            present |= ~valid
         keep = (rank < self.ways) & ~present.index_select(0, order)
         # The newcomer of rank r takes its set's r-th way in eviction order: empty ways first,
         # then live ways from least to most frequent, ties by way index. (Empty ways must rank
@@ -213,15 +269,13 @@ class RowCache:
         position = (key[:, None, :] < key[:, :, None]).sum(dim=2, dtype=torch.int16)   # [n, ways]: place in the order
         chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
         # Kept newcomers get distinct slots; dropped ones write trash slots (never probed).
+        idx = torch.arange(ids.numel(), device=ids.device)
         slot = torch.where(keep, sorted_sets * self.ways + chosen_way, self._trash_slots(idx.numel(), idx.device))
         self._keys_all[slot] = ids.index_select(0, order)
         self._freq_all.index_fill_(0, slot, 1)
-        rows_sorted = rows.index_select(0, order.to(rows.device)).to(self.device)
-        row_words(self._data_all)[slot] = row_words(rows_sorted)
-        out = torch.empty_like(ids)
-        out[order] = torch.where(keep, slot, torch.full_like(slot, -1))
-        self._counters[2] += keep.sum()
-        return out
+        rows_sorted = row_words(rows).index_select(0, order.to(rows.device)).to(self.device)
+        row_words(self._data_all)[slot] = rows_sorted
+        return torch.where(keep, slot, torch.full_like(slot, -1)), keep
 
     def __repr__(self) -> str:
         return (f"RowCache({self.capacity_rows:,} rows x {self.row_bytes} B = {self.data.numel() / 2**30:.2f} GiB, "
