@@ -28,7 +28,7 @@ import torch
 
 from condmem.bench.harness import append_rows, copy_bandwidth_gbps, machine_info, rows_table
 from condmem.bench.lookup_diagnostics import (cpu_gather_rows, engine_timeline, gather_under_load, phase_rows,
-                                              pipeline_timeline, plan_costs, plot_pipeline)
+                                              lookup_kernel_row, pipeline_timeline, plan_costs, plot_pipeline)
 from condmem.bench.lookup_setup import (HEAD_DIM, N_COLS, ROW_BYTES, disk_store, fill_table, h2d_bandwidth_gbps, host_store,
                                         text_batches, text_row_ids)
 from condmem.tables.lookup import LookupEngine
@@ -243,6 +243,13 @@ def run_lookup(args) -> list[dict]:
                                  f" [{label}]" if label else "", seconds * 1e3, gbps,
                                  f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
                                  f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
+                if "kernels" in args.diagnostics and device == "cuda":
+                    tokens = max(batches)
+                    sets = (text_sets_for(store.num_rows, tokens)[args.text_warmup:][:8] if stream == "text" else
+                            [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device)
+                             for _ in range(8)])
+                    rows_out.append(lookup_kernel_row(engine, sets, f"{tier} {stream} {tokens} tokens"
+                                                      f"{f' [{label}]' if label else ''}", info))
                 engine.close()
                 del cache
         store.close()
@@ -288,7 +295,7 @@ def main(args) -> list[dict]:
     append_rows(out / "lookup.json", rows)
     plot(rows, out / "lookup.png")
     plot_pipeline(rows, out / "lookup_pipeline.png")
-    print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
+    print(rows_table([r for r in rows if r.get("bench") != "kernels"], [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
                             ("variant", "engine", ""), ("tokens", "tokens", "d"),
                             ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
                             ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
@@ -344,11 +351,12 @@ def add_arguments(p) -> None:
                    help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline; "
                         "with --diagnostics plan: log each step's kernels by device time")
     p.add_argument("--diagnostics", nargs="*", default=["gather", "phases", "timeline"],
-                   choices=["gather", "phases", "timeline", "pipeline", "plan"],
+                   choices=["gather", "phases", "timeline", "pipeline", "plan", "kernels"],
                    help="diagnostics run before the lookups: CPU gather rates (alone and under GPU load), each "
                         "phase alone, one lookup's timeline, a pipeline of lookups' timeline (host tier); the "
                         "plan and the cache admission timed alone per --engines variant on the text stream "
-                        "(plan: needs no table). Default: gather phases timeline; none: give the flag alone")
+                        "(plan: needs no table); the device time of a pipelined lookup per kernel, per tier and "
+                        "stream (kernels, GPU). Default: gather phases timeline; none: give the flag alone")
 
 
 def resolve_defaults(args) -> None:

@@ -422,41 +422,58 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
     return rows
 
 
+def kernel_times(run, per: int) -> dict[str, list]:
+    """Device ms and launches per call of each kernel (and copy) that `run()` launches, over `per` calls."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time / 1e3 / per
+            entry[1] += 1
+    return per_kernel
+
+
+def kernel_row(per_kernel: dict[str, list], per: int, label: str, **fields) -> dict:
+    """A result row of `kernel_times`, logged as a table of the costliest kernels."""
+    top = sorted(((ms, count, k) for k, (ms, count) in per_kernel.items() if ms > 1e-3), reverse=True)
+    total = sum(ms for ms, _, _ in top)
+    log.info("kernels %s: %.3f ms of device time per call", label, total)
+    for ms, count, kernel in top[:12]:
+        log.info("    %7.3f ms  x%-4d %s", ms, count // max(1, per), kernel)
+    return {"bench": "kernels", "label": label, "ms_total": total, **fields,
+            "kernels": [{"name": k, "ms": ms, "launches": c // max(1, per)} for ms, c, k in top]}
+
+
 def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: dict, capture: bool, stream,
                      info: dict) -> list[dict]:
     """Device time per kernel of the plan and the admission over `batches` (torch profiler), one
     row per step with its kernels sorted by total time: where the cache path's milliseconds go."""
-    rows = []
-    plan_only: dict[str, list] = {}
-    for name, step in (("plan", plan.run), ("admit", plan.admit)):
-        with torch.cuda.stream(stream), torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    def run(admit: bool):
+        with torch.cuda.stream(stream):
             for ids in batches:
                 fill_plan_ids(plan.ids, ids.reshape(-1))
                 plan.run(capture=capture)
-                if name == "admit":
+                if admit:
                     torch.cuda.synchronize()
-                    step(capture=capture)
+                    plan.admit(capture=capture)
                 torch.cuda.synchronize()
-        per_kernel: dict[str, list[float]] = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                entry = per_kernel.setdefault(event.name[:90], [0.0, 0])
-                entry[0] += event.device_time / 1e3 / len(batches)
-                entry[1] += 1
-        if name == "admit":     # the profile of "admit" holds the plan's kernels too: subtract them
-            for kernel, (ms, count) in plan_only.items():
-                if kernel in per_kernel:
-                    per_kernel[kernel][0] -= ms
-                    per_kernel[kernel][1] -= count
-        else:
-            plan_only = {k: list(v) for k, v in per_kernel.items()}
-        top = sorted(((ms, count, k) for k, (ms, count) in per_kernel.items() if ms > 1e-3), reverse=True)
-        total = sum(ms for ms, _, _ in top)
-        log.info("plan kernels [%s] %s: %.3f ms of kernels per batch", variant["label"], name, total)
-        for ms, count, kernel in top[:12]:
-            log.info("    %7.3f ms  x%-4d %s", ms, count // max(1, len(batches)), kernel)
-        rows.append({"bench": "plan_kernels", "variant": variant["label"], "step": name, "ms_total": total,
-                     "kernels": [{"name": k, "ms": ms, "launches": c // max(1, len(batches))} for ms, c, k in top],
-                     "machine": info})
-    return rows
+
+    plan_only = kernel_times(lambda: run(False), len(batches))
+    with_admit = kernel_times(lambda: run(True), len(batches))
+    for kernel, (ms, count) in plan_only.items():     # the admission's own kernels: the difference
+        if kernel in with_admit:
+            with_admit[kernel][0] -= ms
+            with_admit[kernel][1] -= count
+    return [kernel_row(k, len(batches), f"[{variant['label']}] {name}", variant=variant["label"], step=name,
+                       machine=info)
+            for name, k in (("plan", plan_only), ("admit", with_admit))]
+
+
+def lookup_kernel_row(engine: LookupEngine, sets: list[torch.Tensor], label: str, info: dict) -> dict:
+    """Device time per kernel of one pipelined lookup (averaged over `sets`): what the GPU spends
+    on a lookup besides waiting (plan, cache, gathers, copies, expand)."""
+    per_kernel = kernel_times(lambda: engine.time_pipelined(sets), len(sets))
+    return kernel_row(per_kernel, len(sets), label, step="lookup", machine=info)
