@@ -124,6 +124,37 @@ def test_gather_capped_grid_still_covers_every_row(device):
         engram_gather(ids, q, e, backend="triton", max_programs=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["packed", "int32-words"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gather_scatters_to_out_index(fmt, backend, device):
+    """`out_index`: row i lands in out[out_index[i]]; padding entries (index out of range, id -1)
+    read and store nothing, and every other out row keeps its bytes."""
+    tables, kw = _tables(fmt, 64, 64, seed=8, device=device)
+    gen = torch.Generator().manual_seed(9)
+    m, n = 90, 70
+    dst = torch.randperm(m, generator=gen)[:n]
+    dst[50:] = torch.tensor([m, m + 3, -1] * 7)[:20]          # padding: outside out
+    ids = torch.randint(0, 64, (n,), generator=gen)
+    ids[50:] = -1
+    ids, dst = ids.to(device), dst.to(device)
+    ref_rows = gather_reference(ids, *tables, **kw)
+    out = torch.empty((m, ref_rows.shape[-1]), dtype=ref_rows.dtype, device=device)
+    out.view(torch.uint8).fill_(0x7F)                             # poisoned: NaN / a marker
+    before = out.clone()
+    res = engram_gather(ids, *tables, out=out, out_index=dst, backend=backend, block_rows=4, **kw)
+    assert res is out
+    real = (dst >= 0) & (dst < m)
+    assert_bits_equal("scattered rows", ref_rows[real], out[dst[real]])
+    untouched = torch.ones(m, dtype=torch.bool, device=device)
+    untouched[dst[real]] = False
+    assert torch.equal(out.view(torch.uint8)[untouched], before.view(torch.uint8)[untouched])
+    with pytest.raises(GatherError, match="out_index must be"):
+        engram_gather(ids, *tables, out=out, out_index=dst[:5], backend=backend, **kw)
+    with pytest.raises(GatherError, match="out_index needs out"):
+        engram_gather(ids, *tables, out_index=dst, backend=backend, **kw)
+
+
 def test_gather_errors():
     q, e = _fp8_table(8, 64, seed=1)
     with pytest.raises(GatherError, match="scales"):

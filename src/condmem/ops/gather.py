@@ -108,6 +108,20 @@ def _scale_bytes(scales: torch.Tensor | None) -> torch.Tensor | None:
     return scales
 
 
+def _check_out_index(out_index: torch.Tensor, row_ids: torch.Tensor, out: torch.Tensor | None,
+                     fmt: TableFormat) -> None:
+    if out is None:
+        raise GatherError("out_index needs out: the [M, D] rows it scatters into")
+    if out.dim() != 2 or out.shape[1] != fmt.head_dim or out.dtype != fmt.out_dtype or not out.is_contiguous():
+        raise GatherError(f"with out_index, out must be a contiguous {fmt.out_dtype} [M, {fmt.head_dim}] tensor, "
+                          f"got {out.dtype} {tuple(out.shape)}")
+    if out_index.dtype != torch.int64 or out_index.numel() != row_ids.numel() or not out_index.is_contiguous():
+        raise GatherError(f"out_index must be contiguous int64 with one entry per row id ({row_ids.numel()}), got "
+                          f"{out_index.dtype} {tuple(out_index.shape)}")
+    if out_index.device != row_ids.device or out.device != row_ids.device:
+        raise GatherError("out_index and out must be on the row ids' device")
+
+
 def _local_ids(row_ids: torch.Tensor, row_range: tuple[int, int] | None, rows: int) -> tuple[int, int]:
     lo, hi = (0, rows) if row_range is None else (int(row_range[0]), int(row_range[1]))
     if hi - lo != rows:
@@ -167,13 +181,13 @@ if triton is not None:
 
     # Row counts change with every batch (unique ids, cache misses): specializing on them
     # (divisible by 16 or not) would compile new variants at random moments mid-run.
-    @triton.jit(do_not_specialize=["n_rows", "lo", "n_local"])
+    @triton.jit(do_not_specialize=["n_rows", "lo", "n_local", "n_out"])
     def _gather_kernel(
-        ids_ptr, tab_ptr, scale_ptr, out_ptr,
-        n_rows, lo, n_local,
+        ids_ptr, tab_ptr, scale_ptr, out_ptr, dst_ptr,
+        n_rows, lo, n_local, n_out,
         ROW_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, SCALE_OFF: tl.constexpr,
         D: tl.constexpr, NB: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_R: tl.constexpr, MODE: tl.constexpr, EXACT: tl.constexpr,
+        BLOCK_R: tl.constexpr, MODE: tl.constexpr, EXACT: tl.constexpr, SCATTER: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_blocks = tl.cdiv(n_rows, BLOCK_R)
@@ -181,6 +195,13 @@ if triton is not None:
         for blk in tl.range(pid, n_blocks, tl.num_programs(0)):
             r = rr.to(tl.int64) + blk * BLOCK_R  # (blk is a plain int in the interpreter)
             rmask = r < n_rows
+            if SCATTER:
+                # Row r goes to out row dst[r]; a destination outside out (padding) reads and stores nothing.
+                dst = tl.load(dst_ptr + r, mask=rmask, other=-1).to(tl.int64)
+                rmask = rmask & (dst >= 0) & (dst < n_out)
+                r_out = tl.where(rmask, dst, 0)
+            else:
+                r_out = r
             gid = tl.load(ids_ptr + r, mask=rmask, other=-1).to(tl.int64)
             loc = gid - lo
             ok = rmask & (loc >= 0) & (loc < n_local)
@@ -189,7 +210,7 @@ if triton is not None:
                 c = tl.arange(0, BLOCK_D)
                 cm = c < D
                 x = tl.load(tab_ptr + loc[:, None] * ROW_STRIDE + c[None, :], mask=ok[:, None] & cm[None, :], other=0)
-                tl.store(out_ptr + r[:, None] * D + c[None, :], x, mask=rmask[:, None] & cm[None, :])
+                tl.store(out_ptr + r_out[:, None] * D + c[None, :], x, mask=rmask[:, None] & cm[None, :])
             else:
                 b = tl.arange(0, BLOCK_NB)
                 j = tl.arange(0, 32)
@@ -210,7 +231,7 @@ if triton is not None:
                 else:
                     yb = y.to(tl.bfloat16)
                 om = rmask[:, None, None] & bm[None, :, None]
-                tl.store(out_ptr + r[:, None, None] * D + col, yb, mask=om)
+                tl.store(out_ptr + r_out[:, None, None] * D + col, yb, mask=om)
 
 
 class _HostPointer:
@@ -241,6 +262,7 @@ def engram_gather(
     head_dim: int | None = None,
     row_range: tuple[int, int] | None = None,
     out: torch.Tensor | None = None,
+    out_index: torch.Tensor | None = None,
     backend: str | None = None,
     block_rows: int | None = None,
     programs_per_sm: int = 4,
@@ -257,6 +279,10 @@ def engram_gather(
         head_dim: D of a packed table (inferred from its width by default).
         row_range: (lo, hi): the table holds global rows lo..hi-1; other ids give zero rows.
         out: optional output [..., D] (bf16 for fp8 tables, the table's dtype otherwise).
+        out_index: optional int64 [n] (n = row_ids.numel()): row i goes to ``out[out_index[i]]``
+            (out then any [M, D]); entries outside 0..M-1 (padding) read and store nothing,
+            and out's other rows are left as they are. Scattering in the gather saves a
+            separate scatter and its temporary.
         backend: "auto" (Triton when `row_ids` are on CUDA), "triton" or "torch".
         block_rows, programs_per_sm, num_warps: kernel tuning (defaults suit an H200).
         max_programs: cap on the persistent grid, for a gather that runs beside other work
@@ -276,6 +302,12 @@ def engram_gather(
         raise GatherError(f"row_ids must be integers, got {row_ids.dtype}")
     if resolve_backend(backend, row_ids.device, "engram_gather") == "torch":
         rows = gather_reference(row_ids, table, scales, head_dim=head_dim, row_range=row_range)
+        if out_index is not None:
+            _check_out_index(out_index, row_ids, out, fmt)
+            dst = out_index.reshape(-1)
+            inside = (dst >= 0) & (dst < out.shape[0])
+            out[dst[inside]] = rows.reshape(-1, fmt.head_dim)[inside]
+            return out
         if out is not None:
             out.copy_(rows)
             return out
@@ -283,7 +315,9 @@ def engram_gather(
     if row_ids.device.type == "cuda" and table.device.type == "cuda" and table.device != row_ids.device:
         raise GatherError(f"table on {table.device} but row ids on {row_ids.device}")
     shape = (*row_ids.shape, fmt.head_dim)
-    if out is None:
+    if out_index is not None:
+        _check_out_index(out_index, row_ids, out, fmt)
+    elif out is None:
         out = torch.empty(shape, dtype=fmt.out_dtype, device=row_ids.device)
     elif out.shape != shape or out.dtype != fmt.out_dtype or not out.is_contiguous():
         raise GatherError(f"out must be a contiguous {fmt.out_dtype} tensor of shape {shape}")
@@ -316,10 +350,12 @@ def engram_gather(
     tab = _launch_table(table)
     try:
         _gather_kernel[grid](
-            ids, tab, _launch_table(scale_t), out, n_rows, lo, fmt.rows,
+            ids, tab, _launch_table(scale_t), out, out_index if out_index is not None else ids,
+            n_rows, lo, fmt.rows, out.shape[0] if out_index is not None else 0,
             ROW_STRIDE=row_stride, SCALE_STRIDE=scale_stride, SCALE_OFF=scale_off,
             D=d, NB=nb, BLOCK_NB=next_pow2(nb), BLOCK_D=next_pow2(d),
-            BLOCK_R=block_rows, MODE=fmt.mode, EXACT=interpreting(), num_warps=num_warps,
+            BLOCK_R=block_rows, MODE=fmt.mode, EXACT=interpreting(), SCATTER=out_index is not None,
+            num_warps=num_warps,
         )
     except ValueError as exc:
         if "cannot be accessed" in str(exc):

@@ -469,14 +469,17 @@ class LookupEngine:
             n = plan.n
             with torch.cuda.stream(self.zero_copy_stream):
                 self.zero_copy_stream.wait_event(batch.planned)
-                # Padding ids (-1) read nothing and land in the spare row; rows move as 8-byte words.
-                if self.store.tier == "hbm":
-                    ids = plan.gpu_ids[:n].clamp(0, self.store.num_rows - 1)
-                    fetched = row_words(self.store.raw).index_select(0, ids)
+                words = _as_words(self.store.raw)
+                if words is not None:
+                    # Each row goes straight to its place in `compact` (one kernel, rows as 4-byte
+                    # words, HBM or zero-copy host); padding (position n) reads and stores nothing.
+                    engram_gather(plan.gpu_ids[:n], words, out=_as_words(plan.compact[:n]),
+                                  out_index=plan.gpu_pos[:n])
                 else:
-                    fetched = row_words(engram_gather(plan.gpu_ids[:n], _as_words(self.store.raw)).view(torch.uint8))
-                dst = torch.where(plan.gpu_pos[:n] < n, plan.gpu_pos[:n], plan.spare_rows)
-                row_words(plan.compact)[dst] = fetched
+                    # Odd row sizes (HBM only: such a host store has no GPU share): padding
+                    # ids read row 0 and land in the spare rows past n.
+                    fetched = self.store.raw.index_select(0, plan.gpu_ids[:n].clamp(0, self.store.num_rows - 1))
+                    plan.compact[torch.where(plan.gpu_pos[:n] < n, plan.gpu_pos[:n], plan.spare_rows)] = fetched
                 batch.zero_copy_done = self._event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:
