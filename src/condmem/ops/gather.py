@@ -195,13 +195,6 @@ if triton is not None:
         for blk in tl.range(pid, n_blocks, tl.num_programs(0)):
             r = rr.to(tl.int64) + blk * BLOCK_R  # (blk is a plain int in the interpreter)
             rmask = r < n_rows
-            if SCATTER:
-                # Row r goes to out row dst[r]; a destination outside out (padding) reads and stores nothing.
-                dst = tl.load(dst_ptr + r, mask=rmask, other=-1).to(tl.int64)
-                rmask = rmask & (dst >= 0) & (dst < n_out)
-                r_out = tl.where(rmask, dst, 0)
-            else:
-                r_out = r
             gid = tl.load(ids_ptr + r, mask=rmask, other=-1).to(tl.int64)
             loc = gid - lo
             ok = rmask & (loc >= 0) & (loc < n_local)
@@ -210,7 +203,16 @@ if triton is not None:
                 c = tl.arange(0, BLOCK_D)
                 cm = c < D
                 x = tl.load(tab_ptr + loc[:, None] * ROW_STRIDE + c[None, :], mask=ok[:, None] & cm[None, :], other=0)
-                tl.store(out_ptr + r_out[:, None] * D + c[None, :], x, mask=rmask[:, None] & cm[None, :])
+                om = rmask[:, None] & cm[None, :]
+                if SCATTER:
+                    # Row r goes to out row dst[r]; a destination outside out (padding) stores
+                    # nothing. (Loaded at the store's own rank: Triton 3.6's layout pass fails
+                    # when one 1-D mask feeds both the row reads and a scattered store.)
+                    dst = tl.load(dst_ptr + r[:, None], mask=rmask[:, None], other=-1)
+                    om = om & (dst >= 0) & (dst < n_out)
+                    tl.store(out_ptr + dst * D + c[None, :], x, mask=om)
+                else:
+                    tl.store(out_ptr + r[:, None] * D + c[None, :], x, mask=om)
             else:
                 b = tl.arange(0, BLOCK_NB)
                 j = tl.arange(0, 32)
@@ -231,7 +233,12 @@ if triton is not None:
                 else:
                     yb = y.to(tl.bfloat16)
                 om = rmask[:, None, None] & bm[None, :, None]
-                tl.store(out_ptr + r_out[:, None, None] * D + col, yb, mask=om)
+                if SCATTER:
+                    dst = tl.load(dst_ptr + r[:, None, None], mask=rmask[:, None, None], other=-1)
+                    om = om & (dst >= 0) & (dst < n_out)
+                    tl.store(out_ptr + dst * D + col, yb, mask=om)
+                else:
+                    tl.store(out_ptr + r[:, None, None] * D + col, yb, mask=om)
 
 
 class _HostPointer:
@@ -280,7 +287,8 @@ def engram_gather(
         row_range: (lo, hi): the table holds global rows lo..hi-1; other ids give zero rows.
         out: optional output [..., D] (bf16 for fp8 tables, the table's dtype otherwise).
         out_index: optional int64 [n] (n = row_ids.numel()): row i goes to ``out[out_index[i]]``
-            (out then any [M, D]); entries outside 0..M-1 (padding) read and store nothing,
+            (out then any [M, D]); entries outside 0..M-1 (padding) store nothing (give them
+            id -1 and they read nothing either),
             and out's other rows are left as they are. Scattering in the gather saves a
             separate scatter and its temporary.
         backend: "auto" (Triton when `row_ids` are on CUDA), "triton" or "torch".
