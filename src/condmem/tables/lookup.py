@@ -321,6 +321,7 @@ class LookupEngine:
                 self._ring_free[k].record(self.copy_stream)
         done = self._event()
         done.record(self.copy_stream)
+        stats.mark("dma queued", start)
         return on_device, done
 
     # ------------------------------------------------------------------ the lookup
@@ -497,6 +498,7 @@ class LookupEngine:
             if staged is not None:
                 self.finish_stream.wait_event(batch.dma_done)
                 row_words(plan.compact)[plan.cpu_pos[:n_cpu]] = row_words(staged)
+                batch.stats.mark("cpu rows scatter queued", batch.start)
             if expand:
                 inverse = plan.inverse[: math.prod(batch.shape)].view(batch.shape)
                 self._expand(plan.compact, inverse, out=batch.out)
