@@ -95,8 +95,11 @@ def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, 
         slot = plain.probe(uniq) if cached else torch.full_like(uniq, -1)
         hit = slot >= 0
         hit_pos = torch.nonzero(hit).flatten()
+        # row_of: a permutation of the compact rows, padding at N; each id's row is its unique id's.
+        assert torch.equal(torch.sort(plan.row_of[:n]).values, torch.arange(n, device=device))
+        assert int(plan.row_of[n]) == n and torch.equal(plan.rows_index, plan.row_of[inverse])
         if cached:
-            assert torch.equal(plan.compact[hit_pos], plain.read(slot[hit]))
+            assert torch.equal(plan.compact[plan.row_of[hit_pos]], plain.read(slot[hit]))
         miss_pos = torch.nonzero(~hit).flatten()
         k = miss_pos.numel()
         assert torch.equal(plan.miss_pos[:k], miss_pos) and torch.equal(plan.miss_ids[:k], uniq[miss_pos])
@@ -105,12 +108,14 @@ def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, 
         assert counts["n_miss"] == k and counts["n_unique"] == uniq.numel() and counts["bad"] == 0
         assert (counts["n_gpu"], counts["n_cpu"]) == (ref_gpu.numel(), ref_cpu.numel())
         assert torch.equal(plan.gpu_ids[: ref_gpu.numel()], uniq[miss_pos][ref_gpu])
-        assert torch.equal(plan.gpu_pos[: ref_gpu.numel()], miss_pos[ref_gpu])
-        assert torch.equal(plan.cpu_pos[: ref_cpu.numel()], miss_pos[ref_cpu])
+        assert torch.equal(plan.gpu_dst[: ref_gpu.numel()], plan.row_of[miss_pos[ref_gpu]])
+        assert (plan.gpu_dst[ref_gpu.numel():] == n).all()
+        # The CPU share takes compact rows 0..n_cpu-1 in its own order (its DMAs land in place).
+        assert torch.equal(plan.row_of[miss_pos[ref_cpu]], torch.arange(ref_cpu.numel(), device=device))
         assert torch.equal(plan.host[N_COUNTS:N_COUNTS + ref_cpu.numel()].to(device), uniq[miss_pos][ref_cpu])
         if cached:
             # The misses' rows land (as the engine's shares would write them), then both caches admit.
-            plan.compact[miss_pos] = _rows(uniq[miss_pos], row_bytes)
+            plan.compact[plan.row_of[miss_pos]] = _rows(uniq[miss_pos], row_bytes)
             plan.admit(capture=False)
             plain.admit(uniq[miss_pos], _rows(uniq[miss_pos], row_bytes))
             assert torch.equal(cache.keys, plain.keys) and torch.equal(cache.freq, plain.freq)
@@ -162,6 +167,11 @@ def test_a_bucketed_plan_equals_the_plan_of_the_batch_alone(cached):
     counts = dict(zip(COUNT_NAMES, alone.host[:N_COUNTS].tolist()))
     k, g, c = counts["n_miss"], counts["n_gpu"], counts["n_cpu"]
     assert torch.equal(alone.inverse, bucketed.inverse[:n])
-    for name, m in (("miss_ids", k), ("miss_pos", k), ("gpu_ids", g), ("gpu_pos", g), ("cpu_pos", c)):
+    for name, m in (("miss_ids", k), ("miss_pos", k), ("gpu_ids", g), ("gpu_dst", g), ("rows_index", n),
+                    ("row_of", counts["n_unique"])):
         assert torch.equal(getattr(alone, name)[:m], getattr(bucketed, name)[:m]), name
-    assert torch.equal(alone.compact[:k], bucketed.compact[:k]) or not cached
+    assert c == int((alone.row_of[:counts["n_unique"]] < c).sum())
+    hit = torch.ones(counts["n_unique"], dtype=torch.bool)
+    hit[alone.miss_pos[:k]] = False
+    hits = alone.row_of[: counts["n_unique"]][hit]       # the compact rows the cache filled
+    assert torch.equal(alone.compact[hits], bucketed.compact[hits]) or not cached

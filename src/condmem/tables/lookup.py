@@ -50,9 +50,11 @@ import torch
 from condmem.ops.gather import engram_gather
 from condmem.tables.lookup_plan import (
     COUNT_NAMES,
-    N_COUNTS,
     LookupPlan,
+    N_COUNTS,
+    as_words,
     fill_plan_ids,
+    move_rows,
     plan_bucket,
 )
 from condmem.tables.row_cache import RowCache, row_words
@@ -116,15 +118,6 @@ def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int
     if fmt == "bf16":
         return engram_gather(ids, raw.view(torch.bfloat16), out=out, **kernel)
     return engram_gather(ids, raw, head_dim=head_dim, out=out, **kernel)
-
-
-def _as_words(raw: torch.Tensor) -> torch.Tensor | None:
-    """Raw uint8 rows viewed as 4- or 2-byte float words, which the gather kernel moves bit for bit
-    (a plain load and store, no arithmetic); None when the row size is odd."""
-    for dtype, size in ((torch.float32, 4), (torch.float16, 2)):
-        if raw.shape[-1] % size == 0:
-            return raw.view(dtype)
-    return None
 
 
 @dataclass
@@ -296,18 +289,17 @@ class LookupEngine:
                                         pin_memory=self.on_gpu)
         return k, self._ring[k]
 
-    def _cpu_share(self, ids_host: torch.Tensor, stats: LookupStats, start: float) -> tuple[torch.Tensor, object]:
-        """Gather rows on CPU threads chunk by chunk into a ring of pinned staging chunks,
-        each chunk's DMA enqueued on the copy stream as soon as it is gathered (so copying
-        overlaps the next chunk's gather, the zero-copy kernel and the next lookup's plan).
+    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats,
+                   start: float) -> object:
+        """Gather rows on CPU threads chunk by chunk into a ring of pinned staging chunks, each
+        chunk's DMA enqueued on the copy stream as soon as it is gathered, straight into `rows`
+        (the plan's first compact rows), so copying overlaps the next chunk's gather, the
+        zero-copy kernel and the next lookup's plan, and nothing is scattered after.
 
-        Returns the rows on the device and the event after their last DMA.
+        Returns the event after the last DMA.
         """
         n = ids_host.numel()
-        with torch.cuda.stream(self.copy_stream):
-            # Allocated from the copy stream's pool (ordered with its own work), used later on the finish stream.
-            on_device = torch.empty((n, self.store.row_bytes), dtype=torch.uint8, device=self.device)
-        on_device.record_stream(self.finish_stream)
+        self.copy_stream.wait_event(planned)    # the plan slot's earlier readers are done
         chunk = self.staging_chunk_rows
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
@@ -316,13 +308,13 @@ class LookupEngine:
             if s == 0 or e == n:
                 stats.mark("first chunk gathered" if s == 0 else "last chunk gathered", start)
             with torch.cuda.stream(self.copy_stream):
-                on_device[s:e].copy_(buf[: e - s], non_blocking=True)
+                rows[s:e].copy_(buf[: e - s], non_blocking=True)
                 self._ring_free[k] = self._event()
                 self._ring_free[k].record(self.copy_stream)
         done = self._event()
         done.record(self.copy_stream)
         stats.mark("dma queued", start)
-        return on_device, done
+        return done
 
     # ------------------------------------------------------------------ the lookup
     def lookup(self, row_ids: torch.Tensor) -> LookupHandle:
@@ -419,7 +411,7 @@ class LookupEngine:
             return 1.0
         if self.store.tier == "hbm":
             return 0.0
-        if not self.store.gpu_readable or _as_words(self.store.raw) is None:
+        if not self.store.gpu_readable or as_words(self.store.raw) is None:
             return 1.0
         return self.cpu_fraction
 
@@ -470,38 +462,27 @@ class LookupEngine:
             n = plan.n
             with torch.cuda.stream(self.zero_copy_stream):
                 self.zero_copy_stream.wait_event(batch.planned)
-                words = _as_words(self.store.raw)
-                if words is not None:
-                    # Each row goes straight to its place in `compact` (one kernel, rows as 4-byte
-                    # words, HBM or zero-copy host); padding (position n) reads and stores nothing.
-                    engram_gather(plan.gpu_ids[:n], words, out=_as_words(plan.compact[:n]),
-                                  out_index=plan.gpu_pos[:n])
-                else:
-                    # Odd row sizes (HBM only: such a host store has no GPU share): padding
-                    # ids read row 0 and land in the spare rows past n.
-                    fetched = self.store.raw.index_select(0, plan.gpu_ids[:n].clamp(0, self.store.num_rows - 1))
-                    plan.compact[torch.where(plan.gpu_pos[:n] < n, plan.gpu_pos[:n], plan.spare_rows)] = fetched
+                # Each row goes straight to its compact row (one kernel, HBM or zero-copy host);
+                # padding (row n, past compact[:n]) reads and stores nothing.
+                move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n])
                 batch.zero_copy_done = self._event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:
             self._assemble(batch)
         return batch
 
-    def _assemble(self, batch: _Batch, staged: torch.Tensor | None = None, n_cpu: int = 0,
-                  expand: bool = True) -> None:
-        """Finish stream: the CPU share into `compact`, then the rows expanded; records `ready`."""
+    def _assemble(self, batch: _Batch, expand: bool = True) -> None:
+        """Finish stream: once every share's rows are in `compact`, the rows expanded; records `ready`."""
         plan = batch.plan
         with torch.cuda.stream(self.finish_stream):
             self.finish_stream.wait_event(batch.planned)
             if batch.zero_copy_done is not None:
                 self.finish_stream.wait_event(batch.zero_copy_done)
-            if staged is not None:
+            if batch.dma_done is not None:
                 self.finish_stream.wait_event(batch.dma_done)
-                row_words(plan.compact)[plan.cpu_pos[:n_cpu]] = row_words(staged)
-                batch.stats.mark("cpu rows scatter queued", batch.start)
             if expand:
-                inverse = plan.inverse[: math.prod(batch.shape)].view(batch.shape)
-                self._expand(plan.compact, inverse, out=batch.out)
+                rows_index = plan.rows_index[: math.prod(batch.shape)].view(batch.shape)
+                self._expand(plan.compact, rows_index, out=batch.out)
             batch.ready.record(self.finish_stream)
 
     def _finish(self, batch: _Batch) -> None:
@@ -521,10 +502,11 @@ class LookupEngine:
                 bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
                 raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
             if plan.cpu_share:
-                staged, n_cpu = None, counts["n_cpu"]
+                n_cpu = counts["n_cpu"]
                 if n_cpu:
-                    staged, batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + n_cpu], stats, start)
-                self._assemble(batch, staged, n_cpu)
+                    batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + n_cpu], plan.compact[:n_cpu],
+                                                     batch.planned, stats, start)
+                self._assemble(batch)
         stats.mark("expand queued", start)
         stats.seconds = time.perf_counter() - start
 
@@ -540,15 +522,14 @@ class LookupEngine:
         if counts["bad"]:
             bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
             raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
-        if n_cpu:
-            rows = self.store.gather_raw(plan.host[N_COUNTS:N_COUNTS + n_cpu])
-            row_words(plan.compact)[plan.cpu_pos[:n_cpu]] = row_words(rows)
-        out = self._expand(plan.compact, plan.inverse[: row_ids.numel()].view(row_ids.shape))
+        if n_cpu:   # straight into the plan's first compact rows
+            self.store.gather_raw(plan.host[N_COUNTS:N_COUNTS + n_cpu], out=plan.compact[:n_cpu])
+        out = self._expand(plan.compact, plan.rows_index[: row_ids.numel()].view(row_ids.shape))
         if self.cache is not None:
             # On the CPU the miss count is known here, so only the misses are admitted (the
             # padded admission does the same work over the whole bucket: ~1.4x slower here).
             k = counts["n_miss"]
-            rows = row_words(plan.compact).index_select(0, plan.miss_pos[:k]).view(torch.uint8)
+            rows = row_words(plan.compact).index_select(0, plan.row_of[plan.miss_pos[:k]]).view(torch.uint8)
             self.cache.admit(plan.miss_ids[:k], rows)
         return out
 
@@ -621,7 +602,7 @@ class LookupEngine:
                 with a cache differs from the uniform one (H200, text stream: all-CPU
                 4.9 ms vs 6.3 ms at the uniform optimum 0.7).
         """
-        if self.store.tier != "host" or not self.on_gpu or _as_words(self.store.raw) is None:
+        if self.store.tier != "host" or not self.on_gpu or as_words(self.store.raw) is None:
             return self.cpu_fraction
         self.flush()
         if sample is None:

@@ -28,12 +28,34 @@ from __future__ import annotations
 
 import torch
 
+from condmem.ops.gather import engram_gather
 from condmem.tables.row_cache import RowCache
 
 PAD_ID = -1
 N_COUNTS = 8
 """Counts sent to the host before the CPU share's ids: n_cpu, n_gpu, n_miss, n_unique, bad, min id, max id, spare."""
 COUNT_NAMES = ("n_cpu", "n_gpu", "n_miss", "n_unique", "bad", "min_id", "max_id")
+
+
+def as_words(raw: torch.Tensor) -> torch.Tensor | None:
+    """Raw uint8 rows viewed as 4- or 2-byte float words, which the gather kernel moves bit for bit
+    (a plain load and store, no arithmetic); None when the row size is odd."""
+    for dtype, size in ((torch.float32, 4), (torch.float16, 2)):
+        if raw.shape[-1] % size == 0:
+            return raw.view(dtype)
+    return None
+
+
+def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
+    """``dst[dst_index[i]] = src[src_index[i]]`` (raw uint8 rows) for every i whose destination is
+    inside `dst`; the others (padding) read and store nothing. One kernel on CUDA, no host sync."""
+    src_words, dst_words = as_words(src), as_words(dst)
+    if src_words is not None and dst_words is not None:
+        engram_gather(src_index, src_words, out=dst_words, out_index=dst_index)
+        return
+    # Odd row sizes (no table format has them): boolean indexing, which syncs on CUDA.
+    inside = (dst_index >= 0) & (dst_index < dst.shape[0])
+    dst[dst_index[inside]] = src[src_index[inside]]
 
 
 def plan_bucket(n: int) -> int:
@@ -140,11 +162,19 @@ class LookupPlan:
 
     Fill `ids` (`fill_plan_ids` for a batch smaller than N), call `run()` (a graph replay once
     captured); then on the device:
-    ``inverse`` [N], ``compact`` [N + spare, row_bytes] (cache hits already in place; rows
-    from N on are spares that padding writes to), ``miss_ids`` / ``miss_pos`` (padded), the GPU share
-    ``gpu_ids`` / ``gpu_pos`` and the CPU share's positions ``cpu_pos``; on the host, once
-    the copy is done, ``host[:N_COUNTS]`` the counts and ``host[N_COUNTS:]`` the CPU share's
-    ids (absent when `fraction` is 0: no CPU share, so only the counts cross). `admit()` queues the misses' admission to the cache (also a graph).
+
+    * ``inverse`` [N]: position of each id among the sorted unique ids;
+    * ``row_of`` [N + 1]: the row of `compact` that holds unique id u's row. The CPU share
+      comes first, in its order (rows 0..n_cpu-1, so its DMAs land in place and need no
+      scatter), then every other unique id in order; ``row_of[N] = N`` (padding);
+    * ``rows_index`` [N] = row_of[inverse]: the compact row of each id, what the expansion reads;
+    * ``compact`` [N + spare, row_bytes]: the cache hits already in place; the misses' rows
+      are the caller's to fill (the GPU share at ``gpu_dst``, the CPU share at 0..n_cpu-1);
+    * ``miss_ids`` / ``miss_pos`` (padded), the GPU share's ids ``gpu_ids`` and rows ``gpu_dst``;
+
+    and on the host, once the copy is done, ``host[:N_COUNTS]`` the counts and
+    ``host[N_COUNTS:]`` the CPU share's ids (absent when `fraction` is 0: no CPU share, so
+    only the counts cross). `admit()` queues the misses' admission to the cache (also a graph).
     """
 
     def __init__(self, n: int, row_bytes: int, num_rows: int, device: torch.device, cache: RowCache | None,
@@ -156,7 +186,6 @@ class LookupPlan:
         self.ids = torch.empty(n, dtype=torch.int64, device=device)
         self.spare = max(1, spare)
         self.compact = torch.empty((n + self.spare, row_bytes), dtype=torch.uint8, device=device)
-        self.spare_rows = n + spread(n, self.spare, device)   # where the GPU share's padding rows land
         # Counts, then (only when there can be a CPU share) that share's ids.
         host_len = N_COUNTS + (n if self.cpu_share else 0)
         self._to_host = torch.empty(host_len, dtype=torch.int64, device=device)
@@ -166,11 +195,11 @@ class LookupPlan:
     # ------------------------------------------------------------------ the steps
     def _plan(self) -> None:
         n = self.n
+        dev = self.ids.device
         uniq, self.inverse, n_unique = dedup_padded(self.ids, self.spare)
         valid = uniq[:n] >= 0
         if self.cache is not None:
-            # Hits' rows land in `compact` at their unique position; the misses' rows come later.
-            slot = self.cache.probe(uniq[:n], valid=valid, rows_out=self.compact[:n])
+            slot = self.cache.probe(uniq[:n], valid=valid)
             miss = valid & (slot < 0)
         else:
             miss = valid
@@ -179,8 +208,22 @@ class LookupPlan:
         gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(self.miss_ids, n_miss, self.row_bytes, self.region_bytes,
                                                       self.fraction)
         self.gpu_ids = self.miss_ids.index_select(0, gpu_sel)
-        self.gpu_pos = self.miss_pos.index_select(0, gpu_sel)
-        self.cpu_pos = self.miss_pos.index_select(0, cpu_sel)
+        gpu_pos = self.miss_pos.index_select(0, gpu_sel)
+        cpu_pos = self.miss_pos.index_select(0, cpu_sel)
+        # Rows of compact: the CPU share first (0..n_cpu-1, in its order, which is unique-id
+        # order), then the other unique ids in order. A permutation of 0..n-1, found by one
+        # prefix sum: no sort, no sync.
+        is_cpu = torch.zeros(n + self.spare, dtype=torch.bool, device=dev)
+        is_cpu.index_fill_(0, torch.where(cpu_pos[:n] < n, cpu_pos[:n], n + spread(n, self.spare, dev)), True)
+        is_cpu = is_cpu[:n]
+        cpu_before = torch.cumsum(is_cpu, 0) - is_cpu.long()
+        u = torch.arange(n, device=dev)
+        self.row_of = torch.cat([torch.where(is_cpu, cpu_before, n_cpu + u - cpu_before), u[-1:] + 1])
+        self.rows_index = self.row_of.index_select(0, self.inverse)
+        self.gpu_dst = self.row_of.index_select(0, gpu_pos)
+        if self.cache is not None:
+            # The hits' rows from the cache into their compact rows (misses and padding: nothing).
+            move_rows(self.cache.data, slot, self.compact[:n], torch.where(slot >= 0, self.row_of[:n], n))
         lo = uniq[:1]
         hi = uniq.gather(0, (n_unique - 1).clamp(min=0))
         bad = ((lo < 0) | (hi >= self.num_rows)).long()
@@ -192,8 +235,8 @@ class LookupPlan:
 
     def _admit(self) -> None:
         ids = self.miss_ids[: self.n]
-        self.cache.admit_rows(ids, self.compact, valid=ids >= 0, row_index=self.miss_pos[: self.n],
-                              return_slots=False)
+        rows = self.row_of.index_select(0, self.miss_pos[: self.n])   # padding: row N, a spare
+        self.cache.admit_rows(ids, self.compact, valid=ids >= 0, row_index=rows, return_slots=False)
 
     # ------------------------------------------------------------------ running
     def _call(self, name: str, fn, capture: bool) -> None:
