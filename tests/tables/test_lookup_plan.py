@@ -24,11 +24,10 @@ def _ids(n: int, hi: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("spare", [1, 7])
 @pytest.mark.parametrize("n,hi", [(1, 5), (7, 3), (1000, 50), (1000, 10**9), (4096, 4096)])
-def test_dedup_padded_equals_torch_unique(device, n, hi, spare):
+def test_dedup_padded_equals_torch_unique(device, n, hi):
     ids = _ids(n, hi, seed=n + hi).to(device)
-    uniq, inverse, count = dedup_padded(ids, spare)
+    uniq, inverse, count = dedup_padded(ids)
     ref, ref_inv = torch.unique(ids, sorted=True, return_inverse=True)
     k = ref.numel()
     assert int(count) == k and uniq.shape == (n + 1,)
@@ -37,11 +36,10 @@ def test_dedup_padded_equals_torch_unique(device, n, hi, spare):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("spare", [1, 7])
-def test_compact_padded_equals_nonzero(device, spare):
+def test_compact_padded_equals_nonzero(device):
     for seed, p in ((0, 0.0), (1, 0.3), (2, 1.0)):
         mask = (torch.rand(777, generator=torch.Generator().manual_seed(seed)) < p).to(device)
-        pos, count = compact_padded(mask, fill=777, spare=spare)
+        pos, count = compact_padded(mask, fill=777)
         ref = torch.nonzero(mask).flatten()
         assert int(count) == ref.numel()
         assert torch.equal(pos[: ref.numel()], ref) and bool((pos[ref.numel():] == 777).all())
@@ -71,20 +69,18 @@ def _rows(ids: torch.Tensor, row_bytes: int) -> torch.Tensor:
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("fraction", [0.0, 0.6, 1.0])
-@pytest.mark.parametrize("spare", [1, 5])
-def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, fraction, spare):
+def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, fraction):
     """A plan run eagerly: hits already in `compact`, misses and shares as the plain steps make them,
     counts and the CPU share's ids in the host buffer; admission matches RowCache.admit."""
     row_bytes, num_rows, n = 16, 3000, 1200
     cache = plain = None
     if cached:
-        cache = RowCache(512, row_bytes, ways=4, device=device, trash_slots=spare)
+        cache = RowCache(512, row_bytes, ways=4, device=device)
         plain = RowCache(512, row_bytes, ways=4, device=device)
         warm = torch.unique(_ids(400, num_rows, seed=7)).to(device)
         for c in (cache, plain):
             c.admit(warm, _rows(warm, row_bytes))
-    plan = LookupPlan(n, row_bytes, num_rows, torch.device(device), cache, fraction, 8 * row_bytes, pin=False,
-                      spare=spare)
+    plan = LookupPlan(n, row_bytes, num_rows, torch.device(device), cache, fraction, 8 * row_bytes, pin=False)
     for seed in range(3):
         ids = _ids(n, num_rows, seed=10 + seed).to(device)
         plan.ids.copy_(ids)

@@ -93,19 +93,16 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     return out
 
 
-def parse_variant(text: str, default_spread: int) -> dict:
-    """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``:N`` spare
-    rows for padding writes, ``@D`` lookups in flight (`max_in_flight`, default 2) and
-    ``/torch`` or ``/triton`` for the cache's probe and admission (default: Triton on CUDA),
-    e.g. ``graphs@3/torch``."""
+def parse_variant(text: str) -> dict:
+    """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
+    in flight (`max_in_flight`, default 2) and ``/torch`` or ``/triton`` for the cache's probe
+    and admission (default: Triton on CUDA), e.g. ``graphs@3/torch``."""
     head, _, backend = text.partition("/")
-    head, _, depth = head.partition("@")
-    name, _, spread = head.partition(":")
-    if (name not in ("graphs", "eager") or (spread and not spread.isdigit()) or (depth and not depth.isdigit())
-            or backend not in ("", "torch", "triton")):
-        raise SystemExit(f"--engines: {text!r} is not graphs|eager[:spare_rows][@in_flight][/torch|/triton]")
-    return {"label": text, "graphs": name == "graphs", "spread": int(spread) if spread else default_spread,
-            "cache_backend": backend or "auto", "max_in_flight": int(depth) if depth else 2}
+    name, _, depth = head.partition("@")
+    if name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton"):
+        raise SystemExit(f"--engines: {text!r} is not graphs|eager[@in_flight][/torch|/triton]")
+    return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
+            "max_in_flight": int(depth) if depth else 2}
 
 
 def run_lookup(args) -> list[dict]:
@@ -152,7 +149,7 @@ def run_lookup(args) -> list[dict]:
             text_on_device[(rows, tokens)] = text_batches(ids, tokens, args.text_warmup + args.text_batches, device)
         return text_on_device[(rows, tokens)]
 
-    variants = [parse_variant(v, args.padding_spread)
+    variants = [parse_variant(v)
                 for v in (args.engines or ["eager" if args.eager_plans else "graphs"])] * args.engine_rounds
     if "plan" in args.diagnostics:
         # The cache path alone: no table is read, so none is built.
@@ -212,12 +209,12 @@ def run_lookup(args) -> list[dict]:
                 label = variant["label"] if len(variants) > 1 else ""
                 cached = stream == "text" and args.cache_fraction > 0
                 cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device,
-                                             trash_slots=variant["spread"], backend=variant["cache_backend"])
+                                             backend=variant["cache_backend"])
                          if cached else None)
                 engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
                                       cpu_threads=(args.cpu_threads or [None])[0],
                                       staging_chunk_rows=args.staging_chunk_rows[0], graphs=variant["graphs"],
-                                      padding_spread=variant["spread"], max_in_flight=variant["max_in_flight"])
+                                      max_in_flight=variant["max_in_flight"])
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                     if stream == "text":
                         # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
@@ -329,14 +326,11 @@ def add_arguments(p) -> None:
                         "~5M tokens, about 30M distinct rows at 16K tokens per batch, more than a 10%% cache holds)")
     p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
                    help="host memory strategy")
-    p.add_argument("--padding-spread", type=int, default=1,
-                   help="spare rows (and cache trash slots) the plans' padding writes cycle over (1: one)")
     p.add_argument("--engines", nargs="+", default=None,
                    help="engine variants measured one after another on the same table, for A/B runs: "
-                        "graphs|eager[:spare_rows][@in_flight][/torch|/triton] (plans as CUDA graphs or kernel "
-                        "by kernel; spare rows for padding writes; lookups in flight, default 2; the cache's "
-                        "probe and admission as torch ops or Triton kernels, default Triton on CUDA), "
-                        "e.g. 'graphs graphs@3 graphs/torch eager'")
+                        "graphs|eager[@in_flight][/torch|/triton] (plans as CUDA graphs or kernel by kernel; "
+                        "lookups in flight, default 2; the cache's probe and admission as torch ops or Triton "
+                        "kernels, default Triton on CUDA), e.g. 'graphs graphs@3 graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")
     p.add_argument("--eager-plans", action="store_true",

@@ -9,7 +9,7 @@
 * `pipeline_timeline` + `plot_pipeline`: consecutive pipelined lookups, host marks and timed
   CUDA events (optionally a profiler trace), drawn as a timeline PNG;
 * `plan_costs`: a lookup's plan and its cache admission timed alone on the device, per
-  engine variant (graphs or eager, padding spread), on the text stream at steady state.
+  engine variant (graphs or eager plans, Triton or torch cache ops), on the text stream at steady state.
   Reads no table, so it needs none: it isolates the cache path's own cost.
 """
 
@@ -382,10 +382,9 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
     on_gpu = device.type == "cuda"
     rows = []
     for variant in variants:
-        cache = RowCache(cache_rows, ROW_BYTES, ways=16, device=device, trash_slots=variant["spread"],
-                         backend=variant.get("cache_backend", "auto"))
+        cache = RowCache(cache_rows, ROW_BYTES, ways=16, device=device, backend=variant["cache_backend"])
         n = plan_bucket(batches[0].numel())
-        plan = LookupPlan(n, ROW_BYTES, num_rows, device, cache, 1.0, 64 << 10, pin=on_gpu, spare=variant["spread"])
+        plan = LookupPlan(n, ROW_BYTES, num_rows, device, cache, 1.0, 64 << 10, pin=on_gpu)
         capture = variant["graphs"] and on_gpu
         stream = torch.cuda.Stream() if on_gpu else None   # graphs are captured off the default stream
         times: dict[str, list[float]] = {"plan": [], "admit": []}

@@ -213,16 +213,13 @@ class LookupEngine:
         max_plan_sizes: plan sizes kept at once. Batch sizes are rounded up to buckets
             (`plan_bucket`: at most 12.5% more ids); a new bucket beyond this many waits for
             the lookups in flight and frees the least recently used one.
-        padding_spread: spare rows the plans' padding writes cycle over (`LookupPlan`);
-            pair it with the cache's ``trash_slots``.
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
                  cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 131072,
                  staging_ring: int = 3,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
-                 max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
-                 padding_spread: int = 1):
+                 max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -263,7 +260,6 @@ class LookupEngine:
         self._ring_next = 0
         self.graphs = graphs and self.on_gpu
         self.max_plan_sizes = max(1, max_plan_sizes)
-        self.padding_spread = max(1, padding_spread)
         self._plans: collections.OrderedDict[int, list[LookupPlan]] = collections.OrderedDict()  # by bucket, LRU
         self._plan_next: dict[int, int] = {}
         self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
@@ -442,8 +438,7 @@ class LookupEngine:
         k = self._plan_next.get(n, 0)
         if k == len(ring):
             ring.append(LookupPlan(n, self.store.row_bytes, self.store.num_rows, self.device, self.cache,
-                                   self._split_fraction(), self.region_bytes, pin=self.on_gpu,
-                                   spare=self.padding_spread))
+                                   self._split_fraction(), self.region_bytes, pin=self.on_gpu))
         self._plan_next[n] = (k + 1) % self.max_in_flight
         return ring[k]
 

@@ -16,9 +16,9 @@ a CUDA graph, so replaying it costs one launch.
 Row ids must be >= 0 (`PAD_ID` marks padding); ids outside the table are reported through
 the ``bad`` count (the engine raises on the gather thread) and never read.
 
-Padding writes land in spare entries past N: one by default; ``spare`` > 1 cycles them over
-that many (in a text batch ~40% of the entries are padding, and ~10^5 stores to one address
-may serialize in the GPU's memory system: to be measured, `bench lookup --engines`).
+Padding writes of the dedup and the compaction land in one spare entry past N. (Cycling
+them over 1024 spares changed no plan time on the H200, session 5; the costly same-address
+stores were the cache's and the GPU share's row writes, which now store nothing for padding.)
 
 The functions run eagerly on any device; tests hold them to `torch.unique`,
 `torch.nonzero` and `split_by_density` on the CPU.
@@ -75,14 +75,8 @@ def fill_plan_ids(plan_ids: torch.Tensor, ids: torch.Tensor) -> None:
         plan_ids[n:].copy_(ids[:1].expand(plan_ids.numel() - n))
 
 
-def spread(n: int, spare: int, device) -> torch.Tensor:
-    """[n] offsets 0..spare-1, cycling: where entry i's padding write goes among the spares."""
-    return torch.remainder(torch.arange(n, device=device), spare)
-
-
-def dedup_padded(ids: torch.Tensor, spare: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sorted unique ids of `ids` [N] without a host sync. (`spare`: scratch entries the repeats'
-    writes cycle over; more of them, fewer stores to one address.)
+def dedup_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted unique ids of `ids` [N] without a host sync.
 
     Returns (uniq [N + 1]: the n_unique unique ids in ascending order, then `PAD_ID`;
     inverse [N]: position of each id in `uniq`; n_unique [1]).
@@ -94,26 +88,25 @@ def dedup_padded(ids: torch.Tensor, spare: int = 1) -> tuple[torch.Tensor, torch
     rank = torch.cumsum(first, 0) - 1                      # unique index of each sorted id
     inverse = torch.empty_like(rank)
     inverse.scatter_(0, perm, rank)
-    uniq = torch.full((n + spare,), PAD_ID, dtype=ids.dtype, device=ids.device)
-    # Repeats write their id to spare entries past n, reset to padding after.
-    uniq.scatter_(0, torch.where(first, rank, n + spread(n, spare, ids.device)), sorted_ids)
+    uniq = torch.full((n + 1,), PAD_ID, dtype=ids.dtype, device=ids.device)
+    # Repeats write their id to the spare entry n, reset to padding after.
+    uniq.scatter_(0, torch.where(first, rank, n), sorted_ids)
     uniq[n:].fill_(PAD_ID)      # (fill_, not item assignment: no host tensor copied in a graph)
-    return uniq[: n + 1], inverse, rank[-1:] + 1
+    return uniq, inverse, rank[-1:] + 1
 
 
-def compact_padded(mask: torch.Tensor, fill: int, spare: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_padded(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the True entries of `mask` [N] in order, without a host sync.
 
-    Returns (positions [N + 1]: the count positions, then `fill`; count [1]). `spare`: as in
-    `dedup_padded`.
+    Returns (positions [N + 1]: the count positions, then `fill`; count [1]).
     """
     n = mask.numel()
     running = torch.cumsum(mask, 0)
-    target = torch.where(mask, running - 1, n + spread(n, spare, mask.device))
-    pos = torch.full((n + spare,), fill, dtype=torch.int64, device=mask.device)
+    target = torch.where(mask, running - 1, n)
+    pos = torch.full((n + 1,), fill, dtype=torch.int64, device=mask.device)
     pos.scatter_(0, target, torch.arange(n, device=mask.device))
     pos[n:].fill_(fill)
-    return pos[: n + 1], running[-1:]
+    return pos, running[-1:]
 
 
 def split_padded(miss_ids: torch.Tensor, n_miss: torch.Tensor, row_bytes: int, region_bytes: int,
@@ -168,7 +161,7 @@ class LookupPlan:
       comes first, in its order (rows 0..n_cpu-1, so its DMAs land in place and need no
       scatter), then every other unique id in order; ``row_of[N] = N`` (padding);
     * ``rows_index`` [N] = row_of[inverse]: the compact row of each id, what the expansion reads;
-    * ``compact`` [N + spare, row_bytes]: the cache hits already in place; the misses' rows
+    * ``compact`` [N + 1, row_bytes]: the cache hits already in place; the misses' rows
       are the caller's to fill (the GPU share at ``gpu_dst``, the CPU share at 0..n_cpu-1);
     * ``miss_ids`` / ``miss_pos`` (padded), the GPU share's ids ``gpu_ids`` and rows ``gpu_dst``;
 
@@ -178,14 +171,13 @@ class LookupPlan:
     """
 
     def __init__(self, n: int, row_bytes: int, num_rows: int, device: torch.device, cache: RowCache | None,
-                 fraction: float, region_bytes: int, pin: bool, spare: int = 1):
+                 fraction: float, region_bytes: int, pin: bool):
         self.n, self.row_bytes, self.num_rows = n, row_bytes, num_rows
         self.cache, self.fraction, self.region_bytes = cache, fraction, region_bytes
         self.gpu_share = fraction < 1.0    # else no GPU share (and for fraction 0, no CPU share)
         self.cpu_share = fraction > 0.0
         self.ids = torch.empty(n, dtype=torch.int64, device=device)
-        self.spare = max(1, spare)
-        self.compact = torch.empty((n + self.spare, row_bytes), dtype=torch.uint8, device=device)
+        self.compact = torch.empty((n + 1, row_bytes), dtype=torch.uint8, device=device)
         # Counts, then (only when there can be a CPU share) that share's ids.
         host_len = N_COUNTS + (n if self.cpu_share else 0)
         self._to_host = torch.empty(host_len, dtype=torch.int64, device=device)
@@ -196,14 +188,14 @@ class LookupPlan:
     def _plan(self) -> None:
         n = self.n
         dev = self.ids.device
-        uniq, self.inverse, n_unique = dedup_padded(self.ids, self.spare)
+        uniq, self.inverse, n_unique = dedup_padded(self.ids)
         valid = uniq[:n] >= 0
         if self.cache is not None:
             slot = self.cache.probe(uniq[:n], valid=valid)
             miss = valid & (slot < 0)
         else:
             miss = valid
-        self.miss_pos, n_miss = compact_padded(miss, fill=n, spare=self.spare)
+        self.miss_pos, n_miss = compact_padded(miss, fill=n)
         self.miss_ids = uniq.index_select(0, self.miss_pos)
         gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(self.miss_ids, n_miss, self.row_bytes, self.region_bytes,
                                                       self.fraction)
@@ -213,8 +205,8 @@ class LookupPlan:
         # Rows of compact: the CPU share first (0..n_cpu-1, in its order, which is unique-id
         # order), then the other unique ids in order. A permutation of 0..n-1, found by one
         # prefix sum: no sort, no sync.
-        is_cpu = torch.zeros(n + self.spare, dtype=torch.bool, device=dev)
-        is_cpu.index_fill_(0, torch.where(cpu_pos[:n] < n, cpu_pos[:n], n + spread(n, self.spare, dev)), True)
+        is_cpu = torch.zeros(n + 1, dtype=torch.bool, device=dev)
+        is_cpu.index_fill_(0, cpu_pos[:n], True)      # (padding marks entry n)
         is_cpu = is_cpu[:n]
         cpu_before = torch.cumsum(is_cpu, 0) - is_cpu.long()
         u = torch.arange(n, device=dev)
@@ -235,7 +227,7 @@ class LookupPlan:
 
     def _admit(self) -> None:
         ids = self.miss_ids[: self.n]
-        rows = self.row_of.index_select(0, self.miss_pos[: self.n])   # padding: row N, a spare
+        rows = self.row_of.index_select(0, self.miss_pos[: self.n])   # padding: row N, the spare
         self.cache.admit_rows(ids, self.compact, valid=ids >= 0, row_index=rows, return_slots=False)
 
     # ------------------------------------------------------------------ running

@@ -66,8 +66,6 @@ class RowCache:
         ways: associativity (slots per set).
         device: where keys, counters and rows live (``cuda`` for the HBM cache).
         decay_every: halve all frequency counters after this many `admit` calls (0: never).
-        trash_slots: slots past the end that the torch path's dropped admissions and missed
-            probes write to (1: one; more spread those stores over more addresses).
         backend: "auto" (the Triton kernels on CUDA when `ways` is a power of two, else the
             torch ops), "triton" or "torch".
 
@@ -79,7 +77,7 @@ class RowCache:
     """
 
     def __init__(self, capacity_rows: int, row_bytes: int, ways: int = 8, device: str | torch.device = "cpu",
-                 decay_every: int = 64, trash_slots: int = 1, backend: str = "auto"):
+                 decay_every: int = 64, backend: str = "auto"):
         if capacity_rows < 1 or row_bytes < 1 or ways < 1:
             raise ValueError(f"RowCache needs positive capacity_rows, row_bytes and ways, got "
                              f"{capacity_rows}, {row_bytes}, {ways}")
@@ -96,11 +94,11 @@ class RowCache:
                 raise ValueError(f"RowCache: the Triton kernels need a power-of-two number of ways, got {self.ways}")
             self.backend = "torch"
         slots = self.n_sets * self.ways
-        # Trash slots past the end, outside the views below: `admit` sends the rows it drops
-        # there, so it never has to compact its inputs (a compaction is a host sync). With
-        # several, drop i goes to trash slot i % trash_slots (fewer stores to one address).
-        self._trash, self.trash_slots = slots, max(1, trash_slots)
-        total = slots + self.trash_slots
+        # A trash slot past the end, outside the views below: the torch path's `admit` sends
+        # the rows it drops there, so it never has to compact its inputs (a compaction is a
+        # host sync). (The Triton kernels store nothing for them.)
+        self._trash = slots
+        total = slots + 1
         self._keys_all = torch.full((total,), EMPTY, dtype=torch.int64, device=self.device)
         self._freq_all = torch.zeros((total,), dtype=torch.int32, device=self.device)
         self._data_all = torch.empty((total, row_bytes), dtype=torch.uint8, device=self.device)
@@ -110,10 +108,6 @@ class RowCache:
         # Counters stay on the device so probing never waits for the host.
         self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)  # lookups, hits, admitted
         self._admissions = 0
-
-    def _trash_slots(self, n: int, device) -> torch.Tensor:
-        """[n] trash slots, cycling over the `trash_slots` past the end."""
-        return self._trash + torch.remainder(torch.arange(n, device=device), self.trash_slots)
 
     @classmethod
     def from_bytes(cls, capacity_bytes: int, row_bytes: int, **kwargs) -> RowCache:
@@ -170,7 +164,7 @@ class RowCache:
             if count:
                 # Unique ids -> distinct hit slots, so a plain read-add-write is exact; misses bump
                 # trash slots (a gather and a scatter: cheaper than an atomic index_add).
-                bump = torch.where(hit, slot, self._trash_slots(slot.numel(), slot.device))
+                bump = torch.where(hit, slot, self._trash)
                 self._freq_all[bump] = self._freq_all.index_select(0, bump) + 1
             if rows_out is not None:
                 # Misses read slot 0 (their rows are the caller's to fill): no compaction, no sync.
@@ -270,7 +264,7 @@ class RowCache:
         chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
         # Kept newcomers get distinct slots; dropped ones write trash slots (never probed).
         idx = torch.arange(ids.numel(), device=ids.device)
-        slot = torch.where(keep, sorted_sets * self.ways + chosen_way, self._trash_slots(idx.numel(), idx.device))
+        slot = torch.where(keep, sorted_sets * self.ways + chosen_way, self._trash)
         self._keys_all[slot] = ids.index_select(0, order)
         self._freq_all.index_fill_(0, slot, 1)
         rows_sorted = row_words(rows).index_select(0, order.to(rows.device)).to(self.device)
