@@ -171,3 +171,19 @@ def test_a_bucketed_plan_equals_the_plan_of_the_batch_alone(cached):
     hit[alone.miss_pos[:k]] = False
     hits = alone.row_of[: counts["n_unique"]][hit]       # the compact rows the cache filled
     assert torch.equal(alone.compact[hits], bucketed.compact[hits]) or not cached
+
+
+@pytest.mark.parametrize("row_bytes", [8, 6, 7])      # 4-byte words, 2-byte words, no words (odd)
+def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes):
+    from condmem.tables.lookup_plan import move_rows
+
+    gen = torch.Generator().manual_seed(row_bytes)
+    src = torch.randint(0, 256, (20, row_bytes), generator=gen, dtype=torch.int32).to(torch.uint8)
+    src[0] = 0xFF                                              # NaN bit patterns as float words move intact
+    dst = torch.full((12, row_bytes), 0xEE, dtype=torch.uint8)
+    src_index = torch.tensor([0, 5, 19, 3, -1])
+    dst_index = torch.tensor([11, 0, 4, 12, -1])               # 12 and -1: outside dst (padding)
+    move_rows(src, src_index, dst, dst_index)
+    expect = torch.full_like(dst, 0xEE)
+    expect[11], expect[0], expect[4] = src[0], src[5], src[19]
+    assert torch.equal(dst, expect)

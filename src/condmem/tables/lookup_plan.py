@@ -48,7 +48,8 @@ def as_words(raw: torch.Tensor) -> torch.Tensor | None:
 
 def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]`` (raw uint8 rows) for every i whose destination is
-    inside `dst`; the others (padding) read and store nothing. One kernel on CUDA, no host sync."""
+    inside `dst`; the others (padding) store nothing, and read nothing when their source index
+    is -1. One kernel on CUDA, no host sync."""
     src_words, dst_words = as_words(src), as_words(dst)
     if src_words is not None and dst_words is not None:
         engram_gather(src_index, src_words, out=dst_words, out_index=dst_index)
