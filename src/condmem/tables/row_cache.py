@@ -136,22 +136,17 @@ class RowCache:
         self._freq_all.zero_()
 
     # ------------------------------------------------------------------ operations
-    def probe(self, ids: torch.Tensor, count: bool = True, valid: torch.Tensor | None = None,
-              rows_out: torch.Tensor | None = None) -> torch.Tensor:
+    def probe(self, ids: torch.Tensor, count: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Slot of each id (int64, -1 on a miss); ids must be unique, int64, on the cache's device.
 
         `valid`: optional bool mask; ids where it is False (padding) always miss and are not counted.
-        `rows_out`: optional uint8 [n, row_bytes]: each hit's row is copied to its id's position
-        (other positions: unspecified).
         """
         if ids.numel() == 0:
             return ids.new_empty(0)
         if self.backend == "triton":
             from condmem.tables import row_cache_kernels
 
-            out_words = row_words(rows_out) if rows_out is not None else None
-            slot = row_cache_kernels.probe(ids, valid, self.keys, self._freq_all, row_words(self.data), count,
-                                           out_words)
+            slot = row_cache_kernels.probe(ids, valid, self.keys, self._freq_all, count)
             hit = slot >= 0
         else:
             sets = torch.remainder(ids, self.n_sets)
@@ -166,9 +161,6 @@ class RowCache:
                 # trash slots (a gather and a scatter: cheaper than an atomic index_add).
                 bump = torch.where(hit, slot, self._trash)
                 self._freq_all[bump] = self._freq_all.index_select(0, bump) + 1
-            if rows_out is not None:
-                # Misses read slot 0 (their rows are the caller's to fill): no compaction, no sync.
-                torch.index_select(row_words(self.data), 0, slot.clamp(min=0), out=row_words(rows_out))
         if count:
             self._counters[0] += ids.numel() if valid is None else valid.sum()
             self._counters[1] += hit.sum()

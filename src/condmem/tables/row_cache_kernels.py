@@ -9,9 +9,7 @@ or probed id is one row of a block: its set's keys and counters are read once in
 registers, the way order is found there, and only real entries store anything
 (masked stores: no trash slot, no padding write).
 
-* `probe_kernel`: slot of each id (-1: miss or padding), the hit's counter bumped, and
-  optionally the hit's row copied into the caller's buffer (the plan's `compact`) at the
-  id's position.
+* `probe_kernel`: slot of each id (-1: miss or padding), the hit's counter bumped.
 * `choose_slots_kernel` then `write_kernel`: the admission in two launches, so that every
   read of the old set state (the ranks of the ways) happens before any write to it; the
   second writes keys, counters and rows, each row read straight from the caller's buffer.
@@ -32,10 +30,9 @@ BLOCK_IDS = 64
 
 
 @triton.jit
-def probe_kernel(ids_ptr, valid_ptr, keys_ptr, freq_ptr, slot_ptr, data_ptr, out_ptr, n, n_sets, row_words,
-                 WAYS: tl.constexpr, WORDS: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
-                 COPY: tl.constexpr, BLOCK: tl.constexpr):
-    """Slot of each id (-1: miss, padding or invalid), hit counters bumped, hit rows copied to `out`."""
+def probe_kernel(ids_ptr, valid_ptr, keys_ptr, freq_ptr, slot_ptr, n, n_sets, WAYS: tl.constexpr,
+                 HAS_VALID: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """Slot of each id (-1: miss, padding or invalid), hit counters bumped."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     ids = tl.load(ids_ptr + offs, mask=inb, other=-1)
@@ -55,11 +52,6 @@ def probe_kernel(ids_ptr, valid_ptr, keys_ptr, freq_ptr, slot_ptr, data_ptr, out
         # Unique ids hit distinct slots: a plain read-add-write is exact.
         freq = tl.load(freq_ptr + slot, mask=hit, other=0)
         tl.store(freq_ptr + slot, freq + 1, mask=hit)
-    if COPY:
-        words = tl.arange(0, WORDS)
-        m = hit[:, None] & (words[None, :] < row_words)
-        row = tl.load(data_ptr + slot[:, None] * row_words + words[None, :], mask=m)
-        tl.store(out_ptr + offs[:, None].to(tl.int64) * row_words + words[None, :], row, mask=m)
 
 
 @triton.jit
@@ -112,17 +104,13 @@ def _grid(n: int) -> tuple[int]:
 
 
 def probe(ids: torch.Tensor, valid: torch.Tensor | None, keys: torch.Tensor, freq: torch.Tensor,
-          data_words: torch.Tensor, count: bool, out_words: torch.Tensor | None) -> torch.Tensor:
+          count: bool) -> torch.Tensor:
     """Slots of `ids` [n] (int64, -1 on a miss) in the cache of `keys` [n_sets, ways]; see `RowCache.probe`."""
     n = ids.numel()
     slot = torch.empty_like(ids)
     n_sets, ways = keys.shape
-    copy = out_words is not None
-    row_words = data_words.shape[1]
-    probe_kernel[_grid(n)](
-        ids, valid if valid is not None else ids, keys, freq, slot, data_words,
-        out_words if copy else data_words, n, n_sets, row_words,
-        WAYS=ways, WORDS=next_pow2(row_words), HAS_VALID=valid is not None, COUNT=count, COPY=copy, BLOCK=BLOCK_IDS)
+    probe_kernel[_grid(n)](ids, valid if valid is not None else ids, keys, freq, slot, n, n_sets, WAYS=ways,
+                           HAS_VALID=valid is not None, COUNT=count, BLOCK=BLOCK_IDS)
     return slot
 
 

@@ -1,0 +1,91 @@
+"""Compile the lookup path's Triton kernels for a GPU architecture on a machine without a GPU.
+
+CI has no GPU and runs kernels through the interpreter, which never invokes Triton's
+compiler, so a kernel the compiler rejects passes every CPU test. This happened once
+(session 5): Triton 3.6 (the H200's version) failed a layout pass on a scattered store
+that the interpreter and Triton 3.9 accepted. `python -m condmem.ops.compile_check`
+compiles each kernel variant the engine launches (to PTX and a cubin, with the ptxas
+Triton ships) for sm_90 and prints one line per variant; a test runs it under the installed
+Triton. To check another Triton: ``pip install --target DIR triton==X`` and run with
+``PYTHONPATH=DIR``.
+
+Must run with ``TRITON_INTERPRET`` unset (the interpreter replaces the compiled kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def variants() -> list[tuple[str, object, dict, dict]]:
+    """(name, kernel, signature, constexprs) of every kernel variant the lookup path compiles."""
+    from condmem.ops.gather import _gather_kernel
+    from condmem.tables import row_cache_kernels as rc
+
+    out = []
+    gather_sig = {"ids_ptr": "*i64", "tab_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp32", "dst_ptr": "*i64",
+                  "n_rows": "i64", "lo": "i64", "n_local": "i64", "n_out": "i64"}
+    # Plain 4-byte words of 264 B rows (the engine's row moves), and packed fp8 rows expanded to bf16.
+    for mode, d, nb, sig in ((0, 66, 1, gather_sig),
+                             (2, 256, 8, dict(gather_sig, tab_ptr="*u8", scale_ptr="*u8", out_ptr="*bf16"))):
+        for scatter in (False, True):
+            consts = {"ROW_STRIDE": d + (d // 32 if mode == 2 else 0), "SCALE_STRIDE": 0 if mode == 0 else 264,
+                      "SCALE_OFF": 0 if mode == 0 else 256, "D": d, "NB": nb, "BLOCK_NB": 1 << (nb - 1).bit_length(),
+                      "BLOCK_D": 1 << (d - 1).bit_length(), "BLOCK_R": 32, "MODE": mode, "EXACT": False,
+                      "SCATTER": scatter}
+            out.append((f"gather mode={mode} scatter={scatter}", _gather_kernel, sig, consts))
+    out.append(("cache probe", rc.probe_kernel,
+                {"ids_ptr": "*i64", "valid_ptr": "*i1", "keys_ptr": "*i64", "freq_ptr": "*i32", "slot_ptr": "*i64",
+                 "n": "i64", "n_sets": "i64"},
+                {"WAYS": 16, "HAS_VALID": True, "COUNT": True, "BLOCK": rc.BLOCK_IDS}))
+    out.append(("cache choose slots", rc.choose_slots_kernel,
+                {"sorted_sets_ptr": "*i64", "rank_ptr": "*i64", "order_ptr": "*i64", "ids_ptr": "*i64",
+                 "keys_ptr": "*i64", "freq_ptr": "*i32", "slot_ptr": "*i64", "n": "i64", "n_sets": "i64"},
+                {"WAYS": 16, "BLOCK": rc.BLOCK_IDS}))
+    out.append(("cache write", rc.write_kernel,
+                {"slot_ptr": "*i64", "order_ptr": "*i64", "ids_ptr": "*i64", "src_index_ptr": "*i64",
+                 "src_ptr": "*i64", "keys_ptr": "*i64", "freq_ptr": "*i32", "data_ptr": "*i64", "n": "i64",
+                 "row_words": "i64"},
+                {"WORDS": 64, "HAS_INDEX": True, "BLOCK": rc.BLOCK_IDS}))
+    return out
+
+
+def compile_all(arch: int = 90) -> list[tuple[str, str | None]]:
+    """(variant, None or the compiler's error) for every variant, compiled for sm_<arch>."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    results = []
+    for name, kernel, signature, constexprs in variants():
+        source = ASTSource(fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}},
+                           constexprs=constexprs)
+        try:
+            triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+            results.append((name, None))
+        except Exception as exc:  # noqa: BLE001 - any compiler failure is the finding
+            results.append((name, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: unset TRITON_INTERPRET (the interpreter replaces compiled kernels)", file=sys.stderr)
+        return 2
+    import triton
+
+    failed = 0
+    for name, error in compile_all(args.arch):
+        print(f"{'ok    ' if error is None else 'FAILED'} {name}" + (f": {error}" if error else ""))
+        failed += error is not None
+    print(f"triton {triton.__version__}, sm_{args.arch}: {failed} of the variants failed to compile")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
