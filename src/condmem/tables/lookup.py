@@ -4,11 +4,14 @@ For one batch of row ids [T, n_cols] (one Engram layer):
 
 1. **dedup** on the device (sorted, so the misses below come out sorted, which is what
    makes host reads local: more ids per page, fewer translations);
-2. **cache probe** in the HBM `RowCache` (optional): hits are copied from HBM;
+2. **cache probe** in the HBM `RowCache` (optional; Triton kernels on CUDA): hits are
+   copied from HBM into the batch's compact rows (one row per unique id; the plan's row
+   map puts the CPU share's rows first);
 3. **misses** are served from the store:
-   * HBM store: an index_select;
+   * HBM store: the gather kernel, each row scattered to its compact row;
    * host store: a fraction ``cpu_fraction`` of the misses is gathered by CPU threads
-     into a small ring of pinned staging chunks, each sent by DMA while the next is gathered;
+     into a small ring of pinned staging chunks, each sent by DMA (straight into the
+     compact rows) while the next is gathered;
      the rest is read by the GPU zero-copy (the gather kernel on the page-locked
      table). On the H200 a zero-copy read costs about one address translation per
      64 KiB region touched, not per row, while a CPU thread pays per row; so the GPU
@@ -27,8 +30,8 @@ reads the rows straight from the table (HBM or page-locked host), with no host s
 On a GPU, steps 1-3's planning runs on fixed-size padded buffers with no host sync, as
 one CUDA graph (`condmem.tables.lookup_plan`; the admission of step 5 too), and lookups
 are **pipelined**: `lookup` returns a `LookupHandle` once the plan is queued; a worker
-thread waits for its counts, gathers the CPU share, and queues the DMAs and the final
-assembly, while the zero-copy share runs on a stream of its own. So
+thread waits for its counts, gathers the CPU share, and queues the DMAs and the
+expansion, while the zero-copy share runs on a stream of its own. So
 while batch i's rows are gathered on the CPU, batch i+1 is already deduplicated and
 probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
 wait for the rows' event, so layers queued before it overlap with the fetch. The rows
