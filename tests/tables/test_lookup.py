@@ -185,15 +185,17 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("region_bytes", [64 << 10, 4 * 72], ids=["region64k", "region4rows"])
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3])
-def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight):
+@pytest.mark.parametrize("overlap_tail", [False, True], ids=["tail", "overlap_tail"])
+def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight, overlap_tail):
     """Many lookups in flight (the next planned while the last is gathered), waited out of order,
-    with hot ids repeating across batches so hits come from rows admitted by earlier lookups."""
+    with hot ids repeating across batches so hits come from rows admitted by earlier lookups;
+    with `overlap_tail`, each lookup's last DMA and expansion queued during the next one's gather."""
     fmt = "fp8_interleaved"
     store, source = _place(table_files, fmt, "host")
     cache = RowCache(128, store.row_bytes, ways=4, device="cuda") if cached else None
     engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7,
                           staging_ring=2,
-                          region_bytes=region_bytes, max_in_flight=max_in_flight)
+                          region_bytes=region_bytes, max_in_flight=max_in_flight, overlap_tail=overlap_tail)
     batches = list(_batches(store.num_rows, seed=7, n=12))
     handles = [engine.lookup(ids.cuda()) for ids in batches[:8]]
     for i in (3, 0, 7, 1, 2, 6, 5, 4):                       # out of order
@@ -303,6 +305,28 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
         engine.lookup(bad.cuda()).wait()
     for _ in range(3):   # the failed lookup's slot is reused and nothing of it was admitted
         assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(source, good))
+    engine.close()
+    store.close()
+
+
+@cuda_only
+@pytest.mark.parametrize("overlap_tail", [False, True], ids=["tail", "overlap_tail"])
+def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, overlap_tail):
+    """An id outside the table in a lookup between good ones in flight: only that lookup raises;
+    the one before it (whose tail may run during the failing lookup's turn) and those after are exact."""
+    store, source = _place(table_files, "fp8_interleaved", "host")
+    engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
+                          cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7, staging_ring=2, max_in_flight=3,
+                          overlap_tail=overlap_tail)
+    batches = list(_batches(store.num_rows, seed=23, n=4))
+    bad = batches[1].clone()
+    bad[0, 0] = store.num_rows + 1
+    handles = [engine.lookup(ids.cuda()) for ids in (batches[0], bad, batches[2], batches[3])]
+    assert torch.equal(handles[0].wait().cpu(), _expected(source, batches[0]))
+    with pytest.raises(StorageError, match=str(store.num_rows + 1)):
+        handles[1].wait()
+    for handle, ids in zip(handles[2:], batches[2:]):
+        assert torch.equal(handle.wait().cpu(), _expected(source, ids))
     engine.close()
     store.close()
 

@@ -95,14 +95,17 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
 
 def parse_variant(text: str) -> dict:
     """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
-    in flight (`max_in_flight`, default 2) and ``/torch`` or ``/triton`` for the cache's probe
-    and admission (default: Triton on CUDA), e.g. ``graphs@3/torch``."""
+    in flight (`max_in_flight`, default 2), ``+tail`` (`overlap_tail`) and ``/torch`` or
+    ``/triton`` for the cache's probe and admission (default: Triton on CUDA), e.g.
+    ``graphs@3+tail/torch``."""
     head, _, backend = text.partition("/")
+    head, _, flag = head.partition("+")
     name, _, depth = head.partition("@")
-    if name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton"):
-        raise SystemExit(f"--engines: {text!r} is not graphs|eager[@in_flight][/torch|/triton]")
+    if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or flag not in ("", "tail")
+            or backend not in ("", "torch", "triton")):
+        raise SystemExit(f"--engines: {text!r} is not graphs|eager[@in_flight][+tail][/torch|/triton]")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
-            "max_in_flight": int(depth) if depth else 2}
+            "max_in_flight": int(depth) if depth else 2, "overlap_tail": flag == "tail"}
 
 
 def run_lookup(args) -> list[dict]:
@@ -214,7 +217,7 @@ def run_lookup(args) -> list[dict]:
                 engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
                                       cpu_threads=(args.cpu_threads or [None])[0],
                                       staging_chunk_rows=args.staging_chunk_rows[0], graphs=variant["graphs"],
-                                      max_in_flight=variant["max_in_flight"])
+                                      max_in_flight=variant["max_in_flight"], overlap_tail=variant["overlap_tail"])
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                     if stream == "text":
                         # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
@@ -295,11 +298,12 @@ def main(args) -> list[dict]:
     append_rows(out / "lookup.json", rows)
     plot(rows, out / "lookup.png")
     plot_pipeline(rows, out / "lookup_pipeline.png")
-    print(rows_table([r for r in rows if r.get("bench") != "kernels"], [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
-                            ("variant", "engine", ""), ("tokens", "tokens", "d"),
-                            ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
-                            ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
-                            ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f")]))
+    table_rows = [r for r in rows if r.get("bench") != "kernels"]    # kernel tables are logged instead
+    print(rows_table(table_rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
+                                  ("variant", "engine", ""), ("tokens", "tokens", "d"),
+                                  ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
+                                  ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
+                                  ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f")]))
     return rows
 
 
@@ -328,9 +332,10 @@ def add_arguments(p) -> None:
                    help="host memory strategy")
     p.add_argument("--engines", nargs="+", default=None,
                    help="engine variants measured one after another on the same table, for A/B runs: "
-                        "graphs|eager[@in_flight][/torch|/triton] (plans as CUDA graphs or kernel by kernel; "
-                        "lookups in flight, default 2; the cache's probe and admission as torch ops or Triton "
-                        "kernels, default Triton on CUDA), e.g. 'graphs graphs@3 graphs/torch eager'")
+                        "graphs|eager[@in_flight][+tail][/torch|/triton] (plans as CUDA graphs or kernel by "
+                        "kernel; lookups in flight, default 2; +tail: LookupEngine(overlap_tail=True); the "
+                        "cache's probe and admission as torch ops or Triton kernels, default Triton on CUDA), "
+                        "e.g. 'graphs graphs+tail graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")
     p.add_argument("--eager-plans", action="store_true",
