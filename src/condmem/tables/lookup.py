@@ -46,7 +46,6 @@ import contextlib
 import functools
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -64,6 +63,7 @@ from condmem.tables.lookup_plan import (
 )
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.storage import LayerStore, StorageError
+from condmem.tables.tail_deferral import TailDeferral
 
 log = logging.getLogger("condmem.tables")
 
@@ -123,17 +123,6 @@ def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int
     if fmt == "bf16":
         return engram_gather(ids, raw.view(torch.bfloat16), out=out, **kernel)
     return engram_gather(ids, raw, head_dim=head_dim, out=out, **kernel)
-
-
-def _once(fn):
-    """`fn` (or nothing, if None) behind a call that runs it at most once."""
-    state = {"fn": fn}
-
-    def run() -> None:
-        f, state["fn"] = state["fn"], None
-        if f is not None:
-            f()
-    return run
 
 
 @dataclass
@@ -281,9 +270,7 @@ class LookupEngine:
         self.overlap_tail = overlap_tail and self.on_gpu
         self._gather_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-gather")
                              if self.overlap_tail else None)
-        self._queued = 0              # lookups submitted to the gather thread and not yet past their gather
-        self._queued_lock = threading.Lock()
-        self._deferred = None         # the previous lookup's tail, run during the next one's first gather
+        self._tails = TailDeferral(self.overlap_tail)   # when each lookup's tail runs (`_finish`)
         self._ring: list[torch.Tensor | None] = [None] * max(2, staging_ring)
         self._ring_free: list = [None] * len(self._ring)   # events: the last DMA out of each buffer finished
         self._ring_next = 0
@@ -389,8 +376,7 @@ class LookupEngine:
             batch = self._plan(row_ids, stats, start)
         stats.mark("planned (queued: dedup, probe, split, counts to the host)", start)
         batch.future = concurrent.futures.Future()     # done once all its GPU work is queued
-        with self._queued_lock:
-            self._queued += 1
+        self._tails.submitted()
         self._pool.submit(self._finish, batch)
         self._in_flight.append(batch)
         return LookupHandle(batch.out, batch.ready, batch.future, stats, batch)
@@ -537,10 +523,9 @@ class LookupEngine:
         with `overlap_tail` during the next lookup's first gather when one is queued. Errors
         reach the caller through `batch.future`."""
         stats, start, plan = batch.stats, batch.start, batch.plan
-        # The previous lookup's tail, if it was deferred to this gather: runs exactly once.
-        deferred = self._deferred is not None
-        pending, self._deferred = _once(self._deferred), None
-        counted = True
+        # The previous lookup's tail, if it was deferred to this turn: runs exactly once.
+        pending, deferred = self._tails.begin()
+        finished = False
         try:
             with torch.cuda.device(self.device):
                 batch.planned.synchronize()                   # counts and CPU ids are on the host
@@ -561,23 +546,13 @@ class LookupEngine:
                                                plan.compact[: counts["n_cpu"]], batch.planned, stats, start,
                                                during_first_gather=pending if deferred else None)
                 pending()          # (if not run already: no gather of this lookup to hide it behind)
-            tail = functools.partial(self._tail, batch, last_dma)
-            with self._queued_lock:
-                self._queued -= 1
-                counted = False
-                # Deferred only when a later lookup is already queued: its _finish runs the tail.
-                defer = self.overlap_tail and self._queued > 0
-            if defer:
-                self._deferred = tail
-            else:
-                tail()
+            finished = True
+            self._tails.finish(functools.partial(self._tail, batch, last_dma))
         except BaseException as exc:
             pending()
+            if not finished:
+                self._tails.abandon()
             batch.future.set_exception(exc)
-        finally:
-            if counted:
-                with self._queued_lock:
-                    self._queued -= 1
 
     def _tail(self, batch: _Batch, last_dma) -> None:
         """The last DMA of a lookup's CPU share and its expansion; completes `batch.future`."""

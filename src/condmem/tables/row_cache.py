@@ -255,7 +255,6 @@ class RowCache:
         position = (key[:, None, :] < key[:, :, None]).sum(dim=2, dtype=torch.int16)   # [n, ways]: place in the order
         chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
         # Kept newcomers get distinct slots; dropped ones write trash slots (never probed).
-        idx = torch.arange(ids.numel(), device=ids.device)
         slot = torch.where(keep, sorted_sets * self.ways + chosen_way, self._trash)
         self._keys_all[slot] = ids.index_select(0, order)
         self._freq_all.index_fill_(0, slot, 1)
