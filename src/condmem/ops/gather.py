@@ -287,10 +287,9 @@ def engram_gather(
         row_range: (lo, hi): the table holds global rows lo..hi-1; other ids give zero rows.
         out: optional output [..., D] (bf16 for fp8 tables, the table's dtype otherwise).
         out_index: optional int64 [n] (n = row_ids.numel()): row i goes to ``out[out_index[i]]``
-            (out then any [M, D]); entries outside 0..M-1 (padding) store nothing (give them
-            id -1 and they read nothing either),
-            and out's other rows are left as they are. Scattering in the gather saves a
-            separate scatter and its temporary.
+            (out then any [M, D]); entries outside 0..M-1 (padding) store nothing (with id -1
+            they read nothing either), and out's other rows are left as they are. Scattering
+            in the gather saves a separate scatter and its temporary.
         backend: "auto" (Triton when `row_ids` are on CUDA), "triton" or "torch".
         block_rows, programs_per_sm, num_warps: kernel tuning (defaults suit an H200).
         max_programs: cap on the persistent grid, for a gather that runs beside other work
