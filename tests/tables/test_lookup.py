@@ -158,7 +158,7 @@ def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
 
 def test_split_by_density_gives_the_cpu_the_lone_rows():
     """The split is a partition of the misses; the CPU share takes lone rows before shared ones, both in id order."""
-    from condmem.tables.lookup import split_by_density
+    from condmem.tables.lookup_plan import split_by_density
 
     gen = torch.Generator().manual_seed(5)
     for trial in range(20):

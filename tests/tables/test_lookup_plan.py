@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import devices
 
-from condmem.tables.lookup import split_by_density
+from condmem.tables.lookup_plan import split_by_density
 from condmem.tables.lookup_plan import (
     COUNT_NAMES,
     N_COUNTS,

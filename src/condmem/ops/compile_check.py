@@ -22,6 +22,7 @@ import sys
 def variants() -> list[tuple[str, object, dict, dict]]:
     """(name, kernel, signature, constexprs) of every kernel variant the lookup path compiles."""
     from condmem.ops.gather import _gather_kernel
+    from condmem.ops.triton_util import next_pow2
     from condmem.tables import row_cache_kernels as rc
 
     out = []
@@ -32,9 +33,8 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                              (2, 256, 8, dict(gather_sig, tab_ptr="*u8", scale_ptr="*u8", out_ptr="*bf16"))):
         for scatter in (False, True):
             consts = {"ROW_STRIDE": d + (d // 32 if mode == 2 else 0), "SCALE_STRIDE": 0 if mode == 0 else 264,
-                      "SCALE_OFF": 0 if mode == 0 else 256, "D": d, "NB": nb, "BLOCK_NB": 1 << (nb - 1).bit_length(),
-                      "BLOCK_D": 1 << (d - 1).bit_length(), "BLOCK_R": 32, "MODE": mode, "EXACT": False,
-                      "SCATTER": scatter}
+                      "SCALE_OFF": 0 if mode == 0 else 256, "D": d, "NB": nb, "BLOCK_NB": next_pow2(nb),
+                      "BLOCK_D": next_pow2(d), "BLOCK_R": 32, "MODE": mode, "EXACT": False, "SCATTER": scatter}
             out.append((f"gather mode={mode} scatter={scatter}", _gather_kernel, sig, consts))
     out.append(("cache probe", rc.probe_kernel,
                 {"ids_ptr": "*i64", "valid_ptr": "*i1", "keys_ptr": "*i64", "freq_ptr": "*i32", "slot_ptr": "*i64",

@@ -16,7 +16,8 @@ For one batch of row ids [T, n_cols] (one Engram layer):
      table). On the H200 a zero-copy read costs about one address translation per
      64 KiB region touched, not per row, while a CPU thread pays per row; so the GPU
      takes the misses that share a region with another miss and the CPU the lone ones
-     (`split_by_density`); `calibrate` times candidate fractions and keeps the fastest;
+     (`lookup_plan.split_by_density`); `calibrate` times candidate fractions and keeps
+     the fastest;
    * disk store: CPU gather (page cache) into staging, then DMA;
 4. **expand**: the gather kernel reads the compact unique rows with the inverse index
    and writes [T, n_cols, head_dim] bf16, dequantizing fp8 on the way;
@@ -145,36 +146,6 @@ class _Batch:
     def enqueued(self) -> bool:
         """True once every GPU step of the lookup has been queued (the gather thread is done with it)."""
         return self.future is None or self.future.done()
-
-
-def split_by_density(miss_ids: torch.Tensor, row_bytes: int, region_bytes: int, n_cpu: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (into the sorted `miss_ids`) of the zero-copy share and of the CPU share.
-
-    The plain version of the split: the engine runs `lookup_plan.split_padded`, its padded,
-    sync-free twin, which tests hold to this one.
-
-    A zero-copy read from host memory costs about one GPU address translation per
-    ``region_bytes`` region touched (measured on the H200: ~37 ns per 64 KiB region,
-    almost independent of how many rows of it are read), while a CPU thread pays per row.
-    So the GPU takes the rows that share a region with a neighbour first, and the CPU the
-    lone rows: the CPU share is the `n_cpu` rows that are loneliest. Both shares come
-    back in id order (locality for both readers).
-    """
-    n = miss_ids.numel()
-    if n_cpu <= 0:
-        return torch.arange(n, device=miss_ids.device), miss_ids.new_empty(0)
-    if n_cpu >= n:
-        return miss_ids.new_empty(0), torch.arange(n, device=miss_ids.device)
-    region = torch.div(miss_ids * row_bytes, region_bytes, rounding_mode="floor")
-    shared = torch.zeros(n, dtype=torch.bool, device=miss_ids.device)
-    same = region[1:] == region[:-1]
-    shared[1:] |= same
-    shared[:-1] |= same
-    # Stable: shared rows first, then lone ones, each group still in id order.
-    order = torch.argsort((~shared).to(torch.int8), stable=True)
-    n_gpu = n - n_cpu
-    return order[:n_gpu].sort().values, order[n_gpu:].sort().values
 
 
 class LookupEngine:

@@ -35,11 +35,16 @@ from condmem.ops.triton_util import resolve_backend
 EMPTY = -1
 
 
-def row_words(rows: torch.Tensor) -> torch.Tensor:
-    """Raw uint8 rows [n, row_bytes] viewed as the widest words that divide a row: a row
-    scatter then moves 33 words of 8 B per 264 B row instead of 264 single bytes."""
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if rows.shape[-1] % size == 0:
+INT_WORDS = (torch.int64, torch.int32, torch.int16)
+FLOAT_WORDS = (torch.float32, torch.float16)
+
+
+def row_words(rows: torch.Tensor, dtypes: tuple[torch.dtype, ...] = INT_WORDS) -> torch.Tensor:
+    """Raw uint8 rows [n, row_bytes] viewed as the widest of `dtypes` whose size divides a row
+    (the rows themselves when none does): a row scatter then moves 33 words of 8 B per 264 B
+    row instead of 264 single bytes."""
+    for dtype in dtypes:
+        if rows.shape[-1] % dtype.itemsize == 0:
             return rows.view(dtype)
     return rows
 
@@ -224,9 +229,7 @@ class RowCache:
                                            row_words(self.data), row_words(rows), row_index)
             kept = slot >= 0
         else:
-            if row_index is not None:
-                rows = row_words(rows).index_select(0, row_index.to(rows.device)).view(torch.uint8)
-            slot, kept = self._admit_sorted(ids, rows, valid, sorted_sets, order, rank)
+            slot, kept = self._admit_sorted(ids, rows, row_index, sorted_sets, order, rank)
         self._counters[2] += kept.sum()
         if not return_slots:
             return None
@@ -234,32 +237,34 @@ class RowCache:
         out[order] = slot
         return out
 
-    def _admit_sorted(self, ids, rows, valid, sorted_sets, order, rank):
-        """The torch admission (reference and CPU path): (slot of each sorted newcomer or -1, kept mask)."""
+    def _admit_sorted(self, ids, rows, row_index, sorted_sets, order, rank):
+        """The torch admission (reference and CPU path): (slot of each sorted newcomer or -1, kept mask).
+        Padding sorts into set ``n_sets`` (see `admit_rows`)."""
+        ids_sorted = ids.index_select(0, order)
+        real_sets = sorted_sets.clamp(max=self.n_sets - 1)
+        set_keys = self.keys.index_select(0, real_sets)                       # [n, ways]
         # An id already cached (admitted since the caller's probe) is not admitted twice: one
-        # key, one slot. Its would-be rank is pushed past the ways so it is dropped below.
-        present = (self.keys.index_select(0, torch.remainder(ids, self.n_sets)) == ids[:, None]).any(dim=1)
-        if valid is not None:
-            present |= ~valid
-        keep = (rank < self.ways) & ~present.index_select(0, order)
+        # key, one slot; padding is never admitted.
+        present = (set_keys == ids_sorted[:, None]).any(dim=1) | (sorted_sets == self.n_sets)
+        keep = (rank < self.ways) & ~present
         # The newcomer of rank r takes its set's r-th way in eviction order: empty ways first,
         # then live ways from least to most frequent, ties by way index. (Empty ways must rank
         # below every live one: a live row whose counter decayed to 0 is still worth keeping.)
         # Only the newcomers' sets are looked at, never the whole table of counters; the
         # order is found by counting, per way, the ways that precede it (no segmented sort).
         ways = torch.arange(self.ways, device=ids.device)
-        real_sets = sorted_sets.clamp(max=self.n_sets - 1)
-        live = self.keys.index_select(0, real_sets) != EMPTY
+        live = set_keys != EMPTY
         prio = torch.where(live, self.freq.index_select(0, real_sets).to(torch.int64) + 1, 0)
         key = prio * self.ways + ways                                         # [n, ways], distinct per row
         position = (key[:, None, :] < key[:, :, None]).sum(dim=2, dtype=torch.int16)   # [n, ways]: place in the order
         chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
         # Kept newcomers get distinct slots; dropped ones write trash slots (never probed).
         slot = torch.where(keep, sorted_sets * self.ways + chosen_way, self._trash)
-        self._keys_all[slot] = ids.index_select(0, order)
+        self._keys_all[slot] = ids_sorted
         self._freq_all.index_fill_(0, slot, 1)
-        rows_sorted = row_words(rows).index_select(0, order.to(rows.device)).to(self.device)
-        row_words(self._data_all)[slot] = rows_sorted
+        # Each kept newcomer's row, read once (through `row_index` when given).
+        src = order if row_index is None else row_index.index_select(0, order)
+        row_words(self._data_all)[slot] = row_words(rows).index_select(0, src.to(rows.device)).to(self.device)
         return torch.where(keep, slot, torch.full_like(slot, -1)), keep
 
     def __repr__(self) -> str:
