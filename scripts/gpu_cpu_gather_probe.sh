@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Device run: what bounds the host tier's CPU row gather (benchmarks/probes/cpu_gather_probe.py).
+set -uo pipefail
+# shellcheck disable=SC1091
+source "$(dirname "$0")/_device_env.sh"
+python3 benchmarks/probes/cpu_gather_probe.py "$@" 2>&1 | tee "$OUT/cpu_gather_probe.log"
