@@ -3,4 +3,4 @@
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
-python3 benchmarks/probes/cpu_gather_probe.py "$@" 2>&1 | tee "$OUT/cpu_gather_probe.log"
+python3 -X faulthandler benchmarks/probes/cpu_gather_probe.py "$@" 2>&1 | tee "$OUT/cpu_gather_probe.log"

@@ -88,6 +88,7 @@ def main() -> None:
     rows = int(gib * 2**30) // ROW
     from condmem.bench.lookup_setup import host_store
     table = host_store(rows, "mmap_register").raw      # filled with random rows, then page-locked
+    print(f"table {gib} GiB: {tuple(table.shape)}", flush=True)
     n = 131072
     dst = torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True)
     gen = torch.Generator().manual_seed(0)
