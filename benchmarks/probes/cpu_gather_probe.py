@@ -87,7 +87,8 @@ def main() -> None:
     gib = float(sys.argv[1]) if len(sys.argv) > 1 else 64.0
     rows = int(gib * 2**30) // ROW
     from condmem.bench.lookup_setup import host_store
-    table = host_store(rows, "mmap_register").raw      # filled with random rows, then page-locked
+    store = host_store(rows, "mmap_register")     # random rows, page-locked; keeps the mapping alive
+    table = store.raw
     print(f"table {gib} GiB: {tuple(table.shape)}", flush=True)
     n = 131072
     dst = torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True)
