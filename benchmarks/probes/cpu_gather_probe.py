@@ -11,6 +11,7 @@ concurrent DMA / zero-copy traffic; and the machine's sequential copy bandwidth 
 ceiling. Variants are compiled from one C source with macros. Writes JSON to $OUT.
 """
 
+# ruff: noqa: B023 - every closure below is called within its loop iteration (by `median`)
 from __future__ import annotations
 
 import ctypes
@@ -91,83 +92,131 @@ def main() -> None:
     table = store.raw
     print(f"table {gib} GiB: {tuple(table.shape)}", flush=True)
     n = 131072
-    dst = torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True)
     gen = torch.Generator().manual_seed(0)
     results = []
+    # Fresh ids for every call (a row read twice may still be in the 300 MiB L3).
+    pool = [torch.randint(0, rows, (393216,), generator=gen).sort().values for _ in range(16)]
+    turn = [0]
 
-    def ids_for(span_rows, sort=True, k=4):
-        sets = []
-        for _ in range(k):
-            x = torch.randint(0, span_rows, (n,), generator=gen)
-            sets.append(x.sort().values if sort else x)
-        return sets
+    def fresh(k):
+        turn[0] += 1
+        ids = pool[turn[0] % len(pool)]
+        step = max(1, ids.numel() // k)
+        return ids[::step][:k].contiguous()   # a sorted uniform subset of k ids
 
-    def run(name, id_sets, threads=15, pf=12, hint=0, nt=0, before=None, reps=3, **extra):
+    def median(fn, reps=7):
         times = []
-        for r in range(reps):
-            for ids in id_sets:
-                if before is not None:
-                    before()
-                t = time.perf_counter()
-                lib.gather(table.data_ptr(), ROW, ids.data_ptr(), n, dst.data_ptr(), threads, pf, hint, nt)
-                times.append(time.perf_counter() - t)
-                torch.cuda.synchronize()
+        for _ in range(reps):
+            args = fn()      # set-up, untimed; returns the timed callable
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            args()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
         times.sort()
-        med = times[len(times) // 2]
-        row = {"name": name, "threads": threads, "pf": pf, "hint": hint, "nt": nt, "ms": med * 1e3,
-               "mrows_s": n / med / 1e6, **extra}
+        return times[len(times) // 2]
+
+    def record(name, k, sec, **extra):
+        row = {"name": name, "rows": k, "ms": sec * 1e3, "mrows_s": k / sec / 1e6,
+               "x_h2d": k * ROW / sec / 1e9 / h2d, **extra}
         results.append(row)
-        print(f"{name:34s} thr {threads:2d} pf {pf:3d} hint {hint} nt {nt}: {med * 1e3:6.3f} ms "
-              f"{n / med / 1e6:6.1f} Mrows/s", flush=True)
+        print(f"{name:44s} {k:7d} rows: {sec * 1e3:6.3f} ms {k / sec / 1e6:6.1f} Mrows/s "
+              f"{row['x_h2d']:.2f}x H2D  {extra if extra else ''}", flush=True)
 
-    full = ids_for(rows)
-    run("warm", full)
-    for span_gib in (0.25, 1, 4, 16, 64):
-        span = min(rows, int(span_gib * 2**30) // ROW)
-        run(f"span {span_gib} GiB", ids_for(span), span_gib=span_gib)
-    for threads in (1, 4, 8, 12, 15, 16):
-        run("threads", full, threads=threads)
-    for pf in (0, 4, 8, 16, 24, 32, 48, 64):
-        run("prefetch distance", full, pf=pf)
-    for pf in (12, 32):
-        run("hint T0", full, pf=pf, hint=3)
-        run("non-temporal stores", full, pf=pf, nt=1)
-    run("unsorted ids", ids_for(rows, sort=False))
-    # Beside DMA: queue ~20 ms of H2D copies from another pinned buffer before each gather.
-    big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    from condmem.bench.lookup_setup import h2d_bandwidth_gbps
+    from condmem.tables.lookup_plan import move_rows
+    h2d = h2d_bandwidth_gbps()
+    print(f"H2D {h2d:.1f} GB/s", flush=True)
+    ring_bufs = [torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True) for _ in range(3)]
+    ring_i = [0]
+
+    def gather_call(k, threads=15, pf=12, hint=0, nt=0, ring=False):
+        ids = fresh(k)
+        if ring:
+            ring_i[0] += 1
+        dst = ring_bufs[ring_i[0] % 3]
+        return lambda: lib.gather(table.data_ptr(), ROW, ids.data_ptr(), k, dst.data_ptr(), threads, pf, hint, nt)
+
+    # A. The bare gather of one 131072-row chunk.
+    median(lambda: gather_call(n))
+    for pf in (4, 8, 12, 16):
+        for hint in (0, 3):
+            record("A gather", n, median(lambda: gather_call(n, pf=pf, hint=hint)), pf=pf, hint=hint)
+    record("A gather, ring of 3 dst", n, median(lambda: gather_call(n, ring=True)), pf=12, hint=0)
+    record("A gather, ring of 3 dst, NT stores", n, median(lambda: gather_call(n, ring=True, nt=1)), nt=1)
+    def unsorted_call():
+        ids = fresh(n)[torch.randperm(n)].contiguous()
+        return lambda: lib.gather(table.data_ptr(), ROW, ids.data_ptr(), n, ring_bufs[0].data_ptr(), 15, 12, 0, 0)
+    record("A gather, unsorted ids", n, median(unsorted_call))
+    for threads in (8, 12, 16):
+        record("A gather, threads", n, median(lambda: gather_call(n, threads=threads)), threads=threads)
+
+    # B. The engine's CPU path, emulated: chunks gathered into a ring of pinned buffers,
+    # each DMA'd to the device (copy stream) while the next is gathered.
+    copy_stream = torch.cuda.Stream()
+    dev_rows = torch.empty((393216, ROW), dtype=torch.uint8, device="cuda")
+
+    def cpu_path(k, chunk, threads=15, pf=12, hint=0, nt=0):
+        ids = fresh(k)
+        bufs = [torch.empty((chunk, ROW), dtype=torch.uint8, pin_memory=True) for _ in range(3)]
+        free = [None] * 3
+
+        def go():
+            for j, s0 in enumerate(range(0, k, chunk)):
+                e0 = min(k, s0 + chunk)
+                b = j % 3
+                if free[b] is not None:
+                    free[b].synchronize()
+                lib.gather(table.data_ptr(), ROW, ids[s0:].data_ptr(), e0 - s0, bufs[b].data_ptr(), threads, pf,
+                           hint, nt)
+                with torch.cuda.stream(copy_stream):
+                    dev_rows[s0:e0].copy_(bufs[b][: e0 - s0], non_blocking=True)
+                    free[b] = torch.cuda.Event()
+                    free[b].record(copy_stream)
+            copy_stream.synchronize()
+        return go
+
+    for k in (105000, 275000, 393216):
+        for chunk in (8192, 16384, 32768, 65536, 131072):
+            record("B cpu path (gather + DMA ring)", k, median(lambda: cpu_path(k, chunk)), chunk=chunk)
+    for hint, nt in ((3, 0), (0, 1)):
+        record("B cpu path", 393216, median(lambda: cpu_path(393216, 32768, hint=hint, nt=nt)), chunk=32768,
+               hint=hint, nt=nt)
+
+    # C. GPU zero-copy of sorted uniform rows, warm.
+    zc_out = torch.empty((393216, ROW), dtype=torch.uint8, device="cuda")
+    zc_dst = torch.arange(393216, device="cuda")
+
+    def zero_copy(k):
+        ids = fresh(k).cuda()
+        return lambda: move_rows(table, ids, zc_out, zc_dst[:k])
+    median(lambda: zero_copy(1024), reps=2)   # compile
+    for k in (32768, 118000, 393216):
+        record("C zero-copy (GPU reads host rows)", k, median(lambda: zero_copy(k)))
+
+    # D. Both at once, as the engine splits: CPU path for f of the rows, zero-copy the rest.
     side = torch.cuda.Stream()
+    for f in (0.6, 0.7, 0.8):
+        for chunk in (16384, 32768, 131072):
+            kc = int(393216 * f)
 
-    def dma():
-        with torch.cuda.stream(side):
-            dev.copy_(big, non_blocking=True)
-    run("beside 1 GiB H2D", full, before=dma)
-    run("beside 1 GiB H2D, 16 thr", full, before=dma, threads=16)
-    # Beside a zero-copy gather kernel of 4M uniform rows.
-    try:
-        from condmem.tables.lookup_plan import move_rows
-        zc_n = 1 << 22
-        zc_ids = torch.randint(0, rows, (zc_n,), device="cuda").sort().values
-        zc_out = torch.empty((zc_n, ROW), dtype=torch.uint8, device="cuda")
-        zc_dst = torch.arange(zc_n, device="cuda")
+            def both():
+                cpu = cpu_path(kc, chunk)
+                zc = zero_copy(393216 - kc)
 
-        def zero_copy():
-            with torch.cuda.stream(side):   # the GPU reads the page-locked table in place
-                move_rows(table, zc_ids, zc_out, zc_dst)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        zero_copy()
-        torch.cuda.synchronize()
-        zc_ms = (time.perf_counter() - t) * 1e3
-        print(f"zero-copy 4M sorted rows alone: {zc_ms:.1f} ms ({(1 << 22) / zc_ms / 1e3:.1f} Mrows/s)", flush=True)
-        results.append({"name": "zero-copy alone", "ms": zc_ms, "mrows_s": (1 << 22) / zc_ms / 1e3})
-        run("beside zero-copy", full, before=zero_copy)
-    except Exception as exc:  # noqa: BLE001 - a probe: report and go on
-        print("zero-copy part failed:", exc)
-    # Sequential copy ceiling (1 GiB pinned -> pageable), threads 15.
+                def go():
+                    with torch.cuda.stream(side):
+                        zc()
+                    cpu()
+                    side.synchronize()
+                return go
+            record("D split: cpu path + zero-copy", 393216, median(both), f=f, chunk=chunk)
+
     a = torch.empty(1 << 30, dtype=torch.uint8)
+    big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     a.fill_(1)
-    for threads in (1, 8, 15):
+    big.fill_(2)
+    for threads in (8, 15):
         times = []
         for _ in range(5):
             t = time.perf_counter()
