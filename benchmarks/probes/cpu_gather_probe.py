@@ -86,6 +86,7 @@ def main() -> None:
     print(info["lscpu"], "\n", info["thp"], "\n", info["meminfo"], flush=True)
     lib = build()
     gib = float(sys.argv[1]) if len(sys.argv) > 1 else 64.0
+    parts = sys.argv[2] if len(sys.argv) > 2 else "ABCDS"   # which parts to run
     rows = int(gib * 2**30) // ROW
     from condmem.bench.lookup_setup import host_store
     store = host_store(rows, "mmap_register")     # random rows, page-locked; keeps the mapping alive
@@ -137,26 +138,29 @@ def main() -> None:
         dst = ring_bufs[ring_i[0] % 3]
         return lambda: lib.gather(table.data_ptr(), ROW, ids.data_ptr(), k, dst.data_ptr(), threads, pf, hint, nt)
 
-    # A. The bare gather of one 131072-row chunk.
-    median(lambda: gather_call(n))
-    for pf in (4, 8, 12, 16):
-        for hint in (0, 3):
-            record("A gather", n, median(lambda: gather_call(n, pf=pf, hint=hint)), pf=pf, hint=hint)
-    record("A gather, ring of 3 dst", n, median(lambda: gather_call(n, ring=True)), pf=12, hint=0)
-    record("A gather, ring of 3 dst, NT stores", n, median(lambda: gather_call(n, ring=True, nt=1)), nt=1)
-    def unsorted_call():
-        ids = fresh(n)[torch.randperm(n)].contiguous()
-        return lambda: lib.gather(table.data_ptr(), ROW, ids.data_ptr(), n, ring_bufs[0].data_ptr(), 15, 12, 0, 0)
-    record("A gather, unsorted ids", n, median(unsorted_call))
-    for threads in (8, 12, 16):
-        record("A gather, threads", n, median(lambda: gather_call(n, threads=threads)), threads=threads)
+    if "A" in parts:
+        # A. The bare gather of one 131072-row chunk.
+        median(lambda: gather_call(n))
+        for pf in (4, 8, 12, 16):
+            for hint in (0, 3):
+                record("A gather", n, median(lambda: gather_call(n, pf=pf, hint=hint)), pf=pf, hint=hint)
+        record("A gather, ring of 3 dst", n, median(lambda: gather_call(n, ring=True)), pf=12, hint=0)
+        record("A gather, ring of 3 dst, NT stores", n, median(lambda: gather_call(n, ring=True, nt=1)), nt=1)
+        def unsorted_call():
+            ids = fresh(n)[torch.randperm(n)].contiguous()
+            return lambda: lib.gather(table.data_ptr(), ROW, ids.data_ptr(), n, ring_bufs[0].data_ptr(), 15, 12, 0, 0)
+        record("A gather, unsorted ids", n, median(unsorted_call))
+        for threads in (8, 12, 16):
+            record("A gather, threads", n, median(lambda: gather_call(n, threads=threads)), threads=threads)
 
     # B. The engine's CPU path, emulated: chunks gathered into a ring of pinned buffers,
     # each DMA'd to the device (copy stream) while the next is gathered.
     copy_stream = torch.cuda.Stream()
     dev_rows = torch.empty((393216, ROW), dtype=torch.uint8, device="cuda")
 
-    def cpu_path(k, chunk, threads=15, pf=12, hint=0, nt=0):
+    steps = {"gather": 0.0, "dma launch": 0.0, "ring wait": 0.0}
+
+    def cpu_path(k, chunk, threads=15, pf=12, hint=0, nt=0, gather=True, dma=True):
         ids = fresh(k)
         bufs = [torch.empty((chunk, ROW), dtype=torch.uint8, pin_memory=True) for _ in range(3)]
         free = [None] * 3
@@ -165,67 +169,91 @@ def main() -> None:
             for j, s0 in enumerate(range(0, k, chunk)):
                 e0 = min(k, s0 + chunk)
                 b = j % 3
+                t0 = time.perf_counter()
                 if free[b] is not None:
                     free[b].synchronize()
-                lib.gather(table.data_ptr(), ROW, ids[s0:].data_ptr(), e0 - s0, bufs[b].data_ptr(), threads, pf,
-                           hint, nt)
-                with torch.cuda.stream(copy_stream):
-                    dev_rows[s0:e0].copy_(bufs[b][: e0 - s0], non_blocking=True)
-                    free[b] = torch.cuda.Event()
-                    free[b].record(copy_stream)
+                t1 = time.perf_counter()
+                if gather:
+                    lib.gather(table.data_ptr(), ROW, ids[s0:].data_ptr(), e0 - s0, bufs[b].data_ptr(), threads,
+                               pf, hint, nt)
+                t2 = time.perf_counter()
+                if dma:
+                    with torch.cuda.stream(copy_stream):
+                        dev_rows[s0:e0].copy_(bufs[b][: e0 - s0], non_blocking=True)
+                        free[b] = torch.cuda.Event()
+                        free[b].record(copy_stream)
+                t3 = time.perf_counter()
+                steps["ring wait"] += t1 - t0
+                steps["gather"] += t2 - t1
+                steps["dma launch"] += t3 - t2
             copy_stream.synchronize()
         return go
-
-    for k in (105000, 275000, 393216):
-        for chunk in (8192, 16384, 32768, 65536, 131072):
-            record("B cpu path (gather + DMA ring)", k, median(lambda: cpu_path(k, chunk)), chunk=chunk)
-    for hint, nt in ((3, 0), (0, 1)):
-        record("B cpu path", 393216, median(lambda: cpu_path(393216, 32768, hint=hint, nt=nt)), chunk=32768,
-               hint=hint, nt=nt)
-
-    # C. GPU zero-copy of sorted uniform rows, warm.
-    zc_out = torch.empty((393216, ROW), dtype=torch.uint8, device="cuda")
-    zc_dst = torch.arange(393216, device="cuda")
 
     def zero_copy(k):
         ids = fresh(k).cuda()
         return lambda: move_rows(table, ids, zc_out, zc_dst[:k])
-    median(lambda: zero_copy(1024), reps=2)   # compile
-    for k in (32768, 118000, 393216):
-        record("C zero-copy (GPU reads host rows)", k, median(lambda: zero_copy(k)))
+    zc_out = torch.empty((393216, ROW), dtype=torch.uint8, device="cuda")
+    zc_dst = torch.arange(393216, device="cuda")
 
-    # D. Both at once, as the engine splits: CPU path for f of the rows, zero-copy the rest.
-    side = torch.cuda.Stream()
-    for f in (0.6, 0.7, 0.8):
-        for chunk in (16384, 32768, 131072):
-            kc = int(393216 * f)
+    if "E" in parts:
+        # E. Where a chunk's time goes: gather-only and DMA-only rings, then the pipeline's steps.
+        for chunk in (8192, 32768, 131072):
+            record("E gather only (ring)", 393216, median(lambda: cpu_path(393216, chunk, dma=False)), chunk=chunk)
+            record("E DMA only (ring)", 393216, median(lambda: cpu_path(393216, chunk, gather=False)), chunk=chunk)
+            for key in steps:
+                steps[key] = 0.0
+            sec = median(lambda: cpu_path(393216, chunk))
+            record("E pipeline", 393216, sec, chunk=chunk,
+                   **{f"{key} ms/call": round(v / 7 * 1e3, 3) for key, v in steps.items()})
 
-            def both():
-                cpu = cpu_path(kc, chunk)
-                zc = zero_copy(393216 - kc)
+    if "B" in parts:
+        for k in (105000, 275000, 393216):
+            for chunk in (8192, 16384, 32768, 65536, 131072):
+                record("B cpu path (gather + DMA ring)", k, median(lambda: cpu_path(k, chunk)), chunk=chunk)
+        for hint, nt in ((3, 0), (0, 1)):
+            record("B cpu path", 393216, median(lambda: cpu_path(393216, 32768, hint=hint, nt=nt)), chunk=32768,
+                   hint=hint, nt=nt)
 
-                def go():
-                    with torch.cuda.stream(side):
-                        zc()
-                    cpu()
-                    side.synchronize()
-                return go
-            record("D split: cpu path + zero-copy", 393216, median(both), f=f, chunk=chunk)
+    if "C" in parts:
+        # C. GPU zero-copy of sorted uniform rows, warm.
+        median(lambda: zero_copy(1024), reps=2)   # compile
+        for k in (32768, 118000, 393216):
+            record("C zero-copy (GPU reads host rows)", k, median(lambda: zero_copy(k)))
 
-    a = torch.empty(1 << 30, dtype=torch.uint8)
-    big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    a.fill_(1)
-    big.fill_(2)
-    for threads in (8, 15):
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            lib.copy_par(big.data_ptr(), a.data_ptr(), 1 << 30, threads)
-            times.append(time.perf_counter() - t)
-        times.sort()
-        gbps = (1 << 30) / times[2] / 1e9
-        results.append({"name": "sequential copy", "threads": threads, "gb_s": gbps})
-        print(f"sequential copy 1 GiB, {threads} threads: {gbps:.1f} GB/s (read) ", flush=True)
+    if "D" in parts:
+        # D. Both at once, as the engine splits: CPU path for f of the rows, zero-copy the rest.
+        side = torch.cuda.Stream()
+        for f in (0.6, 0.7, 0.8):
+            for chunk in (16384, 32768, 131072):
+                kc = int(393216 * f)
+
+                def both():
+                    cpu = cpu_path(kc, chunk)
+                    zc = zero_copy(393216 - kc)
+
+                    def go():
+                        with torch.cuda.stream(side):
+                            zc()
+                        cpu()
+                        side.synchronize()
+                    return go
+                record("D split: cpu path + zero-copy", 393216, median(both), f=f, chunk=chunk)
+
+    if "S" in parts:
+        a = torch.empty(1 << 30, dtype=torch.uint8)
+        big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        a.fill_(1)
+        big.fill_(2)
+        for threads in (8, 15):
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                lib.copy_par(big.data_ptr(), a.data_ptr(), 1 << 30, threads)
+                times.append(time.perf_counter() - t)
+            times.sort()
+            gbps = (1 << 30) / times[2] / 1e9
+            results.append({"name": "sequential copy", "threads": threads, "gb_s": gbps})
+            print(f"sequential copy 1 GiB, {threads} threads: {gbps:.1f} GB/s (read) ", flush=True)
     (out_dir / "cpu_gather_probe.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
 
 
