@@ -73,6 +73,59 @@ def build():
     return lib
 
 
+def launch_costs() -> list[dict]:
+    """F. Host-side cost of the CUDA calls a lookup makes, in this VM (microseconds per call)."""
+    results = []
+    stream = torch.cuda.Stream()
+    cudart_path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line), None)
+    cudart = ctypes.CDLL(cudart_path) if cudart_path else None
+    if cudart is not None:
+        cudart.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                           ctypes.c_void_p]
+    print("cudart:", cudart_path, flush=True)
+
+    def per_call(name, fn, calls=50, **extra):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - t) / calls
+        torch.cuda.synchronize()
+        results.append({"name": name, "us_per_call": host * 1e6, **extra})
+        print(f"F {name:50s} {host * 1e6:8.1f} us/call {extra if extra else ''}", flush=True)
+
+    for nbytes in (4096, 2 << 20, 34 << 20):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+        def torch_copy():
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        per_call("torch copy_ pinned -> device (non_blocking)", torch_copy, calls=20, bytes=nbytes)
+        if cudart is not None:
+            per_call("cudaMemcpyAsync (ctypes)", lambda: cudart.cudaMemcpyAsync(
+                dst.data_ptr(), src.data_ptr(), nbytes, 1, stream.cuda_stream), calls=20, bytes=nbytes)
+    small = torch.zeros(16, device="cuda")
+    per_call("tiny kernel (add_)", lambda: small.add_(1))
+    per_call("torch.cuda.Event() + record", lambda: torch.cuda.Event().record(stream))
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    torch.cuda.synchronize()
+    per_call("event.synchronize (done)", ev.synchronize)
+    per_call("event.query (done)", ev.query)
+    per_call("stream.wait_event", lambda: stream.wait_event(ev))
+    per_call("torch.empty on cuda (4 MB)", lambda: torch.empty(1 << 22, dtype=torch.uint8, device="cuda"))
+    g = torch.cuda.CUDAGraph()
+    x = torch.zeros(1024, device="cuda")
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            x.add_(1)
+    per_call("graph replay (20 kernels)", g.replay)
+    per_call("host tensor .tolist() (8 ints)", lambda: torch.arange(8).tolist())
+    return results
+
+
 def sh(cmd: str) -> str:
     return subprocess.run(cmd, check=False, shell=True, capture_output=True, text=True).stdout.strip()
 
@@ -89,6 +142,10 @@ def main() -> None:
     parts = sys.argv[2] if len(sys.argv) > 2 else "ABCDS"   # which parts to run
     rows = int(gib * 2**30) // ROW
     from condmem.bench.lookup_setup import host_store
+    if set(parts) <= {"F"}:
+        results = launch_costs()
+        (out_dir / "cpu_gather_probe.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
+        return
     store = host_store(rows, "mmap_register")     # random rows, page-locked; keeps the mapping alive
     table = store.raw
     print(f"table {gib} GiB: {tuple(table.shape)}", flush=True)
