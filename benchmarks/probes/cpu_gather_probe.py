@@ -77,7 +77,8 @@ def launch_costs() -> list[dict]:
     """F. Host-side cost of the CUDA calls a lookup makes, in this VM (microseconds per call)."""
     results = []
     stream = torch.cuda.Stream()
-    cudart_path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line), None)
+    maps = Path("/proc/self/maps").read_text()
+    cudart_path = next((line.split()[-1] for line in maps.splitlines() if "libcudart" in line), None)
     cudart = ctypes.CDLL(cudart_path) if cudart_path else None
     if cudart is not None:
         cudart.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
