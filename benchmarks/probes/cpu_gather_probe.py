@@ -264,6 +264,45 @@ def main() -> None:
             record("E pipeline", 393216, sec, chunk=chunk,
                    **{f"{key} ms/call": round(v / 7 * 1e3, 3) for key, v in steps.items()})
 
+    if "G" in parts:
+        # G. The staged sender (condmem.tables.staged_transfer): native (one parallel region,
+        # direct cudaMemcpyAsync) by chunk size, against its torch loop; then beside zero-copy.
+        from condmem.tables.staged_transfer import StagedSender
+        from condmem.tables.storage import LayerStore
+        layer = LayerStore("host", "fp8_interleaved", 256, table)
+        senders = {}
+
+        def staged(k, chunk, native=True, ring=4):
+            key = (chunk, native, ring)
+            if key not in senders:
+                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring, native=native)
+            sender, ids = senders[key], fresh(k)
+
+            def go():
+                sender.send(layer, ids, dev_rows[:k], copy_stream, threads=15)
+                copy_stream.synchronize()
+            return go
+        for k in (105000, 393216):
+            record("G torch loop (chunk 131072, ring 3)", k, median(lambda: staged(k, 131072, False, 3)))
+            for chunk in (8192, 16384, 32768, 65536, 131072):
+                record("G native send", k, median(lambda: staged(k, chunk)), chunk=chunk)
+        side = torch.cuda.Stream()
+        for f in (0.7, 0.8, 0.9):
+            for chunk in (16384, 32768):
+                kc = int(393216 * f)
+
+                def both():
+                    cpu = staged(kc, chunk)
+                    zc = zero_copy(393216 - kc)
+
+                    def go():
+                        with torch.cuda.stream(side):
+                            zc()
+                        cpu()
+                        side.synchronize()
+                    return go
+                record("G split: native send + zero-copy", 393216, median(both), f=f, chunk=chunk)
+
     if "B" in parts:
         for k in (105000, 275000, 393216):
             for chunk in (8192, 16384, 32768, 65536, 131072):

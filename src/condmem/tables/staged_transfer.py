@@ -1,0 +1,151 @@
+"""Rows of a host (or disk) store sent to the GPU through pinned staging: the CPU share of a lookup.
+
+CPU threads gather the rows into a small ring of page-locked chunks; each chunk is copied to
+the device on a copy stream as soon as it is whole, while the threads gather the next one.
+
+Two ways to run it, same result (the rows land in order at the destination):
+
+* **native** (the default where a C compiler and the CUDA runtime library are found): one
+  call into `native_gather` gathers every chunk inside one OpenMP parallel region and queues
+  each chunk's ``cudaMemcpyAsync`` from the calling thread. Measured on the H200 host
+  (``benchmarks/probes/cpu_gather_probe.py``): its memory system is the limit (~70-90 GB/s
+  in all, and a DMA at 55 GB/s takes most of it), so a chunk that is still in the CPU caches
+  when it is sent costs much less than one that went to DRAM and back; and from Python, a
+  chunk cost ~50-130 us of thread-team start and ``copy_`` launch, which made small,
+  cache-sized chunks lose. One region and a direct runtime call (~5 us) remove that cost.
+* **python** (fallback; also the disk tier with a DRAM row cache in front): a loop of
+  `LayerStore.gather_raw` and ``Tensor.copy_(non_blocking=True)`` per chunk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from condmem.tables import native_gather
+from condmem.tables.storage import LayerStore
+
+log = logging.getLogger("condmem.tables")
+
+_runtime_lock = threading.Lock()
+_runtime: tuple | None = None
+_runtime_tried = False
+
+
+def cuda_runtime_calls() -> tuple | None:
+    """(library, cudaMemcpyAsync, cudaEventRecord, cudaEventSynchronize addresses) of the CUDA
+    runtime this process already loaded (torch's), or None where it cannot be found.
+
+    The library is found in ``/proc/self/maps`` (Linux), so it is the very copy torch uses:
+    same context, same streams and events."""
+    global _runtime, _runtime_tried
+    with _runtime_lock:
+        if _runtime_tried:
+            return _runtime
+        _runtime_tried = True
+        if not torch.cuda.is_available():
+            return None
+        torch.cuda.init()
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+        path = next((line.split()[-1] for line in maps.splitlines() if "/libcudart" in line), None)
+        if path is None:
+            log.info("CUDA runtime library not found among the loaded ones: staged sends go through torch")
+            return None
+        lib = ctypes.CDLL(path)
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        _runtime = (lib, *(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                           for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventSynchronize")))
+        return _runtime
+
+
+class StagedSender:
+    """Sends rows ``store[ids]`` to a device buffer through a ring of pinned staging chunks.
+
+    Args:
+        row_bytes: bytes per row.
+        device: the CUDA device the rows go to.
+        chunk_rows: rows per staging chunk (a chunk is sent while the next is gathered).
+        ring: chunks in the ring (each reused once its last send has finished).
+        native: use the native path when available (False: the torch loop, e.g. to compare).
+
+    Example:
+        >>> sender = StagedSender(264, "cuda", chunk_rows=32768)
+        >>> sender.send(store, ids_on_host, rows_on_gpu, copy_stream, threads=15)
+        >>> done = torch.cuda.Event(); done.record(copy_stream)   # rows are there after it
+    """
+
+    def __init__(self, row_bytes: int, device: str | torch.device, chunk_rows: int = 32768, ring: int = 4,
+                 native: bool = True):
+        if chunk_rows < 1 or ring < 2:
+            raise ValueError(f"StagedSender needs chunk_rows >= 1 and ring >= 2, got {chunk_rows}, {ring}")
+        self.row_bytes = row_bytes
+        self.device = torch.device(device)
+        self.chunk_rows = chunk_rows
+        self.buffers = [torch.empty((chunk_rows, row_bytes), dtype=torch.uint8, pin_memory=True)
+                        for _ in range(ring)]
+        self.events = []
+        with torch.cuda.device(self.device):
+            for _ in range(ring):   # recorded once, so each has its runtime handle from the start
+                event = torch.cuda.Event()
+                event.record()
+                self.events.append(event)
+        self._next = 0
+        self.native = native and native_gather.available() and cuda_runtime_calls() is not None
+        self._ring_ptrs = (ctypes.c_void_p * ring)(*(b.data_ptr() for b in self.buffers))
+        self._event_ptrs = (ctypes.c_void_p * ring)(*(e.cuda_event for e in self.events))
+
+    def uses_native(self, store: LayerStore) -> bool:
+        """True when `send` runs natively for this store (not behind a DRAM row cache)."""
+        return self.native and store.native and store.dram_cache is None
+
+    def send(self, store: LayerStore, ids: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream,
+             threads: int) -> None:
+        """Queue ``dst[i] = store rows[ids[i]]`` on `stream`; returns once every chunk is queued.
+
+        `ids`: int64 on the CPU, in range (the caller has checked them); `dst`: contiguous
+        uint8 [n, row_bytes] on the device. Work queued on `stream` after this call sees the rows.
+        Call from one thread at a time, with `self.device` current.
+        """
+        n = ids.numel()
+        if dst.shape != (n, self.row_bytes) or not dst.is_contiguous() or dst.device != self.device:
+            raise ValueError(f"send: dst must be contiguous [{n}, {self.row_bytes}] on {self.device}, got "
+                             f"{tuple(dst.shape)} on {dst.device}")
+        if n == 0:
+            return
+        ids = ids.contiguous()
+        n_chunks = -(-n // self.chunk_rows)
+        start, self._next = self._next, (self._next + n_chunks) % len(self.buffers)
+        if self.uses_native(store):
+            self._send_native(store, ids, dst, stream, threads, start)
+        else:
+            self._send_torch(store, ids, dst, stream, threads, start)
+
+    def _send_native(self, store, ids, dst, stream, threads, start) -> None:
+        runtime, memcpy_async, record, sync = cuda_runtime_calls()
+        lib = native_gather._load()
+        err = lib.condmem_gather_send(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), ids.numel(),
+                                      self._ring_ptrs, self._event_ptrs, len(self.buffers), start,
+                                      self.chunk_rows, dst.data_ptr(), stream.cuda_stream, memcpy_async,
+                                      record, sync, int(threads))
+        if err:
+            message = runtime.cudaGetErrorString(err).decode(errors="replace")
+            raise RuntimeError(f"staged send of {ids.numel()} rows failed: CUDA error {err} ({message})")
+
+    def _send_torch(self, store, ids, dst, stream, threads, start) -> None:
+        for c, s in enumerate(range(0, ids.numel(), self.chunk_rows)):
+            e = min(ids.numel(), s + self.chunk_rows)
+            k = (start + c) % len(self.buffers)
+            buf, event = self.buffers[k][: e - s], self.events[k]
+            event.synchronize()                       # the last send out of this chunk is done
+            store.gather_raw(ids[s:e], out=buf, threads=threads)
+            with torch.cuda.stream(stream):
+                dst[s:e].copy_(buf, non_blocking=True)
+                event.record(stream)
