@@ -88,6 +88,8 @@ class StagedSender:
             raise ValueError(f"StagedSender needs chunk_rows >= 1 and ring >= 2, got {chunk_rows}, {ring}")
         self.row_bytes = row_bytes
         self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.chunk_rows = chunk_rows
         self.buffers = [torch.empty((chunk_rows, row_bytes), dtype=torch.uint8, pin_memory=True)
                         for _ in range(ring)]
