@@ -65,12 +65,12 @@ def test_text_stream_hashed_in_chunks_equals_hashed_at_once():
 def test_bench_lookup_engine_variants_are_measured_in_turn(tmp_path):
     """--engines A B --engine-rounds 2 measures A, B, A, B on the same table, rows tagged by engine."""
     rc = main(["bench", "lookup", "--smoke", "--table-gib", "0.002", "--batch-tokens", "16", "--streams", "uniform",
-               "--repeats", "1", "--diagnostics", "--engines", "graphs", "eager@3+tail", "--engine-rounds", "2",
+               "--repeats", "1", "--diagnostics", "--engines", "graphs", "eager@3+pysend", "--engine-rounds", "2",
                "--out", str(tmp_path)])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
     variants = [r["variant"] for r in rows if r["bench"] == "lookup"]
-    assert variants == ["graphs", "eager@3+tail", "graphs", "eager@3+tail"]
+    assert variants == ["graphs", "eager@3+pysend", "graphs", "eager@3+pysend"]
     with pytest.raises(SystemExit, match="graphs|eager"):
         main(["bench", "lookup", "--smoke", "--engines", "fast", "--out", str(tmp_path)])
 
@@ -78,8 +78,8 @@ def test_bench_lookup_engine_variants_are_measured_in_turn(tmp_path):
 def test_bench_lookup_plan_diagnostic_times_plan_and_admission_per_engine(tmp_path):
     rc = main(["bench", "lookup", "--smoke", "--table-gib", "0.002", "--batch-tokens", "16", "--streams", "uniform",
                "--text-batches", "3", "--text-warmup", "2", "--repeats", "1", "--diagnostics", "plan",
-               "--engines", "graphs", "eager@3+tail", "--out", str(tmp_path)])
+               "--engines", "graphs", "eager@3+pysend", "--out", str(tmp_path)])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
     costs = {(r["variant"], r["stream"]) for r in rows if r["bench"] == "plan_cost"}
-    assert costs == {(v, f"text {s}") for v in ("graphs", "eager@3+tail") for s in ("plan", "admit")}
+    assert costs == {(v, f"text {s}") for v in ("graphs", "eager@3+pysend") for s in ("plan", "admit")}

@@ -95,17 +95,18 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
 
 def parse_variant(text: str) -> dict:
     """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
-    in flight (`max_in_flight`, default 2), ``+tail`` (`overlap_tail`) and ``/torch`` or
+    in flight (`max_in_flight`, default 2), ``+pysend`` (`native_send=False`: the CPU share
+    sent by a Python loop per chunk) and ``/torch`` or
     ``/triton`` for the cache's probe and admission (default: Triton on CUDA), e.g.
-    ``graphs@3+tail/torch``."""
+    ``graphs@3+pysend/torch``."""
     head, _, backend = text.partition("/")
     head, _, flag = head.partition("+")
     name, _, depth = head.partition("@")
-    if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or flag not in ("", "tail")
+    if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or flag not in ("", "pysend")
             or backend not in ("", "torch", "triton")):
-        raise SystemExit(f"--engines: {text!r} is not graphs|eager[@in_flight][+tail][/torch|/triton]")
+        raise SystemExit(f"--engines: {text!r} is not graphs|eager[@in_flight][+pysend][/torch|/triton]")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
-            "max_in_flight": int(depth) if depth else 2, "overlap_tail": flag == "tail"}
+            "max_in_flight": int(depth) if depth else 2, "native_send": flag != "pysend"}
 
 
 def run_lookup(args) -> list[dict]:
@@ -217,7 +218,7 @@ def run_lookup(args) -> list[dict]:
                 engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
                                       cpu_threads=(args.cpu_threads or [None])[0],
                                       staging_chunk_rows=args.staging_chunk_rows[0], graphs=variant["graphs"],
-                                      max_in_flight=variant["max_in_flight"], overlap_tail=variant["overlap_tail"])
+                                      max_in_flight=variant["max_in_flight"], native_send=variant["native_send"])
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                     if stream == "text":
                         # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
@@ -332,10 +333,10 @@ def add_arguments(p) -> None:
                    help="host memory strategy")
     p.add_argument("--engines", nargs="+", default=None,
                    help="engine variants measured one after another on the same table, for A/B runs: "
-                        "graphs|eager[@in_flight][+tail][/torch|/triton] (plans as CUDA graphs or kernel by "
-                        "kernel; lookups in flight, default 2; +tail: LookupEngine(overlap_tail=True); the "
+                        "graphs|eager[@in_flight][+pysend][/torch|/triton] (plans as CUDA graphs or kernel by "
+                        "kernel; lookups in flight, default 2; +pysend: LookupEngine(native_send=False); the "
                         "cache's probe and admission as torch ops or Triton kernels, default Triton on CUDA), "
-                        "e.g. 'graphs graphs+tail graphs/torch eager'")
+                        "e.g. 'graphs graphs+pysend graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")
     p.add_argument("--eager-plans", action="store_true",

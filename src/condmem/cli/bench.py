@@ -33,7 +33,7 @@ def register(sub) -> None:
         "  condmem bench lookup --tiers host --streams text --batch-tokens 16384 --diagnostics pipeline  "
         "# + lookup_pipeline.png\n"
         "  condmem bench lookup --tiers --diagnostics plan --trace  # the cache path alone, kernel by kernel\n"
-        "  condmem bench lookup --tiers host --streams text --engines graphs graphs+tail --engine-rounds 3  # A/B\n"
+        "  condmem bench lookup --tiers host --streams text --engines graphs graphs+pysend --engine-rounds 3  # A/B\n"
         "  condmem bench e2e --backbones 4b 8b --table-gib 64 --sequences 512",
     )
     p.add_argument("op", choices=(*OPS, "all", "lookup", "e2e"),

@@ -44,7 +44,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -55,16 +54,16 @@ import torch
 from condmem.ops.gather import engram_gather
 from condmem.tables.lookup_plan import (
     COUNT_NAMES,
-    LookupPlan,
     N_COUNTS,
+    LookupPlan,
     as_words,
     fill_plan_ids,
     move_rows,
     plan_bucket,
 )
 from condmem.tables.row_cache import RowCache, row_words
+from condmem.tables.staged_transfer import StagedSender
 from condmem.tables.storage import LayerStore, StorageError
-from condmem.tables.tail_deferral import TailDeferral
 
 log = logging.getLogger("condmem.tables")
 
@@ -169,11 +168,13 @@ class LookupEngine:
             (measured on the H200: with every core gathering, that thread's few
             milliseconds of launches and syncs stretched to ~5 ms per lookup).
         staging_chunk_rows: rows per pinned staging chunk: the CPU share is gathered and
-            sent chunk by chunk (each chunk's DMA overlaps the next one's gather). Measured
-            on the H200 (pipelined 16K-token lookups): 131072 rows 6.1-6.7 ms, 16384 rows
-            8.3-11 ms per lookup; big chunks win.
-        staging_ring: staging chunks in the ring (default 3 x 131072 rows of 264 B = 104 MiB
-            pinned).
+            sent chunk by chunk (each chunk's DMA overlaps the next one's gather; see
+            `staged_transfer`). Measured on the H200 (native send, 393K uniform rows):
+            8192 rows 6.1 ms, 32768 4.0 ms, 65536 3.0 ms, 131072 3.8 ms.
+        staging_ring: staging chunks in the ring (default 4 x 65536 rows of 264 B = 66 MiB pinned).
+        native_send: gather and send the CPU share in one native call when a C compiler and
+            the CUDA runtime library are found (False: a Python loop per chunk; H200, 393K
+            uniform rows: 3.0 vs 5.4 ms).
         direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
@@ -189,20 +190,14 @@ class LookupEngine:
         max_plan_sizes: plan sizes kept at once. Batch sizes are rounded up to buckets
             (`plan_bucket`: at most 12.5% more ids); a new bucket beyond this many waits for
             the lookups in flight and frees the least recently used one.
-        overlap_tail: when the next lookup is already queued, the gather thread queues this
-            lookup's last DMA and its expansion while the next lookup's first chunk is
-            gathered (on a helper thread), instead of between the two gathers. Pipelined
-            throughput, not latency: measured on the H200 (session 5), those launches cost the
-            gather thread 0.5-0.9 ms per 16K-token text lookup beside a ~1.7 ms gather.
-            Experimental (GPU-untested when added): off by default until measured.
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
-                 cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 131072,
-                 staging_ring: int = 3,
+                 cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 65536,
+                 staging_ring: int = 4,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
-                 overlap_tail: bool = False):
+                 native_send: bool = True):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -238,13 +233,9 @@ class LookupEngine:
         else:
             self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
             self._pool = None
-        self.overlap_tail = overlap_tail and self.on_gpu
-        self._gather_pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-gather")
-                             if self.overlap_tail else None)
-        self._tails = TailDeferral(self.overlap_tail)   # when each lookup's tail runs (`_finish`)
-        self._ring: list[torch.Tensor | None] = [None] * max(2, staging_ring)
-        self._ring_free: list = [None] * len(self._ring)   # events: the last DMA out of each buffer finished
-        self._ring_next = 0
+        self.staging_ring = max(2, staging_ring)
+        self.native_send = native_send
+        self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
         self.graphs = graphs and self.on_gpu
         self.max_plan_sizes = max(1, max_plan_sizes)
         self._plans: collections.OrderedDict[int, list[LookupPlan]] = collections.OrderedDict()  # by bucket, LRU
@@ -261,61 +252,18 @@ class LookupEngine:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _ring_buffer(self) -> tuple[int, torch.Tensor]:
-        """The next pinned staging chunk of the ring, once the DMA that last read it has finished."""
-        k = self._ring_next
-        self._ring_next = (k + 1) % len(self._ring)
-        if self._ring_free[k] is not None:
-            self._ring_free[k].synchronize()
-        if self._ring[k] is None:
-            self._ring[k] = torch.empty((self.staging_chunk_rows, self.store.row_bytes), dtype=torch.uint8,
-                                        pin_memory=self.on_gpu)
-        return k, self._ring[k]
-
-    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats,
-                   start: float, during_first_gather=None):
-        """Gather rows on CPU threads chunk by chunk into a ring of pinned staging chunks, each
-        chunk's DMA enqueued on the copy stream once it is gathered, straight into `rows` (the
-        plan's first compact rows), so copying overlaps the next chunk's gather, the zero-copy
-        kernel and the next lookup's plan, and nothing is scattered after.
-
-        `during_first_gather`: work for this thread while the first chunk is gathered (on the
-        helper thread). Returns a function that queues the last chunk's DMA and returns the
-        event after it (the caller runs it now, or later to overlap the next gather).
-        """
-        n = ids_host.numel()
+    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats, start: float):
+        """Gather thread: the CPU share gathered on CPU threads and sent chunk by chunk through the
+        pinned staging ring, straight into `rows` (the plan's first compact rows), on the copy
+        stream; returns the event after the last send."""
         self.copy_stream.wait_event(planned)    # the plan slot's earlier readers are done
-        chunk = self.staging_chunk_rows
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            k, buf = self._ring_buffer()
-            if s == 0 and during_first_gather is not None:
-                gathering = self._gather_pool.submit(self.store.gather_raw, ids_host[s:e], out=buf[: e - s],
-                                                     threads=self.cpu_threads)
-                during_first_gather()
-                gathering.result()
-            else:
-                self.store.gather_raw(ids_host[s:e], out=buf[: e - s], threads=self.cpu_threads)
-            if s == 0 or e == n:
-                stats.mark("first chunk gathered" if s == 0 else "last chunk gathered", start)
-            dma = functools.partial(self._queue_dma, rows[s:e], buf[: e - s], k)
-            if e == n:
-                return functools.partial(self._last_dma, dma, stats, start)
-            dma()
-        raise AssertionError("unreachable: a CPU share has at least one chunk")
-
-    def _queue_dma(self, dst: torch.Tensor, src: torch.Tensor, k: int) -> None:
-        """One staged chunk to the device on the copy stream; ring buffer k is free after it."""
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)
-            self._ring_free[k] = self._event()
-            self._ring_free[k].record(self.copy_stream)
-
-    def _last_dma(self, dma, stats: LookupStats, start: float):
-        dma()
+        if self._sender is None:
+            self._sender = StagedSender(self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows,
+                                        ring=self.staging_ring, native=self.native_send)
+        self._sender.send(self.store, ids_host, rows, self.copy_stream, self.cpu_threads)
+        stats.mark("cpu share gathered, sends queued", start)
         done = self._event()
         done.record(self.copy_stream)
-        stats.mark("dma queued", start)
         return done
 
     # ------------------------------------------------------------------ the lookup
@@ -347,7 +295,6 @@ class LookupEngine:
             batch = self._plan(row_ids, stats, start)
         stats.mark("planned (queued: dedup, probe, split, counts to the host)", start)
         batch.future = concurrent.futures.Future()     # done once all its GPU work is queued
-        self._tails.submitted()
         self._pool.submit(self._finish, batch)
         self._in_flight.append(batch)
         return LookupHandle(batch.out, batch.ready, batch.future, stats, batch)
@@ -489,14 +436,9 @@ class LookupEngine:
             batch.ready.record(self.finish_stream)
 
     def _finish(self, batch: _Batch) -> None:
-        """Gather thread: wait for the plan's counts, check the ids, gather the CPU share
-        (staging, chunked DMAs), then queue the last DMA and the expansion (the tail): now, or
-        with `overlap_tail` during the next lookup's first gather when one is queued. Errors
-        reach the caller through `batch.future`."""
+        """Gather thread: wait for the plan's counts, check the ids, gather and send the CPU share,
+        queue the expansion. Errors reach the caller through `batch.future`."""
         stats, start, plan = batch.stats, batch.start, batch.plan
-        # The previous lookup's tail, if it was deferred to this turn: runs exactly once.
-        pending, deferred = self._tails.begin()
-        finished = False
         try:
             with torch.cuda.device(self.device):
                 batch.planned.synchronize()                   # counts and CPU ids are on the host
@@ -506,37 +448,19 @@ class LookupEngine:
                 stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
                 if counts["bad"]:
                     batch.failed = True
-                    pending()
                     if plan.cpu_share:
                         self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
                     bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
                     raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
-                last_dma = None
                 if plan.cpu_share and counts["n_cpu"]:
-                    last_dma = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
-                                               plan.compact[: counts["n_cpu"]], batch.planned, stats, start,
-                                               during_first_gather=pending if deferred else None)
-                pending()          # (if not run already: no gather of this lookup to hide it behind)
-            finished = True
-            self._tails.finish(functools.partial(self._tail, batch, last_dma))
-        except BaseException as exc:
-            pending()
-            if not finished:
-                self._tails.abandon()
-            batch.future.set_exception(exc)
-
-    def _tail(self, batch: _Batch, last_dma) -> None:
-        """The last DMA of a lookup's CPU share and its expansion; completes `batch.future`."""
-        try:
-            with torch.cuda.device(self.device):
-                if last_dma is not None:
-                    batch.dma_done = last_dma()
-                if batch.plan.cpu_share:
+                    batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
+                                                     plan.compact[: counts["n_cpu"]], batch.planned, stats, start)
+                if plan.cpu_share:
                     self._assemble(batch)
-            batch.stats.mark("expand queued", batch.start)
-            batch.stats.seconds = time.perf_counter() - batch.start
+            stats.mark("expand queued", start)
+            stats.seconds = time.perf_counter() - start
             batch.future.set_result(None)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - any error, whatever it is, reaches the caller's future
             batch.future.set_exception(exc)
 
     def _lookup_sync(self, row_ids: torch.Tensor, stats: LookupStats) -> torch.Tensor:
@@ -671,6 +595,3 @@ class LookupEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._gather_pool is not None:
-            self._gather_pool.shutdown(wait=True)
-            self._gather_pool = None
