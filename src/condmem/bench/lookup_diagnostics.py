@@ -70,7 +70,7 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
     """
     from condmem.bench.harness import gpu_time_ms
     from condmem.ops.gather import engram_gather
-    from condmem.tables.lookup import _as_words
+    from condmem.tables.lookup_plan import as_words
 
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).cuda()
@@ -79,7 +79,7 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
     staging = torch.empty((n, ROW_BYTES), dtype=torch.uint8, pin_memory=True)
     compact = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device="cuda")
     host_ids = torch.empty(n, dtype=torch.int64, pin_memory=True)
-    words = _as_words(store.raw)
+    words = as_words(store.raw)
 
     # The CPU gather gets fresh sorted ids per call (a repeated set would be timed from warm caches).
     from condmem.bench.harness import Rotator
@@ -141,7 +141,7 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
 
     from condmem.ops.gather import engram_gather
     from condmem.tables import native_gather
-    from condmem.tables.lookup import _as_words
+    from condmem.tables.lookup_plan import as_words
     from condmem.tables.native_gather import native_gather_rows
 
     if not native_gather.available():
@@ -154,7 +154,7 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
     load_src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
     load_dst = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     zc_ids = torch.randint(0, store.num_rows, (n_ids,), generator=gen).sort().values.cuda()
-    words = _as_words(store.raw)
+    words = as_words(store.raw)
     side = torch.cuda.Stream()
 
     def omp(ids, nthreads=threads):
