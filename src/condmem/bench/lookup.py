@@ -95,18 +95,29 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
 
 def parse_variant(text: str) -> dict:
     """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
-    in flight (`max_in_flight`, default 2), ``+pysend`` (`native_send=False`: the CPU share
-    sent by a Python loop per chunk) and ``/torch`` or
-    ``/triton`` for the cache's probe and admission (default: Triton on CUDA), e.g.
-    ``graphs@3+pysend/torch``."""
+    in flight (`max_in_flight`, default 2), flags ``+pysend`` (`native_send=False`: the CPU
+    share sent by a Python loop per chunk), ``+nt`` (`staging_nontemporal`: staged with
+    streaming stores), ``+cN`` (N rows per staging chunk), and ``/torch`` or ``/triton`` for
+    the cache's probe and admission (default: Triton on CUDA), e.g. ``graphs@3+nt+c16384/torch``."""
+    usage = "graphs|eager[@in_flight][+pysend][+nt][+cROWS][/torch|/triton]"
     head, _, backend = text.partition("/")
-    head, _, flag = head.partition("+")
+    head, *flags = head.split("+")
     name, _, depth = head.partition("@")
-    if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or flag not in ("", "pysend")
-            or backend not in ("", "torch", "triton")):
-        raise SystemExit(f"--engines: {text!r} is not graphs|eager[@in_flight][+pysend][/torch|/triton]")
+    chunks = [f[1:] for f in flags if f.startswith("c")]
+    if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
+            or any(f not in ("pysend", "nt") and not (f.startswith("c") and f[1:].isdigit()) for f in flags)
+            or len(chunks) > 1):
+        raise SystemExit(f"--engines: {text!r} is not {usage}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
-            "max_in_flight": int(depth) if depth else 2, "native_send": flag != "pysend"}
+            "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
+            "staging_nontemporal": "nt" in flags, "staging_chunk_rows": int(chunks[0]) if chunks else None}
+
+
+def staging_chunk_option(variant: dict, args) -> dict:
+    """The engine's `staging_chunk_rows` for a variant: its ``+cN``, else ``--staging-chunk-rows``'
+    first value, else the engine's default."""
+    rows = variant["staging_chunk_rows"] or (args.staging_chunk_rows or [None])[0]
+    return {} if rows is None else {"staging_chunk_rows": rows}
 
 
 def run_lookup(args) -> list[dict]:
@@ -193,7 +204,7 @@ def run_lookup(args) -> list[dict]:
                                for _ in range(8)]
                     for fraction in (0.6, 1.0):
                         for threads in args.cpu_threads or [None]:
-                            for chunk in args.staging_chunk_rows:
+                            for chunk in args.staging_chunk_rows or [65536]:
                                 trace = (Path(args.out) / f"lookup_trace_uniform_{fraction:.1f}_{threads}_{chunk}.json"
                                          if args.trace else None)
                                 rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
@@ -217,8 +228,10 @@ def run_lookup(args) -> list[dict]:
                          if cached else None)
                 engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
                                       cpu_threads=(args.cpu_threads or [None])[0],
-                                      staging_chunk_rows=args.staging_chunk_rows[0], graphs=variant["graphs"],
-                                      max_in_flight=variant["max_in_flight"], native_send=variant["native_send"])
+                                      graphs=variant["graphs"], max_in_flight=variant["max_in_flight"],
+                                      native_send=variant["native_send"],
+                                      staging_nontemporal=variant["staging_nontemporal"],
+                                      **staging_chunk_option(variant, args))
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                     if stream == "text":
                         # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
@@ -348,9 +361,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-threads", type=int, nargs="*", default=None,
                    help="threads of the CPU gather (default: one fewer than the cores torch uses); several "
                         "values: the pipeline diagnostic compares them, lookups use the first")
-    p.add_argument("--staging-chunk-rows", type=int, nargs="+", default=[131072],
-                   help="rows per pinned staging chunk of the CPU share (default 131072); several values: the "
-                        "pipeline diagnostic compares them, lookups use the first")
+    p.add_argument("--staging-chunk-rows", type=int, nargs="+", default=None,
+                   help="rows per pinned staging chunk of the CPU share (default: the engine's, 65536); several "
+                        "values: the pipeline diagnostic compares them, lookups use the first")
     p.add_argument("--trace", action="store_true",
                    help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline; "
                         "with --diagnostics plan: log each step's kernels by device time")
