@@ -272,10 +272,10 @@ def main() -> None:
         layer = LayerStore("host", "fp8_interleaved", 256, table)
         senders = {}
 
-        def staged(k, chunk, native=True, ring=4, nt=False, threads=15):
-            key = (chunk, native, ring, nt)
+        def staged(k, chunk, native=True, ring=4, threads=15):
+            key = (chunk, native, ring)
             if key not in senders:
-                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring, native=native, nontemporal=nt)
+                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring, native=native)
             sender, ids = senders[key], fresh(k)
 
             def go():
@@ -284,19 +284,18 @@ def main() -> None:
             return go
         for k in (105000, 393216):
             record("G torch loop (chunk 131072, ring 3)", k, median(lambda: staged(k, 131072, False, 3)))
-            for chunk in (8192, 16384, 32768, 65536):
-                for nt in (False, True):
-                    record("G native send", k, median(lambda: staged(k, chunk, nt=nt)), chunk=chunk, nt=nt)
+            for chunk in (8192, 16384, 32768, 65536, 131072):
+                record("G native send", k, median(lambda: staged(k, chunk)), chunk=chunk)
             record("G native send, 16 threads", k, median(lambda: staged(k, 65536, threads=16)), chunk=65536)
             record("G native send, ring 8", k, median(lambda: staged(k, 16384, ring=8)), chunk=16384)
         side = torch.cuda.Stream()
         median(lambda: zero_copy(1024), reps=2)   # compile
         for f in (0.7, 0.8, 0.9):
-            for chunk, nt in ((65536, False), (65536, True), (32768, True)):
+            for chunk in (32768, 65536):
                 kc = int(393216 * f)
 
                 def both():
-                    cpu = staged(kc, chunk, nt=nt)
+                    cpu = staged(kc, chunk)
                     zc = zero_copy(393216 - kc)
 
                     def go():
@@ -305,7 +304,7 @@ def main() -> None:
                         cpu()
                         side.synchronize()
                     return go
-                record("G split: native send + zero-copy", 393216, median(both), f=f, chunk=chunk, nt=nt)
+                record("G split: native send + zero-copy", 393216, median(both), f=f, chunk=chunk)
 
     if "B" in parts:
         for k in (105000, 275000, 393216):

@@ -16,7 +16,7 @@ from condmem.tables.storage import LayerStore
 needs_native = pytest.mark.skipif(not native_gather.available(), reason="no C compiler: no native routine")
 
 
-def _send_on_host(table, ids, chunk_rows, ring_len, start, threads, fail_at=0, nontemporal=0):
+def _send_on_host(table, ids, chunk_rows, ring_len, start, threads, fail_at=0):
     """Run condmem_gather_send with the host stand-ins; (dst, return code, send counter, event counters)."""
     lib = native_gather._load()
     row_bytes = table.shape[1]
@@ -30,20 +30,18 @@ def _send_on_host(table, ids, chunk_rows, ring_len, start, threads, fail_at=0, n
         table.data_ptr(), row_bytes, ids.data_ptr(), ids.numel(),
         (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring)),
         (ctypes.c_void_p * ring_len)(*(e.data_ptr() for e in events)), ring_len, start, chunk_rows,
-        dst.data_ptr(), stream.data_ptr(), fn["memcpy"], fn["record"], fn["sync"], threads, nontemporal)
+        dst.data_ptr(), stream.data_ptr(), fn["memcpy"], fn["record"], fn["sync"], threads)
     return dst, err, int(stream[0]), torch.stack(events)
 
 
 @needs_native
-@pytest.mark.parametrize("nontemporal", [0, 1], ids=["cached", "streamed"])
 @pytest.mark.parametrize("n, chunk_rows, ring_len, start, threads",
                          [(23, 5, 3, 2, 4), (40, 8, 2, 0, 1), (7, 64, 4, 3, 3), (1, 1, 2, 1, 2), (4096, 100, 4, 1, 4)])
-def test_every_row_lands_and_the_ring_is_walked_in_order(n, chunk_rows, ring_len, start, threads, nontemporal):
+def test_every_row_lands_and_the_ring_is_walked_in_order(n, chunk_rows, ring_len, start, threads):
     gen = torch.Generator().manual_seed(n)
     table = torch.randint(0, 256, (997, 264), dtype=torch.uint8, generator=gen)
     ids = torch.randint(0, 997, (n,), generator=gen)
-    dst, err, sends, events = _send_on_host(table, ids, chunk_rows, ring_len, start, threads,
-                                            nontemporal=nontemporal)
+    dst, err, sends, events = _send_on_host(table, ids, chunk_rows, ring_len, start, threads)
     assert err == 0
     assert torch.equal(dst, table.index_select(0, ids))
     n_chunks = -(-n // chunk_rows)
@@ -70,15 +68,15 @@ def test_a_failed_send_stops_the_rest_and_returns_its_code():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("native, nontemporal", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("n", [1, 1000, 70001])
-def test_gpu_staged_send_equals_a_plain_gather(native, nontemporal, n):
+def test_gpu_staged_send_equals_a_plain_gather(native, n):
     from condmem.tables.staged_transfer import StagedSender
 
     gen = torch.Generator().manual_seed(n)
     table = torch.randint(0, 256, (100_000, 264), dtype=torch.uint8, generator=gen).pin_memory()
     store = LayerStore("host", "fp8_interleaved", 256, table)
-    sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3, native=native, nontemporal=nontemporal)
+    sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3, native=native)
     if native and not sender.native:
         pytest.skip("native staged send unavailable here")
     stream = torch.cuda.Stream()

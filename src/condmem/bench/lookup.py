@@ -26,11 +26,33 @@ from pathlib import Path
 
 import torch
 
-from condmem.bench.harness import append_rows, copy_bandwidth_gbps, machine_info, rows_table
-from condmem.bench.lookup_diagnostics import (cpu_gather_rows, engine_timeline, gather_under_load, phase_rows,
-                                              lookup_kernel_row, pipeline_timeline, plan_costs, plot_pipeline)
-from condmem.bench.lookup_setup import (HEAD_DIM, N_COLS, ROW_BYTES, disk_store, fill_table, h2d_bandwidth_gbps, host_store,
-                                        text_batches, text_row_ids)
+from condmem.bench.harness import (
+    append_rows,
+    copy_bandwidth_gbps,
+    machine_info,
+    rows_table,
+)
+from condmem.bench.lookup_diagnostics import (
+    cpu_gather_rows,
+    engine_timeline,
+    gather_under_load,
+    lookup_kernel_row,
+    phase_rows,
+    pipeline_timeline,
+    plan_costs,
+    plot_pipeline,
+)
+from condmem.bench.lookup_setup import (
+    HEAD_DIM,
+    N_COLS,
+    ROW_BYTES,
+    disk_store,
+    fill_table,
+    h2d_bandwidth_gbps,
+    host_store,
+    text_batches,
+    text_row_ids,
+)
 from condmem.tables.lookup import LookupEngine
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore
@@ -96,21 +118,21 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
 def parse_variant(text: str) -> dict:
     """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
     in flight (`max_in_flight`, default 2), flags ``+pysend`` (`native_send=False`: the CPU
-    share sent by a Python loop per chunk), ``+nt`` (`staging_nontemporal`: staged with
-    streaming stores), ``+cN`` (N rows per staging chunk), and ``/torch`` or ``/triton`` for
-    the cache's probe and admission (default: Triton on CUDA), e.g. ``graphs@3+nt+c16384/torch``."""
-    usage = "graphs|eager[@in_flight][+pysend][+nt][+cROWS][/torch|/triton]"
+    share sent by a Python loop per chunk), ``+cN`` (N rows per staging chunk), and ``/torch``
+    or ``/triton`` for the cache's probe and admission (default: Triton on CUDA), e.g.
+    ``graphs@3+c16384/torch``."""
+    usage = "graphs|eager[@in_flight][+pysend][+cROWS][/torch|/triton]"
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
     chunks = [f[1:] for f in flags if f.startswith("c")]
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f not in ("pysend", "nt") and not (f.startswith("c") and f[1:].isdigit()) for f in flags)
+            or any(f != "pysend" and not (f.startswith("c") and f[1:].isdigit()) for f in flags)
             or len(chunks) > 1):
         raise SystemExit(f"--engines: {text!r} is not {usage}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
-            "staging_nontemporal": "nt" in flags, "staging_chunk_rows": int(chunks[0]) if chunks else None}
+            "staging_chunk_rows": int(chunks[0]) if chunks else None}
 
 
 def staging_chunk_option(variant: dict, args) -> dict:
@@ -230,7 +252,6 @@ def run_lookup(args) -> list[dict]:
                                       cpu_threads=(args.cpu_threads or [None])[0],
                                       graphs=variant["graphs"], max_in_flight=variant["max_in_flight"],
                                       native_send=variant["native_send"],
-                                      staging_nontemporal=variant["staging_nontemporal"],
                                       **staging_chunk_option(variant, args))
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                     if stream == "text":

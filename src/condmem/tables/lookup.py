@@ -175,8 +175,6 @@ class LookupEngine:
         native_send: gather and send the CPU share in one native call when a C compiler and
             the CUDA runtime library are found (False: a Python loop per chunk; H200, 393K
             uniform rows: 3.0 vs 5.4 ms).
-        staging_nontemporal: the native send stages rows with streaming stores, past the CPU
-            caches (measured on the H200: faster for chunks of <= 32768 rows, slower for 65536).
         direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
@@ -199,7 +197,7 @@ class LookupEngine:
                  staging_ring: int = 4,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
-                 native_send: bool = True, staging_nontemporal: bool = False):
+                 native_send: bool = True):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -237,7 +235,6 @@ class LookupEngine:
             self._pool = None
         self.staging_ring = max(2, staging_ring)
         self.native_send = native_send
-        self.staging_nontemporal = staging_nontemporal
         self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
         self.graphs = graphs and self.on_gpu
         self.max_plan_sizes = max(1, max_plan_sizes)
@@ -262,8 +259,7 @@ class LookupEngine:
         self.copy_stream.wait_event(planned)    # the plan slot's earlier readers are done
         if self._sender is None:
             self._sender = StagedSender(self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows,
-                                        ring=self.staging_ring, native=self.native_send,
-                                        nontemporal=self.staging_nontemporal)
+                                        ring=self.staging_ring, native=self.native_send)
         self._sender.send(self.store, ids_host, rows, self.copy_stream, self.cpu_threads)
         stats.mark("cpu share gathered, sends queued", start)
         done = self._event()

@@ -32,9 +32,6 @@ PREFETCH_DISTANCE = 12
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 /* Row i of dst <- row ids[i] of src. The row PF ahead is prefetched (into every cache level:
    measured on the H200's host, hint T0 beat NTA by ~10%). */
@@ -45,25 +42,6 @@ static inline void copy_row(const uint8_t *src, int64_t row_bytes, const int64_t
         for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
     }
     memcpy(dst_row, src + ids[i] * row_bytes, (size_t)row_bytes);
-}
-
-/* The same with non-temporal stores (x86, rows of a multiple of 8 bytes; else a plain copy):
-   the staged rows go to memory, not into this core's cache, so the DMA that reads them next
-   does not have to fetch dirty lines from the cores' caches. */
-static inline void copy_row_nt(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t i, int64_t n,
-                               uint8_t *dst_row) {
-#if defined(__x86_64__)
-    if ((row_bytes & 7) == 0 && ((uintptr_t)dst_row & 7) == 0) {
-        if (i + PF < n) {
-            const uint8_t *ahead = src + ids[i + PF] * row_bytes;
-            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
-        }
-        const long long *from = (const long long *)(src + ids[i] * row_bytes);
-        for (int64_t w = 0; w < row_bytes / 8; w++) _mm_stream_si64((long long *)dst_row + w, from[w]);
-        return;
-    }
-#endif
-    copy_row(src, row_bytes, ids, i, n, dst_row);
 }
 
 /* Copy rows ids[0..n) of `row_bytes` each from src to dst (dst row i <- src row ids[i]).
@@ -90,12 +68,11 @@ typedef int (*event_sync_fn)(void *event);
    One parallel region for the whole share: no thread-team start per chunk, so chunks can be
    small enough to stay in the caches (the send then reads them there, not from DRAM). Only
    the calling thread (OpenMP's master: the one whose CUDA device is set) calls the runtime.
-   `nontemporal`: stage with streaming stores (see copy_row_nt).
    Returns 0, or the first nonzero code a runtime call returned (nothing after it is sent). */
 int condmem_gather_send(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t n,
                         uint8_t *const *ring, void *const *ring_events, int ring_len, int ring_start,
                         int64_t chunk_rows, uint8_t *dst, void *stream, memcpy_async_fn memcpy_async,
-                        event_record_fn record, event_sync_fn sync, int nthreads, int nontemporal) {
+                        event_record_fn record, event_sync_fn sync, int nthreads) {
     int err = 0;
     int64_t n_chunks = (n + chunk_rows - 1) / chunk_rows;
     #pragma omp parallel num_threads(nthreads)
@@ -107,13 +84,7 @@ int condmem_gather_send(const uint8_t *src, int64_t row_bytes, const int64_t *id
         #pragma omp barrier
         if (err) break;                            /* every thread sees it after the barrier */
         #pragma omp for schedule(dynamic, 256)
-        for (int64_t i = s; i < e; i++) {
-            if (nontemporal) copy_row_nt(src, row_bytes, ids, i, n, ring[b] + (i - s) * row_bytes);
-            else copy_row(src, row_bytes, ids, i, n, ring[b] + (i - s) * row_bytes);
-        }
-#if defined(__x86_64__)
-        if (nontemporal) _mm_sfence();               /* this thread's streamed rows are in memory */
-#endif
+        for (int64_t i = s; i < e; i++) copy_row(src, row_bytes, ids, i, n, ring[b] + (i - s) * row_bytes);
         /* (the loop's implicit barrier: the chunk is whole) */
         #pragma omp master
         {
@@ -189,8 +160,7 @@ def _load():
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,     # src, row_bytes, ids, n
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,        # ring, events, ring_len, start
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,                     # chunk_rows, dst, stream
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,      # memcpy, record, sync, threads
-            ctypes.c_int]                                                         # non-temporal stores
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]      # memcpy, record, sync, threads
         lib.condmem_gather_send.restype = ctypes.c_int
         _lib = lib
         return lib

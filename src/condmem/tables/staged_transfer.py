@@ -75,7 +75,6 @@ class StagedSender:
         chunk_rows: rows per staging chunk (a chunk is sent while the next is gathered).
         ring: chunks in the ring (each reused once its last send has finished).
         native: use the native path when available (False: the torch loop, e.g. to compare).
-        nontemporal: the native path stages rows with streaming stores (past the caches).
 
     Example:
         >>> sender = StagedSender(264, "cuda", chunk_rows=32768)
@@ -84,7 +83,7 @@ class StagedSender:
     """
 
     def __init__(self, row_bytes: int, device: str | torch.device, chunk_rows: int = 32768, ring: int = 4,
-                 native: bool = True, nontemporal: bool = False):
+                 native: bool = True):
         if chunk_rows < 1 or ring < 2:
             raise ValueError(f"StagedSender needs chunk_rows >= 1 and ring >= 2, got {chunk_rows}, {ring}")
         self.row_bytes = row_bytes
@@ -101,7 +100,6 @@ class StagedSender:
                 event.record()
                 self.events.append(event)
         self._next = 0
-        self.nontemporal = nontemporal
         self.native = native and native_gather.available() and cuda_runtime_calls() is not None
         self._ring_ptrs = (ctypes.c_void_p * ring)(*(b.data_ptr() for b in self.buffers))
         self._event_ptrs = (ctypes.c_void_p * ring)(*(e.cuda_event for e in self.events))
@@ -138,7 +136,7 @@ class StagedSender:
         err = lib.condmem_gather_send(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), ids.numel(),
                                       self._ring_ptrs, self._event_ptrs, len(self.buffers), start,
                                       self.chunk_rows, dst.data_ptr(), stream.cuda_stream, memcpy_async,
-                                      record, sync, int(threads), int(self.nontemporal))
+                                      record, sync, int(threads))
         if err:
             message = runtime.cudaGetErrorString(err).decode(errors="replace")
             raise RuntimeError(f"staged send of {ids.numel()} rows failed: CUDA error {err} ({message})")
