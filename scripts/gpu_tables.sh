@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Device run for the tables issue: GPU exactness tests of every lookup path (the gather and
-# cache kernels, tables, runtime), then
-# `condmem bench lookup` with a 64 GiB pinned host table. Writes logs + JSON + PNG to $OUT.
+# Device run for the tables issue: `condmem bench lookup` with a 64 GiB pinned host table,
+# then GPU exactness tests of every lookup path (the gather and cache kernels, staged sends,
+# tables, runtime). The bench runs first: on the H200, a bench started right after the test
+# suite measured the host tier ~1.4x slower than the same bench on a quiet machine (session 6,
+# run 14 vs runs 15-17; cause not found). Writes logs + JSON + PNG to $OUT.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
+python3 -m condmem bench lookup --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_lookup.log"
 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernels_gather.py \
   tests/kernels/test_kernels_row_cache.py tests/tables tests/runtime 2>&1 | tail -n 15 | tee "$OUT/tables_tests.log"
-python3 -m condmem bench lookup --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_lookup.log"
