@@ -114,7 +114,7 @@ class StagedSender:
 
         `ids`: int64 on the CPU, in range (the caller has checked them); `dst`: contiguous
         uint8 [n, row_bytes] on the device. Work queued on `stream` after this call sees the rows.
-        Call from one thread at a time, with `self.device` current.
+        Call from one thread at a time.
         """
         n = ids.numel()
         if dst.shape != (n, self.row_bytes) or not dst.is_contiguous() or dst.device != self.device:
@@ -125,10 +125,11 @@ class StagedSender:
         ids = ids.contiguous()
         n_chunks = -(-n // self.chunk_rows)
         start, self._next = self._next, (self._next + n_chunks) % len(self.buffers)
-        if self.uses_native(store):
-            self._send_native(store, ids, dst, stream, threads, start)
-        else:
-            self._send_torch(store, ids, dst, stream, threads, start)
+        with torch.cuda.device(self.device):   # the runtime calls act on the current device
+            if self.uses_native(store):
+                self._send_native(store, ids, dst, stream, threads, start)
+            else:
+                self._send_torch(store, ids, dst, stream, threads, start)
 
     def _send_native(self, store, ids, dst, stream, threads, start) -> None:
         runtime, memcpy_async, record, sync = cuda_runtime_calls()
