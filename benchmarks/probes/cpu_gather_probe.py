@@ -306,6 +306,50 @@ def main() -> None:
                     return go
                 record("G split: native send + zero-copy", 393216, median(both), f=f, chunk=chunk)
 
+    if "H" in parts:
+        # H. Where a native send's time goes, chunk by chunk (its host timeline): the wait for
+        # the chunk's ring buffer (its last DMA), the gather, the launch; and the same gather
+        # with the sends skipped (host stand-ins), which tells a gather-side per-chunk cost
+        # from one the DMAs cause.
+        from condmem.tables import native_gather
+        from condmem.tables.staged_transfer import StagedSender
+        from condmem.tables.storage import LayerStore
+        layer = LayerStore("host", "fp8_interleaved", 256, table)
+        clib = native_gather._load()
+        stand_in = {name: ctypes.cast(getattr(clib, f"condmem_test_{name}"), ctypes.c_void_p).value
+                    for name in ("skip_memcpy", "record", "sync")}
+        for chunk in (8192, 16384, 32768, 65536, 131072):
+            sender = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=4)
+            sender.record_timeline = True
+            k = 393216
+            per = {"wait": [], "gather": [], "launch": []}
+
+            def send_call():
+                ids = fresh(k)
+
+                def go():
+                    sender.send(layer, ids, dev_rows[:k], copy_stream, threads=15)
+                    copy_stream.synchronize()
+                    for key, v in sender.last_timeline.items():
+                        per[key].extend(v)
+                return go
+            sec = median(send_call)
+            record("H native send, per chunk (us)", k, sec, chunk=chunk,
+                   **{f"{key} us": round(sum(v) / len(v), 1) for key, v in per.items()},
+                   gather_ns_per_row=round(sum(per["gather"]) / len(per["gather"]) * 1e3 / chunk, 2))
+            events = [torch.zeros(2, dtype=torch.int64) for _ in range(4)]
+            counters = torch.zeros(2, dtype=torch.int64)
+            ring = (ctypes.c_void_p * 4)(*(b.data_ptr() for b in sender.buffers))
+            evs = (ctypes.c_void_p * 4)(*(e.data_ptr() for e in events))
+
+            def gather_only():
+                ids = fresh(k)
+                return lambda: clib.condmem_gather_send(table.data_ptr(), ROW, ids.data_ptr(), k, ring, evs, 4, 0,
+                                                        chunk, dev_rows.data_ptr(), counters.data_ptr(),
+                                                        stand_in["skip_memcpy"],
+                                                        stand_in["record"], stand_in["sync"], 15, None)
+            record("H same gather, sends skipped", k, median(gather_only), chunk=chunk)
+
     if "B" in parts:
         for k in (105000, 275000, 393216):
             for chunk in (8192, 16384, 32768, 65536, 131072):

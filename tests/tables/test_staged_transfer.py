@@ -16,7 +16,7 @@ from condmem.tables.storage import LayerStore
 needs_native = pytest.mark.skipif(not native_gather.available(), reason="no C compiler: no native routine")
 
 
-def _send_on_host(table, ids, chunk_rows, ring_len, start, threads, fail_at=0):
+def _send_on_host(table, ids, chunk_rows, ring_len, start, threads, fail_at=0, timeline=None):
     """Run condmem_gather_send with the host stand-ins; (dst, return code, send counter, event counters)."""
     lib = native_gather._load()
     row_bytes = table.shape[1]
@@ -30,7 +30,8 @@ def _send_on_host(table, ids, chunk_rows, ring_len, start, threads, fail_at=0):
         table.data_ptr(), row_bytes, ids.data_ptr(), ids.numel(),
         (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring)),
         (ctypes.c_void_p * ring_len)(*(e.data_ptr() for e in events)), ring_len, start, chunk_rows,
-        dst.data_ptr(), stream.data_ptr(), fn["memcpy"], fn["record"], fn["sync"], threads)
+        dst.data_ptr(), stream.data_ptr(), fn["memcpy"], fn["record"], fn["sync"], threads,
+        None if timeline is None else timeline.data_ptr())
     return dst, err, int(stream[0]), torch.stack(events)
 
 
@@ -99,3 +100,22 @@ def test_sender_checks_its_destination():
     with pytest.raises(ValueError, match="dst must be contiguous"):
         sender.send(store, torch.tensor([1, 2]), torch.empty((3, 264), dtype=torch.uint8, device="cuda"),
                     torch.cuda.current_stream(), threads=1)
+
+
+@needs_native
+def test_the_timeline_has_every_chunk_in_order():
+    from condmem.tables.staged_transfer import chunk_times
+
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 256, (2000, 264), dtype=torch.uint8, generator=gen)
+    ids = torch.randint(0, 2000, (1000,), generator=gen)
+    n_chunks = 1000 // 64 + 1
+    timeline = torch.full((1 + 3 * n_chunks,), -1, dtype=torch.int64)
+    dst, err, sends, _ = _send_on_host(table, ids, chunk_rows=64, ring_len=3, start=0, threads=2,
+                                       timeline=timeline)
+    assert err == 0 and sends == n_chunks
+    assert torch.equal(dst, table.index_select(0, ids))       # timing changes nothing
+    assert bool((timeline[1:] >= timeline[:-1]).all())         # every stamp written, in order
+    times = chunk_times(timeline)
+    assert {k: len(v) for k, v in times.items()} == {"wait": n_chunks, "gather": n_chunks, "launch": n_chunks}
+    assert min(min(v) for v in times.values()) >= 0

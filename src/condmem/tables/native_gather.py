@@ -32,6 +32,7 @@ PREFETCH_DISTANCE = 12
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* Row i of dst <- row ids[i] of src. The row PF ahead is prefetched (into every cache level:
    measured on the H200's host, hint T0 beat NTA by ~10%). */
@@ -68,13 +69,23 @@ typedef int (*event_sync_fn)(void *event);
    One parallel region for the whole share: no thread-team start per chunk, so chunks can be
    small enough to stay in the caches (the send then reads them there, not from DRAM). Only
    the calling thread (OpenMP's master: the one whose CUDA device is set) calls the runtime.
+   `timeline` (NULL: none): 1 + 3 * n_chunks int64 entries, nanoseconds on CLOCK_MONOTONIC:
+   the start, then per chunk when its buffer was free (all threads past the wait), when it
+   was gathered, and when its send was queued.
    Returns 0, or the first nonzero code a runtime call returned (nothing after it is sent). */
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 int condmem_gather_send(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t n,
                         uint8_t *const *ring, void *const *ring_events, int ring_len, int ring_start,
                         int64_t chunk_rows, uint8_t *dst, void *stream, memcpy_async_fn memcpy_async,
-                        event_record_fn record, event_sync_fn sync, int nthreads) {
+                        event_record_fn record, event_sync_fn sync, int nthreads, int64_t *timeline) {
     int err = 0;
     int64_t n_chunks = (n + chunk_rows - 1) / chunk_rows;
+    if (timeline) timeline[0] = now_ns();
     #pragma omp parallel num_threads(nthreads)
     for (int64_t c = 0; c < n_chunks; c++) {
         int b = (int)((ring_start + c) % ring_len);
@@ -83,13 +94,17 @@ int condmem_gather_send(const uint8_t *src, int64_t row_bytes, const int64_t *id
         if (!err) err = sync(ring_events[b]);      /* buffer b's previous send has finished */
         #pragma omp barrier
         if (err) break;                            /* every thread sees it after the barrier */
+        #pragma omp master
+        if (timeline) timeline[1 + 3 * c] = now_ns();
         #pragma omp for schedule(dynamic, 256)
         for (int64_t i = s; i < e; i++) copy_row(src, row_bytes, ids, i, n, ring[b] + (i - s) * row_bytes);
         /* (the loop's implicit barrier: the chunk is whole) */
         #pragma omp master
         {
+            if (timeline) timeline[2 + 3 * c] = now_ns();
             if (!err) err = memcpy_async(dst + s * row_bytes, ring[b], (size_t)((e - s) * row_bytes), 1, stream);
             if (!err) err = record(ring_events[b], stream);
+            if (timeline) timeline[3 + 3 * c] = now_ns();
         }
     }
     return err;
@@ -103,6 +118,10 @@ int condmem_test_memcpy(void *dst, const void *src, size_t bytes, int kind, void
     counters[0]++;
     if (counters[1] > 0 && counters[0] == counters[1]) return 7;
     memcpy(dst, src, bytes);
+    return kind == 1 ? 0 : 9;
+}
+int condmem_test_skip_memcpy(void *dst, const void *src, size_t bytes, int kind, void *stream) {
+    (void)dst; (void)src; (void)bytes; (void)stream;   /* probes: the gather without any send */
     return kind == 1 ? 0 : 9;
 }
 int condmem_test_record(void *event, void *stream) { (void)stream; ((int64_t *)event)[0]++; return 0; }
@@ -160,7 +179,8 @@ def _load():
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,     # src, row_bytes, ids, n
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,        # ring, events, ring_len, start
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,                     # chunk_rows, dst, stream
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]      # memcpy, record, sync, threads
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,      # memcpy, record, sync, threads
+            ctypes.c_void_p]                                                      # timeline (or None)
         lib.condmem_gather_send.restype = ctypes.c_int
         _lib = lib
         return lib

@@ -66,6 +66,17 @@ def cuda_runtime_calls() -> tuple | None:
         return _runtime
 
 
+def chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
+    """Per-chunk host times in microseconds from a native send's timeline: `wait` (until the
+    chunk's ring buffer was free, i.e. its previous send had finished, and the threads were
+    past the barrier), `gather`, `launch` (queueing the chunk's send and its event)."""
+    t = (timeline - timeline[0]).double() / 1e3
+    ready, gathered, queued = t[1::3], t[2::3], t[3::3]
+    before = torch.cat([t[:1], queued[:-1]])
+    return {"wait": (ready - before).tolist(), "gather": (gathered - ready).tolist(),
+            "launch": (queued - gathered).tolist()}
+
+
 class StagedSender:
     """Sends rows ``store[ids]`` to a device buffer through a ring of pinned staging chunks.
 
@@ -100,6 +111,9 @@ class StagedSender:
                 event.record()
                 self.events.append(event)
         self._next = 0
+        self.record_timeline = False
+        """Native path: keep each send's per-chunk host timeline in `last_timeline` (diagnostics)."""
+        self.last_timeline: dict | None = None
         self.native = native and native_gather.available() and cuda_runtime_calls() is not None
         self._ring_ptrs = (ctypes.c_void_p * ring)(*(b.data_ptr() for b in self.buffers))
         self._event_ptrs = (ctypes.c_void_p * ring)(*(e.cuda_event for e in self.events))
@@ -134,10 +148,15 @@ class StagedSender:
     def _send_native(self, store, ids, dst, stream, threads, start) -> None:
         runtime, memcpy_async, record, sync = cuda_runtime_calls()
         lib = native_gather._load()
+        n_chunks = -(-ids.numel() // self.chunk_rows)
+        timeline = torch.zeros(1 + 3 * n_chunks, dtype=torch.int64) if self.record_timeline else None
         err = lib.condmem_gather_send(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), ids.numel(),
                                       self._ring_ptrs, self._event_ptrs, len(self.buffers), start,
                                       self.chunk_rows, dst.data_ptr(), stream.cuda_stream, memcpy_async,
-                                      record, sync, int(threads))
+                                      record, sync, int(threads),
+                                      None if timeline is None else timeline.data_ptr())
+        if timeline is not None:
+            self.last_timeline = chunk_times(timeline)
         if err:
             message = runtime.cudaGetErrorString(err).decode(errors="replace")
             raise RuntimeError(f"staged send of {ids.numel()} rows failed: CUDA error {err} ({message})")
