@@ -367,10 +367,11 @@ def add_arguments(p) -> None:
                    help="host memory strategy")
     p.add_argument("--engines", nargs="+", default=None,
                    help="engine variants measured one after another on the same table, for A/B runs: "
-                        "graphs|eager[@in_flight][+pysend][/torch|/triton] (plans as CUDA graphs or kernel by "
-                        "kernel; lookups in flight, default 2; +pysend: LookupEngine(native_send=False); the "
+                        "graphs|eager[@in_flight][+pysend][+cROWS][/torch|/triton] (plans as CUDA graphs or kernel "
+                        "by kernel; lookups in flight, default 2; +pysend: LookupEngine(native_send=False); "
+                        "+cROWS: ROWS per staging chunk; the "
                         "cache's probe and admission as torch ops or Triton kernels, default Triton on CUDA), "
-                        "e.g. 'graphs graphs+pysend graphs/torch eager'")
+                        "e.g. 'graphs graphs+pysend graphs+c131072 graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")
     p.add_argument("--eager-plans", action="store_true",
