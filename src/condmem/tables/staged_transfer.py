@@ -7,12 +7,12 @@ Two ways to run it, same result (the rows land in order at the destination):
 
 * **native** (the default where a C compiler and the CUDA runtime library are found): one
   call into `native_gather` gathers every chunk inside one OpenMP parallel region and queues
-  each chunk's ``cudaMemcpyAsync`` from the calling thread. Measured on the H200 host
-  (``benchmarks/probes/cpu_gather_probe.py``): its memory system is the limit (~70-90 GB/s
-  in all, and a DMA at 55 GB/s takes most of it), so a chunk that is still in the CPU caches
-  when it is sent costs much less than one that went to DRAM and back; and from Python, a
-  chunk cost ~50-130 us of thread-team start and ``copy_`` launch, which made small,
-  cache-sized chunks lose. One region and a direct runtime call (~5 us) remove that cost.
+  each chunk's ``cudaMemcpyAsync`` from the calling thread (~5 us a call, where a
+  ``Tensor.copy_`` cost ~30 us and a thread-team start per chunk more). Measured on the
+  H200 host (``benchmarks/lookup_notes.md``, session 6): 393K uniform rows 3.0 ms vs 5.4 ms
+  for the loop below; the host's memory bandwidth (~70-90 GB/s in all, most of it taken by
+  the 55 GB/s DMA) bounds both. Chunks of 65536 rows were best; smaller ones still lose to
+  a per-chunk cost not yet explained (`StagedSender.record_timeline` times each chunk).
 * **python** (fallback; also the disk tier with a DRAM row cache in front): a loop of
   `LayerStore.gather_raw` and ``Tensor.copy_(non_blocking=True)`` per chunk.
 """
@@ -54,7 +54,10 @@ def cuda_runtime_calls() -> tuple | None:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return None
-        path = next((line.split()[-1] for line in maps.splitlines() if "/libcudart" in line), None)
+        loaded = [line.split()[-1] for line in maps.splitlines() if "/libcudart" in line]
+        # torch's own runtime first (its CUDA major version), should another be loaded too.
+        major = (torch.version.cuda or "").split(".")[0]
+        path = next((p for p in loaded if f"libcudart.so.{major}" in p), loaded[0] if loaded else None)
         if path is None:
             log.info("CUDA runtime library not found among the loaded ones: staged sends go through torch")
             return None
