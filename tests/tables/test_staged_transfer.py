@@ -119,3 +119,15 @@ def test_the_timeline_has_every_chunk_in_order():
     times = chunk_times(timeline)
     assert {k: len(v) for k, v in times.items()} == {"wait": n_chunks, "gather": n_chunks, "launch": n_chunks}
     assert min(min(v) for v in times.values()) >= 0
+
+
+def test_the_cuda_runtime_picked_is_torchs_own():
+    from condmem.tables.staged_transfer import pick_cuda_runtime
+
+    maps = ("7f00-7f01 r-xp 0 00:00 1 /opt/a/nvidia/cu12/lib/libcudart.so.12\n"
+            "7f02-7f03 r-xp 0 00:00 2 /opt/a/nvidia/cu13/lib/libcudart.so.13\n"
+            "7f04-7f05 r-xp 0 00:00 3 /usr/lib/libc.so.6\n")
+    assert pick_cuda_runtime(maps, "13.0").endswith("cu13/lib/libcudart.so.13")
+    assert pick_cuda_runtime(maps, "12.8").endswith("cu12/lib/libcudart.so.12")
+    assert pick_cuda_runtime(maps, None).endswith("libcudart.so.12")      # none matches: the first
+    assert pick_cuda_runtime("7f04-7f05 r-xp 0 00:00 3 /usr/lib/libc.so.6\n", "13.0") is None

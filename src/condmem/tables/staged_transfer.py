@@ -36,6 +36,14 @@ _runtime: tuple | None = None
 _runtime_tried = False
 
 
+def pick_cuda_runtime(maps: str, cuda_version: str | None) -> str | None:
+    """The CUDA runtime library among a process's mappings (``/proc/self/maps`` text): the one
+    of torch's CUDA major version first, should several be loaded; None when there is none."""
+    loaded = [line.split()[-1] for line in maps.splitlines() if "/libcudart" in line]
+    major = (cuda_version or "").split(".")[0]
+    return next((p for p in loaded if major and f"libcudart.so.{major}" in p), loaded[0] if loaded else None)
+
+
 def cuda_runtime_calls() -> tuple | None:
     """(library, cudaMemcpyAsync, cudaEventRecord, cudaEventSynchronize addresses) of the CUDA
     runtime this process already loaded (torch's), or None where it cannot be found.
@@ -54,10 +62,7 @@ def cuda_runtime_calls() -> tuple | None:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return None
-        loaded = [line.split()[-1] for line in maps.splitlines() if "/libcudart" in line]
-        # torch's own runtime first (its CUDA major version), should another be loaded too.
-        major = (torch.version.cuda or "").split(".")[0]
-        path = next((p for p in loaded if f"libcudart.so.{major}" in p), loaded[0] if loaded else None)
+        path = pick_cuda_runtime(maps, torch.version.cuda)
         if path is None:
             log.info("CUDA runtime library not found among the loaded ones: staged sends go through torch")
             return None
