@@ -131,3 +131,37 @@ def test_the_cuda_runtime_picked_is_torchs_own():
     assert pick_cuda_runtime(maps, "12.8").endswith("cu12/lib/libcudart.so.12")
     assert pick_cuda_runtime(maps, None).endswith("libcudart.so.12")      # none matches: the first
     assert pick_cuda_runtime("7f04-7f05 r-xp 0 00:00 3 /usr/lib/libc.so.6\n", "13.0") is None
+
+
+@needs_native
+def test_native_send_plumbing_on_the_cpu(monkeypatch):
+    """`StagedSender._send_native` end to end with the host stand-ins in place of the CUDA
+    runtime (the ring, the timeline, the error message), so CI covers its argument list."""
+    from types import SimpleNamespace
+
+    from condmem.tables import staged_transfer
+    from condmem.tables.staged_transfer import StagedSender
+
+    lib = native_gather._load()
+    fn = {name: ctypes.cast(getattr(lib, f"condmem_test_{name}"), ctypes.c_void_p).value
+          for name in ("memcpy", "record", "sync")}
+    runtime = SimpleNamespace(cudaGetErrorString=lambda code: f"stand-in error {code}".encode())
+    monkeypatch.setattr(staged_transfer, "cuda_runtime_calls", lambda: (runtime, fn["memcpy"], fn["record"], fn["sync"]))
+    sender = object.__new__(StagedSender)          # no CUDA here: the fields __init__ would set
+    sender.row_bytes, sender.chunk_rows, sender.record_timeline, sender.last_timeline = 264, 5, True, None
+    sender.buffers = [torch.zeros((5, 264), dtype=torch.uint8) for _ in range(3)]
+    events = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+    sender._ring_ptrs = (ctypes.c_void_p * 3)(*(b.data_ptr() for b in sender.buffers))
+    sender._event_ptrs = (ctypes.c_void_p * 3)(*(e.data_ptr() for e in events))
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randint(0, 256, (300, 264), dtype=torch.uint8, generator=gen)
+    store = LayerStore("host", "fp8_interleaved", 256, table)
+    ids = torch.randint(0, 300, (23,), generator=gen)
+    counters = torch.zeros(2, dtype=torch.int64)
+    dst = torch.full((23, 264), 0xAB, dtype=torch.uint8)
+    sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=1)
+    assert torch.equal(dst, table.index_select(0, ids))
+    assert len(sender.last_timeline["gather"]) == 5
+    counters[:] = torch.tensor([0, 2])              # the second send fails
+    with pytest.raises(RuntimeError, match=r"staged send of 23 rows failed: CUDA error 7 \(stand-in error 7\)"):
+        sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=0)
