@@ -88,12 +88,13 @@ def test_bench_lookup_plan_diagnostic_times_plan_and_admission_per_engine(tmp_pa
 def test_engine_variants_parse_and_bad_ones_say_the_grammar():
     from condmem.bench.lookup import parse_variant
 
-    v = parse_variant("graphs@3+pysend+c16384/torch")
-    assert (v["graphs"], v["max_in_flight"], v["native_send"], v["staging_chunk_rows"], v["cache_backend"]) == \
-        (True, 3, False, 16384, "torch")
+    v = parse_variant("graphs@3+pysend+c16384+z64/torch")
+    assert (v["graphs"], v["max_in_flight"], v["native_send"], v["staging_chunk_rows"], v["cache_backend"],
+            v["zero_copy_programs"]) == (True, 3, False, 16384, "torch", 64)
     v = parse_variant("eager")
     assert (v["graphs"], v["max_in_flight"], v["native_send"], v["staging_chunk_rows"], v["cache_backend"]) == \
         (False, 2, True, None, "auto")
-    for bad in ("graph", "graphs+tail", "graphs+c", "graphs+c1+c2", "graphs@x", "graphs/cuda"):
-        with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+cROWS\]"):
+    for bad in ("graph", "graphs+tail", "graphs+c", "graphs+c1+c2", "graphs+z0", "graphs+z1+z2", "graphs@x",
+                "graphs/cuda"):
+        with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+cROWS\]\[\+zPROGRAMS\]"):
             parse_variant(bad)

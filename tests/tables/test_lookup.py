@@ -212,6 +212,26 @@ def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_
 
 
 @cuda_only
+@pytest.mark.parametrize("programs", [1, 3])
+def test_gpu_capped_zero_copy_grid_is_exact(table_files, programs):
+    """`zero_copy_programs`: the GPU share read by a grid of a few programs gives the same rows."""
+    store, source = _place(table_files, "fp8_interleaved", "host")
+    engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
+                          cpu_fraction=0.3, direct_max_ids=0, staging_chunk_rows=7, staging_ring=2,
+                          region_bytes=4 * 72, zero_copy_programs=programs)
+    gpu_rows = 0
+    for ids in _batches(store.num_rows, seed=31, n=5):
+        handle = engine.lookup(ids.cuda())
+        assert torch.equal(handle.wait().cpu(), _expected(source, ids))
+        gpu_rows += handle.stats.gpu_rows
+    assert gpu_rows > 0                      # the capped kernel did read rows
+    with pytest.raises(ValueError, match="zero_copy_programs must be >= 1"):
+        LookupEngine(store, "cuda", zero_copy_programs=0)
+    engine.close()
+    store.close()
+
+
+@cuda_only
 def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(table_files):
     """With the DMAs held back, rows read without waiting for the handle differ from the waited rows."""
     fmt = "fp8_interleaved"

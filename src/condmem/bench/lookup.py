@@ -118,21 +118,24 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
 def parse_variant(text: str) -> dict:
     """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
     in flight (`max_in_flight`, default 2), flags ``+pysend`` (`native_send=False`: the CPU
-    share sent by a Python loop per chunk), ``+cN`` (N rows per staging chunk), and ``/torch``
-    or ``/triton`` for the cache's probe and admission (default: Triton on CUDA), e.g.
-    ``graphs@3+c16384/torch``."""
-    usage = "graphs|eager[@in_flight][+pysend][+cROWS][/torch|/triton]"
+    share sent by a Python loop per chunk), ``+cN`` (N rows per staging chunk), ``+zN`` (the
+    zero-copy kernel's grid capped at N programs), and ``/torch`` or ``/triton`` for the cache's
+    probe and admission (default: Triton on CUDA), e.g. ``graphs@3+c16384+z64/torch``."""
+    usage = "graphs|eager[@in_flight][+pysend][+cROWS][+zPROGRAMS][/torch|/triton]"
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
     chunks = [f[1:] for f in flags if f.startswith("c")]
+    programs = [f[1:] for f in flags if f.startswith("z")]
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f != "pysend" and not (f.startswith("c") and f[1:].isdigit()) for f in flags)
-            or len(chunks) > 1):
+            or any(f != "pysend" and not (f[:1] in ("c", "z") and f[1:].isdigit() and int(f[1:]) > 0)
+                   for f in flags)
+            or len(chunks) > 1 or len(programs) > 1):
         raise SystemExit(f"--engines: {text!r} is not {usage}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
-            "staging_chunk_rows": int(chunks[0]) if chunks else None}
+            "staging_chunk_rows": int(chunks[0]) if chunks else None,
+            "zero_copy_programs": int(programs[0]) if programs else None}
 
 
 def staging_chunk_option(variant: dict, args) -> dict:
@@ -252,6 +255,7 @@ def run_lookup(args) -> list[dict]:
                                       cpu_threads=(args.cpu_threads or [None])[0],
                                       graphs=variant["graphs"], max_in_flight=variant["max_in_flight"],
                                       native_send=variant["native_send"],
+                                      zero_copy_programs=variant["zero_copy_programs"],
                                       **staging_chunk_option(variant, args))
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                     if stream == "text":
@@ -367,11 +371,12 @@ def add_arguments(p) -> None:
                    help="host memory strategy")
     p.add_argument("--engines", nargs="+", default=None,
                    help="engine variants measured one after another on the same table, for A/B runs: "
-                        "graphs|eager[@in_flight][+pysend][+cROWS][/torch|/triton] (plans as CUDA graphs or kernel "
-                        "by kernel; lookups in flight, default 2; +pysend: LookupEngine(native_send=False); "
-                        "+cROWS: ROWS per staging chunk; the "
+                        "graphs|eager[@in_flight][+pysend][+cROWS][+zPROGRAMS][/torch|/triton] (plans as CUDA "
+                        "graphs or kernel by kernel; lookups in flight, default 2; +pysend: "
+                        "LookupEngine(native_send=False); "
+                        "+cROWS: ROWS per staging chunk; +zPROGRAMS: the zero-copy kernel's grid capped; the "
                         "cache's probe and admission as torch ops or Triton kernels, default Triton on CUDA), "
-                        "e.g. 'graphs graphs+pysend graphs+c131072 graphs/torch eager'")
+                        "e.g. 'graphs graphs+pysend graphs+c131072 graphs+z64 graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")
     p.add_argument("--eager-plans", action="store_true",

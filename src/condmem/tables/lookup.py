@@ -179,6 +179,10 @@ class LookupEngine:
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
         region_bytes: the zero-copy translation granule used to split misses (`split_by_density`).
+        zero_copy_programs: cap on the zero-copy kernel's grid (None: the full persistent
+            grid). A host-reading kernel that holds every SM slows the plan's and the cache's
+            kernels queued beside it (why the text stream's calibration keeps the whole share
+            on the CPU); a small grid may leave them room. Experimental, not yet measured.
         max_in_flight: lookups in flight at once (and plan slots per batch size); a further
             `lookup` waits for the oldest one's CPU share.
         graphs: replay each plan and admission as a CUDA graph (captured on the second use
@@ -197,7 +201,7 @@ class LookupEngine:
                  staging_ring: int = 4,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
-                 native_send: bool = True):
+                 native_send: bool = True, zero_copy_programs: int | None = None):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -235,6 +239,9 @@ class LookupEngine:
             self._pool = None
         self.staging_ring = max(2, staging_ring)
         self.native_send = native_send
+        if zero_copy_programs is not None and zero_copy_programs < 1:
+            raise ValueError(f"zero_copy_programs must be >= 1 (or None), got {zero_copy_programs}")
+        self.zero_copy_programs = zero_copy_programs
         self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
         self.graphs = graphs and self.on_gpu
         self.max_plan_sizes = max(1, max_plan_sizes)
@@ -414,7 +421,8 @@ class LookupEngine:
                 self.zero_copy_stream.wait_event(batch.planned)
                 # Each row goes straight to its compact row (one kernel, HBM or zero-copy host);
                 # padding (row n, past compact[:n]) reads and stores nothing.
-                move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n])
+                move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n],
+                          max_programs=self.zero_copy_programs)
                 batch.zero_copy_done = self._event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:

@@ -44,13 +44,14 @@ def as_words(raw: torch.Tensor) -> torch.Tensor | None:
     return None if words.dtype == torch.uint8 else words
 
 
-def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
+def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor,
+              max_programs: int | None = None) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]`` (raw uint8 rows) for every i whose destination is
     inside `dst`; the others (padding) store nothing, and read nothing when their source index
-    is -1. One kernel on CUDA, no host sync."""
+    is -1. One kernel on CUDA, no host sync; `max_programs` caps its grid."""
     src_words, dst_words = as_words(src), as_words(dst)
     if src_words is not None and dst_words is not None:
-        engram_gather(src_index, src_words, out=dst_words, out_index=dst_index)
+        engram_gather(src_index, src_words, out=dst_words, out_index=dst_index, max_programs=max_programs)
         return
     # Odd row sizes (no table format has them): boolean indexing, which syncs on CUDA.
     inside = (dst_index >= 0) & (dst_index < dst.shape[0])
