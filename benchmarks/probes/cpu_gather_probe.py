@@ -252,6 +252,20 @@ def main() -> None:
         return lambda: move_rows(table, ids, zc_out, zc_dst[:k])
     zc_out = torch.empty((393216, ROW), dtype=torch.uint8, device="cuda")
     zc_dst = torch.arange(393216, device="cuda")
+    side = torch.cuda.Stream()
+
+    def split_call(cpu_setup, kc):
+        """A 393216-row batch split as the engine does: `cpu_setup()`'s CPU path for kc rows,
+        the zero-copy kernel (on a side stream) for the rest, timed together."""
+        cpu = cpu_setup()
+        zc = zero_copy(393216 - kc)
+
+        def go():
+            with torch.cuda.stream(side):
+                zc()
+            cpu()
+            side.synchronize()
+        return go
 
     if "E" in parts:
         # E. Where a chunk's time goes: gather-only and DMA-only rings, then the pipeline's steps.
@@ -268,8 +282,6 @@ def main() -> None:
         # G. The staged sender (condmem.tables.staged_transfer): native (one parallel region,
         # direct cudaMemcpyAsync) by chunk size, against its torch loop; then beside zero-copy.
         from condmem.tables.staged_transfer import StagedSender
-        from condmem.tables.storage import LayerStore
-        layer = LayerStore("host", "fp8_interleaved", 256, table)
         senders = {}
 
         def staged(k, chunk, native=True, ring=4, threads=15):
@@ -279,7 +291,7 @@ def main() -> None:
             sender, ids = senders[key], fresh(k)
 
             def go():
-                sender.send(layer, ids, dev_rows[:k], copy_stream, threads=threads)
+                sender.send(store, ids, dev_rows[:k], copy_stream, threads=threads)
                 copy_stream.synchronize()
             return go
         for k in (105000, 393216):
@@ -288,23 +300,12 @@ def main() -> None:
                 record("G native send", k, median(lambda: staged(k, chunk)), chunk=chunk)
             record("G native send, 16 threads", k, median(lambda: staged(k, 65536, threads=16)), chunk=65536)
             record("G native send, ring 8", k, median(lambda: staged(k, 16384, ring=8)), chunk=16384)
-        side = torch.cuda.Stream()
         median(lambda: zero_copy(1024), reps=2)   # compile
         for f in (0.7, 0.8, 0.9):
             for chunk in (32768, 65536):
                 kc = int(393216 * f)
-
-                def both():
-                    cpu = staged(kc, chunk)
-                    zc = zero_copy(393216 - kc)
-
-                    def go():
-                        with torch.cuda.stream(side):
-                            zc()
-                        cpu()
-                        side.synchronize()
-                    return go
-                record("G split: native send + zero-copy", 393216, median(both), f=f, chunk=chunk)
+                record("G split: native send + zero-copy", 393216,
+                       median(lambda: split_call(lambda: staged(kc, chunk), kc)), f=f, chunk=chunk)
 
     if "H" in parts:
         # H. Where a native send's time goes, chunk by chunk (its host timeline): the wait for
@@ -313,8 +314,6 @@ def main() -> None:
         # from one the DMAs cause.
         from condmem.tables import native_gather
         from condmem.tables.staged_transfer import StagedSender
-        from condmem.tables.storage import LayerStore
-        layer = LayerStore("host", "fp8_interleaved", 256, table)
         clib = native_gather._load()
         stand_in = {name: ctypes.cast(getattr(clib, f"condmem_test_{name}"), ctypes.c_void_p).value
                     for name in ("skip_memcpy", "record", "sync")}
@@ -328,7 +327,7 @@ def main() -> None:
                 ids = fresh(k)
 
                 def go():
-                    sender.send(layer, ids, dev_rows[:k], copy_stream, threads=15)
+                    sender.send(store, ids, dev_rows[:k], copy_stream, threads=15)
                     copy_stream.synchronize()
                     for key, v in sender.last_timeline.items():
                         per[key].extend(v)
@@ -366,22 +365,11 @@ def main() -> None:
 
     if "D" in parts:
         # D. Both at once, as the engine splits: CPU path for f of the rows, zero-copy the rest.
-        side = torch.cuda.Stream()
         for f in (0.6, 0.7, 0.8):
             for chunk in (16384, 32768, 131072):
                 kc = int(393216 * f)
-
-                def both():
-                    cpu = cpu_path(kc, chunk)
-                    zc = zero_copy(393216 - kc)
-
-                    def go():
-                        with torch.cuda.stream(side):
-                            zc()
-                        cpu()
-                        side.synchronize()
-                    return go
-                record("D split: cpu path + zero-copy", 393216, median(both), f=f, chunk=chunk)
+                record("D split: cpu path + zero-copy", 393216,
+                       median(lambda: split_call(lambda: cpu_path(kc, chunk), kc)), f=f, chunk=chunk)
 
     if "S" in parts:
         a = torch.empty(1 << 30, dtype=torch.uint8)
