@@ -315,8 +315,7 @@ def main() -> None:
         from condmem.tables import native_gather
         from condmem.tables.staged_transfer import StagedSender
         clib = native_gather._load()
-        stand_in = {name: ctypes.cast(getattr(clib, f"condmem_test_{name}"), ctypes.c_void_p).value
-                    for name in ("skip_memcpy", "record", "sync")}
+        stand_in = native_gather.runtime_stand_ins()
         for chunk in (8192, 16384, 32768, 65536, 131072):
             sender = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=4)
             sender.record_timeline = True

@@ -24,8 +24,7 @@ def _send_on_host(table, ids, chunk_rows, ring_len, start, threads, fail_at=0, t
     events = [torch.zeros(2, dtype=torch.int64) for _ in range(ring_len)]
     stream = torch.tensor([0, fail_at], dtype=torch.int64)
     dst = torch.full((ids.numel(), row_bytes), 0xAB, dtype=torch.uint8)       # poisoned
-    fn = {name: ctypes.cast(getattr(lib, f"condmem_test_{name}"), ctypes.c_void_p).value
-          for name in ("memcpy", "record", "sync")}
+    fn = native_gather.runtime_stand_ins()
     err = lib.condmem_gather_send(
         table.data_ptr(), row_bytes, ids.data_ptr(), ids.numel(),
         (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring)),
@@ -142,9 +141,7 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch):
     from condmem.tables import staged_transfer
     from condmem.tables.staged_transfer import StagedSender
 
-    lib = native_gather._load()
-    fn = {name: ctypes.cast(getattr(lib, f"condmem_test_{name}"), ctypes.c_void_p).value
-          for name in ("memcpy", "record", "sync")}
+    fn = native_gather.runtime_stand_ins()
     runtime = SimpleNamespace(cudaGetErrorString=lambda code: f"stand-in error {code}".encode())
     monkeypatch.setattr(staged_transfer, "cuda_runtime_calls", lambda: (runtime, fn["memcpy"], fn["record"], fn["sync"]))
     sender = object.__new__(StagedSender)          # no CUDA here: the fields __init__ would set
@@ -159,9 +156,11 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch):
     ids = torch.randint(0, 300, (23,), generator=gen)
     counters = torch.zeros(2, dtype=torch.int64)
     dst = torch.full((23, 264), 0xAB, dtype=torch.uint8)
-    sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=1)
+    sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=1,
+                         n_chunks=5)
     assert torch.equal(dst, table.index_select(0, ids))
     assert len(sender.last_timeline["gather"]) == 5
     counters[:] = torch.tensor([0, 2])              # the second send fails
     with pytest.raises(RuntimeError, match=r"staged send of 23 rows failed: CUDA error 7 \(stand-in error 7\)"):
-        sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=0)
+        sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=0,
+                             n_chunks=5)

@@ -55,6 +55,7 @@ from condmem.bench.lookup_setup import (
 )
 from condmem.tables.lookup import LookupEngine
 from condmem.tables.row_cache import RowCache
+from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS
 from condmem.tables.storage import LayerStore
 from condmem.utils.plotting import pyplot
 
@@ -229,7 +230,7 @@ def run_lookup(args) -> list[dict]:
                                for _ in range(8)]
                     for fraction in (0.6, 1.0):
                         for threads in args.cpu_threads or [None]:
-                            for chunk in args.staging_chunk_rows or [65536]:
+                            for chunk in args.staging_chunk_rows or [STAGING_CHUNK_ROWS]:
                                 trace = (Path(args.out) / f"lookup_trace_uniform_{fraction:.1f}_{threads}_{chunk}.json"
                                          if args.trace else None)
                                 rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
@@ -389,8 +390,9 @@ def add_arguments(p) -> None:
                    help="threads of the CPU gather (default: one fewer than the cores torch uses); several "
                         "values: the pipeline diagnostic compares them, lookups use the first")
     p.add_argument("--staging-chunk-rows", type=int, nargs="+", default=None,
-                   help="rows per pinned staging chunk of the CPU share (default: the engine's, 65536); several "
-                        "values: the pipeline diagnostic compares them, lookups use the first")
+                   help=f"rows per pinned staging chunk of the CPU share (default: the engine's, "
+                        f"{STAGING_CHUNK_ROWS}); several values: the pipeline diagnostic compares them, lookups "
+                        "use the first")
     p.add_argument("--trace", action="store_true",
                    help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline; "
                         "with --diagnostics plan: log each step's kernels by device time")

@@ -62,7 +62,7 @@ from condmem.tables.lookup_plan import (
     plan_bucket,
 )
 from condmem.tables.row_cache import RowCache, row_words
-from condmem.tables.staged_transfer import StagedSender
+from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS, StagedSender
 from condmem.tables.storage import LayerStore, StorageError
 
 log = logging.getLogger("condmem.tables")
@@ -169,8 +169,7 @@ class LookupEngine:
             milliseconds of launches and syncs stretched to ~5 ms per lookup).
         staging_chunk_rows: rows per pinned staging chunk: the CPU share is gathered and
             sent chunk by chunk (each chunk's DMA overlaps the next one's gather; see
-            `staged_transfer`). Measured on the H200 (native send, 393K uniform rows):
-            8192 rows 6.1 ms, 32768 4.0 ms, 65536 3.0 ms, 131072 3.8 ms.
+            `staged_transfer.STAGING_CHUNK_ROWS` for the default and its measurements).
         staging_ring: staging chunks in the ring (default 4 x 65536 rows of 264 B = 66 MiB pinned).
         native_send: gather and send the CPU share in one native call when a C compiler and
             the CUDA runtime library are found (False: a Python loop per chunk; H200, 393K
@@ -197,8 +196,8 @@ class LookupEngine:
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
-                 cpu_fraction: float = 0.5, cpu_threads: int | None = None, staging_chunk_rows: int = 65536,
-                 staging_ring: int = 4,
+                 cpu_fraction: float = 0.5, cpu_threads: int | None = None,
+                 staging_chunk_rows: int = STAGING_CHUNK_ROWS, staging_ring: int = 4,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
                  native_send: bool = True, zero_copy_programs: int | None = None):

@@ -186,6 +186,17 @@ def _load():
         return lib
 
 
+def runtime_stand_ins() -> dict[str, int]:
+    """Addresses of the host stand-ins for the CUDA runtime calls of `condmem_gather_send`
+    (``memcpy``, ``skip_memcpy``, ``record``, ``sync``: see the C source), for tests and probes
+    that run the staged send without a GPU or without its copies."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native gather is unavailable (no C compiler?)")
+    return {name: ctypes.cast(getattr(lib, f"condmem_test_{name}"), ctypes.c_void_p).value
+            for name in ("memcpy", "skip_memcpy", "record", "sync")}
+
+
 def available() -> bool:
     """True when the native gather compiled and loaded."""
     return _load() is not None

@@ -31,6 +31,10 @@ from condmem.tables.storage import LayerStore
 
 log = logging.getLogger("condmem.tables")
 
+STAGING_CHUNK_ROWS = 65536
+"""Default rows per staging chunk (H200, 393K uniform rows: 8192 6.1 ms, 32768 4.0 ms, 65536
+3.0 ms, 131072 3.8 ms; `benchmarks/lookup_notes.md`, session 6)."""
+
 _runtime_lock = threading.Lock()
 _runtime: tuple | None = None
 _runtime_tried = False
@@ -96,13 +100,13 @@ class StagedSender:
         native: use the native path when available (False: the torch loop, e.g. to compare).
 
     Example:
-        >>> sender = StagedSender(264, "cuda", chunk_rows=32768)
+        >>> sender = StagedSender(264, "cuda")
         >>> sender.send(store, ids_on_host, rows_on_gpu, copy_stream, threads=15)
         >>> done = torch.cuda.Event(); done.record(copy_stream)   # rows are there after it
     """
 
-    def __init__(self, row_bytes: int, device: str | torch.device, chunk_rows: int = 32768, ring: int = 4,
-                 native: bool = True):
+    def __init__(self, row_bytes: int, device: str | torch.device, chunk_rows: int = STAGING_CHUNK_ROWS,
+                 ring: int = 4, native: bool = True):
         if chunk_rows < 1 or ring < 2:
             raise ValueError(f"StagedSender needs chunk_rows >= 1 and ring >= 2, got {chunk_rows}, {ring}")
         self.row_bytes = row_bytes
@@ -149,14 +153,13 @@ class StagedSender:
         start, self._next = self._next, (self._next + n_chunks) % len(self.buffers)
         with torch.cuda.device(self.device):   # the runtime calls act on the current device
             if self.uses_native(store):
-                self._send_native(store, ids, dst, stream, threads, start)
+                self._send_native(store, ids, dst, stream, threads, start, n_chunks)
             else:
                 self._send_torch(store, ids, dst, stream, threads, start)
 
-    def _send_native(self, store, ids, dst, stream, threads, start) -> None:
+    def _send_native(self, store, ids, dst, stream, threads, start, n_chunks) -> None:
         runtime, memcpy_async, record, sync = cuda_runtime_calls()
         lib = native_gather._load()
-        n_chunks = -(-ids.numel() // self.chunk_rows)
         timeline = torch.zeros(1 + 3 * n_chunks, dtype=torch.int64) if self.record_timeline else None
         err = lib.condmem_gather_send(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), ids.numel(),
                                       self._ring_ptrs, self._event_ptrs, len(self.buffers), start,
