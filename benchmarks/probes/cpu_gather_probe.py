@@ -307,6 +307,54 @@ def main() -> None:
                 record("G split: native send + zero-copy", 393216,
                        median(lambda: split_call(lambda: staged(kc, chunk), kc)), f=f, chunk=chunk)
 
+    if "I" in parts:
+        # I. The streaming send (no team barriers: threads take 64-row pieces in order, a chunk
+        # is sent as soon as it is whole), its chunks ramped from 4096 rows up to the chunk size
+        # and back (`chunk_bounds`) or all of the chunk size ("fixed"), against the barrier send
+        # at its best chunk size (65536); per-chunk times; beside zero-copy.
+        from condmem.tables.staged_transfer import StagedSender
+        senders = {}
+
+        def sender_for(chunk, ring, streaming, ramp):
+            key = (chunk, ring, streaming, ramp)
+            if key not in senders:
+                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring, streaming=streaming,
+                                            **({} if ramp else {"tail_rows": chunk}))
+            return senders[key]
+
+        def streamed(k, chunk, ring=4, streaming=True, ramp=True, threads=15, per=None):
+            sender, ids = sender_for(chunk, ring, streaming, ramp), fresh(k)
+            sender.record_timeline = per is not None
+
+            def go():
+                sender.send(store, ids, dev_rows[:k], copy_stream, threads=threads)
+                copy_stream.synchronize()
+                if per is not None:
+                    for key, v in sender.last_timeline.items():
+                        per.setdefault(key, []).extend(v)
+            return go
+        for _ in range(2):    # twice: the spread between rounds is the noise
+            for k in (105000, 393216):
+                record("I barrier send", k, median(lambda: streamed(k, 65536, streaming=False)), chunk=65536)
+                for chunk in (8192, 65536):
+                    record("I streaming send, fixed", k, median(lambda: streamed(k, chunk, ramp=False)), chunk=chunk)
+                for chunk in (16384, 32768, 65536, 131072):
+                    record("I streaming send, ramped", k, median(lambda: streamed(k, chunk)), chunk=chunk)
+                record("I streaming send, ramped, 16 threads", k, median(lambda: streamed(k, 65536, threads=16)),
+                       chunk=65536)
+        for chunk in (8192, 65536):
+            per = {}
+            sec = median(lambda: streamed(393216, chunk, ramp=False, per=per))
+            record("I streaming send, fixed, per chunk (us)", 393216, sec, chunk=chunk,
+                   **{f"{key} us": round(sum(v) / len(v), 1) for key, v in per.items()})
+        median(lambda: zero_copy(1024), reps=2)   # compile
+        for f in (0.8, 0.9):
+            kc = int(393216 * f)
+            record("I split: barrier send + zero-copy", 393216,
+                   median(lambda: split_call(lambda: streamed(kc, 65536, streaming=False), kc)), f=f, chunk=65536)
+            record("I split: streaming send (ramped) + zero-copy", 393216,
+                   median(lambda: split_call(lambda: streamed(kc, 65536), kc)), f=f, chunk=65536)
+
     if "H" in parts:
         # H. Where a native send's time goes, chunk by chunk (its host timeline): the wait for
         # the chunk's ring buffer (its last DMA), the gather, the launch; and the same gather
@@ -317,7 +365,7 @@ def main() -> None:
         clib = native_gather._load()
         stand_in = native_gather.runtime_stand_ins()
         for chunk in (8192, 16384, 32768, 65536, 131072):
-            sender = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=4)
+            sender = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=4, streaming=False)
             sender.record_timeline = True
             k = 393216
             per = {"wait": [], "gather": [], "launch": []}

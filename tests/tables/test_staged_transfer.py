@@ -6,6 +6,7 @@ CUDA runtime calls; on a GPU, `StagedSender` is checked against a plain gather, 
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import pytest
 import torch
@@ -68,15 +69,16 @@ def test_a_failed_send_stops_the_rest_and_returns_its_code():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("mode", ["streaming", "barrier", "torch"])
 @pytest.mark.parametrize("n", [1, 1000, 70001])
-def test_gpu_staged_send_equals_a_plain_gather(native, n):
+def test_gpu_staged_send_equals_a_plain_gather(mode, n):
     from condmem.tables.staged_transfer import StagedSender
 
     gen = torch.Generator().manual_seed(n)
     table = torch.randint(0, 256, (100_000, 264), dtype=torch.uint8, generator=gen).pin_memory()
     store = LayerStore("host", "fp8_interleaved", 256, table)
-    sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3, native=native)
+    native = mode != "torch"
+    sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3, native=native, streaming=mode == "streaming")
     if native and not sender.native:
         pytest.skip("native staged send unavailable here")
     stream = torch.cuda.Stream()
@@ -133,7 +135,8 @@ def test_the_cuda_runtime_picked_is_torchs_own():
 
 
 @needs_native
-def test_native_send_plumbing_on_the_cpu(monkeypatch):
+@pytest.mark.parametrize("streaming", [True, False])
+def test_native_send_plumbing_on_the_cpu(monkeypatch, streaming):
     """`StagedSender._send_native` end to end with the host stand-ins in place of the CUDA
     runtime (the ring, the timeline, the error message), so CI covers its argument list."""
     from types import SimpleNamespace
@@ -143,11 +146,13 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch):
 
     fn = native_gather.runtime_stand_ins()
     runtime = SimpleNamespace(cudaGetErrorString=lambda code: f"stand-in error {code}".encode())
-    monkeypatch.setattr(staged_transfer, "cuda_runtime_calls", lambda: (runtime, fn["memcpy"], fn["record"], fn["sync"]))
+    monkeypatch.setattr(staged_transfer, "cuda_runtime_calls",
+                        lambda: (runtime, fn["memcpy"], fn["record"], fn["sync"], fn["query"]))
     sender = object.__new__(StagedSender)          # no CUDA here: the fields __init__ would set
     sender.row_bytes, sender.chunk_rows, sender.record_timeline, sender.last_timeline = 264, 5, True, None
+    sender.streaming = streaming
     sender.buffers = [torch.zeros((5, 264), dtype=torch.uint8) for _ in range(3)]
-    events = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+    events = [torch.zeros(7, dtype=torch.int64) for _ in range(3)]
     sender._ring_ptrs = (ctypes.c_void_p * 3)(*(b.data_ptr() for b in sender.buffers))
     sender._event_ptrs = (ctypes.c_void_p * 3)(*(e.data_ptr() for e in events))
     gen = torch.Generator().manual_seed(5)
@@ -156,11 +161,147 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch):
     ids = torch.randint(0, 300, (23,), generator=gen)
     counters = torch.zeros(2, dtype=torch.int64)
     dst = torch.full((23, 264), 0xAB, dtype=torch.uint8)
+    bounds = [0, 5, 10, 15, 20, 23] if streaming else None
     sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=1,
-                         n_chunks=5)
+                        n_chunks=5, bounds=bounds)
     assert torch.equal(dst, table.index_select(0, ids))
-    assert len(sender.last_timeline["gather"]) == 5
+    assert len(sender.last_timeline["launch"]) == 5
     counters[:] = torch.tensor([0, 2])              # the second send fails
     with pytest.raises(RuntimeError, match=r"staged send of 23 rows failed: CUDA error 7 \(stand-in error 7\)"):
         sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=0,
-                             n_chunks=5)
+                            n_chunks=5, bounds=bounds)
+
+
+def _stream_on_host(table, ids, chunk_rows, ring_len, start, threads, delay=0, fail_at=0, timeline=None,
+                    routine="condmem_gather_stream", bounds=None):
+    """Run a native send with stand-ins that model asynchronous copies (each chunk's copy is
+    carried out only when a query first reports its event done, after `delay` "not ready"
+    answers), then finish the copies still queued; (dst, return code, sends, event counters).
+    The streaming routine sends chunks of `bounds` (default: `chunk_rows` each)."""
+    lib = native_gather._load()
+    row_bytes, n = table.shape[1], ids.numel()
+    ring = [torch.full((chunk_rows, row_bytes), 0xCD, dtype=torch.uint8) for _ in range(ring_len)]
+    events = [torch.tensor([0, 0, 0, 0, 0, 0, delay], dtype=torch.int64) for _ in range(ring_len)]
+    stream = torch.tensor([0, fail_at, 0, 0, 0], dtype=torch.int64)
+    dst = torch.full((n, row_bytes), 0xAB, dtype=torch.uint8)       # poisoned
+    fn = native_gather.runtime_stand_ins()
+    ring_ptrs = (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring))
+    event_ptrs = (ctypes.c_void_p * ring_len)(*(e.data_ptr() for e in events))
+    stamps = None if timeline is None else timeline.data_ptr()
+    if routine == "condmem_gather_stream":
+        bounds = torch.tensor(bounds or [*range(0, n, chunk_rows), n], dtype=torch.int64)
+        err = lib.condmem_gather_stream(table.data_ptr(), row_bytes, ids.data_ptr(), ring_ptrs, event_ptrs, ring_len,
+                                        start, bounds.data_ptr(), bounds.numel() - 1, dst.data_ptr(), stream.data_ptr(),
+                                        fn["deferred_memcpy"], fn["deferred_record"], fn["query"], threads, stamps)
+    else:
+        err = lib.condmem_gather_send(table.data_ptr(), row_bytes, ids.data_ptr(), n, ring_ptrs, event_ptrs, ring_len,
+                                      start, chunk_rows, dst.data_ptr(), stream.data_ptr(), fn["deferred_memcpy"],
+                                      fn["deferred_record"], fn["sync"], threads, stamps)
+    for e in events:                      # the copies still in flight when the call returned
+        e[2] = 0
+        lib.condmem_test_query(ctypes.c_void_p(e.data_ptr()))
+    return dst, err, int(stream[0]), torch.stack(events)
+
+
+@needs_native
+@pytest.mark.parametrize("n, max_rows", [(9000, 100), (5000, 64), (333, 7)])
+def test_streaming_send_with_ramped_chunks_lands_every_row(n, max_rows):
+    from condmem.tables.staged_transfer import chunk_bounds
+
+    gen = torch.Generator().manual_seed(n)
+    table = torch.randint(0, 256, (997, 264), dtype=torch.uint8, generator=gen)
+    ids = torch.randint(0, 997, (n,), generator=gen)
+    bounds = chunk_bounds(n, max_rows, min_rows=8)
+    dst, err, sends, _ = _stream_on_host(table, ids, max_rows, 3, 1, 5, delay=2, bounds=bounds)
+    assert err == 0 and sends == len(bounds) - 1
+    assert torch.equal(dst, table.index_select(0, ids))
+
+
+def test_chunk_bounds_ramp_up_and_down_and_cover_every_row():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from condmem.tables.staged_transfer import chunk_bounds
+
+    assert chunk_bounds(105000, 65536, 4096) == [0, 4096, 12288, 28672, 52500, 76328, 92712, 100904, 105000]
+    assert chunk_bounds(0, 65536) == [0]
+
+    @settings(max_examples=300, deadline=None)
+    @given(n=st.integers(1, 600_000), max_rows=st.integers(1, 70_000), min_rows=st.integers(1, 5000))
+    def check(n, max_rows, min_rows):
+        bounds = chunk_bounds(n, max_rows, min_rows)
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]
+        assert bounds[0] == 0 and bounds[-1] == n
+        assert all(0 < size <= max_rows for size in sizes)
+        if n >= 2 * min_rows and min_rows <= max_rows:
+            assert sizes[0] <= min_rows and sizes[-1] <= min_rows   # short first and last DMAs
+        if n >= 64 * max_rows:
+            assert sum(size for size in sizes if 2 * size >= max_rows) >= 0.9 * n   # mostly big chunks
+    check()
+
+
+@needs_native
+@pytest.mark.parametrize("n, chunk_rows, ring_len, start, threads, delay",
+                         [(23, 5, 3, 2, 4, 0), (40, 8, 2, 0, 1, 3), (7, 64, 4, 3, 3, 1), (1, 1, 2, 1, 2, 2),
+                          (4096, 100, 4, 1, 4, 5), (5000, 64, 2, 1, 6, 50), (3001, 1000, 3, 0, 8, 0)])
+def test_streaming_send_lands_every_row_and_reuses_a_buffer_only_once_its_copy_is_done(
+        n, chunk_rows, ring_len, start, threads, delay):
+    gen = torch.Generator().manual_seed(n + delay)
+    table = torch.randint(0, 256, (997, 264), dtype=torch.uint8, generator=gen)
+    ids = torch.randint(0, 997, (n,), generator=gen)
+    dst, err, sends, events = _stream_on_host(table, ids, chunk_rows, ring_len, start, threads, delay)
+    assert err == 0
+    assert torch.equal(dst, table.index_select(0, ids))
+    n_chunks = -(-n // chunk_rows)
+    assert sends == n_chunks
+    expected = torch.zeros(ring_len, dtype=torch.int64)
+    for c in range(n_chunks):
+        expected[(start + c) % ring_len] += 1
+    assert torch.equal(events[:, 0], expected)                # one record per chunk, on its buffer
+
+
+@needs_native
+def test_the_deferred_stand_ins_catch_a_buffer_rewritten_too_early():
+    """Negative control for the test above: the barrier routine with a wait that does not carry
+    out the deferred copies (so a buffer is rewritten while its copy is pending) fails it."""
+    gen = torch.Generator().manual_seed(11)
+    table = torch.randint(0, 256, (997, 264), dtype=torch.uint8, generator=gen)
+    ids = torch.randint(0, 997, (400,), generator=gen)
+    dst, err, _, _ = _stream_on_host(table, ids, 16, 2, 0, 4, routine="condmem_gather_send")
+    assert err == 0
+    assert not torch.equal(dst, table.index_select(0, ids))
+
+
+@needs_native
+def test_a_failed_streaming_send_stops_the_rest_and_returns_its_code():
+    gen = torch.Generator().manual_seed(2)
+    table = torch.randint(0, 256, (500, 264), dtype=torch.uint8, generator=gen)
+    ids = torch.randint(0, 500, (50,), generator=gen)
+    dst, err, sends, events = _stream_on_host(table, ids, chunk_rows=10, ring_len=3, start=0, threads=4, delay=2,
+                                              fail_at=3)
+    assert err == 7
+    assert sends == 3                                            # nothing sent after the failure
+    assert torch.equal(dst[:20], table.index_select(0, ids[:20]))  # chunks 0-1 landed
+    assert (dst[20:] == 0xAB).all()                               # the failed chunk and later: untouched
+    assert int(events[:, 0].sum()) == 2                           # no record after the failed send
+
+
+@needs_native
+def test_the_streaming_timeline_has_every_chunk_in_order():
+    from condmem.tables.staged_transfer import stream_chunk_times
+
+    gen = torch.Generator().manual_seed(4)
+    table = torch.randint(0, 256, (2000, 264), dtype=torch.uint8, generator=gen)
+    ids = torch.randint(0, 2000, (1000,), generator=gen)
+    n_chunks = 1000 // 64 + 1
+    timeline = torch.full((1 + 3 * n_chunks,), -1, dtype=torch.int64)
+    dst, err, sends, _ = _stream_on_host(table, ids, chunk_rows=64, ring_len=3, start=0, threads=3, delay=1,
+                                         timeline=timeline)
+    assert err == 0 and sends == n_chunks
+    assert torch.equal(dst, table.index_select(0, ids))
+    writable, whole, queued = timeline[1::3], timeline[2::3], timeline[3::3]
+    assert bool((writable >= timeline[0]).all()) and bool((writable <= whole).all()) and bool((whole <= queued).all())
+    assert bool((whole[1:] >= queued[:-1]).all())                # chunks are queued in order
+    times = stream_chunk_times(timeline)
+    assert {k: len(v) for k, v in times.items()} == {"interval": n_chunks, "launch": n_chunks, "late": n_chunks}
+    assert min(min(v) for v in times.values()) >= 0

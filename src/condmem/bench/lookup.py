@@ -119,31 +119,39 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
 def parse_variant(text: str) -> dict:
     """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
     in flight (`max_in_flight`, default 2), flags ``+pysend`` (`native_send=False`: the CPU
-    share sent by a Python loop per chunk), ``+cN`` (N rows per staging chunk), ``+zN`` (the
-    zero-copy kernel's grid capped at N programs), and ``/torch`` or ``/triton`` for the cache's
-    probe and admission (default: Triton on CUDA), e.g. ``graphs@3+c16384+z64/torch``."""
-    usage = "graphs|eager[@in_flight][+pysend][+cROWS][+zPROGRAMS][/torch|/triton]"
+    share sent by a Python loop per chunk), ``+barrier`` (`streaming_send=False`: the native
+    send with a team barrier per chunk), ``+cN`` (N rows per staging chunk), ``+rN`` (N chunks
+    in the staging ring), ``+zN`` (the zero-copy kernel's grid capped at N programs), and
+    ``/torch`` or ``/triton`` for the cache's probe and admission (default: Triton on CUDA),
+    e.g. ``graphs@3+c16384+r8+z64/torch``."""
+    usage = "graphs|eager[@in_flight][+pysend][+barrier][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
     chunks = [f[1:] for f in flags if f.startswith("c")]
     programs = [f[1:] for f in flags if f.startswith("z")]
+    rings = [f[1:] for f in flags if f.startswith("r")]
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f != "pysend" and not (f[:1] in ("c", "z") and f[1:].isdigit() and int(f[1:]) > 0)
-                   for f in flags)
-            or len(chunks) > 1 or len(programs) > 1):
+            or any(f not in ("pysend", "barrier") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
+                                                          and int(f[1:]) > 0) for f in flags)
+            or len(chunks) > 1 or len(programs) > 1 or len(rings) > 1 or (rings and int(rings[0]) < 2)):
         raise SystemExit(f"--engines: {text!r} is not {usage}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
+            "streaming_send": "barrier" not in flags,
             "staging_chunk_rows": int(chunks[0]) if chunks else None,
+            "staging_ring": int(rings[0]) if rings else None,
             "zero_copy_programs": int(programs[0]) if programs else None}
 
 
 def staging_chunk_option(variant: dict, args) -> dict:
-    """The engine's `staging_chunk_rows` for a variant: its ``+cN``, else ``--staging-chunk-rows``'
-    first value, else the engine's default."""
+    """The engine's staging options for a variant: `staging_chunk_rows` from its ``+cN``, else
+    ``--staging-chunk-rows``' first value, else the engine's default; `staging_ring` from its ``+rN``."""
     rows = variant["staging_chunk_rows"] or (args.staging_chunk_rows or [None])[0]
-    return {} if rows is None else {"staging_chunk_rows": rows}
+    options = {} if rows is None else {"staging_chunk_rows": rows}
+    if variant.get("staging_ring"):
+        options["staging_ring"] = variant["staging_ring"]
+    return options
 
 
 def run_lookup(args) -> list[dict]:
@@ -256,6 +264,7 @@ def run_lookup(args) -> list[dict]:
                                       cpu_threads=(args.cpu_threads or [None])[0],
                                       graphs=variant["graphs"], max_in_flight=variant["max_in_flight"],
                                       native_send=variant["native_send"],
+                                      streaming_send=variant["streaming_send"],
                                       zero_copy_programs=variant["zero_copy_programs"],
                                       **staging_chunk_option(variant, args))
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:

@@ -33,6 +33,16 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <stdlib.h>
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() do { } while (0)
+#endif
 
 /* Row i of dst <- row ids[i] of src. The row PF ahead is prefetched (into every cache level:
    measured on the H200's host, hint T0 beat NTA by ~10%). */
@@ -110,6 +120,108 @@ int condmem_gather_send(const uint8_t *src, int64_t row_bytes, const int64_t *id
     return err;
 }
 
+/* The same send without team barriers, in chunks of any sizes: chunk c is rows
+   [bounds[c], bounds[c+1]) (each at most a ring buffer). Threads take pieces of up to PIECE
+   rows in order from one shared counter and gather them into the ring; the calling thread
+   (thread 0) queues a chunk's memcpy_async as soon as every piece of it is in, and marks a
+   ring buffer writable again once `query` says its last send is done (it polls: nothing
+   blocks it). While it has nothing to queue or free it gathers pieces too, but only of chunks
+   already writable, since it is the one that frees the rest. No thread waits for the slowest
+   piece of a chunk, so chunks cost little each, and a send can end in small chunks (a short
+   last DMA after the last row is gathered).
+
+   `query` returns 0 (done), NOT_READY (cudaErrorNotReady) or an error code. Ring use and the
+   result as in condmem_gather_send; `timeline` stamps per chunk: when its buffer became
+   writable, when its last piece was in (as the sender saw it), when its send was queued. */
+typedef int (*event_query_fn)(void *event);
+#define NOT_READY 600
+#define PIECE 64
+
+static inline void gather_piece(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t s, int64_t e,
+                                uint8_t *dst) {
+    for (int64_t i = s; i < e && i < s + PF; i++) {       /* the first rows: nobody prefetched them */
+        const uint8_t *row = src + ids[i] * row_bytes;
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+    }
+    for (int64_t i = s; i < e; i++) copy_row(src, row_bytes, ids, i, e, dst + (i - s) * row_bytes);
+}
+
+int condmem_gather_stream(const uint8_t *src, int64_t row_bytes, const int64_t *ids,
+                          uint8_t *const *ring, void *const *ring_events, int ring_len, int ring_start,
+                          const int64_t *bounds, int64_t n_chunks, uint8_t *dst, void *stream,
+                          memcpy_async_fn memcpy_async, event_record_fn record, event_query_fn query,
+                          int nthreads, int64_t *timeline) {
+    if (n_chunks <= 0) return 0;
+    int64_t n_pieces = 0;
+    for (int64_t c = 0; c < n_chunks; c++) n_pieces += (bounds[c + 1] - bounds[c] + PIECE - 1) / PIECE;
+    /* rows in, per chunk; then each piece's first row and chunk */
+    int64_t *done = (int64_t *)calloc((size_t)(n_chunks + 2 * n_pieces + 1), sizeof(int64_t));
+    if (!done) return 2;                                                     /* cudaErrorMemoryAllocation */
+    int64_t *piece_start = done + n_chunks, *piece_chunk = piece_start + n_pieces;
+    for (int64_t c = 0, k = 0; c < n_chunks; c++)
+        for (int64_t r = bounds[c]; r < bounds[c + 1]; r += PIECE, k++) { piece_start[k] = r; piece_chunk[k] = c; }
+    int64_t next_piece = 0, writable = 0;  /* pieces handed out; chunks [0, writable) may be written */
+    int err = 0;
+    if (timeline) timeline[0] = now_ns();
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int sender = omp_get_thread_num() == 0;
+        int64_t launched = 0, freed = 0;   /* the sender's own counters */
+        for (;;) {
+            int64_t k;
+            if (sender) {
+                int progress = 0;
+                if (freed < n_chunks && (freed < ring_len || freed - ring_len < launched)) {
+                    int q = query(ring_events[(ring_start + freed) % ring_len]);
+                    if (q == 0) {
+                        if (timeline) timeline[1 + 3 * freed] = now_ns();
+                        __atomic_store_n(&writable, ++freed, __ATOMIC_RELEASE);
+                        progress = 1;
+                    } else if (q != NOT_READY) {
+                        __atomic_store_n(&err, q, __ATOMIC_RELEASE);
+                    }
+                }
+                if (launched < n_chunks) {
+                    int64_t rows = bounds[launched + 1] - bounds[launched];
+                    if (__atomic_load_n(&done[launched], __ATOMIC_ACQUIRE) == rows) {
+                        int b = (int)((ring_start + launched) % ring_len);
+                        if (timeline) timeline[2 + 3 * launched] = now_ns();
+                        int e = memcpy_async(dst + bounds[launched] * row_bytes, ring[b], (size_t)(rows * row_bytes),
+                                             1, stream);
+                        if (!e) e = record(ring_events[b], stream);
+                        if (e) __atomic_store_n(&err, e, __ATOMIC_RELEASE);
+                        if (timeline) timeline[3 + 3 * launched] = now_ns();
+                        launched++;
+                        progress = 1;
+                    }
+                }
+                if (launched == n_chunks || __atomic_load_n(&err, __ATOMIC_ACQUIRE)) break;
+                if (progress) continue;
+                /* Idle: gather one piece, if the next one is in a writable chunk (CAS: take it only then). */
+                k = __atomic_load_n(&next_piece, __ATOMIC_RELAXED);
+                if (!(k < n_pieces && piece_chunk[k] < __atomic_load_n(&writable, __ATOMIC_ACQUIRE) &&
+                      __atomic_compare_exchange_n(&next_piece, &k, k + 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))) {
+                    cpu_relax();
+                    continue;
+                }
+            } else {
+                k = __atomic_fetch_add(&next_piece, 1, __ATOMIC_RELAXED);
+                if (k >= n_pieces) break;
+                while (__atomic_load_n(&writable, __ATOMIC_ACQUIRE) <= piece_chunk[k] &&
+                       !__atomic_load_n(&err, __ATOMIC_ACQUIRE))
+                    cpu_relax();
+                if (__atomic_load_n(&err, __ATOMIC_ACQUIRE)) break;
+            }
+            int64_t c = piece_chunk[k], s = piece_start[k], e = s + PIECE;
+            if (e > bounds[c + 1]) e = bounds[c + 1];
+            gather_piece(src, row_bytes, ids, s, e, ring[(ring_start + c) % ring_len] + (s - bounds[c]) * row_bytes);
+            __atomic_fetch_add(&done[c], e - s, __ATOMIC_RELEASE);
+        }
+    }
+    free(done);
+    return err;
+}
+
 /* Host stand-ins for the runtime calls (tests). `stream` and events point to int64 counters:
    stream[0] counts sends and the send numbered stream[1] (when > 0) fails with code 7;
    event[0] counts records, event[1] waits. */
@@ -126,6 +238,33 @@ int condmem_test_skip_memcpy(void *dst, const void *src, size_t bytes, int kind,
 }
 int condmem_test_record(void *event, void *stream) { (void)stream; ((int64_t *)event)[0]++; return 0; }
 int condmem_test_sync(void *event) { ((int64_t *)event)[1]++; return 0; }
+/* Stand-ins that model an asynchronous copy (tests of the ring's reuse): the copy queued by
+   deferred_memcpy is attached to the event the next deferred_record records, and is carried
+   out only when `query` first reports that event done, after event[6] "not ready" answers. A
+   send that rewrote a ring buffer before its query said done would deliver the wrong rows.
+   stream: int64 [sends, fail_at, dst, src, bytes]; event: int64 [records, queries,
+   not-ready left, dst, src, bytes, delay]. */
+int condmem_test_deferred_memcpy(void *dst, const void *src, size_t bytes, int kind, void *stream) {
+    int64_t *s = (int64_t *)stream;
+    s[0]++;
+    if (s[1] > 0 && s[0] == s[1]) return 7;
+    s[2] = (int64_t)(intptr_t)dst; s[3] = (int64_t)(intptr_t)src; s[4] = (int64_t)bytes;
+    return kind == 1 ? 0 : 9;
+}
+int condmem_test_deferred_record(void *event, void *stream) {
+    int64_t *e = (int64_t *)event, *s = (int64_t *)stream;
+    e[0]++;
+    e[3] = s[2]; e[4] = s[3]; e[5] = s[4]; e[2] = e[6];
+    s[4] = 0;
+    return 0;
+}
+int condmem_test_query(void *event) {
+    int64_t *e = (int64_t *)event;
+    e[1]++;
+    if (e[2] > 0) { e[2]--; return NOT_READY; }
+    if (e[5] > 0) { memcpy((void *)(intptr_t)e[3], (const void *)(intptr_t)e[4], (size_t)e[5]); e[5] = 0; }
+    return 0;
+}
 """.replace("PF", str(PREFETCH_DISTANCE))
 
 _lock = threading.Lock()
@@ -182,19 +321,27 @@ def _load():
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,      # memcpy, record, sync, threads
             ctypes.c_void_p]                                                      # timeline (or None)
         lib.condmem_gather_send.restype = ctypes.c_int
+        lib.condmem_gather_stream.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,                     # src, row_bytes, ids
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,        # ring, events, ring_len, start
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,   # bounds, n_chunks, dst, stream
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,      # memcpy, record, query, threads
+            ctypes.c_void_p]                                                      # timeline (or None)
+        lib.condmem_gather_stream.restype = ctypes.c_int
         _lib = lib
         return lib
 
 
 def runtime_stand_ins() -> dict[str, int]:
-    """Addresses of the host stand-ins for the CUDA runtime calls of `condmem_gather_send`
-    (``memcpy``, ``skip_memcpy``, ``record``, ``sync``: see the C source), for tests and probes
+    """Addresses of the host stand-ins for the CUDA runtime calls of `condmem_gather_send` and
+    `condmem_gather_stream` (``memcpy``, ``skip_memcpy``, ``record``, ``sync``, ``query``,
+    ``deferred_memcpy``, ``deferred_record``: see the C source), for tests and probes
     that run the staged send without a GPU or without its copies."""
     lib = _load()
     if lib is None:
         raise RuntimeError("the native gather is unavailable (no C compiler?)")
     return {name: ctypes.cast(getattr(lib, f"condmem_test_{name}"), ctypes.c_void_p).value
-            for name in ("memcpy", "skip_memcpy", "record", "sync")}
+            for name in ("memcpy", "skip_memcpy", "record", "sync", "query", "deferred_memcpy", "deferred_record")}
 
 
 def available() -> bool:

@@ -35,6 +35,11 @@ STAGING_CHUNK_ROWS = 65536
 """Default rows per staging chunk (H200, 393K uniform rows: 8192 6.1 ms, 32768 4.0 ms, 65536
 3.0 ms, 131072 3.8 ms; `benchmarks/lookup_notes.md`, session 6)."""
 
+TAIL_CHUNK_ROWS = 4096
+"""Rows of a streaming send's first and last chunks (`chunk_bounds`): the first DMA starts
+after ~30 us of gather, and the last row gathered is followed by a ~20 us DMA, not by the
+~0.3 ms of a full 65536-row chunk."""
+
 _runtime_lock = threading.Lock()
 _runtime: tuple | None = None
 _runtime_tried = False
@@ -49,8 +54,9 @@ def pick_cuda_runtime(maps: str, cuda_version: str | None) -> str | None:
 
 
 def cuda_runtime_calls() -> tuple | None:
-    """(library, cudaMemcpyAsync, cudaEventRecord, cudaEventSynchronize addresses) of the CUDA
-    runtime this process already loaded (torch's), or None where it cannot be found.
+    """(library, cudaMemcpyAsync, cudaEventRecord, cudaEventSynchronize, cudaEventQuery
+    addresses) of the CUDA runtime this process already loaded (torch's), or None where it
+    cannot be found.
 
     The library is found in ``/proc/self/maps`` (Linux), so it is the very copy torch uses:
     same context, same streams and events."""
@@ -74,19 +80,63 @@ def cuda_runtime_calls() -> tuple | None:
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         _runtime = (lib, *(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                           for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventSynchronize")))
+                           for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventSynchronize",
+                                        "cudaEventQuery")))
         return _runtime
 
 
 def chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
-    """Per-chunk host times in microseconds from a native send's timeline: `wait` (until the
-    chunk's ring buffer was free, i.e. its previous send had finished, and the threads were
-    past the barrier), `gather`, `launch` (queueing the chunk's send and its event)."""
+    """Per-chunk host times in microseconds from a barrier send's timeline
+    (`condmem_gather_send`): `wait` (until the chunk's ring buffer was free, i.e. its previous
+    send had finished, and the threads were past the barrier), `gather`, `launch` (queueing the
+    chunk's send and its event)."""
     t = (timeline - timeline[0]).double() / 1e3
     ready, gathered, queued = t[1::3], t[2::3], t[3::3]
     before = torch.cat([t[:1], queued[:-1]])
     return {"wait": (ready - before).tolist(), "gather": (gathered - ready).tolist(),
             "launch": (queued - gathered).tolist()}
+
+
+def stream_chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
+    """Per-chunk host times in microseconds from a streaming send's timeline
+    (`condmem_gather_stream`): `interval` (since the previous chunk was whole: the send's
+    period), `launch` (queueing the chunk's send), `late` (how long after the previous chunk
+    was whole this chunk's buffer came free: > 0 when the ring, i.e. the DMA, held the
+    threads back)."""
+    t = (timeline - timeline[0]).double() / 1e3
+    writable, whole, queued = t[1::3], t[2::3], t[3::3]
+    before = torch.cat([t[:1], whole[:-1]])
+    return {"interval": (whole - before).tolist(), "launch": (queued - whole).tolist(),
+            "late": (writable - before).clamp(min=0).tolist()}
+
+
+def chunk_bounds(n: int, max_rows: int, min_rows: int = TAIL_CHUNK_ROWS) -> list[int]:
+    """Row bounds of a streaming send's chunks: sizes ramp up from `min_rows` by doubling to
+    `max_rows`, stay there, and ramp back down to `min_rows` at the end (as far as `n`
+    allows), so the first DMA starts early and the last one is short; every chunk has at
+    most `max_rows` rows. E.g. 105000 rows, 65536 / 4096: 4096, 8192, 16384, 23828, 23828,
+    16384, 8192, 4096."""
+    if n <= 0:
+        return [0]
+    ramp = [min_rows]
+    while ramp[-1] * 2 <= max_rows:
+        ramp.append(ramp[-1] * 2)
+    if ramp[-1] < max_rows:
+        ramp.append(max_rows)
+    ramp = [r for r in ramp if r <= max_rows] or [max_rows]
+    j = 0      # head/tail chunks taken from the ramp: as many as fit twice, below its top
+    while j < len(ramp) - 1 and 2 * sum(ramp[: j + 1]) <= n:
+        j += 1
+    head = ramp[:j]
+    middle = n - 2 * sum(head)
+    cap = ramp[j]
+    q = max(1, -(-middle // cap))
+    sizes = head + [middle // q + (1 if i < middle % q else 0) for i in range(q)] + head[::-1]
+    bounds = [0]
+    for size in sizes:
+        if size:
+            bounds.append(bounds[-1] + size)
+    return bounds
 
 
 class StagedSender:
@@ -98,6 +148,10 @@ class StagedSender:
         chunk_rows: rows per staging chunk (a chunk is sent while the next is gathered).
         ring: chunks in the ring (each reused once its last send has finished).
         native: use the native path when available (False: the torch loop, e.g. to compare).
+        streaming: native path without team barriers (`condmem_gather_stream`), chunks
+            ramped from `tail_rows` up to `chunk_rows` and back (`chunk_bounds`); False: the
+            barrier-per-chunk routine (`condmem_gather_send`), kept to compare.
+        tail_rows: a streaming send's first and last chunk sizes (`chunk_rows`: no ramp).
 
     Example:
         >>> sender = StagedSender(264, "cuda")
@@ -106,7 +160,7 @@ class StagedSender:
     """
 
     def __init__(self, row_bytes: int, device: str | torch.device, chunk_rows: int = STAGING_CHUNK_ROWS,
-                 ring: int = 4, native: bool = True):
+                 ring: int = 4, native: bool = True, streaming: bool = True, tail_rows: int = TAIL_CHUNK_ROWS):
         if chunk_rows < 1 or ring < 2:
             raise ValueError(f"StagedSender needs chunk_rows >= 1 and ring >= 2, got {chunk_rows}, {ring}")
         self.row_bytes = row_bytes
@@ -114,6 +168,7 @@ class StagedSender:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.chunk_rows = chunk_rows
+        self.tail_rows = tail_rows
         self.buffers = [torch.empty((chunk_rows, row_bytes), dtype=torch.uint8, pin_memory=True)
                         for _ in range(ring)]
         self.events = []
@@ -127,6 +182,7 @@ class StagedSender:
         """Native path: keep each send's per-chunk host timeline in `last_timeline` (diagnostics)."""
         self.last_timeline: dict | None = None
         self.native = native and native_gather.available() and cuda_runtime_calls() is not None
+        self.streaming = streaming
         self._ring_ptrs = (ctypes.c_void_p * ring)(*(b.data_ptr() for b in self.buffers))
         self._event_ptrs = (ctypes.c_void_p * ring)(*(e.cuda_event for e in self.events))
 
@@ -149,28 +205,40 @@ class StagedSender:
         if n == 0:
             return
         ids = ids.contiguous()
-        n_chunks = -(-n // self.chunk_rows)
+        # Streaming: chunks of `chunk_bounds` sizes; otherwise fixed chunks of `chunk_rows`.
+        bounds = (chunk_bounds(n, self.chunk_rows, self.tail_rows) if self.uses_native(store) and self.streaming
+                  else None)
+        n_chunks = len(bounds) - 1 if bounds else -(-n // self.chunk_rows)
         start, self._next = self._next, (self._next + n_chunks) % len(self.buffers)
         with torch.cuda.device(self.device):   # the runtime calls act on the current device
             if self.uses_native(store):
-                self._send_native(store, ids, dst, stream, threads, start, n_chunks)
+                self._send_native(store, ids, dst, stream, threads, start, n_chunks, bounds)
             else:
                 self._send_torch(store, ids, dst, stream, threads, start)
 
-    def _send_native(self, store, ids, dst, stream, threads, start, n_chunks) -> None:
-        runtime, memcpy_async, record, sync = cuda_runtime_calls()
+    def _send_native(self, store, ids, dst, stream, threads, start, n_chunks, bounds=None) -> None:
+        runtime, memcpy_async, record, sync, query = cuda_runtime_calls()
         lib = native_gather._load()
-        timeline = torch.zeros(1 + 3 * n_chunks, dtype=torch.int64) if self.record_timeline else None
-        err = lib.condmem_gather_send(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), ids.numel(),
-                                      self._ring_ptrs, self._event_ptrs, len(self.buffers), start,
-                                      self.chunk_rows, dst.data_ptr(), stream.cuda_stream, memcpy_async,
-                                      record, sync, int(threads),
-                                      None if timeline is None else timeline.data_ptr())
+        n = ids.numel()
+        if bounds is not None:
+            bounds = torch.tensor(bounds, dtype=torch.int64)
+            timeline = torch.zeros(3 * len(bounds) - 2, dtype=torch.int64) if self.record_timeline else None
+            err = lib.condmem_gather_stream(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), self._ring_ptrs,
+                                            self._event_ptrs, len(self.buffers), start, bounds.data_ptr(),
+                                            len(bounds) - 1, dst.data_ptr(), stream.cuda_stream, memcpy_async,
+                                            record, query, int(threads),
+                                            None if timeline is None else timeline.data_ptr())
+        else:
+            timeline = torch.zeros(1 + 3 * n_chunks, dtype=torch.int64) if self.record_timeline else None
+            err = lib.condmem_gather_send(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), n,
+                                          self._ring_ptrs, self._event_ptrs, len(self.buffers), start,
+                                          self.chunk_rows, dst.data_ptr(), stream.cuda_stream, memcpy_async,
+                                          record, sync, int(threads), None if timeline is None else timeline.data_ptr())
         if timeline is not None:
-            self.last_timeline = chunk_times(timeline)
+            self.last_timeline = (chunk_times if bounds is None else stream_chunk_times)(timeline)
         if err:
             message = runtime.cudaGetErrorString(err).decode(errors="replace")
-            raise RuntimeError(f"staged send of {ids.numel()} rows failed: CUDA error {err} ({message})")
+            raise RuntimeError(f"staged send of {n} rows failed: CUDA error {err} ({message})")
 
     def _send_torch(self, store, ids, dst, stream, threads, start) -> None:
         for c, s in enumerate(range(0, ids.numel(), self.chunk_rows)):
