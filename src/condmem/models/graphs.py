@@ -28,6 +28,7 @@ import torch
 
 from condmem.models.serving import ServingCache, decode_step
 from condmem.models.transformer import DecoderLM
+from condmem.utils.capture_guard import CAPTURE_GUARD
 
 WAIT_MODES = ("at_layer", "before_step")
 
@@ -136,7 +137,7 @@ class GraphedDecoder:
                 self._body()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with CAPTURE_GUARD.capturing(), torch.cuda.graph(self.graph):   # no lookup thread syncs meanwhile
             self.logits = self._body()
 
     def _body(self) -> torch.Tensor:

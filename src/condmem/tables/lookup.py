@@ -64,6 +64,7 @@ from condmem.tables.lookup_plan import (
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS, StagedSender
 from condmem.tables.storage import LayerStore, StorageError
+from condmem.utils.capture_guard import CAPTURE_GUARD
 
 log = logging.getLogger("condmem.tables")
 
@@ -452,7 +453,9 @@ class LookupEngine:
         queue the expansion. Errors reach the caller through `batch.future`."""
         stats, start, plan = batch.stats, batch.start, batch.plan
         try:
-            with torch.cuda.device(self.device):
+            # Shared guard: this thread's syncs and event queries must not overlap a graph
+            # capture on the caller's thread (`utils.capture_guard`).
+            with CAPTURE_GUARD.syncing(), torch.cuda.device(self.device):
                 batch.planned.synchronize()                   # counts and CPU ids are on the host
                 counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
                 stats.mark("counts on host", start)

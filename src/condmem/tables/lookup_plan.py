@@ -30,6 +30,7 @@ import torch
 
 from condmem.ops.gather import engram_gather
 from condmem.tables.row_cache import FLOAT_WORDS, RowCache, row_words
+from condmem.utils.capture_guard import CAPTURE_GUARD
 
 PAD_ID = -1
 N_COUNTS = 8
@@ -275,8 +276,10 @@ class LookupPlan:
                 fn()
                 return
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the gather thread keeps syncing and copying while this one captures.
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            # thread_local: the runtime lets the gather thread make calls that are unsafe during
+            # a capture; the guard keeps it from making them while this one captures (they
+            # would invalidate the capture all the same: `utils.capture_guard`).
+            with CAPTURE_GUARD.capturing(), torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 fn()
             self._graphs[name] = graph
         graph.replay()
