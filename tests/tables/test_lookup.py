@@ -185,8 +185,9 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("region_bytes", [64 << 10, 4 * 72], ids=["region64k", "region4rows"])
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3])
-@pytest.mark.parametrize("native_send", [True, False], ids=["native", "pysend"])
-def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight, native_send):
+@pytest.mark.parametrize("send", [{}, {"stream_gate": False}, {"native_send": False}],
+                         ids=["native", "native-nogate", "pysend"])
+def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight, send):
     """Many lookups in flight (the next planned while the last is gathered), waited out of order,
     with hot ids repeating across batches so hits come from rows admitted by earlier lookups;
     the CPU share sent by the native routine or the Python loop, through a 2-chunk ring of 7 rows
@@ -196,7 +197,7 @@ def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_
     cache = RowCache(128, store.row_bytes, ways=4, device="cuda") if cached else None
     engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7,
                           staging_ring=2,
-                          region_bytes=region_bytes, max_in_flight=max_in_flight, native_send=native_send)
+                          region_bytes=region_bytes, max_in_flight=max_in_flight, **send)
     batches = list(_batches(store.num_rows, seed=7, n=12))
     handles = [engine.lookup(ids.cuda()) for ids in batches[:8]]
     for i in (3, 0, 7, 1, 2, 6, 5, 4):                       # out of order
@@ -331,14 +332,15 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
 
 
 @cuda_only
-@pytest.mark.parametrize("native_send", [True, False], ids=["native", "pysend"])
-def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, native_send):
+@pytest.mark.parametrize("send", [{}, {"stream_gate": False}, {"native_send": False}],
+                         ids=["native", "native-nogate", "pysend"])
+def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, send):
     """An id outside the table in a lookup between good ones in flight: only that lookup raises;
     the one before it and those after are exact."""
     store, source = _place(table_files, "fp8_interleaved", "host")
     engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
                           cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7, staging_ring=2, max_in_flight=3,
-                          native_send=native_send)
+                          **send)
     batches = list(_batches(store.num_rows, seed=23, n=4))
     bad = batches[1].clone()
     bad[0, 0] = store.num_rows + 1

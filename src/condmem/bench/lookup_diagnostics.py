@@ -26,6 +26,7 @@ from condmem.bench.lookup_setup import N_COLS, ROW_BYTES
 from condmem.tables.lookup import LookupEngine
 from condmem.tables.lookup_plan import LookupPlan, fill_plan_ids, plan_bucket
 from condmem.tables.row_cache import RowCache
+from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS
 from condmem.tables.storage import LayerStore
 from condmem.utils.plotting import pyplot
 
@@ -240,7 +241,7 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
 
 
 def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384, cpu_fraction: float = 1.0,
-                    chunk_rows: int = 131072, runs: int = 7) -> list[dict]:
+                    chunk_rows: int = STAGING_CHUNK_ROWS, runs: int = 7) -> list[dict]:
     """Where one lookup's host time goes: the engine's own step marks, medians over uniform batches.
 
     The marks are host clock readings (when each step finished on the host, or was queued
@@ -278,7 +279,7 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
 def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
                       cpu_fraction: float, cache: RowCache | None = None, depth: int = 2,
                       cpu_threads: int | None = None, trace: Path | None = None,
-                      chunk_rows: int = 131072, warm: list[torch.Tensor] | None = None) -> list[dict]:
+                      chunk_rows: int = STAGING_CHUNK_ROWS, warm: list[torch.Tensor] | None = None) -> list[dict]:
     """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
 
     Shows what overlaps with what: for each batch, when the host finished planning it,

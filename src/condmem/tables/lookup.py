@@ -64,6 +64,7 @@ from condmem.tables.lookup_plan import (
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS, StagedSender
 from condmem.tables.storage import LayerStore, StorageError
+from condmem.tables.stream_gate import StreamGate
 from condmem.utils.capture_guard import CAPTURE_GUARD
 
 log = logging.getLogger("condmem.tables")
@@ -138,7 +139,8 @@ class _Batch:
     planned: object = None         # event: plan done and its counts / CPU ids copied to the host
     zero_copy_done: object = None  # event: the GPU share is in `plan.compact`
     ready: object = None           # event: `out` holds the rows (recorded by `_assemble`)
-    dma_done: object = None        # event: the CPU share is on the device
+    dma_done: object = None        # event: the CPU share is on the device (timing, or without a gate)
+    gate: int | None = None        # the stream gate's value the expansion waits for (CPU share, gate path)
     future: concurrent.futures.Future | None = None
     waited: bool = False           # a handle's wait() made the caller's stream wait for `ready`
     failed: bool = False           # ids outside the table: nothing to admit
@@ -178,6 +180,9 @@ class LookupEngine:
         streaming_send: the native send without team barriers (threads stream pieces into
             the ring; a chunk is sent as soon as it is whole); False: a barrier per chunk
             (`staged_transfer.StagedSender`), kept to compare.
+        stream_gate: queue a lookup's expansion from the caller's thread, behind a
+            `stream_gate.StreamGate` that the gather thread opens after the CPU share's DMAs
+            (where the driver supports it); False: the gather thread queues the expansion.
         direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
@@ -204,7 +209,8 @@ class LookupEngine:
                  staging_chunk_rows: int = STAGING_CHUNK_ROWS, staging_ring: int = 4,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
-                 native_send: bool = True, streaming_send: bool = True, zero_copy_programs: int | None = None):
+                 native_send: bool = True, streaming_send: bool = True, stream_gate: bool = True,
+                 zero_copy_programs: int | None = None):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -237,7 +243,9 @@ class LookupEngine:
             self.copy_stream = torch.cuda.Stream(self.device, priority=-1)       # DMAs of the CPU share
             self.finish_stream = torch.cuda.Stream(self.device, priority=-1)     # assemble, expand
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
+            self._gate = StreamGate.create(self.device) if stream_gate else None
         else:
+            self._gate = None
             self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
             self._pool = None
         self.staging_ring = max(2, staging_ring)
@@ -263,10 +271,11 @@ class LookupEngine:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats, start: float):
+    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats, start: float,
+                   record: bool = True):
         """Gather thread: the CPU share gathered on CPU threads and sent chunk by chunk through the
         pinned staging ring, straight into `rows` (the plan's first compact rows), on the copy
-        stream; returns the event after the last send."""
+        stream; returns the event after the last send (None unless `record`)."""
         self.copy_stream.wait_event(planned)    # the plan slot's earlier readers are done
         if self._sender is None:
             self._sender = StagedSender(self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows,
@@ -274,6 +283,8 @@ class LookupEngine:
                                         streaming=self.streaming_send)
         self._sender.send(self.store, ids_host, rows, self.copy_stream, self.cpu_threads)
         stats.mark("cpu share gathered, sends queued", start)
+        if not record:
+            return None
         done = self._event()
         done.record(self.copy_stream)
         return done
@@ -432,6 +443,9 @@ class LookupEngine:
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:
             self._assemble(batch)
+        elif self._gate is not None:
+            batch.gate = self._gate.next()    # opened by the gather thread once the DMAs are queued
+            self._assemble(batch)
         return batch
 
     def _assemble(self, batch: _Batch, expand: bool = True) -> None:
@@ -441,7 +455,9 @@ class LookupEngine:
             self.finish_stream.wait_event(batch.planned)
             if batch.zero_copy_done is not None:
                 self.finish_stream.wait_event(batch.zero_copy_done)
-            if batch.dma_done is not None:
+            if batch.gate is not None:
+                self._gate.wait(self.finish_stream, batch.gate)
+            elif batch.dma_done is not None:
                 self.finish_stream.wait_event(batch.dma_done)
             if expand:
                 rows_index = plan.rows_index[: math.prod(batch.shape)].view(batch.shape)
@@ -456,22 +472,28 @@ class LookupEngine:
             # Shared guard: this thread's syncs and event queries must not overlap a graph
             # capture on the caller's thread (`utils.capture_guard`).
             with CAPTURE_GUARD.syncing(), torch.cuda.device(self.device):
-                batch.planned.synchronize()                   # counts and CPU ids are on the host
-                counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
-                stats.mark("counts on host", start)
-                stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
-                stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
-                if counts["bad"]:
-                    batch.failed = True
-                    if plan.cpu_share:
-                        self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
-                    bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
-                    raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
-                if plan.cpu_share and counts["n_cpu"]:
-                    batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
-                                                     plan.compact[: counts["n_cpu"]], batch.planned, stats, start)
-                if plan.cpu_share:
-                    self._assemble(batch)
+                try:
+                    batch.planned.synchronize()                   # counts and CPU ids are on the host
+                    counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
+                    stats.mark("counts on host", start)
+                    stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
+                    stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
+                    if counts["bad"]:
+                        batch.failed = True
+                        if plan.cpu_share and batch.gate is None:
+                            self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
+                        bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
+                        raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
+                    if plan.cpu_share and counts["n_cpu"]:
+                        batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
+                                                         plan.compact[: counts["n_cpu"]], batch.planned, stats,
+                                                         start, record=batch.gate is None or self.timing)
+                    if plan.cpu_share and batch.gate is None:
+                        self._assemble(batch)
+                finally:
+                    # Always (errors too): the expansion queued behind the gate must not wait forever.
+                    if batch.gate is not None:
+                        self._gate.open(self.copy_stream, batch.gate)
             stats.mark("expand queued", start)
             stats.seconds = time.perf_counter() - start
             batch.future.set_result(None)
