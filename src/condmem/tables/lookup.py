@@ -244,6 +244,8 @@ class LookupEngine:
             self.finish_stream = torch.cuda.Stream(self.device, priority=-1)     # assemble, expand
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
             self._gate = StreamGate.create(self.device) if stream_gate else None
+            if self._gate is not None:
+                CAPTURE_GUARD.register_drain(self._drain)
         else:
             self._gate = None
             self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
@@ -321,6 +323,13 @@ class LookupEngine:
         self._pool.submit(self._finish, batch)
         self._in_flight.append(batch)
         return LookupHandle(batch.out, batch.ready, batch.future, stats, batch)
+
+    def _drain(self) -> None:
+        """Before any CUDA graph capture in the process: wait until the gather thread has queued
+        every lookup in flight, so no expansion still waits for a gate it has yet to open (the
+        capture's device-wide synchronize would wait for it forever: `utils.capture_guard`)."""
+        futures = [b.future for b in list(self._in_flight) if b.future is not None]
+        concurrent.futures.wait(futures)
 
     def _admit_fetched(self) -> None:
         """Admit to the cache (on the plan stream, so in order with every probe and hit read)

@@ -13,13 +13,20 @@ events (session 7).
 shared (`syncing`), so they run side by side; a capture holds it alone (`capturing`). Captures
 are rare (once per plan slot and step), so the writer waits at most one gather (~1-3 ms) and
 is preferred over new readers. A thread must not capture while it holds `syncing`.
+
+A capture also begins with a device-wide synchronize (``torch.cuda.graph``), which waits for
+every stream, including work that waits for a gather thread (a lookup's expansion behind its
+`tables.stream_gate`); a gather thread held back by the guard would then never open it. So
+before taking the guard, `capturing` runs every registered drain (`register_drain`: each
+lookup engine waits until its gather thread has queued everything in flight).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 
 class CaptureGuard:
@@ -30,6 +37,12 @@ class CaptureGuard:
         self._syncing = 0
         self._capturing = False
         self._captures_waiting = 0
+        self._drains: list[weakref.WeakMethod] = []
+
+    def register_drain(self, drain: Callable[[], None]) -> None:
+        """Run the bound method `drain` before every capture (held weakly: a collected owner drops out)."""
+        with self._cond:
+            self._drains = [d for d in self._drains if d() is not None] + [weakref.WeakMethod(drain)]
 
     @contextlib.contextmanager
     def syncing(self) -> Iterator[None]:
@@ -48,7 +61,12 @@ class CaptureGuard:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Around a CUDA graph capture: waits until no thread is inside `syncing`."""
+        """Around a CUDA graph capture: runs the drains, then waits until no thread is inside `syncing`."""
+        with self._cond:
+            drains = [d() for d in self._drains]
+        for drain in drains:
+            if drain is not None:
+                drain()
         with self._cond:
             self._captures_waiting += 1
             try:
