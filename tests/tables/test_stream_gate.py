@@ -24,6 +24,8 @@ def test_work_behind_a_closed_gate_waits_until_another_stream_opens_it():
     gate = _gate()
     waiter, opener = torch.cuda.Stream(), torch.cuda.Stream()
     x = torch.zeros(4, device="cuda")
+    x.add_(1)                              # loads the kernel now: see the module's note on lazy loading
+    x.zero_()
     torch.cuda.synchronize()
     n = gate.next()
     gate.wait(waiter, n)                   # the wait is queued before the open

@@ -120,12 +120,12 @@ def parse_variant(text: str) -> dict:
     """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
     in flight (`max_in_flight`, default 2), flags ``+pysend`` (`native_send=False`: the CPU
     share sent by a Python loop per chunk), ``+barrier`` (`streaming_send=False`: the native
-    send with a team barrier per chunk), ``+nogate`` (`stream_gate=False`: the gather thread
-    queues each expansion), ``+cN`` (N rows per staging chunk), ``+rN`` (N chunks
+    send with a team barrier per chunk), ``+gate`` (`stream_gate=True`: the caller's thread
+    queues each expansion behind a stream gate), ``+cN`` (N rows per staging chunk), ``+rN`` (N chunks
     in the staging ring), ``+zN`` (the zero-copy kernel's grid capped at N programs), and
     ``/torch`` or ``/triton`` for the cache's probe and admission (default: Triton on CUDA),
     e.g. ``graphs@3+c16384+r8+z64/torch``."""
-    usage = "graphs|eager[@in_flight][+pysend][+barrier][+nogate][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
+    usage = "graphs|eager[@in_flight][+pysend][+barrier][+gate][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
@@ -133,13 +133,13 @@ def parse_variant(text: str) -> dict:
     programs = [f[1:] for f in flags if f.startswith("z")]
     rings = [f[1:] for f in flags if f.startswith("r")]
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f not in ("pysend", "barrier", "nogate") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
+            or any(f not in ("pysend", "barrier", "gate") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
                                                           and int(f[1:]) > 0) for f in flags)
             or len(chunks) > 1 or len(programs) > 1 or len(rings) > 1 or (rings and int(rings[0]) < 2)):
         raise SystemExit(f"--engines: {text!r} is not {usage}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
-            "streaming_send": "barrier" not in flags, "stream_gate": "nogate" not in flags,
+            "streaming_send": "barrier" not in flags, "stream_gate": "gate" in flags,
             "staging_chunk_rows": int(chunks[0]) if chunks else None,
             "staging_ring": int(rings[0]) if rings else None,
             "zero_copy_programs": int(programs[0]) if programs else None}

@@ -11,6 +11,13 @@ comparison) and the gather thread, after queueing the DMAs of lookup n, queues t
 Python step left after the send (measured on the H200, session 7: queueing the expansion cost
 it ~0.3 ms per lookup, mostly waiting for the GIL the caller's thread held).
 
+Hazard (H200, session 7, run 7): with CUDA's lazy module loading, the first launch of a
+kernel waits for the device while any stream is blocked on a gate, so a thread that launches
+a never-used kernel before opening a gate itself deadlocks (the first GPU test did, until it
+loaded its kernel beforehand). The engine's gates are opened by the gather thread, which
+launches no kernels; a caller's first-time kernel may still stall until the open (~1 ms).
+This is why `LookupEngine(stream_gate=...)` is off by default until its GPU tests pass.
+
 The driver's stream memory operations are reached through ctypes in the ``libcuda`` torch
 loaded. `StreamGate.create` returns None where they are missing or fail a round trip; the
 engine then queues the expansion from the gather thread, as before.
