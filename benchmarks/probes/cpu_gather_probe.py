@@ -308,22 +308,23 @@ def main() -> None:
                        median(lambda: split_call(lambda: staged(kc, chunk), kc)), f=f, chunk=chunk)
 
     if "I" in parts:
-        # I. The streaming send (no team barriers: threads take 64-row pieces in order, a chunk
-        # is sent as soon as it is whole), its chunks ramped from 4096 rows up to the chunk size
-        # and back (`chunk_bounds`) or all of the chunk size ("fixed"), against the barrier send
-        # at its best chunk size (65536); per-chunk times; beside zero-copy.
+        # I. The native send (`condmem_gather_stream`: no team barriers, threads take 64-row
+        # pieces in order, a chunk is sent as soon as it is whole), its chunks ramped from 4096
+        # rows up to the chunk size and back (`chunk_bounds`) or all of the chunk size
+        # ("fixed"); per-chunk times; beside zero-copy. (Session 7 also ran it against the
+        # barrier-per-chunk routine it replaced: `benchmarks/lookup_notes.md`.)
         from condmem.tables.staged_transfer import StagedSender
         senders = {}
 
-        def sender_for(chunk, ring, streaming, ramp):
-            key = (chunk, ring, streaming, ramp)
+        def sender_for(chunk, ring, ramp):
+            key = (chunk, ring, ramp)
             if key not in senders:
-                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring, streaming=streaming,
+                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring,
                                             **({} if ramp else {"tail_rows": chunk}))
             return senders[key]
 
-        def streamed(k, chunk, ring=4, streaming=True, ramp=True, threads=15, per=None):
-            sender, ids = sender_for(chunk, ring, streaming, ramp), fresh(k)
+        def streamed(k, chunk, ring=4, ramp=True, threads=15, per=None):
+            sender, ids = sender_for(chunk, ring, ramp), fresh(k)
             sender.record_timeline = per is not None
 
             def go():
@@ -335,66 +336,23 @@ def main() -> None:
             return go
         for _ in range(2):    # twice: the spread between rounds is the noise
             for k in (105000, 393216):
-                record("I barrier send", k, median(lambda: streamed(k, 65536, streaming=False)), chunk=65536)
                 for chunk in (8192, 65536):
-                    record("I streaming send, fixed", k, median(lambda: streamed(k, chunk, ramp=False)), chunk=chunk)
+                    record("I native send, fixed", k, median(lambda: streamed(k, chunk, ramp=False)), chunk=chunk)
                 for chunk in (16384, 32768, 65536, 131072):
-                    record("I streaming send, ramped", k, median(lambda: streamed(k, chunk)), chunk=chunk)
-                record("I streaming send, ramped, 16 threads", k, median(lambda: streamed(k, 65536, threads=16)),
+                    record("I native send, ramped", k, median(lambda: streamed(k, chunk)), chunk=chunk)
+                record("I native send, ramped, ring 8", k, median(lambda: streamed(k, 16384, ring=8)), chunk=16384)
+                record("I native send, ramped, 16 threads", k, median(lambda: streamed(k, 65536, threads=16)),
                        chunk=65536)
         for chunk in (8192, 65536):
             per = {}
             sec = median(lambda: streamed(393216, chunk, ramp=False, per=per))
-            record("I streaming send, fixed, per chunk (us)", 393216, sec, chunk=chunk,
+            record("I native send, fixed, per chunk (us)", 393216, sec, chunk=chunk,
                    **{f"{key} us": round(sum(v) / len(v), 1) for key, v in per.items()})
         median(lambda: zero_copy(1024), reps=2)   # compile
-        for f in (0.8, 0.9):
+        for f in (0.7, 0.8, 0.9):
             kc = int(393216 * f)
-            record("I split: barrier send + zero-copy", 393216,
-                   median(lambda: split_call(lambda: streamed(kc, 65536, streaming=False), kc)), f=f, chunk=65536)
-            record("I split: streaming send (ramped) + zero-copy", 393216,
+            record("I split: native send (ramped) + zero-copy", 393216,
                    median(lambda: split_call(lambda: streamed(kc, 65536), kc)), f=f, chunk=65536)
-
-    if "H" in parts:
-        # H. Where a native send's time goes, chunk by chunk (its host timeline): the wait for
-        # the chunk's ring buffer (its last DMA), the gather, the launch; and the same gather
-        # with the sends skipped (host stand-ins), which tells a gather-side per-chunk cost
-        # from one the DMAs cause.
-        from condmem.tables import native_gather
-        from condmem.tables.staged_transfer import StagedSender
-        clib = native_gather._load()
-        stand_in = native_gather.runtime_stand_ins()
-        for chunk in (8192, 16384, 32768, 65536, 131072):
-            sender = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=4, streaming=False)
-            sender.record_timeline = True
-            k = 393216
-            per = {"wait": [], "gather": [], "launch": []}
-
-            def send_call():
-                ids = fresh(k)
-
-                def go():
-                    sender.send(store, ids, dev_rows[:k], copy_stream, threads=15)
-                    copy_stream.synchronize()
-                    for key, v in sender.last_timeline.items():
-                        per[key].extend(v)
-                return go
-            sec = median(send_call)
-            record("H native send, per chunk (us)", k, sec, chunk=chunk,
-                   **{f"{key} us": round(sum(v) / len(v), 1) for key, v in per.items()},
-                   gather_ns_per_row=round(sum(per["gather"]) / len(per["gather"]) * 1e3 / chunk, 2))
-            events = [torch.zeros(2, dtype=torch.int64) for _ in range(4)]
-            counters = torch.zeros(2, dtype=torch.int64)
-            ring = (ctypes.c_void_p * 4)(*(b.data_ptr() for b in sender.buffers))
-            evs = (ctypes.c_void_p * 4)(*(e.data_ptr() for e in events))
-
-            def gather_only():
-                ids = fresh(k)
-                return lambda: clib.condmem_gather_send(table.data_ptr(), ROW, ids.data_ptr(), k, ring, evs, 4, 0,
-                                                        chunk, dev_rows.data_ptr(), counters.data_ptr(),
-                                                        stand_in["skip_memcpy"],
-                                                        stand_in["record"], stand_in["sync"], 15, None)
-            record("H same gather, sends skipped", k, median(gather_only), chunk=chunk)
 
     if "B" in parts:
         for k in (105000, 275000, 393216):

@@ -91,14 +91,14 @@ def test_engine_variants_parse_and_bad_ones_say_the_grammar():
     v = parse_variant("graphs@3+pysend+c16384+z64/torch")
     assert (v["graphs"], v["max_in_flight"], v["native_send"], v["staging_chunk_rows"], v["cache_backend"],
             v["zero_copy_programs"]) == (True, 3, False, 16384, "torch", 64)
-    assert v["streaming_send"] and v["staging_ring"] is None
+    assert v["staging_ring"] is None
     v = parse_variant("eager")
     assert (v["graphs"], v["max_in_flight"], v["native_send"], v["staging_chunk_rows"], v["cache_backend"]) == \
         (False, 2, True, None, "auto")
-    v = parse_variant("graphs+barrier+r8+c4096+gate")
-    assert (v["streaming_send"], v["staging_ring"], v["staging_chunk_rows"], v["stream_gate"]) == (False, 8, 4096, True)
+    v = parse_variant("graphs+r8+c4096+gate")
+    assert (v["staging_ring"], v["staging_chunk_rows"], v["stream_gate"]) == (8, 4096, True)
     assert not parse_variant("graphs")["stream_gate"]
     for bad in ("graph", "graphs+tail", "graphs+c", "graphs+c1+c2", "graphs+z0", "graphs+z1+z2", "graphs@x",
-                "graphs/cuda", "graphs+r1", "graphs+r4+r8"):
-        with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+barrier\]"):
+                "graphs/cuda", "graphs+r1", "graphs+r4+r8", "graphs+barrier"):
+        with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+gate\]"):
             parse_variant(bad)

@@ -17,68 +17,16 @@ from condmem.tables.storage import LayerStore
 needs_native = pytest.mark.skipif(not native_gather.available(), reason="no C compiler: no native routine")
 
 
-def _send_on_host(table, ids, chunk_rows, ring_len, start, threads, fail_at=0, timeline=None):
-    """Run condmem_gather_send with the host stand-ins; (dst, return code, send counter, event counters)."""
-    lib = native_gather._load()
-    row_bytes = table.shape[1]
-    ring = [torch.full((chunk_rows, row_bytes), 0xCD, dtype=torch.uint8) for _ in range(ring_len)]
-    events = [torch.zeros(2, dtype=torch.int64) for _ in range(ring_len)]
-    stream = torch.tensor([0, fail_at], dtype=torch.int64)
-    dst = torch.full((ids.numel(), row_bytes), 0xAB, dtype=torch.uint8)       # poisoned
-    fn = native_gather.runtime_stand_ins()
-    err = lib.condmem_gather_send(
-        table.data_ptr(), row_bytes, ids.data_ptr(), ids.numel(),
-        (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring)),
-        (ctypes.c_void_p * ring_len)(*(e.data_ptr() for e in events)), ring_len, start, chunk_rows,
-        dst.data_ptr(), stream.data_ptr(), fn["memcpy"], fn["record"], fn["sync"], threads,
-        None if timeline is None else timeline.data_ptr())
-    return dst, err, int(stream[0]), torch.stack(events)
-
-
-@needs_native
-@pytest.mark.parametrize("n, chunk_rows, ring_len, start, threads",
-                         [(23, 5, 3, 2, 4), (40, 8, 2, 0, 1), (7, 64, 4, 3, 3), (1, 1, 2, 1, 2), (4096, 100, 4, 1, 4)])
-def test_every_row_lands_and_the_ring_is_walked_in_order(n, chunk_rows, ring_len, start, threads):
-    gen = torch.Generator().manual_seed(n)
-    table = torch.randint(0, 256, (997, 264), dtype=torch.uint8, generator=gen)
-    ids = torch.randint(0, 997, (n,), generator=gen)
-    dst, err, sends, events = _send_on_host(table, ids, chunk_rows, ring_len, start, threads)
-    assert err == 0
-    assert torch.equal(dst, table.index_select(0, ids))
-    n_chunks = -(-n // chunk_rows)
-    assert sends == n_chunks
-    # Chunk c used buffer (start + c) % ring_len: waited for its event, then recorded it.
-    expected = torch.zeros(ring_len, dtype=torch.int64)
-    for c in range(n_chunks):
-        expected[(start + c) % ring_len] += 1
-    assert torch.equal(events[:, 0], expected)
-    assert torch.equal(events[:, 1], expected)
-
-
-@needs_native
-def test_a_failed_send_stops_the_rest_and_returns_its_code():
-    gen = torch.Generator().manual_seed(1)
-    table = torch.randint(0, 256, (500, 264), dtype=torch.uint8, generator=gen)
-    ids = torch.randint(0, 500, (50,), generator=gen)
-    dst, err, sends, events = _send_on_host(table, ids, chunk_rows=10, ring_len=3, start=0, threads=4, fail_at=3)
-    assert err == 7
-    assert sends == 3                                            # nothing sent after the failure
-    assert torch.equal(dst[:20], table.index_select(0, ids[:20]))  # chunks 0-1 landed
-    assert (dst[20:] == 0xAB).all()                               # the failed chunk and later: untouched
-    assert int(events[:, 0].sum()) == 2                           # no record after the failed send
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["streaming", "barrier", "torch"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("n", [1, 1000, 70001])
-def test_gpu_staged_send_equals_a_plain_gather(mode, n):
+def test_gpu_staged_send_equals_a_plain_gather(native, n):
     from condmem.tables.staged_transfer import StagedSender
 
     gen = torch.Generator().manual_seed(n)
     table = torch.randint(0, 256, (100_000, 264), dtype=torch.uint8, generator=gen).pin_memory()
     store = LayerStore("host", "fp8_interleaved", 256, table)
-    native = mode != "torch"
-    sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3, native=native, streaming=mode == "streaming")
+    sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3, native=native)
     if native and not sender.native:
         pytest.skip("native staged send unavailable here")
     stream = torch.cuda.Stream()
@@ -103,25 +51,6 @@ def test_sender_checks_its_destination():
                     torch.cuda.current_stream(), threads=1)
 
 
-@needs_native
-def test_the_timeline_has_every_chunk_in_order():
-    from condmem.tables.staged_transfer import chunk_times
-
-    gen = torch.Generator().manual_seed(3)
-    table = torch.randint(0, 256, (2000, 264), dtype=torch.uint8, generator=gen)
-    ids = torch.randint(0, 2000, (1000,), generator=gen)
-    n_chunks = 1000 // 64 + 1
-    timeline = torch.full((1 + 3 * n_chunks,), -1, dtype=torch.int64)
-    dst, err, sends, _ = _send_on_host(table, ids, chunk_rows=64, ring_len=3, start=0, threads=2,
-                                       timeline=timeline)
-    assert err == 0 and sends == n_chunks
-    assert torch.equal(dst, table.index_select(0, ids))       # timing changes nothing
-    assert bool((timeline[1:] >= timeline[:-1]).all())         # every stamp written, in order
-    times = chunk_times(timeline)
-    assert {k: len(v) for k, v in times.items()} == {"wait": n_chunks, "gather": n_chunks, "launch": n_chunks}
-    assert min(min(v) for v in times.values()) >= 0
-
-
 def test_the_cuda_runtime_picked_is_torchs_own():
     from condmem.tables.staged_transfer import pick_cuda_runtime
 
@@ -135,8 +64,7 @@ def test_the_cuda_runtime_picked_is_torchs_own():
 
 
 @needs_native
-@pytest.mark.parametrize("streaming", [True, False])
-def test_native_send_plumbing_on_the_cpu(monkeypatch, streaming):
+def test_native_send_plumbing_on_the_cpu(monkeypatch):
     """`StagedSender._send_native` end to end with the host stand-ins in place of the CUDA
     runtime (the ring, the timeline, the error message), so CI covers its argument list."""
     from types import SimpleNamespace
@@ -147,10 +75,9 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch, streaming):
     fn = native_gather.runtime_stand_ins()
     runtime = SimpleNamespace(cudaGetErrorString=lambda code: f"stand-in error {code}".encode())
     monkeypatch.setattr(staged_transfer, "cuda_runtime_calls",
-                        lambda: (runtime, fn["memcpy"], fn["record"], fn["sync"], fn["query"]))
+                        lambda: (runtime, fn["memcpy"], fn["record"], fn["query"]))
     sender = object.__new__(StagedSender)          # no CUDA here: the fields __init__ would set
     sender.row_bytes, sender.chunk_rows, sender.record_timeline, sender.last_timeline = 264, 5, True, None
-    sender.streaming = streaming
     sender.buffers = [torch.zeros((5, 264), dtype=torch.uint8) for _ in range(3)]
     events = [torch.zeros(7, dtype=torch.int64) for _ in range(3)]
     sender._ring_ptrs = (ctypes.c_void_p * 3)(*(b.data_ptr() for b in sender.buffers))
@@ -161,23 +88,23 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch, streaming):
     ids = torch.randint(0, 300, (23,), generator=gen)
     counters = torch.zeros(2, dtype=torch.int64)
     dst = torch.full((23, 264), 0xAB, dtype=torch.uint8)
-    bounds = [0, 5, 10, 15, 20, 23] if streaming else None
+    bounds = [0, 5, 10, 15, 20, 23]
     sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=1,
-                        n_chunks=5, bounds=bounds)
+                        bounds=bounds)
     assert torch.equal(dst, table.index_select(0, ids))
     assert len(sender.last_timeline["launch"]) == 5
     counters[:] = torch.tensor([0, 2])              # the second send fails
     with pytest.raises(RuntimeError, match=r"staged send of 23 rows failed: CUDA error 7 \(stand-in error 7\)"):
         sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=0,
-                            n_chunks=5, bounds=bounds)
+                            bounds=bounds)
 
 
 def _stream_on_host(table, ids, chunk_rows, ring_len, start, threads, delay=0, fail_at=0, timeline=None,
-                    routine="condmem_gather_stream", bounds=None):
-    """Run a native send with stand-ins that model asynchronous copies (each chunk's copy is
+                    bounds=None, wait="query"):
+    """Run the native send with stand-ins that model asynchronous copies (each chunk's copy is
     carried out only when a query first reports its event done, after `delay` "not ready"
     answers), then finish the copies still queued; (dst, return code, sends, event counters).
-    The streaming routine sends chunks of `bounds` (default: `chunk_rows` each)."""
+    Chunks of `bounds` (default: `chunk_rows` each); `wait`: the stand-in for cudaEventQuery."""
     lib = native_gather._load()
     row_bytes, n = table.shape[1], ids.numel()
     ring = [torch.full((chunk_rows, row_bytes), 0xCD, dtype=torch.uint8) for _ in range(ring_len)]
@@ -185,18 +112,12 @@ def _stream_on_host(table, ids, chunk_rows, ring_len, start, threads, delay=0, f
     stream = torch.tensor([0, fail_at, 0, 0, 0], dtype=torch.int64)
     dst = torch.full((n, row_bytes), 0xAB, dtype=torch.uint8)       # poisoned
     fn = native_gather.runtime_stand_ins()
-    ring_ptrs = (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring))
-    event_ptrs = (ctypes.c_void_p * ring_len)(*(e.data_ptr() for e in events))
-    stamps = None if timeline is None else timeline.data_ptr()
-    if routine == "condmem_gather_stream":
-        bounds = torch.tensor(bounds or [*range(0, n, chunk_rows), n], dtype=torch.int64)
-        err = lib.condmem_gather_stream(table.data_ptr(), row_bytes, ids.data_ptr(), ring_ptrs, event_ptrs, ring_len,
-                                        start, bounds.data_ptr(), bounds.numel() - 1, dst.data_ptr(), stream.data_ptr(),
-                                        fn["deferred_memcpy"], fn["deferred_record"], fn["query"], threads, stamps)
-    else:
-        err = lib.condmem_gather_send(table.data_ptr(), row_bytes, ids.data_ptr(), n, ring_ptrs, event_ptrs, ring_len,
-                                      start, chunk_rows, dst.data_ptr(), stream.data_ptr(), fn["deferred_memcpy"],
-                                      fn["deferred_record"], fn["sync"], threads, stamps)
+    bounds = torch.tensor(bounds or [*range(0, n, chunk_rows), n], dtype=torch.int64)
+    err = lib.condmem_gather_stream(
+        table.data_ptr(), row_bytes, ids.data_ptr(), (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring)),
+        (ctypes.c_void_p * ring_len)(*(e.data_ptr() for e in events)), ring_len, start, bounds.data_ptr(),
+        bounds.numel() - 1, dst.data_ptr(), stream.data_ptr(), fn["deferred_memcpy"], fn["deferred_record"],
+        fn[wait], threads, None if timeline is None else timeline.data_ptr())
     for e in events:                      # the copies still in flight when the call returned
         e[2] = 0
         lib.condmem_test_query(ctypes.c_void_p(e.data_ptr()))
@@ -262,12 +183,12 @@ def test_streaming_send_lands_every_row_and_reuses_a_buffer_only_once_its_copy_i
 
 @needs_native
 def test_the_deferred_stand_ins_catch_a_buffer_rewritten_too_early():
-    """Negative control for the test above: the barrier routine with a wait that does not carry
-    out the deferred copies (so a buffer is rewritten while its copy is pending) fails it."""
+    """Negative control for the test above: a query that says "done" at once, before the copy
+    has run (so a buffer is rewritten while its copy is pending), fails it."""
     gen = torch.Generator().manual_seed(11)
     table = torch.randint(0, 256, (997, 264), dtype=torch.uint8, generator=gen)
     ids = torch.randint(0, 997, (400,), generator=gen)
-    dst, err, _, _ = _stream_on_host(table, ids, 16, 2, 0, 4, routine="condmem_gather_send")
+    dst, err, _, _ = _stream_on_host(table, ids, 16, 2, 0, 4, wait="done_query")
     assert err == 0
     assert not torch.equal(dst, table.index_select(0, ids))
 
@@ -288,7 +209,7 @@ def test_a_failed_streaming_send_stops_the_rest_and_returns_its_code():
 
 @needs_native
 def test_the_streaming_timeline_has_every_chunk_in_order():
-    from condmem.tables.staged_transfer import stream_chunk_times
+    from condmem.tables.staged_transfer import chunk_times
 
     gen = torch.Generator().manual_seed(4)
     table = torch.randint(0, 256, (2000, 264), dtype=torch.uint8, generator=gen)
@@ -302,6 +223,6 @@ def test_the_streaming_timeline_has_every_chunk_in_order():
     writable, whole, queued = timeline[1::3], timeline[2::3], timeline[3::3]
     assert bool((writable >= timeline[0]).all()) and bool((writable <= whole).all()) and bool((whole <= queued).all())
     assert bool((whole[1:] >= queued[:-1]).all())                # chunks are queued in order
-    times = stream_chunk_times(timeline)
+    times = chunk_times(timeline)
     assert {k: len(v) for k, v in times.items()} == {"interval": n_chunks, "launch": n_chunks, "late": n_chunks}
     assert min(min(v) for v in times.values()) >= 0

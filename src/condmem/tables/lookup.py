@@ -177,9 +177,6 @@ class LookupEngine:
         native_send: gather and send the CPU share in one native call when a C compiler and
             the CUDA runtime library are found (False: a Python loop per chunk; H200, 393K
             uniform rows: 3.0 vs 5.4 ms).
-        streaming_send: the native send without team barriers (threads stream pieces into
-            the ring; a chunk is sent as soon as it is whole); False: a barrier per chunk
-            (`staged_transfer.StagedSender`), kept to compare.
         stream_gate: queue a lookup's expansion from the caller's thread, behind a
             `stream_gate.StreamGate` that the gather thread opens after the CPU share's DMAs
             (where the driver supports it); False (default): the gather thread queues the
@@ -212,7 +209,7 @@ class LookupEngine:
                  staging_chunk_rows: int = STAGING_CHUNK_ROWS, staging_ring: int = 4,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
-                 native_send: bool = True, streaming_send: bool = True, stream_gate: bool = False,
+                 native_send: bool = True, stream_gate: bool = False,
                  zero_copy_programs: int | None = None):
         self.store = store
         self.device = torch.device(device)
@@ -255,7 +252,6 @@ class LookupEngine:
             self._pool = None
         self.staging_ring = max(2, staging_ring)
         self.native_send = native_send
-        self.streaming_send = streaming_send
         if zero_copy_programs is not None and zero_copy_programs < 1:
             raise ValueError(f"zero_copy_programs must be >= 1 (or None), got {zero_copy_programs}")
         self.zero_copy_programs = zero_copy_programs
@@ -284,8 +280,7 @@ class LookupEngine:
         self.copy_stream.wait_event(planned)    # the plan slot's earlier readers are done
         if self._sender is None:
             self._sender = StagedSender(self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows,
-                                        ring=self.staging_ring, native=self.native_send,
-                                        streaming=self.streaming_send)
+                                        ring=self.staging_ring, native=self.native_send)
         self._sender.send(self.store, ids_host, rows, self.copy_stream, self.cpu_threads)
         stats.mark("cpu share gathered, sends queued", start)
         if not record:

@@ -6,13 +6,15 @@ the device on a copy stream as soon as it is whole, while the threads gather the
 Two ways to run it, same result (the rows land in order at the destination):
 
 * **native** (the default where a C compiler and the CUDA runtime library are found): one
-  call into `native_gather` gathers every chunk inside one OpenMP parallel region and queues
-  each chunk's ``cudaMemcpyAsync`` from the calling thread (~5 us a call, where a
-  ``Tensor.copy_`` cost ~30 us and a thread-team start per chunk more). Measured on the
-  H200 host (``benchmarks/lookup_notes.md``, session 6): 393K uniform rows 3.0 ms vs 5.4 ms
-  for the loop below; the host's memory bandwidth (~70-90 GB/s in all, most of it taken by
-  the 55 GB/s DMA) bounds both. Chunks of 65536 rows were best; smaller ones still lose to
-  a per-chunk cost not yet explained (`StagedSender.record_timeline` times each chunk).
+  call into `native_gather` (`condmem_gather_stream`): OpenMP threads stream 64-row pieces
+  into the ring with no barriers, and the calling thread queues each chunk's
+  ``cudaMemcpyAsync`` as soon as the chunk is whole (~5 us a call, where a ``Tensor.copy_``
+  cost ~30 us) and frees ring buffers by polling their events. Chunks ramp up from
+  `TAIL_CHUNK_ROWS` to the chunk size and back (`chunk_bounds`). Measured on the H200 host
+  (``benchmarks/lookup_notes.md``, sessions 6-7): 105K rows (a text batch's misses) 1.0 ms,
+  where a barrier per chunk took 1.4 ms and the loop below 2.0 ms; 393K uniform rows
+  3.0-3.5 ms vs 3.5-4.1 ms with barriers and 5.4 ms for the loop. The host's memory
+  bandwidth (~70-90 GB/s in all, most of it taken by the 55 GB/s DMA) bounds them.
 * **python** (fallback; also the disk tier with a DRAM row cache in front): a loop of
   `LayerStore.gather_raw` and ``Tensor.copy_(non_blocking=True)`` per chunk.
 """
@@ -32,11 +34,12 @@ from condmem.tables.storage import LayerStore
 log = logging.getLogger("condmem.tables")
 
 STAGING_CHUNK_ROWS = 65536
-"""Default rows per staging chunk (H200, 393K uniform rows: 8192 6.1 ms, 32768 4.0 ms, 65536
-3.0 ms, 131072 3.8 ms; `benchmarks/lookup_notes.md`, session 6)."""
+"""Default rows per staging chunk, the largest of a send's ramped chunks (H200, 393K uniform
+rows, ramped to 16384 / 32768 / 65536 / 131072: 3.7-4.0 / 3.4-3.8 / 3.0-3.5 / 3.4 ms;
+`benchmarks/lookup_notes.md`, session 7)."""
 
 TAIL_CHUNK_ROWS = 4096
-"""Rows of a streaming send's first and last chunks (`chunk_bounds`): the first DMA starts
+"""Rows of a native send's first and last chunks (`chunk_bounds`): the first DMA starts
 after ~30 us of gather, and the last row gathered is followed by a ~20 us DMA, not by the
 ~0.3 ms of a full 65536-row chunk."""
 
@@ -54,9 +57,8 @@ def pick_cuda_runtime(maps: str, cuda_version: str | None) -> str | None:
 
 
 def cuda_runtime_calls() -> tuple | None:
-    """(library, cudaMemcpyAsync, cudaEventRecord, cudaEventSynchronize, cudaEventQuery
-    addresses) of the CUDA runtime this process already loaded (torch's), or None where it
-    cannot be found.
+    """(library, cudaMemcpyAsync, cudaEventRecord, cudaEventQuery addresses) of the CUDA
+    runtime this process already loaded (torch's), or None where it cannot be found.
 
     The library is found in ``/proc/self/maps`` (Linux), so it is the very copy torch uses:
     same context, same streams and events."""
@@ -80,26 +82,12 @@ def cuda_runtime_calls() -> tuple | None:
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         _runtime = (lib, *(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                           for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventSynchronize",
-                                        "cudaEventQuery")))
+                           for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventQuery")))
         return _runtime
 
 
 def chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
-    """Per-chunk host times in microseconds from a barrier send's timeline
-    (`condmem_gather_send`): `wait` (until the chunk's ring buffer was free, i.e. its previous
-    send had finished, and the threads were past the barrier), `gather`, `launch` (queueing the
-    chunk's send and its event)."""
-    t = (timeline - timeline[0]).double() / 1e3
-    ready, gathered, queued = t[1::3], t[2::3], t[3::3]
-    before = torch.cat([t[:1], queued[:-1]])
-    return {"wait": (ready - before).tolist(), "gather": (gathered - ready).tolist(),
-            "launch": (queued - gathered).tolist()}
-
-
-def stream_chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
-    """Per-chunk host times in microseconds from a streaming send's timeline
-    (`condmem_gather_stream`): `interval` (since the previous chunk was whole: the send's
+    """Per-chunk host times in microseconds from a native send's timeline: `interval` (since the previous chunk was whole: the send's
     period), `launch` (queueing the chunk's send), `late` (how long after the previous chunk
     was whole this chunk's buffer came free: > 0 when the ring, i.e. the DMA, held the
     threads back)."""
@@ -111,7 +99,7 @@ def stream_chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
 
 
 def chunk_bounds(n: int, max_rows: int, min_rows: int = TAIL_CHUNK_ROWS) -> list[int]:
-    """Row bounds of a streaming send's chunks: sizes ramp up from `min_rows` by doubling to
+    """Row bounds of a native send's chunks: sizes ramp up from `min_rows` by doubling to
     `max_rows`, stay there, and ramp back down to `min_rows` at the end (as far as `n`
     allows), so the first DMA starts early and the last one is short; every chunk has at
     most `max_rows` rows. E.g. 105000 rows, 65536 / 4096: 4096, 8192, 16384, 23828, 23828,
@@ -148,10 +136,8 @@ class StagedSender:
         chunk_rows: rows per staging chunk (a chunk is sent while the next is gathered).
         ring: chunks in the ring (each reused once its last send has finished).
         native: use the native path when available (False: the torch loop, e.g. to compare).
-        streaming: native path without team barriers (`condmem_gather_stream`), chunks
-            ramped from `tail_rows` up to `chunk_rows` and back (`chunk_bounds`); False: the
-            barrier-per-chunk routine (`condmem_gather_send`), kept to compare.
-        tail_rows: a streaming send's first and last chunk sizes (`chunk_rows`: no ramp).
+        tail_rows: a native send's first and last chunk sizes, ramped up to `chunk_rows` and
+            back (`chunk_bounds`; `chunk_rows`: no ramp).
 
     Example:
         >>> sender = StagedSender(264, "cuda")
@@ -160,7 +146,7 @@ class StagedSender:
     """
 
     def __init__(self, row_bytes: int, device: str | torch.device, chunk_rows: int = STAGING_CHUNK_ROWS,
-                 ring: int = 4, native: bool = True, streaming: bool = True, tail_rows: int = TAIL_CHUNK_ROWS):
+                 ring: int = 4, native: bool = True, tail_rows: int = TAIL_CHUNK_ROWS):
         if chunk_rows < 1 or ring < 2:
             raise ValueError(f"StagedSender needs chunk_rows >= 1 and ring >= 2, got {chunk_rows}, {ring}")
         self.row_bytes = row_bytes
@@ -182,7 +168,6 @@ class StagedSender:
         """Native path: keep each send's per-chunk host timeline in `last_timeline` (diagnostics)."""
         self.last_timeline: dict | None = None
         self.native = native and native_gather.available() and cuda_runtime_calls() is not None
-        self.streaming = streaming
         self._ring_ptrs = (ctypes.c_void_p * ring)(*(b.data_ptr() for b in self.buffers))
         self._event_ptrs = (ctypes.c_void_p * ring)(*(e.cuda_event for e in self.events))
 
@@ -205,40 +190,32 @@ class StagedSender:
         if n == 0:
             return
         ids = ids.contiguous()
-        # Streaming: chunks of `chunk_bounds` sizes; otherwise fixed chunks of `chunk_rows`.
-        bounds = (chunk_bounds(n, self.chunk_rows, self.tail_rows) if self.uses_native(store) and self.streaming
-                  else None)
-        n_chunks = len(bounds) - 1 if bounds else -(-n // self.chunk_rows)
+        native = self.uses_native(store)
+        # Native: chunks of `chunk_bounds` sizes; the torch loop: fixed chunks of `chunk_rows`.
+        bounds = chunk_bounds(n, self.chunk_rows, self.tail_rows) if native else None
+        n_chunks = len(bounds) - 1 if native else -(-n // self.chunk_rows)
         start, self._next = self._next, (self._next + n_chunks) % len(self.buffers)
         with torch.cuda.device(self.device):   # the runtime calls act on the current device
-            if self.uses_native(store):
-                self._send_native(store, ids, dst, stream, threads, start, n_chunks, bounds)
+            if native:
+                self._send_native(store, ids, dst, stream, threads, start, bounds)
             else:
                 self._send_torch(store, ids, dst, stream, threads, start)
 
-    def _send_native(self, store, ids, dst, stream, threads, start, n_chunks, bounds=None) -> None:
-        runtime, memcpy_async, record, sync, query = cuda_runtime_calls()
+    def _send_native(self, store, ids, dst, stream, threads, start, bounds: list[int]) -> None:
+        runtime, memcpy_async, record, query = cuda_runtime_calls()
         lib = native_gather._load()
-        n = ids.numel()
-        if bounds is not None:
-            bounds = torch.tensor(bounds, dtype=torch.int64)
-            timeline = torch.zeros(3 * len(bounds) - 2, dtype=torch.int64) if self.record_timeline else None
-            err = lib.condmem_gather_stream(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), self._ring_ptrs,
-                                            self._event_ptrs, len(self.buffers), start, bounds.data_ptr(),
-                                            len(bounds) - 1, dst.data_ptr(), stream.cuda_stream, memcpy_async,
-                                            record, query, int(threads),
-                                            None if timeline is None else timeline.data_ptr())
-        else:
-            timeline = torch.zeros(1 + 3 * n_chunks, dtype=torch.int64) if self.record_timeline else None
-            err = lib.condmem_gather_send(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), n,
-                                          self._ring_ptrs, self._event_ptrs, len(self.buffers), start,
-                                          self.chunk_rows, dst.data_ptr(), stream.cuda_stream, memcpy_async,
-                                          record, sync, int(threads), None if timeline is None else timeline.data_ptr())
+        bounds_t = torch.tensor(bounds, dtype=torch.int64)
+        timeline = torch.zeros(3 * len(bounds) - 2, dtype=torch.int64) if self.record_timeline else None
+        err = lib.condmem_gather_stream(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), self._ring_ptrs,
+                                        self._event_ptrs, len(self.buffers), start, bounds_t.data_ptr(),
+                                        len(bounds) - 1, dst.data_ptr(), stream.cuda_stream, memcpy_async,
+                                        record, query, int(threads),
+                                        None if timeline is None else timeline.data_ptr())
         if timeline is not None:
-            self.last_timeline = (chunk_times if bounds is None else stream_chunk_times)(timeline)
+            self.last_timeline = chunk_times(timeline)
         if err:
             message = runtime.cudaGetErrorString(err).decode(errors="replace")
-            raise RuntimeError(f"staged send of {n} rows failed: CUDA error {err} ({message})")
+            raise RuntimeError(f"staged send of {ids.numel()} rows failed: CUDA error {err} ({message})")
 
     def _send_torch(self, store, ids, dst, stream, threads, start) -> None:
         for c, s in enumerate(range(0, ids.numel(), self.chunk_rows)):
