@@ -8,5 +8,9 @@ set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
 python3 -m condmem bench lookup --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_lookup.log"
-python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernels_gather.py \
-  tests/kernels/test_kernels_row_cache.py tests/tables tests/runtime 2>&1 | tail -n 15 | tee "$OUT/tables_tests.log"
+# A hung test costs the session's device time: each test gets 120 s (faulthandler then dumps
+# every thread's stack into the log) and the suite 900 s (SIGINT: pytest reports where it was).
+timeout -s INT 900 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 \
+  tests/kernels/test_kernels_gather.py tests/kernels/test_kernels_row_cache.py tests/tables tests/runtime \
+  tests/test_capture_guard.py > "$OUT/tables_tests_full.log" 2>&1
+tail -n 15 "$OUT/tables_tests_full.log" | tee "$OUT/tables_tests.log"
