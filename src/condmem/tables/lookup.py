@@ -55,6 +55,7 @@ from condmem.ops.gather import engram_gather
 from condmem.tables.lookup_plan import (
     COUNT_NAMES,
     N_COUNTS,
+    ONE_PROGRAM_PER_BLOCK,
     LookupPlan,
     as_words,
     fill_plan_ids,
@@ -191,6 +192,14 @@ class LookupEngine:
             grid). A host-reading kernel that holds every SM slows the plan's and the cache's
             kernels queued beside it (why the text stream's calibration keeps the whole share
             on the CPU); a small grid may leave them room. Experimental, not yet measured.
+        zero_copy_yields: run the zero-copy kernel as one short program per 32 rows on a
+            low-priority stream, so the plan's and cache's kernels (high priority) take SMs
+            as its programs end. Why: its persistent grid (4 programs of 128 threads per SM,
+            215 registers a thread under Triton 3.6: 2 fit in an SM's 64K registers, so it
+            runs in two waves holding ~84% of every SM's registers) leaves no room beside it;
+            on the H200 each lookup's plan completed only ~0.6 ms after the previous
+            lookup's zero-copy kernel, serializing the CPU and GPU shares across lookups
+            (`benchmarks/lookup_notes.md`, session 7, section 7). Experimental, GPU-untested.
         max_in_flight: lookups in flight at once (and plan slots per batch size); a further
             `lookup` waits for the oldest one's CPU share.
         graphs: replay each plan and admission as a CUDA graph (captured on the second use
@@ -210,7 +219,7 @@ class LookupEngine:
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
                  native_send: bool = True, stream_gate: bool = False,
-                 zero_copy_programs: int | None = None):
+                 zero_copy_programs: int | None = None, zero_copy_yields: bool = False):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -239,7 +248,8 @@ class LookupEngine:
             # High priority everywhere: beside a forward pass, the lookup's few short kernels
             # take the next free SMs instead of queueing behind the forward's.
             self.stream = torch.cuda.Stream(self.device, priority=-1)            # plan: dedup, cache, ids out
-            self.zero_copy_stream = torch.cuda.Stream(self.device, priority=-1)  # GPU reads of host rows
+            # GPU reads of host rows: high priority too, or low when its programs yield to the plan's.
+            self.zero_copy_stream = torch.cuda.Stream(self.device, priority=0 if zero_copy_yields else -1)
             self.copy_stream = torch.cuda.Stream(self.device, priority=-1)       # DMAs of the CPU share
             self.finish_stream = torch.cuda.Stream(self.device, priority=-1)     # assemble, expand
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
@@ -255,6 +265,7 @@ class LookupEngine:
         if zero_copy_programs is not None and zero_copy_programs < 1:
             raise ValueError(f"zero_copy_programs must be >= 1 (or None), got {zero_copy_programs}")
         self.zero_copy_programs = zero_copy_programs
+        self.zero_copy_yields = zero_copy_yields
         self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
         self.graphs = graphs and self.on_gpu
         self.max_plan_sizes = max(1, max_plan_sizes)
@@ -445,7 +456,8 @@ class LookupEngine:
                 # Each row goes straight to its compact row (one kernel, HBM or zero-copy host);
                 # padding (row n, past compact[:n]) reads and stores nothing.
                 move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n],
-                          max_programs=self.zero_copy_programs)
+                          max_programs=self.zero_copy_programs,
+                          programs_per_sm=ONE_PROGRAM_PER_BLOCK if self.zero_copy_yields else None)
                 batch.zero_copy_done = self._event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:

@@ -45,14 +45,20 @@ def as_words(raw: torch.Tensor) -> torch.Tensor | None:
     return None if words.dtype == torch.uint8 else words
 
 
+ONE_PROGRAM_PER_BLOCK = 1 << 20
+"""`move_rows(programs_per_sm=...)` for a grid of one program per block of rows (not persistent)."""
+
+
 def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor,
-              max_programs: int | None = None) -> None:
+              max_programs: int | None = None, programs_per_sm: int | None = None) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]`` (raw uint8 rows) for every i whose destination is
     inside `dst`; the others (padding) store nothing, and read nothing when their source index
-    is -1. One kernel on CUDA, no host sync; `max_programs` caps its grid."""
+    is -1. One kernel on CUDA, no host sync; `max_programs` caps its grid, `programs_per_sm`
+    sets it (None: the gather's default persistent grid; `ONE_PROGRAM_PER_BLOCK`: short programs)."""
     src_words, dst_words = as_words(src), as_words(dst)
     if src_words is not None and dst_words is not None:
-        engram_gather(src_index, src_words, out=dst_words, out_index=dst_index, max_programs=max_programs)
+        grid = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}
+        engram_gather(src_index, src_words, out=dst_words, out_index=dst_index, max_programs=max_programs, **grid)
         return
     # Odd row sizes (no table format has them): boolean indexing, which syncs on CUDA.
     inside = (dst_index >= 0) & (dst_index < dst.shape[0])
