@@ -32,7 +32,9 @@ On a GPU, steps 1-3's planning runs on fixed-size padded buffers with no host sy
 one CUDA graph (`condmem.tables.lookup_plan`; the admission of step 5 too), and lookups
 are **pipelined**: `lookup` returns a `LookupHandle` once the plan is queued; a worker
 thread waits for its counts, gathers the CPU share, and queues the DMAs and the
-expansion, while the zero-copy share runs on a stream of its own. So
+expansion (or, with `stream_gate`, the caller queues the expansion at once, behind a gate
+the worker opens after its DMAs), while the zero-copy share runs on a stream of its own.
+The worker's syncs never overlap a plan's graph capture (`utils.capture_guard`). So
 while batch i's rows are gathered on the CPU, batch i+1 is already deduplicated and
 probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
 wait for the rows' event, so layers queued before it overlap with the fetch. The rows
