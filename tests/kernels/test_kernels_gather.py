@@ -67,6 +67,9 @@ def _tables(fmt, rows, head_dim, seed, device):
         return (w.to(torch.bfloat16),), {}
     if fmt == "fp32":
         return (w,), {}
+    if fmt == "int64-words":      # 8-byte words (the engine's `zero_copy_word_bytes=8` row moves)
+        packed = pack_rows(q, e)
+        return (packed.view(torch.int64) if packed.shape[1] % 8 == 0 else w.view(torch.int64),), {}
     return (pack_rows(q, e).view(torch.int32) if (head_dim + head_dim // 32) % 4 == 0 else w.view(torch.int32),), {}
 
 
@@ -125,7 +128,7 @@ def test_gather_capped_grid_still_covers_every_row(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["packed", "int32-words"])
+@pytest.mark.parametrize("fmt", ["packed", "int32-words", "int64-words"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_gather_scatters_to_out_index(fmt, backend, device):
     """`out_index`: row i lands in out[out_index[i]]; padding entries (index out of range, id -1)

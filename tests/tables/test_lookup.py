@@ -185,8 +185,9 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("region_bytes", [64 << 10, 4 * 72], ids=["region64k", "region4rows"])
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3])
-@pytest.mark.parametrize("send", [{}, {"stream_gate": True}, {"native_send": False}, {"zero_copy_yields": True}],
-                         ids=["native", "native-gate", "pysend", "zero-copy-yields"])
+@pytest.mark.parametrize("send", [{}, {"stream_gate": True}, {"native_send": False}, {"zero_copy_yields": True},
+                                  {"zero_copy_word_bytes": 8}],
+                         ids=["native", "native-gate", "pysend", "zero-copy-yields", "zero-copy-8-byte-words"])
 def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight, send):
     """Many lookups in flight (the next planned while the last is gathered), waited out of order,
     with hot ids repeating across batches so hits come from rows admitted by earlier lookups;

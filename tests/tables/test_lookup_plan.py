@@ -173,8 +173,10 @@ def test_a_bucketed_plan_equals_the_plan_of_the_batch_alone(cached):
     assert torch.equal(alone.compact[hits], bucketed.compact[hits]) or not cached
 
 
-@pytest.mark.parametrize("row_bytes", [8, 6, 7])      # 4-byte words, 2-byte words, no words (odd)
-def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes):
+@pytest.mark.parametrize("row_bytes, word_bytes", [(8, 4), (6, 4), (7, 4), (264, 8), (12, 8)])
+def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes, word_bytes):
+    """4-byte words, 2-byte words, no words (odd rows); 8-byte words, and 12 B rows that fall
+    back to 4-byte words when 8-byte ones are asked for."""
     from condmem.tables.lookup_plan import move_rows
 
     gen = torch.Generator().manual_seed(row_bytes)
@@ -183,7 +185,7 @@ def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes):
     dst = torch.full((12, row_bytes), 0xEE, dtype=torch.uint8)
     src_index = torch.tensor([0, 5, 19, 3, -1])
     dst_index = torch.tensor([11, 0, 4, 12, -1])               # 12 and -1: outside dst (padding)
-    move_rows(src, src_index, dst, dst_index)
+    move_rows(src, src_index, dst, dst_index, word_bytes=word_bytes)
     expect = torch.full_like(dst, 0xEE)
     expect[11], expect[0], expect[4] = src[0], src[5], src[19]
     assert torch.equal(dst, expect)

@@ -121,11 +121,11 @@ def parse_variant(text: str) -> dict:
     in flight (`max_in_flight`, default 2), flags ``+pysend`` (`native_send=False`: the CPU
     share sent by a Python loop per chunk), ``+gate`` (`stream_gate=True`: the caller's thread
     queues each expansion behind a stream gate), ``+yield`` (`zero_copy_yields=True`: short
-    zero-copy programs on a low-priority stream), ``+cN`` (N rows per staging chunk), ``+rN`` (N chunks
-    in the staging ring), ``+zN`` (the zero-copy kernel's grid capped at N programs), and
+    zero-copy programs on a low-priority stream), ``+w8`` (`zero_copy_word_bytes=8`), ``+cN``
+    (N rows per staging chunk), ``+rN`` (N chunks in the staging ring), ``+zN`` (the zero-copy kernel's grid capped at N programs), and
     ``/torch`` or ``/triton`` for the cache's probe and admission (default: Triton on CUDA),
     e.g. ``graphs@3+c16384+r8+z64/torch``."""
-    usage = "graphs|eager[@in_flight][+pysend][+gate][+yield][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
+    usage = "graphs|eager[@in_flight][+pysend][+gate][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
@@ -133,13 +133,14 @@ def parse_variant(text: str) -> dict:
     programs = [f[1:] for f in flags if f.startswith("z")]
     rings = [f[1:] for f in flags if f.startswith("r")]
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f not in ("pysend", "gate", "yield") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
+            or any(f not in ("pysend", "gate", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
                                                           and int(f[1:]) > 0) for f in flags)
             or len(chunks) > 1 or len(programs) > 1 or len(rings) > 1 or (rings and int(rings[0]) < 2)):
         raise SystemExit(f"--engines: {text!r} is not {usage}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
             "stream_gate": "gate" in flags, "zero_copy_yields": "yield" in flags,
+            "zero_copy_word_bytes": 8 if "w8" in flags else 4,
             "staging_chunk_rows": int(chunks[0]) if chunks else None,
             "staging_ring": int(rings[0]) if rings else None,
             "zero_copy_programs": int(programs[0]) if programs else None}
@@ -267,6 +268,7 @@ def run_lookup(args) -> list[dict]:
                                       native_send=variant["native_send"],
                                       stream_gate=variant["stream_gate"],
                                       zero_copy_yields=variant["zero_copy_yields"],
+                                      zero_copy_word_bytes=variant["zero_copy_word_bytes"],
                                       zero_copy_programs=variant["zero_copy_programs"],
                                       **staging_chunk_option(variant, args))
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:

@@ -202,6 +202,9 @@ class LookupEngine:
             on the H200 each lookup's plan completed only ~0.6 ms after the previous
             lookup's zero-copy kernel, serializing the CPU and GPU shares across lookups
             (`benchmarks/lookup_notes.md`, session 7, section 7). Experimental, GPU-untested.
+        zero_copy_word_bytes: 4, or 8 to move the zero-copy share's rows as 8-byte words
+            (half the kernel's registers per row in flight: `lookup_plan.move_rows`).
+            Experimental, GPU-untested.
         max_in_flight: lookups in flight at once (and plan slots per batch size); a further
             `lookup` waits for the oldest one's CPU share.
         graphs: replay each plan and admission as a CUDA graph (captured on the second use
@@ -221,7 +224,8 @@ class LookupEngine:
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
                  native_send: bool = True, stream_gate: bool = False,
-                 zero_copy_programs: int | None = None, zero_copy_yields: bool = False):
+                 zero_copy_programs: int | None = None, zero_copy_yields: bool = False,
+                 zero_copy_word_bytes: int = 4):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -268,6 +272,9 @@ class LookupEngine:
             raise ValueError(f"zero_copy_programs must be >= 1 (or None), got {zero_copy_programs}")
         self.zero_copy_programs = zero_copy_programs
         self.zero_copy_yields = zero_copy_yields
+        if zero_copy_word_bytes not in (4, 8):
+            raise ValueError(f"zero_copy_word_bytes must be 4 or 8, got {zero_copy_word_bytes}")
+        self.zero_copy_word_bytes = zero_copy_word_bytes
         self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
         self.graphs = graphs and self.on_gpu
         self.max_plan_sizes = max(1, max_plan_sizes)
@@ -459,7 +466,8 @@ class LookupEngine:
                 # padding (row n, past compact[:n]) reads and stores nothing.
                 move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n],
                           max_programs=self.zero_copy_programs,
-                          programs_per_sm=ONE_PROGRAM_PER_BLOCK if self.zero_copy_yields else None)
+                          programs_per_sm=ONE_PROGRAM_PER_BLOCK if self.zero_copy_yields else None,
+                          word_bytes=self.zero_copy_word_bytes)
                 batch.zero_copy_done = self._event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:

@@ -38,10 +38,11 @@ N_COUNTS = 8
 COUNT_NAMES = ("n_cpu", "n_gpu", "n_miss", "n_unique", "bad", "min_id", "max_id")
 
 
-def as_words(raw: torch.Tensor) -> torch.Tensor | None:
-    """Raw uint8 rows viewed as 4- or 2-byte float words, which the gather kernel moves bit for bit
-    (a plain load and store, no arithmetic); None when the row size is odd."""
-    words = row_words(raw, FLOAT_WORDS)
+def as_words(raw: torch.Tensor, word_bytes: int = 4) -> torch.Tensor | None:
+    """Raw uint8 rows viewed as 4- or 2-byte float words (or 8-byte integer words first, with
+    ``word_bytes=8``), which the gather kernel moves bit for bit (a plain load and store, no
+    arithmetic); None when the row size is odd."""
+    words = row_words(raw, ((torch.int64,) if word_bytes == 8 else ()) + FLOAT_WORDS)
     return None if words.dtype == torch.uint8 else words
 
 
@@ -50,12 +51,19 @@ ONE_PROGRAM_PER_BLOCK = 1 << 20
 
 
 def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor,
-              max_programs: int | None = None, programs_per_sm: int | None = None) -> None:
+              max_programs: int | None = None, programs_per_sm: int | None = None, word_bytes: int = 4) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]`` (raw uint8 rows) for every i whose destination is
     inside `dst`; the others (padding) store nothing, and read nothing when their source index
     is -1. One kernel on CUDA, no host sync; `max_programs` caps its grid, `programs_per_sm`
-    sets it (None: the gather's default persistent grid; `ONE_PROGRAM_PER_BLOCK`: short programs)."""
-    src_words, dst_words = as_words(src), as_words(dst)
+    sets it (None: the gather's default persistent grid; `ONE_PROGRAM_PER_BLOCK`: short programs).
+
+    `word_bytes` 8 moves 8-byte words where the row size allows (264 B rows: 33 of them, in a
+    64-lane tile, where 4-byte words fill 66 of 128 lanes): compiled for sm_90 under Triton
+    3.6, 114 registers a thread instead of 215 at 32 rows a program, so twice the programs
+    (and rows in flight) fit an SM (session 7; not yet timed on a GPU)."""
+    src_words, dst_words = as_words(src, word_bytes), as_words(dst, word_bytes)
+    if src_words is not None and dst_words is not None and src_words.dtype != dst_words.dtype:
+        src_words, dst_words = as_words(src), as_words(dst)      # both views must agree
     if src_words is not None and dst_words is not None:
         grid = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}
         engram_gather(src_index, src_words, out=dst_words, out_index=dst_index, max_programs=max_programs, **grid)
