@@ -189,3 +189,11 @@ def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes, word_bytes):
     expect = torch.full_like(dst, 0xEE)
     expect[11], expect[0], expect[4] = src[0], src[5], src[19]
     assert torch.equal(dst, expect)
+
+
+def test_move_rows_refuses_rows_of_different_sizes():
+    from condmem.tables.lookup_plan import move_rows
+
+    with pytest.raises(ValueError, match="source rows of 264 B, destination rows of 256 B"):
+        move_rows(torch.zeros((4, 264), dtype=torch.uint8), torch.tensor([0]), torch.zeros((4, 256), dtype=torch.uint8),
+                  torch.tensor([0]))

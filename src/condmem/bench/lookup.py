@@ -116,16 +116,22 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     return out
 
 
+VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+gate][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
+VARIANT_FLAGS = (
+    "graphs or eager: plans replayed as CUDA graphs or launched kernel by kernel; @D: D lookups in flight "
+    "(default 2); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +gate: "
+    "stream_gate=True, the caller queues each expansion behind a stream gate; +yield: zero_copy_yields=True, "
+    "short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; +cN: N rows per staging "
+    "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs; /torch or "
+    "/triton: the cache's probe and admission (default Triton on CUDA)")
+ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "stream_gate", "zero_copy_yields", "zero_copy_word_bytes",
+               "zero_copy_programs")
+"""A variant's entries that are `LookupEngine` arguments as they are (`engine_options` adds the staging ones)."""
+
+
 def parse_variant(text: str) -> dict:
-    """An engine variant for A/B runs: ``graphs`` or ``eager`` plans, optionally ``@D`` lookups
-    in flight (`max_in_flight`, default 2), flags ``+pysend`` (`native_send=False`: the CPU
-    share sent by a Python loop per chunk), ``+gate`` (`stream_gate=True`: the caller's thread
-    queues each expansion behind a stream gate), ``+yield`` (`zero_copy_yields=True`: short
-    zero-copy programs on a low-priority stream), ``+w8`` (`zero_copy_word_bytes=8`), ``+cN``
-    (N rows per staging chunk), ``+rN`` (N chunks in the staging ring), ``+zN`` (the zero-copy kernel's grid capped at N programs), and
-    ``/torch`` or ``/triton`` for the cache's probe and admission (default: Triton on CUDA),
-    e.g. ``graphs@3+c16384+r8+z64/torch``."""
-    usage = "graphs|eager[@in_flight][+pysend][+gate][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
+    """An engine variant for A/B runs, written `VARIANT_GRAMMAR` (`VARIANT_FLAGS` says what each
+    part does), e.g. ``graphs@3+c16384+r8+z64/torch``."""
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
@@ -134,9 +140,9 @@ def parse_variant(text: str) -> dict:
     rings = [f[1:] for f in flags if f.startswith("r")]
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
             or any(f not in ("pysend", "gate", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
-                                                          and int(f[1:]) > 0) for f in flags)
+                                                                       and int(f[1:]) > 0) for f in flags)
             or len(chunks) > 1 or len(programs) > 1 or len(rings) > 1 or (rings and int(rings[0]) < 2)):
-        raise SystemExit(f"--engines: {text!r} is not {usage}")
+        raise SystemExit(f"--engines: {text!r} is not {VARIANT_GRAMMAR}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
             "stream_gate": "gate" in flags, "zero_copy_yields": "yield" in flags,
@@ -146,12 +152,15 @@ def parse_variant(text: str) -> dict:
             "zero_copy_programs": int(programs[0]) if programs else None}
 
 
-def staging_chunk_option(variant: dict, args) -> dict:
-    """The engine's staging options for a variant: `staging_chunk_rows` from its ``+cN``, else
-    ``--staging-chunk-rows``' first value, else the engine's default; `staging_ring` from its ``+rN``."""
+def engine_options(variant: dict, args) -> dict:
+    """`LookupEngine` keyword arguments of a variant: its `ENGINE_KEYS`, `staging_chunk_rows` from
+    its ``+cN``, else ``--staging-chunk-rows``' first value, else the engine's default, and
+    `staging_ring` from its ``+rN``."""
+    options = {key: variant[key] for key in ENGINE_KEYS}
     rows = variant["staging_chunk_rows"] or (args.staging_chunk_rows or [None])[0]
-    options = {} if rows is None else {"staging_chunk_rows": rows}
-    if variant.get("staging_ring"):
+    if rows is not None:
+        options["staging_chunk_rows"] = rows
+    if variant["staging_ring"]:
         options["staging_ring"] = variant["staging_ring"]
     return options
 
@@ -264,13 +273,7 @@ def run_lookup(args) -> list[dict]:
                          if cached else None)
                 engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
                                       cpu_threads=(args.cpu_threads or [None])[0],
-                                      graphs=variant["graphs"], max_in_flight=variant["max_in_flight"],
-                                      native_send=variant["native_send"],
-                                      stream_gate=variant["stream_gate"],
-                                      zero_copy_yields=variant["zero_copy_yields"],
-                                      zero_copy_word_bytes=variant["zero_copy_word_bytes"],
-                                      zero_copy_programs=variant["zero_copy_programs"],
-                                      **staging_chunk_option(variant, args))
+                                      **engine_options(variant, args))
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                     if stream == "text":
                         # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
@@ -384,13 +387,9 @@ def add_arguments(p) -> None:
     p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
                    help="host memory strategy")
     p.add_argument("--engines", nargs="+", default=None,
-                   help="engine variants measured one after another on the same table, for A/B runs: "
-                        "graphs|eager[@in_flight][+pysend][+cROWS][+zPROGRAMS][/torch|/triton] (plans as CUDA "
-                        "graphs or kernel by kernel; lookups in flight, default 2; +pysend: "
-                        "LookupEngine(native_send=False); "
-                        "+cROWS: ROWS per staging chunk; +zPROGRAMS: the zero-copy kernel's grid capped; the "
-                        "cache's probe and admission as torch ops or Triton kernels, default Triton on CUDA), "
-                        "e.g. 'graphs graphs+pysend graphs+c131072 graphs+z64 graphs/torch eager'")
+                   help=f"engine variants measured one after another on the same table, for A/B runs, each "
+                        f"{VARIANT_GRAMMAR} ({VARIANT_FLAGS}), e.g. 'graphs graphs+gate graphs+yield+w8 "
+                        f"graphs+c32768 graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")
     p.add_argument("--eager-plans", action="store_true",

@@ -189,7 +189,8 @@ class LookupEngine:
         direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
-        region_bytes: the zero-copy translation granule used to split misses (`split_by_density`).
+        region_bytes: the zero-copy translation granule used to split misses
+            (`lookup_plan.split_by_density`).
         zero_copy_programs: cap on the zero-copy kernel's grid (None: the full persistent
             grid). A host-reading kernel that holds every SM slows the plan's and the cache's
             kernels queued beside it (why the text stream's calibration keeps the whole share

@@ -61,10 +61,10 @@ def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst
     64-lane tile, where 4-byte words fill 66 of 128 lanes): compiled for sm_90 under Triton
     3.6, 114 registers a thread instead of 215 at 32 rows a program, so twice the programs
     (and rows in flight) fit an SM (session 7; not yet timed on a GPU)."""
-    src_words, dst_words = as_words(src, word_bytes), as_words(dst, word_bytes)
-    if src_words is not None and dst_words is not None and src_words.dtype != dst_words.dtype:
-        src_words, dst_words = as_words(src), as_words(dst)      # both views must agree
-    if src_words is not None and dst_words is not None:
+    if src.shape[-1] != dst.shape[-1]:
+        raise ValueError(f"move_rows: source rows of {src.shape[-1]} B, destination rows of {dst.shape[-1]} B")
+    src_words, dst_words = as_words(src, word_bytes), as_words(dst, word_bytes)   # same row size: same dtype
+    if src_words is not None:
         grid = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}
         engram_gather(src_index, src_words, out=dst_words, out_index=dst_index, max_programs=max_programs, **grid)
         return

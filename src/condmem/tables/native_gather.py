@@ -238,50 +238,58 @@ def _cache_dir() -> Path:
 
 
 def _load():
+    """The loaded library, or None (compiled on the first call; later calls take no lock:
+    every native gather and send calls this)."""
     global _lib, _tried
+    if _tried:
+        return _lib
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("CONDMEM_NATIVE", "1") == "0":
-            log.info("native CPU gather disabled (CONDMEM_NATIVE=0): using torch.index_select")
-            return None
-        cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-        if cc is None:
-            log.warning("no C compiler found: the CPU gather falls back to torch.index_select (slower on big tables)")
-            return None
-        digest = hashlib.sha256((_SOURCE + cc).encode()).hexdigest()[:16]
-        target = _cache_dir() / f"gather-{digest}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                src = Path(tmp) / "gather.c"
-                src.write_text(_SOURCE)
-                out = Path(tmp) / "gather.so"
-                cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                if proc.returncode != 0:
-                    log.warning("compiling the native CPU gather failed (%s): falling back to torch.index_select",
-                                proc.stderr.strip()[:300])
-                    return None
-                os.replace(out, target)  # atomic: concurrent processes see a whole file or none
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError as exc:
-            log.warning("loading the native CPU gather failed (%s): falling back to torch.index_select", exc)
-            return None
-        lib.condmem_gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_void_p, ctypes.c_int]
-        lib.condmem_gather_rows.restype = None
-        lib.condmem_gather_stream.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,                     # src, row_bytes, ids
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,        # ring, events, ring_len, start
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,   # bounds, n_chunks, dst, stream
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,      # memcpy, record, query, threads
-            ctypes.c_void_p]                                                      # timeline (or None)
-        lib.condmem_gather_stream.restype = ctypes.c_int
-        _lib = lib
-        return lib
+        if not _tried:
+            _lib = _compile_and_load()
+            _tried = True      # set after _lib: a caller that sees it sees the library too
+    return _lib
+
+
+def _compile_and_load():
+    """Compile the C source (once per machine: cached by its hash) and load it; None on failure."""
+    if os.environ.get("CONDMEM_NATIVE", "1") == "0":
+        log.info("native CPU gather disabled (CONDMEM_NATIVE=0): using torch.index_select")
+        return None
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler found: the CPU gather falls back to torch.index_select (slower on big tables)")
+        return None
+    digest = hashlib.sha256((_SOURCE + cc).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"gather-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "gather.c"
+            src.write_text(_SOURCE)
+            out = Path(tmp) / "gather.so"
+            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                log.warning("compiling the native CPU gather failed (%s): falling back to torch.index_select",
+                            proc.stderr.strip()[:300])
+                return None
+            os.replace(out, target)  # atomic: concurrent processes see a whole file or none
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        log.warning("loading the native CPU gather failed (%s): falling back to torch.index_select", exc)
+        return None
+    lib.condmem_gather_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_void_p, ctypes.c_int]
+    lib.condmem_gather_rows.restype = None
+    lib.condmem_gather_stream.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,                     # src, row_bytes, ids
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,        # ring, events, ring_len, start
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,   # bounds, n_chunks, dst, stream
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,      # memcpy, record, query, threads
+        ctypes.c_void_p]                                                      # timeline (or None)
+    lib.condmem_gather_stream.restype = ctypes.c_int
+    return lib
 
 
 def runtime_stand_ins() -> dict[str, int]:

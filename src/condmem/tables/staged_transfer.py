@@ -22,8 +22,8 @@ Two ways to run it, same result (the rows land in order at the destination):
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -43,11 +43,6 @@ TAIL_CHUNK_ROWS = 4096
 after ~30 us of gather, and the last row gathered is followed by a ~20 us DMA, not by the
 ~0.3 ms of a full 65536-row chunk."""
 
-_runtime_lock = threading.Lock()
-_runtime: tuple | None = None
-_runtime_tried = False
-
-
 def pick_cuda_runtime(maps: str, cuda_version: str | None) -> str | None:
     """The CUDA runtime library among a process's mappings (``/proc/self/maps`` text): the one
     of torch's CUDA major version first, should several be loaded; None when there is none."""
@@ -56,41 +51,36 @@ def pick_cuda_runtime(maps: str, cuda_version: str | None) -> str | None:
     return next((p for p in loaded if major and f"libcudart.so.{major}" in p), loaded[0] if loaded else None)
 
 
+@functools.cache   # per send, so no lock once found (two threads racing here find the same library)
 def cuda_runtime_calls() -> tuple | None:
     """(library, cudaMemcpyAsync, cudaEventRecord, cudaEventQuery addresses) of the CUDA
     runtime this process already loaded (torch's), or None where it cannot be found.
 
     The library is found in ``/proc/self/maps`` (Linux), so it is the very copy torch uses:
     same context, same streams and events."""
-    global _runtime, _runtime_tried
-    with _runtime_lock:
-        if _runtime_tried:
-            return _runtime
-        _runtime_tried = True
-        if not torch.cuda.is_available():
-            return None
-        torch.cuda.init()
-        try:
-            maps = Path("/proc/self/maps").read_text()
-        except OSError:
-            return None
-        path = pick_cuda_runtime(maps, torch.version.cuda)
-        if path is None:
-            log.info("CUDA runtime library not found among the loaded ones: staged sends go through torch")
-            return None
-        lib = ctypes.CDLL(path)
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        _runtime = (lib, *(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                           for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventQuery")))
-        return _runtime
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    path = pick_cuda_runtime(maps, torch.version.cuda)
+    if path is None:
+        log.info("CUDA runtime library not found among the loaded ones: staged sends go through torch")
+        return None
+    lib = ctypes.CDLL(path)
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+    return (lib, *(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                   for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventQuery")))
 
 
 def chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
-    """Per-chunk host times in microseconds from a native send's timeline: `interval` (since the previous chunk was whole: the send's
-    period), `launch` (queueing the chunk's send), `late` (how long after the previous chunk
-    was whole this chunk's buffer came free: > 0 when the ring, i.e. the DMA, held the
-    threads back)."""
+    """Per-chunk host times in microseconds from a native send's timeline: `interval` (since
+    the previous chunk was whole: the send's period), `launch` (queueing the chunk's send),
+    `late` (how long after the previous chunk was whole this chunk's buffer came free: > 0
+    when the ring, i.e. the DMA, held the threads back)."""
     t = (timeline - timeline[0]).double() / 1e3
     writable, whole, queued = t[1::3], t[2::3], t[3::3]
     before = torch.cat([t[:1], whole[:-1]])

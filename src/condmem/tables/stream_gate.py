@@ -26,40 +26,32 @@ engine then queues the expansion from the gather thread, as before.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import threading
 
 import torch
 
 log = logging.getLogger("condmem.tables")
 
 WAIT_GEQ = 0x0          # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
-_lock = threading.Lock()
-_calls: tuple | None = None
-_tried = False
 
 
+@functools.cache   # (two threads racing here both find the same functions: harmless)
 def _driver_calls() -> tuple | None:
     """(cuStreamWaitValue32, cuStreamWriteValue32) of the loaded CUDA driver, or None."""
-    global _calls, _tried
-    with _lock:
-        if _tried:
-            return _calls
-        _tried = True
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    found = []
+    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
+        fn = getattr(lib, f"{name}_v2", None) or getattr(lib, name, None)
+        if fn is None:
             return None
-        found = []
-        for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
-            fn = getattr(lib, f"{name}_v2", None) or getattr(lib, name, None)
-            if fn is None:
-                return None
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            found.append(fn)
-        _calls = tuple(found)
-        return _calls
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        found.append(fn)
+    return tuple(found)
 
 
 class StreamGate:
