@@ -80,28 +80,3 @@ def test_the_guard_is_released_on_errors():
         pass
     with guard.syncing():
         pass
-
-
-def test_drains_run_before_a_capture_and_leave_with_their_owner():
-    guard = CaptureGuard()
-    calls = []
-
-    class Engine:
-        def __init__(self, name):
-            self.name = name
-
-        def drain(self):
-            calls.append(self.name)
-
-    a, b = Engine("a"), Engine("b")
-    guard.register_drain(a.drain)
-    guard.register_drain(b.drain)
-    with guard.capturing():
-        assert calls == ["a", "b"]
-    del b
-    import gc
-
-    gc.collect()
-    with guard.capturing():
-        pass
-    assert calls == ["a", "b", "a"]

@@ -36,7 +36,10 @@ void gather(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t n
     for (int64_t i = 0; i < n; i++) {
         if (pf && i + pf < n) {
             const uint8_t *ahead = src + ids[i + pf] * row_bytes;
+            /* the hint must be a constant: 3 = T0 (every level), 2 = T1 (L2 and out), 1 = T2, 0 = NTA */
             if (hint == 3) { for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3); }
+            else if (hint == 2) { for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 2); }
+            else if (hint == 1) { for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 1); }
             else { for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0); }
         }
         const uint8_t *s = src + ids[i] * row_bytes;
@@ -140,7 +143,7 @@ def main() -> None:
     print(info["lscpu"], "\n", info["thp"], "\n", info["meminfo"], flush=True)
     lib = build()
     gib = float(sys.argv[1]) if len(sys.argv) > 1 else 64.0
-    parts = sys.argv[2] if len(sys.argv) > 2 else "ABCDS"   # which parts to run
+    parts = sys.argv[2] if len(sys.argv) > 2 else "ABCDS"   # which parts to run (also E, F, G, I, P)
     rows = int(gib * 2**30) // ROW
     from condmem.bench.lookup_setup import host_store
     if set(parts) <= {"F"}:
@@ -210,6 +213,40 @@ def main() -> None:
         record("A gather, unsorted ids", n, median(unsorted_call))
         for threads in (8, 12, 16):
             record("A gather, threads", n, median(lambda: gather_call(n, threads=threads)), threads=threads)
+
+    if "P" in parts:
+        # P. The prefetch hint and distance of the bare gather, alone and beside a DMA (the send's
+        # situation). T0 fills L1 and each core has few L1 fill buffers (~16 lines: ~3 rows of
+        # 264 B in flight); T1/T2 stop at L2, which tracks more misses: if the gather is bound
+        # by misses in flight per core, T1 and a longer distance win.
+        big = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        big_dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        dma_stream = torch.cuda.Stream()
+
+        def timed_beside(k, pf, hint, reps=7):
+            """Median seconds of the gather alone, started just after a 1 GiB H2D copy (~19 ms,
+            longer than the gather) was queued."""
+            times = []
+            for _ in range(reps):
+                run = gather_call(k, pf=pf, hint=hint, ring=True)
+                torch.cuda.synchronize()
+                with torch.cuda.stream(dma_stream):
+                    big_dev.copy_(big, non_blocking=True)
+                time.sleep(0.001)     # the DMA under way
+                t = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t)
+                dma_stream.synchronize()
+            times.sort()
+            return times[len(times) // 2]
+        median(lambda: gather_call(n))
+        for _ in range(2):    # twice: the spread between rounds is the noise
+            for hint in (3, 2, 1):
+                for pf in (8, 12, 16, 24, 32):
+                    record("P gather", n, median(lambda: gather_call(n, pf=pf, hint=hint, ring=True)), pf=pf,
+                           hint=hint)
+            for hint, pf in ((3, 12), (2, 16), (2, 24), (1, 24)):
+                record("P gather beside a DMA (gather timed)", n, timed_beside(n, pf, hint), pf=pf, hint=hint)
 
     # B. The engine's CPU path, emulated: chunks gathered into a ring of pinned buffers,
     # each DMA'd to the device (copy stream) while the next is gathered.

@@ -95,12 +95,11 @@ def test_engine_variants_parse_and_bad_ones_say_the_grammar():
     v = parse_variant("eager")
     assert (v["graphs"], v["max_in_flight"], v["native_send"], v["staging_chunk_rows"], v["cache_backend"]) == \
         (False, 2, True, None, "auto")
-    v = parse_variant("graphs+r8+c4096+gate+yield+w8")
-    assert (v["staging_ring"], v["staging_chunk_rows"], v["stream_gate"], v["zero_copy_yields"],
-            v["zero_copy_word_bytes"]) == (8, 4096, True, True, 8)
+    v = parse_variant("graphs+r8+c4096+yield+w8")
+    assert (v["staging_ring"], v["staging_chunk_rows"], v["zero_copy_yields"], v["zero_copy_word_bytes"]) == \
+        (8, 4096, True, 8)
     assert not parse_variant("graphs")["zero_copy_yields"]
-    assert not parse_variant("graphs")["stream_gate"]
     for bad in ("graph", "graphs+tail", "graphs+c", "graphs+c1+c2", "graphs+z0", "graphs+z1+z2", "graphs@x",
-                "graphs/cuda", "graphs+r1", "graphs+r4+r8", "graphs+barrier"):
-        with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+gate\]"):
+                "graphs/cuda", "graphs+r1", "graphs+r4+r8", "graphs+barrier", "graphs+gate", "graphs+inline"):
+        with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+yield\]"):
             parse_variant(bad)

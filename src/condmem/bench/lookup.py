@@ -116,15 +116,15 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     return out
 
 
-VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+gate][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
+VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
 VARIANT_FLAGS = (
     "graphs or eager: plans replayed as CUDA graphs or launched kernel by kernel; @D: D lookups in flight "
-    "(default 2); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +gate: "
-    "stream_gate=True, the caller queues each expansion behind a stream gate; +yield: zero_copy_yields=True, "
-    "short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; +cN: N rows per staging "
+    "(default 2); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +yield: "
+    "zero_copy_yields=True, short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; "
+    "+cN: N rows per staging "
     "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs; /torch or "
     "/triton: the cache's probe and admission (default Triton on CUDA)")
-ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "stream_gate", "zero_copy_yields", "zero_copy_word_bytes",
+ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "zero_copy_yields", "zero_copy_word_bytes",
                "zero_copy_programs")
 """A variant's entries that are `LookupEngine` arguments as they are (`engine_options` adds the staging ones)."""
 
@@ -139,13 +139,13 @@ def parse_variant(text: str) -> dict:
     programs = [f[1:] for f in flags if f.startswith("z")]
     rings = [f[1:] for f in flags if f.startswith("r")]
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f not in ("pysend", "gate", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
+            or any(f not in ("pysend", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
                                                                        and int(f[1:]) > 0) for f in flags)
             or len(chunks) > 1 or len(programs) > 1 or len(rings) > 1 or (rings and int(rings[0]) < 2)):
         raise SystemExit(f"--engines: {text!r} is not {VARIANT_GRAMMAR}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
-            "stream_gate": "gate" in flags, "zero_copy_yields": "yield" in flags,
+            "zero_copy_yields": "yield" in flags,
             "zero_copy_word_bytes": 8 if "w8" in flags else 4,
             "staging_chunk_rows": int(chunks[0]) if chunks else None,
             "staging_ring": int(rings[0]) if rings else None,
@@ -244,25 +244,30 @@ def run_lookup(args) -> list[dict]:
                         rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction,
                                                         chunk_rows=chunks))
                 if "pipeline" in diag:
+                    # The first --engines variant's options (zero_copy_yields, say), so its timeline can be read.
+                    options = engine_options(variants[0], args)
+                    options.pop("staging_chunk_rows", None)     # the loop below sets it
+                    named = f" [{variants[0]['label']}]" if args.engines else ""
                     tokens = max(batches)
                     uniform = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).cuda()
                                for _ in range(8)]
-                    for fraction in (0.6, 1.0):
+                    for fraction in args.pipeline_fractions:
                         for threads in args.cpu_threads or [None]:
                             for chunk in args.staging_chunk_rows or [STAGING_CHUNK_ROWS]:
                                 trace = (Path(args.out) / f"lookup_trace_uniform_{fraction:.1f}_{threads}_{chunk}.json"
                                          if args.trace else None)
-                                rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, "uniform", fraction,
-                                                                  cpu_threads=threads, trace=trace, chunk_rows=chunk))
+                                rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, f"uniform{named}", fraction,
+                                                                  cpu_threads=threads, trace=trace, chunk_rows=chunk,
+                                                                  options=options))
                     text = text_sets_for(store.num_rows, tokens)[: args.text_warmup + 11]
                     cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
                                                 device="cuda")
-                    for fraction in (0.7, 1.0):
+                    for fraction in args.pipeline_fractions:
                         cache.clear()   # then warmed to the steady state on the warm-up batches
                         trace = Path(args.out) / f"lookup_trace_text_{fraction:.1f}.json" if args.trace else None
-                        rows_out.extend(pipeline_timeline(store, info, ceiling, text[args.text_warmup:], "text",
+                        rows_out.extend(pipeline_timeline(store, info, ceiling, text[args.text_warmup:], f"text{named}",
                                                           fraction, cache=cache, trace=trace,
-                                                          warm=text[:args.text_warmup]))
+                                                          warm=text[:args.text_warmup], options=options))
                     del cache
         for stream in args.streams:
             for variant in variants:
@@ -388,7 +393,7 @@ def add_arguments(p) -> None:
                    help="host memory strategy")
     p.add_argument("--engines", nargs="+", default=None,
                    help=f"engine variants measured one after another on the same table, for A/B runs, each "
-                        f"{VARIANT_GRAMMAR} ({VARIANT_FLAGS}), e.g. 'graphs graphs+gate graphs+yield+w8 "
+                        f"{VARIANT_GRAMMAR} ({VARIANT_FLAGS}), e.g. 'graphs graphs@3 graphs+yield+w8 "
                         f"graphs+c32768 graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")
@@ -405,6 +410,9 @@ def add_arguments(p) -> None:
                    help=f"rows per pinned staging chunk of the CPU share (default: the engine's, "
                         f"{STAGING_CHUNK_ROWS}); several values: the pipeline diagnostic compares them, lookups "
                         "use the first")
+    p.add_argument("--pipeline-fractions", type=float, nargs="+", default=[0.7, 1.0],
+                   help="with --diagnostics pipeline: the CPU fractions whose pipelines are timed (each stream), "
+                        "with the first --engines variant's options")
     p.add_argument("--trace", action="store_true",
                    help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline; "
                         "with --diagnostics plan: log each step's kernels by device time")

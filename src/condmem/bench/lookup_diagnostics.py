@@ -279,18 +279,20 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
 def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
                       cpu_fraction: float, cache: RowCache | None = None, depth: int = 2,
                       cpu_threads: int | None = None, trace: Path | None = None,
-                      chunk_rows: int = STAGING_CHUNK_ROWS, warm: list[torch.Tensor] | None = None) -> list[dict]:
+                      chunk_rows: int = STAGING_CHUNK_ROWS, warm: list[torch.Tensor] | None = None,
+                      options: dict | None = None) -> list[dict]:
     """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
 
     Shows what overlaps with what: for each batch, when the host finished planning it,
     when its CPU share was gathered, and on the GPU when its plan, zero-copy share, DMA
     and final rows completed. `warm`: batches run first (default: the first three), e.g. to
-    bring a cache to its steady state.
+    bring a cache to its steady state. `options`: further `LookupEngine` arguments (an engine
+    variant's, e.g. ``zero_copy_yields``; its ``staging_chunk_rows`` wins over `chunk_rows`).
     """
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads,
-                          staging_chunk_rows=chunk_rows)
+    options = {"staging_chunk_rows": chunk_rows, **(options or {})}
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads, **options)
     engine.timing = True
-    label = f"{label} cpu {cpu_fraction:.1f} threads {engine.cpu_threads} chunks {chunk_rows}"
+    label = f"{label} cpu {cpu_fraction:.1f} threads {engine.cpu_threads} chunks {options['staging_chunk_rows']}"
     engine.time_pipelined(warm or batches[:3])
     engine.flush()
     profiler = None

@@ -30,11 +30,10 @@ reads the rows straight from the table (HBM or page-locked host), with no host s
 
 On a GPU, steps 1-3's planning runs on fixed-size padded buffers with no host sync, as
 one CUDA graph (`condmem.tables.lookup_plan`; the admission of step 5 too), and lookups
-are **pipelined**: `lookup` returns a `LookupHandle` once the plan is queued; a worker
+are **pipelined**: `lookup` returns a `LookupHandle` once the plan is queued; a gather
 thread waits for its counts, gathers the CPU share, and queues the DMAs and the
-expansion (or, with `stream_gate`, the caller queues the expansion at once, behind a gate
-the worker opens after its DMAs), while the zero-copy share runs on a stream of its own.
-The worker's syncs never overlap a plan's graph capture (`utils.capture_guard`). So
+expansion, while the zero-copy share runs on a stream of its own. The gather thread's
+syncs never overlap a plan's graph capture (`utils.capture_guard`). So
 while batch i's rows are gathered on the CPU, batch i+1 is already deduplicated and
 probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
 wait for the rows' event, so layers queued before it overlap with the fetch. The rows
@@ -67,7 +66,6 @@ from condmem.tables.lookup_plan import (
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS, StagedSender
 from condmem.tables.storage import LayerStore, StorageError
-from condmem.tables.stream_gate import StreamGate
 from condmem.utils.capture_guard import CAPTURE_GUARD
 
 log = logging.getLogger("condmem.tables")
@@ -142,8 +140,7 @@ class _Batch:
     planned: object = None         # event: plan done and its counts / CPU ids copied to the host
     zero_copy_done: object = None  # event: the GPU share is in `plan.compact`
     ready: object = None           # event: `out` holds the rows (recorded by `_assemble`)
-    dma_done: object = None        # event: the CPU share is on the device (timing, or without a gate)
-    gate: int | None = None        # the stream gate's value the expansion waits for (CPU share, gate path)
+    dma_done: object = None        # event: the CPU share is on the device
     future: concurrent.futures.Future | None = None
     waited: bool = False           # a handle's wait() made the caller's stream wait for `ready`
     failed: bool = False           # ids outside the table: nothing to admit
@@ -180,12 +177,6 @@ class LookupEngine:
         native_send: gather and send the CPU share in one native call when a C compiler and
             the CUDA runtime library are found (False: a Python loop per chunk; H200, 393K
             uniform rows: 3.0 vs 5.4 ms).
-        stream_gate: queue a lookup's expansion from the caller's thread, behind a
-            `stream_gate.StreamGate` that the gather thread opens after the CPU share's DMAs
-            (where the driver supports it); False (default): the gather thread queues the
-            expansion. Experimental: on the H200 it took the text stream's pipelined lookup
-            from 1.62 to 1.41 ms (session 7, run 6), but its GPU tests are not yet green (see
-            `stream_gate` on lazy module loading).
         direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
             and the CPU split: one gather kernel reads the table in place (when the GPU can
             read it: HBM or page-locked host). 0 disables.
@@ -202,10 +193,12 @@ class LookupEngine:
             runs in two waves holding ~84% of every SM's registers) leaves no room beside it;
             on the H200 each lookup's plan completed only ~0.6 ms after the previous
             lookup's zero-copy kernel, serializing the CPU and GPU shares across lookups
-            (`benchmarks/lookup_notes.md`, session 7, section 7). Experimental, GPU-untested.
+            (`benchmarks/lookup_notes.md`, session 7, section 7). Exact (GPU-tested), but no
+            measured gain: the calibration gives the zero-copy path little or no share
+            (session 8, run 1).
         zero_copy_word_bytes: 4, or 8 to move the zero-copy share's rows as 8-byte words
-            (half the kernel's registers per row in flight: `lookup_plan.move_rows`).
-            Experimental, GPU-untested.
+            (half the kernel's registers per row in flight: `lookup_plan.move_rows`). Exact
+            (GPU-tested); no measured gain, for the same reason (session 8, run 1).
         max_in_flight: lookups in flight at once (and plan slots per batch size); a further
             `lookup` waits for the oldest one's CPU share.
         graphs: replay each plan and admission as a CUDA graph (captured on the second use
@@ -224,7 +217,7 @@ class LookupEngine:
                  staging_chunk_rows: int = STAGING_CHUNK_ROWS, staging_ring: int = 4,
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
-                 native_send: bool = True, stream_gate: bool = False,
+                 native_send: bool = True,
                  zero_copy_programs: int | None = None, zero_copy_yields: bool = False,
                  zero_copy_word_bytes: int = 4):
         self.store = store
@@ -260,11 +253,7 @@ class LookupEngine:
             self.copy_stream = torch.cuda.Stream(self.device, priority=-1)       # DMAs of the CPU share
             self.finish_stream = torch.cuda.Stream(self.device, priority=-1)     # assemble, expand
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
-            self._gate = StreamGate.create(self.device) if stream_gate else None
-            if self._gate is not None:
-                CAPTURE_GUARD.register_drain(self._drain)
         else:
-            self._gate = None
             self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
             self._pool = None
         self.staging_ring = max(2, staging_ring)
@@ -293,19 +282,16 @@ class LookupEngine:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats, start: float,
-                   record: bool = True):
+    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats, start: float):
         """Gather thread: the CPU share gathered on CPU threads and sent chunk by chunk through the
         pinned staging ring, straight into `rows` (the plan's first compact rows), on the copy
-        stream; returns the event after the last send (None unless `record`)."""
+        stream; returns the event after the last send."""
         self.copy_stream.wait_event(planned)    # the plan slot's earlier readers are done
         if self._sender is None:
             self._sender = StagedSender(self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows,
                                         ring=self.staging_ring, native=self.native_send)
         self._sender.send(self.store, ids_host, rows, self.copy_stream, self.cpu_threads)
         stats.mark("cpu share gathered, sends queued", start)
-        if not record:
-            return None
         done = self._event()
         done.record(self.copy_stream)
         return done
@@ -342,13 +328,6 @@ class LookupEngine:
         self._pool.submit(self._finish, batch)
         self._in_flight.append(batch)
         return LookupHandle(batch.out, batch.ready, batch.future, stats, batch)
-
-    def _drain(self) -> None:
-        """Before any CUDA graph capture in the process: wait until the gather thread has queued
-        every lookup in flight, so no expansion still waits for a gate it has yet to open (the
-        capture's device-wide synchronize would wait for it forever: `utils.capture_guard`)."""
-        futures = [b.future for b in list(self._in_flight) if b.future is not None]
-        concurrent.futures.wait(futures)
 
     def _admit_fetched(self) -> None:
         """Admit to the cache (on the plan stream, so in order with every probe and hit read)
@@ -473,9 +452,6 @@ class LookupEngine:
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:
             self._assemble(batch)
-        elif self._gate is not None:
-            batch.gate = self._gate.next()    # opened by the gather thread once the DMAs are queued
-            self._assemble(batch)
         return batch
 
     def _assemble(self, batch: _Batch, expand: bool = True) -> None:
@@ -485,9 +461,7 @@ class LookupEngine:
             self.finish_stream.wait_event(batch.planned)
             if batch.zero_copy_done is not None:
                 self.finish_stream.wait_event(batch.zero_copy_done)
-            if batch.gate is not None:
-                self._gate.wait(self.finish_stream, batch.gate)
-            elif batch.dma_done is not None:
+            if batch.dma_done is not None:
                 self.finish_stream.wait_event(batch.dma_done)
             if expand:
                 rows_index = plan.rows_index[: math.prod(batch.shape)].view(batch.shape)
@@ -496,34 +470,32 @@ class LookupEngine:
 
     def _finish(self, batch: _Batch) -> None:
         """Gather thread: wait for the plan's counts, check the ids, gather and send the CPU share,
-        queue the expansion. Errors reach the caller through `batch.future`."""
+        queue the expansion. Errors reach the caller through `batch.future`.
+
+        (Nothing queued on the GPU may wait for this thread to act later: see
+        `utils.capture_guard`. Handing the expansion to a second thread lost: text stream
+        1.41 -> 1.85 ms pipelined on the H200, session 8.)"""
         stats, start, plan = batch.stats, batch.start, batch.plan
         try:
             # Shared guard: this thread's syncs and event queries must not overlap a graph
             # capture on the caller's thread (`utils.capture_guard`).
             with CAPTURE_GUARD.syncing(), torch.cuda.device(self.device):
-                try:
-                    batch.planned.synchronize()                   # counts and CPU ids are on the host
-                    counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
-                    stats.mark("counts on host", start)
-                    stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
-                    stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
-                    if counts["bad"]:
-                        batch.failed = True
-                        if plan.cpu_share and batch.gate is None:
-                            self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
-                        bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
-                        raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
-                    if plan.cpu_share and counts["n_cpu"]:
-                        batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
-                                                         plan.compact[: counts["n_cpu"]], batch.planned, stats,
-                                                         start, record=batch.gate is None or self.timing)
-                    if plan.cpu_share and batch.gate is None:
-                        self._assemble(batch)
-                finally:
-                    # Always (errors too): the expansion queued behind the gate must not wait forever.
-                    if batch.gate is not None:
-                        self._gate.open(self.copy_stream, batch.gate)
+                batch.planned.synchronize()                   # counts and CPU ids are on the host
+                counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
+                stats.mark("counts on host", start)
+                stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
+                stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
+                if counts["bad"]:
+                    batch.failed = True
+                    if plan.cpu_share:
+                        self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
+                    bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
+                    raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
+                if plan.cpu_share and counts["n_cpu"]:
+                    batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
+                                                     plan.compact[: counts["n_cpu"]], batch.planned, stats, start)
+                if plan.cpu_share:
+                    self._assemble(batch)
             stats.mark("expand queued", start)
             stats.seconds = time.perf_counter() - start
             batch.future.set_result(None)

@@ -14,19 +14,18 @@ shared (`syncing`), so they run side by side; a capture holds it alone (`capturi
 are rare (once per plan slot and step), so the writer waits at most one gather (~1-3 ms) and
 is preferred over new readers. A thread must not capture while it holds `syncing`.
 
-A capture also begins with a device-wide synchronize (``torch.cuda.graph``), which waits for
-every stream, including work that waits for a gather thread (a lookup's expansion behind its
-`tables.stream_gate`); a gather thread held back by the guard would then never open it. So
-before taking the guard, `capturing` runs every registered drain (`register_drain`: each
-lookup engine waits until its gather thread has queued everything in flight).
+Nothing queued on the GPU may wait for a host thread to act later (session 7 tried a stream
+gate, a stream waiting on a word that the gather thread would write after its DMAs): a
+capture's device-wide synchronize, and CUDA's loading of a kernel's module on its first
+launch, wait for every stream, so a gather thread held back (by this guard, or by the GIL
+the waiting thread holds) would never release them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 
 class CaptureGuard:
@@ -37,12 +36,6 @@ class CaptureGuard:
         self._syncing = 0
         self._capturing = False
         self._captures_waiting = 0
-        self._drains: list[weakref.WeakMethod] = []
-
-    def register_drain(self, drain: Callable[[], None]) -> None:
-        """Run the bound method `drain` before every capture (held weakly: a collected owner drops out)."""
-        with self._cond:
-            self._drains = [d for d in self._drains if d() is not None] + [weakref.WeakMethod(drain)]
 
     @contextlib.contextmanager
     def syncing(self) -> Iterator[None]:
@@ -61,12 +54,7 @@ class CaptureGuard:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Around a CUDA graph capture: runs the drains, then waits until no thread is inside `syncing`."""
-        with self._cond:
-            drains = [d() for d in self._drains]
-        for drain in drains:
-            if drain is not None:
-                drain()
+        """Around a CUDA graph capture: waits until no thread is inside `syncing`."""
         with self._cond:
             self._captures_waiting += 1
             try:
