@@ -185,8 +185,9 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("region_bytes", [64 << 10, 4 * 72], ids=["region64k", "region4rows"])
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3])
-@pytest.mark.parametrize("send", [{}, {"native_send": False}, {"zero_copy_yields": True}, {"zero_copy_word_bytes": 8}],
-                         ids=["native", "pysend", "zero-copy-yields", "zero-copy-8-byte-words"])
+@pytest.mark.parametrize("send", [{}, {"expand_on_caller": True}, {"native_send": False}, {"zero_copy_yields": True},
+                                  {"zero_copy_word_bytes": 8}],
+                         ids=["native", "native-caller-expands", "pysend", "zero-copy-yields", "zero-copy-8-byte-words"])
 def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight, send):
     """Many lookups in flight (the next planned while the last is gathered), waited out of order,
     with hot ids repeating across batches so hits come from rows admitted by earlier lookups;
@@ -228,6 +229,36 @@ def test_gpu_capped_zero_copy_grid_is_exact(table_files, programs):
     assert gpu_rows > 0                      # the capped kernel did read rows
     with pytest.raises(ValueError, match="zero_copy_programs must be >= 1"):
         LookupEngine(store, "cuda", zero_copy_programs=0)
+    engine.close()
+    store.close()
+
+
+@cuda_only
+def test_gpu_caller_expands_on_done_wait_or_next_lookup(table_files):
+    """`expand_on_caller`: the expansion is queued by whichever comes first on the caller's thread:
+    `done()` polled until true, `wait()`, or a later `lookup` (handles never waited for); every
+    row exact, and dropped handles' misses still reach the cache (a repeat lookup hits them)."""
+    store, source = _place(table_files, "fp8_interleaved", "host")
+    cache = RowCache(4096, store.row_bytes, ways=4, device="cuda")
+    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=1.0, direct_max_ids=0, staging_chunk_rows=7,
+                          staging_ring=2, expand_on_caller=True)
+    batches = list(_batches(store.num_rows, seed=41, n=6))
+    polled = engine.lookup(batches[0].cuda())
+    while not polled.done():
+        pass
+    torch.cuda.synchronize()                 # done() said so: the rows are there without a wait()
+    assert torch.equal(polled.rows.cpu(), _expected(source, batches[0]))
+    dropped = [engine.lookup(ids.cuda()) for ids in batches[1:5]]     # never waited: settled by later lookups
+    last = engine.lookup(batches[5].cuda())
+    assert torch.equal(last.wait().cpu(), _expected(source, batches[5]))
+    engine.flush()
+    torch.cuda.synchronize()
+    for ids, handle in zip(batches[1:5], dropped):
+        assert torch.equal(handle.rows.cpu(), _expected(source, ids))
+    cache.reset_stats()
+    again = engine.lookup(batches[2].cuda())
+    assert torch.equal(again.wait().cpu(), _expected(source, batches[2]))
+    assert again.stats.hits >= 0.9 * again.stats.unique     # admitted though never waited for
     engine.close()
     store.close()
 
@@ -332,7 +363,8 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
 
 
 @cuda_only
-@pytest.mark.parametrize("send", [{}, {"native_send": False}], ids=["native", "pysend"])
+@pytest.mark.parametrize("send", [{}, {"expand_on_caller": True}, {"native_send": False}],
+                         ids=["native", "native-caller-expands", "pysend"])
 def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, send):
     """An id outside the table in a lookup between good ones in flight: only that lookup raises;
     the one before it and those after are exact."""

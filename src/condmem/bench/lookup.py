@@ -116,16 +116,16 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     return out
 
 
-VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
+VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+caller][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
 VARIANT_FLAGS = (
     "graphs or eager: plans replayed as CUDA graphs or launched kernel by kernel; @D: D lookups in flight "
-    "(default 2); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +yield: "
-    "zero_copy_yields=True, short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; "
-    "+cN: N rows per staging "
+    "(default 2); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +caller: "
+    "expand_on_caller=True, the caller's thread queues each expansion; +yield: zero_copy_yields=True, "
+    "short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; +cN: N rows per staging "
     "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs; /torch or "
     "/triton: the cache's probe and admission (default Triton on CUDA)")
-ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "zero_copy_yields", "zero_copy_word_bytes",
-               "zero_copy_programs")
+ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "expand_on_caller", "zero_copy_yields",
+               "zero_copy_word_bytes", "zero_copy_programs")
 """A variant's entries that are `LookupEngine` arguments as they are (`engine_options` adds the staging ones)."""
 
 
@@ -135,17 +135,15 @@ def parse_variant(text: str) -> dict:
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
-    chunks = [f[1:] for f in flags if f.startswith("c")]
-    programs = [f[1:] for f in flags if f.startswith("z")]
-    rings = [f[1:] for f in flags if f.startswith("r")]
+    chunks, programs, rings = ([f[1:] for f in flags if f[:1] == key and f[1:].isdigit()] for key in "czr")
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f not in ("pysend", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
+            or any(f not in ("pysend", "caller", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
                                                                        and int(f[1:]) > 0) for f in flags)
             or len(chunks) > 1 or len(programs) > 1 or len(rings) > 1 or (rings and int(rings[0]) < 2)):
         raise SystemExit(f"--engines: {text!r} is not {VARIANT_GRAMMAR}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
-            "zero_copy_yields": "yield" in flags,
+            "expand_on_caller": "caller" in flags, "zero_copy_yields": "yield" in flags,
             "zero_copy_word_bytes": 8 if "w8" in flags else 4,
             "staging_chunk_rows": int(chunks[0]) if chunks else None,
             "staging_ring": int(rings[0]) if rings else None,

@@ -45,9 +45,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,18 +96,21 @@ class LookupHandle:
     """A lookup in flight. `wait()` returns the rows, ready on the caller's current stream."""
 
     def __init__(self, rows: torch.Tensor, event, future: concurrent.futures.Future | None, stats: LookupStats,
-                 batch: _Batch | None = None):
+                 batch: _Batch | None = None, settle: Callable[[], None] | None = None):
         self.rows = rows
         self.event = event
         self._future = future
         self.stats = stats
         self._batch = batch
+        self._settle = settle       # the engine's: queues the expansion if the caller's thread does that
 
     def wait(self) -> torch.Tensor:
         """Rows [T, n_cols, head_dim] bf16. Blocks the host only until the CPU share is enqueued."""
         if self._future is not None:
             self._future.result()
             self._future = None
+        if self._settle is not None:
+            self._settle()
         if self.event is not None:
             stream = torch.cuda.current_stream(self.rows.device)
             stream.wait_event(self.event)
@@ -115,7 +120,11 @@ class LookupHandle:
         return self.rows
 
     def done(self) -> bool:
-        return (self._future is None or self._future.done()) and (self.event is None or self.event.query())
+        if self._future is not None and not self._future.done():
+            return False
+        if self._settle is not None:
+            self._settle()
+        return self.event is None or self.event.query()
 
 
 def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int,
@@ -143,11 +152,8 @@ class _Batch:
     dma_done: object = None        # event: the CPU share is on the device
     future: concurrent.futures.Future | None = None
     waited: bool = False           # a handle's wait() made the caller's stream wait for `ready`
-    failed: bool = False           # ids outside the table: nothing to admit
-
-    def enqueued(self) -> bool:
-        """True once every GPU step of the lookup has been queued (the gather thread is done with it)."""
-        return self.future is None or self.future.done()
+    failed: bool = False           # ids outside the table, or the send failed: nothing to admit
+    expanded: bool = False         # every GPU step queued, `ready` recorded (or failed)
 
 
 class LookupEngine:
@@ -199,6 +205,11 @@ class LookupEngine:
         zero_copy_word_bytes: 4, or 8 to move the zero-copy share's rows as 8-byte words
             (half the kernel's registers per row in flight: `lookup_plan.move_rows`). Exact
             (GPU-tested); no measured gain, for the same reason (session 8, run 1).
+        expand_on_caller: the caller's thread queues each lookup's expansion (in `wait()`,
+            `done()` or its next `lookup()`, whichever comes first) once the gather thread
+            has queued the DMAs, so the gather thread goes straight on to the next CPU
+            share; False: the gather thread queues it (~0.2 ms of Python per lookup on the
+            H200). Nothing on the GPU ever waits for a host thread (see `utils.capture_guard`).
         max_in_flight: lookups in flight at once (and plan slots per batch size); a further
             `lookup` waits for the oldest one's CPU share.
         graphs: replay each plan and admission as a CUDA graph (captured on the second use
@@ -219,7 +230,7 @@ class LookupEngine:
                  max_in_flight: int = 2, graphs: bool = True, max_plan_sizes: int = 4,
                  native_send: bool = True,
                  zero_copy_programs: int | None = None, zero_copy_yields: bool = False,
-                 zero_copy_word_bytes: int = 4):
+                 zero_copy_word_bytes: int = 4, expand_on_caller: bool = False):
         self.store = store
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -265,6 +276,7 @@ class LookupEngine:
         if zero_copy_word_bytes not in (4, 8):
             raise ValueError(f"zero_copy_word_bytes must be 4 or 8, got {zero_copy_word_bytes}")
         self.zero_copy_word_bytes = zero_copy_word_bytes
+        self.expand_on_caller = expand_on_caller
         self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
         self.graphs = graphs and self.on_gpu
         self.max_plan_sizes = max(1, max_plan_sizes)
@@ -318,8 +330,8 @@ class LookupEngine:
         if any(ring[0].fraction != fraction for ring in self._plans.values()):
             self._drop_plans(list(self._plans))     # plans of an old split (calibrate changed it)
         # Back-pressure: at most max_in_flight lookups (and plan slots) in use.
-        while sum(not b.enqueued() for b in self._in_flight) >= self.max_in_flight:
-            concurrent.futures.wait([next(b.future for b in self._in_flight if not b.enqueued())])
+        while sum(not b.expanded for b in self._in_flight) >= self.max_in_flight:
+            self._settle(next(b for b in self._in_flight if not b.expanded))
         with torch.cuda.stream(self.stream):
             self._admit_fetched()
             batch = self._plan(row_ids, stats, start)
@@ -327,15 +339,32 @@ class LookupEngine:
         batch.future = concurrent.futures.Future()     # done once all its GPU work is queued
         self._pool.submit(self._finish, batch)
         self._in_flight.append(batch)
-        return LookupHandle(batch.out, batch.ready, batch.future, stats, batch)
+        return LookupHandle(batch.out, batch.ready, batch.future, stats, batch, functools.partial(self._settle, batch))
+
+    def _settle(self, batch: _Batch) -> None:
+        """Caller's thread: wait until the gather thread is done with `batch`, then queue its
+        expansion if that is left to this thread (`expand_on_caller`). Raises nothing: an error
+        stays in the batch's future for `wait()`, and the batch is then never admitted."""
+        if batch.expanded:
+            return
+        concurrent.futures.wait([batch.future])
+        if batch.expanded:                      # the gather thread queued everything
+            return
+        if batch.future.exception() is not None:
+            batch.failed = True
+        else:
+            self._assemble(batch)
+            batch.stats.mark("expand queued", batch.start)
+        batch.expanded = True
 
     def _admit_fetched(self) -> None:
         """Admit to the cache (on the plan stream, so in order with every probe and hit read)
         the misses of earlier lookups whose rows are all queued: at once if they have landed
         or the caller already waits for them, otherwise only once `max_in_flight` lookups
         wait (bounding staleness and memory, at the cost of a short GPU-side wait)."""
-        while self._in_flight and self._in_flight[0].enqueued():
+        while self._in_flight and self._in_flight[0].future.done():
             batch = self._in_flight[0]
+            self._settle(batch)
             if not (batch.waited or batch.ready.query()) and len(self._in_flight) < self.max_in_flight:
                 break
             self._admit(self._in_flight.popleft())
@@ -352,7 +381,8 @@ class LookupEngine:
         queues afterwards (on its current stream: reading, clearing the cache) follows the admissions."""
         if not self.on_gpu:
             return
-        concurrent.futures.wait([b.future for b in self._in_flight if b.future is not None])
+        for batch in self._in_flight:
+            self._settle(batch)
         with torch.cuda.stream(self.stream):
             while self._in_flight:
                 self._admit(self._in_flight.popleft())
@@ -452,6 +482,7 @@ class LookupEngine:
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:
             self._assemble(batch)
+            batch.expanded = True
         return batch
 
     def _assemble(self, batch: _Batch, expand: bool = True) -> None:
@@ -470,7 +501,7 @@ class LookupEngine:
 
     def _finish(self, batch: _Batch) -> None:
         """Gather thread: wait for the plan's counts, check the ids, gather and send the CPU share,
-        queue the expansion. Errors reach the caller through `batch.future`.
+        queue the expansion (unless `expand_on_caller`). Errors reach the caller through `batch.future`.
 
         (Nothing queued on the GPU may wait for this thread to act later: see
         `utils.capture_guard`. Handing the expansion to a second thread lost: text stream
@@ -489,14 +520,16 @@ class LookupEngine:
                     batch.failed = True
                     if plan.cpu_share:
                         self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
+                        batch.expanded = True
                     bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
                     raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
                 if plan.cpu_share and counts["n_cpu"]:
                     batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
                                                      plan.compact[: counts["n_cpu"]], batch.planned, stats, start)
-                if plan.cpu_share:
+                if plan.cpu_share and not self.expand_on_caller:
                     self._assemble(batch)
-            stats.mark("expand queued", start)
+                    stats.mark("expand queued", start)
+                    batch.expanded = True      # before the future: the caller's thread reads it after
             stats.seconds = time.perf_counter() - start
             batch.future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - any error, whatever it is, reaches the caller's future
