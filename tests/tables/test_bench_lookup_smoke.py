@@ -94,13 +94,13 @@ def test_engine_variants_parse_and_bad_ones_say_the_grammar():
     assert v["staging_ring"] is None
     v = parse_variant("eager")
     assert (v["graphs"], v["max_in_flight"], v["native_send"], v["staging_chunk_rows"], v["cache_backend"]) == \
-        (False, 2, True, None, "auto")
-    v = parse_variant("graphs+r8+c4096+caller+yield+w8")
+        (False, None, True, None, "auto")
+    v = parse_variant("graphs+r8+c4096+gatherexp+yield+w8")
     assert (v["staging_ring"], v["staging_chunk_rows"], v["expand_on_caller"], v["zero_copy_yields"],
-            v["zero_copy_word_bytes"]) == (8, 4096, True, True, 8)
-    assert not parse_variant("graphs")["expand_on_caller"]
+            v["zero_copy_word_bytes"]) == (8, 4096, False, True, 8)
+    assert parse_variant("graphs")["expand_on_caller"]
     assert not parse_variant("graphs")["zero_copy_yields"]
     for bad in ("graph", "graphs+tail", "graphs+c", "graphs+c1+c2", "graphs+z0", "graphs+z1+z2", "graphs@x",
                 "graphs/cuda", "graphs+r1", "graphs+r4+r8", "graphs+barrier", "graphs+gate", "graphs+inline"):
-        with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+caller\]"):
+        with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+gatherexp\]"):
             parse_variant(bad)

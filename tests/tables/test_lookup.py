@@ -185,9 +185,9 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("region_bytes", [64 << 10, 4 * 72], ids=["region64k", "region4rows"])
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3])
-@pytest.mark.parametrize("send", [{}, {"expand_on_caller": True}, {"native_send": False}, {"zero_copy_yields": True},
+@pytest.mark.parametrize("send", [{}, {"expand_on_caller": False}, {"native_send": False}, {"zero_copy_yields": True},
                                   {"zero_copy_word_bytes": 8}],
-                         ids=["native", "native-caller-expands", "pysend", "zero-copy-yields", "zero-copy-8-byte-words"])
+                         ids=["native", "native-gather-expands", "pysend", "zero-copy-yields", "zero-copy-8-byte-words"])
 def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight, send):
     """Many lookups in flight (the next planned while the last is gathered), waited out of order,
     with hot ids repeating across batches so hits come from rows admitted by earlier lookups;
@@ -363,8 +363,8 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
 
 
 @cuda_only
-@pytest.mark.parametrize("send", [{}, {"expand_on_caller": True}, {"native_send": False}],
-                         ids=["native", "native-caller-expands", "pysend"])
+@pytest.mark.parametrize("send", [{}, {"expand_on_caller": False}, {"native_send": False}],
+                         ids=["native", "native-gather-expands", "pysend"])
 def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, send):
     """An id outside the table in a lookup between good ones in flight: only that lookup raises;
     the one before it and those after are exact."""

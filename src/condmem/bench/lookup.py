@@ -116,11 +116,11 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     return out
 
 
-VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+caller][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
+VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+gatherexp][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
 VARIANT_FLAGS = (
     "graphs or eager: plans replayed as CUDA graphs or launched kernel by kernel; @D: D lookups in flight "
-    "(default 2); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +caller: "
-    "expand_on_caller=True, the caller's thread queues each expansion; +yield: zero_copy_yields=True, "
+    "(default: the engine's); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +gatherexp: "
+    "expand_on_caller=False, the gather thread queues each expansion; +yield: zero_copy_yields=True, "
     "short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; +cN: N rows per staging "
     "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs; /torch or "
     "/triton: the cache's probe and admission (default Triton on CUDA)")
@@ -137,13 +137,13 @@ def parse_variant(text: str) -> dict:
     name, _, depth = head.partition("@")
     chunks, programs, rings = ([f[1:] for f in flags if f[:1] == key and f[1:].isdigit()] for key in "czr")
     if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f not in ("pysend", "caller", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
+            or any(f not in ("pysend", "gatherexp", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
                                                                        and int(f[1:]) > 0) for f in flags)
             or len(chunks) > 1 or len(programs) > 1 or len(rings) > 1 or (rings and int(rings[0]) < 2)):
         raise SystemExit(f"--engines: {text!r} is not {VARIANT_GRAMMAR}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
-            "max_in_flight": int(depth) if depth else 2, "native_send": "pysend" not in flags,
-            "expand_on_caller": "caller" in flags, "zero_copy_yields": "yield" in flags,
+            "max_in_flight": int(depth) if depth else None, "native_send": "pysend" not in flags,
+            "expand_on_caller": "gatherexp" not in flags, "zero_copy_yields": "yield" in flags,
             "zero_copy_word_bytes": 8 if "w8" in flags else 4,
             "staging_chunk_rows": int(chunks[0]) if chunks else None,
             "staging_ring": int(rings[0]) if rings else None,
@@ -154,7 +154,7 @@ def engine_options(variant: dict, args) -> dict:
     """`LookupEngine` keyword arguments of a variant: its `ENGINE_KEYS`, `staging_chunk_rows` from
     its ``+cN``, else ``--staging-chunk-rows``' first value, else the engine's default, and
     `staging_ring` from its ``+rN``."""
-    options = {key: variant[key] for key in ENGINE_KEYS}
+    options = {key: variant[key] for key in ENGINE_KEYS if key != "max_in_flight" or variant[key] is not None}
     rows = variant["staging_chunk_rows"] or (args.staging_chunk_rows or [None])[0]
     if rows is not None:
         options["staging_chunk_rows"] = rows
@@ -391,7 +391,7 @@ def add_arguments(p) -> None:
                    help="host memory strategy")
     p.add_argument("--engines", nargs="+", default=None,
                    help=f"engine variants measured one after another on the same table, for A/B runs, each "
-                        f"{VARIANT_GRAMMAR} ({VARIANT_FLAGS}), e.g. 'graphs graphs@3 graphs+yield+w8 "
+                        f"{VARIANT_GRAMMAR} ({VARIANT_FLAGS}), e.g. 'graphs graphs@2 graphs+gatherexp graphs+yield+w8 "
                         f"graphs+c32768 graphs/torch eager'")
     p.add_argument("--engine-rounds", type=int, default=1,
                    help="repeat the engine list this many times (ABAB...: machines drift within a run)")

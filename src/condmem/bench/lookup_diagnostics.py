@@ -277,7 +277,7 @@ def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 
 
 
 def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
-                      cpu_fraction: float, cache: RowCache | None = None, depth: int = 2,
+                      cpu_fraction: float, cache: RowCache | None = None, depth: int | None = None,
                       cpu_threads: int | None = None, trace: Path | None = None,
                       chunk_rows: int = STAGING_CHUNK_ROWS, warm: list[torch.Tensor] | None = None,
                       options: dict | None = None) -> list[dict]:
