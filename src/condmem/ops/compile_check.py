@@ -48,7 +48,7 @@ def variants() -> list[tuple[str, object, dict, dict]]:
     out.append(("cache choose slots", rc.choose_slots_kernel,
                 {"sorted_sets_ptr": "*i64", "rank_ptr": "*i64", "order_ptr": "*i64", "ids_ptr": "*i64",
                  "keys_ptr": "*i64", "freq_ptr": "*i32", "slot_ptr": "*i64", "n": "i64", "n_sets": "i64"},
-                {"WAYS": 16, "BLOCK": rc.BLOCK_IDS}))
+                {"WAYS": 16, "BLOCK": rc.SLOT_CHOICE_BLOCK}))
     out.append(("cache write", rc.write_kernel,
                 {"slot_ptr": "*i64", "order_ptr": "*i64", "ids_ptr": "*i64", "src_index_ptr": "*i64",
                  "src_ptr": "*i64", "keys_ptr": "*i64", "freq_ptr": "*i32", "data_ptr": "*i64", "n": "i64",

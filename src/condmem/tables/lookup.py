@@ -31,11 +31,12 @@ reads the rows straight from the table (HBM or page-locked host), with no host s
 On a GPU, steps 1-3's planning runs on fixed-size padded buffers with no host sync, as
 one CUDA graph (`condmem.tables.lookup_plan`; the admission of step 5 too), and lookups
 are **pipelined**: `lookup` returns a `LookupHandle` once the plan is queued; a gather
-thread waits for its counts, gathers the CPU share, and queues the DMAs and the
-expansion, while the zero-copy share runs on a stream of its own. The gather thread's
-syncs never overlap a plan's graph capture (`utils.capture_guard`). So
-while batch i's rows are gathered on the CPU, batch i+1 is already deduplicated and
-probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
+thread waits for its counts, gathers the CPU share and queues its DMAs, while the
+zero-copy share runs on a stream of its own; the caller's thread queues the expansion at
+its next `wait()`, `done()` or `lookup()` (`expand_on_caller`), so the gather thread goes
+straight on to the next batch. The gather thread's syncs never overlap a plan's graph
+capture (`utils.capture_guard`). So while batch i's rows are gathered on the CPU, batches
+i+1 and i+2 are already deduplicated and probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
 wait for the rows' event, so layers queued before it overlap with the fetch. The rows
 are bit-identical whatever the path and timing (tested against a plain gather).
 """
@@ -48,6 +49,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -284,6 +286,7 @@ class LookupEngine:
             raise ValueError(f"zero_copy_word_bytes must be 4 or 8, got {zero_copy_word_bytes}")
         self.zero_copy_word_bytes = zero_copy_word_bytes
         self.expand_on_caller = expand_on_caller
+        self._settling = threading.Lock()      # handles may be waited for from other threads
         self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
         self.graphs = graphs and self.on_gpu
         self.max_plan_sizes = max(1, max_plan_sizes)
@@ -355,14 +358,15 @@ class LookupEngine:
         if batch.expanded:
             return
         concurrent.futures.wait([batch.future])
-        if batch.expanded:                      # the gather thread queued everything
-            return
-        if batch.future.exception() is not None:
-            batch.failed = True
-        else:
-            self._assemble(batch)
-            batch.stats.mark("expand queued", batch.start)
-        batch.expanded = True
+        with self._settling:
+            if batch.expanded:                  # the gather thread, or another waiter, queued it
+                return
+            if batch.future.exception() is not None:
+                batch.failed = True
+            else:
+                self._assemble(batch)
+                batch.stats.mark("expand queued", batch.start)
+            batch.expanded = True
 
     def _admit_fetched(self) -> None:
         """Admit to the cache (on the plan stream, so in order with every probe and hit read)

@@ -27,6 +27,11 @@ import triton.language as tl
 from condmem.ops.triton_util import next_pow2
 
 BLOCK_IDS = 64
+SLOT_CHOICE_BLOCK = 32
+"""Entries per program of `choose_slots_kernel`: its [BLOCK, WAYS, WAYS] eviction-order compare
+spilled at 64 (255 registers + 312 B of stack a thread at 16 ways, sm_90, Triton 3.6, measured
+offline with cuobjdump); 166 registers and no spill at 32. Its entries are independent, so the
+block size changes no slot."""
 
 
 @triton.jit
@@ -99,8 +104,8 @@ def write_kernel(slot_ptr, order_ptr, ids_ptr, src_index_ptr, src_ptr, keys_ptr,
     tl.store(data_ptr + slot[:, None] * row_words + words[None, :], row, mask=m)
 
 
-def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, BLOCK_IDS),)
+def _grid(n: int, block: int = BLOCK_IDS) -> tuple[int]:
+    return (triton.cdiv(n, block),)
 
 
 def probe(ids: torch.Tensor, valid: torch.Tensor | None, keys: torch.Tensor, freq: torch.Tensor,
@@ -121,8 +126,8 @@ def admit(sorted_sets: torch.Tensor, rank: torch.Tensor, order: torch.Tensor, id
     n = ids.numel()
     n_sets, ways = keys.shape
     slot = torch.empty_like(ids)
-    choose_slots_kernel[_grid(n)](sorted_sets, rank, order, ids, keys, freq, slot, n, n_sets, WAYS=ways,
-                                  BLOCK=BLOCK_IDS)
+    choose_slots_kernel[_grid(n, SLOT_CHOICE_BLOCK)](sorted_sets, rank, order, ids, keys, freq, slot, n, n_sets,
+                                                     WAYS=ways, BLOCK=SLOT_CHOICE_BLOCK)
     row_words = data_words.shape[1]
     write_kernel[_grid(n)](slot, order, ids, src_index if src_index is not None else order, src_words, keys, freq,
                            data_words, n, row_words, WORDS=next_pow2(row_words), HAS_INDEX=src_index is not None,
