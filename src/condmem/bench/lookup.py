@@ -124,6 +124,7 @@ VARIANT_FLAGS = (
     "short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; +cN: N rows per staging "
     "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs; /torch or "
     "/triton: the cache's probe and admission (default Triton on CUDA)")
+NAMED_FLAGS = ("pysend", "gatherexp", "yield", "w8")
 ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "expand_on_caller", "zero_copy_yields",
                "zero_copy_word_bytes", "zero_copy_programs")
 """A variant's entries that are `LookupEngine` arguments as they are (`engine_options` adds the staging ones)."""
@@ -135,19 +136,21 @@ def parse_variant(text: str) -> dict:
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
-    chunks, programs, rings = ([f[1:] for f in flags if f[:1] == key and f[1:].isdigit()] for key in "czr")
-    if (name not in ("graphs", "eager") or (depth and not depth.isdigit()) or backend not in ("", "torch", "triton")
-            or any(f not in ("pysend", "gatherexp", "yield", "w8") and not (f[:1] in ("c", "r", "z") and f[1:].isdigit()
-                                                                       and int(f[1:]) > 0) for f in flags)
-            or len(chunks) > 1 or len(programs) > 1 or len(rings) > 1 or (rings and int(rings[0]) < 2)):
+    numbers: dict[str, int] = {}      # +cN, +rN, +zN, each at most once
+    ok = name in ("graphs", "eager") and (not depth or depth.isdigit()) and backend in ("", "torch", "triton")
+    for f in flags:
+        if f in NAMED_FLAGS:
+            continue
+        key, value = f[:1], f[1:]
+        ok = ok and key in "crz" and key not in numbers and value.isdigit() and int(value) > 0
+        numbers[key] = int(value) if value.isdigit() else 0
+    if not ok or numbers.get("r", 2) < 2:
         raise SystemExit(f"--engines: {text!r} is not {VARIANT_GRAMMAR}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else None, "native_send": "pysend" not in flags,
             "expand_on_caller": "gatherexp" not in flags, "zero_copy_yields": "yield" in flags,
-            "zero_copy_word_bytes": 8 if "w8" in flags else 4,
-            "staging_chunk_rows": int(chunks[0]) if chunks else None,
-            "staging_ring": int(rings[0]) if rings else None,
-            "zero_copy_programs": int(programs[0]) if programs else None}
+            "zero_copy_word_bytes": 8 if "w8" in flags else 4, "staging_chunk_rows": numbers.get("c"),
+            "staging_ring": numbers.get("r"), "zero_copy_programs": numbers.get("z")}
 
 
 def engine_options(variant: dict, args) -> dict:

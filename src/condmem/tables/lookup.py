@@ -36,8 +36,9 @@ zero-copy share runs on a stream of its own; the caller's thread queues the expa
 its next `wait()`, `done()` or `lookup()` (`expand_on_caller`), so the gather thread goes
 straight on to the next batch. The gather thread's syncs never overlap a plan's graph
 capture (`utils.capture_guard`). So while batch i's rows are gathered on the CPU, batches
-i+1 and i+2 are already deduplicated and probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the caller's stream
-wait for the rows' event, so layers queued before it overlap with the fetch. The rows
+i+1 and i+2 are already deduplicated and probed, and batch i-1's last chunk is in DMA.
+`handle.wait()` makes the caller's stream wait for the rows' event, so layers queued
+before it overlap with the fetch. The rows
 are bit-identical whatever the path and timing (tested against a plain gather).
 """
 
@@ -346,8 +347,7 @@ class LookupEngine:
             self._admit_fetched()
             batch = self._plan(row_ids, stats, start)
         stats.mark("planned (queued: dedup, probe, split, counts to the host)", start)
-        batch.future = concurrent.futures.Future()     # done once all its GPU work is queued
-        self._pool.submit(self._finish, batch)
+        batch.future = self._pool.submit(self._finish, batch)   # done (or failed) once the DMAs are queued
         self._in_flight.append(batch)
         return LookupHandle(batch.out, batch.ready, batch.future, stats, batch, functools.partial(self._settle, batch))
 
@@ -512,39 +512,36 @@ class LookupEngine:
 
     def _finish(self, batch: _Batch) -> None:
         """Gather thread: wait for the plan's counts, check the ids, gather and send the CPU share,
-        queue the expansion (unless `expand_on_caller`). Errors reach the caller through `batch.future`.
+        queue the expansion (unless `expand_on_caller`). Errors reach the caller through `batch.future`
+        (the executor's).
 
         (Nothing queued on the GPU may wait for this thread to act later: see
         `utils.capture_guard`. Handing the expansion to a second thread lost: text stream
         1.41 -> 1.85 ms pipelined on the H200, session 8.)"""
         stats, start, plan = batch.stats, batch.start, batch.plan
-        try:
-            # Shared guard: this thread's syncs and event queries must not overlap a graph
-            # capture on the caller's thread (`utils.capture_guard`).
-            with CAPTURE_GUARD.syncing(), torch.cuda.device(self.device):
-                batch.planned.synchronize()                   # counts and CPU ids are on the host
-                counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
-                stats.mark("counts on host", start)
-                stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
-                stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
-                if counts["bad"]:
-                    batch.failed = True
-                    if plan.cpu_share:
-                        self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
-                        batch.expanded = True
-                    bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
-                    raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
-                if plan.cpu_share and counts["n_cpu"]:
-                    batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
-                                                     plan.compact[: counts["n_cpu"]], batch.planned, stats, start)
-                if plan.cpu_share and not self.expand_on_caller:
-                    self._assemble(batch)
-                    stats.mark("expand queued", start)
-                    batch.expanded = True      # before the future: the caller's thread reads it after
-            stats.seconds = time.perf_counter() - start
-            batch.future.set_result(None)
-        except BaseException as exc:  # noqa: BLE001 - any error, whatever it is, reaches the caller's future
-            batch.future.set_exception(exc)
+        # Shared guard: this thread's syncs and event queries must not overlap a graph
+        # capture on the caller's thread (`utils.capture_guard`).
+        with CAPTURE_GUARD.syncing(), torch.cuda.device(self.device):
+            batch.planned.synchronize()                   # counts and CPU ids are on the host
+            counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
+            stats.mark("counts on host", start)
+            stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
+            stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
+            if counts["bad"]:
+                batch.failed = True
+                if plan.cpu_share:
+                    self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
+                    batch.expanded = True
+                bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
+                raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
+            if plan.cpu_share and counts["n_cpu"]:
+                batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
+                                                 plan.compact[: counts["n_cpu"]], batch.planned, stats, start)
+            if plan.cpu_share and not self.expand_on_caller:
+                self._assemble(batch)
+                stats.mark("expand queued", start)
+                batch.expanded = True      # before the future completes: the caller's thread reads it after
+        stats.seconds = time.perf_counter() - start
 
     def _lookup_sync(self, row_ids: torch.Tensor, stats: LookupStats) -> torch.Tensor:
         """The same plan on the CPU (CI, CPU-only inference), synchronously: every miss is

@@ -43,6 +43,7 @@ TAIL_CHUNK_ROWS = 4096
 after ~30 us of gather, and the last row gathered is followed by a ~20 us DMA, not by the
 ~0.3 ms of a full 65536-row chunk."""
 
+
 def pick_cuda_runtime(maps: str, cuda_version: str | None) -> str | None:
     """The CUDA runtime library among a process's mappings (``/proc/self/maps`` text): the one
     of torch's CUDA major version first, should several be loaded; None when there is none."""

@@ -1,8 +1,0 @@
-source scripts/_device_env.sh
-timeout -s ABRT 330 python3 -X faulthandler -m condmem bench lookup --out "$OUT" --tiers host --streams text uniform --table-gib 64 --batch-tokens 16384 --repeats 3 --engines graphs graphs+inline graphs+yield+w8 graphs+yield+w8+inline --engine-rounds 2 --diagnostics pipeline --pipeline-fractions 0.9 1.0 > "$OUT/bench_lookup.log" 2>&1; echo "bench rc $?"
-per_test="-o faulthandler_timeout=120"
-if python3 -c "import pytest_timeout" 2>/dev/null; then per_test="--timeout=120 --timeout-method=thread"; fi
-timeout -s INT 200 python3 -m pytest -q -p no:cacheprovider $per_test tests/kernels/test_kernels_gather.py tests/kernels/test_kernels_row_cache.py tests/tables tests/runtime tests/test_capture_guard.py > "$OUT/gpu_tests.log" 2>&1; echo "tests rc $?"
-tail -3 "$OUT/gpu_tests.log"
-grep "lookups in" "$OUT/bench_lookup.log" | cut -c30-200
-grep -A40 "tier    stream" "$OUT/bench_lookup.log" | grep -v "cpu 0.9\|cpu 1.0"
