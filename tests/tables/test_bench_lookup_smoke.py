@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -86,7 +87,7 @@ def test_bench_lookup_plan_diagnostic_times_plan_and_admission_per_engine(tmp_pa
 
 
 def test_engine_variants_parse_and_bad_ones_say_the_grammar():
-    from condmem.bench.lookup import parse_variant
+    from condmem.bench.lookup import engine_options, parse_variant
 
     v = parse_variant("graphs@3+pysend+c16384+z64/torch")
     assert (v["graphs"], v["max_in_flight"], v["native_send"], v["staging_chunk_rows"], v["cache_backend"],
@@ -100,7 +101,13 @@ def test_engine_variants_parse_and_bad_ones_say_the_grammar():
             v["zero_copy_word_bytes"]) == (8, 4096, False, True, 8)
     assert parse_variant("graphs")["expand_on_caller"]
     assert not parse_variant("graphs")["zero_copy_yields"]
+    # The zero-copy cap: the engine's default unless +zN or +zfull (no cap) says otherwise.
+    args = argparse.Namespace(staging_chunk_rows=None)
+    assert "zero_copy_programs" not in engine_options(parse_variant("graphs"), args)
+    assert engine_options(parse_variant("graphs+z32"), args)["zero_copy_programs"] == 32
+    assert engine_options(parse_variant("graphs+zfull"), args)["zero_copy_programs"] is None
     for bad in ("graph", "graphs+tail", "graphs+c", "graphs+c1+c2", "graphs+z0", "graphs+z1+z2", "graphs@x",
+                "graphs+z8+zfull",
                 "graphs/cuda", "graphs+r1", "graphs+r4+r8", "graphs+barrier", "graphs+gate", "graphs+inline"):
         with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+gatherexp\]"):
             parse_variant(bad)

@@ -116,18 +116,19 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     return out
 
 
-VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+gatherexp][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS][/torch|/triton]"
+VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+gatherexp][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS|+zfull][/torch|/triton]"
 VARIANT_FLAGS = (
     "graphs or eager: plans replayed as CUDA graphs or launched kernel by kernel; @D: D lookups in flight "
     "(default: the engine's); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +gatherexp: "
     "expand_on_caller=False, the gather thread queues each expansion; +yield: zero_copy_yields=True, "
     "short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; +cN: N rows per staging "
-    "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs; /torch or "
+    "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs (default: the engine's, 64); +zfull: not capped; /torch or "
     "/triton: the cache's probe and admission (default Triton on CUDA)")
-NAMED_FLAGS = ("pysend", "gatherexp", "yield", "w8")
+NAMED_FLAGS = ("pysend", "gatherexp", "yield", "w8", "zfull")
 ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "expand_on_caller", "zero_copy_yields",
-               "zero_copy_word_bytes", "zero_copy_programs")
-"""A variant's entries that are `LookupEngine` arguments as they are (`engine_options` adds the staging ones)."""
+               "zero_copy_word_bytes")
+"""A variant's entries that are `LookupEngine` arguments as they are (`engine_options` adds the staging
+ones and the zero-copy grid's cap)."""
 
 
 def parse_variant(text: str) -> dict:
@@ -144,25 +145,27 @@ def parse_variant(text: str) -> dict:
         key, value = f[:1], f[1:]
         ok = ok and key in "crz" and key not in numbers and value.isdigit() and int(value) > 0
         numbers[key] = int(value) if value.isdigit() else 0
-    if not ok or numbers.get("r", 2) < 2:
+    if not ok or numbers.get("r", 2) < 2 or ("zfull" in flags and "z" in numbers):
         raise SystemExit(f"--engines: {text!r} is not {VARIANT_GRAMMAR}")
     return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
             "max_in_flight": int(depth) if depth else None, "native_send": "pysend" not in flags,
             "expand_on_caller": "gatherexp" not in flags, "zero_copy_yields": "yield" in flags,
             "zero_copy_word_bytes": 8 if "w8" in flags else 4, "staging_chunk_rows": numbers.get("c"),
-            "staging_ring": numbers.get("r"), "zero_copy_programs": numbers.get("z")}
+            "staging_ring": numbers.get("r"), "zero_copy_programs": "full" if "zfull" in flags else numbers.get("z")}
 
 
 def engine_options(variant: dict, args) -> dict:
     """`LookupEngine` keyword arguments of a variant: its `ENGINE_KEYS`, `staging_chunk_rows` from
-    its ``+cN``, else ``--staging-chunk-rows``' first value, else the engine's default, and
-    `staging_ring` from its ``+rN``."""
+    its ``+cN``, else ``--staging-chunk-rows``' first value, else the engine's default,
+    `staging_ring` from its ``+rN`` and `zero_copy_programs` from its ``+zN`` (``+zfull``: None)."""
     options = {key: variant[key] for key in ENGINE_KEYS if key != "max_in_flight" or variant[key] is not None}
     rows = variant["staging_chunk_rows"] or (args.staging_chunk_rows or [None])[0]
     if rows is not None:
         options["staging_chunk_rows"] = rows
     if variant["staging_ring"]:
         options["staging_ring"] = variant["staging_ring"]
+    if variant["zero_copy_programs"] is not None:
+        options["zero_copy_programs"] = None if variant["zero_copy_programs"] == "full" else variant["zero_copy_programs"]
     return options
 
 

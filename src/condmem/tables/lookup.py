@@ -73,6 +73,16 @@ from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS, StagedSender
 from condmem.tables.storage import LayerStore, StorageError
 from condmem.utils.capture_guard import CAPTURE_GUARD
 
+CALIBRATION_FRACTIONS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 1.0)
+"""`LookupEngine.calibrate`'s default candidate CPU shares: dense where uniform ids have had
+their optimum on the H200 (0.7-0.9)."""
+
+ZERO_COPY_PROGRAMS = 64
+"""Default cap on the zero-copy gather's grid (`LookupEngine(zero_copy_programs=...)`): measured
+best on the H200 (the docstring's numbers). Why fewer programs read faster is not established;
+each random row costs the GPU an address translation, and a guess is that fewer of them in
+flight at once thrash its translation caches less. Too small a grid leaves PCIe idle."""
+
 log = logging.getLogger("condmem.tables")
 
 
@@ -192,9 +202,11 @@ class LookupEngine:
         region_bytes: the zero-copy translation granule used to split misses
             (`lookup_plan.split_by_density`).
         zero_copy_programs: cap on the zero-copy kernel's grid (None: the full persistent
-            grid). A host-reading kernel that holds every SM slows the plan's and the cache's
-            kernels queued beside it (why the text stream's calibration keeps the whole share
-            on the CPU); a small grid may leave them room. Experimental, not yet measured.
+            grid of 4 programs per SM). Fewer programs in flight read host rows faster: on
+            the H200, 393K uniform rows alone took 12.3 ms with the full grid (528 programs),
+            11.6 with 128, 9.8 with 64, 9.0-9.4 with 16-48, 13.4 with 8, and the uniform
+            stream's pipelined lookup 2.39-2.46 ms at 64 vs 2.52-2.61 uncapped (2 rounds,
+            session 9, run 2). Default `ZERO_COPY_PROGRAMS` (64).
         zero_copy_yields: run the zero-copy kernel as one short program per 32 rows on a
             low-priority stream, so the plan's and cache's kernels (high priority) take SMs
             as its programs end. Why: its persistent grid (4 programs of 128 threads per SM,
@@ -239,7 +251,7 @@ class LookupEngine:
                  direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
                  max_in_flight: int = 3, graphs: bool = True, max_plan_sizes: int = 4,
                  native_send: bool = True,
-                 zero_copy_programs: int | None = None, zero_copy_yields: bool = False,
+                 zero_copy_programs: int | None = ZERO_COPY_PROGRAMS, zero_copy_yields: bool = False,
                  zero_copy_word_bytes: int = 4, expand_on_caller: bool = True):
         self.store = store
         self.device = torch.device(device)
@@ -619,17 +631,20 @@ class LookupEngine:
         return (time.perf_counter() - t0) / max(1, len(batches))
 
     def calibrate(self, n_ids: int = 1 << 18, candidates: tuple[float, ...] | None = None, seed: int = 0,
-                  sample: list[torch.Tensor] | None = None) -> float:
+                  sample: list[torch.Tensor] | None = None, refine: int = 3) -> float:
         """Pick `cpu_fraction` for a host store from measurements; returns the chosen fraction.
 
         Each candidate split is timed on a pipeline of lookups (`time_pipelined`: the CPU
         gather, its DMAs and the zero-copy gather share the PCIe link, the host's memory
         and the GPU's address translation, so rates measured alone do not add up); the
-        fastest wins.
+        `refine` fastest are then timed again, in reverse order, and keep their better
+        time; the fastest wins. Why twice: the host's memory bandwidth swings within
+        seconds (on the H200, one pass measured 5.8 ms at 0.8 between 3.5 ms at 0.9
+        and 3.8 ms at 0.7, session 9, run 1), and one slow pass must not decide the split.
 
         Args:
             n_ids: ids per batch of the default sample (uniform random ids, cache bypassed).
-            candidates: fractions to try.
+            candidates: fractions to try (default `CALIBRATION_FRACTIONS`).
             seed: of the default sample.
             sample: the caller's own id batches (e.g. the first batches of real traffic),
                 served with the cache: for each candidate the cache is cleared, warmed on the
@@ -637,6 +652,7 @@ class LookupEngine:
                 a running zero-copy kernel slows the cache's own kernels, so the best split
                 with a cache differs from the uniform one (H200, text stream: all-CPU
                 4.9 ms vs 6.3 ms at the uniform optimum 0.7).
+            refine: how many of the fastest candidates are timed a second time (0: none).
         """
         if self.store.tier != "host" or not self.on_gpu or as_words(self.store.raw) is None:
             return self.cpu_fraction
@@ -654,21 +670,31 @@ class LookupEngine:
                 raise ValueError("calibrate(sample=...) needs at least two batches (half warm the cache)")
             half = len(sample) // 2
             warm, timed, cache = sample[:half], sample[half:], self.cache
-        results = {}
+        def timed_at(f: float) -> float:
+            self.cpu_fraction = f
+            if self.cache is not None:
+                self.cache.clear()
+            self.time_pipelined(warm)                 # warm-up: staging, the split's shapes, the cache
+            seconds = self.time_pipelined(timed)
+            self.flush()
+            return seconds
+
+        results: dict[float, float] = {}
         try:
-            for f in candidates or (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
-                self.cpu_fraction = f
-                if self.cache is not None:
-                    self.cache.clear()
-                self.time_pipelined(warm)                 # warm-up: staging, the split's shapes, the cache
-                results[f] = self.time_pipelined(timed)
-                self.flush()
+            for f in candidates or CALIBRATION_FRACTIONS:
+                results[f] = timed_at(f)
+            first = dict(results)
+            for f in sorted(results, key=results.get)[:max(0, refine)][::-1]:
+                results[f] = min(results[f], timed_at(f))
         finally:
             self.cache = cache
         self.cpu_fraction = min(results, key=results.get)
-        log.info("lookup split calibrated on %s: %s -> cpu_fraction %.2f",
+        again = {f: t for f, t in results.items() if t < first[f]}
+        log.info("lookup split calibrated on %s: %s -> cpu_fraction %.2f%s",
                  "the caller's sample" if sample is not None else f"{n_ids} random ids",
-                 ", ".join(f"{f:.1f}: {t * 1e3:.2f} ms" for f, t in results.items()), self.cpu_fraction)
+                 ", ".join(f"{f:.2f}: {t * 1e3:.2f} ms" for f, t in first.items()), self.cpu_fraction,
+                 (" (faster when timed again: " + ", ".join(f"{f:.2f}: {t * 1e3:.2f} ms" for f, t in again.items())
+                  + ")") if again else "")
         self.calibration = results
         return self.cpu_fraction
 
