@@ -206,7 +206,9 @@ class LookupEngine:
             the H200, 393K uniform rows alone took 12.3 ms with the full grid (528 programs),
             11.6 with 128, 9.8 with 64, 9.0-9.4 with 16-48, 13.4 with 8, and the uniform
             stream's pipelined lookup 2.39-2.46 ms at 64 vs 2.52-2.61 uncapped (2 rounds,
-            session 9, run 2). Default `ZERO_COPY_PROGRAMS` (64).
+            session 9, run 2). Default `ZERO_COPY_PROGRAMS` (64). Host stores only: an HBM
+            table's misses are read with the full grid (capped, one 16K-token lookup took
+            1.73 ms instead of 1.10, session 9, run 3).
         zero_copy_yields: run the zero-copy kernel as one short program per 32 rows on a
             low-priority stream, so the plan's and cache's kernels (high priority) take SMs
             as its programs end. Why: its persistent grid (4 programs of 128 threads per SM,
@@ -498,7 +500,7 @@ class LookupEngine:
                 # Each row goes straight to its compact row (one kernel, HBM or zero-copy host);
                 # padding (row n, past compact[:n]) reads and stores nothing.
                 move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n],
-                          max_programs=self.zero_copy_programs,
+                          max_programs=self.zero_copy_programs if self.store.tier == "host" else None,
                           programs_per_sm=ONE_PROGRAM_PER_BLOCK if self.zero_copy_yields else None,
                           word_bytes=self.zero_copy_word_bytes)
                 batch.zero_copy_done = self._event()
