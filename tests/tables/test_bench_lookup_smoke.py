@@ -106,8 +106,10 @@ def test_engine_variants_parse_and_bad_ones_say_the_grammar():
     assert "zero_copy_programs" not in engine_options(parse_variant("graphs"), args)
     assert engine_options(parse_variant("graphs+z32"), args)["zero_copy_programs"] == 32
     assert engine_options(parse_variant("graphs+zfull"), args)["zero_copy_programs"] is None
+    assert engine_options(parse_variant("graphs+t12"), args)["cpu_threads"] == 12
+    assert "cpu_threads" not in engine_options(parse_variant("graphs"), args)
     for bad in ("graph", "graphs+tail", "graphs+c", "graphs+c1+c2", "graphs+z0", "graphs+z1+z2", "graphs@x",
-                "graphs+z8+zfull",
+                "graphs+z8+zfull", "graphs+t0", "graphs+t4+t8",
                 "graphs/cuda", "graphs+r1", "graphs+r4+r8", "graphs+barrier", "graphs+gate", "graphs+inline"):
         with pytest.raises(SystemExit, match=r"graphs\|eager\[@in_flight\]\[\+pysend\]\[\+gatherexp\]"):
             parse_variant(bad)

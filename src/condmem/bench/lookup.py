@@ -116,13 +116,14 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     return out
 
 
-VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+gatherexp][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS|+zfull][/torch|/triton]"
+VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+gatherexp][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS|+zfull][+tTHREADS][/torch|/triton]"
 VARIANT_FLAGS = (
     "graphs or eager: plans replayed as CUDA graphs or launched kernel by kernel; @D: D lookups in flight "
     "(default: the engine's); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +gatherexp: "
     "expand_on_caller=False, the gather thread queues each expansion; +yield: zero_copy_yields=True, "
     "short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; +cN: N rows per staging "
-    "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs (default: the engine's, 64); +zfull: not capped; /torch or "
+    "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs (default: the engine's, 64); +zfull: not capped; +tN: N CPU gather threads (default: "
+    "--cpu-threads' first value, else one fewer than torch's threads); /torch or "
     "/triton: the cache's probe and admission (default Triton on CUDA)")
 NAMED_FLAGS = ("pysend", "gatherexp", "yield", "w8", "zfull")
 ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "expand_on_caller", "zero_copy_yields",
@@ -137,13 +138,13 @@ def parse_variant(text: str) -> dict:
     head, _, backend = text.partition("/")
     head, *flags = head.split("+")
     name, _, depth = head.partition("@")
-    numbers: dict[str, int] = {}      # +cN, +rN, +zN, each at most once
+    numbers: dict[str, int] = {}      # +cN, +rN, +zN, +tN, each at most once
     ok = name in ("graphs", "eager") and (not depth or depth.isdigit()) and backend in ("", "torch", "triton")
     for f in flags:
         if f in NAMED_FLAGS:
             continue
         key, value = f[:1], f[1:]
-        ok = ok and key in "crz" and key not in numbers and value.isdigit() and int(value) > 0
+        ok = ok and key in "crzt" and key not in numbers and value.isdigit() and int(value) > 0
         numbers[key] = int(value) if value.isdigit() else 0
     if not ok or numbers.get("r", 2) < 2 or ("zfull" in flags and "z" in numbers):
         raise SystemExit(f"--engines: {text!r} is not {VARIANT_GRAMMAR}")
@@ -151,19 +152,23 @@ def parse_variant(text: str) -> dict:
             "max_in_flight": int(depth) if depth else None, "native_send": "pysend" not in flags,
             "expand_on_caller": "gatherexp" not in flags, "zero_copy_yields": "yield" in flags,
             "zero_copy_word_bytes": 8 if "w8" in flags else 4, "staging_chunk_rows": numbers.get("c"),
-            "staging_ring": numbers.get("r"), "zero_copy_programs": "full" if "zfull" in flags else numbers.get("z")}
+            "staging_ring": numbers.get("r"), "zero_copy_programs": "full" if "zfull" in flags else numbers.get("z"),
+            "cpu_threads": numbers.get("t")}
 
 
 def engine_options(variant: dict, args) -> dict:
     """`LookupEngine` keyword arguments of a variant: its `ENGINE_KEYS`, `staging_chunk_rows` from
     its ``+cN``, else ``--staging-chunk-rows``' first value, else the engine's default,
-    `staging_ring` from its ``+rN`` and `zero_copy_programs` from its ``+zN`` (``+zfull``: None)."""
+    `staging_ring` from its ``+rN``, `zero_copy_programs` from its ``+zN`` (``+zfull``: None) and
+    `cpu_threads` from its ``+tN``."""
     options = {key: variant[key] for key in ENGINE_KEYS if key != "max_in_flight" or variant[key] is not None}
     rows = variant["staging_chunk_rows"] or (args.staging_chunk_rows or [None])[0]
     if rows is not None:
         options["staging_chunk_rows"] = rows
     if variant["staging_ring"]:
         options["staging_ring"] = variant["staging_ring"]
+    if variant["cpu_threads"]:
+        options["cpu_threads"] = variant["cpu_threads"]
     if variant["zero_copy_programs"] is not None:
         options["zero_copy_programs"] = None if variant["zero_copy_programs"] == "full" else variant["zero_copy_programs"]
     return options
@@ -280,9 +285,9 @@ def run_lookup(args) -> list[dict]:
                 cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device,
                                              backend=variant["cache_backend"])
                          if cached else None)
+                options = {"cpu_threads": (args.cpu_threads or [None])[0], **engine_options(variant, args)}
                 engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
-                                      cpu_threads=(args.cpu_threads or [None])[0],
-                                      **engine_options(variant, args))
+                                      **options)
                 if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
                     if stream == "text":
                         # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
