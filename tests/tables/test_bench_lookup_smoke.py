@@ -16,6 +16,9 @@ def test_bench_lookup_smoke(tmp_path, capsys):
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
     assert any(r["bench"] == "cpu_gather" for r in rows)
+    # Every tier x stream x batch size had its rows compared with a plain gather of the table.
+    assert {(r["tier"], r["stream"], r["tokens"], r["cache"]) for r in rows if r["bench"] == "lookup_exact"} == {
+        ("host", s, t, s == "text") for s in ("uniform", "text") for t in (1, 16)}
     rows = [r for r in rows if r["bench"] == "lookup"]
     assert {(r["tier"], r["stream"], r["tokens"]) for r in rows} == {
         ("host", s, t) for s in ("uniform", "text") for t in (1, 16)}
@@ -29,6 +32,7 @@ def test_bench_lookup_disk_tier_smoke(tmp_path):
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
     assert [r["tier"] for r in rows if r["bench"] == "lookup"] == ["disk"]
+    assert [r["tier"] for r in rows if r["bench"] == "lookup_exact"] == ["disk"]
     assert not list(tmp_path.glob("condmem-bench-*"))   # the temporary table file is gone
 
 

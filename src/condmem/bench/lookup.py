@@ -14,8 +14,11 @@ their scales, 264 B) is timed end to end through `LookupEngine`:
 Effective bandwidth = requested row bytes (tokens x 24 x 264 B, repeats included) /
 time. It is reported next to the pinned H2D memcpy and D2D copy bandwidth measured in
 the same process, with the cache hit rate and unique fraction. Rows are appended as
-JSON lines to ``<out>/lookup.json``; a PNG plot goes beside them. Inputs (tables, the
-text stream) are built in `lookup_setup`; the host-tier diagnostics live in `lookup_diagnostics`.
+JSON lines to ``<out>/lookup.json``; a PNG plot goes beside them. After each variant's
+timings its rows are compared with a plain gather of the table (`lookup_exact`; on a host
+table read by a GPU, also with every miss on the GPU, half and half, and every miss on the
+CPU), and a mismatch stops the run. Inputs (tables, the text stream) are built in
+`lookup_setup`; the host-tier diagnostics live in `lookup_diagnostics`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from condmem.bench.lookup_diagnostics import (
     plan_costs,
     plot_pipeline,
 )
+from condmem.bench.lookup_exact import check_lookup, check_splits
 from condmem.bench.lookup_setup import (
     HEAD_DIM,
     N_COLS,
@@ -172,6 +176,33 @@ def engine_options(variant: dict, args) -> dict:
     if variant["zero_copy_programs"] is not None:
         options["zero_copy_programs"] = None if variant["zero_copy_programs"] == "full" else variant["zero_copy_programs"]
     return options
+
+
+def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: str, batches: list[int], variant: dict,
+                   args, gen, text_sets_for, device: str, splits: bool) -> list[dict]:
+    """After a variant's timings: one lookup per batch size compared with a plain gather of the
+    table (`lookup_exact`; a mismatch stops the bench); with `splits`, the largest batch also at
+    each of `SPLIT_FRACTIONS` (host tier on a GPU). One row per check."""
+    rows = []
+    for tokens in batches:
+        if stream == "text":
+            ids = text_sets_for(store.num_rows, tokens)[-1]      # the cache holds the stream's rows by now
+        else:
+            ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device)
+        what = f"{tier} {stream} {tokens} tokens [{variant['label']}]"
+        t0 = time.perf_counter()
+        if splits and tokens == max(batches):
+            fractions = check_splits(engine, store, ids, what)
+        else:
+            check_lookup(engine, store, ids, what)
+            fractions = [engine.cpu_fraction]
+        log.info("%s: rows equal to a plain gather of the table (cpu_fraction %s, cache %s; checked in %.1f s)", what,
+                 "/".join(f"{f:.2f}" for f in fractions), "on" if engine.cache is not None else "off",
+                 time.perf_counter() - t0)
+        rows.append({"bench": "lookup_exact", "tier": tier, "stream": stream, "tokens": tokens,
+                     "variant": variant["label"], "cpu_fractions": fractions, "cache": engine.cache is not None,
+                     "table_gib": round(store.nbytes / 2**30, 2), "exact": True})
+    return rows
 
 
 def run_lookup(args) -> list[dict]:
@@ -316,6 +347,8 @@ def run_lookup(args) -> list[dict]:
                                  f" [{label}]" if label else "", seconds * 1e3, gbps,
                                  f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
                                  f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
+                rows_out.extend(exactness_rows(engine, store, tier, stream, batches, variant, args, gen,
+                                               text_sets_for, device, splits=variant is variants[0]))
                 if "kernels" in args.diagnostics and device == "cuda":
                     tokens = max(batches)
                     sets = (text_sets_for(store.num_rows, tokens)[args.text_warmup:][:8] if stream == "text" else
