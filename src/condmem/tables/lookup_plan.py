@@ -28,15 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 
 import torch
 
 from condmem.ops.gather import engram_gather
 from condmem.tables.row_cache import FLOAT_WORDS, RowCache, row_words
 from condmem.utils.capture_guard import CAPTURE_GUARD
-
-log = logging.getLogger("condmem.tables")
 
 PAD_ID = -1
 N_COUNTS = 8
@@ -51,10 +48,6 @@ def as_words(raw: torch.Tensor, word_bytes: int = 4) -> torch.Tensor | None:
     words = row_words(raw, ((torch.int64,) if word_bytes == 8 else ()) + FLOAT_WORDS)
     return None if words.dtype == torch.uint8 else words
 
-
-MAX_CAPTURE_FAILURES = 3
-"""A step whose CUDA graph capture was spoiled this many times stays eager (see `LookupPlan._call`)."""
-_EAGER = object()   # `_graphs` entry of a step that gave up on its graph
 
 ONE_PROGRAM_PER_BLOCK = 1 << 20
 """`move_rows(programs_per_sm=...)` for a grid of one program per block of rows (not persistent)."""
@@ -239,7 +232,6 @@ class LookupPlan:
         self._to_host = torch.empty(host_len, dtype=torch.int64, device=device)
         self.host = torch.empty(host_len, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[str, object] = {}
-        self.capture_failures: dict[str, int] = {}   # step -> spoiled captures (each ran eagerly)
 
     # ------------------------------------------------------------------ the steps
     def _plan(self) -> None:
@@ -290,17 +282,11 @@ class LookupPlan:
     # ------------------------------------------------------------------ running
     def _call(self, name: str, fn, capture: bool) -> None:
         """Run step `fn` eagerly, or as its CUDA graph (captured on first use after one eager
-        warm-up run: the capture itself computes nothing, so the graph is replayed at once).
-
-        A capture can be spoiled by a CUDA call this process makes elsewhere meanwhile (the
-        guard below keeps condmem's own threads out, not the caller's other threads): the
-        step then runs eagerly, so nothing is lost, and is captured again at its next use; after
-        `MAX_CAPTURE_FAILURES` it stays eager. Seen once on the H200 (session 9, run 9, the
-        admission captured at `close()`; cause not found)."""
-        graph = self._graphs.get(name)
-        if not capture or graph is _EAGER:
+        warm-up run: the capture itself computes nothing, so the graph is replayed at once)."""
+        if not capture:
             fn()
             return
+        graph = self._graphs.get(name)
         if graph is None:
             stream = torch.cuda.current_stream(self.ids.device)
             if name not in self._graphs:
@@ -308,31 +294,19 @@ class LookupPlan:
                 fn()
                 return
             graph = torch.cuda.CUDAGraph()
-            try:
-                # thread_local: the runtime lets the gather thread make calls that are unsafe during
-                # a capture; the guard keeps it from making them while this one captures (they
-                # would invalidate the capture all the same: `utils.capture_guard`). No garbage
-                # collection meanwhile: a finalizer freeing a CUDA or pinned tensor here would.
-                with CAPTURE_GUARD.capturing(), _gc_paused(), \
-                        torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                    fn()
-            except RuntimeError as err:       # torch.AcceleratorError is one
-                if "captur" not in str(err).lower():
-                    raise
-                self._capture_spoiled(name, err)
-                fn()                           # the failed capture ran nothing
-                return
+            # thread_local: the runtime lets the gather thread make calls that are unsafe during
+            # a capture; the guard keeps it from making them while this one captures (they
+            # would invalidate the capture all the same: `utils.capture_guard`).
+            # No garbage collection during the capture either: a finalizer freeing a CUDA or
+            # pinned tensor on this thread would make a call that spoils it. (A guess at the one
+            # spoiled capture seen since session 7, session 9 run 9; not shown to be the cause.
+            # Running a step eagerly after a spoiled capture is NOT safe: tried, the plan's
+            # next kernels read out of bounds, session 9 run 11.)
+            with CAPTURE_GUARD.capturing(), _gc_paused(), \
+                    torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                fn()
             self._graphs[name] = graph
         graph.replay()
-
-    def _capture_spoiled(self, name: str, err: Exception) -> None:
-        failures = self.capture_failures[name] = self.capture_failures.get(name, 0) + 1
-        last = failures >= MAX_CAPTURE_FAILURES
-        if last:
-            self._graphs[name] = _EAGER
-        log.warning("the CUDA graph capture of the lookup plan's %r step (bucket of %d ids) was spoiled by another "
-                    "CUDA call (%s); ran it eagerly, %s", name, self.n, str(err).splitlines()[0],
-                    "it stays eager now" if last else f"will capture again ({failures} of {MAX_CAPTURE_FAILURES})")
 
     def run(self, capture: bool) -> None:
         """The plan of the batch in `ids`, on the current stream."""
