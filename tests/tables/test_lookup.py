@@ -413,3 +413,23 @@ def test_cpu_lookups_of_any_shape_and_repeat_pattern_are_exact(table_files):
     ok = torch.tensor([[1, 2, 3]])
     assert torch.equal(engine.lookup(ok).wait(), _expected(source, ok))
     store.close()
+
+
+def test_calibration_times_its_leaders_again_and_keeps_their_best():
+    """`time_candidates` (the calibration's choice, no GPU needed): one slow first pass of a
+    candidate does not rule it out, the leaders are re-timed slowest first, refine=0 skips it."""
+    from condmem.tables.lookup import time_candidates
+
+    passes = {0.0: [5.0], 0.5: [3.2, 2.0], 0.8: [3.1, 3.0], 1.0: [2.9, 2.95]}
+    order = []
+
+    def time_at(f):
+        order.append(f)
+        return passes[f].pop(0)
+
+    first, best = time_candidates(time_at, (0.0, 0.5, 0.8, 1.0), refine=3)
+    assert first == {0.0: 5.0, 0.5: 3.2, 0.8: 3.1, 1.0: 2.9}
+    assert best == {0.0: 5.0, 0.5: 2.0, 0.8: 3.0, 1.0: 2.9} and min(best, key=best.get) == 0.5
+    assert order == [0.0, 0.5, 0.8, 1.0, 0.5, 0.8, 1.0]
+    first, best = time_candidates(lambda f: 1.0 - f, (0.2, 0.6), refine=0)
+    assert first == best == {0.2: 0.8, 0.6: 0.4}

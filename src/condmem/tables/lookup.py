@@ -77,6 +77,19 @@ CALIBRATION_FRACTIONS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 1.0)
 """`LookupEngine.calibrate`'s default candidate CPU shares: dense where uniform ids have had
 their optimum on the H200 (0.7-0.9)."""
 
+
+def time_candidates(time_at: Callable[[float], float], candidates: tuple[float, ...],
+                    refine: int) -> tuple[dict[float, float], dict[float, float]]:
+    """`time_at` of every candidate in turn, then of the `refine` fastest again (the slowest of
+    them first); returns the first pass's times and each candidate's best time
+    (`LookupEngine.calibrate` keeps the fastest)."""
+    first = {f: time_at(f) for f in candidates}
+    best = dict(first)
+    for f in sorted(first, key=first.get)[:max(0, refine)][::-1]:
+        best[f] = min(best[f], time_at(f))
+    return first, best
+
+
 ZERO_COPY_PROGRAMS = 64
 """Default cap on the zero-copy gather's grid (`LookupEngine(zero_copy_programs=...)`): measured
 best on the H200 (the docstring's numbers). Why fewer programs read faster is not established;
@@ -681,13 +694,8 @@ class LookupEngine:
             self.flush()
             return seconds
 
-        results: dict[float, float] = {}
         try:
-            for f in candidates or CALIBRATION_FRACTIONS:
-                results[f] = timed_at(f)
-            first = dict(results)
-            for f in sorted(results, key=results.get)[:max(0, refine)][::-1]:
-                results[f] = min(results[f], timed_at(f))
+            first, results = time_candidates(timed_at, candidates or CALIBRATION_FRACTIONS, refine)
         finally:
             self.cache = cache
         self.cpu_fraction = min(results, key=results.get)
