@@ -685,6 +685,7 @@ class LookupEngine:
                 raise ValueError("calibrate(sample=...) needs at least two batches (half warm the cache)")
             half = len(sample) // 2
             warm, timed, cache = sample[:half], sample[half:], self.cache
+
         def timed_at(f: float) -> float:
             self.cpu_fraction = f
             if self.cache is not None:
