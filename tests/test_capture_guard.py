@@ -80,3 +80,21 @@ def test_the_guard_is_released_on_errors():
         pass
     with guard.syncing():
         pass
+
+
+def test_no_garbage_collection_during_a_capture():
+    """The collector is off inside `capturing` and back as it was after (on, or off if it was)."""
+    import gc
+
+    guard = CaptureGuard()
+    assert gc.isenabled()
+    with guard.capturing():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with guard.capturing():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

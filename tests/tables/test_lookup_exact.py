@@ -6,12 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from condmem.bench.lookup_exact import (
-    LookupMismatchError,
-    check_lookup,
-    check_splits,
-    same_rows,
-)
+from condmem.bench.harness import same_rows
+from condmem.bench.lookup_exact import LookupMismatchError, check_lookup, check_splits
 from condmem.tables.lookup import LookupEngine
 from condmem.tables.storage import LayerStore
 

@@ -310,7 +310,7 @@ def run_lookup(args) -> list[dict]:
                                                           warm=text[:args.text_warmup], options=options))
                     del cache
         for stream in args.streams:
-            for variant in variants:
+            for i, variant in enumerate(variants):
                 label = variant["label"] if len(variants) > 1 else ""
                 cached = stream == "text" and args.cache_fraction > 0
                 cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device,
@@ -348,7 +348,7 @@ def run_lookup(args) -> list[dict]:
                                  f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
                                  f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
                 rows_out.extend(exactness_rows(engine, store, tier, stream, batches, variant, args, gen,
-                                               text_sets_for, device, splits=variant is variants[0]))
+                                               text_sets_for, device, splits=i == 0))
                 if "kernels" in args.diagnostics and device == "cuda":
                     tokens = max(batches)
                     sets = (text_sets_for(store.num_rows, tokens)[args.text_warmup:][:8] if stream == "text" else

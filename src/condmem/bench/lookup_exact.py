@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from condmem.bench.harness import same_rows
 from condmem.ops.gather import gather_reference
 from condmem.tables.lookup import LookupEngine
 from condmem.tables.storage import LayerStore
@@ -30,14 +31,6 @@ every miss on the CPU send."""
 
 class LookupMismatchError(AssertionError):
     """The engine returned rows that differ from the plain gather."""
-
-
-def same_rows(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Bitwise-equal values, NaN where the reference has NaN."""
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return False
-    nan = want.isnan()
-    return torch.equal(got.isnan(), nan) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def check_lookup(engine: LookupEngine, store: LayerStore, ids: torch.Tensor, what: str) -> None:

@@ -26,9 +26,6 @@ The functions run eagerly on any device; tests hold them to `torch.unique`,
 
 from __future__ import annotations
 
-import contextlib
-import gc
-
 import torch
 
 from condmem.ops.gather import engram_gather
@@ -297,13 +294,9 @@ class LookupPlan:
             # thread_local: the runtime lets the gather thread make calls that are unsafe during
             # a capture; the guard keeps it from making them while this one captures (they
             # would invalidate the capture all the same: `utils.capture_guard`).
-            # No garbage collection during the capture either: a finalizer freeing a CUDA or
-            # pinned tensor on this thread would make a call that spoils it. (A guess at the one
-            # spoiled capture seen since session 7, session 9 run 9; not shown to be the cause.
-            # Running a step eagerly after a spoiled capture is NOT safe: tried, the plan's
+            # (Running a step eagerly after a spoiled capture is NOT safe: tried, the plan's
             # next kernels read out of bounds, session 9 run 11.)
-            with CAPTURE_GUARD.capturing(), _gc_paused(), \
-                    torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            with CAPTURE_GUARD.capturing(), torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 fn()
             self._graphs[name] = graph
         graph.replay()
@@ -318,14 +311,3 @@ class LookupPlan:
             self._call("admit", self._admit, capture)
             self.cache.note_admission()
 
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's garbage collector off for the block (on again after, if it was on)."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()

@@ -12,7 +12,10 @@ events (session 7).
 `CAPTURE_GUARD` is a readers-writer lock for the process: threads that synchronize hold it
 shared (`syncing`), so they run side by side; a capture holds it alone (`capturing`). Captures
 are rare (once per plan slot and step), so the writer waits at most one gather (~1-3 ms) and
-is preferred over new readers. A thread must not capture while it holds `syncing`.
+is preferred over new readers. A thread must not capture while it holds `syncing`. Python's
+garbage collector is paused during a capture too: a finalizer freeing a CUDA or pinned tensor
+on the capturing thread would make such a call (a guess at the one capture spoiled since
+session 7, session 9 run 9; not shown to be the cause).
 
 Nothing queued on the GPU may wait for a host thread to act later (session 7 tried a stream
 gate, a stream waiting on a word that the gather thread would write after its DMAs): a
@@ -24,6 +27,7 @@ the waiting thread holds) would never release them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Iterator
 
@@ -54,7 +58,8 @@ class CaptureGuard:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Around a CUDA graph capture: waits until no thread is inside `syncing`."""
+        """Around a CUDA graph capture: waits until no thread is inside `syncing`; no garbage
+        collection meanwhile."""
         with self._cond:
             self._captures_waiting += 1
             try:
@@ -63,9 +68,13 @@ class CaptureGuard:
             finally:
                 self._captures_waiting -= 1
             self._capturing = True
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             yield
         finally:
+            if collecting:
+                gc.enable()
             with self._cond:
                 self._capturing = False
                 self._cond.notify_all()
