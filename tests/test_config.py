@@ -99,3 +99,41 @@ def test_fingerprint_tracks_everything_that_moves_a_row():
     for change in ({"seed": 1}, {"pad_id": 3}, {"table_size": 51}, {"layer_ids": [1, 4]}, {"n_heads": 4},
                    {"compressed_vocab_size": 101}, {"max_ngram_size": 4}):
         assert EngramLayout(base.replace(**change)).fingerprint != fp, change
+
+
+def _v41_keys():
+    return {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,
+            "engram_vocab_size": 16000000, "engram_pad_token_id": 2, "engram_compressed_vocab_size": 99092,
+            "engram_num_embeddings": [384006168, 384016682]}
+
+
+def test_reads_engram_keys_nested_under_text_config_or_a_named_key(tmp_path):
+    flat = EngramConfig.from_dict({**_v41_keys(), "hidden_size": 96, "hc_mult": 2, "rms_norm_eps": 1e-5})
+    nested = {"architectures": ["X"], "vision_config": {"hidden_size": 3},
+              "text_config": {**_v41_keys(), "hidden_size": 96, "hc_mult": 2, "rms_norm_eps": 1e-5}}
+    assert EngramConfig.from_dict(nested) == flat
+    # Backbone dims stated at the top level apply to a nested section that lacks them.
+    top = {"hidden_size": 96, "hc_mult": 2, "rms_norm_eps": 1e-5, "language": _v41_keys()}
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    assert EngramConfig.load(tmp_path, key="language") == flat
+    with pytest.raises(ConfigError, match=r"config.json: no Engram keys found, at the top level or under 'text_config'"):
+        EngramConfig.load(tmp_path)
+    with pytest.raises(ConfigError, match="no section 'lang'"):
+        EngramConfig.load(tmp_path, key="lang")
+    with pytest.raises(ConfigError, match="section 'hidden_size'|no section 'hidden_size'"):
+        EngramConfig.from_dict(top, key="hidden_size")
+
+
+def test_v41_preset_states_only_what_oracles_verify(tmp_path):
+    preset = EngramConfig.deepseek_v41_flash()
+    assert (preset.hidden_size, preset.hc_mult, preset.rms_norm_eps) == (None, None, None)
+    assert EngramLayout(preset).num_embeddings == [384006168, 384016682]
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "deepseek_v41_flash.json"
+    assert EngramConfig.load(shipped) == preset
+    assert not {"hidden_size", "hc_mult", "rms_norm_eps"} & set(json.loads(shipped.read_text()))
+    preset.save(tmp_path / "p.json", dialect="v4")  # unknown dims are left out, not written as null
+    assert "hidden_size" not in json.loads((tmp_path / "p.json").read_text())
+    # A V4.1 config without backbone dims leaves them unknown instead of guessing.
+    assert EngramConfig.from_dict(_v41_keys()).hidden_size is None

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from condmem import EngramConfig, EngramLayout, NgramHasher
+from condmem import ConfigError, EngramConfig, EngramLayout, NgramHasher
 from condmem.module import Engram, EngramInputError
 from helpers import assert_close, devices
 
@@ -143,11 +143,14 @@ def test_sparse_and_dense_gradients_agree():
 
 
 def test_meta_device_describes_huge_table_without_memory():
-    cfg = EngramConfig.deepseek_v41_flash()
+    # The preset states no backbone dims (a checkpoint supplies them): these are arbitrary.
+    cfg = EngramConfig.deepseek_v41_flash().replace(hidden_size=512, hc_mult=2, rms_norm_eps=1e-6)
     layout = EngramLayout(cfg)
     module = Engram(cfg, layout.layer(1).num_embeddings, layer_id=1, device="meta")
     assert module.table.weight.shape == (384006168, 256)
     assert module.table.weight.device.type == "meta"
+    with pytest.raises(ConfigError, match="needs EngramConfig.hidden_size, hc_mult, rms_norm_eps"):
+        Engram(EngramConfig.deepseek_v41_flash(), 10, layer_id=1, device="meta")
 
 
 def test_bad_inputs_are_named():

@@ -6,9 +6,14 @@ needs (hidden size, branches, head width, short conv). It reads and writes:
 
 * ``native``: this dataclass's own field names;
 * ``v4``: the DeepSeek-V4.1 Hugging Face config keys (``engram_layer_ids``,
-  ``engram_num_embeddings``, ...), so a released ``config.json`` loads as is;
+  ``engram_num_embeddings``, ...), so a released ``config.json`` loads as is, whether
+  its keys sit at the top level or under ``text_config`` (or a key the caller names);
 * ``demo``: the keys of DeepSeek's official ``engram_demo_v1.py`` (per-order
   ``engram_vocab_size`` list, ``n_embed_per_ngram``, ``n_head_per_ngram``, ...).
+
+Backbone dimensions (``hidden_size``, ``hc_mult``, ``rms_norm_eps``) are None where a
+source does not state them (the V4.1 preset, a V4.1 config without them): they come
+from the checkpoint, and building a module without them is an error.
 
 Validation errors are `ConfigError` and name the offending field.
 """
@@ -23,6 +28,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 Dialect = Literal["native", "v4", "demo"]
+NESTED_KEYS: tuple[str, ...] = ("text_config",)
+"""Where multimodal-style configs nest the language model's keys (searched when the top level has none)."""
 
 
 class ConfigError(ValueError):
@@ -56,10 +63,12 @@ class EngramConfig:
     """Token id whose compressed id stands in for look-backs before a sequence start."""
     seed: int = 0
     """Seed of the per-layer hash multipliers (0 in all released models)."""
-    hidden_size: int = 1024
-    """Width D of the residual stream the module reads and writes."""
-    hc_mult: int = 1
-    """Residual branches (hyper-connection copies); 1 is an ordinary residual stream."""
+    hidden_size: int | None = 1024
+    """Width D of the residual stream the module reads and writes (None: not known yet; a
+    checkpoint supplies it)."""
+    hc_mult: int | None = 1
+    """Residual branches (hyper-connection copies); 1 is an ordinary residual stream (None:
+    not known yet)."""
     kernel_size: int = 4
     """ShortConv kernel width (dilation is max_ngram_size)."""
     short_conv: bool = True
@@ -68,8 +77,8 @@ class EngramConfig:
     """V', the compressed tokenizer's size; enters every hash multiplier. None until known."""
     num_embeddings: list[int] | None = None
     """Rows per layer as a checkpoint states them; checked against the primes when given."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of the module's RMSNorms."""
+    rms_norm_eps: float | None = 1e-6
+    """Epsilon of the module's RMSNorms (None: not known yet)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,8 +104,10 @@ class EngramConfig:
         need_int("head_dim", self.head_dim, 1)
         need_int("pad_id", self.pad_id, 0)
         need_int("seed", self.seed, 0)
-        need_int("hidden_size", self.hidden_size, 1)
-        need_int("hc_mult", self.hc_mult, 1)
+        if self.hidden_size is not None:
+            need_int("hidden_size", self.hidden_size, 1)
+        if self.hc_mult is not None:
+            need_int("hc_mult", self.hc_mult, 1)
         need_int("kernel_size", self.kernel_size, 1)
         if not isinstance(self.short_conv, bool):
             raise ConfigError(f"EngramConfig.short_conv must be a bool, got {self.short_conv!r}")
@@ -123,8 +134,20 @@ class EngramConfig:
                 )
             for n in self.num_embeddings:
                 need_int("num_embeddings[]", n, 1)
-        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
+        if self.rms_norm_eps is not None and not (
+            isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
+            and self.rms_norm_eps > 0
+        ):
             raise ConfigError(f"EngramConfig.rms_norm_eps must be a positive float, got {self.rms_norm_eps!r}")
+
+    def require_backbone(self, what: str = "an Engram module") -> None:
+        """Raise `ConfigError` naming every backbone field that is still None (unknown)."""
+        missing = [n for n in ("hidden_size", "hc_mult", "rms_norm_eps") if getattr(self, n) is None]
+        if missing:
+            raise ConfigError(
+                f"{what} needs EngramConfig.{', '.join(missing)}, which this config does not state: take them "
+                "from the checkpoint (Engram.from_released reads its config.json) or set them with config.replace()"
+            )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -150,13 +173,14 @@ class EngramConfig:
 
     # ------------------------------------------------------------------ dialects
     @classmethod
-    def from_dict(cls, data: dict[str, Any], dialect: Dialect | None = None) -> "EngramConfig":
+    def from_dict(cls, data: dict[str, Any], dialect: Dialect | None = None, key: str | None = None) -> "EngramConfig":
         """Build from a dict in any dialect (detected from its keys when not given).
 
-        A full Hugging Face ``config.json`` is accepted as is: unrelated keys are ignored.
+        A full Hugging Face ``config.json`` is accepted as is: unrelated keys are ignored, and
+        the Engram keys are found at the top level or under ``text_config`` (or under `key`,
+        when given; see `engram_section`).
         """
-        if not isinstance(data, dict):
-            raise ConfigError(f"an Engram config must be a JSON object, got {type(data).__name__}")
+        data = engram_section(data, key)
         dialect = dialect or detect_dialect(data)
         if dialect == "v4":
             return cls._from_v4(data)
@@ -187,13 +211,14 @@ class EngramConfig:
             table_size=get("engram_vocab_size"),
             pad_id=get("engram_pad_token_id", 2),
             seed=get("engram_seed", 0),
-            hidden_size=get("hidden_size", 1024),
-            hc_mult=get("hc_mult", 1),
+            # Backbone dims: what the file states, else unknown (a checkpoint's tensors supply them).
+            hidden_size=get("hidden_size", None),
+            hc_mult=get("hc_mult", None),
             kernel_size=get("engram_kernel_size", 4),
             short_conv=bool(get("engram_short_conv", False)),
             compressed_vocab_size=get("engram_compressed_vocab_size", None),
             num_embeddings=get("engram_num_embeddings", None),
-            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rms_norm_eps=get("rms_norm_eps", None),
         )
 
     @classmethod
@@ -236,10 +261,10 @@ class EngramConfig:
                 "engram_head_dim": self.head_dim,
                 "engram_vocab_size": self.table_size,
                 "engram_pad_token_id": self.pad_id,
-                "hidden_size": self.hidden_size,
-                "hc_mult": self.hc_mult,
-                "rms_norm_eps": self.rms_norm_eps,
             }
+            for name in ("hidden_size", "hc_mult", "rms_norm_eps"):
+                if getattr(self, name) is not None:
+                    out[name] = getattr(self, name)
             if self.seed:
                 out["engram_seed"] = self.seed
             if self.short_conv:
@@ -274,8 +299,9 @@ class EngramConfig:
 
     # ------------------------------------------------------------------ files
     @classmethod
-    def load(cls, path: str | os.PathLike, dialect: Dialect | None = None) -> "EngramConfig":
-        """Read a JSON file in any dialect (a Hugging Face ``config.json`` included)."""
+    def load(cls, path: str | os.PathLike, dialect: Dialect | None = None, key: str | None = None) -> "EngramConfig":
+        """Read a JSON file in any dialect (a Hugging Face ``config.json`` included, flat or
+        nested under ``text_config`` or `key`); a directory means its ``config.json``."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -285,7 +311,10 @@ class EngramConfig:
             raise ConfigError(f"config file not found: {path}") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, dialect)
+        try:
+            return cls.from_dict(data, dialect, key)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
     def save(self, path: str | os.PathLike, dialect: Dialect = "native") -> None:
         """Write the config as JSON, atomically (temp file + rename)."""
@@ -296,7 +325,13 @@ class EngramConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def deepseek_v41_flash(cls) -> "EngramConfig":
-        """The Engram geometry of the released DeepSeek-V4.1-Flash checkpoint."""
+        """The Engram geometry of the released DeepSeek-V4.1-Flash checkpoint.
+
+        Only what published oracles verify: layer ids, orders, heads, head width, table
+        size, pad id, seed, no ShortConv, V' = 99,092 and the row counts (the sums of each
+        layer's primes). The backbone dims (`hidden_size`, `hc_mult`, `rms_norm_eps`) are
+        None: read them from the checkpoint (`Engram.from_released`).
+        """
         return cls(
             layer_ids=[1, 14],
             max_ngram_size=4,
@@ -305,8 +340,9 @@ class EngramConfig:
             table_size=16_000_000,
             pad_id=2,
             seed=0,
-            hidden_size=4096,
-            hc_mult=4,
+            hidden_size=None,
+            hc_mult=None,
+            rms_norm_eps=None,
             short_conv=False,
             compressed_vocab_size=99_092,
             num_embeddings=[384_006_168, 384_016_682],
@@ -320,6 +356,38 @@ class _Missing:
 _MISSING = _Missing()
 
 
+def _has_engram_keys(data: Any) -> bool:
+    return isinstance(data, dict) and any(k in data for k in ("engram_layer_ids", "n_head_per_ngram",
+                                                                "n_embed_per_ngram", "layer_ids"))
+
+
+def engram_section(data: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+    """The dict that holds the Engram keys: `data` itself, or a nested section of it.
+
+    With `key`, ``data[key]`` must be that section. Without, the top level is used when it
+    holds Engram keys, else the first of `NESTED_KEYS` that does. A nested section
+    inherits the top level's ``hidden_size`` / ``hc_mult`` / ``rms_norm_eps`` where it lacks
+    its own. Raises `ConfigError` when no section holds Engram keys.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"an Engram config must be a JSON object, got {type(data).__name__}")
+    if key is not None:
+        if not isinstance(data.get(key), dict):
+            raise ConfigError(f"no section {key!r} in the config (top-level keys: {sorted(data)[:12]})")
+        section = data[key]
+        if not _has_engram_keys(section):
+            raise ConfigError(f"section {key!r} holds no Engram keys (engram_layer_ids, n_head_per_ngram or layer_ids)")
+    elif _has_engram_keys(data) or not any(_has_engram_keys(data.get(k)) for k in NESTED_KEYS):
+        return data
+    else:
+        section = next(data[k] for k in NESTED_KEYS if _has_engram_keys(data.get(k)))
+    merged = dict(section)
+    for name in ("hidden_size", "hc_mult", "rms_norm_eps"):
+        if name not in merged and name in data:
+            merged[name] = data[name]
+    return merged
+
+
 def detect_dialect(data: dict[str, Any]) -> Dialect:
     """Which dialect a config dict is written in, judged by its keys."""
     if "engram_layer_ids" in data:
@@ -329,6 +397,8 @@ def detect_dialect(data: dict[str, Any]) -> Dialect:
     if "layer_ids" in data:
         return "native"
     raise ConfigError(
-        "cannot tell the config dialect: expected 'engram_layer_ids' (DeepSeek-V4.1), "
-        "'n_head_per_ngram' (official demo) or 'layer_ids' (condmem)"
+        "no Engram keys found, at the top level or under "
+        f"{', '.join(repr(k) for k in NESTED_KEYS)}: cannot tell the config dialect: expected 'engram_layer_ids' "
+        "(DeepSeek-V4.1), 'n_head_per_ngram' (official demo) or 'layer_ids' (condmem); name the section holding "
+        "them with key= (--config-key)"
     )

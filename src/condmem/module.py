@@ -11,6 +11,9 @@
 
 The caller adds ``Y`` to the residual stream. Row ids come from `NgramHasher`,
 computed once for all layers before the first transformer layer.
+
+`Engram.from_released` builds one layer of a released DeepSeek-V4.1 checkpoint (its
+``wkv``, ``q_weight``, ``k_weight``; the table stays with `EngramMemory.from_released`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from condmem.config import EngramConfig
+from condmem.config import ConfigError, EngramConfig
 from condmem.ops.gate import GATE_CLAMP, engram_gate
 from condmem.ops.short_conv import ShortConv
 
@@ -90,6 +93,7 @@ class Engram(nn.Module):
                  table_init_std: float = 1.0, device=None, dtype=None, table_device=None):
         super().__init__()
         config.validate()
+        config.require_backbone(f"Engram(layer {layer_id})")
         self.config = config
         self.layer_id = layer_id
         self.hidden_size = config.hidden_size
@@ -111,6 +115,66 @@ class Engram(nn.Module):
         )
         if self.wkv.weight.device.type != "meta":
             nn.init.normal_(self.wkv.weight, std=1.0 / math.sqrt(config.engram_dim))
+
+    @classmethod
+    def from_released(cls, checkpoint, layer_id: int, *, device=None, dtype: torch.dtype = torch.bfloat16,
+                      keep_fp8: bool = False, load_table: bool = False, config=None,
+                      config_key: str | None = None) -> "Engram":
+        """One Engram layer of a released checkpoint, ready to run (no conversion step).
+
+        Args:
+            checkpoint: a checkpoint folder or safetensors file, or a `ReleasedCheckpoint`.
+            layer_id: the transformer layer (one of the config's ``engram_layer_ids``).
+            device, dtype: where and in what the module computes; ``wkv`` is dequantized
+                block by block to `dtype`, q/k weights are cast to it.
+            keep_fp8: keep ``wkv`` in fp8 with its block scales (`BlockFp8Linear`: a byte per
+                weight; dequantized on each call, no fp8 GEMM).
+            load_table: also read the table into the module, dequantized to `dtype` (small
+                tables only: a V4.1 layer is 94 GiB of fp8). By default the table is left on
+                the meta device and rows come from `EngramMemory.from_released`.
+            config, config_key: the config (by default the checkpoint folder's config.json,
+                keys flat or nested) and the JSON section holding it.
+
+        Backbone dims come from the checkpoint's config, checked against the tensors' shapes.
+        Raises `ConfigError` / `ReleasedCheckpointError` (both ValueErrors) naming what is wrong.
+        """
+        from condmem.layout import EngramLayout
+        from condmem.ops.block_fp8 import BlockFp8Linear
+        from condmem.tables.quant import dequantize_fp8_e8m0
+        from condmem.tables.released import open_checkpoint
+
+        ckpt = open_checkpoint(checkpoint, config=config, config_key=config_key)
+        cfg = ckpt.module_config()
+        if layer_id not in cfg.layer_ids:
+            raise ConfigError(f"layer {layer_id} has no Engram; the config's Engram layers are {cfg.layer_ids}")
+        if cfg.short_conv:
+            raise ConfigError(f"{ckpt.config_path}: engram_short_conv is set, but released checkpoints carry no "
+                              "ShortConv weights to load")
+        layout = EngramLayout(cfg)
+        rows = layout.layer(layer_id).num_embeddings
+        module = cls(cfg, rows, layer_id, device="meta", dtype=dtype)
+        q, k = ckpt.gate_weights(layer_id)
+        module.q_weight = nn.Parameter(q.to(device=device, dtype=dtype), requires_grad=False)
+        module.k_weight = nn.Parameter(k.to(device=device, dtype=dtype), requires_grad=False)
+        if keep_fp8:
+            weight, scales, _ = ckpt.wkv_fp8(layer_id)
+            module.wkv = BlockFp8Linear(weight.to(device), scales.to(device))
+        else:
+            module.wkv = nn.Linear(cfg.engram_dim, (cfg.hc_mult + 1) * cfg.hidden_size, bias=False, device="meta")
+            module.wkv.weight = nn.Parameter(ckpt.wkv(layer_id, torch.float32).to(device=device, dtype=dtype),
+                                             requires_grad=False)
+        if load_table:
+            table = ckpt.table(layer_id, layout)
+            module.table.weight = nn.Parameter(
+                dequantize_fp8_e8m0(table.weight.contiguous(), table.scales.contiguous(), torch.float32)
+                .to(device=device, dtype=dtype), requires_grad=False)
+        module.released_from = str(ckpt.path)
+        return module
+
+    def _compute_dtype(self) -> torch.dtype:
+        # A block-FP8 wkv computes in the module's dtype (that of its gate weights).
+        w = self.wkv.weight
+        return self.q_weight.dtype if w.dtype == torch.float8_e4m3fn else w.dtype
 
     def _check(self, hidden: torch.Tensor, row_ids: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
@@ -162,7 +226,7 @@ class Engram(nn.Module):
             raise EngramInputError(f"Engram(layer {self.layer_id}): the table lives outside this module (meta); "
                                    "pass the looked-up rows (e.g. EngramMemory.prepare(...).rows(layer_id))")
         embedded = self.embed(row_ids) if rows is None else rows.flatten(-2)
-        kv = self.wkv(embedded.to(self.wkv.weight.dtype))
+        kv = self.wkv(embedded.to(self._compute_dtype()))
         out = engram_gate(hidden4, kv, self.q_weight, self.k_weight, self.eps, GATE_CLAMP, token_mask)
         if self.short_conv is not None:
             out = out + self.short_conv(out)

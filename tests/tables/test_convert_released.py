@@ -87,7 +87,7 @@ def test_released_loader_refuses_other_geometry(tmp_path):
     other = EngramLayout(layout.config.replace(table_size=43))
     with pytest.raises(TableMismatchError, match="sum of its primes"):
         load_released_tables(tmp_path, other)
-    with pytest.raises(TableFileError, match="no tensor"):
+    with pytest.raises(TableFileError, match=r"tensor model\.layers\.5\.engram\.embed\.weight not found"):
         load_released_tables(tmp_path, EngramLayout(layout.config.replace(layer_ids=[1, 5])))
     with pytest.raises(TableFileError, match="not found"):
         load_released_tables(tmp_path, layout, "nope.{layer_id}", "nope")
@@ -108,7 +108,11 @@ def test_convert_cli_released_and_table(tmp_path, capsys):
     assert main(["convert", str(out), str(tmp_path / "b.safetensors"), "--to", "bf16", "--no-progress"]) == 0
     assert EngramTableFile(tmp_path / "b.safetensors").format == "bf16"
     assert main(["convert", str(ckpt), str(tmp_path / "x"), "--released", "--to", "fp8"]) == 1
-    assert "--released needs --config" in capsys.readouterr().err
+    assert "no config.json in the checkpoint folder" in capsys.readouterr().err
+    layout.config.save(ckpt / "config.json", dialect="v4")  # read from the folder when --config is not given
+    assert main(["convert", "--released", str(ckpt), str(tmp_path / "z.safetensors"), "--to", "fp8",
+                 "--no-progress"]) == 0
+    assert torch.equal(EngramTableFile(tmp_path / "z.safetensors", layout=layout).layer(4).scales, truth[4][1])
     other = tmp_path / "other.json"
     layout.config.replace(seed=5).save(other)
     assert main(["convert", str(out), str(tmp_path / "y"), "--to", "fp8", "--config", str(other)]) == 1

@@ -79,7 +79,7 @@ def engram_config(dim: int, table_gib: float, compressed_vocab: int, pad_id: int
     """V4.1-Flash Engram geometry at layer 1, per-head tables sized so the layer holds >= `table_gib` GiB."""
     per_head = max(2, math.ceil(table_gib * 2**30 / ROW_BYTES / N_COLS))
     return EngramConfig.deepseek_v41_flash().replace(
-        layer_ids=[1], hidden_size=dim, hc_mult=1, table_size=per_head, num_embeddings=None,
+        layer_ids=[1], hidden_size=dim, hc_mult=1, rms_norm_eps=1e-6, table_size=per_head, num_embeddings=None,
         compressed_vocab_size=compressed_vocab, pad_id=pad_id)
 
 

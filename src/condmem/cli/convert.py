@@ -7,7 +7,6 @@ import logging
 import time
 
 from condmem.cli import CliError
-from condmem.cli.common import load_config
 
 log = logging.getLogger("condmem.convert")
 
@@ -23,15 +22,21 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
         "  condmem convert tables.safetensors tables-i.safetensors --to fp8_interleaved\n"
-        "  condmem convert ./DeepSeek-V4.1-Flash tables.safetensors --released --config ./DeepSeek-V4.1-Flash \\\n"
-        "      --tokenizer deepseek-v4 --to fp8_interleaved",
+        "  condmem convert --released ./DeepSeek-V4.1-Flash tables.safetensors --to fp8_interleaved \\\n"
+        "      --tokenizer deepseek-v4        (config.json read from the checkpoint folder)",
     )
     p.add_argument("src", help="condmem table file, or (with --released) a checkpoint directory / safetensors file")
     p.add_argument("dst", help="output table file (.safetensors)")
     p.add_argument("--to", required=True, choices=["bf16", "fp8", "fp8_interleaved"], help="row format to write")
     p.add_argument("--released", action="store_true",
-                   help="SRC is a released checkpoint (fp8 rows + ue8m0 scales named ...engram.embed.weight[_scale_inv])")
-    p.add_argument("--config", help="Engram config (required with --released; any dialect, a HF config.json too)")
+                   help="SRC is a released DeepSeek-V4.1 checkpoint (folder or file; tensor names of either dialect "
+                   "detected: layers.L.engram.embed.weight + .scale, or model.… + .weight_scale_inv)")
+    p.add_argument("--config", help="Engram config (any dialect, a HF config.json too); with --released, by default "
+                   "the checkpoint folder's config.json")
+    p.add_argument("--config-key", help="JSON section holding the Engram keys when neither the top level nor "
+                   "text_config")
+    p.add_argument("--dialect", choices=["original", "hf"], help="tensor naming of a released checkpoint (detected "
+                   "when not given)")
     p.add_argument("--tokenizer", help="tokenizer whose compressed-map fingerprint is recorded (and checked)")
     p.add_argument("--weight-name", help="tensor name template for rows, e.g. 'layers.{layer_id}.engram.embed.weight'")
     p.add_argument("--scale-name", help="tensor name template for scales")
@@ -41,9 +46,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from condmem.config import EngramConfig
     from condmem.layout import EngramLayout
     from condmem.tables.convert import convert_tables
-    from condmem.tables.released import load_released_tables
+    from condmem.tables.released import ReleasedCheckpoint, load_released_tables
     from condmem.tables.table_file import EngramTableFile
 
     fingerprint = None
@@ -54,15 +60,20 @@ def run(args) -> int:
         ctok = CompressedTokenizer.from_any(args.tokenizer)
         fingerprint, vocab = ctok.fingerprint, ctok.vocab_size
     if args.released:
-        if not args.config:
-            raise CliError("--released needs --config (released checkpoints do not record the hash layout)")
-        layout = EngramLayout(load_config(args.config), compressed_vocab_size=vocab)
-        tables = load_released_tables(args.src, layout, args.weight_name, args.scale_name)
+        ckpt = ReleasedCheckpoint(args.src, args.config, config_key=args.config_key, dialect=args.dialect)
+        if ckpt.config is None:
+            raise CliError(f"no config.json in the checkpoint folder of {args.src}: pass --config (released tensors "
+                           "do not record the hash layout)")
+        layout = ckpt.layout(compressed_vocab_size=vocab)
+        log.info("%s: %s tensor names%s, config %s", args.src, ckpt.names.dialect,
+                 f" (prefix {ckpt.names.prefix!r})" if ckpt.names.prefix else "", ckpt.config_path or "given")
+        tables = load_released_tables(ckpt, layout, args.weight_name, args.scale_name)
     else:
         source = EngramTableFile(args.src, tokenizer_fingerprint=fingerprint)
         layout = source.layout()
         if args.config:
-            source.check_layout(EngramLayout(load_config(args.config), compressed_vocab_size=vocab))
+            source.check_layout(EngramLayout(EngramConfig.load(args.config, key=args.config_key),
+                                             compressed_vocab_size=vocab))
         fingerprint = fingerprint or source.tokenizer_fingerprint
         tables = source.tables()
     start = time.perf_counter()

@@ -119,6 +119,42 @@ class EngramMemory:
         return cls(hasher, stores, device, **kwargs)
 
     @classmethod
+    def from_released(cls, checkpoint, hasher: NgramHasher, tier: str = "host", device: str | torch.device = "cpu", *,
+                      host_alloc: str = "mmap_register", drop_page_cache: bool = True, progress: bool = True,
+                      **kwargs) -> "EngramMemory":
+        """Serve a released DeepSeek-V4.1 checkpoint's tables directly (no conversion step).
+
+        Args:
+            checkpoint: a checkpoint folder or safetensors file, or a `ReleasedCheckpoint`.
+            hasher: the model's hasher; each table's row count must equal its layout's (the
+                sum of the layer's primes), else `TableMismatchError` naming tensor and file.
+            tier: ``disk`` serves the fp8 rows memory-mapped where they lie (two reads a row:
+                rows and scales); ``host`` copies them once into page-locked host memory as
+                interleaved rows (huge pages advised, collapsed where the kernel supports
+                ``MADV_COLLAPSE``, coverage logged); ``hbm`` into GPU memory.
+            drop_page_cache: after copying a layer into host or HBM memory, drop the source
+                files' cached pages (they would be a second copy of the table in DRAM).
+            host_alloc, progress, kwargs: as in `from_table_file`.
+        """
+        from condmem.tables.released import open_checkpoint
+        from condmem.tables.safetensors_io import drop_page_cache as drop
+
+        ckpt = open_checkpoint(checkpoint)
+        if ckpt.config is not None:
+            _check_same_geometry(ckpt, hasher)
+        stores = {}
+        for lid in hasher.layer_ids:
+            rows = ckpt.table(lid, hasher.layout)
+            stores[lid] = place_layer(rows, tier, device=device if tier == "hbm" else None, host_alloc=host_alloc,
+                                      progress=progress, name=f"layer {lid}")
+            if drop_page_cache and tier != "disk":
+                names = ckpt.tensor_names(lid)
+                for name in (names["embed"], names["embed_scale"]):
+                    entry = ckpt.entry(name)
+                    drop(ckpt.headers[name].path, entry.start, entry.nbytes)
+        return cls(hasher, stores, device, **kwargs)
+
+    @classmethod
     def from_weights(cls, hasher: NgramHasher, weights: Mapping[int, torch.Tensor], tier: str = "host",
                      device: str | torch.device = "cpu", *, host_alloc: str = "mmap_register", progress: bool = False,
                      **kwargs) -> "EngramMemory":
@@ -214,3 +250,18 @@ class EngramMemory:
             engine.close()
         for store in self.stores.values():
             store.close()
+
+
+def _check_same_geometry(ckpt, hasher: NgramHasher) -> None:
+    """Refuse a hasher whose layout is not the one the checkpoint's config describes."""
+    from condmem.layout import EngramLayout
+
+    mine = hasher.layout.describe()
+    stated = ckpt.config.compressed_vocab_size
+    theirs = EngramLayout(ckpt.config, compressed_vocab_size=stated or mine["compressed_vocab_size"]).describe()
+    keys = ["layer_ids", "max_ngram_size", "n_heads", "table_sizes", "pad_id", "seed", "primes", "compressed_vocab_size"]
+    diffs = [k for k in keys if theirs[k] != mine[k]]
+    if diffs:
+        detail = ", ".join(f"{k}: checkpoint {theirs[k]} vs hasher {mine[k]}" for k in diffs[:3])
+        raise EngramMemoryError(f"the hasher's layout is not the one {ckpt.config_path} describes ({detail}): rows "
+                                "would be read at the wrong addresses")

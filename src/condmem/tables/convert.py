@@ -5,7 +5,8 @@ table file or a released checkpoint's memory-mapped tensors, `chunk_rows` rows a
 time (memory: a few chunks, whatever the table size). bf16 -> fp8 quantizes
 (`quantize_fp8_e8m0`); fp8 -> bf16 dequantizes; fp8 <-> interleaved only moves bytes,
 so it is exact. The output is written atomically: an interrupted conversion leaves no
-partial file.
+partial file. Memory-mapped source pages are unmapped after each chunk (`release_pages`),
+so the resident set stays a few chunks even though the source is read through a mapping.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from condmem.layout import EngramLayout
 from condmem.tables.quant import dequantize_fp8_e8m0, pack_rows, quantize_fp8_e8m0, unpack_rows
+from condmem.tables.safetensors_io import release_pages
 from condmem.tables.table_file import FORMATS, LayerRows, TableFileError, write_table_file
 
 
@@ -46,6 +48,15 @@ def iter_chunks(rows: LayerRows, chunk_rows: int) -> Iterator[LayerRows]:
     for start in range(0, rows.num_rows, chunk_rows):
         stop = min(rows.num_rows, start + chunk_rows)
         yield LayerRows(rows.format, rows.weight[start:stop], None if rows.scales is None else rows.scales[start:stop])
+
+
+def converted_chunks(rows: LayerRows, to_format: str, chunk_rows: int) -> Iterator[LayerRows]:
+    """`rows` converted chunk by chunk; each source chunk's mapped pages are given back once consumed."""
+    for chunk in iter_chunks(rows, chunk_rows):
+        yield convert_rows(chunk, to_format)
+        for t in (chunk.weight, chunk.scales):
+            if t is not None:
+                release_pages(t)
 
 
 def convert_tables(
@@ -80,7 +91,6 @@ def convert_tables(
         if rows.head_dim != layout.config.head_dim:
             raise TableFileError(f"layer {layer.layer_id}: rows are {rows.head_dim} wide, head_dim is {layout.config.head_dim}")
     sources = {
-        lid: (convert_rows(c, to_format) for c in iter_chunks(rows, chunk_rows)) for lid, rows in tables.items()
-        if lid in layout.layer_ids
+        lid: converted_chunks(rows, to_format, chunk_rows) for lid, rows in tables.items() if lid in layout.layer_ids
     }
     return write_table_file(dst, layout, to_format, sources, tokenizer_fingerprint, progress=progress)

@@ -1,121 +1,421 @@
-"""Tables as DeepSeek-V4.1 checkpoints store them: fp8 e4m3 rows + ue8m0 per-32 scales.
+"""DeepSeek-V4.1 checkpoints as released: Engram tensors found, checked, and mapped where they lie.
 
-A released checkpoint is a set of safetensors shards (usually with a
-``model.safetensors.index.json``) in which each Engram layer's table is two tensors,
-named by default ``<prefix>layers.<id>.engram.embed.weight`` (fp8 [rows, head_dim]) and
-``<prefix>layers.<id>.engram.embed.weight_scale_inv`` (uint8 or float8_e8m0fnu
-[rows, head_dim/32]). Nothing in them records the hash layout, so the loader checks the
-geometry instead: each layer's row count must equal the sum of its primes, which pins
-layer ids, orders, heads and table sizes.
+A checkpoint is one safetensors file, or a folder of shards (listed by
+``model.safetensors.index.json`` when there is one), with its ``config.json`` beside
+them. Each Engram layer ``L`` holds six tensors, named in one of two dialects, told
+apart from the names themselves (`detect_names`; ``dialect=`` overrides):
 
-`load_released_tables` memory-maps the tensors where they lie (no copy); use
-`condmem convert` to turn them into a condmem table file (e.g. interleaved rows).
+==================  =====================================  =============================================
+tensor              ``original`` (DeepSeek's format)       ``hf`` (Hugging Face style)
+==================  =====================================  =============================================
+table rows          ``layers.L.engram.embed.weight``       ``model.layers.L.engram.embed.weight``
+their scales        ``layers.L.engram.embed.scale``        ``model.layers.L.engram.embed.weight_scale_inv``
+wkv (block-FP8)     ``layers.L.engram.wkv.weight``         ``model.layers.L.engram.wkv.weight``
+its block scales    ``layers.L.engram.wkv.scale``          ``model.layers.L.engram.wkv.weight_scale_inv``
+gate weights        ``layers.L.engram.q_weight``, ``k_weight`` (same names after the prefix)
+==================  =====================================  =============================================
+
+Shapes and dtypes: rows fp8 e4m3 [rows, head_dim] with one e8m0 scale per 32 values
+[rows, head_dim/32]; wkv fp8 e4m3 [(hc+1)*D, n_cols*head_dim] with block scales whose
+shape gives the block (`condmem.ops.block_fp8`); q/k weights [hc, D]. Scales may be
+``float8_e8m0fnu``, ``uint8`` or ``float32`` (table scales in float32 must be exact
+powers of two; they are converted to exponent bytes once, in memory).
+
+Nothing in the tensors records the hash layout, so the geometry is checked instead:
+each table's row count must equal the sum of its layer's primes, and the config's
+``hidden_size`` / ``hc_mult`` must agree with the gate weights' and wkv's shapes (or
+are taken from them when the config does not say). Every problem is a
+`ReleasedCheckpointError` (a ``ValueError``) naming the tensor and the file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from condmem.config import ConfigError, EngramConfig
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
-from condmem.tables.safetensors_io import Header, TableFileError, mmap_tensor, read_header
+from condmem.ops.block_fp8 import BlockFp8Error, block_shape, dequantize_block_fp8, scales_to_float
+from condmem.tables.safetensors_io import Header, TableFileError, TensorEntry, mmap_tensor, read_header
 from condmem.tables.table_file import LayerRows, TableMismatchError
 
-DEFAULT_WEIGHT_SUFFIX = "engram.embed.weight"
-DEFAULT_SCALE_SUFFIX = "engram.embed.weight_scale_inv"
+log = logging.getLogger("condmem.tables")
+
+NameDialect = Literal["original", "hf"]
+NAME_DIALECTS: tuple[str, ...] = ("original", "hf")
+INDEX_FILE = "model.safetensors.index.json"
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_SCALE_DTYPES = tuple(t for t in (_E8M0, torch.uint8, torch.float32) if t is not None)
+_ENGRAM_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.engram\.(?P<rest>.+)$")
 
 
-def _shards(source: str | os.PathLike) -> list[Path]:
-    source = Path(source)
-    if source.is_file():
-        return [source]
-    if not source.is_dir():
-        raise TableFileError(f"checkpoint not found: {source}")
-    index = source / "model.safetensors.index.json"
+class ReleasedCheckpointError(TableFileError):
+    """A released checkpoint lacks an Engram tensor, or holds one of the wrong name, dtype or shape."""
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """How a checkpoint names one Engram layer's tensors."""
+
+    dialect: str
+    """``original`` (scales named ``.scale``) or ``hf`` (``.weight_scale_inv``)."""
+    prefix: str
+    """What precedes ``layers.`` (``""``, ``"model."``, ...)."""
+
+    def layer(self, layer_id: int) -> dict[str, str]:
+        base = f"{self.prefix}layers.{layer_id}.engram."
+        scale = "scale" if self.dialect == "original" else "weight_scale_inv"
+        return {
+            "embed": base + "embed.weight",
+            "embed_scale": base + f"embed.{scale}",
+            "wkv": base + "wkv.weight",
+            "wkv_scale": base + f"wkv.{scale}",
+            "q_weight": base + "q_weight",
+            "k_weight": base + "k_weight",
+        }
+
+
+def detect_names(names, where: str, dialect: str | None = None) -> TensorNames:
+    """The naming of the Engram tensors among `names` (`where` names the checkpoint in errors)."""
+    if dialect is not None and dialect not in NAME_DIALECTS:
+        raise ReleasedCheckpointError(f"unknown tensor-name dialect {dialect!r}; choose one of {NAME_DIALECTS}")
+    hits = [m for m in map(_ENGRAM_NAME.match, names) if m]
+    if not hits:
+        raise ReleasedCheckpointError(f"no Engram tensors ('...layers.<L>.engram.*') in {where}")
+    prefixes = sorted({m["prefix"] for m in hits})
+    if len(prefixes) > 1:
+        raise ReleasedCheckpointError(f"Engram tensors under several prefixes {prefixes} in {where}: which is the model?")
+    rests = {m["rest"] for m in hits}
+    original = any(r.endswith(".scale") for r in rests)
+    hf = any(r.endswith(".weight_scale_inv") for r in rests)
+    if original and hf and dialect is None:
+        raise ReleasedCheckpointError(f"{where} names scales both '.scale' and '.weight_scale_inv': pass dialect=")
+    found = "original" if original else "hf" if hf else ("hf" if prefixes[0] == "model." else "original")
+    return TensorNames(dialect or found, prefixes[0])
+
+
+def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
+    """(the safetensors files of a checkpoint, the index's {tensor: file name} or None)."""
+    path = Path(path)
+    if path.is_file():
+        return [path], None
+    if not path.is_dir():
+        raise ReleasedCheckpointError(f"checkpoint not found: {path}")
+    index = path / INDEX_FILE
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise TableFileError(f"{index} is not a safetensors index ({exc})") from None
-        files = sorted({source / f for f in weight_map.values()})
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ReleasedCheckpointError(f"{index} is not a safetensors index ({exc})") from None
+        files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
-            raise TableFileError(f"{index} names shards that are missing: {missing[:5]}")
-        return files
-    files = sorted(source.glob("*.safetensors"))
+            raise ReleasedCheckpointError(f"{index} names shard(s) that are missing: {missing[:5]}")
+        return files, weight_map
+    files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise TableFileError(f"no .safetensors files in {source}")
-    return files
+        raise ReleasedCheckpointError(f"no .safetensors files in {path}")
+    return files, None
+
+
+def e8m0_bytes(scales: torch.Tensor, what: str) -> torch.Tensor:
+    """Per-32 row scales as uint8 exponents: e8m0 bytes as they are, float32 powers of two converted.
+
+    float32 scales must be exact powers of two (or NaN, exponent 255): anything else has
+    no e8m0 byte, and is an error naming `what`.
+    """
+    if _E8M0 is not None and scales.dtype == _E8M0:
+        return scales.view(torch.uint8)
+    if scales.dtype == torch.uint8:
+        return scales
+    if scales.dtype != torch.float32:
+        raise ReleasedCheckpointError(f"{what} is {scales.dtype}; expected float8_e8m0fnu, uint8 or float32")
+    bits = scales.contiguous().view(torch.int32)
+    nan = torch.isnan(scales)
+    normal = (bits & 0x807FFFFF) == 0  # sign and mantissa clear
+    subnormal = bits == 0x00400000     # 2**-127, e8m0's e = 0
+    exponent = (bits >> 23) & 0xFF
+    ok = nan | (normal & (exponent > 0) & (exponent < 255)) | subnormal
+    if not bool(ok.all()):
+        bad = scales.flatten()[int((~ok).flatten().nonzero()[0])]
+        raise ReleasedCheckpointError(f"{what} holds {float(bad)!r}, which is not a power of two: no e8m0 exponent "
+                                      "represents it")
+    out = torch.where(subnormal, torch.zeros_like(exponent), exponent)
+    return torch.where(nan, torch.full_like(out, 255), out).to(torch.uint8)
+
+
+class ReleasedCheckpoint:
+    """A released checkpoint opened for its Engram layers: headers parsed, tensors mapped on demand.
+
+    Args:
+        path: a checkpoint folder (shards + index, or shards alone) or one safetensors file.
+        config: the Engram config, an `EngramConfig` or a JSON path; by default the
+            ``config.json`` in the folder (or beside the file).
+        config_key: the section of that JSON holding the Engram keys, when it is neither the
+            top level nor ``text_config``.
+        dialect: tensor naming (``original`` / ``hf``); detected when None.
+
+    Attributes:
+        names: the detected `TensorNames`; ``layer_ids``: Engram layers found in the tensors.
+        config: the config as read, or None when none was found (`require_config` then
+            explains); `module_config()` adds the backbone dims checked against the tensors.
+
+    Raises:
+        ReleasedCheckpointError: files missing or inconsistent with the index, no Engram tensors.
+        ConfigError: the config cannot be read, or disagrees with the tensors.
+    """
+
+    def __init__(self, path: str | os.PathLike, config: EngramConfig | str | os.PathLike | None = None, *,
+                 config_key: str | None = None, dialect: str | None = None):
+        self.path = Path(path)
+        self.files, weight_map = checkpoint_files(self.path)
+        self.headers: dict[str, Header] = {}
+        for file in self.files:
+            header = read_header(file)
+            for name in list(header.tensors) + list(header.other):
+                if name in self.headers:
+                    raise ReleasedCheckpointError(f"tensor {name} is in two shards: {self.headers[name].path.name} "
+                                                  f"and {file.name}")
+                self.headers[name] = header
+        self.names = detect_names(self.headers, str(self.path), dialect)
+        if weight_map is not None:
+            self._check_index(weight_map)
+        self.layer_ids = sorted({int(m["layer"]) for m in map(_ENGRAM_NAME.match, self.headers) if m})
+        self.config_path: Path | None = None
+        self.config: EngramConfig | None = self._read_config(config, config_key)
+        self._backbone: EngramConfig | None = None
+
+    # ------------------------------------------------------------------ structure
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        index = self.path / INDEX_FILE
+        for name, file in weight_map.items():
+            if not _ENGRAM_NAME.match(name):
+                continue  # the rest of the model is not ours to vet
+            header = self.headers.get(name)
+            if header is None:
+                raise ReleasedCheckpointError(f"tensor {name} is listed in {index.name} under {file} but {file} "
+                                              "does not hold it")
+            if header.path.name != Path(file).name:
+                raise ReleasedCheckpointError(f"tensor {name} is listed in {index.name} under {file} but lies in "
+                                              f"{header.path.name}")
+        unlisted = [n for n in self.headers if _ENGRAM_NAME.match(n) and n not in weight_map]
+        if unlisted:
+            raise ReleasedCheckpointError(f"tensor {unlisted[0]} lies in {self.headers[unlisted[0]].path.name} but "
+                                          f"{index.name} does not list it")
+
+    def _read_config(self, config, key: str | None) -> EngramConfig | None:
+        if isinstance(config, EngramConfig):
+            return config
+        if config is not None:
+            path = Path(config)
+        else:
+            path = (self.path if self.path.is_dir() else self.path.parent) / "config.json"
+            if not path.exists():
+                return None
+        self.config_path = path / "config.json" if path.is_dir() else path
+        return EngramConfig.load(path, key=key)
+
+    def require_config(self) -> EngramConfig:
+        """The config; `ConfigError` when there is none (released checkpoints need one for the layout)."""
+        if self.config is None:
+            where = self.path if self.path.is_dir() else self.path.parent
+            raise ConfigError(f"no config.json in {where}: the checkpoint's tensors do not record the hash layout; "
+                              "pass config= (a config.json or an EngramConfig)")
+        return self.config
+
+    def module_config(self) -> EngramConfig:
+        """The config with hidden_size / hc_mult checked against the tensors (see `resolve_backbone`)
+        and rms_norm_eps required: what an `Engram` module is built from."""
+        if self._backbone is None:
+            config = self.resolve_backbone(self.require_config())
+            if config.rms_norm_eps is None:
+                raise ConfigError(f"{self.config_path or 'the config'} states no rms_norm_eps, and no tensor records "
+                                  "it: pass a config that states it")
+            self._backbone = config
+        return self._backbone
+
+    def layout(self, compressed_vocab_size: int | None = None) -> EngramLayout:
+        """The hash layout the config describes (its table row counts checked against the primes)."""
+        return EngramLayout(self.require_config(), compressed_vocab_size=compressed_vocab_size)
+
+    def tensor_names(self, layer_id: int) -> dict[str, str]:
+        """{role: tensor name} of one layer (roles: embed, embed_scale, wkv, wkv_scale, q_weight, k_weight)."""
+        return self.names.layer(layer_id)
+
+    def where(self, name: str) -> str:
+        """The file holding tensor `name` (for messages)."""
+        header = self.headers.get(name)
+        return str(header.path) if header is not None else str(self.path)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The header entry of tensor `name`; errors name it and the checkpoint."""
+        header = self.headers.get(name)
+        if header is None:
+            layer = _ENGRAM_NAME.match(name)
+            ours = self.tensor_names(int(layer["layer"])) if layer else {}
+            hint = f" (this checkpoint names its Engram tensors like {ours['embed']})" \
+                if layer and name not in ours.values() else ""
+            raise ReleasedCheckpointError(f"tensor {name} not found in {self.path}{hint}")
+        if name in header.other:
+            raise ReleasedCheckpointError(f"tensor {name} in {header.path} is {header.other[name]}, a dtype torch cannot "
+                                          "read")
+        return header.tensors[name]
+
+    def _map(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None,
+             what: str) -> torch.Tensor:
+        entry = self.entry(name)
+        if entry.dtype not in dtypes:
+            raise ReleasedCheckpointError(f"tensor {name} in {self.where(name)} is {entry.dtype}; {what} must be "
+                                          f"{' or '.join(str(d).replace('torch.', '') for d in dtypes)}")
+        if shape is not None and entry.shape != shape:
+            raise ReleasedCheckpointError(f"tensor {name} in {self.where(name)} is {list(entry.shape)}; {what} must be "
+                                          f"{list(shape)}")
+        return mmap_tensor(self.headers[name], name)
+
+    # ------------------------------------------------------------------ backbone dims
+    def resolve_backbone(self, config: EngramConfig) -> EngramConfig:
+        """`config` with hidden_size / hc_mult checked against (or, where None, taken from) the tensors.
+
+        The first Engram layer's ``q_weight`` [hc, D] gives them. A disagreement is a
+        `ConfigError` naming the config file, the tensor and both values.
+        """
+        lid = config.layer_ids[0]
+        name = self.tensor_names(lid)["q_weight"]
+        entry = self.entry(name)
+        if len(entry.shape) != 2:
+            raise ReleasedCheckpointError(f"tensor {name} in {self.where(name)} is {list(entry.shape)}; q_weight must "
+                                          "be 2-D [hc_mult, hidden_size]")
+        hc, dim = entry.shape
+        source = self.config_path or "the config"
+        changes = {}
+        for field, stated, found in (("hc_mult", config.hc_mult, hc), ("hidden_size", config.hidden_size, dim)):
+            if stated is None:
+                log.info("%s states no %s: taking %d from %s", source, field, found, name)
+                changes[field] = found
+            elif stated != found:
+                raise ConfigError(f"{source} says {field} = {stated} but tensor {name} in {self.where(name)} is "
+                                  f"{list(entry.shape)} ([hc_mult, hidden_size]), i.e. {field} = {found}")
+        return dataclasses.replace(config, **changes) if changes else config
+
+    # ------------------------------------------------------------------ tensors
+    def table(self, layer_id: int, layout: EngramLayout | None = None) -> LayerRows:
+        """One layer's table as fp8 rows + uint8 e8m0 scales, memory-mapped where they lie.
+
+        Row count checked against the layout (the sum of the layer's primes). float32
+        scales are converted to exponent bytes in memory (1/33 of the table's bytes).
+        """
+        layout = layout or self.layout()
+        layer = layout.layer(layer_id)
+        d = layout.config.head_dim
+        names = self.tensor_names(layer_id)
+        w_name, s_name = names["embed"], names["embed_scale"]
+        w_entry = self.entry(w_name)
+        if len(w_entry.shape) != 2 or w_entry.shape[1] != d:
+            raise ReleasedCheckpointError(f"tensor {w_name} in {self.where(w_name)} is {list(w_entry.shape)}; table rows "
+                                          f"must be [rows, head_dim={d}]")
+        if w_entry.shape[0] != layer.num_embeddings:
+            raise TableMismatchError(
+                f"tensor {w_name} in {self.where(w_name)} has {w_entry.shape[0]:,} rows but layer {layer_id} of this "
+                f"layout has {layer.num_embeddings:,} (sum of its primes): the config's geometry does not match the "
+                "checkpoint"
+            )
+        weight = self._map(w_name, (torch.float8_e4m3fn,), None, "table rows")
+        scales = self._map(s_name, _SCALE_DTYPES, (layer.num_embeddings, d // FP8_SCALE_BLOCK),
+                           f"the table's scales (one per {FP8_SCALE_BLOCK} values)")
+        if scales.dtype == torch.float32:
+            log.warning("%s in %s: float32 scales, converted to e8m0 bytes in memory (%.2f GiB)", s_name,
+                        self.where(s_name), scales.numel() / 2**30)
+        return LayerRows("fp8", weight, e8m0_bytes(scales, f"tensor {s_name} in {self.where(s_name)}"))
+
+    def tables(self, layout: EngramLayout | None = None) -> dict[int, LayerRows]:
+        """Every layout layer's table (see `table`)."""
+        layout = layout or self.layout()
+        return {lid: self.table(lid, layout) for lid in layout.layer_ids}
+
+    def wkv_fp8(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """(fp8 weight [(hc+1)*D, n_cols*head_dim], its block scales as mapped, block shape)."""
+        config = self.resolve_backbone(self.require_config())
+        names = self.tensor_names(layer_id)
+        w_name, s_name = names["wkv"], names["wkv_scale"]
+        shape = ((config.hc_mult + 1) * config.hidden_size, config.engram_dim)
+        weight = self._map(w_name, (torch.float8_e4m3fn,), shape,
+                           f"wkv ([(hc_mult+1)*hidden_size, n_cols*head_dim] = [({config.hc_mult}+1)*"
+                           f"{config.hidden_size}, {config.n_cols}*{config.head_dim}])")
+        scales = self._map(s_name, _SCALE_DTYPES + (torch.bfloat16,), None, "wkv's block scales")
+        try:
+            block = block_shape(tuple(weight.shape), tuple(scales.shape), what=f"tensor {w_name}")
+        except BlockFp8Error as exc:
+            raise ReleasedCheckpointError(f"{exc} (scales: tensor {s_name}) in {self.where(s_name)}") from None
+        return weight, scales, block
+
+    def wkv(self, layer_id: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """wkv dequantized block by block to `dtype` ([(hc+1)*D, n_cols*head_dim])."""
+        weight, scales, _ = self.wkv_fp8(layer_id)
+        return dequantize_block_fp8(weight, scales, dtype)
+
+    def gate_weights(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_weight, k_weight), each [hc, D] as stored (mapped)."""
+        config = self.resolve_backbone(self.require_config())
+        names = self.tensor_names(layer_id)
+        shape = (config.hc_mult, config.hidden_size)
+        dtypes = (torch.bfloat16, torch.float32, torch.float16)
+        return tuple(self._map(names[k], dtypes, shape, f"{k} ([hc_mult, hidden_size])")  # type: ignore[return-value]
+                     for k in ("q_weight", "k_weight"))
+
+    def wkv_scales_float(self, layer_id: int) -> torch.Tensor:
+        """wkv's block scales as float32 values (for inspection)."""
+        _, scales, _ = self.wkv_fp8(layer_id)
+        return scales_to_float(scales)
+
+    def __repr__(self) -> str:
+        return (f"ReleasedCheckpoint({str(self.path)!r}, {len(self.files)} file(s), names={self.names.dialect}"
+                f"{' prefix ' + repr(self.names.prefix) if self.names.prefix else ''}, engram layers={self.layer_ids})")
+
+
+def open_checkpoint(checkpoint, **kwargs) -> ReleasedCheckpoint:
+    """`checkpoint` itself when it is already a `ReleasedCheckpoint`, else a new one opened from a path."""
+    return checkpoint if isinstance(checkpoint, ReleasedCheckpoint) else ReleasedCheckpoint(checkpoint, **kwargs)
 
 
 def load_released_tables(
-    source: str | os.PathLike,
+    source,
     layout: EngramLayout,
     weight_name: str | None = None,
     scale_name: str | None = None,
+    dialect: str | None = None,
 ) -> dict[int, LayerRows]:
-    """Memory-map every Engram layer's fp8 rows and scales from a released checkpoint.
+    """Memory-map every layout layer's fp8 rows and e8m0 scales from a released checkpoint.
 
     Args:
-        source: a checkpoint directory (index file or shards) or one safetensors file.
+        source: a checkpoint folder or file (or an open `ReleasedCheckpoint`).
         layout: the layout the tables must match (row count per layer).
-        weight_name, scale_name: name templates with ``{layer_id}``; by default any tensor
-            named ``...layers.<id>.engram.embed.weight`` / ``..._scale_inv``.
+        weight_name, scale_name: name templates with ``{layer_id}`` overriding the detected
+            names (e.g. ``"layers.{layer_id}.engram.embed.weight"``).
+        dialect: ``original`` / ``hf``, overriding detection.
 
     Returns:
-        {layer_id: LayerRows("fp8", weight, scales)}, tensors mapped from the shards.
-
-    Raises:
-        TableFileError: a table or its scales missing, or of the wrong dtype/shape.
-        TableMismatchError: row counts that disagree with the layout.
+        {layer_id: LayerRows("fp8", weight, uint8 scales)}.
     """
-    headers: dict[str, Header] = {}
-    for shard in _shards(source):
-        header = read_header(shard)
-        for name in header.tensors:
-            headers[name] = header
-
-    def find(template: str | None, suffix: str, layer_id: int) -> str:
-        if template is not None:
-            name = template.format(layer_id=layer_id)
-            if name not in headers:
-                raise TableFileError(f"tensor {name!r} not found in {source}")
-            return name
-        pattern = re.compile(rf"(?:^|\.)layers\.{layer_id}\.{re.escape(suffix)}$")
-        hits = [n for n in headers if pattern.search(n)]
-        if len(hits) != 1:
-            raise TableFileError(
-                f"{'no' if not hits else 'several'} tensor(s) named '...layers.{layer_id}.{suffix}' in {source}"
-                f"{': ' + ', '.join(hits) if hits else ''}; pass the name template explicitly"
-            )
-        return hits[0]
-
-    d = layout.config.head_dim
+    ckpt = open_checkpoint(source, config=layout.config, dialect=dialect)
+    if weight_name is None and scale_name is None:
+        return ckpt.tables(layout)
     tables = {}
     for layer in layout.layers:
-        w_name = find(weight_name, DEFAULT_WEIGHT_SUFFIX, layer.layer_id)
-        s_name = find(scale_name, DEFAULT_SCALE_SUFFIX, layer.layer_id)
-        w_entry, s_entry = headers[w_name].tensors[w_name], headers[s_name].tensors[s_name]
-        if w_entry.shape[0] != layer.num_embeddings:
-            raise TableMismatchError(
-                f"{w_name} has {w_entry.shape[0]:,} rows but layer {layer.layer_id} of this layout has "
-                f"{layer.num_embeddings:,} (sum of its primes): the config's geometry does not match the checkpoint"
-            )
-        if w_entry.shape != (layer.num_embeddings, d):
-            raise TableMismatchError(f"{w_name} is {w_entry.shape}, expected rows x head_dim {d}")
-        if s_entry.shape != (layer.num_embeddings, d // FP8_SCALE_BLOCK):
-            raise TableFileError(f"{s_name} is {s_entry.shape}, expected [rows, {d // FP8_SCALE_BLOCK}] (one scale per 32)")
-        weight = mmap_tensor(headers[w_name], w_name)
-        scales = mmap_tensor(headers[s_name], s_name)
-        if weight.dtype != torch.float8_e4m3fn:
-            raise TableFileError(f"{w_name} is {weight.dtype}, expected float8_e4m3fn rows")
-        if scales.dtype != torch.uint8:
-            if scales.element_size() != 1:
-                raise TableFileError(f"{s_name} is {scales.dtype}, expected uint8 / float8_e8m0fnu exponents")
-            scales = scales.view(torch.uint8)  # float8_e8m0fnu: the same bytes
-        tables[layer.layer_id] = LayerRows("fp8", weight, scales)
+        names = ckpt.tensor_names(layer.layer_id)
+        w = weight_name.format(layer_id=layer.layer_id) if weight_name else names["embed"]
+        s = scale_name.format(layer_id=layer.layer_id) if scale_name else names["embed_scale"]
+        d = layout.config.head_dim
+        weight = ckpt._map(w, (torch.float8_e4m3fn,), (layer.num_embeddings, d), "table rows [rows, head_dim]")
+        scales = ckpt._map(s, _SCALE_DTYPES, (layer.num_embeddings, d // FP8_SCALE_BLOCK), "the table's scales")
+        tables[layer.layer_id] = LayerRows("fp8", weight, e8m0_bytes(scales, f"tensor {s} in {ckpt.where(s)}"))
     return tables

@@ -8,16 +8,20 @@ tensor's dtype, shape and byte range, then the raw bytes), so this module:
 * `StreamingWriter` writes the header first and then each tensor's bytes in chunks
   through an atomic temp file: memory stays bounded by one chunk;
 * `read_header` parses and validates a header (truncated or foreign files get a clear
-  `TableFileError`, never a garbage tensor);
+  `TableFileError`, never a garbage tensor); tensors of dtypes torch cannot hold (a
+  model shard may carry some beside the Engram tensors) are listed, not refused;
 * `mmap_tensor` maps one tensor's bytes read-only as a torch tensor (no copy), the
-  basis of the disk tier.
+  basis of the disk tier; `release_pages` lets a streaming reader give mapped pages back.
 
 Files written here are ordinary safetensors files: `safetensors.safe_open` reads them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -40,8 +44,11 @@ DTYPES: dict[str, torch.dtype] = {
     "I32": torch.int32,
     "I64": torch.int64,
 }
-if hasattr(torch, "float8_e8m0fnu"):  # how some checkpoints type their ue8m0 scales
-    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"),  # how some checkpoints type their ue8m0 scales
+                     ("F8_E5M2", "float8_e5m2"), ("F64", "float64"), ("I16", "int16"), ("BOOL", "bool"),
+                     ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # the safetensors library's own bound
 
@@ -70,6 +77,8 @@ class Header:
     metadata: dict[str, str]
     tensors: dict[str, TensorEntry]
     file_size: int
+    other: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Tensors of a dtype torch cannot map (name -> safetensors dtype name): listed, never read."""
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -99,7 +108,11 @@ def read_header(path: str | os.PathLike) -> Header:
     metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + n
     tensors = {}
+    other = {}
     for name, info in header.items():
+        if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in DTYPES:
+            other[name] = info["dtype"]
+            continue
         try:
             dtype = DTYPES[info["dtype"]]
             shape = tuple(int(s) for s in info["shape"])
@@ -115,7 +128,7 @@ def read_header(path: str | os.PathLike) -> Header:
                 "(an interrupted copy or download?)"
             )
         tensors[name] = TensorEntry(name, dtype, shape, data_start + begin, expect)
-    return Header(path, dict(metadata), tensors, size)
+    return Header(path, dict(metadata), tensors, size, other)
 
 
 def mmap_tensor(header: Header, name: str, writable: bool = False) -> torch.Tensor:
@@ -124,8 +137,10 @@ def mmap_tensor(header: Header, name: str, writable: bool = False) -> torch.Tens
     Pages are read from disk on first touch (and kept in the page cache by the OS). The
     mapping is read-only unless `writable` (used by the streaming converter's verify step).
     """
+    if name in header.other:
+        raise TableFileError(f"{header.path}: tensor {name!r} is {header.other[name]}, a dtype torch cannot map")
     if name not in header.tensors:
-        raise TableFileError(f"{header.path}: no tensor {name!r}; it holds {sorted(header.tensors)}")
+        raise TableFileError(f"{header.path}: no tensor {name!r}; it holds {sorted(header.tensors)[:20]}")
     entry = header.tensors[name]
     if entry.nbytes == 0:
         return torch.empty(entry.shape, dtype=entry.dtype)
@@ -138,6 +153,62 @@ def mmap_tensor(header: Header, name: str, writable: bool = False) -> torch.Tens
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.from_numpy(arr)
     return flat.view(entry.dtype).view(entry.shape)
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Unmap the resident pages under `t`, a view of a read-only file mapping (`mmap_tensor`).
+
+    A streaming reader calls this after each chunk so that its resident set stays bounded
+    by one chunk: pages of a file mapping count towards RSS until unmapped. The data stays
+    in the file (and the page cache); touching `t` again reads it back. Only whole pages
+    inside `t` are released, and only when they lie in a shared file mapping (on anonymous
+    memory MADV_DONTNEED would zero the data, so anything else is left alone). A no-op
+    where madvise is unavailable.
+    """
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None or t.device.type != "cpu" or t.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    begin = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end <= begin or not _in_shared_file_mapping(begin, end):
+        return
+    try:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), ctypes.c_int(advice))
+    except (OSError, AttributeError):
+        pass
+
+
+def drop_page_cache(path: str | os.PathLike, offset: int = 0, length: int = 0) -> None:
+    """Tell the kernel that the cached pages of `path`'s bytes [offset, offset+length) are not
+    needed again (``POSIX_FADV_DONTNEED``; length 0: to the end). Clean pages are dropped; a
+    no-op where posix_fadvise is unavailable. Used after a table has been copied into host memory:
+    a second copy in the page cache would only crowd out huge pages and other processes."""
+    advice = getattr(os, "POSIX_FADV_DONTNEED", None)
+    if advice is None:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, offset, length, advice)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _in_shared_file_mapping(begin: int, end: int) -> bool:
+    """True when [begin, end) lies inside one shared mapping of a file (per /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= begin and end <= hi:
+                    # perms like "r--s": shared; inode (field 5) non-zero: a file.
+                    return parts[1][3] == "s" and parts[4] != "0"
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
 
 
 class StreamingWriter:

@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, report_coverage
+from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, collapse_huge_pages, report_coverage
 from condmem.tables.native_gather import native_gather_rows
 from condmem.tables.quant import pack_rows
 from condmem.tables.row_cache import RowCache
@@ -265,6 +265,12 @@ def place_layer(
         raw[s:e].copy_(_raw_chunk(piece))
         bar.update((e - s) * row_bytes)
     bar.close()
+    if buffer is not None and buffer.strategy == "mmap_register":
+        # Before page-locking: locked pages cannot be migrated into huge pages any more.
+        cov = buffer.coverage()
+        if cov is not None and cov < 0.98 and collapse_huge_pages(buffer):
+            log.info("%s: MADV_COLLAPSE raised huge-page coverage from %.0f%% to %.0f%%", name, 100 * cov,
+                     100 * (buffer.coverage() or 0.0))
     if buffer is not None and buffer.strategy in ("mmap_register", "shared") and torch.cuda.is_available():
         t_pin = time.perf_counter()
         buffer.pin()
