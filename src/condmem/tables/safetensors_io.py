@@ -267,7 +267,7 @@ class StreamingWriter:
         if done + data.nbytes > nbytes:
             raise TableFileError(f"tensor {name!r}: {done + data.nbytes} bytes written, only {nbytes} declared")
         self._fh.seek(self._data_start + begin + done)
-        self._fh.write(data.tobytes())
+        self._fh.write(data)  # numpy exposes its buffer: no copy
         self._cursor[name] = done + data.nbytes
 
     def close(self) -> None:

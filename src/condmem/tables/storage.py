@@ -269,7 +269,7 @@ def place_layer(
         # Before page-locking: locked pages cannot be migrated into huge pages any more.
         cov = buffer.coverage()
         if cov is not None and cov < 0.98 and collapse_huge_pages(buffer):
-            log.info("%s: MADV_COLLAPSE raised huge-page coverage from %.0f%% to %.0f%%", name, 100 * cov,
+            log.info("%s: MADV_COLLAPSE: huge-page coverage %.0f%% -> %.0f%%", name, 100 * cov,
                      100 * (buffer.coverage() or 0.0))
     if buffer is not None and buffer.strategy in ("mmap_register", "shared") and torch.cuda.is_available():
         t_pin = time.perf_counter()
