@@ -65,9 +65,46 @@ def test_token_stream_batches():
     assert a.inputs.dtype == torch.int64 and a.inputs.shape == (4, 6)
     assert torch.equal(a.inputs[:, 1:], a.targets[:, :-1])
     assert torch.equal(a.doc_starts[:, 1:], a.inputs[:, :-1] == eos) and not a.doc_starts[:, 0].any()
-    windows = list(stream.eval_batches(seq_len=5, max_tokens=20, batch_size=3))
-    flat = torch.cat([w.inputs for w in windows]).flatten()
-    assert torch.equal(flat, torch.from_numpy(tokens[:20].astype(np.int64)))
+
+
+@pytest.mark.parametrize("batch_size, seq_len", [(4, 6), (3, 5), (1, 59)], ids=["b4t6", "b3t5-straddles", "one-window"])
+def test_one_pass_sees_every_window_once_before_any_twice(batch_size, seq_len):
+    tokens = np.arange(3, 3 + 61, dtype=np.uint16)  # distinct ids: a window is known by its first token
+    stream = TokenStream(tokens, eos_id=0)
+    per_pass = stream.windows_per_pass(seq_len)
+    assert per_pass == 60 // seq_len
+    steps = -(-2 * per_pass // batch_size)  # two passes, rounded up
+    firsts = np.concatenate([stream.batch(s, batch_size, seq_len, seed=7).inputs[:, 0].numpy() for s in range(steps)])
+    first_pass, second_pass = firsts[:per_pass], firsts[per_pass : 2 * per_pass]
+    grid = 3 + np.arange(per_pass) * seq_len
+    assert sorted(first_pass) == list(grid) and sorted(second_pass) == list(grid)
+    if per_pass > 2:
+        assert not np.array_equal(first_pass, second_pass), "each pass has its own order"
+    assert stream.passes(steps, batch_size, seq_len) == steps * batch_size / per_pass
+    other_seed = np.concatenate([stream.batch(s, batch_size, seq_len, seed=8).inputs[:, 0].numpy() for s in range(steps)])
+    if per_pass > 2:
+        assert not np.array_equal(firsts, other_seed)
+
+
+@pytest.mark.parametrize("n_tokens, seq_len, batch_size", [(61, 6, 4), (60, 6, 4), (13, 6, 1), (4, 6, 2), (2, 6, 3)],
+                         ids=["tail", "exact", "tail-b1", "shorter-than-window", "two-tokens"])
+def test_validation_scores_every_target_exactly_once(n_tokens, seq_len, batch_size):
+    tokens = np.arange(1, n_tokens + 1, dtype=np.uint16)
+    stream = TokenStream(tokens, eos_id=0)
+    positions, targets = [], []
+    for batch in stream.eval_batches(seq_len, None, batch_size):
+        assert torch.equal(batch.targets, batch.positions + 1)  # token at position p has id p + 1
+        positions.append(batch.positions[batch.scored])
+        targets.append(batch.targets[batch.scored])
+    positions = torch.cat(positions)
+    assert torch.equal(positions.sort().values, torch.arange(1, n_tokens)), "each target once"
+    assert sum(b.n_tokens for b in stream.eval_batches(seq_len, None, batch_size)) == n_tokens - 1
+
+
+def test_validation_subset_is_spread_over_the_split():
+    stream = TokenStream(np.arange(1, 1002, dtype=np.uint16), eos_id=0)
+    starts = torch.cat([b.inputs[:, 0] for b in stream.eval_batches(10, 40, 8)])
+    assert len(starts) == 4 and starts[0] == 1 and starts[-1] == 1 + 990
 
 
 def test_bytes_per_token_are_exact_for_byte_level_bpe():

@@ -6,7 +6,10 @@ import importlib.util
 import json
 import time
 
+import pytest
+
 from condmem.cli import main
+from condmem.train.demo import run_demo
 
 
 def test_demo_pipeline_on_a_tiny_corpus(tiny_corpus, tmp_path, capsys):
@@ -38,3 +41,38 @@ def test_demo_pipeline_on_a_tiny_corpus(tiny_corpus, tmp_path, capsys):
     # The demo's Engram checkpoint serves `condmem generate`.
     assert main(["generate", "--checkpoint", str(out / "engram"), "--prompt", "import ", "--max-new-tokens", "4",
                  "--device", "cpu"]) == 0
+
+
+def test_demo_caps_steps_at_one_pass_and_says_so(tiny_corpus, tmp_path, capsys):
+    """A corpus too small for the requested steps is not repeated silently."""
+    out = tmp_path / "capped"
+    summary = run_demo(out, corpus=str(tiny_corpus), preset="tiny", device="cpu", steps=10_000, vocab_size=320,
+                       max_new_tokens=4, progress=False, checkpoint=False, seeds=2, overrides={"train": {"eval_every": 2}})
+    printed = capsys.readouterr().out
+    assert "WARNING" in printed and "passes over the" in printed and "Capped at" in printed
+    passes = summary["passes"]
+    assert passes["capped"] and passes["requested_steps"] == 10_000
+    assert passes["passes"] <= 1.0 and passes["steps"] == summary["baseline"]["steps"] < 10_000
+    assert summary["baseline"]["passes"] <= 1.0 and summary["engram"]["steps"] == passes["steps"]
+    # two seeds, each with both models on the same steps; mean and std of the gap
+    assert [r["baseline"]["seed"] for r in summary["seeds"]] == [0, 1]
+    gaps = [r["val_loss_gap_pct"] for r in summary["seeds"]]
+    assert summary["comparison"]["val_loss_gap_pct"] == pytest.approx(sum(gaps) / 2)
+    assert summary["comparison"]["val_loss_gap_pct_std"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2 ** 0.5)
+    assert len(summary["curves"]["engram"]) == 2
+    # the whole validation split is evaluated, and evaluations during training show the curve
+    v = summary["data"]["validation"]
+    assert summary["engram"]["val_tokens"] == v["tokens"] - 1
+    evals = summary["curves"]["engram"][0]["evals"]
+    assert any(not e["full"] for e in evals) and evals[-1]["full"]
+    for label in ("baseline", "engram"):
+        b = summary["engram"]["buckets"]
+        assert b["seen"]["tokens"] + b["unseen"]["tokens"] == summary[label]["val_tokens"]
+    assert "+-" in summary["table"]
+
+
+def test_demo_with_more_passes_allowed_repeats_and_notes_it(tiny_corpus, tmp_path, capsys):
+    summary = run_demo(tmp_path / "repeat", corpus=str(tiny_corpus), preset="tiny", device="cpu", steps=1000,
+                       vocab_size=320, max_new_tokens=2, progress=False, checkpoint=False, max_passes=2.0)
+    assert 1.0 < summary["passes"]["passes"] <= 2.0
+    assert "saw its training data" in capsys.readouterr().out

@@ -101,7 +101,8 @@ def run(args) -> int:
         a = ckpt.config["data"].get("args", {})
         data = prepare_data(a.get("corpus"), tokenizer=ckpt.tokenizer, max_corpus_bytes=a.get("max_corpus_bytes"),
                             max_train_bytes=a.get("max_train_bytes"), tokenizer_train_bytes=a.get("tokenizer_train_bytes"),
-                            val_fraction=a.get("val_fraction", 0.02), seed=a.get("seed", 0))
+                            val_fraction=a.get("val_fraction", 0.02), seed=a.get("seed", 0),
+                            dedup_threshold=a.get("dedup_threshold"))
         data.info["args"] = a
         model = ckpt.model
         label = ckpt.state.get("label", "model")
@@ -117,7 +118,9 @@ def run(args) -> int:
             preset["data"]["max_train_bytes"] = args.max_train_bytes
         if args.seq_len and not args.max_seq_len:
             preset["model"]["max_seq_len"] = max(preset["model"]["max_seq_len"], args.seq_len)
-        data = prepare_data(args.corpus, tokenizer=args.tokenizer, vocab_size=preset["data"]["vocab_size"],
+        data = prepare_data(args.corpus or preset["data"].get("corpus"), tokenizer=args.tokenizer,
+                            vocab_size=preset["data"]["vocab_size"],
+                            max_corpus_bytes=preset["data"].get("max_corpus_bytes"),
                             max_train_bytes=preset["data"].get("max_train_bytes"),
                             tokenizer_train_bytes=preset["data"].get("tokenizer_train_bytes"), seed=args.seed)
         cfg = build_model_config(preset, data)

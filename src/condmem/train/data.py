@@ -2,12 +2,15 @@
 
 * `load_corpus`: text documents from directories, files or JSONL; by default the
   standard library source of the running interpreter (real text on every machine,
-  no download), described by its Python version and a content hash.
+  no download), described by its Python version and a content hash; ``"python"`` adds
+  the source of every package installed beside it (a larger corpus, still no download).
 * `split_corpus`: a deterministic train/validation split by document name.
 * `encode_corpus`: documents -> one token stream per split, EOS between documents,
   cached on disk keyed by (corpus hash, tokenizer hash).
-* `TokenStream`: batches are a pure function of (seed, step), so a resumed run sees
-  exactly the batches an uninterrupted one would.
+* `TokenStream`: training batches walk a seeded permutation of non-overlapping windows,
+  one pass after another (no token is seen twice before every window has been seen once),
+  as a pure function of (seed, step), so a resumed run sees exactly the batches an
+  uninterrupted one would. Validation covers every token of its split exactly once.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ logger = logging.getLogger("condmem.train.data")
 
 STDLIB = "stdlib"
 """`load_corpus` name of the default corpus: the running interpreter's standard library source."""
+
+PYTHON = "python"
+"""`load_corpus` name of the standard library plus every installed package's Python source."""
 
 DEFAULT_PATTERNS = ("*.py", "*.txt", "*.md", "*.rst")
 """File name patterns read from a corpus directory."""
@@ -81,6 +87,25 @@ def _stdlib_files() -> tuple[Path, list[Path]]:
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+def site_dirs() -> list[Path]:
+    """The interpreter's package directories (site-packages), existing ones, without repeats."""
+    import site
+
+    found: list[Path] = []
+    candidates = [sysconfig.get_paths().get(k) for k in ("purelib", "platlib")]
+    try:
+        candidates += list(site.getsitepackages())
+    except AttributeError:  # some virtualenv builds of `site` lack it
+        pass
+    for c in candidates:
+        if not c:
+            continue
+        path = Path(c).resolve()
+        if path.is_dir() and path not in found and not any(path.is_relative_to(f) for f in found):
+            found.append(path)
+    return found
+
+
 def _dir_files(root: Path, patterns: Sequence[str]) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -107,7 +132,8 @@ def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None 
     """Read documents.
 
     Args:
-        sources: None or ``"stdlib"`` (the interpreter's standard library ``*.py``), or
+        sources: None or ``"stdlib"`` (the interpreter's standard library ``*.py``),
+            ``"python"`` (the standard library and every site-packages directory's ``*.py``), or
             paths: a directory (files matching `patterns`, recursively), a ``.jsonl`` file
             (one document per line, its `jsonl_key` field), or any other text file (one document).
         max_bytes: stop adding documents after this many UTF-8 bytes (files in sorted order).
@@ -118,6 +144,8 @@ def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None 
     """
     if sources is None or (isinstance(sources, str) and sources == STDLIB):
         sources = [STDLIB]
+    elif isinstance(sources, str) and sources == PYTHON:
+        sources = [PYTHON]
     elif isinstance(sources, (str, os.PathLike)):
         sources = [sources]
     docs: list[Document] = []
@@ -141,15 +169,22 @@ def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None 
     for source in sources:
         if full:
             break
-        if str(source) == STDLIB:
+        if str(source) in (STDLIB, PYTHON):
             root, files = _stdlib_files()
             info["python_version"] = platform.python_version()
             info["python_implementation"] = platform.python_implementation()
             info["stdlib_dir"] = str(root)
-            for path in files:
-                text = _read_text(path)
-                if text is not None and not add(f"stdlib/{path.relative_to(root).as_posix()}", text):
-                    full = True
+            trees = [("stdlib", root, files)]
+            if str(source) == PYTHON:
+                info["site_dirs"] = [str(d) for d in site_dirs()]
+                trees += [(f"site{i}", d, _dir_files(d, ("*.py",))) for i, d in enumerate(site_dirs())]
+            for prefix, tree_root, tree_files in trees:
+                for path in tree_files:
+                    text = _read_text(path)
+                    if text is not None and not add(f"{prefix}/{path.relative_to(tree_root).as_posix()}", text):
+                        full = True
+                        break
+                if full:
                     break
             continue
         path = Path(source).expanduser()
@@ -179,7 +214,7 @@ def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None 
                 raise CorpusError(f"corpus file {path} is not UTF-8 text")
             add(path.name, text)
         else:
-            raise CorpusError(f"corpus source {str(source)!r} is neither 'stdlib', a directory, nor a file")
+            raise CorpusError(f"corpus source {str(source)!r} is neither 'stdlib', 'python', a directory, nor a file")
     if not docs:
         raise CorpusError(f"the corpus {info['sources']} holds no text (patterns {list(patterns)})")
     info.update(n_documents=len(docs), n_bytes=n_bytes, sha256=digest.hexdigest(), truncated=full)
@@ -268,17 +303,24 @@ class Batch:
     """int64 [B, T] next token ids."""
     doc_starts: torch.Tensor
     """bool [B, T]: the first token of a document (the previous token is EOS)."""
+    scored: torch.Tensor | None = None
+    """bool [B, T]: the targets that count (validation: a tail window overlaps the one
+    before it, and only its new targets count); None: all of them."""
+    positions: torch.Tensor | None = None
+    """int64 [B, T]: each target's index in its stream (validation only)."""
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.inputs, self.targets, self.doc_starts)))
+        moved = [None if t is None else t.to(device, non_blocking=non_blocking)
+                 for t in (self.inputs, self.targets, self.doc_starts, self.scored, self.positions)]
+        return Batch(*moved)
 
     @property
     def n_tokens(self) -> int:
-        return self.targets.numel()
+        return self.targets.numel() if self.scored is None else int(self.scored.sum())
 
 
 class TokenStream:
-    """One split's tokens; random training windows and fixed validation windows.
+    """One split's tokens; training windows in seeded passes, validation windows over all of it.
 
     Args:
         tokens: 1-D integer array (EOS between documents).
@@ -290,6 +332,8 @@ class TokenStream:
             raise ValueError(f"a token stream is 1-D, got shape {tokens.shape}")
         self.tokens = tokens
         self.eos_id = eos_id
+        self._perm_key: tuple | None = None
+        self._perm: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -302,22 +346,65 @@ class TokenStream:
         doc_starts[:, 1:] = inputs[:, :-1] == self.eos_id
         return Batch(inputs.contiguous(), targets.contiguous(), doc_starts)
 
-    def batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0) -> Batch:
-        """Training batch `step`: `batch_size` windows at offsets drawn from a generator seeded by (seed, step)."""
-        if len(self) < seq_len + 2:
-            raise CorpusError(f"the training split has {len(self)} tokens, fewer than one window of {seq_len + 1}")
-        rng = np.random.default_rng([seed, step])
-        starts = rng.integers(0, len(self) - seq_len - 1, size=batch_size)
-        return self._windows(starts, seq_len)
+    def windows_per_pass(self, seq_len: int) -> int:
+        """Non-overlapping training windows of `seq_len` (+1 target) in one pass over the stream."""
+        return max(0, (len(self) - 1) // seq_len)
 
-    def eval_batches(self, seq_len: int, max_tokens: int, batch_size: int) -> Iterable[Batch]:
-        """Consecutive non-overlapping windows from the start, up to `max_tokens` targets in all."""
-        n_windows = max(1, min((len(self) - 1) // seq_len, max(1, max_tokens // seq_len)))
-        if len(self) < seq_len + 1:
-            raise CorpusError(f"the validation split has {len(self)} tokens, fewer than one window of {seq_len + 1}")
-        starts = np.arange(n_windows) * seq_len
-        for i in range(0, n_windows, batch_size):
-            yield self._windows(starts[i : i + batch_size], seq_len)
+    def passes(self, steps: int, batch_size: int, seq_len: int) -> float:
+        """How many passes over the stream `steps` batches make."""
+        per_pass = self.windows_per_pass(seq_len)
+        return steps * batch_size / per_pass if per_pass else float("inf")
+
+    def _permutation(self, seed: int, epoch: int, n: int) -> np.ndarray:
+        key = (seed, epoch, n)
+        if self._perm_key != key:
+            self._perm = np.random.default_rng([seed, epoch, 0x5EED]).permutation(n)
+            self._perm_key = key
+        return self._perm
+
+    def batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0) -> Batch:
+        """Training batch `step`: windows ``step*B .. step*B+B-1`` of a walk through the
+        stream's non-overlapping windows, in a seeded permutation per pass."""
+        n = self.windows_per_pass(seq_len)
+        if n < 1:
+            raise CorpusError(f"the training split has {len(self)} tokens, fewer than one window of {seq_len + 1}")
+        epoch, k = np.divmod(step * batch_size + np.arange(batch_size, dtype=np.int64), n)
+        windows = np.empty(batch_size, dtype=np.int64)
+        for e in np.unique(epoch):
+            sel = epoch == e
+            windows[sel] = self._permutation(seed, int(e), n)[k[sel]]
+        return self._windows(windows * seq_len, seq_len)
+
+    def eval_batches(self, seq_len: int, max_tokens: int | None, batch_size: int) -> Iterable[Batch]:
+        """Validation windows.
+
+        ``max_tokens=None``: every target of the stream exactly once (non-overlapping windows
+        from the start; a last window ending at the stream's end scores only the targets the
+        others left). Otherwise ``max_tokens // seq_len`` windows evenly spread over the stream
+        (a fixed subset for evaluations during training).
+        """
+        if len(self) < 2:
+            raise CorpusError(f"the validation split has {len(self)} tokens; it needs at least 2")
+        seq_len = min(seq_len, len(self) - 1)
+        n_full = (len(self) - 1) // seq_len
+        starts = np.arange(n_full, dtype=np.int64) * seq_len
+        tail_from = None
+        if max_tokens is not None:
+            want = max(1, min(n_full, max_tokens // seq_len))
+            starts = starts[np.unique(np.linspace(0, n_full - 1, want).round().astype(np.int64))]
+        elif n_full * seq_len < len(self) - 1:
+            tail_start = len(self) - 1 - seq_len
+            tail_from = n_full * seq_len - tail_start  # first new target in the tail window
+            starts = np.append(starts, tail_start)
+        for i in range(0, len(starts), batch_size):
+            chunk = starts[i : i + batch_size]
+            batch = self._windows(chunk, seq_len)
+            batch.positions = torch.from_numpy(chunk[:, None] + 1 + np.arange(seq_len)[None, :])
+            scored = torch.ones_like(batch.targets, dtype=torch.bool)
+            if tail_from is not None and i + len(chunk) == len(starts):
+                scored[-1, :tail_from] = False
+            batch.scored = scored
+            yield batch
 
 
 def describe_python() -> str:

@@ -1,9 +1,14 @@
 """The main job: train a baseline and an Engram LM on the same tokens and compare them.
 
 `run_demo` builds the tokenizer, trains the iso-FLOP baseline and then the Engram model
-on exactly the same batches, prints a side-by-side table, writes ``summary.json``, the
-loss curves and the gate heat map as PNGs, and a completion sampled from the Engram
-model. Everything lands in one output directory.
+on exactly the same batches (for each of ``seeds`` seeds: initialization and batch
+order), validates both on the whole held-out split (near-duplicates of training text
+removed), splits the validation loss by whether each token's trailing 3-gram occurs in
+the training data, prints a side-by-side table (mean +- std over seeds), writes
+``summary.json``, the loss curves and the gate heat map as PNGs, and a completion
+sampled from the Engram model. Training never repeats data silently: the steps are
+capped at ``max_passes`` passes over the training split, loudly. Everything lands in
+one output directory.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from condmem.config import EngramConfig
 from condmem.models import DecoderLM, ModelConfig, forward_flops_per_token, generate, iso_flop_baseline, train_flops_per_token
 from condmem.train.loop import Trainer, TrainConfig
+from condmem.train.heldout import DEDUP_THRESHOLD, seen_in_training
 from condmem.train.pipeline import PreparedData, prepare_data
 from condmem.train.plots import plot_gate_heatmap, plot_loss_curves
 from condmem.train.presets import get_preset
@@ -70,24 +76,60 @@ def _fmt_m(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def format_table(base: dict, eng: dict) -> str:
-    gap = 100 * (1 - eng["val_loss"] / base["val_loss"])
-    bpb_gap = 100 * (1 - eng["bits_per_byte"] / base["bits_per_byte"])
-    ratio = eng["flops_per_token"] / base["flops_per_token"]
+def _mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for a single value)."""
+    arr = np.asarray(values, dtype=float)
+    return float(arr.mean()), (float(arr.std(ddof=1)) if len(arr) > 1 else None)
+
+
+def _pm(values: list[float], fmt: str) -> str:
+    mean, std = _mean_std(values)
+    return f"{mean:{fmt}}" if std is None else f"{mean:{fmt}} +- {std:{fmt}}"
+
+
+def _gap(base: float, eng: float) -> float:
+    """How much lower Engram's value is, in percent of the baseline's."""
+    return 100 * (1 - eng / base)
+
+
+def format_table(per_seed: list[dict]) -> str:
+    """The side-by-side table; with several seeds each value is mean +- std over seeds."""
+    base0, eng0 = per_seed[0]["baseline"], per_seed[0]["engram"]
+    col = {label: {k: [r[label][k] for r in per_seed] for k in ("val_loss", "bits_per_byte", "tokens_per_s")}
+           for label in ("baseline", "engram")}
+    gaps = [_gap(r["baseline"]["val_loss"], r["engram"]["val_loss"]) for r in per_seed]
+    bpb_gaps = [_gap(r["baseline"]["bits_per_byte"], r["engram"]["bits_per_byte"]) for r in per_seed]
+    ratio = eng0["flops_per_token"] / base0["flops_per_token"]
+
+    def gap_text(values: list[float]) -> str:
+        mean, std = _mean_std(values)
+        spread = "" if std is None else f" +- {std:.2f}"
+        return f"{abs(mean):.2f}{spread}% {'lower' if mean >= 0 else 'HIGHER'}"
+
+    n = len(per_seed)
     rows = [
         ("", "baseline", "engram", ""),
-        ("parameters (all)", _fmt_m(base["params"]), _fmt_m(eng["params"]), ""),
-        ("  of which Engram tables", _fmt_m(base["table_params"]), _fmt_m(eng["table_params"]),
-         f"{eng['table_rows']:,} rows"),
-        ("FLOPs / token (train)", _fmt_m(base["flops_per_token"]), _fmt_m(eng["flops_per_token"]),
+        ("parameters (all)", _fmt_m(base0["params"]), _fmt_m(eng0["params"]), ""),
+        ("  of which Engram tables", _fmt_m(base0["table_params"]), _fmt_m(eng0["table_params"]),
+         f"{eng0['table_rows']:,} rows"),
+        ("FLOPs / token (train)", _fmt_m(base0["flops_per_token"]), _fmt_m(eng0["flops_per_token"]),
          f"ratio {ratio:.4f}"),
-        ("training tokens", _fmt_m(base["train_tokens"]), _fmt_m(eng["train_tokens"]), ""),
-        ("val loss (nats/token)", f"{base['val_loss']:.4f}", f"{eng['val_loss']:.4f}", f"{gap:.2f}% lower" if gap >= 0 else f"{-gap:.2f}% HIGHER"),
-        ("bits per byte", f"{base['bits_per_byte']:.4f}", f"{eng['bits_per_byte']:.4f}",
-         f"{bpb_gap:.2f}% lower" if bpb_gap >= 0 else f"{-bpb_gap:.2f}% HIGHER"),
-        ("tokens / s (train)", f"{base['tokens_per_s']:,.0f}", f"{eng['tokens_per_s']:,.0f}",
-         f"ratio {eng['tokens_per_s'] / max(base['tokens_per_s'], 1e-9):.3f}"),
+        ("training tokens", _fmt_m(base0["train_tokens"]), _fmt_m(eng0["train_tokens"]),
+         f"{base0['passes']:.2f} passes over the training split"),
+        (f"val loss (nats/token){'' if n == 1 else f', {n} seeds'}", _pm(col["baseline"]["val_loss"], ".4f"),
+         _pm(col["engram"]["val_loss"], ".4f"), gap_text(gaps)),
+        ("bits per byte", _pm(col["baseline"]["bits_per_byte"], ".4f"), _pm(col["engram"]["bits_per_byte"], ".4f"),
+         gap_text(bpb_gaps)),
     ]
+    for bucket in ("seen", "unseen"):
+        b = [r["baseline"]["buckets"][bucket] for r in per_seed]
+        e = [r["engram"]["buckets"][bucket] for r in per_seed]
+        rows.append((f"  val loss, 3-gram {bucket} ({100 * b[0]['fraction']:.0f}% of tokens)",
+                     _pm([x["loss"] for x in b], ".4f"), _pm([x["loss"] for x in e], ".4f"),
+                     gap_text([_gap(x["loss"], y["loss"]) for x, y in zip(b, e)])))
+    rows.append(("tokens / s (train)", f"{np.mean(col['baseline']['tokens_per_s']):,.0f}",
+                 f"{np.mean(col['engram']['tokens_per_s']):,.0f}",
+                 f"ratio {np.mean(col['engram']['tokens_per_s']) / max(np.mean(col['baseline']['tokens_per_s']), 1e-9):.3f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
     for i, r in enumerate(rows):
@@ -95,6 +137,33 @@ def format_table(base: dict, eng: dict) -> str:
         if i == 0:
             lines.append("-" * len(lines[0].ljust(sum(widths) + 8)))
     return "\n".join(lines)
+
+
+def bucket_losses(token_losses: np.ndarray, seen: np.ndarray) -> dict:
+    """Mean validation loss over targets whose trailing 3-gram was / was not in training."""
+    out = {}
+    for name, mask in (("seen", seen), ("unseen", ~seen)):
+        values = token_losses[mask]
+        out[name] = {"tokens": int(mask.sum()), "fraction": float(mask.mean()) if len(mask) else 0.0,
+                     "loss": float(values.astype(np.float64).mean()) if len(values) else float("nan")}
+    return out
+
+
+def cap_steps(requested: int, stream, batch_size: int, seq_len: int, max_passes: float) -> tuple[int, dict]:
+    """Steps after capping at `max_passes` passes over `stream`, and a record of the decision."""
+    per_pass = stream.windows_per_pass(seq_len)
+    limit = max(1, int(max_passes * per_pass // batch_size))
+    steps = min(requested, limit)
+    record = {"requested_steps": requested, "steps": steps, "max_passes": max_passes, "capped": steps < requested,
+              "steps_per_pass": per_pass / batch_size, "train_tokens_available": len(stream),
+              "passes": stream.passes(steps, batch_size, seq_len),
+              "requested_passes": stream.passes(requested, batch_size, seq_len)}
+    return steps, record
+
+
+def _banner(text: str) -> str:
+    bar = "!" * 78
+    return f"\n{bar}\n{text}\n{bar}\n"
 
 
 def gate_sample(model: DecoderLM, data: PreparedData, device: torch.device, n_tokens: int = 160) -> dict:
@@ -118,20 +187,37 @@ def gate_sample(model: DecoderLM, data: PreparedData, device: torch.device, n_to
 
 
 def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | None = None, device: str | None = None,
-             steps: int | None = None, minutes: float | None = None, vocab_size: int | None = None,
-             tokenizer: str | None = None, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 96, seed: int = 0,
-             batch_size: int | None = None, max_train_bytes: int | None = None, table_size: int | None = None,
-             log_every: int | None = None, progress: bool = True, use_cache: bool = True, checkpoint: bool = True,
-             max_corpus_bytes: int | None = None,
+             steps: int | None = None, minutes: float | None = None, seeds: int = 1, max_passes: float = 1.0,
+             vocab_size: int | None = None, tokenizer: str | None = None, prompt: str = DEFAULT_PROMPT,
+             max_new_tokens: int = 96, seed: int = 0, batch_size: int | None = None,
+             max_train_bytes: int | None = None, table_size: int | None = None, log_every: int | None = None,
+             progress: bool = True, use_cache: bool = True, checkpoint: bool = True,
+             max_corpus_bytes: int | None = None, dedup_threshold: float | None = DEDUP_THRESHOLD,
              overrides: dict | None = None) -> dict:
-    """Train baseline and Engram on the same tokens, compare, plot, generate. Returns the summary."""
+    """Train baseline and Engram on the same tokens for `seeds` seeds, compare, plot, generate.
+
+    Args:
+        corpus: see `load_corpus`; None: the preset's (``stdlib`` on CPU, ``python`` on GPU).
+        seeds: train each model with seeds ``seed .. seed+seeds-1`` (initialization and batch
+            order; the data, split and tokenizer come from `seed`).
+        max_passes: cap the steps at this many passes over the training split.
+        dedup_threshold: drop validation documents sharing more than this fraction of their
+            13-token n-grams with the training split (None: keep all).
+
+    Returns the summary written to ``summary.json``.
+    """
     wall = time.perf_counter()
+    if not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be a positive integer, got {seeds!r}")
+    if not max_passes > 0:
+        raise ValueError(f"--max-passes must be positive, got {max_passes!r}")
     dev = resolve_device(device)
     preset_name = preset or ("gpu" if dev.type == "cuda" else "cpu")
     p = get_preset(preset_name)
     for section, values in (overrides or {}).items():
         p[section].update(values)
     for section, key, value in (("data", "vocab_size", vocab_size), ("data", "max_train_bytes", max_train_bytes),
+                                ("data", "max_corpus_bytes", max_corpus_bytes), ("data", "corpus", corpus),
                                 ("train", "steps", steps), ("train", "batch_size", batch_size),
                                 ("engram", "table_size", table_size), ("train", "log_every", log_every)):
         if value is not None:
@@ -139,77 +225,133 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    print(f"condmem demo: preset {preset_name!r} on {dev}; output in {out}/", flush=True)
+    print(f"condmem demo: preset {preset_name!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
+          flush=True)
 
-    data = prepare_data(corpus, tokenizer=tokenizer, vocab_size=p["data"]["vocab_size"], max_corpus_bytes=max_corpus_bytes,
+    data = prepare_data(p["data"].get("corpus"), tokenizer=tokenizer, vocab_size=p["data"]["vocab_size"],
+                        max_corpus_bytes=p["data"].get("max_corpus_bytes"),
                         max_train_bytes=p["data"].get("max_train_bytes"),
-                        tokenizer_train_bytes=p["data"].get("tokenizer_train_bytes"), seed=seed, use_cache=use_cache)
+                        tokenizer_train_bytes=p["data"].get("tokenizer_train_bytes"), seed=seed, use_cache=use_cache,
+                        dedup_threshold=dedup_threshold)
     c = data.info["corpus"]
-    src = f"Python {c['python_version']} standard library" if "python_version" in c else ", ".join(c["sources"])
+    if "python_version" in c:
+        src = f"Python {c['python_version']} standard library" + (" and installed packages" if "site_dirs" in c else "")
+    else:
+        src = ", ".join(Path(x).name or x for x in c["sources"])
     print(f"corpus: {src}: {c['n_documents']:,} documents, {c['n_bytes']:,} bytes, sha256 {c['sha256'][:16]}...", flush=True)
     t = data.info["tokenizer"]
+    v = data.info["validation"]
     print(f"tokenizer: {t['source']}: {t['vocab_size']:,} ids -> compressed V'={t['compressed_vocab_size']:,}; "
-          f"train split {data.info['train_tokens_available']:,} tokens, val split {data.info['val_tokens_available']:,} tokens",
-          flush=True)
+          f"train split {data.info['train_tokens_available']:,} tokens", flush=True)
+    print(f"validation: {v['documents']:,} documents, {v['tokens']:,} tokens, all of them evaluated; "
+          f"{v['removed_documents']} near-duplicate documents ({v['removed_tokens']:,} tokens) removed "
+          f"(> {v['dedup_threshold']} of their {v['dedup_ngram']}-token n-grams in the training split)"
+          + (f": {', '.join(r['name'] for r in v['removed'][:5])}{' ...' if len(v['removed']) > 5 else ''}"
+             if v["removed"] else ""), flush=True)
     data.tokenizer.save(str(out / "tokenizer.json"))
+    seen = seen_in_training(data.train.tokens, data.val.tokens, t["vocab_size"], pad_id=data.eos_id)
+    print(f"validation tokens whose trailing 3-gram occurs in the training split: {100 * seen.mean():.1f}%", flush=True)
 
     eng_cfg = build_model_config(p, data)
     base_cfg = iso_flop_baseline(eng_cfg)
-    train_kwargs = dict(p["train"], seed=seed)
-    results: dict[str, dict] = {}
-    runs: dict[str, dict] = {}
-    models: dict[str, DecoderLM] = {}
+    tc0 = TrainConfig(**p["train"])
     budget_s = None
     if minutes is not None:
-        # The demo's whole budget: what data preparation used is gone; the Engram run then
-        # takes the baseline's step count (same tokens), at a similar cost per step.
+        # The demo's whole budget: what data preparation used is gone; the first baseline
+        # sizes the step count, every other run takes the same steps at a similar cost.
         budget_s = minutes * 60 - (time.perf_counter() - wall)
         if budget_s <= 0:
             raise ValueError(f"--minutes {minutes}: data preparation alone took longer")
-    for label, cfg in (("baseline", base_cfg), ("engram", eng_cfg)):
-        tc = TrainConfig(**train_kwargs)
-        if label == "baseline" and budget_s is not None:
-            tc.max_minutes = budget_s * 0.44 / 60
-            if steps is None:
-                tc.steps = 10**9  # the budget decides
-        if label == "engram":
-            tc.steps = results["baseline"]["steps"]  # the same batches, step for step
-            tc.warmup_steps = min(tc.warmup_steps, runs["baseline"]["train_config"]["warmup_steps"])
-        model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=seed, device=dev)
-        trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, dev,
-                          run_dir=out / label if checkpoint else None, label=label,
-                          checkpoint_extra={"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info},
-                          progress=progress)
-        counts = model.param_counts()
-        print(f"[{label}] {counts['total']:,} parameters ({counts['tables']:,} in Engram tables), "
-              f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token; {tc.steps if tc.max_minutes is None else 'budgeted'} "
-              f"steps x {tc.batch_size * tc.seq_len:,} tokens", flush=True)
-        summary = trainer.fit()
-        summary.update(
-            params=counts["total"], backbone_params=counts["backbone"], table_params=counts["tables"],
-            table_rows=sum(model.layout.num_embeddings) if model.layout is not None else 0,
-            flops_per_token=train_flops_per_token(cfg, tc.seq_len),
-            forward_flops=forward_flops_per_token(cfg, tc.seq_len),
-            checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
-        )
-        results[label] = summary
-        runs[label] = {"history": trainer.history, "evals": trainer.evals, "train_config": tc.to_dict(),
-                       "model_config": cfg.to_dict()}
-        models[label] = model
+    requested = tc0.steps if budget_s is None or steps is not None else 10**9
+    max_steps, passes = cap_steps(requested, data.train, tc0.batch_size, tc0.seq_len, max_passes)
+    if budget_s is not None:
+        print(f"steps: sized to the --minutes budget, at most {max_steps:,} ({max_passes:g} passes over the "
+              f"{len(data.train):,}-token training split)", flush=True)
+    elif passes["capped"]:
+        print(_banner(
+            f"WARNING: {requested:,} steps x {tc0.batch_size * tc0.seq_len:,} tokens would make "
+            f"{passes['requested_passes']:.1f} passes over the {len(data.train):,}-token training split.\n"
+            f"Capped at {max_steps:,} steps ({passes['passes']:.2f} passes, --max-passes {max_passes:g}): "
+            "a model that sees its data again memorizes it,\nand Engram's tables memorize fastest. "
+            "Pass a larger --corpus, or --max-passes to allow repeats."), flush=True)
 
-    base, eng = results["baseline"], results["engram"]
-    table = format_table(base, eng)
-    gap = 100 * (1 - eng["val_loss"] / base["val_loss"])
+    per_seed: list[dict] = []
+    curves: dict[str, list[dict]] = {"baseline": [], "engram": []}
+    configs: dict[str, dict] = {}
+    models: dict[str, DecoderLM] = {}
+    for k in range(seeds):
+        run_seed = seed + k
+        results: dict[str, dict] = {}
+        for label, cfg in (("baseline", base_cfg), ("engram", eng_cfg)):
+            tc = TrainConfig(**dict(p["train"], seed=run_seed))
+            tc.steps = max_steps
+            if per_seed or label == "engram":
+                tc.steps = per_seed[0]["baseline"]["steps"] if per_seed else results["baseline"]["steps"]
+            elif budget_s is not None:
+                tc.max_minutes = budget_s * 0.44 / seeds / 60
+            tc.warmup_steps = min(tc.warmup_steps, max(0, tc.steps - 1))
+            model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=run_seed, device=dev)
+            run_dir = out / label if checkpoint and k == 0 else None
+            trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, dev, run_dir=run_dir,
+                              label=label if seeds == 1 else f"{label} seed {run_seed}",
+                              checkpoint_extra={"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info},
+                              progress=progress)
+            counts = model.param_counts()
+            print(f"[{trainer.label}] {counts['total']:,} parameters ({counts['tables']:,} in Engram tables), "
+                  f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token; "
+                  f"{tc.steps if tc.max_minutes is None else 'budgeted'} steps x {tc.batch_size * tc.seq_len:,} "
+                  "tokens", flush=True)
+            summary = trainer.fit(token_losses=True)
+            summary.update(
+                seed=run_seed, params=counts["total"], backbone_params=counts["backbone"],
+                table_params=counts["tables"],
+                table_rows=sum(model.layout.num_embeddings) if model.layout is not None else 0,
+                flops_per_token=train_flops_per_token(cfg, tc.seq_len),
+                forward_flops=forward_flops_per_token(cfg, tc.seq_len),
+                passes=data.train.passes(trainer.step, tc.batch_size, tc.seq_len),
+                buckets=bucket_losses(trainer.token_losses, seen),
+                checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
+            )
+            results[label] = summary
+            curves[label].append({"seed": run_seed, "history": trainer.history, "evals": trainer.evals})
+            configs[label] = {"model": cfg.to_dict(), "train": tc.to_dict()}
+            if k == 0:
+                models[label] = model
+            else:
+                del model, trainer
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+        results["val_loss_gap_pct"] = _gap(results["baseline"]["val_loss"], results["engram"]["val_loss"])
+        results["bits_per_byte_gap_pct"] = _gap(results["baseline"]["bits_per_byte"], results["engram"]["bits_per_byte"])
+        per_seed.append(results)
+        if seeds > 1:
+            print(f"seed {run_seed}: Engram val loss {results['val_loss_gap_pct']:+.2f}% lower "
+                  f"({results['baseline']['val_loss']:.4f} -> {results['engram']['val_loss']:.4f})", flush=True)
+
+    base, eng = per_seed[0]["baseline"], per_seed[0]["engram"]
+    passes.update(steps=base["steps"], passes=base["passes"])
+    table = format_table(per_seed)
+    gap_mean, gap_std = _mean_std([r["val_loss_gap_pct"] for r in per_seed])
+    bpb_mean, bpb_std = _mean_std([r["bits_per_byte_gap_pct"] for r in per_seed])
     print("\n" + table + "\n", flush=True)
     flops_ratio = eng["flops_per_token"] / base["flops_per_token"]
-    verdict = "lower" if gap > 0 else "NOT lower"
-    print(f"Engram validation loss is {abs(gap):.2f}% {verdict} than the baseline's at the same "
-          f"{eng['train_tokens']:,} training tokens (FLOPs/token ratio {flops_ratio:.4f}).", flush=True)
+    verdict = "lower" if gap_mean > 0 else "NOT lower"
+    spread = f" (mean of {seeds} seeds, std {gap_std:.2f} points)" if gap_std is not None else ""
+    print(f"Engram validation loss is {abs(gap_mean):.2f}% {verdict} than the baseline's{spread} at the same "
+          f"{eng['train_tokens']:,} training tokens ({base['passes']:.2f} passes over the training split; "
+          f"FLOPs/token ratio {flops_ratio:.4f}), over all {eng['val_tokens']:,} deduplicated validation tokens.",
+          flush=True)
+    if base["passes"] > 1:
+        print(_banner(f"NOTE: each model saw its training data {base['passes']:.2f} times "
+                      f"(--max-passes {max_passes:g}); the comparison measures memorization as much as modelling."),
+              flush=True)
 
     figures = {}
-    fig = plot_loss_curves(runs, out / "loss_curves.png",
-                           title=f"baseline vs Engram on {src}\n{_fmt_m(eng['train_tokens'])} training tokens each, "
-                                 f"FLOPs/token ratio {flops_ratio:.3f}; Engram val loss {-gap:+.2f}%")
+    title = (f"baseline vs Engram on {src}: {_fmt_m(eng['train_tokens'])} training tokens each "
+             f"({base['passes']:.2f} passes), FLOPs/token ratio {flops_ratio:.3f}\n"
+             f"Engram val loss {-gap_mean:+.2f}%" + (f" +- {gap_std:.2f} ({seeds} seeds)" if gap_std is not None else ""))
+    fig = plot_loss_curves(curves, out / "loss_curves.png", title=title,
+                           buckets={label: [r[label]["buckets"] for r in per_seed] for label in ("baseline", "engram")})
     if fig:
         figures["loss_curves"] = fig.name
     gates = gate_sample(models["engram"], data, dev)
@@ -230,24 +372,38 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
     atomic_write_text(out / "sample.txt", f"# prompt\n{prompt}\n# engram completion\n{samples['engram']}\n"
                                           f"# baseline completion\n{samples['baseline']}\n")
 
+    def spread_of(label: str, key: str) -> dict:
+        values = [r[label][key] for r in per_seed]
+        mean, std = _mean_std(values)
+        return {"mean": mean, "std": std, "values": values}
+
     summary = {
         "baseline": base,
         "engram": eng,
+        "seeds": per_seed,
         "comparison": {
-            "val_loss_gap_pct": gap,
-            "bits_per_byte_gap_pct": 100 * (1 - eng["bits_per_byte"] / base["bits_per_byte"]),
+            "seeds": [seed + k for k in range(seeds)],
+            "val_loss_gap_pct": gap_mean,
+            "val_loss_gap_pct_std": gap_std,
+            "bits_per_byte_gap_pct": bpb_mean,
+            "bits_per_byte_gap_pct_std": bpb_std,
+            "val_loss": {label: spread_of(label, "val_loss") for label in ("baseline", "engram")},
+            "bits_per_byte": {label: spread_of(label, "bits_per_byte") for label in ("baseline", "engram")},
             "flops_per_token_ratio": flops_ratio,
             "tokens_per_s_ratio": eng["tokens_per_s"] / max(base["tokens_per_s"], 1e-9),
             "same_tokens": eng["train_tokens"] == base["train_tokens"],
+            "val_tokens": eng["val_tokens"],
+            "seen_3gram_fraction": float(seen.mean()),
         },
+        "passes": passes,
         "preset": preset_name,
-        "config": {"baseline": runs["baseline"]["model_config"], "engram": runs["engram"]["model_config"],
-                   "train": runs["engram"]["train_config"], "preset": p},
+        "config": {"baseline": configs["baseline"]["model"], "engram": configs["engram"]["model"],
+                   "train": configs["engram"]["train"], "preset": p},
         "data": data.info,
         "machine": machine_info(dev),
         "figures": figures,
         "sample": {"prompt": prompt, "engram": samples["engram"], "baseline": samples["baseline"]},
-        "curves": {k: {"history": v["history"], "evals": v["evals"]} for k, v in runs.items()},
+        "curves": curves,
         "wall_seconds": time.perf_counter() - wall,
         "table": table,
     }

@@ -62,7 +62,8 @@ class TrainConfig:
     eval_every: int = 0
     """Validate every this many steps (0: only at the end)."""
     eval_tokens: int = 65_536
-    """Validation tokens per evaluation (consecutive windows from the start of the split)."""
+    """Validation tokens of each evaluation during training (windows spread evenly over the
+    split, the same ones every time); the final evaluation reads the whole split."""
     eval_batch_size: int = 16
     seed: int = 0
     """Seeds the initialization and the batch order."""
@@ -129,9 +130,16 @@ def memory_gib(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, stream: TokenStream, token_bytes: torch.Tensor, *, seq_len: int, max_tokens: int,
-             batch_size: int, device: torch.device, precision: str = "auto") -> dict[str, float]:
-    """Validation loss (nats per token) and bits per byte over consecutive windows of `stream`.
+def evaluate(model, stream: TokenStream, token_bytes: torch.Tensor, *, seq_len: int, max_tokens: int | None,
+             batch_size: int, device: torch.device, precision: str = "auto",
+             token_losses: bool = False) -> dict:
+    """Validation loss (nats per token) and bits per byte.
+
+    Args:
+        max_tokens: None: every target of `stream` once; else a fixed subset of about this
+            many targets in windows spread over the stream.
+        token_losses: also return ``token_losses``, float32 [len(stream) - 1], the loss of
+            each target (index = target position - 1; NaN where not evaluated).
 
     Bits per byte = total NLL / (ln 2 x the UTF-8 bytes of the predicted tokens), so models
     with different tokenizers are comparable.
@@ -142,19 +150,27 @@ def evaluate(model, stream: TokenStream, token_bytes: torch.Tensor, *, seq_len: 
     n_tokens = 0
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
     token_bytes = token_bytes.to(device)
+    per_token = np.full(max(0, len(stream) - 1), np.nan, dtype=np.float32) if token_losses else None
     try:
         for batch in stream.eval_batches(seq_len, max_tokens, batch_size):
+            positions = batch.positions
             batch = batch.to(device)
             with autocast_for(device, precision):
                 losses = model.loss(batch.inputs, batch.targets, batch.doc_starts, reduction="none")
+            losses = losses.float().masked_fill(~batch.scored, 0.0)
             nll += losses.double().sum()
             n_tokens += batch.n_tokens
-            n_bytes += token_bytes[batch.targets].sum()
+            n_bytes += (token_bytes[batch.targets] * batch.scored).sum()
+            if per_token is not None:
+                keep = batch.scored.cpu()
+                per_token[(positions[keep] - 1).numpy()] = losses.cpu()[keep].numpy()
     finally:
         model.train(was)
     total = float(nll)
-    return {"val_loss": total / n_tokens, "bits_per_byte": total / (LN2 * max(1, int(n_bytes))),
-            "val_tokens": n_tokens}
+    out = {"val_loss": total / n_tokens, "bits_per_byte": total / (LN2 * max(1, int(n_bytes))), "val_tokens": n_tokens}
+    if per_token is not None:
+        out["token_losses"] = per_token
+    return out
 
 
 class Trainer:
@@ -197,6 +213,8 @@ class Trainer:
         self.timed_seconds = 0.0
         self.budget_resolved = cfg.max_minutes is None
         self.last_checkpoint: Path | None = None
+        self.token_losses: np.ndarray | None = None
+        """Per-target validation losses of the last evaluation that asked for them."""
 
     @property
     def optimizers(self):
@@ -239,12 +257,16 @@ class Trainer:
         return self.last_checkpoint
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict:
+    def evaluate(self, full: bool = False, token_losses: bool = False) -> dict:
+        """Validate on the fixed subset (``eval_tokens``), or on the whole split (`full`)."""
         result = evaluate(self.model, self.val_stream, self.token_bytes, seq_len=self.cfg.seq_len,
-                          max_tokens=self.cfg.eval_tokens, batch_size=self.cfg.eval_batch_size, device=self.device,
-                          precision=self.cfg.precision)
-        result.update(step=self.step, train_tokens=self.step * self.cfg.batch_size * self.cfg.seq_len)
-        if not self.evals or self.evals[-1]["step"] != self.step:
+                          max_tokens=None if full else self.cfg.eval_tokens, batch_size=self.cfg.eval_batch_size,
+                          device=self.device, precision=self.cfg.precision, token_losses=token_losses)
+        losses = result.pop("token_losses", None)
+        if losses is not None:
+            self.token_losses = losses
+        result.update(step=self.step, train_tokens=self.step * self.cfg.batch_size * self.cfg.seq_len, full=full)
+        if not any(e["step"] == self.step and e.get("full", False) == full for e in self.evals):
             self.evals.append(result)
         return result
 
@@ -276,8 +298,13 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         return float(loss.detach()), cfg.lr * lr_mult
 
-    def fit(self) -> dict:
-        """Train up to ``cfg.steps`` (from the current step), validate, checkpoint; returns the summary."""
+    def fit(self, token_losses: bool = False) -> dict:
+        """Train up to ``cfg.steps`` (from the current step), validate (the fixed subset, for
+        the curve, and the whole split), checkpoint; returns the summary.
+
+        Args:
+            token_losses: keep the final evaluation's per-target losses in ``self.token_losses``.
+        """
         cfg = self.cfg
         self.model.train()
         tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -320,9 +347,11 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
-        ev = self.evaluate()
+        self.evaluate()
+        ev = self.evaluate(full=True, token_losses=token_losses)
         print(f"[{self.label}] done: {self.step} steps, val loss {ev['val_loss']:.4f}, "
-              f"{ev['bits_per_byte']:.4f} bits/byte, {self.tokens_per_s:,.0f} tok/s", flush=True)
+              f"{ev['bits_per_byte']:.4f} bits/byte over all {ev['val_tokens']:,} validation tokens, "
+              f"{self.tokens_per_s:,.0f} tok/s", flush=True)
         self.save()
         return self.summary()
 
@@ -331,7 +360,8 @@ class Trainer:
         return self.timed_tokens / self.timed_seconds if self.timed_seconds else 0.0
 
     def summary(self) -> dict:
-        last = self.evals[-1] if self.evals else {}
+        finals = [e for e in self.evals if e.get("full")]
+        last = finals[-1] if finals else (self.evals[-1] if self.evals else {})
         tail = [h["loss"] for h in self.history[-max(1, min(50, len(self.history) // 10)):]]
         return {
             "val_loss": last.get("val_loss"),

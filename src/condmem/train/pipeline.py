@@ -2,7 +2,8 @@
 
 `prepare_data` is what `condmem train` and `condmem demo` share: read the corpus,
 split it by document, train (or load) the tokenizer, build the compressed tokenizer
-whose V' goes into the Engram config, and encode both splits (cached on disk).
+whose V' goes into the Engram config, encode both splits (cached on disk), and drop
+validation documents that near-duplicate training text (`condmem.train.heldout`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from condmem.train.data import (
     load_corpus,
     split_corpus,
 )
+from condmem.train.heldout import DEDUP_NGRAM, DEDUP_THRESHOLD, near_duplicate_fractions
 
 logger = logging.getLogger("condmem.train")
 
@@ -47,6 +49,7 @@ class PreparedData:
     pad_id: int
     info: dict = field(default_factory=dict)
     val_docs: list[Document] = field(default_factory=list)
+    """Validation documents kept (near-duplicates of training text removed)."""
 
 
 def _sample_docs(docs: Sequence[Document], max_bytes: int | None, seed: int) -> list[Document]:
@@ -64,6 +67,35 @@ def _sample_docs(docs: Sequence[Document], max_bytes: int | None, seed: int) -> 
     return out
 
 
+def _deduplicated_validation(tok: Tokenizer, docs: Sequence[Document], train_tokens: np.ndarray, eos_id: int,
+                             threshold: float | None) -> tuple[list[Document], np.ndarray, dict]:
+    """Encode each validation document, drop near-duplicates of the training tokens, and
+    describe what was dropped. Returns (kept documents, their token stream, description)."""
+    dtype = np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
+    encoded = [np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch([d.text for d in docs], add_special_tokens=False)]
+    fractions = (near_duplicate_fractions(train_tokens, encoded, DEDUP_NGRAM) if threshold is not None
+                 else np.zeros(len(docs)))
+    keep = [threshold is None or f <= threshold for f in fractions]
+    if not any(keep):
+        raise ValueError(f"every validation document near-duplicates the training split (threshold {threshold}); "
+                         "use a larger corpus or a higher threshold")
+    removed = sorted(({"name": d.name, "tokens": int(len(e) + 1), "shared_fraction": round(float(f), 4)}
+                      for d, e, f, k in zip(docs, encoded, fractions, keep) if not k),
+                     key=lambda r: -r["tokens"])
+    eos = np.asarray([eos_id], dtype=dtype)
+    stream = np.concatenate([part for e, k in zip(encoded, keep) if k for part in (e, eos)])
+    description = {
+        "dedup_ngram": DEDUP_NGRAM, "dedup_threshold": threshold,
+        "documents_before": len(docs), "tokens_before": int(sum(len(e) + 1 for e in encoded)),
+        "removed_documents": len(removed), "removed_tokens": int(sum(r["tokens"] for r in removed)),
+        "documents": int(sum(keep)), "tokens": int(len(stream)),
+        "shared_fraction_quantiles": {q: round(float(np.quantile(fractions, q)), 4) for q in (0.5, 0.9, 0.99)}
+        if len(fractions) else {},
+        "removed": removed,
+    }
+    return [d for d, k in zip(docs, keep) if k], stream, description
+
+
 def find_special(tokenizer: Tokenizer, candidates: Sequence[str], what: str, fallback: int | None = None) -> int:
     for name in candidates:
         tid = tokenizer.token_to_id(name)
@@ -77,6 +109,7 @@ def find_special(tokenizer: Tokenizer, candidates: Sequence[str], what: str, fal
 def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | Tokenizer | None = None,
                  vocab_size: int = 4096, max_corpus_bytes: int | None = None, max_train_bytes: int | None = None,
                  tokenizer_train_bytes: int | None = 8_000_000, val_fraction: float = 0.02, seed: int = 0,
+                 dedup_threshold: float | None = DEDUP_THRESHOLD,
                  cache_dir: str | Path | None = None, use_cache: bool = True) -> PreparedData:
     """Corpus -> tokenizer, compressed tokenizer and train/val token streams.
 
@@ -88,6 +121,8 @@ def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | 
         max_train_bytes: encode at most this much of the training split (a deterministic sample
             of its documents): a short run needs a few million tokens, not the whole corpus.
         tokenizer_train_bytes: train the BPE on a sample of this size.
+        dedup_threshold: drop a validation document when more than this fraction of its
+            13-token n-grams occur in the training tokens (None: keep every document).
     """
     from condmem.tokenizer import CompressedTokenizer
 
@@ -120,14 +155,16 @@ def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | 
     t2 = time.perf_counter()
     tok_sha = tokenizer_sha256(tok)
     train_tokens = cached_encode(tok, train_docs, eos_id, docs_key(train_docs, tok_sha), cache / "tokens", use_cache)
-    val_tokens = cached_encode(tok, val_docs, eos_id, docs_key(val_docs, tok_sha), cache / "tokens", use_cache)
     t_enc = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    val_docs, val_tokens, validation = _deduplicated_validation(tok, val_docs, train_tokens, eos_id, dedup_threshold)
+    t_dedup = time.perf_counter() - t3
     token_bytes = token_byte_lengths(tok)
     info = {
         "args": {"corpus": None if corpus is None else ([str(c) for c in corpus] if isinstance(corpus, (list, tuple)) else str(corpus)),
                  "max_corpus_bytes": max_corpus_bytes, "max_train_bytes": max_train_bytes,
                  "tokenizer_train_bytes": tokenizer_train_bytes, "vocab_size": vocab_size,
-                 "val_fraction": val_fraction, "seed": seed},
+                 "val_fraction": val_fraction, "seed": seed, "dedup_threshold": dedup_threshold},
         "corpus": data.info,
         "train_documents": len(train_docs),
         "train_bytes": sum(len(d.text.encode("utf-8")) for d in train_docs),
@@ -135,6 +172,7 @@ def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | 
         "val_documents": len(val_docs),
         "val_bytes": sum(len(d.text.encode("utf-8")) for d in val_docs),
         "val_tokens_available": int(len(val_tokens)),
+        "validation": validation,
         "tokenizer": {
             "source": tok_source,
             "vocab_size": tok.get_vocab_size(with_added_tokens=True),
@@ -144,10 +182,12 @@ def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | 
             "eos_id": eos_id,
             "pad_id": pad_id,
         },
-        "seconds": {"read": round(t_read, 2), "tokenizer": round(t_tok, 2), "encode": round(t_enc, 2)},
+        "seconds": {"read": round(t_read, 2), "tokenizer": round(t_tok, 2), "encode": round(t_enc, 2),
+                    "deduplicate": round(t_dedup, 2)},
     }
-    logger.info("data: %d train docs (%d tokens), %d val docs (%d tokens); vocab %d -> V'=%d; %.1f s",
-                len(train_docs), len(train_tokens), len(val_docs), len(val_tokens),
+    logger.info("data: %d train docs (%d tokens), %d val docs (%d tokens, %d near-duplicates removed); "
+                "vocab %d -> V'=%d; %.1f s",
+                len(train_docs), len(train_tokens), len(val_docs), len(val_tokens), validation["removed_documents"],
                 info["tokenizer"]["vocab_size"], ctok.vocab_size, time.perf_counter() - t0)
     return PreparedData(tok, ctok, TokenStream(train_tokens, eos_id), TokenStream(val_tokens, eos_id), token_bytes,
                         eos_id, pad_id, info, val_docs)

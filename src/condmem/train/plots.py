@@ -26,49 +26,83 @@ def _ema(values: Sequence[float], alpha: float) -> np.ndarray:
     return out
 
 
-def plot_loss_curves(runs: dict[str, dict], path: str | Path, title: str = "") -> Path | None:
-    """Training loss (smoothed) and validation loss against training tokens.
+def _runs_of(value) -> list[dict]:
+    return value if isinstance(value, list) else [value]
+
+
+def plot_loss_curves(runs: dict[str, list[dict] | dict], path: str | Path, title: str = "",
+                     buckets: dict[str, list[dict]] | None = None) -> Path | None:
+    """Every seed's training loss (smoothed) and validation loss against training tokens;
+    with `buckets`, a second panel of validation loss on seen / unseen 3-grams.
 
     Args:
-        runs: label -> {"history": [{"tokens", "loss"}...], "evals": [{"train_tokens", "val_loss"}...]}.
+        runs: label -> one run or a list of runs (one per seed), each
+            {"history": [{"tokens", "loss"}...], "evals": [{"train_tokens", "val_loss", "full"}...]}.
+            Evaluations on the fixed subset draw the curve; the whole-split one is a star.
+        buckets: label -> per seed {"seen": {"loss", "fraction"}, "unseen": {...}}.
     """
     plt = _pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
+    if buckets:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120, gridspec_kw={"width_ratios": [2.2, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
     colors = {"baseline": "#4c72b0", "engram": "#dd8452"}
-    for label, run in runs.items():
+    lows, highs = [], []
+    for label, value in runs.items():
         color = colors.get(label)
-        hist = run.get("history", [])
-        if hist:
-            tokens = np.array([h["tokens"] for h in hist], dtype=float)
-            loss = np.array([h["loss"] for h in hist], dtype=float)
-            alpha = 0.9 if len(loss) < 2000 else 0.98
-            ax.plot(tokens / 1e6, loss, color=color, alpha=0.15, linewidth=0.6)
-            ax.plot(tokens / 1e6, _ema(loss, alpha), color=color, linewidth=1.6, label=f"{label} train (EMA)")
-        evals = run.get("evals", [])
-        if evals:
-            ax.plot([e["train_tokens"] / 1e6 for e in evals], [e["val_loss"] for e in evals], "o--", color=color,
-                    markersize=4, linewidth=1, label=f"{label} validation")
+        for i, run in enumerate(_runs_of(value)):
+            seed_note = f" (seed {run['seed']})" if "seed" in run and len(_runs_of(value)) > 1 else ""
+            hist = run.get("history", [])
+            if hist:
+                tokens = np.array([h["tokens"] for h in hist], dtype=float)
+                loss = np.array([h["loss"] for h in hist], dtype=float)
+                smooth = _ema(loss, 0.9 if len(loss) < 2000 else 0.98)
+                ax.plot(tokens / 1e6, smooth, color=color, linewidth=1.2, alpha=0.85,
+                        label=f"{label} train (EMA)" if i == 0 else None)
+                lows.append(smooth.min())
+                highs.append(smooth[min(len(smooth) - 1, len(smooth) // 6)])
+            evals = run.get("evals", [])
+            curve = [e for e in evals if not e.get("full")]
+            if curve:
+                ax.plot([e["train_tokens"] / 1e6 for e in curve], [e["val_loss"] for e in curve], "o--", color=color,
+                        markersize=3.5, linewidth=0.9, alpha=0.85,
+                        label=f"{label} validation (fixed subset)" if i == 0 else None)
+            final = [e for e in evals if e.get("full")]
+            if final:
+                ax.plot([e["train_tokens"] / 1e6 for e in final], [e["val_loss"] for e in final], "*", color=color,
+                        markersize=10, markeredgecolor="black", markeredgewidth=0.5,
+                        label=f"{label} validation (whole split){seed_note and ', every seed'}" if i == 0 else None)
+            lows += [e["val_loss"] for e in evals]
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("loss (nats / token)")
     # Frame the second half of training, where the gap shows; the early drop is off the top.
-    lows, highs = [], []
-    for run in runs.values():
-        hist = run.get("history", [])
-        if hist:
-            loss = np.array([h["loss"] for h in hist], dtype=float)
-            smooth = _ema(loss, 0.9 if len(loss) < 2000 else 0.98)
-            lows.append(smooth.min())
-            highs.append(smooth[min(len(smooth) - 1, len(smooth) // 6)])
-        lows += [e["val_loss"] for e in run.get("evals", [])]
     if lows and highs:
-        lo, hi = min(lows), max(highs)
+        lo, hi = min(lows), max(max(highs), max(lows))
         if hi > lo:
-            ax.set_ylim(lo - 0.05 * (hi - lo), hi)
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.02 * (hi - lo))
     ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title or "baseline vs Engram (same tokens, matched FLOPs/token)", fontsize=10)
+    ax.legend(fontsize=8)
+    if buckets:
+        names = ["seen", "unseen"]
+        x = np.arange(len(names))
+        width = 0.38
+        for j, (label, per_seed) in enumerate(buckets.items()):
+            values = np.array([[b[n]["loss"] for n in names] for b in per_seed])
+            mean = values.mean(axis=0)
+            err = values.std(axis=0, ddof=1) if len(values) > 1 else None
+            bx.bar(x + (j - 0.5) * width, mean, width, yerr=err, capsize=3, color=colors.get(label), label=label)
+            for k in range(len(names)):
+                bx.text(x[k] + (j - 0.5) * width, mean[k], f"{mean[k]:.2f}", ha="center", va="bottom", fontsize=7)
+        first = next(iter(buckets.values()))[0]
+        bx.set_xticks(x, [f"3-gram {n} in training\n({100 * first[n]['fraction']:.0f}% of tokens)" for n in names],
+                      fontsize=8)
+        bx.set_ylabel("validation loss (nats / token)")
+        bx.set_title("where the difference comes from", fontsize=9)
+        bx.grid(alpha=0.3, axis="y")
+        bx.legend(fontsize=8)
+    ax.set_title(title or "baseline vs Engram (same tokens, matched FLOPs/token)", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
