@@ -71,11 +71,11 @@ def tensor_names(layer_id: int, dialect: str) -> dict[str, str]:
 
 
 def make_tensors(dialect: str = "original", scale_dtype: str = "e8m0", wkv_scale_dtype: str = "e8m0",
-                 seed: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+                 seed: int = 0, table_size: int = GEOMETRY["table_size"]) -> tuple[dict[str, torch.Tensor], dict]:
     """All tensors of a checkpoint, and {layer_id: {role: tensor}} for the tests."""
     from condmem import EngramLayout
 
-    layout = EngramLayout(engram_config())
+    layout = EngramLayout(engram_config(table_size=table_size))
     gen = torch.Generator().manual_seed(seed)
     d = GEOMETRY["head_dim"]
     out, truth = {}, {}

@@ -132,12 +132,12 @@ class EngramMemory:
                 rows and scales); ``host`` copies them once into page-locked host memory as
                 interleaved rows (huge pages advised, collapsed where the kernel supports
                 ``MADV_COLLAPSE``, coverage logged); ``hbm`` into GPU memory.
-            drop_page_cache: after copying a layer into host or HBM memory, drop the source
-                files' cached pages (they would be a second copy of the table in DRAM).
+            drop_page_cache: while copying a layer into host or HBM memory, unmap the copied
+                source chunks and drop their cached pages (a second copy of the table in DRAM
+                would only crowd out huge pages and other processes).
             host_alloc, progress, kwargs: as in `from_table_file`.
         """
         from condmem.tables.released import open_checkpoint
-        from condmem.tables.safetensors_io import drop_page_cache as drop
 
         ckpt = open_checkpoint(checkpoint)
         if ckpt.config is not None:
@@ -146,12 +146,7 @@ class EngramMemory:
         for lid in hasher.layer_ids:
             rows = ckpt.table(lid, hasher.layout)
             stores[lid] = place_layer(rows, tier, device=device if tier == "hbm" else None, host_alloc=host_alloc,
-                                      progress=progress, name=f"layer {lid}")
-            if drop_page_cache and tier != "disk":
-                names = ckpt.tensor_names(lid)
-                for name in (names["embed"], names["embed_scale"]):
-                    entry = ckpt.entry(name)
-                    drop(ckpt.headers[name].path, entry.start, entry.nbytes)
+                                      progress=progress, name=f"layer {lid}", drop_source_cache=drop_page_cache)
         return cls(hasher, stores, device, **kwargs)
 
     @classmethod

@@ -155,15 +155,17 @@ def mmap_tensor(header: Header, name: str, writable: bool = False) -> torch.Tens
     return flat.view(entry.dtype).view(entry.shape)
 
 
-def release_pages(t: torch.Tensor) -> None:
+def release_pages(t: torch.Tensor, drop_cache: bool = False) -> None:
     """Unmap the resident pages under `t`, a view of a read-only file mapping (`mmap_tensor`).
 
     A streaming reader calls this after each chunk so that its resident set stays bounded
     by one chunk: pages of a file mapping count towards RSS until unmapped. The data stays
-    in the file (and the page cache); touching `t` again reads it back. Only whole pages
-    inside `t` are released, and only when they lie in a shared file mapping (on anonymous
-    memory MADV_DONTNEED would zero the data, so anything else is left alone). A no-op
-    where madvise is unavailable.
+    in the file; touching `t` again reads it back. With `drop_cache`, the file's cached
+    pages for those bytes are dropped too (a loader that copied them elsewhere: the kernel
+    keeps pages in the cache while they are mapped, so unmapping comes first). Only whole
+    pages inside `t` are released, and only when they lie in a shared file mapping (on
+    anonymous memory MADV_DONTNEED would zero the data, so anything else is left alone).
+    A no-op where madvise is unavailable.
     """
     advice = getattr(mmap, "MADV_DONTNEED", None)
     if advice is None or t.device.type != "cpu" or t.numel() == 0:
@@ -171,23 +173,29 @@ def release_pages(t: torch.Tensor) -> None:
     page = mmap.PAGESIZE
     begin = -(-t.data_ptr() // page) * page
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if end <= begin or not _in_shared_file_mapping(begin, end):
+    where = _shared_file_mapping(begin, end) if end > begin else None
+    if where is None:
         return
     try:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), ctypes.c_int(advice))
     except (OSError, AttributeError):
-        pass
+        return
+    if drop_cache:
+        path, file_offset = where
+        drop_page_cache(path, file_offset, end - begin)
 
 
 def drop_page_cache(path: str | os.PathLike, offset: int = 0, length: int = 0) -> None:
-    """Tell the kernel that the cached pages of `path`'s bytes [offset, offset+length) are not
-    needed again (``POSIX_FADV_DONTNEED``; length 0: to the end). Clean pages are dropped; a
-    no-op where posix_fadvise is unavailable. Used after a table has been copied into host memory:
-    a second copy in the page cache would only crowd out huge pages and other processes."""
+    """Drop the cached pages of `path`'s bytes [offset, offset+length) (``POSIX_FADV_DONTNEED``;
+    length 0: to the end). Clean pages that no process maps are dropped; a no-op where
+    posix_fadvise is unavailable."""
     advice = getattr(os, "POSIX_FADV_DONTNEED", None)
     if advice is None:
         return
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.posix_fadvise(fd, offset, length, advice)
     except OSError:
@@ -196,19 +204,21 @@ def drop_page_cache(path: str | os.PathLike, offset: int = 0, length: int = 0) -
         os.close(fd)
 
 
-def _in_shared_file_mapping(begin: int, end: int) -> bool:
-    """True when [begin, end) lies inside one shared mapping of a file (per /proc/self/maps)."""
+def _shared_file_mapping(begin: int, end: int) -> tuple[str, int] | None:
+    """(file path, file offset of `begin`) when [begin, end) lies inside one shared file mapping, else None."""
     try:
         with open("/proc/self/maps") as fh:
             for line in fh:
                 parts = line.split(maxsplit=5)
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 if lo <= begin and end <= hi:
-                    # perms like "r--s": shared; inode (field 5) non-zero: a file.
-                    return parts[1][3] == "s" and parts[4] != "0"
+                    # perms like "r--s": shared; inode (field 5) non-zero and a path: a file.
+                    if parts[1][3] != "s" or parts[4] == "0" or len(parts) < 6:
+                        return None
+                    return parts[5].strip(), int(parts[2], 16) + (begin - lo)
     except (OSError, ValueError, IndexError):
-        return False
-    return False
+        return None
+    return None
 
 
 class StreamingWriter:

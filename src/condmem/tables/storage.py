@@ -37,6 +37,7 @@ from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, col
 from condmem.tables.native_gather import native_gather_rows
 from condmem.tables.quant import pack_rows
 from condmem.tables.row_cache import RowCache
+from condmem.tables.safetensors_io import release_pages
 from condmem.tables.table_file import LayerRows
 from condmem.utils.progress import Progress
 
@@ -217,6 +218,7 @@ def place_layer(
     chunk_rows: int = 1 << 20,
     progress: bool = True,
     name: str = "table",
+    drop_source_cache: bool = False,
 ) -> LayerStore:
     """Put one layer's rows into a tier.
 
@@ -228,6 +230,8 @@ def place_layer(
         chunk_rows: rows copied at a time.
         progress: show a progress bar while copying / pinning.
         name: for logs.
+        drop_source_cache: when `rows` are file mappings, unmap each copied chunk and drop its
+            pages from the page cache (a second copy of the table in DRAM helps nothing).
     """
     if tier not in TIERS:
         raise StorageError(f"unknown tier {tier!r}; choose one of {TIERS}")
@@ -263,6 +267,10 @@ def place_layer(
         e = min(n, s + chunk_rows)
         piece = LayerRows(rows.format, rows.weight[s:e], None if rows.scales is None else rows.scales[s:e])
         raw[s:e].copy_(_raw_chunk(piece))
+        if drop_source_cache:
+            for t in (piece.weight, piece.scales):
+                if t is not None:
+                    release_pages(t, drop_cache=True)
         bar.update((e - s) * row_bytes)
     bar.close()
     if buffer is not None and buffer.strategy == "mmap_register":
