@@ -14,7 +14,7 @@ import sys
 
 # Module names under condmem.cli; a module that fails to import (a missing optional
 # dependency) is reported when its subcommand is used, not at start-up of the others.
-SUBCOMMANDS = ["demo", "train", "generate", "hash", "layout", "convert", "bench"]
+SUBCOMMANDS = ["demo", "train", "generate", "hash", "layout", "convert", "inspect", "bench"]
 
 DESCRIPTION = """\
 condmem: Engram conditional memory (hashed n-gram tables) for PyTorch.

@@ -1,0 +1,88 @@
+"""``condmem inspect``: what a checkpoint or table file holds, before committing memory to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="layout, tensors, bytes per tier and row statistics of a checkpoint or table file",
+        description="Report on a released DeepSeek-V4.1 checkpoint (folder or safetensors file) or a condmem table "
+        "file: layout and fingerprint, the Engram tensors found (naming dialect, names, dtypes, shapes), bytes per "
+        "tier, each table's row count against its primes, and a histogram of the scale exponents with all-zero / NaN "
+        "/ inf rows counted (over a sample of rows, or every row with --full).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  condmem inspect ./DeepSeek-V4.1-Flash\n  condmem inspect tables.safetensors --full --json",
+    )
+    p.add_argument("path", help="checkpoint folder, safetensors file, or condmem table file")
+    p.add_argument("--config", help="Engram config for a checkpoint (default: its folder's config.json)")
+    p.add_argument("--config-key", help="JSON section holding the Engram keys (default: top level or text_config)")
+    p.add_argument("--full", action="store_true", help="statistics over every row (streams the whole table)")
+    p.add_argument("--sample", type=int, default=65536, help="rows sampled per layer without --full (default 65536)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def format_report(r: dict) -> str:
+    """The report as text lines."""
+    lines = [f"{r['kind']}: {r['path']}"]
+    if r["kind"] == "condmem table file":
+        lines.append(f"  format {r['format']}, {_gib(r['file_bytes'])} on disk, tokenizer fingerprint "
+                     f"{(r['tokenizer_fingerprint'] or 'none')[:16]}")
+    else:
+        lines.append(f"  {r['files']} file(s), {_gib(r['file_bytes'])}; tensor names: {r['tensor_names']}"
+                     f"{' (prefix ' + repr(r['prefix']) + ')' if r['prefix'] else ''}; Engram layers in tensors: "
+                     f"{r['engram_layers_in_tensors']}")
+        lines.append(f"  config: {r['config'] or 'none found (pass --config)'}"
+                     + (f"; backbone {r['backbone']}" if r.get("backbone") else ""))
+    if r.get("layout"):
+        lay = r["layout"]
+        lines.append(f"  layout: layers {lay['layer_ids']}, rows {', '.join(f'{n:,}' for n in lay['num_embeddings'])}, "
+                     f"V' {lay['compressed_vocab_size']:,}, fingerprint {lay['fingerprint'][:16]}")
+    if r.get("layout_error"):
+        lines.append(f"  layout: {r['layout_error']}")
+    for layer in r["layers"]:
+        lines.append(f"  layer {layer['layer_id']}:")
+        for role, t in layer.get("tensors", {}).items():
+            if t.get("missing"):
+                lines.append(f"    {role:<12} MISSING  {t['name']}")
+            else:
+                lines.append(f"    {role:<12} {t['dtype']:<16} {str(t['shape']):<16} {t['name']}  ({t['file']})")
+        if "wkv_block" in layer:
+            lines.append(f"    wkv block shape {layer['wkv_block']}")
+        if "rows_match_primes" in layer:
+            ok = "ok" if layer["rows_match_primes"] else "MISMATCH"
+            lines.append(f"    rows {layer.get('rows', '?'):,} vs sum of primes {layer['rows_expected']:,}: {ok}"
+                         if isinstance(layer.get("rows"), int) else f"    rows: ?, expected {layer['rows_expected']:,}")
+        if "bytes" in layer:
+            lines.append("    bytes: " + ", ".join(f"{k} {_gib(v)}" for k, v in layer["bytes"].items()))
+        st = layer.get("row_stats")
+        if st:
+            what = f"{st['rows_checked']:,} sampled of {st['of_rows']:,}" if st["sampled"] else f"all {st['of_rows']:,}"
+            lines.append(f"    rows checked: {what}; all-zero {st['zero_rows']:,}, with NaN {st['nan_rows']:,}, "
+                         f"with inf {st['inf_rows']:,}")
+            if "scale_exponents" in st:
+                hist = st["scale_exponents"]
+                total = sum(hist.values()) or 1
+                lines.append("    scale exponents (e: share): " + ", ".join(
+                    f"{e}: {100 * c / total:.1f}%" for e, c in sorted(hist.items())))
+        if layer.get("error"):
+            lines.append(f"    error: {layer['error']}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from condmem.tables.inspect import inspect_tables
+
+    report = inspect_tables(args.path, args.config, args.config_key, full=args.full, sample=args.sample,
+                            progress=not args.no_progress)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0

@@ -1,0 +1,178 @@
+"""What a user needs to know about a checkpoint or table file before loading it: `inspect_tables`.
+
+For a released DeepSeek-V4.1 checkpoint (folder or file) or a condmem table file, a
+JSON-ready report of:
+
+* the layout (layer ids, rows per layer, fingerprint) and whether every table's row
+  count equals the sum of its layer's primes;
+* the tensors found: naming dialect, and per layer each tensor's name, file, dtype and
+  shape (the block shape of ``wkv``);
+* bytes per tier: what host or HBM memory holds (interleaved fp8 rows), the bf16
+  equivalent, and the bytes on disk;
+* row statistics: a histogram of the e8m0 scale exponents, and the rows that are all
+  zero, hold a NaN, or dequantize to an inf. A sample of rows by default (spread over
+  the table, sorted so the reads stay sequential); every row with ``full=True``,
+  streamed chunk by chunk with a progress bar.
+
+No tensor is read beyond what the statistics need; mapped pages are given back as it goes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
+from condmem.tables.quant import dequantize_fp8_e8m0, unpack_rows
+from condmem.tables.safetensors_io import read_header, release_pages
+from condmem.tables.table_file import FORMAT_TAG, EngramTableFile, LayerRows
+from condmem.utils.progress import Progress
+
+
+def row_stats(rows: LayerRows, sample: int | None = 65536, chunk_rows: int = 1 << 16, progress: bool = False,
+              name: str = "rows", seed: int = 0) -> dict[str, Any]:
+    """Scale-exponent histogram and zero / NaN / inf row counts of one layer's rows.
+
+    Args:
+        rows: the layer's rows (any format; typically memory-mapped).
+        sample: rows to look at, spread uniformly at random (None: every row).
+        chunk_rows: rows dequantized at a time.
+    """
+    n = rows.num_rows
+    if sample is not None and sample < n:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randperm(n, generator=gen)[:sample].sort().values
+    else:
+        ids = None
+    total = n if ids is None else ids.numel()
+    hist = torch.zeros(256, dtype=torch.int64)
+    zero = nan = inf = 0
+    bar = Progress(total, f"inspect {name}", enabled=progress, unit="row", unit_scale=True)
+    for start in range(0, total, chunk_rows):
+        stop = min(total, start + chunk_rows)
+        if ids is None:
+            w = rows.weight[start:stop]
+            s = None if rows.scales is None else rows.scales[start:stop]
+        else:
+            sel = ids[start:stop]
+            w = rows.weight.index_select(0, sel)
+            s = None if rows.scales is None else rows.scales.index_select(0, sel)
+        if rows.format == "bf16":
+            values = w.float()
+        else:
+            q, e = unpack_rows(w.contiguous()) if rows.format == "fp8_interleaved" else (w.contiguous(), s.contiguous())
+            hist += torch.bincount(e.flatten().long(), minlength=256)
+            values = dequantize_fp8_e8m0(q, e, torch.float32)
+        zero += int((values == 0).all(dim=1).sum())
+        nan += int(torch.isnan(values).any(dim=1).sum())
+        inf += int(torch.isinf(values).any(dim=1).sum())
+        if ids is None:
+            for t in (w, s):
+                if t is not None:
+                    release_pages(t)
+        bar.update(stop - start)
+    bar.close()
+    out: dict[str, Any] = {"rows_checked": total, "of_rows": n, "sampled": ids is not None,
+                           "zero_rows": zero, "nan_rows": nan, "inf_rows": inf}
+    if rows.format != "bf16":
+        out["scale_exponents"] = {int(e): int(c) for e, c in enumerate(hist.tolist()) if c}
+    return out
+
+
+def _tier_bytes(rows: int, head_dim: int) -> dict[str, int]:
+    return {"host_or_hbm_fp8_interleaved": rows * (head_dim + head_dim // FP8_SCALE_BLOCK), "bf16": rows * 2 * head_dim}
+
+
+def _tensor_info(ckpt, name: str) -> dict[str, Any]:
+    header = ckpt.headers.get(name)
+    if header is None:
+        return {"name": name, "missing": True}
+    if name in header.other:
+        return {"name": name, "file": header.path.name, "dtype": header.other[name], "shape": None}
+    e = header.tensors[name]
+    return {"name": name, "file": header.path.name, "dtype": str(e.dtype).replace("torch.", ""), "shape": list(e.shape)}
+
+
+def _layout_summary(layout: EngramLayout) -> dict[str, Any]:
+    return {"layer_ids": layout.layer_ids, "num_embeddings": layout.num_embeddings,
+            "compressed_vocab_size": layout.compressed_vocab_size, "fingerprint": layout.fingerprint}
+
+
+def inspect_checkpoint(path, config=None, config_key: str | None = None, full: bool = False, sample: int = 65536,
+                       progress: bool = True) -> dict[str, Any]:
+    """The report (see the module docstring) for a released checkpoint."""
+    from condmem.tables.released import ReleasedCheckpoint
+
+    ckpt = ReleasedCheckpoint(path, config, config_key=config_key)
+    report: dict[str, Any] = {
+        "kind": "released checkpoint", "path": str(ckpt.path), "files": len(ckpt.files),
+        "file_bytes": sum(f.stat().st_size for f in ckpt.files), "tensor_names": ckpt.names.dialect,
+        "prefix": ckpt.names.prefix, "engram_layers_in_tensors": ckpt.layer_ids,
+        "config": str(ckpt.config_path) if ckpt.config_path else None,
+    }
+    layout = None
+    if ckpt.config is not None:
+        cfg = ckpt.config
+        report["backbone"] = {k: getattr(cfg, k) for k in ("hidden_size", "hc_mult", "rms_norm_eps")}
+        try:
+            layout = ckpt.layout()
+            report["layout"] = _layout_summary(layout)
+        except ValueError as exc:
+            report["layout_error"] = str(exc)
+    layers = []
+    for lid in (layout.layer_ids if layout is not None else ckpt.layer_ids):
+        names = ckpt.tensor_names(lid)
+        info: dict[str, Any] = {"layer_id": lid, "tensors": {role: _tensor_info(ckpt, n) for role, n in names.items()}}
+        wkv, wkv_s = info["tensors"]["wkv"], info["tensors"]["wkv_scale"]
+        if wkv.get("shape") and wkv_s.get("shape") and all(a % b == 0 for a, b in zip(wkv["shape"], wkv_s["shape"])):
+            info["wkv_block"] = [a // b for a, b in zip(wkv["shape"], wkv_s["shape"])]
+        embed = info["tensors"]["embed"]
+        if embed.get("shape") and len(embed["shape"]) == 2:
+            rows, d = embed["shape"]
+            info["rows"] = rows
+            info["bytes"] = _tier_bytes(rows, d)
+            info["bytes"]["disk_as_stored"] = sum(ckpt.entry(names[k]).nbytes for k in ("embed", "embed_scale")
+                                                  if not info["tensors"][k].get("missing"))
+        if layout is not None:
+            want = layout.layer(lid).num_embeddings
+            info["rows_match_primes"] = info.get("rows") == want
+            info["rows_expected"] = want
+            try:
+                table = ckpt.table(lid, layout)
+                info["row_stats"] = row_stats(table, None if full else sample, progress=progress, name=f"layer {lid}")
+            except ValueError as exc:
+                info["error"] = str(exc)
+        layers.append(info)
+    report["layers"] = layers
+    return report
+
+
+def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: bool = True) -> dict[str, Any]:
+    """The report for a condmem table file."""
+    table = EngramTableFile(path)
+    layout = table.layout()
+    report: dict[str, Any] = {
+        "kind": "condmem table file", "path": str(table.path), "format": table.format,
+        "file_bytes": Path(path).stat().st_size, "tokenizer_fingerprint": table.tokenizer_fingerprint,
+        "layout": _layout_summary(layout), "layers": [],
+    }
+    for lid, rows in zip(table.layer_ids, table.num_embeddings):
+        want = layout.layer(lid).num_embeddings
+        report["layers"].append({
+            "layer_id": lid, "rows": rows, "rows_expected": want, "rows_match_primes": rows == want,
+            "bytes": _tier_bytes(rows, table.head_dim),
+            "row_stats": row_stats(table.layer(lid), None if full else sample, progress=progress, name=f"layer {lid}"),
+        })
+    return report
+
+
+def inspect_tables(path: str | os.PathLike, config=None, config_key: str | None = None, full: bool = False,
+                   sample: int = 65536, progress: bool = True) -> dict[str, Any]:
+    """Report on `path`: a condmem table file, or a released checkpoint (folder or file)."""
+    path = Path(path)
+    if path.is_file() and read_header(path).metadata.get("format") == FORMAT_TAG:
+        return inspect_table_file(path, full, sample, progress)
+    return inspect_checkpoint(path, config, config_key, full, sample, progress)
