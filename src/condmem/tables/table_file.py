@@ -191,7 +191,7 @@ class EngramTableFile:
         if meta.get("format") != FORMAT_TAG:
             raise TableFileError(
                 f"{self.path} is a safetensors file but not a condmem Engram table (format tag {meta.get('format')!r}); "
-                "released checkpoints load with condmem.tables.load_v41_tables"
+                "released checkpoints load with condmem.tables.released.ReleasedCheckpoint (or condmem convert --released)"
             )
         self.format: str = meta["dtype"]
         if self.format not in FORMATS:
