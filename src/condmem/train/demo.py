@@ -166,6 +166,19 @@ def _banner(text: str) -> str:
     return f"\n{bar}\n{text}\n{bar}\n"
 
 
+def plot_summary(summary: dict, path: str | Path) -> Path | None:
+    """loss_curves.png from a demo summary (every seed's curves, seen/unseen losses); None without matplotlib."""
+    base, eng, comp = summary["baseline"], summary["engram"], summary["comparison"]
+    gap, std = comp["val_loss_gap_pct"], comp.get("val_loss_gap_pct_std")
+    n = len(summary["seeds"])
+    title = (f"baseline vs Engram on {summary['corpus_description']}: {_fmt_m(eng['train_tokens'])} training tokens "
+             f"each ({base['passes']:.2f} passes), FLOPs/token ratio {comp['flops_per_token_ratio']:.3f}\n"
+             f"Engram validation loss {-gap:+.2f}%" + (f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else "")
+             + f" over all {eng['val_tokens']:,} deduplicated validation tokens")
+    buckets = {label: [r[label]["buckets"] for r in summary["seeds"]] for label in ("baseline", "engram")}
+    return plot_loss_curves(summary["curves"], path, title=title, buckets=buckets)
+
+
 def gate_sample(model: DecoderLM, data: PreparedData, device: torch.device, n_tokens: int = 160) -> dict:
     """Gate values of every Engram layer over a piece of validation code (from its first def/class)."""
     text = None
@@ -347,11 +360,10 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
               flush=True)
 
     figures = {}
-    title = (f"baseline vs Engram on {src}: {_fmt_m(eng['train_tokens'])} training tokens each "
-             f"({base['passes']:.2f} passes), FLOPs/token ratio {flops_ratio:.3f}\n"
-             f"Engram val loss {-gap_mean:+.2f}%" + (f" +- {gap_std:.2f} ({seeds} seeds)" if gap_std is not None else ""))
-    fig = plot_loss_curves(curves, out / "loss_curves.png", title=title,
-                           buckets={label: [r[label]["buckets"] for r in per_seed] for label in ("baseline", "engram")})
+    curves_summary = {"corpus_description": src, "engram": eng, "baseline": base, "curves": curves,
+                      "seeds": per_seed, "comparison": {"val_loss_gap_pct": gap_mean, "val_loss_gap_pct_std": gap_std,
+                                                        "flops_per_token_ratio": flops_ratio}}
+    fig = plot_summary(curves_summary, out / "loss_curves.png")
     if fig:
         figures["loss_curves"] = fig.name
     gates = gate_sample(models["engram"], data, dev)
@@ -378,6 +390,7 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
         return {"mean": mean, "std": std, "values": values}
 
     summary = {
+        "corpus_description": src,
         "baseline": base,
         "engram": eng,
         "seeds": per_seed,

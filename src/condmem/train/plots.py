@@ -102,7 +102,7 @@ def plot_loss_curves(runs: dict[str, list[dict] | dict], path: str | Path, title
         bx.set_title("where the difference comes from", fontsize=9)
         bx.grid(alpha=0.3, axis="y")
         bx.legend(fontsize=8)
-    ax.set_title(title or "baseline vs Engram (same tokens, matched FLOPs/token)", fontsize=9)
+    fig.suptitle(title or "baseline vs Engram (same tokens, matched FLOPs/token)", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
