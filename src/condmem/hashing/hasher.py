@@ -9,7 +9,12 @@ reference (`reference`) elsewhere; ``backend="triton"|"torch"`` forces either. B
 give identical numbers.
 
 Decoding hashes one new token per sequence against an `NgramHistory` (`new_history`,
-`prefill_history`, `decode`).
+`prefill_history`, `decode`). Serving engines hash flat (ragged) batches that mix prefill
+chunks, prefix-cache continuations, decode tokens and speculative drafts (`hash_ragged`,
+`commit`; see `docs/engines.md`).
+
+On CUDA the default id-range check never waits for the GPU: it is folded into the hash
+kernel and raised later (`raise_pending`, `condmem.hashing.id_checks`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 
 from condmem.config import EngramConfig
 from condmem.hashing.history import NgramHistory, hash_decode_reference
+from condmem.hashing.id_checks import PendingIdChecks
+from condmem.hashing.ragged import advance_reference, hash_ragged_reference, lookback_from_ids
 from condmem.hashing.reference import hash_reference
 from condmem.layout import EngramLayout
 from condmem.ops.triton_util import BACKENDS, resolve_backend
@@ -80,6 +87,8 @@ class NgramHasher:
         }
         self._magic_host: torch.Tensor | None = None
         self._per_device: dict[torch.device, dict[str, torch.Tensor | None]] = {}
+        what = "tokenizer" if lookup is not None else "compressed vocabulary"
+        self._checks = PendingIdChecks(HashInputError, self.vocab_size, what)
 
     @classmethod
     def from_tokenizer(cls, config: EngramConfig, tokenizer, backend: str = "auto") -> "NgramHasher":
@@ -187,7 +196,8 @@ class NgramHasher:
                 row; look-backs stop there (same as blocking the position before).
             with_offsets: True -> row ids into each layer's table; False -> bucket ids
                 within each column's prime range.
-            check: validate the id range (costs one device->host sync on GPU).
+            check: validate the id range. On CUDA this never waits for the GPU: a bad id
+                is raised by a later call or by `raise_pending` (see `raise_pending`).
             backend: override the hasher's backend for this call.
 
         Returns:
@@ -199,15 +209,41 @@ class NgramHasher:
         if doc_starts is not None:
             from_docs = self.blocked_from_doc_starts(doc_starts)
             blocked = from_docs if blocked is None else blocked | from_docs
+        self._checks.raise_pending()
         if self._backend(backend, input_ids.device) == "triton":
-            # The kernel applies the compression map itself: one launch from token ids to rows.
-            if check:
-                self.compress(input_ids, check=True)  # range check only (result unused)
-            return self._hash_triton(input_ids, self.constants(input_ids.device)["lookup"], blocked, with_offsets)
-        compressed = self.compress(input_ids, check=check)
+            # The kernel applies the compression map itself: one launch from token ids to rows,
+            # with the id range folded in on the device.
+            id_range = self._checks.new_range(input_ids.device) if check and input_ids.numel() else None
+            rows = self._hash_triton(input_ids, self.constants(input_ids.device)["lookup"], blocked, with_offsets,
+                                     id_range=id_range)
+            if id_range is not None:
+                self._checks.submit(id_range, f"hasher call on {tuple(input_ids.shape)} ids")
+            return rows
+        if check:
+            self._check_range(input_ids.reshape(-1), f"hasher call on {tuple(input_ids.shape)} ids")
+        compressed = self.compress(input_ids, check=False)
         return self.hash_compressed(compressed, blocked=blocked, with_offsets=with_offsets, backend="torch")
 
-    def _hash_triton(self, ids: torch.Tensor, lookup, blocked, with_offsets: bool) -> torch.Tensor:
+    def _check_range(self, ids: torch.Tensor, call: str) -> None:
+        """The id range of `ids`, checked now on the CPU, deferred (no sync) on a GPU."""
+        if ids.numel() == 0:
+            return
+        lo, hi = torch.aminmax(ids.long())
+        pair = torch.stack([hi.clamp(-2**31 + 1, 2**31 - 1), (-lo).clamp(-2**31 + 1, 2**31 - 1)]).to(torch.int32)
+        self._checks.submit(pair, call)
+
+    def raise_pending(self, block: bool = True) -> None:
+        """Raise `HashInputError` if an earlier call's token ids were out of range.
+
+        On CUDA the range check of `__call__` / `hash_ragged` runs inside the hash kernel
+        and is read back without waiting; the hasher's next call raises it if that work
+        has finished, and this raises it now (``block=True`` waits for the GPU: call it
+        where you wait anyway; `EngramMemory` does so when rows are waited for).
+        """
+        self._checks.raise_pending(block=block)
+
+    def _hash_triton(self, ids: torch.Tensor, lookup, blocked, with_offsets: bool,
+                     id_range: torch.Tensor | None = None) -> torch.Tensor:
         from condmem.hashing.triton_hash import hash_prefill_triton
 
         c = self.constants(ids.device)
@@ -221,6 +257,7 @@ class NgramHasher:
             pad_id=self.pad_compressed_id,
             lookup=lookup,
             blocked=blocked,
+            id_range=id_range,
         )
 
     def hash_compressed(
@@ -240,6 +277,181 @@ class NgramHasher:
             pad_id=self.pad_compressed_id,
             blocked=blocked,
         )
+
+    # ------------------------------------------------------------------ ragged batches
+    def _check_ragged(self, input_ids, cu_seqlens, history, slots, lookback_ids, blocked, n_commit=None):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise HashInputError(f"ragged input_ids must be a flat [n] tensor, got "
+                                 f"{tuple(getattr(input_ids, 'shape', ())) or type(input_ids).__name__}")
+        self._check_ids(input_ids[None])
+        device = input_ids.device
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise HashInputError(f"cu_seqlens must be a [B+1] integer tensor (B >= 1), got "
+                                 f"{tuple(getattr(cu_seqlens, 'shape', ())) or type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.device != device:
+            raise HashInputError(f"cu_seqlens must be int32/int64 on {device}, got {cu_seqlens.dtype} on "
+                                 f"{cu_seqlens.device}")
+        n_seqs = cu_seqlens.numel() - 1
+        depth = self.layout.max_ngram_size - 1
+        if (history is None) != (slots is None):
+            raise HashInputError("history and slots go together: pass both or neither")
+        if history is not None:
+            if history.max_ngram_size != self.layout.max_ngram_size or history.pad_id != self.pad_compressed_id:
+                raise HashInputError(f"{history!r} was not made for this hasher: use hasher.new_history")
+            if history.device != device:
+                raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
+            if not isinstance(slots, torch.Tensor) or slots.shape != (n_seqs,) or slots.device != device:
+                raise HashInputError(f"slots must be a [B={n_seqs}] tensor on {device}, got "
+                                     f"{tuple(getattr(slots, 'shape', ()))}")
+        if lookback_ids is not None and (not isinstance(lookback_ids, torch.Tensor)
+                                         or lookback_ids.shape != (n_seqs, depth) or lookback_ids.device != device):
+            raise HashInputError(f"lookback_ids must be [B={n_seqs}, N-1={depth}] token ids on {device} (oldest "
+                                 f"first, -1 where there is none), got {tuple(getattr(lookback_ids, 'shape', ()))}")
+        if blocked is not None and (not isinstance(blocked, torch.Tensor) or blocked.dtype != torch.bool
+                                    or blocked.shape != input_ids.shape or blocked.device != device):
+            raise HashInputError(f"blocked must be a bool [{input_ids.numel()}] tensor on {device}")
+        if n_commit is not None and (not isinstance(n_commit, torch.Tensor) or n_commit.shape != (n_seqs,)
+                                     or n_commit.device != device):
+            raise HashInputError(f"n_commit must be a [B={n_seqs}] integer tensor on {device}")
+
+    def hash_ragged(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        history: NgramHistory | None = None,
+        slots: torch.Tensor | None = None,
+        lookback_ids: torch.Tensor | None = None,
+        blocked: torch.Tensor | None = None,
+        commit: bool = True,
+        with_offsets: bool = True,
+        check: bool = True,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Row ids of a flat batch of sequence chunks (prefill chunks, decode tokens, drafts).
+
+        Sequence b owns tokens ``cu_seqlens[b]:cu_seqlens[b+1]`` of `input_ids`; tokens past
+        ``cu_seqlens[-1]`` are padding (a fixed token budget): bucket 0 (+ offset), and they
+        read and write no history. Each chunk's first tokens look back at the sequence's
+        `history` slot when ``slots[b]`` names one (``-1``: none), else at its explicit
+        ``lookback_ids[b]``, else at nothing (a sequence's first chunk).
+
+        Args:
+            input_ids: [n] token ids.
+            cu_seqlens: [B+1] int32/int64 boundaries, ``cu_seqlens[0] == 0``, non-decreasing.
+            history, slots: an `NgramHistory` and [B] slot per sequence (slots distinct).
+            lookback_ids: optional [B, N-1] token ids before each chunk, oldest first, -1
+                where the sequence has none (prefix-cache hits, sequences from elsewhere).
+            blocked: optional bool [n] positions no later look-back may read.
+            commit: advance each slot's history by its whole chunk (one more small
+                launch). False for speculative drafts: call `commit` after verification.
+            check: validate ids and boundaries; on CUDA without waiting (`raise_pending`).
+
+        Returns:
+            int64 [n, n_layers, n_cols], each token's row ids equal to hashing its whole
+            sequence at once.
+        """
+        self._check_ragged(input_ids, cu_seqlens, history, slots, lookback_ids, blocked)
+        self._checks.raise_pending()
+        device = input_ids.device
+        c = self.constants(device)
+        lookback = None
+        if lookback_ids is not None:
+            lookback = lookback_from_ids(lookback_ids, c["lookup"], self.pad_compressed_id)
+        if check:
+            self._check_boundaries(cu_seqlens, input_ids.numel())
+        label = f"hash_ragged on {input_ids.numel()} tokens, {cu_seqlens.numel() - 1} sequences"
+        offsets = c["offsets"] if with_offsets else None
+        if self._backend(backend, device) == "triton":
+            from condmem.hashing.triton_hash import hash_ragged_triton
+
+            id_range = self._checks.new_range(device) if check and input_ids.numel() else None
+            rows = hash_ragged_triton(
+                input_ids, cu_seqlens, multipliers=c["multipliers"], primes=c["primes"], magic=self._magic(device),
+                offsets=offsets, n_heads=self.layout.n_heads, pad_id=self.pad_compressed_id, lookup=c["lookup"],
+                blocked=blocked, history=None if history is None else history.ids, slots=slots, lookback=lookback,
+                id_range=id_range,
+            )
+            if id_range is not None:
+                self._checks.submit(id_range, label)
+        else:
+            if check:
+                live = torch.arange(input_ids.numel(), device=device) < cu_seqlens[-1]
+                self._check_range(torch.where(live, input_ids.long(), 0), label)
+            compressed = self._compress_safe(input_ids)
+            lb = torch.full((cu_seqlens.numel() - 1, self.layout.max_ngram_size - 1), self.pad_compressed_id,
+                            dtype=torch.int64, device=device)
+            if lookback is not None:
+                lb = lookback
+            if history is not None:
+                own = (slots >= 0) & (slots < history.n_slots)
+                lb = torch.where(own[:, None], history.ids[slots.long().clamp(0, history.n_slots - 1)], lb)
+            rows = hash_ragged_reference(compressed, cu_seqlens, lb, multipliers=c["multipliers"], primes=c["primes"],
+                                         offsets=offsets, n_heads=self.layout.n_heads, pad_id=self.pad_compressed_id,
+                                         blocked=blocked)
+        if commit and history is not None:
+            self._advance(history, slots, input_ids, cu_seqlens, None, blocked, backend)
+        return rows
+
+    def seed_history(self, history: NgramHistory, slots: torch.Tensor, lookback_ids: torch.Tensor) -> None:
+        """Set slots' histories from the token ids just before their next chunk: a prompt
+        whose first tokens a prefix cache already holds (`lookback_ids` [B, N-1], oldest
+        first, -1 where the sequence has nothing or a block hides it). No host sync."""
+        depth = self.layout.max_ngram_size - 1
+        if not isinstance(lookback_ids, torch.Tensor) or lookback_ids.dim() != 2 or lookback_ids.shape[1] != depth:
+            raise HashInputError(f"lookback_ids must be [B, N-1={depth}] token ids, got "
+                                 f"{tuple(getattr(lookback_ids, 'shape', ()))}")
+        index = torch.as_tensor(slots, dtype=torch.int64, device=history.device).reshape(-1)
+        if index.numel() != lookback_ids.shape[0]:
+            raise HashInputError(f"{index.numel()} slots for {lookback_ids.shape[0]} look-back rows")
+        lookup = self.constants(history.device)["lookup"]
+        history.ids.index_copy_(0, index, lookback_from_ids(lookback_ids.to(history.device), lookup,
+                                                            self.pad_compressed_id))
+
+    def commit(self, history: NgramHistory, slots: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+               n_commit: torch.Tensor, *, blocked: torch.Tensor | None = None, backend: str | None = None) -> None:
+        """After speculative verification: advance each slot by the first ``n_commit[b]``
+        tokens of its chunk in the batch `hash_ragged(..., commit=False)` hashed (1 + the
+        accepted drafts, when the chunk is [last sampled token, drafts...]). Tokens not
+        committed leave no trace. No host sync; capturable in a CUDA graph."""
+        self._check_ragged(input_ids, cu_seqlens, history, slots, None, blocked, n_commit)
+        self._advance(history, slots, input_ids, cu_seqlens, n_commit, blocked, backend)
+
+    def _advance(self, history, slots, input_ids, cu_seqlens, n_commit, blocked, backend) -> None:
+        device = input_ids.device
+        c = self.constants(device)
+        if self._backend(backend, device) == "triton":
+            from condmem.hashing.triton_hash import advance_triton
+
+            advance_triton(history.ids, slots, input_ids, cu_seqlens, pad_id=self.pad_compressed_id,
+                           lookup=c["lookup"], blocked=blocked, n_commit=n_commit)
+        else:
+            advance_reference(history.ids, slots, self._compress_safe(input_ids), cu_seqlens, n_commit,
+                              self.pad_compressed_id, blocked)
+
+    def _compress_safe(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Compressed ids; out-of-range ids read the pad, as in the kernels (the check reports them)."""
+        lookup = self.constants(input_ids.device)["lookup"]
+        ids = input_ids.long()
+        if lookup is None:
+            inside = (ids >= 0) & (ids < self.vocab_size)
+            return torch.where(inside, ids, torch.full_like(ids, self.pad_compressed_id))
+        inside = (ids >= 0) & (ids < lookup.numel())
+        return torch.where(inside, lookup[ids.clamp(0, lookup.numel() - 1)],
+                           torch.full_like(ids, self.pad_compressed_id))
+
+    def _check_boundaries(self, cu_seqlens: torch.Tensor, n_tokens: int) -> None:
+        """cu_seqlens must start at 0, never decrease and end within the batch; checked
+        like the ids (deferred on a GPU). A violation reads as an id far out of range."""
+        cu = cu_seqlens.long()
+        broken = (cu[0] != 0) | (cu[1:] < cu[:-1]).any() | (cu[-1] > n_tokens)
+        if cu.device.type != "cuda":
+            if bool(broken):
+                raise HashInputError(f"cu_seqlens {cu.tolist()[:8]}... must start at 0, never decrease and end "
+                                     f"at most at the {n_tokens} tokens of the batch")
+            return
+        pair = torch.stack([broken.to(torch.int32) * (2**31 - 1), torch.zeros((), dtype=torch.int32, device=cu.device)])
+        self._checks.submit(pair, "cu_seqlens (must start at 0, never decrease, end within the batch)")
 
     # ------------------------------------------------------------------ decoding
     def new_history(self, n_slots: int, device: torch.device | str = "cpu") -> NgramHistory:

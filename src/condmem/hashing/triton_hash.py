@@ -8,6 +8,11 @@ Both compute exactly what `condmem.hashing.reference` computes (and are tested w
   positions of the flattened batch and all layers; the look-back loop runs over the
   distances k = 1..N-1, carrying every layer's running mix in one [BLOCK_T, L] tile and
   writing the H columns of order k+1 as soon as that order's mix is known.
+* **ragged**: a flat batch of sequences (``cu_seqlens``) whose chunks look back into
+  their `NgramHistory` slot or an explicit look-back (chunked prefill, prefix-cache hits,
+  decode tokens and speculative drafts in one launch); **advance** then writes each
+  sequence's new history (a second, tiny launch: a program cannot know that another
+  program of the same launch has finished reading the row it would overwrite).
 * **decode**: one new token per row, its N-1 predecessors read from `NgramHistory`
   (slot per sequence); the same launch writes the updated history. Padding rows
   (slot outside [0, n_slots) or ``valid`` False) read and write no history and get
@@ -72,11 +77,21 @@ def _load_compressed(ids_ptr, lookup_ptr, idx, mask, vocab, pad_id, HAS_LOOKUP: 
 
 
 @triton.jit
+def _fold_id_range(ids_ptr, idx, mask, range_ptr):
+    """range_ptr[0] = max(range_ptr[0], max id); range_ptr[1] = max(range_ptr[1], max -id) over `mask`."""
+    raw = tl.load(ids_ptr + idx, mask=mask, other=0).to(tl.int64)
+    raw = tl.minimum(tl.maximum(raw, -2147483647), 2147483647).to(tl.int32)
+    tl.atomic_max(range_ptr, tl.max(tl.where(mask, raw, 0), axis=0))
+    tl.atomic_max(range_ptr + 1, tl.max(tl.where(mask, -raw, 0), axis=0))
+
+
+@triton.jit
 def _hash_prefill_kernel(
-    ids_ptr, lookup_ptr, blocked_ptr, mult_ptr, prime_ptr, magic_ptr, offset_ptr, out_ptr,
+    ids_ptr, lookup_ptr, blocked_ptr, mult_ptr, prime_ptr, magic_ptr, offset_ptr, out_ptr, range_ptr,
     n_tokens, seq_len, vocab, n_layers, max_n, n_heads, pad_id,
     BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LOOKUP: tl.constexpr, HAS_BLOCKED: tl.constexpr, WITH_OFFSETS: tl.constexpr, FAST_MOD: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -91,6 +106,8 @@ def _hash_prefill_kernel(
     omask = tmask[:, None, None] & cmask[None, :, :]
     out_row = out_ptr + tok * (n_layers * n_cols)
 
+    if CHECK:
+        _fold_id_range(ids_ptr, tok, tmask, range_ptr)
     c = _load_compressed(ids_ptr, lookup_ptr, tok, tmask, vocab, pad_id, HAS_LOOKUP)
     m0 = tl.load(mult_ptr + lay * max_n, mask=lmask, other=0)
     mix = c[:, None] * m0[None, :]  # [T, L]: running mix of every layer
@@ -199,6 +216,7 @@ def hash_prefill_triton(
     block_t: int = 128,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
+    id_range: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row ids (bucket ids when `offsets` is None) of every position, one launch.
 
@@ -211,6 +229,7 @@ def hash_prefill_triton(
         blocked: optional bool [B, T] (see `condmem.hashing.reference.shifted_history`).
         fast_mod: Barrett reduction instead of the 64-bit ``%``.
         out: optional int64 [B, T, L, (N-1)*H] to write into.
+        id_range: optional int32 [2] to fold ``max(id)`` and ``max(-id)`` into (no host sync).
 
     Returns:
         int64 [B, T, L, (N-1)*H], equal (``torch.equal``) to `hash_reference`.
@@ -232,10 +251,11 @@ def hash_prefill_triton(
     _hash_prefill_kernel[grid](
         ids, lookup if lookup is not None else ids, blocked_b if blocked_b is not None else ids,
         multipliers, primes, magic, offsets if offsets is not None else primes, out,
+        id_range if id_range is not None else ids,
         n_tokens, length, 0 if lookup is None else lookup.numel(), n_layers, max_n, n_heads, pad_id,
         BLOCK_T=block_t, BLOCK_L=block_l, BLOCK_H=block_h,
         HAS_LOOKUP=lookup is not None, HAS_BLOCKED=blocked is not None, WITH_OFFSETS=offsets is not None,
-        FAST_MOD=fast_mod, num_warps=num_warps,
+        FAST_MOD=fast_mod, CHECK=id_range is not None, num_warps=num_warps,
     )
     return out
 
@@ -291,3 +311,217 @@ def hash_decode_triton(
         WITH_OFFSETS=offsets is not None, FAST_MOD=fast_mod, num_warps=4,
     )
     return out
+
+
+# ---------------------------------------------------------------------------- ragged (varlen) batches
+
+
+@triton.jit
+def _hash_ragged_kernel(
+    ids_ptr, lookup_ptr, blocked_ptr, cu_ptr, slot_ptr, hist_ptr, lb_ptr,
+    mult_ptr, prime_ptr, magic_ptr, offset_ptr, out_ptr, range_ptr,
+    n_tokens, n_seqs, n_slots, vocab, n_layers, max_n, n_heads, pad_id,
+    BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    HAS_LOOKUP: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_LOOKBACK: tl.constexpr,
+    WITH_OFFSETS: tl.constexpr, FAST_MOD: tl.constexpr, CHECK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n_live = tl.load(cu_ptr + n_seqs).to(tl.int64)
+    tmask = tok < n_tokens
+    live = tmask & (tok < n_live)
+    # The token's sequence: the largest b < n_seqs with cu[b] <= tok (skips empty sequences).
+    lo = tl.zeros([BLOCK_T], dtype=tl.int64)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int64) + (n_seqs - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(cu_ptr + mid, mask=live & (mid <= hi), other=n_live + 1).to(tl.int64) <= tok
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    seq = lo
+    local = tok - tl.load(cu_ptr + seq, mask=live, other=0).to(tl.int64)
+    depth = max_n - 1
+    slot = tl.full([BLOCK_T], -1, tl.int64)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + seq, mask=live, other=-1).to(tl.int64)
+    has_hist = live & (slot >= 0) & (slot < n_slots)
+
+    lay = tl.arange(0, BLOCK_L)
+    lmask = lay < n_layers
+    head = tl.arange(0, BLOCK_H)
+    hmask = head < n_heads
+    n_cols = depth * n_heads
+    cmask = lmask[:, None] & hmask[None, :]
+    omask = tmask[:, None, None] & cmask[None, :, :]
+    out_row = out_ptr + tok * (n_layers * n_cols)
+
+    if CHECK:
+        _fold_id_range(ids_ptr, tok, live, range_ptr)
+
+    c = _load_compressed(ids_ptr, lookup_ptr, tok, live, vocab, pad_id, HAS_LOOKUP)
+    m0 = tl.load(mult_ptr + lay * max_n, mask=lmask, other=0)
+    mix = c[:, None] * m0[None, :]
+    dead = tok < 0
+    for k in range(1, max_n):
+        inside = live & (local >= k)
+        ck = _load_compressed(ids_ptr, lookup_ptr, tok - k, inside, vocab, pad_id, HAS_LOOKUP)
+        if HAS_BLOCKED:
+            b = tl.load(blocked_ptr + tok - k, mask=inside, other=0)
+            dead = dead | (b != 0)
+        # Before the chunk: the slot's history, else the explicit look-back, else the pad.
+        # (Clamped so that broken boundaries, reported by the check, never read out of bounds.)
+        j = tl.minimum(tl.maximum(k - local - 1, 0), depth - 1)
+        before = live & ~inside
+        from_hist = tl.load(hist_ptr + slot * depth + j, mask=before & has_hist, other=pad_id).to(tl.int64)
+        lb = tl.full([BLOCK_T], pad_id, tl.int64)
+        if HAS_LOOKBACK:
+            lb = tl.load(lb_ptr + seq * depth + j, mask=before & ~has_hist, other=pad_id).to(tl.int64)
+        ck = tl.where(inside, ck, tl.where(has_hist, from_hist, lb))
+        ck = tl.where(dead, pad_id, ck)
+        mk = tl.load(mult_ptr + lay * max_n + k, mask=lmask, other=0)
+        mix = mix ^ (ck[:, None] * mk[None, :])
+        col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]
+        p = tl.load(prime_ptr + col, mask=cmask, other=2)
+        magic = tl.load(magic_ptr + col, mask=cmask, other=0)
+        bucket = _mod(mix[:, :, None], p[None, :, :], magic[None, :, :], FAST_MOD)
+        bucket = tl.where(live[:, None, None], bucket, 0)
+        if WITH_OFFSETS:
+            bucket += tl.load(offset_ptr + col, mask=cmask, other=0)[None, :, :]
+        tl.store(out_row[:, None, None] + col[None, :, :], bucket, mask=omask)
+
+
+@triton.jit
+def _advance_kernel(
+    ids_ptr, lookup_ptr, blocked_ptr, cu_ptr, slot_ptr, commit_ptr, hist_ptr,
+    n_tokens, n_seqs, n_slots, vocab, depth, pad_id,
+    BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_LOOKUP: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_COMMIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bmask = b < n_seqs
+    slot = tl.load(slot_ptr + b, mask=bmask, other=-1).to(tl.int64)
+    live = bmask & (slot >= 0) & (slot < n_slots)
+    start = tl.load(cu_ptr + b, mask=live, other=0).to(tl.int64)
+    length = tl.load(cu_ptr + b + 1, mask=live, other=0).to(tl.int64) - start
+    take = tl.maximum(length, 0)
+    if HAS_COMMIT:
+        take = tl.minimum(tl.maximum(tl.load(commit_ptr + b, mask=live, other=0).to(tl.int64), 0), take)
+    kk = tl.arange(0, BLOCK_K)
+    kmask = live[:, None] & (kk[None, :] < depth)
+    pos = take[:, None] - 1 - kk[None, :]  # chunk position that column kk reads
+    in_chunk = pos >= 0
+    src = start[:, None] + pos
+    in_chunk = in_chunk & (src >= 0) & (src < n_tokens)
+    from_chunk = _load_compressed(ids_ptr, lookup_ptr, src, kmask & in_chunk, vocab, pad_id, HAS_LOOKUP)
+    row = hist_ptr + slot[:, None] * depth
+    old_col = tl.minimum(tl.maximum(kk[None, :] - take[:, None], 0), depth - 1)
+    from_old = tl.load(row + old_col, mask=kmask & ~in_chunk, other=pad_id).to(tl.int64)
+    value = tl.where(in_chunk, from_chunk, from_old)
+    if HAS_BLOCKED:
+        bl = tl.load(blocked_ptr + src, mask=kmask & in_chunk, other=0).to(tl.int32)
+        value = tl.where(tl.cumsum(bl, axis=1) > 0, pad_id, value)
+    # Each slot belongs to one row of one program: its reads above precede its write below.
+    tl.debug_barrier()
+    tl.store(row + kk[None, :], value.to(hist_ptr.dtype.element_ty), mask=kmask)
+
+
+def hash_ragged_triton(
+    ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    magic: torch.Tensor,
+    offsets: torch.Tensor | None,
+    n_heads: int,
+    pad_id: int,
+    lookup: torch.Tensor | None = None,
+    blocked: torch.Tensor | None = None,
+    history: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    lookback: torch.Tensor | None = None,
+    id_range: torch.Tensor | None = None,
+    fast_mod: bool = True,
+    block_t: int = 128,
+    num_warps: int = 4,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row ids of a flat batch of sequences, one launch (reads `history`, never writes it).
+
+    Args:
+        ids: [n] token ids (compressed when `lookup` is None); tokens past ``cu_seqlens[-1]``
+            are padding: bucket 0 (+ offset), no history read.
+        cu_seqlens: [B+1] int32/int64 sequence boundaries (``cu_seqlens[0] == 0``, non-decreasing).
+        history, slots: optional `NgramHistory.ids` and [B] slot per sequence (outside
+            [0, n_slots): no history) for what each chunk's first tokens look back at.
+        lookback: optional int64 [B, N-1] compressed look-back in history order, for
+            sequences without a history slot.
+        id_range: optional int32 [2] updated with max(id) and max(-id) of the live tokens
+            (start it at [0, 0]; the range check reads it later, without a sync here).
+        (other arguments as in `hash_prefill_triton`)
+
+    Returns:
+        int64 [n, L, (N-1)*H], equal (``torch.equal``) to `hash_ragged_reference`.
+    """
+    (n_tokens,) = ids.shape
+    n_seqs = cu_seqlens.numel() - 1
+    n_layers, max_n = multipliers.shape
+    n_cols = primes.shape[-1]
+    if out is None:
+        out = torch.empty((n_tokens, n_layers, n_cols), dtype=torch.int64, device=ids.device)
+    if n_tokens == 0:
+        return out
+    if n_seqs < 1:
+        raise ValueError("cu_seqlens must hold at least [0, n]")
+    ids = ids.contiguous()
+    cu = cu_seqlens.contiguous()
+    blocked_b = _as_bytes(blocked)
+    grid = (triton.cdiv(n_tokens, block_t),)
+    block_l, block_h = _tile_sizes(n_layers, n_heads)
+    # Enough halvings to search B sequences; rounded up so few variants compile.
+    steps = max(4, -(-max(n_seqs, 1).bit_length() // 4) * 4)
+    has_slots = history is not None and slots is not None
+    _hash_ragged_kernel[grid](
+        ids, lookup if lookup is not None else ids, blocked_b if blocked_b is not None else ids, cu,
+        slots.contiguous() if has_slots else cu, history if has_slots else ids,
+        lookback.contiguous() if lookback is not None else ids,
+        multipliers, primes, magic, offsets if offsets is not None else primes, out,
+        id_range if id_range is not None else cu,
+        n_tokens, n_seqs, history.shape[0] if has_slots else 0, 0 if lookup is None else lookup.numel(),
+        n_layers, max_n, n_heads, pad_id,
+        BLOCK_T=block_t, BLOCK_L=block_l, BLOCK_H=block_h, SEARCH_STEPS=steps,
+        HAS_LOOKUP=lookup is not None, HAS_BLOCKED=blocked is not None, HAS_SLOTS=has_slots,
+        HAS_LOOKBACK=lookback is not None, WITH_OFFSETS=offsets is not None, FAST_MOD=fast_mod,
+        CHECK=id_range is not None, num_warps=num_warps,
+    )
+    return out
+
+
+def advance_triton(
+    history: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    pad_id: int,
+    lookup: torch.Tensor | None = None,
+    blocked: torch.Tensor | None = None,
+    n_commit: torch.Tensor | None = None,
+    block_b: int = 32,
+) -> None:
+    """Advance each sequence's history row by its first ``n_commit[b]`` chunk tokens (all when
+    None), in place; equal to `condmem.hashing.ragged.advance_reference`. Slots must be distinct."""
+    n_seqs = cu_seqlens.numel() - 1
+    if n_seqs < 1:
+        return
+    depth = history.shape[1]
+    blocked_b = _as_bytes(blocked)
+    _advance_kernel[(triton.cdiv(n_seqs, block_b),)](
+        ids.contiguous(), lookup if lookup is not None else ids, blocked_b if blocked_b is not None else ids,
+        cu_seqlens.contiguous(), slots.contiguous(), n_commit.contiguous() if n_commit is not None else slots, history,
+        ids.numel(), n_seqs, history.shape[0], 0 if lookup is None else lookup.numel(), depth, pad_id,
+        BLOCK_B=block_b, BLOCK_K=max(4, next_pow2(depth)),
+        HAS_LOOKUP=lookup is not None, HAS_BLOCKED=blocked is not None, HAS_COMMIT=n_commit is not None,
+        num_warps=4,
+    )

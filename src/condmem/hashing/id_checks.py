@@ -1,0 +1,70 @@
+"""Token-id range checks that never stall the host.
+
+Reading a GPU result on the host waits for the GPU, which would break the overlap an
+engine relies on (hashing the next batch while the current one runs). So on CUDA the
+hash kernels fold the live ids' range into a device-side pair ``[max(id), max(-id)]``,
+which is copied into page-locked memory without waiting and checked once its event
+has completed: at the hasher's next call (if done by then) or at `raise_pending`, which
+`EngramMemory` calls where the caller waits for rows anyway. On the CPU the check is
+immediate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class PendingIdChecks:
+    """Range pairs of earlier hash calls, checked when their GPU work is done.
+
+    Args:
+        error: the exception type raised (the hasher's input error).
+        bound: ids must lie in ``[0, bound)``.
+        what: the id space's name for messages ("tokenizer", "compressed vocabulary").
+    """
+
+    def __init__(self, error: type[Exception], bound: int, what: str):
+        self.error = error
+        self.bound = int(bound)
+        self.what = what
+        self._pending: deque = deque()
+
+    def new_range(self, device: torch.device) -> torch.Tensor:
+        """A fresh device pair ``[max(id), max(-id)]`` = [0, 0] for one call to fold into."""
+        return torch.zeros(2, dtype=torch.int32, device=device)
+
+    def submit(self, id_range: torch.Tensor, call: str) -> None:
+        """Hand over a call's range pair (filled by work queued on the current stream)."""
+        if id_range.device.type != "cuda":
+            self._raise_if_bad(id_range, call)
+            return
+        host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+        host.copy_(id_range, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, host, call))
+
+    def raise_pending(self, block: bool = False) -> None:
+        """Raise for the first earlier call whose ids were out of range.
+
+        Args:
+            block: wait for every pending call's GPU work (a host sync); otherwise only
+                calls already finished are checked, the rest stay pending.
+        """
+        while self._pending:
+            event, host, call = self._pending[0]
+            if not block and not event.query():
+                return
+            event.synchronize()
+            self._pending.popleft()
+            self._raise_if_bad(host, call)
+
+    def _raise_if_bad(self, id_range: torch.Tensor, call: str) -> None:
+        hi, neg_lo = (int(v) for v in id_range.tolist())
+        if hi >= self.bound or neg_lo > 0:
+            bad = hi if hi >= self.bound else -neg_lo
+            self._pending.clear()
+            raise self.error(f"token id {bad} is outside the {self.what}'s ids 0..{self.bound - 1} ({call}): "
+                             "were these ids made by another tokenizer?")
