@@ -41,6 +41,8 @@ def register(sub) -> None:
     p.add_argument("--weight-name", help="tensor name template for rows, e.g. 'layers.{layer_id}.engram.embed.weight'")
     p.add_argument("--scale-name", help="tensor name template for scales")
     p.add_argument("--chunk-rows", type=int, default=1 << 18, help="rows converted at a time (default 262144)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="convert a condmem table file that has no chunk hashes (an older file; the output gets them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -52,6 +54,9 @@ def run(args) -> int:
     from condmem.tables.released import ReleasedCheckpoint, load_released_tables
     from condmem.tables.table_file import EngramTableFile
 
+    from condmem.utils.preflight import check_output_file
+
+    check_output_file(args.dst, "dst")
     fingerprint = None
     vocab = None
     if args.tokenizer:
@@ -69,15 +74,19 @@ def run(args) -> int:
                  f" (prefix {ckpt.names.prefix!r})" if ckpt.names.prefix else "", ckpt.config_path or "given")
         tables = load_released_tables(ckpt, layout, args.weight_name, args.scale_name)
     else:
-        source = EngramTableFile(args.src, tokenizer_fingerprint=fingerprint)
+        source = EngramTableFile(args.src, tokenizer_fingerprint=fingerprint, verify="none" if args.no_verify else "sample")
         layout = source.layout()
         if args.config:
             source.check_layout(EngramLayout(EngramConfig.load(args.config, key=args.config_key),
                                              compressed_vocab_size=vocab))
         fingerprint = fingerprint or source.tokenizer_fingerprint
         tables = source.tables()
+    from condmem.tables.table_file import file_bytes
+
+    check_output_file(args.dst, "dst", need_bytes=file_bytes(layout, args.to))
     start = time.perf_counter()
-    out = convert_tables(tables, layout, args.dst, args.to, fingerprint, args.chunk_rows, progress=not args.no_progress)
+    out = convert_tables(tables, layout, args.dst, args.to, fingerprint, args.chunk_rows, progress=not args.no_progress,
+                         source=None if args.released else source)
     seconds = time.perf_counter() - start
     size = out.stat().st_size
     log.info("wrote %s: %s rows of layers %s, %.2f GiB in %.1f s (%.2f GiB/s)", out, f"{sum(layout.num_embeddings):,}",

@@ -15,13 +15,17 @@ def register(sub) -> None:
         "tier, each table's row count against its primes, and a histogram of the scale exponents with all-zero / NaN "
         "/ inf rows counted (over a sample of rows, or every row with --full).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  condmem inspect ./DeepSeek-V4.1-Flash\n  condmem inspect tables.safetensors --full --json",
+        epilog="examples:\n  condmem inspect ./DeepSeek-V4.1-Flash\n  condmem inspect tables.safetensors --full --json\n"
+        "  condmem inspect tables.safetensors --verify",
     )
     p.add_argument("path", help="checkpoint folder, safetensors file, or condmem table file")
     p.add_argument("--config", help="Engram config for a checkpoint (default: its folder's config.json)")
     p.add_argument("--config-key", help="JSON section holding the Engram keys (default: top level or text_config)")
     p.add_argument("--full", action="store_true", help="statistics over every row (streams the whole table)")
     p.add_argument("--sample", type=int, default=65536, help="rows sampled per layer without --full (default 65536)")
+    p.add_argument("--verify", action="store_true",
+                   help="condmem table file: hash every chunk of every tensor and compare with the recorded sha256 "
+                   "(exit status 1 naming the first damaged chunk)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -81,6 +85,18 @@ def format_report(r: dict) -> str:
 
 def run(args) -> int:
     from condmem.tables.inspect import inspect_tables
+
+    if args.verify:
+        import time
+
+        from condmem.tables.table_file import EngramTableFile
+
+        start = time.perf_counter()
+        table = EngramTableFile(args.path, verify="none")
+        checked = table.verify(progress=not args.no_progress)
+        print(f"verified {table.path}: {checked / 2**30:,.2f} GiB of {len(table.header.tensors)} tensors, every "
+              f"chunk matches its recorded sha256 ({time.perf_counter() - start:.1f} s)")
+        return 0
 
     report = inspect_tables(args.path, args.config, args.config_key, full=args.full, sample=args.sample,
                             progress=not args.no_progress)

@@ -7,11 +7,16 @@ tensor's dtype, shape and byte range, then the raw bytes), so this module:
 
 * `StreamingWriter` writes the header first and then each tensor's bytes in chunks
   through an atomic temp file: memory stays bounded by one chunk;
-* `read_header` parses and validates a header (truncated or foreign files get a clear
-  `TableFileError`, never a garbage tensor); tensors of dtypes torch cannot hold (a
-  model shard may carry some beside the Engram tensors) are listed, not refused;
-* `mmap_tensor` maps one tensor's bytes read-only as a torch tensor (no copy), the
-  basis of the disk tier; `release_pages` lets a streaming reader give mapped pages back.
+* `read_header` maps the whole file read-only once and parses and validates its header
+  from that mapping (truncated or foreign files get a clear `TableFileError`, never a
+  garbage tensor); tensors of dtypes torch cannot hold (a model shard may carry some
+  beside the Engram tensors) are listed, not refused;
+* `mmap_tensor` views one tensor's bytes in that same mapping as a torch tensor (no
+  copy), the basis of the disk tier: a file replaced on disk after its header was
+  checked is never read, the mapping holds the inode that was validated;
+  `release_pages` lets a streaming reader give mapped pages back.
+
+The writer also records a sha256 per chunk of every tensor (`condmem.tables.integrity`).
 
 Files written here are ordinary safetensors files: `safetensors.safe_open` reads them.
 """
@@ -21,8 +26,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,35 +86,60 @@ class Header:
     file_size: int
     other: dict[str, str] = dataclasses.field(default_factory=dict)
     """Tensors of a dtype torch cannot map (name -> safetensors dtype name): listed, never read."""
+    mapping: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """A read-only mmap of the whole file, made from the descriptor the header was read through."""
+    raw_tensors: dict[str, tuple[str, list[int], int, int]] = dataclasses.field(default_factory=dict, compare=False,
+                                                                                repr=False)
+    """Each tensor's header entry as written: (dtype name, shape, begin, end)."""
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def read_header(path: str | os.PathLike) -> Header:
-    """Parse and validate the header of a safetensors file (no tensor bytes are read)."""
-    path = Path(path)
+def _map_file(path: Path) -> mmap.mmap:
+    """A read-only mapping of the whole regular file at `path` (the descriptor is closed; the mapping keeps the inode)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise TableFileError(f"{path}: {size} bytes is too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise TableFileError(f"{path}: header length {n} does not fit a {size}-byte file: not safetensors, "
-                                     "or truncated")
-            raw = fh.read(n)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise TableFileError(f"table file not found: {path}") from None
+    except OSError as exc:
+        raise TableFileError(f"{path}: cannot be opened ({exc.strerror or exc})") from None
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TableFileError(f"{path} is not a regular file")
+        if st.st_size < 8:
+            raise TableFileError(f"{path}: {st.st_size} bytes is too short to be a safetensors file")
+        return mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise TableFileError(f"{path}: cannot be mapped ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Map a safetensors file and parse and validate its header (no tensor bytes are read)."""
+    path = Path(path)
+    mm = _map_file(path)
+    size = len(mm)
+    (n,) = struct.unpack("<Q", mm[:8])
+    if n > _MAX_HEADER or 8 + n > size:
+        raise TableFileError(f"{path}: header length {n} does not fit a {size}-byte file: not safetensors, "
+                             "or truncated")
+    raw = mm[8:8 + n]
+    try:
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, TableFileError) as exc:
         raise TableFileError(f"{path}: header is not JSON ({exc}): not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise TableFileError(f"{path}: header is not a JSON object: not a safetensors file")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TableFileError(f"{path}: header metadata is not a str -> str map")
     data_start = 8 + n
     tensors = {}
+    raw_tensors = {}
     other = {}
     for name, info in header.items():
         if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in DTYPES:
@@ -117,9 +149,11 @@ def read_header(path: str | os.PathLike) -> Header:
             dtype = DTYPES[info["dtype"]]
             shape = tuple(int(s) for s in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            if begin < 0 or any(s < 0 for s in shape):
+                raise ValueError
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise TableFileError(f"{path}: tensor {name!r} has an unsupported or malformed entry {info}") from None
-        expect = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        expect = math.prod(shape) * _itemsize(dtype)
         if end - begin != expect:
             raise TableFileError(f"{path}: tensor {name!r} spans {end - begin} bytes but {shape} x {dtype} needs {expect}")
         if data_start + end > size:
@@ -128,14 +162,23 @@ def read_header(path: str | os.PathLike) -> Header:
                 "(an interrupted copy or download?)"
             )
         tensors[name] = TensorEntry(name, dtype, shape, data_start + begin, expect)
-    return Header(path, dict(metadata), tensors, size, other)
+        raw_tensors[name] = (info["dtype"], list(shape), begin, end)
+    return Header(path, dict(metadata), tensors, size, other, mapping=mm, raw_tensors=raw_tensors)
 
 
-def mmap_tensor(header: Header, name: str, writable: bool = False) -> torch.Tensor:
-    """Map one tensor of a safetensors file as a torch tensor without reading it.
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Two entries under one name: which one a reader takes is up to the reader.
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise TableFileError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
 
-    Pages are read from disk on first touch (and kept in the page cache by the OS). The
-    mapping is read-only unless `writable` (used by the streaming converter's verify step).
+
+def mmap_tensor(header: Header, name: str) -> torch.Tensor:
+    """View one tensor of a safetensors file as a torch tensor without reading it.
+
+    The view lies in the header's own mapping of the file (never a re-open by path).
+    Pages are read from disk on first touch (and kept in the page cache by the OS).
     """
     if name in header.other:
         raise TableFileError(f"{header.path}: tensor {name!r} is {header.other[name]}, a dtype torch cannot map")
@@ -144,14 +187,12 @@ def mmap_tensor(header: Header, name: str, writable: bool = False) -> torch.Tens
     entry = header.tensors[name]
     if entry.nbytes == 0:
         return torch.empty(entry.shape, dtype=entry.dtype)
-    # numpy memmap handles the page-unaligned offset; torch views its buffer without a copy.
-    arr = np.memmap(header.path, dtype=np.uint8, mode="r+" if writable else "r", offset=entry.start, shape=(entry.nbytes,))
     import warnings
 
     with warnings.catch_warnings():
         # A read-only map: torch warns that it cannot protect it; we never write through it.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(arr)
+        flat = torch.frombuffer(header.mapping, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
     return flat.view(entry.dtype).view(entry.shape)
 
 
@@ -225,12 +266,15 @@ class StreamingWriter:
     """Write a safetensors file chunk by chunk, atomically; memory stays bounded by one chunk.
 
     Each tensor has its own cursor, so chunks of different tensors may interleave (an fp8
-    table's rows and scales are written from the same pass over the source).
+    table's rows and scales are written from the same pass over the source). Every
+    tensor's bytes are hashed per `integrity_chunk_bytes` as they pass; the digests go
+    into the header (metadata key ``integrity``) when the last byte is in.
 
     Args:
         path: destination; written through a temp file renamed into place on `close()`.
         specs: {name: (dtype, shape)}.
         metadata: str -> str, stored in the header.
+        integrity_chunk_bytes: bytes covered by one recorded sha256.
 
     Example:
         >>> with StreamingWriter(path, {"t": (torch.uint8, (rows, 264))}, {"k": "v"}) as w:
@@ -238,34 +282,54 @@ class StreamingWriter:
     """
 
     def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, integrity_chunk_bytes: int | None = None):
+        from condmem.tables import integrity  # it reads headers parsed here
+
         self.path = Path(path)
-        header: dict[str, Any] = {}
-        if metadata:
-            bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
-            if bad:
-                raise TableFileError(f"safetensors metadata must be str -> str; bad keys {bad}")
-            header["__metadata__"] = dict(metadata)
+        chunk_bytes = integrity_chunk_bytes or integrity.DEFAULT_CHUNK_BYTES
+        metadata = dict(metadata or {})
+        bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise TableFileError(f"safetensors metadata must be str -> str; bad keys {bad}")
         offset = 0
         self._span: dict[str, tuple[int, int]] = {}
+        entries: dict[str, Any] = {}
         for name, (dtype, shape) in specs.items():
             if dtype not in DTYPE_NAMES:
                 raise TableFileError(f"tensor {name!r}: dtype {dtype} cannot be stored")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            nbytes = math.prod(shape) * _itemsize(dtype)
+            entries[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._span[name] = (offset, nbytes)
             offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the library pads the header to 8-byte alignment
+        digest = integrity.header_digest(metadata, {n: (e["dtype"], e["shape"], *e["data_offsets"])
+                                                    for n, e in entries.items()})
+        self._record = integrity.placeholder({n: b for n, (_, b) in self._span.items()}, chunk_bytes, digest)
+        self._metadata = metadata
+        self._entries = entries
+        raw = self._header_bytes()
+        self._header_len = len(raw)
         self._data_start = 8 + len(raw)
+        self._hashers = {name: integrity.ChunkHasher(chunk_bytes) for name in self._span}
         self._ctx = atomic_path(self.path)
         self._tmp = self._ctx.__enter__()
-        self._fh = open(self._tmp, "wb")
-        self._fh.write(struct.pack("<Q", len(raw)))
-        self._fh.write(raw)
-        self._fh.truncate(self._data_start + offset)  # sparse until written
+        try:
+            self._fh = open(self._tmp, "wb")
+            self._fh.write(struct.pack("<Q", len(raw)))
+            self._fh.write(raw)
+            self._fh.truncate(self._data_start + offset)  # sparse until written
+        except BaseException as exc:
+            self._ctx.__exit__(type(exc), exc, None)
+            raise
         self._cursor = {name: 0 for name in self._span}
         self._closed = False
+
+    def _header_bytes(self) -> bytes:
+        from condmem.tables import integrity
+
+        header: dict[str, Any] = {"__metadata__": {**self._metadata, integrity.KEY: integrity.encode(self._record)}}
+        header.update(self._entries)
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        return raw + b" " * (-len(raw) % 8)  # the library pads the header to 8-byte alignment
 
     def write(self, name: str, chunk: torch.Tensor) -> None:
         """Append the next bytes (rows, in order) of tensor `name`."""
@@ -278,21 +342,33 @@ class StreamingWriter:
             raise TableFileError(f"tensor {name!r}: {done + data.nbytes} bytes written, only {nbytes} declared")
         self._fh.seek(self._data_start + begin + done)
         self._fh.write(data)  # numpy exposes its buffer: no copy
+        self._hashers[name].update(data)
         self._cursor[name] = done + data.nbytes
 
     def close(self) -> None:
-        """Check that every byte of every tensor was written, then move the file into place."""
+        """Check that every byte of every tensor was written, record the hashes, then move the file into place."""
         if self._closed:
             return
         self._closed = True
-        self._fh.close()
         short = [(n, self._cursor[n], size) for n, (_, size) in self._span.items() if self._cursor[n] != size]
         if short:
+            self._fh.close()
             name, done, size = short[0]
             exc = TableFileError(f"tensor {name!r} incomplete: {done} of {size} bytes written; "
                                  f"nothing was written to {self.path}")
             self._ctx.__exit__(type(exc), exc, None)
             raise exc
+        try:
+            self._record["tensors"] = {n: h.finish() for n, h in self._hashers.items()}
+            raw = self._header_bytes()
+            assert len(raw) == self._header_len, "digests have a fixed length"
+            self._fh.seek(8)
+            self._fh.write(raw)
+            self._fh.close()
+        except BaseException as exc:
+            self._fh.close()
+            self._ctx.__exit__(type(exc), exc, None)
+            raise
         self._ctx.__exit__(None, None, None)
 
     def abort(self) -> None:

@@ -13,11 +13,17 @@ The header metadata records what decides the row ids (layout fingerprint and its
 description) and the compressed tokenizer's fingerprint. `EngramTableFile.open` refuses a
 file made for another layout or tokenizer with `TableMismatchError`, and a truncated or
 foreign file with `TableFileError`. Tensors are memory-mapped, never read eagerly.
+
+Every tensor's bytes carry a sha256 per chunk (`condmem.tables.integrity`): the header
+digest and a few random chunks per tensor are checked at open, every chunk by
+`EngramTableFile.verify` (``condmem inspect --verify``) or as ``convert`` streams them.
+A file without hashes is refused unless opened with ``verify="none"`` (loudly).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +32,18 @@ from typing import Iterable, Literal, Mapping
 import torch
 
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
+from condmem.tables import integrity
 from condmem.tables.safetensors_io import Header, StreamingWriter, TableFileError, mmap_tensor, read_header
 from condmem.utils.progress import Progress
 
 TableFormat = Literal["bf16", "fp8", "fp8_interleaved"]
 FORMATS: tuple[str, ...] = ("bf16", "fp8", "fp8_interleaved")
 FORMAT_TAG = "condmem.engram_table/1"
+Verify = Literal["sample", "full", "none"]
+SAMPLE_CHUNKS = 2
+"""Chunks per tensor hashed at open (chosen at random each time)."""
+
+log = logging.getLogger("condmem.tables")
 
 
 class TableMismatchError(TableFileError):
@@ -127,6 +139,13 @@ def table_metadata(layout: EngramLayout, fmt: str, tokenizer_fingerprint: str | 
     }
 
 
+def file_bytes(layout: EngramLayout, fmt: str) -> int:
+    """Bytes of a table file for `layout` in `fmt`: the rows plus a generous bound on the header."""
+    rows = sum(layout.num_embeddings)
+    d = layout.config.head_dim
+    return rows * (2 * d if fmt == "bf16" else d + d // FP8_SCALE_BLOCK) + (1 << 20) + rows * d // 2**19
+
+
 def write_table_file(
     path: str | os.PathLike,
     layout: EngramLayout,
@@ -134,12 +153,14 @@ def write_table_file(
     chunks_per_layer: Mapping[int, Iterable[LayerRows]],
     tokenizer_fingerprint: str | None = None,
     progress: bool = False,
+    integrity_chunk_bytes: int | None = None,
 ) -> Path:
-    """Stream every layer's rows into a new table file, atomically.
+    """Stream every layer's rows into a new table file, atomically, with per-chunk hashes.
 
     Args:
         chunks_per_layer: {layer_id: iterable of LayerRows chunks in `fmt`, in row order}.
         progress: show a progress bar over rows.
+        integrity_chunk_bytes: bytes per recorded sha256 (default 16 MiB).
     """
     if fmt not in FORMATS:
         raise TableFileError(f"unknown table format {fmt!r}; choose one of {FORMATS}")
@@ -150,7 +171,8 @@ def write_table_file(
         raise TableFileError(f"no rows given for Engram layer(s) {sorted(missing)}")
     specs = _specs(layout, fmt)
     bar = Progress(sum(layout.num_embeddings), f"write {Path(path).name}", enabled=progress, unit="row", unit_scale=True)
-    with StreamingWriter(path, specs, table_metadata(layout, fmt, tokenizer_fingerprint)) as writer:
+    with StreamingWriter(path, specs, table_metadata(layout, fmt, tokenizer_fingerprint),
+                         integrity_chunk_bytes) as writer:
         for layer in layout.layers:
             names = tensor_names(layer.layer_id, fmt)
             written = 0
@@ -177,14 +199,20 @@ class EngramTableFile:
         path: the safetensors file.
         layout: when given, the file must have been made for exactly this layout.
         tokenizer_fingerprint: when given (and recorded in the file), they must agree.
+        verify: ``sample`` (default) checks the header digest and a few random chunks of
+            every tensor; ``full`` every chunk; ``none`` nothing (a file without hashes opens,
+            with a warning).
 
     Raises:
-        TableFileError: missing, truncated, not safetensors, not a condmem table.
+        TableFileError: missing, truncated, corrupted, not safetensors, not a condmem table,
+            an incomplete write, or without hashes (unless ``verify="none"``).
         TableMismatchError: made for another layout / tokenizer.
     """
 
     def __init__(self, path: str | os.PathLike, layout: EngramLayout | None = None,
-                 tokenizer_fingerprint: str | None = None):
+                 tokenizer_fingerprint: str | None = None, verify: Verify = "sample"):
+        if verify not in ("sample", "full", "none"):
+            raise TableFileError(f"verify must be sample, full or none, got {verify!r}")
         self.header: Header = read_header(path)
         self.path = self.header.path
         meta = self.header.metadata
@@ -193,16 +221,31 @@ class EngramTableFile:
                 f"{self.path} is a safetensors file but not a condmem Engram table (format tag {meta.get('format')!r}); "
                 "released checkpoints load with condmem.tables.released.ReleasedCheckpoint (or condmem convert --released)"
             )
-        self.format: str = meta["dtype"]
+        try:
+            self.integrity = integrity.parse(meta)
+            if self.integrity is not None:
+                integrity.check_header(self.integrity, meta, self.header.raw_tensors)
+        except integrity.IntegrityMismatch as exc:
+            raise TableFileError(f"{self.path}: {exc}") from None
+        if self.integrity is None:
+            if verify != "none":
+                raise TableFileError(f"{self.path} has no chunk hashes, so its rows cannot be checked: rewrite it with "
+                                     "`condmem convert --no-verify` (which records them), or open it with verify='none'")
+            log.warning("%s: UNVERIFIED table file (no chunk hashes): corrupted rows would be served as rows", self.path)
+        try:
+            self.format: str = meta["dtype"]
+            self.layout_fingerprint = meta["layout_fingerprint"]
+            self.tokenizer_fingerprint = meta.get("tokenizer_fingerprint") or None
+            self.head_dim = int(meta["head_dim"])
+            self.layer_ids: list[int] = json.loads(meta["layer_ids"])
+            self.num_embeddings: list[int] = json.loads(meta["num_embeddings"])
+            self.layout_description = json.loads(meta["layout"])
+            pairs = list(zip(self.layer_ids, self.num_embeddings, strict=True))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TableFileError(f"{self.path}: table metadata is missing or malformed ({exc})") from None
         if self.format not in FORMATS:
             raise TableFileError(f"{self.path}: unknown row format {self.format!r}")
-        self.layout_fingerprint = meta["layout_fingerprint"]
-        self.tokenizer_fingerprint = meta.get("tokenizer_fingerprint") or None
-        self.head_dim = int(meta["head_dim"])
-        self.layer_ids: list[int] = json.loads(meta["layer_ids"])
-        self.num_embeddings: list[int] = json.loads(meta["num_embeddings"])
-        self.layout_description = json.loads(meta["layout"])
-        for lid, rows in zip(self.layer_ids, self.num_embeddings):
+        for lid, rows in pairs:
             for name in tensor_names(lid, self.format).values():
                 entry = self.header.tensors.get(name)
                 if entry is None:
@@ -213,6 +256,30 @@ class EngramTableFile:
             self.check_layout(layout)
         if tokenizer_fingerprint is not None:
             self.check_tokenizer(tokenizer_fingerprint)
+        if verify != "none" and self.integrity is not None:
+            self.verify(sample=SAMPLE_CHUNKS if verify == "sample" else None)
+
+    def _spans(self) -> dict[str, tuple[int, int]]:
+        return {name: (e.start, e.nbytes) for name, e in self.header.tensors.items()}
+
+    def verify(self, sample: int | None = None, progress: bool = False) -> int:
+        """Hash every chunk of every tensor (or `sample` random ones per tensor) and compare with the
+        recorded digests; returns the bytes checked. Raises `TableFileError` naming the first bad chunk."""
+        if self.integrity is None:
+            raise TableFileError(f"{self.path} has no chunk hashes to verify")
+        try:
+            return integrity.verify_chunks(self.header.mapping, self._spans(), self.integrity, sample, progress,
+                                           f"verify {self.path.name}")
+        except integrity.IntegrityMismatch as exc:
+            raise TableFileError(f"{self.path}: {exc}") from None
+
+    def chunk_verifiers(self, layer_id: int) -> dict[str, integrity.ChunkVerifier]:
+        """{role: verifier} for a reader that streams this layer's tensors in order (empty without hashes)."""
+        if self.integrity is None:
+            return {}
+        size = self.integrity["chunk_bytes"]
+        return {role: integrity.ChunkVerifier(name, self.integrity["tensors"][name], size)
+                for role, name in tensor_names(layer_id, self.format).items()}
 
     def check_layout(self, layout: EngramLayout) -> None:
         """Refuse a layout other than the one the table was made with, naming what differs."""
