@@ -145,3 +145,47 @@ def test_calibration_on_token_batches_keeps_rows_exact(device):
     for lid, module in modules.items():
         assert torch.equal(prepared.rows(lid), module.table.weight[hasher(ids)[:, :, hasher.layer_ids.index(lid)]])
     memory.close()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_ragged_batches_serve_the_rows_of_whole_sequences(device):
+    """Chunked prefill, a prefix-cache hit, decode tokens and speculative drafts through
+    EngramMemory: every committed token's rows equal the module table at its whole-sequence ids."""
+    cfg, hasher, modules = _setup(device)
+    weights = {lid: m.table.weight for lid, m in modules.items()}
+    memory = EngramMemory.from_weights(hasher, weights, "host", device,
+                                       host_alloc="pageable" if device == "cpu" else "mmap_register", max_sequences=4)
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, 70, (9,), generator=gen), torch.randint(0, 70, (6,), generator=gen)
+    truth = {name: hasher(seq[None].to(device))[0] for name, seq in (("a", a), ("b", b))}
+    sa, sb = memory.allocate(), memory.allocate()
+    memory.seed(torch.tensor([sb]), torch.tensor([[int(b[1]), int(b[2])]]))  # b's first 3 tokens are cached
+
+    def check(prepared, pieces):
+        at = 0
+        for name, lo, hi in pieces:
+            for lid, i in ((lid, hasher.layer_index(lid)) for lid in cfg.layer_ids):
+                got_ids = prepared.row_ids(lid)[0, at : at + hi - lo]
+                assert torch.equal(got_ids, truth[name][lo:hi, i])
+                got_rows = prepared.rows(lid)[0, at : at + hi - lo]
+                assert torch.equal(got_rows, weights[lid][truth[name][lo:hi, i]].to(got_rows.dtype))
+            at += hi - lo
+
+    # step 1: a's first chunk (4 tokens) + b's first uncached chunk (2 tokens) + 2 padding tokens
+    ids = torch.cat([a[:4], b[3:5], torch.tensor([7, 7])])
+    check(memory.prepare_ragged(ids, torch.tensor([0, 4, 6]), slots=torch.tensor([sa, sb])),
+          [("a", 0, 4), ("b", 3, 5)])
+    # step 2: a's rest of the prompt + b's last token (decode)
+    check(memory.prepare_ragged(torch.cat([a[4:7], b[5:6]]), torch.tensor([0, 3, 4]), slots=torch.tensor([sa, sb])),
+          [("a", 4, 7), ("b", 5, 6)])
+    memory.free(sb)
+    # step 3: speculative verify for a: [a7, a8, wrong draft]; 2 accepted
+    ids = torch.cat([a[7:9], torch.tensor([(int(a[8]) + 1) % 70])])
+    cu = torch.tensor([0, 3])
+    check(memory.prepare_ragged(ids, cu, slots=torch.tensor([sa]), commit=False), [("a", 7, 9)])
+    memory.commit(torch.tensor([sa]), ids, cu, torch.tensor([2]))
+    nxt = torch.tensor([5])
+    rows = memory.prepare_ragged(nxt, torch.tensor([0, 1]), slots=torch.tensor([sa])).row_ids(cfg.layer_ids[0])
+    full = hasher(torch.cat([a, nxt])[None].to(device))[0, -1:, hasher.layer_index(cfg.layer_ids[0])]
+    assert torch.equal(rows[0], full)
+    memory.close()

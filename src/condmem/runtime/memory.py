@@ -15,6 +15,11 @@ Decode keeps the last N-1 compressed ids of each sequence in an `NgramHistory` s
 (`allocate` / `free`, reused across requests); `prepare_decode` hashes one new token per
 sequence and updates the history in the same step, padding rows excluded.
 
+Serving engines hand over flat (ragged) batches instead: `prepare_ragged` hashes prefill
+chunks, prefix-cache continuations, decode tokens and speculative drafts of many
+sequences in one call (``cu_seqlens``), reading and advancing each sequence's history
+slot; `commit` advances slots after speculative verification (`docs/engines.md`).
+
 Each layer has its own `LookupEngine` (tier, HBM cache, CPU/zero-copy split), so the
 layers' fetches proceed independently; waiting for one never waits for the host.
 """
@@ -46,6 +51,7 @@ class Prepared:
     """int64 [B, T, n_layers, n_cols]."""
     handles: dict[int, LookupHandle]
     layer_index: dict[int, int]
+    hasher: NgramHasher | None = None
     _rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def row_ids(self, layer_id: int) -> torch.Tensor:
@@ -64,6 +70,9 @@ class Prepared:
             return self.handles[layer_id].rows
         if layer_id not in self._rows:
             self._rows[layer_id] = self.handles[layer_id].wait()
+            if self.hasher is not None:
+                # Ids found out of range by a finished hash are raised here, where the caller waits anyway.
+                self.hasher.raise_pending(block=False)
         return self._rows[layer_id]
 
 
@@ -180,7 +189,7 @@ class EngramMemory:
     # ------------------------------------------------------------------ batches
     def _start(self, row_ids: torch.Tensor) -> Prepared:
         handles = {lid: self.engines[lid].lookup(row_ids[:, :, i]) for lid, i in self._layer_index.items()}
-        return Prepared(row_ids, handles, self._layer_index)
+        return Prepared(row_ids, handles, self._layer_index, self.hasher)
 
     def prepare(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> Prepared:
@@ -216,6 +225,49 @@ class EngramMemory:
             self.hasher.prefill_history(self.history, torch.as_tensor(slots, device=self.device), ids,
                                         doc_starts=starts, lengths=lengths, check=False)
         return prepared
+
+    def prepare_ragged(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *, slots: torch.Tensor | None = None,
+                       lookback_ids: torch.Tensor | None = None, blocked: torch.Tensor | None = None,
+                       commit: bool = True) -> Prepared:
+        """A flat batch of sequence chunks: hash every layer's ids and start every lookup.
+
+        Args:
+            input_ids: [n] token ids; sequence b owns ``cu_seqlens[b]:cu_seqlens[b+1]``,
+                tokens past ``cu_seqlens[-1]`` are padding (a fixed token budget).
+            cu_seqlens: [B+1] boundaries.
+            slots: [B] history slot per sequence (-1: none); chunks look back at their
+                slot and, with `commit`, advance it by the whole chunk.
+            lookback_ids: [B, N-1] token ids before each chunk (oldest first, -1 for none)
+                for sequences without a slot (a sequence handed over from elsewhere).
+            commit: False for speculative drafts; then call `commit` after verification.
+
+        Returns:
+            `Prepared` whose ``row_ids(layer)`` is [1, n, n_cols] and ``rows(layer)``
+            [1, n, n_cols, head_dim] (the flat batch as one packed row).
+        """
+        dev = self.device
+        ids = input_ids.to(dev, non_blocking=True)
+        cu = cu_seqlens.to(dev, non_blocking=True)
+        slot_t = None if slots is None else torch.as_tensor(slots, device=dev)
+        row_ids = self.hasher.hash_ragged(
+            ids, cu, history=self.history if slot_t is not None else None, slots=slot_t,
+            lookback_ids=None if lookback_ids is None else lookback_ids.to(dev, non_blocking=True),
+            blocked=None if blocked is None else blocked.to(dev, non_blocking=True), commit=commit)
+        return self._start(row_ids[None])
+
+    def commit(self, slots: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+               n_commit: torch.Tensor, *, blocked: torch.Tensor | None = None) -> None:
+        """After speculative verification, advance each slot by the first ``n_commit[b]``
+        tokens of its chunk (the batch given to ``prepare_ragged(..., commit=False)``)."""
+        dev = self.device
+        self.hasher.commit(self.history, torch.as_tensor(slots, device=dev), input_ids.to(dev), cu_seqlens.to(dev),
+                           n_commit.to(dev), blocked=None if blocked is None else blocked.to(dev))
+
+    def seed(self, slots: torch.Tensor, lookback_ids: torch.Tensor) -> None:
+        """A prefix-cache hit: set slots' histories from the token ids before their first
+        uncached token ([B, N-1], oldest first, -1 where the sequence has none)."""
+        self.hasher.seed_history(self.history, torch.as_tensor(slots, device=self.device),
+                                 lookback_ids.to(self.device))
 
     def prepare_decode(self, slots: torch.Tensor, input_ids: torch.Tensor, *,
                        valid: torch.Tensor | None = None) -> Prepared:
