@@ -202,3 +202,61 @@ def test_bad_ids_and_boundaries_are_named(device, backend):
         hasher.hash_ragged(ok, cu, slots=torch.tensor([0, 1], device=device), backend=backend)
     with pytest.raises(HashInputError, match="lookback_ids"):
         hasher.hash_ragged(ok, cu, lookback_ids=torch.zeros(2, 5, dtype=torch.int64, device=device), backend=backend)
+
+
+def _v41_hasher() -> NgramHasher:
+    """DeepSeek-V4.1-Flash geometry; token ids through a random map onto its V' = 99,092."""
+    cfg = EngramConfig.deepseek_v41_flash()
+    gen = np.random.default_rng(0)
+    v = 99_092
+    lookup = np.concatenate([np.arange(v), gen.integers(0, v, 129_280 - v)])
+    gen.shuffle(lookup)
+    return NgramHasher(EngramLayout(cfg, compressed_vocab_size=v), token_lookup=lookup)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), spec_prob=st.sampled_from([0.0, 0.5]))
+def test_v41_geometry_any_schedule(seed, spec_prob):
+    hasher = _v41_hasher()
+    checked = run_schedule(hasher, "cuda", "triton", np.random.default_rng(seed), 8, 40, spec_prob, 0.05, 0.2, 0.2)
+    assert checked > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_default_checked_calls_never_wait_for_the_gpu():
+    """The default (validating) calls return while a GPU sleep queued before them still runs;
+    the negative control (`raise_pending(block=True)`) does wait, so the test can see a sync."""
+    import time
+
+    hasher = _v41_hasher()
+    ids = torch.randint(0, hasher.vocab_size, (2, 8192), device="cuda")
+    flat, cu = ids.reshape(-1), torch.tensor([0, 8192, 16384], device="cuda")
+    hasher(ids)
+    hasher.hash_ragged(flat, cu)
+    torch.cuda.synchronize()
+    sleep_cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.3)  # ~0.3 s
+    torch.cuda._sleep(sleep_cycles)
+    t0 = time.perf_counter()
+    hasher(ids)
+    hasher.hash_ragged(flat, cu)
+    returned = time.perf_counter() - t0
+    marker = torch.cuda.Event()
+    marker.record()
+    assert not marker.query(), "the GPU finished the sleep before the calls returned: the test cannot tell"
+    assert returned < 0.1, f"the default hash calls took {returned * 1e3:.0f} ms behind a 300 ms GPU sleep"
+    t0 = time.perf_counter()
+    hasher.raise_pending(block=True)
+    assert time.perf_counter() - t0 > 0.05, "the negative control did not wait"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bad_id_on_the_gpu_is_raised_later_not_lost():
+    hasher = _v41_hasher()
+    ids = torch.randint(0, hasher.vocab_size, (1, 4096), device="cuda")
+    ids[0, 1234] = hasher.vocab_size + 7
+    torch.cuda._sleep(int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.1))
+    hasher(ids)  # returns: the GPU is still busy
+    with pytest.raises(HashInputError, match=f"token id {hasher.vocab_size + 7}"):
+        hasher.raise_pending()
+    hasher.raise_pending()  # reported once
