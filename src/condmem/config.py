@@ -15,14 +15,20 @@ Backbone dimensions (``hidden_size``, ``hc_mult``, ``rms_norm_eps``) are None wh
 source does not state them (the V4.1 preset, a V4.1 config without them): they come
 from the checkpoint, and building a module without them is an error.
 
-Validation errors are `ConfigError` and name the offending field.
+Validation errors are `ConfigError` and name the offending field. Every size has a
+bound (`LIMITS`) that keeps row ids far below 2**63 and the prime search and hashing
+finite; booleans must be JSON booleans; an unknown key of the Engram section is an
+error naming it. Files are read as UTF-8 JSON without duplicate keys or NaN/Infinity,
+and every way a file can be unreadable is a `ConfigError` naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,12 +42,41 @@ class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or inconsistent with another."""
 
 
-def require_int(owner: str, name: str, value: Any, minimum: int) -> None:
-    """Raise `ConfigError` naming ``owner.name`` unless `value` is an int (not a bool) >= `minimum`."""
+LIMITS: dict[str, int] = {
+    "layer_ids": 1024,  # Engram layers per model
+    "layer_id": 100_000,
+    "max_ngram_size": 32,  # V4.1 uses 4; hashing is linear in N
+    "n_heads": 256,  # V4.1 uses 8; the prime search draws (N-1) x heads primes per layer
+    "head_dim": 65_536,
+    "table_size": 2**40,  # rows per head range: 2^40 x 264 B is 290 TB, past any host
+    "hidden_size": 2**20,
+    "hc_mult": 64,
+    "kernel_size": 64,
+    "pad_id": 2**31 - 1,
+    "seed": 2**32 - 1,
+    "compressed_vocab_size": 2**31 - 1,
+    "num_embeddings": 2**56,
+}
+"""Upper bounds of each size. Rows per layer are at most (N-1) x heads x table_size plus the
+prime gaps: < 31 x 256 x 2^40 x 1.001 < 2^54, so row ids stay below 2^63 with a margin of 2^9."""
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+def require_int(owner: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    """Raise `ConfigError` naming ``owner.name`` unless `value` is an int (not a bool) in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{owner}.{name} must be an int, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{owner}.{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{owner}.{name} must be <= {maximum:,}, got {value:,}")
+
+
+def require_bool(owner: str, name: str, value: Any) -> bool:
+    """`value` when it is a real boolean (JSON true/false), else `ConfigError` naming ``owner.name``."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be true or false, got {value!r}")
+    return value
 
 
 @dataclass
@@ -88,15 +123,17 @@ class EngramConfig:
         """Raise `ConfigError` naming the field when a value is out of its domain."""
 
         def need_int(name: str, value: Any, minimum: int) -> None:
-            require_int("EngramConfig", name, value, minimum)
+            require_int("EngramConfig", name, value, minimum, LIMITS.get(name.rstrip("[]")))
 
         if isinstance(self.layer_ids, (str, bytes)) or not hasattr(self.layer_ids, "__iter__"):
             raise ConfigError(f"EngramConfig.layer_ids must be a list of ints, got {self.layer_ids!r}")
         self.layer_ids = list(self.layer_ids)
         if not self.layer_ids:
             raise ConfigError("EngramConfig.layer_ids is empty: at least one Engram layer is needed")
+        if len(self.layer_ids) > LIMITS["layer_ids"]:
+            raise ConfigError(f"EngramConfig.layer_ids has {len(self.layer_ids)} entries, at most {LIMITS['layer_ids']}")
         for lid in self.layer_ids:
-            need_int("layer_ids[]", lid, 0)
+            require_int("EngramConfig", "layer_ids[]", lid, 0, LIMITS["layer_id"])
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise ConfigError(f"EngramConfig.layer_ids has duplicates: {self.layer_ids}")
         need_int("max_ngram_size", self.max_ngram_size, 2)
@@ -113,6 +150,9 @@ class EngramConfig:
             raise ConfigError(f"EngramConfig.short_conv must be a bool, got {self.short_conv!r}")
         if isinstance(self.table_size, (list, tuple)):
             self.table_size = list(self.table_size)
+            if len(self.table_size) > LIMITS["max_ngram_size"]:
+                raise ConfigError(f"EngramConfig.table_size has {len(self.table_size)} entries, at most "
+                                  f"{LIMITS['max_ngram_size'] - 1}")
             if len(self.table_size) != self.max_ngram_size - 1:
                 raise ConfigError(
                     f"EngramConfig.table_size has {len(self.table_size)} entries but max_ngram_size="
@@ -126,6 +166,8 @@ class EngramConfig:
         if self.compressed_vocab_size is not None:
             need_int("compressed_vocab_size", self.compressed_vocab_size, 1)
         if self.num_embeddings is not None:
+            if isinstance(self.num_embeddings, (str, bytes, dict)) or not hasattr(self.num_embeddings, "__iter__"):
+                raise ConfigError(f"EngramConfig.num_embeddings must be a list of ints, got {self.num_embeddings!r}")
             self.num_embeddings = list(self.num_embeddings)
             if len(self.num_embeddings) != len(self.layer_ids):
                 raise ConfigError(
@@ -136,9 +178,9 @@ class EngramConfig:
                 need_int("num_embeddings[]", n, 1)
         if self.rms_norm_eps is not None and not (
             isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
-            and self.rms_norm_eps > 0
+            and math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1
         ):
-            raise ConfigError(f"EngramConfig.rms_norm_eps must be a positive float, got {self.rms_norm_eps!r}")
+            raise ConfigError(f"EngramConfig.rms_norm_eps must be a finite float in (0, 1), got {self.rms_norm_eps!r}")
 
     def require_backbone(self, what: str = "an Engram module") -> None:
         """Raise `ConfigError` naming every backbone field that is still None (unknown)."""
@@ -196,6 +238,10 @@ class EngramConfig:
 
     @classmethod
     def _from_v4(cls, d: dict[str, Any]) -> "EngramConfig":
+        unknown = sorted(k for k in d if isinstance(k, str) and k.startswith("engram_") and k not in V4_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown V4.1 Engram key(s) {unknown}; known: {sorted(V4_KEYS)}")
+
         def get(key: str, default: Any = _MISSING) -> Any:
             if key in d:
                 return d[key]
@@ -215,7 +261,7 @@ class EngramConfig:
             hidden_size=get("hidden_size", None),
             hc_mult=get("hc_mult", None),
             kernel_size=get("engram_kernel_size", 4),
-            short_conv=bool(get("engram_short_conv", False)),
+            short_conv=require_bool("config", "engram_short_conv", get("engram_short_conv", False)),
             compressed_vocab_size=get("engram_compressed_vocab_size", None),
             num_embeddings=get("engram_num_embeddings", None),
             rms_norm_eps=get("rms_norm_eps", None),
@@ -226,8 +272,12 @@ class EngramConfig:
         for key in ("engram_vocab_size", "max_ngram_size", "n_embed_per_ngram", "n_head_per_ngram", "layer_ids"):
             if key not in d:
                 raise ConfigError(f"demo-dialect config lacks '{key}'")
+        unknown = sorted(str(k) for k in d if k not in DEMO_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown demo-dialect key(s) {unknown}; known: {sorted(DEMO_KEYS)}")
         n_embed, n_head = d["n_embed_per_ngram"], d["n_head_per_ngram"]
-        if not isinstance(n_embed, int) or not isinstance(n_head, int) or n_head < 1 or n_embed % n_head:
+        if (not isinstance(n_embed, int) or not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1
+                or n_embed % n_head):
             raise ConfigError(
                 f"n_embed_per_ngram ({n_embed!r}) must be a multiple of n_head_per_ngram ({n_head!r}): "
                 "each head's row is n_embed_per_ngram / n_head_per_ngram wide"
@@ -243,7 +293,7 @@ class EngramConfig:
             hidden_size=d.get("hidden_size", 1024),
             hc_mult=d.get("hc_mult", 1),
             kernel_size=d.get("kernel_size", 4),
-            short_conv=bool(d.get("short_conv", True)),
+            short_conv=require_bool("config", "short_conv", d.get("short_conv", True)),
             compressed_vocab_size=d.get("compressed_vocab_size", None),
             num_embeddings=d.get("num_embeddings", None),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -305,12 +355,7 @@ class EngramConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+        data = read_json_file(path, "config")
         try:
             return cls.from_dict(data, dialect, key)
         except ConfigError as exc:
@@ -347,6 +392,58 @@ class EngramConfig:
             compressed_vocab_size=99_092,
             num_embeddings=[384_006_168, 384_016_682],
         )
+
+
+def read_json_file(path: Path, what: str = "config") -> Any:
+    """Parse a JSON file strictly: a regular file of at most 16 MiB, UTF-8, no duplicate keys, no NaN /
+    Infinity, not nested past Python's recursion limit. Any failure is a `ConfigError` naming the file."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{what} file {path} is not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{what} file {path} has {st.st_size / 2**20:.1f} MiB, more than a config's "
+                              f"{MAX_CONFIG_BYTES // 2**20} MiB")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} file {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} file {path} is not UTF-8 text ({exc})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} file {path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} file {path} is nested too deeply to be a config") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{what} file {path}: {exc}") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in seen:
+            raise ConfigError(f"duplicate key {k!r}: which value was meant is unclear")
+        seen[k] = v
+    return seen
+
+
+def _no_constants(name: str) -> Any:
+    raise ConfigError(f"{name} is not a number a config may hold")
+
+
+V4_KEYS = frozenset({"engram_layer_ids", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
+                     "engram_vocab_size", "engram_pad_token_id", "engram_seed", "engram_kernel_size",
+                     "engram_short_conv", "engram_compressed_vocab_size", "engram_num_embeddings"})
+"""The V4.1 Engram keys this reader knows; another ``engram_*`` key is a misspelling or a newer format."""
+DEMO_KEYS = frozenset({"engram_vocab_size", "max_ngram_size", "n_embed_per_ngram", "n_head_per_ngram", "layer_ids",
+                       "pad_id", "seed", "kernel_size", "hidden_size", "hc_mult", "short_conv", "rms_norm_eps",
+                       "compressed_vocab_size", "num_embeddings", "tokenizer_name_or_path", "vocab_size", "num_layers"})
+"""Keys of the official demo's EngramConfig and BackBoneConfig, plus the ones condmem writes."""
 
 
 class _Missing:

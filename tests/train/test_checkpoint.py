@@ -14,6 +14,7 @@ from condmem.train.bpe import train_bpe
 from condmem.train.checkpoint import (
     CheckpointMismatchError,
     CorruptCheckpointError,
+    _state_digest,
     load_checkpoint,
     resolve_checkpoint,
 )
@@ -100,6 +101,7 @@ def test_other_tokenizer_is_refused(ckpt_copy, tiny_data):
     state = json.loads((ckpt_copy / "state.json").read_text())
     data = (ckpt_copy / "tokenizer.json").read_bytes()
     state["files"]["tokenizer.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    state["state_sha256"] = _state_digest(state)
     (ckpt_copy / "state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointMismatchError, match="row id would differ"):
         load_checkpoint(ckpt_copy)

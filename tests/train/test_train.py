@@ -93,8 +93,7 @@ def test_cli_train_resume_and_generate(tiny_corpus, tmp_path, monkeypatch, capsy
         return real_step(self, step)
 
     monkeypatch.setattr(Trainer, "train_step", crash_at_4)
-    with pytest.raises(KeyboardInterrupt):
-        main(args + ["--out", str(tmp_path / "crashed")])
+    assert main(args + ["--out", str(tmp_path / "crashed")]) == 130  # interrupted: no traceback
     monkeypatch.setattr(Trainer, "train_step", real_step)
     assert main(["train", "--out", str(tmp_path / "crashed"), "--resume", "--no-progress"]) == 0
     straight = json.loads((tmp_path / "straight" / "summary.json").read_text())

@@ -3,6 +3,10 @@
 Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (called with the
 parsed namespace, returning an exit code). `SUBCOMMANDS` lists them in help order.
+
+`main` turns every error a user can cause (our ValueErrors, OS errors naming a path)
+into one line and exit status 1, and SIGTERM into the same unwinding as Ctrl-C
+(`KeyboardInterrupt`: temp files of atomic writes are removed), exit status 128+signal.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 
 # Module names under condmem.cli; a module that fails to import (a missing optional
 # dependency) is reported when its subcommand is used, not at start-up of the others.
@@ -35,6 +41,16 @@ Run 'condmem <subcommand> --help' for each one's options.
 
 class CliError(Exception):
     """An error the user can fix; printed without a traceback."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,12 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         return int(args.func(args) or 0)
-    except (CliError, ValueError, FileNotFoundError) as exc:
-        # Our validation errors are ValueErrors with messages written for the user.
+    except (CliError, ValueError, OSError) as exc:
+        # Our validation errors are ValueErrors with messages written for the user; OS errors name their path.
         print(f"condmem {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"\ncondmem {args.command}: interrupted ({signal.Signals(signum).name}); partial outputs were removed",
+              file=sys.stderr)
+        return 128 + int(signum)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any
 
-from condmem.config import EngramConfig
+from condmem.config import ConfigError, EngramConfig
 
 
 def add_config_argument(parser, required: bool = True) -> None:
@@ -19,8 +19,12 @@ def add_config_argument(parser, required: bool = True) -> None:
     )
 
 
-def load_config(path: str) -> EngramConfig:
-    return EngramConfig.load(path)
+def load_config(path: str, flag: str = "--config", **kw) -> EngramConfig:
+    """`EngramConfig.load`, its errors prefixed with the flag that named the file."""
+    try:
+        return EngramConfig.load(path, **kw)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def print_json(obj: Any) -> None:

@@ -48,7 +48,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from condmem.config import EngramConfig
+    from condmem.cli.common import load_config
     from condmem.layout import EngramLayout
     from condmem.tables.convert import convert_tables
     from condmem.tables.released import ReleasedCheckpoint, load_released_tables
@@ -77,7 +77,7 @@ def run(args) -> int:
         source = EngramTableFile(args.src, tokenizer_fingerprint=fingerprint, verify="none" if args.no_verify else "sample")
         layout = source.layout()
         if args.config:
-            source.check_layout(EngramLayout(EngramConfig.load(args.config, key=args.config_key),
+            source.check_layout(EngramLayout(load_config(args.config, key=args.config_key),
                                              compressed_vocab_size=vocab))
         fingerprint = fingerprint or source.tokenizer_fingerprint
         tables = source.tables()

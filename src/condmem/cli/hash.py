@@ -38,11 +38,15 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, vocab: int) -> list[int]:
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
         raise CliError(f"--ids must be comma-separated integers, got {text!r}") from None
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise CliError(f"--ids: token id {bad[0]} is outside the tokenizer's ids 0..{vocab - 1}")
+    return ids
 
 
 def run(args) -> int:
@@ -56,7 +60,7 @@ def run(args) -> int:
             raise CliError("this tokenizer source cannot encode text; pass --ids")
         ids = ctok.tokenizer.encode(args.text, add_special_tokens=args.add_special_tokens).ids
     else:
-        ids = _parse_ids(args.ids)
+        ids = _parse_ids(args.ids, len(ctok.lookup))
     x = torch.tensor([ids], dtype=torch.long)
     compressed = hasher.compress(x)[0]
     buckets = hasher(x, with_offsets=False)[0]

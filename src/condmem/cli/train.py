@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
+from pathlib import Path
+
+from condmem.cli import CliError
 
 logger = logging.getLogger("condmem.train")
 
@@ -33,6 +37,8 @@ def register(sub) -> None:
     )
     p.add_argument("--out", required=True, help="run directory (checkpoints, summary.json)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a used --out: its checkpoints and summary.json are deleted first")
     p.add_argument("--preset", choices=["cpu", "gpu", "tiny"], help="base settings (default: gpu with CUDA, else cpu)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -85,6 +91,25 @@ def _apply(target: dict, args, mapping: dict) -> None:
 
 
 def run(args) -> int:
+    """Check --out (writable, not another run's unless --resume / --overwrite), hold its lock, train."""
+    from condmem.utils.preflight import check_output_dir
+    from condmem.utils.run_lock import RunLock
+
+    if args.resume and args.overwrite:
+        raise CliError("--resume continues the run in --out, --overwrite replaces it: choose one")
+    out = check_output_dir(args.out, "--out")
+    with RunLock(out):
+        used = sorted(p.name for p in out.iterdir() if p.name != ".lock")
+        if used and not args.resume:
+            if not args.overwrite:
+                raise CliError(f"--out {out} already holds {', '.join(used[:5])}: continue that run with --resume, or "
+                               "start afresh there with --overwrite (which deletes its checkpoints)")
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            (out / "summary.json").unlink(missing_ok=True)
+        return _train(args)
+
+
+def _train(args) -> int:
     from condmem.models import DecoderLM, iso_flop_baseline, train_flops_per_token
     from condmem.train.checkpoint import load_checkpoint
     from condmem.train.demo import build_model_config, resolve_device
@@ -140,8 +165,6 @@ def run(args) -> int:
     summary = trainer.fit()
     summary.update(params=model.param_counts(), flops_per_token=train_flops_per_token(cfg, tc.seq_len),
                    checkpoint=str(trainer.last_checkpoint))
-    from pathlib import Path
-
     atomic_write_text(Path(args.out) / "summary.json",
                       json.dumps({"summary": summary, "model": cfg.to_dict(), "train": tc.to_dict(),
                                   "data": data.info, "history": trainer.history, "evals": trainer.evals}, indent=1) + "\n")

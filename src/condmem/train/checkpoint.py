@@ -9,14 +9,22 @@ pointer. One checkpoint folder::
     optimizer.safetensors   AdamW moments and SparseAdam slots/moments
     config.json             resolved model + train configs (+ the Engram config in V4.1 keys)
     tokenizer.json          the tokenizer the model was trained with
-    state.json              step, loss history, fingerprints, and the sha256 of every file above
+    state.json              step, loss history, fingerprints, the sha256 of every file above,
+                            and its own sha256 (``state_sha256``, over the rest of it)
 
-Every file is written atomically into a temporary folder, which is renamed into place
-when complete; ``state.json`` is written last and ``LATEST`` moves only after the rename,
-so a crash leaves the previous checkpoint current. Loading verifies every file's hash
-(`CorruptCheckpointError` names the damaged one) and refuses a tokenizer that does not
-match the tables (`CheckpointMismatchError`): with another compression map every row id
-would differ, silently.
+Every file is written atomically into a temporary folder (``.step-XXXXXXX.<pid>.*``),
+which is renamed into place when complete; ``state.json`` is written last and ``LATEST``
+moves only after the rename, so a crash leaves the previous checkpoint current. A
+same-step folder is moved aside (``.step-XXXXXXX.replaced``) before the new one takes its
+name and removed only after ``LATEST`` moved; the target of ``LATEST`` is never deleted.
+The next save sweeps what a killed save left (temp folders of dead pids; an aside folder
+is renamed back when its step has no folder). ``LATEST`` that points at nothing (or is missing)
+falls back, with a warning, to the newest complete checkpoint; a damaged target is an error.
+
+Loading verifies state.json's own hash and every file's hash (`CorruptCheckpointError`
+names the damaged one) and refuses a tokenizer that does not match the tables
+(`CheckpointMismatchError`): with another compression map every row id would differ,
+silently.
 """
 
 from __future__ import annotations
@@ -37,12 +45,13 @@ from tokenizers import Tokenizer
 
 from condmem.layout import EngramLayout, LayoutError
 from condmem.models import DecoderLM, ModelConfig
-from condmem.utils.atomic import atomic_path, atomic_write_text
+from condmem.utils.atomic import atomic_path, atomic_write_text, fsync_dir, sweep_stale
 
 logger = logging.getLogger("condmem.train.checkpoint")
 
 FORMAT = "condmem-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ASIDE = ".replaced"
 TABLES_FORMAT = "condmem-engram-tables-v1"
 FILES = ("model.safetensors", "tables.safetensors", "optimizer.safetensors", "config.json", "tokenizer.json")
 
@@ -65,6 +74,76 @@ def _sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 24), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _state_digest(state: dict) -> str:
+    body = {k: v for k, v in state.items() if k != "state_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def read_state(folder: Path) -> dict:
+    """A checkpoint's state.json, checked against its own hash; `CorruptCheckpointError` otherwise."""
+    path = folder / "state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{path} is unreadable ({exc}): the checkpoint is damaged") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("files"), dict):
+        raise CorruptCheckpointError(f"{path} is not a condmem checkpoint state")
+    if state.get("version") != FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{path}: checkpoint format version {state.get('version')!r}, this condmem reads "
+                                     f"{FORMAT_VERSION} (whose state.json carries its own hash)")
+    if state.get("state_sha256") != _state_digest(state):
+        raise CorruptCheckpointError(f"{path} does not match its recorded sha256: it was altered or corrupted")
+    missing = sorted(set(FILES) - set(state["files"]))
+    if missing:
+        raise CorruptCheckpointError(f"{path} lists no hash for {missing}: the checkpoint is damaged")
+    return state
+
+
+def _step_of(folder: Path) -> int | None:
+    name = folder.name.removeprefix(".")
+    if name.endswith(ASIDE):
+        name = name[: -len(ASIDE)]
+    try:
+        return int(name.removeprefix("step-")) if name.startswith("step-") else None
+    except ValueError:
+        return None
+
+
+def _complete(folder: Path) -> bool:
+    try:
+        read_state(folder)
+    except CorruptCheckpointError:
+        return False
+    return True
+
+
+def newest_complete(root: Path) -> Path | None:
+    """The complete checkpoint (state.json intact) of the highest step under `root`, aside folders included."""
+    candidates = []
+    for p in root.iterdir() if root.is_dir() else ():
+        step = _step_of(p)
+        if step is not None and p.is_dir() and (p.name.startswith("step-") or p.name.endswith(ASIDE)):
+            candidates.append((step, not p.name.startswith("."), p))
+    for _, _, p in sorted(candidates, reverse=True):
+        if _complete(p):
+            return p
+    return None
+
+
+def _repair(root: Path) -> None:
+    """Undo what a killed save left: temp folders of dead pids go; an aside folder whose step lost its folder returns."""
+    for aside in [p for p in root.iterdir() if p.name.startswith(".step-") and p.name.endswith(ASIDE)]:
+        final = root / aside.name[1: -len(ASIDE)]
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+            logger.warning("checkpoint %s restored from %s (a save was interrupted)", final, aside.name)
+    prefixes = {"." + p.name.split(".")[1] + "." for p in root.iterdir() if p.name.startswith(".step-") and p.is_dir()}
+    for prefix in prefixes:
+        sweep_stale(root, prefix)
 
 
 def _table_names(model: DecoderLM) -> dict[str, str]:
@@ -92,10 +171,12 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    _repair(root)
     step = int(trainer_state["step"])
     name = f"step-{step:07d}"
     final = root / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    aside = root / f".{name}{ASIDE}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.{os.getpid()}.", dir=root))
     try:
         tables = _table_names(model)
         names = {p: n for n, p in model.named_parameters()}
@@ -125,17 +206,23 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
         files = {f: {"sha256": _sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES}
         meta = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprints": fingerprints, "files": files,
                 **trainer_state}
+        meta["state_sha256"] = _state_digest(json.loads(json.dumps(meta)))
         atomic_write_text(tmp / "state.json", json.dumps(meta) + "\n")
         if final.exists():
-            shutil.rmtree(final)
+            os.replace(final, aside)  # moved aside, not deleted: a kill from here on loses nothing
         os.replace(tmp, final)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside.exists() and not final.exists():
+            os.replace(aside, final)
         raise
     atomic_write_text(root / "LATEST", name + "\n")
-    # Keep the newest `keep` checkpoints.
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
-    for old in done[: max(0, len(done) - max(1, keep))]:
+    shutil.rmtree(aside, ignore_errors=True)
+    # Keep the newest `keep` checkpoints by step, never the one just written (LATEST's target).
+    done = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p != final),
+                  key=lambda p: _step_of(p) or -1)
+    for old in done[: max(0, len(done) - max(0, keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     logger.info("checkpoint written: %s", final)
     return final
@@ -148,11 +235,22 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     for root in (path / "checkpoints", path):
         latest = root / "LATEST"
-        if latest.is_file():
-            target = root / latest.read_text().strip()
-            if not (target / "state.json").is_file():
-                raise CorruptCheckpointError(f"{latest} points at {target}, which holds no state.json")
-            return target
+        if latest.is_file() or (root.is_dir() and root.name == "checkpoints"):
+            try:
+                target = root / latest.read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                target = None
+            if target is not None and target.parent == root and (target / "state.json").is_file():
+                return target  # loading checks it: a damaged target is an error, not a reason to go back
+            fallback = newest_complete(root)
+            if fallback is None:
+                if target is None:
+                    continue
+                raise FileNotFoundError(f"{latest} points at {target}, which is not a complete checkpoint, and no "
+                                        f"other complete checkpoint is in {root}")
+            logger.warning("%s points at %s, which is not a complete checkpoint: using the newest complete one, %s",
+                           latest, target.name if target is not None else "nothing", fallback.name)
+            return fallback
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist")
     raise FileNotFoundError(f"no checkpoint at {path}: expected a state.json, or checkpoints/LATEST in a run directory")
@@ -188,13 +286,10 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
     from condmem.tokenizer import CompressedTokenizer
 
     folder = resolve_checkpoint(path)
-    try:
-        state = json.loads((folder / "state.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"{folder / 'state.json'} is unreadable ({exc}): the checkpoint is damaged") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("files"), dict):
-        raise CorruptCheckpointError(f"{folder / 'state.json'} is not a condmem checkpoint state")
+    state = read_state(folder)
     for name, want in state["files"].items():
+        if not isinstance(want, dict) or "/" in name or name.startswith("."):
+            raise CorruptCheckpointError(f"{folder / 'state.json'}: malformed entry for {name!r}")
         file = folder / name
         if not file.is_file():
             raise CorruptCheckpointError(f"checkpoint file {file} is missing")
@@ -208,7 +303,7 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
     try:
         config = json.loads((folder / "config.json").read_text())
         model_cfg = ModelConfig.from_dict(config["model"])
-    except (KeyError, json.JSONDecodeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{folder / 'config.json'} is not a valid checkpoint config ({exc})") from None
 
     if tokenizer is None:
