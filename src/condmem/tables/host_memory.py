@@ -8,7 +8,11 @@ Strategies (`HostAlloc`):
 * ``cuda_host_alloc``: ``torch.empty(..., pin_memory=True)`` (cudaHostAlloc through
   PyTorch's caching host allocator, which may round the request up).
 * ``shared``: a file in ``/dev/shm`` mapped ``MAP_SHARED``, so several processes on one
-  host map one copy (the first one fills it; the others attach), then registered.
+  host map one copy (the first one fills it; the others attach), then registered. Its
+  size is checked against the free space of ``/dev/shm`` and reserved with
+  ``posix_fallocate`` before it is mapped (a tmpfs that runs out later kills the process
+  with SIGBUS, without a message); the creator removes the file on `close()` unless asked
+  to persist it.
 * ``pageable``: plain memory, not page-locked (CPU-only use, the disk tier's DRAM cache).
 
 `collapse_huge_pages` asks the kernel (``MADV_COLLAPSE``, Linux >= 6.1) to back a filled
@@ -91,6 +95,7 @@ class HostBuffer:
     _mmap: mmap.mmap | None = None
     _registered: bool = False
     _path: Path | None = None
+    _remove_on_close: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -117,16 +122,29 @@ class HostBuffer:
 
     def __del__(self) -> None:
         # A registered range must be unregistered before its pages go back to the OS, or a later
-        # mapping at the same address cannot be registered ("already mapped").
+        # mapping at the same address cannot be registered ("already mapped"). A destructor cannot
+        # raise, so a failure is logged loudly; `close()` raises it.
         try:
             self.close()
-        except Exception:
-            pass
+        except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+            log.warning("host buffer of %.2f GiB released by the garbage collector failed to close: %s",
+                        self.nbytes / 2**30, exc)
 
     def close(self) -> None:
+        """Unregister, unmap, and remove a shared file this process created (unless persisted).
+
+        Raises:
+            HostMemoryError: cudaHostUnregister failed (the range stays registered).
+        """
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            err = int(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()))
             self._registered = False
+            if err != 0:
+                raise HostMemoryError(f"cudaHostUnregister of a {self.nbytes / 2**30:.2f} GiB host table failed "
+                                      f"(CUDA error {err})")
+        if self._remove_on_close and self._path is not None:
+            self._path.unlink(missing_ok=True)
+            self._remove_on_close = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._mmap is not None:
             try:
@@ -136,11 +154,17 @@ class HostBuffer:
             self._mmap = None
 
 
-def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_name: str | None = None) -> HostBuffer:
+def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_name: str | None = None,
+                  persist: bool = False) -> HostBuffer:
     """A host buffer of exactly `nbytes` (not yet page-locked for mmap strategies: call `pin()` after filling).
 
+    Args:
+        shared_name: the file name in /dev/shm (``shared``).
+        persist: keep a shared file this call creates after `close()` (default: removed).
+
     Raises:
-        HostMemoryError: more than ``MemAvailable`` asked, or an unknown strategy.
+        HostMemoryError: more than ``MemAvailable`` (or, shared, /dev/shm's free space) asked, or an
+            unknown strategy.
     """
     if strategy not in HOST_ALLOCS:
         raise HostMemoryError(f"unknown host allocation {strategy!r}; choose one of {HOST_ALLOCS}")
@@ -161,17 +185,7 @@ def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_nam
             raise HostMemoryError(f"cudaHostAlloc of {nbytes / 2**30:.2f} GiB failed: {exc}") from None
         return HostBuffer(t, strategy, pinned=True)
     if strategy == "shared":
-        name = shared_name or "condmem-table"
-        path = Path("/dev/shm") / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size not in (0, nbytes):
-                raise HostMemoryError(f"{path} exists with {os.fstat(fd).st_size} bytes, not {nbytes}: another table?")
-            os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8), strategy, pinned=False, _mmap=mm, _path=path)
+        return _allocate_shared(nbytes, shared_name or "condmem-table", persist)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -179,6 +193,36 @@ def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_nam
         except OSError as exc:  # THP disabled: still works, with 4 KiB pages
             log.warning("MADV_HUGEPAGE refused (%s): the table will use 4 KiB pages", exc)
     return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8), strategy, pinned=False, _mmap=mm)
+
+
+def _allocate_shared(nbytes: int, name: str, persist: bool) -> HostBuffer:
+    """Create (space checked and reserved first) or attach to ``/dev/shm/<name>``."""
+    path = Path("/dev/shm") / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    created = os.fstat(fd).st_size == 0
+    try:
+        size = os.fstat(fd).st_size
+        if size not in (0, nbytes):
+            raise HostMemoryError(f"{path} exists with {size} bytes, not {nbytes}: another table?")
+        if created:
+            vfs = os.statvfs(path.parent)
+            free = vfs.f_bavail * vfs.f_frsize
+            if nbytes > free:
+                raise HostMemoryError(f"a {nbytes / 2**30:.2f} GiB shared table does not fit /dev/shm: "
+                                      f"{free / 2**30:.2f} GiB free (raise its size, or use host_alloc='mmap_register')")
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # reserve now: a full tmpfs later is a SIGBUS
+            except OSError as exc:
+                raise HostMemoryError(f"cannot reserve {nbytes / 2**30:.2f} GiB in /dev/shm ({exc.strerror})") from None
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        if created:
+            path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8), "shared", pinned=False, _mmap=mm, _path=path,
+                      _remove_on_close=created and not persist)
 
 
 def collapse_huge_pages(buffer: HostBuffer, attempts: int = 3) -> bool:
