@@ -1,0 +1,1 @@
+"""Bridges from condmem to other libraries' models (each in its own subpackage, an optional extra)."""

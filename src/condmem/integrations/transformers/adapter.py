@@ -1,0 +1,441 @@
+"""`add_engram`: put Engram modules into a Hugging Face causal LM, wired with forward hooks.
+
+    model(input_ids, attention_mask, cache)
+      base model pre-hook ──> row ids of ALL Engram layers from input_ids (once, before layer 0);
+                              with an `EngramMemory`, every layer's lookup starts here
+      decoder layer k pre-hook ──> hidden += Engram_k(hidden, rows_k)     (Engram layers only)
+      base model post-hook ──> the n-gram look-back (and ShortConv inputs) saved under the cache
+
+Nothing of the model is copied or changed: each Engram is a new child module
+(``<layer>.engram``) and the hooks add its output to the hidden states the layer receives.
+Padding follows the attention mask: a masked position is blocked (a real token's n-gram
+never reaches it or anything before it) and its gate is closed.
+
+Cached decoding hashes each new token against the N-1 tokens before it. Those come from
+the state saved under the cache by the previous forward; inside ``generate()`` they are
+re-read from generate's own running sequences (so assisted decoding's cache crops and
+any reordering are followed), and beam search's cache reorder reorders the state too.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from condmem.config import ConfigError, EngramConfig
+from condmem.hashing import NgramHasher
+from condmem.integrations.transformers.decode_state import DecodeState, DecodeStates
+from condmem.integrations.transformers.families import Family, locate
+from condmem.layout import EngramLayout
+from condmem.module import Engram
+from condmem.ops.gate import GATE_CLAMP, engram_gate
+
+logger = logging.getLogger("condmem.integrations.transformers")
+
+CONFIG_KEY = "condmem_engram"
+"""Attribute of the model's `PretrainedConfig` (a key of its config.json) holding the Engram section."""
+
+
+class EngramModelError(ValueError):
+    """Engram cannot be added to this model, or a forward gives it inputs it cannot hash."""
+
+
+@dataclass
+class _Step:
+    """What one forward's Engram layers read: row ids, padding mask, prefetched rows, ShortConv inputs."""
+
+    row_ids: torch.Tensor             # int64 [B, T, n_layers, n_cols]
+    token_mask: torch.Tensor | None   # bool [B, T]; False at padding (gate closed)
+    prepared: object | None           # condmem.runtime.Prepared when the tables sit in an EngramMemory
+    conv_in: dict[int, torch.Tensor] | None   # per ShortConv layer: inputs before this step (cached runs only)
+    next_state: DecodeState | None    # saved under the returned cache
+
+
+class EngramAdapter:
+    """The Engram side of one Hugging Face model: config, hasher, modules, hooks, decode state.
+
+    Made by `add_engram`; reach it with `get_engram(model)`.
+
+    Attributes:
+        config: the `EngramConfig` (``layer_ids`` are decoder-layer indices).
+        tokenizer: the `CompressedTokenizer` whose map the hasher uses.
+        hasher: the `NgramHasher` (its layout: `hasher.layout`).
+        engrams: {layer id: `Engram`} (each also the child ``engram`` of its decoder layer).
+        memory: the `EngramMemory` the tables are read from, or None (tables in the modules).
+        last_row_ids: row ids of the latest forward, int64 [B, T, n_layers, n_cols].
+    """
+
+    def __init__(self, model: nn.Module, family: Family, base: nn.Module, layers: nn.ModuleList,
+                 config: EngramConfig, tokenizer, hasher: NgramHasher, engrams: dict[int, Engram]):
+        self.family = family
+        self.config = config
+        self.tokenizer = tokenizer
+        self.hasher = hasher
+        self.engrams = engrams
+        self.memory = None
+        self.last_row_ids: torch.Tensor | None = None
+        self._base_signature = inspect.signature(base.forward)
+        self._states = DecodeStates()
+        self._step: _Step | None = None
+        self._generate_inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._handles = [
+            base.register_forward_pre_hook(self._before_base, with_kwargs=True),
+            base.register_forward_hook(self._after_base, with_kwargs=True),
+        ]
+        for lid in config.layer_ids:
+            self._handles.append(layers[lid].register_forward_pre_hook(self._layer_hook(lid), with_kwargs=True))
+        self._wrap_generation(model)
+
+    # ------------------------------------------------------------------ hashing
+    @property
+    def layout(self) -> EngramLayout:
+        return self.hasher.layout
+
+    def row_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Row ids [B, T, n_layers, n_cols] of a batch with no cache before it.
+
+        Positions where `attention_mask` is 0 are blocked: no real token's n-gram reaches
+        them or anything before them, so each row's real tokens hash as if alone.
+        """
+        blocked = None if attention_mask is None else ~attention_mask.to(input_ids.device).bool()
+        return self.hasher(input_ids, blocked=blocked)
+
+    def _lookback(self, batch: int, past: int, new_ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, valid) [B, N-1] before the new tokens of a cached forward."""
+        depth = self.config.max_ngram_size - 1
+        stash, self._generate_inputs = self._generate_inputs, None
+        if stash is not None:
+            full, mask = stash
+            full = full.to(new_ids.device)
+            if full.shape == (batch, past + new_ids.shape[1]) and torch.equal(full[:, past:], new_ids):
+                # Inside generate(): its running sequences are the truth (beams reordered, crops undone).
+                tokens = full[:, :past]
+                valid = (torch.ones_like(tokens, dtype=torch.bool) if mask is None
+                         else mask.to(new_ids.device)[:, :past].bool())
+                return _last_columns(tokens, valid, depth, self.config.pad_id)
+        state = self._states.get(cache)
+        if state is None or state.length != past or state.batch != batch:
+            seen = "no Engram state" if state is None else f"state for {state.batch} rows x {state.length} positions"
+            raise EngramModelError(
+                f"a cached forward of {batch} rows after {past} cached positions, but the cache has {seen}: "
+                "Engram hashes each new token with the N-1 tokens before it, so the cache must come from this "
+                "model's own forwards (pass the cache the previous call returned), or use generate()"
+            )
+        return state.tokens, state.valid
+
+    # ------------------------------------------------------------------ hooks
+    def _before_base(self, module, args, kwargs):
+        bound = self._base_signature.bind_partial(*args, **kwargs).arguments
+        bound.update(bound.pop("kwargs", {}) or {})
+        input_ids = bound.get("input_ids")
+        if input_ids is None:
+            raise EngramModelError("Engram needs input_ids: its row ids are hashes of token ids, so a forward "
+                                   "from inputs_embeds alone cannot be served")
+        if input_ids.dim() != 2:
+            raise EngramModelError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        cache = bound.get("cache", bound.get("past_key_values"))
+        past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+        batch, new = input_ids.shape
+        mask = self._mask_2d(bound.get("attention_mask"), batch, past + new)
+        current = None if mask is None else mask[:, past:].to(input_ids.device)
+        depth = self.config.max_ngram_size - 1
+        if past == 0:
+            ids, valid = input_ids, current
+            self._generate_inputs = None
+        else:
+            back_ids, back_valid = self._lookback(batch, past, input_ids, cache)
+            ids = torch.cat([back_ids.to(input_ids.device), input_ids], dim=1)
+            now = torch.ones_like(input_ids, dtype=torch.bool) if current is None else current
+            valid = torch.cat([back_valid.to(input_ids.device), now], dim=1)
+        rows = self.hasher(ids, blocked=None if valid is None else ~valid)[:, ids.shape[1] - new:]
+        self.last_row_ids = rows
+        prepared = self._start_lookups(rows) if self.memory is not None else None
+        tokens_all = ids
+        valid_all = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
+        tail_tokens, tail_valid = _last_columns(tokens_all, valid_all, depth, self.config.pad_id)
+        use_cache = bound.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(getattr(module, "config", None), "use_cache", False)
+        caching = cache is not None or bool(use_cache)
+        conv_in = None
+        if caching and any(e.short_conv is not None for e in self.engrams.values()):
+            state = self._states.get(cache) if past else None
+            conv_in = {}
+            for lid, e in self.engrams.items():
+                if e.short_conv is None:
+                    continue
+                if past == 0:
+                    width = (e.short_conv.kernel_size - 1) * e.short_conv.dilation
+                    conv_in[lid] = torch.zeros(batch, width, 1, e.hidden_size, device=input_ids.device,
+                                               dtype=e.wkv.weight.dtype)
+                elif state is None or state.length != past or state.batch != batch:
+                    raise EngramModelError(
+                        "this cache was reordered or cropped outside the Engram model (e.g. assisted decoding), "
+                        "but the ShortConv keeps each sequence's recent Engram outputs and cannot follow: use an "
+                        "EngramConfig with short_conv=False for this kind of decoding")
+                else:
+                    conv_in[lid] = state.conv[lid]
+        next_state = DecodeState(tail_tokens, tail_valid, past + new) if caching else None
+        self._step = _Step(rows, current, prepared, conv_in, next_state)
+
+    def _after_base(self, module, args, kwargs, output):
+        step = self._step
+        if step is None or step.next_state is None:
+            return
+        cache = getattr(output, "cache", None)
+        if cache is None:
+            cache = getattr(output, "past_key_values", None)
+        if cache is None and isinstance(output, tuple):
+            cache = next((o for o in output if hasattr(o, "get_seq_length")), None)
+        if cache is not None:
+            self._states.put(cache, step.next_state)
+
+    def _layer_hook(self, layer_id: int):
+        index = self.layout.layer_index(layer_id)
+        engram = self.engrams[layer_id]
+
+        def hook(module, args, kwargs):
+            step = self._step
+            if step is None:
+                raise EngramModelError(f"decoder layer {layer_id} ran outside its model's forward: Engram's row ids "
+                                       "are hashed in the base model's forward, before the first layer")
+            hidden = args[0] if args else kwargs["hidden_states"]
+            rows = step.row_ids[:, :, index]
+            looked_up = None if step.prepared is None else step.prepared.rows(layer_id)
+            if step.conv_in is not None and layer_id in step.conv_in:
+                out, conv_out = _engram_with_conv_state(engram, hidden, rows, step.token_mask, looked_up,
+                                                        step.conv_in[layer_id])
+                if step.next_state is not None:
+                    step.next_state.conv[layer_id] = conv_out
+            else:
+                out = engram(hidden, rows, token_mask=step.token_mask, rows=looked_up)
+            hidden = hidden + out.to(hidden.dtype)
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+
+        return hook
+
+    # ------------------------------------------------------------------ helpers
+    def _mask_2d(self, mask, batch: int, length: int) -> torch.Tensor | None:
+        if mask is None:
+            stash = self._generate_inputs
+            return None if stash is None or stash[1] is None else self._check_mask(stash[1], batch, length)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            return self._check_mask(mask, batch, length)
+        stash = self._generate_inputs
+        if stash is not None and stash[1] is not None:
+            return self._check_mask(stash[1], batch, length)  # generate() turned its 2-D mask into a 4-D one
+        raise EngramModelError(
+            f"Engram needs the 2-D attention mask [B, past+T] to see padding, got {type(mask).__name__} "
+            f"{tuple(getattr(mask, 'shape', ()))}")
+
+    @staticmethod
+    def _check_mask(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        if tuple(mask.shape) != (batch, length):
+            raise EngramModelError(f"attention_mask has shape {tuple(mask.shape)}; Engram needs [B, past+T] = "
+                                   f"{(batch, length)}")
+        return mask.bool()
+
+    def _start_lookups(self, rows: torch.Tensor):
+        from condmem.runtime.memory import Prepared
+
+        memory = self.memory
+        index = {lid: self.layout.layer_index(lid) for lid in self.config.layer_ids}
+        rows = rows.to(memory.device)
+        handles = {lid: memory.engines[lid].lookup(rows[:, :, i]) for lid, i in index.items()}
+        return Prepared(rows, handles, index)
+
+    def _wrap_generation(self, model: nn.Module) -> None:
+        original = model.prepare_inputs_for_generation
+
+        @functools.wraps(original)
+        def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+            # generate() hands the full running sequences here and only the new tokens to forward:
+            # keep them for the forward that follows (its look-back and its 2-D padding mask).
+            mask = kwargs.get("attention_mask")
+            self._generate_inputs = (input_ids, mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+            return original(input_ids, *args, **kwargs)
+
+        previous_reorder = getattr(model, "_reorder_cache", None)
+
+        def _reorder_cache(cache, beam_idx):
+            # generate()'s beam search calls this, when a model has it, instead of cache.reorder_cache.
+            if previous_reorder is not None:
+                cache = previous_reorder(cache, beam_idx)
+            else:
+                cache.reorder_cache(beam_idx)
+            self._states.reorder(cache, beam_idx)
+            return cache
+
+        model.prepare_inputs_for_generation = prepare_inputs_for_generation
+        model._reorder_cache = _reorder_cache
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _last_columns(tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last `depth` columns of [B, L] tokens / valid, left-filled with an invalid pad when L < depth."""
+    tokens, valid = tokens[:, max(0, tokens.shape[1] - depth):], valid[:, max(0, valid.shape[1] - depth):]
+    short = depth - tokens.shape[1]
+    if short > 0:
+        tokens = torch.cat([tokens.new_full((tokens.shape[0], short), pad_id), tokens], dim=1)
+        valid = torch.cat([valid.new_zeros((valid.shape[0], short)), valid], dim=1)
+    return tokens, valid
+
+
+def _engram_with_conv_state(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, token_mask, looked_up,
+                            conv_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engram(hidden, rows)` for positions that follow `conv_in` (the ShortConv's earlier inputs).
+
+    Returns (output [B, T, D], the ShortConv inputs to keep for the next step). Equal to the
+    whole module when `conv_in` is zeros (a sequence start: the conv's own zero padding).
+    """
+    h4 = hidden.unsqueeze(2)
+    embedded = engram.embed(rows) if looked_up is None else looked_up.flatten(-2)
+    kv = engram.wkv(embedded.to(engram.wkv.weight.dtype))
+    out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP, token_mask)
+    width = conv_in.shape[1]
+    full = torch.cat([conv_in.to(out.dtype), out], dim=1)
+    # Outputs at positions >= width see only real inputs, as in one pass over the whole sequence.
+    out = out + engram.short_conv(full)[:, width:]
+    return out.squeeze(2), full[:, full.shape[1] - width:].detach()
+
+
+# ---------------------------------------------------------------------- public entry points
+def add_engram(model: nn.Module, engram_config: EngramConfig, tokenizer, layers: list[int] | None = None, *,
+               zero_init: bool = True, sparse_tables: bool = True, memory=None) -> nn.Module:
+    """Insert Engram modules into a Hugging Face causal LM, in place; returns the model.
+
+    Args:
+        model: a ``*ForCausalLM`` / ``GPT2LMHeadModel`` of a supported family (llama, mistral,
+            qwen2, qwen3, gpt2), loaded or built from a config.
+        engram_config: the Engram geometry. ``hidden_size`` comes from the model; ``hc_mult``
+            must be 1 (one residual stream); ``compressed_vocab_size`` is set from the
+            tokenizer, or checked against it when the config states it.
+        tokenizer: the model's tokenizer: a transformers tokenizer, a `tokenizers.Tokenizer`,
+            a tokenizer.json path, or a `CompressedTokenizer`.
+        layers: decoder-layer indices that get an Engram (default: ``engram_config.layer_ids``).
+        zero_init: start each Engram's value projection at zero, so that the model computes
+            exactly what it computed before until training moves it.
+        sparse_tables: tables produce sparse gradients (train them with `engram_optimizer`).
+        memory: an `EngramMemory` holding the tables (any tier, lookups prefetched before
+            layer 0); the modules then keep no table of their own. See also `offload_tables`.
+
+    Raises:
+        UnsupportedModelError: the model is not a causal LM of a supported family.
+        EngramModelError / ConfigError: bad layers, hc_mult != 1, Engram already added.
+        TokenizerMismatchError: the tokenizer's compressed size disagrees with the config.
+    """
+    from condmem.tokenizer import CompressedTokenizer
+
+    family, base, decoder_layers = locate(model)
+    if getattr(model, "_condmem_engram", None) is not None:
+        raise EngramModelError(f"{type(model).__name__} already has Engram layers "
+                               f"{model._condmem_engram.config.layer_ids}")
+    ctok = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer.from_any(tokenizer)
+    config = engram_config
+    if layers is not None:
+        config = config.replace(layer_ids=[int(i) for i in layers])
+    n_layers = len(decoder_layers)
+    bad = [i for i in config.layer_ids if i >= n_layers]
+    if bad:
+        raise EngramModelError(f"Engram layers {bad} do not exist: {type(model).__name__} has {n_layers} decoder "
+                               f"layers (0..{n_layers - 1})")
+    if config.hc_mult not in (None, 1):
+        raise ConfigError(f"EngramConfig.hc_mult is {config.hc_mult}, but a Hugging Face decoder has one residual "
+                          "stream: use hc_mult=1")
+    if config.compressed_vocab_size is not None:
+        ctok.check_config(config.compressed_vocab_size)
+    config = config.replace(hidden_size=int(model.config.hidden_size), hc_mult=1,
+                            compressed_vocab_size=ctok.vocab_size,
+                            rms_norm_eps=config.rms_norm_eps if config.rms_norm_eps is not None else 1e-6)
+    layout = EngramLayout(config)
+    vocab = int(getattr(model.config, "vocab_size", ctok.original_vocab_size))
+    if vocab < ctok.original_vocab_size:
+        raise EngramModelError(f"the tokenizer has {ctok.original_vocab_size} ids but {type(model).__name__} embeds "
+                               f"only {vocab}: is this the model's tokenizer?")
+    lookup = ctok.lookup
+    if vocab > ctok.original_vocab_size:
+        # A padded embedding (e.g. to a multiple of 64): ids no tokenizer entry has read as the pad.
+        logger.warning("%s embeds %d ids, its tokenizer has %d: ids %d..%d hash as the pad id %d",
+                       type(model).__name__, vocab, ctok.original_vocab_size, ctok.original_vocab_size, vocab - 1,
+                       config.pad_id)
+        extra = np.full(vocab - ctok.original_vocab_size, lookup[config.pad_id], dtype=np.int64)
+        lookup = np.concatenate([lookup, extra])
+    hasher = NgramHasher(layout, token_lookup=lookup, pad_id=config.pad_id)
+    if memory is not None:
+        _check_memory(memory, layout)
+
+    engrams: dict[int, Engram] = {}
+    for lid in config.layer_ids:
+        layer = decoder_layers[lid]
+        if hasattr(layer, "engram"):
+            raise EngramModelError(f"decoder layer {lid} of {type(model).__name__} already has an 'engram' attribute")
+        p = next(layer.parameters())
+        engram = Engram(config, layout.layer(lid).num_embeddings, layer_id=lid, sparse=sparse_tables,
+                        device=p.device, dtype=p.dtype, table_device="meta" if memory is not None else None)
+        if zero_init:
+            with torch.no_grad():
+                engram.wkv.weight[config.hc_mult * config.hidden_size:].zero_()  # the value rows
+        layer.add_module("engram", engram)
+        engrams[lid] = engram
+
+    adapter = EngramAdapter(model, family, base, decoder_layers, config, ctok, hasher, engrams)
+    adapter.memory = memory
+    model._condmem_engram = adapter
+    # Saved with the model's config.json: what a reload needs to rebuild and verify the same layout.
+    setattr(model.config, CONFIG_KEY, {
+        "config": config.to_dict(),
+        "layout_fingerprint": layout.fingerprint,
+        "tokenizer_fingerprint": ctok.fingerprint,
+    })
+    return model
+
+
+def get_engram(model: nn.Module) -> EngramAdapter:
+    """The `EngramAdapter` that `add_engram` attached to `model`."""
+    adapter = getattr(model, "_condmem_engram", None)
+    if adapter is None:
+        raise EngramModelError(f"{type(model).__name__} has no Engram: call add_engram(model, ...) first")
+    return adapter
+
+
+def offload_tables(model: nn.Module, tier: str = "host", device: str | torch.device | None = None, **memory_kwargs):
+    """Move the model's Engram tables into an `EngramMemory` in `tier` ("hbm", "host" or "disk"-backed host).
+
+    The modules' own tables become meta tensors (no memory) and every forward reads rows
+    through the memory, their lookups started before the first decoder layer. Tables are
+    stored as bf16. For inference: the offloaded tables are not trained. Returns the memory
+    (close it when done).
+    """
+    from condmem.runtime.memory import EngramMemory
+
+    adapter = get_engram(model)
+    if adapter.memory is not None:
+        raise EngramModelError("the tables already sit in an EngramMemory")
+    if device is None:
+        device = next(iter(adapter.engrams.values())).wkv.weight.device
+    if torch.device(device).type == "cpu":
+        memory_kwargs.setdefault("host_alloc", "pageable")  # page-locking serves only copies to a GPU
+    weights = {lid: e.table.weight.detach() for lid, e in adapter.engrams.items()}
+    memory = EngramMemory.from_weights(adapter.hasher, weights, tier=tier, device=device, **memory_kwargs)
+    for e in adapter.engrams.values():
+        e.table.weight = nn.Parameter(torch.empty_like(e.table.weight, device="meta"), requires_grad=False)
+    adapter.memory = memory
+    return memory
+
+
+def _check_memory(memory, layout: EngramLayout) -> None:
+    if memory.hasher.layout.fingerprint != layout.fingerprint:
+        raise EngramModelError("the EngramMemory was built for another layout (its hasher's fingerprint differs): "
+                               "rows would be read at the wrong addresses")

@@ -1,0 +1,119 @@
+"""Optimizers for a Hugging Face model with Engram: AdamW for the backbone, condmem's SparseAdam for tables.
+
+`engram_param_groups` splits the parameters; `engram_optimizer` returns one
+`torch.optim.Optimizer` that steps both, for a plain loop or for `Trainer`
+(``optimizers=(engram_optimizer(model, lr), None)``: Trainer's scheduler then scales every
+group, the tables' higher rate included, along the same curve). Its ``param_groups`` are
+the inner optimizers' own group dicts, so a scheduler writing ``group["lr"]`` writes theirs.
+
+Tables follow the paper: Adam at a higher rate (5x by default), no weight decay, state
+only for rows a batch has read. Gradient clipping: Trainer's own (``max_grad_norm``)
+takes the tables' sparse gradients; in a plain loop pass ``max_grad_norm`` here, which
+clips dense and sparse gradients by one global norm before each step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from condmem.integrations.transformers.adapter import get_engram
+from condmem.train.optim import SparseAdam, clip_grad_norm_
+
+
+def engram_param_groups(model: nn.Module, *, weight_decay: float = 0.0) -> dict[str, list[dict]]:
+    """``{"backbone": [AdamW groups], "tables": [SparseAdam group]}``; frozen parameters are left out.
+
+    Backbone matrices (dim >= 2) get `weight_decay`; biases, norms, gate weights and the
+    ShortConv kernel do not.
+    """
+    tables = {id(e.table.weight) for e in get_engram(model).engrams.values()}
+    decay, no_decay, table_params = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in tables:
+            table_params.append(p)
+        elif p.dim() >= 2 and not name.endswith("short_conv.weight"):
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    backbone = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return {"backbone": backbone, "tables": [{"params": table_params}] if table_params else []}
+
+
+class EngramOptimizer(torch.optim.Optimizer):
+    """AdamW (backbone) and SparseAdam (tables) stepped as one optimizer.
+
+    Args:
+        backbone: the AdamW (or any dense optimizer), or None.
+        tables: the SparseAdam over the tables, or None.
+        max_grad_norm: clip all gradients (dense and sparse) to this global norm before each
+            step; 0 or None: no clipping.
+    """
+
+    def __init__(self, backbone: torch.optim.Optimizer | None, tables: SparseAdam | None,
+                 max_grad_norm: float | None = None):
+        self.optimizers = [o for o in (backbone, tables) if o is not None]
+        if not self.optimizers:
+            raise ValueError("EngramOptimizer needs at least one of backbone / tables")
+        self.backbone, self.tables, self.max_grad_norm = backbone, tables, max_grad_norm
+        # The inner optimizers' own group dicts: a scheduler setting group["lr"] here sets it there.
+        super().__init__([g for o in self.optimizers for g in o.param_groups], {})
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm:
+            clip_grad_norm_(self._params(), self.max_grad_norm)
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict) -> None:
+        for opt, sd in zip(self.optimizers, state_dict["optimizers"]):
+            opt.load_state_dict(sd)
+
+    @property
+    def state(self):
+        merged = {}
+        for opt in getattr(self, "optimizers", []):
+            merged.update(opt.state)
+        return merged
+
+    @state.setter
+    def state(self, value) -> None:  # Optimizer.__init__ assigns an empty state; ours lives in the inner ones
+        pass
+
+
+def engram_optimizer(model: nn.Module, lr: float, *, table_lr: float | None = None, weight_decay: float = 0.0,
+                     betas: tuple[float, float] = (0.9, 0.999), table_betas: tuple[float, float] | None = None,
+                     eps: float = 1e-8, max_grad_norm: float | None = None) -> EngramOptimizer:
+    """One optimizer for a model with Engram: AdamW at `lr`, tables with SparseAdam at `table_lr` (default 5 x lr).
+
+    Example (Trainer)::
+
+        opt = engram_optimizer(model, lr=3e-4)
+        Trainer(model, TrainingArguments(...), optimizers=(opt, None), ...)
+    """
+    groups = engram_param_groups(model, weight_decay=weight_decay)
+    backbone = torch.optim.AdamW(groups["backbone"], lr=lr, betas=betas, eps=eps) if groups["backbone"] else None
+    tables = None
+    if groups["tables"]:
+        tables = SparseAdam(groups["tables"], lr=5 * lr if table_lr is None else table_lr,
+                            betas=table_betas or betas, eps=eps)
+    return EngramOptimizer(backbone, tables, max_grad_norm=max_grad_norm)

@@ -1,0 +1,326 @@
+"""Engram in Hugging Face causal LMs: tiny models built from configs (no downloads), CPU.
+
+Integer paths (row ids, generated tokens) are compared exactly; logits against the same
+computation in fp32, with the tolerance stated at each check.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from condmem import EngramConfig  # noqa: E402
+from condmem.integrations.transformers import (  # noqa: E402
+    EngramModelError,
+    UnsupportedModelError,
+    add_engram,
+    engram_optimizer,
+    get_engram,
+    load_pretrained,
+    offload_tables,
+)
+from condmem.tokenizer import CompressedTokenizer, TokenizerMismatchError  # noqa: E402
+from condmem.train.bpe import train_bpe  # noqa: E402
+from helpers import assert_close  # noqa: E402
+
+PAD = 1  # "<|pad|>" of train_bpe's special tokens: Engram's pad id
+FILL = 0  # what padded batches hold at masked positions: another id, so that hashing it would show
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+TEXT = ("The quick brown fox jumps over the lazy dog. the Quick BROWN fox! "
+        "def add(x, y):\n    return x + y\n\nclass Point:\n    pass\n") * 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return CompressedTokenizer.from_any(train_bpe([TEXT], vocab_size=300), use_cache=False)
+
+
+def tiny_model(family: str, vocab: int, layers: int = 3):
+    t = transformers
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
+    config = {
+        "llama": lambda: t.LlamaConfig(**common),
+        "mistral": lambda: t.MistralConfig(**common, sliding_window=None),
+        "qwen2": lambda: t.Qwen2Config(**common),
+        "qwen3": lambda: t.Qwen3Config(**common, head_dim=8),
+        "gpt2": lambda: t.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
+                                     pad_token_id=PAD, bos_token_id=None, eos_token_id=None),
+    }[family]()
+    cls = t.GPT2LMHeadModel if family == "gpt2" else t.AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = t.GPT2LMHeadModel(config) if family == "gpt2" else cls.from_config(config)
+    return model.eval()
+
+
+def engram_config(short_conv: bool = True) -> EngramConfig:
+    return EngramConfig(layer_ids=[0, 2], max_ngram_size=3, n_heads=2, head_dim=8, table_size=61, pad_id=PAD,
+                        short_conv=short_conv)
+
+
+def randomize_engram(model, seed: int = 1) -> None:
+    """Stand-in for trained Engram weights: a nonzero value projection and ShortConv."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for e in get_engram(model).engrams.values():
+            e.wkv.weight.copy_(torch.randn(e.wkv.weight.shape, generator=gen) * 0.5)
+            if e.short_conv is not None:
+                e.short_conv.weight.copy_(torch.randn(e.short_conv.weight.shape, generator=gen) * 0.5)
+
+
+def padded_batch(lengths: list[int], total: int, vocab: int, side: str, seed: int = 0):
+    """(ids, mask, position_ids, sequences) with each row padded to `total` on `side`."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(2, vocab, (n,), generator=gen) for n in lengths]
+    ids = torch.full((len(seqs), total), FILL, dtype=torch.long)
+    mask = torch.zeros(len(seqs), total, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        span = slice(total - len(s), total) if side == "left" else slice(0, len(s))
+        ids[b, span], mask[b, span] = s, 1
+    return ids, mask, positions(mask), seqs
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def real_slice(mask_row: torch.Tensor) -> torch.Tensor:
+    return mask_row.bool().nonzero().flatten()
+
+
+def cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out):
+    return getattr(out, "cache", None) if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+# ---------------------------------------------------------------------- insertion
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero_init_engram_leaves_logits_unchanged(family, tokenizer):
+    model = tiny_model(family, tokenizer.original_vocab_size)
+    ids, mask, pos, _ = padded_batch([7, 4], 7, tokenizer.original_vocab_size, "left")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = model(ids, attention_mask=mask, position_ids=pos).logits
+    add_engram(model, engram_config(), tokenizer)
+    got = model(ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(ref, got), f"{family}: zero-initialized Engram changed the logits"
+    after = dict(model.named_parameters())
+    for name, value in before.items():  # existing weights: same tensors, same values
+        assert torch.equal(after[name], value), name
+    assert {n for n in after if n not in before} and all(".engram." in n for n in after if n not in before)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_row_ids_equal_each_unpadded_sequence_alone(side, tokenizer):
+    model = tiny_model("llama", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(), tokenizer)
+    adapter = get_engram(model)
+    ids, mask, pos, seqs = padded_batch([9, 2, 5], 9, tokenizer.original_vocab_size, side)
+    model(ids, attention_mask=mask, position_ids=pos)
+    rows = adapter.last_row_ids
+    assert rows.shape == (3, 9, 2, adapter.config.n_cols)
+    for b, s in enumerate(seqs):
+        alone = adapter.hasher(s[None])[0]
+        assert torch.equal(rows[b, real_slice(mask[b])], alone), f"row {b} ({side} padding)"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_left_and_right_padding_give_the_same_logits(family, tokenizer):
+    model = tiny_model(family, tokenizer.original_vocab_size)
+    add_engram(model, engram_config(), tokenizer)
+    randomize_engram(model)
+    out = {}
+    for side in ("left", "right"):
+        ids, mask, pos, _ = padded_batch([8, 3, 6], 8, tokenizer.original_vocab_size, side)
+        logits = model(ids, attention_mask=mask, position_ids=pos).logits
+        out[side] = [logits[b, real_slice(mask[b])] for b in range(3)]
+    for b in range(3):  # fp32, same maths on differently laid-out batches
+        assert_close(f"{family} row {b}", out["left"][b], out["right"][b], atol=1e-5)
+
+
+# ---------------------------------------------------------------------- generation
+def greedy_full_forward(model, ids, mask, n: int) -> torch.Tensor:
+    for _ in range(n):
+        logits = model(ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_greedy_left_padded_equals_step_by_step_full_forward(family, tokenizer):
+    model = tiny_model(family, tokenizer.original_vocab_size)
+    add_engram(model, engram_config(short_conv=family in ("llama", "gpt2")), tokenizer)
+    randomize_engram(model)
+    ids, mask, _, _ = padded_batch([6, 2, 4], 6, tokenizer.original_vocab_size, "left")
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        ref = greedy_full_forward(model, ids, mask, 6)
+    assert torch.equal(got, ref)
+
+
+def test_beam_search_and_sampling_with_cache_equal_without(tokenizer):
+    model = tiny_model("llama", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(short_conv=True), tokenizer)
+    randomize_engram(model)
+    ids, mask, _, _ = padded_batch([5, 3], 5, tokenizer.original_vocab_size, "left")
+    runs = {
+        "beam": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+        "sample": dict(do_sample=True, top_k=8, num_return_sequences=2),
+    }
+    for name, kw in runs.items():
+        out = {}
+        for use_cache in (True, False):
+            torch.manual_seed(3)
+            with torch.no_grad():
+                out[use_cache] = model.generate(ids, attention_mask=mask, max_new_tokens=5, use_cache=use_cache, **kw)
+        assert torch.equal(out[True], out[False]), name
+
+
+def test_manual_cached_steps_equal_full_forward(tokenizer):
+    model = tiny_model("qwen3", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(short_conv=True), tokenizer)
+    randomize_engram(model)
+    ids, mask, pos, _ = padded_batch([5, 3], 5, tokenizer.original_vocab_size, "left")
+    key = cache_kwarg(model)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache, full_ids, full_mask = returned_cache(out), ids, mask
+        for _ in range(3):
+            nxt = out.logits[:, -1:].argmax(-1)
+            full_ids = torch.cat([full_ids, nxt], 1)
+            full_mask = torch.cat([full_mask, torch.ones_like(nxt)], 1)
+            out = model(nxt, attention_mask=full_mask, position_ids=positions(full_mask)[:, -1:], **{key: cache})
+            cache = returned_cache(out)
+            ref = model(full_ids, attention_mask=full_mask, position_ids=positions(full_mask), use_cache=False)
+            assert_close("cached step", ref.logits[:, -1], out.logits[:, -1], atol=1e-5)
+        # A cache this model did not fill (here: a copy) has no n-gram history: refused, not guessed.
+        with pytest.raises(EngramModelError, match="cache"):
+            model(nxt, attention_mask=torch.cat([full_mask, torch.ones_like(nxt)], 1), **{key: copy.deepcopy(cache)})
+
+
+# ---------------------------------------------------------------------- memory tiers
+def test_tables_in_host_memory_give_the_same_logits_and_tokens(tokenizer):
+    model = tiny_model("llama", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(), tokenizer)
+    randomize_engram(model)
+    with torch.no_grad():  # the memory stores bf16 rows: start from bf16-exact tables
+        for e in get_engram(model).engrams.values():
+            e.table.weight.copy_(e.table.weight.bfloat16().float())
+    ids, mask, pos, _ = padded_batch([6, 3], 6, tokenizer.original_vocab_size, "left")
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask, position_ids=pos).logits
+        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    memory = offload_tables(model, tier="host")
+    try:
+        assert all(e.table.weight.device.type == "meta" for e in get_engram(model).engrams.values())
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, position_ids=pos).logits
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert_close("host-tier logits", ref_logits, logits, atol=1e-6)
+        assert torch.equal(ref_tokens, tokens)
+    finally:
+        memory.close()
+
+
+# ---------------------------------------------------------------------- training
+def training_batch(vocab: int):
+    ids, mask, pos, seqs = padded_batch([12, 7, 10, 12], 12, vocab, "right", seed=5)
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels, seqs
+
+
+def rows_read(model, seqs) -> set[int]:
+    adapter = get_engram(model)
+    return {int(r) for s in seqs for r in adapter.hasher(s[None])[0, :, 0].unique()}
+
+
+def test_plain_loop_lowers_loss_and_moves_only_rows_it_read(tokenizer):
+    model = tiny_model("llama", tokenizer.original_vocab_size).train()
+    add_engram(model, engram_config(), tokenizer, layers=[1])
+    table = get_engram(model).engrams[1].table.weight
+    start = table.detach().clone()
+    ids, mask, labels, seqs = training_batch(tokenizer.original_vocab_size)
+    opt = engram_optimizer(model, lr=3e-3, max_grad_norm=1.0)
+    losses = []
+    for _ in range(8):
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        assert table.grad.is_sparse
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+    moved = set((table.detach() != start).any(1).nonzero().flatten().tolist())
+    assert moved and moved <= rows_read(model, seqs)
+
+
+def test_trainer_lowers_loss_and_moves_only_rows_it_read(tokenizer, tmp_path):
+    model = tiny_model("qwen2", tokenizer.original_vocab_size).train()
+    add_engram(model, engram_config(), tokenizer, layers=[1])
+    table = get_engram(model).engrams[1].table.weight
+    start = table.detach().clone()
+    backbone = model.model.layers[1].mlp.up_proj.weight.detach().clone()
+    ids, mask, labels, seqs = training_batch(tokenizer.original_vocab_size)
+    data = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)] * 4
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant", max_grad_norm=1.0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   optimizers=(engram_optimizer(model, lr=3e-3), None))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1, losses
+    moved = set((table.detach() != start).any(1).nonzero().flatten().tolist())
+    assert moved and moved <= rows_read(model, seqs)
+    assert not torch.equal(model.model.layers[1].mlp.up_proj.weight, backbone)
+
+
+# ---------------------------------------------------------------------- save / load
+def test_save_pretrained_and_load_round_trip(tokenizer, tmp_path):
+    model = tiny_model("mistral", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(), tokenizer)
+    randomize_engram(model)
+    ids, mask, pos, _ = padded_batch([6, 4], 6, tokenizer.original_vocab_size, "left")
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, position_ids=pos).logits
+    model.save_pretrained(tmp_path, max_shard_size="40KB")  # small shards: the index path is the one read
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    loaded = load_pretrained(tmp_path, tokenizer).eval()
+    with torch.no_grad():
+        got = loaded(ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(ref, got)
+    assert get_engram(loaded).layout.fingerprint == get_engram(model).layout.fingerprint
+
+    other = CompressedTokenizer.from_any(train_bpe([TEXT.upper() + " 0123456789"], vocab_size=290), use_cache=False)
+    with pytest.raises(TokenizerMismatchError, match="fingerprint"):
+        load_pretrained(tmp_path, other)
+
+
+# ---------------------------------------------------------------------- refusals
+def test_refusals_name_the_problem(tokenizer):
+    vocab = tokenizer.original_vocab_size
+    with pytest.raises(UnsupportedModelError, match="OPTForCausalLM"):
+        add_engram(transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=vocab, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+            word_embed_proj_dim=16)), engram_config(), tokenizer)
+    with pytest.raises(UnsupportedModelError, match="LlamaModel"):
+        add_engram(tiny_model("llama", vocab).model, engram_config(), tokenizer)
+    with pytest.raises(EngramModelError, match=r"\[5\] do not exist"):
+        add_engram(tiny_model("llama", vocab), engram_config(), tokenizer, layers=[1, 5])
+    with pytest.raises(TokenizerMismatchError, match="silently rehashed"):
+        add_engram(tiny_model("llama", vocab), engram_config().replace(compressed_vocab_size=tokenizer.vocab_size + 1),
+                   tokenizer)
+    model = add_engram(tiny_model("gpt2", vocab), engram_config(), tokenizer)
+    with pytest.raises(EngramModelError, match="already has Engram"):
+        add_engram(model, engram_config(), tokenizer)
+    with pytest.raises(EngramModelError, match="inputs_embeds"):
+        model(inputs_embeds=torch.zeros(1, 3, 32))
