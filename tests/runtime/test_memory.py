@@ -89,16 +89,20 @@ def test_memory_refuses_mismatched_tables():
 
 @pytest.mark.parametrize("device", devices())
 def test_prepare_refuses_ids_outside_the_vocabulary(device):
-    """Host ids are range-checked on the host (before any device work); device ids on the device."""
+    """Host ids are range-checked on the host (before any device work); device ids on the device,
+    raised at the latest where the caller waits for rows."""
     from condmem.hashing.hasher import HashInputError
 
     cfg, hasher, modules = _setup(device)
     memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
                                        host_alloc="pageable" if device == "cpu" else "mmap_register")
     bad = torch.tensor([[1, 2, 70]])
-    for ids in (bad, bad.to(device)):
-        with pytest.raises(HashInputError, match="token id 70 is outside"):
-            memory.prepare(ids)
+    with pytest.raises(HashInputError, match="token id 70 is outside"):
+        memory.prepare(bad)
+    with pytest.raises(HashInputError, match="token id 70 is outside"):
+        prepared = memory.prepare(bad.to(device))
+        prepared.rows(cfg.layer_ids[0])
+        hasher.raise_pending()
     memory.close()
 
 

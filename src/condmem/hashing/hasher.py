@@ -213,7 +213,7 @@ class NgramHasher:
         if self._backend(backend, input_ids.device) == "triton":
             # The kernel applies the compression map itself: one launch from token ids to rows,
             # with the id range folded in on the device.
-            id_range = self._checks.new_range(input_ids.device) if check and input_ids.numel() else None
+            id_range = self._range_slots(input_ids.numel(), input_ids.device) if check else None
             rows = self._hash_triton(input_ids, self.constants(input_ids.device)["lookup"], blocked, with_offsets,
                                      id_range=id_range)
             if id_range is not None:
@@ -229,8 +229,15 @@ class NgramHasher:
         if ids.numel() == 0:
             return
         lo, hi = torch.aminmax(ids.long())
-        pair = torch.stack([hi.clamp(-2**31 + 1, 2**31 - 1), (-lo).clamp(-2**31 + 1, 2**31 - 1)]).to(torch.int32)
-        self._checks.submit(pair, call)
+        zero = torch.zeros((), dtype=hi.dtype, device=hi.device)
+        row = torch.stack([hi.clamp(-2**31 + 1, 2**31 - 1), (-lo).clamp(-2**31 + 1, 2**31 - 1), zero])
+        self._checks.submit(row.to(torch.int32)[None], call)
+
+    @staticmethod
+    def _range_slots(n_tokens: int, device: torch.device) -> torch.Tensor | None:
+        from condmem.hashing.triton_hash import id_range_slots
+
+        return id_range_slots(n_tokens, device) if n_tokens else None
 
     def raise_pending(self, block: bool = True) -> None:
         """Raise `HashInputError` if an earlier call's token ids were out of range.
@@ -358,14 +365,12 @@ class NgramHasher:
         lookback = None
         if lookback_ids is not None:
             lookback = lookback_from_ids(lookback_ids, c["lookup"], self.pad_compressed_id)
-        if check:
-            self._check_boundaries(cu_seqlens, input_ids.numel())
         label = f"hash_ragged on {input_ids.numel()} tokens, {cu_seqlens.numel() - 1} sequences"
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
             from condmem.hashing.triton_hash import hash_ragged_triton
 
-            id_range = self._checks.new_range(device) if check and input_ids.numel() else None
+            id_range = self._range_slots(input_ids.numel(), device) if check else None
             rows = hash_ragged_triton(
                 input_ids, cu_seqlens, multipliers=c["multipliers"], primes=c["primes"], magic=self._magic(device),
                 offsets=offsets, n_heads=self.layout.n_heads, pad_id=self.pad_compressed_id, lookup=c["lookup"],
@@ -374,8 +379,11 @@ class NgramHasher:
             )
             if id_range is not None:
                 self._checks.submit(id_range, label)
+            if check and id_range is None:  # an empty batch: its boundaries still count
+                self._check_boundaries(cu_seqlens, 0)
         else:
             if check:
+                self._check_boundaries(cu_seqlens, input_ids.numel())
                 live = torch.arange(input_ids.numel(), device=device) < cu_seqlens[-1]
                 self._check_range(torch.where(live, input_ids.long(), 0), label)
             compressed = self._compress_safe(input_ids)
@@ -450,8 +458,9 @@ class NgramHasher:
                 raise HashInputError(f"cu_seqlens {cu.tolist()[:8]}... must start at 0, never decrease and end "
                                      f"at most at the {n_tokens} tokens of the batch")
             return
-        pair = torch.stack([broken.to(torch.int32) * (2**31 - 1), torch.zeros((), dtype=torch.int32, device=cu.device)])
-        self._checks.submit(pair, "cu_seqlens (must start at 0, never decrease, end within the batch)")
+        row = torch.zeros(1, 3, dtype=torch.int32, device=cu.device)
+        row[0, 2] = broken.to(torch.int32)
+        self._checks.submit(row, "the batch's cu_seqlens")
 
     # ------------------------------------------------------------------ decoding
     def new_history(self, n_slots: int, device: torch.device | str = "cpu") -> NgramHistory:

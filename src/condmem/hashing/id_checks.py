@@ -31,16 +31,13 @@ class PendingIdChecks:
         self.what = what
         self._pending: deque = deque()
 
-    def new_range(self, device: torch.device) -> torch.Tensor:
-        """A fresh device pair ``[max(id), max(-id)]`` = [0, 0] for one call to fold into."""
-        return torch.zeros(2, dtype=torch.int32, device=device)
-
     def submit(self, id_range: torch.Tensor, call: str) -> None:
-        """Hand over a call's range pair (filled by work queued on the current stream)."""
+        """Hand over a call's ranges, int32 [k, 3] rows of ``[max id, max -id, broken
+        boundaries]`` (filled by work queued on the current stream)."""
         if id_range.device.type != "cuda":
             self._raise_if_bad(id_range, call)
             return
-        host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+        host = torch.empty(id_range.shape, dtype=torch.int32, pin_memory=True)
         host.copy_(id_range, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -62,7 +59,10 @@ class PendingIdChecks:
             self._raise_if_bad(host, call)
 
     def _raise_if_bad(self, id_range: torch.Tensor, call: str) -> None:
-        hi, neg_lo = (int(v) for v in id_range.tolist())
+        hi, neg_lo, broken = (int(v) for v in id_range.reshape(-1, 3).amax(dim=0).tolist())
+        if broken:
+            self._pending.clear()
+            raise self.error(f"cu_seqlens must start at 0, never decrease and end within the batch ({call})")
         if hi >= self.bound or neg_lo > 0:
             bad = hi if hi >= self.bound else -neg_lo
             self._pending.clear()

@@ -77,12 +77,17 @@ def _load_compressed(ids_ptr, lookup_ptr, idx, mask, vocab, pad_id, HAS_LOOKUP: 
 
 
 @triton.jit
-def _fold_id_range(ids_ptr, idx, mask, range_ptr):
-    """range_ptr[0] = max(range_ptr[0], max id); range_ptr[1] = max(range_ptr[1], max -id) over `mask`."""
+def _write_id_range(ids_ptr, idx, mask, range_ptr, pid, bad_bounds):
+    """This program's [max id, max -id, broken boundaries] over `mask`, at ``range_ptr[pid]``.
+
+    One slot per program (no atomics, so the buffer needs no zeroing launch); the host
+    reduces the slots when it checks them.
+    """
     raw = tl.load(ids_ptr + idx, mask=mask, other=0).to(tl.int64)
     raw = tl.minimum(tl.maximum(raw, -2147483647), 2147483647).to(tl.int32)
-    tl.atomic_max(range_ptr, tl.max(tl.where(mask, raw, 0), axis=0))
-    tl.atomic_max(range_ptr + 1, tl.max(tl.where(mask, -raw, 0), axis=0))
+    tl.store(range_ptr + pid * 3, tl.max(tl.where(mask, raw, 0), axis=0))
+    tl.store(range_ptr + pid * 3 + 1, tl.max(tl.where(mask, -raw, 0), axis=0))
+    tl.store(range_ptr + pid * 3 + 2, tl.full([], 0, tl.int32) + bad_bounds)
 
 
 @triton.jit
@@ -107,7 +112,7 @@ def _hash_prefill_kernel(
     out_row = out_ptr + tok * (n_layers * n_cols)
 
     if CHECK:
-        _fold_id_range(ids_ptr, tok, tmask, range_ptr)
+        _write_id_range(ids_ptr, tok, tmask, range_ptr, pid, 0)
     c = _load_compressed(ids_ptr, lookup_ptr, tok, tmask, vocab, pad_id, HAS_LOOKUP)
     m0 = tl.load(mult_ptr + lay * max_n, mask=lmask, other=0)
     mix = c[:, None] * m0[None, :]  # [T, L]: running mix of every layer
@@ -189,6 +194,11 @@ def _hash_decode_kernel(
     tl.store(hist_at, new_hist.to(hist_ptr.dtype.element_ty), mask=hmask2)
 
 
+def id_range_slots(n_tokens: int, device, block_t: int = 128) -> torch.Tensor:
+    """Uninitialized int32 [programs, 3] for the kernels' per-program id ranges."""
+    return torch.empty((max(1, triton.cdiv(n_tokens, block_t)), 3), dtype=torch.int32, device=device)
+
+
 def _tile_sizes(n_layers: int, n_heads: int) -> tuple[int, int]:
     # Floors keep the number of compiled variants small; the idle lanes cost nothing measurable.
     return max(2, next_pow2(n_layers)), max(8, next_pow2(n_heads))
@@ -229,7 +239,8 @@ def hash_prefill_triton(
         blocked: optional bool [B, T] (see `condmem.hashing.reference.shifted_history`).
         fast_mod: Barrett reduction instead of the 64-bit ``%``.
         out: optional int64 [B, T, L, (N-1)*H] to write into.
-        id_range: optional int32 [2] to fold ``max(id)`` and ``max(-id)`` into (no host sync).
+        id_range: optional int32 [programs, 3] (`id_range_slots`): each program writes its
+            ``[max id, max -id, 0]`` there (no host sync, no zeroing).
 
     Returns:
         int64 [B, T, L, (N-1)*H], equal (``torch.equal``) to `hash_reference`.
@@ -356,7 +367,18 @@ def _hash_ragged_kernel(
     out_row = out_ptr + tok * (n_layers * n_cols)
 
     if CHECK:
-        _fold_id_range(ids_ptr, tok, live, range_ptr)
+        # Program 0 also checks the boundaries: start at 0, never decrease, end within the batch.
+        bad_bounds = (pid < 0).to(tl.int32)
+        if pid == 0:
+            first = tl.load(cu_ptr).to(tl.int64)
+            bad_bounds = ((first != 0) | (n_live > n_tokens)).to(tl.int32)
+            for s0 in range(0, n_seqs, BLOCK_T):
+                i = s0 + tl.arange(0, BLOCK_T)
+                im = i < n_seqs
+                a = tl.load(cu_ptr + i, mask=im, other=0).to(tl.int64)
+                b = tl.load(cu_ptr + i + 1, mask=im, other=0).to(tl.int64)
+                bad_bounds = bad_bounds | tl.max((b < a).to(tl.int32), axis=0)
+        _write_id_range(ids_ptr, tok, live, range_ptr, pid, bad_bounds)
 
     c = _load_compressed(ids_ptr, lookup_ptr, tok, live, vocab, pad_id, HAS_LOOKUP)
     m0 = tl.load(mult_ptr + lay * max_n, mask=lmask, other=0)
@@ -457,8 +479,9 @@ def hash_ragged_triton(
             [0, n_slots): no history) for what each chunk's first tokens look back at.
         lookback: optional int64 [B, N-1] compressed look-back in history order, for
             sequences without a history slot.
-        id_range: optional int32 [2] updated with max(id) and max(-id) of the live tokens
-            (start it at [0, 0]; the range check reads it later, without a sync here).
+        id_range: optional int32 [programs, 3] (`id_range_slots`): each program writes
+            ``[max id, max -id, broken boundaries]`` of its live tokens (program 0 checks
+            `cu_seqlens`); read later, without a sync here.
         (other arguments as in `hash_prefill_triton`)
 
     Returns:
