@@ -164,7 +164,11 @@ def test_generate_greedy_left_padded_equals_step_by_step_full_forward(family, to
     with torch.no_grad():
         got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         ref = greedy_full_forward(model, ids, mask, 6)
+        # A static cache makes generate() hand the layers a 4-D mask: padding must still be seen.
+        static = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                cache_implementation="static")
     assert torch.equal(got, ref)
+    assert torch.equal(static, ref)
 
 
 def test_beam_search_and_sampling_with_cache_equal_without(tokenizer):
@@ -183,6 +187,26 @@ def test_beam_search_and_sampling_with_cache_equal_without(tokenizer):
             with torch.no_grad():
                 out[use_cache] = model.generate(ids, attention_mask=mask, max_new_tokens=5, use_cache=use_cache, **kw)
         assert torch.equal(out[True], out[False]), name
+
+
+def test_cache_crops_and_chunked_prefill(tokenizer):
+    """Prompt-lookup decoding crops the cache after rejected guesses; chunked prefill fills it in pieces."""
+    vocab = tokenizer.original_vocab_size
+    prompt = torch.randint(2, vocab, (1, 8), generator=torch.Generator().manual_seed(4)).repeat(1, 3)
+    for short_conv in (False, True):
+        model = tiny_model("llama", vocab)
+        add_engram(model, engram_config(short_conv=short_conv), tokenizer)
+        randomize_engram(model)
+        with torch.no_grad():
+            ref = model.generate(prompt, max_new_tokens=8, do_sample=False)
+            chunked = model.generate(prompt, max_new_tokens=8, do_sample=False, prefill_chunk_size=5)
+            assert torch.equal(ref, chunked)
+            if short_conv:  # the ShortConv's per-sequence inputs cannot be cropped: refused, never guessed
+                with pytest.raises(EngramModelError, match="short_conv=False"):
+                    model.generate(prompt, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+            else:
+                lookup = model.generate(prompt, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+                assert torch.equal(ref, lookup)
 
 
 def test_manual_cached_steps_equal_full_forward(tokenizer):
