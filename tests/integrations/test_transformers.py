@@ -287,6 +287,24 @@ def test_plain_loop_lowers_loss_and_moves_only_rows_it_read(tokenizer):
     assert moved and moved <= rows_read(model, seqs)
 
 
+def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
+    vocab = tokenizer.original_vocab_size
+    ids, mask, labels, _ = training_batch(vocab)
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model("llama", vocab).train()
+        add_engram(model, engram_config(), tokenizer)
+        randomize_engram(model)
+        if checkpointing:  # the method's newer name where there is one
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad.to_dense() if p.grad.is_sparse else p.grad
+                      for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:  # the same maths, recomputed: fp32 rounding at most
+        assert_close(name, grads[0][name], grads[1][name], atol=1e-6)
+
+
 def test_trainer_lowers_loss_and_moves_only_rows_it_read(tokenizer, tmp_path):
     model = tiny_model("qwen2", tokenizer.original_vocab_size).train()
     add_engram(model, engram_config(), tokenizer, layers=[1])
