@@ -131,6 +131,7 @@ class EngramAdapter:
 
     # ------------------------------------------------------------------ hooks
     def _before_base(self, module, args, kwargs):
+        """Before decoder layer 0: every Engram layer's row ids for this forward (and their lookups)."""
         bound = self._base_signature.bind_partial(*args, **kwargs).arguments
         bound.update(bound.pop("kwargs", {}) or {})
         input_ids = bound.get("input_ids")
@@ -156,33 +157,36 @@ class EngramAdapter:
         rows = self.hasher(ids, blocked=None if valid is None else ~valid)[:, ids.shape[1] - new:]
         self.last_row_ids = rows
         prepared = self._start_lookups(rows) if self.memory is not None else None
-        tokens_all = ids
-        valid_all = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
-        tail_tokens, tail_valid = _last_columns(tokens_all, valid_all, depth, self.config.pad_id)
         use_cache = bound.get("use_cache")
         if use_cache is None:
             use_cache = getattr(getattr(module, "config", None), "use_cache", False)
-        caching = cache is not None or bool(use_cache)
-        conv_in = None
-        if caching and any(e.short_conv is not None for e in self.engrams.values()):
-            state = self._states.get(cache) if past else None
-            conv_in = {}
-            for lid, e in self.engrams.items():
-                if e.short_conv is None:
-                    continue
-                if past == 0:
-                    width = (e.short_conv.kernel_size - 1) * e.short_conv.dilation
-                    conv_in[lid] = torch.zeros(batch, width, 1, e.hidden_size, device=input_ids.device,
-                                               dtype=e.wkv.weight.dtype)
-                elif state is None or state.length != past or state.batch != batch:
-                    raise EngramModelError(
-                        "this cache was reordered or cropped outside the Engram model (e.g. assisted decoding), "
-                        "but the ShortConv keeps each sequence's recent Engram outputs and cannot follow: use an "
-                        "EngramConfig with short_conv=False for this kind of decoding")
-                else:
-                    conv_in[lid] = state.conv[lid]
-        next_state = DecodeState(tail_tokens, tail_valid, past + new) if caching else None
+        next_state = conv_in = None
+        if cache is not None or use_cache:  # this forward fills a cache: keep what the next one needs
+            tail = _last_columns(ids, torch.ones_like(ids, dtype=torch.bool) if valid is None else valid, depth,
+                                 self.config.pad_id)
+            next_state = DecodeState(*tail, past + new)
+            conv_in = self._conv_inputs(cache, past, batch, input_ids.device)
         self._step = _Step(rows, current, prepared, conv_in, next_state)
+
+    def _conv_inputs(self, cache, past: int, batch: int, device) -> dict[int, torch.Tensor] | None:
+        """Each ShortConv's inputs before this forward: zeros at a start, else the cache's saved ones."""
+        conv_layers = {lid: e for lid, e in self.engrams.items() if e.short_conv is not None}
+        if not conv_layers:
+            return None
+        state = self._states.get(cache) if past else None
+        if past and (state is None or state.length != past or state.batch != batch):
+            raise EngramModelError(
+                "this cache was reordered or cropped outside the Engram model (e.g. assisted decoding), but the "
+                "ShortConv keeps each sequence's recent Engram outputs and cannot follow: use an EngramConfig with "
+                "short_conv=False for this kind of decoding")
+        out = {}
+        for lid, e in conv_layers.items():
+            if past:
+                out[lid] = state.conv[lid]
+            else:
+                width = (e.short_conv.kernel_size - 1) * e.short_conv.dilation
+                out[lid] = torch.zeros(batch, width, 1, e.hidden_size, device=device, dtype=e.wkv.weight.dtype)
+        return out
 
     def _after_base(self, module, args, kwargs, output):
         step = self._step
