@@ -9,6 +9,11 @@ each at its own position (per-row RoPE angles, per-row attention masks). With
 rows marked invalid exactly as they were (what a CUDA graph of fixed shape needs: no
 index copies of the KV cache, and no host values).
 
+`ragged_step` runs one forward over a flat batch that mixes prefill chunks, decode tokens
+and speculative drafts of many slots (what an engine's scheduler packs under a token
+budget); each sequence appends its chunk at its own length, and with ``n_commit`` keeps
+only the accepted part (the rest of its KV entries are overwritten later, never read).
+
 Engram rows for a step come either from the model's own tables (hashing the last N-1
 tokens of each slot's history) or, with ``prepared=``, from an `EngramMemory` lookup
 started earlier (`EngramMemory.prepare_decode`, whose history slots should be the same
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from condmem.models.attention import KVCache, decode_attention
+from condmem.models.attention import _SDPA_GQA, KVCache, decode_attention
 from condmem.models.layers import apply_rotary
 from condmem.models.transformer import DecoderLM, InferenceCache, engram_update
 
@@ -236,3 +241,91 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
     if slots is not None:   # host mirror (a sync for device slots; graphs pass slots=None)
         cache.advance((slots if valid is None else slots[valid.to(slots.device)]).tolist())
     return model.lm_head(model.norm(x))[:, 0]
+
+
+@torch.no_grad()
+def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks: list[torch.Tensor],
+                prepared=None, n_commit: list[int] | None = None) -> torch.Tensor:
+    """One forward over a flat batch of chunks; returns logits of every token [n, vocab].
+
+    Args:
+        slots: host slot of each sequence (distinct; a new sequence's slot is empty).
+        chunks: [L_b] token ids appended at each slot's length: a prefill chunk, one decode
+            token, or the last sampled token followed by draft tokens.
+        prepared: optional `Prepared` from ``EngramMemory.prepare_ragged`` of the same batch
+            (history slots numbered like these cache slots); else the model's own tables.
+        n_commit: tokens of each chunk the sequence keeps (speculative verification: 1 +
+            accepted drafts); default all. The memory's histories advance separately
+            (``EngramMemory.commit``).
+    """
+    import torch.nn.functional as F
+
+    cfg = model.cfg
+    if any(c is not None for c in cache.conv.values()):
+        raise ValueError("ragged_step serves models without a ShortConv (its state would need per-chunk handling); "
+                         "use prefill / decode_step")
+    if len(slots) != len(chunks) or not chunks or len(set(slots)) != len(slots):
+        raise ValueError(f"{len(slots)} slots for {len(chunks)} chunks; slots must be distinct and non-empty")
+    lengths = [int(c.numel()) for c in chunks]
+    starts = [cache.host_lengths[s] for s in slots]
+    for s, st, n in zip(slots, starts, lengths):
+        if n == 0 or st + n > cache.max_len:
+            raise ValueError(f"slot {s}: a chunk of {n} tokens at position {st} does not fit {cache.max_len} positions")
+    keep = lengths if n_commit is None else [max(0, min(int(k), n)) for k, n in zip(n_commit, lengths)]
+    device = cache.tokens.device
+    ids = torch.cat([c.reshape(-1) for c in chunks]).to(device)
+    n = ids.numel()
+    cu = [0]
+    for length in lengths:
+        cu.append(cu[-1] + length)
+    pos = torch.cat([torch.arange(st, st + length) for st, length in zip(starts, lengths)]).to(device)
+    slot_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(device)
+    cache.tokens[slot_of, pos] = ids
+    rows_all = None
+    if cfg.engram is not None and prepared is None:
+        # Each chunk looks back at the N-1 tokens its slot holds before it.
+        depth = cfg.engram.max_ngram_size - 1
+        back = torch.tensor(starts)[:, None] - torch.arange(depth, 0, -1)[None, :]          # [B, N-1], oldest first
+        lookback = cache.tokens[torch.tensor(slots)[:, None].to(device), back.clamp(min=0).to(device)]
+        lookback = torch.where(back.to(device) >= 0, lookback, torch.full_like(lookback, -1))
+        rows_all = model.hasher.hash_ragged(ids, torch.tensor(cu, device=device), lookback_ids=lookback,
+                                            check=False)
+    x = model.embed(ids)[None]                                                           # [1, n, D]
+    cos, sin = model.rotary.cos[pos], model.rotary.sin[pos]                              # [n, hd/2]
+    layer_slot = 0
+    for i, block in enumerate(model.blocks):
+        if block.engram is not None:
+            lid = block.layer_id
+            if prepared is not None:
+                x = x + block.engram(x, prepared.row_ids(lid), rows=prepared.rows(lid))
+            else:
+                x = x + block.engram(x, rows_all[None, :, layer_slot])
+            layer_slot += 1
+        attn = block.attn
+        h = block.attn_norm(x)
+        q = attn.wq(h).view(1, n, attn.n_heads, attn.head_dim).transpose(1, 2)
+        k = attn.wk(h).view(1, n, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.wv(h).view(1, n, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.k[i][slot_of, :, pos] = k[0].transpose(0, 1).to(cache.k[i].dtype)
+        cache.v[i][slot_of, :, pos] = v[0].transpose(0, 1).to(cache.v[i].dtype)
+        ys = []
+        for b, (s, st, length) in enumerate(zip(slots, starts, lengths)):
+            keys = cache.k[i][s : s + 1, :, : st + length].to(q.dtype)
+            values = cache.v[i][s : s + 1, :, : st + length].to(q.dtype)
+            qb = q[:, :, cu[b] : cu[b + 1]]
+            # Query j of the chunk sits at position st + j and sees keys 0..st + j.
+            mask = torch.arange(st + length, device=device)[None, :] <= (st + torch.arange(length, device=device))[:, None]
+            if attn.n_kv_heads != attn.n_heads and not _SDPA_GQA:
+                rep = attn.n_heads // attn.n_kv_heads
+                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+            kwargs = {"enable_gqa": True} if attn.n_kv_heads != attn.n_heads and _SDPA_GQA else {}
+            ys.append(F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, **kwargs))
+        y = torch.cat(ys, dim=2)
+        x = x + attn.wo(y.transpose(1, 2).reshape(1, n, -1))
+        x = x + block.mlp(block.mlp_norm(x))
+    for s, st, k in zip(slots, starts, keep):
+        cache.host_lengths[s] = st + k
+    cache.lengths[torch.tensor(slots, device=device)] = torch.tensor([st + k for st, k in zip(starts, keep)],
+                                                                      device=device)
+    return model.lm_head(model.norm(x))[0]
