@@ -35,6 +35,37 @@ def v41_hasher() -> NgramHasher:
     return NgramHasher(EngramLayout(EngramConfig.deepseek_v41_flash(), compressed_vocab_size=v), token_lookup=lookup)
 
 
+def graph_ms(fn, calls: int = 20) -> float:
+    """GPU time of one call without host gaps: `calls` calls captured in a CUDA graph, replayed."""
+    from triton.testing import do_bench
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return do_bench(graph.replay, warmup=25, rep=200) / calls
+
+
+def busy_us(fn, calls: int = 50) -> float:
+    """GPU busy time of one call (kernels, copies, memsets; host gaps excluded), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            total += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+    return total / calls
+
+
 def wall_per_call_ms(fn, calls: int = 200) -> float:
     """Back-to-back calls with no sync between them: what a host thread issuing them sees."""
     fn()
@@ -70,7 +101,16 @@ def main() -> None:
     assert torch.equal(hasher.hash_ragged(flat, cu8), want)
     hasher.raise_pending()
 
-    # 1. The default (validating) call against the kernel alone.
+    # 1. The default (validating) call against the kernel alone. GPU times without host gaps:
+    # graph replays (check=False paths can be captured) and profiler busy time (all paths).
+    graphs = {"padded 8x2048": graph_ms(lambda: hasher(ids, check=False)),
+              "ragged 8 seqs": graph_ms(lambda: hasher.hash_ragged(flat, cu8, check=False)),
+              "padded 1x8448": None, "mixed 8192+256 hash": None, "mixed 8192+256 hash + advance": None}
+    busy = {"padded check=False": busy_us(lambda: hasher(ids, check=False)),
+            "padded default": busy_us(lambda: hasher(ids)),
+            "ragged check=False": busy_us(lambda: hasher.hash_ragged(flat, cu8, check=False)),
+            "ragged default": busy_us(lambda: hasher.hash_ragged(flat, cu8))}
+    hasher.raise_pending()
     rows["padded, check=False (kernel alone)"] = gpu_time_ms(lambda: hasher(ids, check=False))
     rows["padded, default (check on the device)"] = gpu_time_ms(lambda: hasher(ids))
     rows["ragged 8 seqs, check=False"] = gpu_time_ms(lambda: hasher.hash_ragged(flat, cu8, check=False))
@@ -105,6 +145,11 @@ def main() -> None:
         lambda: (history.ids.copy_(hist0), hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots)))
     # Equal-token padded reference for the mixed batch: [1, 8448].
     rows["padded [1, 8448], check=False"] = gpu_time_ms(lambda: hasher(mixed[None], check=False))
+    graphs["padded 1x8448"] = graph_ms(lambda: hasher(mixed[None], check=False))
+    graphs["mixed 8192+256 hash"] = graph_ms(
+        lambda: hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots, commit=False, check=False))
+    graphs["mixed 8192+256 hash + advance"] = graph_ms(
+        lambda: hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots, check=False))
 
     fetch = {}
     if args.table_gib > 0:
@@ -138,20 +183,22 @@ def main() -> None:
         engine.close()
         store.close()
 
-    kernel = rows["padded, check=False (kernel alone)"]["ms"]
-    result.update(gpu_ms=rows, wall_ms_per_call=wall, calls_behind_200ms_sleep_ms=behind_sleep_ms, fetch=fetch,
-                  ratios={"default_vs_kernel_gpu": rows["padded, default (check on the device)"]["ms"] / kernel,
-                          "ragged_default_vs_kernel_gpu": rows["ragged 8 seqs, default"]["ms"] / kernel,
-                          "ragged_vs_padded_gpu": rows["ragged 8 seqs, check=False"]["ms"] / kernel,
-                          "default_vs_kernel_wall": wall["padded default"] / wall["padded check=False"],
-                          "mixed_vs_padded_equal_tokens": rows["mixed 8192+256, hash (commit=False)"]["ms"]
-                          / rows["padded [1, 8448], check=False"]["ms"]},
+    result.update(graph_ms_per_call=graphs, busy_us_per_call=busy, do_bench_ms=rows, wall_ms_per_call=wall,
+                  calls_behind_200ms_sleep_ms=behind_sleep_ms, fetch=fetch,
+                  ratios={"default_vs_kernel_busy": busy["padded default"] / busy["padded check=False"],
+                          "ragged_default_vs_kernel_busy": busy["ragged default"] / busy["padded check=False"],
+                          "ragged_vs_padded_graph": graphs["ragged 8 seqs"] / graphs["padded 8x2048"],
+                          "mixed_vs_padded_equal_tokens_graph": graphs["mixed 8192+256 hash"] / graphs["padded 1x8448"],
+                          "default_vs_kernel_wall": wall["padded default"] / wall["padded check=False"]},
                   date=time.strftime("%Y-%m-%d"))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "ragged_hash.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n{'variant':<44} {'GPU ms':>8}")
-    for name, r in rows.items():
-        print(f"{name:<44} {r['ms']:8.4f}")
+    print(f"\n{'GPU time per call, CUDA-graph replay':<44} {'us':>8}")
+    for name, ms in graphs.items():
+        print(f"{name:<44} {ms * 1e3:8.2f}")
+    print(f"{'GPU busy per call (profiler)':<44} {'us':>8}")
+    for name, us in busy.items():
+        print(f"{name:<44} {us:8.2f}")
     print("wall ms per back-to-back call:", {k: round(v, 4) for k, v in wall.items()})
     print(f"two default calls issued behind a 200 ms GPU sleep returned in {behind_sleep_ms:.2f} ms")
     print("ratios:", {k: round(v, 3) for k, v in result["ratios"].items()})

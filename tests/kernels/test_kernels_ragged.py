@@ -260,3 +260,46 @@ def test_bad_id_on_the_gpu_is_raised_later_not_lost():
     with pytest.raises(HashInputError, match=f"token id {hasher.vocab_size + 7}"):
         hasher.raise_pending()
     hasher.raise_pending()  # reported once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ragged_hash_and_commit_replay_in_a_cuda_graph():
+    """A fixed token budget captured once replays any schedule that fits: unused sequences are
+    empty (repeated boundaries) with slot -1, unused tokens are padding; rows and histories equal
+    the eager calls."""
+    hasher = _v41_hasher()
+    budget, max_seqs, n_slots = 64, 8, 16
+    static_ids = torch.zeros(budget, dtype=torch.int64, device="cuda")
+    static_cu = torch.zeros(max_seqs + 1, dtype=torch.int64, device="cuda")
+    static_slots = torch.full((max_seqs,), -1, dtype=torch.int64, device="cuda")
+    static_commit = torch.zeros(max_seqs, dtype=torch.int64, device="cuda")
+    graph_hist, eager_hist = hasher.new_history(n_slots, "cuda"), hasher.new_history(n_slots, "cuda")
+    for _ in range(3):  # compile outside the capture
+        hasher.hash_ragged(static_ids, static_cu, history=graph_hist, slots=static_slots, commit=False, check=False)
+        hasher.commit(graph_hist, static_slots, static_ids, static_cu, static_commit)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_rows = hasher.hash_ragged(static_ids, static_cu, history=graph_hist, slots=static_slots, commit=False,
+                                         check=False)
+        hasher.commit(graph_hist, static_slots, static_ids, static_cu, static_commit)
+    rng = np.random.default_rng(0)
+    for step in range(20):
+        b = int(rng.integers(1, max_seqs + 1))
+        lengths = rng.integers(1, budget // max_seqs + 1, b)
+        slots = rng.choice(n_slots, b, replace=False)
+        ids = rng.integers(0, hasher.vocab_size, int(lengths.sum()))
+        commit = np.array([int(rng.integers(0, n + 1)) for n in lengths])
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        static_ids.zero_()
+        static_ids[: len(ids)] = torch.as_tensor(ids)
+        static_cu.copy_(torch.as_tensor(np.concatenate([cu, np.full(max_seqs - b, cu[-1])])))
+        static_slots.copy_(torch.as_tensor(np.concatenate([slots, np.full(max_seqs - b, -1)])))
+        static_commit.copy_(torch.as_tensor(np.concatenate([commit, np.zeros(max_seqs - b, int)])))
+        graph.replay()
+        e_ids, e_cu = torch.as_tensor(ids, device="cuda"), torch.as_tensor(cu, device="cuda")
+        e_slots = torch.as_tensor(slots, device="cuda")
+        want = hasher.hash_ragged(e_ids, e_cu, history=eager_hist, slots=e_slots, commit=False)
+        hasher.commit(eager_hist, e_slots, e_ids, e_cu, torch.as_tensor(commit, device="cuda"))
+        assert torch.equal(static_rows[: len(ids)], want), f"step {step}: rows"
+        assert torch.equal(graph_hist.ids, eager_hist.ids), f"step {step}: histories"
