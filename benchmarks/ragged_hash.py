@@ -60,9 +60,8 @@ def busy_us(fn, calls: int = 50) -> float:
             fn()
         torch.cuda.synchronize()
     total = 0.0
-    for e in prof.events():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            total += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+    for e in prof.key_averages():
+        total += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
     return total / calls
 
 
@@ -185,8 +184,8 @@ def main() -> None:
 
     result.update(graph_ms_per_call=graphs, busy_us_per_call=busy, do_bench_ms=rows, wall_ms_per_call=wall,
                   calls_behind_200ms_sleep_ms=behind_sleep_ms, fetch=fetch,
-                  ratios={"default_vs_kernel_busy": busy["padded default"] / busy["padded check=False"],
-                          "ragged_default_vs_kernel_busy": busy["ragged default"] / busy["padded check=False"],
+                  ratios={"default_vs_kernel_busy": busy["padded default"] / max(busy["padded check=False"], 1e-9),
+                          "ragged_default_vs_kernel_busy": busy["ragged default"] / max(busy["padded check=False"], 1e-9),
                           "ragged_vs_padded_graph": graphs["ragged 8 seqs"] / graphs["padded 8x2048"],
                           "mixed_vs_padded_equal_tokens_graph": graphs["mixed 8192+256 hash"] / graphs["padded 1x8448"],
                           "default_vs_kernel_wall": wall["padded default"] / wall["padded check=False"]},
