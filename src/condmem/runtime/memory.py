@@ -191,6 +191,15 @@ class EngramMemory:
         handles = {lid: self.engines[lid].lookup(row_ids[:, :, i]) for lid, i in self._layer_index.items()}
         return Prepared(row_ids, handles, self._layer_index, self.hasher)
 
+    def lookup(self, row_ids: torch.Tensor) -> Prepared:
+        """Start every layer's lookup of row ids hashed elsewhere: int64 [B, T, n_layers, n_cols]
+        in this memory's layout (e.g. by an adapter that hashes inside a model's forward)."""
+        n_layers, n_cols = len(self._layer_index), self.hasher.n_cols
+        if not isinstance(row_ids, torch.Tensor) or row_ids.dim() != 4 or tuple(row_ids.shape[2:]) != (n_layers, n_cols):
+            raise EngramMemoryError(f"row_ids must be [B, T, {n_layers}, {n_cols}], got "
+                                    f"{tuple(getattr(row_ids, 'shape', ()))}")
+        return self._start(row_ids.to(self.device, non_blocking=True))
+
     def prepare(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> Prepared:
         """Prefill: hash [B, T] token ids for every layer and start every lookup.

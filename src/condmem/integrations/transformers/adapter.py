@@ -248,13 +248,7 @@ class EngramAdapter:
         return mask.bool()
 
     def _start_lookups(self, rows: torch.Tensor):
-        from condmem.runtime.memory import Prepared
-
-        memory = self.memory
-        index = {lid: self.layout.layer_index(lid) for lid in self.config.layer_ids}
-        rows = rows.to(memory.device)
-        handles = {lid: memory.engines[lid].lookup(rows[:, :, i]) for lid, i in index.items()}
-        return Prepared(rows, handles, index)
+        return self.memory.lookup(rows)
 
     def _wrap_generation(self, model: nn.Module) -> None:
         original = model.prepare_inputs_for_generation
