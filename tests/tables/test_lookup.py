@@ -363,6 +363,34 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
 
 
 @cuda_only
+@pytest.mark.parametrize("tier", ["hbm", "host"])
+def test_gpu_direct_lookup_of_ids_outside_the_table_is_raised_later_not_lost(table_files, tier):
+    """Decode-sized lookups never wait for the GPU, so an id outside the table is raised by a
+    later wait() / lookup() (or raise_pending), naming the id; good lookups around it are exact."""
+    store, source = _place(table_files, "fp8_interleaved", tier)
+    engine = LookupEngine(store, "cuda")
+    good = next(_batches(store.num_rows, seed=24, n=1))
+    assert good.numel() <= engine.direct_max_ids
+    bad = good.clone()
+    bad[0, 1] = store.num_rows + 9
+    assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(source, good))
+    engine.lookup(bad.cuda()).wait()
+    with pytest.raises(StorageError, match=f"row id {store.num_rows + 9} is outside"):
+        engine.raise_pending()
+        engine.lookup(good.cuda()).wait()
+    engine.raise_pending()  # reported once
+    negative = good.clone()
+    negative[0, 0] = -3
+    engine.lookup(negative.cuda())
+    torch.cuda.synchronize()
+    with pytest.raises(StorageError, match="row id -3 is outside"):
+        engine.lookup(good.cuda()).wait()
+    assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(source, good))
+    engine.close()
+    store.close()
+
+
+@cuda_only
 @pytest.mark.parametrize("send", [{}, {"expand_on_caller": False}, {"native_send": False}],
                          ids=["native", "native-gather-expands", "pysend"])
 def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, send):

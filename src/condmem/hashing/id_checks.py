@@ -23,12 +23,17 @@ class PendingIdChecks:
         error: the exception type raised (the hasher's input error).
         bound: ids must lie in ``[0, bound)``.
         what: the id space's name for messages ("tokenizer", "compressed vocabulary").
+        noun: what an id is called in messages ("token id", "row id").
+        hint: appended to the message.
     """
 
-    def __init__(self, error: type[Exception], bound: int, what: str):
+    def __init__(self, error: type[Exception], bound: int, what: str, noun: str = "token id",
+                 hint: str = "were these ids made by another tokenizer?"):
         self.error = error
         self.bound = int(bound)
         self.what = what
+        self.noun = noun
+        self.hint = hint
         self._pending: deque = deque()
 
     def submit(self, id_range: torch.Tensor, call: str) -> None:
@@ -66,5 +71,5 @@ class PendingIdChecks:
         if hi >= self.bound or neg_lo > 0:
             bad = hi if hi >= self.bound else -neg_lo
             self._pending.clear()
-            raise self.error(f"token id {bad} is outside the {self.what}'s ids 0..{self.bound - 1} ({call}): "
-                             "were these ids made by another tokenizer?")
+            raise self.error(f"{self.noun} {bad} is outside the {self.what}'s ids 0..{self.bound - 1} ({call}): "
+                             f"{self.hint}")

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from condmem.hashing.id_checks import PendingIdChecks
 from condmem.ops.gather import engram_gather
 from condmem.tables.lookup_plan import (
     COUNT_NAMES,
@@ -288,6 +289,8 @@ class LookupEngine:
             raise ValueError(f"staging_chunk_rows must be positive, got {staging_chunk_rows}")
         # A CPU share never exceeds the table's rows: small tables get small pinned buffers.
         self.staging_chunk_rows = min(staging_chunk_rows, max(1, store.num_rows))
+        self._direct_checks = PendingIdChecks(StorageError, store.num_rows, "table", noun="row id",
+                                              hint="were these ids hashed for another layout?")
         self.direct_max_ids = direct_max_ids
         self.region_bytes = region_bytes
         self.max_in_flight = max_in_flight
@@ -351,6 +354,7 @@ class LookupEngine:
         """Start fetching rows for `row_ids` [..] (int64 on `device`); returns a handle at once."""
         if row_ids.device != self.device:
             raise ValueError(f"row ids on {row_ids.device}, engine serves {self.device}")
+        self._direct_checks.raise_pending()
         start = time.perf_counter()
         stats = LookupStats(ids=row_ids.numel(), started=start)
         if not self.on_gpu:
@@ -436,8 +440,20 @@ class LookupEngine:
             out = self.gather_into(row_ids)
             event = torch.cuda.Event()
             event.record(self.stream)
+            # Ids outside the table read zero rows (the kernel masks them); the range is copied
+            # back without waiting and raised by a later wait() or lookup() (`raise_pending`).
+            lo, hi = torch.aminmax(row_ids.reshape(-1))
+            bound = 2**31 - 1
+            pair = torch.stack([hi.clamp(-bound, bound), (-lo).clamp(-bound, bound), torch.zeros_like(hi)])
+            self._direct_checks.submit(pair.to(torch.int32)[None], f"a direct lookup of {row_ids.numel()} ids")
         stats.unique, stats.gpu_rows = -1, row_ids.numel()
-        return LookupHandle(out, event, None, stats)
+        return LookupHandle(out, event, None, stats, settle=self._direct_checks.raise_pending)
+
+    def raise_pending(self, block: bool = True) -> None:
+        """Raise `StorageError` if an earlier direct (decode-sized) lookup read ids outside the
+        table. Those lookups never wait for the GPU; their check lands later and is raised by
+        the next `wait()` or `lookup()` once known, or here (``block=True`` waits for it)."""
+        self._direct_checks.raise_pending(block=block)
 
     def gather_into(self, row_ids: torch.Tensor, out: torch.Tensor | None = None, *,
                     max_programs: int | None = None) -> torch.Tensor:
