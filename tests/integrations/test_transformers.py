@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from condmem import EngramConfig  # noqa: E402
 from condmem.integrations.transformers import (  # noqa: E402
     EngramModelError,
+    EngramTrainer,
     UnsupportedModelError,
     add_engram,
     engram_optimizer,
@@ -316,8 +317,8 @@ def test_trainer_lowers_loss_and_moves_only_rows_it_read(tokenizer, tmp_path):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant", max_grad_norm=1.0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   optimizers=(engram_optimizer(model, lr=3e-3), None))
+    trainer = EngramTrainer(model=model, args=args, train_dataset=data,
+                            optimizers=(engram_optimizer(model, lr=3e-3), None))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.1, losses

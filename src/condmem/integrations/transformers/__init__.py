@@ -3,7 +3,7 @@
     from condmem.integrations.transformers import add_engram, engram_optimizer
     model = add_engram(model, EngramConfig(layer_ids=[1], ...), tokenizer)
     model.generate(...)                                   # n-gram history follows the cache
-    trainer = Trainer(model, args, optimizers=(engram_optimizer(model, lr=1e-4), None), ...)
+    trainer = EngramTrainer(model, args, optimizers=(engram_optimizer(model, lr=1e-4), None), ...)
     model.save_pretrained(path); model = load_pretrained(path, tokenizer)
 
 Supported families: llama, mistral, qwen2, qwen3, gpt2 (`families.FAMILIES`).
@@ -20,12 +20,14 @@ from condmem.integrations.transformers.adapter import (
 from condmem.integrations.transformers.families import FAMILIES, UnsupportedModelError
 from condmem.integrations.transformers.optim import EngramOptimizer, engram_optimizer, engram_param_groups
 from condmem.integrations.transformers.pretrained import load_pretrained
+from condmem.integrations.transformers.trainer import EngramTrainer
 
 __all__ = [
     "CONFIG_KEY",
     "EngramAdapter",
     "EngramModelError",
     "EngramOptimizer",
+    "EngramTrainer",
     "FAMILIES",
     "UnsupportedModelError",
     "add_engram",

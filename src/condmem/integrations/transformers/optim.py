@@ -7,9 +7,9 @@ group, the tables' higher rate included, along the same curve). Its ``param_grou
 the inner optimizers' own group dicts, so a scheduler writing ``group["lr"]`` writes theirs.
 
 Tables follow the paper: Adam at a higher rate (5x by default), no weight decay, state
-only for rows a batch has read. Gradient clipping: Trainer's own (``max_grad_norm``)
-takes the tables' sparse gradients; in a plain loop pass ``max_grad_norm`` here, which
-clips dense and sparse gradients by one global norm before each step.
+only for rows a batch has read. Gradient clipping: in a plain loop pass ``max_grad_norm``
+here, which clips dense and sparse gradients by one global norm before each step; with
+`EngramTrainer` (a `Trainer` whose norm takes sparse gradients) use its ``max_grad_norm``.
 """
 
 from __future__ import annotations
