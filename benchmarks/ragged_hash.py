@@ -164,7 +164,7 @@ def main() -> None:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             r = hasher.hash_ragged(batch, cu_mixed, history=history, slots=slots, commit=False)[:, layer] % table_rows
-            got = engine.lookup(r[None]).wait()
+            engine.lookup(r[None]).wait()
             torch.cuda.synchronize()
             one.append((time.perf_counter() - t0) * 1e3)
             if rep == 0:  # exact rows: the whole batch against a plain gather of the host table

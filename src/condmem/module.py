@@ -140,7 +140,7 @@ class Engram(nn.Module):
         """
         from condmem.layout import EngramLayout
         from condmem.ops.block_fp8 import BlockFp8Linear
-        from condmem.tables.quant import dequantize_fp8_e8m0
+        from condmem.fp8 import dequantize_fp8_e8m0
         from condmem.tables.released import open_checkpoint
 
         ckpt = open_checkpoint(checkpoint, config=config, config_key=config_key)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from condmem.ops.gather import GatherError, engram_gather, gather_reference, host_register, host_unregister
-from condmem.tables.quant import FP8_DTYPE, pack_rows
+from condmem.fp8 import FP8_DTYPE, pack_rows
 from kernel_helpers import assert_bits_equal, cuda_kernels, kernel_devices, needs_kernels
 
 pytestmark = [needs_kernels, pytest.mark.filterwarnings("ignore:overflow encountered")]

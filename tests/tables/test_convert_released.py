@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from condmem import EngramConfig, EngramLayout
 from condmem.cli import main
 from condmem.tables.convert import convert_tables
-from condmem.tables.quant import dequantize_fp8_e8m0, quantize_fp8_e8m0
+from condmem.fp8 import dequantize_fp8_e8m0, quantize_fp8_e8m0
 from condmem.tables.released import load_released_tables
 from condmem.tables.table_file import EngramTableFile, LayerRows, TableFileError, TableMismatchError
 

@@ -14,7 +14,7 @@ from condmem import EngramConfig, EngramLayout
 from condmem.ops.gather import gather_reference
 from condmem.tables.host_memory import HostMemoryError, allocate_host, mem_available
 from condmem.tables.lookup import LookupEngine
-from condmem.tables.quant import quantize_fp8_e8m0
+from condmem.fp8 import quantize_fp8_e8m0
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import StorageError, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file

@@ -64,7 +64,7 @@ def run(args, ceiling: dict) -> list[dict]:
     got = engram_gather(sets[0][0][:4096], packed, backend="triton")
     assert same_rows(got, ref), "the Triton gather differs from the reference"
     _time_variants(rows, b, "fp8-packed", (packed,), {}, sets, out, PACKED_ROW + 2 * HEAD_DIM, ceiling, variants)
-    t = time_ms(Rotator(lambda ids: gather_reference(ids, packed), sets), dev, rep_ms=100)
+    t = time_ms(Rotator(lambda ids, packed=packed: gather_reference(ids, packed), sets), dev, rep_ms=100)
     rows.append({**b, "format": "fp8-packed", "impl": "torch-gpu", "ids": n_ids, **t, "rows_per_s": n_ids / (t["ms"] * 1e-3)})
     # -- separate fp8 rows + scales in HBM (same bytes, two random accesses per row)
     q = packed[:, :HEAD_DIM].contiguous().view(torch.float8_e4m3fn)

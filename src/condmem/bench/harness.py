@@ -118,7 +118,7 @@ def copy_bandwidth_gbps(nbytes: int = 4 << 30, device: str = "cuda") -> dict:
     n = nbytes // 2
     src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 256)
     dst = torch.empty_like(src)
-    t = time_ms(lambda: dst.copy_(src), device)
+    t = time_ms(lambda dst=dst, src=src: dst.copy_(src), device)
     del src, dst
     if device == "cuda":
         torch.cuda.empty_cache()

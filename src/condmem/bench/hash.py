@@ -53,7 +53,7 @@ def run(args, ceiling: dict) -> list[dict]:
                          ("triton-bt256-w8", dict(fast_mod=True, block_t=256, num_warps=8))]
         results = {}
         for name, kw in variants:
-            fn = Rotator(lambda ids, kw=kw: hash_prefill_triton(
+            fn = Rotator(lambda ids, kw=kw, out=out: hash_prefill_triton(
                 ids, multipliers=c["multipliers"], primes=c["primes"], magic=magic, offsets=c["offsets"],
                 n_heads=layout.n_heads, pad_id=hasher.pad_compressed_id, lookup=c["lookup"], out=out, **kw), sets)
             results[name] = time_ms(fn, dev)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from condmem.tables.quant import FP8_DTYPE, e8m0_to_float
+from condmem.fp8 import FP8_DTYPE, e8m0_to_float
 
 log = logging.getLogger("condmem.ops")
 

@@ -4,13 +4,13 @@
 
 * **fp8** tables: ``table`` float8_e4m3fn [R, D] and ``scales`` uint8 [R, D/32];
 * **packed** fp8 tables: ``table`` uint8 [R, D + D/32], each row's scale bytes right
-  after its fp8 bytes (`condmem.tables.quant.pack_rows`; 264 B at D = 256), so a row
+  after its fp8 bytes (`condmem.fp8.pack_rows`; 264 B at D = 256), so a row
   costs one random access;
 * **plain** tables (bf16, fp16, fp32, or int16/int32/int64 words of raw rows): rows
   copied bit for bit.
 
 fp8 rows come out as bf16: ``fp8 * 2**(e-127)`` in float32, rounded to nearest even
-(e = 0 gives subnormal results, e = 255 NaN; see `condmem.tables.quant`).
+(e = 0 gives subnormal results, e = 255 NaN; see `condmem.fp8`).
 
 The table may live in HBM, or in pinned / registered host memory read zero-copy
 over PCIe (UVA): Triton's launcher asks the driver for the device address of every
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from condmem.ops.triton_util import interpreting, next_pow2, persistent_programs, resolve_backend
-from condmem.tables.quant import (
+from condmem.fp8 import (
     FP8_DTYPE,
     SCALE_BLOCK,
     check_fp8_pair,

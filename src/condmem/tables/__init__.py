@@ -2,7 +2,7 @@
 (`table_file`), tiers (`storage`, `host_memory`), the HBM row cache (`row_cache`) and the
 lookup engine (`lookup`, `lookup_plan`) are imported from their submodules."""
 
-from condmem.tables.quant import (
+from condmem.fp8 import (
     QuantError,
     dequantize_fp8_e8m0,
     e8m0_to_float,

@@ -20,7 +20,7 @@ from typing import Iterator, Mapping
 import torch
 
 from condmem.layout import EngramLayout
-from condmem.tables.quant import dequantize_fp8_e8m0, pack_rows, quantize_fp8_e8m0, unpack_rows
+from condmem.fp8 import dequantize_fp8_e8m0, pack_rows, quantize_fp8_e8m0, unpack_rows
 from condmem.tables.integrity import ChunkVerifier, IntegrityMismatch
 from condmem.tables.safetensors_io import release_pages
 from condmem.tables.table_file import FORMATS, EngramTableFile, LayerRows, TableFileError, write_table_file

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
-from condmem.tables.quant import dequantize_fp8_e8m0, unpack_rows
+from condmem.fp8 import dequantize_fp8_e8m0, unpack_rows
 from condmem.tables.safetensors_io import read_header, release_pages
 from condmem.tables.table_file import FORMAT_TAG, EngramTableFile, LayerRows
 from condmem.utils.progress import Progress

@@ -19,7 +19,7 @@ Design (all steps are vectorized torch; no Python loop over rows):
 Rows are stored as raw bytes (uint8 [slots, row_bytes]) in the table's own format
 (bf16, fp8 or interleaved fp8+scales), so the cache is format-agnostic.
 
-On CUDA, probe and admission run as Triton kernels (`row_cache_kernels`: one launch for
+On CUDA, probe and admission run as Triton kernels (`condmem.ops.row_cache`: one launch for
 the probe, two for the admission; ~10x less device time than the torch ops, which remain
 the reference and the CPU path). Both give the same keys, counters, rows and slots.
 """
@@ -149,9 +149,9 @@ class RowCache:
         if ids.numel() == 0:
             return ids.new_empty(0)
         if self.backend == "triton":
-            from condmem.tables import row_cache_kernels
+            from condmem.ops import row_cache as cache_kernels
 
-            slot = row_cache_kernels.probe(ids, valid, self.keys, self._freq_all, count)
+            slot = cache_kernels.probe(ids, valid, self.keys, self._freq_all, count)
             hit = slot >= 0
         else:
             sets = torch.remainder(ids, self.n_sets)
@@ -223,9 +223,9 @@ class RowCache:
         idx = torch.arange(sorted_sets.numel(), device=ids.device)
         rank = idx - torch.searchsorted(sorted_sets, sorted_sets)
         if self.backend == "triton" and rows.device == self.device:
-            from condmem.tables import row_cache_kernels
+            from condmem.ops import row_cache as cache_kernels
 
-            slot = row_cache_kernels.admit(sorted_sets, rank, order, ids, self.keys, self._freq_all,
+            slot = cache_kernels.admit(sorted_sets, rank, order, ids, self.keys, self._freq_all,
                                            row_words(self.data), row_words(rows), row_index)
             kept = slot >= 0
         else:

@@ -35,7 +35,7 @@ import torch
 
 from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, collapse_huge_pages, report_coverage
 from condmem.tables.native_gather import native_gather_rows
-from condmem.tables.quant import pack_rows
+from condmem.fp8 import pack_rows
 from condmem.tables.row_cache import RowCache
 from condmem.tables.safetensors_io import release_pages
 from condmem.tables.table_file import LayerRows

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from condmem.tables.quant import (
+from condmem.fp8 import (
     FP8_DTYPE,
     QuantError,
     dequantize_fp8_e8m0,
