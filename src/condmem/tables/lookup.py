@@ -216,40 +216,34 @@ class LookupEngine:
         region_bytes: the zero-copy translation granule used to split misses
             (`lookup_plan.split_by_density`).
         zero_copy_programs: cap on the zero-copy kernel's grid (None: the full persistent
-            grid of 4 programs per SM). Fewer programs in flight read host rows faster: on
-            the H200, 393K uniform rows alone took 12.3 ms with the full grid (528 programs),
-            11.6 with 128, 9.8 with 64, 9.0-9.4 with 16-48, 13.4 with 8, and the uniform
-            stream's pipelined lookup 2.39-2.46 ms at 64 vs 2.52-2.61 uncapped (2 rounds,
-            session 9, run 2). Default `ZERO_COPY_PROGRAMS` (64). Host stores only: an HBM
-            table's misses are read with the full grid (capped, one 16K-token lookup took
-            1.73 ms instead of 1.10, session 9, run 3).
+            grid of 4 programs per SM). Fewer programs in flight read host rows faster and
+            leave the CPU send more of the host's memory (`docs/lookup-engine.md`).
+            Default `ZERO_COPY_PROGRAMS` (64). Host stores only: an HBM table's misses are
+            read with the full grid, which is faster there.
         zero_copy_yields: run the zero-copy kernel as one short program per 32 rows on a
             low-priority stream, so the plan's and cache's kernels (high priority) take SMs
             as its programs end. Why: its persistent grid (4 programs of 128 threads per SM,
             215 registers a thread under Triton 3.6: 2 fit in an SM's 64K registers, so it
             runs in two waves holding ~84% of every SM's registers) leaves no room beside it;
             on the H200 each lookup's plan completed only ~0.6 ms after the previous
-            lookup's zero-copy kernel, serializing the CPU and GPU shares across lookups
-            (`benchmarks/lookup_notes.md`, session 7, section 7). Exact (GPU-tested), but no
-            measured gain: the calibration gives the zero-copy path little or no share
-            (session 8, run 1).
+            lookup's zero-copy kernel, serializing the CPU and GPU shares across lookups.
+            Exact (GPU-tested), but no measured gain: the calibration gives the zero-copy
+            path little or no share.
         zero_copy_word_bytes: 4, or 8 to move the zero-copy share's rows as 8-byte words
             (half the kernel's registers per row in flight: `lookup_plan.move_rows`). Exact
-            (GPU-tested); no measured gain, for the same reason (session 8, run 1).
+            (GPU-tested); no measured gain, for the same reason.
         expand_on_caller: the caller's thread queues each lookup's expansion (in `wait()`,
             `done()` or its next `lookup()`, whichever comes first) once the gather thread
             has queued the DMAs, so the gather thread goes straight on to the next CPU
             share; False: the gather thread queues it (~0.2 ms of Python per lookup). So a
-            handle's `event` means something only after `wait()` or a true `done()`. On the
-            H200 the text stream's pipelined lookup took 1.45-1.51 ms vs 1.51-1.69 (3 rounds,
-            session 8, run 7); nothing on the GPU ever waits for a host thread
-            (`utils.capture_guard` says why that matters).
+            handle's `event` means something only after `wait()` or a true `done()`. Nothing
+            on the GPU ever waits for a host thread (`utils.capture_guard` says why that
+            matters).
         max_in_flight: lookups in flight at once (and plan slots per batch size); a further
             `lookup` waits for the oldest one's CPU share. 3 (default): the plan of lookup
             i+1 is queued while lookup i-1 is still being sent, so its counts are ready when
-            the gather thread turns to it (with `expand_on_caller`, the text stream's
-            pipelined lookup took 1.29-1.64 ms vs 1.48-2.00 with 2, 3 rounds, session 8,
-            run 8); each slot holds the plan's buffers and graphs (below).
+            the gather thread turns to it; each slot holds the plan's buffers and graphs
+            (below).
         graphs: replay each plan and admission as a CUDA graph (captured on the second use
             of a batch size; False: the same kernels launched one by one, for debugging).
             Each batch size holds `max_in_flight` plan slots of fixed-size buffers and graph
@@ -559,8 +553,8 @@ class LookupEngine:
         (the executor's).
 
         (Nothing queued on the GPU may wait for this thread to act later: see
-        `utils.capture_guard`. Handing the expansion to a second thread lost: text stream
-        1.41 -> 1.85 ms pipelined on the H200, session 8.)"""
+        `utils.capture_guard`. The expansion stays on this thread or the caller's: a third
+        Python thread for it contends for the GIL and measured slower.)"""
         stats, start, plan = batch.stats, batch.start, batch.plan
         # Shared guard: this thread's syncs and event queries must not overlap a graph
         # capture on the caller's thread (`utils.capture_guard`).
@@ -670,8 +664,7 @@ class LookupEngine:
         and the GPU's address translation, so rates measured alone do not add up); the
         `refine` fastest are then timed again, in reverse order, and keep their better
         time; the fastest wins. Why twice: the host's memory bandwidth swings within
-        seconds (on the H200, one pass measured 5.8 ms at 0.8 between 3.5 ms at 0.9
-        and 3.8 ms at 0.7, session 9, run 1), and one slow pass must not decide the split.
+        seconds, and one slow pass must not decide the split.
 
         Args:
             n_ids: ids per batch of the default sample (uniform random ids, cache bypassed).
