@@ -3,8 +3,8 @@
 Planning a batch of N row ids (dedup, cache probe, misses, their split between the GPU's
 zero-copy gather and the CPU threads) takes ~80 small kernels. Launched one by one from
 Python, with the syncs that size each step's output (`torch.unique`, `torch.nonzero`),
-that cost 1.5-4 ms of host time per 16K-token lookup on the H200 host (profiler trace,
-session 4): more than the GPU work itself, and on the thread that also launches the model.
+that cost 1.5-4 ms of host time per 16K-token lookup on the H200 host (profiler trace):
+more than the GPU work itself, and on the thread that also launches the model.
 
 Here every intermediate keeps the batch's full size N: the unique ids, the misses and each
 share are the first n_unique / n_miss / n_gpu / n_cpu entries of their buffers, followed by
@@ -17,8 +17,8 @@ Row ids must be >= 0 (`PAD_ID` marks padding); ids outside the table are reporte
 the ``bad`` count (the engine raises on the gather thread) and never read.
 
 Padding writes of the dedup and the compaction land in one spare entry past N. (Cycling
-them over 1024 spares changed no plan time on the H200, session 5; the costly same-address
-stores were the cache's and the GPU share's row writes, which now store nothing for padding.)
+them over 1024 spares changed no plan time on the H200; the costly same-address stores are
+row writes, and the cache's and the GPU share's row writes store nothing for padding.)
 
 The functions run eagerly on any device; tests hold them to `torch.unique`,
 `torch.nonzero` and `split_by_density` on the CPU.
@@ -60,8 +60,8 @@ def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst
     `word_bytes` 8 moves 8-byte words where the row size allows (264 B rows: 33 of them, in a
     64-lane tile, where 4-byte words fill 66 of 128 lanes): compiled for sm_90 under Triton
     3.6, 114 registers a thread instead of 215 at 32 rows a program, so twice the programs
-    (and rows in flight) fit an SM (session 7; exact on the H200, no gain measured in the
-    engine, whose calibration gives the zero-copy path little share: session 8)."""
+    (and rows in flight) fit an SM (exact on the H200; no gain measured in the engine, whose
+    calibration gives the zero-copy path little share)."""
     if src.shape[-1] != dst.shape[-1]:
         raise ValueError(f"move_rows: source rows of {src.shape[-1]} B, destination rows of {dst.shape[-1]} B")
     src_words, dst_words = as_words(src, word_bytes), as_words(dst, word_bytes)   # same row size: same dtype
@@ -294,8 +294,8 @@ class LookupPlan:
             # thread_local: the runtime lets the gather thread make calls that are unsafe during
             # a capture; the guard keeps it from making them while this one captures (they
             # would invalidate the capture all the same: `utils.capture_guard`).
-            # (Running a step eagerly after a spoiled capture is NOT safe: tried, the plan's
-            # next kernels read out of bounds, session 9 run 11.)
+            # (Running a step eagerly after a spoiled capture is NOT safe: measured on the
+            # H200, the plan's next kernels then read out of bounds.)
             with CAPTURE_GUARD.capturing(), torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 fn()
             self._graphs[name] = graph
