@@ -92,8 +92,8 @@ static inline int64_t now_ns(void) {
    nothing blocks it). While it has nothing to queue or free it gathers pieces too, but only
    of chunks already writable, since it is the one that frees the rest. No thread waits for
    the slowest piece of a chunk, so chunks cost little each and a send can start and end in
-   small ones (measured on the H200, session 7: a barrier per chunk cost 0.4 ms of a 1.4 ms
-   send of 105K rows).
+   small ones (measured on the H200: a barrier per chunk cost 0.4 ms of a 1.4 ms send of
+   105K rows).
 
    `timeline` (NULL: none): 1 + 3 * n_chunks int64, nanoseconds on CLOCK_MONOTONIC: the
    start, then per chunk when its buffer became writable, when its last piece was in (as the

@@ -10,11 +10,10 @@ Two ways to run it, same result (the rows land in order at the destination):
   into the ring with no barriers, and the calling thread queues each chunk's
   ``cudaMemcpyAsync`` as soon as the chunk is whole (~5 us a call, where a ``Tensor.copy_``
   cost ~30 us) and frees ring buffers by polling their events. Chunks ramp up from
-  `TAIL_CHUNK_ROWS` to the chunk size and back (`chunk_bounds`). Measured on the H200 host
-  (``benchmarks/lookup_notes.md``, sessions 6-7): 105K rows (a text batch's misses) 1.0 ms,
-  where a barrier per chunk took 1.4 ms and the loop below 2.0 ms; 393K uniform rows
-  3.0-3.5 ms vs 3.5-4.1 ms with barriers and 5.4 ms for the loop. The host's memory
-  bandwidth (~70-90 GB/s in all, most of it taken by the 55 GB/s DMA) bounds them.
+  `TAIL_CHUNK_ROWS` to the chunk size and back (`chunk_bounds`). On the H200 host it sends
+  a text batch's ~105K missed rows in ~1.0 ms, about half the time of the loop below
+  (measurements: ``docs/lookup-engine.md``); the host's memory bandwidth (~70-90 GB/s in
+  all, most of it taken by the 55 GB/s DMA) bounds it.
 * **python** (fallback; also the disk tier with a DRAM row cache in front): a loop of
   `LayerStore.gather_raw` and ``Tensor.copy_(non_blocking=True)`` per chunk.
 """
@@ -35,8 +34,7 @@ log = logging.getLogger("condmem.tables")
 
 STAGING_CHUNK_ROWS = 65536
 """Default rows per staging chunk, the largest of a send's ramped chunks (H200, 393K uniform
-rows, ramped to 16384 / 32768 / 65536 / 131072: 3.7-4.0 / 3.4-3.8 / 3.0-3.5 / 3.4 ms;
-`benchmarks/lookup_notes.md`, session 7)."""
+rows, ramped to 16384 / 32768 / 65536 / 131072: 3.7-4.0 / 3.4-3.8 / 3.0-3.5 / 3.4 ms)."""
 
 TAIL_CHUNK_ROWS = 4096
 """Rows of a native send's first and last chunks (`chunk_bounds`): the first DMA starts

@@ -5,20 +5,20 @@ made on one thread invalidates a stream capture running on another thread of the
 device, whatever the capture mode (``thread_local`` only stops the runtime from *refusing*
 such calls). The lookup engine's gather thread makes such calls all the time (the plan's
 counts, the staged send's ring events), while the caller's thread captures plans as CUDA
-graphs on their second use; measured on the H200: `test_gpu_bad_ids_amid_a_burst_fail_alone`
-failed 2 times in 5 with ``cudaErrorStreamCaptureInvalidated`` once the send polled its
-events (session 7).
+graphs on their second use; measured on the H200 without this guard:
+`test_gpu_bad_ids_amid_a_burst_fail_alone` failed 2 times in 5 with
+``cudaErrorStreamCaptureInvalidated`` once the send polled its events.
 
 `CAPTURE_GUARD` is a readers-writer lock for the process: threads that synchronize hold it
 shared (`syncing`), so they run side by side; a capture holds it alone (`capturing`). Captures
 are rare (once per plan slot and step), so the writer waits at most one gather (~1-3 ms) and
 is preferred over new readers. A thread must not capture while it holds `syncing`. Python's
 garbage collector is paused during a capture too: a finalizer freeing a CUDA or pinned tensor
-on the capturing thread would make such a call (a guess at the one capture spoiled since
-session 7, session 9 run 9; not shown to be the cause).
+on the capturing thread would make such a call (a guess at the rare capture still spoiled
+with the guard in place; not shown to be the cause).
 
-Nothing queued on the GPU may wait for a host thread to act later (session 7 tried a stream
-gate, a stream waiting on a word that the gather thread would write after its DMAs): a
+Nothing queued on the GPU may wait for a host thread to act later (a stream gate, a stream
+waiting on a word that the gather thread would write after its DMAs, deadlocked): a
 capture's device-wide synchronize, and CUDA's loading of a kernel's module on its first
 launch, wait for every stream, so a gather thread held back (by this guard, or by the GIL
 the waiting thread holds) would never release them.
