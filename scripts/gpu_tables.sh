@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Device run for the tables issue: `condmem bench lookup` with a 64 GiB pinned host table,
-# then GPU exactness tests of every lookup path (the gather and cache kernels, staged sends,
-# tables, runtime). The bench runs first: on the H200, a bench started right after the test
-# suite measured the host tier ~1.4x slower than the same bench on a quiet machine (session 6,
-# run 14 vs runs 15-17; cause not found). Writes logs + JSON + PNG to $OUT.
+# On a CUDA machine: `condmem bench lookup` (e.g. with a 64 GiB pinned host table), then GPU
+# exactness tests of every lookup path (the gather and cache kernels, staged sends, tables,
+# runtime). The bench runs first: on the H200, a bench started right after the test suite
+# measured the host tier ~1.4x slower than the same bench on a quiet machine (cause not
+# found). Writes logs + JSON + PNG to $OUT.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"

@@ -348,8 +348,8 @@ def main() -> None:
         # I. The native send (`condmem_gather_stream`: no team barriers, threads take 64-row
         # pieces in order, a chunk is sent as soon as it is whole), its chunks ramped from 4096
         # rows up to the chunk size and back (`chunk_bounds`) or all of the chunk size
-        # ("fixed"); per-chunk times; beside zero-copy. (Session 7 also ran it against the
-        # barrier-per-chunk routine it replaced: `benchmarks/lookup_notes.md`.)
+        # ("fixed"); per-chunk times; beside zero-copy. (Against the barrier-per-chunk routine
+        # it replaced: `docs/lookup-engine.md`.)
         from condmem.tables.staged_transfer import StagedSender
         senders = {}
 

@@ -1,7 +1,7 @@
 """The lookup path's Triton kernels compile for sm_90 under the installed Triton, without a GPU.
 
 CPU runs execute kernels in the interpreter, which never calls the compiler; a kernel the
-compiler rejects (as Triton 3.6 rejected one of ours, session 5) would otherwise pass CI.
+compiler rejects (as Triton 3.6 rejected one of ours) would otherwise pass CI.
 """
 
 from __future__ import annotations

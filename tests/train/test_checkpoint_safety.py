@@ -16,16 +16,16 @@ from tests.train.test_train import make_trainer
 
 
 @pytest.fixture(scope="module")
-def run6(tiny_data, tmp_path_factory):
+def six_step_run(tiny_data, tmp_path_factory):
     run = tmp_path_factory.mktemp("safety") / "run"
     make_trainer(tiny_data, steps=6, run_dir=run, checkpoint_every=3, keep_checkpoints=2).fit()
     return run
 
 
 @pytest.fixture
-def run(run6, tmp_path):
+def run(six_step_run, tmp_path):
     dst = tmp_path / "run"
-    shutil.copytree(run6, dst)
+    shutil.copytree(six_step_run, dst)
     return dst
 
 

@@ -32,8 +32,8 @@ import triton.language as tl
 from condmem.ops.triton_util import next_pow2, persistent_programs
 
 
-# Forward grid: one program per (token, branch) or one per token; chosen from the H200 runs
-# (benchmarks/kernels_notes.md).
+# Forward grid: one program per (token, branch) or one per token; chosen from H200
+# measurements (docs/kernels.md).
 SPLIT_BRANCHES = True
 
 
