@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a CUDA machine (the device tool's H200): GPU kernel tests (incl. full DeepSeek-V4.1-Flash geometry),
+# On a CUDA machine: GPU kernel tests (incl. full DeepSeek-V4.1-Flash geometry),
 # then every kernel benchmark. Logs and JSON rows go to $OUT (default benchmarks/results); a short
 # table is printed last.  Usage:  OUT=/tmp/out scripts/gpu_kernels.sh [--no-tests] [--no-bench]
 set -uo pipefail

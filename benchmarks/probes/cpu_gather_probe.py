@@ -77,7 +77,7 @@ def build():
 
 
 def launch_costs() -> list[dict]:
-    """F. Host-side cost of the CUDA calls a lookup makes, in this VM (microseconds per call)."""
+    """F. Host-side cost of the CUDA calls a lookup makes, on this machine (microseconds per call)."""
     results = []
     stream = torch.cuda.Stream()
     maps = Path("/proc/self/maps").read_text()

@@ -43,7 +43,7 @@ def machine_info() -> dict:
             info["nvidia_smi"] = smi.stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
-    # The source itself, for runs from a copy without .git (the device tool's machines).
+    # The source itself, for runs from a copy of the tree without .git.
     pkg = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for f in sorted(pkg.rglob("*.py")):
