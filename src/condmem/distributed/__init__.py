@@ -1,0 +1,20 @@
+"""Tensor-parallel Engram on `torch.distributed` (NCCL on GPUs, gloo on CPU).
+
+* `ShardPlan`: which whole columns (hash heads of every order) and which contiguous rows of
+  one layer's table each rank owns, balanced by rows.
+* `ShardedRows`: a rank's lookups of its shard and the collective that gives every rank the
+  rows it needs: ``head`` (all-gather its columns) or ``row`` (zero-fill the rest and
+  all-reduce), optionally sequence-parallel (all-to-all / reduce-scatter over tokens).
+* `column_parallel_engram`: the layer with `wkv` split by input columns (all-reduce of the
+  keys and value instead of the rows).
+* `node_shared_table`: one host copy of a table per node, written once and mapped
+  read-only by the other local ranks.
+* `traffic_per_token`: the bytes each mode moves per token.
+"""
+
+from condmem.distributed.node_table import NodeTableError, map_shared_table, node_shared_table, remove_node_table
+from condmem.distributed.sharding import ShardPlan, ShardingError, traffic_per_token
+from condmem.distributed.tp import ShardedRows, column_parallel_engram
+
+__all__ = ["NodeTableError", "ShardPlan", "ShardedRows", "ShardingError", "column_parallel_engram",
+           "map_shared_table", "node_shared_table", "remove_node_table", "traffic_per_token"]
