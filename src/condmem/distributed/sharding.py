@@ -46,8 +46,9 @@ class ShardPlan:
         total = int(ends[-1])
         cuts = [0]
         for r in range(1, world_size):
-            # The first column boundary at or past r/world of the rows, leaving a column for each later rank.
-            c = int(np.searchsorted(ends, total * r / world_size, side="left")) + 1
+            # The column boundary nearest r/world of the rows, leaving a column for each later rank.
+            target = total * r / world_size
+            c = int(np.argmin(np.abs(ends - target))) + 1
             cuts.append(min(max(c, cuts[-1] + 1), n_cols - (world_size - r)))
         cuts.append(n_cols)
         rows = [0] + [int(ends[c - 1]) for c in cuts[1:]]

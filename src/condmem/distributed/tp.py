@@ -60,8 +60,10 @@ class ShardedRows:
         per = -(-n_tokens // self.plan.world_size)
         return min(self.rank * per, n_tokens), min((self.rank + 1) * per, n_tokens)
 
-    def _local(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's columns' rows of every token: [B, T, C_r, D]."""
+    def local_ids(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """Global row ids [B, T, C] -> this rank's columns' ids in its own rows: [B, T, C_r]."""
+        if row_ids.dim() != 3 or row_ids.shape[2] != self.plan.n_cols:
+            raise ShardingError(f"row_ids must be [B, T, {self.plan.n_cols}], got {tuple(row_ids.shape)}")
         c0, c1 = self.plan.columns(self.rank)
         r0, r1 = self.plan.rows(self.rank)
         ids = row_ids[:, :, c0:c1] - r0
@@ -70,17 +72,22 @@ class ShardedRows:
         if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= r1 - r0):
             raise ShardingError(f"rank {self.rank}: row ids of columns {c0}..{c1 - 1} fall outside its rows "
                                 f"{r0}..{r1 - 1}: were they hashed for another layout?")
-        return self.lookup(ids)
+        return ids
+
+    def _local(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's columns' rows of every token: [B, T, C_r, D]."""
+        return self.lookup(self.local_ids(row_ids))
 
     def __call__(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Global row ids [B, T, C] of every token -> rows [B, T, C, D] (sequence-parallel:
         [B, T_r, C, D] for this rank's chunk of the tokens)."""
-        if row_ids.dim() != 3 or row_ids.shape[2] != self.plan.n_cols:
-            raise ShardingError(f"row_ids must be [B, T, {self.plan.n_cols}], got {tuple(row_ids.shape)}")
-        local = self._local(row_ids)
+        return self.complete(self._local(row_ids))
+
+    def complete(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's columns' rows [B, T, C_r, D] -> every rank's rows it needs (see `__call__`)."""
         if self.mode == "row":
-            return self._row(row_ids, local)
-        return self._head(row_ids, local)
+            return self._row(local)
+        return self._head(local)
 
     def _padded_columns(self, local: torch.Tensor) -> torch.Tensor:
         extra = self.plan.max_columns - local.shape[2]
@@ -89,14 +96,14 @@ class ShardedRows:
         pad = local.new_zeros((*local.shape[:2], extra, local.shape[3]))
         return torch.cat([local, pad], dim=2)
 
-    def _head(self, row_ids: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _head(self, local: torch.Tensor) -> torch.Tensor:
         w = self.plan.world_size
         padded = self._padded_columns(local)
         if not self.sequence_parallel:
             parts = [torch.empty_like(padded) for _ in range(w)]
             dist.all_gather(parts, padded, group=self.group)
         else:
-            n = row_ids.shape[1]
+            n = local.shape[1]
             per = -(-n // w)
             if per * w != n:
                 padded = torch.cat([padded, padded.new_zeros((padded.shape[0], per * w - n, *padded.shape[2:]))], 1)
@@ -108,15 +115,15 @@ class ShardedRows:
         widths = [b - a for a, b in zip(self.plan.col_bounds[:-1], self.plan.col_bounds[1:])]
         return torch.cat([p[:, :, :k] for p, k in zip(parts, widths)], dim=2)
 
-    def _row(self, row_ids: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _row(self, local: torch.Tensor) -> torch.Tensor:
         w = self.plan.world_size
         c0, c1 = self.plan.columns(self.rank)
-        full = local.new_zeros((*row_ids.shape, local.shape[-1]))
+        full = local.new_zeros((*local.shape[:2], self.plan.n_cols, local.shape[-1]))
         full[:, :, c0:c1] = local
         if not self.sequence_parallel:
             dist.all_reduce(full, group=self.group)
             return full
-        n = row_ids.shape[1]
+        n = local.shape[1]
         per = -(-n // w)
         if per * w != n:
             full = torch.cat([full, full.new_zeros((full.shape[0], per * w - n, *full.shape[2:]))], dim=1)

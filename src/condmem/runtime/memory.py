@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Mapping
 
 import torch
@@ -52,11 +53,15 @@ class Prepared:
     handles: dict[int, LookupHandle]
     layer_index: dict[int, int]
     hasher: NgramHasher | None = None
+    complete: dict[int, Callable[[torch.Tensor], torch.Tensor]] | None = None
+    """Tensor parallelism: per layer, this rank's rows -> the rows it needs (a collective)."""
+    tokens: slice = field(default_factory=lambda: slice(None))
+    """Sequence parallelism: the tokens this rank keeps."""
     _rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def row_ids(self, layer_id: int) -> torch.Tensor:
-        """[B, T, n_cols] row ids of one layer."""
-        return self.row_ids_all[:, :, self.layer_index[layer_id]]
+        """[B, T, n_cols] row ids of one layer (sequence-parallel: this rank's tokens)."""
+        return self.row_ids_all[:, self.tokens, self.layer_index[layer_id]]
 
     def rows(self, layer_id: int, wait: bool = True) -> torch.Tensor:
         """[B, T, n_cols, head_dim] bf16 rows of one layer, ready on the current stream.
@@ -69,7 +74,10 @@ class Prepared:
         if not wait:
             return self.handles[layer_id].rows
         if layer_id not in self._rows:
-            self._rows[layer_id] = self.handles[layer_id].wait()
+            rows = self.handles[layer_id].wait()
+            if self.complete is not None:
+                rows = self.complete[layer_id](rows)
+            self._rows[layer_id] = rows
             if self.hasher is not None:
                 # Ids found out of range by a finished hash are raised here, where the caller waits anyway.
                 self.hasher.raise_pending(block=False)
@@ -86,10 +94,18 @@ class EngramMemory:
         cache_bytes: HBM cache per layer in bytes (0: none); only for host/disk stores.
         cpu_fraction: CPU share of host-store misses; None calibrates each host layer.
         max_sequences: decode history slots.
+        process_group: tensor parallelism over this `torch.distributed` group: each store holds
+            only this rank's shard of its layer (`ShardPlan`; `from_table_file` and
+            `from_weights` load only that), and `Prepared.rows` completes the rows with one
+            collective (see `condmem.distributed`).
+        tp_mode: ``head`` (all-gather) or ``row`` (zero-fill + all-reduce).
+        sequence_parallel: each rank keeps 1/world of the tokens (`Prepared.row_ids` / `rows`
+            give that chunk).
     """
 
     def __init__(self, hasher: NgramHasher, stores: Mapping[int, LayerStore], device: str | torch.device = "cpu", *,
-                 cache_bytes: int = 0, cpu_fraction: float | None = 0.5, max_sequences: int = 256):
+                 cache_bytes: int = 0, cpu_fraction: float | None = 0.5, max_sequences: int = 256,
+                 process_group=None, tp_mode: str = "head", sequence_parallel: bool = False):
         missing = set(hasher.layer_ids) - set(stores)
         if missing:
             raise EngramMemoryError(f"no table for Engram layer(s) {sorted(missing)}")
@@ -97,12 +113,23 @@ class EngramMemory:
         self.device = torch.device(device)
         self.stores = dict(stores)
         self.engines: dict[int, LookupEngine] = {}
+        self.sharded = None
+        if process_group is not None:
+            from condmem.distributed import ShardedRows
+
+            self.sharded = {lid: ShardedRows(shard_plan(hasher, lid, process_group), None,
+                                             hasher.layout.config.head_dim, mode=tp_mode,
+                                             sequence_parallel=sequence_parallel, group=process_group)
+                            for lid in hasher.layer_ids}
         for layer_id in hasher.layer_ids:
             store = self.stores[layer_id]
             expected = hasher.layout.layer(layer_id).num_embeddings
+            if self.sharded is not None:
+                r0, r1 = self.sharded[layer_id].plan.rows(self.sharded[layer_id].rank)
+                expected = r1 - r0
             if store.num_rows != expected:
                 raise EngramMemoryError(f"layer {layer_id}: the table has {store.num_rows:,} rows, the layout "
-                                   f"{expected:,}")
+                                        f"{expected:,}{' (this rank' + chr(39) + 's shard)' if self.sharded else ''}")
             cache = None
             if cache_bytes and store.tier != "hbm":
                 cache = RowCache.from_bytes(cache_bytes, store.row_bytes, ways=16, device=self.device)
@@ -122,8 +149,10 @@ class EngramMemory:
                         progress: bool = True, **kwargs) -> "EngramMemory":
         """Open a table file (identity checked against the hasher's layout) and place each layer in `tier`."""
         table = EngramTableFile(path, layout=hasher.layout, tokenizer_fingerprint=tokenizer_fingerprint)
-        stores = {lid: place_layer(table.layer(lid), tier, device=device if tier == "hbm" else None,
-                                   host_alloc=host_alloc, progress=progress, name=f"layer {lid}")
+        group = kwargs.get("process_group")
+        stores = {lid: place_layer(_shard(table.layer(lid), hasher, lid, group), tier,
+                                   device=device if tier == "hbm" else None, host_alloc=host_alloc, progress=progress,
+                                   name=f"layer {lid}")
                   for lid in hasher.layer_ids}
         return cls(hasher, stores, device, **kwargs)
 
@@ -153,7 +182,7 @@ class EngramMemory:
             _check_same_geometry(ckpt, hasher)
         stores = {}
         for lid in hasher.layer_ids:
-            rows = ckpt.table(lid, hasher.layout)
+            rows = _shard(ckpt.table(lid, hasher.layout), hasher, lid, kwargs.get("process_group"))
             stores[lid] = place_layer(rows, tier, device=device if tier == "hbm" else None, host_alloc=host_alloc,
                                       progress=progress, name=f"layer {lid}", drop_source_cache=drop_page_cache)
         return cls(hasher, stores, device, **kwargs)
@@ -167,8 +196,10 @@ class EngramMemory:
         if missing:
             raise EngramMemoryError(f"no table for Engram layer(s) {sorted(missing)}")
         stores = {}
+        group = kwargs.get("process_group")
         for lid in hasher.layer_ids:
-            w = weights[lid].detach().to("cpu", torch.bfloat16).contiguous()
+            rows = _shard(LayerRows("bf16", weights[lid].detach()), hasher, lid, group)
+            w = rows.weight.to("cpu", torch.bfloat16).contiguous()
             stores[lid] = place_layer(LayerRows("bf16", w), tier, device=device if tier == "hbm" else None,
                                       host_alloc=host_alloc, progress=progress, name=f"layer {lid}")
         return cls(hasher, stores, device, **kwargs)
@@ -188,8 +219,19 @@ class EngramMemory:
 
     # ------------------------------------------------------------------ batches
     def _start(self, row_ids: torch.Tensor) -> Prepared:
-        handles = {lid: self.engines[lid].lookup(row_ids[:, :, i]) for lid, i in self._layer_index.items()}
-        return Prepared(row_ids, handles, self._layer_index, self.hasher)
+        if self.sharded is None:
+            handles = {lid: self.engines[lid].lookup(row_ids[:, :, i]) for lid, i in self._layer_index.items()}
+            return Prepared(row_ids, handles, self._layer_index, self.hasher)
+        handles, complete = {}, {}
+        for lid, i in self._layer_index.items():
+            sharded = self.sharded[lid]
+            handles[lid] = self.engines[lid].lookup(sharded.local_ids(row_ids[:, :, i]))
+            complete[lid] = sharded.complete
+        tokens = slice(None)
+        first = self.sharded[self.hasher.layer_ids[0]]
+        if first.sequence_parallel:
+            tokens = slice(*first.token_chunk(row_ids.shape[1]))
+        return Prepared(row_ids, handles, self._layer_index, self.hasher, complete, tokens)
 
     def lookup(self, row_ids: torch.Tensor) -> Prepared:
         """Start every layer's lookup of row ids hashed elsewhere: int64 [B, T, n_layers, n_cols]
@@ -306,6 +348,25 @@ class EngramMemory:
             engine.close()
         for store in self.stores.values():
             store.close()
+
+
+def shard_plan(hasher: NgramHasher, layer_id: int, group):
+    """The `ShardPlan` of one layer over `group`."""
+    import torch.distributed as dist
+
+    from condmem.distributed import ShardPlan
+
+    return ShardPlan.for_layer(hasher.layout.layer(layer_id), dist.get_world_size(group))
+
+
+def _shard(rows: LayerRows, hasher: NgramHasher, layer_id: int, group) -> LayerRows:
+    """This rank's rows of a layer (a view: a memory-mapped file is read only there), or all of them."""
+    if group is None:
+        return rows
+    import torch.distributed as dist
+
+    r0, r1 = shard_plan(hasher, layer_id, group).rows(dist.get_rank(group))
+    return LayerRows(rows.format, rows.weight[r0:r1], None if rows.scales is None else rows.scales[r0:r1])
 
 
 def _check_same_geometry(ckpt, hasher: NgramHasher) -> None:
