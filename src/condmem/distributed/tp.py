@@ -85,6 +85,8 @@ class ShardedRows:
 
     def complete(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's columns' rows [B, T, C_r, D] -> every rank's rows it needs (see `__call__`)."""
+        if self.plan.world_size == 1:
+            return local  # one rank owns every column: nothing to exchange
         if self.mode == "row":
             return self._row(local)
         return self._head(local)
