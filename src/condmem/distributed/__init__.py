@@ -7,14 +7,17 @@
   all-reduce), optionally sequence-parallel (all-to-all / reduce-scatter over tokens).
 * `column_parallel_engram`: the layer with `wkv` split by input columns (all-reduce of the
   keys and value instead of the rows).
+* `ShardedTable`: a trainable table sharded over data-parallel ranks (ids and rows, then
+  gradients, by all-to-all; each rank's optimizer state for its shard only).
 * `node_shared_table`: one host copy of a table per node, written once and mapped
   read-only by the other local ranks.
 * `traffic_per_token`: the bytes each mode moves per token.
 """
 
 from condmem.distributed.node_table import NodeTableError, map_shared_table, node_shared_table, remove_node_table
+from condmem.distributed.sharded_table import ShardedTable
 from condmem.distributed.sharding import ShardPlan, ShardingError, traffic_per_token
 from condmem.distributed.tp import ShardedRows, column_parallel_engram
 
-__all__ = ["NodeTableError", "ShardPlan", "ShardedRows", "ShardingError", "column_parallel_engram",
+__all__ = ["NodeTableError", "ShardPlan", "ShardedRows", "ShardedTable", "ShardingError", "column_parallel_engram",
            "map_shared_table", "node_shared_table", "remove_node_table", "traffic_per_token"]
