@@ -63,7 +63,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
-        plan, rank, group = ctx.plan, ctx.rank, ctx.group
+        plan, group = ctx.plan, ctx.group
         served = ctx.saved_tensors
         w, d = plan.world_size, grad_rows.shape[-1]
         b, t = grad_rows.shape[:2]
