@@ -132,3 +132,23 @@ def test_prepared_data(tiny_data):
     assert tiny_data.ctok.vocab_size == info["tokenizer"]["compressed_vocab_size"]
     assert len(tiny_data.train) > 1000 and len(tiny_data.val) > 100
     assert tiny_data.tokenizer.id_to_token(tiny_data.pad_id) == "<|pad|>"
+
+
+def test_one_long_text_file_is_cut_into_documents_that_split(tmp_path):
+    """A single book-sized file must not fail the train/validation split: it is cut at line ends."""
+    from condmem.train.data import PIECE_CHARS, split_text
+
+    lines = [f"line {i}: " + "word " * (i % 17) for i in range(40_000)]
+    text = "\n".join(lines) + "\n"
+    path = tmp_path / "book.txt"
+    path.write_text(text)
+    corpus = load_corpus(path)
+    assert corpus.info["n_documents"] == len(split_text(text, PIECE_CHARS)) > 5
+    assert "".join(d.text for d in corpus.documents) == text
+    assert all(d.text.endswith("\n") for d in corpus.documents)
+    train, val = split_corpus(corpus, 0.05)
+    assert train and val
+    assert split_text("short", 100) == ["short"] and split_text("a" * 300, 100) == ["a" * 300]
+    small = tmp_path / "small.txt"
+    small.write_text("one document\n")
+    assert [d.name for d in load_corpus(small).documents] == ["small.txt"]

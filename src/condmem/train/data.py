@@ -126,6 +126,24 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
+PIECE_CHARS = 64 * 1024
+"""A single corpus file longer than this is cut into documents of about this many characters."""
+
+
+def split_text(text: str, size: int) -> list[str]:
+    """`text` cut at line ends into pieces of about `size` characters (a line longer than
+    `size` stays whole); joined, the pieces give `text` back."""
+    if len(text) <= size:
+        return [text]
+    pieces, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        pieces.append(text[start:end])
+        start = end
+    return pieces
+
+
 def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
                 patterns: Sequence[str] = DEFAULT_PATTERNS, jsonl_key: str = "text",
                 max_bytes: int | None = None) -> Corpus:
@@ -135,7 +153,8 @@ def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None 
         sources: None or ``"stdlib"`` (the interpreter's standard library ``*.py``),
             ``"python"`` (the standard library and every site-packages directory's ``*.py``), or
             paths: a directory (files matching `patterns`, recursively), a ``.jsonl`` file
-            (one document per line, its `jsonl_key` field), or any other text file (one document).
+            (one document per line, its `jsonl_key` field), or any other text file (one
+            document; cut at line ends into documents of ~64K characters when longer).
         max_bytes: stop adding documents after this many UTF-8 bytes (files in sorted order).
 
     Returns:
@@ -212,7 +231,14 @@ def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None 
             text = _read_text(path)
             if text is None:
                 raise CorpusError(f"corpus file {path} is not UTF-8 text")
-            add(path.name, text)
+            # One long text (a book, a dump) becomes pieces of ~PIECE_CHARS cut at line ends, so
+            # that it can be split into training and validation like a folder of files.
+            pieces = split_text(text, PIECE_CHARS)
+            for k, piece in enumerate(pieces):
+                name = path.name if len(pieces) == 1 else f"{path.name}#{k:06d}"
+                if not add(name, piece):
+                    full = True
+                    break
         else:
             raise CorpusError(f"corpus source {str(source)!r} is neither 'stdlib', 'python', a directory, nor a file")
     if not docs:

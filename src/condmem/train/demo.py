@@ -256,8 +256,9 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
     v = data.info["validation"]
     print(f"tokenizer: {t['source']}: {t['vocab_size']:,} ids -> compressed V'={t['compressed_vocab_size']:,}; "
           f"train split {data.info['train_tokens_available']:,} tokens", flush=True)
-    print(f"validation: {v['documents']:,} documents, {v['tokens']:,} tokens, all of them evaluated; "
-          f"{v['removed_documents']} near-duplicate documents ({v['removed_tokens']:,} tokens) removed "
+    print(f"validation: {v['documents']:,} document{'s' if v['documents'] != 1 else ''}, {v['tokens']:,} tokens, all "
+          f"of them evaluated; {v['removed_documents']} near-duplicate document"
+          f"{'s' if v['removed_documents'] != 1 else ''} ({v['removed_tokens']:,} tokens) removed "
           f"(> {v['dedup_threshold']} of their {v['dedup_ngram']}-token n-grams in the training split)"
           + (f": {', '.join(r['name'] for r in v['removed'][:5])}{' ...' if len(v['removed']) > 5 else ''}"
              if v["removed"] else ""), flush=True)
