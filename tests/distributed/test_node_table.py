@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from condmem.distributed import NodeTableError, map_shared_table, node_shared_table, remove_node_table
+from ranks import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 NBYTES = 3 << 20
@@ -51,8 +51,7 @@ def _worker(rank, world, init_file, name, fingerprints, nbytes, out_dir):
 def _run(tmp_path, world, fingerprints, nbytes=NBYTES):
     name = f"condmem-test-{uuid.uuid4().hex[:12]}"
     try:
-        mp.spawn(_worker, args=(world, str(tmp_path / "init"), name, fingerprints, nbytes, str(tmp_path)),
-                 nprocs=world, join=True)
+        spawn_ranks(_worker, world, tmp_path / "init", name, fingerprints, nbytes, str(tmp_path))
         return name, {p.name: p.read_text() for p in tmp_path.iterdir() if p.name[:2] in ("ok", "er")}
     finally:
         remove_node_table(name)
@@ -62,7 +61,7 @@ def test_written_once_and_mapped_read_only_by_every_other_rank(tmp_path):
     name = f"condmem-test-{uuid.uuid4().hex[:12]}"
     results: dict = {}
     try:
-        mp.spawn(_worker, args=(3, str(tmp_path / "init"), name, ["fp"] * 3, NBYTES, str(tmp_path)), nprocs=3)
+        spawn_ranks(_worker, 3, tmp_path / "init", name, ["fp"] * 3, NBYTES, str(tmp_path))
         results = {p.name: p.read_text() for p in tmp_path.iterdir() if p.name.startswith("ok")}
         shm = Path("/dev/shm") / name
         assert shm.stat().st_blocks * 512 < 2 * NBYTES, "one copy on the node, not one per rank"

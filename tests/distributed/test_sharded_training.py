@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from condmem import EngramConfig, EngramLayout, NgramHasher
 from condmem.distributed import ShardedTable, ShardPlan
 from condmem.train.optim import SparseAdam
+from ranks import spawn_ranks
 
 CFG = dict(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=8, table_size=[53, 31], compressed_vocab_size=20)
 STEPS, BATCH, T = 10, 4, 9
@@ -67,13 +67,14 @@ def _worker(rank, world, init_file):
             want = _single_process()
             torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6)
             assert not torch.equal(full, table), "training moved rows"
+        dist.barrier()  # no rank tears down gloo while another still talks to it
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_training_equals_one_process(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn_ranks(_worker, world, tmp_path / "init")
 
 
 def _train(sharded, opt, batches, target, rank, world):
@@ -96,6 +97,7 @@ def _save_worker(rank, world, init_file, run_dir):
         opt = SparseAdam([sharded.weight], lr=0.05)
         _train(sharded, opt, batches[:5], target, rank, world)
         save_sharded(run_dir, sharded, opt, 5, layout.fingerprint)
+        dist.barrier()  # no rank tears down gloo while another still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -118,6 +120,7 @@ def _resume_worker(rank, world, init_file, run_dir):
         full = sharded.full_table()
         if rank == 0:
             torch.testing.assert_close(full, _single_process(), rtol=1e-5, atol=1e-6)
+        dist.barrier()  # no rank tears down gloo while another still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -127,16 +130,16 @@ def test_resume_at_any_world_size_equals_an_uninterrupted_run(saved, resumed, tm
     """Saved after 5 steps on `saved` ranks, resumed for 5 more on `resumed` ranks: equal to 10
     steps in one process (rows and per-row Adam state move between shards)."""
     run = str(tmp_path / "run")
-    mp.spawn(_save_worker, args=(saved, str(tmp_path / "init1"), run), nprocs=saved, join=True)
+    spawn_ranks(_save_worker, saved, tmp_path / "init1", run)
     assert (tmp_path / "run" / "LATEST").read_text().strip() == "step-0000005"
-    mp.spawn(_resume_worker, args=(resumed, str(tmp_path / "init2"), run), nprocs=resumed, join=True)
+    spawn_ranks(_resume_worker, resumed, tmp_path / "init2", run)
 
 
 def test_a_damaged_or_missing_shard_is_refused(tmp_path):
     from condmem.distributed.checkpoint import ShardedCheckpointError, load_sharded
 
     run = tmp_path / "run"
-    mp.spawn(_save_worker, args=(2, str(tmp_path / "init"), str(run)), nprocs=2, join=True)
+    spawn_ranks(_save_worker, 2, tmp_path / "init", str(run))
     layout, *_ = _problem()
     plan = ShardPlan.for_layer(layout.layer(1), 2)
     shard = run / "step-0000005" / "shard-00001-of-00002.safetensors"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from condmem import Engram, EngramConfig, EngramLayout, NgramHasher
 from condmem.distributed import ShardedRows, ShardingError, ShardPlan, column_parallel_engram, traffic_per_token
+from ranks import spawn_ranks
 
 CFG = dict(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=8, table_size=[101, 53], hidden_size=32, hc_mult=1,
            compressed_vocab_size=60)
@@ -53,13 +53,14 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             local = ShardedRows(plan, lambda local: shard[local], cfg.head_dim)._local(row_ids)
             out = column_parallel_engram(engram, hidden, local, plan)
             torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+        dist.barrier()  # no rank tears down gloo while another still talks to it
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_engram_equals_one_process(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn_ranks(_worker, world, tmp_path / "init")
 
 
 def test_shard_plan_owns_whole_columns_and_balances_rows():
@@ -119,6 +120,7 @@ def _memory_worker(rank: int, world: int, init_file: str, table_path: str) -> No
                         assert torch.equal(prepared.row_ids(lid), want[:, t, i])
                         assert torch.equal(prepared.rows(lid), weights[lid][want[:, t, i]]), (mode, sp, source, lid)
                     memory.close()
+        dist.barrier()  # no rank tears down gloo while another still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -134,4 +136,4 @@ def test_engram_memory_serves_a_shard_per_rank(tmp_path):
     weights = {lid: torch.randn(layout.layer(lid).num_embeddings, cfg.head_dim).bfloat16() for lid in cfg.layer_ids}
     path = tmp_path / "tables.safetensors"
     write_table_file(path, layout, "bf16", {lid: [LayerRows("bf16", w)] for lid, w in weights.items()})
-    mp.spawn(_memory_worker, args=(2, str(tmp_path / "init"), str(path)), nprocs=2, join=True)
+    spawn_ranks(_memory_worker, 2, tmp_path / "init", str(path))
