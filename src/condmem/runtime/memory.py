@@ -146,14 +146,24 @@ class EngramMemory:
     @classmethod
     def from_table_file(cls, path, hasher: NgramHasher, tier: str = "host", device: str | torch.device = "cpu", *,
                         tokenizer_fingerprint: str | None = None, host_alloc: str = "mmap_register",
-                        progress: bool = True, **kwargs) -> "EngramMemory":
-        """Open a table file (identity checked against the hasher's layout) and place each layer in `tier`."""
+                        progress: bool = True, direct_io: bool = False, **kwargs) -> "EngramMemory":
+        """Open a table file (identity checked against the hasher's layout) and place each layer in `tier`.
+
+        `direct_io` (disk tier): read rows with O_DIRECT, bypassing the page cache
+        (`condmem.tables.direct_read`); put a DRAM cache in front with
+        ``store.attach_dram_cache(bytes)``.
+        """
+        if direct_io and tier != "disk":
+            raise EngramMemoryError(f"direct_io reads the disk tier; tier is {tier!r}")
         table = EngramTableFile(path, layout=hasher.layout, tokenizer_fingerprint=tokenizer_fingerprint)
         group = kwargs.get("process_group")
         stores = {lid: place_layer(_shard(table.layer(lid), hasher, lid, group), tier,
                                    device=device if tier == "hbm" else None, host_alloc=host_alloc, progress=progress,
                                    name=f"layer {lid}")
                   for lid in hasher.layer_ids}
+        if direct_io:
+            for lid, store in stores.items():
+                store.direct_reader = _direct_reader(table, lid, store, hasher, group)
         return cls(hasher, stores, device, **kwargs)
 
     @classmethod
@@ -367,6 +377,24 @@ def _shard(rows: LayerRows, hasher: NgramHasher, layer_id: int, group) -> LayerR
 
     r0, r1 = shard_plan(hasher, layer_id, group).rows(dist.get_rank(group))
     return LayerRows(rows.format, rows.weight[r0:r1], None if rows.scales is None else rows.scales[r0:r1])
+
+
+def _direct_reader(table, layer_id: int, store: LayerStore, hasher: NgramHasher, group):
+    """An O_DIRECT reader of one layer's rows in `table` (this rank's shard under `group`)."""
+    from condmem.tables.direct_read import DirectRowReader
+    from condmem.tables.table_file import tensor_names
+
+    if table.format == "fp8":
+        raise EngramMemoryError(f"{table.path}: direct reads need rows stored whole (bf16 or fp8_interleaved), not "
+                                "fp8 with separate scales; convert it with `condmem convert --to fp8_interleaved`")
+    entry = table.header.tensors[tensor_names(layer_id, table.format)["weight"]]
+    r0 = 0
+    if group is not None:
+        import torch.distributed as dist
+
+        r0 = shard_plan(hasher, layer_id, group).rows(dist.get_rank(group))[0]
+    return DirectRowReader(table.path, entry.start + r0 * store.row_bytes, store.row_bytes, store.num_rows,
+                           identity=table.header.identity)
 
 
 def _check_same_geometry(ckpt, hasher: NgramHasher) -> None:

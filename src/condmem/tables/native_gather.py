@@ -184,6 +184,54 @@ int condmem_gather_stream(const uint8_t *src, int64_t row_bytes, const int64_t *
     return err;
 }
 
+/* Rows read straight from a file opened with O_DIRECT (no page cache): row ids[i] of
+   `row_bytes` at file offset `offset` + ids[i] * row_bytes -> dst row i. Each thread reads
+   the aligned 4 KiB blocks that hold its row (two when the row straddles a block edge) into
+   its own aligned buffer, so `nthreads` reads are in flight. Returns 0, or -errno of the first
+   failed read (-EIO for a row past the end of the file). */
+#include <unistd.h>
+#include <errno.h>
+int64_t condmem_pread_rows(int fd, int64_t offset, int64_t row_bytes, const int64_t *ids, int64_t n,
+                           uint8_t *dst, int nthreads) {
+    const int64_t B = 4096;
+    int64_t err = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *buf = NULL;
+        int64_t cap = ((row_bytes + 2 * B - 1) / B) * B;
+        if (posix_memalign((void **)&buf, (size_t)B, (size_t)cap)) {
+            buf = NULL;
+            __atomic_store_n(&err, -ENOMEM, __ATOMIC_RELAXED);
+        }
+        #pragma omp for schedule(dynamic, 8)
+        for (int64_t i = 0; i < n; i++) {
+            if (!buf || __atomic_load_n(&err, __ATOMIC_RELAXED)) continue;
+            int64_t pos = offset + ids[i] * row_bytes;
+            int64_t start = pos & ~(B - 1);
+            int64_t len = ((pos + row_bytes - start + B - 1) / B) * B;
+            int64_t got = 0;
+            while (got < len) {
+                ssize_t r = pread(fd, buf + got, (size_t)(len - got), (off_t)(start + got));
+                if (r < 0) {
+                    if (errno == EINTR) continue;
+                    __atomic_store_n(&err, (int64_t)-errno, __ATOMIC_RELAXED);
+                    break;
+                }
+                if (r == 0) break;                     /* end of file: the last block is short */
+                got += r;
+            }
+            if (got < pos - start + row_bytes) {
+                int64_t zero = 0;
+                __atomic_compare_exchange_n(&err, &zero, (int64_t)-EIO, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+                continue;
+            }
+            memcpy(dst + i * row_bytes, buf + (pos - start), (size_t)row_bytes);
+        }
+        free(buf);
+    }
+    return err;
+}
+
 /* Host stand-ins for the runtime calls (tests). `stream` points to int64 counters: stream[0]
    counts sends and the send numbered stream[1] (when > 0) fails with code 7; event[0] counts
    records. `memcpy` copies at once; `done_query` says done at once and carries out nothing
@@ -289,7 +337,19 @@ def _compile_and_load():
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,      # memcpy, record, query, threads
         ctypes.c_void_p]                                                      # timeline (or None)
     lib.condmem_gather_stream.restype = ctypes.c_int
+    lib.condmem_pread_rows.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_int]
+    lib.condmem_pread_rows.restype = ctypes.c_int64
     return lib
+
+
+def native_pread_rows(fd: int, offset: int, row_bytes: int, ids: torch.Tensor, out: torch.Tensor,
+                      threads: int) -> int | None:
+    """`condmem_pread_rows` (see the C source): 0, -errno, or None without the native library."""
+    lib = _load()
+    if lib is None:
+        return None
+    return int(lib.condmem_pread_rows(fd, offset, row_bytes, ids.data_ptr(), ids.numel(), out.data_ptr(), threads))
 
 
 def runtime_stand_ins() -> dict[str, int]:

@@ -91,13 +91,15 @@ class Header:
     raw_tensors: dict[str, tuple[str, list[int], int, int]] = dataclasses.field(default_factory=dict, compare=False,
                                                                                 repr=False)
     """Each tensor's header entry as written: (dtype name, shape, begin, end)."""
+    identity: tuple[int, int] | None = dataclasses.field(default=None, compare=False)
+    """(st_dev, st_ino) of the file that was validated: a reader that opens it again checks it."""
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _map_file(path: Path) -> mmap.mmap:
+def _map_file(path: Path) -> tuple[mmap.mmap, tuple[int, int]]:
     """A read-only mapping of the whole regular file at `path` (the descriptor is closed; the mapping keeps the inode)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
@@ -111,7 +113,7 @@ def _map_file(path: Path) -> mmap.mmap:
             raise TableFileError(f"{path} is not a regular file")
         if st.st_size < 8:
             raise TableFileError(f"{path}: {st.st_size} bytes is too short to be a safetensors file")
-        return mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+        return mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ), (st.st_dev, st.st_ino)
     except OSError as exc:
         raise TableFileError(f"{path}: cannot be mapped ({exc.strerror or exc})") from None
     finally:
@@ -121,7 +123,7 @@ def _map_file(path: Path) -> mmap.mmap:
 def read_header(path: str | os.PathLike) -> Header:
     """Map a safetensors file and parse and validate its header (no tensor bytes are read)."""
     path = Path(path)
-    mm = _map_file(path)
+    mm, identity = _map_file(path)
     size = len(mm)
     (n,) = struct.unpack("<Q", mm[:8])
     if n > _MAX_HEADER or 8 + n > size:
@@ -163,7 +165,7 @@ def read_header(path: str | os.PathLike) -> Header:
             )
         tensors[name] = TensorEntry(name, dtype, shape, data_start + begin, expect)
         raw_tensors[name] = (info["dtype"], list(shape), begin, end)
-    return Header(path, dict(metadata), tensors, size, other, mapping=mm, raw_tensors=raw_tensors)
+    return Header(path, dict(metadata), tensors, size, other, mapping=mm, raw_tensors=raw_tensors, identity=identity)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -96,6 +96,8 @@ class LayerStore:
         self._split = split
         self._buffer = buffer
         self.dram_cache: RowCache | None = None
+        self.direct_reader = None
+        """Disk tier: a `DirectRowReader` that reads rows with O_DIRECT instead of the mapping."""
         self.native = raw is not None and raw.device.type == "cpu" and raw.is_contiguous()
         """Use the native CPU gather (set False to force torch.index_select, e.g. to compare)."""
 
@@ -165,6 +167,8 @@ class LayerStore:
         return torch.index_select(rows, 0, inverse, out=out)
 
     def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, threads: int | None) -> torch.Tensor:
+        if self.direct_reader is not None:
+            return self.direct_reader.read(ids, out)
         if self.device.type == "cpu" and ids.numel():
             # The native gather trusts its ids; a bad one must be an error, not a stray read.
             lo, hi = int(ids.min()), int(ids.max())
@@ -188,6 +192,9 @@ class LayerStore:
         return out
 
     def close(self) -> None:
+        if self.direct_reader is not None:
+            self.direct_reader.close()
+            self.direct_reader = None
         self.raw = None
         self._split = None
         if self._buffer is not None:
