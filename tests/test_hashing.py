@@ -236,3 +236,17 @@ def test_lookup_that_disagrees_with_layout_vocab():
     cfg = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, table_size=31, head_dim=4, compressed_vocab_size=6)
     with pytest.raises(HashInputError, match="silently rehashed"):
         NgramHasher(EngramLayout(cfg), token_lookup=np.array([0, 1, 2, 3, 4, 0]))
+
+
+def test_pending_id_checks_read_ranges_with_or_without_the_boundary_column():
+    from condmem.hashing.id_checks import PendingIdChecks
+
+    checks = PendingIdChecks(HashInputError, bound=10, what="table", noun="row id")
+    checks.submit(torch.tensor([[9, 0]]), "ok pair")
+    checks.submit(torch.tensor([[3, 0, 0], [9, 0, 0]], dtype=torch.int32), "ok triple")
+    with pytest.raises(HashInputError, match="row id 12 is outside the table's ids 0..9 .a lookup"):
+        checks.submit(torch.tensor([[12, 0]]), "a lookup")
+    with pytest.raises(HashInputError, match="row id -2 is outside"):
+        checks.submit(torch.tensor([[4, 2]]), "negative")
+    with pytest.raises(HashInputError, match="cu_seqlens"):
+        checks.submit(torch.tensor([[1, 0, 1]]), "boundaries")

@@ -37,12 +37,12 @@ class PendingIdChecks:
         self._pending: deque = deque()
 
     def submit(self, id_range: torch.Tensor, call: str) -> None:
-        """Hand over a call's ranges, int32 [k, 3] rows of ``[max id, max -id, broken
-        boundaries]`` (filled by work queued on the current stream)."""
+        """Hand over a call's ranges, integer [k, 3] rows of ``[max id, max -id, broken
+        boundaries]`` (or [k, 2] without the last), filled by work queued on the current stream."""
         if id_range.device.type != "cuda":
             self._raise_if_bad(id_range, call)
             return
-        host = torch.empty(id_range.shape, dtype=torch.int32, pin_memory=True)
+        host = torch.empty(id_range.shape, dtype=id_range.dtype, pin_memory=True)
         host.copy_(id_range, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -64,7 +64,8 @@ class PendingIdChecks:
             self._raise_if_bad(host, call)
 
     def _raise_if_bad(self, id_range: torch.Tensor, call: str) -> None:
-        hi, neg_lo, broken = (int(v) for v in id_range.reshape(-1, 3).amax(dim=0).tolist())
+        worst = [int(v) for v in id_range.reshape(-1, id_range.shape[-1]).amax(dim=0).tolist()]
+        hi, neg_lo, broken = (worst + [0])[:3]
         if broken:
             self._pending.clear()
             raise self.error(f"cu_seqlens must start at 0, never decrease and end within the batch ({call})")
