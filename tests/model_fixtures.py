@@ -28,3 +28,21 @@ def tiny_engram_lm(device, short_conv: bool = True):
                                                                      generator=gen))
     tables = {b.layer_id: b.engram.table.weight for b in model.blocks if b.engram is not None}
     return model, tables
+
+
+def sharpen_attention(model, factor: float = 8.0) -> None:
+    """Scale the query and key projections: a fresh init attends almost uniformly, which would
+    hide a position or masking error in a serving test."""
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.wq.weight.mul_(factor)
+            block.attn.wk.weight.mul_(factor)
+
+
+@torch.no_grad()
+def greedy_tokens(model, prompt: list[int], n: int, device) -> list[int]:
+    """The next `n` greedy tokens after `prompt`, each from a full forward over the sequence so far."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq], device=device))[0, -1].argmax()))
+    return seq[len(prompt):]

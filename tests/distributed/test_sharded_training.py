@@ -45,14 +45,19 @@ def _single_process():
     return weight.detach()
 
 
+def _rank_shard(rank, world, layout, table):
+    """This rank's shard of the initial table and its optimizer."""
+    plan = ShardPlan.for_layer(layout.layer(1), world)
+    r0, r1 = plan.rows(rank)
+    sharded = ShardedTable(plan, table[r0:r1])
+    return sharded, SparseAdam([sharded.weight], lr=0.05)
+
+
 def _worker(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         layout, table, target, batches = _problem()
-        plan = ShardPlan.for_layer(layout.layer(1), world)
-        r0, r1 = plan.rows(rank)
-        sharded = ShardedTable(plan, table[r0:r1])
-        opt = SparseAdam([sharded.weight], lr=0.05)
+        sharded, opt = _rank_shard(rank, world, layout, table)
         per = BATCH // world
         for step, ids in enumerate(batches):
             mine = ids[rank * per : (rank + 1) * per]
@@ -91,10 +96,7 @@ def _save_worker(rank, world, init_file, run_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         layout, table, target, batches = _problem()
-        plan = ShardPlan.for_layer(layout.layer(1), world)
-        r0, r1 = plan.rows(rank)
-        sharded = ShardedTable(plan, table[r0:r1])
-        opt = SparseAdam([sharded.weight], lr=0.05)
+        sharded, opt = _rank_shard(rank, world, layout, table)
         _train(sharded, opt, batches[:5], target, rank, world)
         save_sharded(run_dir, sharded, opt, 5, layout.fingerprint)
         dist.barrier()  # no rank tears down gloo while another still talks to it

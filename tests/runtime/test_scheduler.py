@@ -11,14 +11,7 @@ from condmem.models.scheduler import Scheduler
 from condmem.models.serving import ServingCache
 from condmem.runtime import EngramMemory
 from helpers import devices
-from model_fixtures import tiny_engram_lm
-
-
-def _greedy(model, prompt, n, device):
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model(torch.tensor([seq], device=device))[0, -1].argmax()))
-    return seq[len(prompt):]
+from model_fixtures import greedy_tokens, sharpen_attention, tiny_engram_lm
 
 
 def _serve(model, device, memory=None, budget=7):
@@ -41,14 +34,12 @@ def _serve(model, device, memory=None, budget=7):
 @pytest.mark.parametrize("device", devices())
 def test_chunked_prefill_schedule_generates_the_greedy_tokens(device):
     model, _ = tiny_engram_lm(device, short_conv=False)
+    sharpen_attention(model)
     with torch.no_grad():
-        for block in model.blocks:  # sharper attention: position errors would show
-            block.attn.wq.weight.mul_(8.0)
-            block.attn.wk.weight.mul_(8.0)
         prompts, news, done, steps = _serve(model, device)
         assert set(done) == set(prompts)
         for k in prompts:
-            assert done[k] == _greedy(model, prompts[k], news[k], device), k
+            assert done[k] == greedy_tokens(model, prompts[k], news[k], device), k
         assert steps >= sum(len(p) for p in prompts.values()) // 7, "the budget cut the prompts"
 
 

@@ -14,16 +14,9 @@ import torch
 from condmem.models.serving import ServingCache, ragged_step
 from condmem.runtime import EngramMemory
 from helpers import assert_close, devices
-from model_fixtures import tiny_engram_lm
+from model_fixtures import greedy_tokens, sharpen_attention, tiny_engram_lm
 
 BUDGET = 10
-
-
-def _greedy(model, tokens: list[int], n: int, device) -> list[int]:
-    out = list(tokens)
-    for _ in range(n):
-        out.append(int(model(torch.tensor([out], device=device))[0, -1].argmax()))
-    return out[len(tokens):]
 
 
 def _serve(model, device, memory=None, spec_every: int = 2, seed: int = 0):
@@ -34,7 +27,7 @@ def _serve(model, device, memory=None, spec_every: int = 2, seed: int = 0):
                "c": torch.randint(0, 50, (9,), generator=gen).tolist()}
     prompts["e"] = prompts["a"][:8] + torch.randint(0, 50, (4,), generator=gen).tolist()  # shares a's first 8
     new_tokens = {"a": 7, "b": 9, "c": 5, "e": 6}
-    truth = {k: _greedy(model, p, new_tokens[k] + 3, device) for k, p in prompts.items()}  # for right drafts
+    truth = {k: greedy_tokens(model, p, new_tokens[k] + 3, device) for k, p in prompts.items()}  # for right drafts
     cache = ServingCache(model, n_slots=3, max_len=40)
     free = [0, 1, 2]
     order = ["a", "b", "c", "e"]
@@ -138,10 +131,8 @@ def _serve(model, device, memory=None, spec_every: int = 2, seed: int = 0):
 @pytest.mark.parametrize("device", devices())
 def test_engine_schedule_matches_full_forward(device):
     model, _ = tiny_engram_lm(device, short_conv=False)
+    sharpen_attention(model)
     with torch.no_grad():
-        for block in model.blocks:  # sharper attention: position errors would show
-            block.attn.wq.weight.mul_(8.0)
-            block.attn.wk.weight.mul_(8.0)
         done, truth = _serve(model, device)
         assert set(done) == {"a", "b", "c", "e"}
         for name, (tokens, logits) in done.items():

@@ -3,9 +3,7 @@ checked to be the validated one, bad ids named; through EngramMemory equal to th
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import mmap
 import os
 
 import pytest
@@ -17,26 +15,7 @@ from condmem.runtime import EngramMemory
 from condmem.tables.direct_read import DirectRowReader
 from condmem.tables.storage import StorageError
 from condmem.tables.table_file import EngramTableFile, LayerRows, tensor_names, write_table_file
-
-
-def _cached_fraction(path, start: int, nbytes: int) -> float:
-    """Share of the pages of path[start:start+nbytes] in the page cache (mincore on a fresh mapping)."""
-    page = mmap.PAGESIZE
-    lo = start // page * page
-    length = start + nbytes - lo
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
-        pages = -(-length // page)
-        vec = (ctypes.c_ubyte * pages)()
-        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) == 0
-        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(length))
-    finally:
-        os.close(fd)
-    return sum(v & 1 for v in vec) / pages
+from page_cache import cached_fraction
 
 
 def _drop_cache(path) -> None:
@@ -78,16 +57,16 @@ def test_direct_rows_equal_the_mapped_rows_and_leave_the_page_cache_empty(table)
     del tf  # its mapping (pages it touched checking hashes) must go, or they cannot be dropped
     gc.collect()
     _drop_cache(path)
-    assert _cached_fraction(path, entry.start, n * 264) < 0.02, "could not empty the page cache for the test"
+    assert cached_fraction(path, entry.start, n * 264) < 0.02, "could not empty the page cache for the test"
     reader = DirectRowReader(path, entry.start, 264, n, identity=identity)
     gen = torch.Generator().manual_seed(1)
     ids = torch.cat([torch.randint(0, n, (3000,), generator=gen), torch.tensor([0, n - 1, n - 1, 5, 5])])
     got = reader.read(ids)
     assert torch.equal(got, rows[2][ids]), "rows differ from the file's"
-    assert _cached_fraction(path, entry.start, n * 264) < 0.02, "direct reads filled the page cache"
+    assert cached_fraction(path, entry.start, n * 264) < 0.02, "direct reads filled the page cache"
     mapped = EngramTableFile(path, layout=layout).layer(2).weight
     assert torch.equal(mapped[ids], got)  # the mapping pulls pages in: the negative control
-    assert _cached_fraction(path, entry.start, n * 264) > 0.2
+    assert cached_fraction(path, entry.start, n * 264) > 0.2
     with pytest.raises(StorageError, match=f"row id {n} outside"):
         reader.read(torch.tensor([1, n]))
     reader.close()

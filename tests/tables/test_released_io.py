@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import mmap
 import os
 
 import torch
@@ -14,26 +12,7 @@ from condmem.runtime import EngramMemory
 from condmem.tables.released import ReleasedCheckpoint
 from condmem.tables.safetensors_io import mmap_tensor, read_header, release_pages
 from released_fixtures import config_json, engram_config, write_checkpoint
-
-
-def _cached_fraction(path, start: int, nbytes: int) -> float:
-    """Share of the pages of path[start:start+nbytes] in the page cache (mincore on a fresh mapping)."""
-    page = mmap.PAGESIZE
-    lo = start // page * page
-    length = start + nbytes - lo
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
-        pages = -(-length // page)
-        vec = (ctypes.c_ubyte * pages)()
-        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) == 0
-        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(length))
-    finally:
-        os.close(fd)
-    return sum(v & 1 for v in vec) / pages
+from page_cache import cached_fraction
 
 
 def test_release_pages_leaves_anonymous_memory_alone():
@@ -61,14 +40,14 @@ def test_host_load_drops_the_source_page_cache(tmp_path):
     hasher = NgramHasher(EngramLayout(engram_config(table_size=4001)))
     with open(path, "rb") as fh:
         fh.read()  # all of it in the page cache
-    assert _cached_fraction(path, entry.start, entry.nbytes) > 0.9
+    assert cached_fraction(path, entry.start, entry.nbytes) > 0.9
     kept = EngramMemory.from_released(ReleasedCheckpoint(tmp_path), hasher, "host", host_alloc="pageable",
                                       progress=False, drop_page_cache=False)
-    assert _cached_fraction(path, entry.start, entry.nbytes) > 0.9
+    assert cached_fraction(path, entry.start, entry.nbytes) > 0.9
     kept.close()
     del kept
     gc.collect()  # the first load's mappings: mapped pages stay cached whatever is asked
     memory = EngramMemory.from_released(ReleasedCheckpoint(tmp_path), hasher, "host", host_alloc="pageable",
                                         progress=False)
-    assert _cached_fraction(path, entry.start, entry.nbytes) < 0.1
+    assert cached_fraction(path, entry.start, entry.nbytes) < 0.1
     memory.close()

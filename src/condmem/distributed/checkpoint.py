@@ -15,7 +15,6 @@ exactly: per-row Adam does not depend on where a row lives.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,20 +29,13 @@ from condmem.distributed.sharded_table import ShardedTable
 from condmem.distributed.sharding import ShardPlan
 from condmem.train.optim import SparseAdam
 from condmem.utils.atomic import atomic_path, atomic_write_text
+from condmem.utils.digest import sha256_file
 
 FORMAT = "condmem-sharded-table-1"
 
 
 class ShardedCheckpointError(ValueError):
     """A sharded checkpoint is missing, damaged, or made for another layout."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _state_by_row(opt: SparseAdam, table: ShardedTable) -> dict[str, torch.Tensor]:
@@ -76,7 +68,7 @@ def save_sharded(run_dir: str | os.PathLike, table: ShardedTable, opt: SparseAda
     with atomic_path(tmp / fname) as p:
         save_file(tensors, str(p), metadata={"format": FORMAT, "rank": str(rank)})
     digests = [None] * plan.world_size
-    dist.all_gather_object(digests, (fname, _sha256(tmp / fname)), group=group)
+    dist.all_gather_object(digests, (fname, sha256_file(tmp / fname)), group=group)
     final = run_dir / name
     if rank == 0:
         manifest = {"format": FORMAT, "step": step, "world_size": plan.world_size, "row_bounds": list(plan.row_bounds),
@@ -124,7 +116,7 @@ def load_sharded(checkpoint: str | os.PathLike, plan: ShardPlan, rank: int, fing
         f = path / fname
         if not f.is_file():
             raise ShardedCheckpointError(f"{path} lacks {fname} (rank {q} of {manifest['world_size']})")
-        if _sha256(f) != manifest["files"].get(fname):
+        if sha256_file(f) != manifest["files"].get(fname):
             raise ShardedCheckpointError(f"{f} does not match its sha256 in the manifest: damaged")
         with safe_open(str(f), "pt") as st:
             weights.append(st.get_slice("weight")[lo - a : hi - a])

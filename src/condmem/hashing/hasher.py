@@ -220,18 +220,9 @@ class NgramHasher:
                 self._checks.submit(id_range, f"hasher call on {tuple(input_ids.shape)} ids")
             return rows
         if check:
-            self._check_range(input_ids.reshape(-1), f"hasher call on {tuple(input_ids.shape)} ids")
+            self._checks.submit_ids(input_ids.long(), f"hasher call on {tuple(input_ids.shape)} ids")
         compressed = self.compress(input_ids, check=False)
         return self.hash_compressed(compressed, blocked=blocked, with_offsets=with_offsets, backend="torch")
-
-    def _check_range(self, ids: torch.Tensor, call: str) -> None:
-        """The id range of `ids`, checked now on the CPU, deferred (no sync) on a GPU."""
-        if ids.numel() == 0:
-            return
-        lo, hi = torch.aminmax(ids.long())
-        zero = torch.zeros((), dtype=hi.dtype, device=hi.device)
-        row = torch.stack([hi.clamp(-2**31 + 1, 2**31 - 1), (-lo).clamp(-2**31 + 1, 2**31 - 1), zero])
-        self._checks.submit(row.to(torch.int32)[None], call)
 
     @staticmethod
     def _range_slots(n_tokens: int, device: torch.device) -> torch.Tensor | None:
@@ -385,7 +376,7 @@ class NgramHasher:
             if check:
                 self._check_boundaries(cu_seqlens, input_ids.numel())
                 live = torch.arange(input_ids.numel(), device=device) < cu_seqlens[-1]
-                self._check_range(torch.where(live, input_ids.long(), 0), label)
+                self._checks.submit_ids(torch.where(live, input_ids.long(), 0), label)
             compressed = self._compress_safe(input_ids)
             lb = torch.full((cu_seqlens.numel() - 1, self.layout.max_ngram_size - 1), self.pad_compressed_id,
                             dtype=torch.int64, device=device)

@@ -48,6 +48,14 @@ class PendingIdChecks:
         event.record()
         self._pending.append((event, host, call))
 
+    def submit_ids(self, ids: torch.Tensor, call: str) -> None:
+        """Check `ids` themselves: their range is reduced on their device (two small launches)
+        and handed over like a kernel's (checked now on the CPU, later on a GPU)."""
+        if ids.numel() == 0:
+            return
+        lo, hi = torch.aminmax(ids.reshape(-1))
+        self.submit(torch.stack([hi, -lo])[None], call)
+
     def raise_pending(self, block: bool = False) -> None:
         """Raise for the first earlier call whose ids were out of range.
 

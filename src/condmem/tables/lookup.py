@@ -438,8 +438,7 @@ class LookupEngine:
             # back without waiting and raised by a later wait() or lookup() (`raise_pending`).
             # Two small launches, a copy and an event on the engine's stream (about 20 us of host
             # time, not measured on a GPU); graphed decoders (`gather_into`) skip it.
-            lo, hi = torch.aminmax(row_ids.reshape(-1))
-            self._direct_checks.submit(torch.stack([hi, -lo])[None], f"a direct lookup of {row_ids.numel()} ids")
+            self._direct_checks.submit_ids(row_ids, f"a direct lookup of {row_ids.numel()} ids")
         stats.unique, stats.gpu_rows = -1, row_ids.numel()
         return LookupHandle(out, event, None, stats, settle=self._direct_checks.raise_pending)
 

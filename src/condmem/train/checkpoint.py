@@ -46,6 +46,7 @@ from tokenizers import Tokenizer
 from condmem.layout import EngramLayout, LayoutError
 from condmem.models import DecoderLM, ModelConfig
 from condmem.utils.atomic import atomic_path, atomic_write_text, fsync_dir, sweep_stale
+from condmem.utils.digest import sha256_file
 
 logger = logging.getLogger("condmem.train.checkpoint")
 
@@ -66,14 +67,6 @@ class CorruptCheckpointError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's parts (tables, tokenizer, config) do not belong together."""
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _state_digest(state: dict) -> str:
@@ -203,7 +196,7 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
             config["engram_v4"] = model.cfg.engram.to_dict("v4")
         atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         atomic_write_text(tmp / "tokenizer.json", tokenizer.to_str())
-        files = {f: {"sha256": _sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES}
+        files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES}
         meta = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprints": fingerprints, "files": files,
                 **trainer_state}
         meta["state_sha256"] = _state_digest(json.loads(json.dumps(meta)))
@@ -298,7 +291,7 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
             raise CorruptCheckpointError(
                 f"checkpoint file {file} has {size} bytes, {want.get('bytes')} were written: it is truncated or altered"
             )
-        if verify and _sha256_file(file) != want.get("sha256"):
+        if verify and sha256_file(file) != want.get("sha256"):
             raise CorruptCheckpointError(f"checkpoint file {file} does not match its recorded sha256: it is corrupted")
     try:
         config = json.loads((folder / "config.json").read_text())

@@ -360,21 +360,6 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
                       f"(--max-passes {max_passes:g}); the comparison measures memorization as much as modelling."),
               flush=True)
 
-    figures = {}
-    curves_summary = {"corpus_description": src, "engram": eng, "baseline": base, "curves": curves,
-                      "seeds": per_seed, "comparison": {"val_loss_gap_pct": gap_mean, "val_loss_gap_pct_std": gap_std,
-                                                        "flops_per_token_ratio": flops_ratio}}
-    fig = plot_summary(curves_summary, out / "loss_curves.png")
-    if fig:
-        figures["loss_curves"] = fig.name
-    gates = gate_sample(models["engram"], data, dev)
-    atomic_write_text(out / "gates.json", json.dumps(gates) + "\n")
-    first = next(iter(gates["gates"]))
-    fig = plot_gate_heatmap(gates["pieces"], np.array([gates["gates"][k] for k in gates["gates"]]), out / "gates.png",
-                            title=f"Engram gate (layer {first}) per token over validation code; darker = more memory")
-    if fig:
-        figures["gates"] = fig.name
-
     prompt_ids = data.tokenizer.encode(prompt, add_special_tokens=False).ids
     samples = {}
     for label in ("engram", "baseline"):
@@ -415,12 +400,23 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
                    "train": configs["engram"]["train"], "preset": p},
         "data": data.info,
         "machine": machine_info(dev),
-        "figures": figures,
+        "figures": {},
         "sample": {"prompt": prompt, "engram": samples["engram"], "baseline": samples["baseline"]},
         "curves": curves,
-        "wall_seconds": time.perf_counter() - wall,
         "table": table,
     }
+    figures = summary["figures"]
+    fig = plot_summary(summary, out / "loss_curves.png")
+    if fig:
+        figures["loss_curves"] = fig.name
+    gates = gate_sample(models["engram"], data, dev)
+    atomic_write_text(out / "gates.json", json.dumps(gates) + "\n")
+    first = next(iter(gates["gates"]))
+    fig = plot_gate_heatmap(gates["pieces"], np.array([gates["gates"][k] for k in gates["gates"]]), out / "gates.png",
+                            title=f"Engram gate (layer {first}) per token over validation code; darker = more memory")
+    if fig:
+        figures["gates"] = fig.name
+    summary["wall_seconds"] = time.perf_counter() - wall
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     print(f"\nwrote {out}/summary.json, {', '.join(figures.values()) or 'no figures (matplotlib missing)'}, "
           f"sample.txt, gates.json{f'; checkpoints in {out}/engram and {out}/baseline' if checkpoint else ''} "
