@@ -24,28 +24,49 @@ from __future__ import annotations
 
 import torch
 
-from condmem.models.attention import _SDPA_GQA, KVCache, decode_attention
-from condmem.models.layers import apply_rotary
+from condmem.models.attention import KVCache
 from condmem.models.transformer import DecoderLM, InferenceCache, engram_update
+from condmem.ops.attention import paged_decode_attention, paged_prefill_attention, rope_store
+from condmem.ops.norm_act import rms_norm, silu_mul
 
 
 class ServingCache:
     """Per-slot decoding state for up to `n_slots` concurrent sequences of `max_len` tokens.
 
+    Keys and values of each block live in a paged pool, ``k_pool[i]`` / ``v_pool[i]``
+    [n_blocks, block_size, n_kv_heads, head_dim], and slot s owns the blocks of row s of
+    ``block_table`` (int32 [n_slots, blocks_per_slot]); the attention kernels read through
+    the table (`condmem.ops.attention`) and each slot's own length, never past it. Blocks
+    are assigned to slots in order at construction, so ``k[i]`` / ``v[i]`` are also dense
+    views [n_slots, n_kv_heads, max_len, head_dim] of the same memory.
+
     ``host_lengths`` mirrors each slot's length on the host (kept by `prefill`,
     `release` and the decoders), so schedulers can check capacity without a device sync.
     """
 
-    def __init__(self, model: DecoderLM, n_slots: int, max_len: int | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, model: DecoderLM, n_slots: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                 block_size: int = 16):
         cfg = model.cfg
         self.max_len = max_len or cfg.max_seq_len
         if self.max_len > cfg.max_seq_len:
             raise ValueError(f"max_len {self.max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         device = model.embed.weight.device
         dtype = dtype or model.embed.weight.dtype
-        shape = (n_slots, cfg.n_kv_heads, self.max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
+        self.block_size = block_size
+        per_slot = -(-self.max_len // block_size)
+        shape = (n_slots * per_slot, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k_pool = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
+        self.v_pool = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
+        self.block_table = torch.arange(n_slots * per_slot, dtype=torch.int32, device=device).view(n_slots, per_slot)
+
+        def dense(pool):
+            return pool.view(n_slots, per_slot * block_size, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)[
+                :, :, : self.max_len]
+
+        self.k = [dense(p) for p in self.k_pool]
+        self.v = [dense(p) for p in self.v_pool]
         self.lengths = torch.zeros(n_slots, dtype=torch.long, device=device)
         self.host_lengths = [0] * n_slots
         self.tokens = torch.zeros(n_slots, self.max_len, dtype=torch.long, device=device)
@@ -56,6 +77,11 @@ class ServingCache:
                 self.conv[block.layer_id] = (None if sc is None else torch.zeros(
                     n_slots, (sc.kernel_size - 1) * sc.dilation, 1, cfg.dim, device=device, dtype=dtype))
         self.n_slots = n_slots
+
+    def live_kv_bytes(self, lengths) -> int:
+        """Bytes of keys and values that attention reads for sequences of `lengths` tokens (all layers)."""
+        per_token = sum(2 * p[0, 0].numel() * p.element_size() for p in self.k_pool)
+        return per_token * int(sum(int(n) for n in lengths))
 
     def _row_cache(self, slot: int) -> InferenceCache:
         """An `InferenceCache` whose buffers are views of one slot (prefill writes land in place)."""
@@ -173,6 +199,27 @@ def _masked_put(dest: torch.Tensor, index: tuple, new: torch.Tensor, valid: torc
     dest[index] = new
 
 
+def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, pos: torch.Tensor,
+                   slot_of: torch.Tensor, valid: torch.Tensor | None, attend) -> torch.Tensor:
+    """A block's attention and SwiGLU over flat tokens x [n, D] (the serving form of `Block.forward`).
+
+    Each token's k, v land at (slot_of, pos) of the paged cache (rows with `valid` False write
+    nothing); ``attend(i, q)`` maps the rotated queries [n, H, hd] to attention outputs.
+    Norm, RoPE + store and silu(a) * b run as one kernel each on CUDA (`condmem.ops`).
+    """
+    attn, n = block.attn, x.shape[0]
+    h = rms_norm(x, block.attn_norm.weight, block.attn_norm.eps)
+    q = attn.wq(h).view(n, attn.n_heads, attn.head_dim)
+    k = attn.wk(h).view(n, attn.n_kv_heads, attn.head_dim)
+    v = attn.wv(h).view(n, attn.n_kv_heads, attn.head_dim)
+    q = rope_store(q, k, v, rotary.cos, rotary.sin, pos, slot_of, cache.block_table, cache.k_pool[i],
+                   cache.v_pool[i], valid)
+    y = attend(i, q)
+    x, h = rms_norm(attn.wo(y.reshape(n, -1)), block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
+    mlp = block.mlp
+    return x + mlp.w2(silu_mul(mlp.w1(h), mlp.w3(h)))
+
+
 @torch.no_grad()
 def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | None, ids: torch.Tensor,
                 prepared=None, check: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,8 +229,12 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
         slots: [B] distinct slots to advance, or None for every slot in order (B = n_slots;
             the KV cache is then read in place, without index copies).
         ids: [B] new token ids.
-        valid: optional bool [B]; False rows compute but change nothing (graph padding).
+        valid: optional bool [B]; False rows compute but change nothing (graph padding), and
+            their attention reads no key.
         check: test that no advanced slot is full (a host sync; off inside CUDA graphs).
+
+    Attention reads each slot's own keys through the paged cache's block table
+    (`paged_decode_attention`): a step's cost follows the live lengths, not ``max_len``.
     """
     cfg = model.cfg
     device = cache.tokens.device
@@ -199,9 +250,7 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
             raise ValueError(f"a sequence reached the cache's {cache.max_len} positions")
     at = pos.clamp(max=cache.max_len - 1)                          # invalid rows may sit at a full slot
     _masked_put(cache.tokens, (rows, at), ids, valid)
-    x = model.embed(ids)[:, None]                                  # [B, 1, D]
-    cos = model.rotary.cos[at][:, None, None, :]                   # [B, 1, 1, hd/2]
-    sin = model.rotary.sin[at][:, None, None, :]
+    x = model.embed(ids)                                           # [B, D]
     rows_all = None
     if cfg.engram is not None and prepared is None:
         # Each slot's last N tokens; look-backs before its start are blocked (read as pad).
@@ -209,7 +258,12 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
         back = at[:, None] - torch.arange(n - 1, -1, -1, device=device)[None, :]        # [B, N]
         window = cache.tokens[rows[:, None], back.clamp(min=0)]
         rows_all = model.hasher(window, blocked=back < 0, check=False)[:, -1:]          # [B, 1, L, C]
-    keys_seen = torch.arange(cache.max_len, device=device)[None, :] <= at[:, None]     # [B, max_len]
+    n_keys = at + 1 if valid is None else torch.where(valid, at + 1, 0)                # invalid rows read nothing
+    table = cache.block_table[rows] if slots is not None else cache.block_table
+
+    def attend(i, q):
+        return paged_decode_attention(q, cache.k_pool[i], cache.v_pool[i], table, n_keys)
+
     layer_slot = 0
     for i, block in enumerate(model.blocks):
         if block.engram is not None:
@@ -221,32 +275,20 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
             layer_slot += 1
             conv = cache.conv[lid]
             state = None if conv is None else conv[rows]
-            x = x + engram_update(block.engram, x, row_ids, state, looked_up=looked_up)
+            x = x + engram_update(block.engram, x[:, None], row_ids, state, looked_up=looked_up)[:, 0]
             if conv is not None:
                 _masked_put(conv, (rows,), state, valid)
-        attn = block.attn
-        h = block.attn_norm(x)
-        q = attn.wq(h).view(batch, 1, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = attn.wk(h).view(batch, 1, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.wv(h).view(batch, 1, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        _masked_put(cache.k[i], (rows, slice(None), at), k[:, :, 0], valid)
-        _masked_put(cache.v[i], (rows, slice(None), at), v[:, :, 0], valid)
-        keys = cache.k[i] if slots is None else cache.k[i][rows]
-        values = cache.v[i] if slots is None else cache.v[i][rows]
-        y = decode_attention(q, keys.to(q.dtype), values.to(q.dtype), keys_seen)
-        x = x + attn.wo(y.transpose(1, 2).reshape(batch, 1, -1))
-        x = x + block.mlp(block.mlp_norm(x))
+        x = _attention_mlp(block, i, cache, model.rotary, x, at, rows, valid, attend)
     _masked_put(cache.lengths, (rows,), pos + 1, valid)
     if slots is not None:   # host mirror (a sync for device slots; graphs pass slots=None)
         cache.advance((slots if valid is None else slots[valid.to(slots.device)]).tolist())
-    return model.lm_head(model.norm(x))[:, 0]
+    return model.lm_head(rms_norm(x, model.norm.weight, model.norm.eps))
 
 
 @torch.no_grad()
 def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks: list[torch.Tensor],
-                prepared=None, n_commit: list[int] | None = None) -> torch.Tensor:
-    """One forward over a flat batch of chunks; returns logits of every token [n, vocab].
+                prepared=None, n_commit: list[int] | None = None, last_only: bool = False) -> torch.Tensor:
+    """One forward over a flat batch of chunks (no padding tokens); returns logits of every token [n, vocab].
 
     Args:
         slots: host slot of each sequence (distinct; a new sequence's slot is empty).
@@ -257,9 +299,13 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
         n_commit: tokens of each chunk the sequence keeps (speculative verification: 1 +
             accepted drafts); default all. The memory's histories advance separately
             (``EngramMemory.commit``).
-    """
-    import torch.nn.functional as F
+        last_only: logits of each chunk's last token only ([B, vocab]): what a prefill that
+            samples the next token needs (the output projection over every prompt token
+            would be a large, wasted matmul).
 
+    Attention is one varlen launch per layer over the packed chunks, each reading its own
+    slot's cached prefix and its chunk from the paged cache (`paged_prefill_attention`).
+    """
     cfg = model.cfg
     if any(c is not None for c in cache.conv.values()):
         raise ValueError("ragged_step serves models without a ShortConv (its state would need per-chunk handling); "
@@ -274,12 +320,20 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
     keep = lengths if n_commit is None else [max(0, min(int(k), n)) for k, n in zip(n_commit, lengths)]
     device = cache.tokens.device
     ids = torch.cat([c.reshape(-1) for c in chunks]).to(device)
-    n = ids.numel()
     cu = [0]
     for length in lengths:
         cu.append(cu[-1] + length)
-    pos = torch.cat([torch.arange(st, st + length) for st, length in zip(starts, lengths)]).to(device)
-    slot_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)).to(device)
+    # Host-side layout of the packed batch, sent in one copy: per token its slot and position,
+    # per chunk its boundaries, start and slot.
+    host = torch.cat([torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)),
+                      torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)]),
+                      torch.tensor(cu), torch.tensor(starts), torch.tensor(slots)])
+    n, batch = len(ids), len(chunks)
+    meta = host.to(device, non_blocking=True)
+    slot_of, pos = meta[:n], meta[n : 2 * n]
+    cu_dev = meta[2 * n : 2 * n + batch + 1].to(torch.int32)
+    starts_dev = meta[2 * n + batch + 1 : 2 * n + 2 * batch + 1].to(torch.int32)
+    slots_dev = meta[2 * n + 2 * batch + 1 :]
     cache.tokens[slot_of, pos] = ids
     rows_all = None
     if cfg.engram is not None and prepared is None:
@@ -288,44 +342,50 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
         back = torch.tensor(starts)[:, None] - torch.arange(depth, 0, -1)[None, :]          # [B, N-1], oldest first
         lookback = cache.tokens[torch.tensor(slots)[:, None].to(device), back.clamp(min=0).to(device)]
         lookback = torch.where(back.to(device) >= 0, lookback, torch.full_like(lookback, -1))
-        rows_all = model.hasher.hash_ragged(ids, torch.tensor(cu, device=device), lookback_ids=lookback,
-                                            check=False)
-    x = model.embed(ids)[None]                                                           # [1, n, D]
-    cos, sin = model.rotary.cos[pos], model.rotary.sin[pos]                              # [n, hd/2]
+        rows_all = model.hasher.hash_ragged(ids, cu_dev, lookback_ids=lookback, check=False)
+    table = cache.block_table[slots_dev]
+    max_q = max(lengths)
+
+    def attend(i, q):
+        return paged_prefill_attention(q, cache.k_pool[i], cache.v_pool[i], table, cu_dev, starts_dev, max_q)
+
+    x = model.embed(ids)                                                                 # [n, D]
     layer_slot = 0
     for i, block in enumerate(model.blocks):
         if block.engram is not None:
             lid = block.layer_id
             if prepared is not None:
-                x = x + block.engram(x, prepared.row_ids(lid), rows=prepared.rows(lid))
+                x = x + block.engram(x[None], prepared.row_ids(lid), rows=prepared.rows(lid))[0]
             else:
-                x = x + block.engram(x, rows_all[None, :, layer_slot])
+                x = x + block.engram(x[None], rows_all[None, :, layer_slot])[0]
             layer_slot += 1
-        attn = block.attn
-        h = block.attn_norm(x)
-        q = attn.wq(h).view(1, n, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = attn.wk(h).view(1, n, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.wv(h).view(1, n, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache.k[i][slot_of, :, pos] = k[0].transpose(0, 1).to(cache.k[i].dtype)
-        cache.v[i][slot_of, :, pos] = v[0].transpose(0, 1).to(cache.v[i].dtype)
-        ys = []
-        for b, (s, st, length) in enumerate(zip(slots, starts, lengths)):
-            keys = cache.k[i][s : s + 1, :, : st + length].to(q.dtype)
-            values = cache.v[i][s : s + 1, :, : st + length].to(q.dtype)
-            qb = q[:, :, cu[b] : cu[b + 1]]
-            # Query j of the chunk sits at position st + j and sees keys 0..st + j.
-            mask = torch.arange(st + length, device=device)[None, :] <= (st + torch.arange(length, device=device))[:, None]
-            if attn.n_kv_heads != attn.n_heads and not _SDPA_GQA:
-                rep = attn.n_heads // attn.n_kv_heads
-                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-            kwargs = {"enable_gqa": True} if attn.n_kv_heads != attn.n_heads and _SDPA_GQA else {}
-            ys.append(F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, **kwargs))
-        y = torch.cat(ys, dim=2)
-        x = x + attn.wo(y.transpose(1, 2).reshape(1, n, -1))
-        x = x + block.mlp(block.mlp_norm(x))
+        x = _attention_mlp(block, i, cache, model.rotary, x, pos, slot_of, None, attend)
     for s, st, k in zip(slots, starts, keep):
         cache.host_lengths[s] = st + k
-    cache.lengths[torch.tensor(slots, device=device)] = torch.tensor([st + k for st, k in zip(starts, keep)],
-                                                                      device=device)
-    return model.lm_head(model.norm(x))[0]
+    ends = torch.tensor([st + k for st, k in zip(starts, keep)])
+    cache.lengths[slots_dev] = ends.to(device, non_blocking=True)
+    if last_only:
+        x = x[cu_dev[1:].long() - 1]
+    return model.lm_head(rms_norm(x, model.norm.weight, model.norm.eps))
+
+
+@torch.no_grad()
+def prefill_packed(model: DecoderLM, cache: ServingCache, slots: list[int], prompts: list[torch.Tensor],
+                   prepared=None) -> torch.Tensor:
+    """Run several prompts into empty slots as one packed batch (no padding); last-token logits [B, vocab].
+
+    `prepared` must come from ``memory.prepare_ragged(torch.cat(prompts), cu_seqlens, slots=...)``
+    (`packed_ids` gives both).
+    """
+    for slot, ids in zip(slots, prompts):
+        if cache.host_lengths[slot] != 0:
+            raise ValueError(f"slot {slot} holds a live sequence; release it first")
+    return ragged_step(model, cache, slots, prompts, prepared=prepared, last_only=True)
+
+
+def packed_ids(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [T_i] -> (flat ids [sum T_i] on the prompts' device, cu_seqlens [B+1] on the CPU)."""
+    lengths = torch.tensor([p.numel() for p in prompts], dtype=torch.long)
+    cu = torch.zeros(len(prompts) + 1, dtype=torch.long)
+    cu[1:] = lengths.cumsum(0)
+    return torch.cat([p.reshape(-1) for p in prompts]), cu
