@@ -35,7 +35,6 @@ from condmem.bench.lookup_setup import HEAD_DIM, ROW_BYTES, host_store  # noqa: 
 from condmem.ops.gather import gather_reference  # noqa: E402
 from condmem.tables.lookup import LookupEngine  # noqa: E402
 from condmem.tables.storage import LayerStore  # noqa: E402
-from condmem.utils.capture_guard import CAPTURE_GUARD  # noqa: E402
 
 COLS = 24  # row ids per token: (N-1) x heads of DeepSeek-V4.1 (orders 2..4, 8 heads)
 
@@ -71,29 +70,24 @@ def caller(k: int, engine: LookupEngine, store: LayerStore, n: int, seed: int, d
             break
         tokens = int(math.exp(rng.uniform(0, math.log(65536))))
         bad = rng.random() < 0.05
-        # This caller's own synchronizing calls stay out of other threads' graph captures
-        # (`utils.capture_guard`), as any multi-threaded caller's must.
-        with CAPTURE_GUARD.syncing():
-            ids = torch.randint(0, rows, (tokens, COLS), device="cuda", generator=gen)
-            if bad:
-                ids.view(-1)[rng.randrange(ids.numel())] = rng.choice([-1, rows, rows + 12345, 2**40])
-            torch.cuda.current_stream().synchronize()
+        ids = torch.randint(0, rows, (tokens, COLS), device="cuda", generator=gen)
+        if bad:
+            ids.view(-1)[rng.randrange(ids.numel())] = rng.choice([-1, rows, rows + 12345, 2**40])
+        torch.cuda.current_stream().synchronize()
         path = "direct" if ids.numel() <= engine.direct_max_ids else "full"
         t0 = time.perf_counter()
         outcome = None
         try:
             got = engine.lookup(ids).wait()
-            with CAPTURE_GUARD.syncing():
-                torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream().synchronize()
         except Exception as exc:  # noqa: BLE001 - tallied by type
             outcome = f"raised {type(exc).__name__}"
         ms = (time.perf_counter() - t0) * 1e3
         key = f"{store.tier}/{path}/{'bad' if bad else 'good'}"
         checked = None
         if not bad and outcome is None and (check_next or i % 20 == 0):
-            with CAPTURE_GUARD.syncing():
-                want = gather_reference(ids if store.tier == "hbm" else ids.cpu(), store.raw, head_dim=HEAD_DIM)
-                checked = same_rows(got, want.to(got.device))
+            want = gather_reference(ids if store.tier == "hbm" else ids.cpu(), store.raw, head_dim=HEAD_DIM)
+            checked = same_rows(got, want.to(got.device))
         with lock:
             stats["outcomes"][key][outcome or "returned"] += 1
             stats["ms"][f"{store.tier}/{path}"].append(ms)

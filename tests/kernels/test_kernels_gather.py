@@ -67,7 +67,7 @@ def _tables(fmt, rows, head_dim, seed, device):
         return (w.to(torch.bfloat16),), {}
     if fmt == "fp32":
         return (w,), {}
-    if fmt == "int64-words":      # 8-byte words (the engine's `zero_copy_word_bytes=8` row moves)
+    if fmt == "int64-words":      # plain 8-byte words of raw rows
         packed = pack_rows(q, e)
         return (packed.view(torch.int64) if packed.shape[1] % 8 == 0 else w.view(torch.int64),), {}
     return (pack_rows(q, e).view(torch.int32) if (head_dim + head_dim // 32) % 4 == 0 else w.view(torch.int32),), {}

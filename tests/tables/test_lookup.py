@@ -13,7 +13,9 @@ from helpers import cuda_only
 from condmem import EngramConfig, EngramLayout
 from condmem.ops.gather import gather_reference
 from condmem.tables.host_memory import HostMemoryError, allocate_host, mem_available
-from condmem.tables.lookup import LookupEngine
+from condmem.bench.lookup_timing import run_pipelined, time_pipelined
+from condmem.tables import lookup as lookup_module
+from condmem.tables.lookup import LookupConfig, LookupEngine
 from condmem.fp8 import quantize_fp8_e8m0
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import StorageError, place_layer
@@ -118,7 +120,7 @@ def test_gpu_lookup_equals_plain_gather(table_files, fmt, tier, alloc, cached, c
     store = place_layer(f.layer(2), tier, host_alloc=alloc or "mmap_register", progress=False)
     cache = RowCache(64, store.row_bytes, ways=4, device="cuda") if cached else None
     # direct_max_ids=0: these small batches take the full path (dedup, cache, CPU/zero-copy split).
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, direct_max_ids=0)
+    engine = LookupEngine(store, "cuda", cache=cache, config=LookupConfig(cpu_fraction=cpu_fraction, direct_max_ids=0))
     handles = [(ids, engine.lookup(ids.cuda())) for ids in _batches(store.num_rows, seed=2, n=6)]
     for ids, h in handles:
         assert torch.equal(h.wait().cpu(), _expected(sources[fmt], ids))
@@ -185,21 +187,22 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("region_bytes", [64 << 10, 4 * 72], ids=["region64k", "region4rows"])
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3])
-@pytest.mark.parametrize("send", [{}, {"expand_on_caller": False}, {"native_send": False}, {"zero_copy_yields": True},
-                                  {"zero_copy_word_bytes": 8}],
-                         ids=["native", "native-gather-expands", "pysend", "zero-copy-yields", "zero-copy-8-byte-words"])
-def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_in_flight, send):
+@pytest.mark.parametrize("warm", [False, True], ids=["eager-plans", "graphed-plans"])
+def test_gpu_pipelined_lookups_are_exact(table_files, monkeypatch, cached, region_bytes, max_in_flight, warm):
     """Many lookups in flight (the next planned while the last is gathered), waited out of order,
     with hot ids repeating across batches so hits come from rows admitted by earlier lookups;
-    the CPU share sent by the native routine or the Python loop, through a 2-chunk ring of 7 rows
-    (so chunks and ring wrap-arounds cross lookups)."""
+    the CPU share sent through a 2-chunk ring of 7 rows (so chunks and ring wrap-arounds cross
+    lookups); plans launched kernel by kernel, or replayed as graphs captured by `warm_up`."""
+    monkeypatch.setattr(lookup_module, "REGION_BYTES", region_bytes)
+    monkeypatch.setattr(lookup_module, "STAGING_RING", 2)
     fmt = "fp8_interleaved"
     store, source = _place(table_files, fmt, "host")
     cache = RowCache(128, store.row_bytes, ways=4, device="cuda") if cached else None
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7,
-                          staging_ring=2,
-                          region_bytes=region_bytes, max_in_flight=max_in_flight, **send)
+    engine = LookupEngine(store, "cuda", cache=cache, config=LookupConfig(
+        cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7, max_in_flight=max_in_flight))
     batches = list(_batches(store.num_rows, seed=7, n=12))
+    if warm:
+        engine.warm_up({ids.numel() for ids in batches})
     handles = [engine.lookup(ids.cuda()) for ids in batches[:8]]
     for i in (3, 0, 7, 1, 2, 6, 5, 4):                       # out of order
         assert torch.equal(handles[i].wait().cpu(), _expected(source, batches[i]))
@@ -215,33 +218,32 @@ def test_gpu_pipelined_lookups_are_exact(table_files, cached, region_bytes, max_
 
 @cuda_only
 @pytest.mark.parametrize("programs", [1, 3])
-def test_gpu_capped_zero_copy_grid_is_exact(table_files, programs):
-    """`zero_copy_programs`: the GPU share read by a grid of a few programs gives the same rows."""
+def test_gpu_capped_zero_copy_grid_is_exact(table_files, monkeypatch, programs):
+    """`ZERO_COPY_PROGRAMS`: the GPU share read by a grid of a few programs gives the same rows."""
+    monkeypatch.setattr(lookup_module, "REGION_BYTES", 4 * 72)
+    monkeypatch.setattr(lookup_module, "ZERO_COPY_PROGRAMS", programs)
     store, source = _place(table_files, "fp8_interleaved", "host")
     engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
-                          cpu_fraction=0.3, direct_max_ids=0, staging_chunk_rows=7, staging_ring=2,
-                          region_bytes=4 * 72, zero_copy_programs=programs)
+                          config=LookupConfig(cpu_fraction=0.3, direct_max_ids=0, staging_chunk_rows=7))
     gpu_rows = 0
     for ids in _batches(store.num_rows, seed=31, n=5):
         handle = engine.lookup(ids.cuda())
         assert torch.equal(handle.wait().cpu(), _expected(source, ids))
         gpu_rows += handle.stats.gpu_rows
     assert gpu_rows > 0                      # the capped kernel did read rows
-    with pytest.raises(ValueError, match="zero_copy_programs must be >= 1"):
-        LookupEngine(store, "cuda", zero_copy_programs=0)
     engine.close()
     store.close()
 
 
 @cuda_only
 def test_gpu_caller_expands_on_done_wait_or_next_lookup(table_files):
-    """`expand_on_caller`: the expansion is queued by whichever comes first on the caller's thread:
+    """The expansion is queued by whichever comes first on the caller's thread:
     `done()` polled until true, `wait()`, or a later `lookup` (handles never waited for); every
     row exact, and dropped handles' misses still reach the cache (a repeat lookup hits them)."""
     store, source = _place(table_files, "fp8_interleaved", "host")
     cache = RowCache(4096, store.row_bytes, ways=4, device="cuda")
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=1.0, direct_max_ids=0, staging_chunk_rows=7,
-                          staging_ring=2, expand_on_caller=True)
+    engine = LookupEngine(store, "cuda", cache=cache,
+                          config=LookupConfig(cpu_fraction=1.0, direct_max_ids=0, staging_chunk_rows=7))
     batches = list(_batches(store.num_rows, seed=41, n=6))
     polled = engine.lookup(batches[0].cuda())
     while not polled.done():
@@ -268,7 +270,7 @@ def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(tabl
     """With the DMAs held back, rows read without waiting for the handle differ from the waited rows."""
     fmt = "fp8_interleaved"
     store, source = _place(table_files, fmt, "host")
-    engine = LookupEngine(store, "cuda", cpu_fraction=1.0, direct_max_ids=0)
+    engine = LookupEngine(store, "cuda", config=LookupConfig(cpu_fraction=1.0, direct_max_ids=0))
     ids = next(_batches(store.num_rows, seed=8, n=1))
     with torch.cuda.stream(engine.copy_stream):
         torch.cuda._sleep(200_000_000)
@@ -286,7 +288,7 @@ def test_gpu_calibration_on_a_sample_with_the_cache_keeps_rows_exact(table_files
     fmt = "fp8_interleaved"
     store, source = _place(table_files, fmt, "host")
     cache = RowCache(64, store.row_bytes, ways=4, device="cuda")
-    engine = LookupEngine(store, "cuda", cache=cache, direct_max_ids=0)
+    engine = LookupEngine(store, "cuda", cache=cache, config=LookupConfig(direct_max_ids=0))
     batches = [ids.cuda() for ids in _batches(store.num_rows, seed=9, n=6)]
     with pytest.raises(ValueError, match="at least two batches"):
         engine.calibrate(sample=batches[:1])
@@ -302,9 +304,9 @@ def test_gpu_calibration_on_a_sample_with_the_cache_keeps_rows_exact(table_files
 def test_cpu_pipelined_timing_and_calibration_are_harmless(table_files):
     """On the CPU, lookups run synchronously: time_pipelined still times them, calibrate keeps the split."""
     store, source = _place(table_files, "fp8_interleaved", "host", host_alloc="pageable")
-    engine = LookupEngine(store, "cpu", cpu_fraction=0.3)
+    engine = LookupEngine(store, "cpu", config=LookupConfig(cpu_fraction=0.3))
     batches = list(_batches(store.num_rows, seed=11, n=3))
-    assert engine.time_pipelined(batches) > 0
+    assert time_pipelined(engine, batches) > 0
     assert engine.calibrate(sample=batches) == 0.3
     engine.flush()
     for ids in batches:
@@ -326,9 +328,12 @@ def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fractio
     results = {}
     for graphs in (False, True):
         cache = RowCache(64, store.row_bytes, ways=4, device="cuda")
-        engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=fraction, direct_max_ids=0, graphs=graphs)
+        engine = LookupEngine(store, "cuda", cache=cache,
+                              config=LookupConfig(cpu_fraction=fraction, direct_max_ids=0, graphs=graphs))
         batches = list(_batches(store.num_rows, seed=21, n=9))
-        rows = [h.wait().clone() for h in engine.run_pipelined([ids.cuda() for ids in batches])]
+        engine.warm_up({ids.numel() for ids in batches})
+        assert all(p.captured == graphs for ring in engine._plans.values() for p in ring)
+        rows = [h.wait().clone() for h in run_pipelined(engine, [ids.cuda() for ids in batches])]
         engine.flush()
         for ids, r in zip(batches, rows):
             assert torch.equal(r.cpu(), _expected(source, ids))
@@ -350,7 +355,7 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
     fmt = "fp8_interleaved"
     store, source = _place(table_files, fmt, tier)
     engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
-                          cpu_fraction=0.5, direct_max_ids=0)
+                          config=LookupConfig(cpu_fraction=0.5, direct_max_ids=0))
     good = next(_batches(store.num_rows, seed=22, n=1))
     bad = good.clone()
     bad[3, 2] = store.num_rows + 5
@@ -390,16 +395,17 @@ def test_gpu_direct_lookup_of_ids_outside_the_table_is_raised_later_not_lost(tab
 
 
 @cuda_only
-@pytest.mark.parametrize("send", [{}, {"expand_on_caller": False}, {"native_send": False}],
-                         ids=["native", "native-gather-expands", "pysend"])
-def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, send):
+@pytest.mark.parametrize("warm", [False, True], ids=["eager-plans", "graphed-plans"])
+def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, monkeypatch, warm):
     """An id outside the table in a lookup between good ones in flight: only that lookup raises;
     the one before it and those after are exact."""
+    monkeypatch.setattr(lookup_module, "STAGING_RING", 2)
     store, source = _place(table_files, "fp8_interleaved", "host")
     engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
-                          cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7, staging_ring=2, max_in_flight=3,
-                          **send)
+                          config=LookupConfig(cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7))
     batches = list(_batches(store.num_rows, seed=23, n=4))
+    if warm:
+        engine.warm_up([batches[0].numel()])
     bad = batches[1].clone()
     bad[0, 0] = store.num_rows + 1
     handles = [engine.lookup(ids.cuda()) for ids in (batches[0], bad, batches[2], batches[3])]
@@ -421,7 +427,8 @@ def test_cpu_lookups_of_any_shape_and_repeat_pattern_are_exact(table_files):
 
     fmt = "fp8_interleaved"
     store, source = _place(table_files, fmt, "host", host_alloc="pageable")
-    engine = LookupEngine(store, "cpu", cache=RowCache(32, store.row_bytes, ways=4), max_plan_sizes=2)
+    engine = LookupEngine(store, "cpu", cache=RowCache(32, store.row_bytes, ways=4))
+    engine.max_plan_sizes = 2
 
     @settings(max_examples=60, deadline=None)
     @given(n=st.integers(1, 400), distinct=st.integers(1, 50), seed=st.integers(0, 2**16),
@@ -460,3 +467,55 @@ def test_calibration_times_its_leaders_again_and_keeps_their_best():
     assert order == [0.0, 0.5, 0.8, 1.0, 0.5, 0.8, 1.0]
     first, best = time_candidates(lambda f: 1.0 - f, (0.2, 0.6), refine=0)
     assert first == best == {0.2: 0.8, 0.6: 0.4}
+
+
+def test_engine_face_is_small_typed_and_validated():
+    """A few typed knobs in `LookupConfig`, each validated by name; the engine's constructor is short."""
+    import dataclasses
+    import inspect
+
+    assert len(inspect.signature(LookupEngine).parameters) <= 8
+    assert len(dataclasses.fields(LookupConfig)) <= 6
+    for field, bad in (("cpu_fraction", 1.5), ("cpu_fraction", "fast"), ("cpu_threads", 0), ("max_in_flight", 0),
+                       ("direct_max_ids", -1), ("staging_chunk_rows", 0)):
+        with pytest.raises(ValueError, match=f"LookupConfig.{field}"):
+            LookupConfig(**{field: bad})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LookupConfig().max_in_flight = 2
+
+
+def test_engine_as_a_context_manager_closes_on_error(table_files):
+    store, source = _place(table_files, "fp8_interleaved", "host", host_alloc="pageable")
+    ids = next(_batches(store.num_rows, seed=12, n=1))
+    with pytest.raises(KeyError):
+        with LookupEngine(store, "cpu") as engine:
+            assert torch.equal(engine.lookup(ids).wait(), _expected(source, ids))
+            raise KeyError("the caller's error")
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.lookup(ids)
+    store.close()
+
+
+@cuda_only
+def test_gpu_warm_up_captures_every_slot_and_lookups_capture_nothing(table_files, monkeypatch):
+    """`warm_up` captures each plan slot of the warmed sizes (and the admission with a cache);
+    lookups afterwards, of warmed or other sizes, capture nothing (so no other thread's sync
+    can spoil a capture in steady state) and are exact."""
+    from condmem.tables import lookup_plan
+
+    store, source = _place(table_files, "fp8_interleaved", "host")
+    cache = RowCache(64, store.row_bytes, ways=4, device="cuda")
+    with LookupEngine(store, "cuda", cache=cache, config=LookupConfig(direct_max_ids=0)) as engine:
+        batches = list(_batches(store.num_rows, seed=13, n=6))
+        engine.warm_up([batches[0].numel()])
+        (ring,) = engine._plans.values()
+        assert len(ring) == engine.max_in_flight and all(p.captured and "admit" in p._graphs for p in ring)
+
+        def no_capture(self):
+            raise AssertionError("a lookup captured a graph")
+
+        monkeypatch.setattr(lookup_plan.LookupPlan, "capture", no_capture)
+        odd = torch.randint(0, store.num_rows, (5, 3))
+        for ids in batches + [odd]:
+            assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(source, ids))
+    store.close()

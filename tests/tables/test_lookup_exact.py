@@ -8,7 +8,7 @@ import torch
 
 from condmem.bench.harness import same_rows
 from condmem.bench.lookup_exact import LookupMismatchError, check_lookup, check_splits
-from condmem.tables.lookup import LookupEngine
+from condmem.tables.lookup import LookupConfig, LookupEngine
 from condmem.tables.storage import LayerStore
 
 HEAD_DIM = 64
@@ -35,7 +35,7 @@ def test_same_rows_counts_nan_as_equal_and_nothing_else():
 
 def test_a_correct_engine_passes_every_split():
     store = _store()
-    engine = LookupEngine(store, "cpu", cpu_fraction=0.5)
+    engine = LookupEngine(store, "cpu", config=LookupConfig(cpu_fraction=0.5))
     ids = _ids(store.num_rows, 1)
     assert check_splits(engine, store, ids, "cpu") == [0.5]      # no GPU: the engine's own split only
     check_lookup(engine, store, ids, "cpu")
@@ -56,7 +56,7 @@ class _Poisoned:
 
 def test_wrong_rows_stop_the_bench_with_a_count():
     store = _store(seed=2)
-    engine = LookupEngine(store, "cpu", cpu_fraction=1.0)
+    engine = LookupEngine(store, "cpu", config=LookupConfig(cpu_fraction=1.0))
     with pytest.raises(LookupMismatchError, match=r"host uniform: .*1 of 240 rows differ"):
         check_lookup(_Poisoned(engine), store, _ids(store.num_rows, 3), "host uniform")
     engine.close()

@@ -85,7 +85,7 @@ def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, 
         ids = _ids(n, num_rows, seed=10 + seed).to(device)
         plan.ids.copy_(ids)
         plan.compact.fill_(0xEE)   # poisoned
-        plan.run(capture=False)
+        plan.run()
         uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         assert torch.equal(plan.inverse, inverse)
         slot = plain.probe(uniq) if cached else torch.full_like(uniq, -1)
@@ -112,7 +112,7 @@ def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, 
         if cached:
             # The misses' rows land (as the engine's shares would write them), then both caches admit.
             plan.compact[plan.row_of[miss_pos]] = _rows(uniq[miss_pos], row_bytes)
-            plan.admit(capture=False)
+            plan.admit()
             plain.admit(uniq[miss_pos], _rows(uniq[miss_pos], row_bytes))
             assert torch.equal(cache.keys, plain.keys) and torch.equal(cache.freq, plain.freq)
             live = torch.nonzero(cache.keys.flatten() >= 0).flatten()
@@ -124,7 +124,7 @@ def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, 
 def test_plan_reports_ids_outside_the_table(device):
     plan = LookupPlan(5, 8, 100, torch.device(device), None, 1.0, 64, pin=False)
     plan.ids.copy_(torch.tensor([3, 99, 100, 3, 7]))
-    plan.run(capture=False)
+    plan.run()
     counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
     assert counts["bad"] == 1 and counts["max_id"] == 100 and counts["min_id"] == 3
 
@@ -156,7 +156,7 @@ def test_a_bucketed_plan_equals_the_plan_of_the_batch_alone(cached):
             cache.admit(warm, _rows(warm, row_bytes))
         plan = LookupPlan(size, row_bytes, num_rows, torch.device("cpu"), cache, 0.5, 8 * row_bytes, pin=False)
         fill_plan_ids(plan.ids, ids)
-        plan.run(capture=False)
+        plan.run()
         plans.append(plan)
     alone, bucketed = plans
     assert torch.equal(alone.host[:N_COUNTS], bucketed.host[:N_COUNTS])
@@ -173,10 +173,9 @@ def test_a_bucketed_plan_equals_the_plan_of_the_batch_alone(cached):
     assert torch.equal(alone.compact[hits], bucketed.compact[hits]) or not cached
 
 
-@pytest.mark.parametrize("row_bytes, word_bytes", [(8, 4), (6, 4), (7, 4), (264, 8), (12, 8)])
-def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes, word_bytes):
-    """4-byte words, 2-byte words, no words (odd rows); 8-byte words, and 12 B rows that fall
-    back to 4-byte words when 8-byte ones are asked for."""
+@pytest.mark.parametrize("row_bytes", [8, 6, 7, 264, 12])
+def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes):
+    """4-byte words, 2-byte words, no words (odd rows)."""
     from condmem.tables.lookup_plan import move_rows
 
     gen = torch.Generator().manual_seed(row_bytes)
@@ -185,7 +184,7 @@ def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes, word_bytes):
     dst = torch.full((12, row_bytes), 0xEE, dtype=torch.uint8)
     src_index = torch.tensor([0, 5, 19, 3, -1])
     dst_index = torch.tensor([11, 0, 4, 12, -1])               # 12 and -1: outside dst (padding)
-    move_rows(src, src_index, dst, dst_index, word_bytes=word_bytes)
+    move_rows(src, src_index, dst, dst_index)
     expect = torch.full_like(dst, 0xEE)
     expect[11], expect[0], expect[4] = src[0], src[5], src[19]
     assert torch.equal(dst, expect)

@@ -14,11 +14,13 @@ their scales, 264 B) is timed end to end through `LookupEngine`:
 Effective bandwidth = requested row bytes (tokens x 24 x 264 B, repeats included) /
 time. It is reported next to the pinned H2D memcpy and D2D copy bandwidth measured in
 the same process, with the cache hit rate and unique fraction. Rows are appended as
-JSON lines to ``<out>/lookup.json``; a PNG plot goes beside them. After each variant's
+JSON lines to ``<out>/lookup.json``; a PNG plot goes beside them. After each round's
 timings its rows are compared with a plain gather of the table (`lookup_exact`; on a host
 table read by a GPU, also with every miss on the GPU, half and half, and every miss on the
 CPU), and a mismatch stops the run. Inputs (tables, the text stream) are built in
-`lookup_setup`; the host-tier diagnostics live in `lookup_diagnostics`.
+`lookup_setup`. Engineering diagnostics of the host tier (each phase alone, the CPU gather
+under load, profiler traces of a pipeline) are a separate script:
+``benchmarks/lookup_diagnostics.py`` in the repository.
 """
 
 from __future__ import annotations
@@ -35,16 +37,6 @@ from condmem.bench.harness import (
     machine_info,
     rows_table,
 )
-from condmem.bench.lookup_diagnostics import (
-    cpu_gather_rows,
-    engine_timeline,
-    gather_under_load,
-    lookup_kernel_row,
-    phase_rows,
-    pipeline_timeline,
-    plan_costs,
-    plot_pipeline,
-)
 from condmem.bench.lookup_exact import check_lookup, check_splits
 from condmem.bench.lookup_setup import (
     HEAD_DIM,
@@ -57,7 +49,8 @@ from condmem.bench.lookup_setup import (
     text_batches,
     text_row_ids,
 )
-from condmem.tables.lookup import LookupEngine
+from condmem.bench.lookup_timing import time_lookup, time_pipelined
+from condmem.tables.lookup import LookupConfig, LookupEngine
 from condmem.tables.row_cache import RowCache
 from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS
 from condmem.tables.storage import LayerStore
@@ -83,10 +76,10 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     out = []
     if stream == "uniform":
         sets = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device) for _ in range(4)]
-        out.append(("latency", engine.time_lookup(sets, repeats=args.repeats), 0.0, None))
+        out.append(("latency", time_lookup(engine, sets, repeats=args.repeats), 0.0, None))
         if pipelined:
-            engine.time_pipelined(sets)
-            out.append(("pipelined", engine.time_pipelined(sets * args.repeats), 0.0, None))
+            time_pipelined(engine, sets)
+            out.append(("pipelined", time_pipelined(engine, sets * args.repeats), 0.0, None))
         return out
     sets = text_sets_for(store.num_rows, tokens)
     warm, timed = sets[: args.text_warmup], sets[args.text_warmup:]
@@ -99,7 +92,7 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
             for ids in warm:
                 engine.lookup(ids).wait()
         else:
-            engine.time_pipelined(warm)
+            time_pipelined(engine, warm)
         engine.flush()
         if engine.cache is not None:
             engine.cache.reset_stats()
@@ -113,74 +106,16 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
                 torch.cuda.synchronize()
             seconds = (time.perf_counter() - t0) / len(timed)
         else:
-            seconds = engine.time_pipelined(timed)
+            seconds = time_pipelined(engine, timed)
         engine.flush()
         hit_rate = engine.cache.stats.hit_rate if engine.cache is not None else 0.0
         out.append((mode, seconds, hit_rate, unique))
     return out
 
 
-VARIANT_GRAMMAR = "graphs|eager[@in_flight][+pysend][+gatherexp][+yield][+w8][+cROWS][+rCHUNKS][+zPROGRAMS|+zfull][+tTHREADS][/torch|/triton]"
-VARIANT_FLAGS = (
-    "graphs or eager: plans replayed as CUDA graphs or launched kernel by kernel; @D: D lookups in flight "
-    "(default: the engine's); +pysend: LookupEngine(native_send=False), the CPU share sent by a Python loop; +gatherexp: "
-    "expand_on_caller=False, the gather thread queues each expansion; +yield: zero_copy_yields=True, "
-    "short zero-copy programs on a low-priority stream; +w8: zero_copy_word_bytes=8; +cN: N rows per staging "
-    "chunk; +rN: N chunks in the staging ring; +zN: the zero-copy grid capped at N programs (default: the engine's, 64); +zfull: not capped; +tN: N CPU gather threads (default: "
-    "--cpu-threads' first value, else one fewer than torch's threads); /torch or "
-    "/triton: the cache's probe and admission (default Triton on CUDA)")
-NAMED_FLAGS = ("pysend", "gatherexp", "yield", "w8", "zfull")
-ENGINE_KEYS = ("graphs", "max_in_flight", "native_send", "expand_on_caller", "zero_copy_yields",
-               "zero_copy_word_bytes")
-"""A variant's entries that are `LookupEngine` arguments as they are (`engine_options` adds the staging
-ones and the zero-copy grid's cap)."""
-
-
-def parse_variant(text: str) -> dict:
-    """An engine variant for A/B runs, written `VARIANT_GRAMMAR` (`VARIANT_FLAGS` says what each
-    part does), e.g. ``graphs@3+c16384+r8+z64/torch``."""
-    head, _, backend = text.partition("/")
-    head, *flags = head.split("+")
-    name, _, depth = head.partition("@")
-    numbers: dict[str, int] = {}      # +cN, +rN, +zN, +tN, each at most once
-    ok = name in ("graphs", "eager") and (not depth or depth.isdigit()) and backend in ("", "torch", "triton")
-    for f in flags:
-        if f in NAMED_FLAGS:
-            continue
-        key, value = f[:1], f[1:]
-        ok = ok and key in "crzt" and key not in numbers and value.isdigit() and int(value) > 0
-        numbers[key] = int(value) if value.isdigit() else 0
-    if not ok or numbers.get("r", 2) < 2 or ("zfull" in flags and "z" in numbers):
-        raise SystemExit(f"--engines: {text!r} is not {VARIANT_GRAMMAR}")
-    return {"label": text, "graphs": name == "graphs", "cache_backend": backend or "auto",
-            "max_in_flight": int(depth) if depth else None, "native_send": "pysend" not in flags,
-            "expand_on_caller": "gatherexp" not in flags, "zero_copy_yields": "yield" in flags,
-            "zero_copy_word_bytes": 8 if "w8" in flags else 4, "staging_chunk_rows": numbers.get("c"),
-            "staging_ring": numbers.get("r"), "zero_copy_programs": "full" if "zfull" in flags else numbers.get("z"),
-            "cpu_threads": numbers.get("t")}
-
-
-def engine_options(variant: dict, args) -> dict:
-    """`LookupEngine` keyword arguments of a variant: its `ENGINE_KEYS`, `staging_chunk_rows` from
-    its ``+cN``, else ``--staging-chunk-rows``' first value, else the engine's default,
-    `staging_ring` from its ``+rN``, `zero_copy_programs` from its ``+zN`` (``+zfull``: None) and
-    `cpu_threads` from its ``+tN``."""
-    options = {key: variant[key] for key in ENGINE_KEYS if key != "max_in_flight" or variant[key] is not None}
-    rows = variant["staging_chunk_rows"] or (args.staging_chunk_rows or [None])[0]
-    if rows is not None:
-        options["staging_chunk_rows"] = rows
-    if variant["staging_ring"]:
-        options["staging_ring"] = variant["staging_ring"]
-    if variant["cpu_threads"]:
-        options["cpu_threads"] = variant["cpu_threads"]
-    if variant["zero_copy_programs"] is not None:
-        options["zero_copy_programs"] = None if variant["zero_copy_programs"] == "full" else variant["zero_copy_programs"]
-    return options
-
-
-def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: str, batches: list[int], variant: dict,
-                   args, gen, text_sets_for, device: str, splits: bool) -> list[dict]:
-    """After a variant's timings: one lookup per batch size compared with a plain gather of the
+def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: str, batches: list[int], round_no: int,
+                   label: str, gen, text_sets_for, device: str, splits: bool) -> list[dict]:
+    """After a round's timings: one lookup per batch size compared with a plain gather of the
     table (`lookup_exact`; a mismatch stops the bench); with `splits`, the largest batch also at
     each of `SPLIT_FRACTIONS` (host tier on a GPU). One row per check."""
     rows = []
@@ -189,7 +124,7 @@ def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: s
             ids = text_sets_for(store.num_rows, tokens)[-1]      # the cache holds the stream's rows by now
         else:
             ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device)
-        what = f"{tier} {stream} {tokens} tokens [{variant['label']}]"
+        what = f"{tier} {stream} {tokens} tokens{label}"
         t0 = time.perf_counter()
         if splits and tokens == max(batches):
             fractions = check_splits(engine, store, ids, what)
@@ -200,7 +135,7 @@ def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: s
                  "/".join(f"{f:.2f}" for f in fractions), "on" if engine.cache is not None else "off",
                  time.perf_counter() - t0)
         rows.append({"bench": "lookup_exact", "tier": tier, "stream": stream, "tokens": tokens,
-                     "variant": variant["label"], "cpu_fractions": fractions, "cache": engine.cache is not None,
+                     "round": round_no, "cpu_fractions": fractions, "cache": engine.cache is not None,
                      "table_gib": round(store.nbytes / 2**30, 2), "exact": True})
     return rows
 
@@ -249,14 +184,6 @@ def run_lookup(args) -> list[dict]:
             text_on_device[(rows, tokens)] = text_batches(ids, tokens, args.text_warmup + args.text_batches, device)
         return text_on_device[(rows, tokens)]
 
-    variants = [parse_variant(v)
-                for v in (args.engines or ["eager" if args.eager_plans else "graphs"])] * args.engine_rounds
-    if "plan" in args.diagnostics:
-        # The cache path alone: no table is read, so none is built.
-        tokens = max(batches)
-        text = text_sets_for(n_rows, tokens)
-        rows_out.extend(plan_costs(n_rows, max(1, int(n_rows * args.cache_fraction)), text, args.text_warmup,
-                                   variants, info, ceiling, kernels=args.trace))
     for tier in args.tiers:
         if tier == "hbm":
             if device != "cuda":
@@ -269,94 +196,46 @@ def run_lookup(args) -> list[dict]:
             store = host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc)
         else:
             store = disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
-        if tier == "host":
-            diag = set(args.diagnostics)
-            if "gather" in diag:
-                rows_out.extend(cpu_gather_rows(store, info, ceiling))
-            if device == "cuda":
-                if "phases" in diag:
-                    rows_out.extend(phase_rows(store, info, ceiling))
-                if "gather" in diag:
-                    rows_out.extend(gather_under_load(store, info, ceiling))
-                if "timeline" in diag:
-                    # All-CPU with one DMA after the gather vs chunked DMAs overlapping it, and the usual split.
-                    for fraction, chunks in ((1.0, STAGING_CHUNK_ROWS), (1.0, 16384), (0.6, STAGING_CHUNK_ROWS)):
-                        rows_out.extend(engine_timeline(store, info, ceiling, cpu_fraction=fraction,
-                                                        chunk_rows=chunks))
-                if "pipeline" in diag:
-                    # The first --engines variant's options (zero_copy_yields, say), so its timeline can be read.
-                    options = engine_options(variants[0], args)
-                    options.pop("staging_chunk_rows", None)     # the loop below sets it
-                    named = f" [{variants[0]['label']}]" if args.engines else ""
-                    tokens = max(batches)
-                    uniform = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).cuda()
-                               for _ in range(8)]
-                    for fraction in args.pipeline_fractions:
-                        for threads in args.cpu_threads or [None]:
-                            for chunk in args.staging_chunk_rows or [STAGING_CHUNK_ROWS]:
-                                trace = (Path(args.out) / f"lookup_trace_uniform_{fraction:.1f}_{threads}_{chunk}.json"
-                                         if args.trace else None)
-                                rows_out.extend(pipeline_timeline(store, info, ceiling, uniform, f"uniform{named}", fraction,
-                                                                  cpu_threads=threads, trace=trace, chunk_rows=chunk,
-                                                                  options=options))
-                    text = text_sets_for(store.num_rows, tokens)[: args.text_warmup + 11]
-                    cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16,
-                                                device="cuda")
-                    for fraction in args.pipeline_fractions:
-                        cache.clear()   # then warmed to the steady state on the warm-up batches
-                        trace = Path(args.out) / f"lookup_trace_text_{fraction:.1f}.json" if args.trace else None
-                        rows_out.extend(pipeline_timeline(store, info, ceiling, text[args.text_warmup:], f"text{named}",
-                                                          fraction, cache=cache, trace=trace,
-                                                          warm=text[:args.text_warmup], options=options))
-                    del cache
+        config = LookupConfig(cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)), cpu_threads=args.cpu_threads,
+                              staging_chunk_rows=args.staging_chunk_rows, graphs=not args.eager_plans)
         for stream in args.streams:
-            for i, variant in enumerate(variants):
-                label = variant["label"] if len(variants) > 1 else ""
+            for i in range(args.rounds):
+                label = f" [round {i + 1}]" if args.rounds > 1 else ""
                 cached = stream == "text" and args.cache_fraction > 0
-                cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device,
-                                             backend=variant["cache_backend"])
+                cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
                          if cached else None)
-                options = {"cpu_threads": (args.cpu_threads or [None])[0], **engine_options(variant, args)}
-                engine = LookupEngine(store, device, cache=cache, cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
-                                      **options)
-                if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
-                    if stream == "text":
-                        # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
-                        tokens = max(batches)
-                        engine.calibrate(sample=text_sets_for(store.num_rows, tokens)[: args.text_warmup])
-                    else:
-                        engine.calibrate(n_ids=16384 * N_COLS)
-                for tokens in batches:
-                    for mode, seconds, hit_rate, unique in measure_stream(engine, stream, tokens, store, args, gen,
-                                                                          text_sets_for, device):
-                        requested = tokens * N_COLS * ROW_BYTES
-                        gbps = requested / seconds / 1e9
-                        row = {
-                            "bench": "lookup", "tier": tier, "stream": stream, "mode": mode, "tokens": tokens,
-                            "table_gib": round(store.nbytes / 2**30, 2), "row_bytes": ROW_BYTES, "ms": seconds * 1e3,
-                            "effective_gbps": gbps, "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
-                            "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
-                            "hit_rate": hit_rate, "unique_fraction": unique, "device": device,
-                            "text_source": text_source if stream == "text" else None, "variant": variant["label"],
-                            **ceiling, "machine": info,
-                        }
-                        if "h2d_gbps" in ceiling:
-                            row["x_h2d"] = gbps / ceiling["h2d_gbps"]
-                        rows_out.append(row)
-                        log.info("%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s", tier, stream, mode, tokens,
-                                 f" [{label}]" if label else "", seconds * 1e3, gbps,
-                                 f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
-                                 f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
-                rows_out.extend(exactness_rows(engine, store, tier, stream, batches, variant, args, gen,
-                                               text_sets_for, device, splits=i == 0))
-                if "kernels" in args.diagnostics and device == "cuda":
-                    tokens = max(batches)
-                    sets = (text_sets_for(store.num_rows, tokens)[args.text_warmup:][:8] if stream == "text" else
-                            [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device)
-                             for _ in range(8)])
-                    rows_out.append(lookup_kernel_row(engine, sets, f"{tier} {stream} {tokens} tokens"
-                                                      f"{f' [{label}]' if label else ''}", info))
-                engine.close()
+                with LookupEngine(store, device, cache=cache, config=config) as engine:
+                    engine.warm_up([tokens * N_COLS for tokens in batches])
+                    if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
+                        if stream == "text":
+                            # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
+                            engine.calibrate(sample=text_sets_for(store.num_rows, max(batches))[: args.text_warmup])
+                        else:
+                            engine.calibrate(n_ids=16384 * N_COLS)
+                    for tokens in batches:
+                        for mode, seconds, hit_rate, unique in measure_stream(engine, stream, tokens, store, args,
+                                                                              gen, text_sets_for, device):
+                            requested = tokens * N_COLS * ROW_BYTES
+                            gbps = requested / seconds / 1e9
+                            row = {
+                                "bench": "lookup", "tier": tier, "stream": stream, "mode": mode, "tokens": tokens,
+                                "table_gib": round(store.nbytes / 2**30, 2), "row_bytes": ROW_BYTES,
+                                "ms": seconds * 1e3, "effective_gbps": gbps,
+                                "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
+                                "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
+                                "hit_rate": hit_rate, "unique_fraction": unique, "device": device,
+                                "text_source": text_source if stream == "text" else None,
+                                "round": i + 1, "graphs": engine.graphs, **ceiling, "machine": info,
+                            }
+                            if "h2d_gbps" in ceiling:
+                                row["x_h2d"] = gbps / ceiling["h2d_gbps"]
+                            rows_out.append(row)
+                            log.info("%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s", tier, stream, mode, tokens,
+                                     label, seconds * 1e3, gbps,
+                                     f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
+                                     f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
+                    rows_out.extend(exactness_rows(engine, store, tier, stream, batches, i + 1, label, gen,
+                                                   text_sets_for, device, splits=i == 0))
                 del cache
         store.close()
         if device == "cuda":
@@ -400,10 +279,8 @@ def main(args) -> list[dict]:
     out = Path(args.out)
     append_rows(out / "lookup.json", rows)
     plot(rows, out / "lookup.png")
-    plot_pipeline(rows, out / "lookup_pipeline.png")
-    table_rows = [r for r in rows if r.get("bench") != "kernels"]    # kernel tables are logged instead
-    print(rows_table(table_rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
-                                  ("variant", "engine", ""), ("tokens", "tokens", "d"),
+    print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
+                                  ("round", "round", "d"), ("tokens", "tokens", "d"),
                                   ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
                                   ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
                                   ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f")]))
@@ -417,7 +294,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hbm-gib", type=float, default=16.0, help="HBM table size for the HBM tier (default 16)")
     p.add_argument("--tiers", nargs="*", default=["hbm", "host"], choices=["hbm", "host", "disk"],
                    help="tiers to measure (disk: a file of --disk-gib, page cache dropped, memory-mapped); "
-                        "the flag alone: none (with --diagnostics plan: the cache path only, no table built)")
+                        "the flag alone: none")
     p.add_argument("--disk-gib", type=float, default=8.0, help="disk-tier table size in GiB (default 8)")
     p.add_argument("--disk-dir", default=None, help="folder for the disk-tier file (default: the temp folder)")
     p.add_argument("--dram-cache-gib", type=float, default=1.0, help="DRAM row cache in front of the disk tier")
@@ -433,38 +310,19 @@ def add_arguments(p) -> None:
                         "~5M tokens, about 30M distinct rows at 16K tokens per batch, more than a 10%% cache holds)")
     p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
                    help="host memory strategy")
-    p.add_argument("--engines", nargs="+", default=None,
-                   help=f"engine variants measured one after another on the same table, for A/B runs, each "
-                        f"{VARIANT_GRAMMAR} ({VARIANT_FLAGS}), e.g. 'graphs graphs@2 graphs+gatherexp graphs+yield+w8 "
-                        f"graphs+c32768 graphs/torch eager'")
-    p.add_argument("--engine-rounds", type=int, default=1,
-                   help="repeat the engine list this many times (ABAB...: machines drift within a run)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each tier and stream this many times, each with a fresh engine (machines drift "
+                        "within a run: the spread says how much)")
     p.add_argument("--eager-plans", action="store_true",
                    help="launch each lookup's plan kernel by kernel instead of replaying it as a CUDA graph "
                         "(to compare; the rows are identical)")
     p.add_argument("--cpu-fraction", type=float, default=-1.0,
                    help="share of host misses gathered by CPU threads; negative: calibrate at start (default)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per uniform batch set")
-    p.add_argument("--cpu-threads", type=int, nargs="*", default=None,
-                   help="threads of the CPU gather (default: one fewer than the cores torch uses); several "
-                        "values: the pipeline diagnostic compares them, lookups use the first")
-    p.add_argument("--staging-chunk-rows", type=int, nargs="+", default=None,
-                   help=f"rows per pinned staging chunk of the CPU share (default: the engine's, "
-                        f"{STAGING_CHUNK_ROWS}); several values: the pipeline diagnostic compares them, lookups "
-                        "use the first")
-    p.add_argument("--pipeline-fractions", type=float, nargs="+", default=[0.7, 1.0],
-                   help="with --diagnostics pipeline: the CPU fractions whose pipelines are timed (each stream), "
-                        "with the first --engines variant's options")
-    p.add_argument("--trace", action="store_true",
-                   help="with --diagnostics pipeline: also write a torch profiler trace of each uniform pipeline; "
-                        "with --diagnostics plan: log each step's kernels by device time")
-    p.add_argument("--diagnostics", nargs="*", default=["gather", "phases", "timeline"],
-                   choices=["gather", "phases", "timeline", "pipeline", "plan", "kernels"],
-                   help="diagnostics run before the lookups: CPU gather rates (alone and under GPU load), each "
-                        "phase alone, one lookup's timeline, a pipeline of lookups' timeline (host tier); the "
-                        "plan and the cache admission timed alone per --engines variant on the text stream "
-                        "(plan: needs no table); the device time of a pipelined lookup per kernel, per tier and "
-                        "stream (kernels, GPU). Default: gather phases timeline; none: give the flag alone")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="threads of the CPU gather (default: one fewer than the cores torch uses)")
+    p.add_argument("--staging-chunk-rows", type=int, default=STAGING_CHUNK_ROWS,
+                   help=f"rows per pinned staging chunk of the CPU share (default {STAGING_CHUNK_ROWS})")
 
 
 def resolve_defaults(args) -> None:

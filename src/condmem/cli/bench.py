@@ -30,10 +30,7 @@ def register(sub) -> None:
         epilog="examples:\n  condmem bench hash\n  condmem bench all --out benchmarks/results --variants\n"
         "  condmem bench gather --table-mib 16384 --gather-ids 1048576\n"
         "  condmem bench lookup --table-gib 64 --tiers hbm host --streams uniform text\n"
-        "  condmem bench lookup --tiers host --streams text --batch-tokens 16384 --diagnostics pipeline  "
-        "# + lookup_pipeline.png\n"
-        "  condmem bench lookup --tiers --diagnostics plan --trace  # the cache path alone, kernel by kernel\n"
-        "  condmem bench lookup --tiers host --streams text --engines graphs graphs+pysend --engine-rounds 3  # A/B\n"
+        "  condmem bench lookup --tiers host --streams text uniform --batch-tokens 16384 --rounds 3\n"
         "  condmem bench e2e --backbones 4b 8b --table-gib 64 --sequences 512",
     )
     p.add_argument("op", choices=(*OPS, "all", "lookup", "e2e"),

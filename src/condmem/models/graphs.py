@@ -28,7 +28,6 @@ import torch
 
 from condmem.models.serving import ServingCache, decode_step
 from condmem.models.transformer import DecoderLM
-from condmem.utils.capture_guard import CAPTURE_GUARD
 
 WAIT_MODES = ("at_layer", "before_step")
 
@@ -59,8 +58,8 @@ class _GraphRows:
             if delay_cycles:
                 torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
             for i, lid in enumerate(memory.layer_ids):
-                memory.engines[lid].gather_into(self.row_ids_all[:, :, i], out=self.rows_buf[lid],
-                                                max_programs=self.max_programs)
+                memory.gather_into(lid, self.row_ids_all[:, :, i], out=self.rows_buf[lid],
+                                   max_programs=self.max_programs)
             self.event.record(self.side)
         if self.join == "before_step":
             main.wait_event(self.event)
@@ -136,8 +135,10 @@ class GraphedDecoder:
             for _ in range(warmup):  # compiles kernels and caches constants outside the capture
                 self._body()
         torch.cuda.current_stream(device).wait_stream(side)
+        if memory is not None:
+            memory.flush()   # a lookup thread's sync would spoil the capture: none may run meanwhile
         self.graph = torch.cuda.CUDAGraph()
-        with CAPTURE_GUARD.capturing(), torch.cuda.graph(self.graph):   # no lookup thread syncs meanwhile
+        with torch.cuda.graph(self.graph):
             self.logits = self._body()
 
     def _body(self) -> torch.Tensor:

@@ -36,11 +36,6 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                       "SCALE_OFF": 0 if mode == 0 else 256, "D": d, "NB": nb, "BLOCK_NB": next_pow2(nb),
                       "BLOCK_D": next_pow2(d), "BLOCK_R": 32, "MODE": mode, "EXACT": False, "SCATTER": scatter}
             out.append((f"gather mode={mode} scatter={scatter}", _gather_kernel, sig, consts))
-    # The zero-copy share as 8-byte words (`zero_copy_word_bytes=8`): 33 words per 264 B row.
-    out.append(("gather mode=0 int64 words scatter=True", _gather_kernel,
-                dict(gather_sig, tab_ptr="*i64", scale_ptr="*i64", out_ptr="*i64"),
-                {"ROW_STRIDE": 33, "SCALE_STRIDE": 0, "SCALE_OFF": 0, "D": 33, "NB": 1, "BLOCK_NB": 1,
-                 "BLOCK_D": 64, "BLOCK_R": 32, "MODE": 0, "EXACT": False, "SCATTER": True}))
     out.append(("cache probe", rc.probe_kernel,
                 {"ids_ptr": "*i64", "valid_ptr": "*i1", "keys_ptr": "*i64", "freq_ptr": "*i32", "slot_ptr": "*i64",
                  "n": "i64", "n_sets": "i64"},

@@ -29,12 +29,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
 from condmem.hashing import NgramHasher
-from condmem.tables.lookup import LookupEngine, LookupHandle
+from condmem.tables.lookup import LookupConfig, LookupEngine, LookupHandle
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows
@@ -133,10 +133,8 @@ class EngramMemory:
             cache = None
             if cache_bytes and store.tier != "hbm":
                 cache = RowCache.from_bytes(cache_bytes, store.row_bytes, ways=16, device=self.device)
-            engine = LookupEngine(store, self.device, cache=cache, cpu_fraction=cpu_fraction or 0.0)
-            if cpu_fraction is None:
-                engine.calibrate()
-            self.engines[layer_id] = engine
+            config = LookupConfig(cpu_fraction="calibrate" if cpu_fraction is None else cpu_fraction)
+            self.engines[layer_id] = LookupEngine(store, self.device, cache=cache, config=config)
         self.history = hasher.new_history(max_sequences, self.device)
         # Prompts given on the host are hashed on this stream, beside the caller's queue.
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
@@ -352,6 +350,31 @@ class EngramMemory:
         row_batches = [self.hasher(ids.to(self.device), check=True) for ids in sample_ids]
         return {lid: self.engines[lid].calibrate(sample=[r[:, :, i] for r in row_batches], candidates=candidates)
                 for lid, i in self._layer_index.items()}
+
+    def gather_into(self, layer_id: int, row_ids: torch.Tensor, out: torch.Tensor | None = None, *,
+                    max_programs: int | None = None) -> torch.Tensor:
+        """Layer `layer_id`'s rows of `row_ids` read in place on the current stream: one kernel, no
+        host work, capturable in a CUDA graph (`LookupEngine.gather_into`; HBM or page-locked tables)."""
+        return self.engines[layer_id].gather_into(row_ids, out=out, max_programs=max_programs)
+
+    def flush(self) -> None:
+        """Wait for every layer's lookups in flight (their rows landed, misses admitted to the caches)."""
+        for engine in self.engines.values():
+            engine.flush()
+
+    def warm_up(self, batch_tokens: Iterable[int]) -> None:
+        """Capture every layer's lookup plans for batches of these many tokens as CUDA graphs
+        (`LookupEngine.warm_up`): call it once before serving with the prefill sizes to come
+        (e.g. the scheduler's token budget); other sizes run the same kernels one by one."""
+        batch_tokens = [int(t) for t in batch_tokens]
+        self.flush()                 # no layer's gather thread may sync while another captures
+        for lid, engine in self.engines.items():
+            sizes = [int(t) * self.hasher.n_cols for t in batch_tokens]
+            if self.sharded is not None:     # this rank's share of each batch's ids
+                zeros = [torch.zeros((1, int(t), self.hasher.n_cols), dtype=torch.long, device=self.device)
+                         for t in batch_tokens]
+                sizes = [self.sharded[lid].local_ids(z).numel() for z in zeros]
+            engine.warm_up(sizes)
 
     def close(self) -> None:
         for engine in self.engines.values():

@@ -11,14 +11,13 @@ For one batch of row ids [T, n_cols] (one Engram layer):
    * HBM store: the gather kernel, each row scattered to its compact row;
    * host store: a fraction ``cpu_fraction`` of the misses is gathered by CPU threads
      into a small ring of pinned staging chunks, each sent by DMA (straight into the
-     compact rows) while the next is gathered;
-     the rest is read by the GPU zero-copy (the gather kernel on the page-locked
-     table). On the H200 a zero-copy read costs about one address translation per
-     64 KiB region touched, not per row, while a CPU thread pays per row; so the GPU
-     takes the misses that share a region with another miss and the CPU the lone ones
-     (`lookup_plan.split_by_density`); `calibrate` times candidate fractions and keeps
-     the fastest;
-   * disk store: CPU gather (page cache) into staging, then DMA;
+     compact rows) while the next is gathered; the rest is read by the GPU zero-copy
+     (the gather kernel on the page-locked table). A zero-copy read costs about one
+     address translation per 64 KiB region touched, while a CPU thread pays per row; so
+     the GPU takes the misses that share a region with another miss and the CPU the lone
+     ones (`lookup_plan.split_by_density`); `calibrate` times candidate fractions and
+     keeps the fastest;
+   * disk store: CPU gather into staging, then DMA;
 4. **expand**: the gather kernel reads the compact unique rows with the inverse index
    and writes [T, n_cols, head_dim] bf16, dequantizing fp8 on the way;
 5. the misses are **admitted** to the cache when a later lookup starts and finds their
@@ -28,32 +27,32 @@ For one batch of row ids [T, n_cols] (one Engram layer):
 Small batches (decode: up to ``direct_max_ids`` ids) skip all of it: one gather kernel
 reads the rows straight from the table (HBM or page-locked host), with no host sync.
 
-On a GPU, steps 1-3's planning runs on fixed-size padded buffers with no host sync, as
-one CUDA graph (`condmem.tables.lookup_plan`; the admission of step 5 too), and lookups
-are **pipelined**: `lookup` returns a `LookupHandle` once the plan is queued; a gather
-thread waits for its counts, gathers the CPU share and queues its DMAs, while the
-zero-copy share runs on a stream of its own; the caller's thread queues the expansion at
-its next `wait()`, `done()` or `lookup()` (`expand_on_caller`), so the gather thread goes
-straight on to the next batch. The gather thread's syncs never overlap a plan's graph
-capture (`utils.capture_guard`). So while batch i's rows are gathered on the CPU, batches
-i+1 and i+2 are already deduplicated and probed, and batch i-1's last chunk is in DMA.
-`handle.wait()` makes the caller's stream wait for the rows' event, so layers queued
-before it overlap with the fetch. The rows
-are bit-identical whatever the path and timing (tested against a plain gather).
+On a GPU, steps 1-3's planning runs on fixed-size padded buffers with no host sync
+(`condmem.tables.lookup_plan`), replayed as CUDA graphs for the batch sizes given to
+`warm_up` (other sizes launch the same kernels one by one), and lookups are
+**pipelined**: `lookup` returns a `LookupHandle` once the plan is queued; a gather thread
+waits for its counts, gathers the CPU share and queues its DMAs, while the zero-copy share
+runs on a stream of its own; the caller's thread queues the expansion at its next
+`wait()`, `done()` or `lookup()`, so the gather thread goes straight on to the next batch.
+So while batch i's rows are gathered on the CPU, batches i+1 and i+2 are already
+deduplicated and probed, and batch i-1's last chunk is in DMA. `handle.wait()` makes the
+caller's stream wait for the rows' event, so layers queued before it overlap with the
+fetch. The rows are bit-identical whatever the path and timing (tested against a plain
+gather).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -62,7 +61,6 @@ from condmem.ops.gather import engram_gather
 from condmem.tables.lookup_plan import (
     COUNT_NAMES,
     N_COUNTS,
-    ONE_PROGRAM_PER_BLOCK,
     LookupPlan,
     as_words,
     fill_plan_ids,
@@ -72,32 +70,64 @@ from condmem.tables.lookup_plan import (
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS, StagedSender
 from condmem.tables.storage import LayerStore, StorageError
-from condmem.utils.capture_guard import CAPTURE_GUARD
+
+log = logging.getLogger("condmem.tables")
 
 CALIBRATION_FRACTIONS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 1.0)
 """`LookupEngine.calibrate`'s default candidate CPU shares: dense where uniform ids have had
 their optimum on the H200 (0.7-0.9)."""
 
-
-def time_candidates(time_at: Callable[[float], float], candidates: tuple[float, ...],
-                    refine: int) -> tuple[dict[float, float], dict[float, float]]:
-    """`time_at` of every candidate in turn, then of the `refine` fastest again (the slowest of
-    them first); returns the first pass's times and each candidate's best time
-    (`LookupEngine.calibrate` keeps the fastest)."""
-    first = {f: time_at(f) for f in candidates}
-    best = dict(first)
-    for f in sorted(first, key=first.get)[:max(0, refine)][::-1]:
-        best[f] = min(best[f], time_at(f))
-    return first, best
-
-
 ZERO_COPY_PROGRAMS = 64
-"""Default cap on the zero-copy gather's grid (`LookupEngine(zero_copy_programs=...)`): measured
-best on the H200 (the docstring's numbers). Why fewer programs read faster is not established;
-each random row costs the GPU an address translation, and a guess is that fewer of them in
-flight at once thrash its translation caches less. Too small a grid leaves PCIe idle."""
+"""Cap on the zero-copy gather's grid for host tables (an HBM table's misses use the full grid).
+Fewer programs in flight read host rows faster and leave the CPU send more of the host's
+memory (`docs/lookup-engine.md` has the measurements); too small a grid leaves PCIe idle."""
 
-log = logging.getLogger("condmem.tables")
+REGION_BYTES = 64 << 10
+"""The zero-copy translation granule that the CPU/GPU split counts misses by."""
+
+STAGING_RING = 4
+"""Pinned staging chunks per engine (4 x 65536 rows of 264 B = 66 MiB)."""
+
+MAX_PLAN_SIZES = 4
+"""Plan sizes (buckets) kept at once besides the warmed-up ones; a new size beyond this waits
+for the lookups in flight and frees the least recently used one."""
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """What a user tunes in a `LookupEngine`; the defaults suit an H200 host."""
+
+    cpu_fraction: float | Literal["calibrate"] = 0.5
+    """Share of a host table's misses gathered by CPU threads (0: all read by the GPU in place;
+    1: all by the CPU). ``"calibrate"``: timed on uniform ids when the engine is made, fastest
+    kept. Irrelevant for HBM tables (no CPU share) and disk tables (all CPU)."""
+    cpu_threads: int | None = None
+    """Threads of the CPU gather. None: on a GPU, one fewer than torch's intra-op threads (the
+    thread that plans the next lookup needs a core: with every core gathering, its few
+    milliseconds of launches stretched to ~5 ms per lookup on the H200)."""
+    max_in_flight: int = 3
+    """Lookups in flight at once (each holds a plan slot of its size); a further `lookup` waits
+    for the oldest one's CPU share. 3: lookup i+1 is planned while i-1 is still being sent."""
+    direct_max_ids: int = 8192
+    """Batches of at most this many ids (decode steps) read the table in place with one kernel,
+    with no dedup, cache or host sync (HBM or page-locked host tables). 0 disables."""
+    staging_chunk_rows: int = STAGING_CHUNK_ROWS
+    """Rows per pinned staging chunk of the CPU share (each chunk's DMA overlaps the next one's gather)."""
+    graphs: bool = True
+    """Replay warmed-up plans as CUDA graphs (False: always kernel by kernel, for debugging)."""
+
+    def __post_init__(self) -> None:
+        f = self.cpu_fraction
+        if not (f == "calibrate" or (isinstance(f, (int, float)) and 0.0 <= f <= 1.0)):
+            raise ValueError(f"LookupConfig.cpu_fraction must be in [0, 1] or 'calibrate', got {f!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"LookupConfig.cpu_threads must be >= 1 (or None), got {self.cpu_threads}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"LookupConfig.max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.direct_max_ids < 0:
+            raise ValueError(f"LookupConfig.direct_max_ids must be >= 0, got {self.direct_max_ids}")
+        if self.staging_chunk_rows < 1:
+            raise ValueError(f"LookupConfig.staging_chunk_rows must be >= 1, got {self.staging_chunk_rows}")
 
 
 @dataclass
@@ -110,13 +140,7 @@ class LookupStats:
     cpu_rows: int = 0
     gpu_rows: int = 0
     seconds: float = 0.0
-    started: float = 0.0
-    """Host clock (time.perf_counter) when the lookup was called."""
-    marks: list = field(default_factory=list)
-    """(step, host seconds since the lookup started), in order: where the host's time went."""
-
-    def mark(self, step: str, start: float) -> None:
-        self.marks.append((step, time.perf_counter() - start))
+    """Host seconds from the call until its CPU share was queued."""
 
 
 class LookupHandle:
@@ -164,6 +188,16 @@ def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int
     return engram_gather(ids, raw, head_dim=head_dim, out=out, **kernel)
 
 
+def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int,
+                   out: torch.Tensor | None = None, **kernel) -> torch.Tensor:
+    """bf16 rows [..., head_dim] of `ids` from raw rows (bf16 bytes, or interleaved fp8 + scales, dequantized).
+
+    `kernel`: gather kernel options (e.g. ``max_programs``)."""
+    if fmt == "bf16":
+        return engram_gather(ids, raw.view(torch.bfloat16), out=out, **kernel)
+    return engram_gather(ids, raw, head_dim=head_dim, out=out, **kernel)
+
+
 @dataclass
 class _Batch:
     """One lookup on its way through the pipeline (GPU path)."""
@@ -188,8 +222,8 @@ class LookupEngine:
 
     Lookups are pipelined: `lookup` returns once its GPU-side planning is queued, so the
     next batch's dedup and cache probe run while this one's rows are still being gathered
-    on the CPU and copied. Up to ``max_in_flight`` lookups are in flight; the CPU shares
-    are gathered one after another by a worker thread through a ring of pinned staging chunks.
+    on the CPU and copied. Use it as a context manager (or call `close()`): it holds a
+    gather thread, pinned staging buffers and plan slots.
 
     Args:
         store: the layer's rows (any tier).
@@ -197,73 +231,21 @@ class LookupEngine:
         cache: optional `RowCache` on `device` (raw rows of the store's format). A lookup's
             misses are admitted when a later lookup starts and finds them fetched, so
             results never depend on timing; only the hit rate can.
-        cpu_fraction: share of a host store's misses gathered by CPU threads (0: all
-            zero-copy; 1: all CPU). `calibrate()` sets it from measurements.
-        cpu_threads: threads of the native CPU gather. Default on a GPU: one fewer than
-            torch's intra-op count, leaving a core to the thread that plans the next lookup
-            (measured on the H200: with every core gathering, that thread's few
-            milliseconds of launches and syncs stretched to ~5 ms per lookup).
-        staging_chunk_rows: rows per pinned staging chunk: the CPU share is gathered and
-            sent chunk by chunk (each chunk's DMA overlaps the next one's gather; see
-            `staged_transfer.STAGING_CHUNK_ROWS` for the default and its measurements).
-        staging_ring: staging chunks in the ring (default 4 x 65536 rows of 264 B = 66 MiB pinned).
-        native_send: gather and send the CPU share in one native call when a C compiler and
-            the CUDA runtime library are found (False: a Python loop per chunk; H200, 393K
-            uniform rows: 3.0 vs 5.4 ms).
-        direct_max_ids: batches of at most this many ids (decode steps) skip dedup, cache
-            and the CPU split: one gather kernel reads the table in place (when the GPU can
-            read it: HBM or page-locked host). 0 disables.
-        region_bytes: the zero-copy translation granule used to split misses
-            (`lookup_plan.split_by_density`).
-        zero_copy_programs: cap on the zero-copy kernel's grid (None: the full persistent
-            grid of 4 programs per SM). Fewer programs in flight read host rows faster and
-            leave the CPU send more of the host's memory (`docs/lookup-engine.md`).
-            Default `ZERO_COPY_PROGRAMS` (64). Host stores only: an HBM table's misses are
-            read with the full grid, which is faster there.
-        zero_copy_yields: run the zero-copy kernel as one short program per 32 rows on a
-            low-priority stream, so the plan's and cache's kernels (high priority) take SMs
-            as its programs end. Why: its persistent grid (4 programs of 128 threads per SM,
-            215 registers a thread under Triton 3.6: 2 fit in an SM's 64K registers, so it
-            runs in two waves holding ~84% of every SM's registers) leaves no room beside it;
-            on the H200 each lookup's plan completed only ~0.6 ms after the previous
-            lookup's zero-copy kernel, serializing the CPU and GPU shares across lookups.
-            Exact (GPU-tested), but no measured gain: the calibration gives the zero-copy
-            path little or no share.
-        zero_copy_word_bytes: 4, or 8 to move the zero-copy share's rows as 8-byte words
-            (half the kernel's registers per row in flight: `lookup_plan.move_rows`). Exact
-            (GPU-tested); no measured gain, for the same reason.
-        expand_on_caller: the caller's thread queues each lookup's expansion (in `wait()`,
-            `done()` or its next `lookup()`, whichever comes first) once the gather thread
-            has queued the DMAs, so the gather thread goes straight on to the next CPU
-            share; False: the gather thread queues it (~0.2 ms of Python per lookup). So a
-            handle's `event` means something only after `wait()` or a true `done()`. Nothing
-            on the GPU ever waits for a host thread (`utils.capture_guard` says why that
-            matters).
-        max_in_flight: lookups in flight at once (and plan slots per batch size); a further
-            `lookup` waits for the oldest one's CPU share. 3 (default): the plan of lookup
-            i+1 is queued while lookup i-1 is still being sent, so its counts are ready when
-            the gather thread turns to it; each slot holds the plan's buffers and graphs
-            (below).
-        graphs: replay each plan and admission as a CUDA graph (captured on the second use
-            of a batch size; False: the same kernels launched one by one, for debugging).
-            Each batch size holds `max_in_flight` plan slots of fixed-size buffers and graph
-            memory: ~0.3 KB per id of buffers, plus the graphs' temporaries, up to ~1.5 KB
-            per id with a cache (an estimate from the tensors; not measured): ~0.3-0.7 GB
-            per slot at 16K tokens x 24 columns.
-        max_plan_sizes: plan sizes kept at once. Batch sizes are rounded up to buckets
-            (`plan_bucket`: at most 12.5% more ids); a new bucket beyond this many waits for
-            the lookups in flight and frees the least recently used one.
+        config: what a user tunes (`LookupConfig`).
+
+    Example::
+
+        with LookupEngine(store, "cuda", config=LookupConfig(cpu_fraction="calibrate")) as engine:
+            engine.warm_up([16384 * 24])          # capture the plans of prefill-sized batches
+            handle = engine.lookup(row_ids)       # returns at once
+            ...                                   # queue other work
+            rows = handle.wait()                  # [..., head_dim] bf16 on the current stream
     """
 
     def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
-                 cpu_fraction: float = 0.5, cpu_threads: int | None = None,
-                 staging_chunk_rows: int = STAGING_CHUNK_ROWS, staging_ring: int = 4,
-                 direct_max_ids: int = 8192, region_bytes: int = 64 << 10,
-                 max_in_flight: int = 3, graphs: bool = True, max_plan_sizes: int = 4,
-                 native_send: bool = True,
-                 zero_copy_programs: int | None = ZERO_COPY_PROGRAMS, zero_copy_yields: bool = False,
-                 zero_copy_word_bytes: int = 4, expand_on_caller: bool = True):
-        self.store = store
+                 config: LookupConfig | None = None):
+        config = config or LookupConfig()
+        self.store, self.config = store, config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -271,75 +253,78 @@ class LookupEngine:
         if cache is not None and (cache.row_bytes != store.row_bytes or cache.device != self.device):
             raise ValueError(f"cache rows ({cache.row_bytes} B on {cache.device}) do not match the store "
                              f"({store.row_bytes} B) and device {self.device}")
-        if not 0.0 <= cpu_fraction <= 1.0:
-            raise ValueError(f"cpu_fraction must be in [0, 1], got {cpu_fraction}")
-        if max_in_flight < 1 or region_bytes < 1:
-            raise ValueError(f"max_in_flight and region_bytes must be positive, got {max_in_flight}, {region_bytes}")
-        self.cpu_fraction = cpu_fraction
-        if cpu_threads is None and self.device.type == "cuda":
-            cpu_threads = max(1, torch.get_num_threads() - 1)
-        self.cpu_threads = cpu_threads
-        if staging_chunk_rows < 1:
-            raise ValueError(f"staging_chunk_rows must be positive, got {staging_chunk_rows}")
+        self.on_gpu = self.device.type == "cuda"
+        self._cpu_fraction = 0.5 if config.cpu_fraction == "calibrate" else float(config.cpu_fraction)
+        self.cpu_threads = config.cpu_threads
+        if self.cpu_threads is None and self.on_gpu:
+            self.cpu_threads = max(1, torch.get_num_threads() - 1)
+        self.max_in_flight = config.max_in_flight
+        self.direct_max_ids = config.direct_max_ids
         # A CPU share never exceeds the table's rows: small tables get small pinned buffers.
-        self.staging_chunk_rows = min(staging_chunk_rows, max(1, store.num_rows))
+        self.staging_chunk_rows = min(config.staging_chunk_rows, max(1, store.num_rows))
+        self.graphs = config.graphs and self.on_gpu
+        self.max_plan_sizes = MAX_PLAN_SIZES
         self._direct_checks = PendingIdChecks(StorageError, store.num_rows, "table", noun="row id",
                                               hint="were these ids hashed for another layout?")
-        self.direct_max_ids = direct_max_ids
-        self.region_bytes = region_bytes
-        self.max_in_flight = max_in_flight
-        self.on_gpu = self.device.type == "cuda"
         if self.on_gpu:
             # High priority everywhere: beside a forward pass, the lookup's few short kernels
             # take the next free SMs instead of queueing behind the forward's.
             self.stream = torch.cuda.Stream(self.device, priority=-1)            # plan: dedup, cache, ids out
-            # GPU reads of host rows: high priority too, or low when its programs yield to the plan's.
-            self.zero_copy_stream = torch.cuda.Stream(self.device, priority=0 if zero_copy_yields else -1)
+            self.zero_copy_stream = torch.cuda.Stream(self.device, priority=-1)  # GPU reads of the misses
             self.copy_stream = torch.cuda.Stream(self.device, priority=-1)       # DMAs of the CPU share
             self.finish_stream = torch.cuda.Stream(self.device, priority=-1)     # assemble, expand
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
         else:
             self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
             self._pool = None
-        self.staging_ring = max(2, staging_ring)
-        self.native_send = native_send
-        if zero_copy_programs is not None and zero_copy_programs < 1:
-            raise ValueError(f"zero_copy_programs must be >= 1 (or None), got {zero_copy_programs}")
-        self.zero_copy_programs = zero_copy_programs
-        self.zero_copy_yields = zero_copy_yields
-        if zero_copy_word_bytes not in (4, 8):
-            raise ValueError(f"zero_copy_word_bytes must be 4 or 8, got {zero_copy_word_bytes}")
-        self.zero_copy_word_bytes = zero_copy_word_bytes
-        self.expand_on_caller = expand_on_caller
         self._settling = threading.Lock()      # handles may be waited for from other threads
         self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
-        self.graphs = graphs and self.on_gpu
-        self.max_plan_sizes = max(1, max_plan_sizes)
         self._plans: collections.OrderedDict[int, list[LookupPlan]] = collections.OrderedDict()  # by bucket, LRU
         self._plan_next: dict[int, int] = {}
+        self._warm: set[int] = set()           # buckets whose plan slots are captured graphs
+        self._eager_noted: set[int] = set()
         self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
-        self.timing = False   # benchmarks: CUDA events that can be timed (`bench lookup`'s pipeline timeline)
+        self._closed = False
+        if config.cpu_fraction == "calibrate":
+            self.calibrate()
+
+    @property
+    def cpu_fraction(self) -> float:
+        """Share of a host store's misses gathered by CPU threads (set by `calibrate`, or by hand)."""
+        return self._cpu_fraction
+
+    @cpu_fraction.setter
+    def cpu_fraction(self, fraction: float) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"cpu_fraction must be in [0, 1], got {fraction}")
+        if fraction == self._cpu_fraction:
+            return
+        self._cpu_fraction = fraction
+        if self._plans:            # plans of the old split: freed, the warmed-up ones captured again
+            self._drop_plans(list(self._plans))
+            self._capture(sorted(self._warm))
+
+    def __enter__(self) -> LookupEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ helpers
-    def _event(self):
-        """A CUDA event; with ``self.timing`` set (benchmarks), one that can be timed."""
-        return torch.cuda.Event(enable_timing=self.timing)
-
     def _expand(self, compact: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats, start: float):
+    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned) -> torch.cuda.Event:
         """Gather thread: the CPU share gathered on CPU threads and sent chunk by chunk through the
         pinned staging ring, straight into `rows` (the plan's first compact rows), on the copy
         stream; returns the event after the last send."""
         self.copy_stream.wait_event(planned)    # the plan slot's earlier readers are done
         if self._sender is None:
             self._sender = StagedSender(self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows,
-                                        ring=self.staging_ring, native=self.native_send)
+                                        ring=STAGING_RING)
         self._sender.send(self.store, ids_host, rows, self.copy_stream, self.cpu_threads)
-        stats.mark("cpu share gathered, sends queued", start)
-        done = self._event()
+        done = torch.cuda.Event()
         done.record(self.copy_stream)
         return done
 
@@ -348,9 +333,11 @@ class LookupEngine:
         """Start fetching rows for `row_ids` [..] (int64 on `device`); returns a handle at once."""
         if row_ids.device != self.device:
             raise ValueError(f"row ids on {row_ids.device}, engine serves {self.device}")
+        if self._closed:
+            raise RuntimeError("this LookupEngine is closed")
         self._direct_checks.raise_pending()
         start = time.perf_counter()
-        stats = LookupStats(ids=row_ids.numel(), started=start)
+        stats = LookupStats(ids=row_ids.numel())
         if not self.on_gpu:
             rows = self._lookup_sync(row_ids, stats)
             stats.seconds = time.perf_counter() - start
@@ -362,35 +349,30 @@ class LookupEngine:
         row_ids.record_stream(self.stream)
         if row_ids.numel() <= self.direct_max_ids and self.store.gpu_readable:
             return self._lookup_direct(row_ids, stats)
-        fraction = self._split_fraction()
-        if any(ring[0].fraction != fraction for ring in self._plans.values()):
-            self._drop_plans(list(self._plans))     # plans of an old split (calibrate changed it)
         # Back-pressure: at most max_in_flight lookups (and plan slots) in use.
         while sum(not b.expanded for b in self._in_flight) >= self.max_in_flight:
             self._settle(next(b for b in self._in_flight if not b.expanded))
         with torch.cuda.stream(self.stream):
             self._admit_fetched()
             batch = self._plan(row_ids, stats, start)
-        stats.mark("planned (queued: dedup, probe, split, counts to the host)", start)
         batch.future = self._pool.submit(self._finish, batch)   # done (or failed) once the DMAs are queued
         self._in_flight.append(batch)
         return LookupHandle(batch.out, batch.ready, batch.future, stats, batch, functools.partial(self._settle, batch))
 
     def _settle(self, batch: _Batch) -> None:
         """Caller's thread: wait until the gather thread is done with `batch`, then queue its
-        expansion if that is left to this thread (`expand_on_caller`). Raises nothing: an error
-        stays in the batch's future for `wait()`, and the batch is then never admitted."""
+        expansion. Raises nothing: an error stays in the batch's future for `wait()`, and the
+        batch is then never admitted."""
         if batch.expanded:
             return
         concurrent.futures.wait([batch.future])
         with self._settling:
-            if batch.expanded:                  # the gather thread, or another waiter, queued it
+            if batch.expanded:                  # another waiter queued it
                 return
             if batch.future.exception() is not None:
                 batch.failed = True
             else:
                 self._assemble(batch)
-                batch.stats.mark("expand queued", batch.start)
             batch.expanded = True
 
     def _admit_fetched(self) -> None:
@@ -410,7 +392,7 @@ class LookupEngine:
         one). Also what frees its plan slot: the next plan in it is queued after this wait."""
         self.stream.wait_event(batch.ready)
         if self.cache is not None and not batch.failed:
-            batch.plan.admit(capture=self.graphs)
+            batch.plan.admit()
 
     def flush(self) -> None:
         """Wait for every lookup in flight and admit its misses to the cache. Work the caller
@@ -436,8 +418,7 @@ class LookupEngine:
             event.record(self.stream)
             # Ids outside the table read zero rows (the kernel masks them); the range is copied
             # back without waiting and raised by a later wait() or lookup() (`raise_pending`).
-            # Two small launches, a copy and an event on the engine's stream (about 20 us of host
-            # time, not measured on a GPU); graphed decoders (`gather_into`) skip it.
+            # Graphed decoders (`gather_into`) skip it.
             self._direct_checks.submit_ids(row_ids, f"a direct lookup of {row_ids.numel()} ids")
         stats.unique, stats.gpu_rows = -1, row_ids.numel()
         return LookupHandle(out, event, None, stats, settle=self._direct_checks.raise_pending)
@@ -473,6 +454,44 @@ class LookupEngine:
             return 1.0
         return self.cpu_fraction
 
+    # ------------------------------------------------------------------ plan slots
+    def warm_up(self, sizes: Iterable[int]) -> None:
+        """Capture the plans (and cache admissions) of lookups of these many ids as CUDA graphs.
+
+        Lookups of a warmed-up size replay one graph for their whole plan; other sizes run the
+        same kernels one by one (the same rows, ~1-3 ms more host time per 16K-token lookup).
+        Sizes are rounded up to `plan_bucket`s; decode-sized batches (direct path) need no
+        plan. Captures happen only here (and again after `calibrate` changes the split),
+        after the engine's own lookups are flushed: a capture is spoiled by a synchronizing
+        CUDA call on any thread of the process, so call it while no other engine of the
+        process has lookups in flight (`EngramMemory.warm_up` does this for all its layers).
+        """
+        if not self.graphs:
+            return
+        buckets = {plan_bucket(n) for n in sizes
+                   if n > 0 and not (n <= self.direct_max_ids and self.store.gpu_readable)}
+        self._drop_plans([])                  # idle: nothing in flight, every stream run past
+        self._warm |= buckets
+        self._capture(sorted(buckets))
+
+    def _capture(self, buckets: list[int]) -> None:
+        """Every plan slot of these buckets made and captured (the engine is idle: flushed)."""
+        if not buckets:
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            for n in buckets:
+                ring = self._plans.setdefault(n, [])
+                while len(ring) < self.max_in_flight:
+                    ring.append(self._new_plan(n))
+                for plan in ring:
+                    if not plan.captured:
+                        plan.capture()
+        self.stream.synchronize()
+
+    def _new_plan(self, n: int) -> LookupPlan:
+        return LookupPlan(n, self.store.row_bytes, self.store.num_rows, self.device, self.cache,
+                          self._split_fraction(), REGION_BYTES, pin=self.on_gpu)
+
     def _drop_plans(self, sizes: list[int]) -> None:
         """Free the plan slots of these sizes, once no lookup uses them: every lookup in flight
         is finished and admitted, and the device has run past it (the slots' memory, graph
@@ -492,28 +511,33 @@ class LookupEngine:
         admission (on the plan stream) waited for its rows."""
         ring = self._plans.get(n)
         if ring is None:
-            if len(self._plans) >= self.max_plan_sizes:
-                self._drop_plans([next(iter(self._plans))])   # the least recently used size
+            cold = [size for size in self._plans if size not in self._warm]
+            if len(cold) >= self.max_plan_sizes:
+                self._drop_plans(cold[:1])   # the least recently used size that was not warmed up
             ring = self._plans[n] = []
+            if self.graphs and n not in self._eager_noted:
+                self._eager_noted.add(n)
+                log.info("lookups of %d ids run their plan kernel by kernel: warm_up() that size for one "
+                         "CUDA graph replay", n)
         else:
             self._plans.move_to_end(n)
         k = self._plan_next.get(n, 0)
         if k == len(ring):
-            ring.append(LookupPlan(n, self.store.row_bytes, self.store.num_rows, self.device, self.cache,
-                                   self._split_fraction(), self.region_bytes, pin=self.on_gpu))
+            ring.append(self._new_plan(n))
         self._plan_next[n] = (k + 1) % self.max_in_flight
         return ring[k]
 
     def _plan(self, row_ids: torch.Tensor, stats: LookupStats, start: float) -> _Batch:
-        """Plan stream: the plan (one CUDA graph: dedup, probe and hits, misses, split, counts and
-        the CPU share's ids to the host); the GPU share is queued on its own stream, and when
-        there is no CPU share, the assembly too. No host sync."""
+        """Plan stream: the plan (dedup, probe and hits, misses, split, counts and the CPU share's
+        ids to the host); the GPU share is queued on its own stream, and when there is no CPU
+        share, the assembly too. No host sync."""
         plan = self._plan_slot(plan_bucket(row_ids.numel()))
         fill_plan_ids(plan.ids, row_ids.reshape(-1))
-        plan.run(capture=self.graphs)
+        plan.run()
         out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
         out.record_stream(self.finish_stream)
-        batch = _Batch(plan, out, tuple(row_ids.shape), stats, start, planned=self._event(), ready=self._event())
+        batch = _Batch(plan, out, tuple(row_ids.shape), stats, start, planned=torch.cuda.Event(),
+                       ready=torch.cuda.Event())
         batch.planned.record(self.stream)
         if plan.gpu_share:
             n = plan.n
@@ -522,10 +546,8 @@ class LookupEngine:
                 # Each row goes straight to its compact row (one kernel, HBM or zero-copy host);
                 # padding (row n, past compact[:n]) reads and stores nothing.
                 move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n],
-                          max_programs=self.zero_copy_programs if self.store.tier == "host" else None,
-                          programs_per_sm=ONE_PROGRAM_PER_BLOCK if self.zero_copy_yields else None,
-                          word_bytes=self.zero_copy_word_bytes)
-                batch.zero_copy_done = self._event()
+                          max_programs=ZERO_COPY_PROGRAMS if self.store.tier == "host" else None)
+                batch.zero_copy_done = torch.cuda.Event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:
             self._assemble(batch)
@@ -547,20 +569,19 @@ class LookupEngine:
             batch.ready.record(self.finish_stream)
 
     def _finish(self, batch: _Batch) -> None:
-        """Gather thread: wait for the plan's counts, check the ids, gather and send the CPU share,
-        queue the expansion (unless `expand_on_caller`). Errors reach the caller through `batch.future`
-        (the executor's).
+        """Gather thread: wait for the plan's counts, check the ids, gather and send the CPU share.
+        Errors reach the caller through `batch.future` (the executor's).
 
-        (Nothing queued on the GPU may wait for this thread to act later: see
-        `utils.capture_guard`. The expansion stays on this thread or the caller's: a third
-        Python thread for it contends for the GIL and measured slower.)"""
-        stats, start, plan = batch.stats, batch.start, batch.plan
-        # Shared guard: this thread's syncs and event queries must not overlap a graph
-        # capture on the caller's thread (`utils.capture_guard`).
-        with CAPTURE_GUARD.syncing(), torch.cuda.device(self.device):
+        Nothing queued on the GPU waits for this thread to act later: a device-wide
+        synchronize (CUDA's loading of a kernel's module on first launch is one) would
+        otherwise deadlock against a thread held back by the GIL. The expansion is queued by
+        the caller's thread (`_settle`): a third Python thread for it contends for the GIL
+        and measured slower."""
+        plan = batch.plan
+        with torch.cuda.device(self.device):
             batch.planned.synchronize()                   # counts and CPU ids are on the host
             counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
-            stats.mark("counts on host", start)
+            stats = batch.stats
             stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
             stats.cpu_rows, stats.gpu_rows = counts["n_cpu"], counts["n_gpu"]
             if counts["bad"]:
@@ -572,19 +593,15 @@ class LookupEngine:
                 raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
             if plan.cpu_share and counts["n_cpu"]:
                 batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
-                                                 plan.compact[: counts["n_cpu"]], batch.planned, stats, start)
-            if plan.cpu_share and not self.expand_on_caller:
-                self._assemble(batch)
-                stats.mark("expand queued", start)
-                batch.expanded = True      # before the future completes: the caller's thread reads it after
-        stats.seconds = time.perf_counter() - start
+                                                 plan.compact[: counts["n_cpu"]], batch.planned)
+        stats.seconds = time.perf_counter() - batch.start
 
     def _lookup_sync(self, row_ids: torch.Tensor, stats: LookupStats) -> torch.Tensor:
         """The same plan on the CPU (CI, CPU-only inference), synchronously: every miss is
         gathered by the CPU threads straight into the plan's compact rows."""
         plan = self._plan_slot(plan_bucket(row_ids.numel()))
         fill_plan_ids(plan.ids, row_ids.reshape(-1))
-        plan.run(capture=False)
+        plan.run()
         counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
         stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
         stats.cpu_rows = n_cpu = counts["n_cpu"]
@@ -602,68 +619,34 @@ class LookupEngine:
             self.cache.admit(plan.miss_ids[:k], rows)
         return out
 
-    # ------------------------------------------------------------------ tuning
-    def time_lookup(self, batches: list[torch.Tensor], repeats: int = 3) -> float:
-        """Median seconds of one lookup over `batches` (rotated), end to end on the device, after
-        a warm-up that uses every plan slot twice (the second use captures its graphs)."""
-        for i in range(2 * self.max_in_flight if self.graphs else 1):
-            self.lookup(batches[i % len(batches)]).wait()
-        times = []
-        for r in range(repeats):
-            for ids in batches:
-                if self.on_gpu:
-                    torch.cuda.synchronize(self.device)
-                t0 = time.perf_counter()
-                self.lookup(ids).wait()
-                if self.on_gpu:
-                    torch.cuda.synchronize(self.device)
-                times.append(time.perf_counter() - t0)
-        times.sort()
-        return times[len(times) // 2]
-
-    def run_pipelined(self, batches: list[torch.Tensor], depth: int | None = None) -> list[LookupHandle]:
-        """Look up `batches` back to back, each waited for only `depth` lookups later (default
-        `max_in_flight`), as a prefetching caller would; returns the handles, all waited for."""
-        depth = depth or self.max_in_flight
-        # The rows are consumed on a stream of their own: waits queued on the stream the ids
-        # come from would hold back the next lookup's plan (it waits for that stream).
-        consumer = torch.cuda.Stream(self.device) if self.on_gpu else None
-        handles, waiting = [], collections.deque()
-
-        def wait_oldest():
-            with contextlib.nullcontext() if consumer is None else torch.cuda.stream(consumer):
-                waiting.popleft().wait()
-
-        for ids in batches:
-            handles.append(self.lookup(ids))
-            waiting.append(handles[-1])
-            if len(waiting) >= depth:
-                wait_oldest()
-        while waiting:
-            wait_oldest()
-        return handles
-
-    def time_pipelined(self, batches: list[torch.Tensor], depth: int | None = None) -> float:
-        """Mean seconds per lookup of `run_pipelined`: the steady-state cost a prefetching
-        caller sees, with consecutive lookups overlapping."""
-        if self.on_gpu:
-            torch.cuda.synchronize(self.device)
+    # ------------------------------------------------------------------ the split
+    def _seconds_pipelined(self, batches: list[torch.Tensor]) -> float:
+        """Seconds per lookup of `batches` issued back to back, each waited for `max_in_flight`
+        lookups later on a stream of its own (a prefetching caller's steady state)."""
+        consumer = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        self.run_pipelined(batches, depth)
-        if self.on_gpu:
-            torch.cuda.synchronize(self.device)
+        waiting: collections.deque[LookupHandle] = collections.deque()
+        with torch.cuda.stream(consumer):
+            for ids in batches:
+                waiting.append(self.lookup(ids))
+                if len(waiting) >= self.max_in_flight:
+                    waiting.popleft().wait()
+            while waiting:
+                waiting.popleft().wait()
+        torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / max(1, len(batches))
 
     def calibrate(self, n_ids: int = 1 << 18, candidates: tuple[float, ...] | None = None, seed: int = 0,
                   sample: list[torch.Tensor] | None = None, refine: int = 3) -> float:
         """Pick `cpu_fraction` for a host store from measurements; returns the chosen fraction.
 
-        Each candidate split is timed on a pipeline of lookups (`time_pipelined`: the CPU
-        gather, its DMAs and the zero-copy gather share the PCIe link, the host's memory
-        and the GPU's address translation, so rates measured alone do not add up); the
-        `refine` fastest are then timed again, in reverse order, and keep their better
-        time; the fastest wins. Why twice: the host's memory bandwidth swings within
-        seconds, and one slow pass must not decide the split.
+        Each candidate split is timed on a pipeline of lookups (the CPU gather, its DMAs and
+        the zero-copy gather share the PCIe link, the host's memory and the GPU's address
+        translation, so rates measured alone do not add up); the `refine` fastest are then
+        timed again, in reverse order, and keep their better time; the fastest wins. Why
+        twice: the host's memory bandwidth swings within seconds, and one slow pass must not
+        decide the split. Warmed-up plan sizes are captured again for the chosen split.
 
         Args:
             n_ids: ids per batch of the default sample (uniform random ids, cache bypassed).
@@ -679,12 +662,10 @@ class LookupEngine:
         """
         if self.store.tier != "host" or not self.on_gpu or as_words(self.store.raw) is None:
             return self.cpu_fraction
-        self.flush()
         if sample is None:
             gen = torch.Generator(device="cpu").manual_seed(seed)
-            # Two uses of every plan slot: the first runs eagerly, the second captures its graph.
             warm = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device)
-                    for _ in range(2 * self.max_in_flight)]
+                    for _ in range(self.max_in_flight)]
             timed = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device)
                      for _ in range(4)] * 2
             cache, self.cache = self.cache, None
@@ -693,13 +674,16 @@ class LookupEngine:
                 raise ValueError("calibrate(sample=...) needs at least two batches (half warm the cache)")
             half = len(sample) // 2
             warm, timed, cache = sample[:half], sample[half:], self.cache
+        warmed = set(self._warm)
+        self._drop_plans(list(self._plans))            # plans are remade with the cache in use here
+        self.warm_up({ids.numel() for ids in warm + timed})    # timed as it will run: graphs
 
         def timed_at(f: float) -> float:
-            self.cpu_fraction = f
+            self.cpu_fraction = f                      # plans of this split, captured again
             if self.cache is not None:
                 self.cache.clear()
-            self.time_pipelined(warm)                 # warm-up: staging, the split's shapes, the cache
-            seconds = self.time_pipelined(timed)
+            self._seconds_pipelined(warm)              # staging, the split's shapes, the cache
+            seconds = self._seconds_pipelined(timed)
             self.flush()
             return seconds
 
@@ -707,7 +691,10 @@ class LookupEngine:
             first, results = time_candidates(timed_at, candidates or CALIBRATION_FRACTIONS, refine)
         finally:
             self.cache = cache
-        self.cpu_fraction = min(results, key=results.get)
+            self._drop_plans(list(self._plans))
+            self._warm = warmed
+        self._cpu_fraction = min(results, key=results.get)
+        self._capture(sorted(warmed))
         again = {f: t for f, t in results.items() if t < first[f]}
         log.info("lookup split calibrated on %s: %s -> cpu_fraction %.2f%s",
                  "the caller's sample" if sample is not None else f"{n_ids} random ids",
@@ -718,8 +705,23 @@ class LookupEngine:
         return self.cpu_fraction
 
     def close(self) -> None:
-        """Finish the lookups in flight, stop the worker thread and free the plan slots."""
-        self._drop_plans(list(self._plans))
+        """Finish the lookups in flight, stop the gather thread, free the plan slots and staging."""
+        self._closed = True
         if self._pool is not None:
+            self._drop_plans(list(self._plans))
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._plans.clear()
+        self._sender = None
+
+
+def time_candidates(time_at: Callable[[float], float], candidates: tuple[float, ...],
+                    refine: int) -> tuple[dict[float, float], dict[float, float]]:
+    """`time_at` of every candidate in turn, then of the `refine` fastest again (the slowest of
+    them first); returns the first pass's times and each candidate's best time
+    (`LookupEngine.calibrate` keeps the fastest)."""
+    first = {f: time_at(f) for f in candidates}
+    best = dict(first)
+    for f in sorted(first, key=first.get)[:max(0, refine)][::-1]:
+        best[f] = min(best[f], time_at(f))
+    return first, best

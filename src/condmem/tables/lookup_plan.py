@@ -30,7 +30,6 @@ import torch
 
 from condmem.ops.gather import engram_gather
 from condmem.tables.row_cache import FLOAT_WORDS, RowCache, row_words
-from condmem.utils.capture_guard import CAPTURE_GUARD
 
 PAD_ID = -1
 N_COUNTS = 8
@@ -38,36 +37,23 @@ N_COUNTS = 8
 COUNT_NAMES = ("n_cpu", "n_gpu", "n_miss", "n_unique", "bad", "min_id", "max_id")
 
 
-def as_words(raw: torch.Tensor, word_bytes: int = 4) -> torch.Tensor | None:
-    """Raw uint8 rows viewed as 4- or 2-byte float words (or 8-byte integer words first, with
-    ``word_bytes=8``), which the gather kernel moves bit for bit (a plain load and store, no
-    arithmetic); None when the row size is odd."""
-    words = row_words(raw, ((torch.int64,) if word_bytes == 8 else ()) + FLOAT_WORDS)
+def as_words(raw: torch.Tensor) -> torch.Tensor | None:
+    """Raw uint8 rows viewed as 4- or 2-byte float words, which the gather kernel moves bit for
+    bit (a plain load and store, no arithmetic); None when the row size is odd."""
+    words = row_words(raw, FLOAT_WORDS)
     return None if words.dtype == torch.uint8 else words
 
 
-ONE_PROGRAM_PER_BLOCK = 1 << 20
-"""`move_rows(programs_per_sm=...)` for a grid of one program per block of rows (not persistent)."""
-
-
 def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor,
-              max_programs: int | None = None, programs_per_sm: int | None = None, word_bytes: int = 4) -> None:
+              max_programs: int | None = None) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]`` (raw uint8 rows) for every i whose destination is
     inside `dst`; the others (padding) store nothing, and read nothing when their source index
-    is -1. One kernel on CUDA, no host sync; `max_programs` caps its grid, `programs_per_sm`
-    sets it (None: the gather's default persistent grid; `ONE_PROGRAM_PER_BLOCK`: short programs).
-
-    `word_bytes` 8 moves 8-byte words where the row size allows (264 B rows: 33 of them, in a
-    64-lane tile, where 4-byte words fill 66 of 128 lanes): compiled for sm_90 under Triton
-    3.6, 114 registers a thread instead of 215 at 32 rows a program, so twice the programs
-    (and rows in flight) fit an SM (exact on the H200; no gain measured in the engine, whose
-    calibration gives the zero-copy path little share)."""
+    is -1. One kernel on CUDA, no host sync; `max_programs` caps its grid."""
     if src.shape[-1] != dst.shape[-1]:
         raise ValueError(f"move_rows: source rows of {src.shape[-1]} B, destination rows of {dst.shape[-1]} B")
-    src_words, dst_words = as_words(src, word_bytes), as_words(dst, word_bytes)   # same row size: same dtype
+    src_words, dst_words = as_words(src), as_words(dst)   # same row size: same dtype
     if src_words is not None:
-        grid = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}
-        engram_gather(src_index, src_words, out=dst_words, out_index=dst_index, max_programs=max_programs, **grid)
+        engram_gather(src_index, src_words, out=dst_words, out_index=dst_index, max_programs=max_programs)
         return
     # Odd row sizes (no table format has them): boolean indexing, which syncs on CUDA.
     inside = (dst_index >= 0) & (dst_index < dst.shape[0])
@@ -277,37 +263,38 @@ class LookupPlan:
         self.cache.admit_rows(ids, self.compact, valid=ids >= 0, row_index=rows, return_slots=False)
 
     # ------------------------------------------------------------------ running
-    def _call(self, name: str, fn, capture: bool) -> None:
-        """Run step `fn` eagerly, or as its CUDA graph (captured on first use after one eager
-        warm-up run: the capture itself computes nothing, so the graph is replayed at once)."""
-        if not capture:
-            fn()
-            return
-        graph = self._graphs.get(name)
-        if graph is None:
-            stream = torch.cuda.current_stream(self.ids.device)
-            if name not in self._graphs:
-                self._graphs[name] = None       # first use: eager (allocations, kernel loading)
-                fn()
-                return
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the runtime lets the gather thread make calls that are unsafe during
-            # a capture; the guard keeps it from making them while this one captures (they
-            # would invalidate the capture all the same: `utils.capture_guard`).
-            # (Running a step eagerly after a spoiled capture is NOT safe: measured on the
-            # H200, the plan's next kernels then read out of bounds.)
-            with CAPTURE_GUARD.capturing(), torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                fn()
-            self._graphs[name] = graph
-        graph.replay()
+    @property
+    def captured(self) -> bool:
+        return "plan" in self._graphs
 
-    def run(self, capture: bool) -> None:
-        """The plan of the batch in `ids`, on the current stream."""
-        self._call("plan", self._plan, capture)
+    def capture(self) -> None:
+        """Capture the plan (and the admission, with a cache) as CUDA graphs on the current stream.
 
-    def admit(self, capture: bool) -> None:
+        Each step runs once eagerly first (allocations, kernel loading) on a batch of padding
+        only, which probes, reads and admits nothing. A capture is spoiled by a synchronizing
+        CUDA call on any thread of the process (an event query, a pinned allocation), whatever
+        the capture mode, so the caller runs this only while no lookup thread works
+        (`LookupEngine.warm_up`)."""
+        self.ids.fill_(PAD_ID)
+        self._plan()
+        self._graphs["plan"] = graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.current_stream(self.ids.device)):
+            self._plan()
+        graph.replay()                  # the captured buffers now hold the padding's plan
+        if self.cache is not None:
+            self._admit()
+            self._graphs["admit"] = graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=torch.cuda.current_stream(self.ids.device)):
+                self._admit()
+
+    def run(self) -> None:
+        """The plan of the batch in `ids`, on the current stream (its graph when captured)."""
+        graph = self._graphs.get("plan")
+        graph.replay() if graph is not None else self._plan()
+
+    def admit(self) -> None:
         """The batch's misses into the cache, on the current stream (after its rows landed)."""
         if self.cache is not None:
-            self._call("admit", self._admit, capture)
+            graph = self._graphs.get("admit")
+            graph.replay() if graph is not None else self._admit()
             self.cache.note_admission()
-

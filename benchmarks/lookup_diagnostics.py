@@ -1,16 +1,20 @@
-"""Diagnostics of ``condmem bench lookup`` (host tier, GPU): where a host lookup's time goes.
+"""Engineering diagnostics of table lookups (host tier, GPU): where a host lookup's time goes.
+
+Not part of the installed package: run from the repository,
+``PYTHONPATH=src python3 benchmarks/lookup_diagnostics.py --help``. The user-facing
+measurement is ``condmem bench lookup``; this script takes it apart:
 
 * `cpu_gather_rows`: the CPU gather alone (torch vs the native gather, random vs sorted ids);
 * `phase_rows`: each step of a lookup timed alone (dedup, ids to host, CPU gather, H2D,
   zero-copy gather and its locality, expand);
 * `gather_under_load`: the native gather alone and beside GPU traffic, threading variants,
   and the host's own memcpy bandwidth;
-* `engine_timeline`: one lookup's host-side step marks;
-* `pipeline_timeline` + `plot_pipeline`: consecutive pipelined lookups, host marks and timed
-  CUDA events (optionally a profiler trace), drawn as a timeline PNG;
-* `plan_costs`: a lookup's plan and its cache admission timed alone on the device, per
-  engine variant (graphs or eager plans, Triton or torch cache ops), on the text stream at steady state.
-  Reads no table, so it needs none: it isolates the cache path's own cost.
+* `pipeline_trace`: a torch profiler trace (chrome://tracing) of consecutive pipelined
+  lookups at given CPU shares: what overlaps with what, on every stream and thread;
+* `plan_costs`: a lookup's plan and its cache admission timed alone on the device, graphs
+  or kernel by kernel, Triton or torch cache ops, on the text stream at steady state. Reads
+  no table, so it needs none: it isolates the cache path's own cost;
+* `lookup_kernel_row`: the device time per kernel of a pipelined lookup.
 """
 
 from __future__ import annotations
@@ -23,19 +27,20 @@ from pathlib import Path
 import torch
 
 from condmem.bench.lookup_setup import N_COLS, ROW_BYTES
-from condmem.tables.lookup import LookupEngine
+from condmem.bench.lookup_timing import run_pipelined, time_pipelined
+from condmem.tables.lookup import LookupConfig, LookupEngine
 from condmem.tables.lookup_plan import LookupPlan, fill_plan_ids, plan_bucket
 from condmem.tables.row_cache import RowCache
-from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS
 from condmem.tables.storage import LayerStore
-from condmem.utils.plotting import pyplot
 
 log = logging.getLogger("condmem.bench")
 
 
 def cpu_gather_rows(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 16384 * N_COLS) -> list[dict]:
     """CPU gather rate alone (no GPU), torch.index_select vs the native prefetching gather, random and sorted ids."""
-    from condmem.tables import native_gather
+    from unittest import mock
+
+    from condmem import native as native_gather
 
     gen = torch.Generator().manual_seed(1)
     # Fresh ids for every timed call: repeating one set would time rows left in the caches and TLBs.
@@ -44,22 +49,22 @@ def cpu_gather_rows(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 1
     rows = []
     impls = [("torch", False)] + ([("native", True)] if native_gather.available() else [])
     for impl, native in impls:
-        store.native = native
-        for order, sets in (("random", id_sets), ("sorted", [i.sort().values for i in id_sets])):
-            store.gather_raw(sets[0], out=out)
-            times = []
-            for batch in sets[1:]:
-                t0 = time.perf_counter()
-                store.gather_raw(batch, out=out)
-                times.append(time.perf_counter() - t0)
-            sec = sorted(times)[2]
-            rows.append({"bench": "cpu_gather", "tier": store.tier, "stream": f"cpu-{impl}-{order}", "tokens": n_ids // N_COLS,
-                         "ids": n_ids, "ms": sec * 1e3, "rows_per_s": n_ids / sec,
-                         "effective_gbps": n_ids * store.row_bytes / sec / 1e9, "threads": torch.get_num_threads(),
-                         "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
-            log.info("CPU gather %s %s: %.2f ms, %.0fM rows/s, %.1f GB/s", impl, order, sec * 1e3, n_ids / sec / 1e6,
-                     rows[-1]["effective_gbps"])
-    store.native = native_gather.available()
+        with mock.patch.object(native_gather, "available", lambda: native):   # torch: index_select
+            for order, sets in (("random", id_sets), ("sorted", [i.sort().values for i in id_sets])):
+                store.gather_raw(sets[0], out=out)
+                times = []
+                for batch in sets[1:]:
+                    t0 = time.perf_counter()
+                    store.gather_raw(batch, out=out)
+                    times.append(time.perf_counter() - t0)
+                sec = sorted(times)[2]
+                rows.append({"bench": "cpu_gather", "tier": store.tier, "stream": f"cpu-{impl}-{order}",
+                             "tokens": n_ids // N_COLS, "ids": n_ids, "ms": sec * 1e3, "rows_per_s": n_ids / sec,
+                             "effective_gbps": n_ids * store.row_bytes / sec / 1e9,
+                             "threads": torch.get_num_threads(), "table_gib": round(store.nbytes / 2**30, 2),
+                             **ceiling, "machine": info})
+                log.info("CPU gather %s %s: %.2f ms, %.0fM rows/s, %.1f GB/s", impl, order, sec * 1e3,
+                         n_ids / sec / 1e6, rows[-1]["effective_gbps"])
     return rows
 
 
@@ -141,9 +146,9 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
     import concurrent.futures
 
     from condmem.ops.gather import engram_gather
-    from condmem.tables import native_gather
+    from condmem import native as native_gather
+    from condmem.native import gather_rows as native_gather_rows
     from condmem.tables.lookup_plan import as_words
-    from condmem.tables.native_gather import native_gather_rows
 
     if not native_gather.available():
         return []
@@ -240,142 +245,39 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
     return rows
 
 
-def engine_timeline(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384, cpu_fraction: float = 1.0,
-                    chunk_rows: int = STAGING_CHUNK_ROWS, runs: int = 7) -> list[dict]:
-    """Where one lookup's host time goes: the engine's own step marks, medians over uniform batches.
-
-    The marks are host clock readings (when each step finished on the host, or was queued
-    for the GPU); ``end`` is when the rows were ready on the device (a synchronize).
-    """
-    engine = LookupEngine(store, "cuda", cpu_fraction=cpu_fraction, staging_chunk_rows=chunk_rows)
-    gen = torch.Generator().manual_seed(3)
-    marks: dict[str, list[float]] = {}
-    for i in range(runs + 2):
-        ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to("cuda")
+def pipeline_trace(store: LayerStore, batches: list[torch.Tensor], cpu_fraction: float, trace: Path,
+                   cache: RowCache | None = None, warm: list[torch.Tensor] | None = None) -> dict:
+    """A torch profiler trace of `batches` looked up back to back at this CPU share (the plans
+    warmed up first; `warm`: batches run before, e.g. to bring a cache to its steady state).
+    Returns a result row with the pipeline's ms per lookup."""
+    with LookupEngine(store, "cuda", cache=cache, config=LookupConfig(cpu_fraction=cpu_fraction)) as engine:
+        engine.warm_up({ids.numel() for ids in batches})
+        time_pipelined(engine, warm or batches[:3])
+        engine.flush()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        handle = engine.lookup(ids)
-        handle.wait()
-        torch.cuda.synchronize()
-        end = time.perf_counter() - t0
-        if i < 2:
-            continue   # warm-up: staging buffers, thread pools
-        for step, t in handle.stats.marks + [("end (rows on the device)", end)]:
-            marks.setdefault(step, []).append(t)
-    engine.close()
-    rows = []
-    for step, ts in marks.items():
-        ts.sort()
-        ms = ts[len(ts) // 2] * 1e3
-        log.info("timeline cpu_fraction %.1f, chunks of %d rows, %d tokens: %-52s %7.3f ms", cpu_fraction, chunk_rows,
-                 tokens, step, ms)
-        rows.append({"bench": "engine_timeline", "tier": "host", "stream": f"timeline {step}", "tokens": tokens,
-                     "cpu_fraction": cpu_fraction, "chunk_rows": chunk_rows, "ms": ms,
-                     "table_gib": round(store.nbytes / 2**30, 2),
-                     **ceiling, "machine": info})
-    return rows
-
-
-def pipeline_timeline(store: LayerStore, info: dict, ceiling: dict, batches: list[torch.Tensor], label: str,
-                      cpu_fraction: float, cache: RowCache | None = None, depth: int | None = None,
-                      cpu_threads: int | None = None, trace: Path | None = None,
-                      chunk_rows: int = STAGING_CHUNK_ROWS, warm: list[torch.Tensor] | None = None,
-                      options: dict | None = None) -> list[dict]:
-    """Host marks and GPU event times (ms since the first lookup) of consecutive pipelined lookups.
-
-    Shows what overlaps with what: for each batch, when the host finished planning it,
-    when its CPU share was gathered, and on the GPU when its plan, zero-copy share, DMA
-    and final rows completed. `warm`: batches run first (default: the first three), e.g. to
-    bring a cache to its steady state. `options`: further `LookupEngine` arguments (an engine
-    variant's, e.g. ``zero_copy_yields``; its ``staging_chunk_rows`` wins over `chunk_rows`).
-    """
-    options = {"staging_chunk_rows": chunk_rows, **(options or {})}
-    engine = LookupEngine(store, "cuda", cache=cache, cpu_fraction=cpu_fraction, cpu_threads=cpu_threads, **options)
-    engine.timing = True
-    label = f"{label} cpu {cpu_fraction:.1f} threads {engine.cpu_threads} chunks {options['staging_chunk_rows']}"
-    engine.time_pipelined(warm or batches[:3])
-    engine.flush()
-    profiler = None
-    if trace is not None:
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                      torch.profiler.ProfilerActivity.CUDA])
-        profiler.__enter__()
-    torch.cuda.synchronize()
-    base = torch.cuda.Event(enable_timing=True)   # after the profiler's start-up (seconds)
-    base.record()
-    t0 = time.perf_counter()
-    handles = engine.run_pipelined(batches, depth)
-    torch.cuda.synchronize()
-    total = (time.perf_counter() - t0) * 1e3
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            t0 = time.perf_counter()
+            run_pipelined(engine, batches)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3 / len(batches)
         profiler.export_chrome_trace(str(trace))
-        log.info("pipeline %s: profiler trace (chrome://tracing) in %s", label, trace)
-    rows = []
-    for i, h in enumerate(handles):
-        b = h._batch
-        host = {step: round((h.stats.started - t0 + t) * 1e3, 3) for step, t in h.stats.marks}
-        host["called"] = round((h.stats.started - t0) * 1e3, 3)
-        gpu = {name: round(base.elapsed_time(ev), 3) for name, ev in
-               (("planned", b.planned), ("zero_copy_done", b.zero_copy_done), ("dma_done", b.dma_done),
-                ("ready", b.ready)) if ev is not None}
-        rows.append({"bench": "pipeline_timeline", "tier": "host", "stream": label, "batch": i,
-                     "tokens": batches[i].shape[0], "cpu_fraction": cpu_fraction, "host_ms": host, "gpu_ms": gpu,
-                     "cpu_rows": h.stats.cpu_rows, "gpu_rows": h.stats.gpu_rows, "hits": h.stats.hits,
-                     "total_ms": total, "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
-        log.info("pipeline %s batch %d: host %s | gpu %s | cpu %d gpu %d hit %d rows", label, i,
-                 " ".join(f"{k.split(' (')[0]}={v:.2f}" for k, v in host.items()),
-                 " ".join(f"{k}={v:.2f}" for k, v in gpu.items()), h.stats.cpu_rows, h.stats.gpu_rows, h.stats.hits)
-    log.info("pipeline %s: %d lookups in %.2f ms (%.2f ms each)", label, len(batches), total, total / len(batches))
-    engine.close()
-    return rows
+    log.info("pipeline cpu_fraction %.2f: %.3f ms per lookup; profiler trace (chrome://tracing) in %s",
+             cpu_fraction, ms, trace)
+    return {"bench": "pipeline_trace", "cpu_fraction": cpu_fraction, "ms": ms, "trace": str(trace),
+            "tokens": batches[0].shape[0], "cache": cache is not None}
 
 
-def plot_pipeline(rows: list[dict], path: Path) -> Path | None:
-    """A timeline per pipeline diagnostic: for each lookup, the host's plan, the worker's CPU
-    gather and, on the GPU, the zero-copy share and the moment the rows were ready."""
-    plt = pyplot()
-    rows = [r for r in rows if r.get("bench") == "pipeline_timeline"]
-    if plt is None or not rows:
-        return None
-    labels = sorted({r["stream"] for r in rows})
-    fig, axes = plt.subplots(len(labels), 1, figsize=(9, 1.2 + 0.35 * max(
-        sum(r["stream"] == lab for r in rows) for lab in labels) * len(labels)), squeeze=False)
-    for ax, label in zip(axes[:, 0], labels):
-        for r in (r for r in rows if r["stream"] == label):
-            y, host, gpu = r["batch"], r["host_ms"], r["gpu_ms"]
-            plan_end = next((v for k, v in host.items() if k.startswith("planned")), None)
-            gathered = max((v for k, v in host.items() if "gathered" in k), default=None)
-            # One lane each, top to bottom within the lookup's row.
-            spans = [("host plan", host.get("called"), plan_end, "tab:blue", -0.3),
-                     ("CPU gather (worker)", host.get("cpu ids on host"), gathered, "tab:orange", 0.0),
-                     ("zero-copy (GPU)", gpu.get("planned"), gpu.get("zero_copy_done"), "tab:green", 0.3)]
-            for name, a, b, color, lane in spans:
-                if a is not None and b is not None and b > a:
-                    ax.broken_barh([(a, b - a)], (y + lane - 0.14, 0.28), color=color, label=name)
-            if "ready" in gpu:
-                ax.plot([gpu["ready"]], [y], marker="|", color="black", markersize=12, linestyle="none",
-                        label="rows ready (GPU)")
-        ax.set_title(f"{label}: {rows[0]['tokens']} tokens per lookup", fontsize=9)
-        ax.set_ylabel("lookup")
-        ax.invert_yaxis()
-        ax.grid(True, axis="x", alpha=0.3)
-    axes[-1, 0].set_xlabel("ms since the first lookup was called")
-    legend = {}
-    for ax in axes[:, 0]:
-        for handle, name in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(name, handle)
-    fig.legend(list(legend.values()), list(legend), loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+PLAN_VARIANTS = ("graphs", "eager", "graphs/torch", "eager/torch")
+"""`plan_costs` variants: the plan replayed as CUDA graphs or launched kernel by kernel, and the
+cache's probe and admission as Triton kernels (default on CUDA) or torch ops (``/torch``)."""
 
 
-def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm: int, variants: list[dict],
+def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm: int, variants: list[str],
                info: dict, ceiling: dict, kernels: bool = False) -> list[dict]:
     """Median device ms of a plan (dedup, probe, hits, misses, split, counts to the host) and of
-    its cache admission, each alone, per variant; the cache warmed on the first `warm` batches.
+    its cache admission, each alone, per variant (`PLAN_VARIANTS`); the cache warmed on the
+    first `warm` batches.
 
     The misses' rows are not fetched (their bytes are whatever `compact` holds): only the
     time of the plan's own kernels is measured. On the CPU (smoke runs) times are host times.
@@ -385,13 +287,16 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
     on_gpu = device.type == "cuda"
     rows = []
     for variant in variants:
-        cache = RowCache(cache_rows, ROW_BYTES, ways=16, device=device, backend=variant["cache_backend"])
+        mode, _, backend = variant.partition("/")
+        cache = RowCache(cache_rows, ROW_BYTES, ways=16, device=device, backend=backend or "auto")
         n = plan_bucket(batches[0].numel())
         plan = LookupPlan(n, ROW_BYTES, num_rows, device, cache, 1.0, 64 << 10, pin=on_gpu)
-        capture = variant["graphs"] and on_gpu
+        capture = mode == "graphs" and on_gpu
         stream = torch.cuda.Stream() if on_gpu else None   # graphs are captured off the default stream
         times: dict[str, list[float]] = {"plan": [], "admit": []}
         with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
+            if capture:
+                plan.capture()
             for i, ids in enumerate(batches):
                 fill_plan_ids(plan.ids, ids.reshape(-1))
                 for name, step in (("plan", plan.run), ("admit", plan.admit)):
@@ -399,26 +304,26 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
                         torch.cuda.synchronize()
                         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         start.record()
-                        step(capture=capture)
+                        step()
                         end.record()
                         torch.cuda.synchronize()
                         ms = start.elapsed_time(end)
                     else:
                         t0 = time.perf_counter()
-                        step(capture=capture)
+                        step()
                         ms = (time.perf_counter() - t0) * 1e3
                     if i >= warm:
                         times[name].append(ms)
         hit = cache.stats.hit_rate
         if kernels and on_gpu:
-            rows.extend(plan_kernel_rows(plan, batches[warm:warm + 4], variant, capture, stream, info))
+            rows.extend(plan_kernel_rows(plan, batches[warm:warm + 4], variant, stream, info))
         for name, ts in times.items():
             ts.sort()
             ms = ts[len(ts) // 2] if ts else float("nan")
-            rows.append({"bench": "plan_cost", "tier": "-", "stream": f"text {name}", "variant": variant["label"],
+            rows.append({"bench": "plan_cost", "tier": "-", "stream": f"text {name}", "variant": variant,
                          "tokens": batches[0].shape[0], "ids": n, "ms": ms, "hit_rate": hit, **ceiling,
                          "machine": info})
-            log.info("plan cost [%s] %-5s %.3f ms (median of %d text batches, hit %.2f)", variant["label"], name, ms,
+            log.info("plan cost [%s] %-5s %.3f ms (median of %d text batches, hit %.2f)", variant, name, ms,
                      len(ts), hit)
         del plan, cache
     return rows
@@ -449,18 +354,17 @@ def kernel_row(per_kernel: dict[str, list], per: int, label: str, **fields) -> d
             "kernels": [{"name": k, "ms": ms, "launches": c // max(1, per)} for ms, c, k in top]}
 
 
-def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: dict, capture: bool, stream,
-                     info: dict) -> list[dict]:
+def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: str, stream, info: dict) -> list[dict]:
     """Device time per kernel of the plan and the admission over `batches` (torch profiler), one
     row per step with its kernels sorted by total time: where the cache path's milliseconds go."""
     def run(admit: bool):
         with torch.cuda.stream(stream):
             for ids in batches:
                 fill_plan_ids(plan.ids, ids.reshape(-1))
-                plan.run(capture=capture)
+                plan.run()
                 if admit:
                     torch.cuda.synchronize()
-                    plan.admit(capture=capture)
+                    plan.admit()
                 torch.cuda.synchronize()
 
     plan_only = kernel_times(lambda: run(False), len(batches))
@@ -469,7 +373,7 @@ def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: dic
         if kernel in with_admit:
             with_admit[kernel][0] -= ms
             with_admit[kernel][1] -= count
-    return [kernel_row(k, len(batches), f"[{variant['label']}] {name}", variant=variant["label"], step=name,
+    return [kernel_row(k, len(batches), f"[{variant}] {name}", variant=variant, step=name,
                        machine=info)
             for name, k in (("plan", plan_only), ("admit", with_admit))]
 
@@ -477,5 +381,74 @@ def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: dic
 def lookup_kernel_row(engine: LookupEngine, sets: list[torch.Tensor], label: str, info: dict) -> dict:
     """Device time per kernel of one pipelined lookup (averaged over `sets`): what the GPU spends
     on a lookup besides waiting (plan, cache, gathers, copies, expand)."""
-    per_kernel = kernel_times(lambda: engine.time_pipelined(sets), len(sets))
+    per_kernel = kernel_times(lambda: time_pipelined(engine, sets), len(sets))
     return kernel_row(per_kernel, len(sets), label, step="lookup", machine=info)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    import argparse
+
+    from condmem.bench.harness import append_rows, copy_bandwidth_gbps, machine_info, rows_table
+    from condmem.bench.lookup_setup import h2d_bandwidth_gbps, host_store, text_batches, text_row_ids
+
+    p = argparse.ArgumentParser(description="Where a host-tier lookup's time goes (see the module docstring). "
+                                            "Appends JSON rows to <out>/lookup_diagnostics.json.")
+    p.add_argument("what", nargs="+", choices=["gather", "phases", "pipeline", "plan", "kernels"],
+                   help="gather: CPU gather alone and under GPU load; phases: each step alone; pipeline: profiler "
+                        "traces of pipelined lookups; plan: plan and admission alone per variant (no table); "
+                        "kernels: device time per kernel of a pipelined lookup")
+    p.add_argument("--table-gib", type=float, default=16.0, help="pinned host table size")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per lookup (x24 row ids)")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.7, 1.0], help="CPU shares of the pipeline traces")
+    p.add_argument("--cache-fraction", type=float, default=0.1, help="HBM cache of the text stream, share of the table")
+    p.add_argument("--text-warmup", type=int, default=100, help="text batches that warm the cache first")
+    p.add_argument("--plan-variants", nargs="+", default=list(PLAN_VARIANTS), choices=PLAN_VARIANTS)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: the code path only (plan)")
+    p.add_argument("--out", default="/tmp/condmem-diagnostics")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info, ceiling = machine_info(), {}
+    if device == "cuda":
+        ceiling = {"h2d_gbps": h2d_bandwidth_gbps(), **copy_bandwidth_gbps(device="cuda")}
+    n_rows = int(args.table_gib * 2**30) // ROW_BYTES
+    need = args.tokens * (args.text_warmup + 12)
+    text_ids, _ = text_row_ids(n_rows, need)
+    text = text_batches(text_ids, args.tokens, min(args.text_warmup + 12, text_ids.shape[0] // args.tokens), device)
+    warm = min(args.text_warmup, len(text) - 2)
+    rows: list[dict] = []
+    if "plan" in args.what:
+        rows += plan_costs(n_rows, max(1, int(n_rows * args.cache_fraction)), text, warm, args.plan_variants,
+                           info, ceiling, kernels="kernels" in args.what)
+    host_work = {"gather", "phases", "pipeline", "kernels"} & set(args.what)
+    if host_work and device == "cuda":
+        store = host_store(n_rows, "mmap_register")
+        gen = torch.Generator().manual_seed(0)
+        uniform = [torch.randint(0, n_rows, (args.tokens, N_COLS), generator=gen).cuda() for _ in range(8)]
+        if "gather" in args.what:
+            rows += cpu_gather_rows(store, info, ceiling) + gather_under_load(store, info, ceiling)
+        if "phases" in args.what:
+            rows += phase_rows(store, info, ceiling, args.tokens)
+        for fraction in args.fractions if "pipeline" in args.what else ():
+            rows.append(pipeline_trace(store, uniform, fraction, out / f"lookup_trace_uniform_{fraction:.2f}.json"))
+            cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device="cuda")
+            rows.append(pipeline_trace(store, text[warm:], fraction, out / f"lookup_trace_text_{fraction:.2f}.json",
+                                       cache=cache, warm=text[:warm]))
+        if "kernels" in args.what:
+            with LookupEngine(store, "cuda", config=LookupConfig(cpu_fraction=args.fractions[0])) as engine:
+                engine.warm_up([args.tokens * N_COLS])
+                rows.append(lookup_kernel_row(engine, uniform, f"host uniform {args.tokens} tokens", info))
+        store.close()
+    elif host_work:
+        log.warning("%s: need a GPU; skipped", ", ".join(sorted(host_work)))
+    append_rows(out / "lookup_diagnostics.json", rows)
+    print(rows_table([r for r in rows if "ms" in r], [("bench", "bench", ""), ("stream", "what", ""),
+                                                     ("variant", "variant", ""), ("cpu_fraction", "cpu frac", ".2f"),
+                                                     ("ms", "ms", ".3f")]))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
