@@ -33,7 +33,8 @@ def register(sub) -> None:
         "tokenizer, fingerprints) go to OUT/checkpoints; --resume continues the latest one step for step.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem train --out runs/engram --steps 1000\n"
-        "  condmem train --out runs/base --no-engram --iso-flop\n  condmem train --out runs/engram --resume",
+        "  condmem train --out runs/base --no-engram --iso-flop\n  condmem train --out runs/engram --resume\n"
+        "  condmem train --out runs/big --table-size 10000000 --table-tier host   # tables + Adam state in host memory",
     )
     p.add_argument("--out", required=True, help="run directory (checkpoints, summary.json)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -64,6 +65,13 @@ def register(sub) -> None:
     e.add_argument("--engram-head-dim", type=int, help="width of one table row")
     e.add_argument("--table-size", type=int, help="bucket range per (order, head)")
     e.add_argument("--table-init-std", type=float)
+    e.add_argument("--table-tier", choices=["module", "host"], default="module",
+                   help="module: the tables are model parameters on --device; host: tables and their Adam state "
+                   "live in (page-locked) host memory, rows fetched each step with the next step's prefetched "
+                   "(exact; docs/training.md). Checkpoints are the same either way.")
+    e.add_argument("--host-state", choices=["fp32", "bf16"], default="fp32",
+                   help="with --table-tier host: Adam moments in fp32 (exact) or bf16 (8 instead of 12 B/parameter)")
+    e.add_argument("--host-threads", type=int, help="with --table-tier host: threads of the host Adam and gathers")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int)
     t.add_argument("--batch-size", type=int)
@@ -119,8 +127,11 @@ def _train(args) -> int:
     from condmem.utils.atomic import atomic_write_text
 
     device = resolve_device(args.device)
+    host = args.table_tier == "host"
+    if args.no_engram and host:
+        raise CliError("--table-tier host needs Engram tables; drop --no-engram")
     if args.resume:
-        ckpt = load_checkpoint(args.out, device=device)
+        ckpt = load_checkpoint(args.out, device=device, tables_on_host=host)
         cfg = ckpt.model.cfg
         tc = TrainConfig.from_dict(ckpt.config["train"])
         a = ckpt.config["data"].get("args", {})
@@ -154,17 +165,35 @@ def _train(args) -> int:
             cfg = iso_flop_baseline(cfg) if args.iso_flop else cfg.replace(engram=None)
             label = "baseline"
         tc = TrainConfig(**dict(preset["train"], seed=args.seed))
-        model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=args.seed, device=device)
+        # Huge host tables are drawn on the host by HostTables; on the CPU the model's own draw is
+        # kept, so both tiers start from the same rows.
+        table_device = "meta" if host and device.type == "cuda" else None
+        model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=args.seed, device=device, table_device=table_device)
         print(f"[{label}] {model.param_counts()['total']:,} parameters, "
               f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)", flush=True)
-    trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, device, run_dir=args.out, label=label,
-                      checkpoint_extra={"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info},
-                      progress=not args.no_progress)
-    if args.resume:
-        trainer.restore(ckpt)
-    summary = trainer.fit()
-    summary.update(params=model.param_counts(), flops_per_token=train_flops_per_token(cfg, tc.seq_len),
-                   checkpoint=str(trainer.last_checkpoint))
+    tables = None
+    if host:
+        from condmem.train.host_table import HostTables
+
+        tables = HostTables(model, device, state_dtype=args.host_state, threads=args.host_threads,
+                            tables=ckpt.tables if args.resume else None, seed=args.seed)
+        print(f"[{label}] tables in host memory: {tables.table_params:,} parameters, "
+              f"{tables.host_bytes / 2**30:.2f} GiB with Adam state ({tables.setup_s:.1f} s to allocate)", flush=True)
+    params = model.param_counts()
+    if tables is not None:
+        params.update(tables=tables.table_params, total=params["total"] + tables.table_params)
+    try:
+        trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, device, run_dir=args.out, label=label,
+                          checkpoint_extra={"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info},
+                          progress=not args.no_progress, host_tables=tables)
+        if args.resume:
+            trainer.restore(ckpt)
+        summary = trainer.fit()
+    finally:
+        if tables is not None:
+            tables.close()
+    summary.update(params=params, flops_per_token=train_flops_per_token(cfg, tc.seq_len),
+                   checkpoint=str(trainer.last_checkpoint), table_tier=args.table_tier)
     atomic_write_text(Path(args.out) / "summary.json",
                       json.dumps({"summary": summary, "model": cfg.to_dict(), "train": tc.to_dict(),
                                   "data": data.info, "history": trainer.history, "evals": trainer.evals}, indent=1) + "\n")

@@ -157,8 +157,12 @@ def _fingerprints(model: DecoderLM, tokenizer: Tokenizer, ctok) -> dict[str, Any
 
 
 def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, sparse, train_cfg, trainer_state: dict,
-                    tokenizer: Tokenizer, ctok=None, data: dict | None = None, keep: int = 2) -> Path:
-    """Write a checkpoint of the current step under ``run_dir/checkpoints`` and point LATEST at it."""
+                    tokenizer: Tokenizer, ctok=None, data: dict | None = None, keep: int = 2,
+                    host_tables=None) -> Path:
+    """Write a checkpoint of the current step under ``run_dir/checkpoints`` and point LATEST at it.
+
+    `host_tables` (a `condmem.train.host_table.HostTables`) supplies the tables that live in
+    host memory; they are written as the model's own would be, so either kind resumes from it."""
     from condmem.train.optim import export_adamw_state
 
     run_dir = Path(run_dir)
@@ -185,7 +189,10 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
             table_meta.update(layer_ids=json.dumps(model.layout.layer_ids),
                               num_embeddings=json.dumps(model.layout.num_embeddings))
         with atomic_path(tmp / "tables.safetensors") as p:
-            save_file({tables[k]: state[k].detach().contiguous() for k in tables}, str(p), metadata=table_meta)
+            table_tensors = {tables[k]: state[k].detach().contiguous() for k in tables}
+            if host_tables is not None:
+                table_tensors.update({f"layer{lid}.table": t for lid, t in host_tables.table_tensors().items()})
+            save_file(table_tensors, str(p), metadata=table_meta)
         opt = {f"adamw.{k}": v.detach().contiguous() for k, v in export_adamw_state(adamw, names).items()}
         if sparse is not None:
             opt.update({f"sparse_adam.{k}": v.detach().contiguous() for k, v in sparse.export_state(names).items()})
@@ -261,16 +268,20 @@ class Checkpoint:
     ctok: Any
     """CompressedTokenizer (Engram models) or None."""
     optimizer_tensors: dict[str, torch.Tensor]
+    tables: dict[int, torch.Tensor] = None
+    """With ``tables_on_host``: {layer id: table on the CPU}; the model's tables are then on meta."""
 
 
 def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu", tokenizer: Tokenizer | str | None = None,
-                    verify: bool = True, load_optimizer: bool = True) -> Checkpoint:
+                    verify: bool = True, load_optimizer: bool = True, tables_on_host: bool = False) -> Checkpoint:
     """Load a checkpoint (a folder, or a run directory's latest).
 
     Args:
         tokenizer: use this tokenizer instead of the checkpoint's own (a Tokenizer or a path);
             refused unless it is the one the model was trained with.
         verify: check every file against the sha256 recorded in state.json.
+        tables_on_host: load the Engram tables into CPU memory (``Checkpoint.tables``) and
+            build the model's tables on the meta device, for `HostTables` to hold.
 
     Raises:
         CorruptCheckpointError: a file is missing, truncated or altered.
@@ -336,7 +347,8 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
         )
 
     device = torch.device(device)
-    model = DecoderLM(model_cfg, token_lookup=None if ctok is None else ctok.lookup, device=device)
+    model = DecoderLM(model_cfg, token_lookup=None if ctok is None else ctok.lookup, device=device,
+                      table_device="meta" if tables_on_host else None)
     try:
         weights = load_file(str(folder / "model.safetensors"), device=str(device))
         tables_file = folder / "tables.safetensors"
@@ -344,7 +356,7 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
 
         with safe_open(str(tables_file), framework="pt") as fh:
             table_meta = fh.metadata() or {}
-        table_tensors = load_file(str(tables_file), device=str(device))
+        table_tensors = load_file(str(tables_file), device="cpu" if tables_on_host else str(device))
     except Exception as exc:  # safetensors raises its own error type for damaged headers
         raise CorruptCheckpointError(f"checkpoint {folder}: cannot read weights ({exc})") from None
     if model.layout is not None and table_meta.get("layout") != fp.get("layout"):
@@ -353,17 +365,26 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
             f"state.json says {str(fp.get('layout'))[:16]}..."
         )
     names = _table_names(model)
+    host_tables = {}
     for param_name, tensor_name in names.items():
         if tensor_name not in table_tensors:
             raise CheckpointMismatchError(f"checkpoint {folder}: tables.safetensors lacks {tensor_name}")
-        weights[param_name] = table_tensors[tensor_name]
+        if tables_on_host:
+            host_tables[int(param_name.split(".")[1])] = table_tensors[tensor_name]
+        else:
+            weights[param_name] = table_tensors[tensor_name]
     if model_cfg.tie_embeddings:
         weights["lm_head.weight"] = weights["embed.weight"]
     try:
-        model.load_state_dict(weights, strict=True)
+        missing, unexpected = model.load_state_dict(weights, strict=not tables_on_host)
     except RuntimeError as exc:
         raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: {exc}") from None
+    if tables_on_host and sorted(missing) != sorted(names):
+        raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: missing "
+                                      f"{sorted(set(missing) - set(names))}, unexpected {sorted(unexpected)}")
+    if unexpected:
+        raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: unexpected {unexpected}")
     optimizer_tensors = {}
     if load_optimizer:
         optimizer_tensors = load_file(str(folder / "optimizer.safetensors"), device="cpu")
-    return Checkpoint(folder, model, config, state, tok, ctok, optimizer_tensors)
+    return Checkpoint(folder, model, config, state, tok, ctok, optimizer_tensors, host_tables if tables_on_host else None)

@@ -25,7 +25,7 @@ import torch
 
 from condmem.config import ConfigError
 from condmem.train.data import TokenStream
-from condmem.train.optim import build_optimizers, clip_grad_norm_, lr_factor, set_lr
+from condmem.train.optim import build_optimizers, clip_grad_norm_, clip_gradients_, lr_factor, set_lr
 from condmem.train.progress import format_duration
 from condmem.utils.progress import Progress
 
@@ -173,6 +173,25 @@ def evaluate(model, stream: TokenStream, token_bytes: torch.Tensor, *, seq_len: 
     return out
 
 
+def _grad_sources(model) -> list:
+    """The model's trainable parameters in ``model.parameters()`` order, with the layer id of
+    each host-resident table where its parameter would be (the clipping norm sums in this order)."""
+    from condmem.train.host_table import HostTableView
+
+    seen, out = set(), []
+    for module in model.modules():
+        if isinstance(module, HostTableView):
+            out.append(module.layer_id)
+            continue
+        for p in module._parameters.values():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.requires_grad:
+                out.append(p)
+    return out
+
+
 class Trainer:
     """Trains one `DecoderLM`.
 
@@ -186,11 +205,15 @@ class Trainer:
         label: name in progress lines ("baseline", "engram").
         checkpoint_extra: what a checkpoint needs besides tensors: ``tokenizer`` (a
             tokenizers.Tokenizer), ``ctok`` (CompressedTokenizer or None), ``data`` (dict).
+        host_tables: a `condmem.train.host_table.HostTables` holding the model's Engram tables
+            in host memory; it is then the tables' optimizer (its Adam settings are set from
+            `cfg`), and each step prefetches the next step's rows.
     """
 
     def __init__(self, model, cfg: TrainConfig, train_stream: TokenStream, val_stream: TokenStream,
                  token_bytes: np.ndarray | torch.Tensor, device: torch.device | str, *, run_dir: str | Path | None = None,
-                 label: str = "model", checkpoint_extra: dict | None = None, progress: bool = True):
+                 label: str = "model", checkpoint_extra: dict | None = None, progress: bool = True,
+                 host_tables=None):
         self.model = model
         self.cfg = cfg
         self.train_stream = train_stream
@@ -206,6 +229,15 @@ class Trainer:
             (cfg.beta1, cfg.beta2), cfg.eps,
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.host = host_tables
+        self._next_batch = None
+        if host_tables is not None:
+            if self.sparse is not None:
+                raise ValueError("the model still has Engram tables of its own: build HostTables from it first")
+            host_tables.param_groups[0].update(lr=cfg.lr * cfg.table_lr_mult, base_lr=cfg.lr * cfg.table_lr_mult,
+                                               betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+            self.sparse = host_tables
+            self._grad_sources = _grad_sources(model)
         self.step = 0
         self.history: list[dict] = []
         self.evals: list[dict] = []
@@ -252,7 +284,7 @@ class Trainer:
 
         self.last_checkpoint = save_checkpoint(
             self.run_dir, model=self.model, adamw=self.adamw, sparse=self.sparse, train_cfg=self.cfg,
-            trainer_state=self.state(), keep=self.cfg.keep_checkpoints, **self.checkpoint_extra,
+            trainer_state=self.state(), keep=self.cfg.keep_checkpoints, host_tables=self.host, **self.checkpoint_extra,
         )
         return self.last_checkpoint
 
@@ -283,15 +315,46 @@ class Trainer:
         cfg.warmup_steps = min(cfg.warmup_steps, max(0, steps - 1))
         self.budget_resolved = True
 
+    def _batch(self, step: int):
+        if self._next_batch is not None and self._next_batch[0] == step:
+            return self._next_batch[1]
+        cfg = self.cfg
+        return self.train_stream.batch(step, cfg.batch_size, cfg.seq_len, cfg.seed).to(self.device, non_blocking=True)
+
+    def _gradients(self) -> list[torch.Tensor]:
+        """Every gradient in the order of the model's parameters, host tables in their tables' place."""
+        host = self.host.gradients()
+        out = []
+        for src in self._grad_sources:
+            if isinstance(src, int):
+                g = host.get(src)
+            else:
+                g = src.grad
+                if g is not None and g.is_sparse:
+                    src.grad = g = g.coalesce()
+            if g is not None:
+                out.append(g)
+        return out
+
     def train_step(self, step: int) -> tuple[float, float]:
         cfg = self.cfg
-        batch = self.train_stream.batch(step, cfg.batch_size, cfg.seq_len, cfg.seed).to(self.device, non_blocking=True)
+        batch = self._batch(step)
+        self._next_batch = None
+        if self.host is not None:
+            self.host.begin(step)
+            if step + 1 < cfg.steps and self.host.prefetch_enabled:
+                nxt = self._batch(step + 1)
+                self._next_batch = (step + 1, nxt)
+                self.host.prefetch(self.model.row_ids(nxt.inputs, nxt.doc_starts), step + 1)
         lr_mult = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         set_lr(self.optimizers, lr_mult)
         with autocast_for(self.device, cfg.precision):
             loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts)
         loss.backward()
-        clip_grad_norm_(self.params, cfg.grad_clip)
+        if self.host is not None:
+            clip_gradients_(self._gradients(), cfg.grad_clip)
+        else:
+            clip_grad_norm_(self.params, cfg.grad_clip)
         for opt in self.optimizers:
             opt.step()
         for opt in self.optimizers:

@@ -20,6 +20,25 @@ import torch
 from torch import nn
 
 
+def adam_rows_delta(grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: torch.Tensor, lr: float, beta1: float,
+                    beta2: float, eps: float) -> torch.Tensor:
+    """One Adam step of k rows: updates the moments `m`, `v` (fp32 [k, dim]) in place and
+    returns the change of the rows, ``-lr * update`` (fp32 [k, dim]).
+
+    `t` is fp32 [k], each row's step count including this step. `SparseAdam` and the
+    host-resident tables (`condmem.train.host_table`) both call this, so the same rows with
+    the same gradients get bit-identical updates on the same device.
+    """
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    shape = (-1,) + (1,) * (grad.dim() - 1)
+    bias1 = (1 - beta1 ** t).view(shape)
+    bias2_sqrt = (1 - beta2 ** t).sqrt().view(shape)
+    # torch.optim.Adam's formula: p -= lr/bias1 * m / (sqrt(v)/sqrt(bias2) + eps)
+    update = (m / bias1) / (v.sqrt() / bias2_sqrt + eps)
+    return update.mul_(-lr)
+
+
 class SparseAdam(torch.optim.Optimizer):
     """Lazy Adam for embedding tables trained with sparse gradients.
 
@@ -99,14 +118,7 @@ class SparseAdam(torch.optim.Optimizer):
                 m = state["exp_avg"][slots]
                 v = state["exp_avg_sq"][slots]
                 t = state["row_step"][slots] + 1
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                shape = (-1,) + (1,) * (grad.dim() - 1)
-                bias1 = (1 - beta1 ** t).view(shape)
-                bias2_sqrt = (1 - beta2 ** t).sqrt().view(shape)
-                # torch.optim.Adam's formula: p -= lr/bias1 * m / (sqrt(v)/sqrt(bias2) + eps)
-                update = (m / bias1) / (v.sqrt() / bias2_sqrt + eps)
-                p.index_add_(0, rows, update.mul_(-lr).to(p.dtype))
+                p.index_add_(0, rows, adam_rows_delta(grad, m, v, t, lr, beta1, beta2, eps).to(p.dtype))
                 state["exp_avg"][slots] = m
                 state["exp_avg_sq"][slots] = v
                 state["row_step"][slots] = t
@@ -203,6 +215,13 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
         if p.grad.is_sparse:
             p.grad = p.grad.coalesce()
         grads.append(p.grad)
+    return clip_gradients_(grads, max_norm)
+
+
+@torch.no_grad()
+def clip_gradients_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` on gradient tensors themselves (sparse ones already coalesced), in
+    the order given: the order of the squared norms' sum decides the last bits of the norm."""
     if not grads:
         return torch.zeros(())
     squares = [(g.values() if g.is_sparse else g).float().pow(2).sum() for g in grads]
@@ -210,10 +229,7 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     if max_norm is None or max_norm <= 0:
         return total
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
+    for g in grads:
         s = scale.to(g.device)
         if g.is_sparse:
             g._values().mul_(s.to(g.dtype))  # in place on the coalesced gradient's value storage

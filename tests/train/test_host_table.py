@@ -1,0 +1,168 @@
+"""Host-resident tables (`HostTables`) train exactly like the model's own tables.
+
+On the CPU both run the same Adam arithmetic on the same device, so 50 steps give equal
+losses (``==``), equal table rows and equal optimizer state (``torch.equal``), with the
+next step's rows prefetched while a step runs or fetched after every update. Without the
+patch of rows updated while they were prefetched the losses differ (negative control).
+A run killed after a checkpoint and resumed on host tables equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from condmem.cli import main
+from condmem.models import DecoderLM
+from condmem.train.checkpoint import load_checkpoint
+from condmem.train.demo import build_model_config
+from condmem.train.host_table import HostTables, HostTableView
+from condmem.train.loop import Trainer, TrainConfig
+from condmem.train.presets import get_preset
+
+STEPS = 50
+
+
+def _trainer(data, *, host: dict | None = None, steps=STEPS, run_dir=None, model=None, tables=None, **train):
+    preset = get_preset("tiny")
+    if model is None:
+        model = DecoderLM(build_model_config(preset, data), token_lookup=data.ctok.lookup, seed=0)
+    tc = TrainConfig(**dict(preset["train"], steps=steps, seed=0, lr=1e-2, warmup_steps=3, **train))
+    tier = None if host is None else HostTables(model, "cpu", tables=tables, **host)
+    extra = {"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info}
+    return Trainer(model, tc, data.train, data.val, data.token_bytes, "cpu", run_dir=run_dir, label="engram",
+                   checkpoint_extra=extra, progress=False, host_tables=tier)
+
+
+def _tables(trainer) -> dict[int, torch.Tensor]:
+    if trainer.host is not None:
+        return {lid: t.clone() for lid, t in trainer.host.table_tensors().items()}
+    return {int(n.split(".")[1]): p.detach().clone() for n, p in trainer.model.table_parameters()}
+
+
+def _state(trainer) -> dict[str, torch.Tensor]:
+    """Optimizer state per table row (slot order differs between the two kinds)."""
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    raw = trainer.sparse.export_state(names)
+    out = {}
+    for key in [k for k in raw if k.endswith(".slot_of_row")]:
+        base = key[: -len(".slot_of_row")]
+        slot = raw[key].long()
+        rows = (slot >= 0).nonzero().squeeze(1)
+        for name in ("exp_avg", "exp_avg_sq", "row_step"):
+            out[f"{base}.{name}"] = raw[f"{base}.{name}"][slot[rows]]
+        out[f"{base}.rows"] = rows
+    return out
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.history]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data):
+    """50 steps with the model's own tables."""
+    torch.set_num_threads(1)
+    trainer = _trainer(tiny_data)
+    trainer.fit()
+    return trainer
+
+
+def _assert_same_training(ref, got):
+    assert _losses(got) == _losses(ref), "losses must equal the model-table run's, step for step"
+    want, have = _tables(ref), _tables(got)
+    assert sorted(want) == sorted(have)
+    for lid in want:
+        assert torch.equal(want[lid], have[lid]), f"layer {lid}: table rows"
+    s_ref, s_got = _state(ref), _state(got)
+    assert sorted(s_ref) == sorted(s_got)
+    for key in s_ref:
+        assert torch.equal(s_ref[key], s_got[key]), key
+    backbone = dict(got.model.backbone_parameters())
+    assert sorted(backbone) == sorted(dict(ref.model.backbone_parameters()))
+    for name, p in ref.model.backbone_parameters():
+        assert torch.equal(p, backbone[name]), name
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetched", "unpipelined"])
+def test_host_tables_train_exactly_like_model_tables(tiny_data, reference, prefetch):
+    trainer = _trainer(tiny_data, host={"prefetch": prefetch})
+    with trainer.host:
+        assert not trainer.model.table_parameters() and isinstance(trainer.model.engram_layers[0].table, HostTableView)
+        summary = trainer.fit()
+        _assert_same_training(reference, trainer)
+        assert summary["val_loss"] == reference.summary()["val_loss"]
+        assert summary["sparse_state_rows"] == reference.summary()["sparse_state_rows"] > 0
+
+
+def test_without_the_patch_prefetched_rows_are_stale(tiny_data, reference, monkeypatch):
+    """Negative control: rows updated by step t and prefetched for step t+1 before that
+    update must be patched; dropping the patch changes the losses."""
+    monkeypatch.setattr(HostTables, "_send_patch", lambda self, ids, new: None)
+    trainer = _trainer(tiny_data, host={"prefetch": True}, steps=12)
+    with trainer.host:
+        trainer.fit()
+    assert _losses(trainer)[0] == _losses(reference)[0], "step 1 reads no row updated after its prefetch"
+    assert _losses(trainer)[1] != _losses(reference)[1], "step 2's rows were prefetched before step 1's update"
+
+
+def test_bf16_moments_train_close_to_fp32(tiny_data, reference):
+    trainer = _trainer(tiny_data, host={"state_dtype": "bf16"})
+    with trainer.host:
+        assert trainer.host.layers[1].exp_avg.dtype == torch.bfloat16
+        trainer.fit()
+    # bf16 moments round the Adam state (8 significand bits), and the rounding compounds over
+    # steps: the same curve (0.004 nats apart at most, measured), not equal.
+    diffs = [abs(a - b) for a, b in zip(_losses(trainer), _losses(reference))]
+    assert 0 < max(diffs) < 0.02, diffs
+
+
+def test_resume_on_host_tables_equals_an_uninterrupted_run(tiny_data, reference, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    crashed = _trainer(tiny_data, host={}, run_dir=run, checkpoint_every=20)
+    real_step = Trainer.train_step
+
+    def crash_at_27(self, step):
+        if step == 27:
+            raise KeyboardInterrupt("simulated kill")
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_27)
+    with crashed.host, pytest.raises(KeyboardInterrupt):
+        crashed.fit()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+
+    ckpt = load_checkpoint(run, tables_on_host=True)
+    assert ckpt.state["step"] == 20 and ckpt.model.table_parameters()[0][1].device.type == "meta"
+    resumed = _trainer(tiny_data, host={}, run_dir=run, checkpoint_every=20, model=ckpt.model, tables=ckpt.tables)
+    with resumed.host:
+        resumed.restore(ckpt)
+        resumed.fit()
+        _assert_same_training(reference, resumed)
+    # The checkpoint is the model-table format: it loads onto the model's own tables too.
+    plain = load_checkpoint(run)
+    assert torch.equal(plain.model.table_parameters()[0][1], _tables(reference)[1])
+
+
+def test_cli_table_tier_host_resumes_like_the_model_tier(tiny_corpus, tmp_path, monkeypatch):
+    args = ["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "6",
+            "--checkpoint-every", "3", "--no-progress", "--device", "cpu"]
+    assert main(args + ["--out", str(tmp_path / "module")]) == 0
+    real_step = Trainer.train_step
+
+    def crash_at_4(self, step):
+        if step == 4:
+            raise KeyboardInterrupt("simulated kill")
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_4)
+    assert main(args + ["--out", str(tmp_path / "host"), "--table-tier", "host"]) == 130
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert main(["train", "--out", str(tmp_path / "host"), "--resume", "--table-tier", "host", "--no-progress",
+                 "--device", "cpu"]) == 0
+    module = json.loads((tmp_path / "module" / "summary.json").read_text())
+    host = json.loads((tmp_path / "host" / "summary.json").read_text())
+    assert [h["loss"] for h in host["history"]] == [h["loss"] for h in module["history"]]
+    assert host["summary"]["table_tier"] == "host" and module["summary"]["table_tier"] == "module"
