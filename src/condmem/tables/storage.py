@@ -96,10 +96,9 @@ class LayerStore:
         self._split = split
         self._buffer = buffer
         self.dram_cache: RowCache | None = None
-        self.direct_reader = None
-        """Disk tier: a `DirectRowReader` that reads rows with O_DIRECT instead of the mapping."""
         self.native = raw is not None and raw.device.type == "cpu" and raw.is_contiguous()
         """Use the native CPU gather (set False to force torch.index_select, e.g. to compare)."""
+        self._direct_reader = None
 
     @property
     def num_rows(self) -> int:
@@ -125,6 +124,21 @@ class LayerStore:
     @property
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
+
+    @property
+    def direct_reader(self):
+        """Disk tier: a `DirectRowReader` that reads rows with O_DIRECT instead of the mapping (or None)."""
+        return self._direct_reader
+
+    @direct_reader.setter
+    def direct_reader(self, reader) -> None:
+        if reader is not None and self.tier != "disk":
+            raise StorageError(f"a direct reader serves the disk tier; this store is {self.tier}")
+        self._direct_reader = reader
+        if reader is not None:
+            # The lookup engine's staged send gathers natively from the mapping when `native`
+            # is set: through the page cache, past the direct reader.
+            self.native = False
 
     def attach_dram_cache(self, capacity_bytes: int, ways: int = 16) -> RowCache:
         """Put a DRAM `RowCache` in front of a disk store: the middle level of HBM -> DRAM -> disk.

@@ -1,0 +1,184 @@
+"""Batched greedy `generate()` of a Hugging Face Llama (~1B parameters, built from a config) with
+Engram tables in page-locked host memory, against the same model without Engram.
+
+Variants, one model, in this order:
+
+* ``none``: the Llama alone;
+* ``module``: `add_engram` at ``--engram-layers`` (V4.1 geometry: 2-4-grams, 8 heads, 256-wide
+  rows, no ShortConv; value projection random, not zero, so Engram changes the tokens), the
+  tables as the modules' own HBM parameters;
+* ``hbm``: the same tables in an `EngramMemory` in HBM;
+* ``host``: the same tables in an `EngramMemory` in page-locked host memory. Every forward's
+  lookups start before decoder layer 0 (prefill: staged CPU gather + DMA and zero-copy;
+  decode steps: one zero-copy gather kernel).
+
+Prompts: ``--batch`` windows of ``--prompt-tokens`` tokens of the standard library's source
+through the DeepSeek-V4 tokenizer (no padding). Each variant: a short warm-up generate, then
+``--repeats`` timed ones of ``--new-tokens`` (greedy, no early stop); tokens/s counts new
+tokens. The host and HBM variants' tokens must be identical (``torch.equal``).
+
+    PYTHONPATH=src python3 benchmarks/hf_generate_host.py --out DIR
+    PYTHONPATH=src python3 benchmarks/hf_generate_host.py --tiny --device cpu      # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from condmem import EngramConfig
+from condmem.bench.lookup_setup import stdlib_sources
+from condmem.integrations.transformers import add_engram, get_engram, offload_tables
+from condmem.runtime.memory import EngramMemory
+from condmem.tokenizer import CompressedTokenizer
+
+
+def log(*args) -> None:
+    print(time.strftime("%H:%M:%S"), *args, flush=True)
+
+
+def prompts(ctok: CompressedTokenizer, batch: int, tokens: int) -> torch.Tensor:
+    """[batch, tokens] ids: one window from each of `batch` standard-library files long enough."""
+    out = []
+    for text in stdlib_sources(batch * 200_000):
+        ids = ctok.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) >= tokens + 64:
+            out.append(ids[64:64 + tokens])   # past the license headers
+        if len(out) == batch:
+            return torch.tensor(out, dtype=torch.int64)
+    raise SystemExit(f"found only {len(out)} files of {tokens + 64}+ tokens")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_generate(model, ids: torch.Tensor, new: int, repeats: int, device: str) -> tuple[torch.Tensor, list[float]]:
+    mask = torch.ones_like(ids)
+    kw = {"attention_mask": mask, "do_sample": False, "min_new_tokens": new, "max_new_tokens": new}
+    model.generate(ids, **{**kw, "min_new_tokens": 4, "max_new_tokens": 4})   # warm-up: kernels, plans, graphs
+    seconds, out = [], None
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        got = model.generate(ids, **kw)
+        sync(device)
+        seconds.append(time.perf_counter() - t0)
+        if out is not None and not torch.equal(out, got):
+            raise SystemExit("greedy generation differed between repeats")
+        out = got
+    return out[:, ids.shape[1]:], seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--engram-layers", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--table-size", type=int, default=262_144, help="rows per head (before the primes)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and table, few tokens (a smoke run)")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    if args.tiny:
+        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 3, 4, 2, 128
+        args.engram_layers, args.table_size, args.batch, args.prompt_tokens, args.new_tokens = [1], 1000, 2, 16, 8
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    ctok = CompressedTokenizer.from_any("deepseek-v4")
+    vocab = ctok.original_vocab_size
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
+                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+                    "transformers": transformers.__version__, "args": vars(args)}
+    result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      check=False).stdout.strip() or None
+    ids = prompts(ctok, args.batch, args.prompt_tokens).to(device)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         intermediate_size=args.intermediate, max_position_embeddings=4096, tie_word_embeddings=True,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=2)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.pad_token_id = 2
+    result["backbone_params"] = sum(p.numel() for p in model.parameters())
+    log(f"Llama {result['backbone_params'] / 1e9:.3f} B parameters, vocab {vocab}, built in "
+        f"{time.perf_counter() - t0:.1f} s")
+
+    runs: dict = {}
+    tokens: dict = {}
+
+    def run(name: str) -> None:
+        with torch.no_grad():
+            out, seconds = timed_generate(model, ids, args.new_tokens, args.repeats, device)
+        tokens[name] = out.cpu()
+        best = min(seconds)
+        runs[name] = {"seconds": seconds, "tokens_per_s": args.batch * args.new_tokens / best,
+                      "new_tokens": args.batch * args.new_tokens}
+        log(name, runs[name])
+
+    run("none")
+    ecfg = EngramConfig.deepseek_v41_flash().replace(layer_ids=args.engram_layers, table_size=args.table_size,
+                                                     num_embeddings=None, compressed_vocab_size=None)
+    t0 = time.perf_counter()
+    add_engram(model, ecfg, ctok, zero_init=False)
+    adapter = get_engram(model)
+    weights = {lid: e.table.weight.detach() for lid, e in adapter.engrams.items()}
+    table_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    result["engram"] = {"layers": args.engram_layers, "columns_per_token": adapter.layout.n_cols,
+                        "rows": {lid: int(w.shape[0]) for lid, w in weights.items()},
+                        "table_gib": table_bytes / 2**30,
+                        "engram_params_without_tables": sum(p.numel() for e in adapter.engrams.values()
+                                                            for n, p in e.named_parameters() if "table" not in n)}
+    log("engram", result["engram"], f"added in {time.perf_counter() - t0:.1f} s")
+    run("module")
+
+    t0 = time.perf_counter()
+    hbm = offload_tables(model, tier="hbm" if device == "cuda" else "host", device=device)   # CPU: a smoke run
+    result["hbm_place_s"] = time.perf_counter() - t0
+    run("hbm")
+    hbm.close()
+    t0 = time.perf_counter()
+    host = EngramMemory.from_weights(adapter.hasher, weights, tier="host", device=device,
+                                     host_alloc="mmap_register" if device == "cuda" else "pageable")
+    result["host_place_s"] = time.perf_counter() - t0
+    del weights
+    adapter.memory = host
+    log(f"host tables placed in {result['host_place_s']:.1f} s")
+    run("host")
+    host.close()
+
+    result["runs"] = runs
+    result["host_vs_none"] = runs["host"]["tokens_per_s"] / runs["none"]["tokens_per_s"]
+    result["host_vs_hbm"] = runs["host"]["tokens_per_s"] / runs["hbm"]["tokens_per_s"]
+    result["tokens_equal"] = {"host_vs_hbm": torch.equal(tokens["host"], tokens["hbm"]),
+                              "host_vs_module": torch.equal(tokens["host"], tokens["module"]),
+                              "engram_vs_none_differ": not torch.equal(tokens["host"], tokens["none"])}
+    log({k: result[k] for k in ("host_vs_none", "host_vs_hbm", "tokens_equal")})
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "hf_generate_host.json").write_text(json.dumps(result, indent=1) + "\n")
+    if not result["tokens_equal"]["host_vs_hbm"]:
+        raise SystemExit("host-table tokens differ from HBM-table tokens")
+
+
+if __name__ == "__main__":
+    main()
