@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from condmem.ops.gather import GatherError, engram_gather, gather_reference, host_register, host_unregister
+from condmem.ops.gather import GatherError, engram_gather, gather_reference
+from condmem.tables.host_memory import host_register, host_unregister
 from condmem.fp8 import FP8_DTYPE, pack_rows
 from kernel_helpers import assert_bits_equal, cuda_kernels, kernel_devices, needs_kernels
 

@@ -74,7 +74,7 @@ def test_prefill_equals_reference(case, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_plain_modulo_and_int32_ids(device):
     """fast_mod=False (the 64-bit %) and narrower id dtypes give the same rows."""
-    from condmem.hashing.triton_hash import hash_prefill_triton
+    from condmem.ops.hash.triton import hash_prefill_triton
 
     hasher = _hasher(4, 3, (1, 5), lookup=False)
     c = hasher.constants(device)
@@ -113,7 +113,7 @@ if DEVICES:
     import triton
     import triton.language as tl
 
-    from condmem.hashing.triton_hash import _mod, barrett_magic
+    from condmem.ops.hash.triton import _mod, barrett_magic
 
     @triton.jit
     def _mod_kernel(x_ptr, p_ptr, m_ptr, o_ptr, n, BLOCK: tl.constexpr):

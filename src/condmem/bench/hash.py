@@ -10,7 +10,7 @@ from condmem.bench.harness import Rotator, cpu_time_ms, time_ms
 from condmem.bench.numpy_demo import numpy_demo_hash
 from condmem.config import EngramConfig
 from condmem.hashing.hasher import NgramHasher
-from condmem.hashing.triton_hash import hash_prefill_triton
+from condmem.ops.hash.triton import hash_prefill_triton
 from condmem.layout import EngramLayout
 
 TOKENIZER_VOCAB = 129_280

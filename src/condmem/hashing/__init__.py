@@ -2,6 +2,6 @@
 
 from condmem.hashing.hasher import HashInputError, NgramHasher
 from condmem.hashing.history import NgramHistory
-from condmem.hashing.reference import hash_reference
+from condmem.ops.hash.reference import hash_reference
 
 __all__ = ["NgramHasher", "NgramHistory", "HashInputError", "hash_reference"]

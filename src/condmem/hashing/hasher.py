@@ -25,8 +25,8 @@ import torch
 from condmem.config import EngramConfig
 from condmem.hashing.history import NgramHistory, hash_decode_reference
 from condmem.hashing.id_checks import PendingIdChecks
-from condmem.hashing.ragged import advance_reference, hash_ragged_reference, lookback_from_ids
-from condmem.hashing.reference import hash_reference
+from condmem.ops.hash.ragged_reference import advance_reference, hash_ragged_reference, lookback_from_ids
+from condmem.ops.hash.reference import hash_reference
 from condmem.layout import EngramLayout
 from condmem.ops.triton_util import BACKENDS, resolve_backend
 
@@ -125,7 +125,7 @@ class NgramHasher:
         c = self.constants(device)
         if "magic" not in c:
             if self._magic_host is None:
-                from condmem.hashing.triton_hash import barrett_magic
+                from condmem.ops.hash.triton import barrett_magic
 
                 self._magic_host = barrett_magic(self._host["primes"])
             c["magic"] = self._magic_host.to(device)
@@ -226,7 +226,7 @@ class NgramHasher:
 
     @staticmethod
     def _range_slots(n_tokens: int, device: torch.device) -> torch.Tensor | None:
-        from condmem.hashing.triton_hash import id_range_slots
+        from condmem.ops.hash.triton import id_range_slots
 
         return id_range_slots(n_tokens, device) if n_tokens else None
 
@@ -242,7 +242,7 @@ class NgramHasher:
 
     def _hash_triton(self, ids: torch.Tensor, lookup, blocked, with_offsets: bool,
                      id_range: torch.Tensor | None = None) -> torch.Tensor:
-        from condmem.hashing.triton_hash import hash_prefill_triton
+        from condmem.ops.hash.triton import hash_prefill_triton
 
         c = self.constants(ids.device)
         return hash_prefill_triton(
@@ -359,7 +359,7 @@ class NgramHasher:
         label = f"hash_ragged on {input_ids.numel()} tokens, {cu_seqlens.numel() - 1} sequences"
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
-            from condmem.hashing.triton_hash import hash_ragged_triton
+            from condmem.ops.hash.triton import hash_ragged_triton
 
             id_range = self._range_slots(input_ids.numel(), device) if check else None
             rows = hash_ragged_triton(
@@ -420,7 +420,7 @@ class NgramHasher:
         device = input_ids.device
         c = self.constants(device)
         if self._backend(backend, device) == "triton":
-            from condmem.hashing.triton_hash import advance_triton
+            from condmem.ops.hash.triton import advance_triton
 
             advance_triton(history.ids, slots, input_ids, cu_seqlens, pad_id=self.pad_compressed_id,
                            lookup=c["lookup"], blocked=blocked, n_commit=n_commit)
@@ -516,7 +516,7 @@ class NgramHasher:
         c = self.constants(device)
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
-            from condmem.hashing.triton_hash import hash_decode_triton
+            from condmem.ops.hash.triton import hash_decode_triton
 
             return hash_decode_triton(
                 history.ids, slots.to(device), input_ids, multipliers=c["multipliers"], primes=c["primes"],

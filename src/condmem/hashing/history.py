@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from condmem.hashing.reference import ngram_mixes
+from condmem.ops.hash.reference import ngram_mixes
 
 
 class HistoryError(ValueError):

@@ -21,9 +21,9 @@ import sys
 
 def variants() -> list[tuple[str, object, dict, dict]]:
     """(name, kernel, signature, constexprs) of every kernel variant the lookup path compiles."""
-    from condmem.ops.gather import _gather_kernel
+    from condmem.ops.gather.triton import _gather_kernel
     from condmem.ops.triton_util import next_pow2
-    from condmem.ops import row_cache as rc
+    from condmem.ops.row_cache import triton as rc
 
     out = []
     gather_sig = {"ids_ptr": "*i64", "tab_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp32", "dst_ptr": "*i64",

@@ -265,3 +265,27 @@ def report_coverage(buffer: HostBuffer, what: str) -> float | None:
     else:
         log.info("%s: %.0f%% of %.1f GiB on huge pages", what, 100 * cov, buffer.nbytes / 2**30)
     return cov
+
+
+_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
+
+
+def host_register(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock an existing CPU tensor in place (cudaHostRegister), so kernels read it zero-copy.
+
+    Returns the same tensor. Pair with `host_unregister` before the memory is freed.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise HostMemoryError("host_register needs a contiguous CPU tensor")
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
+                                               _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+    if int(err) != 0:
+        raise HostMemoryError(f"cudaHostRegister failed with error {int(err)}")
+    return t
+
+
+def host_unregister(t: torch.Tensor) -> None:
+    """Undo `host_register`."""
+    err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    if int(err) != 0:
+        raise HostMemoryError(f"cudaHostUnregister failed with error {int(err)}")

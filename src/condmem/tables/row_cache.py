@@ -149,7 +149,7 @@ class RowCache:
         if ids.numel() == 0:
             return ids.new_empty(0)
         if self.backend == "triton":
-            from condmem.ops import row_cache as cache_kernels
+            from condmem.ops.row_cache import triton as cache_kernels
 
             slot = cache_kernels.probe(ids, valid, self.keys, self._freq_all, count)
             hit = slot >= 0
@@ -223,7 +223,7 @@ class RowCache:
         idx = torch.arange(sorted_sets.numel(), device=ids.device)
         rank = idx - torch.searchsorted(sorted_sets, sorted_sets)
         if self.backend == "triton" and rows.device == self.device:
-            from condmem.ops import row_cache as cache_kernels
+            from condmem.ops.row_cache import triton as cache_kernels
 
             slot = cache_kernels.admit(sorted_sets, rank, order, ids, self.keys, self._freq_all,
                                            row_words(self.data), row_words(rows), row_index)

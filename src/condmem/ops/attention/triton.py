@@ -106,12 +106,12 @@ def _decode_combine_kernel(PO, PML, O, so_b, so_h, n_splits, n_heads, S_P: tl.co
 
 
 def decode_splits(batch: int, n_kv: int, max_pos: int, block_n: int, device: torch.device) -> int:
-    """Splits of the positions per (sequence, KV head): enough programs to fill the GPU twice over
-    (each split at least `block_n` positions)."""
+    """Splits of the positions per (sequence, KV head): at most 512 positions a split, and enough
+    programs to fill the GPU four times over (at most 16 splits, each at least `block_n` positions)."""
     if device.type != "cuda":
         return min(2, max(1, -(-max_pos // block_n)))          # the interpreter: exercise the combine
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(1, batch * n_kv))
+    want = max(-(-4 * sms // max(1, batch * n_kv)), -(-max_pos // 512))
     return max(1, min(want, -(-max_pos // block_n), 16))
 
 

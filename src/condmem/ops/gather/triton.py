@@ -1,173 +1,25 @@
-"""Row gather from an Engram table, dequantizing fp8 + e8m0 rows to bf16 on the way.
+"""The gather's Triton kernel and launcher: row ids -> rows, dequantizing fp8 on the way.
 
-``engram_gather(row_ids, table, scales)`` turns row ids [...] into rows [..., head_dim]:
+The table may live in HBM, or in pinned / registered host memory read zero-copy over PCIe
+(UVA): Triton's launcher asks the driver for the device address of every pointer argument
+(``cuPointerGetAttribute(..., DEVICE_POINTER)``), which is defined for page-locked host
+memory, so a pinned CPU tensor is passed as it is. Pageable memory is refused with a
+message (`condmem.tables.host_memory.host_register` page-locks an existing tensor).
 
-* **fp8** tables: ``table`` float8_e4m3fn [R, D] and ``scales`` uint8 [R, D/32];
-* **packed** fp8 tables: ``table`` uint8 [R, D + D/32], each row's scale bytes right
-  after its fp8 bytes (`condmem.fp8.pack_rows`; 264 B at D = 256), so a row
-  costs one random access;
-* **plain** tables (bf16, fp16, fp32, or int16/int32/int64 words of raw rows): rows
-  copied bit for bit.
-
-fp8 rows come out as bf16: ``fp8 * 2**(e-127)`` in float32, rounded to nearest even
-(e = 0 gives subnormal results, e = 255 NaN; see `condmem.fp8`).
-
-The table may live in HBM, or in pinned / registered host memory read zero-copy
-over PCIe (UVA): Triton's launcher asks the driver for the device address of every
-pointer argument (``cuPointerGetAttribute(..., DEVICE_POINTER)``), which is defined
-for page-locked host memory, so a pinned CPU tensor is passed as it is. Pageable
-memory is refused with a message (`host_register` page-locks an existing tensor).
-
-``row_range=(lo, hi)`` makes the table a shard holding rows lo..hi-1 (a tensor-parallel
-rank's heads): ids outside it, and negative ids, give zero rows.
-
-The kernel runs a persistent grid (a few programs per SM, each looping over blocks
-of ``BLOCK_R`` rows). `gather_reference` is the torch version it is held to, bit for
-bit (NaN payloads aside).
+The kernel runs a persistent grid (a few programs per SM, each looping over blocks of
+``BLOCK_R`` rows); `condmem.ops.gather.reference.gather_reference` is what it is held to,
+bit for bit (NaN payloads aside). Imported only when the Triton backend runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+import triton
+import triton.language as tl
 
-from condmem.ops.triton_util import interpreting, next_pow2, persistent_programs, resolve_backend
-from condmem.fp8 import (
-    FP8_DTYPE,
-    SCALE_BLOCK,
-    check_fp8_pair,
-    dequantize_fp8_e8m0,
-    head_dim_of_packed,
-)
-
-PLAIN, FP8, PACKED = 0, 1, 2
-_PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int16, torch.int32, torch.int64)
-_FORMAT_NAMES = {PLAIN: "plain", FP8: "fp8", PACKED: "packed"}
-
-
-class GatherError(ValueError):
-    """The table, scales or ids cannot be gathered as given."""
-
-
-@dataclass(frozen=True)
-class TableFormat:
-    """What a table tensor holds: format code, head_dim, rows, output dtype."""
-
-    mode: int
-    head_dim: int
-    rows: int
-    out_dtype: torch.dtype
-
-    @property
-    def name(self) -> str:
-        return _FORMAT_NAMES[self.mode]
-
-
-def table_format(table: torch.Tensor, scales: torch.Tensor | None = None, head_dim: int | None = None) -> TableFormat:
-    """Classify a table (and its scales) or raise `GatherError` saying what is wrong."""
-    if table.dim() != 2:
-        raise GatherError(f"a table must be [rows, width], got shape {tuple(table.shape)}")
-    if table.stride(1) != 1:
-        raise GatherError("table rows must be contiguous (stride 1 along the row)")
-    rows, width = table.shape
-    scales = _scale_bytes(scales)
-    if table.dtype == FP8_DTYPE:
-        if scales is None:
-            raise GatherError("an fp8 table needs its uint8 e8m0 scales [rows, head_dim/32]")
-        try:
-            check_fp8_pair(table, scales)
-        except ValueError as exc:
-            raise GatherError(str(exc)) from None
-        if scales.stride(1) != 1 or scales.device != table.device:
-            raise GatherError("scales must be row-contiguous and on the table's device")
-        return TableFormat(FP8, width, rows, torch.bfloat16)
-    if table.dtype == torch.uint8:
-        if scales is not None:
-            raise GatherError("a packed (uint8) table carries its scales in each row; pass scales=None")
-        try:
-            d = head_dim_of_packed(width) if head_dim is None else head_dim
-        except ValueError as exc:
-            raise GatherError(f"packed fp8 table: {exc}") from None
-        if d % SCALE_BLOCK or width != d + d // SCALE_BLOCK:
-            raise GatherError(f"packed rows of {width} bytes do not hold head_dim {d} plus {d // SCALE_BLOCK} scale bytes")
-        return TableFormat(PACKED, d, rows, torch.bfloat16)
-    if table.dtype in _PLAIN_DTYPES:
-        if scales is not None:
-            raise GatherError(f"a {table.dtype} table takes no scales")
-        return TableFormat(PLAIN, width, rows, table.dtype)
-    raise GatherError(f"unsupported table dtype {table.dtype}: use float8_e4m3fn (+scales), packed uint8, "
-                      "bf16/fp16/fp32, or int16/int32/int64 words of raw rows")
-
-
-def _scale_bytes(scales: torch.Tensor | None) -> torch.Tensor | None:
-    """float8_e8m0fnu scales (how checkpoints may store them) as their uint8 exponent bytes."""
-    e8m0 = getattr(torch, "float8_e8m0fnu", None)
-    if scales is not None and e8m0 is not None and scales.dtype == e8m0:
-        return scales.view(torch.uint8)
-    return scales
-
-
-def _check_out_index(out_index: torch.Tensor, row_ids: torch.Tensor, out: torch.Tensor | None,
-                     fmt: TableFormat) -> None:
-    if out is None:
-        raise GatherError("out_index needs out: the [M, D] rows it scatters into")
-    if out.dim() != 2 or out.shape[1] != fmt.head_dim or out.dtype != fmt.out_dtype or not out.is_contiguous():
-        raise GatherError(f"with out_index, out must be a contiguous {fmt.out_dtype} [M, {fmt.head_dim}] tensor, "
-                          f"got {out.dtype} {tuple(out.shape)}")
-    if out_index.dtype != torch.int64 or out_index.numel() != row_ids.numel() or not out_index.is_contiguous():
-        raise GatherError(f"out_index must be contiguous int64 with one entry per row id ({row_ids.numel()}), got "
-                          f"{out_index.dtype} {tuple(out_index.shape)}")
-    if out_index.device != row_ids.device or out.device != row_ids.device:
-        raise GatherError("out_index and out must be on the row ids' device")
-
-
-def _local_ids(row_ids: torch.Tensor, row_range: tuple[int, int] | None, rows: int) -> tuple[int, int]:
-    lo, hi = (0, rows) if row_range is None else (int(row_range[0]), int(row_range[1]))
-    if hi - lo != rows:
-        raise GatherError(f"row_range {lo}..{hi} spans {hi - lo} rows but the table has {rows}")
-    return lo, hi
-
-
-def gather_reference(
-    row_ids: torch.Tensor,
-    table: torch.Tensor,
-    scales: torch.Tensor | None = None,
-    *,
-    head_dim: int | None = None,
-    row_range: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """The plain-torch gather every kernel is compared with: [...] ids -> [..., head_dim] rows.
-
-    Indexing runs on the table's device; the result lands on the ids' device.
-    """
-    fmt = table_format(table, scales, head_dim)
-    scales = _scale_bytes(scales)
-    lo, hi = _local_ids(row_ids, row_range, fmt.rows)
-    ids = row_ids.to(table.device).long()
-    inside = (ids >= lo) & (ids < hi)
-    local = torch.where(inside, ids - lo, torch.zeros_like(ids)).reshape(-1)
-    if fmt.rows == 0:
-        rows = torch.zeros((local.numel(), fmt.head_dim), dtype=fmt.out_dtype, device=table.device)
-    elif fmt.mode == PLAIN:
-        rows = table[local]
-    elif fmt.mode == FP8:
-        rows = dequantize_fp8_e8m0(table[local], scales[local])
-    else:
-        packed = table[local]
-        d = fmt.head_dim
-        rows = dequantize_fp8_e8m0(packed[:, :d].contiguous().view(FP8_DTYPE), packed[:, d:].contiguous())
-    rows = torch.where(inside.reshape(-1, 1), rows, torch.zeros_like(rows))
-    return rows.reshape(*row_ids.shape, fmt.head_dim).to(row_ids.device)
-
-
-# ---------------------------------------------------------------------------- Triton kernel
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs without triton use the reference
-    triton = None
+from condmem.fp8 import FP8_DTYPE, SCALE_BLOCK
+from condmem.ops.gather.reference import FP8, PLAIN, GatherError, TableFormat
+from condmem.ops.triton_util import interpreting, next_pow2, persistent_programs
 
 if triton is not None:
 
@@ -261,76 +113,11 @@ def _launch_table(t: torch.Tensor):
     return t
 
 
-def engram_gather(
-    row_ids: torch.Tensor,
-    table: torch.Tensor,
-    scales: torch.Tensor | None = None,
-    *,
-    head_dim: int | None = None,
-    row_range: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
-    out_index: torch.Tensor | None = None,
-    backend: str | None = None,
-    block_rows: int | None = None,
-    programs_per_sm: int = 4,
-    num_warps: int | None = None,
-    max_programs: int | None = None,
-) -> torch.Tensor:
-    """Gather (and dequantize) table rows.
-
-    Args:
-        row_ids: integer ids [...] (int64 or int32), on the device that receives the rows.
-        table: fp8 [R, D] (+ `scales`), packed uint8 [R, D + D/32], or bf16/fp16/fp32 [R, D];
-            on the GPU, or in pinned/registered host memory (read zero-copy).
-        scales: uint8 [R, D/32] e8m0 exponents of an fp8 table.
-        head_dim: D of a packed table (inferred from its width by default).
-        row_range: (lo, hi): the table holds global rows lo..hi-1; other ids give zero rows.
-        out: optional output [..., D] (bf16 for fp8 tables, the table's dtype otherwise).
-        out_index: optional int64 [n] (n = row_ids.numel()): row i goes to ``out[out_index[i]]``
-            (out then any [M, D]); entries outside 0..M-1 (padding) store nothing (with id -1
-            they read nothing either), and out's other rows are left as they are. Scattering
-            in the gather saves a separate scatter and its temporary.
-        backend: "auto" (Triton when `row_ids` are on CUDA), "triton" or "torch".
-        block_rows, programs_per_sm, num_warps: kernel tuning (defaults suit an H200).
-        max_programs: cap on the persistent grid, for a gather that runs beside other work
-            (a zero-copy gather's programs wait on PCIe while holding SMs).
-
-    Returns:
-        [..., D] rows; zero rows for ids outside the table's range.
-
-    Example:
-        >>> packed = pack_rows(*quantize_fp8_e8m0(weights)).pin_memory()   # host table
-        >>> rows = engram_gather(row_ids.cuda(), packed)                     # [T, n_cols, D] bf16
-    """
-    fmt = table_format(table, scales, head_dim)
-    scales = _scale_bytes(scales)
-    lo, hi = _local_ids(row_ids, row_range, fmt.rows)
-    if row_ids.is_floating_point() or row_ids.dtype == torch.bool:
-        raise GatherError(f"row_ids must be integers, got {row_ids.dtype}")
-    if resolve_backend(backend, row_ids.device, "engram_gather") == "torch":
-        rows = gather_reference(row_ids, table, scales, head_dim=head_dim, row_range=row_range)
-        if out_index is not None:
-            _check_out_index(out_index, row_ids, out, fmt)
-            dst = out_index.reshape(-1)
-            inside = (dst >= 0) & (dst < out.shape[0])
-            out[dst[inside]] = rows.reshape(-1, fmt.head_dim)[inside]
-            return out
-        if out is not None:
-            out.copy_(rows)
-            return out
-        return rows
-    if row_ids.device.type == "cuda" and table.device.type == "cuda" and table.device != row_ids.device:
-        raise GatherError(f"table on {table.device} but row ids on {row_ids.device}")
-    shape = (*row_ids.shape, fmt.head_dim)
-    if out_index is not None:
-        _check_out_index(out_index, row_ids, out, fmt)
-    elif out is None:
-        out = torch.empty(shape, dtype=fmt.out_dtype, device=row_ids.device)
-    elif out.shape != shape or out.dtype != fmt.out_dtype or not out.is_contiguous():
-        raise GatherError(f"out must be a contiguous {fmt.out_dtype} tensor of shape {shape}")
-    ids = row_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+def gather_triton(ids: torch.Tensor, table: torch.Tensor, scales: torch.Tensor | None, fmt: TableFormat, lo: int,
+                  out: torch.Tensor, out_index: torch.Tensor | None, block_rows: int | None, programs_per_sm: int,
+                  num_warps: int | None, max_programs: int | None) -> torch.Tensor:
+    """Launch the kernel on checked arguments (`engram_gather` checks them): flat contiguous
+    `ids`, `out` shaped for them (or the scatter target with `out_index`)."""
     n_rows = ids.numel()
     if n_rows == 0:
         return out
@@ -348,16 +135,14 @@ def engram_gather(
         num_warps = 4
     nb = d // SCALE_BLOCK if fmt.mode != PLAIN else 1
     n_blocks = triton.cdiv(n_rows, block_rows)
-    programs = persistent_programs(n_blocks, row_ids.device, per_sm=programs_per_sm)
+    programs = persistent_programs(n_blocks, ids.device, per_sm=programs_per_sm)
     if max_programs is not None:
         if max_programs < 1:
             raise GatherError(f"max_programs must be >= 1, got {max_programs}")
         programs = min(programs, max_programs)
-    grid = (programs,)
-    tab = _launch_table(table)
     try:
-        _gather_kernel[grid](
-            ids, tab, _launch_table(scale_t), out, out_index if out_index is not None else ids,
+        _gather_kernel[(programs,)](
+            ids, _launch_table(table), _launch_table(scale_t), out, out_index if out_index is not None else ids,
             n_rows, lo, fmt.rows, out.shape[0] if out_index is not None else 0,
             ROW_STRIDE=row_stride, SCALE_STRIDE=scale_stride, SCALE_OFF=scale_off,
             D=d, NB=nb, BLOCK_NB=next_pow2(nb), BLOCK_D=next_pow2(d),
@@ -372,29 +157,3 @@ def engram_gather(
             ) from exc
         raise
     return out
-
-
-# ---------------------------------------------------------------------------- host memory
-
-_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
-
-
-def host_register(t: torch.Tensor) -> torch.Tensor:
-    """Page-lock an existing CPU tensor in place (cudaHostRegister), so kernels read it zero-copy.
-
-    Returns the same tensor. Pair with `host_unregister` before the memory is freed.
-    """
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise GatherError("host_register needs a contiguous CPU tensor")
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
-                                               _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
-    if int(err) != 0:
-        raise GatherError(f"cudaHostRegister failed with error {int(err)}")
-    return t
-
-
-def host_unregister(t: torch.Tensor) -> None:
-    """Undo `host_register`."""
-    err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-    if int(err) != 0:
-        raise GatherError(f"cudaHostUnregister failed with error {int(err)}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from condmem.hashing.reference import ngram_mixes
+from condmem.ops.hash.reference import ngram_mixes
 
 
 def token_sequences(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

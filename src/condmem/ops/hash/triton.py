@@ -1,6 +1,6 @@
 """Triton kernels of the n-gram hash: prefill (a whole batch) and decode (one token per sequence).
 
-Both compute exactly what `condmem.hashing.reference` computes (and are tested with
+Both compute exactly what `condmem.ops.hash.reference` computes (and are tested with
 ``torch.equal`` against it):
 
 * **prefill**: token ids [B, T] (+ optional blocked mask) -> row ids [B, T, L, n_cols]
@@ -236,7 +236,7 @@ def hash_prefill_triton(
         n_heads: H.
         pad_id: compressed pad id.
         lookup: optional int64 [vocab] token id -> compressed id, applied in the kernel.
-        blocked: optional bool [B, T] (see `condmem.hashing.reference.shifted_history`).
+        blocked: optional bool [B, T] (see `condmem.ops.hash.reference.shifted_history`).
         fast_mod: Barrett reduction instead of the 64-bit ``%``.
         out: optional int64 [B, T, L, (N-1)*H] to write into.
         id_range: optional int32 [programs, 3] (`id_range_slots`): each program writes its
@@ -534,7 +534,7 @@ def advance_triton(
     block_b: int = 32,
 ) -> None:
     """Advance each sequence's history row by its first ``n_commit[b]`` chunk tokens (all when
-    None), in place; equal to `condmem.hashing.ragged.advance_reference`. Slots must be distinct."""
+    None), in place; equal to `condmem.ops.hash.ragged_reference.advance_reference`. Slots must be distinct."""
     n_seqs = cu_seqlens.numel() - 1
     if n_seqs < 1:
         return

@@ -14,7 +14,7 @@ registers, the way order is found there, and only real entries store anything
   read of the old set state (the ranks of the ways) happens before any write to it; the
   second writes keys, counters and rows, each row read straight from the caller's buffer.
 
-The torch code in `row_cache.py` is the reference: tests hold these kernels to it (keys,
+The torch code of `condmem.tables.row_cache.RowCache` is the reference: tests hold these kernels to it (keys,
 counters, rows, returned slots) through the interpreter on the CPU and compiled on a GPU.
 """
 

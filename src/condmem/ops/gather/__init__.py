@@ -1,0 +1,100 @@
+"""Row gather from an Engram table: row ids [...] -> rows [..., head_dim], fp8 dequantized to bf16.
+
+`engram_gather` runs the Triton kernel (`triton.py`) on CUDA, or under the interpreter,
+and the plain-torch `gather_reference` (`reference.py`, the formats it reads) elsewhere;
+both give the same rows bit for bit. Tables may sit in HBM or in page-locked host memory,
+read zero-copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from condmem.ops.gather.reference import (
+    GatherError,
+    TableFormat,
+    _check_out_index,
+    _local_ids,
+    _scale_bytes,
+    gather_reference,
+    table_format,
+)
+from condmem.ops.triton_util import resolve_backend
+
+__all__ = ["GatherError", "TableFormat", "engram_gather", "gather_reference", "table_format"]
+
+
+def engram_gather(
+    row_ids: torch.Tensor,
+    table: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    *,
+    head_dim: int | None = None,
+    row_range: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+    out_index: torch.Tensor | None = None,
+    backend: str | None = None,
+    block_rows: int | None = None,
+    programs_per_sm: int = 4,
+    num_warps: int | None = None,
+    max_programs: int | None = None,
+) -> torch.Tensor:
+    """Gather (and dequantize) table rows.
+
+    Args:
+        row_ids: integer ids [...] (int64 or int32), on the device that receives the rows.
+        table: fp8 [R, D] (+ `scales`), packed uint8 [R, D + D/32], or bf16/fp16/fp32 [R, D];
+            on the GPU, or in pinned/registered host memory (read zero-copy).
+        scales: uint8 [R, D/32] e8m0 exponents of an fp8 table.
+        head_dim: D of a packed table (inferred from its width by default).
+        row_range: (lo, hi): the table holds global rows lo..hi-1; other ids give zero rows.
+        out: optional output [..., D] (bf16 for fp8 tables, the table's dtype otherwise).
+        out_index: optional int64 [n] (n = row_ids.numel()): row i goes to ``out[out_index[i]]``
+            (out then any [M, D]); entries outside 0..M-1 (padding) store nothing (with id -1
+            they read nothing either), and out's other rows are left as they are. Scattering
+            in the gather saves a separate scatter and its temporary.
+        backend: "auto" (Triton when `row_ids` are on CUDA), "triton" or "torch".
+        block_rows, programs_per_sm, num_warps: kernel tuning (defaults suit an H200).
+        max_programs: cap on the persistent grid, for a gather that runs beside other work
+            (a zero-copy gather's programs wait on PCIe while holding SMs).
+
+    Returns:
+        [..., D] rows; zero rows for ids outside the table's range.
+
+    Example:
+        >>> packed = pack_rows(*quantize_fp8_e8m0(weights)).pin_memory()   # host table
+        >>> rows = engram_gather(row_ids.cuda(), packed)                     # [T, n_cols, D] bf16
+    """
+    fmt = table_format(table, scales, head_dim)
+    scales = _scale_bytes(scales)
+    lo, hi = _local_ids(row_ids, row_range, fmt.rows)
+    if row_ids.is_floating_point() or row_ids.dtype == torch.bool:
+        raise GatherError(f"row_ids must be integers, got {row_ids.dtype}")
+    if resolve_backend(backend, row_ids.device, "engram_gather") == "torch":
+        rows = gather_reference(row_ids, table, scales, head_dim=head_dim, row_range=row_range)
+        if out_index is not None:
+            _check_out_index(out_index, row_ids, out, fmt)
+            dst = out_index.reshape(-1)
+            inside = (dst >= 0) & (dst < out.shape[0])
+            out[dst[inside]] = rows.reshape(-1, fmt.head_dim)[inside]
+            return out
+        if out is not None:
+            out.copy_(rows)
+            return out
+        return rows
+    if row_ids.device.type == "cuda" and table.device.type == "cuda" and table.device != row_ids.device:
+        raise GatherError(f"table on {table.device} but row ids on {row_ids.device}")
+    shape = (*row_ids.shape, fmt.head_dim)
+    if out_index is not None:
+        _check_out_index(out_index, row_ids, out, fmt)
+    elif out is None:
+        out = torch.empty(shape, dtype=fmt.out_dtype, device=row_ids.device)
+    elif out.shape != shape or out.dtype != fmt.out_dtype or not out.is_contiguous():
+        raise GatherError(f"out must be a contiguous {fmt.out_dtype} tensor of shape {shape}")
+    ids = row_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    from condmem.ops.gather.triton import gather_triton
+
+    return gather_triton(ids, table, scales, fmt, lo, out, out_index, block_rows, programs_per_sm, num_warps,
+                         max_programs)
