@@ -75,7 +75,7 @@ def test_gate_forward_and_grads_vs_fp64(hc, dim, n, dtype, masked, device):
     if mask is not None and (~mask).any():
         assert torch.all(out[~mask] == 0)
     # The other forward grids give the same numbers up to rounding.
-    from condmem.ops.gate_triton import SPLIT_BRANCHES, gate_forward_triton
+    from condmem.ops.gate.triton import SPLIT_BRANCHES, gate_forward_triton
 
     plain = [t.detach() for t in inputs]
     for name, kw in (("other grid", dict(split_branches=not SPLIT_BRANCHES)), ("persistent", dict(persistent_stages=2))):

@@ -11,7 +11,7 @@ import torch
 
 from condmem.bench.harness import Rotator, time_ms
 from condmem.ops.gate import engram_gate, engram_gate_reference
-from condmem.ops.gate_triton import gate_backward_triton, gate_forward_triton
+from condmem.ops.gate.triton import gate_backward_triton, gate_forward_triton
 
 SHAPES = [(8192, 4, 4096), (4096, 4, 7168), (16384, 1, 2560), (256, 4, 4096)]
 SMOKE_SHAPES = [(16, 2, 96), (4, 1, 64)]

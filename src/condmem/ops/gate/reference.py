@@ -7,9 +7,8 @@ Per branch m (``hc`` of them), with hidden state ``h_m`` and key ``k_m``::
     out_m = sigmoid(g) * v
 
 all in fp32 (the signed square root is steep near zero; bf16 would flip gates).
-`engram_gate_reference` is the plain composition the fused kernel is held to;
-`engram_gate` picks the fused Triton kernel (`gate_triton`, forward and backward) for
-CUDA tensors and the reference elsewhere, and ``backend=`` forces either.
+`engram_gate_reference` is the plain composition the fused kernel (`triton.py`,
+forward and backward) is held to; `condmem.ops.gate.engram_gate` picks between them.
 """
 
 from __future__ import annotations
@@ -79,19 +78,3 @@ def engram_gate_reference(
         alpha = alpha * token_mask[..., None].to(alpha.dtype)
     out = alpha[..., None] * value.float()[..., None, :]
     return out.to(hidden.dtype)
-
-
-def engram_gate(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, token_mask=None, *, backend=None):
-    """The gate, dispatched: the fused Triton kernel on CUDA, the reference elsewhere.
-
-    Arguments and result as in `engram_gate_reference`; ``backend`` is ``"auto"`` (default),
-    ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``) or ``"torch"``. Both are
-    differentiable.
-    """
-    from condmem.ops.triton_util import resolve_backend
-
-    if resolve_backend(backend, hidden.device, "engram_gate") == "triton":
-        from condmem.ops.gate_triton import engram_gate_triton
-
-        return engram_gate_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask)
-    return engram_gate_reference(hidden, kv, q_weight, k_weight, eps, clamp, token_mask)

@@ -1,0 +1,25 @@
+"""The Engram gate: `engram_gate` runs the fused Triton kernel (`triton.py`, forward and
+backward) on CUDA tensors and the fp32 reference (`reference.py`) elsewhere; ``backend=``
+forces either."""
+
+from __future__ import annotations
+
+from condmem.ops.gate.reference import GATE_CLAMP, engram_gate_reference, gate_values
+
+__all__ = ["GATE_CLAMP", "engram_gate", "engram_gate_reference", "gate_values"]
+
+
+def engram_gate(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, token_mask=None, *, backend=None):
+    """The gate, dispatched: the fused Triton kernel on CUDA, the reference elsewhere.
+
+    Arguments and result as in `engram_gate_reference`; ``backend`` is ``"auto"`` (default),
+    ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``) or ``"torch"``. Both are
+    differentiable.
+    """
+    from condmem.ops.triton_util import resolve_backend
+
+    if resolve_backend(backend, hidden.device, "engram_gate") == "triton":
+        from condmem.ops.gate.triton import engram_gate_triton
+
+        return engram_gate_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask)
+    return engram_gate_reference(hidden, kv, q_weight, k_weight, eps, clamp, token_mask)
