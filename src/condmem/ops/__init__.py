@@ -1,4 +1,12 @@
-"""Engram's dense maths: the gate after the `wkv` projection and the ShortConv branch."""
+"""Engram's kernels, one folder per op: a plain-torch reference beside its Triton version.
+
+`hash/`, `gather/`, `row_cache/`, `gate/`, `attention/`: each op's public function picks the
+Triton kernel for CUDA tensors (or under ``TRITON_INTERPRET=1``) and the reference
+elsewhere (`triton_util.resolve_backend`, ``backend=`` forces either). One policy for an
+optional Triton: only modules named ``triton.py`` (and ``*_triton.py``) import it, at their
+top, and they are imported inside the dispatching function, so a CPU-only install without
+Triton imports every other module. Nothing here imports `condmem.tables`.
+"""
 
 from condmem.ops.gate import engram_gate, engram_gate_reference
 from condmem.ops.short_conv import ShortConv
