@@ -80,3 +80,29 @@ def test_no_package_imports_one_that_imports_it_back():
 
     cycles = sorted(f"{a} -> {b} -> ... -> {a}" for a in edges for b in edges[a] if reaches(b, a))
     assert not cycles, "import cycles between packages:\n" + "\n".join(cycles)
+
+
+def test_only_triton_modules_need_triton():
+    """The optional-Triton policy (`condmem.ops`): with Triton absent, every module imports but
+    the kernel files (``triton.py``, ``*_triton.py``) and the benchmarks of those kernels
+    (``bench/hash.py``, ``bench/gate.py``: `condmem bench` imports them only to run them)."""
+    script = (
+        "import importlib, pathlib, sys\n"
+        "sys.modules['triton'] = None\n"
+        f"src = pathlib.Path({str(SRC)!r})\n"
+        "bad = []\n"
+        "for p in sorted(src.rglob('*.py')):\n"
+        "    kernel_bench = p.parent.name == 'bench' and p.stem in ('hash', 'gate')\n"
+        "    if p.stem in ('triton', '__main__') or p.stem.endswith('_triton') or 'integrations' in p.parts or kernel_bench:\n"
+        "        continue\n"
+        "    name = '.'.join(('condmem',) + p.relative_to(src).with_suffix('').parts).removesuffix('.__init__')\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError as exc:\n"
+        "        if 'triton' in str(exc): bad.append(f'{name}: {exc}')\n"
+        "print('\\n'.join(bad))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr
+    assert not done.stdout.strip(), "modules that need Triton but are not kernel files:\n" + done.stdout
