@@ -193,3 +193,26 @@ def test_ragged_batches_serve_the_rows_of_whole_sequences(device):
     full = hasher(torch.cat([a, nxt])[None].to(device))[0, -1:, hasher.layer_index(cfg.layer_ids[0])]
     assert torch.equal(rows[0], full)
     memory.close()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_warm_up_captures_every_layer_and_rows_stay_exact(device):
+    """EngramMemory.warm_up(batch_tokens): each layer's plans for those batch sizes are captured
+    (CUDA; a no-op on the CPU), and lookups of warmed and other sizes give the module's rows."""
+    cfg, hasher, modules = _setup(device)
+    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
+                                       host_alloc="pageable" if device == "cpu" else "mmap_register",
+                                       cache_bytes=4096)
+    for engine in memory.engines.values():
+        engine.direct_max_ids = 0                 # the full path, which has plans to capture
+    memory.warm_up([4 * 64])
+    for engine in memory.engines.values():
+        captured = [p.captured for ring in engine._plans.values() for p in ring]
+        assert captured == ([True] * engine.max_in_flight if device == "cuda" else [])
+    gen = torch.Generator().manual_seed(5)
+    for shape in ((4, 64), (2, 64), (4, 64), (3, 7)):
+        ids = torch.randint(0, 70, shape, generator=gen).to(device)
+        prepared = memory.prepare(ids)
+        for lid, module in modules.items():
+            assert torch.equal(prepared.rows(lid), module.table.weight[hasher(ids)[:, :, hasher.layer_index(lid)]])
+    memory.close()
