@@ -54,25 +54,34 @@ class HostTableError(RuntimeError):
     """Host-resident tables used against their contract (ids of another step, a closed tier)."""
 
 
-def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, fill=None) -> tuple[torch.Tensor, object]:
+def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, fill=None,
+                 seconds: dict | None = None) -> tuple[torch.Tensor, object]:
     """A host tensor of exactly `shape` (page-locked when `pin`), zeros unless `fill` (a function
-    of the tensor) writes it first; returns (tensor, what keeps its memory: None or a HostBuffer)."""
+    of the tensor) writes it first; returns (tensor, what keeps its memory: None or a HostBuffer).
+    `seconds` accumulates the time spent filling (``fill``) and page-locking (``pin``)."""
+    seconds = {} if seconds is None else seconds
     numel = 1
     for s in shape:
         numel *= s
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if not pin:
         t = torch.zeros(shape, dtype=dtype)
+        t0 = time.perf_counter()
         if fill is not None:
             fill(t)
+        seconds["fill"] = seconds.get("fill", 0.0) + time.perf_counter() - t0
         return t, None
     from condmem.tables.host_memory import allocate_host
 
     buf = allocate_host(nbytes, "mmap_register")   # exact size, anonymous memory: zeros until written
     t = buf.tensor.view(dtype).view(shape)
+    t0 = time.perf_counter()
     if fill is not None:
         fill(t)
+    t1 = time.perf_counter()
     buf.pin()
+    seconds["fill"] = seconds.get("fill", 0.0) + t1 - t0
+    seconds["pin"] = seconds.get("pin", 0.0) + time.perf_counter() - t1
     return t, buf
 
 
@@ -89,6 +98,17 @@ def _fill_normal(std: float, seed: int, threads: int):
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
             list(pool.map(one, range(len(starts))))
+    return fill
+
+
+def _fill_zero(threads: int):
+    """Write zeros over a tensor in chunks on `threads` threads: the pages of fresh anonymous
+    memory are then faulted in in parallel, not one by one while they are page-locked."""
+    def fill(t: torch.Tensor) -> None:
+        flat = t.view(-1)
+        chunk = 1 << 26
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(lambda i: flat[i: i + chunk].zero_(), range(0, flat.numel(), chunk)))
     return fill
 
 
@@ -203,6 +223,8 @@ class HostTables:
         self.wait_s = 0.0
         """Seconds the main thread waited for the host (gathers and patches), summed."""
         std = init_std if init_std is not None else getattr(getattr(model, "cfg", None), "engram_table_init_std", 0.02)
+        self.setup_seconds: dict[str, float] = {}
+        """Seconds spent filling (``fill``) and page-locking (``pin``) the host tensors."""
         t0 = time.perf_counter()
         for engram in model.engram_layers:
             table = engram.table
@@ -211,20 +233,21 @@ class HostTables:
             fill = (_fill_normal(std, seed + engram.layer_id, threads or torch.get_num_threads())
                     if src.device.type == "meta" else (lambda t, s=src: t.copy_(s.detach())))
             keep = []
-            weight, k = _host_tensor((rows, dim), torch.float32, self.pin, fill)
+            weight, k = _host_tensor((rows, dim), torch.float32, self.pin, fill, self.setup_seconds)
             keep.append(k)
             moments = []
+            zero = _fill_zero(threads or torch.get_num_threads()) if self.pin else None
             for _ in range(2):
-                m, k = _host_tensor((rows, dim), self.state_dtype, self.pin)
+                m, k = _host_tensor((rows, dim), self.state_dtype, self.pin, zero, self.setup_seconds)
                 moments.append(m)
                 keep.append(k)
-            row_step, k = _host_tensor((rows,), torch.float32, self.pin)
+            row_step, k = _host_tensor((rows,), torch.float32, self.pin, zero, self.setup_seconds)
             keep.append(k)
             layer = _Layer(engram.layer_id, weight, moments[0], moments[1], row_step,
                            torch.zeros(rows, dtype=torch.bool), keep=keep)
             self.layers[engram.layer_id] = layer
             engram.table = HostTableView(self, engram.layer_id, weight)
-            del src
+            del src, fill   # the model's own table is freed here (the fill held it)
         self.setup_s = time.perf_counter() - t0
         """Seconds spent allocating, filling and page-locking the host tensors."""
 
@@ -314,17 +337,18 @@ class HostTables:
             ids = ticket.ids_host[:, :, index].reshape(-1)
             n, d = ids.numel(), layer.weight.shape[1]
             staging = self._buffer(layer.staging, slot, (n, d), torch.float32, self._pinned)
-            if self.cuda and len(layer.consumed) > slot and layer.consumed[slot] is not None:
-                layer.consumed[slot].synchronize()   # the H2D that last read this staging is done
             torch.index_select(layer.weight, 0, ids, out=staging)
             layer.marker[ids] = True
             layer.marked = ids
             if self.cuda:
                 dev = self._buffer(layer.dev_rows, slot, (n, d), torch.float32, self._on_device)
+                if len(layer.consumed) > slot and layer.consumed[slot] is not None:
+                    layer.consumed[slot].synchronize()   # the step that read this device buffer is past it
                 with torch.cuda.stream(self._h2d):
                     dev.copy_(staging, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(self._h2d)
+                done.synchronize()   # the staging is free again when this job ends (the worker has time)
                 ticket.rows[lid] = (dev, done, slot)
             else:
                 ticket.rows[lid] = (staging, None, slot)
@@ -377,7 +401,7 @@ class HostTables:
                 cur.wait_event(p_done)
                 p_ids.record_stream(cur)
                 p_vals.record_stream(cur)
-            ids = row_ids.reshape(-1)
+            ids = row_ids.reshape(-1).to(p_ids.dtype)
             pos = torch.searchsorted(p_ids, ids).clamp_(max=p_ids.numel() - 1)
             hit = p_ids[pos] == ids
             out = torch.where(hit[:, None], p_vals[pos], flat)
