@@ -43,6 +43,8 @@ DECODE_CASES = [  # (lengths, heads, kv heads, head_dim, block size, blocks per 
     ((0, 1, 33), 8, 2, 32, 8, 5),        # a padding row (no key) beside length 1
     ((17,), 4, 4, 16, 16, 2),            # no grouping
     ((5, 64, 3, 40), 6, 2, 16, 16, 4),   # 3 query heads per KV head (not a power of two)
+    ((3, 21), 4, 1, 80, 8, 3),           # head_dim 80 (the 4B backbone's): padded to 128 in the kernel
+    ((2, 9), 4, 2, 8, 4, 3),             # head_dim 8: below tl.dot's minimum
 ]
 
 
@@ -79,6 +81,7 @@ PREFILL_CASES = [  # (chunk lengths, cached prefix lengths, heads, kv heads, hea
     ((1, 5, 19), (0, 0, 0), 4, 2, 16, 4),
     ((3, 1, 17), (6, 1, 0), 8, 2, 32, 8),      # chunks after a cached prefix
     ((33,), (0,), 2, 1, 16, 16),
+    ((7, 12), (0, 5), 4, 2, 80, 8),
 ]
 
 
@@ -117,8 +120,9 @@ def test_prefill_reference_is_causal_attention_per_sequence():
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_valid", [False, True], ids=["all", "valid-mask"])
-def test_rope_store_matches_reference(device, with_valid):
-    heads, n_kv, head_dim, block_size, n = 6, 2, 16, 4, 7
+@pytest.mark.parametrize("head_dim", [16, 80], ids=["hd16", "hd80"])
+def test_rope_store_matches_reference(device, with_valid, head_dim):
+    heads, n_kv, block_size, n = 6, 2, 4, 7
     k_pool, v_pool, table = _paged_cache(3, 4, block_size, n_kv, head_dim, device, torch.float32)
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(n, heads, head_dim, generator=gen).to(device)
@@ -151,14 +155,19 @@ def test_rms_norm_and_silu_mul_match_the_modules(device, dim):
     assert_close("add + rms_norm", want_normed, normed, atol=1e-6, rtol=1e-6)
     a, b = (torch.randn(3, dim, generator=gen).to(device) for _ in range(2))
     assert_close("silu_mul", silu_mul_ref(a, b), silu_mul(a, b, backend="triton"), atol=1e-6, rtol=1e-6)
+    joined = torch.randn(4, 2 * dim, generator=gen).to(device)          # the halves of one fused projection
+    a, b = joined[:, :dim], joined[:, dim:]
+    assert_close("silu_mul (strided rows)", silu_mul_ref(a, b), silu_mul(a, b, backend="triton"), atol=1e-6,
+                 rtol=1e-6)
 
 
 @cuda_kernels
-@pytest.mark.parametrize("batch,max_len", [(128, 1152), (3, 200)], ids=["b128", "b3"])
-def test_bf16_decode_at_model_size_and_under_a_cuda_graph(batch, max_len):
-    """bf16, 32 query / 8 KV heads of 128, block size 16: the kernel within bf16 rounding of the
-    fp32 reference; replayed from a CUDA graph with new lengths, the same output as eager."""
-    heads, n_kv, head_dim, block_size = 32, 8, 128, 16
+@pytest.mark.parametrize("batch,max_len,head_dim", [(128, 1152, 128), (128, 1152, 80), (3, 200, 128)],
+                         ids=["b128-hd128", "b128-hd80", "b3-hd128"])
+def test_bf16_decode_at_model_size_and_under_a_cuda_graph(batch, max_len, head_dim):
+    """bf16, 32 query / 8 KV heads, block size 16: the kernel within bf16 rounding of the fp32
+    reference; replayed from a CUDA graph with new lengths, the same output as eager."""
+    heads, n_kv, block_size = 32, 8, 16
     max_blocks = -(-max_len // block_size)
     k, v, table = _paged_cache(batch, max_blocks, block_size, n_kv, head_dim, "cuda", torch.bfloat16)
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -175,3 +184,19 @@ def test_bf16_decode_at_model_size_and_under_a_cuda_graph(batch, max_len):
     graph.replay()
     assert torch.equal(out, paged_decode_attention(q, k, v, table, static_len))
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@cuda_kernels
+@pytest.mark.parametrize("head_dim", [80, 128], ids=["hd80", "hd128"])
+def test_bf16_prefill_at_model_size(head_dim):
+    """bf16 packed prompts of 100..1024 tokens, 32 query / 8 KV heads: within bf16 rounding of the reference."""
+    heads, n_kv, block_size = 32, 8, 16
+    chunks = [1024, 100, 577, 1]
+    max_blocks = -(-max(chunks) // block_size)
+    k, v, table = _paged_cache(len(chunks), max_blocks, block_size, n_kv, head_dim, "cuda", torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    st = torch.zeros(len(chunks), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(chunks), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    want = paged_prefill_attention_ref(q, k, v, table, cu, st).float()
+    assert_close("bf16 prefill", want, paged_prefill_attention(q, k, v, table, cu, st, max(chunks)).float(),
+                 atol=2e-2, rtol=2e-2)

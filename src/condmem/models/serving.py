@@ -23,6 +23,7 @@ numbers as these cache slots).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from condmem.models.attention import KVCache
 from condmem.models.transformer import DecoderLM, InferenceCache, engram_update
@@ -199,25 +200,55 @@ def _masked_put(dest: torch.Tensor, index: tuple, new: torch.Tensor, valid: torc
     dest[index] = new
 
 
+def _joined(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One weight for several projections of the same input: the modules' weights become row
+    views of it (no copy kept), so serving runs one GEMM where the modules run several. Joined
+    again if a module's weight has moved (e.g. ``model.to(...)`` after the first join)."""
+    first = linears[0]
+    joined = getattr(first, "_serving_joined", None)
+    rows = sum(m.weight.shape[0] for m in linears)
+    start = 0
+    if joined is not None and joined.shape[0] == rows:
+        for m in linears:
+            if m.weight.data_ptr() != joined[start:].data_ptr() or m.weight.dtype != joined.dtype:
+                break
+            start += m.weight.shape[0]
+        else:
+            return joined
+    with torch.no_grad():
+        joined = torch.cat([m.weight.detach() for m in linears])
+        start = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = joined[start : start + n]
+            start += n
+    first._serving_joined = joined
+    return joined
+
+
 def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, pos: torch.Tensor,
                    slot_of: torch.Tensor, valid: torch.Tensor | None, attend) -> torch.Tensor:
     """A block's attention and SwiGLU over flat tokens x [n, D] (the serving form of `Block.forward`).
 
     Each token's k, v land at (slot_of, pos) of the paged cache (rows with `valid` False write
     nothing); ``attend(i, q)`` maps the rotated queries [n, H, hd] to attention outputs.
-    Norm, RoPE + store and silu(a) * b run as one kernel each on CUDA (`condmem.ops`).
+    q/k/v and w1/w3 run as one GEMM each (`_joined`); norm, RoPE + store and silu(a) * b as
+    one kernel each on CUDA (`condmem.ops`).
     """
-    attn, n = block.attn, x.shape[0]
+    attn, mlp, n = block.attn, block.mlp, x.shape[0]
     h = rms_norm(x, block.attn_norm.weight, block.attn_norm.eps)
-    q = attn.wq(h).view(n, attn.n_heads, attn.head_dim)
-    k = attn.wk(h).view(n, attn.n_kv_heads, attn.head_dim)
-    v = attn.wv(h).view(n, attn.n_kv_heads, attn.head_dim)
+    qkv = F.linear(h, _joined([attn.wq, attn.wk, attn.wv]))
+    nq, nkv = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
+    q = qkv[:, :nq].view(n, attn.n_heads, attn.head_dim)
+    k = qkv[:, nq : nq + nkv].view(n, attn.n_kv_heads, attn.head_dim)
+    v = qkv[:, nq + nkv :].view(n, attn.n_kv_heads, attn.head_dim)
     q = rope_store(q, k, v, rotary.cos, rotary.sin, pos, slot_of, cache.block_table, cache.k_pool[i],
                    cache.v_pool[i], valid)
     y = attend(i, q)
     x, h = rms_norm(attn.wo(y.reshape(n, -1)), block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
-    mlp = block.mlp
-    return x + mlp.w2(silu_mul(mlp.w1(h), mlp.w3(h)))
+    gate_up = F.linear(h, _joined([mlp.w1, mlp.w3]))
+    hidden = mlp.w1.weight.shape[0]
+    return x + mlp.w2(silu_mul(gate_up[:, :hidden], gate_up[:, hidden:]))
 
 
 @torch.no_grad()

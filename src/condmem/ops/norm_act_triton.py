@@ -39,20 +39,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _silu_mul_kernel(A, B, O, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    a = tl.load(A + i, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + i, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(A, B, O, cols, sa, sb, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < cols
+    a = tl.load(A + row * sa + c, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + row * sb + c, mask=mask, other=0.0).to(tl.float32)
     silu = (a / (1.0 + tl.exp(-a))).to(O.dtype.element_ty).to(tl.float32)
-    tl.store(O + i, (silu * b).to(O.dtype.element_ty), mask=mask)
+    tl.store(O + row * cols + c, (silu * b).to(O.dtype.element_ty), mask=mask)
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a, b = a.contiguous(), b.contiguous()
-    out = torch.empty_like(a)
-    n = a.numel()
-    if n:
+    """Rows may be strided (e.g. the two halves of one fused projection); each row's last dim contiguous."""
+    cols = a.shape[-1]
+    a2 = a if a.dim() == 2 and a.stride(-1) == 1 else a.reshape(-1, cols).contiguous()
+    b2 = b if b.dim() == 2 and b.stride(-1) == 1 else b.reshape(-1, cols).contiguous()
+    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    rows = a2.shape[0]
+    if rows and cols:
         block = 1024
-        _silu_mul_kernel[(triton.cdiv(n, block),)](a, b, out, n, BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](a2, b2, out, cols, a2.stride(0), b2.stride(0), BLOCK=block,
+                                                          num_warps=4)
     return out

@@ -26,10 +26,8 @@ from condmem.ops.triton_util import resolve_backend
 def _backend(backend: str | None, q: torch.Tensor, what: str) -> str:
     chosen = resolve_backend(backend, q.device, what)
     head_dim = q.shape[-1]
-    if chosen == "triton" and (head_dim < 16 or head_dim & (head_dim - 1)):
-        if backend == "triton":
-            raise ValueError(f"{what}: the Triton kernel needs a power-of-two head_dim >= 16, got {head_dim}")
-        return "torch"
+    if chosen == "triton" and (head_dim < 2 or head_dim % 2):
+        raise ValueError(f"{what}: the Triton kernels need an even head_dim, got {head_dim}")
     return chosen
 
 

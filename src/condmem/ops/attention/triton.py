@@ -36,7 +36,7 @@ LOG2E = 1.4426950408889634
 def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
                          sq_b, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_b, so_h,
                          split_len, n_splits, n_heads, scale_log2,
-                         REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                         REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -45,21 +45,22 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
     start = s * split_len
     end = tl.minimum(start + split_len, length)
     r = tl.arange(0, REP_P)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    dm = d < D
     heads = kvh * REP + r
     rmask = r < REP
     b64 = b.to(tl.int64)
-    q = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=rmask[:, None], other=0.0)
+    q = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=rmask[:, None] & dm[None, :], other=0.0)
     m = tl.full([REP_P], float("-inf"), tl.float32)
     l = tl.zeros([REP_P], tl.float32)
-    acc = tl.zeros([REP_P, D], tl.float32)
+    acc = tl.zeros([REP_P, DP], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pm = pos < end
         blk = tl.load(BT + b64 * sbt_b + pos // BS, mask=pm, other=0).to(tl.int64)
         off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
-        k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None], other=0.0)
-        v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None], other=0.0)
+        k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+        v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -78,20 +79,22 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
     if DIRECT:
         out = acc / tl.maximum(l, 1e-30)[:, None]            # no key (length 0): zeros
         tl.store(O + b64 * so_b + heads[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty),
-                 mask=rmask[:, None])
+                 mask=rmask[:, None] & dm[None, :])
     else:
         base = (b64 * n_heads + heads) * n_splits + s
-        tl.store(PO + base[:, None] * D + d[None, :], acc, mask=rmask[:, None])
+        tl.store(PO + base[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
         tl.store(PML + base * 2, m, mask=rmask)
         tl.store(PML + base * 2 + 1, l, mask=rmask)
 
 
 @triton.jit
-def _decode_combine_kernel(PO, PML, O, so_b, so_h, n_splits, n_heads, S_P: tl.constexpr, D: tl.constexpr):
+def _decode_combine_kernel(PO, PML, O, so_b, so_h, n_splits, n_heads, S_P: tl.constexpr, D: tl.constexpr,
+                           DP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, S_P)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
+    dm = d < D
     sm = s < n_splits
     base = (b * n_heads + h) * n_splits + s
     m = tl.load(PML + base * 2, mask=sm, other=float("-inf"))
@@ -100,9 +103,9 @@ def _decode_combine_kernel(PO, PML, O, so_b, so_h, n_splits, n_heads, S_P: tl.co
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(m - top)
     denom = tl.sum(w * l, 0)
-    acc = tl.load(PO + base[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+    acc = tl.load(PO + base[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.maximum(denom, 1e-30)
-    tl.store(O + b * so_b + h * so_h + d, out.to(O.dtype.element_ty))
+    tl.store(O + b * so_b + h * so_h + d, out.to(O.dtype.element_ty), mask=dm)
 
 
 def decode_splits(batch: int, n_kv: int, max_pos: int, block_n: int, device: torch.device) -> int:
@@ -139,18 +142,20 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q, k_pool, v_pool, block_table, lengths, out, part_o, part_ml,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), split_len, splits, n_heads, scale * LOG2E,
-        REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, BS=block_size, BLOCK_N=block_n,
+        REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size,
+        BLOCK_N=block_n,
         DIRECT=splits == 1, IEEE=ieee, num_warps=4, num_stages=2)
     if splits > 1:
         _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, out.stride(0), out.stride(1), splits,
-                                                 n_heads, S_P=next_pow2(splits), D=head_dim, num_warps=1)
+                                                 n_heads, S_P=next_pow2(splits), D=head_dim,
+                                                 DP=max(16, next_pow2(head_dim)), num_warps=1)
     return out
 
 
 @triton.jit
 def _prefill_kernel(Q, K, V, BT, CU, STARTS, O,
                     sq_n, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_n, so_h, scale_log2,
-                    REP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                    REP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     mb = tl.program_id(0)
     b = tl.program_id(1)
@@ -164,12 +169,13 @@ def _prefill_kernel(Q, K, V, BT, CU, STARTS, O,
         offs = m0 + tl.arange(0, BLOCK_M)
         qm = offs < q_len
         q_pos = ctx + offs
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
+        dm = d < D
         rows = q0 + offs
-        q = tl.load(Q + rows[:, None] * sq_n + h * sq_h + d[None, :], mask=qm[:, None], other=0.0)
+        q = tl.load(Q + rows[:, None] * sq_n + h * sq_h + d[None, :], mask=qm[:, None] & dm[None, :], other=0.0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, DP], tl.float32)
         kv_end = ctx + tl.minimum(m0 + BLOCK_M, q_len)
         bt_row = BT + b.to(tl.int64) * sbt_b
         for n0 in range(0, kv_end, BLOCK_N):
@@ -177,8 +183,8 @@ def _prefill_kernel(Q, K, V, BT, CU, STARTS, O,
             pm = pos < kv_end
             blk = tl.load(bt_row + pos // BS, mask=pm, other=0).to(tl.int64)
             off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
-            k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None], other=0.0)
-            v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None], other=0.0)
+            k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+            v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -196,7 +202,8 @@ def _prefill_kernel(Q, K, V, BT, CU, STARTS, O,
             acc = acc * alpha[:, None] + pv
             m = m_new
         out = acc / l[:, None]
-        tl.store(O + rows[:, None] * so_n + h * so_h + d[None, :], out.to(O.dtype.element_ty), mask=qm[:, None])
+        tl.store(O + rows[:, None] * so_n + h * so_h + d[None, :], out.to(O.dtype.element_ty),
+                 mask=qm[:, None] & dm[None, :])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
@@ -215,7 +222,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         q, k_pool, v_pool, block_table, cu_seqlens, starts, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E,
-        REP=n_heads // n_kv, D=head_dim, BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        REP=n_heads // n_kv, D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size, BLOCK_M=block_m,
+        BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out
 
@@ -223,15 +231,16 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 @triton.jit
 def _rope_store_kernel(Q, K, V, COS, SIN, POS, SLOT, VALID, BT, KP, VP, QO,
                        sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, scos, sbt_b, sp_blk, sp_pos, sp_h, sqo_n, sqo_h,
-                       H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr,
+                       H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BS: tl.constexpr,
                        H_P: tl.constexpr, KV_P: tl.constexpr, HAS_VALID: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + n)
-    j = tl.arange(0, HALF)
-    c = tl.load(COS + pos * scos + j)[None, :]
-    s = tl.load(SIN + pos * scos + j)[None, :]
+    j = tl.arange(0, HALF_P)
+    jm = j < HALF
+    c = tl.load(COS + pos * scos + j, mask=jm, other=0.0)[None, :]
+    s = tl.load(SIN + pos * scos + j, mask=jm, other=0.0)[None, :]
     hq = tl.arange(0, H_P)
-    qmask = (hq < H)[:, None]
+    qmask = (hq < H)[:, None] & jm[None, :]
     qp = Q + n * sq_n + hq[:, None] * sq_h + j[None, :]
     x1 = tl.load(qp, mask=qmask, other=0.0).to(tl.float32)
     x2 = tl.load(qp + HALF, mask=qmask, other=0.0).to(tl.float32)
@@ -243,7 +252,7 @@ def _rope_store_kernel(Q, K, V, COS, SIN, POS, SLOT, VALID, BT, KP, VP, QO,
         keep = tl.load(VALID + n) != 0
     if keep:
         hk = tl.arange(0, KV_P)
-        kmask = (hk < KV)[:, None]
+        kmask = (hk < KV)[:, None] & jm[None, :]
         kp = K + n * sk_n + hk[:, None] * sk_h + j[None, :]
         y1 = tl.load(kp, mask=kmask, other=0.0).to(tl.float32)
         y2 = tl.load(kp + HALF, mask=kmask, other=0.0).to(tl.float32)
@@ -271,6 +280,6 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         q, k, v, cos, sin, pos, slot_of, valid if valid is not None else pos, block_table, k_pool, v_pool, q_rot,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         block_table.stride(0), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), q_rot.stride(0),
-        q_rot.stride(1), H=n_heads, KV=n_kv, HALF=head_dim // 2, BS=k_pool.shape[1], H_P=next_pow2(n_heads),
+        q_rot.stride(1), H=n_heads, KV=n_kv, HALF=head_dim // 2, HALF_P=next_pow2(head_dim // 2), BS=k_pool.shape[1], H_P=next_pow2(n_heads),
         KV_P=next_pow2(n_kv), HAS_VALID=valid is not None, num_warps=4)
     return q_rot
