@@ -165,12 +165,11 @@ class Server:
         side = self.memory.stream
         if side is None:
             return self.memory.prepare_ragged(ids, cu, slots=torch.tensor(slots))
-        main = torch.cuda.current_stream(self.device)
-        side.wait_stream(main)      # the slots' histories were reset on the caller's stream
+        side.wait_stream(torch.cuda.current_stream(self.device))   # histories were reset on the caller's stream
         with torch.cuda.stream(side):
-            prepared = self.memory.prepare_ragged(ids, cu, slots=torch.tensor(slots))
-        main.wait_stream(side)      # the row ids (hashing is short; the lookups run on)
-        return prepared
+            # The forward needs no row id on the device (rows come fetched): the caller's stream
+            # waits for each layer's lookup at that layer only, which follows the hash.
+            return self.memory.prepare_ragged(ids, cu, slots=torch.tensor(slots))
 
     def stage(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host copy, device copy) of each prompt: the host copy is what the memory hashes beside
@@ -206,6 +205,8 @@ class Server:
             logits = prefill_packed(self.model, self.cache, [slots[i] for i in members],
                                     [prompts[i][1] for i in members], prepared=prepared)
             out[torch.tensor(members, device=self.device), 0] = logits.argmax(-1)
+        if self.memory is not None and self.memory.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.memory.stream)   # histories, for decode
         t_prefill = timer.lap()
         ids = out[:, 0]
         for t in range(1, gen):
