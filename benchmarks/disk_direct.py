@@ -192,12 +192,13 @@ def probe_rate(path: Path, nbytes: int, threads: int, n: int, gen: torch.Generat
 class Tier:
     """The disk tier as EngramMemory builds it (direct reader, DRAM cache), read by a LookupEngine."""
 
-    def __init__(self, path: Path, rows: int, cache_gib: float, device: str):
+    def __init__(self, path: Path, rows: int, cache_gib: float, device: str, threads: int | None = None):
         with warnings.catch_warnings():   # a read-only map; nothing writes through it
             warnings.simplefilter("ignore", UserWarning)
             mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, ROW_BYTES)))
         self.store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False, name="bench disk")
-        self.store.direct_reader = DirectRowReader(path, 0, ROW_BYTES, rows)
+        reader_kw = {} if threads is None else {"threads": threads}    # default: the tier's own
+        self.store.direct_reader = DirectRowReader(path, 0, ROW_BYTES, rows, **reader_kw)
         self.cache = self.store.attach_dram_cache(int(cache_gib * 2**30)) if cache_gib > 0 else None
         self.device = device
         self.engine = None
@@ -258,6 +259,8 @@ def main() -> None:
     ap.add_argument("--cache-gib", type=float, default=4.0, help="the tier's DRAM row cache")
     ap.add_argument("--probe-threads", type=int, nargs="*", default=[16, 64], help="probe thread counts besides the tier's")
     ap.add_argument("--probe-reads", type=int, default=100_000)
+    ap.add_argument("--probe-after", action="store_true", help="probe again at the tier's threads after the cold batches")
+    ap.add_argument("--threads", type=int, default=None, help="the tier's reader threads (default: DirectRowReader's)")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--cold-batches", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, nargs="*", default=[1, 16, 256])
@@ -308,7 +311,7 @@ def main() -> None:
     result["before_reads"] = {**meminfo(), "file_resident": resident_fraction(path), "rss_gib": rss_gib()}
     log("before reads", result["before_reads"])
 
-    tier = Tier(path, rows_total, args.cache_gib, args.device)
+    tier = Tier(path, rows_total, args.cache_gib, args.device, args.threads)
     threads = tier.store.direct_reader.threads
     result["tier"] = {"threads": threads, "dram_cache_gib": args.cache_gib,
                       "dram_cache_rows": tier.cache.capacity_rows if tier.cache is not None else 0,
@@ -337,6 +340,9 @@ def main() -> None:
     result["cold"] = {"batches": cold, "rows_per_s": rate, "vs_probe": rate / probes[0]["reads_per_s"],
                       "check": check_sample(tier, path, ids, rows, template, gen, args.sample)}
     log("cold", {k: v for k, v in result["cold"].items() if k != "batches"})
+    if args.probe_after:
+        result["probe_after"] = probe_rate(path, nbytes, threads, args.probe_reads, gen)
+        log("probe after", result["probe_after"])
     save()
 
     # Decode-sized lookups: cold (fresh ids, first use of each size warmed on other ids) and warm (DRAM hits).
@@ -361,7 +367,7 @@ def main() -> None:
         tier.cache.reset_stats()
     steady, t_start = [], time.perf_counter()
     for s in range(0, text_ids.shape[0] - args.batch_tokens + 1, args.batch_tokens):
-        if time.perf_counter() - t_start > args.steady_s:
+        if time.perf_counter() - t_start > args.steady_s or args.steady_s <= 0:
             break
         ids = text_ids[s:s + args.batch_tokens]
         before = tier.cache_counts()
@@ -372,6 +378,13 @@ def main() -> None:
                        "hit_rate": hits / max(1, probed), "disk_rows": probed - hits, "ms": seconds * 1e3,
                        "disk_rows_per_s": (probed - hits) / seconds, "tokens_per_s": args.batch_tokens / seconds})
         log("steady", steady[-1])
+    if not steady:
+        result["after_reads"] = {**meminfo(), "file_resident": resident_fraction(path), "rss_gib": rss_gib()}
+        tier.close()
+        save()
+        if not args.keep:
+            path.unlink()
+        return
     last = steady[-5:]
     filled = int((tier.cache.keys >= 0).sum()) if tier.cache is not None else 0
     result["steady"] = {
