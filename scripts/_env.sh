@@ -12,7 +12,12 @@ if ! python -c "import torch" 2>/dev/null; then
   # 2.13.0 is the CPU wheel this workplace keeps on disk; elsewhere fall back to any torch.
   python -m pip install -q "torch==2.13.0" 2>/dev/null || python -m pip install -q "torch>=2.4"
 fi
-if [ ! -f "$VENV/.condmem-installed" ] || [ pyproject.toml -nt "$VENV/.condmem-installed" ]; then
+# Reinstalled when the build changes: that also rebuilds the native extension (setup.py).
+stale=0
+for f in pyproject.toml setup.py src/condmem/native/gather.c; do
+  if [ ! -f "$VENV/.condmem-installed" ] || [ "$f" -nt "$VENV/.condmem-installed" ]; then stale=1; fi
+done
+if [ "$stale" = 1 ]; then
   python -m pip install -q -e ".[${CONDMEM_EXTRAS:-dev}]"
   touch "$VENV/.condmem-installed"
 fi

@@ -1,7 +1,7 @@
 """Probe: what bounds the CPU row gather of the host tier on this machine (GPU machine; run by
 ``scripts/gpu_cpu_gather_probe.sh``).
 
-The lookup engine's CPU share is gathered by `condmem.tables.native_gather` (OpenMP, software
+The lookup engine's CPU share is gathered by `condmem.native` (gather.c: OpenMP, software
 prefetch a fixed distance ahead). On the H200 it reaches ~60-70M rows/s beside the DMAs; the
 issue's targets need ~2x that. This probe measures, on a 64 GiB page-locked table of 264 B
 rows, the gather's rate against: the span of the ids (address translation: a rate that
@@ -324,7 +324,8 @@ def main() -> None:
         def staged(k, chunk, native=True, ring=4, threads=15):
             key = (chunk, native, ring)
             if key not in senders:
-                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring, native=native)
+                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring)
+                senders[key].native = senders[key].native and native   # False: the torch loop
             sender, ids = senders[key], fresh(k)
 
             def go():

@@ -1,7 +1,8 @@
 """The staged send (CPU gather into a ring of pinned chunks, each sent to the device): every
 row lands exactly where it belongs, the ring is walked in order, a failed runtime call stops
 the send and is reported. On the CPU, the native routine runs with host stand-ins for the
-CUDA runtime calls; on a GPU, `StagedSender` is checked against a plain gather, both paths."""
+CUDA runtime calls (tests/native_stand_ins.c); on a GPU, `StagedSender` is checked against a
+plain gather, both paths, with the CUDA runtime torch loaded."""
 
 from __future__ import annotations
 
@@ -11,24 +12,29 @@ import itertools
 import pytest
 import torch
 
-from condmem.tables import native_gather
+from condmem import native
 from condmem.tables.storage import LayerStore
+from native_stand_ins import stand_ins
 
-needs_native = pytest.mark.skipif(not native_gather.available(), reason="no C compiler: no native routine")
+needs_native = pytest.mark.skipif(not native.available() or stand_ins() is None,
+                                  reason=f"no native build ({native.build().reason}) or no C compiler for the stand-ins")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("n", [1, 1000, 70001])
-def test_gpu_staged_send_equals_a_plain_gather(native, n):
+def test_gpu_staged_send_equals_a_plain_gather(path, n, monkeypatch):
     from condmem.tables.staged_transfer import StagedSender
 
     gen = torch.Generator().manual_seed(n)
     table = torch.randint(0, 256, (100_000, 264), dtype=torch.uint8, generator=gen).pin_memory()
     store = LayerStore("host", "fp8_interleaved", 256, table)
-    sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3, native=native)
-    if native and not sender.native:
-        pytest.skip("native staged send unavailable here")
+    if path == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
+    sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3)
+    assert sender.uses_native(store) == (path == "native" and sender.native)
+    if path == "native" and not sender.native:
+        pytest.skip(f"native staged send unavailable here: {native.build().reason or 'no CUDA runtime found'}")
     stream = torch.cuda.Stream()
     for round_ in range(3):                         # the ring carries over between sends
         ids = torch.randint(0, 100_000, (n,), generator=gen)
@@ -51,16 +57,25 @@ def test_sender_checks_its_destination():
                     torch.cuda.current_stream(), threads=1)
 
 
-def test_the_cuda_runtime_picked_is_torchs_own():
-    from condmem.tables.staged_transfer import pick_cuda_runtime
+def test_the_cuda_runtime_is_named_by_torchs_cuda_version():
+    assert native.cudart_soname("12.8") == "libcudart.so.12"
+    assert native.cudart_soname("13.0") == "libcudart.so.13"
+    assert native.cudart_soname(None) is None                      # a CPU-only torch
+    if not torch.cuda.is_available():
+        assert native.cuda_runtime() is None
 
-    maps = ("7f00-7f01 r-xp 0 00:00 1 /opt/a/nvidia/cu12/lib/libcudart.so.12\n"
-            "7f02-7f03 r-xp 0 00:00 2 /opt/a/nvidia/cu13/lib/libcudart.so.13\n"
-            "7f04-7f05 r-xp 0 00:00 3 /usr/lib/libc.so.6\n")
-    assert pick_cuda_runtime(maps, "13.0").endswith("cu13/lib/libcudart.so.13")
-    assert pick_cuda_runtime(maps, "12.8").endswith("cu12/lib/libcudart.so.12")
-    assert pick_cuda_runtime(maps, None).endswith("libcudart.so.12")      # none matches: the first
-    assert pick_cuda_runtime("7f04-7f05 r-xp 0 00:00 3 /usr/lib/libc.so.6\n", "13.0") is None
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_runtime_found_is_the_one_torch_uses():
+    """Its cudaEventQuery answers for torch's events: the same runtime and context."""
+    runtime = native.cuda_runtime()
+    assert runtime is not None, f"CUDA runtime {native.cudart_soname(torch.version.cuda)} not found"
+    query = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(runtime.event_query)
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+    assert query(event.cuda_event) == 0
+    assert runtime.error_string(600) == "device not ready"
 
 
 @needs_native
@@ -69,13 +84,11 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch):
     runtime (the ring, the timeline, the error message), so CI covers its argument list."""
     from types import SimpleNamespace
 
-    from condmem.tables import staged_transfer
     from condmem.tables.staged_transfer import StagedSender
 
-    fn = native_gather.runtime_stand_ins()
-    runtime = SimpleNamespace(cudaGetErrorString=lambda code: f"stand-in error {code}".encode())
-    monkeypatch.setattr(staged_transfer, "cuda_runtime_calls",
-                        lambda: (runtime, fn["memcpy"], fn["record"], fn["query"]))
+    _, fn = stand_ins()
+    runtime = native.CudaRuntime(fn["memcpy"], fn["record"], fn["query"], lambda code: f"stand-in error {code}")
+    monkeypatch.setattr(native, "cuda_runtime", lambda: runtime)
     sender = object.__new__(StagedSender)          # no CUDA here: the fields __init__ would set
     sender.row_bytes, sender.chunk_rows, sender.record_timeline, sender.last_timeline = 264, 5, True, None
     sender.buffers = [torch.zeros((5, 264), dtype=torch.uint8) for _ in range(3)]
@@ -105,13 +118,13 @@ def _stream_on_host(table, ids, chunk_rows, ring_len, start, threads, delay=0, f
     carried out only when a query first reports its event done, after `delay` "not ready"
     answers), then finish the copies still queued; (dst, return code, sends, event counters).
     Chunks of `bounds` (default: `chunk_rows` each); `wait`: the stand-in for cudaEventQuery."""
-    lib = native_gather._load()
+    lib = native.library()
+    stand_in_lib, fn = stand_ins()
     row_bytes, n = table.shape[1], ids.numel()
     ring = [torch.full((chunk_rows, row_bytes), 0xCD, dtype=torch.uint8) for _ in range(ring_len)]
     events = [torch.tensor([0, 0, 0, 0, 0, 0, delay], dtype=torch.int64) for _ in range(ring_len)]
     stream = torch.tensor([0, fail_at, 0, 0, 0], dtype=torch.int64)
     dst = torch.full((n, row_bytes), 0xAB, dtype=torch.uint8)       # poisoned
-    fn = native_gather.runtime_stand_ins()
     bounds = torch.tensor(bounds or [*range(0, n, chunk_rows), n], dtype=torch.int64)
     err = lib.condmem_gather_stream(
         table.data_ptr(), row_bytes, ids.data_ptr(), (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring)),
@@ -120,7 +133,7 @@ def _stream_on_host(table, ids, chunk_rows, ring_len, start, threads, delay=0, f
         fn[wait], threads, None if timeline is None else timeline.data_ptr())
     for e in events:                      # the copies still in flight when the call returned
         e[2] = 0
-        lib.condmem_test_query(ctypes.c_void_p(e.data_ptr()))
+        stand_in_lib.condmem_test_query(ctypes.c_void_p(e.data_ptr()))
     return dst, err, int(stream[0]), torch.stack(events)
 
 

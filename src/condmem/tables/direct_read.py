@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from condmem.tables.native_gather import native_pread_rows
+from condmem.native import pread_rows as native_pread_rows
 from condmem.tables.storage import StorageError
 
 BLOCK = 4096

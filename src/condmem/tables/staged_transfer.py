@@ -5,32 +5,27 @@ the device on a copy stream as soon as it is whole, while the threads gather the
 
 Two ways to run it, same result (the rows land in order at the destination):
 
-* **native** (the default where a C compiler and the CUDA runtime library are found): one
-  call into `native_gather` (`condmem_gather_stream`): OpenMP threads stream 64-row pieces
-  into the ring with no barriers, and the calling thread queues each chunk's
-  ``cudaMemcpyAsync`` as soon as the chunk is whole (~5 us a call, where a ``Tensor.copy_``
-  cost ~30 us) and frees ring buffers by polling their events. Chunks ramp up from
-  `TAIL_CHUNK_ROWS` to the chunk size and back (`chunk_bounds`). On the H200 host it sends
-  a text batch's ~105K missed rows in ~1.0 ms, about half the time of the loop below
+* **native** (where `condmem.native` is available and the CUDA runtime torch loaded is
+  found): one call into ``condmem_gather_stream`` (``native/gather.c``): OpenMP threads
+  stream 64-row pieces into the ring with no barriers, and the calling thread queues each
+  chunk's ``cudaMemcpyAsync`` as soon as the chunk is whole (~5 us a call, where a
+  ``Tensor.copy_`` cost ~30 us) and frees ring buffers by polling their events. Chunks ramp
+  up from `TAIL_CHUNK_ROWS` to the chunk size and back (`chunk_bounds`). On the H200 host it
+  sends a text batch's ~105K missed rows in ~1.0 ms, about half the time of the loop below
   (measurements: ``docs/lookup-engine.md``); the host's memory bandwidth (~70-90 GB/s in
   all, most of it taken by the 55 GB/s DMA) bounds it.
-* **python** (fallback; also the disk tier with a DRAM row cache in front): a loop of
+* **torch** (the fallback; also the disk tier with a DRAM row cache in front): a loop of
   `LayerStore.gather_raw` and ``Tensor.copy_(non_blocking=True)`` per chunk.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
-from pathlib import Path
 
 import torch
 
-from condmem.tables import native_gather
+from condmem import native
 from condmem.tables.storage import LayerStore
-
-log = logging.getLogger("condmem.tables")
 
 STAGING_CHUNK_ROWS = 65536
 """Default rows per staging chunk, the largest of a send's ramped chunks (H200, 393K uniform
@@ -40,39 +35,6 @@ TAIL_CHUNK_ROWS = 4096
 """Rows of a native send's first and last chunks (`chunk_bounds`): the first DMA starts
 after ~30 us of gather, and the last row gathered is followed by a ~20 us DMA, not by the
 ~0.3 ms of a full 65536-row chunk."""
-
-
-def pick_cuda_runtime(maps: str, cuda_version: str | None) -> str | None:
-    """The CUDA runtime library among a process's mappings (``/proc/self/maps`` text): the one
-    of torch's CUDA major version first, should several be loaded; None when there is none."""
-    loaded = [line.split()[-1] for line in maps.splitlines() if "/libcudart" in line]
-    major = (cuda_version or "").split(".")[0]
-    return next((p for p in loaded if major and f"libcudart.so.{major}" in p), loaded[0] if loaded else None)
-
-
-@functools.cache   # per send, so no lock once found (two threads racing here find the same library)
-def cuda_runtime_calls() -> tuple | None:
-    """(library, cudaMemcpyAsync, cudaEventRecord, cudaEventQuery addresses) of the CUDA
-    runtime this process already loaded (torch's), or None where it cannot be found.
-
-    The library is found in ``/proc/self/maps`` (Linux), so it is the very copy torch uses:
-    same context, same streams and events."""
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.init()
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    path = pick_cuda_runtime(maps, torch.version.cuda)
-    if path is None:
-        log.info("CUDA runtime library not found among the loaded ones: staged sends go through torch")
-        return None
-    lib = ctypes.CDLL(path)
-    lib.cudaGetErrorString.restype = ctypes.c_char_p
-    lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-    return (lib, *(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                   for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventQuery")))
 
 
 def chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
@@ -124,7 +86,6 @@ class StagedSender:
         device: the CUDA device the rows go to.
         chunk_rows: rows per staging chunk (a chunk is sent while the next is gathered).
         ring: chunks in the ring (each reused once its last send has finished).
-        native: use the native path when available (False: the torch loop, e.g. to compare).
         tail_rows: a native send's first and last chunk sizes, ramped up to `chunk_rows` and
             back (`chunk_bounds`; `chunk_rows`: no ramp).
 
@@ -135,7 +96,7 @@ class StagedSender:
     """
 
     def __init__(self, row_bytes: int, device: str | torch.device, chunk_rows: int = STAGING_CHUNK_ROWS,
-                 ring: int = 4, native: bool = True, tail_rows: int = TAIL_CHUNK_ROWS):
+                 ring: int = 4, tail_rows: int = TAIL_CHUNK_ROWS):
         if chunk_rows < 1 or ring < 2:
             raise ValueError(f"StagedSender needs chunk_rows >= 1 and ring >= 2, got {chunk_rows}, {ring}")
         self.row_bytes = row_bytes
@@ -156,13 +117,17 @@ class StagedSender:
         self.record_timeline = False
         """Native path: keep each send's per-chunk host timeline in `last_timeline` (diagnostics)."""
         self.last_timeline: dict | None = None
-        self.native = native and native_gather.available() and cuda_runtime_calls() is not None
+        self.native = native.available() and native.cuda_runtime() is not None
+        """True where the native send can run: `condmem.native` is loaded and the CUDA runtime
+        torch uses was found (see `uses_native` for the store's part)."""
         self._ring_ptrs = (ctypes.c_void_p * ring)(*(b.data_ptr() for b in self.buffers))
         self._event_ptrs = (ctypes.c_void_p * ring)(*(e.cuda_event for e in self.events))
 
     def uses_native(self, store: LayerStore) -> bool:
-        """True when `send` runs natively for this store (not behind a DRAM row cache)."""
-        return self.native and store.native and store.dram_cache is None
+        """True when `send` runs natively for this store: its rows are one contiguous CPU tensor
+        read in place (no DRAM row cache or O_DIRECT reader in front of them)."""
+        return (self.native and store.cpu_contiguous and store.dram_cache is None
+                and store.direct_reader is None)
 
     def send(self, store: LayerStore, ids: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream,
              threads: int) -> None:
@@ -179,32 +144,31 @@ class StagedSender:
         if n == 0:
             return
         ids = ids.contiguous()
-        native = self.uses_native(store)
+        use_native = self.uses_native(store)
         # Native: chunks of `chunk_bounds` sizes; the torch loop: fixed chunks of `chunk_rows`.
-        bounds = chunk_bounds(n, self.chunk_rows, self.tail_rows) if native else None
-        n_chunks = len(bounds) - 1 if native else -(-n // self.chunk_rows)
+        bounds = chunk_bounds(n, self.chunk_rows, self.tail_rows) if use_native else None
+        n_chunks = len(bounds) - 1 if use_native else -(-n // self.chunk_rows)
         start, self._next = self._next, (self._next + n_chunks) % len(self.buffers)
         with torch.cuda.device(self.device):   # the runtime calls act on the current device
-            if native:
+            if use_native:
                 self._send_native(store, ids, dst, stream, threads, start, bounds)
             else:
                 self._send_torch(store, ids, dst, stream, threads, start)
 
     def _send_native(self, store, ids, dst, stream, threads, start, bounds: list[int]) -> None:
-        runtime, memcpy_async, record, query = cuda_runtime_calls()
-        lib = native_gather._load()
+        runtime, lib = native.cuda_runtime(), native.library()
         bounds_t = torch.tensor(bounds, dtype=torch.int64)
         timeline = torch.zeros(3 * len(bounds) - 2, dtype=torch.int64) if self.record_timeline else None
         err = lib.condmem_gather_stream(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), self._ring_ptrs,
                                         self._event_ptrs, len(self.buffers), start, bounds_t.data_ptr(),
-                                        len(bounds) - 1, dst.data_ptr(), stream.cuda_stream, memcpy_async,
-                                        record, query, int(threads),
+                                        len(bounds) - 1, dst.data_ptr(), stream.cuda_stream, runtime.memcpy_async,
+                                        runtime.event_record, runtime.event_query, int(threads),
                                         None if timeline is None else timeline.data_ptr())
         if timeline is not None:
             self.last_timeline = chunk_times(timeline)
         if err:
-            message = runtime.cudaGetErrorString(err).decode(errors="replace")
-            raise RuntimeError(f"staged send of {ids.numel()} rows failed: CUDA error {err} ({message})")
+            raise RuntimeError(f"staged send of {ids.numel()} rows failed: CUDA error {err} "
+                               f"({runtime.error_string(err)})")
 
     def _send_torch(self, store, ids, dst, stream, threads, start) -> None:
         for c, s in enumerate(range(0, ids.numel(), self.chunk_rows)):

@@ -33,8 +33,8 @@ from typing import Literal
 
 import torch
 
+from condmem import native
 from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, collapse_huge_pages, report_coverage
-from condmem.tables.native_gather import native_gather_rows
 from condmem.fp8 import pack_rows
 from condmem.tables.row_cache import RowCache
 from condmem.tables.safetensors_io import release_pages
@@ -96,8 +96,6 @@ class LayerStore:
         self._split = split
         self._buffer = buffer
         self.dram_cache: RowCache | None = None
-        self.native = raw is not None and raw.device.type == "cpu" and raw.is_contiguous()
-        """Use the native CPU gather (set False to force torch.index_select, e.g. to compare)."""
         self._direct_reader = None
 
     @property
@@ -107,6 +105,11 @@ class LayerStore:
     @property
     def row_bytes(self) -> int:
         return 2 * self.head_dim if self.format == "bf16" else self.head_dim + self.head_dim // 32
+
+    @property
+    def cpu_contiguous(self) -> bool:
+        """True when `raw` is one contiguous CPU tensor: what the native gather and send read."""
+        return self.raw is not None and self.raw.device.type == "cpu" and self.raw.is_contiguous()
 
     @property
     def device(self) -> torch.device:
@@ -135,10 +138,6 @@ class LayerStore:
         if reader is not None and self.tier != "disk":
             raise StorageError(f"a direct reader serves the disk tier; this store is {self.tier}")
         self._direct_reader = reader
-        if reader is not None:
-            # The lookup engine's staged send gathers natively from the mapping when `native`
-            # is set: through the page cache, past the direct reader.
-            self.native = False
 
     def attach_dram_cache(self, capacity_bytes: int, ways: int = 16) -> RowCache:
         """Put a DRAM `RowCache` in front of a disk store: the middle level of HBM -> DRAM -> disk.
@@ -154,8 +153,9 @@ class LayerStore:
     def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """Raw rows at `ids` (on the store's device), into `out` when given ([n, row_bytes] uint8).
 
-        On the CPU the native prefetching gather is used when it is available; a disk store
-        with a DRAM cache serves hits from it.
+        On the CPU the native prefetching gather (`condmem.native`) is used when it is
+        available, ``torch.index_select`` otherwise; a disk store with a DRAM cache serves hits
+        from it.
         """
         if self.dram_cache is not None and ids.numel():
             return self._gather_through_cache(ids, out, threads)
@@ -192,8 +192,8 @@ class LayerStore:
             if self.raw.device.type == "cpu" and ids.numel():
                 if out is None:
                     out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8)
-                if self.native and native_gather_rows(self.raw, ids, out, threads) is not None:
-                    return out
+                if self.cpu_contiguous and native.available():
+                    return native.gather_rows(self.raw, ids, out, threads)
             if out is None:
                 return self.raw.index_select(0, ids)
             return torch.index_select(self.raw, 0, ids, out=out)

@@ -1,0 +1,209 @@
+"""condmem's native CPU code (``gather.c``): the prefetching row gather, the staged send and
+O_DIRECT row reads, called through ctypes (which releases the GIL during each call).
+
+`available()` says whether it is loaded; `gather_path()` names the CPU gather that runs.
+Without it CPU gathers fall back to ``torch.index_select`` and staged sends to a Python
+loop, announced once by a warning with the measured cost (`FALLBACK_COST`).
+
+The library is the extension built at install time (``setup.py``: `toolchain.MODULE`). Where
+there is none (a source tree on ``PYTHONPATH``, or an install whose build failed) or it was
+built from another ``gather.c``, a development build is compiled from ``gather.c`` with the
+same flags into ``$CONDMEM_CACHE_DIR/native`` (`toolchain.development_build`). ``CONDMEM_NATIVE=0``
+turns the native code off, to compare against the fallback.
+
+Thread-safety: the first call loads the library under a lock; every function may then be
+called from any thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from condmem.native import toolchain
+from condmem.native.cudart import CudaRuntime, cuda_runtime, cudart_soname
+
+__all__ = ["Build", "CudaRuntime", "FALLBACK_COST", "available", "build", "cuda_runtime", "cudart_soname",
+           "gather_path", "gather_rows", "library", "pread_rows"]
+
+log = logging.getLogger("condmem.native")
+
+FALLBACK_COST = ("measured on the H200's host: a text batch's staged send of 105K rows 2.0 ms instead of 1.0 ms, "
+                 "the bare gather 1.3x slower (docs/lookup-engine.md, benchmarks/results/lookup_disk_8gib.log)")
+"""What the fallback costs, said by the warning when the native code is unavailable."""
+
+
+@dataclass(frozen=True)
+class Build:
+    """Which native library the loader uses.
+
+    Attributes:
+        kind: ``installed`` (the extension built at install time), ``development`` (compiled
+            from ``gather.c`` by the loader) or ``none`` (unavailable: the torch fallback runs).
+        path: the loaded shared library, or None.
+        reason: why the installed build is not the one used ("" when it is).
+    """
+
+    kind: Literal["installed", "development", "none"]
+    path: str | None
+    reason: str
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_build: Build | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("CONDMEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "condmem")
+    return Path(root) / "native"
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Argument and result types of gather.c's entry points."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.condmem_source_digest.argtypes, lib.condmem_source_digest.restype = [], ctypes.c_char_p
+    lib.condmem_gather_rows.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.condmem_gather_rows.restype = None
+    lib.condmem_gather_stream.argtypes = [
+        ptr, i64, ptr,                            # src, row_bytes, ids
+        ptr, ptr, ctypes.c_int, ctypes.c_int,     # ring, events, ring_len, ring_start
+        ptr, i64, ptr, ptr,                       # bounds, n_chunks, dst, stream
+        ptr, ptr, ptr, ctypes.c_int,              # memcpy_async, record, query, threads
+        ptr]                                      # timeline (or None)
+    lib.condmem_gather_stream.restype = ctypes.c_int
+    lib.condmem_pread_rows.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.condmem_pread_rows.restype = i64
+    return lib
+
+
+def _open(path: str) -> ctypes.CDLL:
+    """Load and declare the library at `path`; OSError (or AttributeError: an entry point is
+    missing) when it cannot serve, ValueError when it was built from another gather.c."""
+    lib = _declare(ctypes.CDLL(path))
+    if toolchain.SOURCE.exists():          # the source ships with the package; compare with it
+        got, want = lib.condmem_source_digest().decode(), toolchain.source_digest()
+        if got != want:
+            raise ValueError(f"built from another gather.c (digest {got}, source {want}): "
+                             "rebuild with `pip install -e .`")
+    return lib
+
+
+def _installed() -> tuple[ctypes.CDLL | None, str | None, str]:
+    """The installed extension: (library, path, "") or (None, path or None, why not)."""
+    try:
+        spec = importlib.util.find_spec(toolchain.MODULE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        return None, None, (f"no installed build ({toolchain.MODULE} not found: running from a source tree, "
+                            "or the compile failed at install)")
+    try:
+        return _open(spec.origin), spec.origin, ""
+    except (OSError, AttributeError, ValueError) as exc:
+        return None, spec.origin, f"installed build {spec.origin} unusable: {exc}"
+
+
+def _load() -> ctypes.CDLL | None:
+    """The loaded library, or None (found or built on the first call; later calls take no
+    lock: every native gather and send calls this)."""
+    global _lib, _build
+    if _build is not None:
+        return _lib
+    with _lock:
+        if _build is None:
+            _lib, found = _find()
+            _build = found      # set after _lib: a caller that sees it sees the library too
+    return _lib
+
+
+def _find() -> tuple[ctypes.CDLL | None, Build]:
+    if os.environ.get("CONDMEM_NATIVE", "1") == "0":
+        reason = "turned off by CONDMEM_NATIVE=0"
+        log.warning("native CPU code %s: CPU gathers use torch.index_select and staged sends a Python loop "
+                    "(%s)", reason, FALLBACK_COST)
+        return None, Build("none", None, reason)
+    lib, path, reason = _installed()
+    if lib is not None:
+        log.debug("native CPU code: the installed build %s", path)
+        return lib, Build("installed", path, "")
+    try:
+        path = str(toolchain.development_build(_cache_dir()))
+        lib = _open(path)
+    except (toolchain.BuildError, OSError, AttributeError, ValueError) as exc:
+        log.warning("NATIVE CPU CODE UNAVAILABLE: %s; a development build failed too (%s). CPU gathers use "
+                    "torch.index_select and staged sends a Python loop, slower: %s. Install a C compiler with "
+                    "OpenMP (gcc) and reinstall condmem (`pip install -e .`).", reason, exc, FALLBACK_COST)
+        return None, Build("none", None, f"{reason}; development build: {exc}")
+    log.info("native CPU code: %s; using a development build of gather.c at %s", reason, path)
+    return lib, Build("development", path, reason)
+
+
+def available() -> bool:
+    """True when the native library is loaded (installed or development build)."""
+    return _load() is not None
+
+
+def build() -> Build:
+    """Which library the loader uses, and why not the installed one (loads it first)."""
+    _load()
+    return _build
+
+
+def gather_path() -> Literal["native", "torch"]:
+    """The CPU gather that runs: ``native`` (gather.c) or ``torch`` (``index_select``, the fallback)."""
+    return "native" if available() else "torch"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded ctypes library (its entry points declared), or None: for `StagedSender`."""
+    return _load()
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
+                threads: int | None = None) -> torch.Tensor | None:
+    """Rows ``table[ids]`` into `out`; None when the native code is unavailable (nothing written).
+
+    Args:
+        table: uint8 [rows, row_bytes], contiguous, on the CPU (any memory: pinned, mmap'd, plain).
+        ids: int64 on the CPU, every one in range: they are not checked here (callers check).
+        out: contiguous uint8 [ids.numel(), row_bytes].
+        threads: OpenMP threads (default: torch's intra-op thread count).
+
+    Raises:
+        ValueError: `table` or `out` has the wrong dtype, shape or layout.
+    """
+    lib = _load()
+    if lib is None:
+        return None
+    if table.dtype != torch.uint8 or table.dim() != 2 or not table.is_contiguous():
+        raise ValueError("native gather needs a contiguous uint8 [rows, row_bytes] table")
+    if out.shape != (ids.numel(), table.shape[1]) or not out.is_contiguous() or out.dtype != torch.uint8:
+        raise ValueError(f"out must be contiguous uint8 [{ids.numel()}, {table.shape[1]}]")
+    ids = ids.contiguous().to(torch.int64)
+    n = ids.numel()
+    if n:
+        lib.condmem_gather_rows(table.data_ptr(), table.shape[1], ids.data_ptr(), n, out.data_ptr(),
+                                int(threads or torch.get_num_threads()))
+    return out
+
+
+def pread_rows(fd: int, offset: int, row_bytes: int, ids: torch.Tensor, out: torch.Tensor,
+               threads: int) -> int | None:
+    """Rows ``ids`` of `row_bytes` at file offset ``offset + id * row_bytes`` of `fd` (opened with
+    O_DIRECT) into `out` (contiguous uint8 [n, row_bytes]), `threads` reads in flight.
+    Returns 0, -errno of the first failed read (-EIO past the end of the file), or None when
+    the native code is unavailable. `ids`: contiguous int64 on the CPU."""
+    lib = _load()
+    if lib is None:
+        return None
+    return int(lib.condmem_pread_rows(fd, offset, row_bytes, ids.data_ptr(), ids.numel(), out.data_ptr(), threads))
