@@ -136,9 +136,9 @@ def probe_pin(device: torch.device, threads: int, gib: float) -> dict:
     seconds: dict = {}
     n = int(gib * GiB) // 4
     t, buf = _host_tensor((n,), torch.float32, device.type == "cuda", _fill_zero(threads), seconds)
+    del t   # before close(): a live view keeps the mapping
     if buf is not None:
         buf.close()
-    del t
     return {"gib": gib, "fill_gib_s": gib / max(seconds["fill"], 1e-9),
             "pin_gib_s": gib / max(seconds.get("pin", 0.0), 1e-9) if seconds.get("pin") else None}
 
@@ -159,6 +159,8 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.set_num_threads(args.threads)
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(),
                     "command": "python benchmarks/train_host_table.py " + " ".join(sys.argv[1:]),

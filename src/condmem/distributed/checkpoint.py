@@ -132,5 +132,5 @@ def load_sharded(checkpoint: str | os.PathLike, plan: ShardPlan, rank: int, fing
     slot_of_row[rows] = torch.arange(rows.numel(), dtype=torch.int32)
     state = {"slot_of_row": slot_of_row.to(device), "exp_avg": torch.cat(avg).to(device),
              "exp_avg_sq": torch.cat(avg_sq).to(device), "row_step": torch.cat(steps).to(device),
-             "n_slots": int(rows.numel())}
+             "n_slots": int(rows.numel()), "steps": int(manifest["step"])}   # no row took more steps
     return weight, state, int(manifest["step"])

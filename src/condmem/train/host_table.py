@@ -13,18 +13,18 @@ and `HostTables` is the tables' optimizer (`set_lr`, ``step``, ``zero_grad``, ch
              forward (rows of t: gather + patch)                staging, copy to the device
              backward; coalesce each table's
              gradient per unique row; clip
-             (global norm); copy it to the host ─► Adam(t): new rows and moments; those
-             AdamW on the backbone                            step t+1 reads are sent as its
-    step t+1: rows of t+1, patched ◄──────────────            patch; then the writes to the table
+             (global norm); copy it to the host ─► Adam(t): rows also read at t+1 first,
+             AdamW on the backbone                            their new values sent as the
+    step t+1: rows of t+1, patched ◄──────────────            patch of t+1; then the rest
 
 Exact by default: gather(t+1) runs after Adam(t-1) and before Adam(t), so the only rows of
-step t+1 that it reads stale are those step t updates; Adam(t) computes their new values and
+step t+1 that it reads stale are those step t updates; Adam(t) updates those first and
 sends their new values, which replace them on the device before the Engram layer reads
 them. Step t+1 thus reads every row with every earlier update, as the HBM-resident table
 does, and the same Adam arithmetic (`adam_rows_delta`) gives rows equal to `SparseAdam`'s
 on the same device (the tests hold them ``torch.equal`` on the CPU). What the pipeline
-hides is the gather, both copies and the writes of the update into the table; what it
-cannot hide is the Adam arithmetic of step t (the device waits for the patch it yields).
+hides is the gather, both copies and the Adam of rows step t+1 does not read; what it
+cannot hide is the Adam of rows it does read (the device waits for their patch).
 
 With ``prefetch=False`` every step fetches its rows after all earlier updates are applied
 (the reference the pipelined path is tested against). Outside training (no autograd, or
@@ -147,6 +147,8 @@ class _Layer:
     """bool [rows]: True for the rows of the prefetched next step (which Adam updates first)."""
     keep: list = field(default_factory=list)
     marked: torch.Tensor | None = None
+    steps: int = 0
+    """Adam steps taken (no row has taken more)."""
     leaves: list = field(default_factory=list)
     grad: torch.Tensor | None = None
     staging: list = field(default_factory=list)
@@ -204,6 +206,8 @@ class HostTables:
             raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {state_dtype!r}")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pin = self.cuda if pin is None else pin
         self.prefetch_enabled = prefetch
         self.state_dtype = STATE_DTYPES[state_dtype]
@@ -478,27 +482,48 @@ class HostTables:
                 ids, values, copied, _ = job
                 if copied is not None:
                     copied.synchronize()
+                layer.steps += 1
+                args = (lr, beta1, beta2, eps, layer.steps)
+                if nxt is None:
+                    self._write(layer, ids, *self._update(layer, ids, values, *args))
+                    continue
+                # Rows the next step reads first: their new values are its patch. Adam treats each
+                # row alone (`adam_rows_delta`), so splitting the rows changes no bit.
                 first = layer.marker[ids]
                 if layer.marked is not None:
                     layer.marker[layer.marked] = False
                     layer.marked = None
-                # One call over all of the step's rows, as SparseAdam makes: a vectorized kernel may
-                # round a row differently at another position in the tensor (its scalar tail).
-                m = layer.exp_avg.index_select(0, ids).float()
-                v = layer.exp_avg_sq.index_select(0, ids).float()
-                t = layer.row_step.index_select(0, ids) + 1
-                new = layer.weight.index_select(0, ids) + adam_rows_delta(values.float(), m, v, t, lr, beta1, beta2, eps)
-                if nxt is not None:
-                    hot = first.nonzero().squeeze(1)
-                    nxt.patch[lid] = self._send_patch(ids[hot], new[hot]) if hot.numel() else None
-                    nxt.patch_ready[lid].set()   # the next step's wait ends here, before the writes below
-                layer.weight.index_copy_(0, ids, new)
-                layer.exp_avg.index_copy_(0, ids, m.to(layer.exp_avg.dtype))
-                layer.exp_avg_sq.index_copy_(0, ids, v.to(layer.exp_avg_sq.dtype))
-                layer.row_step.index_copy_(0, ids, t)
+                hot = first.nonzero().squeeze(1)
+                hot_ids = ids[hot]
+                hot_update = self._update(layer, hot_ids, values[hot], *args)
+                nxt.patch[lid] = self._send_patch(hot_ids, hot_update[0]) if hot.numel() else None
+                nxt.patch_ready[lid].set()   # the next step's wait ends here
+                rest = (~first).nonzero().squeeze(1)
+                rest_ids = ids[rest]
+                rest_update = self._update(layer, rest_ids, values[rest], *args)
+                self._write(layer, hot_ids, *hot_update)
+                self._write(layer, rest_ids, *rest_update)
             finally:
                 if nxt is not None and lid in nxt.patch_ready:
                     nxt.patch_ready[lid].set()   # never leave the main thread waiting, even on an error
+
+    @staticmethod
+    def _update(layer: _Layer, ids: torch.Tensor, grad: torch.Tensor, lr: float, beta1: float, beta2: float,
+                eps: float, max_step: int) -> tuple[torch.Tensor, ...]:
+        """Adam for unique rows `ids`: (new rows, moments, steps), not yet written."""
+        m = layer.exp_avg.index_select(0, ids).float()
+        v = layer.exp_avg_sq.index_select(0, ids).float()
+        t = layer.row_step.index_select(0, ids) + 1
+        new = layer.weight.index_select(0, ids) + adam_rows_delta(grad.float(), m, v, t, lr, beta1, beta2, eps, max_step)
+        return new, m, v, t
+
+    @staticmethod
+    def _write(layer: _Layer, ids: torch.Tensor, new: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+               t: torch.Tensor) -> None:
+        layer.weight.index_copy_(0, ids, new)
+        layer.exp_avg.index_copy_(0, ids, m.to(layer.exp_avg.dtype))
+        layer.exp_avg_sq.index_copy_(0, ids, v.to(layer.exp_avg_sq.dtype))
+        layer.row_step.index_copy_(0, ids, t)
 
     def _send_patch(self, ids: torch.Tensor, new: torch.Tensor):
         if not self.cuda:
@@ -555,6 +580,7 @@ class HostTables:
         self.flush()
         for lid, layer in self.layers.items():
             base = self.table_name(lid)
+            layer.steps = 0
             layer.exp_avg.zero_()
             layer.exp_avg_sq.zero_()
             layer.row_step.zero_()
@@ -569,6 +595,7 @@ class HostTables:
             layer.exp_avg.index_copy_(0, rows, tensors[f"{base}.exp_avg"][slots].to(layer.exp_avg.dtype))
             layer.exp_avg_sq.index_copy_(0, rows, tensors[f"{base}.exp_avg_sq"][slots].to(layer.exp_avg_sq.dtype))
             layer.row_step.index_copy_(0, rows, tensors[f"{base}.row_step"][slots].float())
+            layer.steps = int(layer.row_step.max()) if layer.row_step.numel() else 0
 
     def load_tables(self, tables: dict[int, torch.Tensor]) -> None:
         """Overwrite the host tables with `tables` ({layer id: [rows, head_dim]})."""

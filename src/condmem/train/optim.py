@@ -20,20 +20,39 @@ import torch
 from torch import nn
 
 
+_POWERS: dict[tuple[float, str], torch.Tensor] = {}
+
+
+def beta_powers(beta: float, n: int, device: torch.device | str) -> torch.Tensor:
+    """fp32 [> n]: ``beta ** k`` for k = 0, 1, ..., each computed in double precision and
+    rounded once. A table look-up gives every row the same bias correction wherever it sits
+    in a tensor of rows (a vectorized fp32 ``pow`` may round its scalar tail differently)."""
+    key = (float(beta), str(torch.device(device)))
+    table = _POWERS.get(key)
+    if table is None or table.numel() <= n:
+        size = max(1024, 1 << (n + 1).bit_length())
+        table = torch.tensor([beta ** k for k in range(size)], dtype=torch.float32).to(device)
+        _POWERS[key] = table
+    return table
+
+
 def adam_rows_delta(grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: torch.Tensor, lr: float, beta1: float,
-                    beta2: float, eps: float) -> torch.Tensor:
+                    beta2: float, eps: float, max_step: int) -> torch.Tensor:
     """One Adam step of k rows: updates the moments `m`, `v` (fp32 [k, dim]) in place and
     returns the change of the rows, ``-lr * update`` (fp32 [k, dim]).
 
-    `t` is fp32 [k], each row's step count including this step. `SparseAdam` and the
-    host-resident tables (`condmem.train.host_table`) both call this, so the same rows with
-    the same gradients get bit-identical updates on the same device.
+    `t` is fp32 [k], each row's step count including this step, none above `max_step`.
+    Every operation acts on each row alone, so a row's result does not depend on the other
+    rows computed with it. `SparseAdam` and the host-resident tables
+    (`condmem.train.host_table`) both call this: the same rows with the same gradients get
+    bit-identical updates on the same device.
     """
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     shape = (-1,) + (1,) * (grad.dim() - 1)
-    bias1 = (1 - beta1 ** t).view(shape)
-    bias2_sqrt = (1 - beta2 ** t).sqrt().view(shape)
+    ti = t.long()
+    bias1 = (1 - beta_powers(beta1, max_step, t.device)[ti]).view(shape)
+    bias2_sqrt = (1 - beta_powers(beta2, max_step, t.device)[ti]).sqrt().view(shape)
     # torch.optim.Adam's formula: p -= lr/bias1 * m / (sqrt(v)/sqrt(bias2) + eps)
     update = (m / bias1) / (v.sqrt() / bias2_sqrt + eps)
     return update.mul_(-lr)
@@ -65,6 +84,7 @@ class SparseAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(0, *p.shape[1:], dtype=torch.float32, device=p.device)
             state["row_step"] = torch.zeros(0, dtype=torch.float32, device=p.device)
             state["n_slots"] = 0
+            state["steps"] = 0
         return state
 
     @staticmethod
@@ -118,7 +138,9 @@ class SparseAdam(torch.optim.Optimizer):
                 m = state["exp_avg"][slots]
                 v = state["exp_avg_sq"][slots]
                 t = state["row_step"][slots] + 1
-                p.index_add_(0, rows, adam_rows_delta(grad, m, v, t, lr, beta1, beta2, eps).to(p.dtype))
+                state["steps"] = state.get("steps", 0) + 1   # no row has taken more steps than this
+                delta = adam_rows_delta(grad, m, v, t, lr, beta1, beta2, eps, state["steps"])
+                p.index_add_(0, rows, delta.to(p.dtype))
                 state["exp_avg"][slots] = m
                 state["exp_avg_sq"][slots] = v
                 state["row_step"][slots] = t
@@ -155,6 +177,7 @@ class SparseAdam(torch.optim.Optimizer):
                     "exp_avg_sq": tensors[f"{base}.exp_avg_sq"].to(p.device, torch.float32).clone(),
                     "row_step": tensors[f"{base}.row_step"].to(p.device, torch.float32).clone(),
                     "n_slots": int(tensors[f"{base}.exp_avg"].shape[0]),
+                    "steps": int(tensors[f"{base}.row_step"].max()) if tensors[f"{base}.row_step"].numel() else 0,
                 }
 
     def state_rows(self) -> int:
