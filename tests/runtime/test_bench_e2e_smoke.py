@@ -28,3 +28,25 @@ def test_backbone_twin_shares_weights_and_matches_a_model_without_engram():
     ids = torch.randint(0, model.cfg.vocab_size, (1, 9))
     again = backbone_twin(model)
     assert torch.equal(twin(ids), again(ids))
+
+
+def test_bench_e2e_smoke_with_two_engram_layers(tmp_path):
+    """The V4.1-like placement: an early and a late Engram layer, each with its own host table."""
+    rc = main(["bench", "e2e", "--smoke", "--engram-layers", "1", "3", "--e2e-variants", "host_sync", "host_prefetch",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "e2e.json").read_text().splitlines()]
+    assert all(r["engram_layers"] == [1, 3] for r in rows)
+    assert rows[-1]["tokens_equal"] is True
+
+
+def test_packing_and_the_decode_byte_count():
+    from condmem.bench.e2e import decode_bytes, pack, step_weight_bytes
+
+    assert pack([5, 3, 9, 2, 2], 8) == [[0, 1], [2], [3, 4]]
+    model, twin, _ = build_models("tiny", 0.001, 32, "cpu")
+    weights = step_weight_bytes(twin)
+    assert weights == sum(p.numel() * p.element_size() for p in twin.parameters()) - twin.embed.weight.numel() * 4
+    # Two sequences of prompts 3 and 5, 4 tokens each (3 steps): keys read 4+5+6 and 6+7+8.
+    assert decode_bytes(twin, 10, [3, 5], batch=2, gen=4) == 3 * weights + 10 * (15 + 21)
+    assert decode_bytes(twin, 10, [3, 5], batch=1, gen=4) == 6 * weights + 10 * (15 + 21)
