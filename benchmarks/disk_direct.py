@@ -199,7 +199,10 @@ class Tier:
         self.store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False, name="bench disk")
         reader_kw = {} if threads is None else {"threads": threads}    # default: the tier's own
         self.store.direct_reader = DirectRowReader(path, 0, ROW_BYTES, rows, **reader_kw)
-        self.cache = self.store.attach_dram_cache(int(cache_gib * 2**30)) if cache_gib > 0 else None
+        self.cache = None
+        if cache_gib > 0:
+            self.store = self.store.with_dram_cache(int(cache_gib * 2**30))
+            self.cache = self.store.cache
         self.device = device
         self.engine = None
         if device == "cuda":

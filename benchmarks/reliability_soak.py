@@ -34,7 +34,7 @@ from condmem.bench.harness import same_rows  # noqa: E402
 from condmem.bench.lookup_setup import HEAD_DIM, ROW_BYTES, host_store  # noqa: E402
 from condmem.ops.gather import gather_reference  # noqa: E402
 from condmem.tables.lookup import LookupEngine  # noqa: E402
-from condmem.tables.storage import LayerStore  # noqa: E402
+from condmem.tables.storage import HbmStore, LayerStore  # noqa: E402
 
 COLS = 24  # row ids per token: (N-1) x heads of DeepSeek-V4.1 (orders 2..4, 8 heads)
 
@@ -110,7 +110,7 @@ def main() -> int:
     rows = int(args.gib * 2**30) // ROW_BYTES
     t_build = time.perf_counter()
     host = host_store(rows, "mmap_register", progress=False)
-    hbm = LayerStore("hbm", "fp8_interleaved", HEAD_DIM, host.raw.to("cuda"))
+    hbm = HbmStore("fp8_interleaved", HEAD_DIM, host.raw.to("cuda"))
     build_s = time.perf_counter() - t_build
     engines = [LookupEngine(host, "cuda"), LookupEngine(host, "cuda"), LookupEngine(hbm, "cuda"),
                LookupEngine(hbm, "cuda")]

@@ -12,14 +12,14 @@ def test_what_a_failing_test_opened_is_closed(pytester):
         import torch
         from condmem.tables.host_memory import allocate_host
         from condmem.tables.lookup import LookupEngine
-        from condmem.tables.storage import LayerStore
+        from condmem.tables.storage import HostStore, LayerStore
 
         OPENED = []
 
         def test_fails_midway():
             buf = allocate_host(264 * 256, "pageable")
             raw = buf.tensor.view(-1, 264)
-            engine = LookupEngine(LayerStore("host", "fp8_interleaved", 256, raw, buffer=buf), "cpu")
+            engine = LookupEngine(HostStore("fp8_interleaved", 256, raw, buffer=buf), "cpu")
             OPENED.extend([buf, engine])
             assert False, "a test that fails before closing what it opened"
 

@@ -92,17 +92,17 @@ def test_engram_memory_on_direct_disk_reads_equals_the_host_tier(table):
     hasher = NgramHasher(layout)
     ids = torch.randint(0, 50, (3, 17), generator=torch.Generator().manual_seed(2))
     host = EngramMemory.from_table_file(path, hasher, "host", "cpu", host_alloc="pageable", progress=False)
-    disk = EngramMemory.from_table_file(path, hasher, "disk", "cpu", direct_io=True, progress=False)
-    disk.stores[1].attach_dram_cache(64 * 264)
+    disk = EngramMemory.from_table_file(path, hasher, "disk", "cpu", direct_io=True, dram_cache_bytes=64 * 264,
+                                        progress=False)
     for _ in range(2):  # the second pass hits the DRAM cache for some rows
         a, b = host.prepare(ids), disk.prepare(ids)
         for lid in layout.layer_ids:
             assert torch.equal(a.rows(lid), b.rows(lid)), lid
-    assert disk.stores[1].direct_reader is not None
+    assert disk.stores[1].inner.direct_reader is not None and disk.stores[1].cache.stats.hits > 0
     # The engine's staged send must read through the direct reader, not the mapping's native
     # gather (which fills the page cache); a mapped store keeps the native send (control).
     sender = SimpleNamespace(native=True)
-    assert not StagedSender.uses_native(sender, disk.stores[2])
+    assert not StagedSender.uses_native(sender, disk.stores[2].inner)   # the direct reader alone
     mapped = EngramMemory.from_table_file(path, hasher, "disk", "cpu", progress=False)
     assert StagedSender.uses_native(sender, mapped.stores[2])
     mapped.close()

@@ -131,16 +131,17 @@ def test_gpu_lookup_equals_plain_gather(table_files, fmt, tier, alloc, cached, c
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_interleaved", "bf16"])
 def test_disk_with_dram_cache_and_hbm_cache_levels(table_files, fmt):
     """HBM cache -> DRAM cache -> file: every level returns the same bytes as a plain gather."""
-    store, source = _place(table_files, fmt, "disk")
-    dram = store.attach_dram_cache(64 * store.row_bytes, ways=4)
+    disk, source = _place(table_files, fmt, "disk")
+    store = disk.with_dram_cache(64 * disk.row_bytes, ways=4)
+    dram = store.cache
     engine = LookupEngine(store, "cpu", cache=RowCache(16, store.row_bytes, ways=4))
     for ids in _batches(store.num_rows, seed=3, n=6):
         assert torch.equal(engine.lookup(ids).wait(), _expected(source, ids))
     assert dram.stats.hits > 0 and dram.stats.admitted > 0
     with pytest.raises(StorageError, match="outside"):
         store.gather_raw(torch.tensor([0, store.num_rows]))
-    with pytest.raises(StorageError, match="fronts the disk tier"):
-        _place(table_files, fmt, "host", host_alloc="pageable")[0].attach_dram_cache(1000)
+    assert (store.cpu_share, store.raw_in_place, store.gpu_readable) == (1.0, False, False)
+    store.close()
 
 
 @cuda_only

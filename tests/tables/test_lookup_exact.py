@@ -9,7 +9,7 @@ import torch
 from condmem.bench.harness import same_rows
 from condmem.bench.lookup_exact import LookupMismatchError, check_lookup, check_splits
 from condmem.tables.lookup import LookupConfig, LookupEngine
-from condmem.tables.storage import LayerStore
+from condmem.tables.storage import HostStore, LayerStore
 
 HEAD_DIM = 64
 
@@ -18,7 +18,7 @@ def _store(rows: int = 500, seed: int = 0) -> LayerStore:
     """Random bytes as fp8 rows + e8m0 scales: NaN codes and 0xFF scales included, as in the bench."""
     gen = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (rows, HEAD_DIM + HEAD_DIM // 32), dtype=torch.uint8, generator=gen)
-    return LayerStore("host", "fp8_interleaved", HEAD_DIM, raw)
+    return HostStore("fp8_interleaved", HEAD_DIM, raw)
 
 
 def _ids(rows: int, seed: int) -> torch.Tensor:

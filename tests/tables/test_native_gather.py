@@ -13,7 +13,7 @@ import torch
 
 from condmem import native
 from condmem.native import toolchain
-from condmem.tables.storage import LayerStore, StorageError
+from condmem.tables.storage import HostStore, StorageError
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"no native build: {native.build().reason}")
 
@@ -34,7 +34,7 @@ def test_native_gather_equals_index_select(rows, row_bytes):
 
 def test_store_gather_checks_ids_and_both_paths_agree(monkeypatch):
     table = torch.randint(0, 256, (100, 66), dtype=torch.uint8)
-    store = LayerStore("host", "fp8_interleaved", 64, table)
+    store = HostStore("fp8_interleaved", 64, table)
     ids = torch.tensor([5, 99, 0, 5])
     first = store.gather_raw(ids)                       # native where available
     monkeypatch.setattr(native, "available", lambda: False)

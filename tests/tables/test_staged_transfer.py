@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from condmem import native
-from condmem.tables.storage import LayerStore
+from condmem.tables.storage import HostStore
 from native_stand_ins import stand_ins
 
 needs_native = pytest.mark.skipif(not native.available() or stand_ins() is None,
@@ -28,7 +28,7 @@ def test_gpu_staged_send_equals_a_plain_gather(path, n, monkeypatch):
 
     gen = torch.Generator().manual_seed(n)
     table = torch.randint(0, 256, (100_000, 264), dtype=torch.uint8, generator=gen).pin_memory()
-    store = LayerStore("host", "fp8_interleaved", 256, table)
+    store = HostStore("fp8_interleaved", 256, table)
     if path == "torch":
         monkeypatch.setattr(native, "available", lambda: False)
     sender = StagedSender(264, "cuda", chunk_rows=4096, ring=3)
@@ -51,7 +51,7 @@ def test_sender_checks_its_destination():
     from condmem.tables.staged_transfer import StagedSender
 
     sender = StagedSender(264, "cuda", chunk_rows=16, ring=2)
-    store = LayerStore("host", "fp8_interleaved", 256, torch.zeros((10, 264), dtype=torch.uint8))
+    store = HostStore("fp8_interleaved", 256, torch.zeros((10, 264), dtype=torch.uint8))
     with pytest.raises(ValueError, match="dst must be contiguous"):
         sender.send(store, torch.tensor([1, 2]), torch.empty((3, 264), dtype=torch.uint8, device="cuda"),
                     torch.cuda.current_stream(), threads=1)
@@ -97,7 +97,7 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch):
     sender._event_ptrs = (ctypes.c_void_p * 3)(*(e.data_ptr() for e in events))
     gen = torch.Generator().manual_seed(5)
     table = torch.randint(0, 256, (300, 264), dtype=torch.uint8, generator=gen)
-    store = LayerStore("host", "fp8_interleaved", 256, table)
+    store = HostStore("fp8_interleaved", 256, table)
     ids = torch.randint(0, 300, (23,), generator=gen)
     counters = torch.zeros(2, dtype=torch.int64)
     dst = torch.full((23, 264), 0xAB, dtype=torch.uint8)

@@ -53,7 +53,7 @@ from condmem.bench.lookup_timing import time_lookup, time_pipelined
 from condmem.tables.lookup import LookupConfig, LookupEngine
 from condmem.tables.row_cache import RowCache
 from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS
-from condmem.tables.storage import LayerStore
+from condmem.tables.storage import HbmStore, LayerStore
 from condmem.utils.plotting import pyplot
 
 log = logging.getLogger("condmem.bench")
@@ -191,7 +191,7 @@ def run_lookup(args) -> list[dict]:
             hbm_rows = min(n_rows, int(args.hbm_gib * 2**30) // ROW_BYTES)
             raw = torch.empty((hbm_rows, ROW_BYTES), dtype=torch.uint8, device="cuda")
             fill_table(raw)
-            store = LayerStore("hbm", "fp8_interleaved", HEAD_DIM, raw)
+            store = HbmStore("fp8_interleaved", HEAD_DIM, raw)
         elif tier == "host":
             store = host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc)
         else:

@@ -54,7 +54,7 @@ def check_splits(engine: LookupEngine, store: LayerStore, ids: torch.Tensor, wha
                  fractions: tuple[float, ...] = SPLIT_FRACTIONS) -> list[float]:
     """`check_lookup` at each CPU share in `fractions` (a host store read by a GPU; otherwise the
     engine's own split only); the engine's share is restored. Returns the shares checked."""
-    if store.tier != "host" or not engine.on_gpu:
+    if store.cpu_share is not None or not engine.on_gpu:
         check_lookup(engine, store, ids, what)
         return [engine.cpu_fraction]
     saved = engine.cpu_fraction

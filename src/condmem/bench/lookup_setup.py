@@ -17,7 +17,7 @@ from condmem.config import EngramConfig
 from condmem.hashing import NgramHasher
 from condmem.layout import EngramLayout
 from condmem.tables.host_memory import HostBuffer, allocate_host, report_coverage
-from condmem.tables.storage import LayerStore
+from condmem.tables.storage import HostStore, LayerStore
 
 log = logging.getLogger("condmem.bench")
 
@@ -67,7 +67,7 @@ def host_store(rows: int, alloc: str, progress: bool = True) -> LayerStore:
              time.perf_counter() - t0 - t_fill)
     if alloc != "pageable":
         report_coverage(buffer, "bench host table")
-    return LayerStore("host", "fp8_interleaved", HEAD_DIM, raw, buffer=buffer)
+    return HostStore("fp8_interleaved", HEAD_DIM, raw, buffer=buffer)
 
 
 def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> LayerStore:
@@ -100,7 +100,7 @@ def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> Layer
     os.unlink(path)  # the mapping keeps the file alive; nothing is left behind
     store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False, name="bench disk table")
     if dram_cache_gib > 0:
-        store.attach_dram_cache(int(dram_cache_gib * 2**30))
+        store = store.with_dram_cache(int(dram_cache_gib * 2**30))
     log.info("disk table: %.1f GiB written and evicted in %.1f s; DRAM cache %.1f GiB", rows * ROW_BYTES / 2**30,
              time.perf_counter() - t0, dram_cache_gib)
     return store

@@ -131,7 +131,7 @@ class EngramMemory:
                 raise EngramMemoryError(f"layer {layer_id}: the table has {store.num_rows:,} rows, the layout "
                                         f"{expected:,}{' (this rank' + chr(39) + 's shard)' if self.sharded else ''}")
             cache = None
-            if cache_bytes and store.tier != "hbm":
+            if cache_bytes and not store.in_device_memory:
                 cache = RowCache.from_bytes(cache_bytes, store.row_bytes, ways=16, device=self.device)
             config = LookupConfig(cpu_fraction="calibrate" if cpu_fraction is None else cpu_fraction)
             self.engines[layer_id] = LookupEngine(store, self.device, cache=cache, config=config)
@@ -144,12 +144,13 @@ class EngramMemory:
     @classmethod
     def from_table_file(cls, path, hasher: NgramHasher, tier: str = "host", device: str | torch.device = "cpu", *,
                         tokenizer_fingerprint: str | None = None, host_alloc: str = "mmap_register",
-                        progress: bool = True, direct_io: bool = False, **kwargs) -> "EngramMemory":
+                        progress: bool = True, direct_io: bool = False, dram_cache_bytes: int = 0,
+                        **kwargs) -> "EngramMemory":
         """Open a table file (identity checked against the hasher's layout) and place each layer in `tier`.
 
         `direct_io` (disk tier): read rows with O_DIRECT, bypassing the page cache
-        (`condmem.tables.direct_read`); put a DRAM cache in front with
-        ``store.attach_dram_cache(bytes)``.
+        (`condmem.tables.direct_read`). `dram_cache_bytes` (disk tier): a bounded DRAM row cache
+        of this size per layer in front of the file (`LayerStore.with_dram_cache`).
         """
         if direct_io and tier != "disk":
             raise EngramMemoryError(f"direct_io reads the disk tier; tier is {tier!r}")
@@ -162,6 +163,10 @@ class EngramMemory:
         if direct_io:
             for lid, store in stores.items():
                 store.direct_reader = _direct_reader(table, lid, store, hasher, group)
+        if dram_cache_bytes:
+            if tier != "disk":
+                raise EngramMemoryError(f"a DRAM row cache fronts the disk tier; tier is {tier!r}")
+            stores = {lid: store.with_dram_cache(dram_cache_bytes) for lid, store in stores.items()}
         return cls(hasher, stores, device, **kwargs)
 
     @classmethod

@@ -6,7 +6,7 @@ and its cold reads pull ~100 KiB of read-around per row. Here each row costs the
 4 KiB blocks that hold it (two when it straddles a block edge: ~1 time in 16 for 264 B rows),
 read by `threads` native threads at once (the disk's queue depth), into buffers of their own;
 repeated ids in a batch are read once. What to keep in DRAM is the caller's choice (a
-`RowCache` in front, `LayerStore.attach_dram_cache`), bounded and predictable.
+`RowCache` in front, `LayerStore.with_dram_cache`), bounded and predictable.
 
 The file is opened again by path, so the reader checks that it is the file that was
 validated (device and inode recorded by the header), and refuses another one.

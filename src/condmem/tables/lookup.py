@@ -444,13 +444,13 @@ class LookupEngine:
                               max_programs=max_programs)
 
     def _split_fraction(self) -> float:
-        """Share of the misses the CPU gathers: none from HBM, all when the GPU cannot read the
-        store (or there is no GPU)."""
+        """Share of the misses the CPU gathers: what the store fixes (none from HBM, all when the
+        GPU cannot read it), all without a GPU, else the engine's split."""
         if not self.on_gpu:
             return 1.0
-        if self.store.tier == "hbm":
-            return 0.0
-        if not self.store.gpu_readable or as_words(self.store.raw) is None:
+        if self.store.cpu_share is not None:
+            return self.store.cpu_share
+        if as_words(self.store.raw) is None:
             return 1.0
         return self.cpu_fraction
 
@@ -546,7 +546,7 @@ class LookupEngine:
                 # Each row goes straight to its compact row (one kernel, HBM or zero-copy host);
                 # padding (row n, past compact[:n]) reads and stores nothing.
                 move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n],
-                          max_programs=ZERO_COPY_PROGRAMS if self.store.tier == "host" else None)
+                          max_programs=None if self.store.in_device_memory else ZERO_COPY_PROGRAMS)
                 batch.zero_copy_done = torch.cuda.Event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:
@@ -660,7 +660,7 @@ class LookupEngine:
                 4.9 ms vs 6.3 ms at the uniform optimum 0.7).
             refine: how many of the fastest candidates are timed a second time (0: none).
         """
-        if self.store.tier != "host" or not self.on_gpu or as_words(self.store.raw) is None:
+        if self.store.cpu_share is not None or not self.on_gpu or as_words(self.store.raw) is None:
             return self.cpu_fraction
         if sample is None:
             gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -126,8 +126,7 @@ class StagedSender:
     def uses_native(self, store: LayerStore) -> bool:
         """True when `send` runs natively for this store: its rows are one contiguous CPU tensor
         read in place (no DRAM row cache or O_DIRECT reader in front of them)."""
-        return (self.native and store.cpu_contiguous and store.dram_cache is None
-                and store.direct_reader is None)
+        return self.native and store.raw_in_place
 
     def send(self, store: LayerStore, ids: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream,
              threads: int) -> None:

@@ -1,4 +1,4 @@
-"""Storage tiers for one layer's table: HBM, page-locked host DRAM, or a memory-mapped file.
+"""Storage backends for one layer's table: HBM, page-locked host DRAM, or a file on disk.
 
 Every tier holds the rows as *raw rows*: a uint8 tensor [rows, row_bytes] in the
 table's row format, where fp8 rows are always interleaved (fp8 bytes, then the row's
@@ -9,9 +9,9 @@ them into bf16 [.., head_dim] at the end.
 * `hbm`: a CUDA tensor; gathers run at HBM speed.
 * `host`: a `HostBuffer` (see `host_memory`), page-locked so the GPU can read it
   zero-copy and DMA engines can copy from it.
-* `disk`: the table file's bytes, memory-mapped: tables larger than DRAM. The OS page
-  cache keeps recently read pages; `attach_dram_cache` adds a bounded DRAM `RowCache`
-  of rows (so HBM cache -> DRAM cache -> file is the paper's multi-level hierarchy).
+* `disk`: the table file's bytes, memory-mapped (or read with O_DIRECT): tables larger than
+  DRAM. `with_dram_cache` wraps any store in a bounded DRAM `RowCache` of rows (so HBM
+  cache -> DRAM cache -> file is the paper's multi-level hierarchy).
   The mapping is advised ``MADV_RANDOM``: a row is a few hundred bytes, and the kernel's
   default read-around turns each cold row into ~100 KiB of disk reads (measured on a
   virtual disk, 20K random rows of a 2 GiB file, page cache dropped: 79-103 KiB read per
@@ -78,25 +78,37 @@ def raw_format(fmt: str) -> str:
 
 
 class LayerStore:
-    """One layer's rows in one tier, as raw rows [rows, row_bytes] uint8.
+    """One layer's rows behind the storage interface, as raw rows [rows, row_bytes] uint8.
+
+    A backend says what it can do, and the lookup engine asks that, never the tier's name:
+
+    * `gpu_readable`: a kernel can read `raw` in place (HBM, page-locked host memory);
+    * `in_device_memory`: `raw` is the GPU's own memory (misses read at HBM speed);
+    * `cpu_share`: the share of a lookup's misses this store fixes for the CPU gather
+      (0: none, the GPU reads them all; 1: all), or None where the engine's split decides;
+    * `raw_in_place`: `gather_raw` reads `raw` itself (what the native staged send reads);
+    * `gather_raw(ids, out)`: rows into a (staging) buffer on the CPU; `close()`.
+
+    Backends: `HbmStore`, `HostStore`, `DiskStore`, and `DramCachedStore`, a DRAM row cache
+    wrapped around another store (`with_dram_cache`).
 
     Attributes:
-        tier: hbm, host or disk.
+        tier: the backend's name, for logs.
         format: "bf16" or "fp8_interleaved" (the raw-row format).
         head_dim: values per row.
-        raw: uint8 [rows, row_bytes] (None for a disk tier on a separate-scales file).
+        raw: uint8 [rows, row_bytes] (None for a disk store on a separate-scales file).
     """
 
-    def __init__(self, tier: str, fmt: str, head_dim: int, raw: torch.Tensor | None,
+    tier = "?"
+    in_device_memory = False
+
+    def __init__(self, fmt: str, head_dim: int, raw: torch.Tensor | None,
                  split: tuple[torch.Tensor, torch.Tensor] | None = None, buffer: HostBuffer | None = None):
-        self.tier = tier
         self.format = fmt
         self.head_dim = head_dim
         self.raw = raw
         self._split = split
         self._buffer = buffer
-        self.dram_cache: RowCache | None = None
-        self._direct_reader = None
 
     @property
     def num_rows(self) -> int:
@@ -108,8 +120,14 @@ class LayerStore:
 
     @property
     def cpu_contiguous(self) -> bool:
-        """True when `raw` is one contiguous CPU tensor: what the native gather and send read."""
+        """True when `raw` is one contiguous CPU tensor."""
         return self.raw is not None and self.raw.device.type == "cpu" and self.raw.is_contiguous()
+
+    @property
+    def raw_in_place(self) -> bool:
+        """True when `gather_raw` reads the contiguous CPU tensor `raw` itself (no cache or reader
+        in front of it): what the native gather and staged send read."""
+        return self.cpu_contiguous
 
     @property
     def device(self) -> torch.device:
@@ -117,12 +135,13 @@ class LayerStore:
 
     @property
     def gpu_readable(self) -> bool:
-        """True when a kernel can read `raw` directly (HBM, or page-locked host memory)."""
-        if self.raw is None:
-            return False
-        if self.tier == "hbm":
-            return True
-        return self._buffer is not None and self._buffer.pinned
+        """True when a kernel can read `raw` in place."""
+        return False
+
+    @property
+    def cpu_share(self) -> float | None:
+        """The share of a lookup's misses the CPU gathers from this store, when the store fixes it."""
+        return None if self.gpu_readable else 1.0
 
     @property
     def nbytes(self) -> int:
@@ -130,59 +149,23 @@ class LayerStore:
 
     @property
     def direct_reader(self):
-        """Disk tier: a `DirectRowReader` that reads rows with O_DIRECT instead of the mapping (or None)."""
-        return self._direct_reader
+        """A `DirectRowReader` that reads rows with O_DIRECT instead of `raw` (disk stores only)."""
+        return None
 
     @direct_reader.setter
     def direct_reader(self, reader) -> None:
-        if reader is not None and self.tier != "disk":
-            raise StorageError(f"a direct reader serves the disk tier; this store is {self.tier}")
-        self._direct_reader = reader
+        raise StorageError(f"a direct reader serves the disk tier; this store is {self.tier}")
 
-    def attach_dram_cache(self, capacity_bytes: int, ways: int = 16) -> RowCache:
-        """Put a DRAM `RowCache` in front of a disk store: the middle level of HBM -> DRAM -> disk.
-
-        Rows read from the file are admitted to it; later reads of hot rows skip the file
-        (and its page faults). Returns the cache (its `stats` count DRAM hits).
-        """
-        if self.tier != "disk":
-            raise StorageError(f"a DRAM cache fronts the disk tier; this store is {self.tier}")
-        self.dram_cache = RowCache.from_bytes(capacity_bytes, self.row_bytes, ways=ways, device="cpu")
-        return self.dram_cache
+    def with_dram_cache(self, capacity_bytes: int, ways: int = 16) -> DramCachedStore:
+        """This store behind a bounded DRAM `RowCache` (the middle level of HBM -> DRAM -> disk)."""
+        return DramCachedStore(self, capacity_bytes, ways)
 
     def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """Raw rows at `ids` (on the store's device), into `out` when given ([n, row_bytes] uint8).
 
         On the CPU the native prefetching gather (`condmem.native`) is used when it is
-        available, ``torch.index_select`` otherwise; a disk store with a DRAM cache serves hits
-        from it.
+        available, ``torch.index_select`` otherwise.
         """
-        if self.dram_cache is not None and ids.numel():
-            return self._gather_through_cache(ids, out, threads)
-        return self._gather_direct(ids, out, threads)
-
-    def _gather_through_cache(self, ids: torch.Tensor, out: torch.Tensor | None, threads: int | None) -> torch.Tensor:
-        cache = self.dram_cache
-        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        if int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_rows:
-            bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
-            raise StorageError(f"row id {bad} outside the table's 0..{self.num_rows - 1}")
-        slot = cache.probe(uniq)
-        hit = slot >= 0
-        rows = torch.empty((uniq.numel(), self.row_bytes), dtype=torch.uint8)
-        rows[hit] = cache.read(slot[hit])
-        miss = torch.nonzero(~hit).flatten()
-        if miss.numel():
-            fetched = self._gather_direct(uniq[miss], None, threads)
-            rows[miss] = fetched
-            cache.admit(uniq[miss], fetched)
-        if out is None:
-            return rows.index_select(0, inverse)
-        return torch.index_select(rows, 0, inverse, out=out)
-
-    def _gather_direct(self, ids: torch.Tensor, out: torch.Tensor | None, threads: int | None) -> torch.Tensor:
-        if self.direct_reader is not None:
-            return self.direct_reader.read(ids, out)
         if self.device.type == "cpu" and ids.numel():
             # The native gather trusts its ids; a bad one must be an error, not a stray read.
             lo, hi = int(ids.min()), int(ids.max())
@@ -206,9 +189,6 @@ class LayerStore:
         return out
 
     def close(self) -> None:
-        if self.direct_reader is not None:
-            self.direct_reader.close()
-            self.direct_reader = None
         self.raw = None
         self._split = None
         if self._buffer is not None:
@@ -216,8 +196,122 @@ class LayerStore:
             self._buffer = None
 
     def __repr__(self) -> str:
-        return (f"LayerStore({self.tier}, {self.format}, {self.num_rows:,} rows x {self.row_bytes} B = "
+        return (f"{type(self).__name__}({self.format}, {self.num_rows:,} rows x {self.row_bytes} B = "
                 f"{self.nbytes / 2**30:.2f} GiB)")
+
+
+class HbmStore(LayerStore):
+    """Rows in GPU memory: every miss is read by the gather kernel at HBM speed, none by the CPU."""
+
+    tier = "hbm"
+    in_device_memory = True
+
+    @property
+    def gpu_readable(self) -> bool:
+        return self.raw is not None
+
+    @property
+    def cpu_share(self) -> float:
+        return 0.0
+
+
+class HostStore(LayerStore):
+    """Rows in host DRAM (a `HostBuffer`); page-locked, the GPU reads them in place over PCIe
+    and the lookup engine splits misses between that and the CPU gather + DMA."""
+
+    tier = "host"
+
+    @property
+    def gpu_readable(self) -> bool:
+        return self.raw is not None and self._buffer is not None and self._buffer.pinned
+
+
+class DiskStore(LayerStore):
+    """Rows in a file, memory-mapped (``MADV_RANDOM``), or read with O_DIRECT through a
+    `DirectRowReader` (bypassing the page cache); the CPU gathers every miss."""
+
+    tier = "disk"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._direct_reader = None
+
+    @property
+    def direct_reader(self):
+        return self._direct_reader
+
+    @direct_reader.setter
+    def direct_reader(self, reader) -> None:
+        self._direct_reader = reader
+
+    @property
+    def raw_in_place(self) -> bool:
+        return self._direct_reader is None and self.cpu_contiguous
+
+    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        if self._direct_reader is not None:
+            return self._direct_reader.read(ids, out)
+        return super().gather_raw(ids, out, threads)
+
+    def close(self) -> None:
+        if self._direct_reader is not None:
+            self._direct_reader.close()
+            self._direct_reader = None
+        super().close()
+
+
+class DramCachedStore(LayerStore):
+    """Another store behind a bounded DRAM `RowCache` of rows (frequency-based, as the HBM cache):
+    hits skip the store (the file's reads and page faults), misses are read from it and admitted.
+
+    Memory use is the cache's capacity, whatever the table's size. `cache.stats` counts DRAM hits.
+    """
+
+    def __init__(self, inner: LayerStore, capacity_bytes: int, ways: int = 16):
+        super().__init__(inner.format, inner.head_dim, inner.raw, split=inner._split)
+        self.inner = inner
+        self.tier = inner.tier
+        self.cache = RowCache.from_bytes(capacity_bytes, inner.row_bytes, ways=ways, device="cpu")
+
+    @property
+    def num_rows(self) -> int:
+        return self.inner.num_rows
+
+    @property
+    def raw_in_place(self) -> bool:
+        return False
+
+    @property
+    def cpu_share(self) -> float:
+        return 1.0
+
+    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        if not ids.numel():
+            return self.inner.gather_raw(ids, out, threads)
+        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        if int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_rows:
+            bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
+            raise StorageError(f"row id {bad} outside the table's 0..{self.num_rows - 1}")
+        slot = self.cache.probe(uniq)
+        hit = slot >= 0
+        rows = torch.empty((uniq.numel(), self.row_bytes), dtype=torch.uint8)
+        rows[hit] = self.cache.read(slot[hit])
+        miss = torch.nonzero(~hit).flatten()
+        if miss.numel():
+            fetched = self.inner.gather_raw(uniq[miss], None, threads)
+            rows[miss] = fetched
+            self.cache.admit(uniq[miss], fetched)
+        if out is None:
+            return rows.index_select(0, inverse)
+        return torch.index_select(rows, 0, inverse, out=out)
+
+    def close(self) -> None:
+        self.inner.close()
+        self.raw = None
+        self._split = None
+
+
+_BACKENDS = {"hbm": HbmStore, "host": HostStore, "disk": DiskStore}
 
 
 def _raw_chunk(chunk: LayerRows) -> torch.Tensor:
@@ -264,9 +358,9 @@ def place_layer(
             if t is not None:
                 advise_random(t)
         if rows.format == "fp8":
-            return LayerStore("disk", fmt, d, None, split=(rows.weight, rows.scales))
+            return DiskStore(fmt, d, None, split=(rows.weight, rows.scales))
         raw = rows.weight.view(torch.uint8) if rows.format == "bf16" else rows.weight
-        return LayerStore("disk", fmt, d, raw)
+        return DiskStore(fmt, d, raw)
     row_bytes = 2 * d if fmt == "bf16" else d + d // 32
     n = rows.num_rows
     start = time.perf_counter()
@@ -308,4 +402,4 @@ def place_layer(
         report_coverage(buffer, name)
     log.info("%s: %s rows (%.2f GiB) placed in %s (%s) in %.1f s", name, f"{n:,}", n * row_bytes / 2**30, tier,
              host_alloc if tier == "host" else raw.device, time.perf_counter() - start)
-    return LayerStore(tier, fmt, d, raw, buffer=buffer)
+    return _BACKENDS[tier](fmt, d, raw, buffer=buffer)
