@@ -520,3 +520,25 @@ def test_gpu_warm_up_captures_every_slot_and_lookups_capture_nothing(table_files
         for ids in batches + [odd]:
             assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(source, ids))
     store.close()
+
+
+def test_stats_say_which_cpu_path_ran(table_files, monkeypatch):
+    """`LookupStats.cpu_path`: the native gather where it is available, the torch fallback
+    otherwise, the store's own reader behind a DRAM cache; rows equal either way."""
+    from condmem import native
+
+    store, source = _place(table_files, "fp8_interleaved", "host", host_alloc="pageable")
+    ids = next(_batches(store.num_rows, seed=14, n=1))
+    with LookupEngine(store, "cpu") as engine:
+        handle = engine.lookup(ids)
+        assert torch.equal(handle.wait(), _expected(source, ids))
+        assert handle.stats.cpu_path == ("native" if native.available() else "torch")
+        monkeypatch.setattr(native, "available", lambda: False)
+        handle = engine.lookup(ids)
+        assert torch.equal(handle.wait(), _expected(source, ids)) and handle.stats.cpu_path == "torch"
+    cached = _place(table_files, "fp8_interleaved", "disk")[0].with_dram_cache(64 * store.row_bytes)
+    with LookupEngine(cached, "cpu") as engine:
+        handle = engine.lookup(ids)
+        assert torch.equal(handle.wait(), _expected(source, ids)) and handle.stats.cpu_path == "store"
+    cached.close()
+    store.close()

@@ -56,6 +56,7 @@ from typing import Literal
 
 import torch
 
+from condmem import native
 from condmem.hashing.id_checks import PendingIdChecks
 from condmem.ops.gather import engram_gather
 from condmem.tables.lookup_plan import (
@@ -141,6 +142,10 @@ class LookupStats:
     gpu_rows: int = 0
     seconds: float = 0.0
     """Host seconds from the call until its CPU share was queued."""
+    cpu_path: str = ""
+    """How the CPU share was read: ``native`` (`condmem.native`: the staged send, or the gather on
+    the CPU), ``torch`` (the fallback, ~2x slower), ``store`` (the store's own reader: a DRAM
+    cache or O_DIRECT); empty when there was no CPU share."""
 
 
 class LookupHandle:
@@ -315,7 +320,12 @@ class LookupEngine:
         """Rows of the batch from the compact unique rows (the inverse index), dequantized."""
         return _rows_from_raw(inverse, compact, self.store.format, self.store.head_dim, out)
 
-    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned) -> torch.cuda.Event:
+    def _cpu_path(self, native_send: bool) -> str:
+        if not self.store.raw_in_place:
+            return "store"
+        return "native" if native_send or native.available() else "torch"
+
+    def _cpu_share(self, ids_host: torch.Tensor, rows: torch.Tensor, planned, stats: LookupStats) -> torch.cuda.Event:
         """Gather thread: the CPU share gathered on CPU threads and sent chunk by chunk through the
         pinned staging ring, straight into `rows` (the plan's first compact rows), on the copy
         stream; returns the event after the last send."""
@@ -324,6 +334,7 @@ class LookupEngine:
             self._sender = StagedSender(self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows,
                                         ring=STAGING_RING)
         self._sender.send(self.store, ids_host, rows, self.copy_stream, self.cpu_threads)
+        stats.cpu_path = self._cpu_path(self._sender.uses_native(self.store))
         done = torch.cuda.Event()
         done.record(self.copy_stream)
         return done
@@ -593,7 +604,7 @@ class LookupEngine:
                 raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
             if plan.cpu_share and counts["n_cpu"]:
                 batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
-                                                 plan.compact[: counts["n_cpu"]], batch.planned)
+                                                 plan.compact[: counts["n_cpu"]], batch.planned, stats)
         stats.seconds = time.perf_counter() - batch.start
 
     def _lookup_sync(self, row_ids: torch.Tensor, stats: LookupStats) -> torch.Tensor:
@@ -610,6 +621,7 @@ class LookupEngine:
             raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
         if n_cpu:   # straight into the plan's first compact rows
             self.store.gather_raw(plan.host[N_COUNTS:N_COUNTS + n_cpu], out=plan.compact[:n_cpu])
+            stats.cpu_path = self._cpu_path(False)
         out = self._expand(plan.compact, plan.rows_index[: row_ids.numel()].view(row_ids.shape))
         if self.cache is not None:
             # On the CPU the miss count is known here, so only the misses are admitted (the
