@@ -100,9 +100,16 @@ def _apply(target: dict, args, mapping: dict) -> None:
 
 def run(args) -> int:
     """Check --out (writable, not another run's unless --resume / --overwrite), hold its lock, train."""
+    import os
+
     from condmem.utils.preflight import check_output_dir
     from condmem.utils.run_lock import RunLock
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise CliError("condmem train runs one process; under torchrun (WORLD_SIZE="
+                       f"{os.environ['WORLD_SIZE']}) every rank would train the same model alone. Tables sharded over "
+                       "data-parallel ranks are condmem.distributed.ShardedTable with save_sharded/load_sharded "
+                       "(docs/distributed.md); tables larger than one GPU fit on one with --table-tier host")
     if args.resume and args.overwrite:
         raise CliError("--resume continues the run in --out, --overwrite replaces it: choose one")
     out = check_output_dir(args.out, "--out")
