@@ -214,6 +214,7 @@ class HostTables:
         self.threads = threads
         self.param_groups = [{"lr": lr, "base_lr": lr, "betas": tuple(betas), "eps": eps}]
         self.layers: dict[int, _Layer] = {}
+        self._views: list[HostTableView] = []
         self._queue: deque[_Ticket] = deque()
         self._jobs: deque[concurrent.futures.Future] = deque()
         self._closed = False
@@ -251,6 +252,7 @@ class HostTables:
                            torch.zeros(rows, dtype=torch.bool), keep=keep)
             self.layers[engram.layer_id] = layer
             engram.table = HostTableView(self, engram.layer_id, weight)
+            self._views.append(engram.table)
             del src, fill   # the model's own table is freed here (the fill held it)
         self.setup_s = time.perf_counter() - t0
         """Seconds spent allocating, filling and page-locking the host tensors."""
@@ -617,7 +619,12 @@ class HostTables:
             self._closed = True
             self._pool.shutdown(wait=True)
             self._queue.clear()
+            for view in self._views:   # no tensor may view the memory when it is unmapped
+                view.weight = torch.empty(0, view.head_dim)
             for layer in self.layers.values():
+                layer.weight = layer.exp_avg = layer.exp_avg_sq = layer.row_step = layer.marked = None
+                for buffers in (layer.staging, layer.dev_rows, layer.grad_ids, layer.grad_vals, layer.leaves):
+                    buffers.clear()
                 for buf in layer.keep:
                     if buf is not None:
                         buf.close()
