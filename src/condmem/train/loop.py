@@ -2,7 +2,8 @@
 
 One step: batch ``step`` of the stream (a pure function of seed and step), forward and
 loss (bf16 autocast on GPU), backward, global-norm clipping over dense and sparse
-gradients, AdamW on the backbone and `SparseAdam` on the tables, both on the same
+gradients, AdamW on the backbone and `SparseAdam` on the tables (or, for tables in host
+memory, `HostTables`, which also prefetches the next step's rows), both on the same
 warm-up + cosine curve (the tables at ``table_lr_mult`` times the rate). A run is
 deterministic given its seed, and a resumed run repeats an uninterrupted one exactly:
 the data order, the schedule and every optimizer state are restored from the step.
