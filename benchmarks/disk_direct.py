@@ -198,7 +198,8 @@ class Tier:
             mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, ROW_BYTES)))
         self.store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False, name="bench disk")
         reader_kw = {} if threads is None else {"threads": threads}    # default: the tier's own
-        self.store.direct_reader = DirectRowReader(path, 0, ROW_BYTES, rows, **reader_kw)
+        self.reader = DirectRowReader(path, 0, ROW_BYTES, rows, **reader_kw)
+        self.store.direct_reader = self.reader
         self.cache = None
         if cache_gib > 0:
             self.store = self.store.with_dram_cache(int(cache_gib * 2**30))
@@ -315,7 +316,7 @@ def main() -> None:
     log("before reads", result["before_reads"])
 
     tier = Tier(path, rows_total, args.cache_gib, args.device, args.threads)
-    threads = tier.store.direct_reader.threads
+    threads = tier.reader.threads
     result["tier"] = {"threads": threads, "dram_cache_gib": args.cache_gib,
                       "dram_cache_rows": tier.cache.capacity_rows if tier.cache is not None else 0,
                       "engine": "LookupEngine -> " + args.device if tier.engine is not None else "LayerStore.gather_raw"}
