@@ -1,13 +1,14 @@
 """Continuous-batching decode for `DecoderLM`: cache rows are sequence slots, each at its own position.
 
-`ServingCache` preallocates, per block, keys and values for ``n_slots`` sequences of up to
-``max_len`` tokens, each slot's length, its token history and each Engram layer's
-ShortConv state. Sequences join (`prefill` one prompt into a free slot) and leave
-(`release`) between steps; `decode_step` advances any set of live slots by one token,
-each at its own position (per-row RoPE angles, per-row attention masks). With
-``slots=None`` and a ``valid`` mask, a step covers every slot in order and leaves the
-rows marked invalid exactly as they were (what a CUDA graph of fixed shape needs: no
-index copies of the KV cache, and no host values).
+`ServingCache` preallocates, per block, a paged pool of keys and values (blocks listed per
+slot in a block table) for ``n_slots`` sequences of up to ``max_len`` tokens, each slot's
+length, its token history and each Engram layer's ShortConv state. Sequences join
+(`prefill_packed`: several prompts in one forward over their packed tokens; `prefill`: one
+prompt) and leave (`release`) between steps; `decode_step` advances any set of live slots by
+one token, each at its own position, attention reading each slot's own keys
+(`condmem.ops.attention`). With ``slots=None`` and a ``valid`` mask, a step covers every
+slot in order and leaves the rows marked invalid exactly as they were (what a CUDA graph of
+fixed shape needs: no index copies of the KV cache, and no host values).
 
 `ragged_step` runs one forward over a flat batch that mixes prefill chunks, decode tokens
 and speculative drafts of many slots (what an engine's scheduler packs under a token
@@ -16,10 +17,9 @@ only the accepted part (the rest of its KV entries are overwritten later, never 
 
 Engram rows for a step come either from the model's own tables (hashing the last N-1
 tokens of each slot's history) or, with ``prepared=``, from an `EngramMemory` lookup
-started earlier (`EngramMemory.prepare_decode`, whose history slots should be the same
-numbers as these cache slots).
+started earlier (`EngramMemory.prepare_decode` / `prepare_ragged`, whose history slots
+should be the same numbers as these cache slots).
 """
-
 from __future__ import annotations
 
 import torch
