@@ -340,12 +340,23 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     warm = workload(min(args.batch, args.sequences), args.prompt_min, args.prompt_max, model.cfg.vocab_size,
                     args.seed + 1)
 
+    def packed_sizes(load: list[torch.Tensor]) -> set[int]:
+        """Token counts of the packed prefill batches `serve_all` forms from `load`, wave by wave."""
+        sizes = set()
+        for w in range(0, len(load), args.batch):
+            lengths = [p.numel() for p in load[w:w + args.batch]]
+            sizes |= {sum(lengths[i] for i in group) for group in pack(lengths, args.prefill_tokens)}
+        return sizes
+
+    prefill_sizes = packed_sizes(warm) | packed_sizes(prompts)
+
     def memory_for(stores):
         # Prompts: dedup, then CPU threads gather the misses into pinned staging and DMA them
         # (copy engines: no SMs taken from the forward running beside); decode: in the graph.
         memory = EngramMemory(model.hasher, stores, device, cpu_fraction=1.0, max_sequences=args.batch)
         for engine in memory.engines.values():
             engine.cpu_threads = args.lookup_threads   # leave cores to the thread launching the forward
+        memory.warm_up(prefill_sizes)                  # the packed batches' lookup plans as CUDA graphs
         return memory
 
     results: dict[str, dict] = {}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from condmem.models.serving import ServingCache, decode_step
+from condmem.utils.graph_capture import capture
 from condmem.models.transformer import DecoderLM
 
 WAIT_MODES = ("at_layer", "before_step")
@@ -138,7 +139,7 @@ class GraphedDecoder:
         if memory is not None:
             memory.flush()   # a lookup thread's sync would spoil the capture: none may run meanwhile
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with capture(self.graph):
             self.logits = self._body()
 
     def _body(self) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 
 from condmem.ops.gather import engram_gather
 from condmem.tables.row_cache import FLOAT_WORDS, RowCache, row_words
+from condmem.utils.graph_capture import capture
 
 PAD_ID = -1
 N_COUNTS = 8
@@ -274,17 +275,17 @@ class LookupPlan:
         only, which probes, reads and admits nothing. A capture is spoiled by a synchronizing
         CUDA call on any thread of the process (an event query, a pinned allocation), whatever
         the capture mode, so the caller runs this only while no lookup thread works
-        (`LookupEngine.warm_up`)."""
+        (`LookupEngine.warm_up`); Python's collector is paused meanwhile (`utils.graph_capture`)."""
         self.ids.fill_(PAD_ID)
         self._plan()
         self._graphs["plan"] = graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.current_stream(self.ids.device)):
+        with capture(graph, torch.cuda.current_stream(self.ids.device)):
             self._plan()
         graph.replay()                  # the captured buffers now hold the padding's plan
         if self.cache is not None:
             self._admit()
             self._graphs["admit"] = graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=torch.cuda.current_stream(self.ids.device)):
+            with capture(graph, torch.cuda.current_stream(self.ids.device)):
                 self._admit()
 
     def run(self) -> None:
