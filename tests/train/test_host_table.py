@@ -167,9 +167,3 @@ def test_cli_table_tier_host_resumes_like_the_model_tier(tiny_corpus, tmp_path, 
     assert [h["loss"] for h in host["history"]] == [h["loss"] for h in module["history"]]
     assert host["summary"]["table_tier"] == "host" and module["summary"]["table_tier"] == "module"
 
-
-def test_cli_train_refuses_torchrun_ranks(tmp_path, monkeypatch, capsys):
-    """Under torchrun every rank would train the same model alone: refused, naming the way out."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["train", "--out", str(tmp_path / "run"), "--preset", "tiny"]) == 1
-    assert "ShardedTable" in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -98,33 +98,79 @@ def _apply(target: dict, args, mapping: dict) -> None:
             target[key] = value
 
 
+def _claim(args, out) -> None:
+    """Refuse a used --out unless resuming; with --overwrite, clear it."""
+    used = sorted(p.name for p in out.iterdir() if p.name != ".lock")
+    if used and not args.resume:
+        if not args.overwrite:
+            raise CliError(f"--out {out} already holds {', '.join(used[:5])}: continue that run with --resume, or "
+                           "start afresh there with --overwrite (which deletes its checkpoints)")
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        shutil.rmtree(out / "sharded_tables", ignore_errors=True)
+        (out / "summary.json").unlink(missing_ok=True)
+
+
 def run(args) -> int:
-    """Check --out (writable, not another run's unless --resume / --overwrite), hold its lock, train."""
+    """Check --out (writable, not another run's unless --resume / --overwrite), hold its lock, train.
+
+    Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank trains its slice of each batch
+    with the Engram tables sharded over the ranks (`condmem.train.data_parallel`); rank 0
+    checks and locks --out."""
     import os
 
     from condmem.utils.preflight import check_output_dir
     from condmem.utils.run_lock import RunLock
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise CliError("condmem train runs one process; under torchrun (WORLD_SIZE="
-                       f"{os.environ['WORLD_SIZE']}) every rank would train the same model alone. Tables sharded over "
-                       "data-parallel ranks are condmem.distributed.ShardedTable with save_sharded/load_sharded "
-                       "(docs/distributed.md); tables larger than one GPU fit on one with --table-tier host")
     if args.resume and args.overwrite:
         raise CliError("--resume continues the run in --out, --overwrite replaces it: choose one")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run_ranks(args)
     out = check_output_dir(args.out, "--out")
     with RunLock(out):
-        used = sorted(p.name for p in out.iterdir() if p.name != ".lock")
-        if used and not args.resume:
-            if not args.overwrite:
-                raise CliError(f"--out {out} already holds {', '.join(used[:5])}: continue that run with --resume, or "
-                               "start afresh there with --overwrite (which deletes its checkpoints)")
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-            (out / "summary.json").unlink(missing_ok=True)
+        _claim(args, out)
         return _train(args)
 
 
-def _train(args) -> int:
+def _run_ranks(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from condmem.utils.preflight import check_output_dir
+    from condmem.utils.run_lock import RunLock
+
+    if args.table_tier == "host":
+        raise CliError("--table-tier host is for one process; under torchrun the tables are sharded over the ranks")
+    if args.no_engram:
+        raise CliError("under torchrun condmem train shards Engram tables; drop --no-engram")
+    cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    lock = None
+    try:
+        error = None
+        if rank == 0:
+            try:
+                out = check_output_dir(args.out, "--out")
+                lock = RunLock(out)
+                lock.__enter__()
+                _claim(args, out)
+            except (CliError, ValueError, OSError) as exc:
+                error = str(exc)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise CliError(box[0])
+        code = _train(args, rank=rank, world=dist.get_world_size())
+        dist.barrier()   # no rank tears the group down while another still talks to it
+        return code
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+        dist.destroy_process_group()
+
+
+def _train(args, rank: int | None = None, world: int = 1) -> int:
+    """Train one model; `rank` is set when this process is one of `world` data-parallel ranks."""
     from condmem.models import DecoderLM, iso_flop_baseline, train_flops_per_token
     from condmem.train.checkpoint import load_checkpoint
     from condmem.train.demo import build_model_config, resolve_device
@@ -133,12 +179,40 @@ def _train(args) -> int:
     from condmem.train.presets import get_preset
     from condmem.utils.atomic import atomic_write_text
 
+    import contextlib
+    import io
+    import os
+
     device = resolve_device(args.device)
+    lead = rank in (None, 0)
+    if rank is not None:
+        import torch
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        real_prepare = prepare_data
+
+        def prepare_data(*a, **k):   # rank 0 first: the others then read its tokenizer and token caches
+            if rank != 0:
+                dist.barrier()
+            out = real_prepare(*a, **k)
+            if rank == 0:
+                dist.barrier()
+            return out
+
+    def say(text: str) -> None:
+        if lead:
+            print(text, flush=True)
+
     host = args.table_tier == "host"
     if args.no_engram and host:
         raise CliError("--table-tier host needs Engram tables; drop --no-engram")
     if args.resume:
         ckpt = load_checkpoint(args.out, device=device, tables_on_host=host)
+        if ckpt.tables_sharded != (rank is not None):
+            raise CliError(f"{ckpt.path} was saved by {'data-parallel ranks: resume it under torchrun' if ckpt.tables_sharded else 'one process: resume it without torchrun'}")
         cfg = ckpt.model.cfg
         tc = TrainConfig.from_dict(ckpt.config["train"])
         a = ckpt.config["data"].get("args", {})
@@ -149,7 +223,7 @@ def _train(args) -> int:
         data.info["args"] = a
         model = ckpt.model
         label = ckpt.state.get("label", "model")
-        print(f"resuming {ckpt.path} at step {ckpt.state['step']}/{tc.steps}", flush=True)
+        say(f"resuming {ckpt.path} at step {ckpt.state['step']}/{tc.steps}")
     else:
         preset = get_preset(args.preset or ("gpu" if device.type == "cuda" else "cpu"))
         _apply(preset["model"], args, _MODEL_ARGS)
@@ -176,8 +250,8 @@ def _train(args) -> int:
         # kept, so both tiers start from the same rows.
         table_device = "meta" if host and device.type == "cuda" else None
         model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=args.seed, device=device, table_device=table_device)
-        print(f"[{label}] {model.param_counts()['total']:,} parameters, "
-              f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)", flush=True)
+        say(f"[{label}] {model.param_counts()['total']:,} parameters, "
+            f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)")
     tables = None
     if host:
         from condmem.train.host_table import HostTables
@@ -189,18 +263,29 @@ def _train(args) -> int:
     params = model.param_counts()
     if tables is not None:
         params.update(tables=tables.table_params, total=params["total"] + tables.table_params)
+    dp = None
+    if rank is not None:
+        from condmem.train.data_parallel import DataParallelTables
+
+        dp = (DataParallelTables.load(args.out, model, int(ckpt.state["step"])) if args.resume
+              else DataParallelTables(model))
+        say(f"[{label}] tables sharded over {world} ranks, each holding its columns' rows and their Adam state")
     try:
         trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, device, run_dir=args.out, label=label,
                           checkpoint_extra={"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info},
-                          progress=not args.no_progress, host_tables=tables)
+                          progress=not args.no_progress and lead, host_tables=tables, data_parallel=dp)
         if args.resume:
             trainer.restore(ckpt)
-        summary = trainer.fit()
+        with contextlib.redirect_stdout(io.StringIO()) if not lead else contextlib.nullcontext():
+            summary = trainer.fit()
     finally:
         if tables is not None:
             tables.close()
+    if not lead:
+        return 0
     summary.update(params=params, flops_per_token=train_flops_per_token(cfg, tc.seq_len),
-                   checkpoint=str(trainer.last_checkpoint), table_tier=args.table_tier)
+                   checkpoint=str(trainer.last_checkpoint),
+                   table_tier=args.table_tier if rank is None else f"sharded over {world} ranks")
     atomic_write_text(Path(args.out) / "summary.json",
                       json.dumps({"summary": summary, "model": cfg.to_dict(), "train": tc.to_dict(),
                                   "data": data.info, "history": trainer.history, "evals": trainer.evals}, indent=1) + "\n")

@@ -27,7 +27,6 @@ from safetensors.torch import save_file
 
 from condmem.distributed.sharded_table import ShardedTable
 from condmem.distributed.sharding import ShardPlan
-from condmem.train.optim import SparseAdam
 from condmem.utils.atomic import atomic_path, atomic_write_text
 from condmem.utils.digest import sha256_file
 
@@ -38,7 +37,7 @@ class ShardedCheckpointError(ValueError):
     """A sharded checkpoint is missing, damaged, or made for another layout."""
 
 
-def _state_by_row(opt: SparseAdam, table: ShardedTable) -> dict[str, torch.Tensor]:
+def _state_by_row(opt: torch.optim.Optimizer, table: ShardedTable) -> dict[str, torch.Tensor]:
     r0 = table.plan.rows(table.rank)[0]
     state = opt.state.get(table.weight)
     d = table.weight.shape[1]
@@ -52,8 +51,10 @@ def _state_by_row(opt: SparseAdam, table: ShardedTable) -> dict[str, torch.Tenso
             "exp_avg_sq": state["exp_avg_sq"].cpu()[slots].contiguous(), "row_step": state["row_step"].cpu()[slots]}
 
 
-def save_sharded(run_dir: str | os.PathLike, table: ShardedTable, opt: SparseAdam, step: int, fingerprint: str) -> Path:
-    """Every rank calls this; returns the checkpoint folder (on every rank)."""
+def save_sharded(run_dir: str | os.PathLike, table: ShardedTable, opt: torch.optim.Optimizer, step: int,
+                 fingerprint: str) -> Path:
+    """Every rank calls this, `opt` being the `SparseAdam` that trains `table.weight`; returns the
+    checkpoint folder (on every rank)."""
     run_dir = Path(run_dir)
     plan, rank, group = table.plan, table.rank, table.group
     name = f"step-{step:07d}"

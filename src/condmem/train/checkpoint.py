@@ -158,11 +158,13 @@ def _fingerprints(model: DecoderLM, tokenizer: Tokenizer, ctok) -> dict[str, Any
 
 def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, sparse, train_cfg, trainer_state: dict,
                     tokenizer: Tokenizer, ctok=None, data: dict | None = None, keep: int = 2,
-                    host_tables=None) -> Path:
+                    host_tables=None, tables_sharded: bool = False) -> Path:
     """Write a checkpoint of the current step under ``run_dir/checkpoints`` and point LATEST at it.
 
     `host_tables` (a `condmem.train.host_table.HostTables`) supplies the tables that live in
-    host memory; they are written as the model's own would be, so either kind resumes from it."""
+    host memory; they are written as the model's own would be, so either kind resumes from it.
+    `tables_sharded`: the tables are shards written by every rank
+    (`condmem.train.data_parallel`); ``tables.safetensors`` then holds none and says so."""
     from condmem.train.optim import export_adamw_state
 
     run_dir = Path(run_dir)
@@ -179,6 +181,8 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
         names = {p: n for n, p in model.named_parameters()}
         state = model.state_dict()
         backbone = {k: v.detach().contiguous() for k, v in state.items() if k not in tables}
+        if tables_sharded:
+            sparse = None   # each rank writes its shards' Adam state with its shards
         if model.cfg.tie_embeddings:
             backbone.pop("lm_head.weight", None)  # the same tensor as embed.weight
         fingerprints = _fingerprints(model, tokenizer, ctok)
@@ -189,7 +193,9 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
             table_meta.update(layer_ids=json.dumps(model.layout.layer_ids),
                               num_embeddings=json.dumps(model.layout.num_embeddings))
         with atomic_path(tmp / "tables.safetensors") as p:
-            table_tensors = {tables[k]: state[k].detach().contiguous() for k in tables}
+            table_tensors = {} if tables_sharded else {tables[k]: state[k].detach().contiguous() for k in tables}
+            if tables_sharded:
+                table_meta["sharded"] = "true"
             if host_tables is not None:
                 table_tensors.update({f"layer{lid}.table": t for lid, t in host_tables.table_tensors().items()})
             save_file(table_tensors, str(p), metadata=table_meta)
@@ -270,6 +276,9 @@ class Checkpoint:
     optimizer_tensors: dict[str, torch.Tensor]
     tables: dict[int, torch.Tensor] = None
     """With ``tables_on_host``: {layer id: table on the CPU}; the model's tables are then on meta."""
+    tables_sharded: bool = False
+    """The tables are shards of data-parallel ranks (`condmem.train.data_parallel`), not in
+    this folder; the model's tables are on meta."""
 
 
 def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu", tokenizer: Tokenizer | str | None = None,
@@ -347,18 +356,19 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
         )
 
     device = torch.device(device)
-    model = DecoderLM(model_cfg, token_lookup=None if ctok is None else ctok.lookup, device=device,
-                      table_device="meta" if tables_on_host else None)
     try:
-        weights = load_file(str(folder / "model.safetensors"), device=str(device))
-        tables_file = folder / "tables.safetensors"
         from safetensors import safe_open
 
+        tables_file = folder / "tables.safetensors"
         with safe_open(str(tables_file), framework="pt") as fh:
             table_meta = fh.metadata() or {}
+        sharded = table_meta.get("sharded") == "true"
+        weights = load_file(str(folder / "model.safetensors"), device=str(device))
         table_tensors = load_file(str(tables_file), device="cpu" if tables_on_host else str(device))
     except Exception as exc:  # safetensors raises its own error type for damaged headers
         raise CorruptCheckpointError(f"checkpoint {folder}: cannot read weights ({exc})") from None
+    model = DecoderLM(model_cfg, token_lookup=None if ctok is None else ctok.lookup, device=device,
+                      table_device="meta" if (tables_on_host or sharded) else None)
     if model.layout is not None and table_meta.get("layout") != fp.get("layout"):
         raise CheckpointMismatchError(
             f"checkpoint {folder}: tables.safetensors was written for layout {table_meta.get('layout', '?')[:16]}..., "
@@ -366,7 +376,7 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
         )
     names = _table_names(model)
     host_tables = {}
-    for param_name, tensor_name in names.items():
+    for param_name, tensor_name in ({} if sharded else names).items():
         if tensor_name not in table_tensors:
             raise CheckpointMismatchError(f"checkpoint {folder}: tables.safetensors lacks {tensor_name}")
         if tables_on_host:
@@ -376,10 +386,10 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
     if model_cfg.tie_embeddings:
         weights["lm_head.weight"] = weights["embed.weight"]
     try:
-        missing, unexpected = model.load_state_dict(weights, strict=not tables_on_host)
+        missing, unexpected = model.load_state_dict(weights, strict=not (tables_on_host or sharded))
     except RuntimeError as exc:
         raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: {exc}") from None
-    if tables_on_host and sorted(missing) != sorted(names):
+    if (tables_on_host or sharded) and sorted(missing) != sorted(names):
         raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: missing "
                                       f"{sorted(set(missing) - set(names))}, unexpected {sorted(unexpected)}")
     if unexpected:
@@ -387,4 +397,5 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
     optimizer_tensors = {}
     if load_optimizer:
         optimizer_tensors = load_file(str(folder / "optimizer.safetensors"), device="cpu")
-    return Checkpoint(folder, model, config, state, tok, ctok, optimizer_tensors, host_tables if tables_on_host else None)
+    return Checkpoint(folder, model, config, state, tok, ctok, optimizer_tensors,
+                      host_tables if (tables_on_host and not sharded) else None, sharded)

@@ -209,12 +209,15 @@ class Trainer:
         host_tables: a `condmem.train.host_table.HostTables` holding the model's Engram tables
             in host memory; it is then the tables' optimizer (its Adam settings are set from
             `cfg`), and each step prefetches the next step's rows.
+        data_parallel: a `condmem.train.data_parallel.DataParallelTables` when this process
+            is one of several data-parallel ranks: it trains on its slice of each batch, with
+            the model's tables sharded over the ranks.
     """
 
     def __init__(self, model, cfg: TrainConfig, train_stream: TokenStream, val_stream: TokenStream,
                  token_bytes: np.ndarray | torch.Tensor, device: torch.device | str, *, run_dir: str | Path | None = None,
                  label: str = "model", checkpoint_extra: dict | None = None, progress: bool = True,
-                 host_tables=None):
+                 host_tables=None, data_parallel=None):
         self.model = model
         self.cfg = cfg
         self.train_stream = train_stream
@@ -231,7 +234,14 @@ class Trainer:
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.host = host_tables
+        self.dp = data_parallel
         self._next_batch = None
+        if data_parallel is not None:
+            if host_tables is not None:
+                raise ValueError("tables in host memory and tables sharded over ranks are two different tiers")
+            data_parallel.attach_optimizer(self.sparse)
+            self._replicated = [p for _, p in model.backbone_parameters() if p.requires_grad]
+            self._sharded = [p for _, p in model.table_parameters()]
         if host_tables is not None:
             if self.sparse is not None:
                 raise ValueError("the model still has Engram tables of its own: build HostTables from it first")
@@ -283,6 +293,18 @@ class Trainer:
             return None
         from condmem.train.checkpoint import save_checkpoint
 
+        if self.dp is not None:
+            # The shards first: the backbone checkpoint (and its LATEST) names a step whose tables exist.
+            self.dp.save(self.run_dir, self.sparse, self.step, self.model.layout.fingerprint, self.cfg.keep_checkpoints)
+            path = None
+            if self.dp.rank == 0:
+                path = save_checkpoint(
+                    self.run_dir, model=self.model, adamw=self.adamw, sparse=None, train_cfg=self.cfg,
+                    trainer_state=self.state(), keep=self.cfg.keep_checkpoints, tables_sharded=True,
+                    **self.checkpoint_extra,
+                )
+            self.last_checkpoint = self.dp.broadcast(path)
+            return self.last_checkpoint
         self.last_checkpoint = save_checkpoint(
             self.run_dir, model=self.model, adamw=self.adamw, sparse=self.sparse, train_cfg=self.cfg,
             trainer_state=self.state(), keep=self.cfg.keep_checkpoints, host_tables=self.host, **self.checkpoint_extra,
@@ -341,6 +363,8 @@ class Trainer:
         cfg = self.cfg
         batch = self._batch(step)
         self._next_batch = None
+        if self.dp is not None:
+            batch = self.dp.local(batch)
         if self.host is not None:
             self.host.begin(step)
             if step + 1 < cfg.steps and self.host.prefetch_enabled:
@@ -354,13 +378,23 @@ class Trainer:
         loss.backward()
         if self.host is not None:
             clip_gradients_(self._gradients(), cfg.grad_clip)
+        elif self.dp is not None:
+            self.dp.average_gradients(self._replicated)
+            for p in self._sharded:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.coalesce()
+            self.dp.clip_([p.grad for p in self._replicated if p.grad is not None],
+                          [p.grad for p in self._sharded if p.grad is not None], cfg.grad_clip)
         else:
             clip_grad_norm_(self.params, cfg.grad_clip)
         for opt in self.optimizers:
             opt.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return float(loss.detach()), cfg.lr * lr_mult
+        value = float(loss.detach())
+        if self.dp is not None:
+            value = self.dp.mean(value, self.device)   # every rank's slice has as many tokens
+        return value, cfg.lr * lr_mult
 
     def fit(self, token_losses: bool = False) -> dict:
         """Train up to ``cfg.steps`` (from the current step), validate (the fixed subset, for
