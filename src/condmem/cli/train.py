@@ -34,7 +34,8 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem train --out runs/engram --steps 1000\n"
         "  condmem train --out runs/base --no-engram --iso-flop\n  condmem train --out runs/engram --resume\n"
-        "  condmem train --out runs/big --table-size 10000000 --table-tier host   # tables + Adam state in host memory",
+        "  condmem train --out runs/big --table-size 10000000 --table-tier host   # tables + Adam state in host memory\n"
+        "  torchrun --nproc-per-node 8 -m condmem train --out runs/dp   # tables sharded over 8 data-parallel ranks",
     )
     p.add_argument("--out", required=True, help="run directory (checkpoints, summary.json)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
