@@ -37,6 +37,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -434,8 +435,10 @@ class HostTables:
                     continue
                 ids = torch.cat([i.reshape(-1) for i, _ in parts])
                 values = torch.cat([g.reshape(-1, g.shape[-1]) for _, g in parts])
-                layer.grad = torch.sparse_coo_tensor(ids[None].long(), values, layer.weight.shape,
-                                                     check_invariants=False).coalesce()
+                with warnings.catch_warnings():   # ids are row ids of this table by construction
+                    warnings.filterwarnings("ignore", "Sparse invariant checks")
+                    layer.grad = torch.sparse_coo_tensor(ids[None].long(), values, layer.weight.shape,
+                                                         check_invariants=False).coalesce()
             out[lid] = layer.grad
         return out
 
