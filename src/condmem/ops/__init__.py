@@ -1,6 +1,6 @@
 """Engram's kernels, one folder per op: a plain-torch reference beside its Triton version.
 
-`hash/`, `gather/`, `row_cache/`, `gate/`, `attention/`: each op's public function picks the
+`hash/`, `gather/`, `row_cache/`, `gate/`, `attention/`, `norm_act/`: each op's public function picks the
 Triton kernel for CUDA tensors (or under ``TRITON_INTERPRET=1``) and the reference
 elsewhere (`triton_util.resolve_backend`, ``backend=`` forces either). One policy for an
 optional Triton: only modules named ``triton.py`` (and ``*_triton.py``) import it, at their

@@ -12,18 +12,9 @@ composition; ``backend=`` forces either.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from condmem.ops.norm_act.reference import rms_norm_ref, silu_mul_ref
 from condmem.ops.triton_util import resolve_backend
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """``RMSNorm(x + residual)``; with a residual returns (x + residual, normed), else normed."""
-    if residual is not None:
-        x = x + residual
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight.to(x.dtype)
-    return normed if residual is None else (x, normed)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
@@ -35,20 +26,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """
     if resolve_backend(backend, x.device, "rms_norm") == "torch":
         return rms_norm_ref(x, weight, eps, residual)
-    from condmem.ops import norm_act_triton as kernels
+    from condmem.ops.norm_act import triton as kernels
 
     return kernels.rms_norm(x, weight, eps, residual)
-
-
-def silu_mul_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return F.silu(a) * b
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor, *, backend: str | None = "auto") -> torch.Tensor:
     """``F.silu(a) * b`` for a, b of one shape and dtype."""
     if resolve_backend(backend, a.device, "silu_mul") == "torch":
         return silu_mul_ref(a, b)
-    from condmem.ops import norm_act_triton as kernels
+    from condmem.ops.norm_act import triton as kernels
 
     return kernels.silu_mul(a, b)
 
