@@ -8,6 +8,15 @@ every Engram layer's rows are hashed and their lookups started before the first 
 slots). Sampling is greedy; a sequence leaves when it has its `max_new_tokens` or emits a
 stop id, and its slot is reused.
 
+**Lookahead** (with a memory, the default): the prefill chunks of step t+1 do not depend on
+step t's samples, so they are planned, hashed and their lookups started right after step t's
+forward is queued, before its logits are read: the fetch of the next step's prompt rows runs
+while this step computes. Step t+1's decode tokens are known only from step t's samples;
+their rows (a decode-sized lookup, one kernel) are fetched at t+1. The chunks are planned
+against the most decode tokens step t+1 can have (every sequence that samples at step t), so
+the step stays within the budget; a request is admitted one step later than it would be
+without lookahead. The tokens are the same either way.
+
 This is the reference loop for an engine's scheduler (and what the tests hold to a full
 forward per sequence); engines keep their own policies (priorities, preemption) and call the
 same pieces.
@@ -21,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from condmem.models.serving import ServingCache, ragged_step
+from condmem.runtime.memory import join_prepared
 
 
 @dataclass
@@ -48,10 +58,12 @@ class Scheduler:
             from it; otherwise from the model's own tables).
         token_budget: tokens per forward (decode tokens first, then prefill chunks).
         stop_ids: token ids that end a sequence.
+        lookahead: with a memory, start the next step's prefill lookups while this step
+            computes (see the module's docstring).
     """
 
     def __init__(self, model, cache: ServingCache, memory=None, token_budget: int = 512,
-                 stop_ids: tuple[int, ...] = ()):
+                 stop_ids: tuple[int, ...] = (), lookahead: bool = True):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if memory is not None and memory.history.n_slots < cache.n_slots:
@@ -63,6 +75,9 @@ class Scheduler:
         self.finished: dict[object, list[int]] = {}
         self._free = list(range(cache.n_slots - 1, -1, -1))
         self.steps = 0
+        self.lookahead = lookahead and memory is not None
+        self._ahead: tuple[list[tuple[Request, list[int]]], object] | None = None
+        """The next step's prefill chunks, planned a step ahead, and their `Prepared` lookups."""
 
     def submit(self, rid, prompt: list[int] | torch.Tensor, max_new_tokens: int) -> None:
         prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
@@ -81,41 +96,62 @@ class Scheduler:
                 self.memory.history.reset([req.slot])
             self.running.append(req)
 
+    def _prefill_chunks(self, budget: int, prefilled: dict[int, int] | None = None) -> list[tuple[Request, list[int]]]:
+        """Prefill chunks of the running requests, first come first served, within `budget` tokens
+        (`prefilled`: request id -> prompt tokens counted as done, for planning a step ahead)."""
+        chunks = []
+        for req in self.running:
+            done = req.prefilled if prefilled is None else prefilled.get(id(req), req.prefilled)
+            left = len(req.prompt) - done
+            if left > 0 and budget > 0:
+                n = min(left, budget)
+                chunks.append((req, req.prompt[done : done + n]))
+                budget -= n
+        return chunks
+
+    def _prepare(self, reqs: list[Request], chunks: list[list[int]]):
+        ids = torch.tensor([t for c in chunks for t in c])
+        cu = torch.tensor([0] + [sum(len(c) for c in chunks[: i + 1]) for i in range(len(chunks))])
+        return self.memory.prepare_ragged(ids, cu, slots=torch.tensor([r.slot for r in reqs]))
+
     def step(self) -> list[tuple[object, int]]:
         """One forward; returns the (request id, token) pairs sampled in it."""
         self._admit()
         if not self.running:
             return []
         budget = self.token_budget
-        plan: list[tuple[Request, list[int], bool]] = []  # (request, chunk tokens, is a decode token)
-        for req in self.running:  # decode tokens first: they never wait behind prompts
-            if req.next_token is not None and budget > 0:
-                plan.append((req, [req.next_token], True))
-                budget -= 1
-        for req in self.running:
-            left = len(req.prompt) - req.prefilled
-            if left > 0 and budget > 0:
-                n = min(left, budget)
-                plan.append((req, req.prompt[req.prefilled : req.prefilled + n], False))
-                budget -= n
+        decode = [req for req in self.running if req.next_token is not None][:budget]
+        budget -= len(decode)
+        if self._ahead is not None:
+            prefill, prefill_prepared = self._ahead
+            self._ahead = None
+        else:
+            prefill, prefill_prepared = self._prefill_chunks(budget), None
+        plan = [(req, [req.next_token], True) for req in decode] + [(req, chunk, False) for req, chunk in prefill]
         slots = [req.slot for req, _, _ in plan]
         chunks = [torch.tensor(chunk) for _, chunk, _ in plan]
         prepared = None
         if self.memory is not None:
-            ids = torch.cat(chunks)
-            cu = torch.tensor([0] + [sum(len(c) for c in chunks[: i + 1]) for i in range(len(chunks))])
-            prepared = self.memory.prepare_ragged(ids, cu, slots=torch.tensor(slots))
+            parts = []
+            if decode:
+                parts.append(self._prepare(decode, [[r.next_token] for r in decode]))
+            if prefill:
+                parts.append(prefill_prepared if prefill_prepared is not None
+                             else self._prepare([r for r, _ in prefill], [c for _, c in prefill]))
+            prepared = join_prepared(parts)
         device = self.cache.tokens.device
         logits = ragged_step(self.model, self.cache, slots, [c.to(device) for c in chunks], prepared=prepared)
+        if self.lookahead:
+            self._plan_ahead(prefill)
         emitted, at = [], 0
-        for req, chunk, decode in plan:
+        for req, chunk, is_decode in plan:
             at += len(chunk)
-            if decode:
+            if is_decode:
                 req.generated.append(req.next_token)
                 req.next_token = None
             else:
                 req.prefilled += len(chunk)
-            if decode or req.prefilled == len(req.prompt):
+            if is_decode or req.prefilled == len(req.prompt):
                 token = int(logits[at - 1].argmax())
                 emitted.append((req.rid, token))
                 if len(req.generated) + 1 >= req.max_new_tokens or token in self.stop_ids:
@@ -125,6 +161,18 @@ class Scheduler:
                     req.next_token = token
         self.steps += 1
         return emitted
+
+    def _plan_ahead(self, prefill: list[tuple[Request, list[int]]]) -> None:
+        """While this step's forward runs: the next step's prefill chunks, their lookups started."""
+        prefilled = {id(req): req.prefilled + len(chunk) for req, chunk in prefill}
+        # The most decode tokens the next step can have: every sequence with a sampled token
+        # (served in this step or left over by the budget) and every prompt this step completes.
+        samplers = (sum(req.next_token is not None for req in self.running)
+                    + sum(prefilled[id(req)] == len(req.prompt) for req, _ in prefill))
+        self._admit()                      # slots free now; the next step's prefill may start them
+        chunks = self._prefill_chunks(self.token_budget - samplers, prefilled)
+        if chunks:
+            self._ahead = (chunks, self._prepare([r for r, _ in chunks], [c for _, c in chunks]))
 
     def _finish(self, req: Request) -> None:
         self.finished[req.rid] = req.generated

@@ -84,6 +84,27 @@ class Prepared:
         return self._rows[layer_id]
 
 
+@dataclass
+class JoinedPrepared:
+    """Several `Prepared` flat batches read as one, their tokens in the given order: a step's
+    decode tokens prepared when they are known and its prefill chunks prepared a step ahead."""
+
+    parts: list[Prepared]
+
+    def row_ids(self, layer_id: int) -> torch.Tensor:
+        return torch.cat([p.row_ids(layer_id) for p in self.parts], dim=1)
+
+    def rows(self, layer_id: int, wait: bool = True) -> torch.Tensor:
+        return torch.cat([p.rows(layer_id, wait) for p in self.parts], dim=1)
+
+
+def join_prepared(parts: list[Prepared]) -> Prepared | JoinedPrepared:
+    """`parts` (flat batches from `prepare_ragged`) as one batch, in order."""
+    if not parts:
+        raise EngramMemoryError("nothing to join")
+    return parts[0] if len(parts) == 1 else JoinedPrepared(list(parts))
+
+
 class EngramMemory:
     """All Engram layers' tables of one model, in any tier, with prefetched lookups.
 
