@@ -27,7 +27,10 @@ def test_bench_lookup_disk_tier_smoke(tmp_path):
                "--out", str(tmp_path)])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
-    assert [r["tier"] for r in rows if r["bench"] == "lookup"] == ["disk"]
+    (row,) = [r for r in rows if r["bench"] == "lookup"]
+    assert row["tier"] == "disk" and row["mode"] == "cold" and row["disk_rows_per_s"] > 0
+    if row["direct_io"]:               # O_DIRECT where the file system allows it, probed first
+        assert row["probe_reads_per_s"] > 0 and row["x_probe"] > 0
     assert [r["tier"] for r in rows if r["bench"] == "lookup_exact"] == ["disk"]
     assert not list(tmp_path.glob("condmem-bench-*"))   # the temporary table file is gone
 

@@ -74,6 +74,8 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
     """
     pipelined = device == "cuda" and tokens >= PIPELINE_MIN_TOKENS
     out = []
+    if stream == "uniform" and store.tier == "disk":
+        return [measure_cold(engine, store, tokens, args, gen, device)]
     if stream == "uniform":
         sets = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device) for _ in range(4)]
         out.append(("latency", time_lookup(engine, sets, repeats=args.repeats), 0.0, None))
@@ -96,6 +98,8 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
         engine.flush()
         if engine.cache is not None:
             engine.cache.reset_stats()
+        if getattr(store, "cache", None) is not None:       # a DRAM row cache: its steady-state hits
+            store.cache.reset_stats()
         if mode == "latency":
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -111,6 +115,29 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
         hit_rate = engine.cache.stats.hit_rate if engine.cache is not None else 0.0
         out.append((mode, seconds, hit_rate, unique))
     return out
+
+
+def measure_cold(engine: LookupEngine, store: LayerStore, tokens: int, args, gen, device: str) -> tuple:
+    """The disk tier cold: fresh uniform ids for every lookup (none repeated), the DRAM row cache
+    emptied before each; median seconds per lookup and the rows per second read from the file."""
+    times, rows_per_s = [], []
+    for _ in range(max(2, args.repeats)):
+        ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen)
+        unique = int(ids.unique().numel())
+        ids = ids.to(device)
+        if getattr(store, "cache", None) is not None:
+            store.cache.clear()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.lookup(ids).wait()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        rows_per_s.append(unique / times[-1])
+    order = sorted(range(len(times)), key=times.__getitem__)
+    mid = order[len(order) // 2]
+    return ("cold", times[mid], 0.0, None, rows_per_s[mid])
 
 
 def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: str, batches: list[int], round_no: int,
@@ -195,7 +222,8 @@ def run_lookup(args) -> list[dict]:
         elif tier == "host":
             store = host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc)
         else:
-            store = disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
+            store, disk_info = disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
+            ceiling = {**ceiling, **disk_info}
         config = LookupConfig(cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)), cpu_threads=args.cpu_threads,
                               staging_chunk_rows=args.staging_chunk_rows, graphs=not args.eager_plans)
         for stream in args.streams:
@@ -213,8 +241,8 @@ def run_lookup(args) -> list[dict]:
                         else:
                             engine.calibrate(n_ids=16384 * N_COLS)
                     for tokens in batches:
-                        for mode, seconds, hit_rate, unique in measure_stream(engine, stream, tokens, store, args,
-                                                                              gen, text_sets_for, device):
+                        for mode, seconds, hit_rate, unique, *disk_rows in measure_stream(
+                                engine, stream, tokens, store, args, gen, text_sets_for, device):
                             requested = tokens * N_COLS * ROW_BYTES
                             gbps = requested / seconds / 1e9
                             row = {
@@ -229,6 +257,12 @@ def run_lookup(args) -> list[dict]:
                             }
                             if "h2d_gbps" in ceiling:
                                 row["x_h2d"] = gbps / ceiling["h2d_gbps"]
+                            if disk_rows:
+                                row["disk_rows_per_s"] = disk_rows[0]
+                                if "probe_reads_per_s" in ceiling:
+                                    row["x_probe"] = disk_rows[0] / ceiling["probe_reads_per_s"]
+                            if getattr(store, "cache", None) is not None:
+                                row["dram_hit_rate"] = store.cache.stats.hit_rate
                             rows_out.append(row)
                             log.info("%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s", tier, stream, mode, tokens,
                                      label, seconds * 1e3, gbps,
@@ -282,7 +316,8 @@ def main(args) -> list[dict]:
     print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
                                   ("round", "round", "d"), ("tokens", "tokens", "d"),
                                   ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
-                                  ("x_h2d", "x H2D", ".2f"), ("cpu_fraction", "cpu frac", ".2f"),
+                                  ("x_h2d", "x H2D", ".2f"), ("x_probe", "x probe", ".2f"),
+                                  ("cpu_fraction", "cpu frac", ".2f"),
                                   ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f")]))
     return rows
 
@@ -293,8 +328,9 @@ def add_arguments(p) -> None:
                    help="host table size in GiB (default: 64, or half the available memory if less)")
     p.add_argument("--hbm-gib", type=float, default=16.0, help="HBM table size for the HBM tier (default 16)")
     p.add_argument("--tiers", nargs="*", default=["hbm", "host"], choices=["hbm", "host", "disk"],
-                   help="tiers to measure (disk: a file of --disk-gib, page cache dropped, memory-mapped); "
-                        "the flag alone: none")
+                   help="tiers to measure (disk: a file of --disk-gib read with O_DIRECT, the device's random-read "
+                        "rate probed first; uniform ids are measured cold: fresh ids per lookup, DRAM cache "
+                        "emptied; the text stream in steady state through the DRAM cache)")
     p.add_argument("--disk-gib", type=float, default=8.0, help="disk-tier table size in GiB (default 8)")
     p.add_argument("--disk-dir", default=None, help="folder for the disk-tier file (default: the temp folder)")
     p.add_argument("--dram-cache-gib", type=float, default=1.0, help="DRAM row cache in front of the disk tier")

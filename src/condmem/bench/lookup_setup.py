@@ -70,15 +70,18 @@ def host_store(rows: int, alloc: str, progress: bool = True) -> LayerStore:
     return HostStore("fp8_interleaved", HEAD_DIM, raw, buffer=buffer)
 
 
-def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> LayerStore:
-    """A disk-tier store: a file of random rows, evicted from the page cache, memory-mapped;
-    with a bounded DRAM row cache of `dram_cache_gib` in front (0: none)."""
+def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> tuple[LayerStore, dict]:
+    """A disk-tier store: a file of random rows, its pages dropped from the page cache, read with
+    ``O_DIRECT`` (`DirectRowReader`; the memory-mapped tier where the file system refuses direct
+    reads), with a bounded DRAM row cache of `dram_cache_gib` in front (0: none); and the
+    device's random-read rate, probed on the same file first (`probe_random_reads`)."""
     import os
     import tempfile
 
     import numpy as np
 
-    from condmem.tables.storage import place_layer
+    from condmem.tables.direct_read import DirectRowReader
+    from condmem.tables.storage import StorageError, place_layer
     from condmem.tables.table_file import LayerRows
 
     fd, path = tempfile.mkstemp(prefix="condmem-bench-", suffix=".rows", dir=directory)
@@ -92,18 +95,44 @@ def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> Layer
         os.fsync(fh.fileno())
         if hasattr(os, "posix_fadvise"):  # reads must come from the device, not the page cache
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    write_s = time.perf_counter() - t0
     import warnings
 
     with warnings.catch_warnings():  # a read-only map: torch cannot mark it so; nothing writes through it
         warnings.simplefilter("ignore", UserWarning)
         mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, ROW_BYTES)))
-    os.unlink(path)  # the mapping keeps the file alive; nothing is left behind
     store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False, name="bench disk table")
+    info = {"disk_write_s": round(write_s, 2), "direct_io": False}
+    try:
+        store.direct_reader = DirectRowReader(path, 0, ROW_BYTES, rows)
+        info.update(direct_io=True, **probe_random_reads(path, rows * ROW_BYTES, store.direct_reader.threads))
+    except StorageError as exc:
+        log.warning("disk tier without O_DIRECT (%s): rows are read through the mapping and the page cache", exc)
+    os.unlink(path)  # the mapping and the reader keep the file alive; nothing is left behind
     if dram_cache_gib > 0:
         store = store.with_dram_cache(int(dram_cache_gib * 2**30))
-    log.info("disk table: %.1f GiB written and evicted in %.1f s; DRAM cache %.1f GiB", rows * ROW_BYTES / 2**30,
-             time.perf_counter() - t0, dram_cache_gib)
-    return store
+    log.info("disk table: %.1f GiB written in %.1f s; %s; DRAM cache %.1f GiB%s", rows * ROW_BYTES / 2**30, write_s,
+             "O_DIRECT reads" if info["direct_io"] else "memory-mapped", dram_cache_gib,
+             f"; probe {info['probe_reads_per_s']:,.0f} random 4 KiB reads/s at {info['probe_threads']} threads"
+             if "probe_reads_per_s" in info else "")
+    return store, info
+
+
+def probe_random_reads(path, nbytes: int, threads: int, n: int = 1 << 15, seed: int = 0) -> dict:
+    """The device's own rate of random aligned 4 KiB ``O_DIRECT`` reads of `path`, at `threads` in
+    flight (the tier's queue depth): what the disk tier is measured against."""
+    from condmem.tables.direct_read import BLOCK, DirectRowReader
+
+    blocks = max(1, nbytes // BLOCK)
+    reader = DirectRowReader(path, 0, BLOCK, blocks, threads=threads)
+    ids = torch.randint(0, blocks, (min(n, blocks),), generator=torch.Generator().manual_seed(seed))
+    reader.read(ids[: max(1, ids.numel() // 16)])      # warm-up: threads, buffers
+    t0 = time.perf_counter()
+    reader.read(ids)
+    seconds = time.perf_counter() - t0
+    reader.close()
+    reads = int(ids.unique().numel())
+    return {"probe_reads_per_s": reads / seconds, "probe_threads": threads, "probe_reads": reads}
 
 
 def stdlib_sources(max_chars: int) -> list[str]:
