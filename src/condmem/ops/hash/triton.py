@@ -91,6 +91,25 @@ def _write_id_range(ids_ptr, idx, mask, range_ptr, pid, bad_bounds):
 
 
 @triton.jit
+def _mix_and_store(mix, ck, k, live, lay, lmask, head, cmask, omask, out_row, n_cols, n_heads, max_n,
+                   mult_ptr, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS: tl.constexpr, FAST_MOD: tl.constexpr):
+    """Order k + 1 of every token and layer: fold token t-k (`ck`) into the running `mix`, reduce it
+    by each head's prime into its bucket (0 for tokens that are not `live`) and store the
+    buckets (+ the layer's row offsets) in their columns; returns the new mix."""
+    mk = tl.load(mult_ptr + lay * max_n + k, mask=lmask, other=0)
+    mix = mix ^ (ck[:, None] * mk[None, :])
+    col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]  # [L, H] column index
+    p = tl.load(prime_ptr + col, mask=cmask, other=2)
+    magic = tl.load(magic_ptr + col, mask=cmask, other=0)
+    bucket = _mod(mix[:, :, None], p[None, :, :], magic[None, :, :], FAST_MOD)
+    bucket = tl.where(live[:, None, None], bucket, 0)
+    if WITH_OFFSETS:
+        bucket += tl.load(offset_ptr + col, mask=cmask, other=0)[None, :, :]
+    tl.store(out_row[:, None, None] + col[None, :, :], bucket, mask=omask)
+    return mix
+
+
+@triton.jit
 def _hash_prefill_kernel(
     ids_ptr, lookup_ptr, blocked_ptr, mult_ptr, prime_ptr, magic_ptr, offset_ptr, out_ptr, range_ptr,
     n_tokens, seq_len, vocab, n_layers, max_n, n_heads, pad_id,
@@ -125,15 +144,8 @@ def _hash_prefill_kernel(
             b = tl.load(blocked_ptr + tok - k, mask=back_ok, other=0)
             dead = dead | (b != 0)
             ck = tl.where(dead, pad_id, ck)
-        mk = tl.load(mult_ptr + lay * max_n + k, mask=lmask, other=0)
-        mix = mix ^ (ck[:, None] * mk[None, :])
-        col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]  # [L, H] column index
-        p = tl.load(prime_ptr + col, mask=cmask, other=2)
-        magic = tl.load(magic_ptr + col, mask=cmask, other=0)
-        bucket = _mod(mix[:, :, None], p[None, :, :], magic[None, :, :], FAST_MOD)
-        if WITH_OFFSETS:
-            bucket += tl.load(offset_ptr + col, mask=cmask, other=0)[None, :, :]
-        tl.store(out_row[:, None, None] + col[None, :, :], bucket, mask=omask)
+        mix = _mix_and_store(mix, ck, k, tmask, lay, lmask, head, cmask, omask, out_row, n_cols, n_heads, max_n,
+                             mult_ptr, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
 
 
 @triton.jit
@@ -179,16 +191,8 @@ def _hash_decode_kernel(
     mix = c[:, None] * m0[None, :]
     for k in range(1, max_n):
         ck = tl.sum(tl.where(kk[None, :] == k - 1, hist, 0), axis=1)
-        mk = tl.load(mult_ptr + lay * max_n + k, mask=lmask, other=0)
-        mix = mix ^ (ck[:, None] * mk[None, :])
-        col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]
-        p = tl.load(prime_ptr + col, mask=cmask, other=2)
-        magic = tl.load(magic_ptr + col, mask=cmask, other=0)
-        bucket = _mod(mix[:, :, None], p[None, :, :], magic[None, :, :], FAST_MOD)
-        bucket = tl.where(live[:, None, None], bucket, 0)
-        if WITH_OFFSETS:
-            bucket += tl.load(offset_ptr + col, mask=cmask, other=0)[None, :, :]
-        tl.store(out_row[:, None, None] + col[None, :, :], bucket, mask=omask)
+        mix = _mix_and_store(mix, ck, k, live, lay, lmask, head, cmask, omask, out_row, n_cols, n_heads, max_n,
+                             mult_ptr, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
     # Every thread's history reads above happen before any thread's write below.
     tl.debug_barrier()
     tl.store(hist_at, new_hist.to(hist_ptr.dtype.element_ty), mask=hmask2)
@@ -400,16 +404,8 @@ def _hash_ragged_kernel(
             lb = tl.load(lb_ptr + seq * depth + j, mask=before & ~has_hist, other=pad_id).to(tl.int64)
         ck = tl.where(inside, ck, tl.where(has_hist, from_hist, lb))
         ck = tl.where(dead, pad_id, ck)
-        mk = tl.load(mult_ptr + lay * max_n + k, mask=lmask, other=0)
-        mix = mix ^ (ck[:, None] * mk[None, :])
-        col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]
-        p = tl.load(prime_ptr + col, mask=cmask, other=2)
-        magic = tl.load(magic_ptr + col, mask=cmask, other=0)
-        bucket = _mod(mix[:, :, None], p[None, :, :], magic[None, :, :], FAST_MOD)
-        bucket = tl.where(live[:, None, None], bucket, 0)
-        if WITH_OFFSETS:
-            bucket += tl.load(offset_ptr + col, mask=cmask, other=0)[None, :, :]
-        tl.store(out_row[:, None, None] + col[None, :, :], bucket, mask=omask)
+        mix = _mix_and_store(mix, ck, k, live, lay, lmask, head, cmask, omask, out_row, n_cols, n_heads, max_n,
+                             mult_ptr, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
 
 
 @triton.jit
