@@ -4,8 +4,8 @@ Row ids depend only on token ids, so one call before the first transformer layer
 gives every Engram layer its addresses (what lets tables live off the GPU and be
 prefetched). The hasher owns the compression map and the layout's constants, keeps
 one copy of them per device, validates its inputs once, and calls the hash
-implementation: the Triton kernels (`triton_hash`) for CUDA tensors, the torch
-reference (`reference`) elsewhere; ``backend="triton"|"torch"`` forces either. Both
+implementation: the Triton kernels (`condmem.ops.hash.triton`) for CUDA tensors, the torch
+references (`condmem.ops.hash.reference`, `ragged_reference`) elsewhere; ``backend="triton"|"torch"`` forces either. Both
 give identical numbers.
 
 Decoding hashes one new token per sequence against an `NgramHistory` (`new_history`,
