@@ -216,3 +216,45 @@ def test_warm_up_captures_every_layer_and_rows_stay_exact(device):
         for lid, module in modules.items():
             assert torch.equal(prepared.rows(lid), module.table.weight[hasher(ids)[:, :, hasher.layer_index(lid)]])
     memory.close()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
+    """`measure_fetch`: per batch and layer, the compute the fetch had in front of it (lead) and
+    the layer's wait (stall). On the CPU the lookups run inside `prepare`: nothing hidden. On a
+    GPU, compute queued before the rows are read hides the fetch (hidden ~1); a fetch held back
+    on its copy stream and read at once is not hidden (negative control)."""
+    from condmem.runtime.memory import FetchTiming
+
+    cfg, hasher, modules = _setup(device)
+    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
+                                       host_alloc="pageable" if device == "cpu" else "mmap_register",
+                                       cpu_fraction=1.0, measure_fetch=True)
+    for engine in memory.engines.values():
+        engine.direct_max_ids = 0                     # CPU gather -> staging -> DMA
+    ids = torch.randint(0, 70, (4, 64), generator=torch.Generator().manual_seed(6)).to(device)
+    if device == "cpu":
+        prepared = memory.prepare(ids)
+        prepared.rows(1)
+        (timing,) = prepared.fetch_timing().values()
+        assert timing.lead_ms == 0.0 and timing.hidden == 0.0
+    else:
+        prepared = memory.prepare(ids)
+        torch.cuda._sleep(100_000_000)                # ~50 ms of "layers" before the Engram layer
+        prepared.rows(1)
+        hidden = prepared.fetch_timing()[1]
+        assert hidden.hidden > 0.99 and hidden.lead_ms > 10
+        engine = memory.engines[3]
+        with torch.cuda.stream(engine.copy_stream):
+            torch.cuda._sleep(100_000_000)            # hold this layer's DMA back
+        late = memory.prepare(ids)
+        late.rows(3)
+        exposed = late.fetch_timing()[3]
+        assert exposed.stall_ms > 10 and exposed.hidden < 0.5
+    assert FetchTiming(3.0, 1.0).hidden == 0.75 and FetchTiming(3.0, 0.0).hidden == 1.0
+    plain = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
+                                      host_alloc="pageable" if device == "cpu" else "mmap_register")
+    with pytest.raises(EngramMemoryError, match="measure_fetch"):
+        plain.prepare(ids).fetch_timing()
+    plain.close()
+    memory.close()

@@ -44,6 +44,23 @@ class EngramMemoryError(ValueError):
     """An EngramMemory is used with inputs or slots it cannot serve."""
 
 
+@dataclass(frozen=True)
+class FetchTiming:
+    """How much of one layer's fetch ran behind compute, for one batch."""
+
+    lead_ms: float
+    """From the lookups' start to the layer asking for its rows: the compute the fetch could hide behind."""
+    stall_ms: float
+    """How long the layer then waited for rows that had not arrived."""
+
+    @property
+    def hidden(self) -> float:
+        """Share of the fetch that ran behind compute: 1 when the rows were there in time, else
+        lead / (lead + stall) (the fetch took lead + stall)."""
+        total = self.lead_ms + self.stall_ms
+        return 1.0 if self.stall_ms <= 0 or total <= 0 else self.lead_ms / total
+
+
 @dataclass
 class Prepared:
     """Row ids of every Engram layer for one batch, and their lookups in flight."""
@@ -58,6 +75,9 @@ class Prepared:
     tokens: slice = field(default_factory=lambda: slice(None))
     """Sequence parallelism: the tokens this rank keeps."""
     _rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    _started: object = None
+    """`EngramMemory(measure_fetch=True)`: a timed CUDA event at the lookups' start (True on the CPU)."""
+    _waits: dict[int, tuple] = field(default_factory=dict)
 
     def row_ids(self, layer_id: int) -> torch.Tensor:
         """[B, T, n_cols] row ids of one layer (sequence-parallel: this rank's tokens)."""
@@ -74,7 +94,10 @@ class Prepared:
         if not wait:
             return self.handles[layer_id].rows
         if layer_id not in self._rows:
+            need = self._mark()
             rows = self.handles[layer_id].wait()
+            if need is not None:
+                self._waits[layer_id] = (need, self._mark())
             if self.complete is not None:
                 rows = self.complete[layer_id](rows)
             self._rows[layer_id] = rows
@@ -82,6 +105,28 @@ class Prepared:
                 # Ids found out of range by a finished hash are raised here, where the caller waits anyway.
                 self.hasher.raise_pending(block=False)
         return self._rows[layer_id]
+
+    def _mark(self):
+        """A timed event on the current stream when this batch's fetch is measured on a GPU, else None."""
+        if not isinstance(self._started, torch.cuda.Event):
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.row_ids_all.device))
+        return event
+
+    def fetch_timing(self) -> dict[int, FetchTiming]:
+        """Per layer whose rows were read: how much of its fetch was hidden behind compute
+        (`EngramMemory(measure_fetch=True)`; waits for the device). On the CPU the lookups run
+        inside `prepare`, so nothing is hidden: lead 0, stall the lookup's own time."""
+        if self._started is None:
+            raise EngramMemoryError("fetch timing needs EngramMemory(measure_fetch=True)")
+        if self._started is True:
+            return {lid: FetchTiming(0.0, self.handles[lid].stats.seconds * 1e3) for lid in self._rows}
+        out = {}
+        for lid, (need, got) in self._waits.items():
+            got.synchronize()
+            out[lid] = FetchTiming(self._started.elapsed_time(need), need.elapsed_time(got))
+        return out
 
 
 @dataclass
@@ -122,11 +167,14 @@ class EngramMemory:
         tp_mode: ``head`` (all-gather) or ``row`` (zero-fill + all-reduce).
         sequence_parallel: each rank keeps 1/world of the tokens (`Prepared.row_ids` / `rows`
             give that chunk).
+        measure_fetch: time each batch's fetch against the compute it overlaps
+            (`Prepared.fetch_timing`: how much of it was hidden); a few timed CUDA events per layer.
     """
 
     def __init__(self, hasher: NgramHasher, stores: Mapping[int, LayerStore], device: str | torch.device = "cpu", *,
                  cache_bytes: int = 0, cpu_fraction: float | None = 0.5, max_sequences: int = 256,
-                 process_group=None, tp_mode: str = "head", sequence_parallel: bool = False):
+                 process_group=None, tp_mode: str = "head", sequence_parallel: bool = False,
+                 measure_fetch: bool = False):
         missing = set(hasher.layer_ids) - set(stores)
         if missing:
             raise EngramMemoryError(f"no table for Engram layer(s) {sorted(missing)}")
@@ -160,6 +208,7 @@ class EngramMemory:
         # Prompts given on the host are hashed on this stream, beside the caller's queue.
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._layer_index = {lid: i for i, lid in enumerate(hasher.layer_ids)}
+        self.measure_fetch = measure_fetch
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -253,6 +302,17 @@ class EngramMemory:
 
     # ------------------------------------------------------------------ batches
     def _start(self, row_ids: torch.Tensor) -> Prepared:
+        started = None
+        if self.measure_fetch:
+            started = True
+            if self.device.type == "cuda":
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(torch.cuda.current_stream(self.device))
+        prepared = self._start_lookups(row_ids)
+        prepared._started = started
+        return prepared
+
+    def _start_lookups(self, row_ids: torch.Tensor) -> Prepared:
         if self.sharded is None:
             handles = {lid: self.engines[lid].lookup(row_ids[:, :, i]) for lid, i in self._layer_index.items()}
             return Prepared(row_ids, handles, self._layer_index, self.hasher)
