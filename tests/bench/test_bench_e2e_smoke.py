@@ -50,3 +50,16 @@ def test_packing_and_the_decode_byte_count():
     # Two sequences of prompts 3 and 5, 4 tokens each (3 steps): keys read 4+5+6 and 6+7+8.
     assert decode_bytes(twin, 10, [3, 5], batch=2, gen=4) == 3 * weights + 10 * (15 + 21)
     assert decode_bytes(twin, 10, [3, 5], batch=1, gen=4) == 6 * weights + 10 * (15 + 21)
+
+
+def test_bench_e2e_smoke_from_a_disk_table(tmp_path):
+    """The disk-tier variant (the table copied to a file, read with O_DIRECT behind a DRAM row
+    cache) against the host table with the same kernel-by-kernel decode: the same tokens."""
+    rc = main(["bench", "e2e", "--smoke", "--e2e-variants", "host_eager", "disk_prefetch", "--disk-dir", str(tmp_path),
+               "--dram-cache-gib", "0.0001", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "e2e.json").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["host_eager", "disk_prefetch"]
+    disk = rows[-1]
+    assert disk["table_tier"] == "disk" and disk["tokens_equal"] is True and disk["x_host_eager"] > 0
+    assert not list(tmp_path.glob("condmem-bench-*"))   # the table file is gone

@@ -20,7 +20,12 @@ Variants, same backbone weights (the no-Engram model shares every backbone modul
 * ``host_prefetch``: the same tables, each lookup started before block 0 and waited for
   by the Engram layer only (decode: inside the graph, on a side branch); prompt batches
   are hashed and fetched one batch ahead (a scheduler knows its queue), the misses
-  gathered by CPU threads and sent by DMA, so the fetch takes no SMs from the forward.
+  gathered by CPU threads and sent by DMA, so the fetch takes no SMs from the forward;
+* ``host_eager`` (opt-in): as ``host_prefetch``, decode steps launched kernel by kernel
+  with a lookup per step (no CUDA graph): the baseline of the disk tier's decode;
+* ``disk_prefetch`` (opt-in): the tables copied to a file (``--disk-dir``) and read with
+  ``O_DIRECT`` behind a DRAM row cache (``--dram-cache-gib``), prefetched as above; the GPU
+  cannot read a file in place, so decode runs as in ``host_eager``.
 
 The limit, per phase, from ceilings measured in the same run: decode time against the bytes
 bound (every step reads the weights and each sequence's live keys and values, at the
@@ -42,6 +47,7 @@ from pathlib import Path
 import torch
 
 from condmem.bench.harness import append_rows, copy_bandwidth_gbps, gpu_time_ms, machine_info, rows_table
+from condmem.bench.lookup_setup import disk_copy
 from condmem.config import EngramConfig
 from condmem.models.config import ModelConfig
 from condmem.models.serving import ServingCache, decode_step, packed_ids, prefill_packed
@@ -59,7 +65,11 @@ BACKBONES = {
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
     "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384),
 }
-VARIANTS = ("none", "hbm", "host_sync", "host_prefetch")
+VARIANTS = ("none", "hbm", "host_sync", "host_prefetch", "host_eager", "disk_prefetch")
+DEFAULT_VARIANTS = ("none", "hbm", "host_sync", "host_prefetch")
+"""`disk_prefetch` reads the table from a file (O_DIRECT, a DRAM row cache in front); the GPU cannot
+read it in place, so its decode runs kernel by kernel with a lookup per step, as `host_eager`
+does from host memory: the matched comparison."""
 PAPER_DROP = {"4b": 0.019, "8b": 0.028}   # Engram paper: throughput cost of a 100B host table
 ROW_BYTES = 264                             # fp8 e4m3 x 256 + 8 e8m0 scales
 N_COLS = 24
@@ -148,13 +158,14 @@ class Server:
     """
 
     def __init__(self, model: DecoderLM, batch: int, max_len: int, memory: EngramMemory | None, mode: str,
-                 prefill_tokens: int = 8192, fetch_programs: int | None = None):
+                 prefill_tokens: int = 8192, fetch_programs: int | None = None, graphs: bool = True):
         self.model, self.memory, self.mode = model, memory, mode
         self.prefill_tokens = prefill_tokens
         self.device = model.embed.weight.device
         self.cache = ServingCache(model, n_slots=batch, max_len=max_len)
         self.graph = None
-        if self.device.type == "cuda":
+        in_place = memory is None or all(s.gpu_readable for s in memory.stores.values())
+        if self.device.type == "cuda" and in_place and graphs:
             from condmem.models.graphs import GraphedDecoder
 
             wait = "before_step" if mode == "sync" else "at_layer"
@@ -370,9 +381,11 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             stores = dict(host_stores)
             if variant == "hbm":
                 stores = {lid: hbm_copy(s, device) for lid, s in host_stores.items()}
+            elif variant == "disk_prefetch":
+                stores = {lid: disk_copy(s, args.disk_dir, args.dram_cache_gib) for lid, s in host_stores.items()}
             memory = memory_for(stores)
             server = Server(model, args.batch, max_len, memory, "sync" if variant == "host_sync" else "prefetch",
-                            args.prefill_tokens, args.fetch_programs)
+                            args.prefill_tokens, args.fetch_programs, graphs=variant != "host_eager")
         served = twin if variant == "none" else model
         kv_per_token = server.cache.live_kv_bytes([1])
         bounds[variant] = {"decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
@@ -395,17 +408,21 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
         if server.memory is not None:
             for engine in server.memory.engines.values():   # not memory.close(): the host tables are reused
                 engine.close()
+            if variant == "disk_prefetch":
+                for store in stores.values():               # the disk copies (their files) are this variant's
+                    store.close()
         server = memory = stores = None      # drop this variant's tables (an HBM copy is given back here)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     rows = []
-    reference = next((v for v in ("hbm", "host_sync", "host_prefetch") if v in results), None)
+    reference = next((v for v in ("hbm", "host_sync", "host_prefetch", "host_eager") if v in results), None)
     for variant, r in results.items():
         row = {"bench": "e2e", "backbone": backbone, "variant": variant, "engram_layers": list(layer_ids),
                "backbone_params": counts["backbone"],
                "table_gib": table_gib if variant != "none" else 0.0,
-               "table_tier": {"none": "-", "hbm": "hbm"}.get(variant, "host"),
+               "table_tier": {"none": "-", "hbm": "hbm", "disk_prefetch": "disk"}.get(variant, "host"),
+               "decode_graphs": variant in ("none", "hbm", "host_sync", "host_prefetch") and args.device == "cuda",
                "sequences": args.sequences, "batch": args.batch, "gen": args.gen,
                "prefill_tokens": args.prefill_tokens,
                "prompt_range": [args.prompt_min, args.prompt_max], "tokenizer": source,
@@ -416,7 +433,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             row["decode_step_ms"] = 1e3 * r["decode_s"] / (math.ceil(args.sequences / args.batch) * (args.gen - 1))
             row["prefill_gemm_s"] = row["prefill_flops"] / (limits["gemm_tflops"] * 1e12)
             row["prefill_vs_gemm"] = row["prefill_gemm_s"] / r["prefill_s"]
-        for base in ("none", "hbm"):
+        for base in ("none", "hbm", "host_eager"):
             if base in results:
                 b = results[base]
                 row[f"x_{base}"] = r["tokens_per_s"] / b["tokens_per_s"]
@@ -528,6 +545,7 @@ def main(args) -> list[dict]:
                             ("decode_tokens_per_s", "decode tok/s", ".0f"), ("decode_step_ms", "step ms", ".2f"),
                             ("decode_vs_bound", "decode/bound", ".3f"), ("prefill_vs_gemm", "prefill/GEMM", ".3f"),
                             ("prefill_x_hbm", "prefill x hbm", ".4f"), ("decode_x_hbm", "decode x hbm", ".4f"),
+                            ("x_host_eager", "x host eager", ".4f"),
                             ("x_none", "x none", ".4f"), ("x_hbm", "x hbm", ".4f"), ("paper_drop", "paper drop", ".3f"),
                             ("tokens_equal", "same tokens", "")]))
     return rows
@@ -537,8 +555,13 @@ def add_arguments(p) -> None:
     """The options of ``condmem bench e2e``."""
     p.add_argument("--backbones", nargs="+", default=["4b", "8b"], choices=sorted(BACKBONES),
                    help="dense backbones (4b: Qwen3-4B shape, 8b: Llama-3-8B shape; random bf16 weights)")
-    p.add_argument("--e2e-variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
-                   help="what to serve (the table size is --table-gib)")
+    p.add_argument("--e2e-variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
+                   help="what to serve (the table size is --table-gib): no Engram, the table in HBM, in host "
+                        "memory read before each batch (sync) or prefetched, prefetched with decode steps run "
+                        "kernel by kernel (host_eager), or from a file on disk (disk_prefetch: O_DIRECT reads "
+                        "behind a DRAM row cache of --dram-cache-gib, the file in --disk-dir, decode kernel by kernel); "
+                        "default: "
+                        + " ".join(DEFAULT_VARIANTS))
     p.add_argument("--engram-layers", nargs="+", type=int, default=[1],
                    help="blocks with an Engram layer, each with its own --table-gib table (V4.1-like: 1 14)")
     p.add_argument("--sequences", type=int, default=512, help="prompts in the workload")

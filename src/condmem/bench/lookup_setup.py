@@ -118,6 +118,42 @@ def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> tuple
     return store, info
 
 
+def disk_copy(store: LayerStore, directory: str | None, dram_cache_gib: float) -> LayerStore:
+    """A disk store holding the same rows as `store` (HBM or host): written to a temporary file,
+    its pages dropped, read with ``O_DIRECT`` (the mapping where the file system refuses direct
+    reads) behind a DRAM row cache of `dram_cache_gib` (0: none). The file is gone once closed."""
+    import os
+    import tempfile
+    import warnings
+
+    import numpy as np
+
+    from condmem.tables.direct_read import DirectRowReader
+    from condmem.tables.storage import StorageError, place_layer
+    from condmem.tables.table_file import LayerRows
+
+    rows, row_bytes = store.num_rows, store.row_bytes
+    fd, path = tempfile.mkstemp(prefix="condmem-bench-", suffix=".rows", dir=directory)
+    with os.fdopen(fd, "wb") as fh:
+        step = max(1, (256 << 20) // row_bytes)
+        for s in range(0, rows, step):
+            fh.write(store.raw[s:s + step].cpu().numpy().tobytes())
+        fh.flush()
+        os.fsync(fh.fileno())
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    with warnings.catch_warnings():   # a read-only map: torch cannot mark it so; nothing writes through it
+        warnings.simplefilter("ignore", UserWarning)
+        mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, row_bytes)))
+    disk = place_layer(LayerRows(store.format, mapped), "disk", progress=False, name="bench disk copy")
+    try:
+        disk.direct_reader = DirectRowReader(path, 0, row_bytes, rows)
+    except StorageError as exc:
+        log.warning("disk copy without O_DIRECT (%s): read through the mapping and the page cache", exc)
+    os.unlink(path)
+    return disk.with_dram_cache(int(dram_cache_gib * 2**30)) if dram_cache_gib > 0 else disk
+
+
 def probe_random_reads(path, nbytes: int, threads: int, n: int = 1 << 15, seed: int = 0) -> dict:
     """The device's own rate of random aligned 4 KiB ``O_DIRECT`` reads of `path`, at `threads` in
     flight (the tier's queue depth): what the disk tier is measured against."""
