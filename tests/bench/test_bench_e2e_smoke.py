@@ -63,3 +63,14 @@ def test_bench_e2e_smoke_from_a_disk_table(tmp_path):
     disk = rows[-1]
     assert disk["table_tier"] == "disk" and disk["tokens_equal"] is True and disk["x_host_eager"] > 0
     assert not list(tmp_path.glob("condmem-bench-*"))   # the table file is gone
+
+
+def test_bench_e2e_smoke_measures_how_much_fetch_was_hidden(tmp_path):
+    """--measure-fetch: each Engram variant's row says what share of the prompt batches' fetch ran
+    behind compute (on the CPU the lookups run inside `prepare`: none) and the layers' stall."""
+    rc = main(["bench", "e2e", "--smoke", "--e2e-variants", "none", "host_prefetch", "--measure-fetch",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "e2e.json").read_text().splitlines()]
+    assert "prefill_fetch_hidden" not in rows[0]
+    assert rows[1]["prefill_fetch_hidden"] == 0.0 and rows[1]["prefill_fetches"] > 0

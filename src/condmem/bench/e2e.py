@@ -160,6 +160,7 @@ class Server:
     def __init__(self, model: DecoderLM, batch: int, max_len: int, memory: EngramMemory | None, mode: str,
                  prefill_tokens: int = 8192, fetch_programs: int | None = None, graphs: bool = True):
         self.model, self.memory, self.mode = model, memory, mode
+        self.fetch_log: list = []    # `FetchTiming` of every prompt batch's layers (`--measure-fetch`)
         self.prefill_tokens = prefill_tokens
         self.device = model.embed.weight.device
         self.cache = ServingCache(model, n_slots=batch, max_len=max_len)
@@ -231,12 +232,27 @@ class Server:
             ids = logits.argmax(-1)
             out[:, t] = ids
         t_decode = timer.lap()
+        if self.memory is not None and self.memory.measure_fetch:   # read after the timed laps
+            self.fetch_log.extend(t for p in alive for t in p.fetch_timing().values())
         alive.clear()
         for slot in slots:
             self.cache.release(slot)
             if self.memory is not None:
                 self.memory.free(slot)
         return out, t_prefill, t_decode
+
+
+def fetch_summary(timings: list) -> dict:
+    """How much of the prompt batches' fetches ran behind compute (`EngramMemory(measure_fetch=True)`):
+    the share hidden over all batches and layers (fetch time behind compute / fetch time), and the
+    total stall of the Engram layers waiting for rows."""
+    if not timings:
+        return {}
+    lead = sum(t.lead_ms for t in timings)
+    stall = sum(t.stall_ms for t in timings)
+    hidden = sum(t.hidden * (t.lead_ms + t.stall_ms) for t in timings)
+    return {"prefill_fetch_hidden": hidden / (lead + stall) if lead + stall > 0 else 1.0,
+            "prefill_fetch_stall_ms": stall, "prefill_fetches": len(timings)}
 
 
 class _Timer:
@@ -260,6 +276,7 @@ class _Timer:
 
 def serve_all(server: Server, prompts: list[torch.Tensor], batch: int, gen: int) -> dict:
     staged = server.stage(prompts)
+    server.fetch_log.clear()
     tokens, t_prefill, t_decode = [], 0.0, 0.0
     for s in range(0, len(prompts), batch):
         out, tp, td = server.wave(staged[s:s + batch], gen)
@@ -273,6 +290,7 @@ def serve_all(server: Server, prompts: list[torch.Tensor], batch: int, gen: int)
             "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens,
             "tokens_per_s": (prompt_tokens + gen_tokens) / total,
             "prefill_tokens_per_s": prompt_tokens / t_prefill,
+            **fetch_summary(server.fetch_log),
             "decode_tokens_per_s": gen_tokens / max(t_decode, 1e-9)}
 
 
@@ -364,7 +382,8 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     def memory_for(stores):
         # Prompts: dedup, then CPU threads gather the misses into pinned staging and DMA them
         # (copy engines: no SMs taken from the forward running beside); decode: in the graph.
-        memory = EngramMemory(model.hasher, stores, device, cpu_fraction=1.0, max_sequences=args.batch)
+        memory = EngramMemory(model.hasher, stores, device, cpu_fraction=1.0, max_sequences=args.batch,
+                              measure_fetch=args.measure_fetch)
         for engine in memory.engines.values():
             engine.cpu_threads = args.lookup_threads   # leave cores to the thread launching the forward
         memory.warm_up(prefill_sizes)                  # the packed batches' lookup plans as CUDA graphs
@@ -546,6 +565,7 @@ def main(args) -> list[dict]:
                             ("decode_vs_bound", "decode/bound", ".3f"), ("prefill_vs_gemm", "prefill/GEMM", ".3f"),
                             ("prefill_x_hbm", "prefill x hbm", ".4f"), ("decode_x_hbm", "decode x hbm", ".4f"),
                             ("x_host_eager", "x host eager", ".4f"),
+                            ("prefill_fetch_hidden", "fetch hidden", ".3f"),
                             ("x_none", "x none", ".4f"), ("x_hbm", "x hbm", ".4f"), ("paper_drop", "paper drop", ".3f"),
                             ("tokens_equal", "same tokens", "")]))
     return rows
@@ -562,6 +582,9 @@ def add_arguments(p) -> None:
                         "behind a DRAM row cache of --dram-cache-gib, the file in --disk-dir, decode kernel by kernel); "
                         "default: "
                         + " ".join(DEFAULT_VARIANTS))
+    p.add_argument("--measure-fetch", action="store_true",
+                   help="time each prompt batch's fetch against the compute before its Engram layer: the share "
+                        "hidden and the layers' stall, per variant (a few timed CUDA events per layer)")
     p.add_argument("--engram-layers", nargs="+", type=int, default=[1],
                    help="blocks with an Engram layer, each with its own --table-gib table (V4.1-like: 1 14)")
     p.add_argument("--sequences", type=int, default=512, help="prompts in the workload")
