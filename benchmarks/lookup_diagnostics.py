@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from condmem.bench.lookup_setup import N_COLS, ROW_BYTES
-from condmem.bench.lookup_timing import run_pipelined, time_pipelined
-from condmem.tables.lookup import LookupConfig, LookupEngine
+from condmem.bench.lookup_timing import time_pipelined
+from condmem.tables.lookup import LookupConfig, LookupEngine, run_pipelined
 from condmem.tables.lookup_plan import LookupPlan, fill_plan_ids, plan_bucket
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from condmem import EngramConfig, EngramLayout, NgramHasher
-from condmem.hashing.history import HistoryError, NgramHistory, hash_decode_reference
+from condmem.hashing.history import HistoryError, NgramHistory
+from condmem.ops.hash.reference import hash_decode_reference
 from kernel_helpers import INTERPRET, cuda_kernels, kernel_devices, needs_kernels
 
 pytestmark = needs_kernels

@@ -15,9 +15,9 @@ from helpers import cuda_only
 from condmem import EngramConfig, EngramLayout
 from condmem.ops.gather import gather_reference
 from condmem.tables.host_memory import HostMemoryError, allocate_host, mem_available
-from condmem.bench.lookup_timing import run_pipelined, time_pipelined
+from condmem.bench.lookup_timing import time_pipelined
 from condmem.tables import lookup as lookup_module
-from condmem.tables.lookup import LookupConfig, LookupEngine
+from condmem.tables.lookup import LookupConfig, LookupEngine, run_pipelined
 from condmem.fp8 import quantize_fp8_e8m0
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import StorageError, place_layer

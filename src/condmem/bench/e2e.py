@@ -250,8 +250,7 @@ def fetch_summary(timings: list) -> dict:
         return {}
     lead = sum(t.lead_ms for t in timings)
     stall = sum(t.stall_ms for t in timings)
-    hidden = sum(t.hidden * (t.lead_ms + t.stall_ms) for t in timings)
-    return {"prefill_fetch_hidden": hidden / (lead + stall) if lead + stall > 0 else 1.0,
+    return {"prefill_fetch_hidden": lead / (lead + stall) if stall > 0 else 1.0,
             "prefill_fetch_stall_ms": stall, "prefill_fetches": len(timings)}
 
 

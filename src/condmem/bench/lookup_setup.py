@@ -70,13 +70,16 @@ def host_store(rows: int, alloc: str, progress: bool = True) -> LayerStore:
     return HostStore("fp8_interleaved", HEAD_DIM, raw, buffer=buffer)
 
 
-def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> tuple[LayerStore, dict]:
-    """A disk-tier store: a file of random rows, its pages dropped from the page cache, read with
-    ``O_DIRECT`` (`DirectRowReader`; the memory-mapped tier where the file system refuses direct
-    reads), with a bounded DRAM row cache of `dram_cache_gib` in front (0: none); and the
-    device's random-read rate, probed on the same file first (`probe_random_reads`)."""
+def _file_store(chunks, rows: int, fmt: str, row_bytes: int, directory: str | None, probe: bool = False
+                ) -> tuple[LayerStore, dict]:
+    """A disk store of the uint8 row `chunks` (written in order to a temporary file, synced, its pages
+    dropped from the page cache), read with ``O_DIRECT`` (`DirectRowReader`; through the mapping
+    where the file system refuses direct reads); with `probe`, the device's random-read rate
+    measured on the file first. The file is unlinked at once: the mapping and the reader keep it
+    alive until the store is closed."""
     import os
     import tempfile
+    import warnings
 
     import numpy as np
 
@@ -87,70 +90,51 @@ def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> tuple
     fd, path = tempfile.mkstemp(prefix="condmem-bench-", suffix=".rows", dir=directory)
     t0 = time.perf_counter()
     with os.fdopen(fd, "wb") as fh:
-        block = torch.empty((min(rows, 1 << 20), ROW_BYTES), dtype=torch.uint8)
-        fill_table(block)
-        for s in range(0, rows, block.shape[0]):
-            fh.write(block[: min(block.shape[0], rows - s)].numpy().tobytes())
+        for chunk in chunks:
+            fh.write(chunk.cpu().numpy().tobytes())
         fh.flush()
         os.fsync(fh.fileno())
         if hasattr(os, "posix_fadvise"):  # reads must come from the device, not the page cache
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    write_s = time.perf_counter() - t0
-    import warnings
-
+    info = {"disk_write_s": round(time.perf_counter() - t0, 2), "direct_io": False}
     with warnings.catch_warnings():  # a read-only map: torch cannot mark it so; nothing writes through it
         warnings.simplefilter("ignore", UserWarning)
-        mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, ROW_BYTES)))
-    store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False, name="bench disk table")
-    info = {"disk_write_s": round(write_s, 2), "direct_io": False}
+        mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, row_bytes)))
+    store = place_layer(LayerRows(fmt, mapped), "disk", progress=False, name="bench disk table")
     try:
-        store.direct_reader = DirectRowReader(path, 0, ROW_BYTES, rows)
-        info.update(direct_io=True, **probe_random_reads(path, rows * ROW_BYTES, store.direct_reader.threads))
+        store.direct_reader = DirectRowReader(path, 0, row_bytes, rows)
+        info["direct_io"] = True
+        if probe:
+            info.update(probe_random_reads(path, rows * row_bytes, store.direct_reader.threads))
     except StorageError as exc:
         log.warning("disk tier without O_DIRECT (%s): rows are read through the mapping and the page cache", exc)
-    os.unlink(path)  # the mapping and the reader keep the file alive; nothing is left behind
+    os.unlink(path)
+    return store, info
+
+
+def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> tuple[LayerStore, dict]:
+    """A disk-tier store of random rows (`_file_store`), with a bounded DRAM row cache of
+    `dram_cache_gib` in front (0: none); and the device's random-read rate, probed on the same
+    file first (`probe_random_reads`)."""
+    block = torch.empty((min(rows, 1 << 20), ROW_BYTES), dtype=torch.uint8)
+    fill_table(block)
+    chunks = (block[: min(block.shape[0], rows - s)] for s in range(0, rows, block.shape[0]))
+    store, info = _file_store(chunks, rows, "fp8_interleaved", ROW_BYTES, directory, probe=True)
     if dram_cache_gib > 0:
         store = store.with_dram_cache(int(dram_cache_gib * 2**30))
-    log.info("disk table: %.1f GiB written in %.1f s; %s; DRAM cache %.1f GiB%s", rows * ROW_BYTES / 2**30, write_s,
-             "O_DIRECT reads" if info["direct_io"] else "memory-mapped", dram_cache_gib,
+    log.info("disk table: %.1f GiB written in %.1f s; %s; DRAM cache %.1f GiB%s", rows * ROW_BYTES / 2**30,
+             info["disk_write_s"], "O_DIRECT reads" if info["direct_io"] else "memory-mapped", dram_cache_gib,
              f"; probe {info['probe_reads_per_s']:,.0f} random 4 KiB reads/s at {info['probe_threads']} threads"
              if "probe_reads_per_s" in info else "")
     return store, info
 
 
 def disk_copy(store: LayerStore, directory: str | None, dram_cache_gib: float) -> LayerStore:
-    """A disk store holding the same rows as `store` (HBM or host): written to a temporary file,
-    its pages dropped, read with ``O_DIRECT`` (the mapping where the file system refuses direct
-    reads) behind a DRAM row cache of `dram_cache_gib` (0: none). The file is gone once closed."""
-    import os
-    import tempfile
-    import warnings
-
-    import numpy as np
-
-    from condmem.tables.direct_read import DirectRowReader
-    from condmem.tables.storage import StorageError, place_layer
-    from condmem.tables.table_file import LayerRows
-
-    rows, row_bytes = store.num_rows, store.row_bytes
-    fd, path = tempfile.mkstemp(prefix="condmem-bench-", suffix=".rows", dir=directory)
-    with os.fdopen(fd, "wb") as fh:
-        step = max(1, (256 << 20) // row_bytes)
-        for s in range(0, rows, step):
-            fh.write(store.raw[s:s + step].cpu().numpy().tobytes())
-        fh.flush()
-        os.fsync(fh.fileno())
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    with warnings.catch_warnings():   # a read-only map: torch cannot mark it so; nothing writes through it
-        warnings.simplefilter("ignore", UserWarning)
-        mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, row_bytes)))
-    disk = place_layer(LayerRows(store.format, mapped), "disk", progress=False, name="bench disk copy")
-    try:
-        disk.direct_reader = DirectRowReader(path, 0, row_bytes, rows)
-    except StorageError as exc:
-        log.warning("disk copy without O_DIRECT (%s): read through the mapping and the page cache", exc)
-    os.unlink(path)
+    """A disk store holding the same rows as `store` (HBM or host; `_file_store`), behind a DRAM
+    row cache of `dram_cache_gib` (0: none)."""
+    step = max(1, (256 << 20) // store.row_bytes)
+    chunks = (store.raw[s:s + step] for s in range(0, store.num_rows, step))
+    disk, _ = _file_store(chunks, store.num_rows, store.format, store.row_bytes, directory)
     return disk.with_dram_cache(int(dram_cache_gib * 2**30)) if dram_cache_gib > 0 else disk
 
 

@@ -1,13 +1,13 @@
-"""How ``condmem bench lookup`` times a `LookupEngine`: one lookup alone, or a pipeline of them."""
+"""How ``condmem bench lookup`` times a `LookupEngine`: one lookup alone, or a pipeline of them
+(`condmem.tables.lookup.run_pipelined`, what the engine's calibration times too)."""
 
 from __future__ import annotations
 
-import collections
 import time
 
 import torch
 
-from condmem.tables.lookup import LookupEngine, LookupHandle
+from condmem.tables.lookup import LookupEngine, run_pipelined
 
 
 def _sync(engine: LookupEngine) -> None:
@@ -31,33 +31,6 @@ def time_lookup(engine: LookupEngine, batches: list[torch.Tensor], repeats: int 
             times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]
-
-
-def run_pipelined(engine: LookupEngine, batches: list[torch.Tensor], depth: int | None = None) -> list[LookupHandle]:
-    """Look up `batches` back to back, each waited for only `depth` lookups later (default the
-    engine's `max_in_flight`), as a prefetching caller would; returns the handles, all waited for.
-
-    The rows are consumed on a stream of their own: waits queued on the stream the ids come
-    from would hold back the next lookup's plan (it waits for that stream)."""
-    depth = depth or engine.max_in_flight
-    consumer = torch.cuda.Stream(engine.device) if engine.on_gpu else None
-    handles, waiting = [], collections.deque()
-
-    def wait_oldest():
-        if consumer is None:
-            waiting.popleft().wait()
-        else:
-            with torch.cuda.stream(consumer):
-                waiting.popleft().wait()
-
-    for ids in batches:
-        handles.append(engine.lookup(ids))
-        waiting.append(handles[-1])
-        if len(waiting) >= depth:
-            wait_oldest()
-    while waiting:
-        wait_oldest()
-    return handles
 
 
 def time_pipelined(engine: LookupEngine, batches: list[torch.Tensor], depth: int | None = None) -> float:

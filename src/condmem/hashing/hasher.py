@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from condmem.config import EngramConfig
-from condmem.hashing.history import NgramHistory, hash_decode_reference
+from condmem.hashing.history import NgramHistory
 from condmem.hashing.id_checks import PendingIdChecks
 from condmem.ops.hash.ragged_reference import advance_reference, hash_ragged_reference, lookback_from_ids
-from condmem.ops.hash.reference import hash_reference
+from condmem.ops.hash.reference import hash_decode_reference, hash_reference
 from condmem.layout import EngramLayout
 from condmem.ops.triton_util import BACKENDS, resolve_backend
 

@@ -11,14 +11,13 @@ table is only touched by `reset`, `prefill` and the decode step. Padding rows of
 decode batch (slot -1, or ``valid`` False, e.g. CUDA-graph padding) neither read nor
 write any slot, also when they name a live one.
 
-`hash_decode_reference` is the plain-torch decode step the Triton kernel is held to.
+`condmem.ops.hash.reference.hash_decode_reference` is the plain-torch decode step the Triton
+kernel is held to.
 """
 
 from __future__ import annotations
 
 import torch
-
-from condmem.ops.hash.reference import ngram_mixes
 
 
 class HistoryError(ValueError):
@@ -144,52 +143,3 @@ class NgramHistory:
     def __repr__(self) -> str:
         return (f"NgramHistory(slots={self.n_slots}, N={self.max_ngram_size}, live={len(self._live)}, "
                 f"device={self.device})")
-
-
-def hash_decode_reference(
-    history: torch.Tensor,
-    slots: torch.Tensor,
-    compressed: torch.Tensor,
-    *,
-    multipliers: torch.Tensor,
-    primes: torch.Tensor,
-    offsets: torch.Tensor | None,
-    n_heads: int,
-    pad_id: int,
-    valid: torch.Tensor | None = None,
-    blocked: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One decode step in plain torch: hash [B] new tokens against `history`, update it in place.
-
-    Args:
-        history: int64 [n_slots, N-1] (`NgramHistory.ids`).
-        slots: [B] slot per row; outside [0, n_slots) marks a padding row.
-        compressed: [B] compressed ids of the new tokens.
-        valid: optional bool [B]; False marks a padding row.
-        blocked: optional bool [B]; the new token is hidden from later look-backs.
-        multipliers, primes, offsets, n_heads, pad_id: as in `hash_reference`.
-
-    Returns:
-        int64 [B, L, (N-1)*H]; padding rows hold bucket 0 (+ offset) of every column.
-        Live rows must name distinct slots.
-    """
-    n_slots = history.shape[0]
-    slots = slots.to(history.device).long()
-    live = (slots >= 0) & (slots < n_slots)
-    if valid is not None:
-        live = live & valid.to(history.device)
-    c = compressed.to(history.device).long()
-    pad = torch.full_like(c, pad_id)
-    c = torch.where(live, c, pad)
-    hist = history[slots.clamp(0, n_slots - 1)].long()
-    hist = torch.where(live[:, None], hist, torch.full_like(hist, pad_id))
-    window = torch.cat([c[:, None], hist], dim=1)  # [B, N]: distance 0..N-1
-    mixes = ngram_mixes(window[:, None, :], multipliers)[:, 0]  # [B, L, N-1]
-    buckets = torch.remainder(mixes.repeat_interleave(n_heads, dim=-1), primes)
-    buckets = torch.where(live[:, None, None], buckets, torch.zeros_like(buckets))
-    rows = buckets if offsets is None else buckets + offsets
-    new = torch.cat([c[:, None], hist[:, :-1]], dim=1)
-    if blocked is not None:
-        new = torch.where(blocked.to(history.device)[:, None], torch.full_like(new, pad_id), new)
-    history[slots[live]] = new[live].to(history.dtype)
-    return rows

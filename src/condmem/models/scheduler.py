@@ -24,6 +24,7 @@ same pieces.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -111,7 +112,7 @@ class Scheduler:
 
     def _prepare(self, reqs: list[Request], chunks: list[list[int]]):
         ids = torch.tensor([t for c in chunks for t in c])
-        cu = torch.tensor([0] + [sum(len(c) for c in chunks[: i + 1]) for i in range(len(chunks))])
+        cu = torch.tensor([0, *itertools.accumulate(len(c) for c in chunks)])
         return self.memory.prepare_ragged(ids, cu, slots=torch.tensor([r.slot for r in reqs]))
 
     def step(self) -> list[tuple[object, int]]:

@@ -75,8 +75,10 @@ class Prepared:
     tokens: slice = field(default_factory=lambda: slice(None))
     """Sequence parallelism: the tokens this rank keeps."""
     _rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    _started: object = None
-    """`EngramMemory(measure_fetch=True)`: a timed CUDA event at the lookups' start (True on the CPU)."""
+    measured: bool = False
+    """`EngramMemory(measure_fetch=True)`: `fetch_timing` can say how much of the fetch was hidden."""
+    _started: torch.cuda.Event | None = None
+    """Measured on a GPU: a timed event at the lookups' start."""
     _waits: dict[int, tuple] = field(default_factory=dict)
 
     def row_ids(self, layer_id: int) -> torch.Tensor:
@@ -108,7 +110,7 @@ class Prepared:
 
     def _mark(self):
         """A timed event on the current stream when this batch's fetch is measured on a GPU, else None."""
-        if not isinstance(self._started, torch.cuda.Event):
+        if self._started is None:
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.row_ids_all.device))
@@ -118,9 +120,9 @@ class Prepared:
         """Per layer whose rows were read: how much of its fetch was hidden behind compute
         (`EngramMemory(measure_fetch=True)`; waits for the device). On the CPU the lookups run
         inside `prepare`, so nothing is hidden: lead 0, stall the lookup's own time."""
-        if self._started is None:
+        if not self.measured:
             raise EngramMemoryError("fetch timing needs EngramMemory(measure_fetch=True)")
-        if self._started is True:
+        if self._started is None:
             return {lid: FetchTiming(0.0, self.handles[lid].stats.seconds * 1e3) for lid in self._rows}
         out = {}
         for lid, (need, got) in self._waits.items():
@@ -303,13 +305,11 @@ class EngramMemory:
     # ------------------------------------------------------------------ batches
     def _start(self, row_ids: torch.Tensor) -> Prepared:
         started = None
-        if self.measure_fetch:
-            started = True
-            if self.device.type == "cuda":
-                started = torch.cuda.Event(enable_timing=True)
-                started.record(torch.cuda.current_stream(self.device))
+        if self.measure_fetch and self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(torch.cuda.current_stream(self.device))
         prepared = self._start_lookups(row_ids)
-        prepared._started = started
+        prepared.measured, prepared._started = self.measure_fetch, started
         return prepared
 
     def _start_lookups(self, row_ids: torch.Tensor) -> Prepared:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -158,7 +159,7 @@ class LookupHandle:
         self._future = future
         self.stats = stats
         self._batch = batch
-        self._settle = settle       # the engine's: queues the expansion if the caller's thread does that
+        self._settle = settle       # the engine's: queues the expansion on the caller's thread
 
     def wait(self) -> torch.Tensor:
         """Rows [T, n_cols, head_dim] bf16. Blocks the host only until the CPU share is enqueued."""
@@ -181,16 +182,6 @@ class LookupHandle:
         if self._settle is not None:
             self._settle()
         return self.event is None or self.event.query()
-
-
-def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int,
-                   out: torch.Tensor | None = None, **kernel) -> torch.Tensor:
-    """bf16 rows [..., head_dim] of `ids` from raw rows (bf16 bytes, or interleaved fp8 + scales, dequantized).
-
-    `kernel`: gather kernel options (e.g. ``max_programs``)."""
-    if fmt == "bf16":
-        return engram_gather(ids, raw.view(torch.bfloat16), out=out, **kernel)
-    return engram_gather(ids, raw, head_dim=head_dim, out=out, **kernel)
 
 
 def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int,
@@ -633,19 +624,10 @@ class LookupEngine:
 
     # ------------------------------------------------------------------ the split
     def _seconds_pipelined(self, batches: list[torch.Tensor]) -> float:
-        """Seconds per lookup of `batches` issued back to back, each waited for `max_in_flight`
-        lookups later on a stream of its own (a prefetching caller's steady state)."""
-        consumer = torch.cuda.Stream(self.device)
+        """Seconds per lookup of `batches` through `run_pipelined` (a prefetching caller's steady state)."""
         torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        waiting: collections.deque[LookupHandle] = collections.deque()
-        with torch.cuda.stream(consumer):
-            for ids in batches:
-                waiting.append(self.lookup(ids))
-                if len(waiting) >= self.max_in_flight:
-                    waiting.popleft().wait()
-            while waiting:
-                waiting.popleft().wait()
+        run_pipelined(self, batches)
         torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / max(1, len(batches))
 
@@ -725,6 +707,30 @@ class LookupEngine:
             self._pool = None
         self._plans.clear()
         self._sender = None
+
+
+def run_pipelined(engine: LookupEngine, batches: list[torch.Tensor], depth: int | None = None) -> list[LookupHandle]:
+    """Look up `batches` back to back, each waited for only `depth` lookups later (default the
+    engine's `max_in_flight`), as a prefetching caller would; returns the handles, all waited for.
+
+    The rows are consumed on a stream of their own: waits queued on the stream the ids come
+    from would hold back the next lookup's plan (it waits for that stream)."""
+    depth = depth or engine.max_in_flight
+    consumer = torch.cuda.Stream(engine.device) if engine.on_gpu else None
+    handles, waiting = [], collections.deque()
+
+    def wait_oldest() -> None:
+        with torch.cuda.stream(consumer) if consumer is not None else contextlib.nullcontext():
+            waiting.popleft().wait()
+
+    for ids in batches:
+        handles.append(engine.lookup(ids))
+        waiting.append(handles[-1])
+        if len(waiting) >= depth:
+            wait_oldest()
+    while waiting:
+        wait_oldest()
+    return handles
 
 
 def time_candidates(time_at: Callable[[float], float], candidates: tuple[float, ...],
