@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from condmem import EngramConfig, EngramLayout
+from condmem.tables.released import TensorNames
 from condmem.tables.safetensors_io import StreamingWriter
 
 ROW_BYTES = 256 + 8
@@ -63,11 +64,8 @@ class RandomBytes:
 
 
 def names(layer_id: int, dialect: str) -> dict[str, str]:
-    p = "" if dialect == "original" else "model."
-    s = "scale" if dialect == "original" else "weight_scale_inv"
-    b = f"{p}layers.{layer_id}.engram."
-    return {"embed": b + "embed.weight", "embed_scale": b + f"embed.{s}", "wkv": b + "wkv.weight",
-            "wkv_scale": b + f"wkv.{s}", "q_weight": b + "q_weight", "k_weight": b + "k_weight"}
+    """The released checkpoint's tensor names of one layer (the reader's own naming, `TensorNames`)."""
+    return TensorNames(dialect, "" if dialect == "original" else "model.").layer(layer_id)
 
 
 def write_synthetic_checkpoint(root: str | Path, table_gib: float, layer_ids: list[int], shards: int = 1,
