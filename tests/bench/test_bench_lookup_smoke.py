@@ -74,3 +74,19 @@ def test_lookup_diagnostics_plan_times_plan_and_admission_per_variant(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "lookup_diagnostics.json").read_text().splitlines()]
     costs = {(r["variant"], r["stream"]) for r in rows if r["bench"] == "plan_cost"}
     assert costs == {(v, f"text {s}") for v in ("graphs", "eager/torch") for s in ("plan", "admit")}
+
+
+def test_a_disk_table_whose_write_fails_leaves_no_file(tmp_path):
+    """A write that fails midway (a full disk, say) removes the partial file and raises."""
+    import pytest
+    import torch
+
+    from condmem.bench.lookup_setup import _file_store
+
+    def chunks():
+        yield torch.zeros((4, 264), dtype=torch.uint8)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        _file_store(chunks(), 8, "fp8_interleaved", 264, str(tmp_path))
+    assert not list(tmp_path.iterdir())

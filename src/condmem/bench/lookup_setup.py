@@ -89,13 +89,17 @@ def _file_store(chunks, rows: int, fmt: str, row_bytes: int, directory: str | No
 
     fd, path = tempfile.mkstemp(prefix="condmem-bench-", suffix=".rows", dir=directory)
     t0 = time.perf_counter()
-    with os.fdopen(fd, "wb") as fh:
-        for chunk in chunks:
-            fh.write(chunk.cpu().numpy().tobytes())
-        fh.flush()
-        os.fsync(fh.fileno())
-        if hasattr(os, "posix_fadvise"):  # reads must come from the device, not the page cache
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for chunk in chunks:
+                fh.write(chunk.cpu().numpy().tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+            if hasattr(os, "posix_fadvise"):  # reads must come from the device, not the page cache
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    except BaseException:
+        os.unlink(path)               # a full disk or a kill leaves no partial table behind
+        raise
     info = {"disk_write_s": round(time.perf_counter() - t0, 2), "direct_io": False}
     with warnings.catch_warnings():  # a read-only map: torch cannot mark it so; nothing writes through it
         warnings.simplefilter("ignore", UserWarning)
