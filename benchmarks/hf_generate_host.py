@@ -81,6 +81,60 @@ def timed_generate(model, ids: torch.Tensor, new: int, repeats: int, device: str
     return out[:, ids.shape[1]:], seconds, same
 
 
+class RecordedMemory:
+    """An `EngramMemory` that keeps, for every forward, the row ids it was asked for and the rows
+    each layer read (to find where two memories' generate runs part)."""
+
+    def __init__(self, memory: EngramMemory, layers: list[int]):
+        self.memory, self.layers, self.calls = memory, layers, []
+
+    def __getattr__(self, name):
+        return getattr(self.memory, name)
+
+    def lookup(self, row_ids):
+        prepared = self.memory.lookup(row_ids)
+        self.calls.append((row_ids.clone(), {lid: prepared.rows(lid).clone() for lid in self.layers}))
+        return prepared
+
+
+def traced_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new: int, layers: list[int]):
+    """Greedy generate with `memory`, recording each step's row ids, rows and logits."""
+    recorded = RecordedMemory(memory, layers)
+    adapter.memory = recorded
+    try:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=new,
+                             max_new_tokens=new, output_logits=True, return_dict_in_generate=True)
+    finally:
+        adapter.memory = memory
+    return out.sequences[:, ids.shape[1]:], out.logits, recorded.calls
+
+
+def first_parting(a, b) -> dict:
+    """Steps of two traced generate runs compared one by one: the first step whose row ids, rows
+    or logits differ (bitwise), the largest logit difference there, and the top-1/top-2 margin
+    where the first token differs."""
+    tokens_a, logits_a, calls_a = a
+    tokens_b, logits_b, calls_b = b
+    first = {"row_ids": None, "rows": None, "logits": None, "tokens": None}
+    for step, ((ids_a, rows_a), (ids_b, rows_b)) in enumerate(zip(calls_a, calls_b)):
+        if first["row_ids"] is None and not torch.equal(ids_a, ids_b):
+            first["row_ids"] = step
+        if first["rows"] is None and not all(torch.equal(rows_a[k], rows_b[k]) for k in rows_a):
+            first["rows"] = step
+    out: dict = {"steps": len(logits_a)}
+    for step, (la, lb) in enumerate(zip(logits_a, logits_b)):
+        if first["logits"] is None and not torch.equal(la, lb):
+            first["logits"] = step
+            out["max_abs_logit_diff_there"] = float((la.float() - lb.float()).abs().max())
+        if first["tokens"] is None and not torch.equal(tokens_a[:, step], tokens_b[:, step]):
+            first["tokens"] = step
+            top2 = la.float().topk(2, dim=-1).values
+            seqs = (tokens_a[:, step] != tokens_b[:, step]).nonzero().flatten()
+            out["top2_margin_there"] = [float(top2[i, 0] - top2[i, 1]) for i in seqs[:8]]
+    out["first_differing_step"] = first
+    return out
+
+
 def agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
     """How far two [B, new] token tensors agree: equal, share of equal tokens, first differing step."""
     diff = (a != b).any(dim=0).nonzero()
@@ -179,6 +233,17 @@ def main() -> None:
     adapter.memory = host
     log(f"host tables placed in {result['host_place_s']:.1f} s")
     run("host")
+
+    # Where generate runs part: step by step, HBM against host and HBM against itself (the noise).
+    with torch.no_grad():
+        traces = {"hbm": traced_generate(model, adapter, hbm, ids, args.new_tokens, args.engram_layers)}
+        traces["hbm_again"] = traced_generate(model, adapter, hbm, ids, args.new_tokens, args.engram_layers)
+        traces["host"] = traced_generate(model, adapter, host, ids, args.new_tokens, args.engram_layers)
+    result["trace"] = {"host_vs_hbm": first_parting(traces["host"], traces["hbm"]),
+                       "hbm_vs_hbm": first_parting(traces["hbm_again"], traces["hbm"])}
+    log("trace", result["trace"])
+    del traces
+    adapter.memory = host
 
     # One forward over prompt + generated tokens with each memory: the rows and the logits.
     seq = torch.cat([ids, tokens["host"].to(device)], dim=1)

@@ -23,15 +23,19 @@ def test_bench_lookup_smoke(tmp_path, capsys):
 
 def test_bench_lookup_disk_tier_smoke(tmp_path):
     rc = main(["bench", "lookup", "--smoke", "--tiers", "disk", "--disk-gib", "0.002", "--dram-cache-gib", "0.0005",
-               "--disk-dir", str(tmp_path), "--streams", "uniform", "--batch-tokens", "4", "--repeats", "1",
-               "--out", str(tmp_path)])
+               "--disk-dir", str(tmp_path), "--streams", "uniform", "text", "--batch-tokens", "4", "--repeats", "1",
+               "--text-batches", "2", "--text-warmup", "1", "--out", str(tmp_path)])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "lookup.json").read_text().splitlines()]
-    (row,) = [r for r in rows if r["bench"] == "lookup"]
+    (row, text) = [r for r in rows if r["bench"] == "lookup"]
     assert row["tier"] == "disk" and row["mode"] == "cold" and row["disk_rows_per_s"] > 0
     if row["direct_io"]:               # O_DIRECT where the file system allows it, probed first
         assert row["probe_reads_per_s"] > 0 and row["x_probe"] > 0
-    assert [r["tier"] for r in rows if r["bench"] == "lookup_exact"] == ["disk"]
+    # The text stream in steady state: the DRAM row cache's own hit rate over the timed batches,
+    # and the page cache before and after (Linux).
+    assert text["stream"] == "text" and 0.0 <= text["dram_hit_rate"] <= 1.0
+    assert "page_cache_gib" in text and "page_cache_gib_before" in text
+    assert [r["tier"] for r in rows if r["bench"] == "lookup_exact"] == ["disk", "disk"]
     assert not list(tmp_path.glob("condmem-bench-*"))   # the temporary table file is gone
 
 

@@ -46,6 +46,7 @@ from condmem.bench.lookup_setup import (
     fill_table,
     h2d_bandwidth_gbps,
     host_store,
+    page_cache_gib,
     text_batches,
     text_row_ids,
 )
@@ -63,33 +64,39 @@ PIPELINE_MIN_TOKENS = 1024
 
 
 def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerStore, args, gen, text_sets_for,
-                   device: str) -> list[tuple[str, float, float, float | None]]:
-    """(mode, seconds per lookup, hit rate, unique fraction) for one stream and batch size.
+                   device: str) -> list[tuple[str, float, float, float | None, dict]]:
+    """(mode, seconds per lookup, hit rate, unique fraction, extra row fields) for one stream and
+    batch size.
 
     ``latency``: each lookup waited for before the next starts (what one prefetch must hide).
     ``pipelined``: lookups issued back to back, each waited for `max_in_flight` later (the
     steady state of a caller that prefetches ahead). The text stream runs ``--text-warmup``
-    batches first (cache warm-up), then ``--text-batches`` timed ones; the cache restarts
-    empty for each mode.
+    batches first (cache warm-up), then ``--text-batches`` timed ones; the caches (the HBM row
+    cache and a disk tier's DRAM row cache) restart empty for each mode, so no mode reads rows
+    another mode left behind. A DRAM row cache's hit rate over the timed batches is in the extra
+    fields.
     """
+    dram = getattr(store, "cache", None)
     pipelined = device == "cuda" and tokens >= PIPELINE_MIN_TOKENS
     out = []
     if stream == "uniform" and store.tier == "disk":
         return [measure_cold(engine, store, tokens, args, gen, device)]
     if stream == "uniform":
         sets = [torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device) for _ in range(4)]
-        out.append(("latency", time_lookup(engine, sets, repeats=args.repeats), 0.0, None))
+        out.append(("latency", time_lookup(engine, sets, repeats=args.repeats), 0.0, None, {}))
         if pipelined:
             time_pipelined(engine, sets)
-            out.append(("pipelined", time_pipelined(engine, sets * args.repeats), 0.0, None))
+            out.append(("pipelined", time_pipelined(engine, sets * args.repeats), 0.0, None, {}))
         return out
     sets = text_sets_for(store.num_rows, tokens)
     warm, timed = sets[: args.text_warmup], sets[args.text_warmup:]
     unique = sum(torch.unique(ids).numel() / ids.numel() for ids in timed) / len(timed)
     for mode in ("latency", "pipelined") if pipelined else ("latency",):
+        engine.flush()
         if engine.cache is not None:
-            engine.flush()
             engine.cache.clear()
+        if dram is not None:
+            dram.clear()
         if mode == "latency":
             for ids in warm:
                 engine.lookup(ids).wait()
@@ -98,8 +105,8 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
         engine.flush()
         if engine.cache is not None:
             engine.cache.reset_stats()
-        if getattr(store, "cache", None) is not None:       # a DRAM row cache: its steady-state hits
-            store.cache.reset_stats()
+        if dram is not None:                                 # a DRAM row cache: its steady-state hits
+            dram.reset_stats()
         if mode == "latency":
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -113,7 +120,7 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
             seconds = time_pipelined(engine, timed)
         engine.flush()
         hit_rate = engine.cache.stats.hit_rate if engine.cache is not None else 0.0
-        out.append((mode, seconds, hit_rate, unique))
+        out.append((mode, seconds, hit_rate, unique, {"dram_hit_rate": dram.stats.hit_rate} if dram is not None else {}))
     return out
 
 
@@ -137,7 +144,7 @@ def measure_cold(engine: LookupEngine, store: LayerStore, tokens: int, args, gen
         rows_per_s.append(unique / times[-1])
     order = sorted(range(len(times)), key=times.__getitem__)
     mid = order[len(order) // 2]
-    return ("cold", times[mid], 0.0, None, rows_per_s[mid])
+    return ("cold", times[mid], 0.0, None, {"disk_rows_per_s": rows_per_s[mid]})
 
 
 def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: str, batches: list[int], round_no: int,
@@ -223,7 +230,7 @@ def run_lookup(args) -> list[dict]:
             store = host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc)
         else:
             store, disk_info = disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
-            ceiling = {**ceiling, **disk_info}
+            ceiling = {**ceiling, **disk_info, "page_cache_gib_before": page_cache_gib()}
         config = LookupConfig(cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)), cpu_threads=args.cpu_threads,
                               staging_chunk_rows=args.staging_chunk_rows, graphs=not args.eager_plans)
         for stream in args.streams:
@@ -241,7 +248,7 @@ def run_lookup(args) -> list[dict]:
                         else:
                             engine.calibrate(n_ids=16384 * N_COLS)
                     for tokens in batches:
-                        for mode, seconds, hit_rate, unique, *disk_rows in measure_stream(
+                        for mode, seconds, hit_rate, unique, extra in measure_stream(
                                 engine, stream, tokens, store, args, gen, text_sets_for, device):
                             requested = tokens * N_COLS * ROW_BYTES
                             gbps = requested / seconds / 1e9
@@ -257,12 +264,12 @@ def run_lookup(args) -> list[dict]:
                             }
                             if "h2d_gbps" in ceiling:
                                 row["x_h2d"] = gbps / ceiling["h2d_gbps"]
-                            if disk_rows:
-                                row["disk_rows_per_s"] = disk_rows[0]
-                                if "probe_reads_per_s" in ceiling:
-                                    row["x_probe"] = disk_rows[0] / ceiling["probe_reads_per_s"]
-                            if getattr(store, "cache", None) is not None:
-                                row["dram_hit_rate"] = store.cache.stats.hit_rate
+                            row.update(extra)
+                            if "disk_rows_per_s" in extra and "probe_reads_per_s" in ceiling:
+                                row["x_probe"] = extra["disk_rows_per_s"] / ceiling["probe_reads_per_s"]
+                            if tier == "disk":            # the tier must not grow the kernel's page cache
+                                row["page_cache_gib_before"] = ceiling["page_cache_gib_before"]
+                                row["page_cache_gib"] = page_cache_gib()
                             rows_out.append(row)
                             log.info("%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s", tier, stream, mode, tokens,
                                      label, seconds * 1e3, gbps,
@@ -271,6 +278,10 @@ def run_lookup(args) -> list[dict]:
                     rows_out.extend(exactness_rows(engine, store, tier, stream, batches, i + 1, label, gen,
                                                    text_sets_for, device, splits=i == 0))
                 del cache
+        if tier == "disk" and ceiling["page_cache_gib_before"] is not None:
+            log.info("page cache (Cached in /proc/meminfo): %.2f GiB before the disk tier's lookups, %.2f GiB after "
+                     "(the table file: %.1f GiB)", ceiling["page_cache_gib_before"], page_cache_gib(),
+                     store.nbytes / 2**30)
         store.close()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -313,12 +324,13 @@ def main(args) -> list[dict]:
     out = Path(args.out)
     append_rows(out / "lookup.json", rows)
     plot(rows, out / "lookup.png")
-    print(rows_table(rows, [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
+    print(rows_table([r for r in rows if r.get("bench") == "lookup"], [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
                                   ("round", "round", "d"), ("tokens", "tokens", "d"),
                                   ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
                                   ("x_h2d", "x H2D", ".2f"), ("x_probe", "x probe", ".2f"),
                                   ("cpu_fraction", "cpu frac", ".2f"),
-                                  ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f")]))
+                                  ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f"),
+                                  ("dram_hit_rate", "DRAM hit", ".2f"), ("page_cache_gib", "Cached GiB", ".2f")]))
     return rows
 
 

@@ -116,6 +116,18 @@ def _file_store(chunks, rows: int, fmt: str, row_bytes: int, directory: str | No
     return store, info
 
 
+def page_cache_gib() -> float | None:
+    """The kernel's page cache (``Cached`` in /proc/meminfo) in GiB; None where there is none to read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("Cached:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
 def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> tuple[LayerStore, dict]:
     """A disk-tier store of random rows (`_file_store`), with a bounded DRAM row cache of
     `dram_cache_gib` in front (0: none); and the device's random-read rate, probed on the same
