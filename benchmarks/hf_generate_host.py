@@ -109,6 +109,30 @@ def traced_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new
     return out.sequences[:, ids.shape[1]:], out.logits, recorded.calls
 
 
+def profile_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new: int, top: int = 15) -> dict:
+    """Host time by op of one greedy generate of `new` tokens with `memory` (torch.profiler);
+    prints the ops with the most self CPU time and returns them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    adapter.memory = memory
+    kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": new, "max_new_tokens": new}
+    with torch.no_grad():
+        model.generate(ids, **kw)
+        sync(ids.device.type)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model.generate(ids, **kw)
+            sync(ids.device.type)
+        seconds = time.perf_counter() - t0
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    ops = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events]
+    log(f"profile, {type(memory.engines[next(iter(memory.engines))].store).__name__}: {seconds:.2f} s for {new} "
+        "new tokens (profiled)")
+    for op in ops:
+        log(f"  {op['op'][:60]:60s} {op['calls']:7d} {op['self_cpu_ms']:9.1f} ms")
+    return {"seconds": seconds, "new_tokens": new, "ops": ops}
+
+
 def first_parting(a, b) -> dict:
     """Steps of two traced generate runs compared one by one: the first step whose row ids, rows
     or logits differ (bitwise), the largest logit difference there, and the top-1/top-2 margin
@@ -155,6 +179,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also profile a generate of this many new tokens per memory (host time by op, printed)")
     ap.add_argument("--module", action="store_true", help="also time the tables as the modules' own parameters")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and table, few tokens (a smoke run)")
@@ -244,6 +270,11 @@ def main() -> None:
     log("trace", result["trace"])
     del traces
     adapter.memory = host
+
+    if args.profile_steps:
+        result["profile"] = {name: profile_generate(model, adapter, memory, ids, args.profile_steps)
+                             for name, memory in (("hbm", hbm), ("host", host))}
+        adapter.memory = host
 
     # One forward over prompt + generated tokens with each memory: the rows and the logits.
     seq = torch.cat([ids, tokens["host"].to(device)], dim=1)

@@ -84,6 +84,10 @@ def test_forward_matches_fp64_reference(hc, hidden, short_conv, device):
     got = module(hidden_states.to(device), rows.to(device), mask.to(device))
     # fp32 compute vs fp64 reference: errors ~1e-6 relative; the signed sqrt amplifies near 0.
     assert_close(f"engram fwd hc={hc} D={hidden}", expect, got, atol=2e-4, rtol=2e-4)
+    # With the residual add (fused into the gate kernel where there is no ShortConv).
+    got = module(hidden_states.to(device), rows.to(device), mask.to(device), residual=True)
+    assert_close(f"engram fwd + residual hc={hc} D={hidden}", hidden_states.double() + expect, got,
+                 atol=2e-4, rtol=2e-4)
 
 
 def test_fresh_short_conv_is_identity_and_mask_closes_gate():

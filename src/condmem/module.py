@@ -214,11 +214,13 @@ class Engram(nn.Module):
         return self.table(row_ids).flatten(-2)
 
     def forward(self, hidden: torch.Tensor, row_ids: torch.Tensor, token_mask: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, *, residual: bool = False) -> torch.Tensor:
         """Residual update for `hidden` from this layer's `row_ids`.
 
         `rows` may carry rows already gathered elsewhere ([B, T, n_cols, head_dim], e.g. by a
-        host-memory lookup); then the table is not read.
+        host-memory lookup); then the table is not read. With `residual`, returns ``hidden +
+        update`` (without a ShortConv, the add is fused into the gate kernel: one pass less
+        over the hidden state, and one rounding instead of two).
         """
         squeeze = hidden.dim() == 3
         hidden4 = self._check(hidden, row_ids, token_mask)
@@ -227,9 +229,12 @@ class Engram(nn.Module):
                                    "pass the looked-up rows (e.g. EngramMemory.prepare(...).rows(layer_id))")
         embedded = self.embed(row_ids) if rows is None else rows.flatten(-2)
         kv = self.wkv(embedded.to(self._compute_dtype()))
-        out = engram_gate(hidden4, kv, self.q_weight, self.k_weight, self.eps, GATE_CLAMP, token_mask)
+        fused = residual and self.short_conv is None
+        out = engram_gate(hidden4, kv, self.q_weight, self.k_weight, self.eps, GATE_CLAMP, token_mask, residual=fused)
         if self.short_conv is not None:
             out = out + self.short_conv(out)
+        if residual and not fused:
+            out = hidden4 + out
         return out.squeeze(2) if squeeze else out
 
     def extra_repr(self) -> str:

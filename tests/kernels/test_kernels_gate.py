@@ -30,17 +30,17 @@ def _inputs(n, hc, dim, dtype, device, seed):
     return [t.to(device=device, dtype=dtype) for t in (hidden, kv, qw, kw)], mask.to(device)
 
 
-def _fp64_reference(inputs, mask, grad_out):
+def _fp64_reference(inputs, mask, grad_out, residual=False):
     ins = [t.detach().double().cpu().requires_grad_() for t in inputs]
-    out = engram_gate_reference(*ins, token_mask=None if mask is None else mask.cpu())
+    out = engram_gate_reference(*ins, token_mask=None if mask is None else mask.cpu(), residual=residual)
     grads = torch.autograd.grad(out, ins, grad_out.double().cpu())
     return out, grads
 
 
-def _torch_same_precision(inputs, mask, grad_out):
+def _torch_same_precision(inputs, mask, grad_out, residual=False):
     """The eager composition in the inputs' own precision: how far any implementation at that precision lands."""
     ins = [t.detach().clone().requires_grad_() for t in inputs]
-    out = engram_gate_reference(*ins, token_mask=mask)
+    out = engram_gate_reference(*ins, token_mask=mask, residual=residual)
     return out, torch.autograd.grad(out, ins, grad_out)
 
 
@@ -53,33 +53,37 @@ RATIO = 4.0
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("residual", [False, True], ids=["gate", "residual"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hc,dim,n", SIZES, ids=lambda v: str(v))
-def test_gate_forward_and_grads_vs_fp64(hc, dim, n, dtype, masked, device):
+def test_gate_forward_and_grads_vs_fp64(hc, dim, n, dtype, masked, residual, device):
+    """The gate alone, or with the residual add fused in (``hidden + gate * v``)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs every run (printed on failure)
     inputs, mask = _inputs(n, hc, dim, dtype, device, seed)
     mask = mask if masked else None
     inputs = [t.requires_grad_() for t in inputs]
-    out = engram_gate(*inputs, token_mask=mask, backend="triton")
+    out = engram_gate(*inputs, token_mask=mask, residual=residual, backend="triton")
     assert out.dtype == dtype and out.shape == (n, hc, dim)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     grads = torch.autograd.grad(out, inputs, grad_out)
-    ref_out, ref_grads = _fp64_reference(inputs, mask, grad_out)
-    base_out, base_grads = _torch_same_precision(inputs, mask, grad_out)
+    ref_out, ref_grads = _fp64_reference(inputs, mask, grad_out, residual)
+    base_out, base_grads = _torch_same_precision(inputs, mask, grad_out, residual)
     fwd_tol, grad_tol = TOL[dtype]
     assert_rel(f"forward (seed {seed})", ref_out, out, max(fwd_tol, RATIO * rel_err(ref_out, base_out)))
     for name, r, g, b in zip(("d hidden", "d kv", "d q_weight", "d k_weight"), ref_grads, grads, base_grads):
         assert g.dtype == dtype
         assert_rel(f"{name} (seed {seed})", r, g, max(grad_tol, RATIO * rel_err(r, b)))
     if mask is not None and (~mask).any():
-        assert torch.all(out[~mask] == 0)
+        want = inputs[0][~mask] if residual else torch.zeros_like(out[~mask])
+        assert torch.equal(out[~mask], want.detach())
     # The other forward grids give the same numbers up to rounding.
     from condmem.ops.gate.triton import SPLIT_BRANCHES, gate_forward_triton
 
     plain = [t.detach() for t in inputs]
-    for name, kw in (("other grid", dict(split_branches=not SPLIT_BRANCHES)), ("persistent", dict(persistent_stages=2))):
-        other = gate_forward_triton(*plain, 1e-6, 1e-6, mask, **kw)
+    for name, kw in (("other grid", dict(split_branches=not SPLIT_BRANCHES)), ("persistent", dict(persistent_stages=2)),
+                     ("one pass", dict(chunk=0)), ("chunks of 32", dict(chunk=32)), ("chunks of 1024", dict(chunk=1024))):
+        other = gate_forward_triton(*plain, 1e-6, 1e-6, mask, residual=residual, **kw)
         assert_rel(f"forward, {name} (seed {seed})", ref_out, other, max(fwd_tol, RATIO * rel_err(ref_out, base_out)))
 
 

@@ -75,7 +75,7 @@ def _summary(op: str, rows: list[dict]) -> str:
     else:
         cols = [("pass", "pass", ""), ("impl", "impl", ""), ("tokens", "tokens", "d"), ("hc", "hc", "d"),
                 ("hidden", "D", "d"), ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f"), ("hbm_fraction", "HBM frac", ".2f"),
-                ("speedup_vs_eager", "x eager", ".1f")]
+                ("speedup_vs_eager", "x eager", ".1f"), ("x_unfused", "x gate+add", ".2f"), ("x_peer", "x peer", ".2f")]
     return rows_table(rows, cols)
 
 

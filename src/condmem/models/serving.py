@@ -306,7 +306,7 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
             layer_slot += 1
             conv = cache.conv[lid]
             state = None if conv is None else conv[rows]
-            x = x + engram_update(block.engram, x[:, None], row_ids, state, looked_up=looked_up)[:, 0]
+            x = engram_update(block.engram, x[:, None], row_ids, state, looked_up=looked_up, residual=True)[:, 0]
             if conv is not None:
                 _masked_put(conv, (rows,), state, valid)
         x = _attention_mlp(block, i, cache, model.rotary, x, at, rows, valid, attend)
@@ -386,9 +386,9 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
         if block.engram is not None:
             lid = block.layer_id
             if prepared is not None:
-                x = x + block.engram(x[None], prepared.row_ids(lid), rows=prepared.rows(lid))[0]
+                x = block.engram(x[None], prepared.row_ids(lid), rows=prepared.rows(lid), residual=True)[0]
             else:
-                x = x + block.engram(x[None], rows_all[None, :, layer_slot])[0]
+                x = block.engram(x[None], rows_all[None, :, layer_slot], residual=True)[0]
             layer_slot += 1
         x = _attention_mlp(block, i, cache, model.rotary, x, pos, slot_of, None, attend)
     for s, st, k in zip(slots, starts, keep):

@@ -60,7 +60,8 @@ class GateCapture:
 
 
 def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_state: torch.Tensor | None = None,
-                  capture: GateCapture | None = None, looked_up: torch.Tensor | None = None) -> torch.Tensor:
+                  capture: GateCapture | None = None, looked_up: torch.Tensor | None = None, *,
+                  residual: bool = False) -> torch.Tensor:
     """The Engram module's residual update, composed from its parts.
 
     Args:
@@ -72,16 +73,18 @@ def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv
         capture: optional; receives the gate values [B, T].
         looked_up: optional [B, T, n_cols, head_dim] rows already fetched (e.g. prefetched by
             `EngramMemory` from host memory); the module's own table is then not read.
+        residual: return ``hidden + update`` (fused into the gate without a ShortConv).
 
     Returns:
-        [B, T, D], equal to ``engram(hidden, rows)`` when conv_state is None or zeros.
+        [B, T, D], equal to ``engram(hidden, rows, residual=residual)`` when conv_state is None or zeros.
     """
     h4 = hidden.unsqueeze(2)
     if looked_up is None and engram.table.weight.device.type == "meta":
         raise ValueError(f"Engram layer {engram.layer_id}'s table lives outside the model (meta): pass prepared= rows")
     embedded = engram.embed(rows) if looked_up is None else looked_up.flatten(-2)
     kv = engram.wkv(embedded.to(engram.wkv.weight.dtype))
-    out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP)
+    fused = residual and engram.short_conv is None
+    out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP, residual=fused)
     if capture is not None:
         dim = engram.hidden_size
         keys = kv[..., :dim].unflatten(-1, (1, dim))
@@ -96,6 +99,8 @@ def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv
             # never reaches them, and a zero state equals the zero padding of a prefill.
             out = out + engram.short_conv(full)[:, pad:]
             conv_state.copy_(full[:, full.shape[1] - pad :])
+    if residual and not fused:
+        out = h4 + out
     return out.squeeze(2)
 
 
@@ -122,9 +127,9 @@ class Block(nn.Module):
                 looked_up: torch.Tensor | None = None):
         if self.engram is not None:
             if conv_state is None and capture is None:
-                x = x + self.engram(x, rows, rows=looked_up)
+                x = self.engram(x, rows, rows=looked_up, residual=True)
             else:
-                x = x + engram_update(self.engram, x, rows, conv_state, capture, looked_up)
+                x = engram_update(self.engram, x, rows, conv_state, capture, looked_up, residual=True)
         x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -9,10 +9,12 @@ from condmem.ops.gate.reference import GATE_CLAMP, engram_gate_reference, gate_v
 __all__ = ["GATE_CLAMP", "engram_gate", "engram_gate_reference", "gate_values"]
 
 
-def engram_gate(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, token_mask=None, *, backend=None):
+def engram_gate(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, token_mask=None, *, residual=False,
+                backend=None):
     """The gate, dispatched: the fused Triton kernel on CUDA, the reference elsewhere.
 
-    Arguments and result as in `engram_gate_reference`; ``backend`` is ``"auto"`` (default),
+    Arguments and result as in `engram_gate_reference` (`residual`: return ``hidden + gate * v``,
+    the residual add fused in); ``backend`` is ``"auto"`` (default),
     ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``) or ``"torch"``. Both are
     differentiable.
     """
@@ -21,5 +23,5 @@ def engram_gate(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, toke
     if resolve_backend(backend, hidden.device, "engram_gate") == "triton":
         from condmem.ops.gate.triton import engram_gate_triton
 
-        return engram_gate_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask)
-    return engram_gate_reference(hidden, kv, q_weight, k_weight, eps, clamp, token_mask)
+        return engram_gate_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual)
+    return engram_gate_reference(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual)

@@ -58,6 +58,7 @@ def engram_gate_reference(
     eps: float = 1e-6,
     clamp: float = GATE_CLAMP,
     token_mask: torch.Tensor | None = None,
+    residual: bool = False,
 ) -> torch.Tensor:
     """The post-`wkv` part of the Engram module.
 
@@ -66,9 +67,10 @@ def engram_gate_reference(
         kv: [..., (hc+1)*D] output of the fused `wkv` projection: hc keys, then the value.
         q_weight, k_weight: [hc, D].
         token_mask: optional bool [...]; False closes the gate (output 0) at that token.
+        residual: return ``hidden + gate * v`` (added in fp32, rounded once).
 
     Returns:
-        [..., hc, D] gated values in `hidden`'s dtype.
+        [..., hc, D] gated values (plus `hidden` with `residual`) in `hidden`'s dtype.
     """
     hc, dim = hidden.shape[-2], hidden.shape[-1]
     keys = kv[..., : hc * dim].unflatten(-1, (hc, dim))
@@ -77,4 +79,6 @@ def engram_gate_reference(
     if token_mask is not None:
         alpha = alpha * token_mask[..., None].to(alpha.dtype)
     out = alpha[..., None] * value.float()[..., None, :]
+    if residual:
+        out = hidden.float() + out
     return out.to(hidden.dtype)

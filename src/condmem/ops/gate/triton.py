@@ -66,7 +66,7 @@ def _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp):
 def _gate_fwd_kernel(
     h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
     D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -82,6 +82,8 @@ def _gate_fwd_kernel(
         kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
         rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
         y = (a * keep) * v
+        if RESIDUAL:
+            y = y + h
         tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
@@ -89,7 +91,7 @@ def _gate_fwd_kernel(
 def _gate_fwd_branch_kernel(
     h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
     D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     """One program per (token, branch): more programs in flight; the value is re-read from L2."""
     t = tl.program_id(0).to(tl.int64)
@@ -104,14 +106,62 @@ def _gate_fwd_branch_kernel(
     rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
     if HAS_MASK:
         a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
-    tl.store(out_ptr + t * out_stride + m * D + d, (a * v).to(out_ptr.dtype.element_ty), mask=dm)
+    y = a * v
+    if RESIDUAL:
+        y = y + h
+    tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _gate_fwd_chunked_kernel(
+    h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
+    D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
+    HC: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
+):
+    """One program per (token, branch) in two passes over D in chunks: the three sums (h.h, k.k,
+    h.qw.k.kw) first, then the output from the value (and the hidden state, re-read from L2).
+    Few registers per thread, so many programs per SM keep many loads in flight."""
+    t = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1)
+    c = tl.arange(0, CHUNK)
+    h_row = h_ptr + t * h_stride + m * D
+    k_row = kv_ptr + t * kv_stride + m * D
+    v_row = kv_ptr + t * kv_stride + HC * D
+    hh = tl.zeros([CHUNK], dtype=tl.float32)
+    kk = tl.zeros([CHUNK], dtype=tl.float32)
+    hk = tl.zeros([CHUNK], dtype=tl.float32)
+    for i in tl.static_range(N_CHUNKS):
+        d = i * CHUNK + c
+        dm = d < D
+        h = tl.load(h_row + d, mask=dm, other=0).to(tl.float32)
+        k = tl.load(k_row + d, mask=dm, other=0).to(tl.float32)
+        qw = tl.load(qw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
+        kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
+        hh += h * h
+        kk += k * k
+        hk += (h * qw) * (k * kw)
+    rh = 1.0 / tl.sqrt_rn(tl.sum(hh, axis=0) * inv_d + eps)
+    rk = 1.0 / tl.sqrt_rn(tl.sum(kk, axis=0) * inv_d + eps)
+    s = tl.sum(hk, axis=0) * (rh * rk) * inv_sqrt_d
+    sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
+    g = sgn * tl.sqrt_rn(tl.maximum(tl.abs(s), clamp))
+    a = 1.0 / (1.0 + tl.exp(-g))
+    if HAS_MASK:
+        a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
+    for i in tl.static_range(N_CHUNKS):
+        d = i * CHUNK + c
+        dm = d < D
+        y = a * tl.load(v_row + d, mask=dm, other=0).to(tl.float32)
+        if RESIDUAL:
+            y = y + tl.load(h_row + d, mask=dm, other=0).to(tl.float32)
+        tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
 def _gate_fwd_persistent_kernel(
     h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
     n_items, D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, STAGES: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Persistent grid over (token, branch) items, loads of the next item software-pipelined."""
     d = tl.arange(0, BLOCK_D)
@@ -127,14 +177,17 @@ def _gate_fwd_persistent_kernel(
         rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
         if HAS_MASK:
             a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
-        tl.store(out_ptr + t * out_stride + m * D + d, (a * v).to(out_ptr.dtype.element_ty), mask=dm)
+        y = a * v
+        if RESIDUAL:
+            y = y + h
+        tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
 def _gate_bwd_kernel(
     h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, dout_ptr, dh_ptr, dkv_ptr, coef_ptr,
     D, h_stride, kv_stride, dout_stride, dh_stride, dkv_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -162,6 +215,8 @@ def _gate_bwd_kernel(
         w = c * qn * kw
         dh = rh * (u - yh * (tl.sum(u * yh, axis=0) * inv_d))
         dk = rk * (w - yk * (tl.sum(w * yk, axis=0) * inv_d))
+        if RESIDUAL:
+            dh = dh + go          # out = h + gate * v: the identity path
         tl.store(dh_ptr + t * dh_stride + m * D + d, dh.to(dh_ptr.dtype.element_ty), mask=dm)
         tl.store(dkv_ptr + t * dkv_stride + m * D + d, dk.to(dkv_ptr.dtype.element_ty), mask=dm)
         tl.store(coef_ptr + t * HC + m, c * rh * rk)
@@ -210,14 +265,17 @@ def _flatten(hidden: torch.Tensor, kv: torch.Tensor, token_mask: torch.Tensor | 
     return h2, kv2, mask, hc, dim
 
 
-def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *,
-                        split_branches: bool | None = None, num_warps: int | None = None,
+def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *, residual: bool = False,
+                        chunk: int | None = None, split_branches: bool | None = None, num_warps: int | None = None,
                         persistent_stages: int | None = None) -> torch.Tensor:
-    """Fused forward: [..., hc, D] hidden, [..., (hc+1)*D] kv -> [..., hc, D] in hidden's dtype.
+    """Fused forward: [..., hc, D] hidden, [..., (hc+1)*D] kv -> [..., hc, D] in hidden's dtype;
+    with `residual`, ``hidden + gate * v`` (the add in fp32, rounded once).
 
-    `split_branches`: one program per (token, branch), or per token (the value read once);
-    default `SPLIT_BRANCHES`. `persistent_stages`: instead, a persistent grid over (token,
-    branch) items with that many software-pipeline stages (an experiment; see the notes).
+    `chunk`: two passes over D in chunks of this many elements (`_gate_fwd_chunked_kernel`);
+    0: one pass, the whole row in registers. `split_branches`: one program per (token, branch),
+    or per token (the value read once); default `SPLIT_BRANCHES`. `persistent_stages`:
+    instead, a persistent grid over (token, branch) items with that many software-pipeline
+    stages (an experiment; see the notes).
     """
     if split_branches is None:
         split_branches = SPLIT_BRANCHES
@@ -230,7 +288,13 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
     block_d = next_pow2(dim)
     args = (h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2)
     scalars = (dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim))
-    meta = dict(HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=num_warps or _fwd_warps(block_d))
+    flags = dict(HC=hc, HAS_MASK=mask is not None, RESIDUAL=residual)
+    if chunk:
+        chunk = min(next_pow2(chunk), block_d)
+        _gate_fwd_chunked_kernel[(n, hc)](*args, *scalars, CHUNK=chunk, N_CHUNKS=triton.cdiv(dim, chunk),
+                                          num_warps=num_warps or 4, **flags)
+        return out
+    meta = dict(BLOCK_D=block_d, num_warps=num_warps or _fwd_warps(block_d), **flags)
     if persistent_stages:
         grid = (persistent_programs(n * hc, hidden.device, per_sm=4),)
         _gate_fwd_persistent_kernel[grid](*args, n * hc, *scalars, STAGES=persistent_stages, **meta)
@@ -241,8 +305,9 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
 
 
 def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *,
-                         num_warps: int | None = None):
-    """Gradients (d hidden, d kv, d q_weight, d k_weight) of the fused gate."""
+                         residual: bool = False, num_warps: int | None = None):
+    """Gradients (d hidden, d kv, d q_weight, d k_weight) of the fused gate (with `residual`,
+    of ``hidden + gate * v``)."""
     h2, kv2, mask, hc, dim = _flatten(hidden, kv, token_mask)
     n = h2.shape[0]
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
@@ -260,7 +325,7 @@ def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token
         h2, kv2, qw, kw, mask if mask is not None else h2, do2, dh2, dkv2, coef,
         dim, h2.stride(0), kv2.stride(0), do2.stride(0), dh2.stride(0), dkv2.stride(0),
         float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
-        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, num_warps=num_warps or _bwd_warps(block_d),
+        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, RESIDUAL=residual, num_warps=num_warps or _bwd_warps(block_d),
     )
     # Weight gradients: fixed token chunks per program, partial sums added in torch.
     wblock = min(next_pow2(dim), 1024)
@@ -284,21 +349,24 @@ class EngramGateFunction(torch.autograd.Function):
     """Autograd wrapper: Triton forward, Triton backward (inputs saved, scalars recomputed)."""
 
     @staticmethod
-    def forward(ctx, hidden, kv, q_weight, k_weight, token_mask, eps, clamp):
+    def forward(ctx, hidden, kv, q_weight, k_weight, token_mask, eps, clamp, residual):
         ctx.save_for_backward(hidden, kv, q_weight, k_weight, token_mask)
-        ctx.eps, ctx.clamp = eps, clamp
-        return gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask)
+        ctx.eps, ctx.clamp, ctx.residual = eps, clamp, residual
+        return gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual=residual)
 
     @staticmethod
     def backward(ctx, dout):
         hidden, kv, q_weight, k_weight, token_mask = ctx.saved_tensors
-        dh, dkv, dqw, dkw = gate_backward_triton(dout, hidden, kv, q_weight, k_weight, ctx.eps, ctx.clamp, token_mask)
+        dh, dkv, dqw, dkw = gate_backward_triton(dout, hidden, kv, q_weight, k_weight, ctx.eps, ctx.clamp, token_mask,
+                                                 residual=ctx.residual)
         return (dh if ctx.needs_input_grad[0] else None, dkv if ctx.needs_input_grad[1] else None,
-                dqw if ctx.needs_input_grad[2] else None, dkw if ctx.needs_input_grad[3] else None, None, None, None)
+                dqw if ctx.needs_input_grad[2] else None, dkw if ctx.needs_input_grad[3] else None,
+                None, None, None, None)
 
 
-def engram_gate_triton(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=1e-6, token_mask=None) -> torch.Tensor:
+def engram_gate_triton(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=1e-6, token_mask=None,
+                       residual: bool = False) -> torch.Tensor:
     """The fused gate; differentiable (Triton backward) when any input requires grad."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, kv, q_weight, k_weight)):
-        return EngramGateFunction.apply(hidden, kv, q_weight, k_weight, token_mask, eps, clamp)
-    return gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask)
+        return EngramGateFunction.apply(hidden, kv, q_weight, k_weight, token_mask, eps, clamp, residual)
+    return gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual=residual)
