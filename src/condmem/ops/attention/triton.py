@@ -119,14 +119,15 @@ def decode_splits(batch: int, n_kv: int, max_pos: int, block_n: int, device: tor
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                           lengths: torch.Tensor, scale: float | None = None, n_splits: int | None = None
-                           ) -> torch.Tensor:
-    """Triton launcher of `condmem.ops.attention.paged_decode_attention` (same contract)."""
+                           lengths: torch.Tensor, scale: float | None = None, n_splits: int | None = None, *,
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Triton launcher of `condmem.ops.attention.paged_decode_attention` (same contract);
+    `block_n` (positions a loop step), `num_warps` and `num_stages` for tuning sweeps."""
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_pool.shape
     rep = n_heads // n_kv
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    block_n = 64 if not interpreting() else 16
+    block_n = block_n or (64 if not interpreting() else 16)
     max_pos = block_table.shape[1] * block_size
     splits = n_splits or decode_splits(batch, n_kv, max_pos, block_n, q.device)
     split_len = -(-(-(-max_pos // splits)) // block_n) * block_n
@@ -144,7 +145,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         out.stride(0), out.stride(1), split_len, splits, n_heads, scale * LOG2E,
         REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size,
         BLOCK_N=block_n,
-        DIRECT=splits == 1, IEEE=ieee, num_warps=4, num_stages=2)
+        DIRECT=splits == 1, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, out.stride(0), out.stride(1), splits,
                                                  n_heads, S_P=next_pow2(splits), D=head_dim,

@@ -93,9 +93,11 @@ def _gate_fwd_branch_kernel(
     D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
     HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
-    """One program per (token, branch): more programs in flight; the value is re-read from L2."""
-    t = tl.program_id(0).to(tl.int64)
-    m = tl.program_id(1)
+    """One program per (token, branch): more programs in flight; a token's branches are adjacent
+    programs, so its value is read from HBM once and from L2 by the others."""
+    pid = tl.program_id(0)
+    t = (pid // HC).to(tl.int64)
+    m = pid % HC
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     h = tl.load(h_ptr + t * h_stride + m * D + d, mask=dm, other=0).to(tl.float32)
@@ -120,9 +122,11 @@ def _gate_fwd_chunked_kernel(
 ):
     """One program per (token, branch) in two passes over D in chunks: the three sums (h.h, k.k,
     h.qw.k.kw) first, then the output from the value (and the hidden state, re-read from L2).
-    Few registers per thread, so many programs per SM keep many loads in flight."""
-    t = tl.program_id(0).to(tl.int64)
-    m = tl.program_id(1)
+    Few registers per thread, so many programs per SM keep many loads in flight. A token's
+    branches are adjacent programs (its value read from HBM once)."""
+    pid = tl.program_id(0)
+    t = (pid // HC).to(tl.int64)
+    m = pid % HC
     c = tl.arange(0, CHUNK)
     h_row = h_ptr + t * h_stride + m * D
     k_row = kv_ptr + t * kv_stride + m * D
@@ -291,7 +295,7 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
     flags = dict(HC=hc, HAS_MASK=mask is not None, RESIDUAL=residual)
     if chunk:
         chunk = min(next_pow2(chunk), block_d)
-        _gate_fwd_chunked_kernel[(n, hc)](*args, *scalars, CHUNK=chunk, N_CHUNKS=triton.cdiv(dim, chunk),
+        _gate_fwd_chunked_kernel[(n * hc,)](*args, *scalars, CHUNK=chunk, N_CHUNKS=triton.cdiv(dim, chunk),
                                           num_warps=num_warps or 4, **flags)
         return out
     meta = dict(BLOCK_D=block_d, num_warps=num_warps or _fwd_warps(block_d), **flags)
@@ -299,7 +303,7 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
         grid = (persistent_programs(n * hc, hidden.device, per_sm=4),)
         _gate_fwd_persistent_kernel[grid](*args, n * hc, *scalars, STAGES=persistent_stages, **meta)
     else:
-        kernel, grid = (_gate_fwd_branch_kernel, (n, hc)) if split_branches else (_gate_fwd_kernel, (n,))
+        kernel, grid = (_gate_fwd_branch_kernel, (n * hc,)) if split_branches else (_gate_fwd_kernel, (n,))
         kernel[grid](*args, *scalars, **meta)
     return out
 
