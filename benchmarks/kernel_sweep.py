@@ -49,11 +49,8 @@ def graph_ms(fn, sets, launches: int = 8, replays: int = 20) -> float:
 def gate_rows(bw: float) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    variants = {"one pass w4": dict(chunk=0, num_warps=4), "c1024 w4": dict(chunk=1024, num_warps=4),
-                "c2048 w4": dict(chunk=2048, num_warps=4), "c4096 w4": dict(chunk=4096, num_warps=4),
-                "c1024 w2": dict(chunk=1024, num_warps=2), "c2048 w2": dict(chunk=2048, num_warps=2),
-                "c512 w2": dict(chunk=512, num_warps=2), "c2048 w8": dict(chunk=2048, num_warps=8),
-                "persistent s3 w4": dict(persistent_stages=3, num_warps=4)}
+    variants = {f"c{c} w{w}": dict(chunk=c, num_warps=w)
+                for c, w in ((1024, 4), (2048, 4), (4096, 4), (1024, 2), (2048, 2), (512, 2), (2048, 8))}
     for n, hc, dim in [*PEER_MS, (16384, 1, 2560)]:
         sets = [(torch.randn((n, hc, dim), device="cuda", dtype=torch.bfloat16, generator=gen),
                  torch.randn((n, (hc + 1) * dim), device="cuda", dtype=torch.bfloat16, generator=gen)) for _ in range(4)]

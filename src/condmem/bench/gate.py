@@ -48,16 +48,10 @@ def run(args, ceiling: dict) -> list[dict]:
             "triton+add": lambda h, kv: h + engram_gate(h, kv, qw, kw, token_mask=mask, backend="triton"),
         }
         if args.variants:
-            for chunk, nw in ((0, 4), (256, 4), (512, 4), (1024, 4), (2048, 4), (512, 8), (1024, 8), (2048, 8)):
+            for chunk, nw in ((1024, 4), (2048, 4), (4096, 4), (2048, 8)):
                 impls[f"triton-residual-c{chunk}-w{nw}"] = (
                     lambda h, kv, c=chunk, nw=nw: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask, residual=True,
                                                                      chunk=c, num_warps=nw))
-            impls["triton-residual-persistent-s3-w4"] = (
-                lambda h, kv: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask, residual=True, num_warps=4,
-                                                  persistent_stages=3))
-            impls["triton-residual-token-w4"] = (
-                lambda h, kv: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask, residual=True, chunk=0,
-                                                  split_branches=False, num_warps=4))
         ref = impls["torch-eager"](*sets[0]).float()
         ref_residual = engram_gate_reference(*sets[0], qw, kw, token_mask=mask, residual=True).float()
         for name, fn in impls.items():  # every variant computes the same thing before it is timed

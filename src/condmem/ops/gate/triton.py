@@ -1,7 +1,9 @@
 """The Engram gate fused into Triton kernels: forward, and backward for training.
 
-Computes what `condmem.ops.gate.engram_gate_reference` computes, in float32, one
-program per token handling all ``hc`` branches (so the shared value is read once)::
+Computes what `condmem.ops.gate.engram_gate_reference` computes, in float32. The forward
+runs one program per (token, branch), a token's branches adjacent (the shared value read
+from HBM once), in two passes over D (`_gate_fwd_chunked_kernel`); the backward one program
+per token::
 
     q_m = RMSNorm(h_m) * q_weight[m]         k_m = RMSNorm(key_m) * k_weight[m]
     s_m = <q_m, k_m> / sqrt(D)
@@ -29,17 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from condmem.ops.triton_util import next_pow2, persistent_programs
+from condmem.ops.triton_util import next_pow2
 
 
-# Forward grid: one program per (token, branch) or one per token; chosen from H200
-# measurements (docs/kernels.md).
-SPLIT_BRANCHES = True
-
-
-def _fwd_warps(block_d: int) -> int:
-    # 4 warps beat 8 and 16 at D 2560..7168 on the H200 (0.67 vs 0.56 of D2D at D 4096).
-    return 4
+def default_chunk(dim: int) -> int:
+    """Chunk of the forward's two passes: the whole row up to 4096 wide, else 2048. Measured on
+    the H200 with the residual add (docs/kernels.md): at hc 4 x D 4096, 0.98 of the copy
+    ceiling against 0.88 with 2048 and 0.80 with 1024; at D 7168, 2048 beat 4096 and 1024."""
+    return next_pow2(dim) if next_pow2(dim) <= 4096 else 2048
 
 
 def _bwd_warps(block_d: int) -> int:
@@ -60,58 +59,6 @@ def _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp):
     # a * (1 - a) without the cancellation of 1 - a near a = 1 (and no inf * 0 for large |g|).
     da_dg = 1.0 / ((1.0 + tl.exp(-g)) * (1.0 + tl.exp(g)))
     return rh, rk, qn, kn, s, a, da_dg
-
-
-@triton.jit
-def _gate_fwd_kernel(
-    h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
-    D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    v = tl.load(kv_ptr + t * kv_stride + HC * D + d, mask=dm, other=0).to(tl.float32)
-    keep = 1.0
-    if HAS_MASK:
-        keep = (tl.load(mask_ptr + t) != 0).to(tl.float32)
-    for m in tl.static_range(HC):
-        h = tl.load(h_ptr + t * h_stride + m * D + d, mask=dm, other=0).to(tl.float32)
-        k = tl.load(kv_ptr + t * kv_stride + m * D + d, mask=dm, other=0).to(tl.float32)
-        qw = tl.load(qw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
-        kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
-        rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
-        y = (a * keep) * v
-        if RESIDUAL:
-            y = y + h
-        tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
-
-
-@triton.jit
-def _gate_fwd_branch_kernel(
-    h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
-    D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
-):
-    """One program per (token, branch): more programs in flight; a token's branches are adjacent
-    programs, so its value is read from HBM once and from L2 by the others."""
-    pid = tl.program_id(0)
-    t = (pid // HC).to(tl.int64)
-    m = pid % HC
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    h = tl.load(h_ptr + t * h_stride + m * D + d, mask=dm, other=0).to(tl.float32)
-    k = tl.load(kv_ptr + t * kv_stride + m * D + d, mask=dm, other=0).to(tl.float32)
-    v = tl.load(kv_ptr + t * kv_stride + HC * D + d, mask=dm, other=0).to(tl.float32)
-    qw = tl.load(qw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
-    kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
-    rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
-    if HAS_MASK:
-        a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
-    y = a * v
-    if RESIDUAL:
-        y = y + h
-    tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -158,32 +105,6 @@ def _gate_fwd_chunked_kernel(
         y = a * tl.load(v_row + d, mask=dm, other=0).to(tl.float32)
         if RESIDUAL:
             y = y + tl.load(h_row + d, mask=dm, other=0).to(tl.float32)
-        tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
-
-
-@triton.jit
-def _gate_fwd_persistent_kernel(
-    h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
-    n_items, D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr, STAGES: tl.constexpr,
-):
-    """Persistent grid over (token, branch) items, loads of the next item software-pipelined."""
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0), num_stages=STAGES):
-        t = tl.cast(item // HC, tl.int64)  # (item is a plain int in the interpreter)
-        m = item % HC
-        h = tl.load(h_ptr + t * h_stride + m * D + d, mask=dm, other=0).to(tl.float32)
-        k = tl.load(kv_ptr + t * kv_stride + m * D + d, mask=dm, other=0).to(tl.float32)
-        v = tl.load(kv_ptr + t * kv_stride + HC * D + d, mask=dm, other=0).to(tl.float32)
-        qw = tl.load(qw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
-        kw = tl.load(kw_ptr + m * D + d, mask=dm, other=0).to(tl.float32)
-        rh, rk, qn, kn, s, a, da_dg = _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp)
-        if HAS_MASK:
-            a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
-        y = a * v
-        if RESIDUAL:
-            y = y + h
         tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
@@ -270,41 +191,25 @@ def _flatten(hidden: torch.Tensor, kv: torch.Tensor, token_mask: torch.Tensor | 
 
 
 def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *, residual: bool = False,
-                        chunk: int | None = None, split_branches: bool | None = None, num_warps: int | None = None,
-                        persistent_stages: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Fused forward: [..., hc, D] hidden, [..., (hc+1)*D] kv -> [..., hc, D] in hidden's dtype;
     with `residual`, ``hidden + gate * v`` (the add in fp32, rounded once).
 
-    `chunk`: two passes over D in chunks of this many elements (`_gate_fwd_chunked_kernel`);
-    0: one pass, the whole row in registers. `split_branches`: one program per (token, branch),
-    or per token (the value read once); default `SPLIT_BRANCHES`. `persistent_stages`:
-    instead, a persistent grid over (token, branch) items with that many software-pipeline
-    stages (an experiment; see the notes).
+    `chunk` (default `default_chunk`) and `num_warps` are the launch configuration
+    (`benchmarks/kernel_sweep.py` times them).
     """
-    if split_branches is None:
-        split_branches = SPLIT_BRANCHES
     h2, kv2, mask, hc, dim = _flatten(hidden, kv, token_mask)
     n = h2.shape[0]
     out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     if n == 0:
         return out
     o2 = out.view(n, hc * dim)
-    block_d = next_pow2(dim)
-    args = (h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2)
-    scalars = (dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim))
-    flags = dict(HC=hc, HAS_MASK=mask is not None, RESIDUAL=residual)
-    if chunk:
-        chunk = min(next_pow2(chunk), block_d)
-        _gate_fwd_chunked_kernel[(n * hc,)](*args, *scalars, CHUNK=chunk, N_CHUNKS=triton.cdiv(dim, chunk),
-                                          num_warps=num_warps or 4, **flags)
-        return out
-    meta = dict(BLOCK_D=block_d, num_warps=num_warps or _fwd_warps(block_d), **flags)
-    if persistent_stages:
-        grid = (persistent_programs(n * hc, hidden.device, per_sm=4),)
-        _gate_fwd_persistent_kernel[grid](*args, n * hc, *scalars, STAGES=persistent_stages, **meta)
-    else:
-        kernel, grid = (_gate_fwd_branch_kernel, (n * hc,)) if split_branches else (_gate_fwd_kernel, (n,))
-        kernel[grid](*args, *scalars, **meta)
+    chunk = min(next_pow2(chunk or default_chunk(dim)), next_pow2(dim))
+    _gate_fwd_chunked_kernel[(n * hc,)](
+        h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2,
+        dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
+        HC=hc, CHUNK=chunk, N_CHUNKS=triton.cdiv(dim, chunk), HAS_MASK=mask is not None, RESIDUAL=residual,
+        num_warps=num_warps)
     return out
 
 
