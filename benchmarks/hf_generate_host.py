@@ -10,12 +10,13 @@ Variants, one model, in this order:
 * ``host``: the same tables in an `EngramMemory` in page-locked host memory. Every forward's
   lookups start before decoder layer 0 (prefill: staged CPU gather + DMA and zero-copy;
   decode steps: one zero-copy gather kernel);
-* ``module`` (with ``--module``, before ``hbm``): the tables as the modules' own parameters.
+* ``module`` (with ``--module``, before ``hbm``): the tables as the modules' own parameters;
+* ``none_after``: the Llama alone again, Engram's hooks removed, at the end (the run's drift).
 
 Prompts: ``--batch`` windows of ``--prompt-tokens`` tokens of the standard library's source
 through the DeepSeek-V4 tokenizer (no padding). Each variant: a full-length warm-up generate, then
-``--repeats`` timed ones of ``--new-tokens`` (greedy, no early stop); tokens/s counts new
-tokens. The host and HBM variants' greedy tokens are compared, and one forward over prompt +
+``--repeats`` timed ones of ``--new-tokens`` (greedy, no early stop; ``hbm`` and ``host`` in
+alternating rounds); tokens/s counts new tokens, against the faster of the two no-Engram runs. The host and HBM variants' greedy tokens are compared, and one forward over prompt +
 generated tokens gives each memory's rows and logits (``torch.equal``).
 
     PYTHONPATH=src python3 benchmarks/hf_generate_host.py --out DIR
@@ -250,15 +251,37 @@ def main() -> None:
     t0 = time.perf_counter()
     hbm = offload_tables(model, tier="hbm" if device == "cuda" else "host", device=device)   # CPU: a smoke run
     result["hbm_place_s"] = time.perf_counter() - t0
-    run("hbm")
     t0 = time.perf_counter()
     host = EngramMemory.from_weights(adapter.hasher, weights, tier="host", device=device,
                                      host_alloc="mmap_register" if device == "cuda" else "pageable")
     result["host_place_s"] = time.perf_counter() - t0
     del weights
-    adapter.memory = host
     log(f"host tables placed in {result['host_place_s']:.1f} s")
-    run("host")
+    # HBM and host memories timed in alternating rounds (the order flipped each round), so a
+    # machine that drifts within the run moves both alike.
+    memories = {"hbm": hbm, "host": host}
+    kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": args.new_tokens,
+          "max_new_tokens": args.new_tokens}
+    seconds: dict = {name: [] for name in memories}
+    with torch.no_grad():
+        for name, memory in memories.items():       # warm-up at full length
+            adapter.memory = memory
+            tokens[name] = model.generate(ids, **kw)[:, ids.shape[1]:].cpu()
+        for r in range(args.repeats):
+            for name in (("hbm", "host") if r % 2 == 0 else ("host", "hbm")):
+                adapter.memory = memories[name]
+                sync(device)
+                t0 = time.perf_counter()
+                got = model.generate(ids, **kw)
+                sync(device)
+                seconds[name].append(time.perf_counter() - t0)
+                tokens[name + "_last"] = got[:, ids.shape[1]:].cpu()
+    for name in memories:
+        runs[name] = {"seconds": seconds[name], "tokens_per_s": args.batch * args.new_tokens / min(seconds[name]),
+                      "new_tokens": args.batch * args.new_tokens,
+                      "repeats_equal": torch.equal(tokens[name], tokens.pop(name + "_last"))}
+        log(name, runs[name])
+    adapter.memory = host
 
     # Where generate runs part: step by step, HBM against host and HBM against itself (the noise).
     with torch.no_grad():
@@ -292,15 +315,21 @@ def main() -> None:
         "tokens": int(seq.numel())}
     hbm.close()
     host.close()
+    # The model without Engram once more, at the end of the run: drift shows as a gap between the two.
+    adapter.remove_hooks()
+    run("none_after")
 
     result["runs"] = runs
-    result["host_vs_none"] = runs["host"]["tokens_per_s"] / runs["none"]["tokens_per_s"]
+    none_tps = max(runs["none"]["tokens_per_s"], runs["none_after"]["tokens_per_s"])
+    result["none_drift"] = runs["none_after"]["tokens_per_s"] / runs["none"]["tokens_per_s"]
+    result["hbm_vs_none"] = runs["hbm"]["tokens_per_s"] / none_tps
+    result["host_vs_none"] = runs["host"]["tokens_per_s"] / none_tps
     result["host_vs_hbm"] = runs["host"]["tokens_per_s"] / runs["hbm"]["tokens_per_s"]
     result["tokens"] = {"host_vs_hbm": agreement(tokens["host"], tokens["hbm"]),
                         "host_vs_none": agreement(tokens["host"], tokens["none"])}
     if "module" in tokens:
         result["tokens"]["host_vs_module"] = agreement(tokens["host"], tokens["module"])
-    log({k: result[k] for k in ("host_vs_none", "host_vs_hbm", "tokens", "forward_equal")})
+    log({k: result[k] for k in ("none_drift", "hbm_vs_none", "host_vs_none", "host_vs_hbm", "tokens", "forward_equal")})
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "hf_generate_host.json").write_text(json.dumps(result, indent=1) + "\n")
