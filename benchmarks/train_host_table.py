@@ -5,6 +5,7 @@ Three runs of the same model on the same batches, in one process, the process's 
 
 * ``hbm``: the table a model parameter in HBM, `SparseAdam` on the GPU (a size both fit);
 * ``host``: the same table (same initial rows) in page-locked host memory, Adam on the host;
+* ``host_stale``: as ``host`` with ``staleness=1`` (no patch: rows read one update late);
 * ``host_big``: a table whose weights + Adam state (>= 60 GiB by default) exceed the HBM the
   backbone leaves free under the cap, in host memory.
 
@@ -69,7 +70,7 @@ def train_config(args, preset: dict) -> TrainConfig:
     return TrainConfig(**t)
 
 
-def run(name: str, args, data, table_size: int, device: torch.device, tier: str) -> dict:
+def run(name: str, args, data, table_size: int, device: torch.device, tier: str, staleness: int = 0) -> dict:
     """Train one model; returns its numbers (history, tok/s, memory)."""
     preset = preset_for(args, table_size)
     cfg = build_model_config(preset, data)
@@ -83,7 +84,7 @@ def run(name: str, args, data, table_size: int, device: torch.device, tier: str)
     model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=0, device=device, table_device=table_device)
     tables = None
     if tier != "hbm":
-        tables = HostTables(model, device, threads=args.threads, seed=0)
+        tables = HostTables(model, device, threads=args.threads, seed=0, staleness=staleness)
     setup_s = time.perf_counter() - t0
     table_params = tables.table_params if tables is not None else sum(p.numel() for _, p in model.table_parameters())
     if device.type == "cuda":
@@ -109,7 +110,7 @@ def run(name: str, args, data, table_size: int, device: torch.device, tier: str)
         if tables is not None:
             out.update(host_bytes=tables.host_bytes, host_gib=tables.host_bytes / GiB,
                        host_bytes_per_param=tables.host_bytes / table_params, setup_seconds=tables.setup_seconds,
-                       host_wait_s=tables.wait_s, host_state_dtype="fp32", threads=args.threads,
+                       host_wait_s=tables.wait_s, host_state_dtype="fp32", threads=args.threads, staleness=staleness,
                        rss_bytes_per_param=(rss1 - rss0) / table_params)
         else:
             opt = trainer.sparse
@@ -187,6 +188,8 @@ def main() -> None:
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     result["runs"]["host"] = run("host", args, data, args.small_table_size, device, "host")
     json_path.write_text(json.dumps(result, indent=1) + "\n")
+    result["runs"]["host_stale"] = run("host_stale", args, data, args.small_table_size, device, "host", staleness=1)
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
 
     if not args.skip_big:
         probe = probe_pin(device, args.threads, 0.5 if args.tiny else 4.0)
@@ -213,6 +216,7 @@ def main() -> None:
     runs = result["runs"]
     hbm, host = runs["hbm"], runs["host"]
     result["ratio_host_vs_hbm"] = host["tokens_per_s"] / hbm["tokens_per_s"]
+    result["ratio_host_stale_vs_hbm"] = runs["host_stale"]["tokens_per_s"] / hbm["tokens_per_s"]
     if "host_big" in runs:
         big = runs["host_big"]
         result["ratio_host_big_vs_hbm"] = big["tokens_per_s"] / hbm["tokens_per_s"]

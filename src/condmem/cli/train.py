@@ -73,6 +73,9 @@ def register(sub) -> None:
     e.add_argument("--host-state", choices=["fp32", "bf16"], default="fp32",
                    help="with --table-tier host: Adam moments in fp32 (exact) or bf16 (8 instead of 12 B/parameter)")
     e.add_argument("--host-threads", type=int, help="with --table-tier host: threads of the host Adam and gathers")
+    e.add_argument("--host-staleness", type=int, choices=[0, 1], default=0,
+                   help="with --table-tier host: 0 = exact (a step waits for the host's Adam of the rows it shares "
+                   "with the step before); 1 = no wait, those rows read one update late (not exact)")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int)
     t.add_argument("--batch-size", type=int)
@@ -258,7 +261,8 @@ def _train(args, rank: int | None = None, world: int = 1) -> int:
         from condmem.train.host_table import HostTables
 
         tables = HostTables(model, device, state_dtype=args.host_state, threads=args.host_threads,
-                            tables=ckpt.tables if args.resume else None, seed=args.seed)
+                            tables=ckpt.tables if args.resume else None, seed=args.seed,
+                            staleness=args.host_staleness)
         print(f"[{label}] tables in host memory: {tables.table_params:,} parameters, "
               f"{tables.host_bytes / 2**30:.2f} GiB with Adam state ({tables.setup_s:.1f} s to allocate)", flush=True)
     params = model.param_counts()
@@ -287,6 +291,8 @@ def _train(args, rank: int | None = None, world: int = 1) -> int:
     summary.update(params=params, flops_per_token=train_flops_per_token(cfg, tc.seq_len),
                    checkpoint=str(trainer.last_checkpoint),
                    table_tier=args.table_tier if rank is None else f"sharded over {world} ranks")
+    if host:
+        summary["host_staleness"] = args.host_staleness
     atomic_write_text(Path(args.out) / "summary.json",
                       json.dumps({"summary": summary, "model": cfg.to_dict(), "train": tc.to_dict(),
                                   "data": data.info, "history": trainer.history, "evals": trainer.evals}, indent=1) + "\n")

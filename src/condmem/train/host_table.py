@@ -26,6 +26,11 @@ on the same device (the tests hold them ``torch.equal`` on the CPU). What the pi
 hides is the gather, both copies and the Adam of rows step t+1 does not read; what it
 cannot hide is the Adam of rows it does read (the device waits for their patch).
 
+With ``staleness=1`` (bounded staleness, Hogwild-like) there is no patch: step t+1 reads
+its rows as gathered, without step t's update to the rows both steps read (every earlier
+update is in), and the device never waits for Adam. Not exact; the losses drift from the
+exact run's by what one step of lag costs.
+
 With ``prefetch=False`` every step fetches its rows after all earlier updates are applied
 (the reference the pipelined path is tested against). Outside training (no autograd, or
 no prefetched step) rows are fetched synchronously after all pending updates.
@@ -190,6 +195,9 @@ class HostTables:
         state_dtype: ``"fp32"`` (exact: rows equal `SparseAdam`'s) or ``"bf16"`` (moments
             stored in bf16, computed in fp32: 8 instead of 12 B per parameter on the host).
         prefetch: fetch step t+1's rows while step t computes (see the module docstring).
+        staleness: 0 (exact: rows step t updates are patched before step t+1 reads them) or 1
+            (no patch: a step may read rows without the previous step's update, and the
+            device never waits for the host's Adam).
         pin: page-lock the host tensors (needs CUDA); default: when `device` is CUDA.
         threads: torch intra-op threads of the worker (None: the process's setting).
         tables: {layer id: [rows, head_dim]} initial rows (e.g. `load_checkpoint(...,
@@ -202,9 +210,13 @@ class HostTables:
     def __init__(self, model, device: torch.device | str, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, state_dtype: str = "fp32", prefetch: bool = True, pin: bool | None = None,
                  threads: int | None = None, tables: dict[int, torch.Tensor] | None = None,
-                 init_std: float | None = None, seed: int = 0):
+                 init_std: float | None = None, seed: int = 0, staleness: int = 0):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {state_dtype!r}")
+        if staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 (exact) or 1 (rows may lack the previous step's update), "
+                             f"got {staleness!r}")
+        self.staleness = staleness
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda and self.device.index is None:
@@ -345,8 +357,9 @@ class HostTables:
             n, d = ids.numel(), layer.weight.shape[1]
             staging = self._buffer(layer.staging, slot, (n, d), torch.float32, self._pinned)
             torch.index_select(layer.weight, 0, ids, out=staging)
-            layer.marker[ids] = True
-            layer.marked = ids
+            if self.staleness == 0:      # the rows the Adam queued next updates first, for the patch
+                layer.marker[ids] = True
+                layer.marked = ids
             if self.cuda:
                 dev = self._buffer(layer.dev_rows, slot, (n, d), torch.float32, self._on_device)
                 if len(layer.consumed) > slot and layer.consumed[slot] is not None:
@@ -447,7 +460,7 @@ class HostTables:
         """Send each table's (clipped) gradient to the host and queue its Adam update."""
         group = self.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-        nxt = next((t for t in self._queue if t.step == self._step + 1), None)
+        nxt = next((t for t in self._queue if t.step == self._step + 1), None) if self.staleness == 0 else None
         grads = self.gradients()
         jobs = {}
         for lid, grad in grads.items():
