@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# On a machine of several GPUs (NCCL, one GPU a rank): tensor-parallel Engram at every world size
+# 2..N (rows exact against one process, each mode's collective time against the prediction),
+# the reference decoder served with its tables sharded (logits checked against one process),
+# and training with tables sharded over the GPUs: one global batch at 1 and N GPUs (losses
+# compared) and one per-GPU batch at 1..N GPUs (tokens/s against linear). Logs and JSON to $OUT.
+set -uo pipefail
+# shellcheck disable=SC1091
+source "$(dirname "$0")/_device_env.sh"
+# NVLink multicast stays off: a program that uses it can take a shared host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+N=$(nvidia-smi -L | wc -l)
+STEPS="${STEPS:-30}"
+PER_GPU_BATCH="${PER_GPU_BATCH:-16}"
+for w in 2 4 8; do
+  [ "$w" -le "$N" ] || continue
+  torchrun --nproc-per-node "$w" benchmarks/multi_gpu_tp.py --out "$OUT/tp_w$w" > "$OUT/tp_w$w.log" 2>&1
+  tail -n 7 "$OUT/tp_w$w.log"
+done
+torchrun --nproc-per-node "$N" examples/tp_engram.py --cuda > "$OUT/tp_engram_example.log" 2>&1
+tail -n 3 "$OUT/tp_engram_example.log"
+train() {  # world size, global batch, run name
+  torchrun --nproc-per-node "$1" -m condmem train --preset gpu --steps "$STEPS" --batch-size "$2" \
+    --max-train-bytes 20000000 --eval-every 0 --eval-tokens 65536 --no-progress --out "$OUT/train_$3" \
+    > "$OUT/train_$3.log" 2>&1
+}
+train 1 "$((PER_GPU_BATCH * N))" same_batch_w1
+train "$N" "$((PER_GPU_BATCH * N))" same_batch_w"$N"
+for w in 1 2 4 8; do
+  [ "$w" -le "$N" ] || continue
+  train "$w" "$((PER_GPU_BATCH * w))" per_gpu_w"$w"
+done
+python3 - "$OUT" "$N" <<'PY'
+import json, sys
+from pathlib import Path
+out, n = Path(sys.argv[1]), int(sys.argv[2])
+def load(name):
+    p = out / f"train_{name}" / "summary.json"
+    return json.loads(p.read_text()) if p.exists() else None
+a, b = load("same_batch_w1"), load(f"same_batch_w{n}")
+result = {"world": n}
+if a and b:
+    la, lb = [h["loss"] for h in a["history"]], [h["loss"] for h in b["history"]]
+    result["same_batch_max_rel_loss_diff"] = max(abs(x - y) / abs(x) for x, y in zip(la, lb))
+    print(f"same global batch, 1 vs {n} GPUs: max relative loss difference {result['same_batch_max_rel_loss_diff']:.2e}")
+base = load("per_gpu_w1")
+for w in (1, 2, 4, 8):
+    s = load(f"per_gpu_w{w}")
+    if s and base:
+        tps = s["summary"]["tokens_per_s"]
+        result[f"per_gpu_w{w}_tokens_per_s"] = tps
+        result[f"per_gpu_w{w}_x_linear"] = tps / (w * base["summary"]["tokens_per_s"])
+        print(f"{w} GPU(s), same batch per GPU: {tps:,.0f} tok/s, {result[f'per_gpu_w{w}_x_linear']:.3f} of linear")
+(out / "multi_gpu_train.json").write_text(json.dumps(result, indent=1) + "\n")
+PY
