@@ -6,6 +6,7 @@ Three runs of the same model on the same batches, in one process, the process's 
 * ``hbm``: the table a model parameter in HBM, `SparseAdam` on the GPU (a size both fit);
 * ``host``: the same table (same initial rows) in page-locked host memory, Adam on the host;
 * ``host_stale``: as ``host`` with ``staleness=1`` (no patch: rows read one update late);
+* ``host_device_adam``: as ``host`` with ``adam="device"`` (Adam on the GPU, the host stores);
 * ``host_big``: a table whose weights + Adam state (>= 60 GiB by default) exceed the HBM the
   backbone leaves free under the cap, in host memory.
 
@@ -70,7 +71,8 @@ def train_config(args, preset: dict) -> TrainConfig:
     return TrainConfig(**t)
 
 
-def run(name: str, args, data, table_size: int, device: torch.device, tier: str, staleness: int = 0) -> dict:
+def run(name: str, args, data, table_size: int, device: torch.device, tier: str, staleness: int = 0,
+        adam: str = "host") -> dict:
     """Train one model; returns its numbers (history, tok/s, memory)."""
     preset = preset_for(args, table_size)
     cfg = build_model_config(preset, data)
@@ -84,7 +86,7 @@ def run(name: str, args, data, table_size: int, device: torch.device, tier: str,
     model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=0, device=device, table_device=table_device)
     tables = None
     if tier != "hbm":
-        tables = HostTables(model, device, threads=args.threads, seed=0, staleness=staleness)
+        tables = HostTables(model, device, threads=args.threads, seed=0, staleness=staleness, adam=adam)
     setup_s = time.perf_counter() - t0
     table_params = tables.table_params if tables is not None else sum(p.numel() for _, p in model.table_parameters())
     if device.type == "cuda":
@@ -110,7 +112,7 @@ def run(name: str, args, data, table_size: int, device: torch.device, tier: str,
         if tables is not None:
             out.update(host_bytes=tables.host_bytes, host_gib=tables.host_bytes / GiB,
                        host_bytes_per_param=tables.host_bytes / table_params, setup_seconds=tables.setup_seconds,
-                       host_wait_s=tables.wait_s, host_state_dtype="fp32", threads=args.threads, staleness=staleness,
+                       host_wait_s=tables.wait_s, host_state_dtype="fp32", threads=args.threads, staleness=staleness, adam=adam,
                        rss_bytes_per_param=(rss1 - rss0) / table_params)
         else:
             opt = trainer.sparse
@@ -156,6 +158,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-setup-s", type=float, default=150.0, help="shrink host_big to fit this setup time")
     ap.add_argument("--skip-big", action="store_true")
+    ap.add_argument("--big-adam", choices=["host", "device"], default="host", help="where host_big runs Adam")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -190,6 +193,9 @@ def main() -> None:
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     result["runs"]["host_stale"] = run("host_stale", args, data, args.small_table_size, device, "host", staleness=1)
     json_path.write_text(json.dumps(result, indent=1) + "\n")
+    result["runs"]["host_device_adam"] = run("host_device_adam", args, data, args.small_table_size, device, "host",
+                                             adam="device")
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
 
     if not args.skip_big:
         probe = probe_pin(device, args.threads, 0.5 if args.tiny else 4.0)
@@ -207,7 +213,7 @@ def main() -> None:
         print(f"pin probe: fill {probe['fill_gib_s']:.1f} GiB/s, pin {probe['pin_gib_s'] or 0:.1f} GiB/s -> "
               f"host_big {big_gib:.1f} GiB (table_size {big_size:,})", flush=True)
         try:
-            result["runs"]["host_big"] = run("host_big", args, data, big_size, device, "host_init")
+            result["runs"]["host_big"] = run("host_big", args, data, big_size, device, "host_init", adam=args.big_adam)
         except Exception as exc:  # noqa: BLE001 - recorded; the runs above stand
             result["host_big_error"] = repr(exc)
             print(f"host_big failed: {exc!r}", flush=True)
@@ -217,6 +223,7 @@ def main() -> None:
     hbm, host = runs["hbm"], runs["host"]
     result["ratio_host_vs_hbm"] = host["tokens_per_s"] / hbm["tokens_per_s"]
     result["ratio_host_stale_vs_hbm"] = runs["host_stale"]["tokens_per_s"] / hbm["tokens_per_s"]
+    result["ratio_host_device_adam_vs_hbm"] = runs["host_device_adam"]["tokens_per_s"] / hbm["tokens_per_s"]
     if "host_big" in runs:
         big = runs["host_big"]
         result["ratio_host_big_vs_hbm"] = big["tokens_per_s"] / hbm["tokens_per_s"]

@@ -25,14 +25,15 @@ from condmem.train.presets import get_preset
 STEPS = 50
 
 
-def _trainer(data, *, host: dict | None = None, steps=STEPS, run_dir=None, model=None, tables=None, **train):
+def _trainer(data, *, host: dict | None = None, steps=STEPS, run_dir=None, model=None, tables=None, device="cpu",
+             **train):
     preset = get_preset("tiny")
     if model is None:
-        model = DecoderLM(build_model_config(preset, data), token_lookup=data.ctok.lookup, seed=0)
+        model = DecoderLM(build_model_config(preset, data), token_lookup=data.ctok.lookup, seed=0, device=device)
     tc = TrainConfig(**dict(preset["train"], steps=steps, seed=0, lr=1e-2, warmup_steps=3, **train))
-    tier = None if host is None else HostTables(model, "cpu", tables=tables, **host)
+    tier = None if host is None else HostTables(model, device, tables=tables, **host)
     extra = {"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info}
-    return Trainer(model, tc, data.train, data.val, data.token_bytes, "cpu", run_dir=run_dir, label="engram",
+    return Trainer(model, tc, data.train, data.val, data.token_bytes, device, run_dir=run_dir, label="engram",
                    checkpoint_extra=extra, progress=False, host_tables=tier)
 
 
@@ -86,9 +87,11 @@ def _assert_same_training(ref, got):
         assert torch.equal(p, backbone[name]), name
 
 
+@pytest.mark.parametrize("adam", ["host", "device"])
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetched", "unpipelined"])
-def test_host_tables_train_exactly_like_model_tables(tiny_data, reference, prefetch):
-    trainer = _trainer(tiny_data, host={"prefetch": prefetch})
+def test_host_tables_train_exactly_like_model_tables(tiny_data, reference, prefetch, adam):
+    """Adam on the host's threads, or on the device with the host storing (``adam="device"``)."""
+    trainer = _trainer(tiny_data, host={"prefetch": prefetch, "adam": adam})
     with trainer.host:
         assert not trainer.model.table_parameters() and isinstance(trainer.model.engram_layers[0].table, HostTableView)
         summary = trainer.fit()
@@ -119,9 +122,10 @@ def test_bf16_moments_train_close_to_fp32(tiny_data, reference):
     assert 0 < max(diffs) < 0.02, diffs
 
 
-def test_resume_on_host_tables_equals_an_uninterrupted_run(tiny_data, reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("adam", ["host", "device"])
+def test_resume_on_host_tables_equals_an_uninterrupted_run(tiny_data, reference, tmp_path, monkeypatch, adam):
     run = tmp_path / "run"
-    crashed = _trainer(tiny_data, host={}, run_dir=run, checkpoint_every=20)
+    crashed = _trainer(tiny_data, host={"adam": adam}, run_dir=run, checkpoint_every=20)
     real_step = Trainer.train_step
 
     def crash_at_27(self, step):
@@ -136,7 +140,8 @@ def test_resume_on_host_tables_equals_an_uninterrupted_run(tiny_data, reference,
 
     ckpt = load_checkpoint(run, tables_on_host=True)
     assert ckpt.state["step"] == 20 and ckpt.model.table_parameters()[0][1].device.type == "meta"
-    resumed = _trainer(tiny_data, host={}, run_dir=run, checkpoint_every=20, model=ckpt.model, tables=ckpt.tables)
+    resumed = _trainer(tiny_data, host={"adam": adam}, run_dir=run, checkpoint_every=20, model=ckpt.model,
+                       tables=ckpt.tables)
     with resumed.host:
         resumed.restore(ckpt)
         resumed.fit()
@@ -202,3 +207,61 @@ def test_cli_host_staleness_one_trains(tiny_corpus, tmp_path):
     assert main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())["summary"]
     assert summary["table_tier"] == "host" and summary["host_staleness"] == 1
+
+
+def test_device_adam_without_its_patch_reads_stale_state(tiny_data, reference, monkeypatch):
+    """Negative control for ``adam="device"``: the rows and Adam state a step updates reach the
+    host after the next step's gather; without the device-side patch the losses differ."""
+    real = HostTables._device_rows
+
+    def unpatched(self, layer, fetched, row_ids):
+        layer.last = None
+        return real(self, layer, fetched, row_ids)
+
+    monkeypatch.setattr(HostTables, "_device_rows", unpatched)
+    trainer = _trainer(tiny_data, host={"adam": "device"}, steps=12)
+    with trainer.host:
+        trainer.fit()
+    assert _losses(trainer)[0] == _losses(reference)[0]
+    assert _losses(trainer)[1] != _losses(reference)[1]
+
+
+def test_device_adam_with_bf16_moments_equals_host_adam(tiny_data):
+    """bf16 moments: the device stores its results as the host would (rounded to bf16), so the
+    two placements of Adam give equal runs."""
+    runs = []
+    for adam in ("host", "device"):
+        trainer = _trainer(tiny_data, host={"state_dtype": "bf16", "adam": adam}, steps=20)
+        with trainer.host:
+            trainer.fit()
+            runs.append((_losses(trainer), _tables(trainer)))
+    assert runs[0][0] == runs[1][0]
+    for lid in runs[0][1]:
+        assert torch.equal(runs[0][1][lid], runs[1][1][lid])
+
+
+def test_device_adam_is_exact_only(tiny_data):
+    with pytest.raises(ValueError, match="exact only"):
+        _trainer(tiny_data, host={"adam": "device", "staleness": 1})
+    with pytest.raises(ValueError, match="adam must be"):
+        _trainer(tiny_data, host={"adam": "gpu"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("adam", ["host", "device"])
+def test_host_tables_on_a_gpu_train_like_model_tables(tiny_data, adam):
+    """On a GPU (streams, pinned staging, the worker's copies): 30 steps with host tables give
+    the losses of the model's own tables in HBM, to fp32 rounding (the host's Adam rounds
+    differently from the GPU's; the device's Adam is the same arithmetic)."""
+    ref = _trainer(tiny_data, steps=30, device="cuda", precision="fp32")
+    ref.fit()
+    trainer = _trainer(tiny_data, host={"adam": adam}, steps=30, device="cuda", precision="fp32")
+    with trainer.host:
+        trainer.fit()
+        tables = _tables(trainer)
+    diffs = [abs(a - b) / abs(b) for a, b in zip(_losses(trainer), _losses(ref))]
+    assert max(diffs) < 1e-4, diffs
+    want = _tables(ref)
+    for lid in want:
+        torch.testing.assert_close(tables[lid].cpu(), want[lid].cpu(), rtol=1e-4, atol=1e-5)
+

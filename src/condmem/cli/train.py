@@ -73,6 +73,9 @@ def register(sub) -> None:
     e.add_argument("--host-state", choices=["fp32", "bf16"], default="fp32",
                    help="with --table-tier host: Adam moments in fp32 (exact) or bf16 (8 instead of 12 B/parameter)")
     e.add_argument("--host-threads", type=int, help="with --table-tier host: threads of the host Adam and gathers")
+    e.add_argument("--host-adam", choices=["host", "device"], default="host",
+                   help="with --table-tier host: where Adam runs: on the host's threads, or on the device with the "
+                   "host only storing rows and state (exact either way; docs/training.md)")
     e.add_argument("--host-staleness", type=int, choices=[0, 1], default=0,
                    help="with --table-tier host: 0 = exact (a step waits for the host's Adam of the rows it shares "
                    "with the step before); 1 = no wait, those rows read one update late (not exact)")
@@ -262,7 +265,7 @@ def _train(args, rank: int | None = None, world: int = 1) -> int:
 
         tables = HostTables(model, device, state_dtype=args.host_state, threads=args.host_threads,
                             tables=ckpt.tables if args.resume else None, seed=args.seed,
-                            staleness=args.host_staleness)
+                            staleness=args.host_staleness, adam=args.host_adam)
         print(f"[{label}] tables in host memory: {tables.table_params:,} parameters, "
               f"{tables.host_bytes / 2**30:.2f} GiB with Adam state ({tables.setup_s:.1f} s to allocate)", flush=True)
     params = model.param_counts()
@@ -292,7 +295,7 @@ def _train(args, rank: int | None = None, world: int = 1) -> int:
                    checkpoint=str(trainer.last_checkpoint),
                    table_tier=args.table_tier if rank is None else f"sharded over {world} ranks")
     if host:
-        summary["host_staleness"] = args.host_staleness
+        summary.update(host_staleness=args.host_staleness, host_adam=args.host_adam)
     atomic_write_text(Path(args.out) / "summary.json",
                       json.dumps({"summary": summary, "model": cfg.to_dict(), "train": tc.to_dict(),
                                   "data": data.info, "history": trainer.history, "evals": trainer.evals}, indent=1) + "\n")

@@ -26,6 +26,13 @@ on the same device (the tests hold them ``torch.equal`` on the CPU). What the pi
 hides is the gather, both copies and the Adam of rows step t+1 does not read; what it
 cannot hide is the Adam of rows it does read (the device waits for their patch).
 
+With ``adam="device"`` the device computes Adam and the host only stores: gather(t+1)
+sends the unique rows of step t+1 with their moments and step counts; the rows step t
+updates are patched from the device's own results of step t (rows and state), so no host
+work is on the device's path between two steps; the results go back to the host
+(``writeback``) while the next step computes. The same `adam_rows_delta` on the device
+gives rows equal to `SparseAdam`'s there.
+
 With ``staleness=1`` (bounded staleness, Hogwild-like) there is no patch: step t+1 reads
 its rows as gathered, without step t's update to the rows both steps read (every earlier
 update is in), and the device never waits for Adam. Not exact; the losses drift from the
@@ -163,6 +170,12 @@ class _Layer:
     grad_ids: list = field(default_factory=list)
     grad_vals: list = field(default_factory=list)
     grad_jobs: list = field(default_factory=lambda: [None, None])
+    buffers: dict = field(default_factory=dict)
+    """adam="device": named pairs of pinned / device buffers (`HostTables._named`)."""
+    current: tuple | None = None
+    """adam="device": (unique ids, rows, moments, steps) on the device, as the running step read them."""
+    last: tuple | None = None
+    """adam="device": (ids, new rows, moments, steps) of the latest device Adam: the next gather's patch."""
 
 
 @dataclass
@@ -198,6 +211,9 @@ class HostTables:
         staleness: 0 (exact: rows step t updates are patched before step t+1 reads them) or 1
             (no patch: a step may read rows without the previous step's update, and the
             device never waits for the host's Adam).
+        adam: ``"host"`` (Adam on the host's threads; the device waits for the rows the next
+            step shares with this one) or ``"device"`` (Adam on the device, the host stores:
+            more bytes sent each way, no host work between two steps; exact).
         pin: page-lock the host tensors (needs CUDA); default: when `device` is CUDA.
         threads: torch intra-op threads of the worker (None: the process's setting).
         tables: {layer id: [rows, head_dim]} initial rows (e.g. `load_checkpoint(...,
@@ -210,13 +226,19 @@ class HostTables:
     def __init__(self, model, device: torch.device | str, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, state_dtype: str = "fp32", prefetch: bool = True, pin: bool | None = None,
                  threads: int | None = None, tables: dict[int, torch.Tensor] | None = None,
-                 init_std: float | None = None, seed: int = 0, staleness: int = 0):
+                 init_std: float | None = None, seed: int = 0, staleness: int = 0, adam: str = "host"):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {state_dtype!r}")
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 (exact) or 1 (rows may lack the previous step's update), "
                              f"got {staleness!r}")
+        if adam not in ("host", "device"):
+            raise ValueError(f"adam must be 'host' or 'device', got {adam!r}")
+        if adam == "device" and staleness:
+            raise ValueError("adam='device' is exact only: the device's Adam needs each row's latest state "
+                             "(staleness=0)")
         self.staleness = staleness
+        self.device_adam = adam == "device"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda and self.device.index is None:
@@ -344,7 +366,8 @@ class HostTables:
         ticket = _Ticket(step, ids_host, row_ids, copied)
         for lid in self.layers:
             ticket.patch_ready[lid] = threading.Event()
-        ticket.gathered = self._submit(self._gather, ticket, self._gathers % 2)
+        gather = self._gather_unique if self.device_adam else self._gather
+        ticket.gathered = self._submit(gather, ticket, self._gathers % 2)
         self._gathers += 1
         self._queue.append(ticket)
 
@@ -373,6 +396,83 @@ class HostTables:
             else:
                 ticket.rows[lid] = (staging, None, slot)
 
+    def _named(self, layer: _Layer, name: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype,
+               pinned: bool) -> torch.Tensor:
+        """Buffer `slot` of the layer's pair `name` (pinned host or device), grown as needed."""
+        key = (name, pinned)
+        return self._buffer(layer.buffers.setdefault(key, []), slot, shape, dtype,
+                            self._pinned if pinned else self._on_device)
+
+    def _unique_state(self, layer: _Layer, ids: torch.Tensor, slot: int):
+        """Host: the unique rows of `ids` (sorted) with their moments and step counts, on the
+        device. Returns (unique ids, inverse, rows, m, v, steps, event when on the device)."""
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        k, d = uniq.numel(), layer.weight.shape[1]
+        host = {"ids": uniq, "inv": inv,
+                "rows": torch.index_select(layer.weight, 0, uniq, out=self._named(layer, "rows", slot, (k, d),
+                                                                                  torch.float32, self.pin)),
+                "m": torch.index_select(layer.exp_avg, 0, uniq, out=self._named(layer, "m", slot, (k, d),
+                                                                               layer.exp_avg.dtype, self.pin)),
+                "v": torch.index_select(layer.exp_avg_sq, 0, uniq, out=self._named(layer, "v", slot, (k, d),
+                                                                                  layer.exp_avg_sq.dtype, self.pin)),
+                "step": torch.index_select(layer.row_step, 0, uniq, out=self._named(layer, "step", slot, (k,),
+                                                                                   torch.float32, self.pin))}
+        if not self.cuda:
+            return (uniq, inv, host["rows"], host["m"].float(), host["v"].float(), host["step"], None)
+        if len(layer.consumed) > slot and layer.consumed[slot] is not None:
+            layer.consumed[slot].synchronize()   # the step that read these device buffers is past them
+        dev = {}
+        with torch.cuda.stream(self._h2d):
+            for name, t in host.items():
+                if name in ("ids", "inv") and self.pin:
+                    t = self._named(layer, name, slot, tuple(t.shape), t.dtype, True).copy_(t)
+                dev[name] = self._named(layer, name, slot, tuple(t.shape), t.dtype, False)
+                dev[name].copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._h2d)
+        done.synchronize()   # the pinned buffers are free again when this job ends
+        return (dev["ids"], dev["inv"], dev["rows"], dev["m"], dev["v"], dev["step"], done)
+
+    def _gather_unique(self, ticket: _Ticket, slot: int) -> None:
+        """Worker (adam="device"): each layer's unique rows of this step and their Adam state to the device."""
+        if ticket.copied is not None:
+            ticket.copied.synchronize()
+        for index, (lid, layer) in enumerate(self.layers.items()):
+            ticket.rows[lid] = (*self._unique_state(layer, ticket.ids_host[:, :, index].reshape(-1), slot), slot)
+
+    def _device_rows(self, layer: _Layer, fetched, row_ids: torch.Tensor) -> torch.Tensor:
+        """Main thread (adam="device"): the step's unique rows and state, patched with the latest
+        device Adam's results (rows the host has not received yet), kept for `step`; returns
+        the rows of `row_ids`."""
+        uniq, inv, rows, m, v, st, done = fetched[:7]
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        if done is not None:
+            cur.wait_event(done)
+        m, v = m.float(), v.float()
+        if layer.last is not None and layer.last[0].numel():
+            ids0, new0, m0, v0, st0 = layer.last
+            pos = torch.searchsorted(ids0, uniq).clamp_(max=ids0.numel() - 1)
+            hit = ids0[pos] == uniq
+            rows = torch.where(hit[:, None], new0[pos], rows)
+            m = torch.where(hit[:, None], m0[pos], m)
+            v = torch.where(hit[:, None], v0[pos], v)
+            st = torch.where(hit, st0[pos], st)
+        layer.current = (uniq, rows, m, v, st, fetched[7])
+        out = rows[inv]
+        self._mark_consumed(layer, fetched[7])
+        return out.view(*row_ids.shape, -1)
+
+    def _mark_consumed(self, layer: _Layer, slot: int) -> None:
+        """Record on the current stream that the work queued so far has read device buffer `slot`
+        (a gather may overwrite it once the event has passed)."""
+        if not self.cuda:
+            return
+        while len(layer.consumed) <= slot:
+            layer.consumed.append(None)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        layer.consumed[slot] = ev
+
     # ------------------------------------------------------------------ rows (main thread)
     def _rows(self, layer_id: int, row_ids: torch.Tensor) -> torch.Tensor:
         layer = self.layers[layer_id]
@@ -387,7 +487,11 @@ class HostTables:
             t0 = time.perf_counter()
             self.flush()
             ids = row_ids.reshape(-1).cpu()
-            rows = layer.weight.index_select(0, ids).to(self.device).view(*row_ids.shape, -1)
+            if self.device_adam and training:
+                layer.last = None           # flushed: the host holds every update
+                rows = self._device_rows(layer, (*self._unique_state(layer, ids, 0), 0), row_ids)
+            else:
+                rows = layer.weight.index_select(0, ids).to(self.device).view(*row_ids.shape, -1)
             self.wait_s += time.perf_counter() - t0
         if not training:
             return rows
@@ -405,6 +509,9 @@ class HostTables:
                                  f"{tuple(row_ids.shape)}: prefetch the ids of the step that runs next")
         if row_ids.device.type == "cpu" and not torch.equal(ticket.ids_dev[:, :, index], row_ids):
             raise HostTableError(f"layer {lid}: the forward's row ids are not the prefetched step's")
+        if self.device_adam:
+            self.wait_s += time.perf_counter() - t0
+            return self._device_rows(layer, ticket.rows[lid], row_ids)
         rows, done, slot = ticket.rows[lid]
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
         if done is not None:
@@ -460,6 +567,9 @@ class HostTables:
         """Send each table's (clipped) gradient to the host and queue its Adam update."""
         group = self.param_groups[0]
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        if self.device_adam:
+            self._device_step(lr, beta1, beta2, eps)
+            return
         nxt = next((t for t in self._queue if t.step == self._step + 1), None) if self.staleness == 0 else None
         grads = self.gradients()
         jobs = {}
@@ -489,6 +599,47 @@ class HostTables:
         fut = self._submit(self._adam, jobs, nxt, lr, beta1, beta2, eps)
         for lid, (_, _, _, slot) in jobs.items():
             self.layers[lid].grad_jobs[slot] = fut
+
+    def _device_step(self, lr: float, beta1: float, beta2: float, eps: float) -> None:
+        """adam="device": Adam on the device for each table's rows of this step, kept as the
+        next gather's patch and sent to the host, where the worker stores them."""
+        for lid, grad in self.gradients().items():
+            layer = self.layers[lid]
+            uniq, rows, m, v, st, read_slot = layer.current
+            ids, values = grad.indices()[0], grad.values()
+            pos = torch.searchsorted(uniq, ids)          # the gradient's rows are rows this step read
+            m, v, st, old = m[pos], v[pos], st[pos] + 1, rows[pos]
+            self._mark_consumed(layer, read_slot)       # the step's buffers are read up to here
+            layer.steps += 1
+            new = old + adam_rows_delta(values.float(), m, v, st, lr, beta1, beta2, eps, layer.steps)
+            if layer.exp_avg.dtype != torch.float32:     # as the host stores them, so a patch equals a re-read
+                m, v = m.to(layer.exp_avg.dtype).float(), v.to(layer.exp_avg_sq.dtype).float()
+            layer.last = (ids, new, m, v, st)
+            layer.current = None
+            slot = self._step % 2
+            if layer.grad_jobs[slot] is not None:
+                layer.grad_jobs[slot].result()   # the writeback that last read these pinned buffers is done
+            if self.cuda:
+                k, d = new.shape
+                out = {name: self._named(layer, "wb_" + name, slot, tuple(t.shape), t.dtype, True)
+                       for name, t in (("ids", ids), ("new", new), ("m", m), ("v", v), ("st", st))}
+                self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._d2h):
+                    for name, t in (("ids", ids), ("new", new), ("m", m), ("v", v), ("st", st)):
+                        out[name].copy_(t, non_blocking=True)
+                        t.record_stream(self._d2h)
+                    copied = torch.cuda.Event()
+                    copied.record(self._d2h)
+                job = (out["ids"], out["new"], out["m"], out["v"], out["st"], copied)
+            else:
+                job = (ids, new, m, v, st, None)
+            layer.grad_jobs[slot] = self._submit(self._writeback, layer, *job)
+
+    def _writeback(self, layer: _Layer, ids, new, m, v, st, copied) -> None:
+        """Worker (adam="device"): the device's Adam results into the host's rows and state."""
+        if copied is not None:
+            copied.synchronize()
+        self._write(layer, ids, new, m, v, st)
 
     def _adam(self, jobs: dict, nxt: _Ticket | None, lr: float, beta1: float, beta2: float, eps: float) -> None:
         """Worker: Adam on the host, the rows the next step reads first (their new values become its patch)."""
@@ -639,8 +790,10 @@ class HostTables:
                 view.weight = torch.empty(0, view.head_dim)
             for layer in self.layers.values():
                 layer.weight = layer.exp_avg = layer.exp_avg_sq = layer.row_step = layer.marked = None
-                for buffers in (layer.staging, layer.dev_rows, layer.grad_ids, layer.grad_vals, layer.leaves):
+                for buffers in (layer.staging, layer.dev_rows, layer.grad_ids, layer.grad_vals, layer.leaves,
+                                layer.buffers):
                     buffers.clear()
+                layer.current = layer.last = None
                 for buf in layer.keep:
                     if buf is not None:
                         buf.close()
