@@ -265,3 +265,17 @@ def test_host_tables_on_a_gpu_train_like_model_tables(tiny_data, adam):
     for lid in want:
         torch.testing.assert_close(tables[lid].cpu(), want[lid].cpu(), rtol=1e-4, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("adam", ["host", "device"])
+def test_reused_buffers_train_exactly(tiny_data, reference, monkeypatch, adam):
+    """Buffers allocated with headroom, so every step reuses them without regrowing: a step
+    that fetched its rows itself (step 0) must not write into a prefetch's buffers (negative
+    control: with adam="device" writing into slot 0 there, the losses differed)."""
+    for name in ("_pinned", "_on_device"):
+        real = getattr(HostTables, name)
+        monkeypatch.setattr(HostTables, name, lambda self, n, dtype, real=real: real(self, 4 * n + 4096, dtype))
+    trainer = _trainer(tiny_data, host={"adam": adam})
+    with trainer.host:
+        trainer.fit()
+        _assert_same_training(reference, trainer)

@@ -403,34 +403,39 @@ class HostTables:
         return self._buffer(layer.buffers.setdefault(key, []), slot, shape, dtype,
                             self._pinned if pinned else self._on_device)
 
-    def _unique_state(self, layer: _Layer, ids: torch.Tensor, slot: int):
+    def _unique_state(self, layer: _Layer, ids: torch.Tensor, slot: int | None):
         """Host: the unique rows of `ids` (sorted) with their moments and step counts, on the
-        device. Returns (unique ids, inverse, rows, m, v, steps, event when on the device)."""
+        device, in the buffers of `slot` (None: fresh tensors, for a step that fetches its
+        own rows while a prefetch may hold the slots). Returns (unique ids, inverse, rows, m,
+        v, steps, event when on the device)."""
+
+        def buf(name: str, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+            if slot is not None:
+                return self._named(layer, name, slot, shape, dtype, pinned)
+            if pinned:
+                return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
         uniq, inv = torch.unique(ids, return_inverse=True)
         k, d = uniq.numel(), layer.weight.shape[1]
-        host = {"ids": uniq, "inv": inv,
-                "rows": torch.index_select(layer.weight, 0, uniq, out=self._named(layer, "rows", slot, (k, d),
-                                                                                  torch.float32, self.pin)),
-                "m": torch.index_select(layer.exp_avg, 0, uniq, out=self._named(layer, "m", slot, (k, d),
-                                                                               layer.exp_avg.dtype, self.pin)),
-                "v": torch.index_select(layer.exp_avg_sq, 0, uniq, out=self._named(layer, "v", slot, (k, d),
-                                                                                  layer.exp_avg_sq.dtype, self.pin)),
-                "step": torch.index_select(layer.row_step, 0, uniq, out=self._named(layer, "step", slot, (k,),
-                                                                                   torch.float32, self.pin))}
+        host = {"ids": uniq, "inv": inv}
+        for name, src, shape in (("rows", layer.weight, (k, d)), ("m", layer.exp_avg, (k, d)),
+                                 ("v", layer.exp_avg_sq, (k, d)), ("step", layer.row_step, (k,))):
+            host[name] = torch.index_select(src, 0, uniq, out=buf(name, shape, src.dtype, self.pin))
         if not self.cuda:
             return (uniq, inv, host["rows"], host["m"].float(), host["v"].float(), host["step"], None)
-        if len(layer.consumed) > slot and layer.consumed[slot] is not None:
+        if slot is not None and len(layer.consumed) > slot and layer.consumed[slot] is not None:
             layer.consumed[slot].synchronize()   # the step that read these device buffers is past them
         dev = {}
         with torch.cuda.stream(self._h2d):
             for name, t in host.items():
                 if name in ("ids", "inv") and self.pin:
-                    t = self._named(layer, name, slot, tuple(t.shape), t.dtype, True).copy_(t)
-                dev[name] = self._named(layer, name, slot, tuple(t.shape), t.dtype, False)
+                    t = buf(name, tuple(t.shape), t.dtype, True).copy_(t)
+                dev[name] = buf(name, tuple(t.shape), t.dtype, False)
                 dev[name].copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._h2d)
-        done.synchronize()   # the pinned buffers are free again when this job ends
+        done.synchronize()   # the pinned buffers are free again when this call ends
         return (dev["ids"], dev["inv"], dev["rows"], dev["m"], dev["v"], dev["step"], done)
 
     def _gather_unique(self, ticket: _Ticket, slot: int) -> None:
@@ -462,10 +467,10 @@ class HostTables:
         self._mark_consumed(layer, fetched[7])
         return out.view(*row_ids.shape, -1)
 
-    def _mark_consumed(self, layer: _Layer, slot: int) -> None:
+    def _mark_consumed(self, layer: _Layer, slot: int | None) -> None:
         """Record on the current stream that the work queued so far has read device buffer `slot`
         (a gather may overwrite it once the event has passed)."""
-        if not self.cuda:
+        if not self.cuda or slot is None:
             return
         while len(layer.consumed) <= slot:
             layer.consumed.append(None)
@@ -489,7 +494,7 @@ class HostTables:
             ids = row_ids.reshape(-1).cpu()
             if self.device_adam and training:
                 layer.last = None           # flushed: the host holds every update
-                rows = self._device_rows(layer, (*self._unique_state(layer, ids, 0), 0), row_ids)
+                rows = self._device_rows(layer, (*self._unique_state(layer, ids, None), None), row_ids)
             else:
                 rows = layer.weight.index_select(0, ids).to(self.device).view(*row_ids.shape, -1)
             self.wait_s += time.perf_counter() - t0
