@@ -217,9 +217,9 @@ class EngramAdapter:
                                                         step.conv_in[layer_id])
                 if step.next_state is not None:
                     step.next_state.conv[layer_id] = conv_out
-            else:
-                out = engram(hidden, rows, token_mask=step.token_mask, rows=looked_up)
-            hidden = hidden + out.to(hidden.dtype)
+                hidden = hidden + out.to(hidden.dtype)
+            else:   # the residual add fused into the gate (one pass over the hidden state less)
+                hidden = engram(hidden, rows, token_mask=step.token_mask, rows=looked_up, residual=True)
             if args:
                 return (hidden, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": hidden}
