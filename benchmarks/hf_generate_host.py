@@ -65,9 +65,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def greedy(ids: torch.Tensor, new: int) -> dict:
+    """`generate()` arguments of every run: greedy, exactly `new` tokens, no padding."""
+    return {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": new, "max_new_tokens": new}
+
+
 def timed_generate(model, ids: torch.Tensor, new: int, repeats: int, device: str) -> tuple[torch.Tensor, list[float], bool]:
-    mask = torch.ones_like(ids)
-    kw = {"attention_mask": mask, "do_sample": False, "min_new_tokens": new, "max_new_tokens": new}
+    kw = greedy(ids, new)
     # Warm-up at full length: no KV length is met for the first time inside a timed run.
     model.generate(ids, **kw)
     seconds, out, same = [], None, True
@@ -103,8 +107,7 @@ def traced_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new
     recorded = RecordedMemory(memory, layers)
     adapter.memory = recorded
     try:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=new,
-                             max_new_tokens=new, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(ids, **greedy(ids, new), output_logits=True, return_dict_in_generate=True)
     finally:
         adapter.memory = memory
     return out.sequences[:, ids.shape[1]:], out.logits, recorded.calls
@@ -116,7 +119,7 @@ def profile_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, ne
     from torch.profiler import ProfilerActivity, profile
 
     adapter.memory = memory
-    kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": new, "max_new_tokens": new}
+    kw = greedy(ids, new)
     with torch.no_grad():
         model.generate(ids, **kw)
         sync(ids.device.type)
@@ -260,8 +263,7 @@ def main() -> None:
     # HBM and host memories timed in alternating rounds (the order flipped each round), so a
     # machine that drifts within the run moves both alike.
     memories = {"hbm": hbm, "host": host}
-    kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": args.new_tokens,
-          "max_new_tokens": args.new_tokens}
+    kw = greedy(ids, args.new_tokens)
     seconds: dict = {name: [] for name in memories}
     with torch.no_grad():
         for name, memory in memories.items():       # warm-up at full length

@@ -118,14 +118,10 @@ def _file_store(chunks, rows: int, fmt: str, row_bytes: int, directory: str | No
 
 def page_cache_gib() -> float | None:
     """The kernel's page cache (``Cached`` in /proc/meminfo) in GiB; None where there is none to read."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("Cached:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
+    from condmem.tables.host_memory import meminfo_bytes
+
+    cached = meminfo_bytes("Cached")
+    return None if cached is None else cached / 2**30
 
 
 def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> tuple[LayerStore, dict]:

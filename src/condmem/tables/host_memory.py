@@ -50,14 +50,19 @@ class HostMemoryError(RuntimeError):
     """Host memory cannot be allocated or page-locked as asked."""
 
 
-def mem_available() -> int | None:
-    """``MemAvailable`` from /proc/meminfo in bytes (None where unknown)."""
+def meminfo_bytes(field: str) -> int | None:
+    """One field of /proc/meminfo (``MemAvailable``, ``Cached``, ...) in bytes (None where unknown)."""
     try:
         text = Path("/proc/meminfo").read_text()
     except OSError:
         return None
-    m = re.search(r"^MemAvailable:\s+(\d+) kB", text, re.MULTILINE)
+    m = re.search(rf"^{re.escape(field)}:\s+(\d+) kB", text, re.MULTILINE)
     return int(m.group(1)) * 1024 if m else None
+
+
+def mem_available() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes (None where unknown)."""
+    return meminfo_bytes("MemAvailable")
 
 
 def huge_page_coverage(address: int, nbytes: int) -> float | None:

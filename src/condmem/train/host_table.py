@@ -63,6 +63,14 @@ logger = logging.getLogger("condmem.train")
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _patched(ids: torch.Tensor, patch_ids: torch.Tensor, pairs) -> list[torch.Tensor]:
+    """For each (patch values, values) of `pairs` (rows aligned with the sorted, non-empty
+    `patch_ids` and with `ids`): the values, with the patch's row wherever an id is patched."""
+    pos = torch.searchsorted(patch_ids, ids).clamp_(max=patch_ids.numel() - 1)
+    hit = patch_ids[pos] == ids
+    return [torch.where(hit.view(-1, *([1] * (v.dim() - 1))), p[pos], v) for p, v in pairs]
+
+
 class HostTableError(RuntimeError):
     """Host-resident tables used against their contract (ids of another step, a closed tier)."""
 
@@ -164,14 +172,10 @@ class _Layer:
     """Adam steps taken (no row has taken more)."""
     leaves: list = field(default_factory=list)
     grad: torch.Tensor | None = None
-    staging: list = field(default_factory=list)
-    dev_rows: list = field(default_factory=list)
     consumed: list = field(default_factory=list)
-    grad_ids: list = field(default_factory=list)
-    grad_vals: list = field(default_factory=list)
     grad_jobs: list = field(default_factory=lambda: [None, None])
     buffers: dict = field(default_factory=dict)
-    """adam="device": named pairs of pinned / device buffers (`HostTables._named`)."""
+    """Named pairs of pinned / device transfer buffers (`HostTables._named`)."""
     current: tuple | None = None
     """adam="device": (unique ids, rows, moments, steps) on the device, as the running step read them."""
     last: tuple | None = None
@@ -378,15 +382,14 @@ class HostTables:
         for index, (lid, layer) in enumerate(self.layers.items()):
             ids = ticket.ids_host[:, :, index].reshape(-1)
             n, d = ids.numel(), layer.weight.shape[1]
-            staging = self._buffer(layer.staging, slot, (n, d), torch.float32, self._pinned)
+            staging = self._named(layer, "rows", slot, (n, d), torch.float32, pinned=True)
             torch.index_select(layer.weight, 0, ids, out=staging)
             if self.staleness == 0:      # the rows the Adam queued next updates first, for the patch
                 layer.marker[ids] = True
                 layer.marked = ids
             if self.cuda:
-                dev = self._buffer(layer.dev_rows, slot, (n, d), torch.float32, self._on_device)
-                if len(layer.consumed) > slot and layer.consumed[slot] is not None:
-                    layer.consumed[slot].synchronize()   # the step that read this device buffer is past it
+                dev = self._named(layer, "rows", slot, (n, d), torch.float32, pinned=False)
+                self._wait_consumed(layer, slot)
                 with torch.cuda.stream(self._h2d):
                     dev.copy_(staging, non_blocking=True)
                     done = torch.cuda.Event()
@@ -424,8 +427,8 @@ class HostTables:
             host[name] = torch.index_select(src, 0, uniq, out=buf(name, shape, src.dtype, self.pin))
         if not self.cuda:
             return (uniq, inv, host["rows"], host["m"].float(), host["v"].float(), host["step"], None)
-        if slot is not None and len(layer.consumed) > slot and layer.consumed[slot] is not None:
-            layer.consumed[slot].synchronize()   # the step that read these device buffers is past them
+        if slot is not None:
+            self._wait_consumed(layer, slot)
         dev = {}
         with torch.cuda.stream(self._h2d):
             for name, t in host.items():
@@ -456,16 +459,17 @@ class HostTables:
         m, v = m.float(), v.float()
         if layer.last is not None and layer.last[0].numel():
             ids0, new0, m0, v0, st0 = layer.last
-            pos = torch.searchsorted(ids0, uniq).clamp_(max=ids0.numel() - 1)
-            hit = ids0[pos] == uniq
-            rows = torch.where(hit[:, None], new0[pos], rows)
-            m = torch.where(hit[:, None], m0[pos], m)
-            v = torch.where(hit[:, None], v0[pos], v)
-            st = torch.where(hit, st0[pos], st)
+            rows, m, v, st = _patched(uniq, ids0, [(new0, rows), (m0, m), (v0, v), (st0, st)])
         layer.current = (uniq, rows, m, v, st, fetched[7])
         out = rows[inv]
         self._mark_consumed(layer, fetched[7])
         return out.view(*row_ids.shape, -1)
+
+    @staticmethod
+    def _wait_consumed(layer: _Layer, slot: int) -> None:
+        """Worker: wait until the device has run past every read of device buffer `slot`."""
+        if len(layer.consumed) > slot and layer.consumed[slot] is not None:
+            layer.consumed[slot].synchronize()
 
     def _mark_consumed(self, layer: _Layer, slot: int | None) -> None:
         """Record on the current stream that the work queued so far has read device buffer `slot`
@@ -533,18 +537,10 @@ class HostTables:
                 cur.wait_event(p_done)
                 p_ids.record_stream(cur)
                 p_vals.record_stream(cur)
-            ids = row_ids.reshape(-1).to(p_ids.dtype)
-            pos = torch.searchsorted(p_ids, ids).clamp_(max=p_ids.numel() - 1)
-            hit = p_ids[pos] == ids
-            out = torch.where(hit[:, None], p_vals[pos], flat)
+            (out,) = _patched(row_ids.reshape(-1).to(p_ids.dtype), p_ids, [(p_vals, flat)])
         else:
             out = flat.clone()
-        if self.cuda:
-            while len(layer.consumed) <= slot:
-                layer.consumed.append(None)
-            ev = torch.cuda.Event()
-            ev.record(cur)
-            layer.consumed[slot] = ev
+        self._mark_consumed(layer, slot)
         return out.view(*row_ids.shape, -1)
 
     # ------------------------------------------------------------------ gradients and update
@@ -586,8 +582,8 @@ class HostTables:
                 layer.grad_jobs[slot].result()   # the Adam job that last read this pinned buffer is done
             if self.cuda:
                 k, d = values.shape
-                h_ids = self._buffer(layer.grad_ids, slot, (k,), torch.int64, self._pinned)
-                h_vals = self._buffer(layer.grad_vals, slot, (k, d), torch.float32, self._pinned)
+                h_ids = self._named(layer, "grad_ids", slot, (k,), torch.int64, pinned=True)
+                h_vals = self._named(layer, "grad_vals", slot, (k, d), torch.float32, pinned=True)
                 self._d2h.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._d2h):
                     h_ids.copy_(ids, non_blocking=True)
@@ -624,20 +620,18 @@ class HostTables:
             slot = self._step % 2
             if layer.grad_jobs[slot] is not None:
                 layer.grad_jobs[slot].result()   # the writeback that last read these pinned buffers is done
+            job = (ids, new, m, v, st)
+            copied = None
             if self.cuda:
-                k, d = new.shape
-                out = {name: self._named(layer, "wb_" + name, slot, tuple(t.shape), t.dtype, True)
-                       for name, t in (("ids", ids), ("new", new), ("m", m), ("v", v), ("st", st))}
                 self._d2h.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._d2h):
-                    for name, t in (("ids", ids), ("new", new), ("m", m), ("v", v), ("st", st)):
-                        out[name].copy_(t, non_blocking=True)
+                    job = tuple(self._named(layer, f"writeback{i}", slot, tuple(t.shape), t.dtype, pinned=True)
+                                .copy_(t, non_blocking=True) for i, t in enumerate(job))
+                    for t in (ids, new, m, v, st):
                         t.record_stream(self._d2h)
                     copied = torch.cuda.Event()
                     copied.record(self._d2h)
-                job = (out["ids"], out["new"], out["m"], out["v"], out["st"], copied)
-            else:
-                job = (ids, new, m, v, st, None)
+            job = (*job, copied)
             layer.grad_jobs[slot] = self._submit(self._writeback, layer, *job)
 
     def _writeback(self, layer: _Layer, ids, new, m, v, st, copied) -> None:
@@ -795,9 +789,8 @@ class HostTables:
                 view.weight = torch.empty(0, view.head_dim)
             for layer in self.layers.values():
                 layer.weight = layer.exp_avg = layer.exp_avg_sq = layer.row_step = layer.marked = None
-                for buffers in (layer.staging, layer.dev_rows, layer.grad_ids, layer.grad_vals, layer.leaves,
-                                layer.buffers):
-                    buffers.clear()
+                layer.leaves.clear()
+                layer.buffers.clear()
                 layer.current = layer.last = None
                 for buf in layer.keep:
                     if buf is not None:
