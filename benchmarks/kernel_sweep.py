@@ -1,6 +1,6 @@
 """Launch-configuration sweep of two bandwidth-bound kernels on a GPU: the Engram gate with the
 residual add fused in (at the sizes of the peer figures in `condmem.bench.gate.PEER_MS`) and
-the paged decode attention at the 4B backbone's decode step. Every variant's output is checked
+the paged decode attention at the 4B backbone's decode step (two KV-pool layouts). Every variant's output is checked
 against the reference first; each is timed as a CUDA graph of 8 launches cycling over 4 input
 sets (no launch overhead; inputs not repeated within L2 reach), median of 20 replays, against
 the device copy bandwidth measured in the same run. Writes JSON lines to --out, prints a table.
@@ -83,35 +83,42 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
     blocks_per_seq = max_len // block_size
     lengths = torch.randint(100, 1101, (batch,), device="cuda", generator=gen).to(torch.int32)
     n_blocks = batch * blocks_per_seq
-    sets = []
+    # Two pool layouts of the same values: "nhd" [blocks, block_size, kv, hd] (positions outer:
+    # one head's key is 2*hd contiguous bytes) and "hnd" [blocks, kv, block_size, hd] seen through
+    # a permuted view (one head's block of keys is block_size*hd contiguous elements). The kernel
+    # reads through strides, so both run the same code.
+    sets = {"nhd": [], "hnd": []}
     for _ in range(4):
         k = torch.randn((n_blocks, block_size, n_kv, head_dim), device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn_like(k)
         table = torch.randperm(n_blocks, device="cuda", generator=gen).view(batch, blocks_per_seq).to(torch.int32)
         q = torch.randn((batch, heads, head_dim), device="cuda", dtype=torch.bfloat16, generator=gen)
-        sets.append((q, k, v, table))
-    want = attn_ref.paged_decode_attention_ref(*sets[0], lengths, None).float()
+        sets["nhd"].append((q, k, v, table))
+        hnd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
+        sets["hnd"].append((q, *hnd, table))
+    want = attn_ref.paged_decode_attention_ref(*sets["nhd"][0], lengths, None).float()
     nbytes = int(lengths.sum()) * n_kv * head_dim * 2 * 2 + 2 * batch * heads * head_dim * 2
     auto = attn_triton.decode_splits(batch, n_kv, max_len, 64, torch.device("cuda"))
-    for block_n in (32, 64, 128):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                for splits in (auto, 2 * auto, 4 * auto):
-                    def fn(q, k, v, t, bn=block_n, w=warps, st=stages, sp=splits):
-                        return attn_triton.paged_decode_attention(q, k, v, t, lengths, None, sp, block_n=bn,
-                                                                  num_warps=w, num_stages=st)
-                    try:
-                        err = float((fn(*sets[0]).float() - want).norm() / want.norm())
-                        assert err < 2e-2, err
-                        ms = graph_ms(fn, sets)
-                    except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses
-                        rows.append({"kernel": "decode attention", "variant": f"bn{block_n} w{warps} s{stages} "
-                                     f"splits{splits}", "error": str(exc)[:200]})
-                        continue
-                    rows.append({"kernel": "decode attention", "shape": [batch, heads, n_kv, head_dim],
-                                 "variant": f"bn{block_n} w{warps} s{stages} splits{splits}", "ms": ms,
-                                 "rel_err": err, "x_bound": nbytes / (bw * 1e9) * 1e3 / ms,
-                                 "default": (block_n, warps, stages, splits) == (64, 4, 2, auto)})
+    for layout in ("nhd", "hnd"):
+        for block_n in (16, 32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    for splits in (auto,):
+                        variant = f"{layout} bn{block_n} w{warps} s{stages} splits{splits}"
+                        def fn(q, k, v, t, bn=block_n, w=warps, st=stages, sp=splits):
+                            return attn_triton.paged_decode_attention(q, k, v, t, lengths, None, sp, block_n=bn,
+                                                                      num_warps=w, num_stages=st)
+                        try:
+                            err = float((fn(*sets[layout][0]).float() - want).norm() / want.norm())
+                            assert err < 2e-2, err
+                            ms = graph_ms(fn, sets[layout])
+                        except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses
+                            rows.append({"kernel": "decode attention", "variant": variant, "error": str(exc)[:200]})
+                            continue
+                        rows.append({"kernel": "decode attention", "shape": [batch, heads, n_kv, head_dim],
+                                     "variant": variant, "ms": ms, "rel_err": err,
+                                     "x_bound": nbytes / (bw * 1e9) * 1e3 / ms,
+                                     "default": (layout, block_n, warps, stages, splits) == ("nhd", 64, 4, 2, auto)})
     return rows
 
 
