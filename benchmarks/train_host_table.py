@@ -1,14 +1,18 @@
 """Training with Engram tables in host memory (`HostTables`) against tables in HBM, one GPU.
 
-Three runs of the same model on the same batches, in one process, the process's HBM capped
+Runs of the same model on the same batches, in one process, the process's HBM capped
 (`torch.cuda.set_per_process_memory_fraction`) so that the big table cannot live in HBM:
 
 * ``hbm``: the table a model parameter in HBM, `SparseAdam` on the GPU (a size both fit);
 * ``host``: the same table (same initial rows) in page-locked host memory, Adam on the host;
 * ``host_stale``: as ``host`` with ``staleness=1`` (no patch: rows read one update late);
 * ``host_device_adam``: as ``host`` with ``adam="device"`` (Adam on the GPU, the host stores);
-* ``host_big``: a table whose weights + Adam state (>= 60 GiB by default) exceed the HBM the
-  backbone leaves free under the cap, in host memory.
+* ``host_big`` / ``host_big_device_adam``: a table whose weights + Adam state (>= 60 GiB by
+  default) exceed the HBM the backbone leaves free under the cap, in host memory, with Adam
+  on the host / on the GPU (``--big-adam``).
+
+The small-table runs go in alternating rounds (``--rounds``); each reports its best round
+and lists them all. The trainer leaves each run's first 3 steps out of its tokens/s.
 
 Before the big allocation a small page-locked probe measures the fill and page-lock rates,
 and the big table is shrunk to what ``--max-setup-s`` allows. Writes ``train_host_table.json``
@@ -158,7 +162,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-setup-s", type=float, default=150.0, help="shrink host_big to fit this setup time")
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--big-adam", choices=["host", "device"], default="host", help="where host_big runs Adam")
+    ap.add_argument("--big-adam", choices=["host", "device"], nargs="+", default=["host", "device"],
+                    help="where the big runs put Adam: one big run for each")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the small-table runs")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -186,16 +192,20 @@ def main() -> None:
 
     warm = argparse.Namespace(**dict(vars(args), steps=6))
     run("warm-up", warm, data, args.small_table_size, device, "hbm")   # compiles kernels; not reported
-    result["runs"]["hbm"] = run("hbm", args, data, args.small_table_size, device, "hbm")
     json_path = out_dir / "train_host_table.json"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    result["runs"]["host"] = run("host", args, data, args.small_table_size, device, "host")
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    result["runs"]["host_stale"] = run("host_stale", args, data, args.small_table_size, device, "host", staleness=1)
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    result["runs"]["host_device_adam"] = run("host_device_adam", args, data, args.small_table_size, device, "host",
-                                             adam="device")
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    # The table sizes both tiers fit: every mode once a round, rounds alternating (a machine's
+    # drift shows as the spread of one mode's rounds); each mode reports its best round.
+    small = {"hbm": dict(tier="hbm"), "host": dict(tier="host"), "host_stale": dict(tier="host", staleness=1),
+             "host_device_adam": dict(tier="host", adam="device")}
+    for rnd in range(args.rounds):
+        for name, kw in small.items():
+            out = run(name, args, data, args.small_table_size, device, **kw)
+            best = result["runs"].get(name)
+            rounds = (best["rounds_tokens_per_s"] if best else []) + [out["tokens_per_s"]]
+            if best is None or out["tokens_per_s"] > best["tokens_per_s"]:
+                best = out
+            result["runs"][name] = dict(best, rounds_tokens_per_s=rounds)
+            json_path.write_text(json.dumps(result, indent=1) + "\n")
 
     if not args.skip_big:
         probe = probe_pin(device, args.threads, 0.5 if args.tiny else 4.0)
@@ -212,21 +222,25 @@ def main() -> None:
                               "table_size": big_size}
         print(f"pin probe: fill {probe['fill_gib_s']:.1f} GiB/s, pin {probe['pin_gib_s'] or 0:.1f} GiB/s -> "
               f"host_big {big_gib:.1f} GiB (table_size {big_size:,})", flush=True)
-        try:
-            result["runs"]["host_big"] = run("host_big", args, data, big_size, device, "host_init", adam=args.big_adam)
-        except Exception as exc:  # noqa: BLE001 - recorded; the runs above stand
-            result["host_big_error"] = repr(exc)
-            print(f"host_big failed: {exc!r}", flush=True)
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        for adam in args.big_adam:
+            name = "host_big" if adam == "host" else f"host_big_{adam}_adam"
+            try:
+                result["runs"][name] = run(name, args, data, big_size, device, "host_init", adam=adam)
+            except Exception as exc:  # noqa: BLE001 - recorded; the runs above stand
+                result[f"{name}_error"] = repr(exc)
+                print(f"{name} failed: {exc!r}", flush=True)
+            json_path.write_text(json.dumps(result, indent=1) + "\n")
 
     runs = result["runs"]
     hbm, host = runs["hbm"], runs["host"]
     result["ratio_host_vs_hbm"] = host["tokens_per_s"] / hbm["tokens_per_s"]
     result["ratio_host_stale_vs_hbm"] = runs["host_stale"]["tokens_per_s"] / hbm["tokens_per_s"]
     result["ratio_host_device_adam_vs_hbm"] = runs["host_device_adam"]["tokens_per_s"] / hbm["tokens_per_s"]
-    if "host_big" in runs:
-        big = runs["host_big"]
-        result["ratio_host_big_vs_hbm"] = big["tokens_per_s"] / hbm["tokens_per_s"]
+    bigs = [name for name in runs if name.startswith("host_big")]
+    for name in bigs:
+        result[f"ratio_{name}_vs_hbm"] = runs[name]["tokens_per_s"] / hbm["tokens_per_s"]
+    if bigs:
+        big = runs[bigs[0]]
         if device.type == "cuda":
             backbone_peak = big["hbm_peak_allocated_gib"]
             result["hbm_left_by_backbone_gib"] = args.hbm_cap_gib - backbone_peak
@@ -235,9 +249,13 @@ def main() -> None:
         if "hbm_peak_allocated_gib" in hbm:
             result["hbm_tier_gpu_bytes_per_param_measured"] = (
                 (hbm["hbm_peak_allocated_gib"] - host["hbm_peak_allocated_gib"]) * GiB / hbm["table_params"])
-            result["host_tier_gpu_bytes_per_param_measured"] = (
-                (big["hbm_peak_allocated_gib"] - host["hbm_peak_allocated_gib"]) * GiB
-                / (big["table_params"] - host["table_params"]))
+            # per-parameter GPU bytes of the host tier: a big run's peak above the small run with
+            # Adam in the same place (what grows with the table, not with the batch)
+            for name in bigs:
+                small_run = runs["host" if runs[name].get("adam") == "host" else "host_device_adam"]
+                result[f"{name}_gpu_bytes_per_param_measured"] = (
+                    (runs[name]["hbm_peak_allocated_gib"] - small_run["hbm_peak_allocated_gib"]) * GiB
+                    / (runs[name]["table_params"] - small_run["table_params"]))
     json_path.write_text(json.dumps(result, indent=1) + "\n")
 
     try:
@@ -259,13 +277,13 @@ def main() -> None:
     except ImportError:
         print("matplotlib missing: no PNG", flush=True)
 
-    print(f"\n{'run':<10} {'table GiB':>9} {'host GiB':>9} {'HBM peak GiB':>12} {'RSS GiB':>8} {'setup s':>8} "
-          f"{'tok/s':>10} {'vs hbm':>7} {'val loss':>9}")
+    print(f"\n{'run':<22} {'table GiB':>9} {'host GiB':>9} {'HBM peak GiB':>12} {'RSS GiB':>8} {'setup s':>8} "
+          f"{'tok/s':>10} {'vs hbm':>7} {'val loss':>9}  rounds (tok/s)")
     for name, r in runs.items():
-        print(f"{name:<10} {r['table_gib_fp32']:>9.2f} {r.get('host_gib', 0):>9.2f} "
+        print(f"{name:<22} {r['table_gib_fp32']:>9.2f} {r.get('host_gib', 0):>9.2f} "
               f"{r.get('hbm_peak_allocated_gib', float('nan')):>12.2f} {r['rss_peak_run_gib']:>8.2f} "
               f"{r['setup_s']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['tokens_per_s'] / hbm['tokens_per_s']:>7.3f} "
-              f"{r['val_loss']:>9.4f}")
+              f"{r['val_loss']:>9.4f}  " + " ".join(f"{t:,.0f}" for t in r.get("rounds_tokens_per_s", [])))
 
 
 if __name__ == "__main__":

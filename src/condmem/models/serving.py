@@ -30,6 +30,9 @@ from condmem.models.transformer import DecoderLM, InferenceCache, engram_update
 from condmem.ops.attention import paged_decode_attention, paged_prefill_attention, rope_store
 from condmem.ops.norm_act import rms_norm, silu_mul
 
+import os
+_EXP_ADDMM = os.environ.get("CONDMEM_EXP_ADDMM", "1") == "1"
+
 
 class ServingCache:
     """Per-slot decoding state for up to `n_slots` concurrent sequences of `max_len` tokens.
@@ -248,7 +251,10 @@ def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, 
     x, h = rms_norm(attn.wo(y.reshape(n, -1)), block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
     gate_up = F.linear(h, _joined([mlp.w1, mlp.w3]))
     hidden = mlp.w1.weight.shape[0]
-    return x + mlp.w2(silu_mul(gate_up[:, :hidden], gate_up[:, hidden:]))
+    act = silu_mul(gate_up[:, :hidden], gate_up[:, hidden:])
+    if _EXP_ADDMM:
+        return torch.addmm(x, act, mlp.w2.weight.t())
+    return x + mlp.w2(act)
 
 
 @torch.no_grad()
