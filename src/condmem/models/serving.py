@@ -30,9 +30,6 @@ from condmem.models.transformer import DecoderLM, InferenceCache, engram_update
 from condmem.ops.attention import paged_decode_attention, paged_prefill_attention, rope_store
 from condmem.ops.norm_act import rms_norm, silu_mul
 
-import os
-_EXP_ADDMM = os.environ.get("CONDMEM_EXP_ADDMM", "1") == "1"
-
 
 class ServingCache:
     """Per-slot decoding state for up to `n_slots` concurrent sequences of `max_len` tokens.
@@ -235,8 +232,8 @@ def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, 
 
     Each token's k, v land at (slot_of, pos) of the paged cache (rows with `valid` False write
     nothing); ``attend(i, q)`` maps the rotated queries [n, H, hd] to attention outputs.
-    q/k/v and w1/w3 run as one GEMM each (`_joined`); norm, RoPE + store and silu(a) * b as
-    one kernel each on CUDA (`condmem.ops`).
+    q/k/v and w1/w3 run as one GEMM each (`_joined`), w2 with the residual add; norm, RoPE +
+    store and silu(a) * b as one kernel each on CUDA (`condmem.ops`).
     """
     attn, mlp, n = block.attn, block.mlp, x.shape[0]
     h = rms_norm(x, block.attn_norm.weight, block.attn_norm.eps)
@@ -251,10 +248,8 @@ def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, 
     x, h = rms_norm(attn.wo(y.reshape(n, -1)), block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
     gate_up = F.linear(h, _joined([mlp.w1, mlp.w3]))
     hidden = mlp.w1.weight.shape[0]
-    act = silu_mul(gate_up[:, :hidden], gate_up[:, hidden:])
-    if _EXP_ADDMM:
-        return torch.addmm(x, act, mlp.w2.weight.t())
-    return x + mlp.w2(act)
+    # The residual add rides in the down projection's GEMM (beta = 1): one kernel less a block.
+    return torch.addmm(x, silu_mul(gate_up[:, :hidden], gate_up[:, hidden:]), mlp.w2.weight.t())
 
 
 @torch.no_grad()
