@@ -1,0 +1,147 @@
+"""Where a graph-captured decode step with host-resident Engram tables loses time against HBM tables.
+
+The `condmem bench e2e` 4B backbone (one Engram layer at block 1, V4.1 row geometry, a
+``--table-gib`` table) decodes ``--batch`` slots at lengths uniform in 100..1100. Each variant
+is one `GraphedDecoder` over the same cache; the variants run in alternating rounds, each
+timed over ``--steps`` replays (CUDA events, median):
+
+* ``none``: the backbone without Engram;
+* ``hbm``: rows gathered from an HBM copy of the table, waited for at the Engram layer;
+* ``host``: rows gathered zero-copy from page-locked host memory, waited for at the layer;
+* ``host_programs_N``: the same with the fetch kernel's grid capped at N programs;
+* ``host_before_step``: the same fetch waited for before block 0 (nothing overlaps it);
+* ``host_no_wait``: the fetch launched but never waited for (rows read unfinished: wrong
+  numbers, right timing). The negative control that separates the two costs: if it is as
+  slow as ``host``, the fetch slows the blocks running beside it; if it is as fast as
+  ``hbm``, the step waits for the fetch.
+
+Also the fetch alone (one layer's rows for the whole batch, graph-replayed over fresh ids)
+from HBM and from host memory, and the time of the blocks before the Engram layer.
+
+    PYTHONPATH=src python3 benchmarks/decode_fetch_overlap.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from condmem.bench.e2e import build_models, hbm_copy
+from condmem.bench.harness import machine_info
+from condmem.bench.lookup_setup import host_store
+from condmem.models.graphs import GraphedDecoder
+from condmem.models.serving import ServingCache
+from condmem.runtime import EngramMemory
+
+
+def step_times(graph: GraphedDecoder, cache: ServingCache, lengths: torch.Tensor, ids_sets, steps: int) -> list[float]:
+    cache.lengths.copy_(lengths.to(cache.lengths.device))
+    cache.host_lengths = lengths.tolist()
+    slots = list(range(cache.n_slots))
+    times = []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.step(slots, ids_sets[i % len(ids_sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times[2:]
+
+
+def fetch_ms(memory: EngramMemory, lid: int, id_sets, out: torch.Tensor, replays: int = 20) -> float:
+    """Milliseconds per gather of one layer's rows, from graph replays over `id_sets` (fresh ids)."""
+    for ids in id_sets:
+        memory.gather_into(lid, ids, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for ids in id_sets:
+            memory.gather_into(lid, ids, out=out)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(id_sets))
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=".")
+    p.add_argument("--backbone", default="4b")
+    p.add_argument("--table-gib", type=float, default=16.0)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--programs", type=int, nargs="*", default=[16, 64])
+    args = p.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    len_max = 1100
+    max_len = len_max + args.steps + 8
+    model, twin, _ = build_models(args.backbone, args.table_gib, max_len, device)
+    lid = model.layout.layer_ids[0]
+    host = {lid: host_store(model.layout.layer(lid).num_embeddings, "mmap_register", progress=False)}
+    hbm = {lid: hbm_copy(host[lid], device)}
+    cache = ServingCache(model, n_slots=args.batch, max_len=max_len)
+    lengths = torch.randint(100, len_max + 1, (args.batch,))
+    vocab = model.cfg.vocab_size
+    ids_sets = [torch.randint(0, vocab, (args.batch,), device=device) for _ in range(8)]
+
+    def memory_of(stores):
+        memory = EngramMemory(model.hasher, stores, device, cpu_fraction=1.0, max_sequences=args.batch)
+        for _ in range(args.batch):
+            memory.allocate()
+        return memory
+
+    memories = {"hbm": memory_of(hbm), "host": memory_of(host)}
+    graphs = {"none": GraphedDecoder(twin, cache)}
+    graphs["hbm"] = GraphedDecoder(model, cache, memory=memories["hbm"])
+    graphs["host"] = GraphedDecoder(model, cache, memory=memories["host"])
+    for n in args.programs:
+        graphs[f"host_programs_{n}"] = GraphedDecoder(model, cache, memory=memories["host"], fetch_programs=n)
+    graphs["host_before_step"] = GraphedDecoder(model, cache, memory=memories["host"], wait="before_step")
+    graphs["host_no_wait"] = GraphedDecoder(model, cache, memory=memories["host"], _late_join=True)
+
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(args.rounds):
+        for name, graph in graphs.items():
+            times[name].append(statistics.median(step_times(graph, cache, lengths, ids_sets, args.steps)))
+
+    # The fetch alone: one layer's rows of the whole batch, fresh hashed ids each launch.
+    row_sets = []
+    memory = memories["host"]
+    slots = torch.arange(args.batch, device=device)
+    for i in range(8):
+        row_sets.append(memory.hasher.decode(memory.history, slots, ids_sets[i])[:, None, 0].clone())
+    out = torch.empty(args.batch, 1, *graphs["host"].fetch.rows_buf[lid].shape[2:], dtype=torch.bfloat16,
+                      device=device)
+    fetch = {name: fetch_ms(memories[name], lid, row_sets, out) for name in ("hbm", "host")}
+
+    # The blocks before the Engram layer: the share of a step the fetch can hide behind.
+    per_block_ms = statistics.median(times["none"]) / model.cfg.n_layers
+    result = {"bench": "decode_fetch_overlap", "backbone": args.backbone, "batch": args.batch,
+              "table_gib": args.table_gib, "engram_layer": lid, "mean_len": float(lengths.float().mean()),
+              "step_ms": {k: statistics.median(v) for k, v in times.items()},
+              "step_ms_rounds": times, "fetch_alone_ms": fetch, "rows_per_step": args.batch * out.shape[2],
+              "blocks_before_layer_ms": per_block_ms * lid, "machine": machine_info()}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "decode_fetch_overlap.json").write_text(json.dumps(result, indent=1) + "\n")
+    base = result["step_ms"]["hbm"]
+    print(f"fetch alone: hbm {fetch['hbm']:.4f} ms, host {fetch['host']:.4f} ms ({result['rows_per_step']} rows); "
+          f"blocks before the Engram layer ~{result['blocks_before_layer_ms']:.3f} ms")
+    print(f"{'variant':20s} {'step ms':>8s} {'x hbm':>7s}  rounds")
+    for name, ms in result["step_ms"].items():
+        print(f"{name:20s} {ms:8.4f} {base / ms:7.4f}  " + " ".join(f"{t:.4f}" for t in times[name]))
+
+
+if __name__ == "__main__":
+    main()
