@@ -11,8 +11,8 @@ Runs of the same model on the same batches, in one process, the process's HBM ca
   default) exceed the HBM the backbone leaves free under the cap, in host memory, with Adam
   on the host / on the GPU (``--big-adam``).
 
-The small-table runs go in alternating rounds (``--rounds``); each reports its best round
-and lists them all. The trainer leaves each run's first 3 steps out of its tokens/s.
+Every run goes in alternating rounds (``--rounds``); each reports its best round and lists
+them all, and the ratios to ``hbm`` are given best against best and median against median. The trainer leaves each run's first 3 steps out of its tokens/s.
 
 Before the big allocation a small page-locked probe measures the fill and page-lock rates,
 and the big table is shrunk to what ``--max-setup-s`` allows. Writes ``train_host_table.json``
@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -164,8 +165,13 @@ def main() -> None:
     ap.add_argument("--skip-big", action="store_true")
     ap.add_argument("--big-adam", choices=["host", "device"], nargs="+", default=["host", "device"],
                     help="where the big runs put Adam: one big run for each")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the small-table runs")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of every run")
+    ap.add_argument("--modes", nargs="+", default=["hbm", "host", "host_stale", "host_device_adam"],
+                    choices=["hbm", "host", "host_stale", "host_device_adam"],
+                    help="the runs at the table size both tiers fit (hbm is the reference: always run)")
     args = ap.parse_args()
+    if "hbm" not in args.modes:
+        args.modes.append("hbm")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -193,20 +199,7 @@ def main() -> None:
     warm = argparse.Namespace(**dict(vars(args), steps=6))
     run("warm-up", warm, data, args.small_table_size, device, "hbm")   # compiles kernels; not reported
     json_path = out_dir / "train_host_table.json"
-    # The table sizes both tiers fit: every mode once a round, rounds alternating (a machine's
-    # drift shows as the spread of one mode's rounds); each mode reports its best round.
-    small = {"hbm": dict(tier="hbm"), "host": dict(tier="host"), "host_stale": dict(tier="host", staleness=1),
-             "host_device_adam": dict(tier="host", adam="device")}
-    for rnd in range(args.rounds):
-        for name, kw in small.items():
-            out = run(name, args, data, args.small_table_size, device, **kw)
-            best = result["runs"].get(name)
-            rounds = (best["rounds_tokens_per_s"] if best else []) + [out["tokens_per_s"]]
-            if best is None or out["tokens_per_s"] > best["tokens_per_s"]:
-                best = out
-            result["runs"][name] = dict(best, rounds_tokens_per_s=rounds)
-            json_path.write_text(json.dumps(result, indent=1) + "\n")
-
+    big_size = None
     if not args.skip_big:
         probe = probe_pin(device, args.threads, 0.5 if args.tiny else 4.0)
         result["pin_probe"] = probe
@@ -222,23 +215,38 @@ def main() -> None:
                               "table_size": big_size}
         print(f"pin probe: fill {probe['fill_gib_s']:.1f} GiB/s, pin {probe['pin_gib_s'] or 0:.1f} GiB/s -> "
               f"host_big {big_gib:.1f} GiB (table_size {big_size:,})", flush=True)
-        for adam in args.big_adam:
-            name = "host_big" if adam == "host" else f"host_big_{adam}_adam"
+
+    # Every mode once a round, rounds alternating (a machine's drift shows as the spread of one
+    # mode's rounds); each mode reports its best round and lists them all.
+    small = {"hbm": dict(tier="hbm"), "host": dict(tier="host"), "host_stale": dict(tier="host", staleness=1),
+             "host_device_adam": dict(tier="host", adam="device")}
+    plan = [(name, args.small_table_size, kw) for name, kw in small.items() if name in args.modes]
+    if big_size is not None:
+        plan += [("host_big" if adam == "host" else f"host_big_{adam}_adam", big_size,
+                  dict(tier="host_init", adam=adam)) for adam in args.big_adam]
+    for rnd in range(args.rounds):
+        for name, size, kw in plan:
             try:
-                result["runs"][name] = run(name, args, data, big_size, device, "host_init", adam=adam)
-            except Exception as exc:  # noqa: BLE001 - recorded; the runs above stand
+                out = run(name, args, data, size, device, **kw)
+            except Exception as exc:  # noqa: BLE001 - a big allocation may fail: recorded, the rest stand
                 result[f"{name}_error"] = repr(exc)
                 print(f"{name} failed: {exc!r}", flush=True)
+                continue
+            best = result["runs"].get(name)
+            rounds = (best["rounds_tokens_per_s"] if best else []) + [out["tokens_per_s"]]
+            if best is None or out["tokens_per_s"] > best["tokens_per_s"]:
+                best = out
+            result["runs"][name] = dict(best, rounds_tokens_per_s=rounds)
             json_path.write_text(json.dumps(result, indent=1) + "\n")
 
     runs = result["runs"]
-    hbm, host = runs["hbm"], runs["host"]
-    result["ratio_host_vs_hbm"] = host["tokens_per_s"] / hbm["tokens_per_s"]
-    result["ratio_host_stale_vs_hbm"] = runs["host_stale"]["tokens_per_s"] / hbm["tokens_per_s"]
-    result["ratio_host_device_adam_vs_hbm"] = runs["host_device_adam"]["tokens_per_s"] / hbm["tokens_per_s"]
+    hbm = runs["hbm"]
+    for name, r in runs.items():
+        if name != "hbm":   # best round against best round, and median against median
+            result[f"ratio_{name}_vs_hbm"] = r["tokens_per_s"] / hbm["tokens_per_s"]
+            result[f"ratio_{name}_vs_hbm_median"] = (statistics.median(r["rounds_tokens_per_s"])
+                                                     / statistics.median(hbm["rounds_tokens_per_s"]))
     bigs = [name for name in runs if name.startswith("host_big")]
-    for name in bigs:
-        result[f"ratio_{name}_vs_hbm"] = runs[name]["tokens_per_s"] / hbm["tokens_per_s"]
     if bigs:
         big = runs[bigs[0]]
         if device.type == "cuda":
@@ -246,13 +254,16 @@ def main() -> None:
             result["hbm_left_by_backbone_gib"] = args.hbm_cap_gib - backbone_peak
             result["host_big_exceeds_free_hbm"] = big["host_gib"] > args.hbm_cap_gib - backbone_peak
         # per-parameter GPU bytes of the HBM tier: its peak above the host tier's (same model, same batches)
-        if "hbm_peak_allocated_gib" in hbm:
+        host = runs.get("host")
+        if "hbm_peak_allocated_gib" in hbm and host is not None:
             result["hbm_tier_gpu_bytes_per_param_measured"] = (
                 (hbm["hbm_peak_allocated_gib"] - host["hbm_peak_allocated_gib"]) * GiB / hbm["table_params"])
             # per-parameter GPU bytes of the host tier: a big run's peak above the small run with
             # Adam in the same place (what grows with the table, not with the batch)
             for name in bigs:
-                small_run = runs["host" if runs[name].get("adam") == "host" else "host_device_adam"]
+                small_run = runs.get("host" if runs[name].get("adam") == "host" else "host_device_adam")
+                if small_run is None:
+                    continue
                 result[f"{name}_gpu_bytes_per_param_measured"] = (
                     (runs[name]["hbm_peak_allocated_gib"] - small_run["hbm_peak_allocated_gib"]) * GiB
                     / (runs[name]["table_params"] - small_run["table_params"]))
