@@ -33,6 +33,27 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, valid, m, l, acc, scale_log2, IEEE: tl.constexpr):
+    """One block of keys into a running softmax: scores of q [M, D] against k [N, D] where
+    `valid` [M, N] (else -inf), then the running max `m`, sum `l` and unnormalized output
+    `acc` [M, D] rescaled and updated with v [N, D]. Returns the new (m, l, acc)."""
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    sc = tl.where(valid, sc * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
                          sq_b, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_b, so_h,
                          split_len, n_splits, n_heads, scale_log2,
@@ -61,21 +82,7 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
         off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
         k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
         v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = tl.where(pm[None, :], sc * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l, acc = _online_softmax_step(q, k, v, pm[None, :], m, l, acc, scale_log2, IEEE)
     if DIRECT:
         out = acc / tl.maximum(l, 1e-30)[:, None]            # no key (length 0): zeros
         tl.store(O + b64 * so_b + heads[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty),
@@ -186,22 +193,8 @@ def _prefill_kernel(Q, K, V, BT, CU, STARTS, O,
             off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
             k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
             v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
             ok = pm[None, :] & (pos[None, :] <= q_pos[:, None])
-            sc = tl.where(ok, sc * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+            m, l, acc = _online_softmax_step(q, k, v, ok, m, l, acc, scale_log2, IEEE)
         out = acc / l[:, None]
         tl.store(O + rows[:, None] * so_n + h * so_h + d[None, :], out.to(O.dtype.element_ty),
                  mask=qm[:, None] & dm[None, :])

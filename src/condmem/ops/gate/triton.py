@@ -46,6 +46,14 @@ def _bwd_warps(block_d: int) -> int:
 
 
 @triton.jit
+def _gate_of_score(s, clamp):
+    """g = sign(s) * sqrt(max(|s|, clamp)) and the gate a = sigmoid(g) of a score s (float32)."""
+    sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
+    g = sgn * tl.sqrt_rn(tl.maximum(tl.abs(s), clamp))
+    return g, 1.0 / (1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp):
     """RMS factors, normalized vectors and the gate of one branch (all float32)."""
     rh = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) * inv_d + eps)
@@ -53,9 +61,7 @@ def _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp):
     qn = h * rh * qw
     kn = k * rk * kw
     s = tl.sum(qn * kn, axis=0) * inv_sqrt_d
-    sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
-    g = sgn * tl.sqrt_rn(tl.maximum(tl.abs(s), clamp))
-    a = 1.0 / (1.0 + tl.exp(-g))
+    g, a = _gate_of_score(s, clamp)
     # a * (1 - a) without the cancellation of 1 - a near a = 1 (and no inf * 0 for large |g|).
     da_dg = 1.0 / ((1.0 + tl.exp(-g)) * (1.0 + tl.exp(g)))
     return rh, rk, qn, kn, s, a, da_dg
@@ -94,9 +100,7 @@ def _gate_fwd_chunked_kernel(
     rh = 1.0 / tl.sqrt_rn(tl.sum(hh, axis=0) * inv_d + eps)
     rk = 1.0 / tl.sqrt_rn(tl.sum(kk, axis=0) * inv_d + eps)
     s = tl.sum(hk, axis=0) * (rh * rk) * inv_sqrt_d
-    sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
-    g = sgn * tl.sqrt_rn(tl.maximum(tl.abs(s), clamp))
-    a = 1.0 / (1.0 + tl.exp(-g))
+    _, a = _gate_of_score(s, clamp)
     if HAS_MASK:
         a = a * (tl.load(mask_ptr + t) != 0).to(tl.float32)
     for i in tl.static_range(N_CHUNKS):
