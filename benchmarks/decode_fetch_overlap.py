@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from condmem.bench.e2e import build_models, hbm_copy
-from condmem.bench.harness import machine_info
+from condmem.bench.harness import graph_replay_ms, machine_info
 from condmem.bench.lookup_setup import host_store
 from condmem.models.graphs import GraphedDecoder
 from condmem.models.serving import ServingCache
@@ -51,26 +51,6 @@ def step_times(graph: GraphedDecoder, cache: ServingCache, lengths: torch.Tensor
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times[2:]
-
-
-def fetch_ms(memory: EngramMemory, lid: int, id_sets, out: torch.Tensor, replays: int = 20) -> float:
-    """Milliseconds per gather of one layer's rows, from graph replays over `id_sets` (fresh ids)."""
-    for ids in id_sets:
-        memory.gather_into(lid, ids, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for ids in id_sets:
-            memory.gather_into(lid, ids, out=out)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(id_sets))
-    return statistics.median(times[2:])
 
 
 def main() -> None:
@@ -124,7 +104,8 @@ def main() -> None:
         row_sets.append(memory.hasher.decode(memory.history, slots, ids_sets[i])[:, None, 0].clone())
     out = torch.empty(args.batch, 1, *graphs["host"].fetch.rows_buf[lid].shape[2:], dtype=torch.bfloat16,
                       device=device)
-    fetch = {name: fetch_ms(memories[name], lid, row_sets, out) for name in ("hbm", "host")}
+    fetch = {name: graph_replay_ms(lambda ids, m=memories[name]: m.gather_into(lid, ids, out=out),
+                                   [(ids,) for ids in row_sets]) for name in ("hbm", "host")}
 
     # The blocks before the Engram layer: the share of a step the fetch can hide behind.
     per_block_ms = statistics.median(times["none"]) / model.cfg.n_layers

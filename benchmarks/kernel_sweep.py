@@ -12,38 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from condmem.bench.e2e import BACKBONES
 from condmem.bench.gate import PEER_MS
-from condmem.bench.harness import copy_bandwidth_gbps, machine_info
+from condmem.bench.harness import copy_bandwidth_gbps, graph_replay_ms, machine_info
 from condmem.ops.attention import reference as attn_ref
 from condmem.ops.attention import triton as attn_triton
 from condmem.ops.gate import engram_gate_reference
 from condmem.ops.gate.triton import gate_forward_triton
-
-
-def graph_ms(fn, sets, launches: int = 8, replays: int = 20) -> float:
-    """Milliseconds per launch of `fn(*set)`, from CUDA-graph replays cycling over `sets`."""
-    for args in sets:
-        fn(*args)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            fn(*sets[i % len(sets)])
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / launches)
-    return statistics.median(times[2:])
 
 
 def gate_rows(bw: float) -> list[dict]:
@@ -62,11 +41,11 @@ def gate_rows(bw: float) -> list[dict]:
             fn = (lambda h, kv, kw_=kw_: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None, residual=True, **kw_))
             err = float((fn(*sets[0]).float() - want).norm() / want.norm())
             assert err < 1e-2, (name, err)
-            ms = graph_ms(fn, sets)
+            ms = graph_replay_ms(fn, sets)
             rows.append({"kernel": "gate+residual", "shape": [n, hc, dim], "variant": name, "ms": ms, "rel_err": err,
                          "x_bound": nbytes / (bw * 1e9) * 1e3 / ms, "peer_ms": PEER_MS.get((n, hc, dim)),
                          "x_peer": PEER_MS[(n, hc, dim)] / ms if (n, hc, dim) in PEER_MS else None})
-        ms = graph_ms(lambda h, kv: h + gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None), sets)
+        ms = graph_replay_ms(lambda h, kv: h + gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None), sets)
         rows.append({"kernel": "gate+residual", "shape": [n, hc, dim], "variant": "gate, then add", "ms": ms,
                      "x_bound": nbytes / (bw * 1e9) * 1e3 / ms})
         del sets
@@ -111,7 +90,7 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
                         try:
                             err = float((fn(*sets[layout][0]).float() - want).norm() / want.norm())
                             assert err < 2e-2, err
-                            ms = graph_ms(fn, sets[layout])
+                            ms = graph_replay_ms(fn, sets[layout])
                         except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses
                             rows.append({"kernel": "decode attention", "variant": variant, "error": str(exc)[:200]})
                             continue

@@ -84,6 +84,27 @@ def same_rows(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
+def graph_replay_ms(fn: Callable[..., object], arg_sets: list[tuple], launches: int = 8, replays: int = 20) -> float:
+    """Milliseconds per launch of `fn(*args)`: `launches` launches cycling over `arg_sets` (fresh
+    inputs, not one set re-read from L2) captured in one CUDA graph, median of `replays`."""
+    for args in arg_sets:
+        fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            fn(*arg_sets[i % len(arg_sets)])
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    return statistics.median(times[2:])
+
+
 def gpu_time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 200) -> dict:
     """Median and 20/80% quantiles (ms) of `fn` on the GPU, via triton.testing.do_bench."""
     from triton.testing import do_bench

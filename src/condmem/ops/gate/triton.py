@@ -34,6 +34,9 @@ import triton.language as tl
 from condmem.ops.triton_util import next_pow2
 
 
+MAX_CHUNKS = 16
+
+
 def default_chunk(dim: int) -> int:
     """Chunk of the forward's two passes: the whole row up to 4096 wide, else 2048. Measured on
     the H200 with the residual add (docs/kernels.md): at hc 4 x D 4096, 0.98 of the copy
@@ -200,7 +203,8 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
     with `residual`, ``hidden + gate * v`` (the add in fp32, rounded once).
 
     `chunk` (default `default_chunk`) and `num_warps` are the launch configuration
-    (`benchmarks/kernel_sweep.py` times them).
+    (`benchmarks/kernel_sweep.py` times them). The chunk loop unrolls at compile time, so a
+    chunk is widened to at most `MAX_CHUNKS` chunks a row (narrower ones compiled for minutes).
     """
     h2, kv2, mask, hc, dim = _flatten(hidden, kv, token_mask)
     n = h2.shape[0]
@@ -208,7 +212,7 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
     if n == 0:
         return out
     o2 = out.view(n, hc * dim)
-    chunk = min(next_pow2(chunk or default_chunk(dim)), next_pow2(dim))
+    chunk = min(max(next_pow2(chunk or default_chunk(dim)), next_pow2(triton.cdiv(dim, MAX_CHUNKS))), next_pow2(dim))
     _gate_fwd_chunked_kernel[(n * hc,)](
         h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2,
         dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
