@@ -1,7 +1,9 @@
 """Launch-configuration sweep of two bandwidth-bound kernels on a GPU: the Engram gate with the
 residual add fused in (at the sizes of the peer figures in `condmem.bench.gate.PEER_MS`) and
-the paged decode attention at the 4B backbone's decode step (two KV-pool layouts). Every variant's output is checked
-against the reference first; each is timed as a CUDA graph of 8 launches cycling over 4 input
+the paged decode attention at the 4B backbone's decode step (block, warps, stages, splits; two pool
+layouts), beside two controls: a kernel that reads the same keys and values through the same
+addressing with no attention arithmetic, and a contiguous read of as many bytes. Every
+variant's output is checked against the reference first; each is timed as a CUDA graph of 8 launches cycling over 4 input
 sets (no launch overhead; inputs not repeated within L2 reach), median of 20 replays, against
 the device copy bandwidth measured in the same run. Writes JSON lines to --out, prints a table.
 
@@ -15,6 +17,8 @@ import json
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from condmem.bench.e2e import BACKBONES
 from condmem.bench.gate import PEER_MS
@@ -52,20 +56,44 @@ def gate_rows(bw: float) -> list[dict]:
     return rows
 
 
+@triton.jit
+def _paged_read_control(K, V, BT, LENS, OUT, sk_blk, sk_pos, sk_h, sbt_b, split_len,
+                        D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Reads exactly the keys and values the decode kernel reads, through the same block-table
+    addressing, with no attention arithmetic: elementwise sums, one reduction at the end."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    length = tl.load(LENS + b)
+    start = s * split_len
+    end = tl.minimum(start + split_len, length)
+    d = tl.arange(0, DP)
+    dm = d < D
+    acc = tl.zeros([BLOCK_N, DP], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pm = pos < end
+        blk = tl.load(BT + b * sbt_b + pos // BS, mask=pm, other=0)
+        off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
+        k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+        v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(OUT + (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + s, tl.sum(tl.sum(acc, 1), 0))
+
+
 def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size: int = 16) -> list[dict]:
     rows = []
     shape = BACKBONES[backbone]
     heads, n_kv = shape["n_heads"], shape["n_kv_heads"]
     head_dim = shape["dim"] // heads
     gen = torch.Generator(device="cuda").manual_seed(1)
-    max_len = 1152
+    max_len = 2048                       # the serving cache of `bench e2e`
     blocks_per_seq = max_len // block_size
     lengths = torch.randint(100, 1101, (batch,), device="cuda", generator=gen).to(torch.int32)
     n_blocks = batch * blocks_per_seq
-    # Two pool layouts of the same values: "nhd" [blocks, block_size, kv, hd] (positions outer:
-    # one head's key is 2*hd contiguous bytes) and "hnd" [blocks, kv, block_size, hd] seen through
-    # a permuted view (one head's block of keys is block_size*hd contiguous elements). The kernel
-    # reads through strides, so both run the same code.
+    # Two pool layouts of the same values: "nhd" [blocks, block_size, kv, hd] (the serving pool's)
+    # and "hnd" [blocks, kv, block_size, hd] seen through a permuted view; the kernel reads through
+    # strides. The block table scatters each sequence's blocks over the pool.
     sets = {"nhd": [], "hnd": []}
     for _ in range(4):
         k = torch.randn((n_blocks, block_size, n_kv, head_dim), device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -73,31 +101,47 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
         table = torch.randperm(n_blocks, device="cuda", generator=gen).view(batch, blocks_per_seq).to(torch.int32)
         q = torch.randn((batch, heads, head_dim), device="cuda", dtype=torch.bfloat16, generator=gen)
         sets["nhd"].append((q, k, v, table))
-        hnd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
-        sets["hnd"].append((q, *hnd, table))
+        sets["hnd"].append((q, *[t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)], table))
     want = attn_ref.paged_decode_attention_ref(*sets["nhd"][0], lengths, None).float()
     nbytes = int(lengths.sum()) * n_kv * head_dim * 2 * 2 + 2 * batch * heads * head_dim * 2
     auto = attn_triton.decode_splits(batch, n_kv, max_len, 64, torch.device("cuda"))
+    configs = [("nhd", bn, w, st, sp) for bn in (32, 64, 128) for w in (1, 4) for st in (2, 3)
+               for sp in (auto, 2 * auto)] + [("hnd", 64, 4, 2, auto)]
+    # Controls: the same keys and values read through the same addressing with no attention
+    # arithmetic (what the access pattern allows), and the same bytes read contiguously.
     for layout in ("nhd", "hnd"):
-        for block_n in (16, 32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    for splits in (auto,):
-                        variant = f"{layout} bn{block_n} w{warps} s{stages} splits{splits}"
-                        def fn(q, k, v, t, bn=block_n, w=warps, st=stages, sp=splits):
-                            return attn_triton.paged_decode_attention(q, k, v, t, lengths, None, sp, block_n=bn,
-                                                                      num_warps=w, num_stages=st)
-                        try:
-                            err = float((fn(*sets[layout][0]).float() - want).norm() / want.norm())
-                            assert err < 2e-2, err
-                            ms = graph_replay_ms(fn, sets[layout])
-                        except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses
-                            rows.append({"kernel": "decode attention", "variant": variant, "error": str(exc)[:200]})
-                            continue
-                        rows.append({"kernel": "decode attention", "shape": [batch, heads, n_kv, head_dim],
-                                     "variant": variant, "ms": ms, "rel_err": err,
-                                     "x_bound": nbytes / (bw * 1e9) * 1e3 / ms,
-                                     "default": (layout, block_n, warps, stages, splits) == ("nhd", 64, 4, 2, auto)})
+        for block_n, warps, stages in ((64, 4, 2),):
+            split_len = -(-max_len // auto)
+            out = torch.empty(batch * n_kv * auto, device="cuda", dtype=torch.float32)
+            def ctl(q, k, v, t, bn=block_n, w=warps, st=stages, out=out, sl=split_len):
+                _paged_read_control[(batch, n_kv, auto)](k, v, t, lengths, out, k.stride(0), k.stride(1), k.stride(2),
+                                                         t.stride(0), sl, D=head_dim, DP=128, BS=block_size,
+                                                         BLOCK_N=bn, num_warps=w, num_stages=st)
+                return out
+            ms = graph_replay_ms(ctl, sets[layout])
+            rows.append({"kernel": "decode attention", "shape": [batch, heads, n_kv, head_dim],
+                         "variant": f"{layout} read-only control bn{block_n} w{warps} s{stages}", "ms": ms,
+                         "x_bound": nbytes / (bw * 1e9) * 1e3 / ms})
+    flat = [torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    ms = graph_replay_ms(lambda x: x.sum(dtype=torch.float32), [(x,) for x in flat])
+    rows.append({"kernel": "decode attention", "shape": [nbytes], "variant": "contiguous read (torch sum)", "ms": ms,
+                 "x_bound": nbytes / (bw * 1e9) * 1e3 / ms})
+    for layout, block_n, warps, stages, splits in configs:
+        variant = f"{layout} bn{block_n} w{warps} s{stages} sp{splits}"
+        def fn(q, k, v, t, bn=block_n, w=warps, st=stages, sp=splits):
+            return attn_triton.paged_decode_attention(q, k, v, t, lengths, None, sp, block_n=bn, num_warps=w,
+                                                      num_stages=st)
+        try:
+            err = float((fn(*sets[layout][0]).float() - want).norm() / want.norm())
+            assert err < 2e-2, err
+            ms = graph_replay_ms(fn, sets[layout])
+        except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses
+            rows.append({"kernel": "decode attention", "variant": variant, "error": str(exc)[:200]})
+            continue
+        rows.append({"kernel": "decode attention", "shape": [batch, heads, n_kv, head_dim],
+                     "variant": variant, "ms": ms, "rel_err": err,
+                     "x_bound": nbytes / (bw * 1e9) * 1e3 / ms,
+                     "default": (layout, block_n, warps, stages, splits) == ("nhd", 64, 4, 2, auto)})
     return rows
 
 

@@ -248,8 +248,9 @@ def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, 
     x, h = rms_norm(attn.wo(y.reshape(n, -1)), block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
     gate_up = F.linear(h, _joined([mlp.w1, mlp.w3]))
     hidden = mlp.w1.weight.shape[0]
-    # The residual add rides in the down projection's GEMM (beta = 1): one kernel less a block.
-    return torch.addmm(x, silu_mul(gate_up[:, :hidden], gate_up[:, hidden:]), mlp.w2.weight.t())
+    # The residual add rides in the down projection's GEMM (beta = 1), in place: x is this
+    # block's own sum from `rms_norm`, so no copy of it is made for the GEMM to accumulate into.
+    return x.addmm_(silu_mul(gate_up[:, :hidden], gate_up[:, hidden:]), mlp.w2.weight.t())
 
 
 @torch.no_grad()

@@ -58,7 +58,9 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
                          sq_b, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_b, so_h,
                          split_len, n_splits, n_heads, scale_log2,
                          REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr):
+    # Offsets into the pool in int32 unless the pool has 2**31 elements or more (OFF64): the
+    # address arithmetic of a [BLOCK_N, D] tile is a visible share of this kernel's time.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -78,7 +80,9 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pm = pos < end
-        blk = tl.load(BT + b64 * sbt_b + pos // BS, mask=pm, other=0).to(tl.int64)
+        blk = tl.load(BT + b64 * sbt_b + pos // BS, mask=pm, other=0)
+        if OFF64:
+            blk = blk.to(tl.int64)
         off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
         k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
         v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
@@ -152,7 +156,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         out.stride(0), out.stride(1), split_len, splits, n_heads, scale * LOG2E,
         REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size,
         BLOCK_N=block_n,
-        DIRECT=splits == 1, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+        DIRECT=splits == 1, IEEE=ieee, OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31,
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, out.stride(0), out.stride(1), splits,
                                                  n_heads, S_P=next_pow2(splits), D=head_dim,
