@@ -12,12 +12,16 @@
 * `node_shared_table`: one host copy of a table per node, written once and mapped
   read-only by the other local ranks.
 * `traffic_per_token`: the bytes each mode moves per token.
+* `shard_backbone`: a decoder's attention heads and SwiGLU units split over the group for
+  tensor-parallel serving (one all-reduce after the output and down projections).
 """
 
 from condmem.distributed.node_table import NodeTableError, map_shared_table, node_shared_table, remove_node_table
 from condmem.distributed.sharded_table import ShardedTable
 from condmem.distributed.sharding import ShardPlan, ShardingError, traffic_per_token
 from condmem.distributed.tp import ShardedRows, column_parallel_engram
+from condmem.distributed.tp_backbone import BackboneSlices, backbone_slices, shard_backbone
 
-__all__ = ["NodeTableError", "ShardPlan", "ShardedRows", "ShardedTable", "ShardingError", "column_parallel_engram",
-           "map_shared_table", "node_shared_table", "remove_node_table", "traffic_per_token"]
+__all__ = ["BackboneSlices", "NodeTableError", "ShardPlan", "ShardedRows", "ShardedTable", "ShardingError",
+           "backbone_slices", "column_parallel_engram", "map_shared_table", "node_shared_table", "remove_node_table",
+           "shard_backbone", "traffic_per_token"]

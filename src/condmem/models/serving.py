@@ -23,6 +23,7 @@ should be the same numbers as these cache slots).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from condmem.models.attention import KVCache
@@ -57,14 +58,15 @@ class ServingCache:
         dtype = dtype or model.embed.weight.dtype
         self.block_size = block_size
         per_slot = -(-self.max_len // block_size)
-        shape = (n_slots * per_slot, block_size, cfg.n_kv_heads, cfg.head_dim)
+        # The attention modules' own head counts: a tensor-parallel rank holds its heads only.
+        n_kv, head_dim = model.blocks[0].attn.n_kv_heads, model.blocks[0].attn.head_dim
+        shape = (n_slots * per_slot, block_size, n_kv, head_dim)
         self.k_pool = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
         self.v_pool = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
         self.block_table = torch.arange(n_slots * per_slot, dtype=torch.int32, device=device).view(n_slots, per_slot)
 
         def dense(pool):
-            return pool.view(n_slots, per_slot * block_size, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)[
-                :, :, : self.max_len]
+            return pool.view(n_slots, per_slot * block_size, n_kv, head_dim).transpose(1, 2)[:, :, : self.max_len]
 
         self.k = [dense(p) for p in self.k_pool]
         self.v = [dense(p) for p in self.v_pool]
@@ -227,13 +229,15 @@ def _joined(linears: list[torch.nn.Linear]) -> torch.Tensor:
 
 
 def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, pos: torch.Tensor,
-                   slot_of: torch.Tensor, valid: torch.Tensor | None, attend) -> torch.Tensor:
+                   slot_of: torch.Tensor, valid: torch.Tensor | None, attend, tp_group=None) -> torch.Tensor:
     """A block's attention and SwiGLU over flat tokens x [n, D] (the serving form of `Block.forward`).
 
     Each token's k, v land at (slot_of, pos) of the paged cache (rows with `valid` False write
     nothing); ``attend(i, q)`` maps the rotated queries [n, H, hd] to attention outputs.
     q/k/v and w1/w3 run as one GEMM each (`_joined`), w2 with the residual add; norm, RoPE +
-    store and silu(a) * b as one kernel each on CUDA (`condmem.ops`).
+    store and silu(a) * b as one kernel each on CUDA (`condmem.ops`). With `tp_group` (a
+    backbone sharded by `condmem.distributed.shard_backbone`) the output and down projections
+    give partial sums, completed by one all-reduce each before the residual add.
     """
     attn, mlp, n = block.attn, block.mlp, x.shape[0]
     h = rms_norm(x, block.attn_norm.weight, block.attn_norm.eps)
@@ -244,13 +248,20 @@ def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, 
     v = qkv[:, nq + nkv :].view(n, attn.n_kv_heads, attn.head_dim)
     q = rope_store(q, k, v, rotary.cos, rotary.sin, pos, slot_of, cache.block_table, cache.k_pool[i],
                    cache.v_pool[i], valid)
-    y = attend(i, q)
-    x, h = rms_norm(attn.wo(y.reshape(n, -1)), block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
+    y = attn.wo(attend(i, q).reshape(n, -1))
+    if tp_group is not None:
+        dist.all_reduce(y, group=tp_group)
+    x, h = rms_norm(y, block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
     gate_up = F.linear(h, _joined([mlp.w1, mlp.w3]))
     hidden = mlp.w1.weight.shape[0]
+    act = silu_mul(gate_up[:, :hidden], gate_up[:, hidden:])
+    if tp_group is not None:
+        down = F.linear(act, mlp.w2.weight)
+        dist.all_reduce(down, group=tp_group)
+        return x.add_(down)
     # The residual add rides in the down projection's GEMM (beta = 1), in place: x is this
     # block's own sum from `rms_norm`, so no copy of it is made for the GEMM to accumulate into.
-    return x.addmm_(silu_mul(gate_up[:, :hidden], gate_up[:, hidden:]), mlp.w2.weight.t())
+    return x.addmm_(act, mlp.w2.weight.t())
 
 
 @torch.no_grad()
@@ -311,7 +322,7 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
             x = engram_update(block.engram, x[:, None], row_ids, state, looked_up=looked_up, residual=True)[:, 0]
             if conv is not None:
                 _masked_put(conv, (rows,), state, valid)
-        x = _attention_mlp(block, i, cache, model.rotary, x, at, rows, valid, attend)
+        x = _attention_mlp(block, i, cache, model.rotary, x, at, rows, valid, attend, model.tp_group)
     _masked_put(cache.lengths, (rows,), pos + 1, valid)
     if slots is not None:   # host mirror (a sync for device slots; graphs pass slots=None)
         cache.advance((slots if valid is None else slots[valid.to(slots.device)]).tolist())
@@ -392,7 +403,7 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
             else:
                 x = block.engram(x[None], rows_all[None, :, layer_slot], residual=True)[0]
             layer_slot += 1
-        x = _attention_mlp(block, i, cache, model.rotary, x, pos, slot_of, None, attend)
+        x = _attention_mlp(block, i, cache, model.rotary, x, pos, slot_of, None, attend, model.tp_group)
     for s, st, k in zip(slots, starts, keep):
         cache.host_lengths[s] = st + k
     ends = torch.tensor([st + k for st, k in zip(starts, keep)])

@@ -184,6 +184,9 @@ class DecoderLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters(seed)
+        # Set by `condmem.distributed.shard_backbone`: the group the blocks are split over.
+        self.tp_group = None
+        self.tp_slices = None
 
     # ------------------------------------------------------------------ parameters
     def reset_parameters(self, seed: int = 0) -> None:
@@ -259,6 +262,10 @@ class DecoderLM(nn.Module):
             logits_at: optional [B] positions: logits of one position per row ([B, 1, vocab]),
                 e.g. the last real token of right-padded prompts.
         """
+        if self.tp_group is not None:
+            raise RuntimeError("this model's blocks are sharded for tensor-parallel serving (shard_backbone): "
+                               "run it through condmem.models.serving (ragged_step, prefill_packed, decode_step, "
+                               "GraphedDecoder), whose forward completes each block's partial sums")
         batch, length = input_ids.shape
         start = 0
         rows = None
