@@ -3,7 +3,8 @@
 # 2..N (rows exact against one process, each mode's collective time against the prediction),
 # the reference decoder served with its tables sharded (logits checked against one process),
 # and training with tables sharded over the GPUs: one global batch at 1 and N GPUs (losses
-# compared) and one per-GPU batch at 1..N GPUs (tokens/s against linear). Logs and JSON to $OUT.
+# compared), one per-GPU batch at 1..N GPUs (tokens/s against linear), a run killed and resumed
+# against an uninterrupted one; then bench e2e at TP 1 and TP N in both row modes. Logs and JSON to $OUT.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
@@ -30,6 +31,26 @@ for w in 1 2 4 8; do
   [ "$w" -le "$N" ] || continue
   train "$w" "$((PER_GPU_BATCH * w))" per_gpu_w"$w"
 done
+# Kill and resume on N GPUs: a run killed (SIGKILL) after its step-10 checkpoint and resumed
+# to step 20 against an uninterrupted 20-step run (losses compared step by step).
+train_ckpt() {  # run name, extra args
+  torchrun --nproc-per-node "$N" -m condmem train --preset gpu --steps 20 --batch-size "$((PER_GPU_BATCH * N))" \
+    --max-train-bytes 20000000 --eval-every 0 --eval-tokens 65536 --checkpoint-every 10 --no-progress \
+    --out "$OUT/train_$1" "${@:2}" >> "$OUT/train_$1.log" 2>&1
+}
+train_ckpt whole
+train_ckpt killed & pid=$!
+for _ in $(seq 600); do [ -f "$OUT/train_killed/checkpoints/LATEST" ] && grep -q 10 "$OUT/train_killed/checkpoints/LATEST" && break; sleep 1; done
+pkill -KILL -f "train_killed" ; wait "$pid" 2>/dev/null
+train_ckpt killed --resume
+# Tensor-parallel serving: the backbone and the tables sharded over the N GPUs, each row mode.
+E2E="--backbones 4b --table-gib 16 --sequences 256 --gen 128 --e2e-repeats 2 --e2e-variants none hbm host_prefetch"
+python3 -m condmem bench e2e $E2E --out "$OUT/e2e_tp1" > "$OUT/e2e_tp1.log" 2>&1
+for mode in head row; do
+  torchrun --nproc-per-node "$N" -m condmem bench e2e $E2E --tp-mode "$mode" --out "$OUT/e2e_tp${N}_$mode" \
+    > "$OUT/e2e_tp${N}_$mode.log" 2>&1
+  tail -n 4 "$OUT/e2e_tp${N}_$mode.log"
+done
 python3 - "$OUT" "$N" <<'PY'
 import json, sys
 from pathlib import Path
@@ -51,5 +72,10 @@ for w in (1, 2, 4, 8):
         result[f"per_gpu_w{w}_tokens_per_s"] = tps
         result[f"per_gpu_w{w}_x_linear"] = tps / (w * base["summary"]["tokens_per_s"])
         print(f"{w} GPU(s), same batch per GPU: {tps:,.0f} tok/s, {result[f'per_gpu_w{w}_x_linear']:.3f} of linear")
+a, b = load("whole"), load("killed")
+if a and b:
+    la, lb = [h["loss"] for h in a["history"]], [h["loss"] for h in b["history"]]
+    result["kill_resume_losses_equal"] = la[-len(lb):] == lb if lb else False
+    print(f"killed at step 10 and resumed: losses equal to the uninterrupted run: {result['kill_resume_losses_equal']}")
 (out / "multi_gpu_train.json").write_text(json.dumps(result, indent=1) + "\n")
 PY

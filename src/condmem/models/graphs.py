@@ -20,6 +20,11 @@ slot's history window and reads the model's own tables.
 
 Stores the GPU cannot read in place (disk) are not supported here: serve those with
 eager `decode_step` and `EngramMemory.prepare_decode` (the lookup needs the host).
+
+Tensor-parallel (a backbone from `condmem.distributed.shard_backbone`, a memory built with
+``process_group=``): the side branch gathers this rank's columns only, and each Engram layer
+completes its rows with the memory's collective; the blocks' all-reduces are captured with
+the rest (NCCL).
 """
 
 from __future__ import annotations
@@ -44,9 +49,15 @@ class _GraphRows:
         self.side = torch.cuda.Stream(device, priority=-1)   # the fetch is on the critical path
         self.row_ids_all: torch.Tensor | None = None
         self.rows_buf = {}
+        # Tensor parallelism: the side branch gathers this rank's columns; the Engram layer
+        # completes them with the memory's collective on the main stream, where it waits anyway.
+        self.sharded = memory.sharded or {}
         for lid in memory.layer_ids:
             store = memory.stores[lid]
             n_cols = memory.hasher.layout.n_cols
+            if lid in self.sharded:
+                c0, c1 = self.sharded[lid].plan.columns(self.sharded[lid].rank)
+                n_cols = c1 - c0
             self.rows_buf[lid] = torch.zeros(n_rows, 1, n_cols, store.head_dim, dtype=torch.bfloat16, device=device)
 
     def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, delay_cycles: int = 0) -> None:
@@ -59,8 +70,10 @@ class _GraphRows:
             if delay_cycles:
                 torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
             for i, lid in enumerate(memory.layer_ids):
-                memory.gather_into(lid, self.row_ids_all[:, :, i], out=self.rows_buf[lid],
-                                   max_programs=self.max_programs)
+                ids = self.row_ids_all[:, :, i]
+                if lid in self.sharded:
+                    ids = self.sharded[lid].local_ids(ids)
+                memory.gather_into(lid, ids, out=self.rows_buf[lid], max_programs=self.max_programs)
             self.event.record(self.side)
         if self.join == "before_step":
             main.wait_event(self.event)
@@ -74,8 +87,10 @@ class _GraphRows:
         return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
 
     def rows(self, layer_id: int) -> torch.Tensor:
-        if self.join == "at_layer":
+        if self.join == "at_layer" or layer_id in self.sharded:
             torch.cuda.current_stream().wait_event(self.event)
+        if layer_id in self.sharded:
+            return self.sharded[layer_id].complete(self.rows_buf[layer_id])
         return self.rows_buf[layer_id]
 
 
@@ -113,6 +128,9 @@ class GraphedDecoder:
             if unreadable:
                 raise ValueError(f"Engram layer(s) {unreadable} live in a tier the GPU cannot read in place "
                                  "(disk?): serve them with eager decode_step + memory.prepare_decode")
+            if any(sr.sequence_parallel for sr in (memory.sharded or {}).values()):
+                raise ValueError("a sequence-parallel memory splits a step's tokens over the ranks; the decode graph "
+                                 "runs every slot on every rank: build the memory with sequence_parallel=False")
             if memory.history.n_slots < cache.n_slots:
                 raise ValueError(f"the memory's history has {memory.history.n_slots} slots, the cache "
                                  f"{cache.n_slots}: they must share slot numbers")

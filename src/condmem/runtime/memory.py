@@ -455,12 +455,11 @@ class EngramMemory:
         batch_tokens = [int(t) for t in batch_tokens]
         self.flush()                 # no layer's gather thread may sync while another captures
         for lid, engine in self.engines.items():
-            sizes = [int(t) * self.hasher.n_cols for t in batch_tokens]
-            if self.sharded is not None:     # this rank's share of each batch's ids
-                zeros = [torch.zeros((1, int(t), self.hasher.n_cols), dtype=torch.long, device=self.device)
-                         for t in batch_tokens]
-                sizes = [self.sharded[lid].local_ids(z).numel() for z in zeros]
-            engine.warm_up(sizes)
+            n_cols = self.hasher.n_cols
+            if self.sharded is not None:     # this rank's columns of each batch's tokens
+                c0, c1 = self.sharded[lid].plan.columns(self.sharded[lid].rank)
+                n_cols = c1 - c0
+            engine.warm_up([t * n_cols for t in batch_tokens])
 
     def close(self) -> None:
         for engine in self.engines.values():
