@@ -120,3 +120,18 @@ def test_slices_keep_grouped_heads_together_and_refuse_uneven_splits():
         backbone_slices(cfg, 8, 0)
     with pytest.raises(ShardingError, match="96 SwiGLU units do not split over 5 ranks"):
         backbone_slices(ModelConfig(vocab_size=VOCAB, dim=80, n_layers=1, n_heads=10, n_kv_heads=5, ffn_hidden=96), 5, 0)
+
+
+def test_the_tensor_parallel_example_runs_on_two_gloo_ranks():
+    """`examples/tp_engram.py` under torchrun: its own checks (every step against one process,
+    ranks equal) pass."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(root / "examples" / "tp_engram.py")], capture_output=True, text=True, timeout=600,
+                          cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "prefill + 8 decode steps equal to one process" in done.stdout
