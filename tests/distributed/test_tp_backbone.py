@@ -2,7 +2,7 @@
 units are split by `shard_backbone`, served through the paged cache (packed prefill, decode
 steps, a ragged step mixing a new prompt with decode tokens), equals one process: logits
 within fp32 tolerance, the same greedy tokens, and the same logits on every rank. With the
-Engram table whole in the model, or sharded over the same group by `EngramMemory`."""
+Engram table whole in the model, or sharded over the same group by `EngramMemory` (both modes)."""
 
 from __future__ import annotations
 
@@ -79,15 +79,15 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     try:
         full = _model()
         want, want_tokens = _serve(full)
-        for with_memory in (False, True):
+        for tables in (None, "head", "row"):     # whole in the model, or sharded by a memory in each mode
             model = shard_backbone(copy.deepcopy(full))
             assert model.blocks[0].attn.n_heads == 8 // world and model.blocks[0].attn.n_kv_heads == 4 // world
             assert model.blocks[0].mlp.w2.weight.shape == (64, 96 // world)
             memory = None
-            if with_memory:   # the table sharded over the same group: rows completed by its collective
+            if tables is not None:   # the table sharded over the same group: rows completed by its collective
                 table = {1: model.blocks[1].engram.table.weight}
                 memory = EngramMemory.from_weights(model.hasher, table, "host", "cpu", host_alloc="pageable",
-                                                   max_sequences=4, process_group=dist.group.WORLD)
+                                                   max_sequences=4, process_group=dist.group.WORLD, tp_mode=tables)
                 for _ in range(4):
                     memory.allocate()     # history slots numbered like the cache slots
             got, got_tokens = _serve(model, memory)
