@@ -71,6 +71,8 @@ def shard_backbone(model, group=None):
     slices = backbone_slices(model.cfg, world, rank)
     for block, units in zip(model.blocks, slices.ffn_units):
         attn, mlp = block.attn, block.mlp
+        for linear in (attn.wq, mlp.w1):       # a joined weight of the whole block would outlive it
+            linear.__dict__.pop("_serving_joined", None)
         hd = attn.head_dim
         q = slice(slices.q_heads[0] * hd, slices.q_heads[1] * hd)
         kv = slice(slices.kv_heads[0] * hd, slices.kv_heads[1] * hd)
