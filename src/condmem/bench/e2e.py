@@ -371,6 +371,14 @@ def tensor_parallel(device_type: str):
     return dist.group.WORLD, dist.new_group(list(range(dist.get_world_size())))
 
 
+def layer_rows(layer, groups: tuple) -> int:
+    """Rows of `layer`'s table this rank holds: all of them, or under tensor parallelism its columns'."""
+    if groups[0] is None:
+        return layer.num_embeddings
+    r0, r1 = ShardPlan.for_layer(layer, dist.get_world_size()).rows(dist.get_rank())
+    return r1 - r0
+
+
 def _serve_backbones(args, layout, alloc: str, info: dict, limits: dict, groups: tuple, rank: int) -> list[dict]:
     """Every backbone's rows (written to <out>/e2e.json by rank 0 as each backbone ends)."""
     from condmem.bench.lookup_setup import host_store as make_host_store
@@ -378,11 +386,7 @@ def _serve_backbones(args, layout, alloc: str, info: dict, limits: dict, groups:
     stores, rows = {}, []
     try:
         for lid in args.engram_layers:
-            n_rows = layout.layer(lid).num_embeddings
-            if groups[0] is not None:                  # this rank's columns' rows only
-                r0, r1 = ShardPlan.for_layer(layout.layer(lid), dist.get_world_size()).rows(rank)
-                n_rows = r1 - r0
-            stores[lid] = make_host_store(n_rows, alloc)
+            stores[lid] = make_host_store(layer_rows(layout.layer(lid), groups), alloc)
         for backbone in args.backbones:
             new = run_backbone(args, backbone, stores, info, limits, groups)
             if rank == 0:
@@ -404,12 +408,9 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     tp_group, rows_group = groups
     if tp_group is not None:
         shard_backbone(model, tp_group)              # the twin shares these blocks' modules
-        twin.tp_group, twin.tp_slices = model.tp_group, model.tp_slices
+        twin.tp_group = model.tp_group
     for lid in layer_ids:
-        expected = model.layout.layer(lid).num_embeddings
-        if rows_group is not None:
-            r0, r1 = ShardPlan.for_layer(model.layout.layer(lid), dist.get_world_size()).rows(dist.get_rank())
-            expected = r1 - r0
+        expected = layer_rows(model.layout.layer(lid), groups)
         if host_stores[lid].num_rows != expected:
             raise RuntimeError(f"layer {lid}'s host table has {host_stores[lid].num_rows} rows, the layout {expected}")
     table_gib = sum(s.nbytes for s in host_stores.values()) / 2**30

@@ -55,6 +55,12 @@ class ShardedRows:
         self.mode, self.sequence_parallel, self.group = mode, sequence_parallel, group
         self.rank = dist.get_rank(group)
 
+    @property
+    def local_columns(self) -> int:
+        """How many of the layer's columns this rank owns (the width of its `local_ids`)."""
+        c0, c1 = self.plan.columns(self.rank)
+        return c1 - c0
+
     def token_chunk(self, n_tokens: int) -> tuple[int, int]:
         """The tokens this rank keeps under sequence parallelism: ``[start, end)`` of axis 1."""
         per = -(-n_tokens // self.plan.world_size)

@@ -87,5 +87,4 @@ def shard_backbone(model, group=None):
         _keep(mlp.w3, rows=ffn)
         _keep(mlp.w2, cols=ffn)
     model.tp_group = group if group is not None else dist.group.WORLD
-    model.tp_slices = slices
     return model

@@ -54,10 +54,7 @@ class _GraphRows:
         self.sharded = memory.sharded or {}
         for lid in memory.layer_ids:
             store = memory.stores[lid]
-            n_cols = memory.hasher.layout.n_cols
-            if lid in self.sharded:
-                c0, c1 = self.sharded[lid].plan.columns(self.sharded[lid].rank)
-                n_cols = c1 - c0
+            n_cols = self.sharded[lid].local_columns if lid in self.sharded else memory.hasher.layout.n_cols
             self.rows_buf[lid] = torch.zeros(n_rows, 1, n_cols, store.head_dim, dtype=torch.bfloat16, device=device)
 
     def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, delay_cycles: int = 0) -> None:

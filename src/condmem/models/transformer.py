@@ -186,7 +186,6 @@ class DecoderLM(nn.Module):
         self.reset_parameters(seed)
         # Set by `condmem.distributed.shard_backbone`: the group the blocks are split over.
         self.tp_group = None
-        self.tp_slices = None
 
     # ------------------------------------------------------------------ parameters
     def reset_parameters(self, seed: int = 0) -> None:

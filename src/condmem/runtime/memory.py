@@ -455,10 +455,8 @@ class EngramMemory:
         batch_tokens = [int(t) for t in batch_tokens]
         self.flush()                 # no layer's gather thread may sync while another captures
         for lid, engine in self.engines.items():
-            n_cols = self.hasher.n_cols
-            if self.sharded is not None:     # this rank's columns of each batch's tokens
-                c0, c1 = self.sharded[lid].plan.columns(self.sharded[lid].rank)
-                n_cols = c1 - c0
+            # A rank looks up its own columns of each batch's tokens.
+            n_cols = self.hasher.n_cols if self.sharded is None else self.sharded[lid].local_columns
             engine.warm_up([t * n_cols for t in batch_tokens])
 
     def close(self) -> None:
