@@ -26,14 +26,30 @@ from condmem.bench.harness import copy_bandwidth_gbps, graph_replay_ms, machine_
 from condmem.ops.attention import reference as attn_ref
 from condmem.ops.attention import triton as attn_triton
 from condmem.ops.gate import engram_gate_reference
-from condmem.ops.gate.triton import gate_forward_triton
+from condmem.ops.gate.triton import default_launch, gate_forward_triton
+
+
+@triton.jit
+def _gate_traffic_control(h_ptr, kv_ptr, out_ptr, D, h_stride, kv_stride,
+                          HC: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr):
+    """The gate's memory traffic with no dependency between reads and writes: out = h + k + v."""
+    pid = tl.program_id(0)
+    t = (pid // HC).to(tl.int64)
+    m = pid % HC
+    for i in tl.static_range(N_CHUNKS):
+        d = i * CHUNK + tl.arange(0, CHUNK)
+        dm = d < D
+        h = tl.load(h_ptr + t * h_stride + m * D + d, mask=dm, other=0).to(tl.float32)
+        k = tl.load(kv_ptr + t * kv_stride + m * D + d, mask=dm, other=0).to(tl.float32)
+        v = tl.load(kv_ptr + t * kv_stride + HC * D + d, mask=dm, other=0).to(tl.float32)
+        tl.store(out_ptr + t * h_stride + m * D + d, (h + k + v).to(out_ptr.dtype.element_ty), mask=dm)
 
 
 def gate_rows(bw: float) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     variants = {f"c{c} w{w}": dict(chunk=c, num_warps=w)
-                for c, w in ((1024, 4), (2048, 4), (4096, 4), (1024, 2), (2048, 2), (512, 2), (2048, 8))}
+                for c, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (2048, 8))}
     for n, hc, dim in [*PEER_MS, (16384, 1, 2560)]:
         sets = [(torch.randn((n, hc, dim), device="cuda", dtype=torch.bfloat16, generator=gen),
                  torch.randn((n, (hc + 1) * dim), device="cuda", dtype=torch.bfloat16, generator=gen)) for _ in range(4)]
@@ -47,11 +63,30 @@ def gate_rows(bw: float) -> list[dict]:
             assert err < 1e-2, (name, err)
             ms = graph_replay_ms(fn, sets)
             rows.append({"kernel": "gate+residual", "shape": [n, hc, dim], "variant": name, "ms": ms, "rel_err": err,
+                         "default": (kw_["chunk"], kw_["num_warps"]) == default_launch(dim),
                          "x_bound": nbytes / (bw * 1e9) * 1e3 / ms, "peer_ms": PEER_MS.get((n, hc, dim)),
                          "x_peer": PEER_MS[(n, hc, dim)] / ms if (n, hc, dim) in PEER_MS else None})
         ms = graph_replay_ms(lambda h, kv: h + gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None), sets)
         rows.append({"kernel": "gate+residual", "shape": [n, hc, dim], "variant": "gate, then add", "ms": ms,
                      "x_bound": nbytes / (bw * 1e9) * 1e3 / ms})
+        # Controls: the gate's traffic (hidden, key, value read per branch; output written) with
+        # no reduction between the reads and the write, and a device copy of as many bytes.
+        for chunk, warps in ((1024, 4), (2048, 4), (4096, 8)):
+            out = torch.empty_like(sets[0][0])
+            def ctl(h, kv, c=chunk, w=warps, out=out):
+                _gate_traffic_control[(n * hc,)](h, kv, out, dim, h.stride(0), kv.stride(0), HC=hc, CHUNK=c,
+                                                 N_CHUNKS=triton.cdiv(dim, c), num_warps=w)
+                return out
+            ms = graph_replay_ms(ctl, sets)
+            rows.append({"kernel": "gate+residual", "shape": [n, hc, dim], "ms": ms,
+                         "variant": f"control: same traffic, no sums c{chunk} w{warps}",
+                         "x_bound": nbytes / (bw * 1e9) * 1e3 / ms})
+        half = [(torch.empty(nbytes // 4, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(nbytes // 4, device="cuda", dtype=torch.bfloat16, generator=gen)) for _ in range(4)]
+        ms = graph_replay_ms(lambda dst, src: dst.copy_(src), half)
+        rows.append({"kernel": "gate+residual", "shape": [n, hc, dim], "variant": "control: device copy, same bytes",
+                     "ms": ms, "x_bound": nbytes / (bw * 1e9) * 1e3 / ms})
+        del half
         del sets
     return rows
 
@@ -105,8 +140,9 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
     want = attn_ref.paged_decode_attention_ref(*sets["nhd"][0], lengths, None).float()
     nbytes = int(lengths.sum()) * n_kv * head_dim * 2 * 2 + 2 * batch * heads * head_dim * 2
     auto = attn_triton.decode_splits(batch, n_kv, max_len, 64, torch.device("cuda"))
-    configs = [("nhd", bn, w, st, sp) for bn in (32, 64, 128) for w in (1, 4) for st in (2, 3)
-               for sp in (auto, 2 * auto)] + [("hnd", 64, 4, 2, auto)]
+    configs = [("nhd", 64, 4, 2, sp, live) for live in (False, True) for sp in (auto, 2 * auto, 4 * auto)]
+    configs += [("nhd", 32, 4, 2, 2 * auto, True), ("nhd", 64, 4, 3, 2 * auto, True), ("hnd", 64, 4, 2, auto, False),
+                ("hnd", 64, 4, 2, 2 * auto, True)]
     # Controls: the same keys and values read through the same addressing with no attention
     # arithmetic (what the access pattern allows), and the same bytes read contiguously.
     for layout in ("nhd", "hnd"):
@@ -126,22 +162,24 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
     ms = graph_replay_ms(lambda x: x.sum(dtype=torch.float32), [(x,) for x in flat])
     rows.append({"kernel": "decode attention", "shape": [nbytes], "variant": "contiguous read (torch sum)", "ms": ms,
                  "x_bound": nbytes / (bw * 1e9) * 1e3 / ms})
-    for layout, block_n, warps, stages, splits in configs:
-        variant = f"{layout} bn{block_n} w{warps} s{stages} sp{splits}"
-        def fn(q, k, v, t, bn=block_n, w=warps, st=stages, sp=splits):
+    for layout, block_n, warps, stages, splits, live in configs:
+        variant = f"{layout} bn{block_n} w{warps} s{stages} sp{splits}" + (" live" if live else "")
+        def fn(q, k, v, t, bn=block_n, w=warps, st=stages, sp=splits, lv=live):
             return attn_triton.paged_decode_attention(q, k, v, t, lengths, None, sp, block_n=bn, num_warps=w,
-                                                      num_stages=st)
+                                                      num_stages=st, live=lv)
         try:
-            err = float((fn(*sets[layout][0]).float() - want).norm() / want.norm())
+            first = fn(*sets[layout][0]).clone()
+            err = float((first.float() - want).norm() / want.norm())
             assert err < 2e-2, err
             ms = graph_replay_ms(fn, sets[layout])
+            assert all(torch.equal(fn(*sets[layout][0]), first) for _ in range(5)), "not repeatable"
         except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses
             rows.append({"kernel": "decode attention", "variant": variant, "error": str(exc)[:200]})
             continue
         rows.append({"kernel": "decode attention", "shape": [batch, heads, n_kv, head_dim],
                      "variant": variant, "ms": ms, "rel_err": err,
                      "x_bound": nbytes / (bw * 1e9) * 1e3 / ms,
-                     "default": (layout, block_n, warps, stages, splits) == ("nhd", 64, 4, 2, auto)})
+                     "default": (layout, block_n, warps, stages, splits, live) == ("nhd", 64, 4, 2, auto, False)})
     return rows
 
 

@@ -8,7 +8,8 @@ tensor, so a decode step has fixed shapes and is captured in a CUDA graph as is.
   the H/KV query heads that share a KV head are the rows of one ``tl.dot``, so each cached
   key is read once. Programs whose split lies past the sequence's length exit at once, so
   a step reads the live keys only. Partial (max, sum, unnormalized output) per split are
-  combined by a second small kernel; with one split the first writes the output itself.
+  combined by a second small kernel; a sequence whose keys fit one split has its output
+  written by that split (the combine skips it).
 * Prefill: flash attention over packed chunks (``cu_seqlens``); chunk b's query j sits at
   position ``starts[b] + j`` and sees keys 0..``starts[b] + j`` (a chunk after a cached
   prefix, or a whole prompt with ``starts = 0``).
@@ -65,48 +66,66 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.load(LENS + b).to(tl.int32)
-    start = s * split_len
-    end = tl.minimum(start + split_len, length)
-    r = tl.arange(0, REP_P)
-    d = tl.arange(0, DP)
-    dm = d < D
-    heads = kvh * REP + r
-    rmask = r < REP
-    b64 = b.to(tl.int64)
-    q = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=rmask[:, None] & dm[None, :], other=0.0)
-    m = tl.full([REP_P], float("-inf"), tl.float32)
-    l = tl.zeros([REP_P], tl.float32)
-    acc = tl.zeros([REP_P, DP], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pm = pos < end
-        blk = tl.load(BT + b64 * sbt_b + pos // BS, mask=pm, other=0)
-        if OFF64:
-            blk = blk.to(tl.int64)
-        off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
-        k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-        v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-        m, l, acc = _online_softmax_step(q, k, v, pm[None, :], m, l, acc, scale_log2, IEEE)
-    if DIRECT:
-        out = acc / tl.maximum(l, 1e-30)[:, None]            # no key (length 0): zeros
-        tl.store(O + b64 * so_b + heads[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty),
-                 mask=rmask[:, None] & dm[None, :])
-    else:
-        base = (b64 * n_heads + heads) * n_splits + s
-        tl.store(PO + base[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
-        tl.store(PML + base * 2, m, mask=rmask)
-        tl.store(PML + base * 2 + 1, l, mask=rmask)
+    # Only the splits that hold keys run (split 0 of an empty sequence writes zeros), and a
+    # sequence whose keys fit one split gets its output from that split, with nothing to combine.
+    limit = tl.maximum(tl.cdiv(length, split_len), 1)
+    if s < limit:
+        start = s * split_len
+        end = tl.minimum(start + split_len, length)
+        r = tl.arange(0, REP_P)
+        d = tl.arange(0, DP)
+        dm = d < D
+        heads = kvh * REP + r
+        rmask = r < REP
+        b64 = b.to(tl.int64)
+        q = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=rmask[:, None] & dm[None, :], other=0.0)
+        m = tl.full([REP_P], float("-inf"), tl.float32)
+        l = tl.zeros([REP_P], tl.float32)
+        acc = tl.zeros([REP_P, DP], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pm = pos < end
+            blk = tl.load(BT + b64 * sbt_b + pos // BS, mask=pm, other=0)
+            if OFF64:
+                blk = blk.to(tl.int64)
+            off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
+            k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+            v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+            m, l, acc = _online_softmax_step(q, k, v, pm[None, :], m, l, acc, scale_log2, IEEE)
+        if DIRECT:
+            _store_normalized(O, acc, l, b64 * so_b + heads[:, None] * so_h + d[None, :], rmask[:, None] & dm[None, :])
+        elif limit == 1:
+            _store_normalized(O, acc, l, b64 * so_b + heads[:, None] * so_h + d[None, :], rmask[:, None] & dm[None, :])
+        else:
+            base = (b64 * n_heads + heads) * n_splits + s
+            tl.store(PO + base[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
+            tl.store(PML + base * 2, m, mask=rmask)
+            tl.store(PML + base * 2 + 1, l, mask=rmask)
 
 
 @triton.jit
-def _decode_combine_kernel(PO, PML, O, so_b, so_h, n_splits, n_heads, S_P: tl.constexpr, D: tl.constexpr,
-                           DP: tl.constexpr):
+def _store_normalized(O, acc, l, offsets, mask):
+    out = acc / tl.maximum(l, 1e-30)[:, None]            # no key (length 0): zeros
+    tl.store(O + offsets, out.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_combine_kernel(PO, PML, O, LENS, so_b, so_h, split_len, n_splits, n_heads, S_P: tl.constexpr,
+                           D: tl.constexpr, DP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    limit = tl.maximum(tl.cdiv(tl.load(LENS + b).to(tl.int32), split_len), 1)
+    if limit > 1:
+        _combine_row(PO, PML, O, b, h, so_b, so_h, limit, n_splits, n_heads, S_P, D, DP)
+
+
+@triton.jit
+def _combine_row(PO, PML, O, b, h, so_b, so_h, limit, n_splits, n_heads, S_P: tl.constexpr, D: tl.constexpr,
+                 DP: tl.constexpr):
     s = tl.arange(0, S_P)
     d = tl.arange(0, DP)
     dm = d < D
-    sm = s < n_splits
+    sm = s < limit
     base = (b * n_heads + h) * n_splits + s
     m = tl.load(PML + base * 2, mask=sm, other=float("-inf"))
     l = tl.load(PML + base * 2 + 1, mask=sm, other=0.0)
@@ -159,8 +178,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         DIRECT=splits == 1, IEEE=ieee, OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, out.stride(0), out.stride(1), splits,
-                                                 n_heads, S_P=next_pow2(splits), D=head_dim,
+        _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, lengths, out.stride(0), out.stride(1),
+                                                 split_len, splits, n_heads, S_P=next_pow2(splits), D=head_dim,
                                                  DP=max(16, next_pow2(head_dim)), num_warps=1)
     return out
 
