@@ -71,16 +71,16 @@ def test_a_shuffled_block_table_gives_the_same_logits():
 
 
 @torch.no_grad()
-def test_packed_prefill_equals_one_prompt_at_a_time_and_fills_the_dense_view():
+def test_packed_prefill_equals_one_prompt_at_a_time_and_fills_the_same_positions():
     model, prompts = _model(), _prompts()
     packed, single = ServingCache(model, n_slots=4, max_len=24), ServingCache(model, n_slots=4, max_len=24)
     got = prefill_packed(model, packed, [0, 1, 2, 3], prompts)
     want = torch.stack([prefill(model, single, s, p, last_only=True)[0] for s, p in enumerate(prompts)])
     assert_close("last-token logits", want, got, atol=2e-5, rtol=2e-5)
-    for i in range(len(model.blocks)):   # the dense views alias the pool: the same keys, positions 0..n-1
+    for i in range(len(model.blocks)):   # the same keys and values at positions 0..n-1 of each slot
         for s, p in enumerate(prompts):
-            n = p.numel()
-            assert_close(f"layer {i} slot {s} keys", single.k[i][s, :, :n], packed.k[i][s, :, :n], atol=2e-5)
+            for name, a, b in zip("kv", single.prefix(i, s, p.numel()), packed.prefix(i, s, p.numel())):
+                assert_close(f"layer {i} slot {s} {name}", a, b, atol=2e-5)
     ids, cu = packed_ids(prompts)
     assert ids.shape == (24,) and cu.tolist() == [0, 7, 8, 20, 24]
 

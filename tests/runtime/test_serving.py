@@ -102,15 +102,17 @@ def test_all_slots_step_with_valid_mask_matches_and_leaves_invalid_rows_untouche
         for slot, n in enumerate((4, 7, 2)):
             prefill(model, cache, slot, torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(slot)))
     ids = torch.randint(0, 50, (3,), generator=gen)
-    before = [t.clone() for t in (*caches[1].k, *caches[1].v, caches[1].tokens, caches[1].lengths,
-                                  *[c for c in caches[1].conv.values() if c is not None])]
+    def slot_state(cache, slot):
+        kv = [t for i in range(len(model.blocks)) for t in cache.prefix(i, slot, cache.max_len)]
+        return [t.clone() for t in (*kv, cache.tokens[slot], cache.lengths[slot],
+                                    *[c[slot] for c in cache.conv.values() if c is not None])]
+
+    before = slot_state(caches[1], 1)
     by_slots = decode_step(model, caches[0], torch.tensor([0, 2]), ids[[0, 2]])
     all_rows = decode_step(model, caches[1], None, ids, valid=torch.tensor([True, False, True]))
     assert_close("valid rows", by_slots, all_rows[[0, 2]], atol=1e-5, rtol=1e-5)
-    after = [*caches[1].k, *caches[1].v, caches[1].tokens, caches[1].lengths,
-             *[c for c in caches[1].conv.values() if c is not None]]
-    for old, new in zip(before, after):
-        assert torch.equal(old[1], new[1]), "the invalid slot's state changed"
+    for old, new in zip(before, slot_state(caches[1], 1), strict=True):
+        assert torch.equal(old, new), "the invalid slot's state changed"
     assert caches[1].lengths.tolist() == [5, 7, 3]
     assert caches[0].host_lengths == [5, 7, 3]
 

@@ -46,10 +46,7 @@ def _serve(model, device, memory=None, spec_every: int = 2, seed: int = 0):
             st = {"slot": slot, "tokens": list(prompts[name]), "done": 0, "new": 0, "logits": {}, "last": None}
             if name == "e":
                 src = live["a"]["slot"]
-                for i in range(len(cache.k)):
-                    cache.k[i][slot, :, :8] = cache.k[i][src, :, :8]
-                    cache.v[i][slot, :, :8] = cache.v[i][src, :, :8]
-                cache.tokens[slot, :8] = cache.tokens[src, :8]
+                cache.copy_prefix(src, slot, 8)
                 cache.lengths[slot] = 8
                 cache.host_lengths[slot] = 8
                 st["done"] = 8

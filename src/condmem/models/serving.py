@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from condmem.models.attention import KVCache
-from condmem.models.transformer import DecoderLM, InferenceCache, engram_update
+from condmem.models.transformer import DecoderLM, engram_update
 from condmem.ops.attention import paged_decode_attention, paged_prefill_attention, rope_store
 from condmem.ops.norm_act import rms_norm, silu_mul
 
@@ -38,9 +37,12 @@ class ServingCache:
     Keys and values of each block live in a paged pool, ``k_pool[i]`` / ``v_pool[i]``
     [n_blocks, block_size, n_kv_heads, head_dim], and slot s owns the blocks of row s of
     ``block_table`` (int32 [n_slots, blocks_per_slot]); the attention kernels read through
-    the table (`condmem.ops.attention`) and each slot's own length, never past it. Blocks
-    are assigned to slots in order at construction, so ``k[i]`` / ``v[i]`` are also dense
-    views [n_slots, n_kv_heads, max_len, head_dim] of the same memory.
+    the table (`condmem.ops.attention`) and each slot's own length, never past it. A block
+    is stored heads-outer ([n_kv_heads, block_size, head_dim] in memory, the pool a strided
+    view of it): one head's keys of a block are contiguous, which the decode kernel reads
+    ~7% faster than a position's heads together (`benchmarks/kernel_sweep.py`).
+    `store_prefix`, `prefix` and `copy_prefix` write, read and share a slot's first
+    positions through the table.
 
     ``host_lengths`` mirrors each slot's length on the host (kept by `prefill`,
     `release` and the decoders), so schedulers can check capacity without a device sync.
@@ -60,16 +62,10 @@ class ServingCache:
         per_slot = -(-self.max_len // block_size)
         # The attention modules' own head counts: a tensor-parallel rank holds its heads only.
         n_kv, head_dim = model.blocks[0].attn.n_kv_heads, model.blocks[0].attn.head_dim
-        shape = (n_slots * per_slot, block_size, n_kv, head_dim)
-        self.k_pool = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
-        self.v_pool = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
+        shape = (n_slots * per_slot, n_kv, block_size, head_dim)
+        self.k_pool = [torch.zeros(shape, device=device, dtype=dtype).transpose(1, 2) for _ in model.blocks]
+        self.v_pool = [torch.zeros(shape, device=device, dtype=dtype).transpose(1, 2) for _ in model.blocks]
         self.block_table = torch.arange(n_slots * per_slot, dtype=torch.int32, device=device).view(n_slots, per_slot)
-
-        def dense(pool):
-            return pool.view(n_slots, per_slot * block_size, n_kv, head_dim).transpose(1, 2)[:, :, : self.max_len]
-
-        self.k = [dense(p) for p in self.k_pool]
-        self.v = [dense(p) for p in self.v_pool]
         self.lengths = torch.zeros(n_slots, dtype=torch.long, device=device)
         self.host_lengths = [0] * n_slots
         self.tokens = torch.zeros(n_slots, self.max_len, dtype=torch.long, device=device)
@@ -86,17 +82,37 @@ class ServingCache:
         per_token = sum(2 * p[0, 0].numel() * p.element_size() for p in self.k_pool)
         return per_token * int(sum(int(n) for n in lengths))
 
-    def _row_cache(self, slot: int) -> InferenceCache:
-        """An `InferenceCache` whose buffers are views of one slot (prefill writes land in place)."""
-        kv = []
-        for k, v in zip(self.k, self.v):
-            view = KVCache.__new__(KVCache)
-            torch.nn.Module.__init__(view)
-            view.register_buffer("k", k[slot:slot + 1], persistent=False)
-            view.register_buffer("v", v[slot:slot + 1], persistent=False)
-            kv.append(view)
-        conv = {lid: None if c is None else c[slot:slot + 1] for lid, c in self.conv.items()}
-        return InferenceCache(kv=kv, conv=conv, tokens=self.tokens[slot:slot + 1], length=0)
+    def _blocks(self, slots, n: int) -> torch.Tensor:
+        """Pool indices (long) of the blocks that hold positions 0..n-1 of `slots` (through the table)."""
+        return self.block_table[slots, : -(-n // self.block_size)].long()
+
+    def store_prefix(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write dense keys and values k, v [B, n_kv_heads, W, head_dim] of layer `layer` into
+        positions 0..W-1 of `slots` (long [B]); the rest of the last block written is zeros."""
+        batch, n_kv, width, head_dim = k.shape
+        if width > self.max_len:
+            raise ValueError(f"{width} positions do not fit the cache's {self.max_len}")
+        ids = self._blocks(slots, width)
+        pad = ids.shape[1] * self.block_size - width
+        for pool, dense in ((self.k_pool[layer], k), (self.v_pool[layer], v)):
+            dense = F.pad(dense.to(pool.dtype), (0, 0, 0, pad))
+            pool[ids] = dense.view(batch, n_kv, ids.shape[1], self.block_size, head_dim).permute(0, 2, 3, 1, 4)
+
+    def prefix(self, layer: int, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values [n_kv_heads, n, head_dim] of `slot`'s first `n` positions."""
+        ids = self._blocks(slot, n)
+        return tuple(pool[ids].reshape(-1, *pool.shape[2:])[:n].transpose(0, 1)
+                     for pool in (self.k_pool[layer], self.v_pool[layer]))
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give slot `dst` the keys, values and token ids of slot `src`'s first `n` positions
+        (a shared prompt prefix); lengths are left to the caller."""
+        if n > self.max_len:
+            raise ValueError(f"{n} positions do not fit the cache's {self.max_len}")
+        src_ids, dst_ids = self._blocks(src, n), self._blocks(dst, n)
+        for pool in (*self.k_pool, *self.v_pool):
+            pool[dst_ids] = pool[src_ids]
+        self.tokens[dst, :n] = self.tokens[src, :n]
 
     def release(self, slot: int) -> None:
         """Forget a finished sequence (its slot is reset; the next prefill overwrites it)."""
@@ -127,8 +143,15 @@ def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor,
     if ids.numel() > cache.max_len:
         raise ValueError(f"a prompt of {ids.numel()} tokens does not fit the cache's {cache.max_len} positions")
     cache.release(slot)
-    logits = model(ids[None].to(cache.tokens.device), cache=cache._row_cache(slot), prepared=prepared,
-                   last_only=last_only)[0]
+    temp = model.new_cache(1, ids.numel())
+    logits = model(ids[None].to(cache.tokens.device), cache=temp, prepared=prepared, last_only=last_only)[0]
+    index = torch.tensor([slot], device=cache.tokens.device)
+    for i, kv in enumerate(temp.kv):
+        cache.store_prefix(i, index, kv.k, kv.v)
+    cache.tokens[slot, :ids.numel()] = temp.tokens[0]
+    for lid, c in cache.conv.items():
+        if c is not None:
+            c[slot].copy_(temp.conv[lid][0])
     cache.lengths[slot] = ids.numel()
     cache.host_lengths[slot] = ids.numel()
     return logits
@@ -167,9 +190,8 @@ def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], promp
     lengths_dev = lengths.to(device)
     logits = model(ids.to(device), cache=temp, prepared=prepared, logits_at=lengths_dev - 1)[:, 0]
     index = torch.tensor(slots, dtype=torch.long).to(device)
-    for i in range(len(cache.k)):
-        cache.k[i][index, :, :width] = temp.kv[i].k
-        cache.v[i][index, :, :width] = temp.kv[i].v
+    for i, kv in enumerate(temp.kv):
+        cache.store_prefix(i, index, kv.k, kv.v)
     cache.tokens[index, :width] = temp.tokens
     cache.lengths[index] = lengths_dev
     for slot, ids_row in zip(slots, prompts):
