@@ -126,8 +126,8 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
     blocks_per_seq = max_len // block_size
     lengths = torch.randint(100, 1101, (batch,), device="cuda", generator=gen).to(torch.int32)
     n_blocks = batch * blocks_per_seq
-    # Two pool layouts of the same values: "nhd" [blocks, block_size, kv, hd] (the serving pool's)
-    # and "hnd" [blocks, kv, block_size, hd] seen through a permuted view; the kernel reads through
+    # Two pool layouts of the same values: "nhd" [blocks, block_size, kv, hd] and "hnd" [blocks, kv,
+    # block_size, hd] (the serving pool's) seen through a permuted view; the kernel reads through
     # strides. The block table scatters each sequence's blocks over the pool.
     sets = {"nhd": [], "hnd": []}
     for _ in range(4):
@@ -140,9 +140,8 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
     want = attn_ref.paged_decode_attention_ref(*sets["nhd"][0], lengths, None).float()
     nbytes = int(lengths.sum()) * n_kv * head_dim * 2 * 2 + 2 * batch * heads * head_dim * 2
     auto = attn_triton.decode_splits(batch, n_kv, max_len, 64, torch.device("cuda"))
-    configs = [("nhd", 64, 4, 2, sp, live) for live in (False, True) for sp in (auto, 2 * auto, 4 * auto)]
-    configs += [("nhd", 32, 4, 2, 2 * auto, True), ("nhd", 64, 4, 3, 2 * auto, True), ("hnd", 64, 4, 2, auto, False),
-                ("hnd", 64, 4, 2, 2 * auto, True)]
+    configs = [(layout, bn, w, st, sp) for layout in ("hnd", "nhd") for bn in (32, 64, 128) for w in (1, 4)
+               for st in (2, 3) for sp in (auto, 2 * auto)]
     # Controls: the same keys and values read through the same addressing with no attention
     # arithmetic (what the access pattern allows), and the same bytes read contiguously.
     for layout in ("nhd", "hnd"):
@@ -162,11 +161,11 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
     ms = graph_replay_ms(lambda x: x.sum(dtype=torch.float32), [(x,) for x in flat])
     rows.append({"kernel": "decode attention", "shape": [nbytes], "variant": "contiguous read (torch sum)", "ms": ms,
                  "x_bound": nbytes / (bw * 1e9) * 1e3 / ms})
-    for layout, block_n, warps, stages, splits, live in configs:
-        variant = f"{layout} bn{block_n} w{warps} s{stages} sp{splits}" + (" live" if live else "")
-        def fn(q, k, v, t, bn=block_n, w=warps, st=stages, sp=splits, lv=live):
+    for layout, block_n, warps, stages, splits in configs:
+        variant = f"{layout} bn{block_n} w{warps} s{stages} sp{splits}"
+        def fn(q, k, v, t, bn=block_n, w=warps, st=stages, sp=splits):
             return attn_triton.paged_decode_attention(q, k, v, t, lengths, None, sp, block_n=bn, num_warps=w,
-                                                      num_stages=st, live=lv)
+                                                      num_stages=st)
         try:
             first = fn(*sets[layout][0]).clone()
             err = float((first.float() - want).norm() / want.norm())
@@ -179,7 +178,7 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
         rows.append({"kernel": "decode attention", "shape": [batch, heads, n_kv, head_dim],
                      "variant": variant, "ms": ms, "rel_err": err,
                      "x_bound": nbytes / (bw * 1e9) * 1e3 / ms,
-                     "default": (layout, block_n, warps, stages, splits, live) == ("nhd", 64, 4, 2, auto, False)})
+                     "default": (layout, block_n, warps, stages, splits) == ("hnd", 64, 4, 2, auto)})
     return rows
 
 
