@@ -116,3 +116,33 @@ def test_joined_projections_are_views_and_follow_a_move():
     model.double()
     again = _joined([attn.wq, attn.wk, attn.wv])
     assert again.dtype == torch.float64 and again.data_ptr() == attn.wq.weight.data_ptr()
+
+
+def test_prefix_store_read_and_copy_go_through_a_shuffled_block_table():
+    """`store_prefix` / `prefix` / `copy_prefix` address blocks through the table: with the
+    table shuffled, a stored prefix reads back bit-equal, lands where the attention reads it
+    (the reference gather over the table) and a copied prefix equals its source; the other
+    slots' blocks stay as they were."""
+    from condmem.ops.attention.reference import gather_paged
+
+    model = _model()
+    cache = ServingCache(model, n_slots=3, max_len=24, block_size=4)
+    cache.block_table.copy_(cache.block_table.flatten()[torch.randperm(cache.block_table.numel(),
+                            generator=torch.Generator().manual_seed(5))].view_as(cache.block_table))
+    gen = torch.Generator().manual_seed(6)
+    n_kv, hd = cache.k_pool[0].shape[2:]
+    k = torch.randn(2, n_kv, 10, hd, generator=gen)
+    v = torch.randn(2, n_kv, 10, hd, generator=gen)
+    cache.store_prefix(0, torch.tensor([2, 0]), k, v)
+    for row, slot in enumerate((2, 0)):
+        got_k, got_v = cache.prefix(0, slot, 10)
+        assert torch.equal(got_k, k[row]) and torch.equal(got_v, v[row])
+        dense_k = gather_paged(cache.k_pool[0], cache.block_table[slot:slot + 1], 10)[0]   # [10, n_kv, hd]
+        assert torch.equal(dense_k.transpose(0, 1), k[row])
+    assert not cache.k_pool[0][cache.block_table[1].long()].any(), "slot 1 was written"
+    assert not cache.k_pool[1].any(), "layer 1 was written"
+    cache.tokens[2, :10] = torch.arange(10)
+    cache.copy_prefix(2, 1, 7)
+    got_k, got_v = cache.prefix(0, 1, 7)
+    assert torch.equal(got_k, k[0, :, :7]) and torch.equal(got_v, v[0, :, :7])
+    assert torch.equal(cache.tokens[1, :7], torch.arange(7))
