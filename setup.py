@@ -1,4 +1,4 @@
-"""Builds condmem's native CPU code (src/condmem/native/gather.c) as the extension
+"""Builds condmem's native CPU code (src/condmem/native/gather.c, hash.c) as the extension
 `condmem.native._gather`; the package metadata is in pyproject.toml.
 
 The library is loaded with ctypes (it has no Python module init), with the flags of
@@ -22,7 +22,7 @@ setup(
     ext_modules=[
         Extension(
             toolchain.MODULE,
-            sources=["src/condmem/native/gather.c"],
+            sources=[f"src/condmem/native/{source.name}" for source in toolchain.SOURCES],
             define_macros=[toolchain.digest_define(toolchain.source_digest())],
             extra_compile_args=list(toolchain.COMPILE_ARGS),
             extra_link_args=list(toolchain.LINK_ARGS),

@@ -211,6 +211,34 @@ def test_decode_history_equals_full_sequence(max_n, heads, layers, device):
         assert torch.equal(h_ref, h_ker)
 
 
+@pytest.mark.parametrize("lookup", [True, False], ids=["lookup", "no-lookup"])
+@pytest.mark.parametrize("max_n,heads,layers", [(2, 2, (4,)), (4, 3, (1, 5)), (5, 1, (0, 2, 9))], ids=["N2", "N4", "N5"])
+def test_native_cpu_decode_equals_reference(max_n, heads, layers, lookup, monkeypatch):
+    """The CPU decode hash (`hash.c`, what `decode` runs on CPU tensors by default) gives the
+    reference's row ids and history, bit for bit: live, padding, aliasing, blocked and
+    out-of-range rows, reused slots."""
+    from condmem import native
+
+    if not native.available():
+        pytest.skip("native CPU code unavailable")
+    hasher = _hasher(max_n, heads, layers, seed=max_n, lookup=lookup)
+    gen = torch.Generator().manual_seed(max_n * 11)
+    n_seq, length = 4, 14
+    seqs = torch.randint(0, hasher.vocab_size, (n_seq, length), generator=gen)
+    seqs[1, 9], seqs[2, 10] = -3, hasher.vocab_size + 7          # out of range: read the pad
+    blocked = torch.rand(n_seq, length, generator=gen) < 0.15
+    ref = _run_decode(hasher, "cpu", "torch", seqs, [1, 4, 6, 2], blocked, aliases=[0, 3])
+    calls = []
+    real = native.hash_decode
+    monkeypatch.setattr(native, "hash_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = _run_decode(hasher, "cpu", None, seqs, [1, 4, 6, 2], blocked, aliases=[0, 3])
+    assert len(calls) == len(got[0]), "decode did not run the native hash"
+    for (t, _, rows, pad_rows), (_, _, rows_n, pad_rows_n) in zip(ref[0], got[0], strict=True):
+        assert torch.equal(rows_n, rows) and torch.equal(pad_rows_n, pad_rows), f"step {t}"
+    for h_ref, h_nat in zip(ref[1], got[1], strict=True):
+        assert torch.equal(h_nat, h_ref)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_padding_rows_never_touch_history(device):
     hasher = _hasher(4, 2, (1,))

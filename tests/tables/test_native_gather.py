@@ -59,8 +59,8 @@ def test_the_loader_uses_the_installed_build():
 
 @needs_native
 def test_a_build_of_another_source_is_refused(monkeypatch):
-    monkeypatch.setattr(toolchain, "source_digest", lambda source=toolchain.SOURCE: "0" * 16)
-    with pytest.raises(ValueError, match="built from another gather.c"):
+    monkeypatch.setattr(toolchain, "source_digest", lambda sources=toolchain.SOURCES: "0" * 16)
+    with pytest.raises(ValueError, match="built from other C sources"):
         native._open(native.build().path)
 
 

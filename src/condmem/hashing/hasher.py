@@ -524,6 +524,14 @@ class NgramHasher:
                 pad_id=self.pad_compressed_id, lookup=c["lookup"], valid=valid, blocked=blocked,
             )
         lookup = c["lookup"]
+        if backend in (None, "auto") and device.type == "cpu" and history.ids.is_contiguous():
+            from condmem import native
+
+            rows = native.hash_decode(history.ids, slots, input_ids, lookup=lookup, multipliers=c["multipliers"],
+                                      primes=c["primes"], offsets=offsets, n_heads=self.layout.n_heads,
+                                      pad_id=self.pad_compressed_id, valid=valid, blocked=blocked)
+            if rows is not None:      # the same numbers, without the reference's dozens of small ops
+                return rows
         ids = input_ids.long()
         if lookup is not None:
             # Out-of-range ids read the pad, as in the kernel (memory-safe; `check` reports them).

@@ -1,5 +1,6 @@
-"""condmem's native CPU code (``gather.c``): the prefetching row gather, the staged send and
-O_DIRECT row reads, called through ctypes (which releases the GIL during each call).
+"""condmem's native CPU code (``gather.c``, ``hash.c``): the prefetching row gather, the staged
+send, O_DIRECT row reads and the decode-step n-gram hash, called through ctypes (which
+releases the GIL during each call).
 
 `available()` says whether it is loaded; `gather_path()` names the CPU gather that runs.
 Without it CPU gathers fall back to ``torch.index_select`` and staged sends to a Python
@@ -32,7 +33,7 @@ from condmem.native import toolchain
 from condmem.native.cudart import CudaRuntime, cuda_runtime, cudart_soname
 
 __all__ = ["Build", "CudaRuntime", "FALLBACK_COST", "available", "build", "cuda_runtime", "cudart_soname",
-           "gather_path", "gather_rows", "library", "pread_rows"]
+           "gather_path", "gather_rows", "hash_decode", "library", "pread_rows"]
 
 log = logging.getLogger("condmem.native")
 
@@ -83,17 +84,22 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.condmem_gather_stream.restype = ctypes.c_int
     lib.condmem_pread_rows.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.condmem_pread_rows.restype = i64
+    lib.condmem_hash_decode.argtypes = [
+        ptr, i64, i64, ptr,                       # history, n_slots, n_back, slots
+        ptr, ptr, i64, ptr, ptr, i64,             # ids, lookup, vocab, valid, blocked, batch
+        ptr, ptr, ptr, i64, i64, i64, ptr]        # multipliers, primes, offsets, n_layers, n_heads, pad_id, out
+    lib.condmem_hash_decode.restype = None
     return lib
 
 
 def _open(path: str) -> ctypes.CDLL:
     """Load and declare the library at `path`; OSError (or AttributeError: an entry point is
-    missing) when it cannot serve, ValueError when it was built from another gather.c."""
+    missing) when it cannot serve, ValueError when it was built from other C sources."""
     lib = _declare(ctypes.CDLL(path))
-    if toolchain.SOURCE.exists():          # the source ships with the package; compare with it
+    if all(s.exists() for s in toolchain.SOURCES):   # the sources ship with the package; compare
         got, want = lib.condmem_source_digest().decode(), toolchain.source_digest()
         if got != want:
-            raise ValueError(f"built from another gather.c (digest {got}, source {want}): "
+            raise ValueError(f"built from other C sources (digest {got}, sources {want}): "
                              "rebuild with `pip install -e .`")
     return lib
 
@@ -207,3 +213,46 @@ def pread_rows(fd: int, offset: int, row_bytes: int, ids: torch.Tensor, out: tor
     if lib is None:
         return None
     return int(lib.condmem_pread_rows(fd, offset, row_bytes, ids.data_ptr(), ids.numel(), out.data_ptr(), threads))
+
+
+def hash_decode(history: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, *, lookup: torch.Tensor | None,
+                multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor | None, n_heads: int,
+                pad_id: int, valid: torch.Tensor | None = None,
+                blocked: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One decode step of the n-gram hash on the CPU (``hash.c``): the row ids int64
+    [B, L, (N-1)*H] of `ids` [B] (token ids, mapped through `lookup` when given), with
+    `history` (int64 [n_slots, N-1], contiguous) updated in place; the numbers of
+    `condmem.ops.hash.reference.hash_decode_reference`. None when the native code is
+    unavailable (nothing changed). Every tensor on the CPU."""
+    lib = _load()
+    if lib is None:
+        return None
+    if history.dtype != torch.int64 or history.dim() != 2 or not history.is_contiguous() or history.is_cuda:
+        raise ValueError("native hash needs a contiguous int64 [n_slots, N-1] history on the CPU")
+    n_layers, n = multipliers.shape
+    if n - 1 != history.shape[1] or n > 64:
+        raise ValueError(f"multipliers [L, N={n}] do not match a history of {history.shape[1]} look-backs (N <= 64)")
+    n_cols = (n - 1) * n_heads
+    if primes.shape != (n_layers, n_cols) or (offsets is not None and offsets.shape != primes.shape):
+        raise ValueError(f"primes and offsets must be [{n_layers}, {n_cols}], got {tuple(primes.shape)}")
+    batch = ids.numel()
+
+    def flat(t, dtype):            # no copy (and no torch op) when t already fits: a decode step is ~10 us of C
+        if t is None:
+            return None
+        if t.dtype == torch.bool and dtype == torch.uint8 and t.is_contiguous():
+            return t.view(torch.uint8)
+        return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+    per_row = [flat(slots, torch.int64), flat(ids, torch.int64), flat(valid, torch.uint8), flat(blocked, torch.uint8)]
+    if any(t is not None and t.numel() != batch for t in per_row):
+        raise ValueError(f"slots, valid and blocked must have the {batch} rows of ids")
+    args = [*per_row[:2], flat(lookup, torch.int64), *per_row[2:], flat(multipliers, torch.int64),
+            flat(primes, torch.int64), flat(offsets, torch.int64)]
+    out = torch.empty((batch, n_layers, n_cols), dtype=torch.int64)
+    if batch:
+        ptr = [None if a is None else a.data_ptr() for a in args]
+        lib.condmem_hash_decode(history.data_ptr(), history.shape[0], history.shape[1], ptr[0], ptr[1], ptr[2],
+                                0 if lookup is None else lookup.numel(), ptr[3], ptr[4], batch, ptr[5], ptr[6],
+                                ptr[7], n_layers, n_heads, pad_id, out.data_ptr())
+    return out

@@ -20,7 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("gather.c")
+SOURCES = (Path(__file__).with_name("gather.c"), Path(__file__).with_name("hash.c"))
+"""The C sources of the one library (row gathers and sends; the decode hash)."""
 MODULE = "condmem.native._gather"
 """The installed build's module name (a shared library loaded with ctypes, never imported)."""
 COMPILE_ARGS = ("-O3", "-fopenmp")
@@ -31,10 +32,13 @@ class BuildError(RuntimeError):
     """The development build could not be made (no compiler, or it failed)."""
 
 
-def source_digest(source: Path = SOURCE) -> str:
-    """sha256 prefix of the C source; compiled into the library (`condmem_source_digest`) so
-    the loader can refuse a build made from another version of the source."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+def source_digest(sources: tuple[Path, ...] = SOURCES) -> str:
+    """sha256 prefix of the C sources (names and bytes, in order); compiled into the library
+    (`condmem_source_digest`) so the loader can refuse a build made from other sources."""
+    h = hashlib.sha256()
+    for source in sources:
+        h.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def digest_define(digest: str) -> tuple[str, str]:
@@ -57,7 +61,7 @@ def compiler_identity(cc: str) -> str:
 
 
 def development_build(cache_dir: Path) -> Path:
-    """Compile `SOURCE` into ``cache_dir`` (once; later calls find the file) and return its path.
+    """Compile `SOURCES` into ``cache_dir`` (once; later calls find the file) and return its path.
 
     The file name is keyed by the source, the flags and `compiler_identity`, so a cache shared
     between machines or compilers never hands one a library built by another's compiler.
@@ -76,7 +80,7 @@ def development_build(cache_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / "gather.so"
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), *LINK_ARGS],
+        done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), *LINK_ARGS],
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise BuildError(f"{cc} failed: {done.stderr.strip()[:300]}")
