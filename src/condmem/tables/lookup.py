@@ -25,7 +25,8 @@ For one batch of row ids [T, n_cols] (one Engram layer):
    a slot being rewritten).
 
 Small batches (decode: up to ``direct_max_ids`` ids) skip all of it: one gather kernel
-reads the rows straight from the table (HBM or page-locked host), with no host sync.
+reads the rows straight from the table (HBM or page-locked host), with no host sync; so do
+batches of any size from an HBM table, where the plan saves nothing (no host traffic).
 
 On a GPU, steps 1-3's planning runs on fixed-size padded buffers with no host sync
 (`condmem.tables.lookup_plan`), replayed as CUDA graphs for the batch sizes given to
@@ -112,7 +113,9 @@ class LookupConfig:
     for the oldest one's CPU share. 3: lookup i+1 is planned while i-1 is still being sent."""
     direct_max_ids: int = 8192
     """Batches of at most this many ids (decode steps) read the table in place with one kernel,
-    with no dedup, cache or host sync (HBM or page-locked host tables). 0 disables."""
+    with no dedup, cache or host sync (HBM or page-locked host tables); so does every batch
+    from an HBM table (dedup and the CPU/GPU split save host traffic, and it has none).
+    0 disables the direct path."""
     staging_chunk_rows: int = STAGING_CHUNK_ROWS
     """Rows per pinned staging chunk of the CPU share (each chunk's DMA overlaps the next one's gather)."""
     graphs: bool = True
@@ -349,7 +352,7 @@ class LookupEngine:
                                             device=self.device), None, None, stats)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         row_ids.record_stream(self.stream)
-        if row_ids.numel() <= self.direct_max_ids and self.store.gpu_readable:
+        if self._direct(row_ids.numel()):
             return self._lookup_direct(row_ids, stats)
         # Back-pressure: at most max_in_flight lookups (and plan slots) in use.
         while sum(not b.expanded for b in self._in_flight) >= self.max_in_flight:
@@ -407,6 +410,13 @@ class LookupEngine:
             while self._in_flight:
                 self._admit(self._in_flight.popleft())
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _direct(self, n: int) -> bool:
+        """Whether a lookup of `n` ids takes the direct path: decode-sized batches from a table
+        the GPU reads in place, and batches of any size from an HBM table."""
+        if self.direct_max_ids == 0 or not self.store.gpu_readable:
+            return False
+        return n <= self.direct_max_ids or self.store.in_device_memory
 
     def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats) -> LookupHandle:
         """Small batches (decode): one gather kernel straight from the table (HBM or page-locked host).
@@ -471,7 +481,7 @@ class LookupEngine:
         if not self.graphs:
             return
         buckets = {plan_bucket(n) for n in sizes
-                   if n > 0 and not (n <= self.direct_max_ids and self.store.gpu_readable)}
+                   if n > 0 and not self._direct(n)}
         self._drop_plans([])                  # idle: nothing in flight, every stream run past
         self._warm |= buckets
         self._capture(sorted(buckets))
