@@ -161,6 +161,22 @@ def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
     store.close()
 
 
+@cuda_only
+def test_gpu_hbm_tables_take_the_direct_path_at_any_size_and_host_tables_do_not(table_files):
+    """Past `direct_max_ids`, an HBM table is still read by one gather kernel (no plan), a host
+    table takes the full path; rows exact either way."""
+    gen = torch.Generator().manual_seed(8)
+    for tier, direct in (("hbm", True), ("host", False)):
+        store, source = _place(table_files, "fp8_interleaved", tier)
+        engine = LookupEngine(store, "cuda", config=LookupConfig(direct_max_ids=64))
+        ids = torch.randint(0, store.num_rows, (50, 6), generator=gen)       # 300 ids > 64
+        handle = engine.lookup(ids.cuda())
+        assert torch.equal(handle.wait().cpu(), _expected(source, ids))
+        assert (handle.stats.unique == -1) == direct, tier
+        engine.close()
+        store.close()
+
+
 def test_split_by_density_gives_the_cpu_the_lone_rows():
     """The split is a partition of the misses; the CPU share takes lone rows before shared ones, both in id order."""
     from condmem.tables.lookup_plan import split_by_density
