@@ -14,10 +14,13 @@ def test_bench_e2e_smoke(tmp_path):
     rc = main(["bench", "e2e", "--smoke", "--out", str(tmp_path)])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "e2e.json").read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["none", "host_sync", "host_prefetch"]
+    assert [r["variant"] for r in rows] == ["none", "host_sync", "host_prefetch", "none_again"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    prefetch = rows[-1]
+    prefetch = rows[2]
     assert prefetch["same_tokens_as"] == "host_sync" and prefetch["tokens_equal"] is True
+    again = rows[-1]      # the drift control: the backbone alone once more, its ratio to the first run
+    assert again["table_gib"] == 0.0 and again["x_none"] == again["tokens_per_s"] / rows[0]["tokens_per_s"]
+    assert "tokens_equal" not in again
     assert (tmp_path / "e2e.png").exists()
 
 
@@ -72,7 +75,8 @@ def test_bench_e2e_smoke_measures_how_much_fetch_was_hidden(tmp_path):
                "--out", str(tmp_path)])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "e2e.json").read_text().splitlines()]
-    assert "prefill_fetch_hidden" not in rows[0]
+    assert [r["variant"] for r in rows] == ["none", "host_prefetch", "none_again"]
+    assert "prefill_fetch_hidden" not in rows[0] and "prefill_fetch_hidden" not in rows[2]
     assert rows[1]["prefill_fetch_hidden"] == 0.0 and rows[1]["prefill_fetches"] > 0
 
 
@@ -96,6 +100,6 @@ def test_bench_e2e_smoke_tensor_parallel_on_two_gloo_ranks(tmp_path):
         port = sock.getsockname()[1]
     spawn_ranks(_tp_worker, 2, str(tmp_path / "init"), str(tmp_path), port)
     rows = [json.loads(line) for line in (tmp_path / "e2e.json").read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["none", "host_sync", "host_prefetch"]
+    assert [r["variant"] for r in rows] == ["none", "host_sync", "host_prefetch", "none_again"]
     assert all(r["tp_world"] == 2 and r["tokens_per_s"] > 0 for r in rows)
-    assert rows[-1]["tokens_equal"] is True
+    assert rows[2]["tokens_equal"] is True
