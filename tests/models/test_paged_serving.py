@@ -146,3 +146,19 @@ def test_prefix_store_read_and_copy_go_through_a_shuffled_block_table():
     got_k, got_v = cache.prefix(0, 1, 7)
     assert torch.equal(got_k, k[0, :, :7]) and torch.equal(got_v, v[0, :, :7])
     assert torch.equal(cache.tokens[1, :7], torch.arange(7))
+
+
+def test_prefix_helpers_refuse_bad_slots_positions_and_shapes():
+    import pytest
+
+    model = _model()
+    cache = ServingCache(model, n_slots=2, max_len=24, block_size=4)
+    k = torch.zeros(1, 2, 5, 12)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache.store_prefix(0, torch.tensor([2]), k, k)
+    with pytest.raises(ValueError, match="must both be"):
+        cache.store_prefix(0, torch.tensor([0]), k, torch.zeros(1, 2, 6, 12))
+    with pytest.raises(ValueError, match="positions"):
+        cache.copy_prefix(0, 1, 25)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache.copy_prefix(0, -1, 4)

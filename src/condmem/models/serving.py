@@ -84,14 +84,22 @@ class ServingCache:
 
     def _blocks(self, slots, n: int) -> torch.Tensor:
         """Pool indices (long) of the blocks that hold positions 0..n-1 of `slots` (through the table)."""
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"{n} positions: the cache holds 0..{self.max_len}")
+        host = not (isinstance(slots, torch.Tensor) and slots.is_cuda)   # device slots: checked by the caller, no sync
+        bad = [s for s in torch.as_tensor(slots).reshape(-1).tolist() if not 0 <= s < self.n_slots] if host else []
+        if bad:
+            raise ValueError(f"slot(s) {bad} outside the cache's 0..{self.n_slots - 1}")
         return self.block_table[slots, : -(-n // self.block_size)].long()
 
     def store_prefix(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write dense keys and values k, v [B, n_kv_heads, W, head_dim] of layer `layer` into
         positions 0..W-1 of `slots` (long [B]); the rest of the last block written is zeros."""
         batch, n_kv, width, head_dim = k.shape
-        if width > self.max_len:
-            raise ValueError(f"{width} positions do not fit the cache's {self.max_len}")
+        n_kv_pool, head_dim_pool = self.k_pool[layer].shape[2:]
+        if v.shape != k.shape or (n_kv, head_dim) != (n_kv_pool, head_dim_pool) or slots.numel() != batch:
+            raise ValueError(f"k, v must both be [{slots.numel()}, {n_kv_pool}, W, {head_dim_pool}], "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
         ids = self._blocks(slots, width)
         pad = ids.shape[1] * self.block_size - width
         for pool, dense in ((self.k_pool[layer], k), (self.v_pool[layer], v)):
@@ -107,8 +115,6 @@ class ServingCache:
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Give slot `dst` the keys, values and token ids of slot `src`'s first `n` positions
         (a shared prompt prefix); lengths are left to the caller."""
-        if n > self.max_len:
-            raise ValueError(f"{n} positions do not fit the cache's {self.max_len}")
         src_ids, dst_ids = self._blocks(src, n), self._blocks(dst, n)
         for pool in (*self.k_pool, *self.v_pool):
             pool[dst_ids] = pool[src_ids]
