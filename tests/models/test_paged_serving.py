@@ -162,3 +162,7 @@ def test_prefix_helpers_refuse_bad_slots_positions_and_shapes():
         cache.copy_prefix(0, 1, 25)
     with pytest.raises(ValueError, match="outside the cache"):
         cache.copy_prefix(0, -1, 4)
+    for run in (lambda: prefill(model, cache, -1, torch.tensor([1, 2])),
+                lambda: prefill_packed(model, cache, [2], [torch.tensor([1, 2])])):
+        with pytest.raises(ValueError, match="slot -1 outside|slot 2 outside"):
+            run()

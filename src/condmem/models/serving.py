@@ -128,6 +128,13 @@ class ServingCache:
             if c is not None:
                 c[slot].zero_()
 
+    def check_free(self, slot: int) -> None:
+        """Raise unless `slot` (a host int) is one of the cache's and holds no live sequence."""
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} outside the cache's 0..{self.n_slots - 1}")
+        if self.host_lengths[slot] != 0:
+            raise ValueError(f"slot {slot} holds a live sequence; release it first")
+
     def check_room(self, slots) -> None:
         """Raise if a slot in `slots` (host ints) has no position left for one more token."""
         full = [s for s in slots if self.host_lengths[s] >= self.max_len]
@@ -144,8 +151,7 @@ class ServingCache:
 def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor, prepared=None,
             last_only: bool = False) -> torch.Tensor:
     """Run prompt `ids` [T] into `slot` (which must be empty); returns logits [T, vocab] ([1, vocab] with `last_only`)."""
-    if cache.host_lengths[slot] != 0:
-        raise ValueError(f"slot {slot} holds a live sequence; release it first")
+    cache.check_free(slot)
     if ids.numel() > cache.max_len:
         raise ValueError(f"a prompt of {ids.numel()} tokens does not fit the cache's {cache.max_len} positions")
     cache.release(slot)
@@ -181,8 +187,7 @@ def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], promp
     if len(slots) != len(prompts) or not prompts:
         raise ValueError(f"{len(slots)} slots for {len(prompts)} prompts")
     for slot, ids in zip(slots, prompts):
-        if cache.host_lengths[slot] != 0:
-            raise ValueError(f"slot {slot} holds a live sequence; release it first")
+        cache.check_free(slot)
         if ids.numel() > cache.max_len or ids.numel() == 0:
             raise ValueError(f"a prompt of {ids.numel()} tokens does not fit the cache's {cache.max_len} positions")
     if any(c is not None for c in cache.conv.values()):
@@ -450,8 +455,7 @@ def prefill_packed(model: DecoderLM, cache: ServingCache, slots: list[int], prom
     (`packed_ids` gives both).
     """
     for slot, ids in zip(slots, prompts):
-        if cache.host_lengths[slot] != 0:
-            raise ValueError(f"slot {slot} holds a live sequence; release it first")
+        cache.check_free(slot)
     return ragged_step(model, cache, slots, prompts, prepared=prepared, last_only=True)
 
 
