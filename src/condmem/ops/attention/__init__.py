@@ -3,7 +3,9 @@
 The cache of one layer is a pool of fixed-size blocks, ``[n_blocks, block_size, n_kv_heads,
 head_dim]``, and each sequence owns the blocks its block-table row lists (as serving engines
 keep it): position p of row b is block ``block_table[b, p // block_size]``, offset
-``p % block_size``. Lengths are device tensors and every launch has a fixed grid, so a decode
+``p % block_size``. The pool may be any strided view with unit stride in its last dimension
+(`ServingCache` stores each block heads-outer and passes a transposed view), since the
+kernels address it through its strides. Lengths are device tensors and every launch has a fixed grid, so a decode
 step is captured in a CUDA graph as is, and reads only the keys each sequence holds.
 
 Each function picks the Triton kernel (`condmem.ops.attention.triton`) for CUDA tensors and
