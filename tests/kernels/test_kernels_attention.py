@@ -200,3 +200,24 @@ def test_bf16_prefill_at_model_size(head_dim):
     want = paged_prefill_attention_ref(q, k, v, table, cu, st).float()
     assert_close("bf16 prefill", want, paged_prefill_attention(q, k, v, table, cu, st, max(chunks)).float(),
                  atol=2e-2, rtol=2e-2)
+
+
+def test_pools_of_different_layouts_or_strides_are_refused():
+    """Both pools are addressed with k_pool's strides: a v_pool laid out otherwise, or a last
+    dimension that is not contiguous, is refused by name, before any kernel runs."""
+    k, v, table = _paged_cache(2, 3, 4, 2, 8, "cpu", torch.float32)
+    q = torch.randn(2, 4, 8)
+    lengths = torch.tensor([3, 5])
+    heads_outer = v.transpose(1, 2).contiguous().transpose(1, 2)       # same shape, other strides
+    with pytest.raises(ValueError, match="same strides"):
+        paged_decode_attention(q, k, heads_outer, table, lengths)
+    with pytest.raises(ValueError, match="both be"):
+        paged_decode_attention(q, k, v[:, :2], table, lengths)
+    strided = torch.randn(*k.shape[:3], 16)[..., ::2]
+    with pytest.raises(ValueError, match="unit last stride"):
+        paged_decode_attention(q, strided, strided, table, lengths)
+    k_hnd = k.transpose(1, 2).contiguous().transpose(1, 2)
+    want = paged_decode_attention(q, k, v, table, lengths, backend="torch")
+    for backend in ("torch", "triton") if "cpu" in DEVICES else ("torch",):
+        assert_close(f"heads-outer pools ({backend})", want,
+                     paged_decode_attention(q, k_hnd, heads_outer, table, lengths, backend=backend), atol=1e-5)

@@ -25,6 +25,16 @@ from condmem.ops.attention import reference
 from condmem.ops.triton_util import resolve_backend
 
 
+def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, what: str) -> None:
+    """The kernels address both pools with k_pool's strides: same shape, same strides, unit last stride."""
+    if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"{what}: k_pool and v_pool must both be [n_blocks, block_size, KV, D], "
+                         f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    if k_pool.stride() != v_pool.stride() or k_pool.stride(-1) != 1:
+        raise ValueError(f"{what}: k_pool and v_pool need the same strides with a unit last stride, "
+                         f"got {k_pool.stride()} and {v_pool.stride()}")
+
+
 def _backend(backend: str | None, q: torch.Tensor, what: str) -> str:
     chosen = resolve_backend(backend, q.device, what)
     head_dim = q.shape[-1]
@@ -50,6 +60,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     Returns:
         [B, H, D] in q's dtype.
     """
+    _check_pools(k_pool, v_pool, "paged_decode_attention")
     if _backend(backend, q, "paged_decode_attention") == "torch":
         return reference.paged_decode_attention_ref(q, k_pool, v_pool, block_table, lengths, scale)
     from condmem.ops.attention import triton as kernels
@@ -74,6 +85,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     Returns:
         [N, H, D] in q's dtype; query j of chunk b attends to keys 0..starts[b]+j.
     """
+    _check_pools(k_pool, v_pool, "paged_prefill_attention")
     if _backend(backend, q, "paged_prefill_attention") == "torch":
         return reference.paged_prefill_attention_ref(q, k_pool, v_pool, block_table, cu_seqlens, starts, scale)
     from condmem.ops.attention import triton as kernels
@@ -98,6 +110,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     Returns:
         The rotated q [N, H, D] (fp32 maths, q's dtype), as `condmem.models.layers.apply_rotary`.
     """
+    _check_pools(k_pool, v_pool, "rope_store")
     if _backend(backend, q, "rope_store") == "torch":
         return reference.rope_store_ref(q, k, v, cos, sin, pos, slot_of, block_table, k_pool, v_pool, valid)
     from condmem.ops.attention import triton as kernels
