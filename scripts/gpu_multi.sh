@@ -4,7 +4,8 @@
 # the reference decoder served with its tables sharded (logits checked against one process),
 # and training with tables sharded over the GPUs: one global batch at 1 and N GPUs (losses
 # compared), one per-GPU batch at 1..N GPUs (tokens/s against linear), a run killed and resumed
-# against an uninterrupted one; then bench e2e at TP 1 and TP N in both row modes. Logs and JSON to $OUT.
+# against an uninterrupted one; then bench e2e at TP 1 and TP N in both row modes. Logs and JSON to
+# $OUT, and all of it in multi_gpu.{json,png} (benchmarks/multi_gpu_report.py).
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
@@ -51,31 +52,5 @@ for mode in head row; do
     > "$OUT/e2e_tp${N}_$mode.log" 2>&1
   tail -n 4 "$OUT/e2e_tp${N}_$mode.log"
 done
-python3 - "$OUT" "$N" <<'PY'
-import json, sys
-from pathlib import Path
-out, n = Path(sys.argv[1]), int(sys.argv[2])
-def load(name):
-    p = out / f"train_{name}" / "summary.json"
-    return json.loads(p.read_text()) if p.exists() else None
-a, b = load("same_batch_w1"), load(f"same_batch_w{n}")
-result = {"world": n}
-if a and b:
-    la, lb = [h["loss"] for h in a["history"]], [h["loss"] for h in b["history"]]
-    result["same_batch_max_rel_loss_diff"] = max(abs(x - y) / abs(x) for x, y in zip(la, lb))
-    print(f"same global batch, 1 vs {n} GPUs: max relative loss difference {result['same_batch_max_rel_loss_diff']:.2e}")
-base = load("per_gpu_w1")
-for w in (1, 2, 4, 8):
-    s = load(f"per_gpu_w{w}")
-    if s and base:
-        tps = s["summary"]["tokens_per_s"]
-        result[f"per_gpu_w{w}_tokens_per_s"] = tps
-        result[f"per_gpu_w{w}_x_linear"] = tps / (w * base["summary"]["tokens_per_s"])
-        print(f"{w} GPU(s), same batch per GPU: {tps:,.0f} tok/s, {result[f'per_gpu_w{w}_x_linear']:.3f} of linear")
-a, b = load("whole"), load("killed")
-if a and b:
-    la, lb = [h["loss"] for h in a["history"]], [h["loss"] for h in b["history"]]
-    result["kill_resume_losses_equal"] = la[-len(lb):] == lb if lb else False
-    print(f"killed at step 10 and resumed: losses equal to the uninterrupted run: {result['kill_resume_losses_equal']}")
-(out / "multi_gpu_train.json").write_text(json.dumps(result, indent=1) + "\n")
-PY
+# Everything above in one JSON and one PNG ($OUT/multi_gpu.{json,png}), a short table last.
+python3 benchmarks/multi_gpu_report.py "$OUT" "$N"
