@@ -167,11 +167,9 @@ def attention_rows(bw: float, backbone: str = "4b", batch: int = 128, block_size
             return attn_triton.paged_decode_attention(q, k, v, t, lengths, None, sp, block_n=bn, num_warps=w,
                                                       num_stages=st)
         try:
-            first = fn(*sets[layout][0]).clone()
-            err = float((first.float() - want).norm() / want.norm())
+            err = float((fn(*sets[layout][0]).float() - want).norm() / want.norm())
             assert err < 2e-2, err
             ms = graph_replay_ms(fn, sets[layout])
-            assert all(torch.equal(fn(*sets[layout][0]), first) for _ in range(5)), "not repeatable"
         except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses
             rows.append({"kernel": "decode attention", "variant": variant, "error": str(exc)[:200]})
             continue

@@ -82,6 +82,7 @@ VARIANTS = ("none", "hbm", "host_sync", "host_prefetch", "host_eager", "disk_pre
 NONE_AGAIN = "none_again"
 """The backbone alone, served again after every other variant: its ``x_none`` is the run's drift
 (clocks, temperature, allocator), the scale below which the other variants' differences are noise."""
+NO_ENGRAM = ("none", NONE_AGAIN)
 DEFAULT_VARIANTS = ("none", "hbm", "host_sync", "host_prefetch")
 """`disk_prefetch` reads the table from a file (O_DIRECT, a DRAM row cache in front); the GPU cannot
 read it in place, so its decode runs kernel by kernel with a lookup per step, as `host_eager`
@@ -457,7 +458,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
         variants.append(NONE_AGAIN)      # the drift control: the backbone alone once more, last
     for variant in variants:
         memory = None
-        if variant in ("none", NONE_AGAIN):
+        if variant in NO_ENGRAM:
             server = Server(twin, args.batch, max_len, None, "prefetch", args.prefill_tokens)
         else:
             stores = dict(host_stores)
@@ -468,7 +469,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             memory = memory_for(stores)
             server = Server(model, args.batch, max_len, memory, "sync" if variant == "host_sync" else "prefetch",
                             args.prefill_tokens, args.fetch_programs, graphs=variant != "host_eager")
-        served = twin if variant in ("none", NONE_AGAIN) else model
+        served = twin if variant in NO_ENGRAM else model
         kv_per_token = server.cache.live_kv_bytes([1])
         bounds[variant] = {"decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
                            "step_weight_bytes": step_weight_bytes(served),
@@ -502,9 +503,9 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     for variant, r in results.items():
         row = {"bench": "e2e", "backbone": backbone, "variant": variant, "engram_layers": list(layer_ids),
                "backbone_params": counts["backbone"],
-               "table_gib": table_gib if variant not in ("none", NONE_AGAIN) else 0.0,
-               "table_tier": {"none": "-", NONE_AGAIN: "-", "hbm": "hbm", "disk_prefetch": "disk"}.get(variant, "host"),
-               "decode_graphs": (variant in ("none", NONE_AGAIN, "hbm", "host_sync", "host_prefetch")
+               "table_gib": table_gib if variant not in NO_ENGRAM else 0.0,
+               "table_tier": "-" if variant in NO_ENGRAM else {"hbm": "hbm", "disk_prefetch": "disk"}.get(variant, "host"),
+               "decode_graphs": (variant in (*NO_ENGRAM, "hbm", "host_sync", "host_prefetch")
                                  and args.device == "cuda"),
                "sequences": args.sequences, "batch": args.batch, "gen": args.gen,
                "prefill_tokens": args.prefill_tokens,
@@ -528,7 +529,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             row["drop_vs_none"] = 1 - row["x_none"]
             row["paper_drop"] = PAPER_DROP.get(backbone)
         # Every Engram variant must generate exactly the same tokens (same rows, same kernels).
-        if variant not in ("none", NONE_AGAIN) and reference is not None and variant != reference:
+        if variant not in NO_ENGRAM and reference is not None and variant != reference:
             row["same_tokens_as"] = reference
             row["tokens_equal"] = bool(torch.equal(r["tokens"], results[reference]["tokens"]))
         rows.append(row)

@@ -42,7 +42,7 @@ class ServingCache:
     view of it): one head's keys of a block are contiguous, which the decode kernel reads
     ~7% faster than a position's heads together (`benchmarks/kernel_sweep.py`).
     `store_prefix`, `prefix` and `copy_prefix` write, read and share a slot's first
-    positions through the table.
+    positions through the table; `adopt` takes over a prompt's state from a model forward.
 
     ``host_lengths`` mirrors each slot's length on the host (kept by `prefill`,
     `release` and the decoders), so schedulers can check capacity without a device sync.
@@ -112,6 +112,21 @@ class ServingCache:
         return tuple(pool[ids].reshape(-1, *pool.shape[2:])[:n].transpose(0, 1)
                      for pool in (self.k_pool[layer], self.v_pool[layer]))
 
+    def adopt(self, slots: list[int], temp, lengths: list[int]) -> None:
+        """Take over what a model forward left in `temp` (an `InferenceCache` whose row j holds
+        slot ``slots[j]``'s prompt from position 0): every layer's keys and values, the token
+        ids and the ShortConv state; slot ``slots[j]`` then holds ``lengths[j]`` tokens."""
+        index = torch.tensor(slots, dtype=torch.long).to(self.tokens.device)
+        for i, kv in enumerate(temp.kv):
+            self.store_prefix(i, index, kv.k, kv.v)
+        self.tokens[index, : temp.tokens.shape[1]] = temp.tokens
+        for lid, c in self.conv.items():
+            if c is not None:
+                c[index] = temp.conv[lid]
+        self.lengths[index] = torch.tensor(lengths).to(self.lengths)
+        for slot, n in zip(slots, lengths):
+            self.host_lengths[slot] = n
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Give slot `dst` the keys, values and token ids of slot `src`'s first `n` positions
         (a shared prompt prefix); lengths are left to the caller."""
@@ -154,18 +169,9 @@ def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor,
     cache.check_free(slot)
     if ids.numel() > cache.max_len:
         raise ValueError(f"a prompt of {ids.numel()} tokens does not fit the cache's {cache.max_len} positions")
-    cache.release(slot)
     temp = model.new_cache(1, ids.numel())
     logits = model(ids[None].to(cache.tokens.device), cache=temp, prepared=prepared, last_only=last_only)[0]
-    index = torch.tensor([slot], device=cache.tokens.device)
-    for i, kv in enumerate(temp.kv):
-        cache.store_prefix(i, index, kv.k, kv.v)
-    cache.tokens[slot, :ids.numel()] = temp.tokens[0]
-    for lid, c in cache.conv.items():
-        if c is not None:
-            c[slot].copy_(temp.conv[lid][0])
-    cache.lengths[slot] = ids.numel()
-    cache.host_lengths[slot] = ids.numel()
+    cache.adopt([slot], temp, [ids.numel()])
     return logits
 
 
@@ -196,17 +202,9 @@ def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], promp
         return torch.cat([prefill(model, cache, s, p, prepared=prepared, last_only=True) for s, p in zip(slots, prompts)])
     device = cache.tokens.device
     ids, lengths = padded_ids(prompts, pad_to, cache.max_len)
-    batch, width = ids.shape
-    temp = model.new_cache(batch, width)
-    lengths_dev = lengths.to(device)
-    logits = model(ids.to(device), cache=temp, prepared=prepared, logits_at=lengths_dev - 1)[:, 0]
-    index = torch.tensor(slots, dtype=torch.long).to(device)
-    for i, kv in enumerate(temp.kv):
-        cache.store_prefix(i, index, kv.k, kv.v)
-    cache.tokens[index, :width] = temp.tokens
-    cache.lengths[index] = lengths_dev
-    for slot, ids_row in zip(slots, prompts):
-        cache.host_lengths[slot] = ids_row.numel()
+    temp = model.new_cache(*ids.shape)
+    logits = model(ids.to(device), cache=temp, prepared=prepared, logits_at=lengths.to(device) - 1)[:, 0]
+    cache.adopt(slots, temp, lengths.tolist())
     return logits
 
 
