@@ -1,5 +1,5 @@
-"""Builds condmem's native CPU code (src/condmem/native/gather.c, hash.c) as the extension
-`condmem.native._gather`; the package metadata is in pyproject.toml.
+"""Builds condmem's native CPU code (src/condmem/native/gather.c, hash.c, row_server.c) as the
+extension `condmem.native._gather`; the package metadata is in pyproject.toml.
 
 The library is loaded with ctypes (it has no Python module init), with the flags of
 `condmem/native/toolchain.py`, shared with the loader's development build. The extension is

@@ -13,7 +13,12 @@ timed over ``--steps`` replays (CUDA events, median):
 * ``host_no_wait``: the fetch launched but never waited for (rows read unfinished: wrong
   numbers, right timing). The negative control that separates the two costs: if it is as
   slow as ``host``, the fetch slows the blocks running beside it; if it is as fast as
-  ``hbm``, the step waits for the fetch.
+  ``hbm``, the step waits for the fetch;
+* ``staged_T`` (``--staged-threads``): rows gathered by T host threads and sent by DMA
+  (`GraphedDecoder(fetch="staged")`), the handshake by stream memory operations;
+  ``staged_kernel_T`` the same handshake by one-program kernels (a spinning load);
+  ``staged_no_wait``: the staged fetch never waited for (its negative control).
+  Each prints the host threads' time per step (request seen -> rows staged).
 
 Also the fetch alone (one layer's rows for the whole batch, graph-replayed over fresh ids)
 from HBM and from host memory, and the time of the blocks before the Engram layer.
@@ -62,6 +67,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--programs", type=int, nargs="*", default=[16, 64])
+    p.add_argument("--staged-threads", type=int, nargs="*", default=[2, 4, 8])
     args = p.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -90,6 +96,16 @@ def main() -> None:
         graphs[f"host_programs_{n}"] = GraphedDecoder(model, cache, memory=memories["host"], fetch_programs=n)
     graphs["host_before_step"] = GraphedDecoder(model, cache, memory=memories["host"], wait="before_step")
     graphs["host_no_wait"] = GraphedDecoder(model, cache, memory=memories["host"], _late_join=True)
+    for t in args.staged_threads:
+        graphs[f"staged_{t}"] = GraphedDecoder(model, cache, memory=memories["host"], fetch="staged", fetch_threads=t)
+    if args.staged_threads:
+        t = args.staged_threads[len(args.staged_threads) // 2]
+        for name, kw in ((f"staged_kernel_{t}", dict(_signals="kernel")), ("staged_no_wait", dict(_late_join=True))):
+            try:
+                graphs[name] = GraphedDecoder(model, cache, memory=memories["host"], fetch="staged",
+                                              fetch_threads=t, **kw)
+            except Exception as exc:     # report a handshake that cannot be built, time the others
+                print(f"{name}: {type(exc).__name__}: {exc}")
 
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(args.rounds):
@@ -109,7 +125,11 @@ def main() -> None:
 
     # The blocks before the Engram layer: the share of a step the fetch can hide behind.
     per_block_ms = statistics.median(times["none"]) / model.cfg.n_layers
+    staged_host = {name: g.fetch_stats() for name, g in graphs.items() if g.fetch_stats() is not None}
+    for graph in graphs.values():
+        graph.close()
     result = {"bench": "decode_fetch_overlap", "backbone": args.backbone, "batch": args.batch,
+              "staged_host": staged_host,
               "table_gib": args.table_gib, "engram_layer": lid, "mean_len": float(lengths.float().mean()),
               "step_ms": {k: statistics.median(v) for k, v in times.items()},
               "step_ms_rounds": times, "fetch_alone_ms": fetch, "rows_per_step": args.batch * out.shape[2],
@@ -119,9 +139,10 @@ def main() -> None:
     base = result["step_ms"]["hbm"]
     print(f"fetch alone: hbm {fetch['hbm']:.4f} ms, host {fetch['host']:.4f} ms ({result['rows_per_step']} rows); "
           f"blocks before the Engram layer ~{result['blocks_before_layer_ms']:.3f} ms")
-    print(f"{'variant':20s} {'step ms':>8s} {'x hbm':>7s}  rounds")
+    print(f"{'variant':20s} {'step ms':>8s} {'x hbm':>7s} {'host us':>8s}  rounds")
     for name, ms in result["step_ms"].items():
-        print(f"{name:20s} {ms:8.4f} {base / ms:7.4f}  " + " ".join(f"{t:.4f}" for t in times[name]))
+        host_us = f"{staged_host[name]['mean_us']:8.1f}" if name in staged_host else f"{'':8s}"
+        print(f"{name:20s} {ms:8.4f} {base / ms:7.4f} {host_us}  " + " ".join(f"{t:.4f}" for t in times[name]))
 
 
 if __name__ == "__main__":

@@ -112,3 +112,61 @@ def test_graph_refuses_a_meta_model_without_memory():
             block.engram.table.weight = torch.nn.Parameter(torch.empty_like(block.engram.table.weight, device="meta"))
     with pytest.raises(ValueError, match="meta"):
         GraphedDecoder(model, ServingCache(model, n_slots=2, max_len=16))
+
+
+@pytest.mark.parametrize("wait", ["at_layer", "before_step"])
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("signals", ["memops", "kernel"])
+def test_graph_staged_fetch_is_exact(wait, threads, signals):
+    """Rows gathered by host threads and sent by DMA (fetch="staged") give logits equal to the
+    model's own tables, step after step, with slots joining and leaving."""
+    model, tables = tiny_engram_lm("cuda")
+    memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
+    with torch.no_grad():
+        plain = _run(model, graphed=True, steps=64)
+        graph_kw = dict(fetch="staged", fetch_threads=threads, wait=wait, _signals=signals)
+        served = _run(model, memory=memory, graphed=True, steps=64, **graph_kw)
+    for i, (a, b) in enumerate(zip(plain, served)):
+        assert torch.equal(a, b), f"step {i}"
+    memory.close()
+
+
+def test_graph_staged_fetch_negative_control_rows_read_without_waiting_are_wrong():
+    """A slowed staged fetch is exact with the wait, and wrong when the Engram layer skips it."""
+    model, tables = tiny_engram_lm("cuda")
+    delay = 50_000_000
+    with torch.no_grad():
+        plain = _run(model, graphed=True, steps=6)
+        memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
+        waited = _run(model, memory=memory, graphed=True, steps=6, fetch="staged", _side_delay_cycles=delay)
+        memory.close()
+        memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
+        raced = _run(model, memory=memory, graphed=True, steps=6, fetch="staged", _side_delay_cycles=delay,
+                     _late_join=True)
+        memory.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, waited))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, raced)), "rows read without the wait were still right"
+
+
+def test_graph_staged_fetch_stats_close_and_refusals():
+    model, tables = tiny_engram_lm("cuda")
+    memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=2)
+    cache = ServingCache(model, n_slots=2, max_len=32)
+    with pytest.raises(ValueError, match="fetch must be one of"):
+        GraphedDecoder(model, cache, memory=memory, fetch="dma")
+    with torch.no_grad():
+        slot = memory.allocate()
+        prefill(model, cache, slot, torch.arange(5, device="cuda"), prepared=memory.prepare(
+            torch.arange(5)[None], slots=torch.tensor([slot])))
+        with GraphedDecoder(model, cache, memory=memory, fetch="staged", fetch_threads=2) as graph:
+            for _ in range(5):
+                graph.step([slot], torch.tensor([3], device="cuda"))
+            torch.cuda.synchronize()
+            stats = graph.fetch_stats()
+        assert stats["steps"] >= 5 and stats["bad_ids"] == 0 and stats["threads"] == 2
+        with pytest.raises(RuntimeError, match="stopped"):
+            graph.step([slot], torch.tensor([3], device="cuda"))
+    hbm = EngramMemory.from_weights(model.hasher, tables, "hbm", "cuda", max_sequences=2)
+    with pytest.raises(ValueError, match="cannot be staged by the CPU"):
+        GraphedDecoder(model, ServingCache(model, n_slots=2, max_len=32), memory=hbm, fetch="staged")
+    memory.close(), hbm.close()

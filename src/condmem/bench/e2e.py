@@ -21,6 +21,10 @@ Variants, same backbone weights (the no-Engram model shares every backbone modul
   by the Engram layer only (decode: inside the graph, on a side branch); prompt batches
   are hashed and fetched one batch ahead (a scheduler knows its queue), the misses
   gathered by CPU threads and sent by DMA, so the fetch takes no SMs from the forward;
+* ``host_staged``: as ``host_prefetch``, but each decode step's rows are gathered by host
+  threads into a small pinned buffer and sent by DMA (`GraphedDecoder(fetch="staged")`):
+  the GPU makes no random reads of the host table, whose translation misses slow the blocks
+  running beside a zero-copy fetch;
 * ``host_eager`` (opt-in): as ``host_prefetch``, decode steps launched kernel by kernel
   with a lookup per step (no CUDA graph): the baseline of the disk tier's decode;
 * ``disk_prefetch`` (opt-in): the tables copied to a file (``--disk-dir``) and read with
@@ -78,12 +82,12 @@ BACKBONES = {
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
     "tiny": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384),
 }
-VARIANTS = ("none", "hbm", "host_sync", "host_prefetch", "host_eager", "disk_prefetch")
+VARIANTS = ("none", "hbm", "host_sync", "host_prefetch", "host_staged", "host_eager", "disk_prefetch")
 NONE_AGAIN = "none_again"
 """The backbone alone, served again after every other variant: its ``x_none`` is the run's drift
 (clocks, temperature, allocator), the scale below which the other variants' differences are noise."""
 NO_ENGRAM = ("none", NONE_AGAIN)
-DEFAULT_VARIANTS = ("none", "hbm", "host_sync", "host_prefetch")
+DEFAULT_VARIANTS = ("none", "hbm", "host_sync", "host_prefetch", "host_staged")
 """`disk_prefetch` reads the table from a file (O_DIRECT, a DRAM row cache in front); the GPU cannot
 read it in place, so its decode runs kernel by kernel with a lookup per step, as `host_eager`
 does from host memory: the matched comparison."""
@@ -175,7 +179,8 @@ class Server:
     """
 
     def __init__(self, model: DecoderLM, batch: int, max_len: int, memory: EngramMemory | None, mode: str,
-                 prefill_tokens: int = 8192, fetch_programs: int | None = None, graphs: bool = True):
+                 prefill_tokens: int = 8192, fetch_programs: int | None = None, graphs: bool = True,
+                 fetch: str = "zero_copy", fetch_threads: int = 4):
         self.model, self.memory, self.mode = model, memory, mode
         self.fetch_log: list = []    # `FetchTiming` of every prompt batch's layers (`--measure-fetch`)
         self.prefill_tokens = prefill_tokens
@@ -187,7 +192,8 @@ class Server:
             from condmem.models.graphs import GraphedDecoder
 
             wait = "before_step" if mode == "sync" else "at_layer"
-            self.graph = GraphedDecoder(model, self.cache, memory=memory, wait=wait, fetch_programs=fetch_programs)
+            self.graph = GraphedDecoder(model, self.cache, memory=memory, wait=wait, fetch_programs=fetch_programs,
+                                        fetch=fetch, fetch_threads=fetch_threads)
 
     def _prepare(self, group: list[torch.Tensor], slots: list[int]):
         ids, cu = packed_ids(group)
@@ -453,7 +459,8 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
 
     results: dict[str, dict] = {}
     bounds: dict[str, dict] = {}
-    variants = [v for v in args.e2e_variants if v != "hbm" or device.type == "cuda"]
+    # HBM tables and the staged decode fetch (a CUDA-graph path) need a GPU.
+    variants = [v for v in args.e2e_variants if v not in ("hbm", "host_staged") or device.type == "cuda"]
     if "none" in variants and len(variants) > 1:
         variants.append(NONE_AGAIN)      # the drift control: the backbone alone once more, last
     for variant in variants:
@@ -468,7 +475,9 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
                 stores = {lid: disk_copy(s, args.disk_dir, args.dram_cache_gib) for lid, s in host_stores.items()}
             memory = memory_for(stores)
             server = Server(model, args.batch, max_len, memory, "sync" if variant == "host_sync" else "prefetch",
-                            args.prefill_tokens, args.fetch_programs, graphs=variant != "host_eager")
+                            args.prefill_tokens, args.fetch_programs, graphs=variant != "host_eager",
+                            fetch="staged" if variant == "host_staged" else "zero_copy",
+                            fetch_threads=args.staged_threads)
         served = twin if variant in NO_ENGRAM else model
         kv_per_token = server.cache.live_kv_bytes([1])
         bounds[variant] = {"decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
@@ -485,9 +494,17 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
         if args.profile:
             profile(server, prompts[: args.batch], args.batch, min(args.gen, 8),
                     Path(args.out) / f"profile_{backbone}_{variant}.txt")
+        if server.graph is not None and server.graph.fetch_stats() is not None:
+            stats = server.graph.fetch_stats()
+            best["staged_host_us"] = stats["mean_us"]
+            best["staged_host_max_us"] = stats["max_us"]
+            log.info("%s / %s: host threads staged %d steps' rows, %.0f us a step (max %.0f), %d threads",
+                     backbone, variant, stats["steps"], stats["mean_us"], stats["max_us"], stats["threads"])
         results[variant] = best
         log.info("%s / %s: %.0f tok/s (prefill %.0f, decode %.0f)", backbone, variant, best["tokens_per_s"],
                  best["prefill_tokens_per_s"], best["decode_tokens_per_s"])
+        if server.graph is not None:
+            server.graph.close()                            # a staged fetch's host threads
         if server.memory is not None:
             for engine in server.memory.engines.values():   # not memory.close(): the host tables are reused
                 engine.close()
@@ -499,13 +516,14 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             torch.cuda.empty_cache()
 
     rows = []
-    reference = next((v for v in ("hbm", "host_sync", "host_prefetch", "host_eager") if v in results), None)
+    reference = next((v for v in ("hbm", "host_sync", "host_prefetch", "host_staged", "host_eager") if v in results),
+                     None)
     for variant, r in results.items():
         row = {"bench": "e2e", "backbone": backbone, "variant": variant, "engram_layers": list(layer_ids),
                "backbone_params": counts["backbone"],
                "table_gib": table_gib if variant not in NO_ENGRAM else 0.0,
                "table_tier": "-" if variant in NO_ENGRAM else {"hbm": "hbm", "disk_prefetch": "disk"}.get(variant, "host"),
-               "decode_graphs": (variant in (*NO_ENGRAM, "hbm", "host_sync", "host_prefetch")
+               "decode_graphs": (variant in (*NO_ENGRAM, "hbm", "host_sync", "host_prefetch", "host_staged")
                                  and args.device == "cuda"),
                "sequences": args.sequences, "batch": args.batch, "gen": args.gen,
                "prefill_tokens": args.prefill_tokens,
@@ -564,7 +582,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         return None
     backbones = list(dict.fromkeys(r["backbone"] for r in rows))
     colors = {"none": "#999999", NONE_AGAIN: "#cccccc", "hbm": "#4477aa", "host_sync": "#cc6677",
-              "host_prefetch": "#228833"}
+              "host_prefetch": "#228833", "host_staged": "#117733"}
     fig, axes = plt.subplots(1, len(backbones), figsize=(5 * len(backbones), 4), squeeze=False)
     for ax, bb in zip(axes[0], backbones):
         sel = [r for r in rows if r["backbone"] == bb]
@@ -663,6 +681,8 @@ def add_arguments(p) -> None:
                         "rows (row)")
     p.add_argument("--fetch-programs", type=int, default=None,
                    help="cap on the decode graph's fetch kernel grid (default: uncapped)")
+    p.add_argument("--staged-threads", type=int, default=4,
+                   help="host threads gathering each decode step's rows in host_staged")
     p.add_argument("--lookup-threads", type=int, default=8,
                    help="CPU threads gathering host rows for prompts (the rest launch the forward)")
     p.add_argument("--prompt-min", type=int, default=100, help="shortest prompt (tokens)")

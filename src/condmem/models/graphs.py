@@ -18,8 +18,13 @@ Engram layer's rows into static buffers; the Engram layer waits for that branch 
 baseline that shows what prefetching saves. Without a memory the graph hashes each
 slot's history window and reads the model's own tables.
 
-Stores the GPU cannot read in place (disk) are not supported here: serve those with
-eager `decode_step` and `EngramMemory.prepare_decode` (the lookup needs the host).
+``fetch="staged"`` has host threads gather the rows instead (`condmem.models.staged_fetch`):
+the side branch copies the row ids to the host, waits on a host flag (a stream wait, no
+kernel) and copies the staged rows in by DMA, so the GPU makes no random reads of a large
+host table, whose translation misses slow the blocks beside them. It also serves stores the
+GPU cannot read but the CPU can (a memory-mapped file). Other stores (disk read with
+``O_DIRECT``) are not supported here: serve those with eager `decode_step` and
+`EngramMemory.prepare_decode` (the lookup needs the host).
 
 Tensor-parallel (a backbone from `condmem.distributed.shard_backbone`, a memory built with
 ``process_group=``): the side branch gathers this rank's columns only, and each Engram layer
@@ -32,10 +37,12 @@ from __future__ import annotations
 import torch
 
 from condmem.models.serving import ServingCache, decode_step
+from condmem.models.staged_fetch import DEFAULT_THREADS, StagedRows
 from condmem.utils.graph_capture import capture
 from condmem.models.transformer import DecoderLM
 
 WAIT_MODES = ("at_layer", "before_step")
+FETCH_MODES = ("zero_copy", "staged")
 
 
 class _GraphRows:
@@ -105,6 +112,10 @@ class GraphedDecoder:
             (synchronous fetch, for comparison).
         fetch_programs: cap on the fetch kernel's grid (None: as many as it can use); a
             small grid leaves SMs to the blocks that run beside the fetch.
+        fetch: how a memory's rows reach the graph: ``"zero_copy"`` (the GPU reads the tables
+            in place) or ``"staged"`` (host threads gather them, one DMA per layer; call
+            `close()` when done, which stops the threads).
+        fetch_threads: host threads of a staged fetch.
 
     Example:
         >>> graph = GraphedDecoder(model, cache, memory=memory)
@@ -112,17 +123,19 @@ class GraphedDecoder:
     """
 
     def __init__(self, model: DecoderLM, cache: ServingCache, *, memory=None, wait: str = "at_layer",
-                 fetch_programs: int | None = None, warmup: int = 3, _side_delay_cycles: int = 0,
-                 _late_join: bool = False):
+                 fetch_programs: int | None = None, fetch: str = "zero_copy", fetch_threads: int = DEFAULT_THREADS,
+                 warmup: int = 3, _side_delay_cycles: int = 0, _late_join: bool = False, _signals: str = "memops"):
         if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")
         if wait not in WAIT_MODES:
             raise ValueError(f"wait must be one of {WAIT_MODES}, got {wait!r}")
         if memory is not None and model.cfg.engram is None:
             raise ValueError("a memory was given but the model has no Engram layers")
+        if fetch not in FETCH_MODES:
+            raise ValueError(f"fetch must be one of {FETCH_MODES}, got {fetch!r}")
         if memory is not None:
             unreadable = [lid for lid, s in memory.stores.items() if not s.gpu_readable]
-            if unreadable:
+            if unreadable and fetch == "zero_copy":
                 raise ValueError(f"Engram layer(s) {unreadable} live in a tier the GPU cannot read in place "
                                  "(disk?): serve them with eager decode_step + memory.prepare_decode")
             if any(sr.sequence_parallel for sr in (memory.sharded or {}).values()):
@@ -144,15 +157,25 @@ class GraphedDecoder:
         self._delay = _side_delay_cycles
         self._late_join = _late_join       # tests only: the Engram layer reads rows without waiting
         join = "none" if _late_join else wait
-        self.fetch = _GraphRows(memory, n, device, join, fetch_programs) if memory is not None else None
+        self.fetch = None
+        if memory is not None:
+            self.fetch = (StagedRows(memory, n, device, join, fetch_threads, _signals) if fetch == "staged"
+                          else _GraphRows(memory, n, device, join, fetch_programs))
+        try:
+            self._capture(device, warmup)
+        except BaseException:
+            self.close()         # a staged fetch's threads must not outlive a decoder that failed
+            raise
+
+    def _capture(self, device, warmup: int) -> None:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(warmup):  # compiles kernels and caches constants outside the capture
                 self._body()
         torch.cuda.current_stream(device).wait_stream(side)
-        if memory is not None:
-            memory.flush()   # a lookup thread's sync would spoil the capture: none may run meanwhile
+        if self.memory is not None:
+            self.memory.flush()   # a lookup thread's sync would spoil the capture: none may run meanwhile
         self.graph = torch.cuda.CUDAGraph()
         with capture(self.graph):
             self.logits = self._body()
@@ -181,8 +204,27 @@ class GraphedDecoder:
             self._index = torch.tensor(slots, dtype=torch.long).to(self.ids.device)
             self.valid.zero_()
             self.valid[self._index] = True
+        if isinstance(self.fetch, StagedRows):
+            self.fetch.check()          # the host threads run, and no step asked for ids outside a table
         index = self._index
         self.ids[index] = ids.to(self.ids.device)
         self.graph.replay()
         self.cache.advance(slots)
         return self.logits[index]
+
+    def fetch_stats(self) -> dict | None:
+        """A staged fetch's host side: steps served, ids outside a table, host time per step
+        (``mean_us``, ``max_us``: request seen -> last layer staged); None for other fetches."""
+        return self.fetch.stats() if isinstance(self.fetch, StagedRows) else None
+
+    def close(self) -> None:
+        """Stop a staged fetch's host threads (after the GPU took every step's rows); the
+        decoder cannot step after it. Nothing to do for other fetches."""
+        if isinstance(self.fetch, StagedRows):
+            self.fetch.close()
+
+    def __enter__(self) -> GraphedDecoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

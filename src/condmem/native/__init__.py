@@ -1,6 +1,7 @@
-"""condmem's native CPU code (``gather.c``, ``hash.c``): the prefetching row gather, the staged
-send, O_DIRECT row reads and the decode-step n-gram hash, called through ctypes (which
-releases the GIL during each call).
+"""condmem's native CPU code (``gather.c``, ``hash.c``, ``row_server.c``): the prefetching row
+gather, the staged send, O_DIRECT row reads, the decode-step n-gram hash and the decode row
+server's threads (`condmem.native.row_server`), called through ctypes (which releases the GIL
+during each call).
 
 `available()` says whether it is loaded; `gather_path()` names the CPU gather that runs.
 Without it CPU gathers fall back to ``torch.index_select`` and staged sends to a Python
@@ -89,6 +90,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, ptr, i64, ptr, ptr, i64,             # ids, lookup, vocab, valid, blocked, batch
         ptr, ptr, ptr, i64, i64, i64, ptr]        # multipliers, primes, offsets, n_layers, n_heads, pad_id, out
     lib.condmem_hash_decode.restype = None
+    lib.condmem_row_server_size.argtypes, lib.condmem_row_server_size.restype = [], i64
+    lib.condmem_row_server_start.argtypes, lib.condmem_row_server_start.restype = [ptr], ctypes.c_int
+    lib.condmem_row_server_stop.argtypes, lib.condmem_row_server_stop.restype = [ptr], None
     return lib
 
 

@@ -20,8 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = (Path(__file__).with_name("gather.c"), Path(__file__).with_name("hash.c"))
-"""The C sources of the one library (row gathers and sends; the decode hash)."""
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gather.c", "hash.c", "row_server.c"))
+"""The C sources of the one library (row gathers and sends; the decode hash; the decode row server)."""
 MODULE = "condmem.native._gather"
 """The installed build's module name (a shared library loaded with ctypes, never imported)."""
 COMPILE_ARGS = ("-O3", "-fopenmp")

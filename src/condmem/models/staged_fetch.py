@@ -1,0 +1,173 @@
+"""The decode graph's Engram rows staged by CPU threads (`GraphedDecoder(fetch="staged")`).
+
+The zero-copy fetch has the GPU read the host table in place: at tens of GiB its reads are
+bound by address translation, and they slow the blocks running beside them
+(``benchmarks/results/host_translation_probe_h200.log``). Here the graph's side branch asks
+the host instead::
+
+    main stream:  hash ──► embed ─► block 0 ───────────────────────────► [wait l] ─► Engram l ...
+    side stream:      └─► ids -> host, request=1 ─► wait done[l]=1 ─► rows -> device (DMA) ─┘
+    host threads:                      gather layer l's rows into pinned staging, done[l]=1
+
+The waits and flag writes are the driver's stream memory operations on page-locked host
+words (`condmem.native.cudart.stream_memops`): no kernel spins, no SM is held, and the only
+GPU reads of host memory are two small DMAs (the ids out, ~24 KB; the rows in, ~0.8 MB at
+128 slots) from buffers of a few pages. The host side is `condmem.native.row_server`.
+
+Any store whose raw rows the CPU can read works (page-locked, or memory-mapped from a file:
+the CPU takes the page faults). Layers are served in order, each with its own flag, so the
+first Engram layer waits only for its own rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from condmem.native.cudart import stream_memops
+from condmem.native.row_server import RowServer, RowServerError
+from condmem.tables.lookup import _rows_from_raw
+
+DEFAULT_THREADS = 4
+SIGNALS = ("memops", "kernel")
+
+
+class _KernelSignals:
+    """The handshake by one-program kernels (a spinning load instead of a stream wait)."""
+
+    def __init__(self):
+        import triton
+        import triton.language as tl
+
+        from condmem.ops.gather.triton import _HostPointer
+
+        @triton.jit
+        def wait_word(ptr, value):
+            while tl.load(ptr, volatile=True) != value:
+                pass
+
+        @triton.jit
+        def write_word(ptr, value):
+            tl.store(ptr, value)
+
+        self._wait, self._write, self._host = wait_word, write_word, _HostPointer
+        self._words = {}
+
+    def _word(self, address: int):
+        return self._words[address]
+
+    def register(self, flags: torch.Tensor) -> None:
+        for i in range(flags.numel()):
+            self._words[flags.data_ptr() + 4 * i] = self._host(flags[i:i + 1])
+
+    def write(self, stream, address: int, value: int) -> None:
+        with torch.cuda.stream(stream):
+            self._write[(1,)](self._word(address), value)
+
+    def wait(self, stream, address: int, value: int) -> None:
+        with torch.cuda.stream(stream):
+            self._wait[(1,)](self._word(address), value)
+
+
+class StagedRows:
+    """Row ids and rows of every Engram layer in fixed buffers, staged by host threads; the
+    `_GraphRows` interface (`launch`, `finish`, `row_ids`, `rows`)."""
+
+    def __init__(self, memory, n_rows: int, device, join: str, threads: int = DEFAULT_THREADS,
+                 signals: str = "memops"):
+        if memory.sharded:
+            raise ValueError("a staged decode fetch serves whole tables: build the memory without "
+                             "process_group (tensor-parallel memories use the zero-copy fetch)")
+        memops = stream_memops() if signals == "memops" else _KernelSignals()
+        if memops is None:
+            raise RowServerError("the CUDA driver's stream memory operations (cuStreamWaitValue32) are "
+                                 "unavailable: use the zero-copy fetch")
+        self.memops = memops
+        self.memory = memory
+        self.join = join
+        self.layer_ids = list(memory.layer_ids)
+        self.n_cols = memory.hasher.layout.n_cols
+        self.side = torch.cuda.Stream(device, priority=-1)     # the fetch is on the critical path
+        self.events = [torch.cuda.Event() for _ in self.layer_ids]
+        self.row_ids_all: torch.Tensor | None = None
+        tables, self.formats = [], []
+        for lid in self.layer_ids:
+            store = memory.stores[lid]
+            raw = getattr(store, "raw", None)
+            if raw is None or raw.device.type != "cpu":
+                where = "no in-memory rows" if raw is None else f"rows on {raw.device}"
+                raise ValueError(f"Engram layer {lid}'s store ({store.tier}, {where}) cannot be staged by the "
+                                 "CPU: a staged fetch serves host (or memory-mapped) tables")
+            tables.append(raw)
+            self.formats.append((store.format, store.head_dim))
+        n_ids = n_rows * self.n_cols
+        self.server = RowServer(tables, n_ids, threads=threads).start()
+        if isinstance(memops, _KernelSignals):
+            memops.register(self.server.request)
+            memops.register(self.server.done)
+        self.ids_dev = torch.zeros(len(self.layer_ids), n_rows, self.n_cols, dtype=torch.long, device=device)
+        self.local = torch.arange(n_ids, device=device).view(n_rows, 1, self.n_cols)
+        self.rows_buf, self.raw_dev = {}, {}
+        for lid, table, (fmt, head_dim) in zip(self.layer_ids, tables, self.formats):
+            rows = torch.zeros(n_rows, 1, self.n_cols, head_dim, dtype=torch.bfloat16, device=device)
+            self.rows_buf[lid] = rows
+            # bf16 raw rows are the rows themselves: the DMA lands in place, no kernel after it.
+            self.raw_dev[lid] = (rows.view(torch.uint8).view(n_ids, table.shape[1]) if fmt == "bf16"
+                                 else torch.zeros(n_ids, table.shape[1], dtype=torch.uint8, device=device))
+
+    def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, delay_cycles: int = 0) -> None:
+        """Hash the step's tokens (updating history), then ask the host for the rows on the side stream."""
+        memory, server, memops = self.memory, self.server, self.memops
+        self.row_ids_all = memory.hasher.decode(memory.history, slots, ids, valid=valid)[:, None]   # [B, 1, L, C]
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            if delay_cycles:
+                torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
+            for i, lid in enumerate(self.layer_ids):
+                self.ids_dev[i].copy_(self.row_ids_all[:, 0, memory.hasher.layer_index(lid)])
+            server.ids.copy_(self.ids_dev.view(len(self.layer_ids), -1), non_blocking=True)
+            memops.write(self.side, server.request.data_ptr(), 1)
+            for i, lid in enumerate(self.layer_ids):
+                done = server.done.data_ptr() + 4 * i
+                memops.wait(self.side, done, 1)
+                self.raw_dev[lid].copy_(server.staging[i], non_blocking=True)
+                memops.write(self.side, done, 0)
+                fmt, head_dim = self.formats[i]
+                if fmt != "bf16":
+                    _rows_from_raw(self.local, self.raw_dev[lid], fmt, head_dim, out=self.rows_buf[lid])
+                self.events[i].record(self.side)
+        if self.join == "before_step":
+            main.wait_event(self.events[-1])
+
+    def finish(self) -> None:
+        """Join the side branch if no Engram layer did (a graph must end joined)."""
+        torch.cuda.current_stream().wait_event(self.events[-1])
+
+    def row_ids(self, layer_id: int) -> torch.Tensor:
+        return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
+
+    def rows(self, layer_id: int) -> torch.Tensor:
+        if self.join == "at_layer":
+            torch.cuda.current_stream().wait_event(self.events[self.layer_ids.index(layer_id)])
+        return self.rows_buf[layer_id]
+
+    def check(self) -> None:
+        """Refuse to go on once the host was asked for ids outside a table (`RowServerError`)."""
+        if not self.server.running:
+            raise RowServerError("the staged fetch's row server was stopped: the decoder was closed")
+        self.server.check()
+
+    def stats(self) -> dict:
+        return self.server.stats()
+
+    def close(self) -> None:
+        """Stop the host threads, once the GPU has taken every step's rows."""
+        if self.server.running:
+            self.side.synchronize()
+            self.server.stop()
+
+    def __del__(self):   # a graph still queued would wait forever for rows from stopped threads
+        try:
+            self.close()
+        except Exception:
+            pass
