@@ -7,7 +7,8 @@ timed over ``--steps`` replays (CUDA events, median):
 
 * ``none``: the backbone without Engram;
 * ``hbm``: rows gathered from an HBM copy of the table, waited for at the Engram layer;
-* ``host``: rows gathered zero-copy from page-locked host memory, waited for at the layer;
+* ``host``: rows gathered zero-copy from page-locked host memory (``fetch="zero_copy"``),
+  waited for at the layer;
 * ``host_programs_N``: the same with the fetch kernel's grid capped at N programs;
 * ``host_before_step``: the same fetch waited for before block 0 (nothing overlaps it);
 * ``host_no_wait``: the fetch launched but never waited for (rows read unfinished: wrong
@@ -16,7 +17,6 @@ timed over ``--steps`` replays (CUDA events, median):
   ``hbm``, the step waits for the fetch;
 * ``staged_T`` (``--staged-threads``): rows gathered by T host threads and sent by DMA
   (`GraphedDecoder(fetch="staged")`), the handshake by stream memory operations;
-  ``staged_kernel_T`` the same handshake by one-program kernels (a spinning load);
   ``staged_no_wait``: the staged fetch never waited for (its negative control).
   Each prints the host threads' time per step (request seen -> rows staged).
 
@@ -91,21 +91,18 @@ def main() -> None:
     memories = {"hbm": memory_of(hbm), "host": memory_of(host)}
     graphs = {"none": GraphedDecoder(twin, cache)}
     graphs["hbm"] = GraphedDecoder(model, cache, memory=memories["hbm"])
-    graphs["host"] = GraphedDecoder(model, cache, memory=memories["host"])
+    zero_copy = dict(memory=memories["host"], fetch="zero_copy")
+    graphs["host"] = GraphedDecoder(model, cache, **zero_copy)
     for n in args.programs:
-        graphs[f"host_programs_{n}"] = GraphedDecoder(model, cache, memory=memories["host"], fetch_programs=n)
-    graphs["host_before_step"] = GraphedDecoder(model, cache, memory=memories["host"], wait="before_step")
-    graphs["host_no_wait"] = GraphedDecoder(model, cache, memory=memories["host"], _late_join=True)
+        graphs[f"host_programs_{n}"] = GraphedDecoder(model, cache, fetch_programs=n, **zero_copy)
+    graphs["host_before_step"] = GraphedDecoder(model, cache, wait="before_step", **zero_copy)
+    graphs["host_no_wait"] = GraphedDecoder(model, cache, _late_join=True, **zero_copy)
     for t in args.staged_threads:
         graphs[f"staged_{t}"] = GraphedDecoder(model, cache, memory=memories["host"], fetch="staged", fetch_threads=t)
     if args.staged_threads:
         t = args.staged_threads[len(args.staged_threads) // 2]
-        for name, kw in ((f"staged_kernel_{t}", dict(_signals="kernel")), ("staged_no_wait", dict(_late_join=True))):
-            try:
-                graphs[name] = GraphedDecoder(model, cache, memory=memories["host"], fetch="staged",
-                                              fetch_threads=t, **kw)
-            except Exception as exc:     # report a handshake that cannot be built, time the others
-                print(f"{name}: {type(exc).__name__}: {exc}")
+        graphs["staged_no_wait"] = GraphedDecoder(model, cache, memory=memories["host"], fetch="staged",
+                                                  fetch_threads=t, _late_join=True)
 
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(args.rounds):

@@ -7,6 +7,7 @@ import torch
 
 from condmem.models.graphs import GraphedDecoder
 from condmem.models.serving import ServingCache, decode_step, prefill
+from condmem.models.staged_fetch import StagedRows
 from condmem.runtime import EngramMemory
 from helpers import assert_close
 from model_fixtures import tiny_engram_lm
@@ -71,7 +72,8 @@ def test_graph_fetching_rows_inside_is_exact(tier, wait, host_prompts):
     memory = EngramMemory.from_weights(model.hasher, tables, tier, "cuda", max_sequences=3)
     with torch.no_grad():
         plain = _run(model, graphed=True, steps=64)
-        served = _run(model, memory=memory, graphed=True, wait=wait, host_prompts=host_prompts, steps=64)
+        served = _run(model, memory=memory, graphed=True, wait=wait, host_prompts=host_prompts, steps=64,
+                      fetch="zero_copy")
     assert len(served) == 64
     for i, (a, b) in enumerate(zip(plain, served)):
         assert torch.equal(a, b), f"step {i}"
@@ -84,7 +86,7 @@ def test_graph_with_a_capped_fetch_grid_is_exact():
     memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
     with torch.no_grad():
         plain = _run(model, graphed=True, steps=16)
-        served = _run(model, memory=memory, graphed=True, steps=16, fetch_programs=1)
+        served = _run(model, memory=memory, graphed=True, steps=16, fetch_programs=1, fetch="zero_copy")
     assert all(torch.equal(a, b) for a, b in zip(plain, served))
     memory.close()
 
@@ -96,10 +98,11 @@ def test_graph_negative_control_rows_read_without_waiting_are_wrong():
     with torch.no_grad():
         plain = _run(model, graphed=True, steps=6)
         memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
-        waited = _run(model, memory=memory, graphed=True, steps=6, _side_delay_cycles=delay)
+        waited = _run(model, memory=memory, graphed=True, steps=6, _side_delay_cycles=delay, fetch="zero_copy")
         memory.close()
         memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
-        raced = _run(model, memory=memory, graphed=True, steps=6, _side_delay_cycles=delay, _late_join=True)
+        raced = _run(model, memory=memory, graphed=True, steps=6, _side_delay_cycles=delay, _late_join=True,
+                     fetch="zero_copy")
         memory.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, waited))
     assert not all(torch.equal(a, b) for a, b in zip(plain, raced)), "rows read without the wait were still right"
@@ -116,15 +119,14 @@ def test_graph_refuses_a_meta_model_without_memory():
 
 @pytest.mark.parametrize("wait", ["at_layer", "before_step"])
 @pytest.mark.parametrize("threads", [1, 4])
-@pytest.mark.parametrize("signals", ["memops", "kernel"])
-def test_graph_staged_fetch_is_exact(wait, threads, signals):
+def test_graph_staged_fetch_is_exact(wait, threads):
     """Rows gathered by host threads and sent by DMA (fetch="staged") give logits equal to the
     model's own tables, step after step, with slots joining and leaving."""
     model, tables = tiny_engram_lm("cuda")
     memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
     with torch.no_grad():
         plain = _run(model, graphed=True, steps=64)
-        graph_kw = dict(fetch="staged", fetch_threads=threads, wait=wait, _signals=signals)
+        graph_kw = dict(fetch="staged", fetch_threads=threads, wait=wait)
         served = _run(model, memory=memory, graphed=True, steps=64, **graph_kw)
     for i, (a, b) in enumerate(zip(plain, served)):
         assert torch.equal(a, b), f"step {i}"
@@ -169,4 +171,9 @@ def test_graph_staged_fetch_stats_close_and_refusals():
     hbm = EngramMemory.from_weights(model.hasher, tables, "hbm", "cuda", max_sequences=2)
     with pytest.raises(ValueError, match="cannot be staged by the CPU"):
         GraphedDecoder(model, ServingCache(model, n_slots=2, max_len=32), memory=hbm, fetch="staged")
+    # The default picks the staged fetch for host tables, the in-place gather for HBM tables.
+    with GraphedDecoder(model, ServingCache(model, n_slots=2, max_len=32), memory=memory) as graph:
+        assert isinstance(graph.fetch, StagedRows) and graph.fetch_stats() is not None
+    with GraphedDecoder(model, ServingCache(model, n_slots=2, max_len=32), memory=hbm) as graph:
+        assert not isinstance(graph.fetch, StagedRows) and graph.fetch_stats() is None
     memory.close(), hbm.close()

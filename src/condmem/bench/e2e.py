@@ -173,7 +173,9 @@ class Server:
 
     Prompts are prefilled as packed batches of up to `prefill_tokens` tokens (one forward per
     batch, no padding); with ``mode="prefetch"`` the next batch's rows are hashed and fetched
-    while the current batch runs, with ``mode="sync"`` each batch waits for its rows before
+    while the current batch runs, and the next wave's first batch while this wave decodes (a
+    scheduler knows its queue; a fresh prompt's rows need no history, which is committed to
+    its slot when it is prefilled); with ``mode="sync"`` each batch waits for its rows before
     its first block. Hashing runs on the memory's own stream, beside the forward queued on
     the caller's.
     """
@@ -186,6 +188,7 @@ class Server:
         self.prefill_tokens = prefill_tokens
         self.device = model.embed.weight.device
         self.cache = ServingCache(model, n_slots=batch, max_len=max_len)
+        self.early = None            # (the next wave's first batch's prompts, its Prepared), fetched during decode
         self.graph = None
         in_place = memory is None or all(s.gpu_readable for s in memory.stores.values())
         if self.device.type == "cuda" and in_place and graphs:
@@ -195,24 +198,40 @@ class Server:
             self.graph = GraphedDecoder(model, self.cache, memory=memory, wait=wait, fetch_programs=fetch_programs,
                                         fetch=fetch, fetch_threads=fetch_threads)
 
-    def _prepare(self, group: list[torch.Tensor], slots: list[int]):
+    def _prepare(self, group: list[torch.Tensor], slots: list[int] | None):
+        """Hash a prompt batch and start its lookups on the memory's stream; `slots` None: no
+        history read or written (fresh prompts hash the same; `_commit` writes it later)."""
         ids, cu = packed_ids(group)
+        slots = None if slots is None else torch.tensor(slots)
         side = self.memory.stream
         if side is None:
-            return self.memory.prepare_ragged(ids, cu, slots=torch.tensor(slots))
+            return self.memory.prepare_ragged(ids, cu, slots=slots)
         side.wait_stream(torch.cuda.current_stream(self.device))   # histories were reset on the caller's stream
         with torch.cuda.stream(side):
             # The forward needs no row id on the device (rows come fetched): the caller's stream
             # waits for each layer's lookup at that layer only, which follows the hash.
-            return self.memory.prepare_ragged(ids, cu, slots=torch.tensor(slots))
+            return self.memory.prepare_ragged(ids, cu, slots=slots)
+
+    def _commit(self, group: list[torch.Tensor], slots: list[int]) -> None:
+        """Advance fresh slots' histories by their whole prompts (a batch hashed without slots)."""
+        ids, cu = packed_ids(group)
+        side = self.memory.stream
+        if side is None:
+            self.memory.commit(torch.tensor(slots), ids, cu, cu[1:] - cu[:-1])
+            return
+        side.wait_stream(torch.cuda.current_stream(self.device))   # histories were reset on the caller's stream
+        with torch.cuda.stream(side):
+            self.memory.commit(torch.tensor(slots), ids, cu, cu[1:] - cu[:-1])
 
     def stage(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host copy, device copy) of each prompt: the host copy is what the memory hashes beside
         the forward, the device copy what the forward reads (no pageable copy, no sync, per batch)."""
         return [(p, p.to(self.device)) for p in prompts]
 
-    def wave(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], gen: int) -> tuple[torch.Tensor, float, float]:
-        """Prefill `prompts` (one per slot) and decode `gen` tokens each; (tokens [n, gen], prefill s, decode s)."""
+    def wave(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], gen: int,
+             upcoming: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> tuple[torch.Tensor, float, float]:
+        """Prefill `prompts` (one per slot) and decode `gen` tokens each; (tokens [n, gen], prefill s, decode s).
+        `upcoming`: the next wave's prompts, whose first batch is fetched while this wave decodes."""
         n = len(prompts)
         slots = [self.memory.allocate() for _ in range(n)] if self.memory is not None else list(range(n))
         out = torch.empty(n, gen, dtype=torch.long, device=self.device)
@@ -224,7 +243,13 @@ class Server:
             return self._prepare([prompts[i][0] for i in groups[g]], [slots[i] for i in groups[g]])
 
         if self.memory is not None and self.mode == "prefetch":
-            ahead[0] = start(0)
+            early, self.early = self.early, None
+            first = [prompts[i][0] for i in groups[0]]
+            if early is not None and len(early[0]) == len(first) and all(a is b for a, b in zip(early[0], first)):
+                ahead[0] = early[1]
+                self._commit(first, [slots[i] for i in groups[0]])
+            else:
+                ahead[0] = start(0)
         for g, members in enumerate(groups):
             prepared = None
             if self.memory is not None:
@@ -243,6 +268,10 @@ class Server:
         if self.memory is not None and self.memory.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.memory.stream)   # histories, for decode
         t_prefill = timer.lap()
+        if upcoming and self.memory is not None and self.mode == "prefetch":
+            # The next wave's first batch, fetched while this wave decodes.
+            first = [upcoming[i][0] for i in pack([p[0].numel() for p in upcoming], self.prefill_tokens)[0]]
+            self.early = (first, self._prepare(first, None))   # referenced here until the next wave syncs
         ids = out[:, 0]
         for t in range(1, gen):
             if self.graph is not None:
@@ -299,9 +328,10 @@ class _Timer:
 def serve_all(server: Server, prompts: list[torch.Tensor], batch: int, gen: int) -> dict:
     staged = server.stage(prompts)
     server.fetch_log.clear()
+    server.early = None
     tokens, t_prefill, t_decode = [], 0.0, 0.0
     for s in range(0, len(prompts), batch):
-        out, tp, td = server.wave(staged[s:s + batch], gen)
+        out, tp, td = server.wave(staged[s:s + batch], gen, upcoming=staged[s + batch:s + 2 * batch])
         tokens.append(out)
         t_prefill += tp
         t_decode += td

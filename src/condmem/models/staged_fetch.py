@@ -23,61 +23,30 @@ from __future__ import annotations
 
 import torch
 
+from condmem import native
 from condmem.native.cudart import stream_memops
 from condmem.native.row_server import RowServer, RowServerError
 from condmem.tables.lookup import _rows_from_raw
 
 DEFAULT_THREADS = 4
-SIGNALS = ("memops", "kernel")
-
-
-class _KernelSignals:
-    """The handshake by one-program kernels (a spinning load instead of a stream wait)."""
-
-    def __init__(self):
-        import triton
-        import triton.language as tl
-
-        from condmem.ops.gather.triton import _HostPointer
-
-        @triton.jit
-        def wait_word(ptr, value):
-            while tl.load(ptr, volatile=True) != value:
-                pass
-
-        @triton.jit
-        def write_word(ptr, value):
-            tl.store(ptr, value)
-
-        self._wait, self._write, self._host = wait_word, write_word, _HostPointer
-        self._words = {}
-
-    def _word(self, address: int):
-        return self._words[address]
-
-    def register(self, flags: torch.Tensor) -> None:
-        for i in range(flags.numel()):
-            self._words[flags.data_ptr() + 4 * i] = self._host(flags[i:i + 1])
-
-    def write(self, stream, address: int, value: int) -> None:
-        with torch.cuda.stream(stream):
-            self._write[(1,)](self._word(address), value)
-
-    def wait(self, stream, address: int, value: int) -> None:
-        with torch.cuda.stream(stream):
-            self._wait[(1,)](self._word(address), value)
+def staged_fetch_fits(memory) -> bool:
+    """Whether a staged fetch can serve `memory` and should: every table's rows in host memory
+    (a GPU reads HBM tables faster in place), whole tables (no tensor parallelism), and the
+    native library and the driver's stream memory operations available."""
+    if memory.sharded or not native.available() or stream_memops() is None:
+        return False
+    return all(getattr(s, "raw", None) is not None and s.raw.device.type == "cpu" for s in memory.stores.values())
 
 
 class StagedRows:
     """Row ids and rows of every Engram layer in fixed buffers, staged by host threads; the
     `_GraphRows` interface (`launch`, `finish`, `row_ids`, `rows`)."""
 
-    def __init__(self, memory, n_rows: int, device, join: str, threads: int = DEFAULT_THREADS,
-                 signals: str = "memops"):
+    def __init__(self, memory, n_rows: int, device, join: str, threads: int = DEFAULT_THREADS):
         if memory.sharded:
             raise ValueError("a staged decode fetch serves whole tables: build the memory without "
                              "process_group (tensor-parallel memories use the zero-copy fetch)")
-        memops = stream_memops() if signals == "memops" else _KernelSignals()
+        memops = stream_memops()
         if memops is None:
             raise RowServerError("the CUDA driver's stream memory operations (cuStreamWaitValue32) are "
                                  "unavailable: use the zero-copy fetch")
@@ -88,6 +57,7 @@ class StagedRows:
         self.n_cols = memory.hasher.layout.n_cols
         self.side = torch.cuda.Stream(device, priority=-1)     # the fetch is on the critical path
         self.events = [torch.cuda.Event() for _ in self.layer_ids]
+        self.replayed = torch.cuda.Event()   # recorded after each replay: `close` waits for it
         self.row_ids_all: torch.Tensor | None = None
         tables, self.formats = [], []
         for lid in self.layer_ids:
@@ -101,9 +71,6 @@ class StagedRows:
             self.formats.append((store.format, store.head_dim))
         n_ids = n_rows * self.n_cols
         self.server = RowServer(tables, n_ids, threads=threads).start()
-        if isinstance(memops, _KernelSignals):
-            memops.register(self.server.request)
-            memops.register(self.server.done)
         self.ids_dev = torch.zeros(len(self.layer_ids), n_rows, self.n_cols, dtype=torch.long, device=device)
         self.local = torch.arange(n_ids, device=device).view(n_rows, 1, self.n_cols)
         self.rows_buf, self.raw_dev = {}, {}
@@ -163,6 +130,9 @@ class StagedRows:
     def close(self) -> None:
         """Stop the host threads, once the GPU has taken every step's rows."""
         if self.server.running:
+            # A replay runs its side branch on the graph's own streams, not `self.side`: wait for
+            # the last replay itself, or a queued step would wait forever for stopped threads.
+            self.replayed.synchronize()
             self.side.synchronize()
             self.server.stop()
 
