@@ -613,7 +613,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     backbones = list(dict.fromkeys(r["backbone"] for r in rows))
     colors = {"none": "#999999", NONE_AGAIN: "#cccccc", "hbm": "#4477aa", "host_sync": "#cc6677",
               "host_prefetch": "#228833", "host_staged": "#117733"}
-    fig, axes = plt.subplots(1, len(backbones), figsize=(5 * len(backbones), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(backbones), figsize=(6 * len(backbones), 4.2), squeeze=False)
     for ax, bb in zip(axes[0], backbones):
         sel = [r for r in rows if r["backbone"] == bb]
         rel = [r.get("x_none", 1.0) for r in sel]
@@ -629,9 +629,10 @@ def plot(rows: list[dict], path: Path) -> Path | None:
                        label=f"paper: -{PAPER_DROP[bb] * 100:.1f}% (100B host table)")
             ax.legend(fontsize=7, loc="lower left")
         ax.set_title(f"{bb}: {sel[-1]['sequences']} sequences, table {max(r['table_gib'] for r in sel):.0f} GiB")
+        ax.tick_params(axis="x", labelrotation=25, labelsize=8)
         ax.set_ylabel("throughput / no Engram")
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("Engram table in HBM vs host memory (prompt + generated tokens/s)")
+    fig.suptitle("Engram table in HBM vs host memory (prompt + generated tokens/s)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
