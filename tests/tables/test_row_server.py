@@ -103,3 +103,16 @@ def test_bad_arguments_are_refused_by_name():
         RowServer([tables[0], tables[1].t()], 4)
     with pytest.raises(ValueError, match="table 0 must be"):
         RowServer([torch.zeros(4, 8, dtype=torch.float32)], 4)
+
+
+def test_a_napping_server_still_serves_every_request_exactly():
+    """spin_ms=0: the team naps from the start (20 us naps, then 1 ms naps after a second idle)."""
+    tables = _tables()
+    gen = torch.Generator().manual_seed(2)
+    with RowServer(tables, 100, threads=2, spin_ms=0.0) as server:
+        for step in range(6):
+            if step == 3:
+                time.sleep(1.1)                          # past a second idle: the long naps
+            ids = [torch.randint(0, t.shape[0], (100,), generator=gen) for t in tables]
+            rows = _serve(server, ids)
+            assert all(torch.equal(r, t[i]) for r, t, i in zip(rows, tables, ids)), f"step {step}"

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from condmem.models.serving import ServingCache, decode_step
-from condmem.models.staged_fetch import DEFAULT_THREADS, StagedRows, staged_fetch_fits
+from condmem.models.staged_fetch import StagedRows, staged_fetch_fits
 from condmem.utils.graph_capture import capture
 from condmem.models.transformer import DecoderLM
 
@@ -117,7 +117,7 @@ class GraphedDecoder:
             `close()` when done, which stops the threads) or ``"auto"``: staged when every
             table is in host memory (4B backbone, one 16 GiB table, H200: decode 1.003x the
             HBM table's tokens/s staged, 0.980x zero-copy), else zero-copy.
-        fetch_threads: host threads of a staged fetch.
+        fetch_threads: host threads of a staged fetch (None: `staged_fetch.default_threads`).
 
     Example:
         >>> graph = GraphedDecoder(model, cache, memory=memory)
@@ -125,7 +125,7 @@ class GraphedDecoder:
     """
 
     def __init__(self, model: DecoderLM, cache: ServingCache, *, memory=None, wait: str = "at_layer",
-                 fetch_programs: int | None = None, fetch: str = "auto", fetch_threads: int = DEFAULT_THREADS,
+                 fetch_programs: int | None = None, fetch: str = "auto", fetch_threads: int | None = None,
                  warmup: int = 3, _side_delay_cycles: int = 0, _late_join: bool = False):
         if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")

@@ -17,8 +17,9 @@
    with another's.
 
    The team spins while steps come (a decode step arrives every few ms, and a sleeping thread
-   takes tens of microseconds to wake), and sleeps in short naps after `spin_ns` without a
-   request. Rows are handed out in pieces from one counter, layer by layer, so layer 0's
+   takes tens of microseconds to wake), naps 20 us at a time after `spin_ns` without a
+   request, and 1 ms at a time after a second (an idle server costs next to no CPU; the first
+   step after such a pause waits up to 1 ms longer). Rows are handed out in pieces from one counter, layer by layer, so layer 0's
    rows are staged first and its flag raised before later layers' rows are done.
 
    Ids outside a layer's table are not read: the row is zeroed and counted in `bad_ids`,
@@ -42,6 +43,7 @@
 #define MAX_THREADS 64
 #define PIECE_ROWS 64
 #define AHEAD 12          /* rows prefetched ahead, as gather.c's PREFETCH_DISTANCE */
+#define LONG_IDLE_NS 1000000000LL
 
 typedef struct {
     /* Set by the caller before `condmem_row_server_start`, read-only afterwards. */
@@ -139,13 +141,29 @@ static void work(condmem_row_server *s, int leader) {
     }
 }
 
-/* Wait for `*flag != seen` (or stop): spin, then nap once `spin_ns` passed since `since`. */
+/* One turn of waiting for work that has not come since `since`: spin (the clock read every
+   1024 turns), then once `spin_ns` passed nap on every turn, longer after LONG_IDLE_NS. */
+static void idle_turn(const condmem_row_server *s, int64_t since, unsigned *spins) {
+    if (*spins < 1024) {
+        (*spins)++;
+        relax();
+        return;
+    }
+    int64_t idle = clock_ns() - since;
+    if (idle <= s->spin_ns) {
+        *spins = 0;
+        relax();
+    } else {
+        usleep(idle > LONG_IDLE_NS ? 1000 : 20);
+    }
+}
+
+/* Wait for `*flag != seen` (or stop). */
 static int wait_change_i64(condmem_row_server *s, const int64_t *flag, int64_t seen, int64_t since) {
     unsigned spins = 0;
     while (load64(flag) == seen) {
         if (__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) return 0;
-        if (++spins % 1024 == 0 && clock_ns() - since > s->spin_ns) usleep(20);
-        else relax();
+        idle_turn(s, since, &spins);
     }
     return 1;
 }
@@ -168,8 +186,7 @@ static void *leader_main(void *arg) {
     unsigned spins = 0;
     while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
         if (__atomic_load_n(s->request, __ATOMIC_ACQUIRE) != 1) {
-            if (++spins % 1024 == 0 && clock_ns() - since > s->spin_ns) usleep(20);
-            else relax();
+            idle_turn(s, since, &spins);
             continue;
         }
         int64_t t0 = clock_ns();
@@ -183,6 +200,7 @@ static void *leader_main(void *arg) {
         if (took > s->max_ns) s->max_ns = took;
         __atomic_fetch_add(&s->steps, 1, __ATOMIC_RELEASE);
         since = clock_ns();
+        spins = 0;
     }
     return NULL;
 }
