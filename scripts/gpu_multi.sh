@@ -45,7 +45,7 @@ for _ in $(seq 600); do [ -f "$OUT/train_killed/checkpoints/LATEST" ] && grep -q
 pkill -KILL -f "train_killed" ; wait "$pid" 2>/dev/null
 train_ckpt killed --resume
 # Tensor-parallel serving: the backbone and the tables sharded over the N GPUs, each row mode.
-E2E="--backbones 4b --table-gib 16 --sequences 256 --gen 128 --e2e-repeats 2 --e2e-variants none hbm host_prefetch"
+E2E="--backbones 4b --table-gib 16 --sequences 256 --gen 128 --e2e-repeats 2 --e2e-variants none hbm host_prefetch host_staged"
 python3 -m condmem bench e2e $E2E --out "$OUT/e2e_tp1" > "$OUT/e2e_tp1.log" 2>&1
 for mode in head row; do
   torchrun --nproc-per-node "$N" -m condmem bench e2e $E2E --tp-mode "$mode" --out "$OUT/e2e_tp${N}_$mode" \

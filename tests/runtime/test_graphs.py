@@ -177,3 +177,24 @@ def test_graph_staged_fetch_stats_close_and_refusals():
     with GraphedDecoder(model, ServingCache(model, n_slots=2, max_len=32), memory=hbm) as graph:
         assert not isinstance(graph.fetch, StagedRows) and graph.fetch_stats() is None
     memory.close(), hbm.close()
+
+
+@pytest.mark.parametrize("mode", ["head", "row"])
+def test_graph_staged_fetch_of_a_tensor_parallel_memory_is_exact(tmp_path, mode):
+    """A memory built with process_group= (here one NCCL rank): the staged fetch serves the
+    rank's columns from its shard and the Engram layer completes them."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        model, tables = tiny_engram_lm("cuda")
+        memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3,
+                                           process_group=dist.group.WORLD, tp_mode=mode)
+        assert memory.sharded
+        with torch.no_grad():
+            plain = _run(model, graphed=True, steps=16)
+            served = _run(model, memory=memory, graphed=True, steps=16, fetch="staged")
+        assert all(torch.equal(a, b) for a, b in zip(plain, served))
+        memory.close()
+    finally:
+        dist.destroy_process_group()

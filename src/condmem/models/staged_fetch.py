@@ -16,7 +16,9 @@ GPU reads of host memory are two small DMAs (the ids out, ~24 KB; the rows in, ~
 
 Any store whose raw rows the CPU can read works (page-locked, or memory-mapped from a file:
 the CPU takes the page faults). Layers are served in order, each with its own flag, so the
-first Engram layer waits only for its own rows.
+first Engram layer waits only for its own rows. Under tensor parallelism (a memory built with
+``process_group=``) each rank's threads stage its own columns' rows from its shard, and the
+Engram layer completes them with the memory's collective, as the zero-copy fetch does.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def default_threads() -> int:
     return min(4, max(1, (os.cpu_count() or 1) // 4))
 def staged_fetch_fits(memory) -> bool:
     """Whether a staged fetch can serve `memory` and should: every table's rows in host memory
-    (a GPU reads HBM tables faster in place), whole tables (no tensor parallelism), and the
-    native library and the driver's stream memory operations available."""
-    if memory.sharded or not native.available() or stream_memops() is None:
+    (a GPU reads HBM tables faster in place), no sequence parallelism (the decode graph runs
+    every slot on every rank), and the native library and the driver's stream memory
+    operations available."""
+    if any(sr.sequence_parallel for sr in (memory.sharded or {}).values()):
+        return False
+    if not native.available() or stream_memops() is None:
         return False
     return all(getattr(s, "raw", None) is not None and s.raw.device.type == "cpu" for s in memory.stores.values())
 
@@ -49,9 +54,6 @@ class StagedRows:
     `_GraphRows` interface (`launch`, `finish`, `row_ids`, `rows`)."""
 
     def __init__(self, memory, n_rows: int, device, join: str, threads: int | None = None):
-        if memory.sharded:
-            raise ValueError("a staged decode fetch serves whole tables: build the memory without "
-                             "process_group (tensor-parallel memories use the zero-copy fetch)")
         memops = stream_memops()
         if memops is None:
             raise RowServerError("the CUDA driver's stream memory operations (cuStreamWaitValue32) are "
@@ -60,7 +62,12 @@ class StagedRows:
         self.memory = memory
         self.join = join
         self.layer_ids = list(memory.layer_ids)
-        self.n_cols = memory.hasher.layout.n_cols
+        self.sharded = memory.sharded or {}
+        widths = {self.sharded[lid].local_columns if lid in self.sharded else memory.hasher.layout.n_cols
+                  for lid in self.layer_ids}
+        if len(widths) != 1:
+            raise ValueError(f"a staged fetch needs every layer's columns of one width on this rank, got {widths}")
+        self.n_cols = widths.pop()
         self.side = torch.cuda.Stream(device, priority=-1)     # the fetch is on the critical path
         self.events = [torch.cuda.Event() for _ in self.layer_ids]
         self.replayed = torch.cuda.Event()   # recorded after each replay: `close` waits for it
@@ -97,7 +104,10 @@ class StagedRows:
             if delay_cycles:
                 torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
             for i, lid in enumerate(self.layer_ids):
-                self.ids_dev[i].copy_(self.row_ids_all[:, 0, memory.hasher.layer_index(lid)])
+                ids = self.row_ids_all[:, :, memory.hasher.layer_index(lid)]
+                if lid in self.sharded:
+                    ids = self.sharded[lid].local_ids(ids)     # this rank's columns, in its own rows
+                self.ids_dev[i].copy_(ids[:, 0])
             server.ids.copy_(self.ids_dev.view(len(self.layer_ids), -1), non_blocking=True)
             memops.write(self.side, server.request.data_ptr(), 1)
             for i, lid in enumerate(self.layer_ids):
@@ -120,8 +130,10 @@ class StagedRows:
         return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
 
     def rows(self, layer_id: int) -> torch.Tensor:
-        if self.join == "at_layer":
+        if self.join == "at_layer" or layer_id in self.sharded:
             torch.cuda.current_stream().wait_event(self.events[self.layer_ids.index(layer_id)])
+        if layer_id in self.sharded:
+            return self.sharded[layer_id].complete(self.rows_buf[layer_id])
         return self.rows_buf[layer_id]
 
     def check(self) -> None:
