@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from condmem.models.attention import decode_attention
-from condmem.ops.attention import paged_decode_attention, paged_prefill_attention, rope_store
+from condmem.ops.attention import (decode_attention_rope_store, paged_decode_attention, paged_prefill_attention,
+                                   rope_store)
 from condmem.ops.attention.reference import (
     gather_paged,
     paged_decode_attention_ref,
@@ -143,6 +144,42 @@ def test_rope_store_matches_reference(device, with_valid, head_dim):
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lengths,heads,n_kv,head_dim,block_size,max_blocks", DECODE_CASES[:5],
+                         ids=[f"len{'-'.join(map(str, c[0]))}_h{c[1]}kv{c[2]}" for c in DECODE_CASES[:5]])
+@pytest.mark.parametrize("n_splits", [1, 3], ids=["one-split", "three-splits"])
+def test_decode_with_rope_and_store_matches_rope_store_then_decode(device, lengths, heads, n_kv, head_dim,
+                                                                   block_size, max_blocks, n_splits):
+    """One launch: the new token's q and k rotated at position length - 1, k and v stored there
+    (a row of length 0 stores nothing), then attention: the pools and the output as the
+    reference's rope_store followed by its decode attention."""
+    from condmem.ops.attention import triton as kernels
+
+    batch = len(lengths)
+    k_pool, v_pool, table = _paged_cache(batch, max_blocks, block_size, n_kv, head_dim, device, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(device)
+    k = torch.randn(batch, n_kv, head_dim, generator=gen).to(device)
+    v = torch.randn(batch, n_kv, head_dim, generator=gen).to(device)
+    angles = torch.arange(float(max_blocks * block_size))[:, None] * torch.linspace(0.1, 1.0, head_dim // 2)[None, :]
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    n = torch.tensor(lengths, device=device)
+    pools_ref = (k_pool.clone(), v_pool.clone())
+    q_rot = rope_store_ref(q, k, v, cos, sin, (n - 1).clamp(min=0), torch.arange(batch, device=device), table,
+                           *pools_ref, n > 0)
+    want = paged_decode_attention_ref(q_rot, *pools_ref, table, n)
+    got = kernels.paged_decode_attention(q, k_pool, v_pool, table, n, None, n_splits, rope=(k, v, cos, sin))
+    assert_close("k pool", pools_ref[0], k_pool, atol=1e-6)
+    assert torch.equal(pools_ref[1], v_pool), "v stored where the reference stores it, nowhere else"
+    assert_close("decode with rope + store", want, got, atol=2e-5, rtol=2e-5)
+    assert torch.equal(got[n == 0], torch.zeros_like(got[n == 0]))
+    # The op's torch path is the same reference; its Triton path this kernel.
+    pools_op = (pools_ref[0].clone(), pools_ref[1].clone())     # storing the same k, v again changes nothing
+    got_ref_path = decode_attention_rope_store(q, k, v, cos, sin, *pools_op, table, n, backend="torch")
+    assert_close("op, torch path", want, got_ref_path, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dim", [16, 40], ids=["dim16", "dim40"])
 def test_rms_norm_and_silu_mul_match_the_modules(device, dim):
     gen = torch.Generator().manual_seed(4)
@@ -221,3 +258,38 @@ def test_pools_of_different_layouts_or_strides_are_refused():
     for backend in ("torch", "triton") if "cpu" in DEVICES else ("torch",):
         assert_close(f"heads-outer pools ({backend})", want,
                      paged_decode_attention(q, k_hnd, heads_outer, table, lengths, backend=backend), atol=1e-5)
+
+
+@cuda_kernels
+@pytest.mark.parametrize("head_dim", [80, 128], ids=["hd80", "hd128"])
+def test_bf16_decode_with_rope_and_store_at_model_size_and_under_a_cuda_graph(head_dim):
+    """bf16, 128 sequences up to 1152 positions, 32 / 8 heads: pools and output within bf16
+    rounding of the reference; a graph replay with new lengths equals the eager call."""
+    from condmem.ops.attention import triton as kernels
+
+    batch, max_len, heads, n_kv, block_size = 128, 1152, 32, 8, 16
+    k_pool, v_pool, table = _paged_cache(batch, max_len // block_size, block_size, n_kv, head_dim, "cuda",
+                                         torch.bfloat16)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, n_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, n_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+    angles = torch.arange(float(max_len))[:, None] * torch.linspace(1e-3, 1.0, head_dim // 2)[None, :]
+    cos, sin = angles.cos().cuda(), angles.sin().cuda()
+    lengths = torch.randint(0, max_len + 1, (batch,), device="cuda")
+    pools_ref = (k_pool.clone(), v_pool.clone())
+    q_rot = rope_store_ref(q, k, v, cos, sin, (lengths - 1).clamp(min=0), torch.arange(batch, device="cuda"),
+                           table, *pools_ref, lengths > 0)
+    want = paged_decode_attention_ref(q_rot, *pools_ref, table, lengths).float()
+    got = decode_attention_rope_store(q, k, v, cos, sin, k_pool, v_pool, table, lengths)
+    assert_close("k pool", pools_ref[0].float(), k_pool.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(pools_ref[1], v_pool)
+    assert_close("bf16 decode with rope + store", want, got.float(), atol=2e-2, rtol=2e-2)
+    static_len = lengths.clone()
+    graph = torch.cuda.CUDAGraph()
+    kernels.paged_decode_attention(q, k_pool, v_pool, table, static_len, rope=(k, v, cos, sin))
+    with torch.cuda.graph(graph):
+        out = kernels.paged_decode_attention(q, k_pool, v_pool, table, static_len, rope=(k, v, cos, sin))
+    static_len.copy_(torch.randint(1, max_len + 1, (batch,), device="cuda"))
+    graph.replay()
+    assert torch.equal(out, kernels.paged_decode_attention(q, k_pool, v_pool, table, static_len,
+                                                           rope=(k, v, cos, sin)))

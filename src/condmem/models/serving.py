@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from condmem.models.transformer import DecoderLM, engram_update
-from condmem.ops.attention import paged_decode_attention, paged_prefill_attention, rope_store
+from condmem.ops.attention import decode_attention_rope_store, paged_prefill_attention, rope_store
 from condmem.ops.norm_act import rms_norm, silu_mul
 
 
@@ -259,14 +259,13 @@ def _joined(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return joined
 
 
-def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, pos: torch.Tensor,
-                   slot_of: torch.Tensor, valid: torch.Tensor | None, attend, tp_group=None) -> torch.Tensor:
+def _attention_mlp(block, i: int, x: torch.Tensor, attend, tp_group=None) -> torch.Tensor:
     """A block's attention and SwiGLU over flat tokens x [n, D] (the serving form of `Block.forward`).
 
-    Each token's k, v land at (slot_of, pos) of the paged cache (rows with `valid` False write
-    nothing); ``attend(i, q)`` maps the rotated queries [n, H, hd] to attention outputs.
-    q/k/v and w1/w3 run as one GEMM each (`_joined`), w2 with the residual add; norm, RoPE +
-    store and silu(a) * b as one kernel each on CUDA (`condmem.ops`). With `tp_group` (a
+    ``attend(i, q, k, v)`` rotates q [n, H, hd] and k [n, KV, hd], stores k and v in layer i's
+    paged cache and returns the attention outputs [n, H, hd] (decode: one launch for all of
+    it). q/k/v and w1/w3 run as one GEMM each (`_joined`), w2 with the residual add; norm and
+    silu(a) * b as one kernel each on CUDA (`condmem.ops`). With `tp_group` (a
     backbone sharded by `condmem.distributed.shard_backbone`) the output and down projections
     give partial sums, completed by one all-reduce each before the residual add.
     """
@@ -277,9 +276,7 @@ def _attention_mlp(block, i: int, cache: ServingCache, rotary, x: torch.Tensor, 
     q = qkv[:, :nq].view(n, attn.n_heads, attn.head_dim)
     k = qkv[:, nq : nq + nkv].view(n, attn.n_kv_heads, attn.head_dim)
     v = qkv[:, nq + nkv :].view(n, attn.n_kv_heads, attn.head_dim)
-    q = rope_store(q, k, v, rotary.cos, rotary.sin, pos, slot_of, cache.block_table, cache.k_pool[i],
-                   cache.v_pool[i], valid)
-    y = attn.wo(attend(i, q).reshape(n, -1))
+    y = attn.wo(attend(i, q, k, v).reshape(n, -1))
     if tp_group is not None:
         dist.all_reduce(y, group=tp_group)
     x, h = rms_norm(y, block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
@@ -309,7 +306,8 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
         check: test that no advanced slot is full (a host sync; off inside CUDA graphs).
 
     Attention reads each slot's own keys through the paged cache's block table
-    (`paged_decode_attention`): a step's cost follows the live lengths, not ``max_len``.
+    (`decode_attention_rope_store`, which also rotates and stores the new token's key and
+    value): a step's cost follows the live lengths, not ``max_len``.
     """
     cfg = model.cfg
     device = cache.tokens.device
@@ -336,8 +334,10 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
     n_keys = at + 1 if valid is None else torch.where(valid, at + 1, 0)                # invalid rows read nothing
     table = cache.block_table[rows] if slots is not None else cache.block_table
 
-    def attend(i, q):
-        return paged_decode_attention(q, cache.k_pool[i], cache.v_pool[i], table, n_keys)
+    def attend(i, q, k, v):
+        # Row b's new token at position n_keys[b] - 1 = at[b]: rotated, stored, attended in one launch.
+        return decode_attention_rope_store(q, k, v, model.rotary.cos, model.rotary.sin, cache.k_pool[i],
+                                           cache.v_pool[i], table, n_keys)
 
     layer_slot = 0
     for i, block in enumerate(model.blocks):
@@ -353,7 +353,7 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
             x = engram_update(block.engram, x[:, None], row_ids, state, looked_up=looked_up, residual=True)[:, 0]
             if conv is not None:
                 _masked_put(conv, (rows,), state, valid)
-        x = _attention_mlp(block, i, cache, model.rotary, x, at, rows, valid, attend, model.tp_group)
+        x = _attention_mlp(block, i, x, attend, model.tp_group)
     _masked_put(cache.lengths, (rows,), pos + 1, valid)
     if slots is not None:   # host mirror (a sync for device slots; graphs pass slots=None)
         cache.advance((slots if valid is None else slots[valid.to(slots.device)]).tolist())
@@ -421,7 +421,9 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
     table = cache.block_table[slots_dev]
     max_q = max(lengths)
 
-    def attend(i, q):
+    def attend(i, q, k, v):
+        q = rope_store(q, k, v, model.rotary.cos, model.rotary.sin, pos, slot_of, cache.block_table, cache.k_pool[i],
+                       cache.v_pool[i])
         return paged_prefill_attention(q, cache.k_pool[i], cache.v_pool[i], table, cu_dev, starts_dev, max_q)
 
     x = model.embed(ids)                                                                 # [n, D]
@@ -434,7 +436,7 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
             else:
                 x = block.engram(x[None], rows_all[None, :, layer_slot], residual=True)[0]
             layer_slot += 1
-        x = _attention_mlp(block, i, cache, model.rotary, x, pos, slot_of, None, attend, model.tp_group)
+        x = _attention_mlp(block, i, x, attend, model.tp_group)
     for s, st, k in zip(slots, starts, keep):
         cache.host_lengths[s] = st + k
     ends = torch.tensor([st + k for st, k in zip(starts, keep)])

@@ -68,6 +68,29 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return kernels.paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale, n_splits)
 
 
+def decode_attention_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                block_table: torch.Tensor, lengths: torch.Tensor, *, scale: float | None = None,
+                                backend: str | None = "auto") -> torch.Tensor:
+    """A decode step's attention with its RoPE and cache store: row b's new token sits at
+    position ``lengths[b] - 1``; its q [B, H, D] and k [B, KV, D] are rotated by that position's
+    angle, k and v stored there (rows with ``lengths[b] == 0`` store nothing and return zeros),
+    then the rotated q attends to the first ``lengths[b]`` keys. The same numbers as `rope_store`
+    (pos ``lengths - 1``, block-table row b) followed by `paged_decode_attention`, in one
+    launch on CUDA.
+    """
+    _check_pools(k_pool, v_pool, "decode_attention_rope_store")
+    if _backend(backend, q, "decode_attention_rope_store") == "torch":
+        rows = torch.arange(q.shape[0], device=q.device)
+        lengths = lengths.to(q.device)
+        q_rot = reference.rope_store_ref(q, k, v, cos, sin, (lengths - 1).clamp(min=0), rows, block_table, k_pool,
+                                         v_pool, lengths > 0)
+        return reference.paged_decode_attention_ref(q_rot, k_pool, v_pool, block_table, lengths, scale)
+    from condmem.ops.attention import triton as kernels
+
+    return kernels.paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale, rope=(k, v, cos, sin))
+
+
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                             cu_seqlens: torch.Tensor, starts: torch.Tensor, max_q_len: int, *,
                             scale: float | None = None, backend: str | None = "auto") -> torch.Tensor:
@@ -118,4 +141,4 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     return kernels.rope_store(q, k, v, cos, sin, pos, slot_of, block_table, k_pool, v_pool, valid)
 
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "rope_store"]
+__all__ = ["decode_attention_rope_store", "paged_decode_attention", "paged_prefill_attention", "rope_store"]

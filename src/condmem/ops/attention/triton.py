@@ -55,11 +55,20 @@ def _online_softmax_step(q, k, v, valid, m, l, acc, scale_log2, IEEE: tl.constex
 
 
 @triton.jit
+def _rotate(x, partner, c, s, lower):
+    """RoPE of a full-width row: ``x * c - partner * s`` in the lower half, ``partner * s + x * c``
+    in the upper (`partner`: the other half's element), as `_rope_store_kernel` computes it."""
+    return tl.where(lower, x * c - partner * s, partner * s + x * c)
+
+
+@triton.jit
 def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
                          sq_b, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_b, so_h,
                          split_len, n_splits, n_heads, scale_log2,
+                         KN, VN, COS, SIN, skn_b, skn_h, svn_b, svn_h, scos,
                          REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr):
+                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+                         ROPE: tl.constexpr):
     # Offsets into the pool in int32 unless the pool has 2**31 elements or more (OFF64): the
     # address arithmetic of a [BLOCK_N, D] tile is a visible share of this kernel's time.
     b = tl.program_id(0)
@@ -78,7 +87,30 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
         heads = kvh * REP + r
         rmask = r < REP
         b64 = b.to(tl.int64)
-        q = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=rmask[:, None] & dm[None, :], other=0.0)
+        qmask = rmask[:, None] & dm[None, :]
+        q = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+        if ROPE:
+            # The new token sits at position length - 1: rotate the query here, and the split
+            # that holds that position rotates the token's key and stores it and its value
+            # into the cache before reading its keys (one launch instead of a RoPE + store one).
+            half = D // 2
+            lower = d < half
+            partner = tl.where(lower, d + half, d - half)
+            at = tl.maximum(length - 1, 0)
+            c = tl.load(COS + at * scos + d % half, mask=dm, other=0.0)
+            sn = tl.load(SIN + at * scos + d % half, mask=dm, other=0.0)
+            qp = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + partner[None, :], mask=qmask, other=0.0)
+            q = _rotate(q.to(tl.float32), qp.to(tl.float32), c[None, :], sn[None, :], lower[None, :]).to(
+                Q.dtype.element_ty)
+            if (length > 0) & (s == limit - 1):
+                kn = tl.load(KN + b64 * skn_b + kvh * skn_h + d, mask=dm, other=0.0).to(tl.float32)
+                knp = tl.load(KN + b64 * skn_b + kvh * skn_h + partner, mask=dm, other=0.0).to(tl.float32)
+                blk_new = tl.load(BT + b64 * sbt_b + at // BS).to(tl.int64)
+                dest = blk_new * sk_blk + (at % BS) * sk_pos + kvh * sk_h + d
+                tl.store(K + dest, _rotate(kn, knp, c, sn, lower).to(K.dtype.element_ty), mask=dm)
+                tl.store(V + dest, tl.load(VN + b64 * svn_b + kvh * svn_h + d, mask=dm, other=0.0).to(
+                    V.dtype.element_ty), mask=dm)
+            tl.debug_barrier()       # the stores above are read back by this program's key loop
         m = tl.full([REP_P], float("-inf"), tl.float32)
         l = tl.zeros([REP_P], tl.float32)
         acc = tl.zeros([REP_P, DP], tl.float32)
@@ -150,9 +182,11 @@ def decode_splits(batch: int, n_kv: int, max_pos: int, block_n: int, device: tor
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None, n_splits: int | None = None, *,
-                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """Triton launcher of `condmem.ops.attention.paged_decode_attention` (same contract);
-    `block_n` (positions a loop step), `num_warps` and `num_stages` for tuning sweeps."""
+                           rope: tuple | None = None, block_n: int | None = None, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
+    """Triton launcher of `condmem.ops.attention.paged_decode_attention` (same contract), and with
+    ``rope=(k, v, cos, sin)`` of `decode_attention_rope_store` (q unrotated); `block_n`
+    (positions a loop step), `num_warps` and `num_stages` for tuning sweeps."""
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_pool.shape
     rep = n_heads // n_kv
@@ -169,13 +203,20 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     else:
         part_o = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
+    if rope is not None:
+        k_new, v_new, cos, sin = rope
+        assert q.stride(2) == 1 and k_new.stride(2) == 1 and v_new.stride(2) == 1 and cos.stride(1) == 1
+        rope_args = (k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+                     cos.stride(0))
+    else:
+        rope_args = (q, q, q, q, 0, 0, 0, 0, 0)
     _decode_split_kernel[(batch, n_kv, splits)](
         q, k_pool, v_pool, block_table, lengths, out, part_o, part_ml,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), split_len, splits, n_heads, scale * LOG2E,
+        out.stride(0), out.stride(1), split_len, splits, n_heads, scale * LOG2E, *rope_args,
         REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size,
         BLOCK_N=block_n,
-        DIRECT=splits == 1, IEEE=ieee, OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31,
+        DIRECT=splits == 1, IEEE=ieee, OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31, ROPE=rope is not None,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, lengths, out.stride(0), out.stride(1),
