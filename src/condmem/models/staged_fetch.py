@@ -32,11 +32,14 @@ from condmem.native.cudart import stream_memops
 from condmem.native.row_server import RowServer, RowServerError
 from condmem.tables.lookup import _rows_from_raw
 
+
 def default_threads() -> int:
     """Host threads of a staged fetch: 4 (one 16 GiB layer's 3,072 rows in ~60 us on the H200's
     host, 41 us with 8), fewer on a small machine (a quarter of its cores): they spin while
     steps come."""
     return min(4, max(1, (os.cpu_count() or 1) // 4))
+
+
 def staged_fetch_fits(memory) -> bool:
     """Whether a staged fetch can serve `memory` and should: every table's rows in host memory
     (a GPU reads HBM tables faster in place), no sequence parallelism (the decode graph runs
