@@ -692,8 +692,9 @@ def add_arguments(p) -> None:
                    help="dense backbones (4b: Qwen3-4B shape, 8b: Llama-3-8B shape; random bf16 weights)")
     p.add_argument("--e2e-variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
                    help="what to serve (the table size is --table-gib): no Engram, the table in HBM, in host "
-                        "memory read before each batch (sync) or prefetched, prefetched with decode steps run "
-                        "kernel by kernel (host_eager), or from a file on disk (disk_prefetch: O_DIRECT reads "
+                        "memory read before each batch (sync) or prefetched (decode rows read by the GPU in "
+                        "place: host_prefetch; gathered by host threads and sent by DMA: host_staged), "
+                        "prefetched with decode steps run kernel by kernel (host_eager), or from a file on disk (disk_prefetch: O_DIRECT reads "
                         "behind a DRAM row cache of --dram-cache-gib, the file in --disk-dir, decode kernel by kernel); "
                         "default: "
                         + " ".join(DEFAULT_VARIANTS))
