@@ -258,3 +258,40 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
         plain.prepare(ids).fetch_timing()
     plain.close()
     memory.close()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fresh_prompts_hashed_without_slots_then_committed_equal_prepared_with_slots(device):
+    """A scheduler may fetch a queued prompt batch before its sequences have slots
+    (`prepare_ragged(..., slots=None)`) and commit their histories when they are admitted
+    (`commit` of whole prompts): row ids, rows and the histories left for decode equal a
+    prepare with fresh slots."""
+    cfg, hasher, modules = _setup(device)
+    weights = {lid: m.table.weight for lid, m in modules.items()}
+    kw = dict(host_alloc="pageable" if device == "cpu" else "mmap_register", max_sequences=6)
+    early, plain = (EngramMemory.from_weights(hasher, weights, "host", device, **kw) for _ in range(2))
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 70, (n,), generator=gen) for n in (1, 2, 7, 4)]
+    ids = torch.cat(prompts)
+    cu = torch.tensor([0, *torch.tensor([p.numel() for p in prompts]).cumsum(0).tolist()])
+    for memory in (early, plain):     # a used slot first: admission must reset it
+        s = memory.allocate()
+        memory.prepare_ragged(torch.tensor([3, 4, 5]), torch.tensor([0, 3]), slots=torch.tensor([s]))
+        memory.free(s)
+    fetched = early.prepare_ragged(ids, cu, slots=None)
+    slots = torch.tensor([early.allocate() for _ in prompts])
+    early.commit(slots, ids, cu, cu[1:] - cu[:-1])
+    plain_slots = torch.tensor([plain.allocate() for _ in prompts])
+    want = plain.prepare_ragged(ids, cu, slots=plain_slots)
+    for lid in cfg.layer_ids:
+        assert torch.equal(fetched.row_ids(lid), want.row_ids(lid))
+        assert torch.equal(fetched.rows(lid), want.rows(lid))
+    nxt = torch.randint(0, 70, (len(prompts),), generator=gen)
+    a = early.prepare_decode(slots, nxt)
+    b = plain.prepare_decode(plain_slots, nxt)
+    for lid in cfg.layer_ids:
+        assert torch.equal(a.row_ids(lid), b.row_ids(lid))
+        whole = torch.stack([hasher(torch.cat([p, n[None]])[None].to(device))[0, -1, hasher.layer_index(lid)]
+                             for p, n in zip(prompts, nxt)])
+        assert torch.equal(a.row_ids(lid)[:, 0], whole)
+    early.close(), plain.close()
