@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from condmem.bench.e2e import build_models, hbm_copy
-from condmem.bench.harness import graph_replay_ms, machine_info
+from condmem.bench.harness import event_times_ms, graph_replay_ms, machine_info
 from condmem.bench.lookup_setup import host_store
 from condmem.models.graphs import GraphedDecoder
 from condmem.models.serving import ServingCache
@@ -47,15 +47,8 @@ def step_times(graph: GraphedDecoder, cache: ServingCache, lengths: torch.Tensor
     cache.lengths.copy_(lengths.to(cache.lengths.device))
     cache.host_lengths = lengths.tolist()
     slots = list(range(cache.n_slots))
-    times = []
-    for i in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.step(slots, ids_sets[i % len(ids_sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times[2:]
+    turn = iter(range(steps))
+    return event_times_ms(lambda: graph.step(slots, ids_sets[next(turn) % len(ids_sets)]), steps)[2:]
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from condmem.bench.e2e import BACKBONES, step_weight_bytes
-from condmem.bench.harness import copy_bandwidth_gbps
+from condmem.bench.harness import copy_bandwidth_gbps, event_times_ms
 from condmem.models.config import ModelConfig
 from condmem.models.graphs import GraphedDecoder
 from condmem.models.serving import ServingCache, decode_step
@@ -48,14 +48,7 @@ def main() -> None:
     graph = GraphedDecoder(model, cache)
     slots = list(range(args.batch))
     ids = torch.randint(0, args.vocab, (args.batch,), device="cuda")
-    times = []
-    for _ in range(args.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.step(slots, ids)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = event_times_ms(lambda: graph.step(slots, ids), args.steps)
     step_ms = statistics.median(times[3:])
     mid = [int(n) + args.steps // 2 for n in lengths]
     bytes_step = step_weight_bytes(model) + cache.live_kv_bytes(mid)

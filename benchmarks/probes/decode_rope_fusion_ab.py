@@ -20,7 +20,7 @@ import torch
 
 import condmem.models.serving as serving
 from condmem.bench.e2e import BACKBONES, step_weight_bytes
-from condmem.bench.harness import copy_bandwidth_gbps, machine_info
+from condmem.bench.harness import copy_bandwidth_gbps, event_times_ms, machine_info
 from condmem.models.config import ModelConfig
 from condmem.models.graphs import GraphedDecoder
 from condmem.models.serving import ServingCache
@@ -82,14 +82,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, graph in graphs.items():
             reset()
-            ts = []
-            for _ in range(args.steps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.step(slots, ids)
-                end.record()
-                end.synchronize()
-                ts.append(start.elapsed_time(end))
+            ts = event_times_ms(lambda g=graph: g.step(slots, ids), args.steps)
             times[name].append(statistics.median(ts[3:]))
     mid = [int(n) + args.steps // 2 for n in lengths]
     bound_ms = (step_weight_bytes(model) + cache.live_kv_bytes(mid)) / (bw * 1e9) * 1e3

@@ -203,25 +203,24 @@ class Server:
         history read or written (fresh prompts hash the same; `_commit` writes it later)."""
         ids, cu = packed_ids(group)
         slots = None if slots is None else torch.tensor(slots)
-        side = self.memory.stream
-        if side is None:
-            return self.memory.prepare_ragged(ids, cu, slots=slots)
-        side.wait_stream(torch.cuda.current_stream(self.device))   # histories were reset on the caller's stream
-        with torch.cuda.stream(side):
-            # The forward needs no row id on the device (rows come fetched): the caller's stream
-            # waits for each layer's lookup at that layer only, which follows the hash.
-            return self.memory.prepare_ragged(ids, cu, slots=slots)
+        # The forward needs no row id on the device (rows come fetched): the caller's stream
+        # waits for each layer's lookup at that layer only, which follows the hash.
+        return self._on_memory_stream(lambda: self.memory.prepare_ragged(ids, cu, slots=slots))
 
     def _commit(self, group: list[torch.Tensor], slots: list[int]) -> None:
         """Advance fresh slots' histories by their whole prompts (a batch hashed without slots)."""
         ids, cu = packed_ids(group)
+        self._on_memory_stream(lambda: self.memory.commit(torch.tensor(slots), ids, cu, cu[1:] - cu[:-1]))
+
+    def _on_memory_stream(self, fn):
+        """`fn()` on the memory's own stream (after the caller's work so far: histories are reset
+        there), beside the forward queued on the caller's; on the CPU, at once."""
         side = self.memory.stream
         if side is None:
-            self.memory.commit(torch.tensor(slots), ids, cu, cu[1:] - cu[:-1])
-            return
-        side.wait_stream(torch.cuda.current_stream(self.device))   # histories were reset on the caller's stream
+            return fn()
+        side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.memory.commit(torch.tensor(slots), ids, cu, cu[1:] - cu[:-1])
+            return fn()
 
     def stage(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host copy, device copy) of each prompt: the host copy is what the memory hashes beside
@@ -524,8 +523,8 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
         if args.profile:
             profile(server, prompts[: args.batch], args.batch, min(args.gen, 8),
                     Path(args.out) / f"profile_{backbone}_{variant}.txt")
-        if server.graph is not None and server.graph.fetch_stats() is not None:
-            stats = server.graph.fetch_stats()
+        stats = server.graph.fetch_stats() if server.graph is not None else None
+        if stats is not None:
             best["staged_host_us"] = stats["mean_us"]
             best["staged_host_max_us"] = stats["max_us"]
             log.info("%s / %s: host threads staged %d steps' rows, %.0f us a step (max %.0f), %d threads",

@@ -105,6 +105,20 @@ def graph_replay_ms(fn: Callable[..., object], arg_sets: list[tuple], launches: 
     return statistics.median(times[2:])
 
 
+def event_times_ms(fn: Callable[[], object], calls: int) -> list[float]:
+    """Milliseconds of each of `calls` calls of `fn` between two CUDA events, each waited for
+    before the next (no call overlaps another: a decode step as one step sees it)."""
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def gpu_time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 200) -> dict:
     """Median and 20/80% quantiles (ms) of `fn` on the GPU, via triton.testing.do_bench."""
     from triton.testing import do_bench

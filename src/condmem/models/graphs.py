@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from condmem.models.decode_fetch import ZeroCopyRows
 from condmem.models.serving import ServingCache, decode_step
 from condmem.models.staged_fetch import StagedRows, staged_fetch_fits
 from condmem.utils.graph_capture import capture
@@ -43,59 +44,6 @@ from condmem.models.transformer import DecoderLM
 
 WAIT_MODES = ("at_layer", "before_step")
 FETCH_MODES = ("auto", "zero_copy", "staged")
-
-
-class _GraphRows:
-    """Row ids and rows of every Engram layer in fixed buffers, filled by the graph's side branch."""
-
-    def __init__(self, memory, n_rows: int, device, join: str, max_programs: int | None = None):
-        self.memory = memory
-        self.join = join
-        self.max_programs = max_programs
-        self.event = torch.cuda.Event()
-        self.side = torch.cuda.Stream(device, priority=-1)   # the fetch is on the critical path
-        self.row_ids_all: torch.Tensor | None = None
-        self.rows_buf = {}
-        # Tensor parallelism: the side branch gathers this rank's columns; the Engram layer
-        # completes them with the memory's collective on the main stream, where it waits anyway.
-        self.sharded = memory.sharded or {}
-        for lid in memory.layer_ids:
-            store = memory.stores[lid]
-            n_cols = self.sharded[lid].local_columns if lid in self.sharded else memory.hasher.layout.n_cols
-            self.rows_buf[lid] = torch.zeros(n_rows, 1, n_cols, store.head_dim, dtype=torch.bfloat16, device=device)
-
-    def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, delay_cycles: int = 0) -> None:
-        """Hash the step's tokens (updating history), then gather the rows on the side stream."""
-        memory = self.memory
-        self.row_ids_all = memory.hasher.decode(memory.history, slots, ids, valid=valid)[:, None]   # [B, 1, L, C]
-        main = torch.cuda.current_stream()
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            if delay_cycles:
-                torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
-            for i, lid in enumerate(memory.layer_ids):
-                ids = self.row_ids_all[:, :, i]
-                if lid in self.sharded:
-                    ids = self.sharded[lid].local_ids(ids)
-                memory.gather_into(lid, ids, out=self.rows_buf[lid], max_programs=self.max_programs)
-            self.event.record(self.side)
-        if self.join == "before_step":
-            main.wait_event(self.event)
-
-    def finish(self) -> None:
-        """Join the side branch if no Engram layer did (a graph must end joined)."""
-        torch.cuda.current_stream().wait_event(self.event)
-
-    # The interface `decode_step` reads (as from `condmem.runtime.Prepared`).
-    def row_ids(self, layer_id: int) -> torch.Tensor:
-        return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
-
-    def rows(self, layer_id: int) -> torch.Tensor:
-        if self.join == "at_layer" or layer_id in self.sharded:
-            torch.cuda.current_stream().wait_event(self.event)
-        if layer_id in self.sharded:
-            return self.sharded[layer_id].complete(self.rows_buf[layer_id])
-        return self.rows_buf[layer_id]
 
 
 class GraphedDecoder:
@@ -165,7 +113,7 @@ class GraphedDecoder:
         self.fetch = None
         if memory is not None:
             self.fetch = (StagedRows(memory, n, device, join, fetch_threads) if fetch == "staged"
-                          else _GraphRows(memory, n, device, join, fetch_programs))
+                          else ZeroCopyRows(memory, n, device, join, fetch_programs))
         try:
             self._capture(device, warmup)
         except BaseException:

@@ -28,6 +28,7 @@ import os
 import torch
 
 from condmem import native
+from condmem.models.decode_fetch import SideBranchRows
 from condmem.native.cudart import stream_memops
 from condmem.native.row_server import RowServer, RowServerError
 from condmem.tables.lookup import _rows_from_raw
@@ -52,29 +53,21 @@ def staged_fetch_fits(memory) -> bool:
     return all(getattr(s, "raw", None) is not None and s.raw.device.type == "cpu" for s in memory.stores.values())
 
 
-class StagedRows:
-    """Row ids and rows of every Engram layer in fixed buffers, staged by host threads; the
-    `_GraphRows` interface (`launch`, `finish`, `row_ids`, `rows`)."""
+class StagedRows(SideBranchRows):
+    """Row ids and rows of every Engram layer in fixed buffers, staged by host threads."""
 
     def __init__(self, memory, n_rows: int, device, join: str, threads: int | None = None):
         memops = stream_memops()
         if memops is None:
             raise RowServerError("the CUDA driver's stream memory operations (cuStreamWaitValue32) are "
                                  "unavailable: use the zero-copy fetch")
+        super().__init__(memory, device, join)
         self.memops = memops
-        self.memory = memory
-        self.join = join
-        self.layer_ids = list(memory.layer_ids)
-        self.sharded = memory.sharded or {}
-        widths = {self.sharded[lid].local_columns if lid in self.sharded else memory.hasher.layout.n_cols
-                  for lid in self.layer_ids}
+        widths = {self.columns(lid) for lid in self.layer_ids}
         if len(widths) != 1:
             raise ValueError(f"a staged fetch needs every layer's columns of one width on this rank, got {widths}")
         self.n_cols = widths.pop()
-        self.side = torch.cuda.Stream(device, priority=-1)     # the fetch is on the critical path
-        self.events = [torch.cuda.Event() for _ in self.layer_ids]
         self.replayed = torch.cuda.Event()   # recorded after each replay: `close` waits for it
-        self.row_ids_all: torch.Tensor | None = None
         tables, self.formats = [], []
         for lid in self.layer_ids:
             store = memory.stores[lid]
@@ -89,7 +82,7 @@ class StagedRows:
         self.server = RowServer(tables, n_ids, threads=threads or default_threads()).start()
         self.ids_dev = torch.zeros(len(self.layer_ids), n_rows, self.n_cols, dtype=torch.long, device=device)
         self.local = torch.arange(n_ids, device=device).view(n_rows, 1, self.n_cols)
-        self.rows_buf, self.raw_dev = {}, {}
+        self.raw_dev = {}
         for lid, table, (fmt, head_dim) in zip(self.layer_ids, tables, self.formats):
             rows = torch.zeros(n_rows, 1, self.n_cols, head_dim, dtype=torch.bfloat16, device=device)
             self.rows_buf[lid] = rows
@@ -97,47 +90,21 @@ class StagedRows:
             self.raw_dev[lid] = (rows.view(torch.uint8).view(n_ids, table.shape[1]) if fmt == "bf16"
                                  else torch.zeros(n_ids, table.shape[1], dtype=torch.uint8, device=device))
 
-    def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, delay_cycles: int = 0) -> None:
-        """Hash the step's tokens (updating history), then ask the host for the rows on the side stream."""
-        memory, server, memops = self.memory, self.server, self.memops
-        self.row_ids_all = memory.hasher.decode(memory.history, slots, ids, valid=valid)[:, None]   # [B, 1, L, C]
-        main = torch.cuda.current_stream()
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            if delay_cycles:
-                torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
-            for i, lid in enumerate(self.layer_ids):
-                ids = self.row_ids_all[:, :, memory.hasher.layer_index(lid)]
-                if lid in self.sharded:
-                    ids = self.sharded[lid].local_ids(ids)     # this rank's columns, in its own rows
-                self.ids_dev[i].copy_(ids[:, 0])
-            server.ids.copy_(self.ids_dev.view(len(self.layer_ids), -1), non_blocking=True)
-            memops.write(self.side, server.request.data_ptr(), 1)
-            for i, lid in enumerate(self.layer_ids):
-                done = server.done.data_ptr() + 4 * i
-                memops.wait(self.side, done, 1)
-                self.raw_dev[lid].copy_(server.staging[i], non_blocking=True)
-                memops.write(self.side, done, 0)
-                fmt, head_dim = self.formats[i]
-                if fmt != "bf16":
-                    _rows_from_raw(self.local, self.raw_dev[lid], fmt, head_dim, out=self.rows_buf[lid])
-                self.events[i].record(self.side)
-        if self.join == "before_step":
-            main.wait_event(self.events[-1])
-
-    def finish(self) -> None:
-        """Join the side branch if no Engram layer did (a graph must end joined)."""
-        torch.cuda.current_stream().wait_event(self.events[-1])
-
-    def row_ids(self, layer_id: int) -> torch.Tensor:
-        return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
-
-    def rows(self, layer_id: int) -> torch.Tensor:
-        if self.join == "at_layer" or layer_id in self.sharded:
-            torch.cuda.current_stream().wait_event(self.events[self.layer_ids.index(layer_id)])
-        if layer_id in self.sharded:
-            return self.sharded[layer_id].complete(self.rows_buf[layer_id])
-        return self.rows_buf[layer_id]
+    def _fetch(self, ids_by_layer: dict[int, torch.Tensor]) -> None:
+        server, memops = self.server, self.memops
+        for i, ids in enumerate(ids_by_layer.values()):
+            self.ids_dev[i].copy_(ids[:, 0])
+        server.ids.copy_(self.ids_dev.view(len(self.layer_ids), -1), non_blocking=True)
+        memops.write(self.side, server.request.data_ptr(), 1)
+        for i, lid in enumerate(self.layer_ids):
+            done = server.done.data_ptr() + 4 * i
+            memops.wait(self.side, done, 1)
+            self.raw_dev[lid].copy_(server.staging[i], non_blocking=True)
+            memops.write(self.side, done, 0)
+            fmt, head_dim = self.formats[i]
+            if fmt != "bf16":
+                _rows_from_raw(self.local, self.raw_dev[lid], fmt, head_dim, out=self.rows_buf[lid])
+            self.events[lid].record()
 
     def check(self) -> None:
         """Refuse to go on once the host was asked for ids outside a table (`RowServerError`)."""
