@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from condmem.ops.pdl import dependent_launch, dependent_launch_wait
 from condmem.ops.triton_util import interpreting, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -69,8 +68,7 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
                          KN, VN, COS, SIN, skn_b, skn_h, svn_b, svn_h, scos,
                          REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-                         ROPE: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch_wait(PDL)
+                         ROPE: tl.constexpr):
     # Offsets into the pool in int32 unless the pool has 2**31 elements or more (OFF64): the
     # address arithmetic of a [BLOCK_N, D] tile is a visible share of this kernel's time.
     b = tl.program_id(0)
@@ -145,8 +143,7 @@ def _store_normalized(O, acc, l, offsets, mask):
 
 @triton.jit
 def _decode_combine_kernel(PO, PML, O, LENS, so_b, so_h, split_len, n_splits, n_heads, S_P: tl.constexpr,
-                           D: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch_wait(PDL)
+                           D: tl.constexpr, DP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     limit = tl.maximum(tl.cdiv(tl.load(LENS + b).to(tl.int32), split_len), 1)
@@ -213,7 +210,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                      cos.stride(0))
     else:
         rope_args = (q, q, q, q, 0, 0, 0, 0, 0)
-    pdl = dependent_launch(q.device)
     _decode_split_kernel[(batch, n_kv, splits)](
         q, k_pool, v_pool, block_table, lengths, out, part_o, part_ml,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
@@ -221,12 +217,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size,
         BLOCK_N=block_n,
         DIRECT=splits == 1, IEEE=ieee, OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31, ROPE=rope is not None,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, lengths, out.stride(0), out.stride(1),
                                                  split_len, splits, n_heads, S_P=next_pow2(splits), D=head_dim,
-                                                 DP=max(16, next_pow2(head_dim)), PDL=pdl, num_warps=1,
-                                                 launch_pdl=pdl)
+                                                 DP=max(16, next_pow2(head_dim)), num_warps=1)
     return out
 
 
@@ -234,8 +229,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 def _prefill_kernel(Q, K, V, BT, CU, STARTS, O,
                     sq_n, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_n, so_h, scale_log2,
                     REP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch_wait(PDL)
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     mb = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -283,14 +277,13 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     if n == 0 or batch == 0 or max_q_len == 0:
         return out
     block_m, block_n = (64, 64) if not interpreting() else (16, 16)
-    pdl = dependent_launch(q.device)
     _prefill_kernel[(-(-max_q_len // block_m), batch, n_heads)](
         q, k_pool, v_pool, block_table, cu_seqlens, starts, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E,
         REP=n_heads // n_kv, D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl)
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out
 
 
@@ -298,8 +291,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 def _rope_store_kernel(Q, K, V, COS, SIN, POS, SLOT, VALID, BT, KP, VP, QO,
                        sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, scos, sbt_b, sp_blk, sp_pos, sp_h, sqo_n, sqo_h,
                        H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BS: tl.constexpr,
-                       H_P: tl.constexpr, KV_P: tl.constexpr, HAS_VALID: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch_wait(PDL)
+                       H_P: tl.constexpr, KV_P: tl.constexpr, HAS_VALID: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + n)
     j = tl.arange(0, HALF_P)
@@ -343,11 +335,10 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     if n == 0:
         return q_rot
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.stride(1) == 1
-    pdl = dependent_launch(q.device)
     _rope_store_kernel[(n,)](
         q, k, v, cos, sin, pos, slot_of, valid if valid is not None else pos, block_table, k_pool, v_pool, q_rot,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         block_table.stride(0), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), q_rot.stride(0),
         q_rot.stride(1), H=n_heads, KV=n_kv, HALF=head_dim // 2, HALF_P=next_pow2(head_dim // 2), BS=k_pool.shape[1], H_P=next_pow2(n_heads),
-        KV_P=next_pow2(n_kv), HAS_VALID=valid is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        KV_P=next_pow2(n_kv), HAS_VALID=valid is not None, num_warps=4)
     return q_rot

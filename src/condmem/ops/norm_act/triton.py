@@ -6,13 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
-from condmem.ops.pdl import dependent_launch, dependent_launch_wait
 from condmem.ops.triton_util import next_pow2
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, XO, Y, D, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch_wait(PDL)
+def _rms_norm_kernel(X, R, W, XO, Y, D, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -35,16 +33,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     x_out = torch.empty_like(x) if residual is not None else x
     if rows:
         res = residual.contiguous() if residual is not None else x
-        pdl = dependent_launch(x.device)
         _rms_norm_kernel[(rows,)](x, res, weight, x_out, y, dim, eps, BLOCK=next_pow2(dim),
-                                  HAS_RES=residual is not None, PDL=pdl, num_warps=4 if dim <= 4096 else 8,
-                                  launch_pdl=pdl)
+                                  HAS_RES=residual is not None, num_warps=4 if dim <= 4096 else 8)
     return y if residual is None else (x_out, y)
 
 
 @triton.jit
-def _silu_mul_kernel(A, B, O, cols, sa, sb, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    dependent_launch_wait(PDL)
+def _silu_mul_kernel(A, B, O, cols, sa, sb, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < cols
@@ -63,7 +58,6 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows = a2.shape[0]
     if rows and cols:
         block = 1024
-        pdl = dependent_launch(a.device)
         _silu_mul_kernel[(rows, triton.cdiv(cols, block))](a2, b2, out, cols, a2.stride(0), b2.stride(0), BLOCK=block,
-                                                          PDL=pdl, num_warps=4, launch_pdl=pdl)
+                                                          num_warps=4)
     return out
