@@ -44,10 +44,10 @@ DECODE_CASES = [  # (lengths, heads, kv heads, head_dim, block size, blocks per 
     ((0, 1, 33), 8, 2, 32, 8, 5),        # a padding row (no key) beside length 1
     ((17,), 4, 4, 16, 16, 2),            # no grouping
     ((5, 64, 3, 40), 6, 2, 16, 16, 4),   # 3 query heads per KV head (not a power of two)
-    ((3, 21), 4, 1, 80, 8, 3),           # head_dim 80 (the 4B backbone's): read as columns 64 + 16
-    ((9, 30), 4, 2, 48, 8, 4),           # 32 + 16
-    ((12, 1), 2, 1, 112, 4, 3),          # 64 + 48 (the second piece padded to 64)
-    ((6, 19), 4, 2, 24, 4, 5),           # 16 + 8 (padded to 16)
+    ((3, 21), 4, 1, 80, 8, 3),           # head_dim 80 (the 4B backbone's): padded to 128 in the kernel
+    ((9, 30), 4, 2, 48, 8, 4),           # padded to 64
+    ((12, 1), 2, 1, 112, 4, 3),          # padded to 128
+    ((6, 19), 4, 2, 24, 4, 5),           # padded to 32
     ((2, 9), 4, 2, 8, 4, 3),             # head_dim 8: below tl.dot's minimum
 ]
 ROPE_CASES = [c for c in DECODE_CASES if c[3] >= 16]

@@ -62,42 +62,13 @@ def _rotate(x, partner, c, s, lower):
 
 
 @triton.jit
-def _load_q_piece(QROW, d, dm, rmask, COS, SIN, at, scos, D: tl.constexpr, ROPE: tl.constexpr):
-    """Columns `d` of the query heads' rows [REP_P, len(d)]; rotated for position `at` when ROPE
-    (the partner column of each lies in either piece, so it is loaded by address)."""
-    mask = rmask[:, None] & dm[None, :]
-    q = tl.load(QROW + d[None, :], mask=mask, other=0.0)
-    if ROPE:
-        half = D // 2
-        lower = d < half
-        partner = tl.where(lower, d + half, d - half)
-        c = tl.load(COS + at * scos + d % half, mask=dm, other=0.0)
-        sn = tl.load(SIN + at * scos + d % half, mask=dm, other=0.0)
-        qp = tl.load(QROW + partner[None, :], mask=mask, other=0.0)
-        q = _rotate(q.to(tl.float32), qp.to(tl.float32), c[None, :], sn[None, :], lower[None, :]).to(
-            QROW.dtype.element_ty)
-    return q
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a.to(b.dtype), b)
-
-
-@triton.jit
 def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
                          sq_b, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_b, so_h,
                          split_len, n_splits, n_heads, scale_log2,
                          KN, VN, COS, SIN, skn_b, skn_h, svn_b, svn_h, scos,
-                         REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                         DL: tl.constexpr, DH: tl.constexpr, BS: tl.constexpr,
+                         REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
                          ROPE: tl.constexpr):
-    # The head dimension is read as two power-of-two pieces, columns [0, DL) and [DL, DL + DH)
-    # (DH = 0: one piece), so a head dimension such as 80 (64 + 16) loads and stages no padding
-    # columns: the staged tiles are what limits how many loads a multiprocessor keeps in flight.
     # Offsets into the pool in int32 unless the pool has 2**31 elements or more (OFF64): the
     # address arithmetic of a [BLOCK_N, D] tile is a visible share of this kernel's time.
     b = tl.program_id(0)
@@ -111,32 +82,27 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
         start = s * split_len
         end = tl.minimum(start + split_len, length)
         r = tl.arange(0, REP_P)
+        d = tl.arange(0, DP)
+        dm = d < D
         heads = kvh * REP + r
         rmask = r < REP
         b64 = b.to(tl.int64)
-        qrow = Q + b64 * sq_b + heads[:, None] * sq_h
-        at = tl.maximum(length - 1, 0)
-        dl = tl.arange(0, DL)
-        dlm = dl < D
-        q_lo = _load_q_piece(qrow, dl, dlm, rmask, COS, SIN, at, scos, D, ROPE)
-        acc_lo = tl.zeros([REP_P, DL], tl.float32)
-        if DH > 0:
-            dh = DL + tl.arange(0, DH)
-            dhm = dh < D
-            q_hi = _load_q_piece(qrow, dh, dhm, rmask, COS, SIN, at, scos, D, ROPE)
-            acc_hi = tl.zeros([REP_P, DH], tl.float32)
+        qmask = rmask[:, None] & dm[None, :]
+        q = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
         if ROPE:
-            # The new token sits at position length - 1: the split that holds that position rotates
-            # the token's key and stores it and its value into the cache before reading its keys
-            # (one launch instead of a RoPE + store one).
+            # The new token sits at position length - 1: rotate the query here, and the split
+            # that holds that position rotates the token's key and stores it and its value
+            # into the cache before reading its keys (one launch instead of a RoPE + store one).
+            half = D // 2
+            lower = d < half
+            partner = tl.where(lower, d + half, d - half)
+            at = tl.maximum(length - 1, 0)
+            c = tl.load(COS + at * scos + d % half, mask=dm, other=0.0)
+            sn = tl.load(SIN + at * scos + d % half, mask=dm, other=0.0)
+            qp = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + partner[None, :], mask=qmask, other=0.0)
+            q = _rotate(q.to(tl.float32), qp.to(tl.float32), c[None, :], sn[None, :], lower[None, :]).to(
+                Q.dtype.element_ty)
             if (length > 0) & (s == limit - 1):
-                d = tl.arange(0, DP)
-                dm = d < D
-                half = D // 2
-                lower = d < half
-                partner = tl.where(lower, d + half, d - half)
-                c = tl.load(COS + at * scos + d % half, mask=dm, other=0.0)
-                sn = tl.load(SIN + at * scos + d % half, mask=dm, other=0.0)
                 kn = tl.load(KN + b64 * skn_b + kvh * skn_h + d, mask=dm, other=0.0).to(tl.float32)
                 knp = tl.load(KN + b64 * skn_b + kvh * skn_h + partner, mask=dm, other=0.0).to(tl.float32)
                 blk_new = tl.load(BT + b64 * sbt_b + at // BS).to(tl.int64)
@@ -147,6 +113,7 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
             tl.debug_barrier()       # the stores above are read back by this program's key loop
         m = tl.full([REP_P], float("-inf"), tl.float32)
         l = tl.zeros([REP_P], tl.float32)
+        acc = tl.zeros([REP_P, DP], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pm = pos < end
@@ -154,44 +121,18 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
             if OFF64:
                 blk = blk.to(tl.int64)
             off = blk * sk_blk + (pos % BS) * sk_pos + kvh * sk_h
-            k_lo = tl.load(K + off[:, None] + dl[None, :], mask=pm[:, None] & dlm[None, :], other=0.0)
-            v_lo = tl.load(V + off[:, None] + dl[None, :], mask=pm[:, None] & dlm[None, :], other=0.0)
-            sc = _dot(q_lo, tl.trans(k_lo), IEEE)
-            if DH > 0:
-                k_hi = tl.load(K + off[:, None] + dh[None, :], mask=pm[:, None] & dhm[None, :], other=0.0)
-                v_hi = tl.load(V + off[:, None] + dh[None, :], mask=pm[:, None] & dhm[None, :], other=0.0)
-                sc += _dot(q_hi, tl.trans(k_hi), IEEE)
-            sc = tl.where(pm[None, :], sc * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc_lo = acc_lo * alpha[:, None] + _dot(p, v_lo, IEEE)
-            if DH > 0:
-                acc_hi = acc_hi * alpha[:, None] + _dot(p, v_hi, IEEE)
-            m = m_new
-        _store_split(O, PO, PML, acc_lo, m, l, b64, heads, rmask, dl, dlm, s, limit, so_b, so_h, n_splits, n_heads,
-                     D, DIRECT)
-        if DH > 0:
-            _store_split(O, PO, PML, acc_hi, m, l, b64, heads, rmask, dh, dhm, s, limit, so_b, so_h, n_splits,
-                         n_heads, D, DIRECT)
-
-
-@triton.jit
-def _store_split(O, PO, PML, acc, m, l, b64, heads, rmask, d, dm, s, limit, so_b, so_h, n_splits, n_heads,
-                 D: tl.constexpr, DIRECT: tl.constexpr):
-    """One piece of a split's result: the normalized output when the split is the sequence's only
-    one, else the unnormalized partial and (max, sum) for the combine (written with every piece)."""
-    mask = rmask[:, None] & dm[None, :]
-    if DIRECT:
-        _store_normalized(O, acc, l, b64 * so_b + heads[:, None] * so_h + d[None, :], mask)
-    elif limit == 1:
-        _store_normalized(O, acc, l, b64 * so_b + heads[:, None] * so_h + d[None, :], mask)
-    else:
-        base = (b64 * n_heads + heads) * n_splits + s
-        tl.store(PO + base[:, None] * D + d[None, :], acc, mask=mask)
-        tl.store(PML + base * 2, m, mask=rmask)
-        tl.store(PML + base * 2 + 1, l, mask=rmask)
+            k = tl.load(K + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+            v = tl.load(V + off[:, None] + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+            m, l, acc = _online_softmax_step(q, k, v, pm[None, :], m, l, acc, scale_log2, IEEE)
+        if DIRECT:
+            _store_normalized(O, acc, l, b64 * so_b + heads[:, None] * so_h + d[None, :], rmask[:, None] & dm[None, :])
+        elif limit == 1:
+            _store_normalized(O, acc, l, b64 * so_b + heads[:, None] * so_h + d[None, :], rmask[:, None] & dm[None, :])
+        else:
+            base = (b64 * n_heads + heads) * n_splits + s
+            tl.store(PO + base[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
+            tl.store(PML + base * 2, m, mask=rmask)
+            tl.store(PML + base * 2 + 1, l, mask=rmask)
 
 
 @triton.jit
@@ -239,27 +180,16 @@ def decode_splits(batch: int, n_kv: int, max_pos: int, block_n: int, device: tor
     return max(1, min(want, -(-max_pos // block_n), 16))
 
 
-def head_dim_pieces(head_dim: int) -> tuple[int, int]:
-    """The decode kernel's two column pieces of a head: the largest power of two <= head_dim
-    (at least 16, the smallest dot), and the rest padded to a power of two (0 if none)."""
-    lo = 1 << (head_dim.bit_length() - 1)
-    if lo < 16:
-        return 16, 0
-    rest = head_dim - lo
-    return lo, 0 if rest == 0 else max(16, next_pow2(rest))
-
-
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None, n_splits: int | None = None, *,
                            rope: tuple | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2, split_head_dim: bool = True) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """Triton launcher of `condmem.ops.attention.paged_decode_attention` (same contract), and with
     ``rope=(k, v, cos, sin)`` of `decode_attention_rope_store` (q unrotated); `block_n`
     (positions a loop step), `num_warps` and `num_stages` for tuning sweeps."""
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_pool.shape
     rep = n_heads // n_kv
-    lo, hi = head_dim_pieces(head_dim) if split_head_dim else (max(16, next_pow2(head_dim)), 0)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     block_n = block_n or (64 if not interpreting() else 16)
     max_pos = block_table.shape[1] * block_size
@@ -284,8 +214,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q, k_pool, v_pool, block_table, lengths, out, part_o, part_ml,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), split_len, splits, n_heads, scale * LOG2E, *rope_args,
-        REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)),
-        DL=lo, DH=hi, BS=block_size, BLOCK_N=block_n,
+        REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size,
+        BLOCK_N=block_n,
         DIRECT=splits == 1, IEEE=ieee, OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31, ROPE=rope is not None,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
