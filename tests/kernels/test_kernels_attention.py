@@ -58,33 +58,15 @@ ROPE_CASES = [c for c in DECODE_CASES if c[3] >= 16]
 @pytest.mark.parametrize("lengths,heads,n_kv,head_dim,block_size,max_blocks", DECODE_CASES,
                          ids=[f"len{'-'.join(map(str, c[0]))}_h{c[1]}kv{c[2]}hd{c[3]}" for c in DECODE_CASES])
 @pytest.mark.parametrize("n_splits", [1, 3], ids=["one-split", "three-splits"])
-@pytest.mark.parametrize("in_split", [False, True], ids=["combine-launch", "combine-in-split"])
-def test_decode_kernel_matches_reference(device, lengths, heads, n_kv, head_dim, block_size, max_blocks, n_splits,
-                                         in_split):
-    """Against the reference; with a counters workspace the last split of each (sequence, KV
-    head) combines the splits inside the split kernel, and the counters are left zero."""
+def test_decode_kernel_matches_reference(device, lengths, heads, n_kv, head_dim, block_size, max_blocks, n_splits):
     batch = len(lengths)
     k, v, table = _paged_cache(batch, max_blocks, block_size, n_kv, head_dim, device, torch.float32)
     q = torch.randn(batch, heads, head_dim, generator=torch.Generator().manual_seed(1)).to(device)
     n = torch.tensor(lengths, device=device)
-    counters = torch.zeros(batch * n_kv + 3, dtype=torch.int32, device=device) if in_split else None
     want = paged_decode_attention_ref(q, k, v, table, n)
-    got = paged_decode_attention(q, k, v, table, n, n_splits=n_splits, counters=counters, backend="triton")
+    got = paged_decode_attention(q, k, v, table, n, n_splits=n_splits, backend="triton")
     assert_close("decode", want, got, atol=2e-5, rtol=2e-5)
     assert torch.equal(got[n == 0], torch.zeros_like(got[n == 0])), "a row with no key must be zeros"
-    if in_split:
-        assert not counters.any(), "the counters are left zero for the next launch"
-
-
-@needs_kernels
-def test_decode_counters_of_the_wrong_kind_are_refused():
-    """A counters workspace that is too small, or not int32, is refused by name before any launch."""
-    k, v, table = _paged_cache(2, 3, 4, 2, 16, DEVICES[0], torch.float32)
-    q = torch.randn(2, 4, 16).to(DEVICES[0])
-    n = torch.tensor([9, 12], device=DEVICES[0])
-    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):
-        with pytest.raises(ValueError, match="counters must be int32"):
-            paged_decode_attention(q, k, v, table, n, n_splits=3, counters=bad.to(DEVICES[0]), backend="triton")
 
 
 def test_decode_reference_equals_dense_masked_attention():
@@ -169,9 +151,8 @@ def test_rope_store_matches_reference(device, with_valid, head_dim):
 @pytest.mark.parametrize("lengths,heads,n_kv,head_dim,block_size,max_blocks", ROPE_CASES,
                          ids=[f"len{'-'.join(map(str, c[0]))}_h{c[1]}kv{c[2]}hd{c[3]}" for c in ROPE_CASES])
 @pytest.mark.parametrize("n_splits", [1, 3], ids=["one-split", "three-splits"])
-@pytest.mark.parametrize("in_split", [False, True], ids=["combine-launch", "combine-in-split"])
 def test_decode_with_rope_and_store_matches_rope_store_then_decode(device, lengths, heads, n_kv, head_dim,
-                                                                   block_size, max_blocks, n_splits, in_split):
+                                                                   block_size, max_blocks, n_splits):
     """One launch: the new token's q and k rotated at position length - 1, k and v stored there
     (a row of length 0 stores nothing), then attention: the pools and the output as the
     reference's rope_store followed by its decode attention."""
@@ -190,11 +171,7 @@ def test_decode_with_rope_and_store_matches_rope_store_then_decode(device, lengt
     q_rot = rope_store_ref(q, k, v, cos, sin, (n - 1).clamp(min=0), torch.arange(batch, device=device), table,
                            *pools_ref, n > 0)
     want = paged_decode_attention_ref(q_rot, *pools_ref, table, n)
-    counters = torch.zeros(batch * n_kv, dtype=torch.int32, device=device) if in_split else None
-    got = kernels.paged_decode_attention(q, k_pool, v_pool, table, n, None, n_splits, rope=(k, v, cos, sin),
-                                         counters=counters)
-    if in_split:
-        assert not counters.any()
+    got = kernels.paged_decode_attention(q, k_pool, v_pool, table, n, None, n_splits, rope=(k, v, cos, sin))
     assert_close("k pool", pools_ref[0], k_pool, atol=1e-6)
     assert torch.equal(pools_ref[1], v_pool), "v stored where the reference stores it, nowhere else"
     assert_close("decode with rope + store", want, got, atol=2e-5, rtol=2e-5)
@@ -320,33 +297,3 @@ def test_bf16_decode_with_rope_and_store_at_model_size_and_under_a_cuda_graph(he
     graph.replay()
     assert torch.equal(out, kernels.paged_decode_attention(q, k_pool, v_pool, table, static_len,
                                                            rope=(k, v, cos, sin)))
-
-
-@cuda_kernels
-@pytest.mark.parametrize("head_dim", [80, 128], ids=["hd80", "hd128"])
-def test_bf16_decode_combined_in_split_equals_the_combine_launch_at_model_size(head_dim):
-    """The splits combined by the last split to finish (counters workspace) against the combine
-    launch: within rounding of each other, the same bits on every graph replay (the combine
-    reads the splits in order, whichever finishes last), and the counters zero after each replay."""
-    from condmem.ops.attention import triton as kernels
-
-    batch, max_len, heads, n_kv, block_size = 128, 2048, 32, 8, 16
-    k_pool, v_pool, table = _paged_cache(batch, max_len // block_size, block_size, n_kv, head_dim, "cuda",
-                                         torch.bfloat16)
-    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    counters = torch.zeros(batch * n_kv, dtype=torch.int32, device="cuda")
-    lengths = torch.randint(1, max_len + 1, (batch,), device="cuda")
-    kernels.paged_decode_attention(q, k_pool, v_pool, table, lengths, counters=counters)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kernels.paged_decode_attention(q, k_pool, v_pool, table, lengths, counters=counters)
-    for trial in range(20):
-        lengths.copy_(torch.randint(0 if trial % 2 else 1, max_len + 1, (batch,), device="cuda"))
-        graph.replay()
-        first = out.clone()
-        graph.replay()
-        assert torch.equal(first, out), "a replay gives the same bits"
-        assert not counters.any()
-        want = kernels.paged_decode_attention(q, k_pool, v_pool, table, lengths)
-        assert_close("combined in split", want.float(), out.float(), atol=1e-2, rtol=1e-2)
-        assert torch.equal(out[lengths == 0], torch.zeros_like(out[lengths == 0]))

@@ -66,8 +66,6 @@ class ServingCache:
         self.k_pool = [torch.zeros(shape, device=device, dtype=dtype).transpose(1, 2) for _ in model.blocks]
         self.v_pool = [torch.zeros(shape, device=device, dtype=dtype).transpose(1, 2) for _ in model.blocks]
         self.block_table = torch.arange(n_slots * per_slot, dtype=torch.int32, device=device).view(n_slots, per_slot)
-        # The decode attention's split counters (zeros between launches; layers run one at a time).
-        self.attn_counters = torch.zeros(n_slots * n_kv, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(n_slots, dtype=torch.long, device=device)
         self.host_lengths = [0] * n_slots
         self.tokens = torch.zeros(n_slots, self.max_len, dtype=torch.long, device=device)
@@ -339,7 +337,7 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
     def attend(i, q, k, v):
         # Row b's new token at position n_keys[b] - 1 = at[b]: rotated, stored, attended in one launch.
         return decode_attention_rope_store(q, k, v, model.rotary.cos, model.rotary.sin, cache.k_pool[i],
-                                           cache.v_pool[i], table, n_keys, counters=cache.attn_counters)
+                                           cache.v_pool[i], table, n_keys)
 
     layer_slot = 0
     for i, block in enumerate(model.blocks):

@@ -45,7 +45,7 @@ def _backend(backend: str | None, q: torch.Tensor, what: str) -> str:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                            lengths: torch.Tensor, *, scale: float | None = None, n_splits: int | None = None,
-                           counters: torch.Tensor | None = None, backend: str | None = "auto") -> torch.Tensor:
+                           backend: str | None = "auto") -> torch.Tensor:
     """One query per sequence over the first ``lengths[b]`` keys of its paged cache.
 
     Args:
@@ -56,10 +56,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         scale: softmax scale, default 1/sqrt(D).
         n_splits: splits of the positions per (sequence, KV head) (Triton; default: enough
             programs to fill the GPU).
-        counters: optional int32 workspace of >= B * KV zeros on q's device, owned by the
-            caller and left zero (Triton): the last split of each (sequence, KV head) to
-            finish combines the splits, so one launch does what otherwise takes two. One
-            launch at a time may use a given workspace (`ServingCache` keeps one).
 
     Returns:
         [B, H, D] in q's dtype.
@@ -69,20 +65,19 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return reference.paged_decode_attention_ref(q, k_pool, v_pool, block_table, lengths, scale)
     from condmem.ops.attention import triton as kernels
 
-    return kernels.paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale, n_splits,
-                                          counters=counters)
+    return kernels.paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale, n_splits)
 
 
 def decode_attention_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                 block_table: torch.Tensor, lengths: torch.Tensor, *, scale: float | None = None,
-                                counters: torch.Tensor | None = None, backend: str | None = "auto") -> torch.Tensor:
+                                backend: str | None = "auto") -> torch.Tensor:
     """A decode step's attention with its RoPE and cache store: row b's new token sits at
     position ``lengths[b] - 1``; its q [B, H, D] and k [B, KV, D] are rotated by that position's
     angle, k and v stored there (rows with ``lengths[b] == 0`` store nothing and return zeros),
     then the rotated q attends to the first ``lengths[b]`` keys. The same numbers as `rope_store`
     (pos ``lengths - 1``, block-table row b) followed by `paged_decode_attention`, in one
-    launch on CUDA (with `counters`, as there).
+    launch on CUDA.
     """
     _check_pools(k_pool, v_pool, "decode_attention_rope_store")
     if _backend(backend, q, "decode_attention_rope_store") == "torch":
@@ -93,8 +88,7 @@ def decode_attention_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return reference.paged_decode_attention_ref(q_rot, k_pool, v_pool, block_table, lengths, scale)
     from condmem.ops.attention import triton as kernels
 
-    return kernels.paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale, rope=(k, v, cos, sin),
-                                          counters=counters)
+    return kernels.paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale, rope=(k, v, cos, sin))
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,

@@ -68,7 +68,7 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
                          KN, VN, COS, SIN, skn_b, skn_h, svn_b, svn_h, scos,
                          REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-                         ROPE: tl.constexpr, CNT, COMBINE: tl.constexpr):
+                         ROPE: tl.constexpr):
     # Offsets into the pool in int32 unless the pool has 2**31 elements or more (OFF64): the
     # address arithmetic of a [BLOCK_N, D] tile is a visible share of this kernel's time.
     b = tl.program_id(0)
@@ -133,46 +133,12 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
             tl.store(PO + base[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
             tl.store(PML + base * 2, m, mask=rmask)
             tl.store(PML + base * 2 + 1, l, mask=rmask)
-            if COMBINE:
-                # The last of the sequence's splits to finish combines them (no second launch):
-                # a counter per (sequence, KV head), counted up with release/acquire ordering
-                # after this program's partials are written, and put back to zero by that last one.
-                tl.debug_barrier()
-                cnt = CNT + b64 * tl.num_programs(1) + kvh
-                if tl.atomic_add(cnt, 1, sem="acq_rel") == limit - 1:
-                    tl.atomic_xchg(cnt, 0)
-                    _combine_group(PO, PML, O, b64, heads, rmask, d, dm, so_b, so_h, limit, n_splits, n_heads, D, REP_P,
-                                   DP)
 
 
 @triton.jit
 def _store_normalized(O, acc, l, offsets, mask):
     out = acc / tl.maximum(l, 1e-30)[:, None]            # no key (length 0): zeros
     tl.store(O + offsets, out.to(O.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _combine_group(PO, PML, O, b64, heads, rmask, d, dm, so_b, so_h, limit, n_splits, n_heads, D: tl.constexpr,
-                   REP_P: tl.constexpr, DP: tl.constexpr):
-    """The output of a KV head's query heads from the partials of splits 0..limit-1 (a running
-    max over the splits, as the online softmax), read past L1 since other programs wrote them."""
-    top = tl.full([REP_P], float("-inf"), tl.float32)
-    denom = tl.zeros([REP_P], tl.float32)
-    acc = tl.zeros([REP_P, DP], tl.float32)
-    mask = rmask[:, None] & dm[None, :]
-    for t in range(0, limit):
-        base = (b64 * n_heads + heads) * n_splits + t
-        m = tl.load(PML + base * 2, mask=rmask, other=0.0, cache_modifier=".cg")
-        l = tl.load(PML + base * 2 + 1, mask=rmask, other=0.0, cache_modifier=".cg")
-        part = tl.load(PO + base[:, None] * D + d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-        new_top = tl.maximum(top, m)
-        old_w = tl.exp2(top - new_top)
-        w = tl.exp2(m - new_top)
-        denom = denom * old_w + l * w
-        acc = acc * old_w[:, None] + part * w[:, None]
-        top = new_top
-    out = acc / tl.maximum(denom, 1e-30)[:, None]
-    tl.store(O + b64 * so_b + heads[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -217,10 +183,9 @@ def decode_splits(batch: int, n_kv: int, max_pos: int, block_n: int, device: tor
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                            lengths: torch.Tensor, scale: float | None = None, n_splits: int | None = None, *,
                            rope: tuple | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2, counters: torch.Tensor | None = None) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """Triton launcher of `condmem.ops.attention.paged_decode_attention` (same contract), and with
-    ``rope=(k, v, cos, sin)`` of `decode_attention_rope_store` (q unrotated); with `counters`
-    (int32, >= B * KV zeros, left zero) the splits are combined inside the split kernel; `block_n`
+    ``rope=(k, v, cos, sin)`` of `decode_attention_rope_store` (q unrotated); `block_n`
     (positions a loop step), `num_warps` and `num_stages` for tuning sweeps."""
     batch, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_pool.shape
@@ -233,11 +198,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     splits = -(-max_pos // split_len)
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
-    combine_inside = counters is not None and splits > 1
-    if counters is not None and (counters.dtype != torch.int32 or counters.numel() < batch * n_kv
-                                 or counters.device != q.device):
-        raise ValueError(f"counters must be int32 with >= {batch * n_kv} elements on {q.device}, "
-                         f"got {counters.dtype} [{counters.numel()}] on {counters.device}")
     if splits == 1:
         part_o = part_ml = out
     else:
@@ -257,8 +217,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size,
         BLOCK_N=block_n,
         DIRECT=splits == 1, IEEE=ieee, OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31, ROPE=rope is not None,
-        CNT=counters if combine_inside else lengths, COMBINE=combine_inside, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1 and not combine_inside:
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
         _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, lengths, out.stride(0), out.stride(1),
                                                  split_len, splits, n_heads, S_P=next_pow2(splits), D=head_dim,
                                                  DP=max(16, next_pow2(head_dim)), num_warps=1)
