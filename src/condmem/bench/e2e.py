@@ -72,7 +72,6 @@ from condmem.models.transformer import DecoderLM
 from condmem.runtime import EngramMemory
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import LayerRows
-from condmem.utils.host_copy import to_device
 from condmem.utils.plotting import pyplot
 
 log = logging.getLogger("condmem.bench")
@@ -264,7 +263,7 @@ class Server:
                 alive.append(prepared)
             logits = prefill_packed(self.model, self.cache, [slots[i] for i in members],
                                     [prompts[i][1] for i in members], prepared=prepared)
-            out[to_device(torch.tensor(members), self.device), 0] = logits.argmax(-1)
+            out[torch.tensor(members, device=self.device), 0] = logits.argmax(-1)
         if self.memory is not None and self.memory.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.memory.stream)   # histories, for decode
         t_prefill = timer.lap()

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from condmem.models.transformer import DecoderLM, engram_update
 from condmem.ops.attention import decode_attention_rope_store, paged_prefill_attention, rope_store
 from condmem.ops.norm_act import rms_norm, silu_mul
-from condmem.utils.host_copy import to_device
 
 
 class ServingCache:
@@ -395,32 +394,29 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
             raise ValueError(f"slot {s}: a chunk of {n} tokens at position {st} does not fit {cache.max_len} positions")
     keep = lengths if n_commit is None else [max(0, min(int(k), n)) for k, n in zip(n_commit, lengths)]
     device = cache.tokens.device
-    ids = to_device(torch.cat([c.reshape(-1) for c in chunks]), device)
+    ids = torch.cat([c.reshape(-1) for c in chunks]).to(device)
     cu = [0]
     for length in lengths:
         cu.append(cu[-1] + length)
     # Host-side layout of the packed batch, sent in one copy: per token its slot and position,
-    # per chunk its boundaries, start, slot and new length.
+    # per chunk its boundaries, start and slot.
     host = torch.cat([torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)),
                       torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)]),
-                      torch.tensor(cu), torch.tensor(starts), torch.tensor(slots),
-                      torch.tensor([st + k for st, k in zip(starts, keep)])])
+                      torch.tensor(cu), torch.tensor(starts), torch.tensor(slots)])
     n, batch = len(ids), len(chunks)
-    meta = to_device(host, device)          # pinned: the host does not wait for the GPU's queue
+    meta = host.to(device, non_blocking=True)
     slot_of, pos = meta[:n], meta[n : 2 * n]
     cu_dev = meta[2 * n : 2 * n + batch + 1].to(torch.int32)
     starts_dev = meta[2 * n + batch + 1 : 2 * n + 2 * batch + 1].to(torch.int32)
-    slots_dev = meta[2 * n + 2 * batch + 1 : 2 * n + 3 * batch + 1]
-    ends_dev = meta[2 * n + 3 * batch + 1 :]
+    slots_dev = meta[2 * n + 2 * batch + 1 :]
     cache.tokens[slot_of, pos] = ids
     rows_all = None
     if cfg.engram is not None and prepared is None:
         # Each chunk looks back at the N-1 tokens its slot holds before it.
         depth = cfg.engram.max_ngram_size - 1
         back = torch.tensor(starts)[:, None] - torch.arange(depth, 0, -1)[None, :]          # [B, N-1], oldest first
-        back = to_device(back, device)
-        lookback = cache.tokens[slots_dev[:, None], back.clamp(min=0)]
-        lookback = torch.where(back >= 0, lookback, torch.full_like(lookback, -1))
+        lookback = cache.tokens[torch.tensor(slots)[:, None].to(device), back.clamp(min=0).to(device)]
+        lookback = torch.where(back.to(device) >= 0, lookback, torch.full_like(lookback, -1))
         rows_all = model.hasher.hash_ragged(ids, cu_dev, lookback_ids=lookback, check=False)
     table = cache.block_table[slots_dev]
     max_q = max(lengths)
@@ -443,7 +439,8 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
         x = _attention_mlp(block, i, x, attend, model.tp_group)
     for s, st, k in zip(slots, starts, keep):
         cache.host_lengths[s] = st + k
-    cache.lengths[slots_dev] = ends_dev
+    ends = torch.tensor([st + k for st, k in zip(starts, keep)])
+    cache.lengths[slots_dev] = ends.to(device, non_blocking=True)
     if last_only:
         x = x[cu_dev[1:].long() - 1]
     return model.lm_head(rms_norm(x, model.norm.weight, model.norm.eps))

@@ -38,7 +38,6 @@ from condmem.tables.lookup import LookupConfig, LookupEngine, LookupHandle
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows
-from condmem.utils.host_copy import to_device
 
 
 class EngramMemoryError(ValueError):
@@ -392,15 +391,13 @@ class EngramMemory:
             [1, n, n_cols, head_dim] (the flat batch as one packed row).
         """
         dev = self.device
-        # Host tensors go through pinned memory: a pageable copy would make this thread wait for
-        # the GPU's queued work (a prefetch is started while an earlier batch still runs).
-        ids = to_device(input_ids, dev)
-        cu = to_device(cu_seqlens, dev)
-        slot_t = None if slots is None else to_device(torch.as_tensor(slots), dev)
+        ids = input_ids.to(dev, non_blocking=True)
+        cu = cu_seqlens.to(dev, non_blocking=True)
+        slot_t = None if slots is None else torch.as_tensor(slots, device=dev)
         row_ids = self.hasher.hash_ragged(
             ids, cu, history=self.history if slot_t is not None else None, slots=slot_t,
-            lookback_ids=None if lookback_ids is None else to_device(lookback_ids, dev),
-            blocked=None if blocked is None else to_device(blocked, dev), commit=commit)
+            lookback_ids=None if lookback_ids is None else lookback_ids.to(dev, non_blocking=True),
+            blocked=None if blocked is None else blocked.to(dev, non_blocking=True), commit=commit)
         return self._start(row_ids[None])
 
     def commit(self, slots: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -408,9 +405,8 @@ class EngramMemory:
         """After speculative verification, advance each slot by the first ``n_commit[b]``
         tokens of its chunk (the batch given to ``prepare_ragged(..., commit=False)``)."""
         dev = self.device
-        self.hasher.commit(self.history, to_device(torch.as_tensor(slots), dev), to_device(input_ids, dev),
-                           to_device(cu_seqlens, dev), to_device(torch.as_tensor(n_commit), dev),
-                           blocked=None if blocked is None else to_device(blocked, dev))
+        self.hasher.commit(self.history, torch.as_tensor(slots, device=dev), input_ids.to(dev), cu_seqlens.to(dev),
+                           n_commit.to(dev), blocked=None if blocked is None else blocked.to(dev))
 
     def seed(self, slots: torch.Tensor, lookback_ids: torch.Tensor) -> None:
         """A prefix-cache hit: set slots' histories from the token ids before their first
