@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from condmem.bench.harness import event_times_ms
+
 ROW_WORDS = 66          # 264-byte rows (fp8 x 256 + 8 scale bytes), as int32 words
 
 
@@ -127,18 +129,6 @@ class VmmHostBuffer:
         self.cu.cuMemRelease(self.handle)
 
 
-def events_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[1:])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--spans", type=float, nargs="+", default=[0.25, 2.0, 16.0], help="host table GiB")
@@ -160,7 +150,7 @@ def main() -> None:
         for idx in work_idx:
             torch.index_select(hbm, 0, idx, out=work_out)
 
-    base_ms = events_ms(work, args.repeats)
+    base_ms = statistics.median(event_times_ms(work, args.repeats)[1:])
     rows = []
     side = torch.cuda.Stream(dev)
     for span in args.spans:
@@ -188,7 +178,7 @@ def main() -> None:
                     for ids in fetch_ids:
                         fetch(ids)
 
-                row["fetch_ms"] = events_ms(fetch_all, args.repeats) / len(fetch_ids)
+                row["fetch_ms"] = statistics.median(event_times_ms(fetch_all, args.repeats)[1:]) / len(fetch_ids)
 
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 times = []

@@ -94,15 +94,7 @@ def graph_replay_ms(fn: Callable[..., object], arg_sets: list[tuple], launches: 
     with torch.cuda.graph(graph):
         for i in range(launches):
             fn(*arg_sets[i % len(arg_sets)])
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / launches)
-    return statistics.median(times[2:])
+    return statistics.median(t / launches for t in event_times_ms(graph.replay, replays)[2:])
 
 
 def event_times_ms(fn: Callable[[], object], calls: int) -> list[float]:

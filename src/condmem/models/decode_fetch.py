@@ -65,6 +65,21 @@ class SideBranchRows:
         """Join the side branch if no Engram layer did (a graph must end joined)."""
         torch.cuda.current_stream().wait_event(self.events[self.layer_ids[-1]])
 
+    # What `GraphedDecoder` calls around each replay and at the end; a fetch with host-side
+    # state (the staged fetch's threads) overrides them.
+    def check(self) -> None:
+        """Before a replay: raise if the fetch cannot serve it."""
+
+    def replayed(self) -> None:
+        """After a replay was queued."""
+
+    def stats(self) -> dict | None:
+        """Host-side statistics of the fetch, None if it has none."""
+        return None
+
+    def close(self) -> None:
+        """Release what the fetch holds beyond its buffers."""
+
     # The interface `decode_step` reads (as from `condmem.runtime.Prepared`).
     def row_ids(self, layer_id: int) -> torch.Tensor:
         return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]

@@ -63,8 +63,8 @@ class GraphedDecoder:
         fetch: how a memory's rows reach the graph: ``"zero_copy"`` (the GPU reads the tables
             in place), ``"staged"`` (host threads gather them, one DMA per layer; call
             `close()` when done, which stops the threads) or ``"auto"``: staged when every
-            table is in host memory (4B backbone, one 16 GiB table, H200: decode 1.003x the
-            HBM table's tokens/s staged, 0.980x zero-copy), else zero-copy.
+            table is in host memory (4B backbone, one 16 GiB table, H200, 10115c5: decode
+            0.999x the HBM table's tokens/s staged, 0.981x zero-copy), else zero-copy.
         fetch_threads: host threads of a staged fetch (None: `staged_fetch.default_threads`).
 
     Example:
@@ -157,25 +157,25 @@ class GraphedDecoder:
             self._index = torch.tensor(slots, dtype=torch.long).to(self.ids.device)
             self.valid.zero_()
             self.valid[self._index] = True
-        if isinstance(self.fetch, StagedRows):
-            self.fetch.check()          # the host threads run, and no step asked for ids outside a table
+        if self.fetch is not None:
+            self.fetch.check()          # a staged fetch: its threads run, no step asked for ids outside a table
         index = self._index
         self.ids[index] = ids.to(self.ids.device)
         self.graph.replay()
-        if isinstance(self.fetch, StagedRows):
-            self.fetch.replayed.record()
+        if self.fetch is not None:
+            self.fetch.replayed()
         self.cache.advance(slots)
         return self.logits[index]
 
     def fetch_stats(self) -> dict | None:
         """A staged fetch's host side: steps served, ids outside a table, host time per step
         (``mean_us``, ``max_us``: request seen -> last layer staged); None for other fetches."""
-        return self.fetch.stats() if isinstance(self.fetch, StagedRows) else None
+        return self.fetch.stats() if self.fetch is not None else None
 
     def close(self) -> None:
         """Stop a staged fetch's host threads (after the GPU took every step's rows); the
         decoder cannot step after it. Nothing to do for other fetches."""
-        if isinstance(self.fetch, StagedRows):
+        if self.fetch is not None:
             self.fetch.close()
 
     def __enter__(self) -> GraphedDecoder:

@@ -50,7 +50,13 @@ def staged_fetch_fits(memory) -> bool:
         return False
     if not native.available() or stream_memops() is None:
         return False
-    return all(getattr(s, "raw", None) is not None and s.raw.device.type == "cpu" for s in memory.stores.values())
+    return all(_cpu_rows(s) is not None for s in memory.stores.values())
+
+
+def _cpu_rows(store) -> torch.Tensor | None:
+    """A store's raw rows when the CPU holds them (host memory or a memory-mapped file), else None."""
+    raw = getattr(store, "raw", None)
+    return raw if raw is not None and raw.device.type == "cpu" else None
 
 
 class StagedRows(SideBranchRows):
@@ -67,13 +73,13 @@ class StagedRows(SideBranchRows):
         if len(widths) != 1:
             raise ValueError(f"a staged fetch needs every layer's columns of one width on this rank, got {widths}")
         self.n_cols = widths.pop()
-        self.replayed = torch.cuda.Event()   # recorded after each replay: `close` waits for it
+        self.last_replay = torch.cuda.Event()   # recorded after each replay: `close` waits for it
         tables, self.formats = [], []
         for lid in self.layer_ids:
             store = memory.stores[lid]
-            raw = getattr(store, "raw", None)
-            if raw is None or raw.device.type != "cpu":
-                where = "no in-memory rows" if raw is None else f"rows on {raw.device}"
+            raw = _cpu_rows(store)
+            if raw is None:
+                where = "no in-memory rows" if getattr(store, "raw", None) is None else f"rows on {store.raw.device}"
                 raise ValueError(f"Engram layer {lid}'s store ({store.tier}, {where}) cannot be staged by the "
                                  "CPU: a staged fetch serves host (or memory-mapped) tables")
             tables.append(raw)
@@ -112,6 +118,9 @@ class StagedRows(SideBranchRows):
             raise RowServerError("the staged fetch's row server was stopped: the decoder was closed")
         self.server.check()
 
+    def replayed(self) -> None:
+        self.last_replay.record()
+
     def stats(self) -> dict:
         return self.server.stats()
 
@@ -120,7 +129,7 @@ class StagedRows(SideBranchRows):
         if self.server.running:
             # A replay runs its side branch on the graph's own streams, not `self.side`: wait for
             # the last replay itself, or a queued step would wait forever for stopped threads.
-            self.replayed.synchronize()
+            self.last_replay.synchronize()
             self.side.synchronize()
             self.server.stop()
 
