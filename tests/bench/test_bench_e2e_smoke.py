@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from condmem.bench.e2e import backbone_twin, build_models
+from condmem.bench.e2e import backbone_twin, batch_summary, build_models
 from condmem.cli import main
 
 
@@ -103,3 +104,19 @@ def test_bench_e2e_smoke_tensor_parallel_on_two_gloo_ranks(tmp_path):
     assert [r["variant"] for r in rows] == ["none", "host_sync", "host_prefetch", "none_again"]
     assert all(r["tp_world"] == 2 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[2]["tokens_equal"] is True
+
+
+def test_batch_summary_splits_prefill_time_into_batches_gaps_and_host_queueing():
+    class Event:                      # elapsed_time as a CUDA event gives it, from GPU timestamps
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    # Two waves: batches [0, 10] and [12, 20] ms, then one batch [30, 35] ms.
+    waves = [[(0.004, Event(0), Event(10)), (0.003, Event(12), Event(20))], [(0.001, Event(30), Event(35))], []]
+    got = batch_summary(waves)
+    assert got == pytest.approx({"prefill_batches_gpu_ms": 23, "prefill_between_batches_ms": 2,
+                                 "prefill_queue_host_ms": 8.0})
+    assert batch_summary([]) == {}

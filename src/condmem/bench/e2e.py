@@ -182,11 +182,15 @@ class Server:
 
     def __init__(self, model: DecoderLM, batch: int, max_len: int, memory: EngramMemory | None, mode: str,
                  prefill_tokens: int = 8192, fetch_programs: int | None = None, graphs: bool = True,
-                 fetch: str = "zero_copy", fetch_threads: int = 4):
+                 fetch: str = "zero_copy", fetch_threads: int = 4, measure: bool = False):
         self.model, self.memory, self.mode = model, memory, mode
         self.fetch_log: list = []    # `FetchTiming` of every prompt batch's layers (`--measure-fetch`)
+        # With `measure`, each prompt batch's (host seconds to queue it, CUDA events at its
+        # forward's start and end): `batch_summary` tells GPU time from host-side gaps.
+        self.batch_log: list = []
         self.prefill_tokens = prefill_tokens
         self.device = model.embed.weight.device
+        self.measure = measure and self.device.type == "cuda"
         self.cache = ServingCache(model, n_slots=batch, max_len=max_len)
         self.early = None            # (the next wave's first batch's prompts, its Prepared), fetched during decode
         self.graph = None
@@ -249,7 +253,12 @@ class Server:
                 self._commit(first, [slots[i] for i in groups[0]])
             else:
                 ahead[0] = start(0)
+        wave_log = []
         for g, members in enumerate(groups):
+            if self.measure:
+                queued = time.perf_counter()
+                began = torch.cuda.Event(enable_timing=True)
+                began.record()
             prepared = None
             if self.memory is not None:
                 if self.mode == "prefetch":
@@ -264,6 +273,12 @@ class Server:
             logits = prefill_packed(self.model, self.cache, [slots[i] for i in members],
                                     [prompts[i][1] for i in members], prepared=prepared)
             out[torch.tensor(members, device=self.device), 0] = logits.argmax(-1)
+            if self.measure:
+                ended = torch.cuda.Event(enable_timing=True)
+                ended.record()
+                wave_log.append((time.perf_counter() - queued, began, ended))
+        if self.measure:
+            self.batch_log.append(wave_log)
         if self.memory is not None and self.memory.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.memory.stream)   # histories, for decode
         t_prefill = timer.lap()
@@ -291,6 +306,20 @@ class Server:
             if self.memory is not None:
                 self.memory.free(slot)
         return out, t_prefill, t_decode
+
+
+def batch_summary(waves: list) -> dict:
+    """Where the prefill's wall time went (`Server(measure=True)`), summed over the prompt
+    batches: GPU time from each batch's first to its last queued kernel, GPU time between a
+    batch's end and the next batch's start (the GPU waiting for the host), and host time
+    spent queuing the batches (lookups started, forward launched)."""
+    waves = [w for w in waves if w]
+    if not waves:
+        return {}
+    return {"prefill_batches_gpu_ms": sum(b.elapsed_time(e) for w in waves for _, b, e in w),
+            "prefill_between_batches_ms": sum(w[i][2].elapsed_time(w[i + 1][1]) for w in waves
+                                              for i in range(len(w) - 1)),
+            "prefill_queue_host_ms": 1e3 * sum(q for w in waves for q, _, _ in w)}
 
 
 def fetch_summary(timings: list) -> dict:
@@ -327,6 +356,7 @@ class _Timer:
 def serve_all(server: Server, prompts: list[torch.Tensor], batch: int, gen: int) -> dict:
     staged = server.stage(prompts)
     server.fetch_log.clear()
+    server.batch_log.clear()
     server.early = None
     tokens, t_prefill, t_decode = [], 0.0, 0.0
     for s in range(0, len(prompts), batch):
@@ -342,6 +372,7 @@ def serve_all(server: Server, prompts: list[torch.Tensor], batch: int, gen: int)
             "tokens_per_s": (prompt_tokens + gen_tokens) / total,
             "prefill_tokens_per_s": prompt_tokens / t_prefill,
             **fetch_summary(server.fetch_log),
+            **batch_summary(server.batch_log),
             "decode_tokens_per_s": gen_tokens / max(t_decode, 1e-9)}
 
 
@@ -495,7 +526,8 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     for variant in variants:
         memory = None
         if variant in NO_ENGRAM:
-            server = Server(twin, args.batch, max_len, None, "prefetch", args.prefill_tokens)
+            server = Server(twin, args.batch, max_len, None, "prefetch", args.prefill_tokens,
+                            measure=args.measure_fetch)
         else:
             stores = dict(host_stores)
             if variant == "hbm":
@@ -506,7 +538,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             server = Server(model, args.batch, max_len, memory, "sync" if variant == "host_sync" else "prefetch",
                             args.prefill_tokens, args.fetch_programs, graphs=variant != "host_eager",
                             fetch="staged" if variant == "host_staged" else "zero_copy",
-                            fetch_threads=args.staged_threads)
+                            fetch_threads=args.staged_threads, measure=args.measure_fetch)
         served = twin if variant in NO_ENGRAM else model
         kv_per_token = server.cache.live_kv_bytes([1])
         bounds[variant] = {"decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
@@ -680,6 +712,9 @@ def main(args) -> list[dict]:
                             ("prefill_x_hbm", "prefill x hbm", ".4f"), ("decode_x_hbm", "decode x hbm", ".4f"),
                             ("x_host_eager", "x host eager", ".4f"),
                             ("prefill_fetch_hidden", "fetch hidden", ".3f"),
+                            ("prefill_batches_gpu_ms", "batches GPU ms", ".1f"),
+                            ("prefill_between_batches_ms", "between ms", ".1f"),
+                            ("prefill_queue_host_ms", "queue host ms", ".1f"),
                             ("x_none", "x none", ".4f"), ("x_hbm", "x hbm", ".4f"), ("paper_drop", "paper drop", ".3f"),
                             ("tokens_equal", "same tokens", "")]))
     return rows
@@ -698,8 +733,9 @@ def add_arguments(p) -> None:
                         "default: "
                         + " ".join(DEFAULT_VARIANTS))
     p.add_argument("--measure-fetch", action="store_true",
-                   help="time each prompt batch's fetch against the compute before its Engram layer: the share "
-                        "hidden and the layers' stall, per variant (a few timed CUDA events per layer)")
+                   help="time each prompt batch's fetch against the compute before its Engram layer (the share "
+                        "hidden and the layers' stall), and each batch's forward on the GPU against the gaps "
+                        "between batches and the host time queuing them, per variant (timed CUDA events)")
     p.add_argument("--engram-layers", nargs="+", type=int, default=[1],
                    help="blocks with an Engram layer, each with its own --table-gib table (V4.1-like: 1 14)")
     p.add_argument("--sequences", type=int, default=512, help="prompts in the workload")
