@@ -278,7 +278,8 @@ class Server:
                 alive.append(prepared)
             logits = prefill_packed(self.model, self.cache, [slots[i] for i in members],
                                     [prompts[i][1] for i in members], prepared=prepared)
-            out[torch.tensor(members, device=self.device), 0] = logits.argmax(-1)
+            # The index from the host without a blocking copy (which would wait for the GPU).
+            out[torch.tensor(members).to(self.device, non_blocking=True), 0] = logits.argmax(-1)
             if self.measure:
                 ended = torch.cuda.Event(enable_timing=True)
                 ended.record()

@@ -40,6 +40,19 @@ from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows
 
 
+def _to_device(x, device: torch.device) -> torch.Tensor:
+    """`x` (a tensor, list or int) on `device`, copied from the host without waiting: a blocking
+    copy (``torch.as_tensor(x, device=...)``, ``.to(device)``) holds the host until the GPU has
+    finished everything queued before it, so the next batch's kernels are launched into an
+    idle GPU. A pageable source is staged by the driver before the call returns; a pinned one
+    is copied blocking (the caller may reuse it at once)."""
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if x.device == device:
+        return x
+    return x.to(device, non_blocking=not x.is_pinned())
+
+
 class EngramMemoryError(ValueError):
     """An EngramMemory is used with inputs or slots it cannot serve."""
 
@@ -367,7 +380,7 @@ class EngramMemory:
                 t.record_stream(main)
         if slots is not None:
             # On the caller's stream: decode steps queued there may still read and write these slots.
-            self.hasher.prefill_history(self.history, torch.as_tensor(slots, device=self.device), ids,
+            self.hasher.prefill_history(self.history, _to_device(slots, self.device), ids,
                                         doc_starts=starts, lengths=lengths, check=False)
         return prepared
 
@@ -393,7 +406,7 @@ class EngramMemory:
         dev = self.device
         ids = input_ids.to(dev, non_blocking=True)
         cu = cu_seqlens.to(dev, non_blocking=True)
-        slot_t = None if slots is None else torch.as_tensor(slots, device=dev)
+        slot_t = None if slots is None else _to_device(slots, dev)
         row_ids = self.hasher.hash_ragged(
             ids, cu, history=self.history if slot_t is not None else None, slots=slot_t,
             lookback_ids=None if lookback_ids is None else lookback_ids.to(dev, non_blocking=True),
@@ -405,20 +418,20 @@ class EngramMemory:
         """After speculative verification, advance each slot by the first ``n_commit[b]``
         tokens of its chunk (the batch given to ``prepare_ragged(..., commit=False)``)."""
         dev = self.device
-        self.hasher.commit(self.history, torch.as_tensor(slots, device=dev), input_ids.to(dev), cu_seqlens.to(dev),
-                           n_commit.to(dev), blocked=None if blocked is None else blocked.to(dev))
+        self.hasher.commit(self.history, _to_device(slots, dev), _to_device(input_ids, dev),
+                           _to_device(cu_seqlens, dev), _to_device(n_commit, dev),
+                           blocked=None if blocked is None else _to_device(blocked, dev))
 
     def seed(self, slots: torch.Tensor, lookback_ids: torch.Tensor) -> None:
         """A prefix-cache hit: set slots' histories from the token ids before their first
         uncached token ([B, N-1], oldest first, -1 where the sequence has none)."""
-        self.hasher.seed_history(self.history, torch.as_tensor(slots, device=self.device),
-                                 lookback_ids.to(self.device))
+        self.hasher.seed_history(self.history, _to_device(slots, self.device), _to_device(lookback_ids, self.device))
 
     def prepare_decode(self, slots: torch.Tensor, input_ids: torch.Tensor, *,
                        valid: torch.Tensor | None = None) -> Prepared:
         """Decode: one new token per sequence ([B] ids, [B] slots; `valid` False marks padding rows)."""
-        row_ids = self.hasher.decode(self.history, slots.to(self.device), input_ids.to(self.device),
-                                     valid=None if valid is None else valid.to(self.device))
+        row_ids = self.hasher.decode(self.history, _to_device(slots, self.device), _to_device(input_ids, self.device),
+                                     valid=None if valid is None else _to_device(valid, self.device))
         return self._start(row_ids[:, None])
 
     def calibrate(self, sample_ids: list[torch.Tensor], candidates: tuple[float, ...] | None = None
