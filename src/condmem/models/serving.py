@@ -116,14 +116,14 @@ class ServingCache:
         """Take over what a model forward left in `temp` (an `InferenceCache` whose row j holds
         slot ``slots[j]``'s prompt from position 0): every layer's keys and values, the token
         ids and the ShortConv state; slot ``slots[j]`` then holds ``lengths[j]`` tokens."""
-        index = torch.tensor(slots, dtype=torch.long).to(self.tokens.device)
+        index = torch.tensor(slots, dtype=torch.long).to(self.tokens.device, non_blocking=True)
         for i, kv in enumerate(temp.kv):
             self.store_prefix(i, index, kv.k, kv.v)
         self.tokens[index, : temp.tokens.shape[1]] = temp.tokens
         for lid, c in self.conv.items():
             if c is not None:
                 c[index] = temp.conv[lid]
-        self.lengths[index] = torch.tensor(lengths).to(self.lengths)
+        self.lengths[index] = torch.tensor(lengths).to(self.lengths, non_blocking=True)
         for slot, n in zip(slots, lengths):
             self.host_lengths[slot] = n
 
@@ -137,7 +137,7 @@ class ServingCache:
 
     def release(self, slot: int) -> None:
         """Forget a finished sequence (its slot is reset; the next prefill overwrites it)."""
-        self.lengths[slot] = 0
+        self.lengths[slot].zero_()         # a fill kernel: assigning a Python 0 would copy it from the host, a sync
         self.host_lengths[slot] = 0
         for c in self.conv.values():
             if c is not None:
