@@ -295,3 +295,32 @@ def test_fresh_prompts_hashed_without_slots_then_committed_equal_prepared_with_s
                              for p, n in zip(prompts, nxt)])
         assert torch.equal(a.row_ids(lid)[:, 0], whole)
     early.close(), plain.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tier", ["host", "hbm"])
+@pytest.mark.parametrize("tokens", [12, 6000], ids=["direct", "planned"])
+def test_gpu_prompt_batch_given_on_the_host_starts_without_a_host_sync(tier, tokens):
+    """Ids, boundaries and slots given on the host are hashed and their lookups started with no
+    host sync (`torch.cuda.set_sync_debug_mode("error")` raises on one): a blocking copy would
+    hold the host until the GPU had finished the work queued before it, e.g. the previous
+    prompt batch's forward, and the next batch would start on an idle GPU. The rows stay exact."""
+    cfg, hasher, modules = _setup("cuda")
+    weights = {lid: m.table.weight for lid, m in modules.items()}
+    memory = EngramMemory.from_weights(hasher, weights, tier, "cuda", max_sequences=4, cpu_fraction=1.0)
+    slots = torch.tensor([memory.allocate(), memory.allocate()])
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 70, (tokens,), generator=gen)
+    cu = torch.tensor([0, tokens // 3, tokens])
+    memory.prepare_ragged(ids, cu, slots=slots, commit=False).rows(cfg.layer_ids[0])   # compiles, plans
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        prepared = memory.prepare_ragged(ids, cu, slots=slots, commit=False)
+        rows = {lid: prepared.rows(lid) for lid in cfg.layer_ids}
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for lid in cfg.layer_ids:
+        want = weights[lid][prepared.row_ids(lid)].to(rows[lid].dtype)
+        assert torch.equal(rows[lid], want)
+    memory.close()
