@@ -144,7 +144,7 @@ class Scheduler:
         logits = ragged_step(self.model, self.cache, slots, [c.to(device) for c in chunks], prepared=prepared)
         if self.lookahead:
             self._plan_ahead(prefill)
-        emitted, at = [], 0
+        samplers, rows, at = [], [], 0
         for req, chunk, is_decode in plan:
             at += len(chunk)
             if is_decode:
@@ -153,13 +153,18 @@ class Scheduler:
             else:
                 req.prefilled += len(chunk)
             if is_decode or req.prefilled == len(req.prompt):
-                token = int(logits[at - 1].argmax())
-                emitted.append((req.rid, token))
-                if len(req.generated) + 1 >= req.max_new_tokens or token in self.stop_ids:
-                    req.generated.append(token)
-                    self._finish(req)
-                else:
-                    req.next_token = token
+                samplers.append(req)
+                rows.append(at - 1)
+        # Every sampled token in one read back: a read per request would wait for the GPU each time.
+        tokens = logits[torch.tensor(rows).to(device, non_blocking=True)].argmax(-1).tolist() if rows else []
+        emitted = []
+        for req, token in zip(samplers, tokens):
+            emitted.append((req.rid, token))
+            if len(req.generated) + 1 >= req.max_new_tokens or token in self.stop_ids:
+                req.generated.append(token)
+                self._finish(req)
+            else:
+                req.next_token = token
         self.steps += 1
         return emitted
 
