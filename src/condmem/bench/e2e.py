@@ -185,21 +185,20 @@ class Server:
     the caller's.
     """
 
-    def __init__(self, model: DecoderLM, batch: int, max_len: int, memory: EngramMemory | None, mode: str,
+    def __init__(self, model: DecoderLM, cache: ServingCache, memory: EngramMemory | None, mode: str,
                  prefill_tokens: int = 8192, fetch_programs: int | None = None, graphs: bool = True,
-                 fetch: str = "zero_copy", fetch_threads: int = 4, measure: bool = False,
-                 cache: ServingCache | None = None):
+                 fetch: str = "zero_copy", fetch_threads: int = 4, measure: bool = False):
         self.model, self.memory, self.mode = model, memory, mode
         self.fetch_log: list = []    # `FetchTiming` of every prompt batch's layers (`--measure-fetch`)
-        # With `measure`, each prompt batch's (host seconds to queue it, CUDA events at its
-        # forward's start and end): `batch_summary` tells GPU time from host-side gaps.
+        # With `measure`, each prompt batch's (host seconds to queue it, CUDA events before and
+        # after its forward): `batch_summary` tells GPU time from host-side gaps.
         self.batch_log: list = []
         self.prefill_tokens = prefill_tokens
         self.device = model.embed.weight.device
         self.measure = measure and self.device.type == "cuda"
-        # A cache may be shared by servers of one backbone that serve one at a time (each wave
+        # The cache may be shared by servers of one backbone that serve one at a time (each wave
         # frees its slots).
-        self.cache = cache if cache is not None else ServingCache(model, n_slots=batch, max_len=max_len)
+        self.cache = cache
         self.early = None            # (the next wave's first batch's prompts, its Prepared), fetched during decode
         self.graph = None
         in_place = memory is None or all(s.gpu_readable for s in memory.stores.values())
@@ -263,10 +262,7 @@ class Server:
                 ahead[0] = start(0)
         wave_log = []
         for g, members in enumerate(groups):
-            if self.measure:
-                queued = time.perf_counter()
-                began = torch.cuda.Event(enable_timing=True)
-                began.record()
+            queued = time.perf_counter()
             prepared = None
             if self.memory is not None:
                 if self.mode == "prefetch":
@@ -278,6 +274,11 @@ class Server:
                     for lid in self.memory.layer_ids:
                         prepared.rows(lid)          # the stream waits here, before block 0
                 alive.append(prepared)
+            if self.measure:
+                # After the lookups are started: the GPU's wait for the host (or, in sync mode,
+                # for the rows) before this forward counts as time between batches.
+                began = torch.cuda.Event(enable_timing=True)
+                began.record()
             logits = prefill_packed(self.model, self.cache, [slots[i] for i in members],
                                     [prompts[i][1] for i in members], prepared=prepared)
             # The index from the host without a blocking copy (which would wait for the GPU).
@@ -319,9 +320,9 @@ class Server:
 
 def batch_summary(waves: list) -> dict:
     """Where the prefill's wall time went (`Server(measure=True)`), summed over the prompt
-    batches: GPU time from each batch's first to its last queued kernel, GPU time between a
-    batch's end and the next batch's start (the GPU waiting for the host), and host time
-    spent queuing the batches (lookups started, forward launched)."""
+    batches: GPU time of each batch's forward, GPU time from a batch's forward to the next
+    one's (the GPU waiting for the host to queue it, or in sync mode for its rows), and host
+    time spent queuing the batches (lookups started, forward launched)."""
     waves = [w for w in waves if w]
     if not waves:
         return {}
@@ -543,8 +544,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     owned_stores: dict[str, dict] = {}
     for variant in variants:
         if variant in NO_ENGRAM:
-            server = Server(twin, args.batch, max_len, None, "prefetch", args.prefill_tokens,
-                            measure=args.measure_fetch, cache=shared_cache)
+            server = Server(twin, shared_cache, None, "prefetch", args.prefill_tokens, measure=args.measure_fetch)
         else:
             stores = dict(host_stores)
             if variant == "hbm":
@@ -552,11 +552,10 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             elif variant == "disk_prefetch":
                 stores = {lid: disk_copy(s, args.disk_dir, args.dram_cache_gib) for lid, s in host_stores.items()}
                 owned_stores[variant] = stores          # the disk copies (their files) are this variant's
-            server = Server(model, args.batch, max_len, memory_for(stores),
-                            "sync" if variant == "host_sync" else "prefetch",
+            server = Server(model, shared_cache, memory_for(stores), "sync" if variant == "host_sync" else "prefetch",
                             args.prefill_tokens, args.fetch_programs, graphs=variant != "host_eager",
                             fetch="staged" if variant == "host_staged" else "zero_copy",
-                            fetch_threads=args.staged_threads, measure=args.measure_fetch, cache=shared_cache)
+                            fetch_threads=args.staged_threads, measure=args.measure_fetch)
         servers[variant] = server
         served = twin if variant in NO_ENGRAM else model
         kv_per_token = server.cache.live_kv_bytes([1])

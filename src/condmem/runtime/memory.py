@@ -45,12 +45,8 @@ def _to_device(x, device: torch.device) -> torch.Tensor:
     copy (``torch.as_tensor(x, device=...)``, ``.to(device)``) holds the host until the GPU has
     finished everything queued before it, so the next batch's kernels are launched into an
     idle GPU. A pageable source is staged by the driver before the call returns; a pinned one
-    is copied blocking (the caller may reuse it at once)."""
-    if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
-    if x.device == device:
-        return x
-    return x.to(device, non_blocking=not x.is_pinned())
+    must stay unchanged until the stream has copied it, as for every copy in this module."""
+    return torch.as_tensor(x).to(device, non_blocking=True)
 
 
 class EngramMemoryError(ValueError):
@@ -404,13 +400,12 @@ class EngramMemory:
             [1, n, n_cols, head_dim] (the flat batch as one packed row).
         """
         dev = self.device
-        ids = input_ids.to(dev, non_blocking=True)
-        cu = cu_seqlens.to(dev, non_blocking=True)
         slot_t = None if slots is None else _to_device(slots, dev)
         row_ids = self.hasher.hash_ragged(
-            ids, cu, history=self.history if slot_t is not None else None, slots=slot_t,
-            lookback_ids=None if lookback_ids is None else lookback_ids.to(dev, non_blocking=True),
-            blocked=None if blocked is None else blocked.to(dev, non_blocking=True), commit=commit)
+            _to_device(input_ids, dev), _to_device(cu_seqlens, dev),
+            history=self.history if slot_t is not None else None, slots=slot_t,
+            lookback_ids=None if lookback_ids is None else _to_device(lookback_ids, dev),
+            blocked=None if blocked is None else _to_device(blocked, dev), commit=commit)
         return self._start(row_ids[None])
 
     def commit(self, slots: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
