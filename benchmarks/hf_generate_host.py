@@ -22,7 +22,8 @@ Prompts: ``--batch`` windows of ``--prompt-tokens`` tokens of the standard libra
 through the DeepSeek-V4 tokenizer (no padding). The host and HBM variants' greedy tokens are
 compared, and one forward over prompt + generated tokens gives each memory's rows and logits
 (``torch.equal``). ``--profile-steps N`` also profiles a generate of N tokens per memory: host
-time by torch op, and by Python function (cProfile) for the functions whose time differs most.
+time by torch op, and by Python function (cProfile), with the functions whose time differs most
+between no Engram and HBM tables, and between HBM and host tables.
 
     PYTHONPATH=src python3 benchmarks/hf_generate_host.py --out DIR
     PYTHONPATH=src python3 benchmarks/hf_generate_host.py --tiny --device cpu      # a smoke run
@@ -122,21 +123,34 @@ def traced_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new
     return out.sequences[:, ids.shape[1]:], out.logits, recorded.calls
 
 
-def profile_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new: int, top: int = 15) -> dict:
-    """Host time of one greedy generate of `new` tokens with `memory`: by torch op (torch.profiler,
-    self CPU time) and by Python function (cProfile: own and cumulative time). Returns both."""
+def _device_events(averages):
+    """The kernels and copies of a profile (the ops that launched them carry their time too)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in averages if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+
+
+def profile_generate(model, name: str, ids: torch.Tensor, new: int, top: int = 15) -> dict:
+    """Host time of one greedy generate of `new` tokens: by torch op (torch.profiler, self CPU
+    time) and by Python function (cProfile: own and cumulative time). Returns both."""
     from torch.profiler import ProfilerActivity, profile
 
-    adapter.memory = memory
     kw = greedy(ids, new)
     with torch.no_grad():
         model.generate(ids, **kw)
         sync(ids.device.type)
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        on_gpu = ids.device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
             model.generate(ids, **kw)
             sync(ids.device.type)
         seconds = time.perf_counter() - t0
+        prefill_gpu_ms = None
+        if on_gpu:   # the prompt's forward alone (one new token): what the decode steps' GPU time is net of
+            with profile(activities=[ProfilerActivity.CUDA]) as first:
+                model.generate(ids, **greedy(ids, 1))
+                sync("cuda")
+            prefill_gpu_ms = sum(e.self_device_time_total for e in _device_events(first.key_averages())) / 1e3
         profiler = cProfile.Profile()
         t0 = time.perf_counter()
         profiler.enable()
@@ -144,16 +158,28 @@ def profile_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, ne
         sync(ids.device.type)
         profiler.disable()
         py_seconds = time.perf_counter() - t0
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:top]
     ops = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events]
+    # GPU work (kernels and copies) does not move with the host's speed, which sets an eager
+    # generate's wall clock: the stable measure of what a variant adds.
+    gpu = sorted(_device_events(averages), key=lambda e: -e.self_device_time_total)
+    gpu_ms = sum(e.self_device_time_total for e in gpu) / 1e3
+    gpu_ops = [{"op": e.key, "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3} for e in gpu[:top]]
     stats = pstats.Stats(profiler).stats   # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
     functions = {f"{Path(f).name}:{line}:{name}": {"calls": c[1], "own_ms": c[2] * 1e3, "cum_ms": c[3] * 1e3}
                  for (f, line, name), c in stats.items()}
-    log(f"profile, {type(memory.engines[next(iter(memory.engines))].store).__name__}: {seconds:.2f} s for {new} "
-        f"new tokens (torch.profiler), {py_seconds:.2f} s (cProfile)")
+    log(f"profile, {name}: {seconds:.2f} s for {new} "
+        f"new tokens (torch.profiler), {py_seconds:.2f} s (cProfile); GPU busy {gpu_ms:.1f} ms")
     for op in ops:
         log(f"  {op['op'][:60]:60s} {op['calls']:7d} {op['self_cpu_ms']:9.1f} ms")
-    return {"seconds": seconds, "cprofile_seconds": py_seconds, "new_tokens": new, "ops": ops, "functions": functions}
+    log("  GPU time by kernel or copy:")
+    for op in gpu_ops[:8]:
+        log(f"  {op['op'][:60]:60s} {op['calls']:7d} {op['gpu_ms']:9.2f} ms")
+    return {"seconds": seconds, "cprofile_seconds": py_seconds, "new_tokens": new, "ops": ops, "functions": functions,
+            "gpu_ms": gpu_ms, "gpu_ops": gpu_ops, "prefill_gpu_ms": prefill_gpu_ms,
+            "decode_gpu_ms_per_step": None if prefill_gpu_ms is None else (gpu_ms - prefill_gpu_ms) / max(1, new - 1),
+            "host_calls": sum(f["calls"] for f in functions.values())}
 
 
 def profile_difference(a: dict, b: dict, top: int = 20) -> list[dict]:
@@ -324,13 +350,16 @@ def main() -> None:
     adapter.memory = host
 
     if args.profile_steps:
-        result["profile"] = {name: profile_generate(model, adapter, memory, ids, args.profile_steps)
-                             for name, memory in (("hbm", hbm), ("host", host))}
-        result["profile_difference"] = profile_difference(result["profile"]["hbm"], result["profile"]["host"])
-        log("Python functions whose own time differs most, hbm -> host (ms own, ms cumulative, calls):")
-        for row in result["profile_difference"]:
-            log(f"  {row['function'][:70]:70s} {row['own_ms'][0]:8.1f} -> {row['own_ms'][1]:8.1f}  "
-                f"{row['cum_ms'][0]:8.1f} -> {row['cum_ms'][1]:8.1f}  {row['calls'][0]} -> {row['calls'][1]}")
+        result["profile"] = {name: profile_generate(select(name), name, ids, args.profile_steps)
+                             for name in ("none", "hbm", "host")}
+        result["profile_difference"] = {}
+        for a, b in (("none", "hbm"), ("hbm", "host")):
+            rows = result["profile_difference"][f"{a}_to_{b}"] = profile_difference(result["profile"][a],
+                                                                                     result["profile"][b])
+            log(f"Python functions whose own time differs most, {a} -> {b} (ms own, ms cumulative, calls):")
+            for row in rows:
+                log(f"  {row['function'][:70]:70s} {row['own_ms'][0]:8.1f} -> {row['own_ms'][1]:8.1f}  "
+                    f"{row['cum_ms'][0]:8.1f} -> {row['cum_ms'][1]:8.1f}  {row['calls'][0]} -> {row['calls'][1]}")
         adapter.memory = host
 
     # One forward over prompt + generated tokens with each memory: the rows and the logits.
@@ -370,6 +399,11 @@ def main() -> None:
         print(f"{name:>11} {run['tokens_per_s']:10,.0f}  " + " ".join(f"{x:.2f}" for x in run["seconds"]))
     for name, r in result["ratios"].items():
         print(f"{name:>22}: best {r['best']:.3f}, rounds median {r['rounds_median']:.3f}")
+    for name, prof in result.get("profile", {}).items():
+        split = ("" if prof["prefill_gpu_ms"] is None else
+                 f" (prompt {prof['prefill_gpu_ms']:.2f} ms, a decode step {prof['decode_gpu_ms_per_step']:.3f} ms)")
+        print(f"{name:>11} profiled, {prof['new_tokens']} new tokens: GPU busy {prof['gpu_ms']:.1f} ms{split}, "
+              f"Python calls {prof['host_calls']}, host {prof['cprofile_seconds']:.2f} s (cProfile)")
     if not result["forward_equal"]["rows"]:
         raise SystemExit("host-table rows differ from HBM-table rows")
 

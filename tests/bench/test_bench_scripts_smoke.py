@@ -36,8 +36,8 @@ def test_hf_generate_host_tiny(tmp_path):
     assert result["trace"]["host_vs_hbm"]["first_differing_step"] == {"row_ids": None, "rows": None, "logits": None,
                                                                       "tokens": None}
     assert result["tokens"]["host_vs_hbm"]["equal"]
-    assert set(result["profile"]) == {"hbm", "host"} and result["profile"]["host"]["ops"]
-    assert result["profile"]["host"]["functions"] and result["profile_difference"]
+    assert set(result["profile"]) == {"none", "hbm", "host"} and result["profile"]["host"]["ops"]
+    assert result["profile"]["host"]["functions"] and set(result["profile_difference"]) == {"none_to_hbm", "hbm_to_host"}
 
 
 def _tp_worker(rank: int, world: int, init_file: str, out: str) -> None:
