@@ -1,17 +1,21 @@
 """Set-up shared by the decode-step A/B probes (`decode_*_ab.py`): a backbone with random bf16
 weights, a serving cache of ``--batch`` slots holding random keys and values at lengths
-100..1100, and alternating timed rounds of graph-captured steps over it."""
+100..1100, a graph captured per variant (a module attribute patched while it is captured),
+alternating timed rounds of graph-captured steps over it, and the JSON + table they report."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from condmem.bench.e2e import BACKBONES, step_weight_bytes
-from condmem.bench.harness import copy_bandwidth_gbps, event_times_ms
+from condmem.bench.harness import copy_bandwidth_gbps, event_times_ms, machine_info
+from condmem.models.graphs import GraphedDecoder
 from condmem.models.config import ModelConfig
 from condmem.models.serving import ServingCache
 from condmem.models.transformer import DecoderLM
@@ -59,6 +63,22 @@ class DecodeBench:
                 times[name].append(statistics.median(ts[3:]))
         return times
 
+    def capture_variants(self, module, attr: str, values: dict) -> tuple[dict, dict]:
+        """Per variant: a `GraphedDecoder` captured with ``module.attr`` set to the variant's
+        value (restored after), and the fp32 logits of one step from the starting lengths."""
+        graphs, logits = {}, {}
+        default = getattr(module, attr)
+        for name, value in values.items():
+            setattr(module, attr, value)
+            try:
+                self.reset()
+                graphs[name] = GraphedDecoder(self.model, self.cache)
+            finally:
+                setattr(module, attr, default)
+            self.reset()
+            logits[name] = self.step(graphs[name]).float().clone()
+        return graphs, logits
+
     def bound_ms(self, steps: int) -> float:
         """Bytes a step reads (weights, live keys and values at mid-run lengths) at the copy bandwidth."""
         mid = [int(n) + steps // 2 for n in self.lengths]
@@ -82,3 +102,18 @@ def decode_bench(backbone: str, batch: int, steps: int) -> DecodeBench:
                 for _ in range(2))
         cache.store_prefix(layer, index, k, v)
     return DecodeBench(model, cache, lengths, ids, bw)
+
+
+def report(out: str, filename: str, result: dict, times: dict[str, list[float]], bound_ms: float,
+           prefix: str = "") -> dict[str, float]:
+    """Write `result` with each variant's median step (``step_ms``), rounds and bound to
+    ``out/filename``; print a table of them. Returns the median steps."""
+    step = {name: statistics.median(t) for name, t in times.items()}
+    result = {**result, "step_ms": step, "rounds": times, "bound_ms": bound_ms, "machine": machine_info()}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / filename).write_text(json.dumps(result, indent=1) + "\n")
+    width = max(9, *(len(name) for name in step))
+    print(f"{prefix}{'variant':{width}s} {'step ms':>8s} {'vs bound':>8s}  rounds")
+    for name, ms in step.items():
+        print(f"{prefix}{name:{width}s} {ms:8.4f} {bound_ms / ms:8.3f}  " + " ".join(f"{t:.4f}" for t in times[name]))
+    return step

@@ -12,16 +12,10 @@ fused step 0.10-0.13 ms faster (the RoPE + store kernel took 3.6 us a layer in t
 
 from __future__ import annotations
 
-import json
-import statistics
-from pathlib import Path
-
 import torch
-from _decode_ab import ab_arguments, decode_bench
+from _decode_ab import ab_arguments, decode_bench, report
 
 import condmem.models.serving as serving
-from condmem.bench.harness import machine_info
-from condmem.models.graphs import GraphedDecoder
 from condmem.ops.attention import paged_decode_attention, rope_store
 
 
@@ -42,30 +36,16 @@ def two_launches(q, k, v, cos, sin, k_pool, v_pool, table, n_keys):
 def main() -> None:
     args = ab_arguments(__doc__.splitlines()[0], rounds=4)
     bench = decode_bench(args.backbone, args.batch, args.steps)
-    fused = serving.decode_attention_rope_store
-    graphs, logits = {}, {}
-    for name, fn in (("fused", fused), ("two_launches", two_launches)):
-        serving.decode_attention_rope_store = fn
-        try:
-            bench.reset()
-            graphs[name] = GraphedDecoder(bench.model, bench.cache)
-        finally:
-            serving.decode_attention_rope_store = fused
-        bench.reset()
-        logits[name] = bench.step(graphs[name]).float().clone()
+    graphs, logits = bench.capture_variants(serving, "decode_attention_rope_store",
+                                            {"fused": serving.decode_attention_rope_store,
+                                             "two_launches": two_launches})
     diff = float((logits["fused"] - logits["two_launches"]).abs().max())
     scale = float(logits["two_launches"].abs().max())
     times = bench.alternate(graphs, args.steps, args.rounds)
-    bound_ms = bench.bound_ms(args.steps)
-    step = {name: statistics.median(t) for name, t in times.items()}
-    result = {"bench": "decode_rope_fusion_ab", "backbone": args.backbone, "batch": args.batch, "step_ms": step,
-              "rounds": times, "bound_ms": bound_ms, "max_abs_logit_diff": diff, "logit_scale": scale,
-              "machine": machine_info()}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "decode_rope_fusion_ab.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'variant':14s} {'step ms':>8s} {'vs bound':>8s}  rounds")
-    for name, ms in step.items():
-        print(f"{name:14s} {ms:8.4f} {bound_ms / ms:8.3f}  " + " ".join(f"{t:.4f}" for t in times[name]))
+    report(args.out, "decode_rope_fusion_ab.json",
+           {"bench": "decode_rope_fusion_ab", "backbone": args.backbone, "batch": args.batch,
+            "max_abs_logit_diff": diff, "logit_scale": scale},
+           times, bench.bound_ms(args.steps))
     print(f"max |logit diff| fused vs two launches {diff:.4g} (logit scale {scale:.3g})")
 
 

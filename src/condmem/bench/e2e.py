@@ -76,6 +76,7 @@ from condmem.models.transformer import DecoderLM
 from condmem.runtime import EngramMemory
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import LayerRows
+from condmem.utils.device_copy import to_device
 from condmem.utils.plotting import pyplot
 
 log = logging.getLogger("condmem.bench")
@@ -281,8 +282,7 @@ class Server:
                 began.record()
             logits = prefill_packed(self.model, self.cache, [slots[i] for i in members],
                                     [prompts[i][1] for i in members], prepared=prepared)
-            # The index from the host without a blocking copy (which would wait for the GPU).
-            out[torch.tensor(members).to(self.device, non_blocking=True), 0] = logits.argmax(-1)
+            out[to_device(members, self.device), 0] = logits.argmax(-1)
             if self.measure:
                 ended = torch.cuda.Event(enable_timing=True)
                 ended.record()

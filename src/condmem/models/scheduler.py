@@ -32,6 +32,7 @@ import torch
 
 from condmem.models.serving import ServingCache, ragged_step
 from condmem.runtime.memory import join_prepared
+from condmem.utils.device_copy import to_device
 
 
 @dataclass
@@ -156,7 +157,7 @@ class Scheduler:
                 samplers.append(req)
                 rows.append(at - 1)
         # Every sampled token in one read back: a read per request would wait for the GPU each time.
-        tokens = logits[torch.tensor(rows).to(device, non_blocking=True)].argmax(-1).tolist() if rows else []
+        tokens = logits[to_device(rows, device)].argmax(-1).tolist() if rows else []
         emitted = []
         for req, token in zip(samplers, tokens):
             emitted.append((req.rid, token))

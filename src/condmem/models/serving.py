@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from condmem.models.transformer import DecoderLM, engram_update
 from condmem.ops.attention import decode_attention_rope_store, paged_prefill_attention, rope_store
 from condmem.ops.norm_act import rms_norm, silu_mul
+from condmem.utils.device_copy import to_device
 
 
 class ServingCache:
@@ -116,14 +117,14 @@ class ServingCache:
         """Take over what a model forward left in `temp` (an `InferenceCache` whose row j holds
         slot ``slots[j]``'s prompt from position 0): every layer's keys and values, the token
         ids and the ShortConv state; slot ``slots[j]`` then holds ``lengths[j]`` tokens."""
-        index = torch.tensor(slots, dtype=torch.long).to(self.tokens.device, non_blocking=True)
+        index = to_device(slots, self.tokens.device, torch.long)
         for i, kv in enumerate(temp.kv):
             self.store_prefix(i, index, kv.k, kv.v)
         self.tokens[index, : temp.tokens.shape[1]] = temp.tokens
         for lid, c in self.conv.items():
             if c is not None:
                 c[index] = temp.conv[lid]
-        self.lengths[index] = torch.tensor(lengths).to(self.lengths, non_blocking=True)
+        self.lengths[index] = to_device(lengths, self.lengths.device, self.lengths.dtype)
         for slot, n in zip(slots, lengths):
             self.host_lengths[slot] = n
 

@@ -38,15 +38,7 @@ from condmem.tables.lookup import LookupConfig, LookupEngine, LookupHandle
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows
-
-
-def _to_device(x, device: torch.device) -> torch.Tensor:
-    """`x` (a tensor, list or int) on `device`, copied from the host without waiting: a blocking
-    copy (``torch.as_tensor(x, device=...)``, ``.to(device)``) holds the host until the GPU has
-    finished everything queued before it, so the next batch's kernels are launched into an
-    idle GPU. A pageable source is staged by the driver before the call returns; a pinned one
-    must stay unchanged until the stream has copied it, as for every copy in this module."""
-    return torch.as_tensor(x).to(device, non_blocking=True)
+from condmem.utils.device_copy import to_device
 
 
 class EngramMemoryError(ValueError):
@@ -376,7 +368,7 @@ class EngramMemory:
                 t.record_stream(main)
         if slots is not None:
             # On the caller's stream: decode steps queued there may still read and write these slots.
-            self.hasher.prefill_history(self.history, _to_device(slots, self.device), ids,
+            self.hasher.prefill_history(self.history, to_device(slots, self.device), ids,
                                         doc_starts=starts, lengths=lengths, check=False)
         return prepared
 
@@ -400,12 +392,12 @@ class EngramMemory:
             [1, n, n_cols, head_dim] (the flat batch as one packed row).
         """
         dev = self.device
-        slot_t = None if slots is None else _to_device(slots, dev)
+        slot_t = None if slots is None else to_device(slots, dev)
         row_ids = self.hasher.hash_ragged(
-            _to_device(input_ids, dev), _to_device(cu_seqlens, dev),
+            to_device(input_ids, dev), to_device(cu_seqlens, dev),
             history=self.history if slot_t is not None else None, slots=slot_t,
-            lookback_ids=None if lookback_ids is None else _to_device(lookback_ids, dev),
-            blocked=None if blocked is None else _to_device(blocked, dev), commit=commit)
+            lookback_ids=None if lookback_ids is None else to_device(lookback_ids, dev),
+            blocked=None if blocked is None else to_device(blocked, dev), commit=commit)
         return self._start(row_ids[None])
 
     def commit(self, slots: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -413,20 +405,20 @@ class EngramMemory:
         """After speculative verification, advance each slot by the first ``n_commit[b]``
         tokens of its chunk (the batch given to ``prepare_ragged(..., commit=False)``)."""
         dev = self.device
-        self.hasher.commit(self.history, _to_device(slots, dev), _to_device(input_ids, dev),
-                           _to_device(cu_seqlens, dev), _to_device(n_commit, dev),
-                           blocked=None if blocked is None else _to_device(blocked, dev))
+        self.hasher.commit(self.history, to_device(slots, dev), to_device(input_ids, dev),
+                           to_device(cu_seqlens, dev), to_device(n_commit, dev),
+                           blocked=None if blocked is None else to_device(blocked, dev))
 
     def seed(self, slots: torch.Tensor, lookback_ids: torch.Tensor) -> None:
         """A prefix-cache hit: set slots' histories from the token ids before their first
         uncached token ([B, N-1], oldest first, -1 where the sequence has none)."""
-        self.hasher.seed_history(self.history, _to_device(slots, self.device), _to_device(lookback_ids, self.device))
+        self.hasher.seed_history(self.history, to_device(slots, self.device), to_device(lookback_ids, self.device))
 
     def prepare_decode(self, slots: torch.Tensor, input_ids: torch.Tensor, *,
                        valid: torch.Tensor | None = None) -> Prepared:
         """Decode: one new token per sequence ([B] ids, [B] slots; `valid` False marks padding rows)."""
-        row_ids = self.hasher.decode(self.history, _to_device(slots, self.device), _to_device(input_ids, self.device),
-                                     valid=None if valid is None else _to_device(valid, self.device))
+        row_ids = self.hasher.decode(self.history, to_device(slots, self.device), to_device(input_ids, self.device),
+                                     valid=None if valid is None else to_device(valid, self.device))
         return self._start(row_ids[:, None])
 
     def calibrate(self, sample_ids: list[torch.Tensor], candidates: tuple[float, ...] | None = None
