@@ -1,11 +1,35 @@
-"""Shared test fixtures: a private cache dir for every test; engines and host buffers closed
-at teardown, also when the test fails."""
+"""Shared test set-up: the `gpu` marker, the Triton interpreter where there is no GPU, a private
+cache dir for every test, and engines and host buffers closed at teardown (also on failure).
+
+`@pytest.mark.gpu` is the one way a test says it needs a CUDA device (parametrized CUDA cases
+carry it through ``helpers.devices()`` / ``kernel_helpers.kernel_devices()``). Without a GPU,
+or with TRITON_INTERPRET=1 (kernels interpreted on the CPU), those tests are skipped here, so
+``pytest -m gpu --collect-only`` lists the same GPU tests on every machine."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Before any test imports triton: its kernels run on the CPU through the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 pytest_plugins = ["pytester"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA and not INTERPRET:
+        return
+    reason = "needs a CUDA device" if not HAS_CUDA else "TRITON_INTERPRET=1: GPU tests run compiled kernels"
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

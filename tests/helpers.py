@@ -5,11 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def devices() -> list[str]:
-    """CPU always; CUDA where present."""
+def devices() -> list:
+    """Parameters for a ``device`` argument: CPU, and CUDA marked `gpu` (skipped without a GPU,
+    listed by ``pytest -m gpu`` everywhere)."""
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def available_devices() -> list[str]:
+    """The devices present, for a test that loops over them itself (a property test that checks
+    each example on every device)."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -1,4 +1,4 @@
-"""Helpers of the kernel tests: where Triton can run, bit-exact float comparison, relative error."""
+"""Helpers of the kernel tests: where Triton runs, bit-exact float comparison, relative error."""
 
 from __future__ import annotations
 
@@ -18,20 +18,23 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 
-def kernel_devices() -> list[str]:
-    """Devices the Triton kernels run on here: CPU through the interpreter, CUDA when present."""
+def kernel_devices() -> list:
+    """Parameters for a kernel test's ``device``: CPU through the Triton interpreter (skipped
+    unless TRITON_INTERPRET=1, which tests/conftest.py sets on machines without a GPU), and
+    CUDA with compiled kernels, marked `gpu`."""
+    return [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU kernels run in the Triton "
+                                                            "interpreter (TRITON_INTERPRET=1, set where there is no GPU)")),
+            pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def kernel_devices_here() -> list[str]:
+    """The devices kernels run on in this process, for a test that loops over them itself."""
     if not HAS_TRITON:
         return []
-    out = []
-    if INTERPRET:
-        out.append("cpu")
-    if HAS_CUDA and not INTERPRET:
-        out.append("cuda")
-    return out
+    return ["cpu"] if INTERPRET else (["cuda"] if HAS_CUDA else [])
 
 
-needs_kernels = pytest.mark.skipif(not kernel_devices(), reason="needs triton with CUDA, or TRITON_INTERPRET=1")
-cuda_kernels = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON and not INTERPRET), reason="needs a CUDA device")
+needs_kernels = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 
 def assert_bits_equal(name: str, ref: torch.Tensor, got: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from condmem import EngramConfig, EngramLayout, HashInputError, NgramHasher
-from helpers import devices
+from helpers import available_devices
 
 # ---------------------------------------------------------------------------- oracle
 
@@ -133,7 +133,7 @@ def test_hasher_equals_scalar_oracle(p, data_seed):
     expect_buckets = oracle_rows(ids.tolist(), None if blocked is None else blocked.tolist(), lookup.tolist(), cfg,
                                  p["vocab"], with_offsets=False)
     blocked_t = None if blocked is None else torch.from_numpy(blocked)
-    for device in devices():
+    for device in available_devices():
         x = torch.from_numpy(ids).to(device)
         b = None if blocked_t is None else blocked_t.to(device)
         rows = hasher(x, blocked=b)

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers
 
 import condmem.tokenizer as tokmod
+from helpers import devices
 from condmem.tokenizer import (
     CompressedTokenizer,
     TokenIdError,
@@ -404,7 +405,7 @@ def test_compress_numpy(small):
     assert small.compress(np.array([], dtype=np.int64)).shape == (0,)
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_compress_torch(small, device, dtype):
     ids = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=dtype, device=device)

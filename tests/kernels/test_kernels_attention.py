@@ -24,7 +24,7 @@ from condmem.ops.attention.reference import (
 )
 from condmem.ops.norm_act import rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
 from helpers import assert_close
-from kernel_helpers import cuda_kernels, kernel_devices, needs_kernels
+from kernel_helpers import INTERPRET, kernel_devices, needs_kernels
 
 DEVICES = kernel_devices()
 
@@ -202,7 +202,7 @@ def test_rms_norm_and_silu_mul_match_the_modules(device, dim):
                  rtol=1e-6)
 
 
-@cuda_kernels
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch,max_len,head_dim", [(128, 1152, 128), (128, 1152, 80), (3, 200, 128)],
                          ids=["b128-hd128", "b128-hd80", "b3-hd128"])
 def test_bf16_decode_at_model_size_and_under_a_cuda_graph(batch, max_len, head_dim):
@@ -227,7 +227,7 @@ def test_bf16_decode_at_model_size_and_under_a_cuda_graph(batch, max_len, head_d
     assert math.isfinite(float(out.float().abs().max()))
 
 
-@cuda_kernels
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [80, 128], ids=["hd80", "hd128"])
 def test_bf16_prefill_at_model_size(head_dim):
     """bf16 packed prompts of 100..1024 tokens, 32 query / 8 KV heads: within bf16 rounding of the reference."""
@@ -259,12 +259,12 @@ def test_pools_of_different_layouts_or_strides_are_refused():
         paged_decode_attention(q, strided, strided, table, lengths)
     k_hnd = k.transpose(1, 2).contiguous().transpose(1, 2)
     want = paged_decode_attention(q, k, v, table, lengths, backend="torch")
-    for backend in ("torch", "triton") if "cpu" in DEVICES else ("torch",):
+    for backend in ("torch", "triton") if INTERPRET else ("torch",):
         assert_close(f"heads-outer pools ({backend})", want,
                      paged_decode_attention(q, k_hnd, heads_outer, table, lengths, backend=backend), atol=1e-5)
 
 
-@cuda_kernels
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [80, 128], ids=["hd80", "hd128"])
 def test_bf16_decode_with_rope_and_store_at_model_size_and_under_a_cuda_graph(head_dim):
     """bf16, 128 sequences up to 1152 positions, 32 / 8 heads: pools and output within bf16

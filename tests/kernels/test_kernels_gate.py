@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from condmem.ops.gate import engram_gate, engram_gate_reference
-from kernel_helpers import HAS_CUDA, INTERPRET, assert_rel, kernel_devices, needs_kernels, rel_err
+from kernel_helpers import INTERPRET, assert_rel, kernel_devices, needs_kernels, rel_err
 
 pytestmark = needs_kernels
 DEVICES = kernel_devices()
@@ -120,7 +120,7 @@ def test_gate_auto_backend_on_cpu_is_reference():
         engram_gate(*inputs, backend="cuda")
 
 
-@pytest.mark.skipif(not (HAS_CUDA and not INTERPRET), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_engram_module_uses_kernel_on_gpu():
     """The Engram module's forward and backward on CUDA (auto -> Triton) match the torch backend."""
     from condmem import EngramConfig, EngramLayout, NgramHasher

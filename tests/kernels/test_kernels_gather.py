@@ -14,7 +14,7 @@ import torch
 from condmem.ops.gather import GatherError, engram_gather, gather_reference
 from condmem.tables.host_memory import host_register, host_unregister
 from condmem.fp8 import FP8_DTYPE, pack_rows
-from kernel_helpers import assert_bits_equal, cuda_kernels, kernel_devices, needs_kernels
+from kernel_helpers import assert_bits_equal, kernel_devices, needs_kernels
 
 pytestmark = [needs_kernels, pytest.mark.filterwarnings("ignore:overflow encountered")]
 DEVICES = kernel_devices()
@@ -180,7 +180,7 @@ def test_cpu_auto_backend_is_reference():
 # ---------------------------------------------------------------------------- host tables (GPU)
 
 
-@cuda_kernels
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["packed", "fp8", "bf16"])
 def test_pinned_host_table_zero_copy(fmt):
     tables, kw = _tables(fmt, 5000, 256, seed=11, device="cpu")
@@ -192,7 +192,7 @@ def test_pinned_host_table_zero_copy(fmt):
     assert_bits_equal(f"pinned {fmt}", ref, got)
 
 
-@cuda_kernels
+@pytest.mark.gpu
 def test_registered_host_region_and_pageable_refusal():
     q, e = _fp8_table(4096, 256, seed=13)
     packed = pack_rows(q, e)
@@ -229,7 +229,8 @@ def _random_packed_rows(n: int, device, chunk=1 << 24) -> torch.Tensor:
     return t
 
 
-@cuda_kernels
+@pytest.mark.gpu
+@pytest.mark.whole_gpu
 def test_v41_full_layer_hbm_fp8_packed(v41_row_ids):
     """One whole V4.1 layer table in HBM (384,006,168 rows x 264 B = 101 GB)."""
     layout, rows = v41_row_ids
@@ -249,7 +250,7 @@ def test_v41_full_layer_hbm_fp8_packed(v41_row_ids):
         torch.cuda.empty_cache()
 
 
-@cuda_kernels
+@pytest.mark.gpu
 def test_v41_column_shard_hbm_bf16_and_pinned_fp8(v41_row_ids):
     """TP-style shards of whole heads at V4.1 size: one column's ~16M rows, bf16 in HBM and packed fp8 pinned."""
     layout, rows = v41_row_ids

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from condmem import EngramConfig, EngramLayout, NgramHasher
 from condmem.hashing.history import HistoryError, NgramHistory
 from condmem.ops.hash.reference import hash_decode_reference
-from kernel_helpers import INTERPRET, cuda_kernels, kernel_devices, needs_kernels
+from kernel_helpers import HAS_TRITON, INTERPRET, kernel_devices, kernel_devices_here, needs_kernels
 
 pytestmark = needs_kernels
 DEVICES = kernel_devices()
@@ -104,13 +104,13 @@ def test_prefill_property(max_n, heads, n_layers, vocab, length, p_block, data_s
                      pad_id=int(gen.integers(0, vocab + extra)))
     ids = torch.from_numpy(gen.integers(0, hasher.vocab_size, size=(2, length)))
     blocked = torch.from_numpy(gen.random((2, length)) < p_block) if p_block else None
-    for device in DEVICES:
+    for device in kernel_devices_here():
         x = ids.to(device)
         b = None if blocked is None else blocked.to(device)
         assert torch.equal(hasher(x, blocked=b, backend="torch"), hasher(x, blocked=b, backend="triton"))
 
 
-if DEVICES:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -299,7 +299,7 @@ def v41_hasher():
     return NgramHasher(EngramLayout(cfg), token_lookup=lookup)
 
 
-@cuda_kernels
+@pytest.mark.gpu
 def test_v41_prefill_full_geometry(v41_hasher):
     hasher = v41_hasher
     gen = torch.Generator().manual_seed(0)
@@ -316,7 +316,7 @@ def test_v41_prefill_full_geometry(v41_hasher):
     assert torch.equal(ref_cpu, got[:1, :257].cpu())
 
 
-@cuda_kernels
+@pytest.mark.gpu
 def test_v41_decode_full_geometry(v41_hasher):
     hasher = v41_hasher
     n_seq, length, prompt = 256, 40, 8

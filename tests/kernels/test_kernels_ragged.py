@@ -214,7 +214,7 @@ def _v41_hasher() -> NgramHasher:
     return NgramHasher(EngramLayout(cfg, compressed_vocab_size=v), token_lookup=lookup)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), spec_prob=st.sampled_from([0.0, 0.5]))
 def test_v41_geometry_any_schedule(seed, spec_prob):
@@ -223,7 +223,7 @@ def test_v41_geometry_any_schedule(seed, spec_prob):
     assert checked > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_default_checked_calls_never_wait_for_the_gpu():
     """The default (validating) calls return while a GPU sleep queued before them still runs;
     the negative control (`raise_pending(block=True)`) does wait, so the test can see a sync."""
@@ -250,7 +250,7 @@ def test_default_checked_calls_never_wait_for_the_gpu():
     assert time.perf_counter() - t0 > 0.05, "the negative control did not wait"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_bad_id_on_the_gpu_is_raised_later_not_lost():
     hasher = _v41_hasher()
     ids = torch.randint(0, hasher.vocab_size, (1, 4096), device="cuda")
@@ -262,7 +262,7 @@ def test_bad_id_on_the_gpu_is_raised_later_not_lost():
     hasher.raise_pending()  # reported once
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_ragged_hash_and_commit_replay_in_a_cuda_graph():
     """A fixed token budget captured once replays any schedule that fits: unused sequences are
     empty (repeated boundaries) with slot -1, unused tokens are padding; rows and histories equal

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import kernel_devices, needs_kernels
+from kernel_helpers import kernel_devices, kernel_devices_here, needs_kernels
 
 from condmem.tables.row_cache import RowCache
 
@@ -97,4 +97,4 @@ def test_burst_into_one_set_takes_at_most_every_way(device):
 
 def test_triton_backend_needs_power_of_two_ways():
     with pytest.raises(ValueError, match="power-of-two number of ways"):
-        RowCache(12, 8, ways=3, device=DEVICES[0] if DEVICES else "cpu", backend="triton")
+        RowCache(12, 8, ways=3, device=(kernel_devices_here() or ["cpu"])[0], backend="triton")

@@ -12,7 +12,7 @@ from condmem.runtime import EngramMemory
 from helpers import assert_close
 from model_fixtures import tiny_engram_lm
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 
 def _run(model, memory=None, graphed=True, steps=12, host_prompts=False, **graph_kw):

@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-from helpers import cuda_only
 
 from condmem import EngramConfig, EngramLayout
 from condmem.ops.gather import gather_reference
@@ -110,7 +109,7 @@ def test_hbm_tier_needs_cuda_and_mmap_strategy_works_on_cpu(table_files):
         store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
 @pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc"),
                                         ("disk", None)])
@@ -146,7 +145,7 @@ def test_disk_with_dram_cache_and_hbm_cache_levels(table_files, fmt):
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
 @pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc")])
 def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
@@ -161,7 +160,7 @@ def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_gpu_hbm_tables_take_the_direct_path_at_any_size_and_host_tables_do_not(table_files):
     """Past `direct_max_ids`, an HBM table is still read by one gather kernel (no plan), a host
     table takes the full path; rows exact either way."""
@@ -202,7 +201,7 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
                     assert bool((~lone[gpu]).all())
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("region_bytes", [64 << 10, 4 * 72], ids=["region64k", "region4rows"])
 @pytest.mark.parametrize("max_in_flight", [1, 2, 3])
@@ -235,7 +234,7 @@ def test_gpu_pipelined_lookups_are_exact(table_files, monkeypatch, cached, regio
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("programs", [1, 3])
 def test_gpu_capped_zero_copy_grid_is_exact(table_files, monkeypatch, programs):
     """`ZERO_COPY_PROGRAMS`: the GPU share read by a grid of a few programs gives the same rows."""
@@ -254,7 +253,7 @@ def test_gpu_capped_zero_copy_grid_is_exact(table_files, monkeypatch, programs):
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_gpu_caller_expands_on_done_wait_or_next_lookup(table_files):
     """The expansion is queued by whichever comes first on the caller's thread:
     `done()` polled until true, `wait()`, or a later `lookup` (handles never waited for); every
@@ -284,7 +283,7 @@ def test_gpu_caller_expands_on_done_wait_or_next_lookup(table_files):
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(table_files):
     """With the DMAs held back, rows read without waiting for the handle differ from the waited rows."""
     fmt = "fp8_interleaved"
@@ -301,7 +300,7 @@ def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(tabl
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_gpu_calibration_on_a_sample_with_the_cache_keeps_rows_exact(table_files):
     """calibrate(sample=...) times the caller's batches with the cache; lookups stay exact afterwards."""
     fmt = "fp8_interleaved"
@@ -333,7 +332,7 @@ def test_cpu_pipelined_timing_and_calibration_are_harmless(table_files):
     engine.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fraction):
     """Plans replayed as CUDA graphs give the rows and the cache state of the same kernels launched one by one.
@@ -368,7 +367,7 @@ def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fractio
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["hbm", "host"])
 def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_files, tier):
     fmt = "fp8_interleaved"
@@ -386,7 +385,7 @@ def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_fi
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["hbm", "host"])
 def test_gpu_direct_lookup_of_ids_outside_the_table_is_raised_later_not_lost(table_files, tier):
     """Decode-sized lookups never wait for the GPU, so an id outside the table is raised by a
@@ -413,7 +412,7 @@ def test_gpu_direct_lookup_of_ids_outside_the_table_is_raised_later_not_lost(tab
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("attempt", range(int(os.environ.get("CONDMEM_BURST_REPEATS", "1"))))
 @pytest.mark.parametrize("warm", [False, True], ids=["eager-plans", "graphed-plans"])
 def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, monkeypatch, warm, attempt):
@@ -517,7 +516,7 @@ def test_engine_as_a_context_manager_closes_on_error(table_files):
     store.close()
 
 
-@cuda_only
+@pytest.mark.gpu
 def test_gpu_warm_up_captures_every_slot_and_lookups_capture_nothing(table_files, monkeypatch):
     """`warm_up` captures each plan slot of the warmed sizes (and the admission with a cache);
     lookups afterwards, of warmed or other sizes, capture nothing (so no other thread's sync

@@ -20,7 +20,7 @@ needs_native = pytest.mark.skipif(not native.available() or stand_ins() is None,
                                   reason=f"no native build ({native.build().reason}) or no C compiler for the stand-ins")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("n", [1, 1000, 70001])
 def test_gpu_staged_send_equals_a_plain_gather(path, n, monkeypatch):
@@ -45,9 +45,8 @@ def test_gpu_staged_send_equals_a_plain_gather(path, n, monkeypatch):
         assert torch.equal(dst.cpu(), table.index_select(0, ids)), f"round {round_}"
 
 
+@pytest.mark.gpu
 def test_sender_checks_its_destination():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from condmem.tables.staged_transfer import StagedSender
 
     sender = StagedSender(264, "cuda", chunk_rows=16, ring=2)
@@ -65,7 +64,7 @@ def test_the_cuda_runtime_is_named_by_torchs_cuda_version():
         assert native.cuda_runtime() is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_the_cuda_runtime_found_is_the_one_torch_uses():
     """Its cudaEventQuery answers for torch's events: the same runtime and context."""
     runtime = native.cuda_runtime()

@@ -247,7 +247,7 @@ def test_device_adam_is_exact_only(tiny_data):
         _trainer(tiny_data, host={"adam": "gpu"})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("adam", ["host", "device"])
 def test_host_tables_on_a_gpu_train_like_model_tables(tiny_data, adam):
     """On a GPU (streams, pinned staging, the worker's copies): 30 steps with host tables give

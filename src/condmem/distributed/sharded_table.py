@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from condmem.distributed.collectives import all_to_all_equal
 from condmem.distributed.sharding import ShardingError, ShardPlan
 
 
@@ -30,7 +31,7 @@ def _width(plan: ShardPlan, q: int) -> int:
 
 class _Exchange(torch.autograd.Function):
     """Rows of the batch's ids from their owners; gradients back to them. Every message is
-    padded to the widest rank's columns (gloo's all-to-all wants equal sizes); a rank's real
+    padded to the widest rank's columns (one all-to-all of equal sizes, which every backend has); a rank's real
     entries come first, so padding is dropped by position and never reaches a gradient."""
 
     @staticmethod
@@ -44,7 +45,7 @@ class _Exchange(torch.autograd.Function):
             ids = (row_ids[:, :, c0:c1] - plan.rows(q)[0]).reshape(-1)
             requests.append(torch.cat([ids, ids.new_zeros(size - ids.numel())]))
         served = [torch.empty(size, dtype=row_ids.dtype, device=row_ids.device) for _ in range(w)]
-        dist.all_to_all(served, requests, group=group)      # served[p]: ids rank p asks of me
+        all_to_all_equal(served, requests, group=group)      # served[p]: ids rank p asks of me
         real = b * t * _width(plan, rank)
         served = [ids[:real] for ids in served]
         r0, r1 = plan.rows(rank)
@@ -54,7 +55,7 @@ class _Exchange(torch.autograd.Function):
                                     "ids hashed for another layout?")
         outgoing = [torch.cat([weight[ids], weight.new_zeros(size - ids.numel(), d)]) for ids in served]
         incoming = [torch.empty(size, d, dtype=weight.dtype, device=weight.device) for _ in range(w)]
-        dist.all_to_all(incoming, outgoing, group=group)
+        all_to_all_equal(incoming, outgoing, group=group)
         ctx.plan, ctx.rank, ctx.group = plan, rank, group
         ctx.save_for_backward(*served)
         ctx.weight_shape = weight.shape
@@ -74,7 +75,7 @@ class _Exchange(torch.autograd.Function):
             g = grad_rows[:, :, c0:c1].reshape(-1, d)
             outgoing.append(torch.cat([g, g.new_zeros(size - g.shape[0], d)]))
         incoming = [torch.empty(size, d, dtype=grad_rows.dtype, device=grad_rows.device) for _ in range(w)]
-        dist.all_to_all(incoming, outgoing, group=group)     # incoming[p]: gradients of the rows p read
+        all_to_all_equal(incoming, outgoing, group=group)     # incoming[p]: gradients of the rows p read
         ids = torch.cat(served)
         values = torch.cat([g[: served[p].numel()] for p, g in enumerate(incoming)]) / w
         grad = torch.sparse_coo_tensor(ids[None], values, ctx.weight_shape, check_invariants=False).coalesce()

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from condmem.distributed.collectives import all_to_all_equal, reduce_scatter_equal
 from condmem.distributed.sharding import ShardingError, ShardPlan
 from condmem.ops.gate import GATE_CLAMP, engram_gate
 
@@ -117,7 +118,7 @@ class ShardedRows:
                 padded = torch.cat([padded, padded.new_zeros((padded.shape[0], per * w - n, *padded.shape[2:]))], 1)
             send = [c.contiguous() for c in padded.split(per, dim=1)]
             parts = [torch.empty_like(send[0]) for _ in range(w)]
-            dist.all_to_all(parts, send, group=self.group)
+            all_to_all_equal(parts, send, group=self.group)
             t0, t1 = self.token_chunk(n)
             parts = [p[:, : t1 - t0] for p in parts]
         widths = [b - a for a, b in zip(self.plan.col_bounds[:-1], self.plan.col_bounds[1:])]
@@ -136,7 +137,7 @@ class ShardedRows:
         if per * w != n:
             full = torch.cat([full, full.new_zeros((full.shape[0], per * w - n, *full.shape[2:]))], dim=1)
         out = torch.empty_like(full[:, :per])
-        dist.reduce_scatter(out, [c.contiguous() for c in full.split(per, dim=1)], group=self.group)
+        reduce_scatter_equal(out, list(full.split(per, dim=1)), group=self.group)
         t0, t1 = self.token_chunk(n)
         return out[:, : t1 - t0]
 
