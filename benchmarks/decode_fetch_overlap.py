@@ -38,9 +38,9 @@ import torch
 from condmem.bench.e2e import build_models, hbm_copy
 from condmem.bench.harness import event_times_ms, graph_replay_ms, machine_info
 from condmem.bench.lookup_setup import host_store
-from condmem.models.graphs import GraphedDecoder
-from condmem.models.serving import ServingCache
-from condmem.runtime import EngramMemory
+from condmem.serving.graphs import GraphedDecoder
+from condmem.serving.steps import ServingCache
+from condmem.serving import EngramMemory
 
 
 def step_times(graph: GraphedDecoder, cache: ServingCache, lengths: torch.Tensor, ids_sets, steps: int) -> list[float]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from condmem.models.graphs import GraphedDecoder
-from condmem.models.serving import ServingCache, decode_step, prefill
-from condmem.models.staged_fetch import StagedRows
-from condmem.runtime import EngramMemory
+from condmem.serving.graphs import GraphedDecoder
+from condmem.serving.steps import ServingCache, decode_step, prefill
+from condmem.serving.staged_fetch import StagedRows
+from condmem.serving import EngramMemory
 from helpers import assert_close
 from model_fixtures import tiny_engram_lm
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from condmem.models.config import ModelConfig
-from condmem.models.serving import ServingCache, _joined, decode_step, packed_ids, prefill, prefill_packed
+from condmem.serving.steps import ServingCache, _joined, decode_step, packed_ids, prefill, prefill_packed
 from condmem.models.transformer import DecoderLM
 from tests.helpers import assert_close
 

@@ -71,9 +71,9 @@ from condmem.bench.lookup_setup import disk_copy
 from condmem.config import EngramConfig
 from condmem.distributed import ShardPlan, shard_backbone
 from condmem.models.config import ModelConfig
-from condmem.models.serving import ServingCache, decode_step, packed_ids, prefill_packed
+from condmem.serving.steps import ServingCache, decode_step, packed_ids, prefill_packed
 from condmem.models.transformer import DecoderLM
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import LayerRows
 from condmem.utils.device_copy import to_device
@@ -204,7 +204,7 @@ class Server:
         self.graph = None
         in_place = memory is None or all(s.gpu_readable for s in memory.stores.values())
         if self.device.type == "cuda" and in_place and graphs:
-            from condmem.models.graphs import GraphedDecoder
+            from condmem.serving.graphs import GraphedDecoder
 
             wait = "before_step" if mode == "sync" else "at_layer"
             self.graph = GraphedDecoder(model, self.cache, memory=memory, wait=wait, fetch_programs=fetch_programs,

@@ -10,7 +10,7 @@ parallelism each layer's rows are this rank's columns, completed by the memory's
 the main stream.
 
 `ZeroCopyRows` gathers the rows with one kernel per layer that reads the tables in place (HBM,
-or page-locked host memory over PCIe). The staged fetch is `condmem.models.staged_fetch`.
+or page-locked host memory over PCIe). The staged fetch is `condmem.serving.staged_fetch`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class SideBranchRows:
     def close(self) -> None:
         """Release what the fetch holds beyond its buffers."""
 
-    # The interface `decode_step` reads (as from `condmem.runtime.Prepared`).
+    # The interface `decode_step` reads (as from `condmem.serving.Prepared`).
     def row_ids(self, layer_id: int) -> torch.Tensor:
         return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
 

@@ -18,7 +18,7 @@ Engram layer's rows into static buffers; the Engram layer waits for that branch 
 baseline that shows what prefetching saves. Without a memory the graph hashes each
 slot's history window and reads the model's own tables.
 
-``fetch="staged"`` has host threads gather the rows instead (`condmem.models.staged_fetch`):
+``fetch="staged"`` has host threads gather the rows instead (`condmem.serving.staged_fetch`):
 the side branch copies the row ids to the host, waits on a host flag (a stream wait, no
 kernel) and copies the staged rows in by DMA, so the GPU makes no random reads of a large
 host table, whose translation misses slow the blocks beside them. It also serves stores the
@@ -38,9 +38,9 @@ import contextlib
 
 import torch
 
-from condmem.models.decode_fetch import ZeroCopyRows
-from condmem.models.serving import ServingCache, decode_step
-from condmem.models.staged_fetch import StagedRows, staged_fetch_fits
+from condmem.serving.decode_fetch import ZeroCopyRows
+from condmem.serving.steps import ServingCache, decode_step
+from condmem.serving.staged_fetch import StagedRows, staged_fetch_fits
 from condmem.utils.graph_capture import capture
 from condmem.models.transformer import DecoderLM
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from condmem.models.serving import ServingCache, ragged_step
-from condmem.runtime.memory import join_prepared
+from condmem.serving.steps import ServingCache, ragged_step
+from condmem.serving.memory import join_prepared
 from condmem.utils.device_copy import to_device
 
 

@@ -28,7 +28,7 @@ import os
 import torch
 
 from condmem import native
-from condmem.models.decode_fetch import SideBranchRows
+from condmem.serving.decode_fetch import SideBranchRows
 from condmem.native.cudart import stream_memops
 from condmem.native.row_server import RowServer, RowServerError
 from condmem.tables.lookup import _rows_from_raw
