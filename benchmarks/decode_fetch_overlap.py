@@ -39,7 +39,7 @@ from condmem.bench.e2e import build_models, hbm_copy
 from condmem.bench.harness import event_times_ms, graph_replay_ms, machine_info
 from condmem.bench.lookup_setup import host_store
 from condmem.serving.graphs import GraphedDecoder
-from condmem.serving.steps import ServingCache
+from condmem.serving import ServingCache
 from condmem.serving import EngramMemory
 
 

@@ -22,7 +22,7 @@ from condmem.bench.e2e import BACKBONES, step_weight_bytes
 from condmem.bench.harness import copy_bandwidth_gbps, event_times_ms
 from condmem.models.config import ModelConfig
 from condmem.serving.graphs import GraphedDecoder
-from condmem.serving.steps import ServingCache, decode_step
+from condmem.serving import ServingCache, decode_step
 from condmem.models.transformer import DecoderLM
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from condmem import EngramConfig
 from condmem.distributed import shard_backbone
 from condmem.models import DecoderLM, ModelConfig
-from condmem.serving.steps import ServingCache, decode_step, packed_ids, prefill_packed
+from condmem.serving import ServingCache, decode_step, packed_ids, prefill_packed
 from condmem.serving import EngramMemory
 
 

@@ -17,7 +17,7 @@ from condmem.bench.e2e import BACKBONES, step_weight_bytes
 from condmem.bench.harness import copy_bandwidth_gbps, event_times_ms, machine_info
 from condmem.serving.graphs import GraphedDecoder
 from condmem.models.config import ModelConfig
-from condmem.serving.steps import ServingCache
+from condmem.serving import ServingCache
 from condmem.models.transformer import DecoderLM
 
 LENGTHS = (100, 1100)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from condmem import EngramConfig
 from condmem.distributed import ShardingError, backbone_slices, shard_backbone
 from condmem.models.config import ModelConfig
-from condmem.serving.steps import ServingCache, decode_step, packed_ids, prefill_packed, ragged_step
+from condmem.serving import ServingCache, decode_step, packed_ids, prefill_packed, ragged_step
 from condmem.models.transformer import DecoderLM
 from ranks import spawn_ranks
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from condmem.serving.graphs import GraphedDecoder
-from condmem.serving.steps import ServingCache, decode_step, prefill
+from condmem.serving import ServingCache, decode_step, prefill
 from condmem.serving.staged_fetch import StagedRows
 from condmem.serving import EngramMemory
 from helpers import assert_close

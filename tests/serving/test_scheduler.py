@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from condmem.serving.scheduler import Scheduler
-from condmem.serving.steps import ServingCache
+from condmem.serving import ServingCache
 from condmem.serving import EngramMemory
 from helpers import devices
 from model_fixtures import greedy_tokens, sharpen_attention, tiny_engram_lm

@@ -71,7 +71,7 @@ from condmem.bench.lookup_setup import disk_copy
 from condmem.config import EngramConfig
 from condmem.distributed import ShardPlan, shard_backbone
 from condmem.models.config import ModelConfig
-from condmem.serving.steps import ServingCache, decode_step, packed_ids, prefill_packed
+from condmem.serving import ServingCache, decode_step, packed_ids, prefill_packed
 from condmem.models.transformer import DecoderLM
 from condmem.serving import EngramMemory
 from condmem.tables.storage import LayerStore, place_layer

@@ -30,11 +30,11 @@ Two drivers run this path:
   engine's own scheduler (eager, no graphs).
 """
 
+from condmem.serving.cache import ServingCache
 from condmem.serving.graphs import GraphedDecoder
 from condmem.serving.memory import EngramMemory, EngramMemoryError, FetchTiming, Prepared, join_prepared
 from condmem.serving.scheduler import Request, Scheduler
 from condmem.serving.steps import (
-    ServingCache,
     decode_step,
     packed_ids,
     padded_ids,

@@ -38,11 +38,12 @@ import contextlib
 
 import torch
 
-from condmem.serving.decode_fetch import ZeroCopyRows
-from condmem.serving.steps import ServingCache, decode_step
-from condmem.serving.staged_fetch import StagedRows, staged_fetch_fits
-from condmem.utils.graph_capture import capture
 from condmem.models.transformer import DecoderLM
+from condmem.serving.cache import ServingCache
+from condmem.serving.decode_fetch import ZeroCopyRows
+from condmem.serving.staged_fetch import StagedRows, staged_fetch_fits
+from condmem.serving.steps import decode_step
+from condmem.utils.graph_capture import capture
 
 # The step's GEMMs are captured from cuBLASLt, whose kernels for a decode batch's skinny
 # GEMMs are faster here than cuBLAS's: 4B step 5.596 against 5.675 ms (H200, 8 alternating

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from condmem.serving.steps import ServingCache, ragged_step
+from condmem.serving.cache import ServingCache
 from condmem.serving.memory import join_prepared
+from condmem.serving.steps import ragged_step
 from condmem.utils.device_copy import to_device
 
 

@@ -28,10 +28,10 @@ import os
 import torch
 
 from condmem import native
-from condmem.serving.decode_fetch import SideBranchRows
 from condmem.native.cudart import stream_memops
 from condmem.native.row_server import RowServer, RowServerError
-from condmem.tables.lookup import _rows_from_raw
+from condmem.ops.gather import engram_gather
+from condmem.serving.decode_fetch import SideBranchRows
 
 
 def default_threads() -> int:
@@ -109,7 +109,7 @@ class StagedRows(SideBranchRows):
             memops.write(self.side, done, 0)
             fmt, head_dim = self.formats[i]
             if fmt != "bf16":
-                _rows_from_raw(self.local, self.raw_dev[lid], fmt, head_dim, out=self.rows_buf[lid])
+                engram_gather(self.local, self.raw_dev[lid], head_dim=head_dim, out=self.rows_buf[lid])   # dequantize
             self.events[lid].record()
 
     def check(self) -> None:
