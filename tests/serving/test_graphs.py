@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from condmem.serving import EngramMemory, ServingCache, decode_step, prefill
 from condmem.serving.graphs import GraphedDecoder
-from condmem.serving import ServingCache, decode_step, prefill
 from condmem.serving.staged_fetch import StagedRows
-from condmem.serving import EngramMemory
 from helpers import assert_close
 from model_fixtures import tiny_engram_lm
 

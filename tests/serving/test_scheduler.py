@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from condmem.serving.scheduler import Scheduler
-from condmem.serving import ServingCache
-from condmem.serving import EngramMemory
+from condmem.serving import EngramMemory, Scheduler, ServingCache
 from helpers import devices
 from model_fixtures import greedy_tokens, sharpen_attention, tiny_engram_lm
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from condmem.serving import ServingCache, decode_step, prefill
-from condmem.serving import EngramMemory
+from condmem.serving import EngramMemory, ServingCache, decode_step, prefill
 from helpers import assert_close, devices
 from model_fixtures import tiny_engram_lm as _model
 

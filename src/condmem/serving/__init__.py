@@ -34,6 +34,7 @@ from condmem.serving.cache import ServingCache
 from condmem.serving.graphs import GraphedDecoder
 from condmem.serving.memory import EngramMemory, EngramMemoryError, FetchTiming, Prepared, join_prepared
 from condmem.serving.scheduler import Request, Scheduler
+from condmem.serving.server import WaveObserver, WaveServer
 from condmem.serving.steps import (
     decode_step,
     packed_ids,
@@ -53,6 +54,8 @@ __all__ = [
     "join_prepared",
     "Request",
     "Scheduler",
+    "WaveObserver",
+    "WaveServer",
     "ServingCache",
     "decode_step",
     "packed_ids",

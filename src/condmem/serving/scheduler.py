@@ -19,7 +19,8 @@ without lookahead. The tokens are the same either way.
 
 This is the reference loop for an engine's scheduler (and what the tests hold to a full
 forward per sequence); engines keep their own policies (priorities, preemption) and call the
-same pieces.
+same pieces. Its steps change shape with every batch, so they run eagerly; `WaveServer` is the
+other driver: fixed waves whose decode replays a CUDA graph (what ``condmem bench e2e`` times).
 """
 
 from __future__ import annotations
