@@ -82,7 +82,7 @@ class GraphedDecoder:
 
     def __init__(self, model: DecoderLM, cache: ServingCache, *, memory=None, wait: str = "at_layer",
                  fetch_programs: int | None = None, fetch: str = "auto", fetch_threads: int | None = None,
-                 warmup: int = 3, _side_delay_cycles: int = 0, _late_join: bool = False):
+                 warmup: int = 3):
         if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")
         if wait not in WAIT_MODES:
@@ -115,13 +115,10 @@ class GraphedDecoder:
         self.valid = torch.zeros(n, dtype=torch.bool, device=device)
         self._slots: list[int] | None = None
         self._index: torch.Tensor | None = None
-        self._delay = _side_delay_cycles
-        self._late_join = _late_join       # tests only: the Engram layer reads rows without waiting
-        join = "none" if _late_join else wait
         self.fetch = None
         if memory is not None:
-            self.fetch = (StagedRows(memory, n, device, join, fetch_threads) if fetch == "staged"
-                          else ZeroCopyRows(memory, n, device, join, fetch_programs))
+            self.fetch = (StagedRows(memory, n, device, wait, fetch_threads) if fetch == "staged"
+                          else ZeroCopyRows(memory, n, device, wait, fetch_programs))
         try:
             self._capture(device, warmup)
         except BaseException:
@@ -147,12 +144,9 @@ class GraphedDecoder:
 
     def _body(self) -> torch.Tensor:
         if self.fetch is not None:
-            self.fetch.launch(self.slots, self.ids, self.valid, self._delay)
-        logits = decode_step(self.model, self.cache, None, self.ids, prepared=self.fetch, check=False,
-                             valid=self.valid)
-        if self.fetch is not None and self._late_join:
-            self.fetch.finish()
-        return logits
+            self.fetch.launch(self.slots, self.ids, self.valid)
+        return decode_step(self.model, self.cache, None, self.ids, prepared=self.fetch, check=False,
+                           valid=self.valid)
 
     @torch.no_grad()
     def step(self, slots, ids: torch.Tensor) -> torch.Tensor:
