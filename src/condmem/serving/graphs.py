@@ -46,8 +46,7 @@ from condmem.serving.steps import decode_step
 from condmem.utils.graph_capture import capture
 
 # The step's GEMMs are captured from cuBLASLt, whose kernels for a decode batch's skinny
-# GEMMs are faster here than cuBLAS's: 4B step 5.596 against 5.675 ms (H200, 8 alternating
-# rounds, 7 faster), 8B 8.045 against 8.073 (4 of 8) (`benchmarks/probes/decode_blas_ab.py`).
+# GEMMs made the step faster than cuBLAS's (`benchmarks/probes/decode_blas_ab.py`; docs/benchmarks.md).
 DECODE_BLAS = "cublaslt"
 
 WAIT_MODES = ("at_layer", "before_step")
@@ -71,8 +70,8 @@ class GraphedDecoder:
         fetch: how a memory's rows reach the graph: ``"zero_copy"`` (the GPU reads the tables
             in place), ``"staged"`` (host threads gather them, one DMA per layer; call
             `close()` when done, which stops the threads) or ``"auto"``: staged when every
-            table is in host memory (4B backbone, one 16 GiB table, H200, 10115c5: decode
-            0.999x the HBM table's tokens/s staged, 0.981x zero-copy), else zero-copy.
+            table is in host memory (the GPU's zero-copy reads of a large host table slow the
+            blocks beside them, staged rows do not: docs/serving.md), else zero-copy.
         fetch_threads: host threads of a staged fetch (None: `staged_fetch.default_threads`).
 
     Example:

@@ -35,9 +35,9 @@ from condmem.serving.decode_fetch import SideBranchRows
 
 
 def default_threads() -> int:
-    """Host threads of a staged fetch: 4 (one 16 GiB layer's 3,072 rows in ~60 us on the H200's
-    host, 41 us with 8), fewer on a small machine (a quarter of its cores): they spin while
-    steps come."""
+    """Host threads of a staged fetch: 4 (a step's rows staged well within the blocks before the
+    Engram layer; more threads shorten it little: docs/benchmarks.md), fewer on a small machine
+    (a quarter of its cores): they spin while steps come."""
     return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
