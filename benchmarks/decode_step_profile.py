@@ -21,8 +21,8 @@ import torch
 from condmem.bench.e2e import BACKBONES, step_weight_bytes
 from condmem.bench.harness import copy_bandwidth_gbps, event_times_ms
 from condmem.models.config import ModelConfig
-from condmem.models.graphs import GraphedDecoder
-from condmem.models.serving import ServingCache, decode_step
+from condmem.serving.graphs import GraphedDecoder
+from condmem.serving import ServingCache, decode_step
 from condmem.models.transformer import DecoderLM
 
 

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from condmem import EngramConfig  # noqa: E402
 from condmem.bench.lookup_setup import stdlib_sources  # noqa: E402
 from condmem.integrations.transformers import add_engram, get_engram, offload_tables  # noqa: E402
-from condmem.runtime.memory import EngramMemory  # noqa: E402
+from condmem.serving.memory import EngramMemory  # noqa: E402
 from condmem.tokenizer import CompressedTokenizer  # noqa: E402
 
 

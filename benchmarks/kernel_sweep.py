@@ -58,7 +58,9 @@ def gate_rows(bw: float) -> list[dict]:
         want = engram_gate_reference(*sets[0], qw, kw, residual=True).float()
         nbytes = n * (3 * hc + 1) * dim * 2
         for name, kw_ in variants.items():
-            fn = (lambda h, kv, kw_=kw_: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None, residual=True, **kw_))
+            def fn(h, kv, kw_=kw_):
+                return gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None, residual=True, **kw_)
+
             err = float((fn(*sets[0]).float() - want).norm() / want.norm())
             assert err < 1e-2, (name, err)
             ms = graph_replay_ms(fn, sets)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from released_synth import write_synthetic_checkpoint  # noqa: E402
 
 from condmem import Engram, NgramHasher  # noqa: E402
-from condmem.runtime import EngramMemory  # noqa: E402
+from condmem.serving import EngramMemory  # noqa: E402
 from condmem.fp8 import dequantize_fp8_e8m0, pack_rows  # noqa: E402
 from condmem.tables.released import ReleasedCheckpoint  # noqa: E402
 from condmem.tables.safetensors_io import drop_page_cache  # noqa: E402

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from condmem import EngramConfig, EngramLayout, NgramHasher
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory
 
 
 def timed(memory, batches, layer_ids) -> list[float]:

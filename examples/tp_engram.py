@@ -24,8 +24,7 @@ import torch.distributed as dist
 from condmem import EngramConfig
 from condmem.distributed import shard_backbone
 from condmem.models import DecoderLM, ModelConfig
-from condmem.models.serving import ServingCache, decode_step, packed_ids, prefill_packed
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory, ServingCache, decode_step, packed_ids, prefill_packed
 
 
 def main() -> None:

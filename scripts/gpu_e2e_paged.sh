@@ -7,8 +7,7 @@ set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels/test_kernels_attention.py \
-    tests/runtime/test_graphs.py tests/runtime/test_serving.py tests/runtime/test_serving_ragged.py \
-    tests/runtime/test_scheduler.py tests/runtime/test_memory.py tests/models} 2>&1 | tail -n 25 > "$OUT/paged_gpu_tests.log"
+    tests/serving tests/models} 2>&1 | tail -n 25 > "$OUT/paged_gpu_tests.log"
   tail -n 4 "$OUT/paged_gpu_tests.log"
 fi
 if [ "${SKIP_PROFILE:-0}" != 1 ]; then

@@ -15,5 +15,5 @@ per_test="-o faulthandler_timeout=120"
 if python3 -c "import pytest_timeout" 2>/dev/null; then per_test="--timeout=120 --timeout-method=thread"; fi
 # shellcheck disable=SC2086
 timeout -s INT 900 python3 -m pytest -q -x -p no:cacheprovider $per_test \
-  tests/kernels/test_kernels_gather.py tests/kernels/test_kernels_row_cache.py tests/tables tests/runtime > "$OUT/tables_tests_full.log" 2>&1
+  tests/kernels/test_kernels_gather.py tests/kernels/test_kernels_row_cache.py tests/tables tests/serving > "$OUT/tables_tests_full.log" 2>&1
 tail -n 15 "$OUT/tables_tests_full.log" | tee "$OUT/tables_tests.log"

@@ -15,9 +15,9 @@ import torch
 
 from condmem.bench.e2e import BACKBONES, step_weight_bytes
 from condmem.bench.harness import copy_bandwidth_gbps, event_times_ms, machine_info
-from condmem.models.graphs import GraphedDecoder
+from condmem.serving.graphs import GraphedDecoder
 from condmem.models.config import ModelConfig
-from condmem.models.serving import ServingCache
+from condmem.serving import ServingCache
 from condmem.models.transformer import DecoderLM
 
 LENGTHS = (100, 1100)

@@ -2,7 +2,7 @@
 ``DECODE_BLAS``), in a graph-captured step.
 
 Both variants are `GraphedDecoder`s over the same cache (random keys and values,
-`_decode_ab`), captured with ``condmem.models.graphs.DECODE_BLAS`` naming the library;
+`_decode_ab`), captured with ``condmem.serving.graphs.DECODE_BLAS`` naming the library;
 alternating rounds of ``--steps`` steps each (CUDA events, median). The logits of one step are compared (the
 libraries may sum in another order: bf16 rounding). Prediction before the first run:
 cuBLASLt 0.5-1% faster (one 4-round run at b8b9223: 5.485 vs 5.523 ms, rounds mixed).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from _decode_ab import ab_arguments, decode_bench, report
 
-import condmem.models.graphs as graphs_module
+import condmem.serving.graphs as graphs_module
 
 
 def main() -> None:

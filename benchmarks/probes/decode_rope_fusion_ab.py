@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from _decode_ab import ab_arguments, decode_bench, report
 
-import condmem.models.serving as serving
+import condmem.serving.steps as serving
 from condmem.ops.attention import paged_decode_attention, rope_store
 
 

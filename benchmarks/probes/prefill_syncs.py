@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-import condmem.bench.e2e as e2e
 from condmem.cli import main as cli_main
+from condmem.serving.server import WaveServer
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
 
     warnings.showwarning = show
     warnings.simplefilter("always")
-    wave = e2e.Server.wave
+    wave = WaveServer.wave
 
     def watched_wave(self, *a, **k):
         variant["name"] = "none" if self.memory is None else ("hbm" if all(
@@ -57,7 +57,7 @@ def main() -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    e2e.Server.wave = watched_wave
+    WaveServer.wave = watched_wave
     bench = [a for a in args.bench_args if a != "--"]
     cli_main(["bench", "e2e", "--out", args.out, *bench])
     rows = [{"variant": v, "thread": t, "stack": s, "syncs": n} for (v, t, s), n in counts.most_common()]

@@ -44,10 +44,9 @@ def test_bench_e2e_smoke_with_two_engram_layers(tmp_path):
     assert rows[-1]["tokens_equal"] is True
 
 
-def test_packing_and_the_decode_byte_count():
-    from condmem.bench.e2e import decode_bytes, pack, step_weight_bytes
+def test_the_decode_byte_count():
+    from condmem.bench.e2e import decode_bytes, step_weight_bytes
 
-    assert pack([5, 3, 9, 2, 2], 8) == [[0, 1], [2], [3, 4]]
     model, twin, _ = build_models("tiny", 0.001, 32, "cpu")
     weights = step_weight_bytes(twin)
     assert weights == sum(p.numel() * p.element_size() for p in twin.parameters()) - twin.embed.weight.numel() * 4

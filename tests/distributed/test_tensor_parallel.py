@@ -90,7 +90,7 @@ def test_traffic_formulas():
 
 
 def _memory_worker(rank: int, world: int, init_file: str, table_path: str) -> None:
-    from condmem.runtime import EngramMemory
+    from condmem.serving import EngramMemory
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from condmem import EngramConfig
 from condmem.distributed import ShardingError, backbone_slices, shard_backbone
 from condmem.models.config import ModelConfig
-from condmem.models.serving import ServingCache, decode_step, packed_ids, prefill_packed, ragged_step
+from condmem.serving import ServingCache, decode_step, packed_ids, prefill_packed, ragged_step
 from condmem.models.transformer import DecoderLM
 from ranks import spawn_ranks
 
@@ -73,7 +73,7 @@ def _serve(model: DecoderLM, memory=None) -> tuple[list[torch.Tensor], list[torc
 
 
 def _worker(rank: int, world: int, init_file: str) -> None:
-    from condmem.runtime import EngramMemory
+    from condmem.serving import EngramMemory
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -12,7 +12,7 @@ import torch
 
 from condmem import EngramConfig, EngramLayout, NgramHasher
 from condmem.fp8 import pack_rows, quantize_fp8_e8m0
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory
 from condmem.tables.direct_read import DirectRowReader
 from condmem.tables.staged_transfer import StagedSender
 from condmem.tables.storage import StorageError

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from condmem import ConfigError, Engram, EngramLayout, NgramHasher
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory
 from condmem.tables.released import ReleasedCheckpoint, ReleasedCheckpointError, load_released_tables
 from condmem.tables.table_file import TableMismatchError
 from helpers import assert_close

@@ -8,7 +8,7 @@ import os
 import torch
 
 from condmem import EngramLayout, NgramHasher
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory
 from condmem.tables.released import ReleasedCheckpoint
 from condmem.tables.safetensors_io import mmap_tensor, read_header, release_pages
 from released_fixtures import config_json, engram_config, write_checkpoint

@@ -5,11 +5,12 @@ random weights) with Engram layers (default one, at the second block; ``--engram
 for a V4.1-like early + late placement, each layer its own table), whose tables (fp8 rows with
 their scales, V4.1 geometry: 24 columns x 256 per token) are sized in GiB per layer. A
 workload of ``--sequences`` prompts (lengths uniform in ``--prompt-min..--prompt-max``) is
-served in waves of ``--batch`` concurrent sequences: the prompts are prefilled into cache
-slots as packed batches of up to ``--prefill-tokens`` tokens (no padding: one varlen
-attention launch per layer), then every sequence decodes ``--gen`` tokens greedily, one
-CUDA-graph step per token for the whole wave (`GraphedDecoder`; attention reads each
-sequence's live keys through the paged cache).
+served by the library's own `condmem.serving.WaveServer` in waves of ``--batch`` concurrent
+sequences: the prompts are prefilled into cache slots as packed batches of up to
+``--prefill-tokens`` tokens (no padding: one varlen attention launch per layer), then every
+sequence decodes ``--gen`` tokens greedily, one CUDA-graph step per token for the whole wave
+(`GraphedDecoder`; attention reads each sequence's live keys through the paged cache). The
+timing stays here (`WaveClock`, told by the server where each phase begins and ends).
 
 Variants, same backbone weights (the no-Engram model shares every backbone module):
 
@@ -71,12 +72,11 @@ from condmem.bench.lookup_setup import disk_copy
 from condmem.config import EngramConfig
 from condmem.distributed import ShardPlan, shard_backbone
 from condmem.models.config import ModelConfig
-from condmem.models.serving import ServingCache, decode_step, packed_ids, prefill_packed
 from condmem.models.transformer import DecoderLM
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory, ServingCache
+from condmem.serving.server import WaveObserver, WaveServer, pack
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import LayerRows
-from condmem.utils.device_copy import to_device
 from condmem.utils.plotting import pyplot
 
 log = logging.getLogger("condmem.bench")
@@ -162,166 +162,10 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[torch.
     return [torch.randint(0, vocab, (int(t),), generator=gen) for t in lengths]
 
 
-def pack(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of consecutive prompts in batches of at most `budget` tokens (a longer prompt alone)."""
-    groups, cur, used = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > budget:
-            groups.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    return groups + ([cur] if cur else [])
-
-
-class Server:
-    """Serves waves of prompts with one model, cache, decode graph and (optionally) an EngramMemory.
-
-    Prompts are prefilled as packed batches of up to `prefill_tokens` tokens (one forward per
-    batch, no padding); with ``mode="prefetch"`` the next batch's rows are hashed and fetched
-    while the current batch runs, and the next wave's first batch while this wave decodes (a
-    scheduler knows its queue; a fresh prompt's rows need no history, which is committed to
-    its slot when it is prefilled); with ``mode="sync"`` each batch waits for its rows before
-    its first block. Hashing runs on the memory's own stream, beside the forward queued on
-    the caller's.
-    """
-
-    def __init__(self, model: DecoderLM, cache: ServingCache, memory: EngramMemory | None, mode: str,
-                 prefill_tokens: int = 8192, fetch_programs: int | None = None, graphs: bool = True,
-                 fetch: str = "zero_copy", fetch_threads: int = 4, measure: bool = False):
-        self.model, self.memory, self.mode = model, memory, mode
-        self.fetch_log: list = []    # `FetchTiming` of every prompt batch's layers (`--measure-fetch`)
-        # With `measure`, each prompt batch's (host seconds to queue it, CUDA events before and
-        # after its forward): `batch_summary` tells GPU time from host-side gaps.
-        self.batch_log: list = []
-        self.prefill_tokens = prefill_tokens
-        self.device = model.embed.weight.device
-        self.measure = measure and self.device.type == "cuda"
-        # The cache may be shared by servers of one backbone that serve one at a time (each wave
-        # frees its slots).
-        self.cache = cache
-        self.early = None            # (the next wave's first batch's prompts, its Prepared), fetched during decode
-        self.graph = None
-        in_place = memory is None or all(s.gpu_readable for s in memory.stores.values())
-        if self.device.type == "cuda" and in_place and graphs:
-            from condmem.models.graphs import GraphedDecoder
-
-            wait = "before_step" if mode == "sync" else "at_layer"
-            self.graph = GraphedDecoder(model, self.cache, memory=memory, wait=wait, fetch_programs=fetch_programs,
-                                        fetch=fetch, fetch_threads=fetch_threads)
-
-    def _prepare(self, group: list[torch.Tensor], slots: list[int] | None):
-        """Hash a prompt batch and start its lookups on the memory's stream; `slots` None: no
-        history read or written (fresh prompts hash the same; `_commit` writes it later)."""
-        ids, cu = packed_ids(group)
-        slots = None if slots is None else torch.tensor(slots)
-        # The forward needs no row id on the device (rows come fetched): the caller's stream
-        # waits for each layer's lookup at that layer only, which follows the hash.
-        return self._on_memory_stream(lambda: self.memory.prepare_ragged(ids, cu, slots=slots))
-
-    def _commit(self, group: list[torch.Tensor], slots: list[int]) -> None:
-        """Advance fresh slots' histories by their whole prompts (a batch hashed without slots)."""
-        ids, cu = packed_ids(group)
-        self._on_memory_stream(lambda: self.memory.commit(torch.tensor(slots), ids, cu, cu[1:] - cu[:-1]))
-
-    def _on_memory_stream(self, fn):
-        """`fn()` on the memory's own stream (after the caller's work so far: histories are reset
-        there), beside the forward queued on the caller's; on the CPU, at once."""
-        side = self.memory.stream
-        if side is None:
-            return fn()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            return fn()
-
-    def stage(self, prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(host copy, device copy) of each prompt: the host copy is what the memory hashes beside
-        the forward, the device copy what the forward reads (no pageable copy, no sync, per batch)."""
-        return [(p, p.to(self.device)) for p in prompts]
-
-    def wave(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], gen: int,
-             upcoming: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> tuple[torch.Tensor, float, float]:
-        """Prefill `prompts` (one per slot) and decode `gen` tokens each; (tokens [n, gen], prefill s, decode s).
-        `upcoming`: the next wave's prompts, whose first batch is fetched while this wave decodes."""
-        n = len(prompts)
-        slots = [self.memory.allocate() for _ in range(n)] if self.memory is not None else list(range(n))
-        out = torch.empty(n, gen, dtype=torch.long, device=self.device)
-        timer = _Timer(self.device)
-        groups = pack([p[0].numel() for p in prompts], self.prefill_tokens)
-        ahead, alive = {}, []       # Prepared batches stay referenced until the wave has synced
-
-        def start(g):
-            return self._prepare([prompts[i][0] for i in groups[g]], [slots[i] for i in groups[g]])
-
-        if self.memory is not None and self.mode == "prefetch":
-            early, self.early = self.early, None
-            first = [prompts[i][0] for i in groups[0]]
-            if early is not None and len(early[0]) == len(first) and all(a is b for a, b in zip(early[0], first)):
-                ahead[0] = early[1]
-                self._commit(first, [slots[i] for i in groups[0]])
-            else:
-                ahead[0] = start(0)
-        wave_log = []
-        for g, members in enumerate(groups):
-            queued = time.perf_counter()
-            prepared = None
-            if self.memory is not None:
-                if self.mode == "prefetch":
-                    prepared = ahead.pop(g)
-                    if g + 1 < len(groups):   # the next batch's rows are fetched while this batch runs
-                        ahead[g + 1] = start(g + 1)
-                else:
-                    prepared = start(g)
-                    for lid in self.memory.layer_ids:
-                        prepared.rows(lid)          # the stream waits here, before block 0
-                alive.append(prepared)
-            if self.measure:
-                # After the lookups are started: the GPU's wait for the host (or, in sync mode,
-                # for the rows) before this forward counts as time between batches.
-                began = torch.cuda.Event(enable_timing=True)
-                began.record()
-            logits = prefill_packed(self.model, self.cache, [slots[i] for i in members],
-                                    [prompts[i][1] for i in members], prepared=prepared)
-            out[to_device(members, self.device), 0] = logits.argmax(-1)
-            if self.measure:
-                ended = torch.cuda.Event(enable_timing=True)
-                ended.record()
-                wave_log.append((time.perf_counter() - queued, began, ended))
-        if self.measure:
-            self.batch_log.append(wave_log)
-        if self.memory is not None and self.memory.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.memory.stream)   # histories, for decode
-        t_prefill = timer.lap()
-        if upcoming and self.memory is not None and self.mode == "prefetch":
-            # The next wave's first batch, fetched while this wave decodes.
-            first = [upcoming[i][0] for i in pack([p[0].numel() for p in upcoming], self.prefill_tokens)[0]]
-            self.early = (first, self._prepare(first, None))   # referenced here until the next wave syncs
-        ids = out[:, 0]
-        for t in range(1, gen):
-            if self.graph is not None:
-                logits = self.graph.step(slots, ids)
-            else:
-                prep = None
-                if self.memory is not None:
-                    prep = self.memory.prepare_decode(torch.tensor(slots), ids)
-                logits = decode_step(self.model, self.cache, torch.tensor(slots), ids, prepared=prep)
-            ids = logits.argmax(-1)
-            out[:, t] = ids
-        t_decode = timer.lap()
-        if self.memory is not None and self.memory.measure_fetch:   # read after the timed laps
-            self.fetch_log.extend(t for p in alive for t in p.fetch_timing().values())
-        alive.clear()
-        for slot in slots:
-            self.cache.release(slot)
-            if self.memory is not None:
-                self.memory.free(slot)
-        return out, t_prefill, t_decode
-
-
 def batch_summary(waves: list) -> dict:
-    """Where the prefill's wall time went (`Server(measure=True)`), summed over the prompt
+    """Where the prefill's wall time went (`WaveClock(measure=True)`), summed over the prompt
     batches: GPU time of each batch's forward, GPU time from a batch's forward to the next
-    one's (the GPU waiting for the host to queue it, or in sync mode for its rows), and host
+    one's (the GPU waiting for the host to queue it, or with wait="before_step" for its rows), and host
     time spent queuing the batches (lookups started, forward launched)."""
     waves = [w for w in waves if w]
     if not waves:
@@ -363,26 +207,67 @@ class _Timer:
         return dt
 
 
-def serve_all(server: Server, prompts: list[torch.Tensor], batch: int, gen: int) -> dict:
-    staged = server.stage(prompts)
-    server.fetch_log.clear()
-    server.batch_log.clear()
-    server.early = None
-    tokens, t_prefill, t_decode = [], 0.0, 0.0
-    for s in range(0, len(prompts), batch):
-        out, tp, td = server.wave(staged[s:s + batch], gen, upcoming=staged[s + batch:s + 2 * batch])
-        tokens.append(out)
-        t_prefill += tp
-        t_decode += td
+class WaveClock(WaveObserver):
+    """The benchmark's clock on a `WaveServer`, kept outside it: wall time of each wave's prefill
+    and decode (the device drained where each begins and ends), and with `measure` (CUDA) each
+    prompt batch's host time to queue it and CUDA events around its forward (`batch_summary`),
+    and the memory's fetch timings of the prompt batches (`fetch_summary`)."""
+
+    def __init__(self, device: torch.device, measure: bool = False):
+        self.device = device
+        self.measure = measure and device.type == "cuda"
+        self.prefill_s = self.decode_s = 0.0
+        self.batch_log: list = []    # per wave: (host seconds to queue a batch, event before its forward, event after)
+        self.fetch_log: list = []    # `FetchTiming` of every prompt batch's layers (`--measure-fetch`)
+        self._timer: _Timer | None = None
+        self._wave: list = []
+        self._queued = 0.0
+        self._began = None
+
+    def wave_started(self) -> None:
+        self._timer = _Timer(self.device)
+        self._wave = []
+
+    def batch_queued(self) -> None:
+        self._queued = time.perf_counter()
+
+    def batch_launching(self) -> None:
+        if self.measure:
+            # After the lookups are started: the GPU's wait for the host (or, with
+            # wait="before_step", for the rows) before this forward counts as time between batches.
+            self._began = torch.cuda.Event(enable_timing=True)
+            self._began.record()
+
+    def batch_launched(self) -> None:
+        if self.measure:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            self._wave.append((time.perf_counter() - self._queued, self._began, ended))
+
+    def prefill_done(self) -> None:
+        if self.measure:
+            self.batch_log.append(self._wave)
+        self.prefill_s += self._timer.lap()
+
+    def decode_done(self, prepared: list) -> None:
+        self.decode_s += self._timer.lap()
+        self.fetch_log.extend(t for p in prepared if p.measured for t in p.fetch_timing().values())
+
+
+def serve_all(server: WaveServer, prompts: list[torch.Tensor], gen: int, measure: bool = False) -> dict:
+    """Serve the workload once (waves of the cache's slots); its tokens, phase times and throughputs."""
+    clock = WaveClock(server.device, measure)
+    tokens = server.serve(prompts, gen, observer=clock)
+    t_prefill, t_decode = clock.prefill_s, clock.decode_s
     prompt_tokens = sum(p.numel() for p in prompts)
     gen_tokens = len(prompts) * gen
     total = t_prefill + t_decode
-    return {"tokens": torch.cat(tokens), "prefill_s": t_prefill, "decode_s": t_decode, "total_s": total,
+    return {"tokens": tokens, "prefill_s": t_prefill, "decode_s": t_decode, "total_s": total,
             "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens,
             "tokens_per_s": (prompt_tokens + gen_tokens) / total,
             "prefill_tokens_per_s": prompt_tokens / t_prefill,
-            **fetch_summary(server.fetch_log),
-            **batch_summary(server.batch_log),
+            **fetch_summary(clock.fetch_log),
+            **batch_summary(clock.batch_log),
             "decode_tokens_per_s": gen_tokens / max(t_decode, 1e-9)}
 
 
@@ -540,11 +425,11 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     # built for the Engram model (the no-Engram twin has the same blocks and uses none of its
     # Engram state).
     shared_cache = ServingCache(model, n_slots=args.batch, max_len=max_len)
-    servers: dict[str, Server] = {}
+    servers: dict[str, WaveServer] = {}
     owned_stores: dict[str, dict] = {}
     for variant in variants:
         if variant in NO_ENGRAM:
-            server = Server(twin, shared_cache, None, "prefetch", args.prefill_tokens, measure=args.measure_fetch)
+            server = WaveServer(twin, shared_cache, prefill_tokens=args.prefill_tokens)
         else:
             stores = dict(host_stores)
             if variant == "hbm":
@@ -552,20 +437,21 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             elif variant == "disk_prefetch":
                 stores = {lid: disk_copy(s, args.disk_dir, args.dram_cache_gib) for lid, s in host_stores.items()}
                 owned_stores[variant] = stores          # the disk copies (their files) are this variant's
-            server = Server(model, shared_cache, memory_for(stores), "sync" if variant == "host_sync" else "prefetch",
-                            args.prefill_tokens, args.fetch_programs, graphs=variant != "host_eager",
-                            fetch="staged" if variant == "host_staged" else "zero_copy",
-                            fetch_threads=args.staged_threads, measure=args.measure_fetch)
+            server = WaveServer(model, shared_cache, memory_for(stores),
+                                wait="before_step" if variant == "host_sync" else "at_layer",
+                                prefill_tokens=args.prefill_tokens, graphs=variant != "host_eager",
+                                fetch="staged" if variant == "host_staged" else "zero_copy",
+                                fetch_programs=args.fetch_programs, fetch_threads=args.staged_threads)
         servers[variant] = server
         served = twin if variant in NO_ENGRAM else model
         kv_per_token = server.cache.live_kv_bytes([1])
         bounds[variant] = {"decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
                            "step_weight_bytes": step_weight_bytes(served),
                            "prefill_flops": prefill_flops(served, lengths)}
-        serve_all(server, warm, args.batch, min(args.gen, 4))      # untimed
+        serve_all(server, warm, min(args.gen, 4), args.measure_fetch)      # untimed
     for round_ in range(args.e2e_repeats):
         for variant in (variants if round_ % 2 == 0 else variants[::-1]):
-            r = serve_all(servers[variant], prompts, args.batch, args.gen)
+            r = serve_all(servers[variant], prompts, args.gen, args.measure_fetch)
             log.info("%s / %s run %d: %.2f s (prefill %.2f, decode %.2f)", backbone, variant, round_ + 1,
                      r["total_s"], r["prefill_s"], r["decode_s"])
             if variant not in results or r["total_s"] < results[variant]["total_s"]:
@@ -573,7 +459,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     for variant, server in servers.items():
         best = results[variant]
         if args.profile:
-            profile(server, prompts[: args.batch], args.batch, min(args.gen, 8),
+            profile(server, prompts[: args.batch], min(args.gen, 8),
                     Path(args.out) / f"profile_{backbone}_{variant}.txt")
         stats = server.graph.fetch_stats() if server.graph is not None else None
         if stats is not None:
@@ -583,8 +469,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
                      backbone, variant, stats["steps"], stats["mean_us"], stats["max_us"], stats["threads"])
         log.info("%s / %s: %.0f tok/s (prefill %.0f, decode %.0f)", backbone, variant, best["tokens_per_s"],
                  best["prefill_tokens_per_s"], best["decode_tokens_per_s"])
-        if server.graph is not None:
-            server.graph.close()                            # a staged fetch's host threads
+        server.close()                                      # a staged fetch's host threads
         if server.memory is not None:
             for engine in server.memory.engines.values():   # not memory.close(): the host tables are reused
                 engine.close()
@@ -633,7 +518,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     return rows
 
 
-def profile(server: Server, prompts: list[torch.Tensor], batch: int, gen: int, path: Path) -> None:
+def profile(server: WaveServer, prompts: list[torch.Tensor], gen: int, path: Path) -> None:
     """One wave under torch.profiler: the top ops by device time and by host time, to `path`."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -641,7 +526,9 @@ def profile(server: Server, prompts: list[torch.Tensor], batch: int, gen: int, p
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if server.device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        _, t_prefill, t_decode = server.wave(server.stage(prompts), gen)
+        clock = WaveClock(server.device)
+        server.wave(server.stage(prompts), gen, observer=clock)
+        t_prefill, t_decode = clock.prefill_s, clock.decode_s
         wall = time.perf_counter() - t0
     table = prof.key_averages()
     device_key = "self_device_time_total" if server.device.type == "cuda" else "self_cpu_time_total"

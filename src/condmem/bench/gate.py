@@ -18,8 +18,8 @@ from condmem.ops.gate.triton import gate_backward_triton, gate_forward_triton
 SHAPES = [(8192, 4, 4096), (512, 4, 4096), (8192, 4, 7168), (16384, 1, 2560), (256, 4, 4096)]
 PEER_MS = {(8192, 4, 4096): 0.227, (512, 4, 4096): 0.025, (8192, 4, 7168): 0.514}
 """vLLM's fused post-`wkv` kernel of DeepSeek-V4.1 (gate and residual add in one pass), forward ms,
-measured on one H200 on 2026-12-01 beside condmem's kernels on the same inputs (the issue that
-asked for the fused add): the figures the residual forward is compared with."""
+measured beside condmem's kernels on the same inputs and GPU (docs/benchmarks.md says which and
+when): the figures the residual forward is compared with."""
 SMOKE_SHAPES = [(16, 2, 96), (4, 1, 64)]
 
 

@@ -1,7 +1,7 @@
 """Exactness at full size for `condmem bench lookup`: the engine's rows against a plain gather.
 
 The unit tests check every lookup path at small sizes; this checks the benchmark's own tables
-(64 GiB of pinned host memory on the H200, 16K-token batches), after the timed lookups, so no
+(tens of GiB of pinned host memory, 16K-token batches), after the timed lookups, so no
 timing is reported for wrong rows. The reference is `gather_reference`: plain torch indexing
 of the table where it lives (host memory, the memory-mapped file, or HBM) and a plain
 dequantization, with no cache, no split and no kernel of ours.

@@ -47,7 +47,7 @@ def run(args) -> int:
     eos = find_special(ckpt.tokenizer, EOS_CANDIDATES, "end-of-document", fallback=-1)
     memory = None
     if args.tier != "module" and ckpt.model.hasher is not None:
-        from condmem.runtime import EngramMemory
+        from condmem.serving import EngramMemory
 
         tables = {b.layer_id: b.engram.table.weight for b in ckpt.model.blocks if b.engram is not None}
         memory = EngramMemory.from_weights(ckpt.model.hasher, tables, args.tier, device,

@@ -4,7 +4,7 @@ Rank r of w keeps a contiguous run of H/w query heads with their KV/w KV heads (
 grouped-query pair stays on one rank) and a contiguous run of F/w SwiGLU hidden units. The
 q/k/v and gate/up projections are split by output rows, the attention output and down
 projections by input columns, so each of those two produces a partial sum that the serving
-forward (`condmem.models.serving`: `decode_step`, `ragged_step`, `prefill_packed`,
+forward (`condmem.serving.steps`: `decode_step`, `ragged_step`, `prefill_packed`,
 `GraphedDecoder`) completes with one all-reduce, before the residual add. Each rank's KV
 cache holds its own heads. The embedding, norms, output projection and Engram modules stay
 whole on every rank; Engram tables are sharded by `EngramMemory(process_group=...)`.

@@ -29,7 +29,7 @@ def generate(model: DecoderLM, prompt_ids: torch.Tensor, max_new_tokens: int, *,
              top_k: int | None = 40, seed: int | None = 0, stop_ids: tuple[int, ...] = (), memory=None) -> torch.Tensor:
     """Continue `prompt_ids` [B, T] (or [T]) by up to `max_new_tokens` tokens.
 
-    With `memory` (a `condmem.runtime.EngramMemory` holding the model's tables in some
+    With `memory` (a `condmem.serving.EngramMemory` holding the model's tables in some
     tier), rows are prefetched from it: the prompt seeds per-sequence decode histories and
     each step hashes only the new token.
 

@@ -251,7 +251,7 @@ class DecoderLM(nn.Module):
             cache: incremental decoding state (see `new_cache`); the ids are appended at
                 ``cache.length`` and the cache advances.
             capture: records the Engram gate values.
-            prepared: a `condmem.runtime.Prepared` from `EngramMemory.prepare` /
+            prepared: a `condmem.serving.Prepared` from `EngramMemory.prepare` /
                 `prepare_decode` for these ids: row ids and rows come from it (tables in
                 host memory, fetched while the earlier blocks run), each Engram layer
                 waiting only for its own rows.
@@ -263,7 +263,7 @@ class DecoderLM(nn.Module):
         """
         if self.tp_group is not None:
             raise RuntimeError("this model's blocks are sharded for tensor-parallel serving (shard_backbone): "
-                               "run it through condmem.models.serving (ragged_step, prefill_packed, decode_step, "
+                               "run it through condmem.serving (ragged_step, prefill_packed, decode_step, "
                                "GraphedDecoder), whose forward completes each block's partial sums")
         batch, length = input_ids.shape
         start = 0

@@ -38,8 +38,8 @@ __all__ = ["Build", "CudaRuntime", "FALLBACK_COST", "available", "build", "cuda_
 
 log = logging.getLogger("condmem.native")
 
-FALLBACK_COST = ("measured on the H200's host: a text batch's staged send of 105K rows 2.0 ms instead of 1.0 ms, "
-                 "the bare gather 1.3x slower (docs/lookup-engine.md, benchmarks/results/lookup_disk_8gib.log)")
+FALLBACK_COST = ("a text batch's staged send of 105K rows 2.0 ms instead of 1.0 ms, the bare gather 1.3x slower "
+                 "(docs/lookup-engine.md#native-code)")
 """What the fallback costs, said by the warning when the native code is unavailable."""
 
 

@@ -53,7 +53,7 @@ def cuda_runtime() -> CudaRuntime | None:
         lib = None
     if lib is None:
         log.warning("CUDA runtime %s is not among the libraries torch loaded: staged sends take the Python loop "
-                    "(a text batch's 105K rows 2.0 ms instead of 1.0 ms on the H200's host, docs/lookup-engine.md)",
+                    "(about twice as slow: docs/lookup-engine.md#native-code)",
                     soname or f"of CUDA {torch.version.cuda}")
         return None
     lib.cudaGetErrorString.restype = ctypes.c_char_p

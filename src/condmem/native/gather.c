@@ -27,8 +27,8 @@
 #define cpu_relax() do { } while (0)
 #endif
 
-/* Rows prefetched ahead (cpu_gather_probe on the H200's host, 131072 rows of a 64 GiB table:
-   12 rows 141 Mrows/s, 8 / 16 / 24 / 32 rows 133 / 135 / 136 / 130 Mrows/s). */
+/* Rows prefetched ahead: the fastest distance of the CPU gather probe's sweep
+   (benchmarks/probes/cpu_gather_probe.py; docs/benchmarks.md). */
 #ifndef PREFETCH_DISTANCE
 #define PREFETCH_DISTANCE 12
 #endif
@@ -40,8 +40,8 @@
 #endif
 const char *condmem_source_digest(void) { return CONDMEM_SOURCE_DIGEST; }
 
-/* Row i of dst <- row ids[i] of src. The row PREFETCH_DISTANCE ahead is prefetched (into every cache level:
-   measured on the H200's host, hint T0 beat NTA by ~10%). */
+/* Row i of dst <- row ids[i] of src. The row PREFETCH_DISTANCE ahead is prefetched into every cache level
+   (hint T0: faster than NTA, T1 or T2 in the CPU gather probe; docs/benchmarks.md). */
 static inline void copy_row(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t i, int64_t n,
                             uint8_t *dst_row) {
     if (i + PREFETCH_DISTANCE < n) {
@@ -88,8 +88,7 @@ static inline int64_t now_ns(void) {
    nothing blocks it). While it has nothing to queue or free it gathers pieces too, but only
    of chunks already writable, since it is the one that frees the rest. No thread waits for
    the slowest piece of a chunk, so chunks cost little each and a send can start and end in
-   small ones (measured on the H200: a barrier per chunk cost 0.4 ms of a 1.4 ms send of
-   105K rows).
+   small ones (a barrier per chunk made sends 1.4x slower: docs/lookup-engine.md).
 
    `timeline` (NULL: none): 1 + 3 * n_chunks int64, nanoseconds on CLOCK_MONOTONIC: the
    start, then per chunk when its buffer became writable, when its last piece was in (as the

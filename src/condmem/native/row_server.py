@@ -2,7 +2,7 @@
 host tables into small staging buffers when a flag in host memory asks for them.
 
 The GPU side of the handshake (ids copied in, ``request`` raised, ``done[l]`` waited for and
-lowered) is `condmem.models.staged_fetch`; this module owns the threads and the host buffers
+lowered) is `condmem.serving.staged_fetch`; this module owns the threads and the host buffers
 they share with the GPU: the flags, the ids and the staging rows, page-locked (and so mapped
 for the GPU) when CUDA is available. Without the native library there is no server
 (`RowServerError`).

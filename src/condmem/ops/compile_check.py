@@ -1,9 +1,9 @@
 """Compile the lookup path's Triton kernels for a GPU architecture on a machine without a GPU.
 
 CI has no GPU and runs kernels through the interpreter, which never invokes Triton's
-compiler, so a kernel the compiler rejects passes every CPU test. This happened once:
-Triton 3.6 (the H200's version) failed a layout pass on a scattered store
-that the interpreter and Triton 3.9 accepted. `python -m condmem.ops.compile_check`
+compiler, so a kernel the compiler rejects passes every CPU test (Triton 3.6, for one, fails
+a layout pass on a scattered store that the interpreter and Triton 3.9 accept).
+`python -m condmem.ops.compile_check`
 compiles each kernel variant the engine launches (to PTX and a cubin, with the ptxas
 Triton ships) for sm_90 and prints one line per variant; a test runs it under the installed
 Triton. To check another Triton: ``pip install --target DIR triton==X`` and run with

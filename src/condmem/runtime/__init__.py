@@ -1,5 +1,5 @@
-"""Inference runtime: `EngramMemory` (hash all layers before layer 0, prefetch rows, decode history)."""
+"""Kept so that ``from condmem.runtime import EngramMemory`` goes on working: the memory lives in `condmem.serving`."""
 
-from condmem.runtime.memory import EngramMemory, EngramMemoryError, Prepared
+from condmem.serving.memory import EngramMemory, EngramMemoryError, Prepared
 
 __all__ = ["EngramMemory", "EngramMemoryError", "Prepared"]

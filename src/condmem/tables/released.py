@@ -43,7 +43,7 @@ import torch
 
 from condmem.config import ConfigError, EngramConfig
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
-from condmem.ops.block_fp8 import BlockFp8Error, block_shape, dequantize_block_fp8, scales_to_float
+from condmem.ops.block_fp8 import BlockFp8Error, block_shape, dequantize_block_fp8
 from condmem.tables.safetensors_io import Header, TableFileError, TensorEntry, mmap_tensor, read_header
 from condmem.tables.table_file import LayerRows, TableMismatchError
 
@@ -371,11 +371,6 @@ class ReleasedCheckpoint:
         dtypes = (torch.bfloat16, torch.float32, torch.float16)
         return tuple(self._map(names[k], dtypes, shape, f"{k} ([hc_mult, hidden_size])")  # type: ignore[return-value]
                      for k in ("q_weight", "k_weight"))
-
-    def wkv_scales_float(self, layer_id: int) -> torch.Tensor:
-        """wkv's block scales as float32 values (for inspection)."""
-        _, scales, _ = self.wkv_fp8(layer_id)
-        return scales_to_float(scales)
 
     def __repr__(self) -> str:
         return (f"ReleasedCheckpoint({str(self.path)!r}, {len(self.files)} file(s), names={self.names.dialect}"

@@ -65,16 +65,6 @@ def cached_train_bpe(texts: Sequence[str], vocab_size: int, key: str, cache_dir:
     return tok
 
 
-def special_id(tokenizer: Tokenizer, token: str, fallback: int | None = None) -> int:
-    """Id of a special token; `fallback` (or an error) when the tokenizer lacks it."""
-    tid = tokenizer.token_to_id(token)
-    if tid is None:
-        if fallback is None:
-            raise ValueError(f"the tokenizer has no {token!r} token")
-        return fallback
-    return tid
-
-
 def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
     """UTF-8 bytes each token id stands for (0 for special tokens), int64 [vocab].
 

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import platform
-import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,7 +430,3 @@ class TokenStream:
                 scored[-1, :tail_from] = False
             batch.scored = scored
             yield batch
-
-
-def describe_python() -> str:
-    return f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})"

@@ -765,15 +765,6 @@ class HostTables:
             layer.row_step.index_copy_(0, rows, tensors[f"{base}.row_step"][slots].float())
             layer.steps = int(layer.row_step.max()) if layer.row_step.numel() else 0
 
-    def load_tables(self, tables: dict[int, torch.Tensor]) -> None:
-        """Overwrite the host tables with `tables` ({layer id: [rows, head_dim]})."""
-        self.flush()
-        for lid, layer in self.layers.items():
-            if tables[lid].shape != layer.weight.shape:
-                raise ValueError(f"layer {lid}: table {tuple(tables[lid].shape)}, the host holds "
-                                 f"{tuple(layer.weight.shape)}")
-            layer.weight.copy_(tables[lid])
-
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Finish pending updates, stop the worker, unpin and free the host memory."""

@@ -1,8 +1,6 @@
-"""Training progress helpers: durations and a stopwatch; the bar itself is `condmem.utils.progress.Progress`."""
+"""Training progress helpers: durations; the bar itself is `condmem.utils.progress.Progress`."""
 
 from __future__ import annotations
-
-import time
 
 
 def format_duration(seconds: float) -> str:
@@ -12,11 +10,3 @@ def format_duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds}s"
-
-
-class Stopwatch:
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start

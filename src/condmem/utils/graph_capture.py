@@ -3,11 +3,10 @@
 A synchronizing CUDA call made during a capture spoils it (``cudaErrorStreamCaptureInvalidated``),
 also one made on the capturing thread by a finalizer: a collection that frees an earlier
 engine's pinned staging buffers (``cudaFreeHost``) or a tensor whose stream use the allocator
-must query. On the H200, 1 of 100 warm-up captures was spoiled in a loop of tests that each
-build and close a lookup engine, with no other thread of condmem working; with the collector
-paused, 100 of 100 passed (the finalizer is the likely cause, not a proven one; the sample is
-small). `torch.cuda.graph` collects once before it begins; no collection runs until the
-capture ends.
+must query. A loop of tests that each build and close a lookup engine, with no other thread of
+condmem working, saw such spoiled warm-up captures, and none with the collector paused
+(docs/benchmarks.md; the finalizer is the likely cause, not a proven one). `torch.cuda.graph`
+collects once before it begins; no collection runs until the capture ends.
 """
 
 from __future__ import annotations

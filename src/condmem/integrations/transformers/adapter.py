@@ -52,7 +52,7 @@ class _Step:
 
     row_ids: torch.Tensor             # int64 [B, T, n_layers, n_cols]
     token_mask: torch.Tensor | None   # bool [B, T]; False at padding (gate closed)
-    prepared: object | None           # condmem.runtime.Prepared when the tables sit in an EngramMemory
+    prepared: object | None           # condmem.serving.Prepared when the tables sit in an EngramMemory
     conv_in: dict[int, torch.Tensor] | None   # per ShortConv layer: inputs before this step (cached runs only)
     next_state: DecodeState | None    # saved under the returned cache
 
@@ -416,7 +416,7 @@ def offload_tables(model: nn.Module, tier: str = "host", device: str | torch.dev
     stored as bf16. For inference: the offloaded tables are not trained. Returns the memory
     (close it when done).
     """
-    from condmem.runtime.memory import EngramMemory
+    from condmem.serving.memory import EngramMemory
 
     adapter = get_engram(model)
     if adapter.memory is not None:

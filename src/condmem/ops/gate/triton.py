@@ -39,15 +39,14 @@ MAX_CHUNKS = 16
 
 def default_launch(dim: int) -> tuple[int, int]:
     """(chunk, warps) of the forward: the whole row in one chunk up to 8192 wide, 32 elements a
-    thread. Measured on the H200 with the residual add (docs/kernels.md): at hc 4 x D 4096,
-    0.98 of the copy bound (2048 wide: 0.88, 1024: 0.80); at D 7168, 0.94 with 8192 wide and
-    8 warps against 0.78 with 2048 and 4 warps, 0.70 with 16 warps."""
+    thread. Narrower chunks, and 16 warps, stayed further from the copy bound in the launch
+    sweep with the residual add (`benchmarks/kernel_sweep.py`; docs/kernels.md)."""
     chunk = min(next_pow2(dim), 8192)
     return chunk, max(1, chunk // 1024)
 
 
 def _bwd_warps(block_d: int) -> int:
-    return 4 if block_d <= 1024 else 8  # 8 >= 16 by 2-5 % on the H200
+    return 4 if block_d <= 1024 else 8  # 8 warps beat 16 in the kernel benchmark (docs/benchmarks.md)
 
 
 @triton.jit

@@ -54,7 +54,7 @@ def engram_gather(
             they read nothing either), and out's other rows are left as they are. Scattering
             in the gather saves a separate scatter and its temporary.
         backend: "auto" (Triton when `row_ids` are on CUDA), "triton" or "torch".
-        block_rows, programs_per_sm, num_warps: kernel tuning (defaults suit an H200).
+        block_rows, programs_per_sm, num_warps: kernel tuning (defaults: the best of the launch sweep on a Hopper GPU, docs/kernels.md).
         max_programs: cap on the persistent grid, for a gather that runs beside other work
             (a zero-copy gather's programs wait on PCIe while holding SMs).
 

@@ -129,7 +129,8 @@ def gather_triton(ids: torch.Tensor, table: torch.Tensor, scales: torch.Tensor |
     else:
         row_stride, scale_t, scale_stride, scale_off = table.stride(0), table, table.stride(0), d
     if block_rows is None:
-        # 32 rows x 4 warps x 4 programs/SM: 0.79 of the D2D copy at 1M fp8 rows on the H200 (16 rows: 0.65).
+        # 32 rows x 4 warps x 4 programs/SM: the best of the launch sweep (docs/kernels.md); 16 rows leave
+        # bandwidth unused.
         block_rows = 8 if interpreting() else 32
     if num_warps is None:
         num_warps = 4

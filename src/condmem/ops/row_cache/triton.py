@@ -1,7 +1,7 @@
 """Triton kernels of the `RowCache`: its probe and its admission, each fused into one or two launches.
 
-Written as torch ops, one 16K-token text lookup's probe and admission cost ~0.9 + ~3 ms of
-device time on the H200 (measured with the profiler): ~35 kernels, most of them moving [n, ways]
+Written as torch ops, one 16K-token text lookup's probe and admission cost milliseconds of
+device time (docs/tables-and-tiers.md): ~35 kernels, most of them moving [n, ways]
 or [n, ways, ways] intermediates through HBM (a 100 MB boolean tensor to rank the ways, an
 int16 reduction over it, gathers of every newcomer's set, byte rows copied twice before
 their scatter) and ~10^5 stores of padding entries to one trash slot. Here each newcomer

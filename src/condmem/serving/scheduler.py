@@ -19,7 +19,8 @@ without lookahead. The tokens are the same either way.
 
 This is the reference loop for an engine's scheduler (and what the tests hold to a full
 forward per sequence); engines keep their own policies (priorities, preemption) and call the
-same pieces.
+same pieces. Its steps change shape with every batch, so they run eagerly; `WaveServer` is the
+other driver: fixed waves whose decode replays a CUDA graph (what ``condmem bench e2e`` times).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from condmem.models.serving import ServingCache, ragged_step
-from condmem.runtime.memory import join_prepared
+from condmem.serving.cache import ServingCache
+from condmem.serving.memory import join_prepared
+from condmem.serving.steps import ragged_step
 from condmem.utils.device_copy import to_device
 
 

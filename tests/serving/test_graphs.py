@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from condmem.models.graphs import GraphedDecoder
-from condmem.models.serving import ServingCache, decode_step, prefill
-from condmem.models.staged_fetch import StagedRows
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory, ServingCache, decode_step, prefill
+from condmem.serving.decode_fetch import SideBranchRows, ZeroCopyRows
+from condmem.serving.graphs import GraphedDecoder
+from condmem.serving.staged_fetch import StagedRows
 from helpers import assert_close
 from model_fixtures import tiny_engram_lm
 
@@ -55,6 +57,32 @@ def _run(model, memory=None, graphed=True, steps=12, host_prompts=False, **graph
     return out
 
 
+@contextlib.contextmanager
+def _slow_side_branch(delay_cycles: int, skip_wait: bool = False):
+    """While a `GraphedDecoder` is built (its step captured): the side branch sleeps `delay_cycles`
+    before it fetches, so that rows read early are wrong; with `skip_wait` the Engram layers read
+    the row buffers without waiting for it (the step then joins the side branch at its end, as a
+    captured graph must): the negative control of the wait."""
+    with pytest.MonkeyPatch.context() as mp:
+        for cls in (ZeroCopyRows, StagedRows):
+            def slowed(self, ids_by_layer, fetch=cls._fetch):
+                torch.cuda._sleep(delay_cycles)
+                fetch(self, ids_by_layer)
+
+            mp.setattr(cls, "_fetch", slowed)
+        if skip_wait:
+            body = GraphedDecoder._body
+
+            def joined_at_end(self):
+                logits = body(self)
+                torch.cuda.current_stream().wait_event(self.fetch.events[self.fetch.layer_ids[-1]])
+                return logits
+
+            mp.setattr(SideBranchRows, "rows", lambda self, layer_id: self.rows_buf[layer_id])
+            mp.setattr(GraphedDecoder, "_body", joined_at_end)
+        yield
+
+
 def test_graph_replay_matches_eager_steps():
     model, _ = tiny_engram_lm("cuda")
     with torch.no_grad():
@@ -98,11 +126,12 @@ def test_graph_negative_control_rows_read_without_waiting_are_wrong():
     with torch.no_grad():
         plain = _run(model, graphed=True, steps=6)
         memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
-        waited = _run(model, memory=memory, graphed=True, steps=6, _side_delay_cycles=delay, fetch="zero_copy")
+        with _slow_side_branch(delay):
+            waited = _run(model, memory=memory, graphed=True, steps=6, fetch="zero_copy")
         memory.close()
         memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
-        raced = _run(model, memory=memory, graphed=True, steps=6, _side_delay_cycles=delay, _late_join=True,
-                     fetch="zero_copy")
+        with _slow_side_branch(delay, skip_wait=True):
+            raced = _run(model, memory=memory, graphed=True, steps=6, fetch="zero_copy")
         memory.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, waited))
     assert not all(torch.equal(a, b) for a, b in zip(plain, raced)), "rows read without the wait were still right"
@@ -140,11 +169,12 @@ def test_graph_staged_fetch_negative_control_rows_read_without_waiting_are_wrong
     with torch.no_grad():
         plain = _run(model, graphed=True, steps=6)
         memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
-        waited = _run(model, memory=memory, graphed=True, steps=6, fetch="staged", _side_delay_cycles=delay)
+        with _slow_side_branch(delay):
+            waited = _run(model, memory=memory, graphed=True, steps=6, fetch="staged")
         memory.close()
         memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
-        raced = _run(model, memory=memory, graphed=True, steps=6, fetch="staged", _side_delay_cycles=delay,
-                     _late_join=True)
+        with _slow_side_branch(delay, skip_wait=True):
+            raced = _run(model, memory=memory, graphed=True, steps=6, fetch="staged")
         memory.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, waited))
     assert not all(torch.equal(a, b) for a, b in zip(plain, raced)), "rows read without the wait were still right"

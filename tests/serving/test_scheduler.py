@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from condmem.models.scheduler import Scheduler
-from condmem.models.serving import ServingCache
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory, Scheduler, ServingCache
 from helpers import devices
 from model_fixtures import greedy_tokens, sharpen_attention, tiny_engram_lm
 
@@ -75,7 +73,7 @@ def test_lookahead_starts_the_next_prefill_before_sampling_and_changes_no_token(
     the step's forward is queued, before its logits are read; every step stays within the
     budget (also when decode tokens alone exceed it: budget 2, 3 slots); tokens equal the
     schedule without lookahead and the plain greedy rollout."""
-    import condmem.models.scheduler as sched_mod
+    import condmem.serving.scheduler as sched_mod
 
     model, tables = tiny_engram_lm("cpu", short_conv=False)
     order, sizes = [], []

@@ -18,7 +18,7 @@ Engram layer's rows into static buffers; the Engram layer waits for that branch 
 baseline that shows what prefetching saves. Without a memory the graph hashes each
 slot's history window and reads the model's own tables.
 
-``fetch="staged"`` has host threads gather the rows instead (`condmem.models.staged_fetch`):
+``fetch="staged"`` has host threads gather the rows instead (`condmem.serving.staged_fetch`):
 the side branch copies the row ids to the host, waits on a host flag (a stream wait, no
 kernel) and copies the staged rows in by DMA, so the GPU makes no random reads of a large
 host table, whose translation misses slow the blocks beside them. It also serves stores the
@@ -38,15 +38,15 @@ import contextlib
 
 import torch
 
-from condmem.models.decode_fetch import ZeroCopyRows
-from condmem.models.serving import ServingCache, decode_step
-from condmem.models.staged_fetch import StagedRows, staged_fetch_fits
-from condmem.utils.graph_capture import capture
 from condmem.models.transformer import DecoderLM
+from condmem.serving.cache import ServingCache
+from condmem.serving.decode_fetch import ZeroCopyRows
+from condmem.serving.staged_fetch import StagedRows, staged_fetch_fits
+from condmem.serving.steps import decode_step
+from condmem.utils.graph_capture import capture
 
 # The step's GEMMs are captured from cuBLASLt, whose kernels for a decode batch's skinny
-# GEMMs are faster here than cuBLAS's: 4B step 5.596 against 5.675 ms (H200, 8 alternating
-# rounds, 7 faster), 8B 8.045 against 8.073 (4 of 8) (`benchmarks/probes/decode_blas_ab.py`).
+# GEMMs made the step faster than cuBLAS's (`benchmarks/probes/decode_blas_ab.py`; docs/benchmarks.md).
 DECODE_BLAS = "cublaslt"
 
 WAIT_MODES = ("at_layer", "before_step")
@@ -70,8 +70,8 @@ class GraphedDecoder:
         fetch: how a memory's rows reach the graph: ``"zero_copy"`` (the GPU reads the tables
             in place), ``"staged"`` (host threads gather them, one DMA per layer; call
             `close()` when done, which stops the threads) or ``"auto"``: staged when every
-            table is in host memory (4B backbone, one 16 GiB table, H200, 10115c5: decode
-            0.999x the HBM table's tokens/s staged, 0.981x zero-copy), else zero-copy.
+            table is in host memory (the GPU's zero-copy reads of a large host table slow the
+            blocks beside them, staged rows do not: docs/serving.md), else zero-copy.
         fetch_threads: host threads of a staged fetch (None: `staged_fetch.default_threads`).
 
     Example:
@@ -81,7 +81,7 @@ class GraphedDecoder:
 
     def __init__(self, model: DecoderLM, cache: ServingCache, *, memory=None, wait: str = "at_layer",
                  fetch_programs: int | None = None, fetch: str = "auto", fetch_threads: int | None = None,
-                 warmup: int = 3, _side_delay_cycles: int = 0, _late_join: bool = False):
+                 warmup: int = 3):
         if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")
         if wait not in WAIT_MODES:
@@ -114,13 +114,10 @@ class GraphedDecoder:
         self.valid = torch.zeros(n, dtype=torch.bool, device=device)
         self._slots: list[int] | None = None
         self._index: torch.Tensor | None = None
-        self._delay = _side_delay_cycles
-        self._late_join = _late_join       # tests only: the Engram layer reads rows without waiting
-        join = "none" if _late_join else wait
         self.fetch = None
         if memory is not None:
-            self.fetch = (StagedRows(memory, n, device, join, fetch_threads) if fetch == "staged"
-                          else ZeroCopyRows(memory, n, device, join, fetch_programs))
+            self.fetch = (StagedRows(memory, n, device, wait, fetch_threads) if fetch == "staged"
+                          else ZeroCopyRows(memory, n, device, wait, fetch_programs))
         try:
             self._capture(device, warmup)
         except BaseException:
@@ -146,12 +143,9 @@ class GraphedDecoder:
 
     def _body(self) -> torch.Tensor:
         if self.fetch is not None:
-            self.fetch.launch(self.slots, self.ids, self.valid, self._delay)
-        logits = decode_step(self.model, self.cache, None, self.ids, prepared=self.fetch, check=False,
-                             valid=self.valid)
-        if self.fetch is not None and self._late_join:
-            self.fetch.finish()
-        return logits
+            self.fetch.launch(self.slots, self.ids, self.valid)
+        return decode_step(self.model, self.cache, None, self.ids, prepared=self.fetch, check=False,
+                           valid=self.valid)
 
     @torch.no_grad()
     def step(self, slots, ids: torch.Tensor) -> torch.Tensor:

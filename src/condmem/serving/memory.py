@@ -427,9 +427,9 @@ class EngramMemory:
 
         `sample_ids`: at least two [B, T] token batches like the traffic to come (half warm
         the HBM cache, half are timed; see `LookupEngine.calibrate`). Better than the
-        constructor's uniform-id calibration when a cache is used (H200, text with a 10%
-        cache: the best split was all-CPU, 4.0-4.8 ms per 16K-token batch, vs 6.3 ms at the
-        uniform optimum). Returns {layer_id: chosen fraction}; tiers other than host keep theirs.
+        constructor's uniform-id calibration when a cache is used: the cache's hits change
+        which misses are left, and so the best split (docs/benchmarks.md). Returns
+        {layer_id: chosen fraction}; tiers other than host keep theirs.
         """
         if len(sample_ids) < 2:
             raise EngramMemoryError(f"calibrate needs at least two token batches, got {len(sample_ids)}")

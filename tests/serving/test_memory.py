@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from condmem import Engram, EngramConfig, EngramLayout, NgramHasher
-from condmem.runtime import EngramMemory, EngramMemoryError
+from condmem.serving import EngramMemory, EngramMemoryError
 from helpers import devices
 
 
@@ -222,7 +222,7 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
     the layer's wait (stall). On the CPU the lookups run inside `prepare`: nothing hidden. On a
     GPU, compute queued before the rows are read hides the fetch (hidden ~1); a fetch held back
     on its copy stream and read at once is not hidden (negative control)."""
-    from condmem.runtime.memory import FetchTiming
+    from condmem.serving.memory import FetchTiming
 
     cfg, hasher, modules = _setup(device)
     memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from condmem.models.serving import ServingCache, decode_step, prefill
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory, ServingCache, decode_step, prefill
 from helpers import assert_close, devices
 from model_fixtures import tiny_engram_lm as _model
 
@@ -121,7 +120,7 @@ def test_all_slots_step_with_valid_mask_matches_and_leaves_invalid_rows_untouche
 def test_batched_prefill_equals_one_prompt_at_a_time(device):
     """Right-padded group prefill: same last-token logits and the same decode afterwards; from
     prefetched host rows it is torch.equal to the model's own tables."""
-    from condmem.models.serving import padded_ids, prefill_batch
+    from condmem.serving import padded_ids, prefill_batch
 
     model, tables = _model(device, short_conv=False)
     gen = torch.Generator().manual_seed(3)
@@ -151,7 +150,7 @@ def test_batched_prefill_equals_one_prompt_at_a_time(device):
 
 
 def test_batched_prefill_of_a_shortconv_model_goes_one_prompt_at_a_time():
-    from condmem.models.serving import prefill_batch
+    from condmem.serving import prefill_batch
 
     model, _ = _model("cpu")
     prompts = [torch.randint(0, 50, (n,)) for n in (5, 3)]
@@ -161,7 +160,7 @@ def test_batched_prefill_of_a_shortconv_model_goes_one_prompt_at_a_time():
 
 
 def test_serving_errors_name_the_problem():
-    from condmem.models.serving import prefill_batch
+    from condmem.serving import prefill_batch
 
     model, _ = _model("cpu", short_conv=False)
     cache = ServingCache(model, n_slots=2, max_len=8)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from condmem.models.serving import ServingCache, ragged_step
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory, ServingCache, ragged_step
 from helpers import assert_close, devices
 from model_fixtures import greedy_tokens, sharpen_attention, tiny_engram_lm
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from condmem.models.config import ModelConfig
-from condmem.models.serving import ServingCache, _joined, decode_step, packed_ids, prefill, prefill_packed
 from condmem.models.transformer import DecoderLM
+from condmem.serving import ServingCache, decode_step, packed_ids, prefill, prefill_packed
+from condmem.serving.steps import _joined
 from tests.helpers import assert_close
 
 VOCAB = 61

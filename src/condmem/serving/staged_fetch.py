@@ -28,16 +28,16 @@ import os
 import torch
 
 from condmem import native
-from condmem.models.decode_fetch import SideBranchRows
 from condmem.native.cudart import stream_memops
 from condmem.native.row_server import RowServer, RowServerError
-from condmem.tables.lookup import _rows_from_raw
+from condmem.ops.gather import engram_gather
+from condmem.serving.decode_fetch import SideBranchRows
 
 
 def default_threads() -> int:
-    """Host threads of a staged fetch: 4 (one 16 GiB layer's 3,072 rows in ~60 us on the H200's
-    host, 41 us with 8), fewer on a small machine (a quarter of its cores): they spin while
-    steps come."""
+    """Host threads of a staged fetch: 4 (a step's rows staged well within the blocks before the
+    Engram layer; more threads shorten it little: docs/benchmarks.md), fewer on a small machine
+    (a quarter of its cores): they spin while steps come."""
     return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
@@ -109,7 +109,7 @@ class StagedRows(SideBranchRows):
             memops.write(self.side, done, 0)
             fmt, head_dim = self.formats[i]
             if fmt != "bf16":
-                _rows_from_raw(self.local, self.raw_dev[lid], fmt, head_dim, out=self.rows_buf[lid])
+                engram_gather(self.local, self.raw_dev[lid], head_dim=head_dim, out=self.rows_buf[lid])   # dequantize
             self.events[lid].record()
 
     def check(self) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from condmem.models.transformer import DecoderLM
-from condmem.runtime import EngramMemory
+from condmem.serving import EngramMemory
 from helpers import devices
 from model_fixtures import tiny_engram_lm as _model
 

@@ -10,7 +10,7 @@ parallelism each layer's rows are this rank's columns, completed by the memory's
 the main stream.
 
 `ZeroCopyRows` gathers the rows with one kernel per layer that reads the tables in place (HBM,
-or page-locked host memory over PCIe). The staged fetch is `condmem.models.staged_fetch`.
+or page-locked host memory over PCIe). The staged fetch is `condmem.serving.staged_fetch`.
 """
 
 from __future__ import annotations
@@ -42,15 +42,13 @@ class SideBranchRows:
     def _fetch(self, ids_by_layer: dict[int, torch.Tensor]) -> None:
         raise NotImplementedError
 
-    def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, delay_cycles: int = 0) -> None:
+    def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None:
         """Hash the step's tokens (updating history), then queue the fetch on the side stream."""
         memory = self.memory
         self.row_ids_all = memory.hasher.decode(memory.history, slots, ids, valid=valid)[:, None]   # [B, 1, L, C]
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            if delay_cycles:
-                torch.cuda._sleep(delay_cycles)   # tests: make the fetch slow enough to lose a race
             ids_by_layer = {}
             for lid in self.layer_ids:
                 ids = self.row_ids(lid)
@@ -60,10 +58,6 @@ class SideBranchRows:
             self._fetch(ids_by_layer)
         if self.join == "before_step":
             main.wait_event(self.events[self.layer_ids[-1]])
-
-    def finish(self) -> None:
-        """Join the side branch if no Engram layer did (a graph must end joined)."""
-        torch.cuda.current_stream().wait_event(self.events[self.layer_ids[-1]])
 
     # What `GraphedDecoder` calls around each replay and at the end; a fetch with host-side
     # state (the staged fetch's threads) overrides them.
@@ -80,7 +74,7 @@ class SideBranchRows:
     def close(self) -> None:
         """Release what the fetch holds beyond its buffers."""
 
-    # The interface `decode_step` reads (as from `condmem.runtime.Prepared`).
+    # The interface `decode_step` reads (as from `condmem.serving.Prepared`).
     def row_ids(self, layer_id: int) -> torch.Tensor:
         return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
 
