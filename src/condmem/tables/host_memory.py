@@ -18,8 +18,7 @@ Strategies (`HostAlloc`):
 `collapse_huge_pages` asks the kernel (``MADV_COLLAPSE``, Linux >= 6.1) to back a filled
 anonymous buffer with 2 MiB pages right away, where the page-fault path left 4 KiB ones.
 
-Pinning a large table takes tens of seconds (64 GiB: ~46 s measured on the H200 host),
-so the fill reports progress, and a request larger than ``MemAvailable`` fails at once
+Pinning a large table takes tens of seconds (docs/benchmarks.md), so the fill reports progress, and a request larger than ``MemAvailable`` fails at once
 with a message naming both numbers instead of dying in the OOM killer half-way.
 """
 

@@ -78,7 +78,7 @@ log = logging.getLogger("condmem.tables")
 
 CALIBRATION_FRACTIONS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 1.0)
 """`LookupEngine.calibrate`'s default candidate CPU shares: dense where uniform ids have had
-their optimum on the H200 (0.7-0.9)."""
+their optimum (docs/benchmarks.md)."""
 
 ZERO_COPY_PROGRAMS = 64
 """Cap on the zero-copy gather's grid for host tables (an HBM table's misses use the full grid).
@@ -98,7 +98,7 @@ for the lookups in flight and frees the least recently used one."""
 
 @dataclass(frozen=True)
 class LookupConfig:
-    """What a user tunes in a `LookupEngine`; the defaults suit an H200 host."""
+    """What a user tunes in a `LookupEngine`; the defaults suit a large GPU host (docs/lookup-engine.md)."""
 
     cpu_fraction: float | Literal["calibrate"] = 0.5
     """Share of a host table's misses gathered by CPU threads (0: all read by the GPU in place;
@@ -106,8 +106,8 @@ class LookupConfig:
     kept. Irrelevant for HBM tables (no CPU share) and disk tables (all CPU)."""
     cpu_threads: int | None = None
     """Threads of the CPU gather. None: on a GPU, one fewer than torch's intra-op threads (the
-    thread that plans the next lookup needs a core: with every core gathering, its few
-    milliseconds of launches stretched to ~5 ms per lookup on the H200)."""
+    thread that plans the next lookup needs a core: with every core gathering, its launches
+    stretched to several times their length, docs/benchmarks.md)."""
     max_in_flight: int = 3
     """Lookups in flight at once (each holds a plan slot of its size); a further `lookup` waits
     for the oldest one's CPU share. 3: lookup i+1 is planned while i-1 is still being sent."""
@@ -660,8 +660,7 @@ class LookupEngine:
                 served with the cache: for each candidate the cache is cleared, warmed on the
                 first half and the second half is timed. Prefer this when a cache is in use:
                 a running zero-copy kernel slows the cache's own kernels, so the best split
-                with a cache differs from the uniform one (H200, text stream: all-CPU
-                4.9 ms vs 6.3 ms at the uniform optimum 0.7).
+                with a cache differs from the uniform one (docs/benchmarks.md).
             refine: how many of the fastest candidates are timed a second time (0: none).
         """
         if self.store.cpu_share is not None or not self.on_gpu or as_words(self.store.raw) is None:

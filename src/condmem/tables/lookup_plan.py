@@ -3,8 +3,8 @@
 Planning a batch of N row ids (dedup, cache probe, misses, their split between the GPU's
 zero-copy gather and the CPU threads) takes ~80 small kernels. Launched one by one from
 Python, with the syncs that size each step's output (`torch.unique`, `torch.nonzero`),
-that cost 1.5-4 ms of host time per 16K-token lookup on the H200 host (profiler trace):
-more than the GPU work itself, and on the thread that also launches the model.
+that cost milliseconds of host time per 16K-token lookup (docs/benchmarks.md): more than
+the GPU work itself, and on the thread that also launches the model.
 
 Here every intermediate keeps the batch's full size N: the unique ids, the misses and each
 share are the first n_unique / n_miss / n_gpu / n_cpu entries of their buffers, followed by
@@ -17,8 +17,8 @@ Row ids must be >= 0 (`PAD_ID` marks padding); ids outside the table are reporte
 the ``bad`` count (the engine raises on the gather thread) and never read.
 
 Padding writes of the dedup and the compaction land in one spare entry past N. (Cycling
-them over 1024 spares changed no plan time on the H200; the costly same-address stores are
-row writes, and the cache's and the GPU share's row writes store nothing for padding.)
+them over many spares changed no plan time; the costly same-address stores are row writes,
+and the cache's and the GPU share's row writes store nothing for padding: docs/lookup-engine.md.)
 
 The functions run eagerly on any device; tests hold them to `torch.unique`,
 `torch.nonzero` and `split_by_density` on the CPU.
@@ -120,8 +120,8 @@ def split_by_density(miss_ids: torch.Tensor, row_bytes: int, region_bytes: int, 
     sync-free twin, which tests hold to this one.
 
     A zero-copy read from host memory costs about one GPU address translation per
-    ``region_bytes`` region touched (measured on the H200: ~37 ns per 64 KiB region,
-    almost independent of how many rows of it are read), while a CPU thread pays per row.
+    ``region_bytes`` region touched, almost independent of how many rows of it are read
+    (docs/kernels.md), while a CPU thread pays per row.
     So the GPU takes the rows that share a region with a neighbour first, and the CPU the
     lone rows: the CPU share is the `n_cpu` rows that are loneliest. Both shares come
     back in id order (locality for both readers).

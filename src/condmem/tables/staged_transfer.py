@@ -10,10 +10,9 @@ Two ways to run it, same result (the rows land in order at the destination):
   stream 64-row pieces into the ring with no barriers, and the calling thread queues each
   chunk's ``cudaMemcpyAsync`` as soon as the chunk is whole (~5 us a call, where a
   ``Tensor.copy_`` cost ~30 us) and frees ring buffers by polling their events. Chunks ramp
-  up from `TAIL_CHUNK_ROWS` to the chunk size and back (`chunk_bounds`). On the H200 host it
-  sends a text batch's ~105K missed rows in ~1.0 ms, about half the time of the loop below
-  (measurements: ``docs/lookup-engine.md``); the host's memory bandwidth (~70-90 GB/s in
-  all, most of it taken by the 55 GB/s DMA) bounds it.
+  up from `TAIL_CHUNK_ROWS` to the chunk size and back (`chunk_bounds`). It takes about half
+  the time of the loop below (``docs/lookup-engine.md``), bound by the host's memory
+  bandwidth, most of which the DMA itself takes.
 * **torch** (the fallback; also the disk tier with a DRAM row cache in front): a loop of
   `LayerStore.gather_raw` and ``Tensor.copy_(non_blocking=True)`` per chunk.
 """
@@ -28,8 +27,8 @@ from condmem import native
 from condmem.tables.storage import LayerStore
 
 STAGING_CHUNK_ROWS = 65536
-"""Default rows per staging chunk, the largest of a send's ramped chunks (H200, 393K uniform
-rows, ramped to 16384 / 32768 / 65536 / 131072: 3.7-4.0 / 3.4-3.8 / 3.0-3.5 / 3.4 ms)."""
+"""Default rows per staging chunk, the largest of a send's ramped chunks: the fastest of the
+sizes tried (docs/benchmarks.md)."""
 
 TAIL_CHUNK_ROWS = 4096
 """Rows of a native send's first and last chunks (`chunk_bounds`): the first DMA starts

@@ -7,7 +7,7 @@ Three row formats (``TableFormat``):
   ``layers.<id>.weight_scale_inv`` uint8 e8m0 [rows, head_dim/32] (the released layout);
 * ``fp8_interleaved``: ``layers.<id>.rows`` uint8 [rows, head_dim + head_dim/32]: each
   row's fp8 bytes followed by its scale bytes (264 B at head_dim 256), so one random
-  access fetches a whole row; measured free on the H200 and it halves translations.
+  access fetches a whole row: half the address translations, at no cost (docs/benchmarks.md).
 
 The header metadata records what decides the row ids (layout fingerprint and its
 description) and the compressed tokenizer's fingerprint. `EngramTableFile.open` refuses a
