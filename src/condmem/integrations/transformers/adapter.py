@@ -34,7 +34,6 @@ from condmem.integrations.transformers.decode_state import DecodeState, DecodeSt
 from condmem.integrations.transformers.families import Family, locate
 from condmem.layout import EngramLayout
 from condmem.module import Engram
-from condmem.ops.gate import GATE_CLAMP, engram_gate
 
 logger = logging.getLogger("condmem.integrations.transformers")
 
@@ -185,7 +184,7 @@ class EngramAdapter:
                 out[lid] = state.conv[lid]
             else:
                 width = (e.short_conv.kernel_size - 1) * e.short_conv.dilation
-                out[lid] = torch.zeros(batch, width, 1, e.hidden_size, device=device, dtype=e.wkv.weight.dtype)
+                out[lid] = torch.zeros(batch, width, 1, e.hidden_size, device=device, dtype=e.compute_dtype)
         return out
 
     def _after_base(self, module, args, kwargs, output):
@@ -212,14 +211,13 @@ class EngramAdapter:
             hidden = args[0] if args else kwargs["hidden_states"]
             rows = step.row_ids[:, :, index]
             looked_up = None if step.prepared is None else step.prepared.rows(layer_id)
+            conv = None
             if step.conv_in is not None and layer_id in step.conv_in:
-                out, conv_out = _engram_with_conv_state(engram, hidden, rows, step.token_mask, looked_up,
-                                                        step.conv_in[layer_id])
+                # A copy: the forward advances it in place, and the earlier state stays as it was.
+                conv = step.conv_in[layer_id].clone()
                 if step.next_state is not None:
-                    step.next_state.conv[layer_id] = conv_out
-                hidden = hidden + out.to(hidden.dtype)
-            else:   # the residual add fused into the gate (one pass over the hidden state less)
-                hidden = engram(hidden, rows, token_mask=step.token_mask, rows=looked_up, residual=True)
+                    step.next_state.conv[layer_id] = conv
+            hidden = engram(hidden, rows, token_mask=step.token_mask, rows=looked_up, residual=True, conv_state=conv)
             if args:
                 return (hidden, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": hidden}
@@ -289,24 +287,6 @@ def _last_columns(tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id:
         tokens = torch.cat([tokens.new_full((tokens.shape[0], short), pad_id), tokens], dim=1)
         valid = torch.cat([valid.new_zeros((valid.shape[0], short)), valid], dim=1)
     return tokens, valid
-
-
-def _engram_with_conv_state(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, token_mask, looked_up,
-                            conv_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`engram(hidden, rows)` for positions that follow `conv_in` (the ShortConv's earlier inputs).
-
-    Returns (output [B, T, D], the ShortConv inputs to keep for the next step). Equal to the
-    whole module when `conv_in` is zeros (a sequence start: the conv's own zero padding).
-    """
-    h4 = hidden.unsqueeze(2)
-    embedded = engram.embed(rows) if looked_up is None else looked_up.flatten(-2)
-    kv = engram.wkv(embedded.to(engram.wkv.weight.dtype))
-    out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP, token_mask)
-    width = conv_in.shape[1]
-    full = torch.cat([conv_in.to(out.dtype), out], dim=1)
-    # Outputs at positions >= width see only real inputs, as in one pass over the whole sequence.
-    out = out + engram.short_conv(full)[:, width:]
-    return out.squeeze(2), full[:, full.shape[1] - width:].detach()
 
 
 # ---------------------------------------------------------------------- public entry points
