@@ -237,14 +237,19 @@ class Engram(nn.Module):
         multiplied by the matching input columns of ``wkv``: a tensor-parallel rank's partial sum
         (`condmem.distributed.column_parallel_engram` all-reduces it into the full projection).
         """
-        x = rows.flatten(-2).to(self.compute_dtype)
+        wkv = self.wkv
+        weight = wkv.weight
+        fp8 = weight.dtype == torch.float8_e4m3fn
+        dtype = self.q_weight.dtype if fp8 else weight.dtype   # `compute_dtype`, with fewer attribute reads
+        x = rows.flatten(-2)
+        if x.dtype != dtype:
+            x = x.to(dtype)
         if columns is None:
-            return self.wkv(x)
+            return wkv(x)
         d = self.config.head_dim
-        weight = self.wkv.weight
-        if weight.dtype == torch.float8_e4m3fn:
-            weight = self.wkv.dequantized(x.dtype)
-        return F.linear(x, weight[:, columns[0] * d : columns[1] * d].to(x.dtype))
+        if fp8:
+            weight = wkv.dequantized(dtype)
+        return F.linear(x, weight[:, columns[0] * d : columns[1] * d].to(dtype))
 
     def forward(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
                 token_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None, *,
@@ -280,36 +285,38 @@ class Engram(nn.Module):
         hidden4 = self._check(hidden, row_ids, token_mask, rows, kv)
         if kv is None:
             if rows is None:
-                if self.table.weight.device.type == "meta":
+                table = self.table
+                if table.weight.is_meta:
                     raise EngramInputError(f"Engram(layer {self.layer_id}): the table lives outside this module "
                                            "(meta); pass the looked-up rows (e.g. "
                                            "EngramMemory.prepare(...).rows(layer_id))")
-                rows = self.table(row_ids)
+                rows = table(row_ids)
             kv = self.project(rows)
+        q_weight, k_weight, short_conv = self.q_weight, self.k_weight, self.short_conv
         if gates is not None:
             keys = kv[..., : self.hc_mult * self.hidden_size].unflatten(-1, (self.hc_mult, self.hidden_size))
-            values = gate_values(hidden4, keys, self.q_weight, self.k_weight, self.eps, GATE_CLAMP).detach()
+            values = gate_values(hidden4, keys, q_weight, k_weight, self.eps, GATE_CLAMP).detach()
             gates[self.layer_id] = values[..., 0] if squeeze else values
-        fused = residual and self.short_conv is None
-        out = engram_gate(hidden4, kv, self.q_weight, self.k_weight, self.eps, GATE_CLAMP, token_mask, residual=fused)
-        if self.short_conv is not None:
-            out = out + self._short_conv(out, conv_state)
+        fused = residual and short_conv is None
+        out = engram_gate(hidden4, kv, q_weight, k_weight, self.eps, GATE_CLAMP, token_mask, residual=fused)
+        if short_conv is not None:
+            out = out + self._short_conv(short_conv, out, conv_state)
         if residual and not fused:
             out = hidden4 + out
         return out.squeeze(2) if squeeze else out
 
-    def _short_conv(self, u: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+    def _short_conv(self, short_conv: ShortConv, u: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
         """ShortConv of gated values `u` [B, T, hc, D], continuing from `state` (see `forward`)."""
         if state is None:
-            return self.short_conv(u)
-        pad = (self.short_conv.kernel_size - 1) * self.short_conv.dilation
+            return short_conv(u)
+        pad = (short_conv.kernel_size - 1) * short_conv.dilation
         if state.shape != (u.shape[0], pad, *u.shape[2:]):
             raise EngramInputError(f"Engram(layer {self.layer_id}): conv_state must be [B, (kernel-1)*dilation, hc, D]"
                                    f"={(u.shape[0], pad, *u.shape[2:])}, got {tuple(state.shape)}")
         full = torch.cat([state.to(u.dtype), u], dim=1)
         # Outputs at positions >= pad see only real inputs; the module's own zero padding never
         # reaches them, and a zero state equals the zero padding of a prefill.
-        y = self.short_conv(full)[:, pad:]
+        y = short_conv(full)[:, pad:]
         state.copy_(full[:, full.shape[1] - pad :].detach())
         return y
 
