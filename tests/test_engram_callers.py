@@ -247,6 +247,7 @@ def _tp_worker(rank: int, world: int, init_file: str) -> None:
 
 
 def test_tensor_parallel_column_split(tmp_path):
+    # ~8 s on a 2-core CPU, nearly all of it starting two gloo ranks: one spawn covers both wkv formats.
     from ranks import spawn_ranks
 
     spawn_ranks(_tp_worker, 2, tmp_path / "init")
