@@ -45,7 +45,7 @@ from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS, set before CUDA starts
 
-import torch  # noqa: E402
+import torch
 
 from condmem import EngramConfig  # noqa: E402
 from condmem.bench.lookup_setup import stdlib_sources  # noqa: E402
@@ -397,8 +397,11 @@ def main() -> None:
     print(f"\n{'variant':>11} {'new tok/s':>10}  seconds per round")
     for name, run in runs.items():
         print(f"{name:>11} {run['tokens_per_s']:10,.0f}  " + " ".join(f"{x:.2f}" for x in run["seconds"]))
+    targets = {"hbm_vs_none": 0.95, "host_vs_hbm": 0.97}   # HBM Engram against the plain model; host against HBM
     for name, r in result["ratios"].items():
-        print(f"{name:>22}: best {r['best']:.3f}, rounds median {r['rounds_median']:.3f}")
+        goal = f"  (target >= {targets[name]}: {'met' if r['rounds_median'] >= targets[name] else 'not met'})" \
+            if name in targets else ""
+        print(f"{name:>22}: best {r['best']:.3f}, rounds median {r['rounds_median']:.3f}{goal}")
     for name, prof in result.get("profile", {}).items():
         split = ("" if prof["prefill_gpu_ms"] is None else
                  f" (prompt {prof['prefill_gpu_ms']:.2f} ms, a decode step {prof['decode_gpu_ms_per_step']:.3f} ms)")

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+from helpers import assert_close, devices
 
 from condmem import ConfigError, EngramConfig, EngramLayout, NgramHasher
 from condmem.module import Engram, EngramInputError
-from helpers import assert_close, devices
 
 
 def _config(hc=2, hidden=96, short_conv=True, n=3, heads=2, head_dim=8):
@@ -175,3 +175,44 @@ def test_bad_inputs_are_named():
         module(h, rows + n_rows)
     with pytest.raises(EngramInputError, match="token_mask"):
         module(h, rows, torch.ones(1, 3))
+
+
+def test_what_callers_hand_in_instead_of_row_ids():
+    """Prefetched rows, a projected kv (a tensor-parallel rank's all-reduced one) and project()
+    over column slices give the bits of the plain call; the gate values land in `gates`."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = _config(hc=2, hidden=32, short_conv=True)
+    n_rows = EngramLayout(cfg).layer(1).num_embeddings
+    module = Engram(cfg, n_rows, layer_id=1)
+    _randomize(module, gen)
+    h = torch.randn(2, 5, 2, 32, generator=gen)
+    row_ids = torch.randint(0, n_rows, (2, 5, cfg.n_cols), generator=gen)
+    mask = torch.rand(2, 5, generator=gen) > 0.3
+    with torch.no_grad():
+        want = module(h, row_ids, mask, residual=True)
+        rows = module.table(row_ids)
+        assert torch.equal(module(h, None, mask, rows=rows, residual=True), want)
+        kv = module.project(rows)
+        assert torch.equal(module(h, token_mask=mask, kv=kv, residual=True), want)
+        halves = module.project(rows[:, :, :2], columns=(0, 2)) + module.project(rows[:, :, 2:], columns=(2, 4))
+        assert_close("project by column halves", kv, halves, atol=1e-5)
+        gates = {}
+        module(h, row_ids, gates=gates)
+        assert gates[1].shape == (2, 5, 2) and gates[1].dtype == torch.float32
+        assert bool(((gates[1] > 0) & (gates[1] < 1)).all())
+
+
+def test_bad_rows_kv_and_conv_state_are_named():
+    cfg = _config(hc=1, hidden=16, short_conv=True)
+    n_rows = EngramLayout(cfg).layer(1).num_embeddings
+    module = Engram(cfg, n_rows, layer_id=1)
+    h = torch.randn(1, 3, 16)
+    rows = torch.zeros(1, 3, cfg.n_cols, dtype=torch.long)
+    with pytest.raises(EngramInputError, match="pass row ids"):
+        module(h)
+    with pytest.raises(EngramInputError, match=r"rows must be \[B, T, n_cols, head_dim\]"):
+        module(h, rows=torch.zeros(1, 3, cfg.n_cols, 5))
+    with pytest.raises(EngramInputError, match=r"kv must be \[B, T, \(hc\+1\)\*D\]"):
+        module(h, kv=torch.zeros(1, 3, 16))
+    with pytest.raises(EngramInputError, match="conv_state must be"):
+        module(h, rows, conv_state=torch.zeros(1, 2, 1, 16))

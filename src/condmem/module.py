@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from condmem.config import ConfigError, EngramConfig
-from condmem.ops.gate import GATE_CLAMP, engram_gate
+from condmem.ops.gate import GATE_CLAMP, engram_gate, gate_values
 from condmem.ops.short_conv import ShortConv
 
 
@@ -119,7 +119,7 @@ class Engram(nn.Module):
     @classmethod
     def from_released(cls, checkpoint, layer_id: int, *, device=None, dtype: torch.dtype = torch.bfloat16,
                       keep_fp8: bool = False, load_table: bool = False, config=None,
-                      config_key: str | None = None) -> "Engram":
+                      config_key: str | None = None) -> Engram:
         """One Engram layer of a released checkpoint, ready to run (no conversion step).
 
         Args:
@@ -138,9 +138,9 @@ class Engram(nn.Module):
         Backbone dims come from the checkpoint's config, checked against the tensors' shapes.
         Raises `ConfigError` / `ReleasedCheckpointError` (both ValueErrors) naming what is wrong.
         """
+        from condmem.fp8 import dequantize_fp8_e8m0
         from condmem.layout import EngramLayout
         from condmem.ops.block_fp8 import BlockFp8Linear
-        from condmem.fp8 import dequantize_fp8_e8m0
         from condmem.tables.released import open_checkpoint
 
         ckpt = open_checkpoint(checkpoint, config=config, config_key=config_key)
@@ -171,12 +171,15 @@ class Engram(nn.Module):
         module.released_from = str(ckpt.path)
         return module
 
-    def _compute_dtype(self) -> torch.dtype:
-        # A block-FP8 wkv computes in the module's dtype (that of its gate weights).
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the projection and gate compute in: the weights', or for a block-FP8 ``wkv``
+        (`from_released(keep_fp8=True)`) that of the gate weights (the fp8 weight is dequantized to it)."""
         w = self.wkv.weight
         return self.q_weight.dtype if w.dtype == torch.float8_e4m3fn else w.dtype
 
-    def _check(self, hidden: torch.Tensor, row_ids: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    def _check(self, hidden: torch.Tensor, row_ids: torch.Tensor | None, token_mask: torch.Tensor | None,
+               rows: torch.Tensor | None, kv: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
             raise EngramInputError(f"Engram(layer {self.layer_id}): hidden states must be a float tensor, got "
                                    f"{getattr(hidden, 'dtype', type(hidden))}")
@@ -187,55 +190,135 @@ class Engram(nn.Module):
                 f"Engram(layer {self.layer_id}): hidden states must be [B, T, hc={self.hc_mult}, D={self.hidden_size}]"
                 f"{' or [B, T, D]' if self.hc_mult == 1 else ''}, got {tuple(hidden.shape)}"
             )
+        lead = tuple(hidden.shape[:2])
+        if row_ids is None and rows is None and kv is None:
+            raise EngramInputError(f"Engram(layer {self.layer_id}): pass row ids (or looked-up rows, or projected kv)")
+        if row_ids is not None:
+            self._check_row_ids(row_ids, lead)
+        if rows is not None and kv is None and rows.shape != (*lead, self.n_cols, self.config.head_dim):
+            raise EngramInputError(f"Engram(layer {self.layer_id}): rows must be [B, T, n_cols, head_dim]="
+                                   f"{(*lead, self.n_cols, self.config.head_dim)}, got {tuple(rows.shape)}")
+        if kv is not None and kv.shape != (*lead, (self.hc_mult + 1) * self.hidden_size):
+            raise EngramInputError(f"Engram(layer {self.layer_id}): kv must be [B, T, (hc+1)*D]="
+                                   f"{(*lead, (self.hc_mult + 1) * self.hidden_size)}, got {tuple(kv.shape)}")
+        if token_mask is not None and (token_mask.dtype != torch.bool or tuple(token_mask.shape) != lead):
+            raise EngramInputError(f"Engram(layer {self.layer_id}): token_mask must be bool [B, T]={lead}, "
+                                   f"got {token_mask.dtype} {tuple(token_mask.shape)}")
+        return hidden
+
+    def _check_row_ids(self, row_ids: torch.Tensor, lead: tuple[int, int]) -> None:
         if not isinstance(row_ids, torch.Tensor) or row_ids.dtype not in (torch.int64, torch.int32):
             raise EngramInputError(f"Engram(layer {self.layer_id}): row ids must be an int64/int32 tensor, got "
                                    f"{getattr(row_ids, 'dtype', type(row_ids))}")
-        if row_ids.shape != (*hidden.shape[:2], self.n_cols):
+        if row_ids.shape != (*lead, self.n_cols):
             raise EngramInputError(
                 f"Engram(layer {self.layer_id}): row ids must be [B, T, n_cols={self.n_cols}] matching hidden "
-                f"{tuple(hidden.shape[:2])}, got {tuple(row_ids.shape)} (slice one layer from the hasher's output)"
+                f"{lead}, got {tuple(row_ids.shape)} (slice one layer from the hasher's output)"
             )
         if row_ids.device.type == "cpu" and row_ids.numel():
             # On CPU the check is free; on GPU it would cost a sync per step, and the hasher's
             # ids are in range by construction.
-            lo, hi = int(row_ids.min()), int(row_ids.max())
+            lo, hi = torch.aminmax(row_ids)
+            lo, hi = int(lo), int(hi)
             if lo < 0 or hi >= self.table.num_embeddings:
                 raise EngramInputError(
                     f"Engram(layer {self.layer_id}): row id {lo if lo < 0 else hi} outside the table's "
                     f"0..{self.table.num_embeddings - 1}: ids from another layer or layout?"
                 )
-        if token_mask is not None and (token_mask.dtype != torch.bool or token_mask.shape != hidden.shape[:2]):
-            raise EngramInputError(f"Engram(layer {self.layer_id}): token_mask must be bool [B, T]={tuple(hidden.shape[:2])}, "
-                                   f"got {token_mask.dtype} {tuple(token_mask.shape)}")
-        return hidden
 
     def embed(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Row ids [B, T, n_cols] -> concatenated rows [B, T, n_cols * head_dim]."""
         return self.table(row_ids).flatten(-2)
 
-    def forward(self, hidden: torch.Tensor, row_ids: torch.Tensor, token_mask: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None, *, residual: bool = False) -> torch.Tensor:
-        """Residual update for `hidden` from this layer's `row_ids`.
+    def project(self, rows: torch.Tensor, columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows [..., n_cols, head_dim] -> keys and value [..., (hc+1)*D] (``wkv``, in `compute_dtype`).
 
-        `rows` may carry rows already gathered elsewhere ([B, T, n_cols, head_dim], e.g. by a
-        host-memory lookup); then the table is not read. With `residual`, returns ``hidden +
-        update`` (without a ShortConv, the add is fused into the gate kernel: one pass less
-        over the hidden state, and one rounding instead of two).
+        `columns` ``(c0, c1)``: `rows` hold only table columns c0..c1-1 ([..., c1-c0, head_dim]),
+        multiplied by the matching input columns of ``wkv``: a tensor-parallel rank's partial sum
+        (`condmem.distributed.column_parallel_engram` all-reduces it into the full projection).
+        """
+        wkv = self.wkv
+        weight = wkv.weight
+        fp8 = weight.dtype == torch.float8_e4m3fn
+        dtype = self.q_weight.dtype if fp8 else weight.dtype   # `compute_dtype`, with fewer attribute reads
+        x = rows.flatten(-2)
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        if columns is None:
+            return wkv(x)
+        d = self.config.head_dim
+        if fp8:
+            weight = wkv.dequantized(dtype)
+        return F.linear(x, weight[:, columns[0] * d : columns[1] * d].to(dtype))
+
+    def forward(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None, *,
+                residual: bool = False, conv_state: torch.Tensor | None = None, kv: torch.Tensor | None = None,
+                gates: dict | None = None) -> torch.Tensor:
+        """Residual update for `hidden` from this layer's `row_ids`: embed -> wkv -> gate (+ ShortConv).
+
+        This is the one place the layer runs: the decoder, the serving steps, the Hugging Face
+        adapter and tensor parallelism all call it, each passing what it has.
+
+        Args:
+            hidden: [B, T, hc, D] (or [B, T, D] when hc_mult == 1).
+            row_ids: [B, T, n_cols] int64/int32 (checked against the table on CPU); may be None
+                when `rows` or `kv` is given.
+            token_mask: optional bool [B, T]; False closes the gate (e.g. padding).
+            rows: rows already gathered elsewhere ([B, T, n_cols, head_dim], e.g. by a host-memory
+                lookup); then the table is not read.
+            residual: return ``hidden + update`` (without a ShortConv, the add is fused into the gate
+                kernel: one pass less over the hidden state, and one rounding instead of two).
+            conv_state: optional [B, (kernel-1)*dilation, hc, D]: the ShortConv's inputs at the
+                positions just before these (zeros at a sequence start, equal to the conv's own
+                padding), for incremental decoding; updated in place (detached) to the inputs
+                the next positions need.
+            kv: keys and value [B, T, (hc+1)*D] already projected (`project`, e.g. summed over
+                tensor-parallel ranks); then neither the table nor ``wkv`` is read.
+            gates: optional dict; receives the gate values under ``layer_id`` (fp32 [B, T, hc],
+                [B, T] for [B, T, D] hidden; before the token mask), e.g. to inspect them.
+
+        Returns:
+            like `hidden`, in its dtype.
         """
         squeeze = hidden.dim() == 3
-        hidden4 = self._check(hidden, row_ids, token_mask)
-        if rows is None and self.table.weight.device.type == "meta":
-            raise EngramInputError(f"Engram(layer {self.layer_id}): the table lives outside this module (meta); "
-                                   "pass the looked-up rows (e.g. EngramMemory.prepare(...).rows(layer_id))")
-        embedded = self.embed(row_ids) if rows is None else rows.flatten(-2)
-        kv = self.wkv(embedded.to(self._compute_dtype()))
-        fused = residual and self.short_conv is None
-        out = engram_gate(hidden4, kv, self.q_weight, self.k_weight, self.eps, GATE_CLAMP, token_mask, residual=fused)
-        if self.short_conv is not None:
-            out = out + self.short_conv(out)
+        hidden4 = self._check(hidden, row_ids, token_mask, rows, kv)
+        if kv is None:
+            if rows is None:
+                table = self.table
+                if table.weight.is_meta:
+                    raise EngramInputError(f"Engram(layer {self.layer_id}): the table lives outside this module "
+                                           "(meta); pass the looked-up rows (e.g. "
+                                           "EngramMemory.prepare(...).rows(layer_id))")
+                rows = table(row_ids)
+            kv = self.project(rows)
+        q_weight, k_weight, short_conv = self.q_weight, self.k_weight, self.short_conv
+        if gates is not None:
+            keys = kv[..., : self.hc_mult * self.hidden_size].unflatten(-1, (self.hc_mult, self.hidden_size))
+            values = gate_values(hidden4, keys, q_weight, k_weight, self.eps, GATE_CLAMP).detach()
+            gates[self.layer_id] = values[..., 0] if squeeze else values
+        fused = residual and short_conv is None
+        out = engram_gate(hidden4, kv, q_weight, k_weight, self.eps, GATE_CLAMP, token_mask, residual=fused)
+        if short_conv is not None:
+            out = out + self._short_conv(short_conv, out, conv_state)
         if residual and not fused:
             out = hidden4 + out
         return out.squeeze(2) if squeeze else out
+
+    def _short_conv(self, short_conv: ShortConv, u: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """ShortConv of gated values `u` [B, T, hc, D], continuing from `state` (see `forward`)."""
+        if state is None:
+            return short_conv(u)
+        pad = (short_conv.kernel_size - 1) * short_conv.dilation
+        if state.shape != (u.shape[0], pad, *u.shape[2:]):
+            raise EngramInputError(f"Engram(layer {self.layer_id}): conv_state must be [B, (kernel-1)*dilation, hc, D]"
+                                   f"={(u.shape[0], pad, *u.shape[2:])}, got {tuple(state.shape)}")
+        full = torch.cat([state.to(u.dtype), u], dim=1)
+        # Outputs at positions >= pad see only real inputs; the module's own zero padding never
+        # reaches them, and a zero state equals the zero padding of a prefill.
+        y = short_conv(full)[:, pad:]
+        state.copy_(full[:, full.shape[1] - pad :].detach())
+        return y
 
     def extra_repr(self) -> str:
         return f"layer_id={self.layer_id}, hc_mult={self.hc_mult}, hidden={self.hidden_size}, n_cols={self.n_cols}"

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from condmem.distributed.collectives import all_to_all_equal, reduce_scatter_equal
 from condmem.distributed.sharding import ShardingError, ShardPlan
-from condmem.ops.gate import GATE_CLAMP, engram_gate
 
 Mode = Literal["head", "row"]
 
@@ -143,26 +142,19 @@ class ShardedRows:
 
 
 def column_parallel_engram(engram, hidden: torch.Tensor, local_rows: torch.Tensor, plan: ShardPlan, *,
-                           token_mask: torch.Tensor | None = None, group=None) -> torch.Tensor:
+                           token_mask: torch.Tensor | None = None, residual: bool = False,
+                           conv_state: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """The Engram layer with `wkv` split by its input columns: this rank multiplies its own
-    columns' rows by its slice of `wkv`, one all-reduce sums the keys and value, and the gate
-    (and ShortConv) run replicated. Equal to ``engram(hidden, rows=all rows)`` up to the
-    order of the sum (fp32 tolerance).
+    columns' rows by its slice of `wkv` (`Engram.project`), one all-reduce sums the keys and
+    value, and the rest of the layer runs replicated (`Engram.forward` from the summed kv).
+    Equal to ``engram(hidden, rows=all rows)`` up to the order of the sum (fp32 tolerance).
 
     Args:
         engram: the (replicated) `Engram` module.
         hidden: [B, T, hc, D] or [B, T, D].
         local_rows: this rank's columns' rows [B, T, C_r, head_dim] (`ShardedRows._local`).
+        token_mask, residual, conv_state: as in `Engram.forward`.
     """
-    rank = dist.get_rank(group)
-    c0, c1 = plan.columns(rank)
-    d = engram.config.head_dim
-    weight = engram.wkv.weight[:, c0 * d : c1 * d]
-    kv = local_rows.flatten(-2).to(weight.dtype) @ weight.t()
+    kv = engram.project(local_rows, columns=plan.columns(dist.get_rank(group)))
     dist.all_reduce(kv, group=group)
-    squeeze = hidden.dim() == 3
-    hidden4 = hidden.unsqueeze(2) if squeeze else hidden
-    out = engram_gate(hidden4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP, token_mask)
-    if engram.short_conv is not None:
-        out = out + engram.short_conv(out)
-    return out.squeeze(2) if squeeze else out
+    return engram(hidden, token_mask=token_mask, kv=kv, residual=residual, conv_state=conv_state)

@@ -25,10 +25,27 @@ import torch
 from condmem.config import EngramConfig
 from condmem.hashing.history import NgramHistory
 from condmem.hashing.id_checks import PendingIdChecks
-from condmem.ops.hash.ragged_reference import advance_reference, hash_ragged_reference, lookback_from_ids
-from condmem.ops.hash.reference import hash_decode_reference, hash_reference
 from condmem.layout import EngramLayout
+from condmem.ops.hash.ragged_reference import (
+    advance_reference,
+    hash_ragged_reference,
+    lookback_from_ids,
+)
+from condmem.ops.hash.reference import hash_decode_reference, hash_reference
 from condmem.ops.triton_util import BACKENDS, resolve_backend
+
+_KERNELS = None
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def _kernels():
+    """`condmem.ops.hash.triton`, imported at the first Triton call (importing it imports triton)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from condmem.ops.hash import triton as kernels
+
+        _KERNELS = kernels
+    return _KERNELS
 
 
 class HashInputError(ValueError):
@@ -87,11 +104,14 @@ class NgramHasher:
         }
         self._magic_host: torch.Tensor | None = None
         self._per_device: dict[torch.device, dict[str, torch.Tensor | None]] = {}
+        self._backends: dict[tuple[str, str], str] = {}
+        self._depth = layout.max_ngram_size - 1
+        self._n_heads = layout.n_heads
         what = "tokenizer" if lookup is not None else "compressed vocabulary"
         self._checks = PendingIdChecks(HashInputError, self.vocab_size, what)
 
     @classmethod
-    def from_tokenizer(cls, config: EngramConfig, tokenizer, backend: str = "auto") -> "NgramHasher":
+    def from_tokenizer(cls, config: EngramConfig, tokenizer, backend: str = "auto") -> NgramHasher:
         """Build the layout and hasher for a `CompressedTokenizer`, checking V' against the config."""
         layout = EngramLayout(config, compressed_vocab_size=tokenizer.vocab_size)
         return cls(layout, token_lookup=tokenizer.lookup, pad_id=config.pad_id, backend=backend)
@@ -111,6 +131,9 @@ class NgramHasher:
 
     def constants(self, device: torch.device | str) -> dict[str, torch.Tensor | None]:
         """The lookup, multipliers, primes and offsets on `device` (copied once, then cached)."""
+        c = self._per_device.get(device)   # a tensor's device: found at once (on every call)
+        if c is not None:
+            return c
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -123,21 +146,26 @@ class NgramHasher:
     def _magic(self, device: torch.device) -> torch.Tensor:
         """Barrett constants of the primes (Triton backend only), cached per device."""
         c = self.constants(device)
+        magic = c.get("magic")
+        if magic is not None:
+            return magic
         if "magic" not in c:
             if self._magic_host is None:
-                from condmem.ops.hash.triton import barrett_magic
-
-                self._magic_host = barrett_magic(self._host["primes"])
+                self._magic_host = _kernels().barrett_magic(self._host["primes"])
             c["magic"] = self._magic_host.to(device)
         return c["magic"]
 
     def _backend(self, backend: str | None, device: torch.device) -> str:
-        return resolve_backend(backend or self.backend, device, "NgramHasher")
+        key = (backend or self.backend, device.type)
+        got = self._backends.get(key)
+        if got is None:   # resolved once per (backend, device type): the choice depends on nothing else
+            got = self._backends[key] = resolve_backend(key[0], device, "NgramHasher")
+        return got
 
     def _check_ids(self, input_ids: torch.Tensor, name: str = "input_ids") -> None:
         if not isinstance(input_ids, torch.Tensor):
             raise HashInputError(f"{name} must be a torch.Tensor, got {type(input_ids).__name__}")
-        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        if input_ids.dtype not in _ID_DTYPES:
             raise HashInputError(f"{name} must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() != 2:
             hint = " (add a batch axis: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
@@ -204,31 +232,35 @@ class NgramHasher:
             int64 [B, T, n_layers, n_cols] on the device of `input_ids`.
         """
         self._check_ids(input_ids)
-        blocked = self._check_mask(blocked, input_ids, "blocked")
-        doc_starts = self._check_mask(doc_starts, input_ids, "doc_starts")
+        if blocked is not None:
+            blocked = self._check_mask(blocked, input_ids, "blocked")
         if doc_starts is not None:
-            from_docs = self.blocked_from_doc_starts(doc_starts)
+            from_docs = self.blocked_from_doc_starts(self._check_mask(doc_starts, input_ids, "doc_starts"))
             blocked = from_docs if blocked is None else blocked | from_docs
         self._checks.raise_pending()
-        if self._backend(backend, input_ids.device) == "triton":
+        device = input_ids.device
+        shape = input_ids.shape
+
+        def call() -> str:   # formatted only for an error message
+            return f"hasher call on {tuple(shape)} ids"
+
+        if self._backend(backend, device) == "triton":
             # The kernel applies the compression map itself: one launch from token ids to rows,
             # with the id range folded in on the device.
-            id_range = self._range_slots(input_ids.numel(), input_ids.device) if check else None
-            rows = self._hash_triton(input_ids, self.constants(input_ids.device)["lookup"], blocked, with_offsets,
+            id_range = self._range_slots(input_ids.numel(), device) if check else None
+            rows = self._hash_triton(input_ids, self.constants(device)["lookup"], blocked, with_offsets,
                                      id_range=id_range)
             if id_range is not None:
-                self._checks.submit(id_range, f"hasher call on {tuple(input_ids.shape)} ids")
+                self._checks.submit(id_range, call)
             return rows
         if check:
-            self._checks.submit_ids(input_ids.long(), f"hasher call on {tuple(input_ids.shape)} ids")
+            self._checks.submit_ids(input_ids, call)
         compressed = self.compress(input_ids, check=False)
         return self.hash_compressed(compressed, blocked=blocked, with_offsets=with_offsets, backend="torch")
 
     @staticmethod
     def _range_slots(n_tokens: int, device: torch.device) -> torch.Tensor | None:
-        from condmem.ops.hash.triton import id_range_slots
-
-        return id_range_slots(n_tokens, device) if n_tokens else None
+        return _kernels().id_range_slots(n_tokens, device) if n_tokens else None
 
     def raise_pending(self, block: bool = True) -> None:
         """Raise `HashInputError` if an earlier call's token ids were out of range.
@@ -242,16 +274,14 @@ class NgramHasher:
 
     def _hash_triton(self, ids: torch.Tensor, lookup, blocked, with_offsets: bool,
                      id_range: torch.Tensor | None = None) -> torch.Tensor:
-        from condmem.ops.hash.triton import hash_prefill_triton
-
         c = self.constants(ids.device)
-        return hash_prefill_triton(
+        return _kernels().hash_prefill_triton(
             ids,
             multipliers=c["multipliers"],
             primes=c["primes"],
             magic=self._magic(ids.device),
             offsets=c["offsets"] if with_offsets else None,
-            n_heads=self.layout.n_heads,
+            n_heads=self._n_heads,
             pad_id=self.pad_compressed_id,
             lookup=lookup,
             blocked=blocked,
@@ -271,7 +301,7 @@ class NgramHasher:
             multipliers=c["multipliers"],
             primes=c["primes"],
             offsets=c["offsets"] if with_offsets else None,
-            n_heads=self.layout.n_heads,
+            n_heads=self._n_heads,
             pad_id=self.pad_compressed_id,
             blocked=blocked,
         )
@@ -281,7 +311,8 @@ class NgramHasher:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
             raise HashInputError(f"ragged input_ids must be a flat [n] tensor, got "
                                  f"{tuple(getattr(input_ids, 'shape', ())) or type(input_ids).__name__}")
-        self._check_ids(input_ids[None])
+        if input_ids.dtype not in _ID_DTYPES:
+            raise HashInputError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         device = input_ids.device
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise HashInputError(f"cu_seqlens must be a [B+1] integer tensor (B >= 1), got "
@@ -290,13 +321,13 @@ class NgramHasher:
             raise HashInputError(f"cu_seqlens must be int32/int64 on {device}, got {cu_seqlens.dtype} on "
                                  f"{cu_seqlens.device}")
         n_seqs = cu_seqlens.numel() - 1
-        depth = self.layout.max_ngram_size - 1
+        depth = self._depth
         if (history is None) != (slots is None):
             raise HashInputError("history and slots go together: pass both or neither")
         if history is not None:
-            if history.max_ngram_size != self.layout.max_ngram_size or history.pad_id != self.pad_compressed_id:
+            if history.max_ngram_size != self._depth + 1 or history.pad_id != self.pad_compressed_id:
                 raise HashInputError(f"{history!r} was not made for this hasher: use hasher.new_history")
-            if history.device != device:
+            if history.ids.device != device:
                 raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
             if not isinstance(slots, torch.Tensor) or slots.shape != (n_seqs,) or slots.device != device:
                 raise HashInputError(f"slots must be a [B={n_seqs}] tensor on {device}, got "
@@ -356,15 +387,18 @@ class NgramHasher:
         lookback = None
         if lookback_ids is not None:
             lookback = lookback_from_ids(lookback_ids, c["lookup"], self.pad_compressed_id)
-        label = f"hash_ragged on {input_ids.numel()} tokens, {cu_seqlens.numel() - 1} sequences"
+
+        n_tokens, n_seqs = input_ids.numel(), cu_seqlens.numel() - 1
+
+        def label() -> str:   # formatted only for an error message
+            return f"hash_ragged on {n_tokens} tokens, {n_seqs} sequences"
+
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
-            from condmem.ops.hash.triton import hash_ragged_triton
-
             id_range = self._range_slots(input_ids.numel(), device) if check else None
-            rows = hash_ragged_triton(
+            rows = _kernels().hash_ragged_triton(
                 input_ids, cu_seqlens, multipliers=c["multipliers"], primes=c["primes"], magic=self._magic(device),
-                offsets=offsets, n_heads=self.layout.n_heads, pad_id=self.pad_compressed_id, lookup=c["lookup"],
+                offsets=offsets, n_heads=self._n_heads, pad_id=self.pad_compressed_id, lookup=c["lookup"],
                 blocked=blocked, history=None if history is None else history.ids, slots=slots, lookback=lookback,
                 id_range=id_range,
             )
@@ -386,7 +420,7 @@ class NgramHasher:
                 own = (slots >= 0) & (slots < history.n_slots)
                 lb = torch.where(own[:, None], history.ids[slots.long().clamp(0, history.n_slots - 1)], lb)
             rows = hash_ragged_reference(compressed, cu_seqlens, lb, multipliers=c["multipliers"], primes=c["primes"],
-                                         offsets=offsets, n_heads=self.layout.n_heads, pad_id=self.pad_compressed_id,
+                                         offsets=offsets, n_heads=self._n_heads, pad_id=self.pad_compressed_id,
                                          blocked=blocked)
         if commit and history is not None:
             self._advance(history, slots, input_ids, cu_seqlens, None, blocked, backend)
@@ -420,10 +454,8 @@ class NgramHasher:
         device = input_ids.device
         c = self.constants(device)
         if self._backend(backend, device) == "triton":
-            from condmem.ops.hash.triton import advance_triton
-
-            advance_triton(history.ids, slots, input_ids, cu_seqlens, pad_id=self.pad_compressed_id,
-                           lookup=c["lookup"], blocked=blocked, n_commit=n_commit)
+            _kernels().advance_triton(history.ids, slots, input_ids, cu_seqlens, pad_id=self.pad_compressed_id,
+                                      lookup=c["lookup"], blocked=blocked, n_commit=n_commit)
         else:
             advance_reference(history.ids, slots, self._compress_safe(input_ids), cu_seqlens, n_commit,
                               self.pad_compressed_id, blocked)
@@ -516,11 +548,9 @@ class NgramHasher:
         c = self.constants(device)
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
-            from condmem.ops.hash.triton import hash_decode_triton
-
-            return hash_decode_triton(
+            return _kernels().hash_decode_triton(
                 history.ids, slots.to(device), input_ids, multipliers=c["multipliers"], primes=c["primes"],
-                magic=self._magic(device), offsets=offsets, n_heads=self.layout.n_heads,
+                magic=self._magic(device), offsets=offsets, n_heads=self._n_heads,
                 pad_id=self.pad_compressed_id, lookup=c["lookup"], valid=valid, blocked=blocked,
             )
         lookup = c["lookup"]
@@ -528,7 +558,7 @@ class NgramHasher:
             from condmem import native
 
             rows = native.hash_decode(history.ids, slots, input_ids, lookup=lookup, multipliers=c["multipliers"],
-                                      primes=c["primes"], offsets=offsets, n_heads=self.layout.n_heads,
+                                      primes=c["primes"], offsets=offsets, n_heads=self._n_heads,
                                       pad_id=self.pad_compressed_id, valid=valid, blocked=blocked)
             if rows is not None:      # the same numbers, without the reference's dozens of small ops
                 return rows
@@ -539,7 +569,7 @@ class NgramHasher:
             ids = torch.where(inside, lookup[ids.clamp(0, lookup.numel() - 1)], torch.full_like(ids, self.pad_compressed_id))
         return hash_decode_reference(
             history.ids, slots.to(device), ids, multipliers=c["multipliers"], primes=c["primes"], offsets=offsets,
-            n_heads=self.layout.n_heads, pad_id=self.pad_compressed_id, valid=valid, blocked=blocked,
+            n_heads=self._n_heads, pad_id=self.pad_compressed_id, valid=valid, blocked=blocked,
         )
 
     def __repr__(self) -> str:

@@ -2,22 +2,46 @@
 
 Reading a GPU result on the host waits for the GPU, which would break the overlap an
 engine relies on (hashing the next batch while the current one runs). So on CUDA the
-hash kernels fold the live ids' range into a device-side pair ``[max(id), max(-id)]``,
-which is copied into page-locked memory without waiting and checked once its event
+hash kernels fold the live ids' range into device-side rows ``[max(id), max(-id), broken]``,
+which are copied into page-locked memory without waiting and checked once their event
 has completed: at the hasher's next call (if done by then) or at `raise_pending`, which
 `EngramMemory` calls where the caller waits for rows anyway. On the CPU the check is
 immediate.
+
+A check sits on every eager call, so its host work is kept small: the page-locked buffers
+and their events are reused (allocating page-locked memory and creating events per call
+cost more than the hash kernel itself), the ranges are read through numpy, and a call's
+message is only formatted when it reports a bad id.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
+import numpy as np
 import torch
+
+_MAX_PENDING = 256
+"""Checks in flight at most; one more waits for the oldest (only a host far ahead of its GPU gets there)."""
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _Slot:
+    """A reusable page-locked buffer of range rows, its numpy view and the event its copy records."""
+
+    __slots__ = ("array", "event", "host", "key")
+
+    def __init__(self, key: tuple, rows: int):
+        dtype, cols, _device = self.key = key
+        self.host = torch.empty((rows, cols), dtype=dtype, pin_memory=True)
+        self.array = self.host.numpy()
+        self.event = torch.cuda.Event()   # made on the key's device at its first record
 
 
 class PendingIdChecks:
-    """Range pairs of earlier hash calls, checked when their GPU work is done.
+    """Range rows of earlier hash calls (or lookups), checked when their GPU work is done.
 
     Args:
         error: the exception type raised (the hasher's input error).
@@ -25,6 +49,8 @@ class PendingIdChecks:
         what: the id space's name for messages ("tokenizer", "compressed vocabulary").
         noun: what an id is called in messages ("token id", "row id").
         hint: appended to the message.
+
+    Not thread-safe: one per hasher or lookup engine, used from the thread that calls it.
     """
 
     def __init__(self, error: type[Exception], bound: int, what: str, noun: str = "token id",
@@ -34,27 +60,38 @@ class PendingIdChecks:
         self.what = what
         self.noun = noun
         self.hint = hint
-        self._pending: deque = deque()
+        self._pending: deque = deque()     # (slot, rows, negated, call)
+        self._spare: dict[tuple, list[_Slot]] = {}
+        self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
-    def submit(self, id_range: torch.Tensor, call: str) -> None:
+    def submit(self, id_range: torch.Tensor, call: str | Callable[[], str], negated: bool = True) -> None:
         """Hand over a call's ranges, integer [k, 3] rows of ``[max id, max -id, broken
-        boundaries]`` (or [k, 2] without the last), filled by work queued on the current stream."""
-        if id_range.device.type != "cuda":
-            self._raise_if_bad(id_range, call)
-            return
-        host = torch.empty(id_range.shape, dtype=id_range.dtype, pin_memory=True)
-        host.copy_(id_range, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((event, host, call))
+        boundaries]`` (or [k, 2] without the last), filled by work queued on the current stream.
 
-    def submit_ids(self, ids: torch.Tensor, call: str) -> None:
-        """Check `ids` themselves: their range is reduced on their device (two small launches)
+        `call` names the call in a message (a string, or a function making it: only called for
+        a message). ``negated=False``: the rows are ``[max id, min id]`` instead.
+        """
+        if not id_range.is_cuda:
+            self._raise_if_bad(id_range.numpy(), negated, call)
+            return
+        rows, cols = id_range.shape
+        device = id_range.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        slot = self._slot((id_range.dtype, cols, index), rows)
+        slot.host[:rows].copy_(id_range, non_blocking=True)
+        slot.event.record(self._stream(index))
+        self._pending.append((slot, rows, negated, call))
+        if len(self._pending) > _MAX_PENDING:
+            self._check_oldest(block=True)
+
+    def submit_ids(self, ids: torch.Tensor, call: str | Callable[[], str]) -> None:
+        """Check `ids` themselves: their range is reduced on their device (one small launch)
         and handed over like a kernel's (checked now on the CPU, later on a GPU)."""
         if ids.numel() == 0:
             return
-        lo, hi = torch.aminmax(ids.reshape(-1))
-        self.submit(torch.stack([hi, -lo])[None], call)
+        pair = torch.empty((1, 2), dtype=ids.dtype, device=ids.device)
+        torch.aminmax(ids.reshape(-1), out=(pair[0, 1], pair[0, 0]))
+        self.submit(pair, call, negated=False)
 
     def raise_pending(self, block: bool = False) -> None:
         """Raise for the first earlier call whose ids were out of range.
@@ -64,21 +101,57 @@ class PendingIdChecks:
                 calls already finished are checked, the rest stay pending.
         """
         while self._pending:
-            event, host, call = self._pending[0]
-            if not block and not event.query():
+            if not self._check_oldest(block):
                 return
-            event.synchronize()
-            self._pending.popleft()
-            self._raise_if_bad(host, call)
 
-    def _raise_if_bad(self, id_range: torch.Tensor, call: str) -> None:
-        worst = [int(v) for v in id_range.reshape(-1, id_range.shape[-1]).amax(dim=0).tolist()]
-        hi, neg_lo, broken = (worst + [0])[:3]
+    # ------------------------------------------------------------------ internals
+    def _check_oldest(self, block: bool) -> bool:
+        """Check the oldest pending call if its copy is done (or `block`); False if it is not."""
+        slot, rows, negated, call = self._pending[0]
+        if not slot.event.query():
+            if not block:
+                return False
+            slot.event.synchronize()
+        self._pending.popleft()
+        self._spare.setdefault(slot.key, []).append(slot)
+        self._raise_if_bad(slot.array[:rows], negated, call)
+        return True
+
+    def _slot(self, key: tuple, rows: int) -> _Slot:
+        """A spare slot of this (dtype, columns, device) holding `rows` rows, or a new one."""
+        spare = self._spare.get(key)
+        while spare:
+            slot = spare.pop()
+            if slot.host.shape[0] >= rows:
+                return slot
+        return _Slot(key, max(64, 1 << (rows - 1).bit_length()))   # grown: the short one is dropped
+
+    def _stream(self, index: int) -> torch.cuda.Stream:
+        """Device `index`'s current stream, as an object made once per stream (making one per call
+        costs several Python calls)."""
+        if _raw_stream is None:
+            return torch.cuda.current_stream(index)
+        key = (index, _raw_stream(index))
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.current_stream(index)
+        return stream
+
+    def _raise_if_bad(self, rows: np.ndarray, negated: bool, call: str | Callable[[], str]) -> None:
+        if rows.shape[0] == 0:
+            return
+        worst = rows.max(axis=0)
+        if negated:
+            hi, neg_lo = int(worst[0]), int(worst[1])
+            broken = int(worst[2]) if rows.shape[1] > 2 else 0
+        else:
+            hi, neg_lo, broken = int(worst[0]), -int(rows[:, 1].min()), 0
+        if not broken and hi < self.bound and neg_lo <= 0:
+            return
+        self._pending.clear()
+        call = call() if callable(call) else call
         if broken:
-            self._pending.clear()
             raise self.error(f"cu_seqlens must start at 0, never decrease and end within the batch ({call})")
-        if hi >= self.bound or neg_lo > 0:
-            bad = hi if hi >= self.bound else -neg_lo
-            self._pending.clear()
-            raise self.error(f"{self.noun} {bad} is outside the {self.what}'s ids 0..{self.bound - 1} ({call}): "
-                             f"{self.hint}")
+        bad = hi if hi >= self.bound else -neg_lo
+        raise self.error(f"{self.noun} {bad} is outside the {self.what}'s ids 0..{self.bound - 1} ({call}): "
+                         f"{self.hint}")

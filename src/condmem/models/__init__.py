@@ -15,19 +15,18 @@ from condmem.models.flops import (
     train_flops_per_token,
 )
 from condmem.models.generate import generate
-from condmem.models.transformer import DecoderLM, GateCapture, InferenceCache, engram_update
+from condmem.models.transformer import DecoderLM, GateCapture, InferenceCache
 
 __all__ = [
     "Attention",
-    "KVCache",
-    "ModelConfig",
     "DecoderLM",
     "GateCapture",
     "InferenceCache",
-    "engram_update",
-    "generate",
+    "KVCache",
+    "ModelConfig",
     "engram_flops_per_token",
     "forward_flops_per_token",
+    "generate",
     "iso_flop_baseline",
     "train_flops_per_token",
 ]

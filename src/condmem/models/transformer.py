@@ -6,11 +6,9 @@
 Each block is ``h += Engram(h, rows)`` (Engram layers only), ``h += Attn(norm(h))``,
 ``h += SwiGLU(norm(h))``. Without an Engram config the same code is a plain baseline.
 
-The Engram module is `condmem.module.Engram` and is called as a whole in training.
-Two paths compose its parts instead (`engram_update`): incremental decoding, which
-keeps the ShortConv's recent inputs between steps, and gate capture, which records
-the per-token gate for inspection (the paper's case study). A test holds the composed
-path equal to the module.
+The Engram module is `condmem.module.Engram`, called as a whole everywhere: incremental
+decoding hands it the ShortConv's recent inputs (``conv_state``), gate capture a dict
+that receives the per-token gate (the paper's case study).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from condmem.models.attention import Attention, KVCache
 from condmem.models.config import ModelConfig
 from condmem.models.layers import RMSNorm, Rotary, SwiGLU
 from condmem.module import Engram
-from condmem.ops.gate import GATE_CLAMP, engram_gate, gate_values
 
 
 @dataclass
@@ -59,51 +56,6 @@ class GateCapture:
     gates: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def engram_update(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_state: torch.Tensor | None = None,
-                  capture: GateCapture | None = None, looked_up: torch.Tensor | None = None, *,
-                  residual: bool = False) -> torch.Tensor:
-    """The Engram module's residual update, composed from its parts.
-
-    Args:
-        engram: the module (hc_mult 1).
-        hidden: [B, T, D] residual stream.
-        rows: [B, T, n_cols] row ids.
-        conv_state: optional [B, pad, 1, D] ShortConv inputs of the positions just before
-            these (zeros at a sequence start); updated in place.
-        capture: optional; receives the gate values [B, T].
-        looked_up: optional [B, T, n_cols, head_dim] rows already fetched (e.g. prefetched by
-            `EngramMemory` from host memory); the module's own table is then not read.
-        residual: return ``hidden + update`` (fused into the gate without a ShortConv).
-
-    Returns:
-        [B, T, D], equal to ``engram(hidden, rows, residual=residual)`` when conv_state is None or zeros.
-    """
-    h4 = hidden.unsqueeze(2)
-    if looked_up is None and engram.table.weight.device.type == "meta":
-        raise ValueError(f"Engram layer {engram.layer_id}'s table lives outside the model (meta): pass prepared= rows")
-    embedded = engram.embed(rows) if looked_up is None else looked_up.flatten(-2)
-    kv = engram.wkv(embedded.to(engram.wkv.weight.dtype))
-    fused = residual and engram.short_conv is None
-    out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP, residual=fused)
-    if capture is not None:
-        dim = engram.hidden_size
-        keys = kv[..., :dim].unflatten(-1, (1, dim))
-        capture.gates[engram.layer_id] = gate_values(h4, keys, engram.q_weight, engram.k_weight, engram.eps)[..., 0].detach()
-    if engram.short_conv is not None:
-        if conv_state is None:
-            out = out + engram.short_conv(out)
-        else:
-            pad = conv_state.shape[1]
-            full = torch.cat([conv_state.to(out.dtype), out], dim=1)
-            # Outputs at positions >= pad see only real inputs; the module's own zero padding
-            # never reaches them, and a zero state equals the zero padding of a prefill.
-            out = out + engram.short_conv(full)[:, pad:]
-            conv_state.copy_(full[:, full.shape[1] - pad :])
-    if residual and not fused:
-        out = h4 + out
-    return out.squeeze(2)
-
-
 class Block(nn.Module):
     """One decoder block: optional Engram, attention, SwiGLU (all pre-norm residual)."""
 
@@ -126,10 +78,8 @@ class Block(nn.Module):
                 conv_state: torch.Tensor | None = None, capture: GateCapture | None = None,
                 looked_up: torch.Tensor | None = None):
         if self.engram is not None:
-            if conv_state is None and capture is None:
-                x = self.engram(x, rows, rows=looked_up, residual=True)
-            else:
-                x = engram_update(self.engram, x, rows, conv_state, capture, looked_up, residual=True)
+            x = self.engram(x, rows, rows=looked_up, residual=True, conv_state=conv_state,
+                            gates=None if capture is None else capture.gates)
         x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -75,3 +75,8 @@ def persistent_programs(n_blocks: int, device: torch.device, per_sm: int = 4, in
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints: `triton.cdiv` without its constexpr wrapper (a launcher calls it on every launch)."""
+    return -(-a // b)

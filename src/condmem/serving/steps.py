@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from condmem.models.transformer import DecoderLM, engram_update
+from condmem.models.transformer import DecoderLM
 from condmem.ops.attention import decode_attention_rope_store, paged_prefill_attention, rope_store
 from condmem.ops.norm_act import rms_norm, silu_mul
 from condmem.serving.cache import ServingCache
@@ -223,7 +223,7 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
             layer_slot += 1
             conv = cache.conv[lid]
             state = None if conv is None else conv[rows]
-            x = engram_update(block.engram, x[:, None], row_ids, state, looked_up=looked_up, residual=True)[:, 0]
+            x = block.engram(x[:, None], row_ids, rows=looked_up, residual=True, conv_state=state)[:, 0]
             if conv is not None:
                 _masked_put(conv, (rows,), state, valid)
         x = _attention_mlp(block, i, x, attend, model.tp_group)

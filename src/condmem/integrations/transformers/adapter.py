@@ -34,7 +34,6 @@ from condmem.integrations.transformers.decode_state import DecodeState, DecodeSt
 from condmem.integrations.transformers.families import Family, locate
 from condmem.layout import EngramLayout
 from condmem.module import Engram
-from condmem.ops.gate import GATE_CLAMP, engram_gate
 
 logger = logging.getLogger("condmem.integrations.transformers")
 
@@ -80,10 +79,16 @@ class EngramAdapter:
         self.engrams = engrams
         self.memory = None
         self.last_row_ids: torch.Tensor | None = None
-        self._base_signature = inspect.signature(base.forward)
+        # The base forward's positional parameter names: its arguments are found by name on every
+        # forward without inspect's binding (dozens of Python calls a decode step).
+        self._positional = tuple(name for name, p in inspect.signature(base.forward).parameters.items()
+                                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        self._depth = config.max_ngram_size - 1
+        self._conv_layers = {lid: e for lid, e in engrams.items() if e.short_conv is not None}
         self._states = DecodeStates()
         self._step: _Step | None = None
-        self._generate_inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # generate()'s running sequences, 2-D mask and the new tokens it hands the next forward.
+        self._generate_inputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self._handles = [
             base.register_forward_pre_hook(self._before_base, with_kwargs=True),
             base.register_forward_hook(self._after_base, with_kwargs=True),
@@ -106,18 +111,31 @@ class EngramAdapter:
         blocked = None if attention_mask is None else ~attention_mask.to(input_ids.device).bool()
         return self.hasher(input_ids, blocked=blocked)
 
-    def _lookback(self, batch: int, past: int, new_ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _generate_window(self, stash, past: int, new_ids: torch.Tensor) -> torch.Tensor | None:
+        """Inside generate(), when this forward's tokens are its running sequences' last ones: those
+        sequences from N-1 positions before the new tokens (a view: no copy, no look-back state)."""
+        full = stash[0].to(new_ids.device)
+        batch, new = new_ids.shape
+        if full.shape != (batch, past + new):
+            return None
+        # The very tensor generate() prepared for this forward is its sequences' tail (known without
+        # reading it: torch.equal would wait for the GPU on every step).
+        if new_ids is not stash[2] and not torch.equal(full[:, past:], new_ids):
+            return None
+        return full[:, past - self._depth:]
+
+    def _lookback(self, batch: int, past: int, new_ids: torch.Tensor, cache,
+                  stash) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, valid) [B, N-1] before the new tokens of a cached forward."""
-        depth = self.config.max_ngram_size - 1
-        stash, self._generate_inputs = self._generate_inputs, None
+        depth = self._depth
         if stash is not None:
-            full, mask = stash
-            full = full.to(new_ids.device)
-            if full.shape == (batch, past + new_ids.shape[1]) and torch.equal(full[:, past:], new_ids):
+            full, mask = stash[0].to(new_ids.device), stash[1]
+            if full.shape == (batch, past + new_ids.shape[1]) and (new_ids is stash[2]
+                                                                  or torch.equal(full[:, past:], new_ids)):
                 # Inside generate(): its running sequences are the truth (beams reordered, crops undone).
                 tokens = full[:, :past]
                 valid = (torch.ones_like(tokens, dtype=torch.bool) if mask is None
-                         else mask.to(new_ids.device)[:, :past].bool())
+                         else _as_valid(mask.to(new_ids.device)[:, :past]))
                 return _last_columns(tokens, valid, depth, self.config.pad_id)
         state = self._states.get(cache)
         if state is None or state.length != past or state.batch != batch:
@@ -129,11 +147,19 @@ class EngramAdapter:
             )
         return state.tokens, state.valid
 
+    def _bind(self, args: tuple, kwargs: dict) -> dict:
+        """The base forward's arguments by name (keyword arguments it collects in ``**kwargs`` included)."""
+        bound = dict(zip(self._positional, args)) if args else {}
+        bound.update(kwargs)
+        extra = bound.pop("kwargs", None)
+        if isinstance(extra, dict):
+            bound.update(extra)
+        return bound
+
     # ------------------------------------------------------------------ hooks
     def _before_base(self, module, args, kwargs):
         """Before decoder layer 0: every Engram layer's row ids for this forward (and their lookups)."""
-        bound = self._base_signature.bind_partial(*args, **kwargs).arguments
-        bound.update(bound.pop("kwargs", {}) or {})
+        bound = self._bind(args, kwargs)
         input_ids = bound.get("input_ids")
         if input_ids is None:
             raise EngramModelError("Engram needs input_ids: its row ids are hashes of token ids, so a forward "
@@ -143,17 +169,23 @@ class EngramAdapter:
         cache = bound.get("cache", bound.get("past_key_values"))
         past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
         batch, new = input_ids.shape
-        mask = self._mask_2d(bound.get("attention_mask"), batch, past + new)
-        current = None if mask is None else mask[:, past:].to(input_ids.device)
-        depth = self.config.max_ngram_size - 1
-        if past == 0:
-            ids, valid = input_ids, current
-            self._generate_inputs = None
+        device = input_ids.device
+        mask = self._mask_2d(bound.get("attention_mask"), batch, past + new)   # 0/1 or bool, as given
+        depth = self._depth
+        stash, self._generate_inputs = self._generate_inputs, None
+        window = self._generate_window(stash, past, input_ids) if stash is not None and past >= depth else None
+        if window is not None:
+            # Inside generate(): the look-back and the new tokens are one slice of its sequences.
+            ids, valid = window, None if mask is None else _as_valid(mask[:, past - depth:].to(device))
+        elif past == 0:
+            ids, valid = input_ids, None if mask is None else _as_valid(mask.to(device))
         else:
-            back_ids, back_valid = self._lookback(batch, past, input_ids, cache)
-            ids = torch.cat([back_ids.to(input_ids.device), input_ids], dim=1)
-            now = torch.ones_like(input_ids, dtype=torch.bool) if current is None else current
-            valid = torch.cat([back_valid.to(input_ids.device), now], dim=1)
+            back_ids, back_valid = self._lookback(batch, past, input_ids, cache, stash if past < depth else None)
+            ids = torch.cat([back_ids.to(device), input_ids], dim=1)
+            now = (torch.ones_like(input_ids, dtype=torch.bool) if mask is None
+                   else _as_valid(mask[:, past:].to(device)))
+            valid = torch.cat([back_valid.to(device), now], dim=1)
+        current = None if valid is None else valid[:, valid.shape[1] - new:]
         rows = self.hasher(ids, blocked=None if valid is None else ~valid)[:, ids.shape[1] - new:]
         self.last_row_ids = rows
         prepared = self._start_lookups(rows) if self.memory is not None else None
@@ -165,12 +197,12 @@ class EngramAdapter:
             tail = _last_columns(ids, torch.ones_like(ids, dtype=torch.bool) if valid is None else valid, depth,
                                  self.config.pad_id)
             next_state = DecodeState(*tail, past + new)
-            conv_in = self._conv_inputs(cache, past, batch, input_ids.device)
+            conv_in = self._conv_inputs(cache, past, batch, device) if self._conv_layers else None
         self._step = _Step(rows, current, prepared, conv_in, next_state)
 
     def _conv_inputs(self, cache, past: int, batch: int, device) -> dict[int, torch.Tensor] | None:
         """Each ShortConv's inputs before this forward: zeros at a start, else the cache's saved ones."""
-        conv_layers = {lid: e for lid, e in self.engrams.items() if e.short_conv is not None}
+        conv_layers = self._conv_layers
         if not conv_layers:
             return None
         state = self._states.get(cache) if past else None
@@ -185,7 +217,7 @@ class EngramAdapter:
                 out[lid] = state.conv[lid]
             else:
                 width = (e.short_conv.kernel_size - 1) * e.short_conv.dilation
-                out[lid] = torch.zeros(batch, width, 1, e.hidden_size, device=device, dtype=e.wkv.weight.dtype)
+                out[lid] = torch.zeros(batch, width, 1, e.hidden_size, device=device, dtype=e.compute_dtype)
         return out
 
     def _after_base(self, module, args, kwargs, output):
@@ -210,16 +242,16 @@ class EngramAdapter:
                 raise EngramModelError(f"decoder layer {layer_id} ran outside its model's forward: Engram's row ids "
                                        "are hashed in the base model's forward, before the first layer")
             hidden = args[0] if args else kwargs["hidden_states"]
-            rows = step.row_ids[:, :, index]
+            # Rows fetched by the memory need no row ids (the memory checked them).
             looked_up = None if step.prepared is None else step.prepared.rows(layer_id)
+            rows = step.row_ids[:, :, index] if looked_up is None else None
+            conv = None
             if step.conv_in is not None and layer_id in step.conv_in:
-                out, conv_out = _engram_with_conv_state(engram, hidden, rows, step.token_mask, looked_up,
-                                                        step.conv_in[layer_id])
+                # A copy: the forward advances it in place, and the earlier state stays as it was.
+                conv = step.conv_in[layer_id].clone()
                 if step.next_state is not None:
-                    step.next_state.conv[layer_id] = conv_out
-                hidden = hidden + out.to(hidden.dtype)
-            else:   # the residual add fused into the gate (one pass over the hidden state less)
-                hidden = engram(hidden, rows, token_mask=step.token_mask, rows=looked_up, residual=True)
+                    step.next_state.conv[layer_id] = conv
+            hidden = engram(hidden, rows, token_mask=step.token_mask, rows=looked_up, residual=True, conv_state=conv)
             if args:
                 return (hidden, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": hidden}
@@ -242,10 +274,10 @@ class EngramAdapter:
 
     @staticmethod
     def _check_mask(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-        if tuple(mask.shape) != (batch, length):
+        if mask.shape != (batch, length):
             raise EngramModelError(f"attention_mask has shape {tuple(mask.shape)}; Engram needs [B, past+T] = "
                                    f"{(batch, length)}")
-        return mask.bool()
+        return mask
 
     def _start_lookups(self, rows: torch.Tensor):
         return self.memory.lookup(rows)
@@ -256,10 +288,15 @@ class EngramAdapter:
         @functools.wraps(original)
         def prepare_inputs_for_generation(input_ids, *args, **kwargs):
             # generate() hands the full running sequences here and only the new tokens to forward:
-            # keep them for the forward that follows (its look-back and its 2-D padding mask).
+            # keep them for the forward that follows (its look-back and its 2-D padding mask), with
+            # the new tokens' tensor that forward will receive.
             mask = kwargs.get("attention_mask")
-            self._generate_inputs = (input_ids, mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
-            return original(input_ids, *args, **kwargs)
+            mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            self._generate_inputs = (input_ids, mask, None)
+            inputs = original(input_ids, *args, **kwargs)
+            new_ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+            self._generate_inputs = (input_ids, mask, new_ids if isinstance(new_ids, torch.Tensor) else None)
+            return inputs
 
         previous_reorder = getattr(model, "_reorder_cache", None)
 
@@ -281,6 +318,11 @@ class EngramAdapter:
         self._handles = []
 
 
+def _as_valid(mask: torch.Tensor) -> torch.Tensor:
+    """A 2-D attention mask (0/1 or bool) as bool, True at real tokens."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
 def _last_columns(tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The last `depth` columns of [B, L] tokens / valid, left-filled with an invalid pad when L < depth."""
     tokens, valid = tokens[:, max(0, tokens.shape[1] - depth):], valid[:, max(0, valid.shape[1] - depth):]
@@ -289,24 +331,6 @@ def _last_columns(tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id:
         tokens = torch.cat([tokens.new_full((tokens.shape[0], short), pad_id), tokens], dim=1)
         valid = torch.cat([valid.new_zeros((valid.shape[0], short)), valid], dim=1)
     return tokens, valid
-
-
-def _engram_with_conv_state(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, token_mask, looked_up,
-                            conv_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`engram(hidden, rows)` for positions that follow `conv_in` (the ShortConv's earlier inputs).
-
-    Returns (output [B, T, D], the ShortConv inputs to keep for the next step). Equal to the
-    whole module when `conv_in` is zeros (a sequence start: the conv's own zero padding).
-    """
-    h4 = hidden.unsqueeze(2)
-    embedded = engram.embed(rows) if looked_up is None else looked_up.flatten(-2)
-    kv = engram.wkv(embedded.to(engram.wkv.weight.dtype))
-    out = engram_gate(h4, kv, engram.q_weight, engram.k_weight, engram.eps, GATE_CLAMP, token_mask)
-    width = conv_in.shape[1]
-    full = torch.cat([conv_in.to(out.dtype), out], dim=1)
-    # Outputs at positions >= width see only real inputs, as in one pass over the whole sequence.
-    out = out + engram.short_conv(full)[:, width:]
-    return out.squeeze(2), full[:, full.shape[1] - width:].detach()
 
 
 # ---------------------------------------------------------------------- public entry points

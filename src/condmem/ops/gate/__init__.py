@@ -5,6 +5,7 @@ forces either."""
 from __future__ import annotations
 
 from condmem.ops.gate.reference import GATE_CLAMP, engram_gate_reference, gate_values
+from condmem.ops.triton_util import resolve_backend, triton_available
 
 __all__ = ["GATE_CLAMP", "engram_gate", "engram_gate_reference", "gate_values"]
 
@@ -18,10 +19,20 @@ def engram_gate(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, toke
     ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``) or ``"torch"``. Both are
     differentiable.
     """
-    from condmem.ops.triton_util import resolve_backend
-
-    if resolve_backend(backend, hidden.device, "engram_gate") == "triton":
-        from condmem.ops.gate.triton import engram_gate_triton
-
-        return engram_gate_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual)
+    if (backend is None and hidden.is_cuda and triton_available()) or \
+            resolve_backend(backend, hidden.device, "engram_gate") == "triton":
+        return _triton().engram_gate_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual)
     return engram_gate_reference(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual)
+
+
+_TRITON = None
+
+
+def _triton():
+    """`condmem.ops.gate.triton`, imported at the first Triton call (importing it imports triton)."""
+    global _TRITON
+    if _TRITON is None:
+        from condmem.ops.gate import triton as kernels
+
+        _TRITON = kernels
+    return _TRITON

@@ -25,18 +25,19 @@ a second reduces S over tokens in fixed chunks (deterministic, no atomics).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from condmem.ops.triton_util import next_pow2
-
+from condmem.ops.triton_util import cdiv, next_pow2
 
 MAX_CHUNKS = 16
 
 
+@functools.lru_cache(maxsize=64)
 def default_launch(dim: int) -> tuple[int, int]:
     """(chunk, warps) of the forward: the whole row in one chunk up to 8192 wide, 32 elements a
     thread. Narrower chunks, and 16 warps, stayed further from the copy bound in the launch
@@ -180,9 +181,8 @@ def _gate_wgrad_kernel(
 
 
 def _flatten(hidden: torch.Tensor, kv: torch.Tensor, token_mask: torch.Tensor | None):
-    hc, dim = hidden.shape[-2], hidden.shape[-1]
-    lead = hidden.shape[:-2]
-    if kv.shape != (*lead, (hc + 1) * dim):
+    *lead, hc, dim = hidden.shape
+    if kv.shape[:-1] != hidden.shape[:-2] or kv.shape[-1] != (hc + 1) * dim:
         raise ValueError(f"kv must be [..., (hc+1)*D] = {(*lead, (hc + 1) * dim)}, got {tuple(kv.shape)}")
     h2 = hidden.reshape(-1, hc * dim)
     kv2 = kv.reshape(-1, (hc + 1) * dim)
@@ -192,10 +192,18 @@ def _flatten(hidden: torch.Tensor, kv: torch.Tensor, token_mask: torch.Tensor | 
         kv2 = kv2.contiguous()
     mask = None
     if token_mask is not None:
-        if token_mask.shape != lead:
+        if token_mask.shape != hidden.shape[:-2]:
             raise ValueError(f"token_mask must be {tuple(lead)}, got {tuple(token_mask.shape)}")
         mask = token_mask.reshape(-1).contiguous().view(torch.uint8)
     return h2, kv2, mask, hc, dim
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_launch(dim: int, chunk: int | None, num_warps: int | None) -> tuple[int, int, int, float, float]:
+    """(chunk, chunks, warps, 1/D, 1/sqrt(D)) of the forward: worked out once per width and request."""
+    auto_chunk, auto_warps = default_launch(dim)
+    chunk = min(max(next_pow2(chunk or auto_chunk), next_pow2(cdiv(dim, MAX_CHUNKS))), next_pow2(dim))
+    return chunk, cdiv(dim, chunk), num_warps or auto_warps, 1.0 / dim, 1.0 / math.sqrt(dim)
 
 
 def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *, residual: bool = False,
@@ -209,17 +217,15 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
     """
     h2, kv2, mask, hc, dim = _flatten(hidden, kv, token_mask)
     n = h2.shape[0]
-    out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     if n == 0:
         return out
     o2 = out.view(n, hc * dim)
-    auto_chunk, auto_warps = default_launch(dim)
-    num_warps = num_warps or auto_warps
-    chunk = min(max(next_pow2(chunk or auto_chunk), next_pow2(triton.cdiv(dim, MAX_CHUNKS))), next_pow2(dim))
+    chunk, n_chunks, num_warps, inv_d, inv_sqrt_d = _forward_launch(dim, chunk, num_warps)
     _gate_fwd_chunked_kernel[(n * hc,)](
         h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2,
-        dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
-        HC=hc, CHUNK=chunk, N_CHUNKS=triton.cdiv(dim, chunk), HAS_MASK=mask is not None, RESIDUAL=residual,
+        dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), inv_d, inv_sqrt_d,
+        HC=hc, CHUNK=chunk, N_CHUNKS=n_chunks, HAS_MASK=mask is not None, RESIDUAL=residual,
         num_warps=num_warps)
     return out
 
@@ -249,11 +255,11 @@ def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token
     )
     # Weight gradients: fixed token chunks per program, partial sums added in torch.
     wblock = min(next_pow2(dim), 1024)
-    n_dblocks = triton.cdiv(dim, wblock)
+    n_dblocks = cdiv(dim, wblock)
     target = 4 * 132 if hidden.is_cuda else 2
     splits = max(1, min(n, target // max(1, n_dblocks * hc)))
-    per_split = triton.cdiv(n, splits)
-    splits = triton.cdiv(n, per_split)
+    per_split = cdiv(n, splits)
+    splits = cdiv(n, per_split)
     part = torch.empty((splits, hc, dim), dtype=torch.float32, device=hidden.device)
     _gate_wgrad_kernel[(n_dblocks, hc, splits)](
         h2, kv2, coef, part, n, dim, h2.stride(0), kv2.stride(0), per_split,
@@ -287,6 +293,7 @@ class EngramGateFunction(torch.autograd.Function):
 def engram_gate_triton(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=1e-6, token_mask=None,
                        residual: bool = False) -> torch.Tensor:
     """The fused gate; differentiable (Triton backward) when any input requires grad."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, kv, q_weight, k_weight)):
+    if torch.is_grad_enabled() and (hidden.requires_grad or kv.requires_grad or q_weight.requires_grad
+                                    or k_weight.requires_grad):
         return EngramGateFunction.apply(hidden, kv, q_weight, k_weight, token_mask, eps, clamp, residual)
     return gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual=residual)

@@ -19,7 +19,7 @@ from condmem.ops.gather.reference import (
     gather_reference,
     table_format,
 )
-from condmem.ops.triton_util import resolve_backend
+from condmem.ops.triton_util import resolve_backend, triton_available
 
 __all__ = ["GatherError", "TableFormat", "engram_gather", "gather_reference", "table_format"]
 
@@ -65,12 +65,13 @@ def engram_gather(
         >>> packed = pack_rows(*quantize_fp8_e8m0(weights)).pin_memory()   # host table
         >>> rows = engram_gather(row_ids.cuda(), packed)                     # [T, n_cols, D] bf16
     """
-    fmt = table_format(table, scales, head_dim)
+    fmt = _format(table, scales, head_dim)
     scales = _scale_bytes(scales)
-    lo, hi = _local_ids(row_ids, row_range, fmt.rows)
+    lo, _ = _local_ids(row_ids, row_range, fmt.rows)
     if row_ids.is_floating_point() or row_ids.dtype == torch.bool:
         raise GatherError(f"row_ids must be integers, got {row_ids.dtype}")
-    if resolve_backend(backend, row_ids.device, "engram_gather") == "torch":
+    if not ((backend is None and row_ids.is_cuda and triton_available())
+            or resolve_backend(backend, row_ids.device, "engram_gather") == "triton"):
         rows = gather_reference(row_ids, table, scales, head_dim=head_dim, row_range=row_range)
         if out_index is not None:
             _check_out_index(out_index, row_ids, out, fmt)
@@ -82,19 +83,46 @@ def engram_gather(
             out.copy_(rows)
             return out
         return rows
-    if row_ids.device.type == "cuda" and table.device.type == "cuda" and table.device != row_ids.device:
-        raise GatherError(f"table on {table.device} but row ids on {row_ids.device}")
-    shape = (*row_ids.shape, fmt.head_dim)
+    device = row_ids.device
+    if table.is_cuda and row_ids.is_cuda and table.device != device:
+        raise GatherError(f"table on {table.device} but row ids on {device}")
     if out_index is not None:
         _check_out_index(out_index, row_ids, out, fmt)
     elif out is None:
-        out = torch.empty(shape, dtype=fmt.out_dtype, device=row_ids.device)
-    elif out.shape != shape or out.dtype != fmt.out_dtype or not out.is_contiguous():
-        raise GatherError(f"out must be a contiguous {fmt.out_dtype} tensor of shape {shape}")
+        out = torch.empty((*row_ids.shape, fmt.head_dim), dtype=fmt.out_dtype, device=device)
+    elif out.shape[:-1] != row_ids.shape or out.shape[-1] != fmt.head_dim or out.dtype != fmt.out_dtype \
+            or not out.is_contiguous():
+        raise GatherError(f"out must be a contiguous {fmt.out_dtype} tensor of shape {(*row_ids.shape, fmt.head_dim)}")
     ids = row_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    from condmem.ops.gather.triton import gather_triton
+    return _triton().gather_triton(ids, table, scales, fmt, lo, out, out_index, block_rows, programs_per_sm,
+                                   num_warps, max_programs)
 
-    return gather_triton(ids, table, scales, fmt, lo, out, out_index, block_rows, programs_per_sm, num_warps,
-                         max_programs)
+
+_TRITON = None
+_FORMATS: dict[tuple, TableFormat] = {}
+
+
+def _triton():
+    """`condmem.ops.gather.triton`, imported at the first Triton call (importing it imports triton)."""
+    global _TRITON
+    if _TRITON is None:
+        from condmem.ops.gather import triton as kernels
+
+        _TRITON = kernels
+    return _TRITON
+
+
+def _format(table: torch.Tensor, scales: torch.Tensor | None, head_dim: int | None) -> TableFormat:
+    """`table_format`, remembered per (shapes, strides, dtypes, devices): a format depends on
+    nothing else, and the same tables are read on every call."""
+    key = (table.shape, table.stride(), table.dtype, table.device, head_dim,
+           None if scales is None else (scales.shape, scales.stride(), scales.dtype, scales.device))
+    fmt = _FORMATS.get(key)
+    if fmt is None:
+        fmt = table_format(table, scales, head_dim)   # raises for a bad table: never remembered
+        if len(_FORMATS) >= 1024:
+            _FORMATS.clear()
+        _FORMATS[key] = fmt
+    return fmt

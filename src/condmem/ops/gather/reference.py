@@ -86,10 +86,12 @@ def table_format(table: torch.Tensor, scales: torch.Tensor | None = None, head_d
                       "bf16/fp16/fp32, or int16/int32/int64 words of raw rows")
 
 
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
 def _scale_bytes(scales: torch.Tensor | None) -> torch.Tensor | None:
     """float8_e8m0fnu scales (how checkpoints may store them) as their uint8 exponent bytes."""
-    e8m0 = getattr(torch, "float8_e8m0fnu", None)
-    if scales is not None and e8m0 is not None and scales.dtype == e8m0:
+    if scales is not None and _E8M0 is not None and scales.dtype == _E8M0:
         return scales.view(torch.uint8)
     return scales
 

@@ -13,13 +13,17 @@ bit for bit (NaN payloads aside). Imported only when the Triton backend runs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from condmem.fp8 import FP8_DTYPE, SCALE_BLOCK
 from condmem.ops.gather.reference import FP8, PLAIN, GatherError, TableFormat
-from condmem.ops.triton_util import interpreting, next_pow2, persistent_programs
+from condmem.ops.triton_util import cdiv, interpreting, next_pow2, persistent_programs
+
+_INTERPRET = interpreting()   # as triton decided when it was imported (read once: launches read it)
 
 if triton is not None:
 
@@ -28,7 +32,7 @@ if triton is not None:
         """float32 -> bf16, round to nearest even, by integer arithmetic (the interpreter's own cast truncates)."""
         u = y.to(tl.uint32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where(y != y, 0x7FC0, r)
+        r = tl.where(y != y, 0x7FC0, r)  # noqa: PLR0124 (NaN is the value unequal to itself)
         return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     # Row counts change with every batch (unique ids, cache misses): specializing on them
@@ -108,9 +112,16 @@ class _HostPointer:
 def _launch_table(t: torch.Tensor):
     """What a kernel launch receives for a table: a uint8 view of fp8 data; host tables wrapped."""
     t = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
-    if t.device.type == "cpu" and not interpreting():
+    if not t.is_cuda and not _INTERPRET:
         return _HostPointer(t)
     return t
+
+
+@functools.lru_cache(maxsize=64)
+def _blocks(head_dim: int, fp8: bool) -> tuple[int, int, int]:
+    """(scale blocks a row, their power-of-two tile, the row's power-of-two tile)."""
+    nb = head_dim // SCALE_BLOCK if fp8 else 1
+    return nb, next_pow2(nb), next_pow2(head_dim)
 
 
 def gather_triton(ids: torch.Tensor, table: torch.Tensor, scales: torch.Tensor | None, fmt: TableFormat, lo: int,
@@ -131,11 +142,11 @@ def gather_triton(ids: torch.Tensor, table: torch.Tensor, scales: torch.Tensor |
     if block_rows is None:
         # 32 rows x 4 warps x 4 programs/SM: the best of the launch sweep (docs/kernels.md); 16 rows leave
         # bandwidth unused.
-        block_rows = 8 if interpreting() else 32
+        block_rows = 8 if _INTERPRET else 32
     if num_warps is None:
         num_warps = 4
-    nb = d // SCALE_BLOCK if fmt.mode != PLAIN else 1
-    n_blocks = triton.cdiv(n_rows, block_rows)
+    nb, block_nb, block_d = _blocks(d, fmt.mode != PLAIN)
+    n_blocks = cdiv(n_rows, block_rows)
     programs = persistent_programs(n_blocks, ids.device, per_sm=programs_per_sm)
     if max_programs is not None:
         if max_programs < 1:
@@ -146,8 +157,8 @@ def gather_triton(ids: torch.Tensor, table: torch.Tensor, scales: torch.Tensor |
             ids, _launch_table(table), _launch_table(scale_t), out, out_index if out_index is not None else ids,
             n_rows, lo, fmt.rows, out.shape[0] if out_index is not None else 0,
             ROW_STRIDE=row_stride, SCALE_STRIDE=scale_stride, SCALE_OFF=scale_off,
-            D=d, NB=nb, BLOCK_NB=next_pow2(nb), BLOCK_D=next_pow2(d),
-            BLOCK_R=block_rows, MODE=fmt.mode, EXACT=interpreting(), SCATTER=out_index is not None,
+            D=d, NB=nb, BLOCK_NB=block_nb, BLOCK_D=block_d,
+            BLOCK_R=block_rows, MODE=fmt.mode, EXACT=_INTERPRET, SCATTER=out_index is not None,
             num_warps=num_warps,
         )
     except ValueError as exc:

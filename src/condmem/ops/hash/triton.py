@@ -31,12 +31,14 @@ the plain ``%`` for comparison.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from condmem.ops.triton_util import next_pow2
+from condmem.ops.triton_util import cdiv, next_pow2
 
 
 def barrett_magic(primes: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -200,9 +202,10 @@ def _hash_decode_kernel(
 
 def id_range_slots(n_tokens: int, device, block_t: int = 128) -> torch.Tensor:
     """Uninitialized int32 [programs, 3] for the kernels' per-program id ranges."""
-    return torch.empty((max(1, triton.cdiv(n_tokens, block_t)), 3), dtype=torch.int32, device=device)
+    return torch.empty((max(1, cdiv(n_tokens, block_t)), 3), dtype=torch.int32, device=device)
 
 
+@functools.lru_cache(maxsize=64)
 def _tile_sizes(n_layers: int, n_heads: int) -> tuple[int, int]:
     # Floors keep the number of compiled variants small; the idle lanes cost nothing measurable.
     return max(2, next_pow2(n_layers)), max(8, next_pow2(n_heads))
@@ -261,7 +264,7 @@ def hash_prefill_triton(
         return out
     ids = ids.contiguous()
     blocked_b = _as_bytes(blocked)
-    grid = (triton.cdiv(n_tokens, block_t),)
+    grid = (cdiv(n_tokens, block_t),)
     block_l, block_h = _tile_sizes(n_layers, n_heads)
     _hash_prefill_kernel[grid](
         ids, lookup if lookup is not None else ids, blocked_b if blocked_b is not None else ids,
@@ -314,7 +317,7 @@ def hash_decode_triton(
     if batch == 0:
         return out
     valid_b, blocked_b = _as_bytes(valid), _as_bytes(blocked)
-    grid = (triton.cdiv(batch, block_b),)
+    grid = (cdiv(batch, block_b),)
     block_l, block_h = _tile_sizes(n_layers, n_heads)
     _hash_decode_kernel[grid](
         ids.contiguous(), lookup if lookup is not None else ids, slots.contiguous(),
@@ -496,7 +499,7 @@ def hash_ragged_triton(
     ids = ids.contiguous()
     cu = cu_seqlens.contiguous()
     blocked_b = _as_bytes(blocked)
-    grid = (triton.cdiv(n_tokens, block_t),)
+    grid = (cdiv(n_tokens, block_t),)
     block_l, block_h = _tile_sizes(n_layers, n_heads)
     # Enough halvings to search B sequences; rounded up so few variants compile.
     steps = max(4, -(-max(n_seqs, 1).bit_length() // 4) * 4)
@@ -536,7 +539,7 @@ def advance_triton(
         return
     depth = history.shape[1]
     blocked_b = _as_bytes(blocked)
-    _advance_kernel[(triton.cdiv(n_seqs, block_b),)](
+    _advance_kernel[(cdiv(n_seqs, block_b),)](
         ids.contiguous(), lookup if lookup is not None else ids, blocked_b if blocked_b is not None else ids,
         cu_seqlens.contiguous(), slots.contiguous(), n_commit.contiguous() if n_commit is not None else slots, history,
         ids.numel(), n_seqs, history.shape[0], 0 if lookup is None else lookup.numel(), depth, pad_id,
