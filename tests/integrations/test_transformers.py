@@ -367,3 +367,60 @@ def test_refusals_name_the_problem(tokenizer):
         add_engram(model, engram_config(), tokenizer)
     with pytest.raises(EngramModelError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(1, 3, 32))
+
+
+def test_save_pretrained_after_offload_writes_the_tables_and_reloads_equal(tokenizer, tmp_path):
+    model = tiny_model("llama", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(), tokenizer)
+    randomize_engram(model)
+    ids, mask, pos, _ = padded_batch([6, 3], 6, tokenizer.original_vocab_size, "left")
+    model.save_pretrained(tmp_path / "plain")
+    memory = offload_tables(model, tier="host")   # the memory holds bf16 rows
+    try:
+        with torch.no_grad():
+            ref = model(ids, attention_mask=mask, position_ids=pos).logits
+        model.save_pretrained(tmp_path / "offloaded", max_shard_size="40KB")
+    finally:
+        memory.close()
+    from safetensors.torch import load_file
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    plain, offloaded = tensors(tmp_path / "plain"), tensors(tmp_path / "offloaded")
+    assert plain.keys() == offloaded.keys()          # the same tensors, names, dtypes and shapes
+    for name, t in plain.items():
+        assert offloaded[name].dtype == t.dtype and offloaded[name].shape == t.shape, name
+        expect = t.bfloat16().float() if name.endswith("engram.table.weight") else t  # rows as the memory held them
+        assert torch.equal(offloaded[name], expect), name
+    loaded = load_pretrained(tmp_path / "offloaded", tokenizer).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, attention_mask=mask, position_ids=pos).logits, ref)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+def test_a_failing_save_leaves_no_half_written_folder(tokenizer, tmp_path, monkeypatch):
+    model = tiny_model("llama", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(), tokenizer)
+    model.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")   # saved beside the model earlier: kept
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", broken)   # fails after config.json
+    with pytest.raises(RuntimeError, match="disk full"):
+        model.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="disk full"):
+        model.save_pretrained(tmp_path / "new")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    monkeypatch.undo()
+    randomize_engram(model)
+    model.save_pretrained(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == "{}"
+    assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() != before["model.safetensors"]

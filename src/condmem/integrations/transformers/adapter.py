@@ -391,6 +391,9 @@ def add_engram(model: nn.Module, engram_config: EngramConfig, tokenizer, layers:
     adapter = EngramAdapter(model, family, base, decoder_layers, config, ctok, hasher, engrams)
     adapter.memory = memory
     model._condmem_engram = adapter
+    from condmem.integrations.transformers.pretrained import wrap_save_pretrained
+
+    wrap_save_pretrained(model)   # offloaded tables saved from their tier; the folder written atomically
     # Saved with the model's config.json: what a reload needs to rebuild and verify the same layout.
     setattr(model.config, CONFIG_KEY, {
         "config": config.to_dict(),
