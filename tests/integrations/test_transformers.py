@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from condmem import EngramConfig  # noqa: E402
 from condmem.integrations.transformers import (  # noqa: E402
     EngramModelError,
+    EngramOptimizer,
     EngramTrainer,
     UnsupportedModelError,
     add_engram,
@@ -424,3 +426,60 @@ def test_a_failing_save_leaves_no_half_written_folder(tokenizer, tmp_path, monke
     model.save_pretrained(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == "{}"
     assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() != before["model.safetensors"]
+
+
+def _trainer_args(tmp_path, **changes):
+    return transformers.TrainingArguments(**{
+        **dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=6, logging_steps=1,
+               save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant",
+               max_grad_norm=1.0, learning_rate=3e-3), **changes})
+
+
+def test_plain_trainer_with_engram_optimizer_trains_and_clips_sparse_gradients(tokenizer, tmp_path):
+    # transformers.Trainer measures and clips with torch.nn.utils.clip_grad_norm_, which before torch 2.14 has no norm
+    # for sparse gradients: engram_optimizer gives torch one (each row counted once), so a plain Trainer trains.
+    model = tiny_model("llama", tokenizer.original_vocab_size).train()
+    add_engram(model, engram_config(), tokenizer, layers=[1])
+    table = get_engram(model).engrams[1].table.weight
+    start = table.detach().clone()
+    ids, mask, labels, seqs = training_batch(tokenizer.original_vocab_size)
+    data = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)] * 4
+    trainer = transformers.Trainer(model=model, args=_trainer_args(tmp_path), train_dataset=data,
+                                   optimizers=(engram_optimizer(model, lr=3e-3), None))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 6 and logs[-1]["loss"] < logs[0]["loss"] - 0.1, logs
+    assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in logs)
+    moved = set((table.detach() != start).any(1).nonzero().flatten().tolist())
+    assert moved and moved <= rows_read(model, seqs)
+
+
+def test_sparse_gradient_norm_counts_each_row_once():
+    from condmem.integrations.transformers.optim import enable_sparse_grad_norm
+
+    enable_sparse_grad_norm()
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    lin = torch.nn.Linear(4, 1)
+    lin(emb(torch.tensor([1, 1, 3, 1]))).sum().backward()   # repeated rows: an uncoalesced gradient
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+    dense = [emb.weight.grad.to_dense(), lin.weight.grad.clone(), lin.bias.grad.clone()]
+    ref = torch.cat([g.flatten() for g in dense]).double().norm()
+    got = torch.nn.utils.clip_grad_norm_([emb.weight, lin.weight, lin.bias], 0.1)
+    assert_close("total norm", ref.float(), got, atol=1e-6)
+    scale = 0.1 / (ref.item() + 1e-6)
+    assert_close("clipped sparse gradient", dense[0] * scale, emb.weight.grad.to_dense(), atol=1e-7)
+
+
+def test_engram_trainer_builds_its_optimizer(tokenizer, tmp_path):
+    model = tiny_model("llama", tokenizer.original_vocab_size).train()
+    add_engram(model, engram_config(), tokenizer, layers=[1])
+    ids, mask, labels, _ = training_batch(tokenizer.original_vocab_size)
+    data = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)] * 4
+    trainer = EngramTrainer(model=model, args=_trainer_args(tmp_path, weight_decay=0.01), train_dataset=data)
+    trainer.train()
+    logs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 6 and logs[-1] < logs[0] - 0.1, logs
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert isinstance(opt, EngramOptimizer)
+    assert opt.tables.param_groups[0]["lr"] == 5 * opt.backbone.param_groups[0]["lr"] == 5 * 3e-3
+    assert opt.backbone.param_groups[0]["weight_decay"] == 0.01

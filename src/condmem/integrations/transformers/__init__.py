@@ -3,7 +3,8 @@
     from condmem.integrations.transformers import add_engram, engram_optimizer
     model = add_engram(model, EngramConfig(layer_ids=[1], ...), tokenizer)
     model.generate(...)                                   # n-gram history follows the cache
-    trainer = EngramTrainer(model, args, optimizers=(engram_optimizer(model, lr=1e-4), None), ...)
+    trainer = EngramTrainer(model, args, ...)             # builds engram_optimizer from args
+    trainer = Trainer(model, args, optimizers=(engram_optimizer(model, lr=1e-4), None), ...)  # or a plain one
     model.save_pretrained(path); model = load_pretrained(path, tokenizer)
 
 Supported families: llama, mistral, qwen2, qwen3, gpt2 (`families.FAMILIES`).
@@ -18,7 +19,12 @@ from condmem.integrations.transformers.adapter import (
     offload_tables,
 )
 from condmem.integrations.transformers.families import FAMILIES, UnsupportedModelError
-from condmem.integrations.transformers.optim import EngramOptimizer, engram_optimizer, engram_param_groups
+from condmem.integrations.transformers.optim import (
+    EngramOptimizer,
+    enable_sparse_grad_norm,
+    engram_optimizer,
+    engram_param_groups,
+)
 from condmem.integrations.transformers.pretrained import load_pretrained
 from condmem.integrations.transformers.trainer import EngramTrainer
 
@@ -31,6 +37,7 @@ __all__ = [
     "FAMILIES",
     "UnsupportedModelError",
     "add_engram",
+    "enable_sparse_grad_norm",
     "engram_optimizer",
     "engram_param_groups",
     "get_engram",
