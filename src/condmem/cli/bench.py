@@ -49,15 +49,20 @@ def register(sub) -> None:
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on the CPU through the Triton interpreter (TRITON_INTERPRET=1): checks the "
                    "benchmark code runs, times nothing meaningful")
-    lookup = p.add_argument_group("lookup (condmem bench lookup)")
+    # Their modules import torch: added when 'condmem bench' is used, not for 'condmem --help'.
+    if hasattr(p, "defer"):
+        p.defer(_add_lookup_and_e2e_arguments)
+    else:
+        _add_lookup_and_e2e_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_lookup_and_e2e_arguments(p) -> None:
+    from condmem.bench.e2e import add_arguments as add_e2e_arguments
     from condmem.bench.lookup import add_arguments as add_lookup_arguments
 
-    add_lookup_arguments(lookup)
-    e2e = p.add_argument_group("e2e (condmem bench e2e)")
-    from condmem.bench.e2e import add_arguments as add_e2e_arguments
-
-    add_e2e_arguments(e2e)
-    p.set_defaults(func=run)
+    add_lookup_arguments(p.add_argument_group("lookup (condmem bench lookup)"))
+    add_e2e_arguments(p.add_argument_group("e2e (condmem bench e2e)"))
 
 
 def _summary(op: str, rows: list[dict]) -> str:

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from condmem.cli import CliError
 from condmem.cli.common import add_config_argument, load_config, print_json
-from condmem.hashing import NgramHasher
 
 
 def register(sub) -> None:
@@ -50,6 +47,9 @@ def _parse_ids(text: str, vocab: int) -> list[int]:
 
 
 def run(args) -> int:
+    import torch
+
+    from condmem.hashing import NgramHasher
     from condmem.tokenizer import CompressedTokenizer
 
     config = load_config(args.config)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from condmem.cli.common import add_config_argument, load_config, print_json
-from condmem.layout import EngramLayout
 
 
 def register(sub) -> None:
@@ -30,6 +29,8 @@ def _gib(n: int) -> str:
 
 
 def run(args) -> int:
+    from condmem.layout import EngramLayout
+
     config = load_config(args.config)
     vocab = args.compressed_vocab_size
     if args.tokenizer:
