@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from condmem.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.fixture
@@ -71,3 +74,25 @@ def test_hash_errors_are_clear(v41_config, tmp_path, capsys):
     assert "silently rehashed" in capsys.readouterr().err
     assert main(["hash", "--tokenizer", "deepseek-v4", "--config", v41_config, "--ids", "1,x"]) == 1
     assert "comma-separated" in capsys.readouterr().err
+
+
+def test_layout_without_a_vocabulary_size_names_the_flags(capsys):
+    # The official demo's config states no V' (it enters every hash multiplier).
+    assert main(["layout", "--config", str(CONFIGS / "official_demo.json")]) == 1
+    err = capsys.readouterr().err
+    assert "--tokenizer" in err and "--compressed-vocab-size" in err and "official_demo.json" in err
+    assert main(["layout", "--config", str(CONFIGS / "official_demo.json"), "--compressed-vocab-size", "1000"]) == 0
+
+
+def test_bench_smoke_switches_the_triton_interpreter_on_itself(tmp_path):
+    # A fresh process without TRITON_INTERPRET (the suite sets it): the variable must be set before the
+    # kernels' modules are imported, which only a new interpreter shows (about 5 s: torch and triton imports).
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "condmem", "bench", "hash", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TRITON_INTERPRET=1" in done.stderr and (tmp_path / "kernels_hash.json").is_file()

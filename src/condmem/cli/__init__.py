@@ -31,10 +31,10 @@ in host memory or on disk and be prefetched. Subcommands:
 """
 
 EPILOG = """\
-examples:
-  condmem demo                                  train baseline vs Engram on the stdlib source, compare
-  condmem layout --config config.json           primes, rows and bytes per Engram layer
-  condmem hash --tokenizer deepseek-v4 --config config.json --text "Hello world"
+examples (config paths are the repository's configs/):
+  condmem demo                                              # baseline vs Engram on the stdlib source, compared
+  condmem layout --config configs/deepseek_v41_flash.json   # primes, rows and bytes per Engram layer
+  condmem hash --tokenizer deepseek-v4 --config configs/deepseek_v41_flash.json --text "Hello world"
 Run 'condmem <subcommand> --help' for each one's options.
 """
 
