@@ -4,7 +4,7 @@ The examples are parsed out of the help texts themselves (``condmem --help`` and
 subcommand's, nested ones included) and run through the CLI's `main` in one working folder
 whose ``configs`` is the repository's, so config paths are the real ones. What the examples
 name besides is made there first: a ``tokenizer.json``, a synthetic checkpoint in the
-released layout named ``DeepSeek-V4.1-Flash``, a table file, a small corpus.
+released layout named ``DeepSeek-V4.1-Flash``, a table file, small corpora.
 
 Examples that train or benchmark take minutes (or a GPU) at their own size. They run with
 flags the test appends (`sized`), documented there: argparse lets a later flag override an
@@ -16,6 +16,7 @@ examples that the order below does not list fails the test: a new example must b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Subcommands in the order their examples run (a later one reads what an earlier one wrote:
 # generate reads the demo's checkpoint, train --resume the first train example's run).
-ORDER = ["condmem", "layout", "hash", "convert", "inspect", "demo", "generate", "train", "bench"]
+ORDER = ["condmem", "tokenizer train", "layout", "hash", "convert", "inspect", "demo", "generate", "train", "bench"]
 
 # Flags appended to examples that train: a tiny model on a tiny corpus for a step or two.
 TINY_RUN = ["--preset", "tiny", "--corpus", "corpus", "--vocab-size", "320", "--no-progress"]
@@ -100,6 +101,8 @@ def sized(argv: list[str]) -> list[str]:
         if "--table-size" in argv:
             extra += ["--table-size", "1000"]
         return argv + extra
+    if argv[:2] == ["tokenizer", "train"]:   # BPE training reads up to 100 MB by default: 200 KB here
+        return argv + ["--max-bytes", "200000"]
     if command == "generate":
         return argv + ["--max-new-tokens", "2", "--device", "cpu"]
     if command == "bench":
@@ -155,6 +158,9 @@ def workdir(tmp_path_factory):
         (corpus / name).write_text(text, encoding="utf-8")
         texts.append(text)
     train_bpe(texts, vocab_size=320).save(str(root / "tokenizer.json"))
+    (root / "texts").mkdir()   # the tokenizer example's corpus: a folder and a .jsonl file
+    (root / "texts" / "a.txt").write_text(texts[0], encoding="utf-8")
+    (root / "notes.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[1:4]), encoding="utf-8")
     # The released layout at a tiny geometry; its config states the DeepSeek-V4 tokenizer's V' (the
     # examples pass --tokenizer deepseek-v4); row counts do not depend on V'.
     v_prime = CompressedTokenizer.from_any("deepseek-v4").vocab_size
