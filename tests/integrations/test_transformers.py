@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from condmem import EngramConfig  # noqa: E402
+from condmem import ConfigError, EngramConfig  # noqa: E402
 from condmem.integrations.transformers import (  # noqa: E402
     EngramModelError,
     EngramOptimizer,
@@ -483,3 +483,53 @@ def test_engram_trainer_builds_its_optimizer(tokenizer, tmp_path):
     assert isinstance(opt, EngramOptimizer)
     assert opt.tables.param_groups[0]["lr"] == 5 * opt.backbone.param_groups[0]["lr"] == 5 * 3e-3
     assert opt.backbone.param_groups[0]["weight_decay"] == 0.01
+
+
+# ---------------------------------------------------------------------- pad id
+def test_pad_id_none_says_what_to_pass():
+    with pytest.raises(ConfigError, match=r"pad_id is None.*pad_token_id.*eos_token_id"):
+        engram_config().replace(pad_id=None)
+
+
+def test_pad_id_is_checked_against_the_tokenizer(tokenizer, caplog):
+    from tokenizers import Tokenizer
+
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.tokenizer.to_str()),
+                                                  pad_token="<|pad|>")
+    assert hf_tok.pad_token_id == PAD
+    vocab = tokenizer.original_vocab_size
+    with pytest.raises(ConfigError, match=rf"pad_id {vocab + 5} is not a token id of .*0\.\.{vocab - 1}.*pad_id={PAD}"):
+        add_engram(tiny_model("llama", vocab), engram_config().replace(pad_id=vocab + 5), hf_tok)
+    with caplog.at_level("WARNING", logger="condmem"):
+        add_engram(tiny_model("llama", vocab), engram_config().replace(pad_id=2), hf_tok)
+    assert f"pad_id is 2 but the tokenizer's pad token is id {PAD}" in caplog.text and f"pad_id={PAD}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="condmem"):
+        add_engram(tiny_model("llama", vocab), engram_config(), hf_tok)   # pad_id=PAD: nothing to say
+    assert "pad" not in caplog.text
+
+
+# ---------------------------------------------------------------------- removal
+def test_remove_engram_restores_the_model_and_add_engram_works_again(tokenizer, tmp_path):
+    from condmem.integrations.transformers import remove_engram
+
+    model = tiny_model("qwen2", tokenizer.original_vocab_size)
+    ids, mask, pos, _ = padded_batch([6, 4], 6, tokenizer.original_vocab_size, "left")
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask, position_ids=pos).logits
+        plain_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    names = [n for n, _ in model.named_parameters()]
+    add_engram(model, engram_config(), tokenizer)
+    randomize_engram(model)
+    assert remove_engram(model) is model
+    assert [n for n, _ in model.named_parameters()] == names and not hasattr(model.config, "condmem_engram")
+    assert not {"prepare_inputs_for_generation", "_reorder_cache", "save_pretrained"} & set(vars(model))
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, plain)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), plain_tokens)
+    with pytest.raises(EngramModelError, match="has no Engram"):
+        get_engram(model)
+    add_engram(model, engram_config(short_conv=False), tokenizer, layers=[1])   # works again, another geometry
+    assert sorted(get_engram(model).engrams) == [1]
+    model.save_pretrained(tmp_path)
+    assert load_pretrained(tmp_path, tokenizer) is not None

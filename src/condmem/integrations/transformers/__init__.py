@@ -6,6 +6,7 @@
     trainer = EngramTrainer(model, args, ...)             # builds engram_optimizer from args
     trainer = Trainer(model, args, optimizers=(engram_optimizer(model, lr=1e-4), None), ...)  # or a plain one
     model.save_pretrained(path); model = load_pretrained(path, tokenizer)
+    remove_engram(model)                                  # the plain model again (add_engram works again)
 
 Supported families: llama, mistral, qwen2, qwen3, gpt2 (`families.FAMILIES`).
 """
@@ -17,6 +18,7 @@ from condmem.integrations.transformers.adapter import (
     add_engram,
     get_engram,
     offload_tables,
+    remove_engram,
 )
 from condmem.integrations.transformers.families import FAMILIES, UnsupportedModelError
 from condmem.integrations.transformers.optim import (
@@ -43,4 +45,5 @@ __all__ = [
     "get_engram",
     "load_pretrained",
     "offload_tables",
+    "remove_engram",
 ]
