@@ -140,10 +140,7 @@ def run_example(example: str, capsys) -> None:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """The working folder the examples run in, with what they name."""
-    from released_fixtures import config_json, write_checkpoint
-
-    from condmem.tokenizer import CompressedTokenizer
+    """The working folder the examples run in, with the corpora and tokenizer they name."""
     from condmem.train.bpe import train_bpe
     from condmem.train.data import stdlib_dir
 
@@ -161,6 +158,17 @@ def workdir(tmp_path_factory):
     (root / "texts").mkdir()   # the tokenizer example's corpus: a folder and a .jsonl file
     (root / "texts" / "a.txt").write_text(texts[0], encoding="utf-8")
     (root / "notes.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[1:4]), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def released(workdir):
+    """The examples' checkpoint and table file, made in `workdir`."""
+    from released_fixtures import config_json, write_checkpoint
+
+    from condmem.tokenizer import CompressedTokenizer
+
+    root = workdir
     # The released layout at a tiny geometry; its config states the DeepSeek-V4 tokenizer's V' (the
     # examples pass --tokenizer deepseek-v4); row counts do not depend on V'.
     v_prime = CompressedTokenizer.from_any("deepseek-v4").vocab_size
@@ -187,7 +195,7 @@ SLOW = {"demo", "bench"}   # 6-20 s and 16-50 s on a 2-core CPU, idle to busy: t
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW else p for p in ORDER])
-def test_help_examples_run(path, workdir, monkeypatch, capsys):
+def test_help_examples_run(path, workdir, released, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if path == "generate" and not (workdir / "condmem-demo" / "engram").exists():

@@ -28,7 +28,17 @@ from condmem.integrations.transformers.optim import (
     engram_param_groups,
 )
 from condmem.integrations.transformers.pretrained import load_pretrained
-from condmem.integrations.transformers.trainer import EngramTrainer
+
+
+def __getattr__(name: str):
+    # EngramTrainer subclasses transformers.Trainer: imported on first use, so that the rest of
+    # the package (optimizers, saving) imports without transformers' Trainer.
+    if name == "EngramTrainer":
+        from condmem.integrations.transformers.trainer import EngramTrainer
+
+        return EngramTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONFIG_KEY",
