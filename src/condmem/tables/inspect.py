@@ -164,7 +164,7 @@ def inspect_checkpoint(path, config=None, config_key: str | None = None, full: b
                     info["row_stats"] = row_stats(table, None if full else sample, progress=progress,
                                                   name=f"layer {lid}")
                 except ValueError as exc:
-                    problems.append(CheckpointProblem("error", str(exc), names["embed_scale"], lid, exc))
+                    problems.append(CheckpointProblem("error", str(exc), names["embed_scale"], lid))
         layers.append(info)
     report["layers"] = layers
     return _problems(report, problems)

@@ -88,8 +88,6 @@ class CheckpointProblem:
     tensor: str | None = None
     """The tensor it concerns, when one."""
     layer_id: int | None = None
-    error: ValueError | None = dataclasses.field(default=None, compare=False, repr=False)
-    """For an error: the exception the loader raises for it."""
 
     def to_dict(self) -> dict:
         return {"severity": self.severity, "message": self.message, "tensor": self.tensor, "layer_id": self.layer_id}
@@ -400,7 +398,7 @@ class ReleasedCheckpoint:
             except ValueError as exc:
                 if str(exc) not in seen:  # a backbone error on the first q_weight is also that tensor's error
                     seen.add(str(exc))
-                    problems.append(CheckpointProblem("error", str(exc), tensor, layer_id, exc))
+                    problems.append(CheckpointProblem("error", str(exc), tensor, layer_id))
                 return None
 
         layout = backbone = None
@@ -430,16 +428,6 @@ class ReleasedCheckpoint:
                     "warning", f"the tensors hold Engram layer {lid}, which {self.config_path or 'the config'} does "
                     f"not list (its Engram layers: {self.config.layer_ids}): it is not loaded", None, lid))
         return problems
-
-    def check(self, layer_ids: list[int] | None = None) -> None:
-        """Raise the first error `validate` finds (the exception the loader would raise), naming how many more."""
-        errors = [p for p in self.validate(layer_ids) if p.severity == "error"]
-        if not errors:
-            return
-        exc = errors[0].error
-        if len(errors) > 1:
-            exc = type(exc)(f"{exc} (and {len(errors) - 1} more problem(s): `condmem inspect {self.path}` lists them)")
-        raise exc
 
     # ------------------------------------------------------------------ backbone dims
     def resolve_backbone(self, config: EngramConfig) -> EngramConfig:
