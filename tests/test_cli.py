@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from condmem.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.fixture
@@ -71,3 +74,51 @@ def test_hash_errors_are_clear(v41_config, tmp_path, capsys):
     assert "silently rehashed" in capsys.readouterr().err
     assert main(["hash", "--tokenizer", "deepseek-v4", "--config", v41_config, "--ids", "1,x"]) == 1
     assert "comma-separated" in capsys.readouterr().err
+
+
+def test_layout_without_a_vocabulary_size_names_the_flags(capsys):
+    # The official demo's config states no V' (it enters every hash multiplier).
+    assert main(["layout", "--config", str(CONFIGS / "official_demo.json")]) == 1
+    err = capsys.readouterr().err
+    assert "--tokenizer" in err and "--compressed-vocab-size" in err and "official_demo.json" in err
+    assert main(["layout", "--config", str(CONFIGS / "official_demo.json"), "--compressed-vocab-size", "1000"]) == 0
+
+
+def test_bench_smoke_switches_the_triton_interpreter_on_itself(tmp_path):
+    # A fresh process without TRITON_INTERPRET (the suite sets it): the variable must be set before the
+    # kernels' modules are imported, which only a new interpreter shows (about 5 s: torch and triton imports).
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "condmem", "bench", "hash", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TRITON_INTERPRET=1" in done.stderr and (tmp_path / "kernels_hash.json").is_file()
+
+
+def test_tokenizer_train_writes_a_tokenizer_json_engram_reads(tmp_path, capsys):
+    import torch
+    from tokenizers import Tokenizer
+
+    from condmem import EngramConfig, NgramHasher
+    from condmem.tokenizer import CompressedTokenizer
+
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def add(x, y):\n    return x + y\n" * 50)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 20}) + "\n")
+    out = tmp_path / "tok" / "tokenizer.json"
+    assert main(["tokenizer", "train", "--corpus", str(corpus), str(tmp_path / "b.jsonl"), "--out", str(out),
+                 "--vocab-size", "300"]) == 0
+    printed = capsys.readouterr().out
+    tok = Tokenizer.from_file(str(out))
+    assert tok.get_vocab_size() <= 300 and tok.token_to_id("<|pad|>") == 1 and tok.token_to_id("<|endoftext|>") == 0
+    ctok = CompressedTokenizer.from_any(str(out), use_cache=False)
+    assert f"pad_id=1 (<|pad|>), compressed_vocab_size={ctok.vocab_size} " in printed
+    config = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=101, pad_id=1)
+    ids = torch.tensor([tok.encode("def add(x, y): return x").ids])
+    assert NgramHasher.from_tokenizer(config, ctok)(ids).shape == (1, ids.shape[1], 1, 4)
+    assert main(["tokenizer", "train", "--corpus", str(corpus), "--out", str(out), "--vocab-size", "100"]) == 1
+    assert "too small for a byte-level BPE" in capsys.readouterr().err

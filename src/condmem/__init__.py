@@ -12,21 +12,36 @@ Main entry points:
 * `Engram`: the gated memory module for one layer.
 """
 
+from __future__ import annotations
+
+import importlib
+
 from condmem.config import ConfigError, EngramConfig
-from condmem.layout import EngramLayout, LayoutError
-from condmem.hashing import NgramHasher, HashInputError
-from condmem.module import Engram, EngramTable
 
 __version__ = "0.1.0"
 
+# Loaded on first use: numpy, torch and tokenizers take seconds to import, and the command
+# line (`condmem --help`, argument errors) needs none of them.
+_LAZY = {
+    "EngramLayout": "condmem.layout", "LayoutError": "condmem.layout",
+    "NgramHasher": "condmem.hashing", "HashInputError": "condmem.hashing",
+    "Engram": "condmem.module", "EngramTable": "condmem.module",
+    "CompressedTokenizer": "condmem.tokenizer", "TokenizerMismatchError": "condmem.tokenizer",
+    "TokenIdError": "condmem.tokenizer",
+}
+
 
 def __getattr__(name: str):
-    # The tokenizer pulls in `tokenizers`; load it on first use only.
-    if name in {"CompressedTokenizer", "TokenizerMismatchError", "TokenIdError"}:
-        from condmem import tokenizer
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'condmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(tokenizer, name)
-    raise AttributeError(f"module 'condmem' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

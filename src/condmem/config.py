@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+log = logging.getLogger("condmem")
 
 Dialect = Literal["native", "v4", "demo"]
 NESTED_KEYS: tuple[str, ...] = ("text_config",)
@@ -139,6 +142,11 @@ class EngramConfig:
         need_int("max_ngram_size", self.max_ngram_size, 2)
         need_int("n_heads", self.n_heads, 1)
         need_int("head_dim", self.head_dim, 1)
+        if self.pad_id is None:
+            raise ConfigError(
+                "EngramConfig.pad_id is None: pass a token id of the model's tokenizer, its pad token "
+                "(tokenizer.pad_token_id), or for a tokenizer without one (GPT-2's) its EOS (tokenizer.eos_token_id). "
+                "Engram hashes it in place of the tokens before a sequence's start")
         need_int("pad_id", self.pad_id, 0)
         need_int("seed", self.seed, 0)
         if self.hidden_size is not None:
@@ -181,6 +189,24 @@ class EngramConfig:
             and math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1
         ):
             raise ConfigError(f"EngramConfig.rms_norm_eps must be a finite float in (0, 1), got {self.rms_norm_eps!r}")
+
+    def check_pad_id(self, vocab_size: int, pad_token_id: int | None = None, tokenizer: str = "the tokenizer") -> None:
+        """Check `pad_id` against a tokenizer of `vocab_size` ids whose pad token is `pad_token_id` (None: none).
+
+        An id the tokenizer does not have is a `ConfigError`. One that is not the tokenizer's
+        pad token is logged as a warning: it hashes (any id can fill the look-back before a
+        sequence's start), but it is likely the default (2) left by mistake, and a released
+        or saved model must be served with the pad id it was trained with.
+        """
+        hint = f"pass pad_id={pad_token_id} (its pad token)" if pad_token_id is not None else \
+            "pass pad_id=<its pad token id> (or its EOS id when it has no pad token)"
+        if not 0 <= self.pad_id < vocab_size:
+            raise ConfigError(f"EngramConfig.pad_id {self.pad_id} is not a token id of {tokenizer} "
+                              f"(0..{vocab_size - 1}): {hint}")
+        if pad_token_id is not None and pad_token_id != self.pad_id:
+            log.warning("EngramConfig.pad_id is %d but %s's pad token is id %d: Engram reads the pad id in place of "
+                        "the tokens before a sequence's start; %s, unless %d is meant", self.pad_id, tokenizer,
+                        pad_token_id, hint, self.pad_id)
 
     def require_backbone(self, what: str = "an Engram module") -> None:
         """Raise `ConfigError` naming every backbone field that is still None (unknown)."""

@@ -147,9 +147,6 @@ class Engram(nn.Module):
         cfg = ckpt.module_config()
         if layer_id not in cfg.layer_ids:
             raise ConfigError(f"layer {layer_id} has no Engram; the config's Engram layers are {cfg.layer_ids}")
-        if cfg.short_conv:
-            raise ConfigError(f"{ckpt.config_path}: engram_short_conv is set, but released checkpoints carry no "
-                              "ShortConv weights to load")
         layout = EngramLayout(cfg)
         rows = layout.layer(layer_id).num_embeddings
         module = cls(cfg, rows, layer_id, device="meta", dtype=dtype)

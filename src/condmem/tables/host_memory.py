@@ -256,10 +256,18 @@ def collapse_huge_pages(buffer: HostBuffer, attempts: int = 3) -> bool:
 
 
 def report_coverage(buffer: HostBuffer, what: str) -> float | None:
-    """Log the huge-page coverage of a filled buffer; warn, naming the cost, when it is low."""
+    """Log the huge-page coverage of a filled buffer; warn, naming the cost, when it is low and a GPU reads it.
+
+    The cost is the GPU's: its zero-copy reads of page-locked rows walk the page tables. A
+    buffer that is not page-locked (no GPU, or not registered) is read by the CPU only, so
+    its coverage is information, not a warning.
+    """
     cov = buffer.coverage()
     if cov is None:
         log.info("%s: huge-page coverage unknown (smaps unreadable or nothing resident)", what)
+    elif cov < 0.5 and not buffer.pinned:
+        log.info("%s: %.0f%% of %.1f GiB on huge pages (read by the CPU only: not page-locked)", what, 100 * cov,
+                 buffer.nbytes / 2**30)
     elif cov < 0.5:
         log.warning(
             "%s: only %.0f%% of %.1f GiB is on huge pages: random row reads from the GPU may each cost a page-table "

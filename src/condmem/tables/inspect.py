@@ -14,6 +14,13 @@ JSON-ready report of:
   the table, sorted so the reads stay sequential); every row with ``full=True``,
   streamed chunk by chunk with a progress bar.
 
+It is also a validator: a released checkpoint is checked by the loaders' own routine
+(`ReleasedCheckpoint.validate`: every tensor's presence, dtype and shape, the rows
+against the primes, the wkv block divisibility, the config against the tensors), a table
+file's rows against its layout's primes. ``report["errors"]`` lists what the loaders
+would refuse (``condmem inspect`` then exits 1), ``report["warnings"]`` the rest, and
+``report["ok"]`` is true when there is no error.
+
 No tensor is read beyond what the statistics need; mapped pages are given back as it goes.
 """
 
@@ -101,10 +108,17 @@ def _layout_summary(layout: EngramLayout) -> dict[str, Any]:
             "compressed_vocab_size": layout.compressed_vocab_size, "fingerprint": layout.fingerprint}
 
 
+def _problems(report: dict[str, Any], problems) -> dict[str, Any]:
+    report["errors"] = [p.to_dict() for p in problems if p.severity == "error"]
+    report["warnings"] = [p.to_dict() for p in problems if p.severity == "warning"]
+    report["ok"] = not report["errors"]
+    return report
+
+
 def inspect_checkpoint(path, config=None, config_key: str | None = None, full: bool = False, sample: int = 65536,
                        progress: bool = True) -> dict[str, Any]:
     """The report (see the module docstring) for a released checkpoint."""
-    from condmem.tables.released import ReleasedCheckpoint
+    from condmem.tables.released import CheckpointProblem, ReleasedCheckpoint
 
     ckpt = ReleasedCheckpoint(path, config, config_key=config_key)
     report: dict[str, Any] = {
@@ -113,6 +127,8 @@ def inspect_checkpoint(path, config=None, config_key: str | None = None, full: b
         "prefix": ckpt.names.prefix, "engram_layers_in_tensors": ckpt.layer_ids,
         "config": str(ckpt.config_path) if ckpt.config_path else None,
     }
+    problems = ckpt.validate()
+    bad_tensors = {p.tensor for p in problems if p.severity == "error" and p.tensor}
     layout = None
     if ckpt.config is not None:
         cfg = ckpt.config
@@ -120,12 +136,14 @@ def inspect_checkpoint(path, config=None, config_key: str | None = None, full: b
         try:
             layout = ckpt.layout()
             report["layout"] = _layout_summary(layout)
-        except ValueError as exc:
-            report["layout_error"] = str(exc)
+        except ValueError:
+            pass  # among the problems
     layers = []
-    for lid in (layout.layer_ids if layout is not None else ckpt.layer_ids):
+    for lid in (ckpt.config.layer_ids if ckpt.config is not None else ckpt.layer_ids):
         names = ckpt.tensor_names(lid)
         info: dict[str, Any] = {"layer_id": lid, "tensors": {role: _tensor_info(ckpt, n) for role, n in names.items()}}
+        for t in info["tensors"].values():
+            t["ok"] = t["name"] not in bad_tensors
         wkv, wkv_s = info["tensors"]["wkv"], info["tensors"]["wkv_scale"]
         if wkv.get("shape") and wkv_s.get("shape") and all(a % b == 0 for a, b in zip(wkv["shape"], wkv_s["shape"])):
             info["wkv_block"] = [a // b for a, b in zip(wkv["shape"], wkv_s["shape"])]
@@ -140,18 +158,22 @@ def inspect_checkpoint(path, config=None, config_key: str | None = None, full: b
             want = layout.layer(lid).num_embeddings
             info["rows_match_primes"] = info.get("rows") == want
             info["rows_expected"] = want
-            try:
-                table = ckpt.table(lid, layout)
-                info["row_stats"] = row_stats(table, None if full else sample, progress=progress, name=f"layer {lid}")
-            except ValueError as exc:
-                info["error"] = str(exc)
+            if not bad_tensors & {names["embed"], names["embed_scale"]}:
+                try:  # reads the rows (and float32 scales, which must be powers of two)
+                    table = ckpt.table(lid, layout)
+                    info["row_stats"] = row_stats(table, None if full else sample, progress=progress,
+                                                  name=f"layer {lid}")
+                except ValueError as exc:
+                    problems.append(CheckpointProblem("error", str(exc), names["embed_scale"], lid))
         layers.append(info)
     report["layers"] = layers
-    return report
+    return _problems(report, problems)
 
 
 def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: bool = True) -> dict[str, Any]:
     """The report for a condmem table file."""
+    from condmem.tables.released import CheckpointProblem
+
     table = EngramTableFile(path)
     layout = table.layout()
     report: dict[str, Any] = {
@@ -159,14 +181,18 @@ def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: 
         "file_bytes": Path(path).stat().st_size, "tokenizer_fingerprint": table.tokenizer_fingerprint,
         "layout": _layout_summary(layout), "layers": [],
     }
+    problems = []
     for lid, rows in zip(table.layer_ids, table.num_embeddings):
         want = layout.layer(lid).num_embeddings
+        if rows != want:
+            problems.append(CheckpointProblem("error", f"layer {lid} of {table.path} has {rows:,} rows but its layout "
+                                              f"has {want:,} (sum of its primes)", None, lid))
         report["layers"].append({
             "layer_id": lid, "rows": rows, "rows_expected": want, "rows_match_primes": rows == want,
             "bytes": _tier_bytes(rows, table.head_dim),
             "row_stats": row_stats(table.layer(lid), None if full else sample, progress=progress, name=f"layer {lid}"),
         })
-    return report
+    return _problems(report, problems)
 
 
 def inspect_tables(path: str | os.PathLike, config=None, config_key: str | None = None, full: bool = False,

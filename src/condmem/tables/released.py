@@ -26,6 +26,13 @@ each table's row count must equal the sum of its layer's primes, and the config'
 ``hidden_size`` / ``hc_mult`` must agree with the gate weights' and wkv's shapes (or
 are taken from them when the config does not say). Every problem is a
 `ReleasedCheckpointError` (a ``ValueError``) naming the tensor and the file.
+
+One routine decides what is valid: `ReleasedCheckpoint.check_tensor` checks one tensor's
+presence, dtype and shape (row count against the primes, block divisibility of ``wkv``'s
+scales); the loaders (`ReleasedCheckpoint.table`, `wkv_fp8`, `gate_weights`, so
+`Engram.from_released` and `EngramMemory.from_released`) call it before mapping a tensor,
+and `ReleasedCheckpoint.validate` calls it for every tensor of every layer and collects
+the errors instead of raising the first (``condmem inspect`` prints them and exits 1).
 """
 
 from __future__ import annotations
@@ -54,11 +61,36 @@ NAME_DIALECTS: tuple[str, ...] = ("original", "hf")
 INDEX_FILE = "model.safetensors.index.json"
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _SCALE_DTYPES = tuple(t for t in (_E8M0, torch.uint8, torch.float32) if t is not None)
+_GATE_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+ROLES = ("embed", "embed_scale", "wkv", "wkv_scale", "q_weight", "k_weight")
+# role -> (dtypes allowed, what the tensor is, for messages)
+_ROLE_DTYPES: dict[str, tuple[tuple[torch.dtype, ...], str]] = {
+    "embed": ((torch.float8_e4m3fn,), "table rows"),
+    "embed_scale": (_SCALE_DTYPES, f"the table's scales (one per {FP8_SCALE_BLOCK} values)"),
+    "wkv": ((torch.float8_e4m3fn,), "wkv"),
+    "wkv_scale": (_SCALE_DTYPES + (torch.bfloat16,), "wkv's block scales"),
+    "q_weight": (_GATE_DTYPES, "q_weight ([hc_mult, hidden_size])"),
+    "k_weight": (_GATE_DTYPES, "k_weight ([hc_mult, hidden_size])"),
+}
 _ENGRAM_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?)layers\.(?P<layer>\d+)\.engram\.(?P<rest>.+)$")
 
 
 class ReleasedCheckpointError(TableFileError):
     """A released checkpoint lacks an Engram tensor, or holds one of the wrong name, dtype or shape."""
+
+
+@dataclass(frozen=True)
+class CheckpointProblem:
+    """One finding of `ReleasedCheckpoint.validate`: an error (the loaders refuse the checkpoint) or a warning."""
+
+    severity: Literal["error", "warning"]
+    message: str
+    tensor: str | None = None
+    """The tensor it concerns, when one."""
+    layer_id: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"severity": self.severity, "message": self.message, "tensor": self.tensor, "layer_id": self.layer_id}
 
 
 @dataclass(frozen=True)
@@ -241,6 +273,9 @@ class ReleasedCheckpoint:
             if config.rms_norm_eps is None:
                 raise ConfigError(f"{self.config_path or 'the config'} states no rms_norm_eps, and no tensor records "
                                   "it: pass a config that states it")
+            if config.short_conv:
+                raise ConfigError(f"{self.config_path or 'the config'}: engram_short_conv is set, but released "
+                                  "checkpoints carry no ShortConv weights to load")
             self._backbone = config
         return self._backbone
 
@@ -273,14 +308,126 @@ class ReleasedCheckpoint:
 
     def _map(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None,
              what: str) -> torch.Tensor:
+        self._check_entry(name, dtypes, shape, what)
+        return mmap_tensor(self.headers[name], name)
+
+    def _check_entry(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None,
+                     what: str) -> TensorEntry:
         entry = self.entry(name)
         if entry.dtype not in dtypes:
             raise ReleasedCheckpointError(f"tensor {name} in {self.where(name)} is {entry.dtype}; {what} must be "
                                           f"{' or '.join(str(d).replace('torch.', '') for d in dtypes)}")
-        if shape is not None and entry.shape != shape:
+        if shape is not None and entry.shape != tuple(shape):
             raise ReleasedCheckpointError(f"tensor {name} in {self.where(name)} is {list(entry.shape)}; {what} must be "
                                           f"{list(shape)}")
-        return mmap_tensor(self.headers[name], name)
+        return entry
+
+    # ------------------------------------------------------------------ validation
+    def check_tensor(self, layer_id: int, role: str, layout: EngramLayout | None = None,
+                     backbone: EngramConfig | None = None) -> TensorEntry:
+        """One Engram tensor's header entry, after checking its presence, dtype and shape.
+
+        This is the one place that decides whether a tensor is loadable: the loaders call it
+        before mapping, `validate` calls it for every tensor. Shapes are checked as far as
+        the arguments allow: `layout` gives the table's rows (the sum of the layer's primes)
+        and head_dim (else the checkpoint's config, when it has one); `backbone` (a config
+        with hidden_size / hc_mult, see `module_config`) gives wkv's and q/k's shapes and
+        wkv's block divisibility. Raises `ReleasedCheckpointError` / `TableMismatchError`
+        naming the tensor, its file, the shape found and the shape expected.
+        """
+        name = self.tensor_names(layer_id)[role]
+        dtypes, what = _ROLE_DTYPES[role]
+        where = self.where(name)
+        geometry = layout.config if layout is not None else self.config
+        if role in ("embed", "embed_scale"):
+            entry = self._check_entry(name, dtypes, None, what)
+            if geometry is None:
+                return entry
+            d = geometry.head_dim
+            if role == "embed":
+                if len(entry.shape) != 2 or entry.shape[1] != d:
+                    raise ReleasedCheckpointError(f"tensor {name} in {where} is {list(entry.shape)}; table rows must "
+                                                  f"be [rows, head_dim={d}]")
+                rows = layout.layer(layer_id).num_embeddings if layout is not None else None
+                if rows is not None and entry.shape[0] != rows:
+                    raise TableMismatchError(
+                        f"tensor {name} in {where} has {entry.shape[0]:,} rows but layer {layer_id} of this layout "
+                        f"has {rows:,} (sum of its primes): the config's geometry does not match the checkpoint")
+                return entry
+            if layout is not None:
+                return self._check_entry(name, dtypes, (layout.layer(layer_id).num_embeddings, d // FP8_SCALE_BLOCK),
+                                         what)
+            if len(entry.shape) != 2 or entry.shape[1] != d // FP8_SCALE_BLOCK:
+                raise ReleasedCheckpointError(f"tensor {name} in {where} is {list(entry.shape)}; {what} must be "
+                                              f"[rows, {d // FP8_SCALE_BLOCK}]")
+            return entry
+        if backbone is None:
+            return self._check_entry(name, dtypes, None, what)
+        c = backbone
+        wkv_shape = ((c.hc_mult + 1) * c.hidden_size, c.engram_dim)
+        if role == "wkv":
+            return self._check_entry(name, dtypes, wkv_shape, f"wkv ([(hc_mult+1)*hidden_size, n_cols*head_dim] = "
+                                     f"[({c.hc_mult}+1)*{c.hidden_size}, {c.n_cols}*{c.head_dim}])")
+        if role == "wkv_scale":
+            entry = self._check_entry(name, dtypes, None, what)
+            try:
+                block_shape(wkv_shape, tuple(entry.shape), what=f"tensor {self.tensor_names(layer_id)['wkv']}")
+            except BlockFp8Error as exc:
+                raise ReleasedCheckpointError(f"{exc} (scales: tensor {name}) in {where}") from None
+            return entry
+        return self._check_entry(name, dtypes, (c.hc_mult, c.hidden_size), what)
+
+    def validate(self, layer_ids: list[int] | None = None) -> list[CheckpointProblem]:
+        """Every problem the loaders would raise for this checkpoint, collected instead of raised.
+
+        Checks the config (present, readable, its layout valid, hidden_size / hc_mult against
+        the first layer's q_weight, rms_norm_eps stated, no ShortConv), then every tensor of
+        each layer (`check_tensor`, from the headers: nothing is read). `layer_ids`: the
+        layers to check (default: the config's, else those found in the tensors). Warnings:
+        Engram tensors of layers the config does not list, float32 table scales (converted
+        in memory on load). An empty list of errors means `Engram.from_released` and
+        `EngramMemory.from_released` accept every checked layer as far as headers tell (a
+        float32 table scale that is not a power of two shows only when its values are read).
+        """
+        problems: list[CheckpointProblem] = []
+        seen: set[str] = set()
+
+        def attempt(fn, tensor: str | None = None, layer_id: int | None = None):
+            try:
+                return fn()
+            except ValueError as exc:
+                if str(exc) not in seen:  # a backbone error on the first q_weight is also that tensor's error
+                    seen.add(str(exc))
+                    problems.append(CheckpointProblem("error", str(exc), tensor, layer_id))
+                return None
+
+        layout = backbone = None
+        if self.config is None:
+            attempt(self.require_config)
+        else:
+            layout = attempt(self.layout)
+            first_q = self.tensor_names(self.config.layer_ids[0])["q_weight"]
+            first_q = first_q if first_q in self.headers else None
+            # Shapes need only hidden_size / hc_mult; module_config adds what the module needs besides.
+            backbone = attempt(lambda: self.resolve_backbone(self.config), first_q)
+            attempt(self.module_config, first_q)
+        if layer_ids is None:
+            layer_ids = self.config.layer_ids if self.config is not None else self.layer_ids
+        for lid in layer_ids:
+            names = self.tensor_names(lid)
+            for role in ROLES:
+                entry = attempt(lambda lid=lid, role=role: self.check_tensor(lid, role, layout, backbone),
+                                names[role], lid)
+                if role == "embed_scale" and entry is not None and entry.dtype == torch.float32:
+                    problems.append(CheckpointProblem(
+                        "warning", f"tensor {names[role]} in {self.where(names[role])}: float32 scales, converted to "
+                        "e8m0 bytes in memory on load (each must be a power of two)", names[role], lid))
+        if self.config is not None:
+            for lid in sorted(set(self.layer_ids) - set(self.config.layer_ids)):
+                problems.append(CheckpointProblem(
+                    "warning", f"the tensors hold Engram layer {lid}, which {self.config_path or 'the config'} does "
+                    f"not list (its Engram layers: {self.config.layer_ids}): it is not loaded", None, lid))
+        return problems
 
     # ------------------------------------------------------------------ backbone dims
     def resolve_backbone(self, config: EngramConfig) -> EngramConfig:
@@ -315,23 +462,12 @@ class ReleasedCheckpoint:
         scales are converted to exponent bytes in memory (1/33 of the table's bytes).
         """
         layout = layout or self.layout()
-        layer = layout.layer(layer_id)
-        d = layout.config.head_dim
         names = self.tensor_names(layer_id)
         w_name, s_name = names["embed"], names["embed_scale"]
-        w_entry = self.entry(w_name)
-        if len(w_entry.shape) != 2 or w_entry.shape[1] != d:
-            raise ReleasedCheckpointError(f"tensor {w_name} in {self.where(w_name)} is {list(w_entry.shape)}; table rows "
-                                          f"must be [rows, head_dim={d}]")
-        if w_entry.shape[0] != layer.num_embeddings:
-            raise TableMismatchError(
-                f"tensor {w_name} in {self.where(w_name)} has {w_entry.shape[0]:,} rows but layer {layer_id} of this "
-                f"layout has {layer.num_embeddings:,} (sum of its primes): the config's geometry does not match the "
-                "checkpoint"
-            )
-        weight = self._map(w_name, (torch.float8_e4m3fn,), None, "table rows")
-        scales = self._map(s_name, _SCALE_DTYPES, (layer.num_embeddings, d // FP8_SCALE_BLOCK),
-                           f"the table's scales (one per {FP8_SCALE_BLOCK} values)")
+        self.check_tensor(layer_id, "embed", layout)
+        self.check_tensor(layer_id, "embed_scale", layout)
+        weight = mmap_tensor(self.headers[w_name], w_name)
+        scales = mmap_tensor(self.headers[s_name], s_name)
         if scales.dtype == torch.float32:
             log.warning("%s in %s: float32 scales, converted to e8m0 bytes in memory (%.2f GiB)", s_name,
                         self.where(s_name), scales.numel() / 2**30)
@@ -347,16 +483,10 @@ class ReleasedCheckpoint:
         config = self.resolve_backbone(self.require_config())
         names = self.tensor_names(layer_id)
         w_name, s_name = names["wkv"], names["wkv_scale"]
-        shape = ((config.hc_mult + 1) * config.hidden_size, config.engram_dim)
-        weight = self._map(w_name, (torch.float8_e4m3fn,), shape,
-                           f"wkv ([(hc_mult+1)*hidden_size, n_cols*head_dim] = [({config.hc_mult}+1)*"
-                           f"{config.hidden_size}, {config.n_cols}*{config.head_dim}])")
-        scales = self._map(s_name, _SCALE_DTYPES + (torch.bfloat16,), None, "wkv's block scales")
-        try:
-            block = block_shape(tuple(weight.shape), tuple(scales.shape), what=f"tensor {w_name}")
-        except BlockFp8Error as exc:
-            raise ReleasedCheckpointError(f"{exc} (scales: tensor {s_name}) in {self.where(s_name)}") from None
-        return weight, scales, block
+        self.check_tensor(layer_id, "wkv", backbone=config)
+        self.check_tensor(layer_id, "wkv_scale", backbone=config)
+        weight, scales = mmap_tensor(self.headers[w_name], w_name), mmap_tensor(self.headers[s_name], s_name)
+        return weight, scales, block_shape(tuple(weight.shape), tuple(scales.shape))
 
     def wkv(self, layer_id: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """wkv dequantized block by block to `dtype` ([(hc+1)*D, n_cols*head_dim])."""
@@ -367,9 +497,9 @@ class ReleasedCheckpoint:
         """(q_weight, k_weight), each [hc, D] as stored (mapped)."""
         config = self.resolve_backbone(self.require_config())
         names = self.tensor_names(layer_id)
-        shape = (config.hc_mult, config.hidden_size)
-        dtypes = (torch.bfloat16, torch.float32, torch.float16)
-        return tuple(self._map(names[k], dtypes, shape, f"{k} ([hc_mult, hidden_size])")  # type: ignore[return-value]
+        for role in ("q_weight", "k_weight"):
+            self.check_tensor(layer_id, role, backbone=config)
+        return tuple(mmap_tensor(self.headers[names[k]], names[k])  # type: ignore[return-value]
                      for k in ("q_weight", "k_weight"))
 
     def __repr__(self) -> str:

@@ -3,8 +3,10 @@
     from condmem.integrations.transformers import add_engram, engram_optimizer
     model = add_engram(model, EngramConfig(layer_ids=[1], ...), tokenizer)
     model.generate(...)                                   # n-gram history follows the cache
-    trainer = EngramTrainer(model, args, optimizers=(engram_optimizer(model, lr=1e-4), None), ...)
+    trainer = EngramTrainer(model, args, ...)             # builds engram_optimizer from args
+    trainer = Trainer(model, args, optimizers=(engram_optimizer(model, lr=1e-4), None), ...)  # or a plain one
     model.save_pretrained(path); model = load_pretrained(path, tokenizer)
+    remove_engram(model)                                  # the plain model again (add_engram works again)
 
 Supported families: llama, mistral, qwen2, qwen3, gpt2 (`families.FAMILIES`).
 """
@@ -16,11 +18,27 @@ from condmem.integrations.transformers.adapter import (
     add_engram,
     get_engram,
     offload_tables,
+    remove_engram,
 )
 from condmem.integrations.transformers.families import FAMILIES, UnsupportedModelError
-from condmem.integrations.transformers.optim import EngramOptimizer, engram_optimizer, engram_param_groups
+from condmem.integrations.transformers.optim import (
+    EngramOptimizer,
+    enable_sparse_grad_norm,
+    engram_optimizer,
+    engram_param_groups,
+)
 from condmem.integrations.transformers.pretrained import load_pretrained
-from condmem.integrations.transformers.trainer import EngramTrainer
+
+
+def __getattr__(name: str):
+    # EngramTrainer subclasses transformers.Trainer: imported on first use, so that the rest of
+    # the package (optimizers, saving) imports without transformers' Trainer.
+    if name == "EngramTrainer":
+        from condmem.integrations.transformers.trainer import EngramTrainer
+
+        return EngramTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONFIG_KEY",
@@ -31,9 +49,11 @@ __all__ = [
     "FAMILIES",
     "UnsupportedModelError",
     "add_engram",
+    "enable_sparse_grad_norm",
     "engram_optimizer",
     "engram_param_groups",
     "get_engram",
     "load_pretrained",
     "offload_tables",
+    "remove_engram",
 ]

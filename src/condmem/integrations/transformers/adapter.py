@@ -39,6 +39,9 @@ logger = logging.getLogger("condmem.integrations.transformers")
 
 CONFIG_KEY = "condmem_engram"
 """Attribute of the model's `PretrainedConfig` (a key of its config.json) holding the Engram section."""
+# Methods add_engram replaces on the model instance (remove_engram puts back what was there).
+_PATCHED = ("prepare_inputs_for_generation", "_reorder_cache", "save_pretrained")
+_UNSET = object()
 
 
 class EngramModelError(ValueError):
@@ -313,6 +316,7 @@ class EngramAdapter:
         model._reorder_cache = _reorder_cache
 
     def remove_hooks(self) -> None:
+        """Remove the forward hooks only (the modules stay): `remove_engram` undoes all of `add_engram`."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -331,6 +335,15 @@ def _last_columns(tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id:
         tokens = torch.cat([tokens.new_full((tokens.shape[0], short), pad_id), tokens], dim=1)
         valid = torch.cat([valid.new_zeros((valid.shape[0], short)), valid], dim=1)
     return tokens, valid
+
+
+def _pad_token_id(tokenizer) -> int | None:
+    """The pad token id a tokenizer states (transformers: ``pad_token_id``; tokenizers: its padding), else None."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if isinstance(pad, int):
+        return pad
+    padding = getattr(tokenizer, "padding", None)
+    return padding.get("pad_id") if isinstance(padding, dict) else None
 
 
 # ---------------------------------------------------------------------- public entry points
@@ -378,6 +391,7 @@ def add_engram(model: nn.Module, engram_config: EngramConfig, tokenizer, layers:
                           "stream: use hc_mult=1")
     if config.compressed_vocab_size is not None:
         ctok.check_config(config.compressed_vocab_size)
+    config.check_pad_id(ctok.original_vocab_size, _pad_token_id(tokenizer))
     config = config.replace(hidden_size=int(model.config.hidden_size), hc_mult=1,
                             compressed_vocab_size=ctok.vocab_size,
                             rms_norm_eps=config.rms_norm_eps if config.rms_norm_eps is not None else 1e-6)
@@ -412,15 +426,47 @@ def add_engram(model: nn.Module, engram_config: EngramConfig, tokenizer, layers:
         layer.add_module("engram", engram)
         engrams[lid] = engram
 
+    patched = {name: vars(model).get(name, _UNSET) for name in _PATCHED}   # what remove_engram puts back
     adapter = EngramAdapter(model, family, base, decoder_layers, config, ctok, hasher, engrams)
     adapter.memory = memory
+    adapter._patched = patched
     model._condmem_engram = adapter
+    from condmem.integrations.transformers.pretrained import wrap_save_pretrained
+
+    wrap_save_pretrained(model)   # offloaded tables saved from their tier; the folder written atomically
     # Saved with the model's config.json: what a reload needs to rebuild and verify the same layout.
     setattr(model.config, CONFIG_KEY, {
         "config": config.to_dict(),
         "layout_fingerprint": layout.fingerprint,
         "tokenizer_fingerprint": ctok.fingerprint,
     })
+    return model
+
+
+def remove_engram(model: nn.Module) -> nn.Module:
+    """Undo `add_engram`, in place; returns the model.
+
+    The hooks are removed, each decoder layer's ``engram`` child deleted (tables included),
+    the methods `add_engram` wrapped (``prepare_inputs_for_generation``, ``_reorder_cache``,
+    ``save_pretrained``) put back and the ``condmem_engram`` section dropped from the
+    config: the model computes, generates and saves as it did before, and `add_engram` can
+    be called on it again. An `EngramMemory` the tables were offloaded to is not closed:
+    its owner closes it (`offload_tables` returned it).
+    """
+    adapter = get_engram(model)
+    adapter.remove_hooks()
+    _, _, decoder_layers = locate(model)
+    for lid, engram in adapter.engrams.items():
+        if decoder_layers[lid]._modules.get("engram") is engram:
+            del decoder_layers[lid]._modules["engram"]
+    for name, previous in adapter._patched.items():
+        if previous is _UNSET:
+            vars(model).pop(name, None)
+        else:
+            setattr(model, name, previous)
+    del model._condmem_engram
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
     return model
 
 

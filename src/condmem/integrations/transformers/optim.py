@@ -9,16 +9,72 @@ the inner optimizers' own group dicts, so a scheduler writing ``group["lr"]`` wr
 Tables follow the paper: Adam at a higher rate (5x by default), no weight decay, state
 only for rows a batch has read. Gradient clipping: in a plain loop pass ``max_grad_norm``
 here, which clips dense and sparse gradients by one global norm before each step; with
-`EngramTrainer` (a `Trainer` whose norm takes sparse gradients) use its ``max_grad_norm``.
+`Trainer` or `EngramTrainer` use their ``max_grad_norm``.
+
+`Trainer` measures and clips with ``torch.nn.utils.clip_grad_norm_``, which before torch
+2.14 has no norm for a sparse gradient (``aten::linalg_vector_norm`` has no ``SparseCPU`` /
+``SparseCUDA`` kernel). `enable_sparse_grad_norm` (called by `EngramOptimizer`) registers
+one where torch lacks it: the norm of the coalesced gradient, each row counted once, equal
+to the dense gradient's norm. It adds a kernel where there was none; nothing else changes.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from condmem.integrations.transformers.adapter import get_engram
 from condmem.train.optim import SparseAdam, clip_grad_norm_
+
+
+log = logging.getLogger("condmem.integrations.transformers")
+_SPARSE_NORM_LIB = None   # the torch.library registration, kept alive for the process
+
+
+def _sparse_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
+    # A positive-order norm over every element counts only stored values, once each after coalescing.
+    if dim is None and not keepdim and float(ord) > 0:
+        values = self.coalesce().values()
+        if values.numel() == 0:
+            return torch.zeros((), dtype=dtype or self.dtype, device=self.device)
+        return torch.linalg.vector_norm(values, ord, dtype=dtype)
+    return torch.linalg.vector_norm(self.to_dense(), ord, dim, keepdim, dtype=dtype)
+
+
+def _has_sparse_norm(device: str) -> bool:
+    probe = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 2), (2, 2), device=device,
+                                    check_invariants=True)
+    try:
+        torch.linalg.vector_norm(probe)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
+def enable_sparse_grad_norm() -> bool:
+    """Give ``torch.linalg.vector_norm`` (so ``torch.nn.utils.clip_grad_norm_``) a sparse kernel where torch has none.
+
+    Idempotent; returns True when a kernel was registered (now or before). The norm is the
+    coalesced tensor's (equal to the dense tensor's); clipping then scales the sparse
+    gradient in place, which torch already supports.
+    """
+    global _SPARSE_NORM_LIB
+    if _SPARSE_NORM_LIB is not None:
+        return True
+    keys = [key for key, device in (("SparseCPU", "cpu"), ("SparseCUDA", "cuda"))
+            if (device == "cpu" or torch.cuda.is_available()) and not _has_sparse_norm(device)]
+    if not keys:
+        return False
+    lib = torch.library.Library("aten", "IMPL")
+    for key in keys:
+        lib.impl("linalg_vector_norm", _sparse_vector_norm, key)
+    _SPARSE_NORM_LIB = lib
+    log.info("torch %s has no norm for sparse gradients (%s): condmem registered one (the coalesced gradient's "
+             "norm), so clip_grad_norm_ (e.g. Trainer's) takes the Engram tables' gradients", torch.__version__,
+             ", ".join(keys))
+    return True
 
 
 def engram_param_groups(model: nn.Module, *, weight_decay: float = 0.0) -> dict[str, list[dict]]:
@@ -59,6 +115,8 @@ class EngramOptimizer(torch.optim.Optimizer):
         if not self.optimizers:
             raise ValueError("EngramOptimizer needs at least one of backbone / tables")
         self.backbone, self.tables, self.max_grad_norm = backbone, tables, max_grad_norm
+        if tables is not None:
+            enable_sparse_grad_norm()   # a Trainer driving this optimizer clips with torch's clip_grad_norm_
         # The inner optimizers' own group dicts: a scheduler setting group["lr"] here sets it there.
         super().__init__([g for o in self.optimizers for g in o.param_groups], {})
 

@@ -1,10 +1,21 @@
 """Save and reload a Hugging Face model with Engram: ``model.save_pretrained`` and `load_pretrained`.
 
-Saving needs nothing special: `add_engram` writes the Engram section into the model's
-config (``config.json`` → ``condmem_engram``: the `EngramConfig`, the layout fingerprint
-and the compressed tokenizer's fingerprint), and the Engram modules are children of the
-decoder layers, so their tensors (tables included) go into the model's safetensors files,
-sharded by ``save_pretrained`` like every other weight (``max_shard_size``).
+`add_engram` writes the Engram section into the model's config (``config.json`` →
+``condmem_engram``: the `EngramConfig`, the layout fingerprint and the compressed
+tokenizer's fingerprint), and the Engram modules are children of the decoder layers, so
+their tensors (tables included) go into the model's safetensors files, sharded by
+``save_pretrained`` like every other weight (``max_shard_size``).
+
+`add_engram` also wraps the model's ``save_pretrained`` (`wrap_save_pretrained`):
+
+* tables offloaded to an `EngramMemory` (`offload_tables`, ``add_engram(memory=...)``) are
+  read back from their tier, chunk by chunk, into CPU tensors of the module's dtype: the
+  folder is the one an unoffloaded model writes (the rows as the memory holds them: bf16,
+  or fp8 dequantized). The whole table is in CPU memory while it is written, as it is for
+  an unoffloaded model.
+* the folder is written atomically: into a temp folder beside it, then renamed onto it. A
+  failed save leaves the target as it was (and no new folder); files already in the target
+  that the save does not write (a tokenizer saved there first) are kept.
 
 `load_pretrained` reads the backbone with transformers, rebuilds the Engram modules from
 the section, refuses a tokenizer or layout whose fingerprint differs from the saved one
@@ -13,8 +24,14 @@ the section, refuses a tokenizer or layout whose fingerprint differs from the sa
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import json
 import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +45,10 @@ from condmem.integrations.transformers.adapter import (
     offload_tables,
 )
 from condmem.layout import LayoutError
+from condmem.utils.atomic import fsync_dir, sweep_stale, temp_prefix
+
+# What save_pretrained writes for the weights: an older save's such files are not carried over.
+_WEIGHT_FILE = re.compile(r"model(\.[\w-]+)?(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 
 
 def _engram_tensor_files(path: Path) -> dict[str, Path]:
@@ -117,3 +138,99 @@ def load_pretrained(path: str | os.PathLike, tokenizer, *, model_class=None, spa
     if tier is not None:
         offload_tables(model, tier=tier, device=device)
     return model
+
+
+# ---------------------------------------------------------------------- saving
+def memory_table(memory, layer_id: int, dtype: torch.dtype = torch.float32, chunk_rows: int = 1 << 16) -> torch.Tensor:
+    """Layer `layer_id`'s whole table read back from an `EngramMemory` (any tier) as a CPU tensor [rows, head_dim].
+
+    bf16 rows come as they are, fp8 rows dequantized (exactly, in float32), both then cast
+    to `dtype`. Read `chunk_rows` rows at a time from wherever the rows live.
+    """
+    from condmem.fp8 import dequantize_fp8_e8m0, unpack_rows
+
+    layer = memory.hasher.layout.layer(layer_id)
+    store = memory.stores[layer_id]
+    if memory.sharded is not None or store.num_rows != layer.num_embeddings:
+        raise EngramModelError(f"layer {layer_id}'s memory holds {store.num_rows:,} of its {layer.num_embeddings:,} "
+                               "rows (a tensor-parallel shard): save from a memory that holds whole tables")
+    out = torch.empty(layer.num_embeddings, store.head_dim, dtype=dtype)
+    for start in range(0, layer.num_embeddings, chunk_rows):
+        stop = min(layer.num_embeddings, start + chunk_rows)
+        raw = store.gather_raw(torch.arange(start, stop, device=store.device)).cpu()
+        if store.format == "bf16":
+            out[start:stop] = raw.view(torch.bfloat16).to(dtype)
+        else:
+            q, e = unpack_rows(raw.contiguous())
+            out[start:stop] = dequantize_fp8_e8m0(q, e, torch.float32).to(dtype)
+    return out
+
+
+def engram_state_dict(model, state_dict: dict | None = None) -> dict:
+    """`model.state_dict()` (or `state_dict`) with every offloaded table read back from the model's memory.
+
+    The modules of an offloaded model hold meta tensors for their tables; this puts the
+    rows the `EngramMemory` holds in their place (`memory_table`), in the module's dtype.
+    """
+    adapter = get_engram(model)
+    state = model.state_dict() if state_dict is None else dict(state_dict)
+    if adapter.memory is None:
+        return state
+    names = {module: name for name, module in model.named_modules()}
+    for lid, engram in adapter.engrams.items():
+        key = f"{names[engram]}.table.weight"
+        tensor = state.get(key)
+        if tensor is not None and tensor.device.type == "meta":
+            state[key] = memory_table(adapter.memory, lid, engram.table.weight.dtype)
+    return state
+
+
+@contextlib.contextmanager
+def _atomic_folder(target: Path):
+    """Yield a temp folder beside `target`; on success it replaces `target` (files only the old one had are kept)."""
+    target = Path(target)
+    if target.is_file():
+        raise EngramModelError(f"{target} is a file: save_pretrained writes a folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(target.parent, f".{target.name}.")
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target), dir=target.parent))
+    aside = target.parent / f".{target.name}.aside-{os.getpid()}"
+    try:
+        yield tmp
+        if target.exists():
+            os.replace(target, aside)      # moved aside, not deleted: a crash from here on loses nothing
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if aside.exists() and not target.exists():
+            os.replace(aside, target)
+        raise
+    if aside.exists():
+        for entry in aside.iterdir():   # e.g. a tokenizer saved there earlier; never an older save's weights
+            if not (target / entry.name).exists() and not _WEIGHT_FILE.fullmatch(entry.name):
+                os.replace(entry, target / entry.name)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def wrap_save_pretrained(model) -> None:
+    """Make ``model.save_pretrained`` write offloaded tables and write atomically (see the module docstring)."""
+    original = model.save_pretrained
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_pretrained(save_directory, *args, **kwargs):
+        bound = signature.bind(save_directory, *args, **kwargs)
+        arguments = bound.arguments
+        if not arguments.get("is_main_process", True):
+            return original(*bound.args, **bound.kwargs)   # this rank writes nothing
+        arguments["state_dict"] = engram_state_dict(model, arguments.get("state_dict"))
+        target = Path(save_directory)
+        if arguments.get("push_to_hub"):   # the repository is named after the folder, not the temp one
+            extra = arguments.setdefault("kwargs", {})
+            extra.setdefault("repo_id", target.name)
+        with _atomic_folder(target) as tmp:
+            arguments["save_directory"] = tmp
+            return original(*bound.args, **bound.kwargs)
+
+    model.save_pretrained = save_pretrained

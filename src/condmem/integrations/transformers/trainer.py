@@ -1,22 +1,34 @@
-"""`EngramTrainer`: Hugging Face `Trainer` whose gradient norm takes sparse table gradients.
+"""`EngramTrainer`: Hugging Face `Trainer` that builds the Engram optimizer and clips sparse table gradients.
 
-`Trainer` measures (and clips) the gradient norm with `torch.nn.utils.clip_grad_norm_`
-after every step, even with ``max_grad_norm=0``; before torch 2.14 that function cannot take
-the norm of a sparse gradient (`NotImplementedError` for `SparseCPU` / `SparseCUDA`), and
-Engram tables have sparse gradients. This subclass measures and clips with condmem's
-`clip_grad_norm_`, which coalesces sparse gradients so each row counts once: one global
-norm over the backbone and the tables, as a plain loop with `engram_optimizer` computes it.
+* Without ``optimizers=``, `Trainer` would build AdamW over every parameter, and AdamW
+  refuses the tables' sparse gradients. `EngramTrainer` builds `engram_optimizer` instead,
+  from the arguments ``learning_rate`` (tables at 5x), ``weight_decay`` (backbone matrices
+  only), ``adam_beta1`` / ``adam_beta2`` and ``adam_epsilon``; ``optim`` is not read (pass
+  ``optimizers=(engram_optimizer(model, ...), None)`` for other settings).
+* It measures and clips the gradient norm with condmem's `clip_grad_norm_`, which
+  coalesces sparse gradients so each row counts once: one global norm over the backbone
+  and the tables, on any torch version. (A plain `Trainer` given `engram_optimizer` clips
+  the same way through torch's own function: see `enable_sparse_grad_norm`.)
 """
 
 from __future__ import annotations
 
 import transformers
 
+from condmem.integrations.transformers.optim import engram_optimizer
 from condmem.train.optim import clip_grad_norm_
 
 
 class EngramTrainer(transformers.Trainer):
     """`transformers.Trainer` for a model with Engram tables (any torch version)."""
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            args = self.args
+            self.optimizer = engram_optimizer(self.model if model is None else model, lr=args.learning_rate,
+                                              weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                                              eps=args.adam_epsilon)
+        return self.optimizer
 
     def _clip_grad_norm(self, model):
         return clip_grad_norm_(list(model.parameters()), self.args.max_grad_norm)
