@@ -167,33 +167,27 @@ class DirectRowReader:
 
     def _read_python(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Without the native library: one aligned read at a time (slow; the library is the fast path)."""
-        import mmap
-
         c = self.checks if self._crcs is not None else None
         step = BLOCK if c is None else c.block
-        buf = mmap.mmap(-1, ((self.row_bytes + 2 * step - 1) // step + 1) * step)
-        view = np.frombuffer(buf, dtype=np.uint8)
-        try:
-            for i, rid in enumerate(ids.tolist()):
-                pos = self.offset + rid * self.row_bytes
-                start = pos - pos % step
-                length = -(-(pos + self.row_bytes - start) // step) * step
-                got = os.preadv(self.fd, [memoryview(buf)[:length]], start)
-                need = pos - start + self.row_bytes
-                if c is not None:
-                    need = max(need, min(start + length, c.start + c.nbytes) - start)
-                if got < need:
-                    self._fail("it ended before the bytes of a row: truncated or rewritten since it was opened")
-                if c is not None:
-                    lo = max(start, c.start)
-                    try:
-                        c.check(c.index(lo), view[lo - start:min(start + length, c.start + c.nbytes) - start])
-                    except integrity.IntegrityMismatch as exc:
-                        self._fail(f"{exc}; row {rid} was not served")
-                rows[i] = torch.from_numpy(view[pos - start:pos - start + self.row_bytes].copy())
-        finally:
-            del view
-            buf.close()
+        size = ((self.row_bytes + 2 * step - 1) // step + 1) * step
+        raw = np.empty(size + 4096, np.uint8)
+        buf = raw[(-raw.ctypes.data) % 4096:][:size]   # O_DIRECT needs an aligned buffer
+        for i, rid in enumerate(ids.tolist()):
+            pos = self.offset + rid * self.row_bytes
+            start = pos - pos % step
+            length = -(-(pos + self.row_bytes - start) // step) * step
+            got = os.preadv(self.fd, [memoryview(buf)[:length]], start)
+            need = pos - start + self.row_bytes
+            end = start + length if c is None else min(start + length, c.start + c.nbytes)
+            if got < max(need, end - start):
+                self._fail("it ended before the bytes of a row: truncated or rewritten since it was opened")
+            if c is not None:
+                lo = max(start, c.start)
+                try:
+                    c.check(c.index(lo), buf[lo - start:end - start])
+                except integrity.IntegrityMismatch as exc:
+                    self._fail(f"{exc}; row {rid} was not served")
+            rows[i] = torch.from_numpy(buf[pos - start:pos - start + self.row_bytes].copy())
 
     def close(self) -> None:
         if self.fd >= 0:
