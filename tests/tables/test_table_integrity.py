@@ -5,6 +5,7 @@ leftovers of interrupted writes are refused and swept."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -21,7 +22,13 @@ from condmem.cli import main
 from condmem.tables import integrity
 from condmem.tables.safetensors_io import StreamingWriter, TableFileError, read_header
 from condmem.tables.storage import StorageError, place_layer
-from condmem.tables.table_file import EngramTableFile, LayerRows, table_metadata, tensor_names, write_table_file
+from condmem.tables.table_file import (
+    EngramTableFile,
+    LayerRows,
+    table_metadata,
+    tensor_names,
+    write_table_file,
+)
 
 
 def _layout(**kw):
@@ -69,7 +76,7 @@ def table(tmp_path):
 
 
 def test_writer_records_a_crc32c_per_block_of_the_file_grid(table):
-    path, layout, tables = table
+    path, _, _ = table
     google_crc32c = pytest.importorskip("google_crc32c")
     h = read_header(path)
     assert (8 + int.from_bytes(path.read_bytes()[:8], "little")) % 4096 == 0, "the data starts on a block edge"
@@ -79,7 +86,7 @@ def test_writer_records_a_crc32c_per_block_of_the_file_grid(table):
         sums = h.tensors[f"layers.{lid}.rows.crc32c"]
         crcs = np.frombuffer(data[sums.start:sums.start + sums.nbytes], "<u4")
         edges = [e.start, *range((e.start // 4096 + 1) * 4096, e.start + e.nbytes, 4096), e.start + e.nbytes]
-        want = [google_crc32c.value(data[lo:hi]) for lo, hi in zip(edges[:-1], edges[1:])]
+        want = [google_crc32c.value(data[lo:hi]) for lo, hi in itertools.pairwise(edges)]
         assert crcs.tolist() == want
     assert EngramTableFile(path).block_crcs
 
@@ -100,7 +107,7 @@ def test_crc32c_native_and_fallback_agree(monkeypatch, fallback):
     assert integrity.crc32c(data[700:], integrity.crc32c(data[:700])) == google_crc32c.value(data.tobytes())
     sums = integrity.block_crcs(data, 100, 4096)
     edges = [0, *range(100, data.size, 4096), data.size]
-    assert sums.tolist() == [google_crc32c.value(data[a:b].tobytes()) for a, b in zip(edges[:-1], edges[1:])]
+    assert sums.tolist() == [google_crc32c.value(data[a:b].tobytes()) for a, b in itertools.pairwise(edges)]
     bad = sums.copy()
     bad[5] ^= 1
     assert integrity.block_crcs(data, 100, 4096, sums) == -1 and integrity.block_crcs(data, 100, 4096, bad) == 5
@@ -111,7 +118,7 @@ def test_crc32c_native_and_fallback_agree(monkeypatch, fallback):
 
 
 def test_a_flipped_row_byte_is_refused_where_it_is_read(table):
-    path, layout, tables = table
+    path, _, tables = table
     entry = read_header(path).tensors["layers.4.rows"]
     bad = entry.start + entry.nbytes // 2
     _flip(path, bad)
@@ -277,7 +284,7 @@ def test_inspect_verify_checks_every_block(table, capsys):
 
 
 def test_convert_refuses_a_corrupted_source(table, tmp_path, capsys):
-    path, layout, tables = table
+    path, layout, _ = table
     entry = read_header(path).tensors["layers.1.rows"]
     _flip(path, entry.start + 5 * 4096 + 1)
     dst = tmp_path / "out.safetensors"

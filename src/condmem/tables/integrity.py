@@ -38,11 +38,13 @@ it, `google_crc32c` computes the same numbers.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +105,7 @@ def _block_bounds(n: int, first: int, block: int) -> list[tuple[int, int]]:
     if n <= 0:
         return []
     edges = [0, *range(min(first, n), n, block), n]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 def _as_array(data) -> np.ndarray:
@@ -414,7 +416,7 @@ def pieces(checks: TensorChecks | None, a: int, b: int, piece_bytes: int = PIECE
         edges.append(nxt)
         nxt += step
     edges.append(b)
-    return list(zip(edges[:-1], edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 def parallel(jobs: Sequence[Callable[[], int]], threads: int, progress: Callable[[int], None] | None = None) -> None:

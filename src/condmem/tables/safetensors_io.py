@@ -97,7 +97,7 @@ class Header:
     """Each tensor's header entry as written: (dtype name, shape, begin, end)."""
     identity: tuple[int, int] | None = dataclasses.field(default=None, compare=False)
     """(st_dev, st_ino) of the file that was validated: a reader that opens it again checks it."""
-    file: "OpenFile | None" = dataclasses.field(default=None, compare=False, repr=False)
+    file: OpenFile | None = dataclasses.field(default=None, compare=False, repr=False)
     """The descriptor the header was read through, kept open: readers reopen this very file (`OpenFile.reopen`)."""
 
 

@@ -32,15 +32,22 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Literal, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal
 
 import numpy as np
 import torch
 
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
 from condmem.tables import integrity
-from condmem.tables.safetensors_io import (Header, OpenFile, StreamingWriter, TableFileError, mmap_tensor,
-                                           read_header)
+from condmem.tables.safetensors_io import (
+    Header,
+    OpenFile,
+    StreamingWriter,
+    TableFileError,
+    mmap_tensor,
+    read_header,
+)
 from condmem.utils.progress import Progress
 
 TableFormat = Literal["bf16", "fp8", "fp8_interleaved"]
@@ -152,7 +159,7 @@ class RowSource:
             return [job_raw(lo, hi, a) for lo, hi in integrity.pieces(checks.get("weight"), a, b)]
 
         # fp8 with separate scales: read both tensors' bytes of a piece of rows, then interleave them.
-        (_, w_start, w_rb), (_, s_start, s_rb) = self.spans["weight"], self.spans["scales"]
+        w_rb, s_rb = self.spans["weight"][2], self.spans["scales"][2]
         step = max(1, integrity.PIECE_BYTES // w_rb)
         table = out.numpy()
 
