@@ -138,6 +138,35 @@ def test_a_flipped_row_byte_is_refused_where_it_is_read(table):
         EngramTableFile(path, verify="full")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["fp8_interleaved", "fp8", "bf16"])
+def test_the_hbm_tier_checks_what_it_loads(tmp_path, fmt):
+    from condmem.fp8 import pack_rows, quantize_fp8_e8m0
+
+    layout = _layout(table_size=400)
+    gen = torch.Generator().manual_seed(0)
+    tables = {}
+    for l in layout.layers:
+        q = torch.randn(l.num_embeddings, 64, generator=gen)
+        if fmt == "bf16":
+            tables[l.layer_id] = LayerRows("bf16", q.bfloat16())
+        else:
+            w, s = quantize_fp8_e8m0(q)
+            tables[l.layer_id] = LayerRows("fp8", w, s) if fmt == "fp8" else LayerRows(fmt, pack_rows(w, s))
+    path = write_table_file(tmp_path / "t.safetensors", layout, fmt, {k: [v] for k, v in tables.items()})
+    f = EngramTableFile(path)
+    for lid, rows in tables.items():
+        store = place_layer(f.layer(lid), "hbm", progress=False, chunk_rows=100)   # several staging rounds
+        want = {"bf16": lambda: rows.weight.view(torch.uint8), "fp8": lambda: pack_rows(rows.weight, rows.scales),
+                "fp8_interleaved": lambda: rows.weight}[fmt]()
+        assert torch.equal(store.raw.cpu(), want)
+    entry = f.header.tensors[tensor_names(4, fmt)["weight"]]
+    _flip(path, entry.start + entry.nbytes - 2)
+    with pytest.raises(TableFileError, match="block"):
+        place_layer(EngramTableFile(path).layer(4), "hbm", progress=False)
+
+
 def test_damaged_block_crcs_are_refused_at_open(table):
     path, _, _ = table
     sums = read_header(path).tensors["layers.1.rows.crc32c"]

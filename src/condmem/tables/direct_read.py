@@ -88,7 +88,6 @@ class DirectRowReader:
             self._crcs = torch.from_numpy(np.ascontiguousarray(checks.crcs, np.uint32).view(np.int32))
         elif checks is not None:
             self._verified = np.zeros(checks.count, dtype=bool)
-        self._bad = torch.zeros(2, dtype=torch.int64)
 
     def read(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 [n, row_bytes] rows of int64 `ids` [n] (CPU), each distinct id read once, every block checked.
@@ -114,15 +113,16 @@ class DirectRowReader:
         if self._verified is not None:
             self._verify_chunks(unique)
         c = self.checks
+        bad = torch.zeros(2, dtype=torch.int64)   # per call: readers may be shared by threads
         if self._crcs is not None:
             rc = native_pread_rows(self.fd, self.offset, self.row_bytes, unique, rows, self.threads, self._crcs,
-                                   (c.start, c.start + c.nbytes), c.block, self._bad)
+                                   (c.start, c.start + c.nbytes), c.block, bad)
         else:
             rc = native_pread_rows(self.fd, self.offset, self.row_bytes, unique, rows, self.threads)
         if rc is None:
             self._read_python(unique, rows)
         elif rc == 1:
-            self._fail(f"{c.mismatch(int(self._bad[1]))}; row {int(unique[int(self._bad[0])])} was not served")
+            self._fail(f"{c.mismatch(int(bad[1]))}; row {int(unique[int(bad[0])])} was not served")
         elif rc != 0:
             what = os.strerror(-rc)
             if rc == -5:
