@@ -114,11 +114,12 @@ class DirectRowReader:
             self._verify_chunks(unique)
         c = self.checks
         bad = torch.zeros(2, dtype=torch.int64)   # per call: readers may be shared by threads
+        threads = max(1, min(self.threads, -(-unique.numel() // 8)))   # the native loop hands out 8 ids at a time
         if self._crcs is not None:
-            rc = native_pread_rows(self.fd, self.offset, self.row_bytes, unique, rows, self.threads, self._crcs,
+            rc = native_pread_rows(self.fd, self.offset, self.row_bytes, unique, rows, threads, self._crcs,
                                    (c.start, c.start + c.nbytes), c.block, bad)
         else:
-            rc = native_pread_rows(self.fd, self.offset, self.row_bytes, unique, rows, self.threads)
+            rc = native_pread_rows(self.fd, self.offset, self.row_bytes, unique, rows, threads)
         if rc is None:
             self._read_python(unique, rows)
         elif rc == 1:
@@ -177,9 +178,9 @@ class DirectRowReader:
             start = pos - pos % step
             length = -(-(pos + self.row_bytes - start) // step) * step
             got = os.preadv(self.fd, [memoryview(buf)[:length]], start)
-            need = pos - start + self.row_bytes
-            end = start + length if c is None else min(start + length, c.start + c.nbytes)
-            if got < max(need, end - start):
+            # The bytes that must be there: the row's, and with checks its blocks' as far as the tensor goes.
+            end = pos + self.row_bytes if c is None else min(start + length, c.start + c.nbytes)
+            if got < end - start:
                 self._fail("it ended before the bytes of a row: truncated or rewritten since it was opened")
             if c is not None:
                 lo = max(start, c.start)

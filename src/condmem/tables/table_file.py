@@ -378,10 +378,10 @@ class EngramTableFile:
                                      "`condmem convert --no-verify` (which records them), or open it with verify='none'")
             log.warning("%s: UNVERIFIED table file (no chunk hashes): corrupted rows would be served as rows", self.path)
         elif not integrity.has_block_crcs(self.integrity):
-            log.warning("%s: written before per-block checksums: its rows are checked chunk by chunk (%d MiB sha256 "
-                        "pieces: all of them while a tier loads it, each at its first read on the disk tier); "
+            log.warning("%s: written before per-block checksums: its rows are checked chunk by chunk (sha256 pieces "
+                        "of %.3g MiB: all of them while a tier loads it, each at its first read on the disk tier); "
                         "`condmem convert` rewrites it with a CRC32C per 4 KiB block", self.path,
-                        self.integrity["chunk_bytes"] >> 20)
+                        self.integrity["chunk_bytes"] / 2**20)
         try:
             self.format: str = meta["dtype"]
             self.layout_fingerprint = meta["layout_fingerprint"]
