@@ -355,7 +355,7 @@ def _read_source(source, raw: torch.Tensor, bar: Progress, threads: int | None, 
         if raw.device.type == "cpu":
             source.read(raw, threads=threads, progress=bar.update, drop_cache=drop_cache)
             return
-        step = max(1, min(source.num_rows, max(chunk_rows, (256 << 20) // max(1, source.row_bytes))))
+        step = max(1, min(source.num_rows, chunk_rows))
         staging = torch.empty((step, source.row_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         for s in range(0, source.num_rows, step):
             e = min(source.num_rows, s + step)
