@@ -254,7 +254,8 @@ def main() -> int:
         if "error" in d:
             print(f"disk {key}: {d['error']}")
             continue
-        print(f"{'disk ' + key + ' cold 16K-token batch (s, median)':<44}{statistics.median(d['checked_s']):>10.2f}"
+        label = f"disk {key} cold {args.tokens // 1024}K-token batch (s, median)"
+        print(f"{label:<44}{statistics.median(d['checked_s']):>10.2f}"
               f"{statistics.median(d['unchecked_s']):>11.2f}{d['ratio']:>8.3f}")
         if "warm_ratio" in d:
             print(f"{'disk buffered, same batch warm (s, best)':<44}{d['warm_checked_s']:>10.3f}"

@@ -1,5 +1,6 @@
 """Disk rows read with O_DIRECT: equal to the mapped rows, the page cache left empty, the file
-checked to be the validated one, bad ids named; through EngramMemory equal to the host tier."""
+checked to be the validated one, bad ids named; through EngramMemory equal to the host tier, and
+read through the checked reader (never the mapping) with or without O_DIRECT."""
 
 from __future__ import annotations
 
