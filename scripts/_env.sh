@@ -14,7 +14,7 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 # Reinstalled when the build changes: that also rebuilds the native extension (setup.py).
 stale=0
-for f in pyproject.toml setup.py src/condmem/native/gather.c src/condmem/native/hash.c; do
+for f in pyproject.toml setup.py src/condmem/native/gather.c src/condmem/native/hash.c src/condmem/native/checksum.c; do
   if [ ! -f "$VENV/.condmem-installed" ] || [ "$f" -nt "$VENV/.condmem-installed" ]; then stale=1; fi
 done
 if [ "$stale" = 1 ]; then

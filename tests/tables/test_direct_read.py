@@ -1,5 +1,6 @@
 """Disk rows read with O_DIRECT: equal to the mapped rows, the page cache left empty, the file
-checked to be the validated one, bad ids named; through EngramMemory equal to the host tier."""
+checked to be the validated one, bad ids named; through EngramMemory equal to the host tier, and
+read through the checked reader (never the mapping) with or without O_DIRECT."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from condmem.fp8 import pack_rows, quantize_fp8_e8m0
 from condmem.serving import EngramMemory
 from condmem.tables.direct_read import DirectRowReader
 from condmem.tables.staged_transfer import StagedSender
-from condmem.tables.storage import StorageError
+from condmem.tables.storage import StorageError, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, tensor_names, write_table_file
 from page_cache import cached_fraction
 
@@ -99,13 +100,16 @@ def test_engram_memory_on_direct_disk_reads_equals_the_host_tier(table):
         for lid in layout.layer_ids:
             assert torch.equal(a.rows(lid), b.rows(lid)), lid
     assert disk.stores[1].inner.direct_reader is not None and disk.stores[1].cache.stats.hits > 0
-    # The engine's staged send must read through the direct reader, not the mapping's native
-    # gather (which fills the page cache); a mapped store keeps the native send (control).
+    # The engine's staged send must read through the checked reader (O_DIRECT or buffered), never the
+    # mapping's native gather (unchecked, and SIGBUS on a truncated file); rows given as a mapped tensor
+    # keep the native send (control).
     sender = SimpleNamespace(native=True)
     assert not StagedSender.uses_native(sender, disk.stores[2].inner)   # the direct reader alone
-    mapped = EngramMemory.from_table_file(path, hasher, "disk", "cpu", progress=False)
-    assert StagedSender.uses_native(sender, mapped.stores[2])
-    mapped.close()
+    buffered = EngramMemory.from_table_file(path, hasher, "disk", "cpu", progress=False)
+    assert not StagedSender.uses_native(sender, buffered.stores[2])
+    mapped = place_layer(LayerRows("fp8_interleaved", EngramTableFile(path).layer(2).weight), "disk", progress=False)
+    assert StagedSender.uses_native(sender, mapped)
+    buffered.close()
     with pytest.raises(StorageError, match="serves the disk tier"):
         host.stores[1].direct_reader = disk.stores[1].direct_reader
     with pytest.raises(ValueError, match="direct_io reads the disk tier"):

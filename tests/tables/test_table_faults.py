@@ -1,19 +1,26 @@
 """Table files under faults: SIGKILL at random points of writes, conversions and cache writes leaves the
 whole old or the whole new file (and nothing after the next write); flipped or cut bytes anywhere are
-refused with `TableFileError`, never served."""
+refused with `TableFileError`, never served: not by the host tier as it loads, not by the disk tier at the read
+that touches them; a file rewritten or truncated under a live disk-tier reader is a `StorageError` naming it,
+never new rows and never a SIGBUS."""
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from condmem import EngramConfig, EngramLayout
 from condmem.tables.convert import convert_tables
-from condmem.tables.safetensors_io import TableFileError
+from condmem.tables.safetensors_io import TableFileError, read_header
+from condmem.tables.storage import StorageError, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file
 from condmem.utils.atomic import atomic_write_bytes
 from fault_harness import flip_byte, kill_during, kill_points, report, spread_offsets, timed
@@ -37,9 +44,8 @@ def _chunked(rows, size=2048):
     return [LayerRows(rows.format, rows.weight[s:s + size]) for s in range(0, rows.num_rows, size)]
 
 
-def _write(path, layout, tables, chunk_bytes=1 << 16):
-    write_table_file(path, layout, "fp8_interleaved", {k: _chunked(v) for k, v in tables.items()},
-                     integrity_chunk_bytes=chunk_bytes)
+def _write(path, layout, tables):
+    write_table_file(path, layout, "fp8_interleaved", {k: _chunked(v) for k, v in tables.items()})
 
 
 def _which(path, versions) -> str:
@@ -98,7 +104,7 @@ def test_sigkill_during_convert(tmp_path):
 
     def convert():
         f = EngramTableFile(src, verify="none")
-        convert_tables(f.tables(), layout, dst, "fp8_interleaved", chunk_rows=4096, progress=False, source=f)
+        convert_tables(f.tables(), layout, dst, "fp8_interleaved", chunk_rows=4096, progress=False)
 
     duration = timed(convert)
     _write(dst, layout, old)
@@ -140,7 +146,7 @@ def small_table(tmp_path_factory):
     layout = _layout(table_size=400)
     tables = _tables(layout, 4)
     path = tmp_path_factory.mktemp("flip") / "t.safetensors"
-    _write(path, layout, tables, chunk_bytes=4096)
+    _write(path, layout, tables)
     return path, layout, tables
 
 
@@ -177,3 +183,172 @@ def test_truncations_are_refused(small_table, tmp_path):
             EngramTableFile(path, verify="none")
         seen["refused (TableFileError)"] += 1
     report("table file truncated (60 lengths)", sum(seen.values()), seen, CMD + " -k truncations")
+
+
+def _row_offsets(path, n, seed):
+    """`n` random offsets in the row data of a table file (every layer's tensor, first and last bytes included)."""
+    h = read_header(path)
+    spans = [(e.start, e.nbytes) for name, e in h.tensors.items() if not name.endswith(".crc32c")]
+    rng = random.Random(seed)
+    ends = [s + k for s, nb in spans for k in (0, nb - 1)]
+    return ends + [s + rng.randrange(nb) for s, nb in (rng.choice(spans) for _ in range(n - len(ends)))]
+
+
+def _damaged_layer(path, offset):
+    h = read_header(path)
+    for name, e in h.tensors.items():
+        if e.start <= offset < e.start + e.nbytes:
+            return int(name.split(".")[1]), (offset - e.start) // e.shape[1]
+    raise AssertionError(offset)
+
+
+def test_flipped_row_bytes_are_never_served_by_the_host_tier(small_table, tmp_path):
+    src, layout, tables = small_table
+    path = tmp_path / "t.safetensors"
+    shutil.copy(src, path)
+    seen = Counter()
+    for off in _row_offsets(path, 120, seed=11):
+        flip_byte(path, off, mask=1 << (off % 8))
+        damaged, _ = _damaged_layer(path, off)
+        f = EngramTableFile(path, layout=layout)
+        for lid, want in tables.items():
+            try:
+                store = place_layer(f.layer(lid), "host", host_alloc="pageable", progress=False)
+            except TableFileError as exc:
+                assert lid == damaged and "block" in str(exc) and str(path) in str(exc), exc
+                seen["refused at load (TableFileError)"] += 1
+                continue
+            assert lid != damaged, f"a flipped byte at offset {off} was loaded into the host tier"
+            assert torch.equal(store.raw, want.weight)
+        flip_byte(path, off, mask=1 << (off % 8))
+    assert seen["refused at load (TableFileError)"] == 120
+    report("one flipped bit in row data, host tier (120 opens)", 120, seen, CMD + " -k never_served_by_the_host")
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["buffered", "o_direct"])
+def test_flipped_row_bytes_are_never_served_by_the_disk_tier(small_table, tmp_path, direct_io):
+    src, layout, tables = small_table
+    path = tmp_path / "t.safetensors"
+    shutil.copy(src, path)
+    if direct_io:
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        except OSError:
+            pytest.skip("this file system refuses O_DIRECT")
+    seen = Counter()
+    gen = torch.Generator().manual_seed(3)
+    # O_DIRECT reads first write back the page the flip dirtied (slow on a virtual disk): fewer opens there,
+    # the tier's >= 100 are the buffered ones.
+    opens = 30 if direct_io else 110
+    for off in _row_offsets(path, opens, seed=12 + direct_io):
+        flip_byte(path, off, mask=1 << (off % 8))
+        damaged, bad_row = _damaged_layer(path, off)
+        f = EngramTableFile(path, layout=layout)
+        stores = {lid: place_layer(f.layer(lid), "disk", progress=False, direct_io=direct_io, threads=1)
+                  for lid in tables}
+        # Rows outside the damaged 4 KiB block are served exactly; a read that touches it is refused.
+        start = f.header.tensors[f"layers.{damaged}.rows"].start
+        rows = torch.randint(0, tables[damaged].num_rows, (64,), generator=gen).tolist()
+        far = torch.tensor([r for r in rows if not (start + r * 66) // 4096 <= off // 4096 <= (start + r * 66 + 65) // 4096])
+        assert torch.equal(stores[damaged].gather_raw(far), tables[damaged].weight[far])
+        for lid, want in tables.items():
+            ids = torch.randint(0, want.num_rows, (64,), generator=gen)
+            if lid == damaged:
+                ids[int(ids[0]) % 64] = bad_row
+            try:
+                got = stores[lid].gather_raw(ids)
+            except StorageError as exc:
+                assert lid == damaged and "does not match its recorded CRC32C" in str(exc) and str(path) in str(exc)
+                assert "was not served" in str(exc)
+                seen["refused at the read (StorageError)"] += 1
+                continue
+            assert lid != damaged, f"a flipped byte at offset {off} was served by the disk tier"
+            assert torch.equal(got, want.weight[ids])
+        for store in stores.values():
+            store.close()
+        flip_byte(path, off, mask=1 << (off % 8))
+    assert seen["refused at the read (StorageError)"] == opens
+    report(f"one flipped bit in row data, disk tier ({'O_DIRECT' if direct_io else 'buffered'}, {opens} opens)", opens,
+           seen, CMD + " -k never_served_by_the_disk")
+
+
+_LIVE_READER = r"""
+import sys, time, torch
+from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.table_file import EngramTableFile
+args = [a.split("=") for a in sys.argv[1:]]   # path=0 (buffered) or path=1 (O_DIRECT)
+stores = [place_layer(EngramTableFile(p).layer(1), "disk", progress=False, direct_io=d == "1", threads=1) for p, d in args]
+n = stores[0].num_rows
+want = [s.gather_raw(torch.arange(n)) for s in stores]          # checked: the rows as opened
+print("ready", flush=True)
+outcome = [None] * len(stores)
+gen = torch.Generator().manual_seed(0)
+deadline = time.time() + 20
+while None in outcome and time.time() < deadline:
+    for i, s in enumerate(stores):
+        if outcome[i] is not None:
+            continue
+        ids = torch.randint(0, n, (512,), generator=gen)
+        try:
+            got = s.gather_raw(ids)
+        except StorageError as exc:
+            outcome[i] = "ERROR " + str(exc).replace(chr(10), " ")
+            continue
+        if not torch.equal(got, want[i][ids]):
+            outcome[i] = "WRONG ROWS"
+    time.sleep(0.01)
+for o in outcome:
+    print(o or "NO ERROR", flush=True)
+sys.exit(0 if all(o and o.startswith("ERROR") for o in outcome) else 2)
+"""
+
+
+def test_cp_and_truncate_under_a_live_disk_reader_are_clear_errors(tmp_path):
+    layout = _layout(table_size=400)
+    a, b = _tables(layout, 5), _tables(layout, 6)
+    files = [tmp_path / f"t{i}.safetensors" for i in range(8)]   # 0-3 read buffered, 4-7 with O_DIRECT
+    for f in files:
+        _write(f, layout, a)
+    try:
+        os.close(os.open(files[0], os.O_RDONLY | os.O_DIRECT))
+        modes = ["0"] * 4 + ["1"] * 4
+    except OSError:   # this file system refuses O_DIRECT: buffered readers only
+        modes = ["0"] * 8
+    same_size, bigger = tmp_path / "same.safetensors", tmp_path / "bigger.safetensors"
+    _write(same_size, layout, b)
+    _write(bigger, _layout(table_size=600), _tables(_layout(table_size=600), 8))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2] / "src"),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    child = subprocess.Popen([sys.executable, "-c", _LIVE_READER, *(f"{f}={m}" for f, m in zip(files, modes))],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        for k in (0, 4):
+            subprocess.run(["cp", str(same_size), str(files[k])], check=True)      # same size, new bytes, in place
+            subprocess.run(["cp", str(bigger), str(files[k + 1])], check=True)     # another size, in place
+            os.truncate(files[k + 2], files[k + 2].stat().st_size // 2)            # cut under the reader
+            os.truncate(files[k + 3], 0)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode != -7, "killed by SIGBUS"
+    lines = out.strip().splitlines()
+    assert child.returncode == 0, (child.returncode, out, err[-2000:])
+    assert len(lines) == 8 and all(line.startswith("ERROR ") for line in lines), out
+    for f, line in zip(files, lines):
+        assert str(f) in line and "changed under this reader" in line, line
+    for k in (0, 4):
+        assert "size went from" in lines[k + 1] and "size went from" in lines[k + 2] and "to 0 bytes" in lines[k + 3]
+    seen = Counter(line.split(":")[1].split(" since")[0].strip() for line in lines)
+    report("cp / truncate over a live disk-tier reader (4 buffered, 4 O_DIRECT)", 8, seen, CMD + " -k live_disk_reader")
+
+
+def test_a_mapping_of_a_truncated_file_dies_with_sigbus(tmp_path):
+    # The negative control: what the disk tier did before it read with pread (Bus error, exit 135 in a shell).
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 65536)
+    code = ("import mmap, os, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
+            "os.truncate(sys.argv[1], 0); print(m[60000])")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=30,
+                          check=False)
+    assert done.returncode == -7, done

@@ -74,7 +74,7 @@ def run(args) -> int:
                  f" (prefix {ckpt.names.prefix!r})" if ckpt.names.prefix else "", ckpt.config_path or "given")
         tables = load_released_tables(ckpt, layout, args.weight_name, args.scale_name)
     else:
-        source = EngramTableFile(args.src, tokenizer_fingerprint=fingerprint, verify="none" if args.no_verify else "sample")
+        source = EngramTableFile(args.src, tokenizer_fingerprint=fingerprint, verify="none" if args.no_verify else "read")
         layout = source.layout()
         if args.config:
             source.check_layout(EngramLayout(load_config(args.config, key=args.config_key),
@@ -85,8 +85,7 @@ def run(args) -> int:
 
     check_output_file(args.dst, "dst", need_bytes=file_bytes(layout, args.to))
     start = time.perf_counter()
-    out = convert_tables(tables, layout, args.dst, args.to, fingerprint, args.chunk_rows, progress=not args.no_progress,
-                         source=None if args.released else source)
+    out = convert_tables(tables, layout, args.dst, args.to, fingerprint, args.chunk_rows, progress=not args.no_progress)
     seconds = time.perf_counter() - start
     size = out.stat().st_size
     log.info("wrote %s: %s rows of layers %s, %.2f GiB in %.1f s (%.2f GiB/s)", out, f"{sum(layout.num_embeddings):,}",

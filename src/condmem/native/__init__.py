@@ -1,7 +1,7 @@
-"""condmem's native CPU code (``gather.c``, ``hash.c``, ``row_server.c``): the prefetching row
-gather, the staged send, O_DIRECT row reads, the decode-step n-gram hash and the decode row
-server's threads (`condmem.native.row_server`), called through ctypes (which releases the GIL
-during each call).
+"""condmem's native CPU code (``gather.c``, ``hash.c``, ``row_server.c``, ``checksum.c``): the
+prefetching row gather, the staged send, checked row reads of table files (O_DIRECT or not), the
+CRC32C of table blocks, the decode-step n-gram hash and the decode row server's threads
+(`condmem.native.row_server`), called through ctypes (which releases the GIL during each call).
 
 `available()` says whether it is loaded; `gather_path()` names the CPU gather that runs.
 Without it CPU gathers fall back to ``torch.index_select`` and staged sends to a Python
@@ -34,7 +34,8 @@ from condmem.native import toolchain
 from condmem.native.cudart import CudaRuntime, cuda_runtime, cudart_soname
 
 __all__ = ["Build", "CudaRuntime", "FALLBACK_COST", "available", "build", "cuda_runtime", "cudart_soname",
-           "gather_path", "gather_rows", "hash_decode", "library", "pread_rows"]
+           "crc32c", "crc32c_blocks", "crc32c_hardware", "gather_path", "gather_rows", "hash_decode", "library",
+           "pread_rows"]
 
 log = logging.getLogger("condmem.native")
 
@@ -83,8 +84,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ptr, ptr, ptr, ctypes.c_int,              # memcpy_async, record, query, threads
         ptr]                                      # timeline (or None)
     lib.condmem_gather_stream.restype = ctypes.c_int
-    lib.condmem_pread_rows.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.condmem_pread_rows.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64, ptr]
     lib.condmem_pread_rows.restype = i64
+    lib.condmem_crc32c.argtypes, lib.condmem_crc32c.restype = [ctypes.c_uint32, ptr, i64], ctypes.c_uint32
+    lib.condmem_crc32c_blocks.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.condmem_crc32c_blocks.restype = i64
+    lib.condmem_crc32c_hardware.argtypes, lib.condmem_crc32c_hardware.restype = [], ctypes.c_int
     lib.condmem_hash_decode.argtypes = [
         ptr, i64, i64, ptr,                       # history, n_slots, n_back, slots
         ptr, ptr, i64, ptr, ptr, i64,             # ids, lookup, vocab, valid, blocked, batch
@@ -207,16 +212,76 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     return out
 
 
-def pread_rows(fd: int, offset: int, row_bytes: int, ids: torch.Tensor, out: torch.Tensor,
-               threads: int) -> int | None:
-    """Rows ``ids`` of `row_bytes` at file offset ``offset + id * row_bytes`` of `fd` (opened with
-    O_DIRECT) into `out` (contiguous uint8 [n, row_bytes]), `threads` reads in flight.
-    Returns 0, -errno of the first failed read (-EIO past the end of the file), or None when
+def pread_rows(fd: int, offset: int, row_bytes: int, ids: torch.Tensor, out: torch.Tensor, threads: int,
+               sums: torch.Tensor | None = None, span: tuple[int, int] = (0, 0), block: int = 4096,
+               bad: torch.Tensor | None = None) -> int | None:
+    """Rows ``ids`` of `row_bytes` at file offset ``offset + id * row_bytes`` of `fd` (with or
+    without O_DIRECT) into `out` (contiguous uint8 [n, row_bytes]), `threads` reads in flight.
+
+    With `sums` (uint32 CRC32C per `block` bytes of the tensor occupying file bytes `span`, on
+    the file's absolute grid), every block a row touches is read whole and checked first.
+    Returns 0; 1 when a block did not match (``bad``, int64 [2]: the id's index, the block);
+    -errno of the first failed read (-EIO: it ended before the bytes it needs); or None when
     the native code is unavailable. `ids`: contiguous int64 on the CPU."""
     lib = _load()
     if lib is None:
         return None
-    return int(lib.condmem_pread_rows(fd, offset, row_bytes, ids.data_ptr(), ids.numel(), out.data_ptr(), threads))
+    if sums is not None and (bad is None or block % 4096):
+        raise ValueError("checked reads need `bad` (int64 [2]) and a block that is a multiple of 4096")
+    return int(lib.condmem_pread_rows(fd, offset, row_bytes, ids.data_ptr(), ids.numel(), out.data_ptr(), threads,
+                                      None if sums is None else sums.data_ptr(), span[0], span[1], block,
+                                      None if bad is None else bad.data_ptr()))
+
+
+def crc32c(data, crc: int = 0) -> int | None:
+    """CRC32C of the bytes of `data` (anything exposing a contiguous buffer), continuing from
+    `crc` (the CRC of the bytes before them); None when the native code is unavailable."""
+    lib = _load()
+    if lib is None:
+        return None
+    view = memoryview(data).cast("B")
+    if not view.nbytes:
+        return crc
+    return int(lib.condmem_crc32c(crc, _address(view), view.nbytes))
+
+
+def crc32c_blocks(data, first: int, block: int, expected=None, threads: int = 1):
+    """CRC32C of consecutive blocks of `data`: the first `first` bytes, then `block` each (the
+    last one what is left). Without `expected`: a numpy uint32 array of them; with it (uint32,
+    one per block): the index of the first block that differs, or -1. None when the native
+    code is unavailable."""
+    import numpy as np
+
+    lib = _load()
+    if lib is None:
+        return None
+    view = memoryview(data).cast("B")
+    n = view.nbytes
+    count = 0 if n == 0 else (1 if n <= first else 1 + -(-(n - first) // block))
+    if expected is not None:
+        expected = np.ascontiguousarray(expected, dtype=np.uint32)
+        if expected.size < count:
+            raise ValueError(f"{count} blocks but {expected.size} expected CRCs")
+        if not count:
+            return -1
+        return int(lib.condmem_crc32c_blocks(_address(view), n, first, block, None, expected.ctypes.data, threads))
+    out = np.empty(count, np.uint32)
+    if count:
+        lib.condmem_crc32c_blocks(_address(view), n, first, block, out.ctypes.data, None, threads)
+    return out
+
+
+def crc32c_hardware() -> bool | None:
+    """True when the CPU's CRC32C instruction runs (SSE4.2), False for the table; None without the library."""
+    lib = _load()
+    return None if lib is None else bool(lib.condmem_crc32c_hardware())
+
+
+def _address(view: memoryview) -> int:
+    """Address of a contiguous buffer's first byte (read-only buffers included: the C side never writes)."""
+    import numpy as np
+
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
 def hash_decode(history: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, *, lookup: torch.Tensor | None,

@@ -179,20 +179,31 @@ int condmem_gather_stream(const uint8_t *src, int64_t row_bytes, const int64_t *
     return err;
 }
 
-/* Rows read straight from a file opened with O_DIRECT (no page cache): row ids[i] of
-   `row_bytes` at file offset `offset` + ids[i] * row_bytes -> dst row i. Each thread reads
-   the aligned 4 KiB blocks that hold its row (two when the row straddles a block edge) into
-   its own aligned buffer, so `nthreads` reads are in flight. Returns 0, or -errno of the first
-   failed read (-EIO for a row past the end of the file). */
+uint32_t condmem_crc32c(uint32_t crc, const uint8_t *p, int64_t n);   /* checksum.c */
+
+/* Rows read from a file with pread, by `nthreads` threads at once (the disk's queue depth):
+   row ids[i] of `row_bytes` at file offset `offset` + ids[i] * row_bytes -> dst row i. Each
+   thread reads whole aligned blocks into its own aligned buffer, so the descriptor may be
+   opened with O_DIRECT (no page cache) or without.
+
+   With `sums` NULL a row costs the 4 KiB pages that hold it. Otherwise every `block`-byte block
+   (a multiple of 4096, on the file's absolute grid, clipped to the tensor's bytes [span_lo,
+   span_hi)) that holds part of a row is read whole and its CRC32C compared with
+   sums[block index - span_lo / block]: a row is copied out only when all its blocks match.
+
+   Returns 0; 1 when a block did not match (bad[0] = i, bad[1] = the block's index in `sums`);
+   or -errno of the first failed read (-EIO for a read that ends before the bytes it needs: a
+   row past the end of the file, e.g. one truncated since it was opened). */
 int64_t condmem_pread_rows(int fd, int64_t offset, int64_t row_bytes, const int64_t *ids, int64_t n,
-                           uint8_t *dst, int nthreads) {
-    const int64_t B = 4096;
+                           uint8_t *dst, int nthreads, const uint32_t *sums, int64_t span_lo, int64_t span_hi,
+                           int64_t block, int64_t *bad) {
+    const int64_t B = sums ? block : 4096;
     int64_t err = 0;
     #pragma omp parallel num_threads(nthreads)
     {
         uint8_t *buf = NULL;
-        int64_t cap = ((row_bytes + 2 * B - 1) / B) * B;
-        if (posix_memalign((void **)&buf, (size_t)B, (size_t)cap)) {
+        int64_t cap = (row_bytes / B + 2) * B;
+        if (posix_memalign((void **)&buf, 4096, (size_t)cap)) {
             buf = NULL;
             __atomic_store_n(&err, -ENOMEM, __ATOMIC_RELAXED);
         }
@@ -200,23 +211,48 @@ int64_t condmem_pread_rows(int fd, int64_t offset, int64_t row_bytes, const int6
         for (int64_t i = 0; i < n; i++) {
             if (!buf || __atomic_load_n(&err, __ATOMIC_RELAXED)) continue;
             int64_t pos = offset + ids[i] * row_bytes;
-            int64_t start = pos & ~(B - 1);
+            int64_t start = pos / B * B;
             int64_t len = ((pos + row_bytes - start + B - 1) / B) * B;
+            int64_t need = pos - start + row_bytes;
+            if (sums) {   /* the whole last block, as far as the tensor goes */
+                int64_t end = start + len < span_hi ? start + len : span_hi;
+                if (end - start > need) need = end - start;
+            }
             int64_t got = 0;
             while (got < len) {
                 ssize_t r = pread(fd, buf + got, (size_t)(len - got), (off_t)(start + got));
                 if (r < 0) {
                     if (errno == EINTR) continue;
-                    __atomic_store_n(&err, (int64_t)-errno, __ATOMIC_RELAXED);
+                    int64_t zero = 0;
+                    __atomic_compare_exchange_n(&err, &zero, (int64_t)-errno, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
                     break;
                 }
                 if (r == 0) break;                     /* end of file: the last block is short */
                 got += r;
             }
-            if (got < pos - start + row_bytes) {
+            if (got < need) {
                 int64_t zero = 0;
                 __atomic_compare_exchange_n(&err, &zero, (int64_t)-EIO, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
                 continue;
+            }
+            if (sums) {
+                int64_t mismatch = -1;
+                for (int64_t b = start; b < start + len && b < span_hi; b += B) {
+                    int64_t lo = b < span_lo ? span_lo : b;
+                    int64_t hi = b + B < span_hi ? b + B : span_hi;
+                    if (condmem_crc32c(0, buf + (lo - start), hi - lo) != sums[b / B - span_lo / B]) {
+                        mismatch = b / B - span_lo / B;
+                        break;
+                    }
+                }
+                if (mismatch >= 0) {
+                    int64_t zero = 0;
+                    if (__atomic_compare_exchange_n(&err, &zero, 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+                        bad[0] = i;
+                        bad[1] = mismatch;
+                    }
+                    continue;
+                }
             }
             memcpy(dst + i * row_bytes, buf + (pos - start), (size_t)row_bytes);
         }

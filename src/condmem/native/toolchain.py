@@ -20,8 +20,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gather.c", "hash.c", "row_server.c"))
-"""The C sources of the one library (row gathers and sends; the decode hash; the decode row server)."""
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gather.c", "hash.c", "row_server.c", "checksum.c"))
+"""The C sources of the one library (row gathers, sends and checked reads; the decode hash; the decode row
+server; the CRC32C of table blocks)."""
 MODULE = "condmem.native._gather"
 """The installed build's module name (a shared library loaded with ctypes, never imported)."""
 COMPILE_ARGS = ("-O3", "-fopenmp")

@@ -231,11 +231,8 @@ class EngramMemory:
         group = kwargs.get("process_group")
         stores = {lid: place_layer(_shard(table.layer(lid), hasher, lid, group), tier,
                                    device=device if tier == "hbm" else None, host_alloc=host_alloc, progress=progress,
-                                   name=f"layer {lid}")
+                                   name=f"layer {lid}", direct_io=direct_io)
                   for lid in hasher.layer_ids}
-        if direct_io:
-            for lid, store in stores.items():
-                store.direct_reader = _direct_reader(table, lid, store, hasher, group)
         if dram_cache_bytes:
             if tier != "disk":
                 raise EngramMemoryError(f"a DRAM row cache fronts the disk tier; tier is {tier!r}")
@@ -482,25 +479,7 @@ def _shard(rows: LayerRows, hasher: NgramHasher, layer_id: int, group) -> LayerR
     import torch.distributed as dist
 
     r0, r1 = shard_plan(hasher, layer_id, group).rows(dist.get_rank(group))
-    return LayerRows(rows.format, rows.weight[r0:r1], None if rows.scales is None else rows.scales[r0:r1])
-
-
-def _direct_reader(table, layer_id: int, store: LayerStore, hasher: NgramHasher, group):
-    """An O_DIRECT reader of one layer's rows in `table` (this rank's shard under `group`)."""
-    from condmem.tables.direct_read import DirectRowReader
-    from condmem.tables.table_file import tensor_names
-
-    if table.format == "fp8":
-        raise EngramMemoryError(f"{table.path}: direct reads need rows stored whole (bf16 or fp8_interleaved), not "
-                                "fp8 with separate scales; convert it with `condmem convert --to fp8_interleaved`")
-    entry = table.header.tensors[tensor_names(layer_id, table.format)["weight"]]
-    r0 = 0
-    if group is not None:
-        import torch.distributed as dist
-
-        r0 = shard_plan(hasher, layer_id, group).rows(dist.get_rank(group))[0]
-    return DirectRowReader(table.path, entry.start + r0 * store.row_bytes, store.row_bytes, store.num_rows,
-                           identity=table.header.identity)
+    return rows.slice_rows(r0, r1)
 
 
 def _check_same_geometry(ckpt, hasher: NgramHasher) -> None:

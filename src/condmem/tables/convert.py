@@ -7,8 +7,9 @@ time (memory: a few chunks, whatever the table size). bf16 -> fp8 quantizes
 so it is exact. The output is written atomically: an interrupted conversion leaves no
 partial file. Memory-mapped source pages are unmapped after each chunk (`release_pages`),
 so the resident set stays a few chunks even though the source is read through a mapping.
-A condmem source file's chunk hashes are checked as its bytes stream past (``source=``):
-a corrupted chunk stops the conversion, and nothing is written.
+Rows of a condmem table file (`LayerRows.source`) are read with ``pread`` and every block is
+checked against its recorded checksum as it streams past: a corrupted block stops the
+conversion, and nothing is written. The output records a CRC32C per block.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch
 
 from condmem.layout import EngramLayout
 from condmem.fp8 import dequantize_fp8_e8m0, pack_rows, quantize_fp8_e8m0, unpack_rows
-from condmem.tables.integrity import ChunkVerifier, IntegrityMismatch
+from condmem.tables.integrity import IntegrityMismatch
 from condmem.tables.safetensors_io import release_pages
-from condmem.tables.table_file import FORMATS, EngramTableFile, LayerRows, TableFileError, write_table_file
+from condmem.tables.table_file import FORMATS, LayerRows, TableFileError, write_table_file
 
 
 def convert_rows(chunk: LayerRows, to_format: str) -> LayerRows:
@@ -53,27 +54,30 @@ def iter_chunks(rows: LayerRows, chunk_rows: int) -> Iterator[LayerRows]:
         yield LayerRows(rows.format, rows.weight[start:stop], None if rows.scales is None else rows.scales[start:stop])
 
 
-def converted_chunks(rows: LayerRows, to_format: str, chunk_rows: int,
-                     verifiers: Mapping[str, ChunkVerifier] | None = None) -> Iterator[LayerRows]:
-    """`rows` converted chunk by chunk; each source chunk's mapped pages are given back once consumed.
+def converted_chunks(rows: LayerRows, to_format: str, chunk_rows: int) -> Iterator[LayerRows]:
+    """`rows` converted chunk by chunk.
 
-    With `verifiers` ({"weight"/"scales": verifier}), each source chunk's bytes are hashed
-    and compared before it is converted.
+    Rows of a table file are read from its `source` and checked block by block; mapped
+    tensors' pages are given back once each chunk is consumed.
     """
-    verifiers = verifiers or {}
-    try:
-        for chunk in iter_chunks(rows, chunk_rows):
-            for role, t in (("weight", chunk.weight), ("scales", chunk.scales)):
-                if t is not None and role in verifiers:
-                    verifiers[role].update(t.contiguous().view(torch.uint8).numpy())
+    source = rows.source
+    for start in range(0, rows.num_rows, chunk_rows):
+        stop = min(rows.num_rows, start + chunk_rows)
+        if source is not None:
+            raw = torch.empty((stop - start, source.row_bytes), dtype=torch.uint8)
+            try:
+                source.read(raw, start=start)
+            except IntegrityMismatch as exc:
+                raise TableFileError(f"conversion source {source.path}: {exc}") from None
+            chunk = LayerRows("bf16", raw.view(torch.bfloat16)) if rows.format == "bf16" else \
+                LayerRows("fp8_interleaved", raw)
             yield convert_rows(chunk, to_format)
-            for t in (chunk.weight, chunk.scales):
-                if t is not None:
-                    release_pages(t)
-        for v in verifiers.values():
-            v.finish()
-    except IntegrityMismatch as exc:
-        raise TableFileError(f"conversion source: {exc}") from None
+            continue
+        chunk = LayerRows(rows.format, rows.weight[start:stop], None if rows.scales is None else rows.scales[start:stop])
+        yield convert_rows(chunk, to_format)
+        for t in (chunk.weight, chunk.scales):
+            if t is not None:
+                release_pages(t)
 
 
 def convert_tables(
@@ -84,7 +88,6 @@ def convert_tables(
     tokenizer_fingerprint: str | None = None,
     chunk_rows: int = 1 << 18,
     progress: bool = True,
-    source: EngramTableFile | None = None,
 ) -> Path:
     """Write `tables` (any formats, e.g. memory maps) to a new table file in `to_format`.
 
@@ -96,7 +99,6 @@ def convert_tables(
         tokenizer_fingerprint: the compressed tokenizer's fingerprint, recorded for checks.
         chunk_rows: rows converted at a time (bounds memory).
         progress: show a progress bar.
-        source: the table file `tables` were mapped from: its chunk hashes are checked as it is read.
     """
     if chunk_rows < 1:
         raise TableFileError(f"chunk_rows must be >= 1, got {chunk_rows}")
@@ -109,8 +111,6 @@ def convert_tables(
             raise TableFileError(f"layer {layer.layer_id}: {rows.num_rows} rows, the layout has {layer.num_embeddings}")
         if rows.head_dim != layout.config.head_dim:
             raise TableFileError(f"layer {layer.layer_id}: rows are {rows.head_dim} wide, head_dim is {layout.config.head_dim}")
-    sources = {
-        lid: converted_chunks(rows, to_format, chunk_rows, source.chunk_verifiers(lid) if source is not None else None)
-        for lid, rows in tables.items() if lid in layout.layer_ids
-    }
+    sources = {lid: converted_chunks(rows, to_format, chunk_rows) for lid, rows in tables.items()
+               if lid in layout.layer_ids}
     return write_table_file(dst, layout, to_format, sources, tokenizer_fingerprint, progress=progress)

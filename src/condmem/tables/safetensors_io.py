@@ -10,13 +10,16 @@ tensor's dtype, shape and byte range, then the raw bytes), so this module:
 * `read_header` maps the whole file read-only once and parses and validates its header
   from that mapping (truncated or foreign files get a clear `TableFileError`, never a
   garbage tensor); tensors of dtypes torch cannot hold (a model shard may carry some
-  beside the Engram tensors) are listed, not refused;
+  beside the Engram tensors) are listed, not refused. It keeps the descriptor open
+  (`OpenFile`): the tiers read rows through it with ``pread`` (`condmem.tables.integrity`),
+  from the inode that was validated even after a rename over its path, and a size or
+  mtime change under them is an error;
 * `mmap_tensor` views one tensor's bytes in that same mapping as a torch tensor (no
-  copy), the basis of the disk tier: a file replaced on disk after its header was
-  checked is never read, the mapping holds the inode that was validated;
+  copy), for tools that read a tensor once (inspection); serving never reads the mapping,
+  whose pages past a truncation would kill the process with SIGBUS;
   `release_pages` lets a streaming reader give mapped pages back.
 
-The writer also records a sha256 per chunk of every tensor (`condmem.tables.integrity`).
+The writer also records the checksums of every tensor (`condmem.tables.integrity`).
 
 Files written here are ordinary safetensors files: `safetensors.safe_open` reads them.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
 import json
 import math
 import mmap
@@ -93,14 +97,63 @@ class Header:
     """Each tensor's header entry as written: (dtype name, shape, begin, end)."""
     identity: tuple[int, int] | None = dataclasses.field(default=None, compare=False)
     """(st_dev, st_ino) of the file that was validated: a reader that opens it again checks it."""
+    file: OpenFile | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The descriptor the header was read through, kept open: readers reopen this very file (`OpenFile.reopen`)."""
+
+
+class OpenFile:
+    """The descriptor a file was validated through, kept open until this object goes.
+
+    Readers reopen this very file (`reopen`: its inode, even after another file was renamed
+    over the path) and compare its size and modification time with the ones recorded here
+    (`changed`): a file rewritten in place (``cp`` over it, ``rsync --inplace``, ``truncate``)
+    is then an error, never new rows.
+    """
+
+    def __init__(self, fd: int, path: Path, st: os.stat_result):
+        self.fd, self.path = fd, path
+        self.identity = (st.st_dev, st.st_ino)
+        self.stamp = (st.st_size, st.st_mtime_ns)
+
+    def reopen(self, direct: bool = False) -> int:
+        """A new read-only descriptor of the same file (``O_DIRECT`` when `direct`); raises OSError."""
+        if self.fd < 0:
+            raise OSError(f"{self.path} was closed")
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(f"/proc/self/fd/{self.fd}", flags)   # the inode itself, whatever the path holds now
+        except FileNotFoundError:
+            fd = os.open(self.path, flags)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.identity:
+            os.close(fd)
+            raise OSError(f"{self.path} is no longer the file that was validated (replaced since it was opened)")
+        return fd
+
+    def changed(self, fd: int) -> str | None:
+        """How the file under `fd` differs from when it was validated (size, mtime), or None."""
+        st = os.fstat(fd)
+        if (st.st_size, st.st_mtime_ns) == self.stamp:
+            return None
+        if st.st_size != self.stamp[0]:
+            return f"its size went from {self.stamp[0]:,} to {st.st_size:,} bytes"
+        return "it was modified (its mtime moved)"
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        self.close()
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _map_file(path: Path) -> tuple[mmap.mmap, tuple[int, int]]:
-    """A read-only mapping of the whole regular file at `path` (the descriptor is closed; the mapping keeps the inode)."""
+def _map_file(path: Path) -> tuple[mmap.mmap, OpenFile]:
+    """A read-only mapping of the whole regular file at `path`, and its descriptor (kept open for checked reads)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
@@ -113,17 +166,20 @@ def _map_file(path: Path) -> tuple[mmap.mmap, tuple[int, int]]:
             raise TableFileError(f"{path} is not a regular file")
         if st.st_size < 8:
             raise TableFileError(f"{path}: {st.st_size} bytes is too short to be a safetensors file")
-        return mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ), (st.st_dev, st.st_ino)
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
     except OSError as exc:
-        raise TableFileError(f"{path}: cannot be mapped ({exc.strerror or exc})") from None
-    finally:
         os.close(fd)
+        raise TableFileError(f"{path}: cannot be mapped ({exc.strerror or exc})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return mm, OpenFile(fd, path, st)
 
 
 def read_header(path: str | os.PathLike) -> Header:
     """Map a safetensors file and parse and validate its header (no tensor bytes are read)."""
     path = Path(path)
-    mm, identity = _map_file(path)
+    mm, file = _map_file(path)
     size = len(mm)
     (n,) = struct.unpack("<Q", mm[:8])
     if n > _MAX_HEADER or 8 + n > size:
@@ -165,7 +221,8 @@ def read_header(path: str | os.PathLike) -> Header:
             )
         tensors[name] = TensorEntry(name, dtype, shape, data_start + begin, expect)
         raw_tensors[name] = (info["dtype"], list(shape), begin, end)
-    return Header(path, dict(metadata), tensors, size, other, mapping=mm, raw_tensors=raw_tensors, identity=identity)
+    return Header(path, dict(metadata), tensors, size, other, mapping=mm, raw_tensors=raw_tensors,
+                  identity=file.identity, file=file)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -268,26 +325,35 @@ class StreamingWriter:
     """Write a safetensors file chunk by chunk, atomically; memory stays bounded by one chunk.
 
     Each tensor has its own cursor, so chunks of different tensors may interleave (an fp8
-    table's rows and scales are written from the same pass over the source). Every
-    tensor's bytes are hashed per `integrity_chunk_bytes` as they pass; the digests go
-    into the header (metadata key ``integrity``) when the last byte is in.
+    table's rows and scales are written from the same pass over the source). Every tensor's
+    bytes are checksummed as they pass (`condmem.tables.integrity`), and the record goes into
+    the header (metadata key ``integrity``) when the last byte is in:
+
+    * with `block_bytes` (table files): a CRC32C per block of the file's grid, stored in a
+      companion tensor ``<name>.crc32c`` after the data; the header is padded so the data
+      starts on a block edge;
+    * without: a sha256 per `integrity_chunk_bytes` of each tensor (chunk digests).
 
     Args:
         path: destination; written through a temp file renamed into place on `close()`.
         specs: {name: (dtype, shape)}.
         metadata: str -> str, stored in the header.
-        integrity_chunk_bytes: bytes covered by one recorded sha256.
+        integrity_chunk_bytes: bytes covered by one recorded sha256 (chunk digests).
+        block_bytes: bytes covered by one recorded CRC32C (a multiple of 4096), or None.
 
     Example:
-        >>> with StreamingWriter(path, {"t": (torch.uint8, (rows, 264))}, {"k": "v"}) as w:
+        >>> with StreamingWriter(path, {"t": (torch.uint8, (rows, 264))}, {"k": "v"}, block_bytes=4096) as w:
         ...     for chunk in chunks: w.write("t", chunk)
     """
 
     def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, integrity_chunk_bytes: int | None = None):
+                 metadata: dict[str, str] | None = None, integrity_chunk_bytes: int | None = None,
+                 block_bytes: int | None = None):
         from condmem.tables import integrity  # it reads headers parsed here
 
         self.path = Path(path)
+        if block_bytes is not None and (block_bytes <= 0 or block_bytes % integrity.BLOCK_BYTES):
+            raise TableFileError(f"block_bytes must be a positive multiple of {integrity.BLOCK_BYTES}, got {block_bytes}")
         chunk_bytes = integrity_chunk_bytes or integrity.DEFAULT_CHUNK_BYTES
         metadata = dict(metadata or {})
         bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
@@ -295,23 +361,43 @@ class StreamingWriter:
             raise TableFileError(f"safetensors metadata must be str -> str; bad keys {bad}")
         offset = 0
         self._span: dict[str, tuple[int, int]] = {}
+        self._sums_span: dict[str, tuple[str, int, int]] = {}   # data tensor -> (companion, begin, nbytes)
         entries: dict[str, Any] = {}
         for name, (dtype, shape) in specs.items():
             if dtype not in DTYPE_NAMES:
                 raise TableFileError(f"tensor {name!r}: dtype {dtype} cannot be stored")
+            if block_bytes is not None and name.endswith(integrity.SUMS_SUFFIX):
+                raise TableFileError(f"tensor {name!r}: names ending in {integrity.SUMS_SUFFIX} hold block CRCs")
             nbytes = math.prod(shape) * _itemsize(dtype)
             entries[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._span[name] = (offset, nbytes)
             offset += nbytes
+        if block_bytes is not None:
+            # The data starts on a block edge (the header is padded to one), so a tensor's blocks follow from
+            # its offset in the data alone.
+            for name, (begin, nbytes) in list(self._span.items()):
+                companion = integrity.sums_name(name)
+                count = integrity.n_blocks(begin, nbytes, block_bytes)
+                entries[companion] = {"dtype": "I32", "shape": [count], "data_offsets": [offset, offset + 4 * count]}
+                self._sums_span[name] = (companion, offset, 4 * count)
+                offset += 4 * count
         digest = integrity.header_digest(metadata, {n: (e["dtype"], e["shape"], *e["data_offsets"])
                                                     for n, e in entries.items()})
-        self._record = integrity.placeholder({n: b for n, (_, b) in self._span.items()}, chunk_bytes, digest)
+        if block_bytes is None:
+            self._record = integrity.placeholder_digests({n: b for n, (_, b) in self._span.items()}, chunk_bytes, digest)
+        else:
+            self._record = integrity.placeholder_crcs(self._span, block_bytes, digest)
+        self._align = block_bytes or 8   # the library pads the header to 8-byte alignment
         self._metadata = metadata
         self._entries = entries
         raw = self._header_bytes()
         self._header_len = len(raw)
         self._data_start = 8 + len(raw)
-        self._hashers = {name: integrity.ChunkHasher(chunk_bytes) for name in self._span}
+        if block_bytes is None:
+            self._hashers = {name: integrity.ChunkHasher(chunk_bytes) for name in self._span}
+        else:
+            self._hashers = {name: integrity.BlockSummer(self._data_start + begin, nbytes, block_bytes)
+                             for name, (begin, nbytes) in self._span.items()}
         self._ctx = atomic_path(self.path)
         self._tmp = self._ctx.__enter__()
         try:
@@ -331,7 +417,7 @@ class StreamingWriter:
         header: dict[str, Any] = {"__metadata__": {**self._metadata, integrity.KEY: integrity.encode(self._record)}}
         header.update(self._entries)
         raw = json.dumps(header, separators=(",", ":")).encode()
-        return raw + b" " * (-len(raw) % 8)  # the library pads the header to 8-byte alignment
+        return raw + b" " * (-(8 + len(raw)) % self._align)
 
     def write(self, name: str, chunk: torch.Tensor) -> None:
         """Append the next bytes (rows, in order) of tensor `name`."""
@@ -348,7 +434,7 @@ class StreamingWriter:
         self._cursor[name] = done + data.nbytes
 
     def close(self) -> None:
-        """Check that every byte of every tensor was written, record the hashes, then move the file into place."""
+        """Check that every byte of every tensor was written, record the checksums, then move the file into place."""
         if self._closed:
             return
         self._closed = True
@@ -361,7 +447,15 @@ class StreamingWriter:
             self._ctx.__exit__(type(exc), exc, None)
             raise exc
         try:
-            self._record["tensors"] = {n: h.finish() for n, h in self._hashers.items()}
+            if self._sums_span:
+                for name, (companion, begin, nbytes) in self._sums_span.items():
+                    sums = self._hashers[name].finish().astype("<u4")
+                    assert sums.nbytes == nbytes, "one CRC per block"
+                    self._fh.seek(self._data_start + begin)
+                    self._fh.write(sums.tobytes())
+                    self._record["sums_sha256"][companion] = hashlib.sha256(sums.tobytes()).hexdigest()
+            else:
+                self._record["tensors"] = {n: h.finish() for n, h in self._hashers.items()}
             raw = self._header_bytes()
             assert len(raw) == self._header_len, "digests have a fixed length"
             self._fh.seek(8)

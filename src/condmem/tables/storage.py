@@ -9,18 +9,21 @@ them into bf16 [.., head_dim] at the end.
 * `hbm`: a CUDA tensor; gathers run at HBM speed.
 * `host`: a `HostBuffer` (see `host_memory`), page-locked so the GPU can read it
   zero-copy and DMA engines can copy from it.
-* `disk`: the table file's bytes, memory-mapped (or read with O_DIRECT): tables larger than
-  DRAM. `with_dram_cache` wraps any store in a bounded DRAM `RowCache` of rows (so HBM
-  cache -> DRAM cache -> file is the paper's multi-level hierarchy).
-  The mapping is advised ``MADV_RANDOM``: a row is a few hundred bytes, and the kernel's
-  default read-around turns each cold row into ~100 KiB of disk reads (measured on a
-  virtual disk, 20K random rows of a 2 GiB file, page cache dropped: 79-103 KiB read per
-  row and 1.7-2.3 s by default, 2.2 KiB per row and 0.48 s advised).
-  Only interleaved (or bf16) files are mapped as raw rows; separate fp8 + scales
-  files are read with two accesses per row.
+* `disk`: the table file's bytes, read with ``pread`` (through the page cache, or with
+  O_DIRECT), every block checked, by `DirectRowReader`s: tables larger than DRAM.
+  `with_dram_cache` wraps any store in a bounded DRAM `RowCache` of rows (so HBM cache ->
+  DRAM cache -> file is the paper's multi-level hierarchy). Rows given without a file
+  (tensors, e.g. a released checkpoint's mapping) are read through their mapping, advised
+  ``MADV_RANDOM``: a row is a few hundred bytes, and the kernel's default read-around
+  turns each cold row into ~100 KiB of disk reads (measured on a virtual disk, 20K random
+  rows of a 2 GiB file, page cache dropped: 79-103 KiB read per row and 1.7-2.3 s by
+  default, 2.2 KiB per row and 0.48 s advised). Separate fp8 + scales tensors are read
+  with two accesses per row.
 
-`place_layer` copies a layer's rows (e.g. memory-mapped from a table file) into a
-tier, in chunks, with a progress bar.
+`place_layer` puts a layer's rows into a tier. Rows of a table file (`LayerRows.source`)
+are read with ``pread`` by parallel threads and every block is checked against its
+recorded CRC32C as it lands (the host and HBM tiers), or at each read (the disk tier), so
+a damaged or rewritten file is an error naming the file, tensor and block, never rows.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from typing import Literal
 import torch
 
 from condmem import native
+from condmem.tables import integrity
 from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, collapse_huge_pages, report_coverage
 from condmem.fp8 import pack_rows
 from condmem.tables.row_cache import RowCache
-from condmem.tables.safetensors_io import release_pages
+from condmem.tables.safetensors_io import TableFileError, release_pages
 from condmem.tables.table_file import LayerRows
 from condmem.utils.progress import Progress
 
@@ -227,36 +231,56 @@ class HostStore(LayerStore):
 
 
 class DiskStore(LayerStore):
-    """Rows in a file, memory-mapped (``MADV_RANDOM``), or read with O_DIRECT through a
-    `DirectRowReader` (bypassing the page cache); the CPU gathers every miss."""
+    """Rows in a file, read by `DirectRowReader`s (``pread``, with or without O_DIRECT, every block
+    checked), or through a memory map (``MADV_RANDOM``) when given as tensors; the CPU gathers every miss."""
 
     tier = "disk"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, readers: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._direct_reader = None
+        self._readers = readers
+
+    @property
+    def num_rows(self) -> int:
+        if self._readers is not None:
+            return self._readers["weight"].num_rows
+        return super().num_rows
 
     @property
     def direct_reader(self):
-        return self._direct_reader
+        return self._direct_reader if self._readers is None else self._readers["weight"]
 
     @direct_reader.setter
     def direct_reader(self, reader) -> None:
+        if self._readers is not None:
+            raise StorageError("this disk store reads its table file through its own checked readers")
         self._direct_reader = reader
 
     @property
     def raw_in_place(self) -> bool:
-        return self._direct_reader is None and self.cpu_contiguous
+        return self._direct_reader is None and self._readers is None and self.cpu_contiguous
 
     def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        if self._readers is not None:
+            if "scales" not in self._readers:
+                return self._readers["weight"].read(ids, out)
+            if out is None:
+                out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8)
+            d = self.head_dim
+            out[:, :d] = self._readers["weight"].read(ids)
+            out[:, d:] = self._readers["scales"].read(ids)
+            return out
         if self._direct_reader is not None:
             return self._direct_reader.read(ids, out)
         return super().gather_raw(ids, out, threads)
 
     def close(self) -> None:
-        if self._direct_reader is not None:
-            self._direct_reader.close()
-            self._direct_reader = None
+        for reader in [self._direct_reader, *(self._readers or {}).values()]:
+            if reader is not None:
+                reader.close()
+        self._direct_reader = None
+        self._readers = None
         super().close()
 
 
@@ -323,6 +347,25 @@ def _raw_chunk(chunk: LayerRows) -> torch.Tensor:
     return chunk.weight
 
 
+def _read_source(source, raw: torch.Tensor, bar: Progress, threads: int | None, drop_cache: bool,
+                 chunk_rows: int) -> None:
+    """Every row of a table file's `source` into `raw` (CPU: in place; HBM: through a CPU staging
+    buffer of `chunk_rows` rows), every block checked; a mismatch is a `TableFileError` naming the file."""
+    try:
+        if raw.device.type == "cpu":
+            source.read(raw, threads=threads, progress=bar.update, drop_cache=drop_cache)
+            return
+        step = max(1, min(source.num_rows, chunk_rows))
+        staging = torch.empty((step, source.row_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        for s in range(0, source.num_rows, step):
+            e = min(source.num_rows, s + step)
+            source.read(staging[:e - s], start=s, threads=threads, progress=bar.update, drop_cache=drop_cache)
+            raw[s:e].copy_(staging[:e - s])
+        torch.cuda.synchronize(raw.device)
+    except integrity.IntegrityMismatch as exc:
+        raise TableFileError(f"{source.path}: {exc}") from None
+
+
 def place_layer(
     rows: LayerRows,
     tier: Tier,
@@ -334,25 +377,41 @@ def place_layer(
     progress: bool = True,
     name: str = "table",
     drop_source_cache: bool = False,
+    direct_io: bool = False,
+    threads: int | None = None,
 ) -> LayerStore:
     """Put one layer's rows into a tier.
 
+    Rows of a table file (`rows.source`, as `EngramTableFile.layer` gives them) are read from
+    the file with ``pread`` and every block is checked against its recorded checksum: by
+    `threads` threads as they are copied (host, hbm), or at each read (disk). A damaged block
+    raises `TableFileError` (host, hbm: naming the file, tensor and block) or `StorageError`
+    (disk: at the read that touches it).
+
     Args:
-        rows: the layer's rows (e.g. `EngramTableFile.layer(id)`, memory-mapped).
-        tier: "hbm", "host" or "disk" (disk keeps `rows` mapped where they are).
+        rows: the layer's rows (e.g. `EngramTableFile.layer(id)`).
+        tier: "hbm", "host" or "disk" (disk reads the rows where they are).
         device: the CUDA device for hbm (default: current).
         host_alloc: host strategy (see `condmem.tables.host_memory`); "pageable" on CPU-only machines.
-        chunk_rows: rows copied at a time.
+        chunk_rows: rows copied at a time (tensors without a source; the HBM tier's staging).
         progress: show a progress bar while copying / pinning.
         name: for logs.
-        drop_source_cache: when `rows` are file mappings, unmap each copied chunk and drop its
-            pages from the page cache (a second copy of the table in DRAM helps nothing).
+        drop_source_cache: drop the copied bytes from the page cache (a second copy of the table
+            in DRAM helps nothing); mapped tensors are unmapped chunk by chunk too.
+        direct_io: disk tier: read with ``O_DIRECT`` (the page cache never fills).
+        threads: threads that read and check a table file (default: one per core, at most 32);
+            the disk tier's reads in flight (default 32).
     """
     if tier not in TIERS:
         raise StorageError(f"unknown tier {tier!r}; choose one of {TIERS}")
     rows.validate()
     d = rows.head_dim
     fmt = raw_format(rows.format)
+    if direct_io and (tier != "disk" or rows.source is None):
+        raise StorageError(f"{name}: direct reads serve the disk tier from a table file (tier {tier!r}, "
+                           f"{'a table file' if rows.source is not None else 'rows without a file'})")
+    if tier == "disk" and rows.source is not None:
+        return DiskStore(fmt, d, None, readers=rows.source.reader(direct=direct_io, threads=threads or 32))
     if tier == "disk":
         for t in (rows.weight, rows.scales):
             if t is not None:
@@ -378,15 +437,18 @@ def place_layer(
     else:
         buffer = allocate_host(n * row_bytes, host_alloc, shared_name)
         raw = buffer.tensor.view(n, row_bytes)
-    for s in range(0, n, chunk_rows):
-        e = min(n, s + chunk_rows)
-        piece = LayerRows(rows.format, rows.weight[s:e], None if rows.scales is None else rows.scales[s:e])
-        raw[s:e].copy_(_raw_chunk(piece))
-        if drop_source_cache:
-            for t in (piece.weight, piece.scales):
-                if t is not None:
-                    release_pages(t, drop_cache=True)
-        bar.update((e - s) * row_bytes)
+    if rows.source is not None:
+        _read_source(rows.source, raw, bar, threads, drop_source_cache, chunk_rows)
+    else:
+        for s in range(0, n, chunk_rows):
+            e = min(n, s + chunk_rows)
+            piece = LayerRows(rows.format, rows.weight[s:e], None if rows.scales is None else rows.scales[s:e])
+            raw[s:e].copy_(_raw_chunk(piece))
+            if drop_source_cache:
+                for t in (piece.weight, piece.scales):
+                    if t is not None:
+                        release_pages(t, drop_cache=True)
+            bar.update((e - s) * row_bytes)
     bar.close()
     if buffer is not None and buffer.strategy == "mmap_register":
         # Before page-locking: locked pages cannot be migrated into huge pages any more.

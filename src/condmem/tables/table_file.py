@@ -14,40 +14,178 @@ description) and the compressed tokenizer's fingerprint. `EngramTableFile.open` 
 file made for another layout or tokenizer with `TableMismatchError`, and a truncated or
 foreign file with `TableFileError`. Tensors are memory-mapped, never read eagerly.
 
-Every tensor's bytes carry a sha256 per chunk (`condmem.tables.integrity`): the header
-digest and a few random chunks per tensor are checked at open, every chunk by
-`EngramTableFile.verify` (``condmem inspect --verify``) or as ``convert`` streams them.
-A file without hashes is refused unless opened with ``verify="none"`` (loudly).
+Every tensor's bytes carry a CRC32C per 4 KiB block (`condmem.tables.integrity`). Opening
+checks the header digest and the CRCs' own sha256; the rows are checked where they are read:
+a layer's `LayerRows.source` (`RowSource`) reads them with ``pread`` and checks every block
+it returns, which is how every tier loads or reads them (`condmem.tables.storage`),
+``convert`` streams them and `EngramTableFile.verify` (``condmem inspect --verify``) checks
+them all. Files written before the block CRCs (a sha256 per 16 MiB chunk) open with a loud
+note and are checked chunk by chunk; a file without any checksums is refused unless opened
+with ``verify="none"`` (loudly).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal
 
+import numpy as np
 import torch
 
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
 from condmem.tables import integrity
-from condmem.tables.safetensors_io import Header, StreamingWriter, TableFileError, mmap_tensor, read_header
+from condmem.tables.safetensors_io import (
+    Header,
+    OpenFile,
+    StreamingWriter,
+    TableFileError,
+    mmap_tensor,
+    read_header,
+)
 from condmem.utils.progress import Progress
 
 TableFormat = Literal["bf16", "fp8", "fp8_interleaved"]
 FORMATS: tuple[str, ...] = ("bf16", "fp8", "fp8_interleaved")
 FORMAT_TAG = "condmem.engram_table/1"
-Verify = Literal["sample", "full", "none"]
-SAMPLE_CHUNKS = 2
-"""Chunks per tensor hashed at open (chosen at random each time)."""
+Verify = Literal["read", "full", "none"]
 
 log = logging.getLogger("condmem.tables")
 
 
 class TableMismatchError(TableFileError):
     """A table file was made for another layout, tokenizer or geometry than the one reading it."""
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where rows [r0, r1) of one layer lie in a table file, and how every byte of them is checked.
+
+    `read` copies rows into memory (the host and HBM tiers, ``convert``), `reader` makes the disk
+    tier's row reader; both read the validated file with ``pread`` and check each block (or
+    chunk) they return against its recorded checksum, and refuse a file whose size or mtime
+    changed since it was opened.
+
+    Attributes:
+        file: the validated file's open descriptor.
+        format: the table format (``fp8`` reads two tensors, packed into interleaved rows).
+        spans: {"weight"/"scales": (tensor name, absolute start, bytes per row)} of the whole tensor.
+        checks: {role: `TensorChecks`}, or None for a file without checksums (opened with ``verify="none"``).
+        r0, r1: the rows (a shard of the layer, or all of it).
+    """
+
+    file: OpenFile
+    format: str
+    spans: dict[str, tuple[str, int, int]]
+    checks: dict[str, integrity.TensorChecks] | None
+    r0: int
+    r1: int
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    @property
+    def num_rows(self) -> int:
+        return self.r1 - self.r0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one raw row (fp8 rows interleaved with their scales)."""
+        return sum(rb for _, _, rb in self.spans.values())
+
+    def slice(self, start: int, stop: int) -> RowSource:
+        """Rows [start, stop) of these rows."""
+        start, stop, _ = slice(start, stop).indices(self.num_rows)
+        return dataclasses.replace(self, r0=self.r0 + start, r1=self.r0 + max(start, stop))
+
+    def open(self, direct: bool = False) -> int:
+        """A new descriptor of the validated file (O_DIRECT when `direct`); `FileChanged` when it changed since."""
+        fd = self.file.reopen(direct)
+        change = self.file.changed(fd)
+        if change is not None:
+            os.close(fd)
+            raise integrity.FileChanged(f"{change} since it was opened")
+        return fd
+
+    def read(self, out: torch.Tensor, start: int = 0, threads: int | None = None,
+             progress: Callable[[int], None] | None = None, checked: bool = True, drop_cache: bool = False) -> None:
+        """Rows [start, start + len(out)) of these rows into `out` (CPU uint8 [n, row_bytes], raw rows), every
+        block checked, on `threads` threads. Raises `IntegrityMismatch` / `FileChanged` (callers name the file).
+
+        `checked=False` only reads (what a benchmark compares against); `drop_cache` drops the read
+        bytes from the page cache (a loader that keeps its own copy).
+        """
+        n = out.shape[0]
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1:] != (self.row_bytes,):
+            raise ValueError(f"out must be contiguous uint8 [n, {self.row_bytes}]")
+        if start < 0 or start + n > self.num_rows:
+            raise ValueError(f"rows {start}..{start + n} outside 0..{self.num_rows}")
+        if n == 0:
+            return
+        threads = threads or integrity.default_threads()
+        fd = self.open()
+        try:
+            jobs = self._jobs(fd, out, self.r0 + start, checked, drop_cache)
+            integrity.parallel(jobs, threads, progress)
+            change = self.file.changed(fd)
+            if change is not None:
+                raise integrity.FileChanged(f"{change} while it was read")
+        finally:
+            os.close(fd)
+
+    def _jobs(self, fd: int, out: torch.Tensor, row0: int, checked: bool, drop_cache: bool):
+        n = out.shape[0]
+        flat = out.numpy().reshape(-1)
+        roles = list(self.spans)
+        checks = self.checks if checked and self.checks is not None else {}
+
+        def job_raw(a: int, b: int, base: int):
+            def run() -> int:
+                integrity.read_checked(fd, checks.get("weight"), a, b, memoryview(flat[a - base:b - base]))
+                if drop_cache:
+                    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+                return b - a
+            return run
+
+        if len(roles) == 1:
+            _, start, rb = self.spans["weight"]
+            a, b = start + row0 * rb, start + (row0 + n) * rb
+            return [job_raw(lo, hi, a) for lo, hi in integrity.pieces(checks.get("weight"), a, b)]
+
+        # fp8 with separate scales: read both tensors' bytes of a piece of rows, then interleave them.
+        w_rb, s_rb = self.spans["weight"][2], self.spans["scales"][2]
+        step = max(1, integrity.PIECE_BYTES // w_rb)
+        table = out.numpy()
+
+        def job_split(r_lo: int, r_hi: int):
+            def run() -> int:
+                parts = []
+                for role, (_, t_start, rb) in self.spans.items():
+                    buf = np.empty((r_hi - r_lo) * rb, np.uint8)
+                    a = t_start + (row0 + r_lo) * rb
+                    integrity.read_checked(fd, checks.get(role), a, a + buf.size, memoryview(buf))
+                    parts.append(buf.reshape(r_hi - r_lo, rb))
+                table[r_lo:r_hi, :w_rb] = parts[0]
+                table[r_lo:r_hi, w_rb:] = parts[1]
+                return (r_hi - r_lo) * (w_rb + s_rb)
+            return run
+
+        return [job_split(r, min(n, r + step)) for r in range(0, n, step)]
+
+    def reader(self, direct: bool = False, threads: int = 32):
+        """The disk tier's row reader(s) of these rows: {"weight": reader[, "scales": reader]}."""
+        from condmem.tables.direct_read import DirectRowReader
+
+        return {role: DirectRowReader(self.file.path, start + self.r0 * rb, rb, self.num_rows, threads=threads,
+                                      direct=direct, source=self,
+                                      checks=None if self.checks is None else self.checks[role])
+                for role, (_, start, rb) in self.spans.items()}
 
 
 @dataclass
@@ -61,6 +199,13 @@ class LayerRows:
     format: str
     weight: torch.Tensor
     scales: torch.Tensor | None = None
+    source: RowSource | None = None
+    """Where the rows lie in a table file: the tiers read and check them from there (never through `weight`)."""
+
+    def slice_rows(self, start: int, stop: int) -> LayerRows:
+        """Rows [start, stop) (views; the source follows)."""
+        return LayerRows(self.format, self.weight[start:stop], None if self.scales is None else self.scales[start:stop],
+                         None if self.source is None else self.source.slice(start, stop))
 
     @property
     def num_rows(self) -> int:
@@ -140,10 +285,11 @@ def table_metadata(layout: EngramLayout, fmt: str, tokenizer_fingerprint: str | 
 
 
 def file_bytes(layout: EngramLayout, fmt: str) -> int:
-    """Bytes of a table file for `layout` in `fmt`: the rows plus a generous bound on the header."""
+    """Bytes of a table file for `layout` in `fmt`: the rows, their block CRCs and a generous bound on the header."""
     rows = sum(layout.num_embeddings)
     d = layout.config.head_dim
-    return rows * (2 * d if fmt == "bf16" else d + d // FP8_SCALE_BLOCK) + (1 << 20) + rows * d // 2**19
+    data = rows * (2 * d if fmt == "bf16" else d + d // FP8_SCALE_BLOCK)
+    return data + 4 * (data // integrity.BLOCK_BYTES + 4 * len(layout.layers)) + (1 << 20) + rows * d // 2**19
 
 
 def write_table_file(
@@ -153,14 +299,14 @@ def write_table_file(
     chunks_per_layer: Mapping[int, Iterable[LayerRows]],
     tokenizer_fingerprint: str | None = None,
     progress: bool = False,
-    integrity_chunk_bytes: int | None = None,
+    block_bytes: int = integrity.BLOCK_BYTES,
 ) -> Path:
-    """Stream every layer's rows into a new table file, atomically, with per-chunk hashes.
+    """Stream every layer's rows into a new table file, atomically, with a CRC32C per block.
 
     Args:
         chunks_per_layer: {layer_id: iterable of LayerRows chunks in `fmt`, in row order}.
         progress: show a progress bar over rows.
-        integrity_chunk_bytes: bytes per recorded sha256 (default 16 MiB).
+        block_bytes: bytes per recorded CRC32C (a multiple of 4096; default 4096).
     """
     if fmt not in FORMATS:
         raise TableFileError(f"unknown table format {fmt!r}; choose one of {FORMATS}")
@@ -172,7 +318,7 @@ def write_table_file(
     specs = _specs(layout, fmt)
     bar = Progress(sum(layout.num_embeddings), f"write {Path(path).name}", enabled=progress, unit="row", unit_scale=True)
     with StreamingWriter(path, specs, table_metadata(layout, fmt, tokenizer_fingerprint),
-                         integrity_chunk_bytes) as writer:
+                         block_bytes=block_bytes) as writer:
         for layer in layout.layers:
             names = tensor_names(layer.layer_id, fmt)
             written = 0
@@ -191,28 +337,27 @@ def write_table_file(
     return Path(path)
 
 
-
 class EngramTableFile:
-    """A table file opened for reading: metadata checked, tensors memory-mapped.
+    """A table file opened for reading: metadata and checksums' records checked; rows checked where they are read.
 
     Args:
         path: the safetensors file.
         layout: when given, the file must have been made for exactly this layout.
         tokenizer_fingerprint: when given (and recorded in the file), they must agree.
-        verify: ``sample`` (default) checks the header digest and a few random chunks of
-            every tensor; ``full`` every chunk; ``none`` nothing (a file without hashes opens,
-            with a warning).
+        verify: ``read`` (default) checks the header digest and the block CRCs' own sha256 at open,
+            and every row where it is read (`LayerRows.source`); ``full`` also every block of every
+            tensor now; ``none`` nothing at open (a file without checksums opens, with a warning).
 
     Raises:
         TableFileError: missing, truncated, corrupted, not safetensors, not a condmem table,
-            an incomplete write, or without hashes (unless ``verify="none"``).
+            an incomplete write, or without checksums (unless ``verify="none"``).
         TableMismatchError: made for another layout / tokenizer.
     """
 
     def __init__(self, path: str | os.PathLike, layout: EngramLayout | None = None,
-                 tokenizer_fingerprint: str | None = None, verify: Verify = "sample"):
-        if verify not in ("sample", "full", "none"):
-            raise TableFileError(f"verify must be sample, full or none, got {verify!r}")
+                 tokenizer_fingerprint: str | None = None, verify: Verify = "read"):
+        if verify not in ("read", "full", "none"):
+            raise TableFileError(f"verify must be read, full or none, got {verify!r}")
         self.header: Header = read_header(path)
         self.path = self.header.path
         meta = self.header.metadata
@@ -232,6 +377,11 @@ class EngramTableFile:
                 raise TableFileError(f"{self.path} has no chunk hashes, so its rows cannot be checked: rewrite it with "
                                      "`condmem convert --no-verify` (which records them), or open it with verify='none'")
             log.warning("%s: UNVERIFIED table file (no chunk hashes): corrupted rows would be served as rows", self.path)
+        elif not integrity.has_block_crcs(self.integrity):
+            log.warning("%s: written before per-block checksums: its rows are checked chunk by chunk (sha256 pieces "
+                        "of %.3g MiB: all of them while a tier loads it, each at its first read on the disk tier); "
+                        "`condmem convert` rewrites it with a CRC32C per 4 KiB block", self.path,
+                        self.integrity["chunk_bytes"] / 2**20)
         try:
             self.format: str = meta["dtype"]
             self.layout_fingerprint = meta["layout_fingerprint"]
@@ -256,30 +406,104 @@ class EngramTableFile:
             self.check_layout(layout)
         if tokenizer_fingerprint is not None:
             self.check_tokenizer(tokenizer_fingerprint)
+        self._checks: dict[str, integrity.TensorChecks] = {}
         if verify != "none" and self.integrity is not None:
-            self.verify(sample=SAMPLE_CHUNKS if verify == "sample" else None)
+            self._load_checks()
+            if verify == "full":
+                self.verify()
 
-    def _spans(self) -> dict[str, tuple[int, int]]:
-        return {name: (e.start, e.nbytes) for name, e in self.header.tensors.items()}
+    @property
+    def block_crcs(self) -> bool:
+        """True when every block of the rows has its own CRC32C (else: chunk digests, or nothing)."""
+        return integrity.has_block_crcs(self.integrity)
 
-    def verify(self, sample: int | None = None, progress: bool = False) -> int:
-        """Hash every chunk of every tensor (or `sample` random ones per tensor) and compare with the
-        recorded digests; returns the bytes checked. Raises `TableFileError` naming the first bad chunk."""
-        if self.integrity is None:
-            raise TableFileError(f"{self.path} has no chunk hashes to verify")
+    def data_tensors(self) -> list[str]:
+        """The tensors of rows (not the companions holding their block CRCs)."""
+        sums = set(self.integrity["sums"].values()) if self.block_crcs else set()
+        return [n for n in self.header.tensors if n not in sums]
+
+    def _load_checks(self) -> None:
+        """Every tensor's `TensorChecks`; block CRCs are read (with pread) and checked against their sha256."""
+        if self._checks or self.integrity is None:
+            return
+        record = self.integrity
+        checks = {}
+        fd = self.header.file.reopen()
         try:
-            return integrity.verify_chunks(self.header.mapping, self._spans(), self.integrity, sample, progress,
-                                           f"verify {self.path.name}")
+            for name in self.data_tensors():
+                e = self.header.tensors[name]
+                if not self.block_crcs:
+                    checks[name] = integrity.TensorChecks(name, e.start, e.nbytes, record["chunk_bytes"], e.start,
+                                                          digests=record["tensors"][name])
+                    continue
+                companion = self.header.tensors[record["sums"][name]]
+                raw = np.empty(companion.nbytes, np.uint8)
+                integrity.pread_into(fd, memoryview(raw), companion.start)
+                integrity.check_digest(companion.name, raw, record["sums_sha256"][companion.name])
+                crcs = raw.view("<u4").astype(np.uint32)
+                if len(crcs) != integrity.n_blocks(e.start, e.nbytes, record["block_bytes"]):
+                    raise integrity.IntegrityMismatch(f"tensor {name!r} has {len(crcs)} block CRCs for "
+                                                      f"{integrity.n_blocks(e.start, e.nbytes, record['block_bytes'])} "
+                                                      "blocks")
+                checks[name] = integrity.TensorChecks(name, e.start, e.nbytes, record["block_bytes"], 0, crcs=crcs)
         except integrity.IntegrityMismatch as exc:
             raise TableFileError(f"{self.path}: {exc}") from None
+        finally:
+            os.close(fd)
+        self._checks = checks
 
-    def chunk_verifiers(self, layer_id: int) -> dict[str, integrity.ChunkVerifier]:
-        """{role: verifier} for a reader that streams this layer's tensors in order (empty without hashes)."""
+    def verify(self, progress: bool = False, threads: int | None = None) -> int:
+        """Read every byte of every tensor (with pread, in parallel) and check it against its recorded
+        checksum; returns the bytes checked. Raises `TableFileError` naming the first bad block or chunk."""
         if self.integrity is None:
-            return {}
-        size = self.integrity["chunk_bytes"]
-        return {role: integrity.ChunkVerifier(name, self.integrity["tensors"][name], size)
-                for role, name in tensor_names(layer_id, self.format).items()}
+            raise TableFileError(f"{self.path} has no chunk hashes to verify")
+        self._load_checks()
+        total = sum(c.nbytes for c in self._checks.values())
+        bar = Progress(total, f"verify {self.path.name}", enabled=progress, unit="B", unit_scale=True)
+        fd = self.header.file.reopen()
+        try:
+            jobs = []
+            for c in self._checks.values():
+                for a, b in integrity.pieces(c, c.start, c.start + c.nbytes):
+                    def job(c=c, a=a, b=b) -> int:
+                        integrity.read_checked(fd, c, a, b, memoryview(bytearray(b - a)))
+                        return b - a
+                    jobs.append(job)
+            integrity.parallel(jobs, threads or integrity.default_threads(), bar.update)
+            change = self.header.file.changed(fd)
+            if change is not None:
+                raise integrity.FileChanged(f"{change} while it was verified")
+        except integrity.IntegrityMismatch as exc:
+            raise TableFileError(f"{self.path}: {exc}") from None
+        finally:
+            os.close(fd)
+            bar.close()
+        return total
+
+    def source(self, layer_id: int) -> RowSource:
+        """Where a layer's rows lie in the file and how they are checked (see `RowSource`)."""
+        if layer_id not in self.layer_ids:
+            raise TableFileError(f"{self.path} holds Engram layers {self.layer_ids}, not {layer_id}")
+        self._load_checks()
+        spans = {}
+        for role, name in tensor_names(layer_id, self.format).items():
+            e = self.header.tensors[name]
+            spans[role] = (name, e.start, e.nbytes // e.shape[0] if e.shape[0] else 0)
+        checks = {role: self._checks[name] for role, (name, _, _) in spans.items()} if self._checks else None
+        rows = self.num_embeddings[self.layer_ids.index(layer_id)]
+        return RowSource(self.header.file, self.format, spans, checks, 0, rows)
+
+    def read_rows(self, layer_id: int, start: int, stop: int, threads: int | None = None) -> LayerRows:
+        """Rows [start, stop) of one layer in memory, every block checked (raw rows: fp8 interleaved)."""
+        src = self.source(layer_id).slice(start, stop)
+        out = torch.empty((src.num_rows, src.row_bytes), dtype=torch.uint8)
+        try:
+            src.read(out, threads=threads)
+        except integrity.IntegrityMismatch as exc:
+            raise TableFileError(f"{self.path}: {exc}") from None
+        if self.format == "bf16":
+            return LayerRows("bf16", out.view(torch.bfloat16))
+        return LayerRows("fp8_interleaved", out)
 
     def check_layout(self, layout: EngramLayout) -> None:
         """Refuse a layout other than the one the table was made with, naming what differs."""
@@ -306,13 +530,13 @@ class EngramTableFile:
             )
 
     def layer(self, layer_id: int) -> LayerRows:
-        """Memory-mapped rows of one layer (no bytes are read until used)."""
-        if layer_id not in self.layer_ids:
-            raise TableFileError(f"{self.path} holds Engram layers {self.layer_ids}, not {layer_id}")
+        """One layer's rows: memory-mapped tensors (no bytes are read until used) and their checked `source`,
+        which the tiers read from."""
+        source = self.source(layer_id)
         names = tensor_names(layer_id, self.format)
         weight = mmap_tensor(self.header, names["weight"])
         scales = mmap_tensor(self.header, names["scales"]) if "scales" in names else None
-        return LayerRows(self.format, weight, scales)
+        return LayerRows(self.format, weight, scales, source)
 
     def tables(self) -> dict[int, LayerRows]:
         """Every layer's memory-mapped rows."""
