@@ -27,7 +27,9 @@ DEMO = {"engram_vocab_size": [1000, 1000], "max_ngram_size": 3, "n_embed_per_ngr
     ({"short_conv": "false"}, "short_conv"),
     ({"layer_ids": list(range(5000))}, "layer_ids"),
     ({"compressed_vocab_size": 2**40}, "compressed_vocab_size"),
-], ids=["table_2^62", "table_list", "heads", "order", "head_dim", "eps_inf", "eps_nan", "str_bool", "layers", "vocab"])
+    ({"layer_ids": list(range(1024)), "max_ngram_size": 32, "n_heads": 256}, "hash columns, at most"),
+], ids=["table_2^62", "table_list", "heads", "order", "head_dim", "eps_inf", "eps_nan", "str_bool", "layers", "vocab",
+        "columns"])
 def test_out_of_range_native_values_are_refused(change, match):
     cfg = dict(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=32, table_size=1000)
     cfg.update(change)

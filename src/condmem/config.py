@@ -56,6 +56,7 @@ LIMITS: dict[str, int] = {
     "seed": 2**32 - 1,
     "compressed_vocab_size": 2**31 - 1,
     "num_embeddings": 2**56,
+    "columns": 2**20,  # layers x (N-1) x heads: row ids per token; the layout draws one prime each (~2 us)
 }
 """Upper bounds of each size. Rows per layer are at most (N-1) x heads x table_size plus the
 prime gaps: < 31 x 256 x 2^40 x 1.001 < 2^54, so row ids stay below 2^63 with a margin of 2^9."""
@@ -146,6 +147,13 @@ class EngramConfig:
         if self.hc_mult is not None:
             need_int("hc_mult", self.hc_mult, 1)
         need_int("kernel_size", self.kernel_size, 1)
+        columns = len(self.layer_ids) * (self.max_ngram_size - 1) * self.n_heads
+        if columns > LIMITS["columns"]:
+            raise ConfigError(
+                f"EngramConfig: {len(self.layer_ids)} layer_ids x {self.max_ngram_size - 1} orders x {self.n_heads} "
+                f"n_heads = {columns:,} hash columns, at most {LIMITS['columns']:,}: each is one row read per token "
+                "and one prime the layout draws"
+            )
         if not isinstance(self.short_conv, bool):
             raise ConfigError(f"EngramConfig.short_conv must be a bool, got {self.short_conv!r}")
         if isinstance(self.table_size, (list, tuple)):
