@@ -95,3 +95,16 @@ def test_files_that_are_not_json_text(tmp_path):
     big.write_text(json.dumps({"layer_ids": [1], "pad": "x" * (17 * 2**20)}))
     with pytest.raises(ConfigError, match="MiB"):
         EngramConfig.load(big)
+
+
+def test_n_embed_per_ngram_must_be_an_int_not_a_bool():
+    with pytest.raises(ConfigError, match="n_embed_per_ngram must be an int"):
+        EngramConfig.from_dict(dict(DEMO, n_embed_per_ngram=True, n_head_per_ngram=1))
+
+
+def test_an_integer_of_5000_digits_names_the_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"layer_ids": [' + "9" * 5000 + "]}")
+    with pytest.raises(ConfigError, match="too long to read") as err:
+        EngramConfig.load(path)
+    assert str(path) in str(err.value)

@@ -284,7 +284,9 @@ class EngramConfig:
         if unknown:
             raise ConfigError(f"unknown demo-dialect key(s) {unknown}; known: {sorted(DEMO_KEYS)}")
         n_embed, n_head = d["n_embed_per_ngram"], d["n_head_per_ngram"]
-        if (not isinstance(n_embed, int) or not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1
+        if isinstance(n_embed, bool) or not isinstance(n_embed, int):
+            raise ConfigError(f"n_embed_per_ngram must be an int, got {n_embed!r}")
+        if (not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1
                 or n_embed % n_head):
             raise ConfigError(
                 f"n_embed_per_ngram ({n_embed!r}) must be a multiple of n_head_per_ngram ({n_head!r}): "
@@ -429,6 +431,8 @@ def read_json_file(path: Path, what: str = "config") -> Any:
         raise ConfigError(f"{what} file {path} is nested too deeply to be a config") from None
     except ConfigError as exc:
         raise ConfigError(f"{what} file {path}: {exc}") from None
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit conversion limit
+        raise ConfigError(f"{what} file {path} holds a number too long to read ({exc})") from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

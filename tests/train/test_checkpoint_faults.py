@@ -229,3 +229,40 @@ def test_checkpoint_bytes_bounds_the_checkpoint_written(tiny_data, tmp_path):
     trainer.fit()
     written = sum(f.stat().st_size for f in resolve_checkpoint(tmp_path / "run").iterdir())
     assert written <= trainer.checkpoint_bytes() and written <= before
+
+
+# ---------------------------------------------------------------------------- values that were misread
+@pytest.mark.parametrize("step", ["3", 2.5, True, -1, None], ids=["str", "float", "bool", "negative", "null"])
+def test_state_json_with_a_step_that_is_not_an_integer_is_refused(trained, tmp_path, step):
+    import json
+
+    from condmem.train.checkpoint import _state_digest
+
+    _, src = trained
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    path = resolve_checkpoint(run) / "state.json"
+    state = json.loads(path.read_text())
+    state["step"] = step
+    state["state_sha256"] = _state_digest(state)  # an edit that also recomputed the hash
+    path.write_text(json.dumps(state) + "\n")
+    with pytest.raises(CheckpointError, match="step must be a non-negative integer"):
+        load_checkpoint(run)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_grad_clip_that_is_not_a_finite_non_negative_number_is_refused(value):
+    from condmem.config import ConfigError
+    from condmem.train.loop import TrainConfig
+
+    with pytest.raises(ConfigError, match="grad_clip"):
+        TrainConfig(grad_clip=value)
+
+
+def test_generate_with_a_malformed_tokenizer_names_the_file(trained, tmp_path, capsys):
+    _, run = trained
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"version": "1.0"}')  # valid JSON, no model: tokenizers says only "Model missing"
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "def", "--tokenizer", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert str(bad) in err and "Traceback" not in err, err

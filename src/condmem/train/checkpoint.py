@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,13 @@ from tokenizers import Tokenizer
 
 from condmem.layout import EngramLayout, LayoutError
 from condmem.models import DecoderLM, ModelConfig
-from condmem.utils.atomic import atomic_path, atomic_write_text, fsync_dir, sweep_stale
+from condmem.utils.atomic import (
+    atomic_path,
+    atomic_write_text,
+    fsync_dir,
+    make_temp_dir,
+    sweep_stale,
+)
 from condmem.utils.digest import sha256_file
 from condmem.utils.preflight import OutputPathError, check_free_space
 
@@ -104,6 +109,12 @@ def read_state(folder: Path) -> dict:
     missing = sorted(set(FILES) - set(state["files"]))
     if missing:
         raise CorruptCheckpointError(f"{path} lists no hash for {missing}: the checkpoint is damaged")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CorruptCheckpointError(f"{path}: step must be a non-negative integer, got {step!r}")
+    for name in ("history", "evals"):
+        if not isinstance(state.get(name, []), list):
+            raise CorruptCheckpointError(f"{path}: {name} must be a list, got {type(state[name]).__name__}")
     return state
 
 
@@ -259,7 +270,7 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
     name = f"step-{step:07d}"
     final = root / name
     aside = root / f".{name}{ASIDE}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.{os.getpid()}.", dir=root))
+    tmp = make_temp_dir(root, name)
     try:
         tables = _table_names(model)
         names = {p: n for n, p in model.named_parameters()}

@@ -91,9 +91,16 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"TrainConfig.{name} must be a non-negative int, got {value!r}")
+        for name in ("lr", "table_lr_mult", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"TrainConfig.{name} must be a finite number, got {value!r}")
         for name in ("lr", "table_lr_mult", "eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"TrainConfig.{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"TrainConfig.{name} must be >= 0 (0: none), got {getattr(self, name)!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
