@@ -136,10 +136,14 @@ def test_only_temps_of_gone_writers_are_swept(tmp_path):
     reused_old = tmp_path / ".c.bin.1.abcdefgh.tmp"  # pid 1 runs, the temp is unlocked and old: pid reused
     locked_old = tmp_path / f".d.bin.{os.getpid()}.ijklmnop.tmp"
     dead_dir = tmp_path / f".step-0000003.{_dead_pid()}.qrstuvwx"
-    unrelated = [tmp_path / ".hidden.1.2", tmp_path / "plain.123.abcdefgh.tmp", tmp_path / ".other-tool.lock"]
+    unrelated = [tmp_path / ".hidden.1.2", tmp_path / "plain.123.abcdefgh.tmp", tmp_path / ".other-tool.lock",
+                 tmp_path / f".short.{_dead_pid()}.abc.tmp"]
     for p in (dead, live, reused_old, locked_old, *unrelated):
         p.write_bytes(b"x")
     dead_dir.mkdir()
+    user_folder = tmp_path / f".user-folder.{_dead_pid()}.abc"  # not tempfile's random part: never removed
+    user_folder.mkdir()
+    unrelated.append(user_folder)
     past = time.time() - 3600
     for p in (reused_old, locked_old):
         os.utime(p, (past, past))

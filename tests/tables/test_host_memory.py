@@ -188,7 +188,8 @@ def _serve(path: str, ready, go, results, tag: str) -> None:
         prepared = memory.prepare(ids)
         for lid in table.layer_ids:
             wrong += int(not torch.equal(prepared.rows(lid), expected[lid][prepared.row_ids(lid)]))
-    names = sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith("condmem-shared-"))
+    names = sorted(store._buffer._path.name for store in memory.stores.values())
+    assert all((SHM_DIR / n).exists() for n in names)
     memory.close()
     results.put((tag, wrong, names))
 

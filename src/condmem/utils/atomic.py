@@ -48,9 +48,10 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-# A temp of `atomic_path` (``.<name>.<pid>.<random>.tmp``) or a temp folder of `tempfile.mkdtemp` with the same
-# prefix (checkpoints): hidden, the writer's pid, mkstemp's random part.
-_TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+(?P<tmp>\.tmp)?")
+# A temp of `atomic_path` (``.<name>.<pid>.<random>.tmp``) or a temp folder of `make_temp_dir` (checkpoints):
+# hidden, the writer's pid, tempfile's 8 random characters. A caller that names its own prefix accepts any random part.
+_TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.(?P<random>[A-Za-z0-9_]+)(?P<tmp>\.tmp)?")
+_TEMPFILE_RANDOM = re.compile(r"[a-z0-9_]{8}")
 STALE_UNLOCKED_S = 10.0
 """A temp no one holds a lock on is a killed writer's once it is this old (a writer locks it at once)."""
 
@@ -110,6 +111,8 @@ def _writer_gone(entry: Path, pid: int, is_file: bool) -> bool:
 def sweep_stale(directory: str | os.PathLike, prefix: str = ".") -> list[Path]:
     """Remove the temps in `directory` (names starting with `prefix`) whose writers were killed; returns them.
 
+    With the default prefix (any temp of the folder) only tempfile's names count (8 random characters).
+
     Temp files (``.<name>.<pid>.<random>.tmp``) and temp folders (``.<name>.<pid>.<random>``) go when
     their pid is not running; a temp file also when no one has held its lock for a while (its pid was reused).
     Destination locks (``.<name>.lock``) go when no writer holds them.
@@ -128,7 +131,7 @@ def sweep_stale(directory: str | os.PathLike, prefix: str = ".") -> list[Path]:
                 removed.append(entry)
             continue
         m = _TEMP.fullmatch(entry.name)
-        if m is None:
+        if m is None or (prefix == "." and not _TEMPFILE_RANDOM.fullmatch(m.group("random"))):
             continue
         is_dir = entry.is_dir() and not entry.is_symlink()
         is_file = entry.is_file() and not entry.is_symlink()
