@@ -79,3 +79,100 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == [], "the partial temp file is removed"
+
+
+# ---------------------------------------------------------------------------- flags and files that were misread
+@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
+                                         ("--max-new-tokens", "-1"), ("--max-new-tokens", "0"), ("--top-k", "-5")])
+def test_generate_refuses_bad_sampling_flags(tmp_path, flag, value, capsys):
+    # Refused before the checkpoint is even looked for.
+    rc = main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x", f"{flag}={value}"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("text", ['{"a": 1}', '{"a": ', ""], ids=["no_model", "truncated", "empty"])
+def test_malformed_tokenizer_json_names_the_file(tmp_path, config, text, capsys):
+    bad = tmp_path / "tok.json"
+    bad.write_text(text)
+    assert main(["hash", "--tokenizer", str(bad), "--config", str(config), "--ids", "1,2"]) == 1
+    err = capsys.readouterr().err
+    assert str(bad) in err and "tokenizer.json" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", ",1", "1 2", "1_0", "１"])
+def test_hash_ids_that_are_not_plain_integers_are_refused(ids, config, tokenizer, capsys):
+    assert main(["hash", "--tokenizer", str(tokenizer), "--config", str(config), "--ids", ids]) == 1
+    err = capsys.readouterr().err
+    assert "--ids" in err and "Traceback" not in err
+
+
+def test_plain_ids_with_spaces_still_parse(config, tokenizer, capsys):
+    assert main(["hash", "--tokenizer", str(tokenizer), "--config", str(config), "--ids", " 1, 2 ,3"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == [1, 2, 3]
+
+
+def _small_table(tmp_path):
+    import torch
+
+    from condmem import EngramConfig, EngramLayout
+    from condmem.tables.table_file import LayerRows, write_table_file
+
+    layout = EngramLayout(EngramConfig(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, table_size=500,
+                                       compressed_vocab_size=50))
+    rows = torch.randn(layout.num_embeddings[0], 32).to(torch.bfloat16)
+    return write_table_file(tmp_path / "src.safetensors", layout, "bf16", {1: [LayerRows("bf16", rows)]})
+
+
+def test_enospc_mid_convert_names_the_output(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    from condmem.tables import safetensors_io
+
+    src = _small_table(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    real = safetensors_io.StreamingWriter.write
+
+    def full_disk(self, name, chunk):
+        real(self, name, chunk)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write() to a full disk raises it
+
+    monkeypatch.setattr(safetensors_io.StreamingWriter, "write", full_disk)
+    dst = out / "dst.safetensors"
+    assert main(["convert", str(src), str(dst), "--to", "bf16", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert str(dst) in err and "No space left on device" in err and "Traceback" not in err, err
+    assert list(out.iterdir()) == [], "no temp, no lock file left"
+
+
+def test_convert_keeps_the_destination_mode_and_writes_through_a_symlink(tmp_path):
+    import os
+    import stat
+
+    src = _small_table(tmp_path)
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    target = real_dir / "t.safetensors"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o644)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    assert main(["convert", str(src), str(link), "--to", "bf16", "--no-progress"]) == 0
+    assert link.is_symlink() and os.readlink(link) == str(target), "the link is kept"
+    assert target.read_bytes() != b"old" and target.read_bytes() == (tmp_path / "src.safetensors").read_bytes()
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+
+
+def test_inspect_sweeps_temps_of_killed_writers_beside_the_file(tmp_path, capsys):
+    import subprocess
+
+    src = _small_table(tmp_path)
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # a pid no process has any more
+    orphan = tmp_path / f".big.safetensors.{proc.pid}.k3j2h1g0.tmp"
+    orphan.write_bytes(b"\0" * 4096)
+    assert main(["inspect", str(src)]) == 0
+    assert not orphan.exists() and str(orphan) in capsys.readouterr().err

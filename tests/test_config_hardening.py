@@ -27,7 +27,9 @@ DEMO = {"engram_vocab_size": [1000, 1000], "max_ngram_size": 3, "n_embed_per_ngr
     ({"short_conv": "false"}, "short_conv"),
     ({"layer_ids": list(range(5000))}, "layer_ids"),
     ({"compressed_vocab_size": 2**40}, "compressed_vocab_size"),
-], ids=["table_2^62", "table_list", "heads", "order", "head_dim", "eps_inf", "eps_nan", "str_bool", "layers", "vocab"])
+    ({"layer_ids": list(range(1024)), "max_ngram_size": 32, "n_heads": 256}, "hash columns, at most"),
+], ids=["table_2^62", "table_list", "heads", "order", "head_dim", "eps_inf", "eps_nan", "str_bool", "layers", "vocab",
+        "columns"])
 def test_out_of_range_native_values_are_refused(change, match):
     cfg = dict(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=32, table_size=1000)
     cfg.update(change)
@@ -93,3 +95,16 @@ def test_files_that_are_not_json_text(tmp_path):
     big.write_text(json.dumps({"layer_ids": [1], "pad": "x" * (17 * 2**20)}))
     with pytest.raises(ConfigError, match="MiB"):
         EngramConfig.load(big)
+
+
+def test_n_embed_per_ngram_must_be_an_int_not_a_bool():
+    with pytest.raises(ConfigError, match="n_embed_per_ngram must be an int"):
+        EngramConfig.from_dict(dict(DEMO, n_embed_per_ngram=True, n_head_per_ngram=1))
+
+
+def test_an_integer_of_5000_digits_names_the_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"layer_ids": [' + "9" * 5000 + "]}")
+    with pytest.raises(ConfigError, match="too long to read") as err:
+        EngramConfig.load(path)
+    assert str(path) in str(err.value)

@@ -59,6 +59,7 @@ LIMITS: dict[str, int] = {
     "seed": 2**32 - 1,
     "compressed_vocab_size": 2**31 - 1,
     "num_embeddings": 2**56,
+    "columns": 2**20,  # layers x (N-1) x heads: row ids per token; the layout draws one prime each (~2 us)
 }
 """Upper bounds of each size. Rows per layer are at most (N-1) x heads x table_size plus the
 prime gaps: < 31 x 256 x 2^40 x 1.001 < 2^54, so row ids stay below 2^63 with a margin of 2^9."""
@@ -154,6 +155,13 @@ class EngramConfig:
         if self.hc_mult is not None:
             need_int("hc_mult", self.hc_mult, 1)
         need_int("kernel_size", self.kernel_size, 1)
+        columns = len(self.layer_ids) * (self.max_ngram_size - 1) * self.n_heads
+        if columns > LIMITS["columns"]:
+            raise ConfigError(
+                f"EngramConfig: {len(self.layer_ids)} layer_ids x {self.max_ngram_size - 1} orders x {self.n_heads} "
+                f"n_heads = {columns:,} hash columns, at most {LIMITS['columns']:,}: each is one row read per token "
+                "and one prime the layout draws"
+            )
         if not isinstance(self.short_conv, bool):
             raise ConfigError(f"EngramConfig.short_conv must be a bool, got {self.short_conv!r}")
         if isinstance(self.table_size, (list, tuple)):
@@ -302,7 +310,9 @@ class EngramConfig:
         if unknown:
             raise ConfigError(f"unknown demo-dialect key(s) {unknown}; known: {sorted(DEMO_KEYS)}")
         n_embed, n_head = d["n_embed_per_ngram"], d["n_head_per_ngram"]
-        if (not isinstance(n_embed, int) or not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1
+        if isinstance(n_embed, bool) or not isinstance(n_embed, int):
+            raise ConfigError(f"n_embed_per_ngram must be an int, got {n_embed!r}")
+        if (not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1
                 or n_embed % n_head):
             raise ConfigError(
                 f"n_embed_per_ngram ({n_embed!r}) must be a multiple of n_head_per_ngram ({n_head!r}): "
@@ -447,6 +457,8 @@ def read_json_file(path: Path, what: str = "config") -> Any:
         raise ConfigError(f"{what} file {path} is nested too deeply to be a config") from None
     except ConfigError as exc:
         raise ConfigError(f"{what} file {path}: {exc}") from None
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit conversion limit
+        raise ConfigError(f"{what} file {path} holds a number too long to read ({exc})") from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

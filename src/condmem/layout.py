@@ -17,9 +17,11 @@ with a layout (or compressed vocabulary) it was not trained with.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,55 +39,126 @@ class LayoutError(ConfigError):
     """The layout cannot be built, or disagrees with what a config or checkpoint states."""
 
 
-# Witnesses that make Miller-Rabin deterministic for every n < 3.3e24 (far beyond int64).
-_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+# Integers per sieve window (at 2**40 one window holds ~38,000 primes).
+_SIEVE_SPAN = 1 << 20
+# Primes from here up have at most 2**20 / 4096 = 256 multiples in a window.
+_SIEVE_FEW_MULTIPLES = 4096
 
 
-def is_prime(n: int) -> bool:
-    """Deterministic primality test (Miller-Rabin with a fixed witness set)."""
-    if n < 2:
-        return False
-    for p in _MR_BASES:
-        if n % p == 0:
-            return n == p
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        s += 1
-    for a in _MR_BASES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
+class PrimeSieve:
+    """``next_prime(y)``: the smallest prime > y, from windows of integers sieved (exactly) on first use.
+
+    A window ``[k * 2**20, (k + 1) * 2**20)`` is sieved with every prime up to the square root
+    of its end, so its primes are exact, with no primality test per candidate; windows stay
+    cached for the life of the object (one layout's search).
+    """
+
+    def __init__(self) -> None:
+        self._windows: dict[int, list[int]] = {}
+        self._base = np.zeros(0, dtype=np.int64)
+        self._base_limit = 1
+
+    def _base_primes(self, limit: int) -> np.ndarray:
+        """All primes <= `limit` (a plain sieve, grown by doubling)."""
+        if limit > self._base_limit:
+            size = max(limit, 2 * self._base_limit) + 1
+            flags = np.ones(size, dtype=bool)
+            flags[:2] = False
+            for i in range(2, math.isqrt(size - 1) + 1):
+                if flags[i]:
+                    flags[i * i :: i] = False
+            self._base = np.flatnonzero(flags).astype(np.int64)
+            self._base_limit = size - 1
+        return self._base[: np.searchsorted(self._base, limit, side="right")]
+
+    def _window(self, k: int) -> list[int]:
+        primes = self._windows.get(k)
+        if primes is None:
+            lo, hi = k * _SIEVE_SPAN, (k + 1) * _SIEVE_SPAN
+            flags = np.ones(_SIEVE_SPAN, dtype=bool)
+            if lo == 0:
+                flags[:2] = False
+            base = self._base_primes(math.isqrt(hi - 1))
+            # Each prime's first multiple in the window; below p*p a multiple has a smaller factor.
+            first = np.maximum(base * base, -(-lo // base) * base) - lo
+            few = np.searchsorted(base, _SIEVE_FEW_MULTIPLES)
+            for p, f in zip(base[:few].tolist(), first[:few].tolist()):
+                flags[f::p] = False
+            # Primes with few multiples in the window: strike them all at once, one multiple a round.
+            p, f = base[few:], first[few:]
+            while p.size:
+                keep = f < _SIEVE_SPAN
+                p, f = p[keep], f[keep]
+                flags[f] = False
+                f = f + p
+            primes = (np.flatnonzero(flags) + lo).tolist()
+            self._windows[k] = primes
+        return primes
+
+    def next_prime(self, y: int) -> int:
+        """The smallest prime > `y` (y >= -1)."""
+        k = (y + 1) // _SIEVE_SPAN
+        while True:
+            primes = self._window(k)
+            i = bisect.bisect_right(primes, y)
+            if i < len(primes):
+                return primes[i]
+            k += 1
 
 
-def next_unused_prime(start: int, taken: set[int]) -> int:
-    """The smallest prime strictly greater than `start` that is not in `taken`."""
-    candidate = start + 1
-    while candidate in taken or not is_prime(candidate):
-        candidate += 1
-    return candidate
+class PrimeSearch:
+    """Hands out the smallest prime above a start that no earlier call took, in time linear in the primes.
+
+    ``take(start)`` answers what a walk up from ``start + 1`` would (the first prime not taken),
+    but never re-walks a stretch it walked before. It remembers, for points it passed, a skip
+    ``skip[y] = z``: every prime in ``(y, z]`` is taken. Taken primes only grow, so a skip stays
+    true forever, and a search that reaches ``y`` continues from ``z``. After each search every
+    point it passed skips straight to the prime it found (path compression), so the orders that
+    restart at one table size (all of them, in most configs) pass each earlier order's primes
+    about once, instead of walking every prime and gap that the earlier layers took.
+    """
+
+    def __init__(self) -> None:
+        self.taken: set[int] = set()
+        self._skip: dict[int, int] = {}
+        self._sieve = PrimeSieve()
+
+    def take(self, start: int) -> int:
+        """The smallest prime > `start` not taken yet; it is taken by this call."""
+        skip, taken = self._skip, self.taken
+        # The points a later search may start from or reach: this start and the taken primes passed.
+        passed = [start]
+        y = start
+        while True:
+            z = skip.get(y)
+            if z is None:
+                z = self._sieve.next_prime(y)
+                if z not in taken:
+                    break
+            y = z
+            passed.append(y)
+        # Every prime in (point, z) was taken, and z is taken now.
+        for point in passed:
+            skip[point] = z
+        taken.add(z)
+        return z
 
 
 def draw_primes(layer_ids: list[int], table_sizes: list[int], n_heads: int) -> list[list[int]]:
-    """Primes per layer, flattened per layer in (order, head) column order."""
-    taken: set[int] = set()
+    """Primes per layer, flattened per layer in (order, head) column order.
+
+    For each layer, each order, each head: the smallest prime above the previous head's (the
+    first head: above ``table_size - 1``) that no earlier column of the model took.
+    """
+    search = PrimeSearch()
     per_layer = []
     for _ in layer_ids:
         columns = []
         for size in table_sizes:
             start = size - 1
             for _ in range(n_heads):
-                p = next_unused_prime(start, taken)
-                taken.add(p)
-                columns.append(p)
-                start = p
+                start = search.take(start)
+                columns.append(start)
         per_layer.append(columns)
     return per_layer
 
@@ -294,5 +367,5 @@ class EngramLayout:
 
 @functools.lru_cache(maxsize=64)
 def _cached_primes(layer_ids: tuple[int, ...], table_sizes: tuple[int, ...], n_heads: int) -> tuple[tuple[int, ...], ...]:
-    # The prime search is the slow part of a layout (tens of ms at V4.1 size); configs repeat.
+    # The prime search is the slow part of a layout (~1.5 us a prime at 2**40); configs repeat.
     return tuple(tuple(cols) for cols in draw_primes(list(layer_ids), list(table_sizes), n_heads))

@@ -110,6 +110,18 @@ class TokenIdError(ValueError):
         )
 
 
+class TokenizerFileError(ValueError):
+    """A tokenizer file cannot be read, or is not a tokenizer.json."""
+
+
+def read_tokenizer_file(path: str | os.PathLike) -> Tokenizer:
+    """`tokenizers.Tokenizer.from_file`, with `TokenizerFileError` naming the file instead of a bare Exception."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions ("Model missing", JSON errors)
+        raise TokenizerFileError(f"{path} is not a readable tokenizer.json ({exc})") from None
+
+
 class TokenizerMismatchError(ValueError):
     """The tokenizer's compressed vocab size differs from the one a model was trained with."""
 
@@ -242,7 +254,7 @@ def _resolve_source(source: Any) -> _Source:
             path = deepseek_v4_tokenizer_path()
         else:
             path = _resolve_path(source)
-        return _source_from_tokenizers(Tokenizer.from_file(str(path)), str(path))
+        return _source_from_tokenizers(read_tokenizer_file(path), str(path))
 
     # transformers objects, duck-typed so that transformers stays optional.
     backend = getattr(source, "backend_tokenizer", None)
@@ -358,7 +370,7 @@ def _read_cache(path: Path, tokenizer_fingerprint: str, length: int) -> tuple[np
 
 def _write_cache(path: Path, tokenizer_fingerprint: str, lookup: np.ndarray, vocab_size: int, fingerprint: str) -> None:
     try:
-        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        with atomic_path(path, wait=True) as tmp, open(tmp, "wb") as fh:
             np.savez(
                 fh,
                 format=np.int64(_CACHE_FORMAT),

@@ -85,7 +85,13 @@ def run(args) -> int:
 
     check_output_file(args.dst, "dst", need_bytes=file_bytes(layout, args.to))
     start = time.perf_counter()
-    out = convert_tables(tables, layout, args.dst, args.to, fingerprint, args.chunk_rows, progress=not args.no_progress)
+    try:
+        out = convert_tables(tables, layout, args.dst, args.to, fingerprint, args.chunk_rows,
+                             progress=not args.no_progress)
+    except OSError as exc:
+        if exc.filename is None:  # a write to the output (a full disk): name it, not just "[Errno 28]"
+            exc.filename = str(args.dst)
+        raise
     seconds = time.perf_counter() - start
     size = out.stat().st_size
     log.info("wrote %s: %s rows of layers %s, %.2f GiB in %.1f s (%.2f GiB/s)", out, f"{sum(layout.num_embeddings):,}",

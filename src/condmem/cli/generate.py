@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+
+from condmem.cli import CliError
 
 
 def register(sub) -> None:
@@ -30,6 +33,16 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args) -> None:
+    """Refuse sampling settings that would crash mid-way or be silently misread."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise CliError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.top_k < 0:
+        raise CliError(f"--top-k must be >= 0 (0: sample from every token), got {args.top_k}")
+
+
 def run(args) -> int:
     import torch
 
@@ -38,6 +51,7 @@ def run(args) -> int:
     from condmem.train.demo import resolve_device
     from condmem.train.pipeline import EOS_CANDIDATES, find_special
 
+    check_args(args)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, tokenizer=args.tokenizer, load_optimizer=False)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -7,6 +7,7 @@ implementation (SGLang, vLLM, the official demo) to prove two stacks read the sa
 from __future__ import annotations
 
 import argparse
+import re
 
 from condmem.cli import CliError
 from condmem.cli.common import add_config_argument, load_config, print_json
@@ -36,10 +37,12 @@ def register(sub) -> None:
 
 
 def _parse_ids(text: str, vocab: int) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise CliError(f"--ids must be comma-separated integers, got {text!r}") from None
+    items = [x.strip() for x in text.split(",")]
+    for k, item in enumerate(items):
+        # Plain ASCII digits only: int() would also take "1_000", "１" or "" silently.
+        if not re.fullmatch(r"-?[0-9]+", item):
+            raise CliError(f"--ids must be comma-separated integers; item {k + 1} of {text!r} is {item!r}")
+    ids = [int(x) for x in items]
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise CliError(f"--ids: token id {bad[0]} is outside the tokenizer's ids 0..{vocab - 1}")

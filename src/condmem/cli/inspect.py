@@ -95,7 +95,14 @@ def format_report(r: dict) -> str:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from condmem.tables.inspect import inspect_tables
+    from condmem.utils.atomic import sweep_stale
+
+    folder = Path(args.path) if Path(args.path).is_dir() else Path(args.path).parent
+    for temp in sweep_stale(folder):  # what writers killed mid-write left beside it
+        print(f"removed {temp}: the temp file of a killed writer", file=sys.stderr)
 
     if args.verify:
         import time

@@ -231,7 +231,8 @@ class EngramMemory:
         group = kwargs.get("process_group")
         stores = {lid: place_layer(_shard(table.layer(lid), hasher, lid, group), tier,
                                    device=device if tier == "hbm" else None, host_alloc=host_alloc, progress=progress,
-                                   name=f"layer {lid}", direct_io=direct_io)
+                                   name=f"layer {lid}", direct_io=direct_io,
+                                   shared_name=_shared_name(table, lid, hasher, group) if host_alloc == "shared" else None)
                   for lid in hasher.layer_ids}
         if dram_cache_bytes:
             if tier != "disk":
@@ -480,6 +481,24 @@ def _shard(rows: LayerRows, hasher: NgramHasher, layer_id: int, group) -> LayerR
 
     r0, r1 = shard_plan(hasher, layer_id, group).rows(dist.get_rank(group))
     return rows.slice_rows(r0, r1)
+
+
+def _shared_name(table, layer_id: int, hasher: NgramHasher, group) -> str:
+    """The /dev/shm name of one layer's shared host copy: from the file's recorded checksums (its content), format,
+    layer and this rank's rows, so that processes share a file only when they serve the same rows."""
+    from condmem.tables.host_memory import content_fingerprint, shared_table_name
+
+    record = table.header.metadata.get("integrity")
+    if not record:
+        raise EngramMemoryError(f"{table.path} records no checksums to name a shared host copy by its content: "
+                                "rewrite it with `condmem convert`, or use another host_alloc")
+    rows = [0, table.num_embeddings[table.layer_ids.index(layer_id)]]
+    if group is not None:
+        import torch.distributed as dist
+
+        rows = list(shard_plan(hasher, layer_id, group).rows(dist.get_rank(group)))
+    return shared_table_name(content_fingerprint(record, table.format, layer_id, rows), layer_id)
+
 
 
 def _check_same_geometry(ckpt, hasher: NgramHasher) -> None:

@@ -8,11 +8,25 @@ Strategies (`HostAlloc`):
 * ``cuda_host_alloc``: ``torch.empty(..., pin_memory=True)`` (cudaHostAlloc through
   PyTorch's caching host allocator, which may round the request up).
 * ``shared``: a file in ``/dev/shm`` mapped ``MAP_SHARED``, so several processes on one
-  host map one copy (the first one fills it; the others attach), then registered. Its
-  size is checked against the free space of ``/dev/shm`` and reserved with
-  ``posix_fallocate`` before it is mapped (a tmpfs that runs out later kills the process
-  with SIGBUS, without a message); the creator removes the file on `close()` unless asked
-  to persist it.
+  host map one copy, then registered. Its size is checked against the free space of
+  ``/dev/shm`` and reserved with ``posix_fallocate`` before it is mapped (a tmpfs that runs
+  out later kills the process with SIGBUS, without a message). A table's file is named by
+  its content (`shared_table_name`: the table's fingerprint and layer), so two tables never
+  share a file, and its users are known by an ``flock`` each holds while attached:
+
+  - the first process creates the file under an exclusive lock (and records the
+    fingerprint, layer and size in the file's first 2 MiB, kept apart so the rows stay
+    2 MiB-aligned for huge pages), then holds a shared lock; the others wait for that,
+    check the record and attach;
+  - `close()` removes the file when no other process holds a lock on it (the last user);
+  - a process that dies (SIGKILL included) drops its lock with its descriptors, so a
+    file no one holds a lock on is stale: the next user of the name takes it over, and
+    every new shared table first removes the stale files of other names
+    (`sweep_stale_shared`).
+
+  An explicitly named file (``shared_name`` not from `shared_table_name`, as the node
+  tables of `condmem.distributed` use) has no locks: its creator removes it on `close()`
+  unless asked to persist it.
 * ``pageable``: plain memory, not page-locked (CPU-only use, the disk tier's DRAM cache).
 
 `collapse_huge_pages` asks the kernel (``MADV_COLLAPSE``, Linux >= 6.1) to back a filled
@@ -26,10 +40,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import hashlib
+import json
 import logging
 import mmap
 import os
+import random
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -100,6 +119,8 @@ class HostBuffer:
     _registered: bool = False
     _path: Path | None = None
     _remove_on_close: bool = False
+    _lock_fd: int | None = None
+    """A shared table's descriptor holding this user's flock (closing it detaches)."""
 
     @property
     def nbytes(self) -> int:
@@ -149,6 +170,9 @@ class HostBuffer:
         if self._remove_on_close and self._path is not None:
             self._path.unlink(missing_ok=True)
             self._remove_on_close = False
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            _detach_shared(fd, self._path)
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._mmap is not None:
             try:
@@ -163,12 +187,15 @@ def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_nam
     """A host buffer of exactly `nbytes` (not yet page-locked for mmap strategies: call `pin()` after filling).
 
     Args:
-        shared_name: the file name in /dev/shm (``shared``).
-        persist: keep a shared file this call creates after `close()` (default: removed).
+        shared_name: the file name in /dev/shm (``shared``, required): `shared_table_name` of the
+            table's content (attached while the fingerprint matches, removed by its last user,
+            reclaimed when stale), or a name of the caller's (no locks; removed by its creator).
+        persist: keep an explicitly named shared file this call creates after `close()`.
 
     Raises:
-        HostMemoryError: more than ``MemAvailable`` (or, shared, /dev/shm's free space) asked, or an
-            unknown strategy.
+        HostMemoryError: more than ``MemAvailable`` (or, shared, /dev/shm's free space) asked, an
+            unknown strategy, a shared buffer without a name, or a shared file that holds another
+            table (or another size) than its name says.
     """
     if strategy not in HOST_ALLOCS:
         raise HostMemoryError(f"unknown host allocation {strategy!r}; choose one of {HOST_ALLOCS}")
@@ -189,7 +216,17 @@ def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_nam
             raise HostMemoryError(f"cudaHostAlloc of {nbytes / 2**30:.2f} GiB failed: {exc}") from None
         return HostBuffer(t, strategy, pinned=True)
     if strategy == "shared":
-        return _allocate_shared(nbytes, shared_name or "condmem-table", persist)
+        if not shared_name:
+            raise HostMemoryError(
+                "host_alloc='shared' needs the file's name: shared_table_name(fingerprint, layer_id) of the table's "
+                "content (EngramMemory.from_table_file passes it), so that two tables never share a file"
+            )
+        if parse_shared_table_name(shared_name) is not None:
+            if persist:
+                raise HostMemoryError(f"{shared_name}: a table-named shared file is removed by its last user; "
+                                      "persist applies to explicitly named files")
+            return _attach_shared_table(nbytes, shared_name)
+        return _allocate_shared(nbytes, shared_name, persist)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -227,6 +264,171 @@ def _allocate_shared(nbytes: int, name: str, persist: bool) -> HostBuffer:
         os.close(fd)
     return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8), "shared", pinned=False, _mmap=mm, _path=path,
                       _remove_on_close=created and not persist)
+
+
+SHM_DIR = Path("/dev/shm")
+SHARED_TABLE_PREFIX = "condmem-shared-"
+_SHARED_TABLE_NAME = re.compile(r"^condmem-shared-([0-9a-f]{64})-l(\d+)$")
+SHARED_HEADER_BYTES = 2 * 2**20
+"""A table-named shared file's record (first page) and the gap that keeps its rows 2 MiB-aligned."""
+_SHARED_MAGIC = b"condmem-shared-table/1\n"
+
+
+def shared_table_name(fingerprint: str, layer_id: int) -> str:
+    """The /dev/shm file name of one layer of a table, from the table's content fingerprint.
+
+    Args:
+        fingerprint: 64 hex digits that change whenever any row would (e.g. the sha256 of the
+            table file's recorded checksums, format and this process's row range).
+        layer_id: the Engram layer.
+    """
+    if not re.fullmatch(r"[0-9a-f]{64}", fingerprint or ""):
+        raise HostMemoryError(f"a shared table's fingerprint must be 64 hex digits (a sha256), got {fingerprint!r}")
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
+        raise HostMemoryError(f"layer_id must be a non-negative int, got {layer_id!r}")
+    return f"{SHARED_TABLE_PREFIX}{fingerprint}-l{layer_id}"
+
+
+def content_fingerprint(*parts: object) -> str:
+    """sha256 (hex) of JSON-encodable `parts`: what `shared_table_name` takes."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def parse_shared_table_name(name: str) -> tuple[str, int] | None:
+    """(fingerprint, layer_id) of a `shared_table_name`, else None."""
+    m = _SHARED_TABLE_NAME.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Is `fd` still the file at `path` (not removed, nor replaced, since it was opened)?"""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _try_lock(fd: int, mode: int) -> bool:
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _shared_record(name: str, nbytes: int) -> bytes:
+    fingerprint, layer_id = parse_shared_table_name(name)
+    meta = {"fingerprint": fingerprint, "layer_id": layer_id, "nbytes": nbytes}
+    return _SHARED_MAGIC + json.dumps(meta, sort_keys=True).encode() + b"\n"
+
+
+def _attach_shared_table(nbytes: int, name: str) -> HostBuffer:
+    """Create, take over (stale) or attach to the table-named file ``/dev/shm/<name>``; see the module docstring.
+
+    Each pass opens the path and locks it: exclusively without waiting when no one else holds
+    it (create or take over), else shared after waiting for a creator to finish. A file removed
+    or replaced between the open and the lock is a new pass.
+    """
+    path = SHM_DIR / name
+    record = _shared_record(name, nbytes)
+    total = SHARED_HEADER_BYTES + nbytes
+    sweep_stale_shared(keep=name)
+    deadline = time.monotonic() + 60.0
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            owner = _try_lock(fd, fcntl.LOCK_EX)
+            if not owner:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a creator (which holds it exclusively) sets it up
+            if _same_file(fd, path):
+                if owner:
+                    _init_shared_table(fd, path, record, total)
+                    # flock converts by release-then-lock: the file is checked again under the shared lock.
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                if _same_file(fd, path):
+                    size = os.fstat(fd).st_size
+                    head = os.pread(fd, len(record), 0)
+                    if size == total and head == record:
+                        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, offset=SHARED_HEADER_BYTES)
+                        return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8), "shared", pinned=False, _mmap=mm,
+                                          _path=path, _lock_fd=fd)
+                    if head.startswith(_SHARED_MAGIC) and head != record:
+                        theirs = os.pread(fd, 4096, 0)[len(_SHARED_MAGIC):].split(b"\n")[0]
+                        raise HostMemoryError(
+                            f"{path} holds {theirs.decode(errors='replace')}, not {nbytes:,} bytes: the same "
+                            "fingerprint and layer with another size (two tables given one fingerprint?)"
+                        )
+                    # Left half-made by a creator that died: the next pass takes it over once no one holds it.
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        if time.monotonic() > deadline:
+            raise HostMemoryError(f"{path} could not be attached or taken over within 60 s: other processes keep it "
+                                  "locked while it is incomplete")
+        time.sleep(random.uniform(0.002, 0.02))  # apart from other waiters, so that one of them gets it alone
+
+
+def _init_shared_table(fd: int, path: Path, record: bytes, total: int) -> None:
+    """Under the exclusive lock: a new or stale file gets its size (space checked and reserved) and record."""
+    if os.fstat(fd).st_size == total and os.pread(fd, len(record), 0) == record:
+        return  # stale but whole: its users died or left it; the rows are rewritten by the next fill anyway
+    try:
+        os.ftruncate(fd, 0)
+        vfs = os.fstatvfs(fd)
+        free = vfs.f_bavail * vfs.f_frsize
+        if total > free:
+            raise HostMemoryError(f"a {total / 2**30:.2f} GiB shared table does not fit /dev/shm: "
+                                  f"{free / 2**30:.2f} GiB free (raise its size, or use host_alloc='mmap_register')")
+        try:
+            os.posix_fallocate(fd, SHARED_HEADER_BYTES, total - SHARED_HEADER_BYTES)  # a full tmpfs later: SIGBUS
+        except OSError as exc:
+            raise HostMemoryError(f"cannot reserve {total / 2**30:.2f} GiB in /dev/shm ({exc.strerror})") from None
+        os.ftruncate(fd, total)
+        os.pwrite(fd, record, 0)
+    except BaseException:
+        path.unlink(missing_ok=True)  # still exclusively ours: no one else has it mapped
+        raise
+
+
+def _detach_shared(fd: int, path: Path | None) -> None:
+    """Drop this user's lock on a table-named file; the last user (no other lock) removes it."""
+    try:
+        if path is not None and _try_lock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
+            path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_shared(directory: Path = SHM_DIR, keep: str | None = None) -> list[Path]:
+    """Remove the table-named shared files no process holds a lock on (their users died); returns them.
+
+    `keep`: a name the caller is about to take over itself.
+    """
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(SHARED_TABLE_PREFIX) and n != keep]
+    except OSError:
+        return removed
+    for n in names:
+        if parse_shared_table_name(n) is None:
+            continue
+        path = directory / n
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if _try_lock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+                log.warning("removed %s (%.2f GiB): a shared table whose users all died", path,
+                            os.fstat(fd).st_size / 2**30)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def collapse_huge_pages(buffer: HostBuffer, attempts: int = 3) -> bool:

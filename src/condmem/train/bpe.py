@@ -59,7 +59,7 @@ def cached_train_bpe(texts: Sequence[str], vocab_size: int, key: str, cache_dir:
             logger.warning("ignoring unreadable tokenizer cache %s (%s)", path, exc)
     tok = train_bpe(texts, vocab_size)
     try:
-        atomic_write_text(path, tok.to_str())
+        atomic_write_text(path, tok.to_str(), wait=True)  # a cache: another process may be writing it too
     except OSError as exc:
         logger.warning("could not write tokenizer cache %s (%s)", path, exc)
     return tok
@@ -93,13 +93,13 @@ def tokenizer_sha256(tokenizer: Tokenizer) -> str:
 
 def load_tokenizer(source: str | os.PathLike) -> Tokenizer:
     """A `tokenizers.Tokenizer` from a tokenizer.json, its directory, or 'deepseek-v4'."""
-    if str(source) == "deepseek-v4":
-        from condmem.tokenizer import deepseek_v4_tokenizer_path
+    from condmem.tokenizer import deepseek_v4_tokenizer_path, read_tokenizer_file
 
-        return Tokenizer.from_file(str(deepseek_v4_tokenizer_path()))
+    if str(source) == "deepseek-v4":
+        return read_tokenizer_file(deepseek_v4_tokenizer_path())
     path = Path(source).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer at {source!r} (expected a tokenizer.json, its directory, or 'deepseek-v4')")
-    return Tokenizer.from_file(str(path))
+    return read_tokenizer_file(path)

@@ -21,6 +21,13 @@ The next save sweeps what a killed save left (temp folders of dead pids; an asid
 is renamed back when its step has no folder). ``LATEST`` that points at nothing (or is missing)
 falls back, with a warning, to the newest complete checkpoint; a damaged target is an error.
 
+A save needs room for a whole new checkpoint beside the kept ones: `checkpoint_bytes` bounds
+its size (the sparse optimizer's state by the rows the tokens until the save can touch) and
+`ensure_room` checks the run's file system before training and before each save. A save that
+fails anyway (a full disk, an I/O error) removes its partial folder and raises
+`CheckpointSaveError`: one line naming the folder, the reason, the checkpoint kept and the
+steps lost.
+
 Loading verifies state.json's own hash and every file's hash (`CorruptCheckpointError`
 names the damaged one) and refuses a tokenizer that does not match the tables
 (`CheckpointMismatchError`): with another compression map every row id would differ,
@@ -34,19 +41,26 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from condmem.layout import EngramLayout, LayoutError
 from condmem.models import DecoderLM, ModelConfig
-from condmem.utils.atomic import atomic_path, atomic_write_text, fsync_dir, sweep_stale
+from condmem.utils.atomic import (
+    atomic_path,
+    atomic_write_text,
+    fsync_dir,
+    make_temp_dir,
+    sweep_stale,
+)
 from condmem.utils.digest import sha256_file
+from condmem.utils.preflight import OutputPathError, check_free_space
 
 logger = logging.getLogger("condmem.train.checkpoint")
 
@@ -67,6 +81,10 @@ class CorruptCheckpointError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's parts (tables, tokenizer, config) do not belong together."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (no room, an I/O error); the previous one is kept."""
 
 
 def _state_digest(state: dict) -> str:
@@ -91,13 +109,17 @@ def read_state(folder: Path) -> dict:
     missing = sorted(set(FILES) - set(state["files"]))
     if missing:
         raise CorruptCheckpointError(f"{path} lists no hash for {missing}: the checkpoint is damaged")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CorruptCheckpointError(f"{path}: step must be a non-negative integer, got {step!r}")
+    for name in ("history", "evals"):
+        if not isinstance(state.get(name, []), list):
+            raise CorruptCheckpointError(f"{path}: {name} must be a list, got {type(state[name]).__name__}")
     return state
 
 
 def _step_of(folder: Path) -> int | None:
-    name = folder.name.removeprefix(".")
-    if name.endswith(ASIDE):
-        name = name[: -len(ASIDE)]
+    name = folder.name.removeprefix(".").removesuffix(ASIDE)
     try:
         return int(name.removeprefix("step-")) if name.startswith("step-") else None
     except ValueError:
@@ -156,6 +178,79 @@ def _fingerprints(model: DecoderLM, tokenizer: Tokenizer, ctok) -> dict[str, Any
     return fp
 
 
+CHECKPOINT_SLACK_BYTES = 256 << 10
+"""Added to a checkpoint's tensor bytes: config.json, safetensors headers, file-system blocks."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()  # meta tensors too: shape and dtype are known
+
+
+def checkpoint_bytes(model: DecoderLM, *, adamw, sparse=None, host_tables=None, tables_sharded: bool = False,
+                     tokenizer: Tokenizer | None = None, trainer_state: dict | None = None, tokens: int = 0) -> int:
+    """An upper bound of the bytes `save_checkpoint` writes for this model (one checkpoint folder).
+
+    Args:
+        adamw, sparse, host_tables, tables_sharded: as given to `save_checkpoint`.
+        tokenizer, trainer_state: counted when given (the history in state.json grows with the steps).
+        tokens: tokens trained before the save: AdamW state not created yet counts at its full
+            size, and each token can add ``n_cols`` rows of sparse-Adam state per table.
+    """
+    tables = _table_names(model)
+    state = model.state_dict()
+    total = sum(_nbytes(v) for k, v in state.items() if k not in tables
+                and not (k == "lm_head.weight" and model.cfg.tie_embeddings))
+    if not tables_sharded:
+        if host_tables is not None:
+            total += sum(_nbytes(t) for t in host_tables.table_tensors().values())
+        total += sum(_nbytes(state[k]) for k in tables if k in state and state[k].device.type != "meta")
+    for group in adamw.param_groups:
+        for p in group["params"]:
+            have = adamw.state.get(p)
+            total += (sum(_nbytes(v) for v in have.values() if torch.is_tensor(v)) if have else 2 * _nbytes(p) + 4)
+    if sparse is not None and not tables_sharded and model.layout is not None:
+        # SparseAdam or HostTables: slot_of_row (int32) per row; exp_avg, exp_avg_sq, row_step (fp32) per row with state.
+        layout = model.layout
+        rows = sum(layout.num_embeddings)
+        slots = min(rows, sparse.state_rows() + tokens * layout.n_cols * layout.n_layers)
+        total += rows * 4 + slots * (2 * layout.config.head_dim + 1) * 4
+    if tokenizer is not None:
+        total += len(tokenizer.to_str().encode("utf-8"))
+    if trainer_state is not None:
+        total += 2 * len(json.dumps(trainer_state))
+    return total + 256 * len(state) + CHECKPOINT_SLACK_BYTES
+
+
+def _kept(run_dir: Path, step: int) -> str:
+    """What a failed save of `step` leaves: the checkpoint kept and the steps lost."""
+    try:
+        prev = resolve_checkpoint(run_dir)
+        prev_step = int(read_state(prev)["step"])
+    except (OSError, CheckpointError, KeyError, TypeError, ValueError):
+        return f"no earlier checkpoint is there: steps 1..{step} are lost"
+    if prev_step >= step:
+        return f"the checkpoint of step {prev_step}, {prev}, is kept: no step is lost"
+    return (f"the previous checkpoint, {prev} (step {prev_step}), is kept: steps {prev_step + 1}..{step} are lost "
+            "(resume from it with --resume)")
+
+
+def ensure_room(run_dir: str | os.PathLike, need_bytes: int, step: int | None = None) -> None:
+    """Check that ``run_dir/checkpoints`` has `need_bytes` free for the next checkpoint.
+
+    Raises:
+        OutputPathError: before training (`step` None): one line naming the folder and the bytes.
+        CheckpointSaveError: before the save of `step`: the same line, with the checkpoint kept and the steps lost.
+    """
+    root = Path(run_dir) / "checkpoints"
+    what = "the next checkpoint" if step is None else f"the checkpoint of step {step}"
+    try:
+        check_free_space(root, need_bytes, what)
+    except OutputPathError as exc:
+        if step is None:
+            raise
+        raise CheckpointSaveError(f"{exc}; {_kept(Path(run_dir), step)}") from None
+
+
 def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, sparse, train_cfg, trainer_state: dict,
                     tokenizer: Tokenizer, ctok=None, data: dict | None = None, keep: int = 2,
                     host_tables=None, tables_sharded: bool = False) -> Path:
@@ -175,7 +270,7 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
     name = f"step-{step:07d}"
     final = root / name
     aside = root / f".{name}{ASIDE}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.{os.getpid()}.", dir=root))
+    tmp = make_temp_dir(root, name)
     try:
         tables = _table_names(model)
         names = {p: n for n, p in model.named_parameters()}
@@ -218,12 +313,19 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
             os.replace(final, aside)  # moved aside, not deleted: a kill from here on loses nothing
         os.replace(tmp, final)
         fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if aside.exists() and not final.exists():
             os.replace(aside, final)
+        if isinstance(exc, (OSError, SafetensorError)):
+            raise CheckpointSaveError(f"the checkpoint of step {step} could not be written in {root} "
+                                      f"({_reason(exc)}); {_kept(run_dir, step)}") from exc
         raise
-    atomic_write_text(root / "LATEST", name + "\n")
+    try:
+        atomic_write_text(root / "LATEST", name + "\n")
+    except OSError as exc:
+        raise CheckpointSaveError(f"the checkpoint of step {step} was written to {final}, but {root / 'LATEST'} could "
+                                  f"not be updated ({_reason(exc)}): resume from the folder itself") from exc
     shutil.rmtree(aside, ignore_errors=True)
     # Keep the newest `keep` checkpoints by step, never the one just written (LATEST's target).
     done = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p != final),
@@ -232,6 +334,12 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
         shutil.rmtree(old, ignore_errors=True)
     logger.info("checkpoint written: %s", final)
     return final
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}"
+    return str(exc)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -365,7 +473,7 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
         sharded = table_meta.get("sharded") == "true"
         weights = load_file(str(folder / "model.safetensors"), device=str(device))
         table_tensors = load_file(str(tables_file), device="cpu" if tables_on_host else str(device))
-    except Exception as exc:  # safetensors raises its own error type for damaged headers
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for damaged headers
         raise CorruptCheckpointError(f"checkpoint {folder}: cannot read weights ({exc})") from None
     model = DecoderLM(model_cfg, token_lookup=None if ctok is None else ctok.lookup, device=device,
                       table_device="meta" if (tables_on_host or sharded) else None)

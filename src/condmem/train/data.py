@@ -300,7 +300,7 @@ def cached_encode(tokenizer, docs: Sequence[Document], eos_id: int, key: str, ca
             logger.warning("ignoring unreadable token cache %s (%s)", path, exc)
     tokens = encode_documents(tokenizer, docs, eos_id)
     try:
-        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        with atomic_path(path, wait=True) as tmp, open(tmp, "wb") as fh:
             np.save(fh, tokens, allow_pickle=False)
     except OSError as exc:
         logger.warning("could not write token cache %s (%s)", path, exc)

@@ -91,9 +91,16 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"TrainConfig.{name} must be a non-negative int, got {value!r}")
+        for name in ("lr", "table_lr_mult", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"TrainConfig.{name} must be a finite number, got {value!r}")
         for name in ("lr", "table_lr_mult", "eps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"TrainConfig.{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"TrainConfig.{name} must be >= 0 (0: none), got {getattr(self, name)!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -288,10 +295,22 @@ class Trainer:
         self.timed_seconds = float(st.get("timed_seconds", 0.0))
         self.budget_resolved = bool(st.get("budget_resolved", True))
 
+    def checkpoint_bytes(self, tokens: int = 0) -> int:
+        """An upper bound of this process's next checkpoint, `tokens` trained from now (see `checkpoint_bytes`)."""
+        from condmem.train.checkpoint import checkpoint_bytes
+
+        return checkpoint_bytes(self.model, adamw=self.adamw, sparse=self.sparse, host_tables=self.host,
+                                tables_sharded=self.dp is not None, tokenizer=self.checkpoint_extra.get("tokenizer"),
+                                trainer_state=self.state(), tokens=tokens)
+
     def save(self) -> Path | None:
         if self.run_dir is None:
             return None
-        from condmem.train.checkpoint import save_checkpoint
+        from condmem.train.checkpoint import ensure_room, save_checkpoint
+
+        # The disk may have filled since training started: a clear error (what is kept, what is lost), not a
+        # save that dies half-way.
+        ensure_room(self.run_dir, self.checkpoint_bytes(), self.step)
 
         if self.dp is not None:
             # The shards first: the backbone checkpoint (and its LATEST) names a step whose tables exist.
@@ -406,6 +425,12 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         tokens_per_step = cfg.batch_size * cfg.seq_len
+        if self.run_dir is not None and self.step < cfg.steps:
+            from condmem.train.checkpoint import ensure_room
+
+            every = cfg.checkpoint_every or cfg.steps
+            first_save = min(cfg.steps, (self.step // every + 1) * every)
+            ensure_room(self.run_dir, self.checkpoint_bytes((first_save - self.step) * tokens_per_step))
         warm = min(3, max(0, cfg.steps - self.step - 1))  # steps left out of tok/s (allocations, caches)
         probe_until = self.step + max(warm + 2, min(cfg.warmup_steps, 12))
         start = time.perf_counter()

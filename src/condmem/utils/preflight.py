@@ -4,7 +4,8 @@ A conversion or a training run that discovers at its end that the output is a
 directory, on a read-only file system or on a full disk has wasted all its work. These
 checks create the folder, write and remove a probe file in it, and compare free space
 with what the output will take, raising `OutputPathError` (a ValueError) that names the
-flag, the path and the reason.
+flag, the path and the reason. `check_free_space` alone is what a long run calls again
+before each save (the disk may have filled meanwhile).
 """
 
 from __future__ import annotations
@@ -22,6 +23,32 @@ class OutputPathError(ValueError):
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
+
+
+def format_bytes(n: int) -> str:
+    """``12,345,678 bytes (11.8 MiB)``: exact, and readable."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n:,} bytes ({n / size:.1f} {unit})"
+    return f"{n:,} bytes"
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes (for an unprivileged writer) on the file system of `path`, or of its nearest existing parent."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(path: str | os.PathLike, need_bytes: int, what: str) -> None:
+    """Raise `OutputPathError` (``<what>: <path> needs N bytes, M free``) unless `path`'s file system has room."""
+    try:
+        free = free_bytes(path)
+    except OSError as exc:
+        raise OutputPathError(f"{what}: {path}: cannot read its free space ({_reason(exc)})") from None
+    if free < need_bytes:
+        raise OutputPathError(f"{what}: {path} needs {format_bytes(need_bytes)}, {format_bytes(free)} free")
 
 
 def check_output_dir(path: str | os.PathLike, flag: str, need_bytes: int = 0) -> Path:
@@ -43,7 +70,7 @@ def check_output_dir(path: str | os.PathLike, flag: str, need_bytes: int = 0) ->
     except OSError as exc:
         raise OutputPathError(f"{flag} {path}: cannot write there ({_reason(exc)})") from None
     if need_bytes and free < need_bytes:
-        raise OutputPathError(f"{flag} {path}: {need_bytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free")
+        raise OutputPathError(f"{flag} {path}: {format_bytes(need_bytes)} needed, {format_bytes(free)} free")
     return path
 
 
