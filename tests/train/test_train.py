@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from condmem.cli import main
-from condmem.models import DecoderLM
+from condmem.train.build import build_model, build_model_config, build_trainer
 from condmem.train.checkpoint import load_checkpoint
-from condmem.train.demo import build_model_config
-from condmem.train.loop import Trainer, TrainConfig
+from condmem.train.loop import Trainer
 from condmem.train.presets import get_preset
 
 
 def make_trainer(data, *, engram=True, steps=8, run_dir=None, seed=0, model=None, **train):
     preset = get_preset("tiny")
     if model is None:
-        cfg = build_model_config(preset, data, engram=engram)
-        model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=seed)
-    tc = TrainConfig(**dict(preset["train"], steps=steps, seed=seed, **train))
-    extra = {"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info}
-    return Trainer(model, tc, data.train, data.val, data.token_bytes, "cpu", run_dir=run_dir,
-                   label="engram" if engram else "baseline", checkpoint_extra=extra, progress=False)
+        model = build_model(build_model_config(preset, data, engram=engram), data, seed=seed, device="cpu")
+    tc = dataclasses.replace(preset.train, steps=steps, seed=seed, **train)
+    return build_trainer(model, tc, data, "cpu", run_dir=run_dir, label="engram" if engram else "baseline",
+                         progress=False)
 
 
 def losses(trainer):
