@@ -210,6 +210,8 @@ def _train(args, rank: int | None = None, world: int = 1) -> int:
     if args.no_engram and args.table_tier == "host":
         raise CliError("--table-tier host needs Engram tables; drop --no-engram")
     run = _resume(args, device, rank, lead) if args.resume else _start(args, device, rank, lead)
+    if run is None:
+        return 0
     tables = _host_tables(args, run, device) if args.table_tier == "host" else None
     dp = _data_parallel(args, run, rank, world, lead) if rank is not None else None
     params = run.model.param_counts()
@@ -273,19 +275,48 @@ def _start(args, device, rank: int | None, lead: bool) -> _Run:
     return _Run(model, tc, data, label)
 
 
-def _resume(args, device, rank: int | None, lead: bool) -> _Run:
-    """The latest checkpoint in --out, with its data prepared again as it was."""
+# What a resumed run may change: when it stops, how often it evaluates, logs and checkpoints.
+_RESUME_OPTIONS = ("steps", "eval_every", "checkpoint_every", "log_every")
+
+
+def _resume(args, device, rank: int | None, lead: bool) -> _Run | None:
+    """The latest checkpoint in --out, with its data prepared again as it was (read from the
+    prepared-data cache when the corpus is unchanged). --steps N moves the end of the run to
+    step N; a run already at its end returns None (nothing to train, nothing rewritten)."""
+    import dataclasses
+
     from condmem.train.build import prepare_recorded
     from condmem.train.checkpoint import load_checkpoint
     from condmem.train.loop import TrainConfig
 
+    fixed = [f"--{o.replace('_', '-')}" for o in [*_PRESET_OPTIONS, "preset", "tokenizer"]
+             if o not in _RESUME_OPTIONS and getattr(args, o, None) is not None]
+    fixed += [f"--{o.replace('_', '-')}" for o in ("no_engram", "iso_flop") if getattr(args, o)]
+    if fixed:
+        raise CliError(f"{', '.join(fixed)}: a resumed run keeps the settings of its checkpoint (config.json); drop "
+                       f"{'it' if len(fixed) == 1 else 'them'} (with --resume only {', '.join('--' + o.replace('_', '-') for o in _RESUME_OPTIONS)} "
+                       "may change), or start afresh with --overwrite")
     ckpt = load_checkpoint(args.out, device=device, tables_on_host=args.table_tier == "host")
     if ckpt.tables_sharded != (rank is not None):
         raise CliError(f"{ckpt.path} was saved by "
                        f"{'data-parallel ranks: resume it under torchrun' if ckpt.tables_sharded else 'one process: resume it without torchrun'}")
     tc = TrainConfig.from_dict(ckpt.config["train"])
+    step = int(ckpt.state["step"])
+    changes = {o: getattr(args, o) for o in _RESUME_OPTIONS if getattr(args, o) is not None}
+    if changes.get("steps", step + 1) < step:
+        raise CliError(f"--steps {args.steps}: {ckpt.path} is at step {step} already, and a run does not go back; "
+                       "start afresh with --overwrite")
+    tc = dataclasses.replace(tc, **changes)
+    if step >= tc.steps:
+        _say(lead, f"{ckpt.path} is at step {step}, the end of the run: nothing to train "
+                   f"(pass --steps N with N > {step} to continue it)")
+        return None
+    if "steps" in changes and changes["steps"] != TrainConfig.from_dict(ckpt.config["train"]).steps:
+        _say(lead, f"continuing to step {tc.steps}: the learning-rate schedule now ends there (steps "
+                   f"{step + 1}-{tc.steps} follow a {tc.steps}-step warm-up + cosine; the steps before followed the "
+                   "old end), so the run is not the same as one planned for that many steps from the start")
     data = prepare_recorded(ckpt.config["data"].get("args", {}), tokenizer=ckpt.tokenizer, rank=rank)
-    _say(lead, f"resuming {ckpt.path} at step {ckpt.state['step']}/{tc.steps}")
+    _say(lead, f"resuming {ckpt.path} at step {step}/{tc.steps}")
     return _Run(ckpt.model, tc, data, ckpt.state.get("label", "model"), ckpt)
 
 
