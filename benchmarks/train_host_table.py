@@ -215,12 +215,12 @@ def main() -> None:
 
     # Every mode once a round, rounds alternating (a machine's drift shows as the spread of one
     # mode's rounds); each mode reports its best round and lists them all.
-    small = {"hbm": dict(tier="hbm"), "host": dict(tier="host"), "host_stale": dict(tier="host", staleness=1),
-             "host_device_adam": dict(tier="host", adam="device")}
+    small = {"hbm": {"tier": "hbm"}, "host": {"tier": "host"}, "host_stale": {"tier": "host", "staleness": 1},
+             "host_device_adam": {"tier": "host", "adam": "device"}}
     plan = [(name, args.small_table_size, kw) for name, kw in small.items() if name in args.modes]
     if big_size is not None:
         plan += [("host_big" if adam == "host" else f"host_big_{adam}_adam", big_size,
-                  dict(tier="host_init", adam=adam)) for adam in args.big_adam]
+                  {"tier": "host_init", "adam": adam}) for adam in args.big_adam]
     for rnd in range(args.rounds):
         for name, size, kw in plan:
             try:

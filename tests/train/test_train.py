@@ -109,7 +109,7 @@ def test_time_budget_resolves_the_step_count(tiny_data):
     summary = trainer.fit()
     assert trainer.budget_resolved and 12 <= trainer.cfg.steps < 10**6
     assert summary["steps"] == trainer.cfg.steps
-    assert trainer.state()["train_config"]["steps"] == trainer.cfg.steps, "the resolved count is what a checkpoint keeps"
+    assert trainer.state()["train_config"]["steps"] == trainer.cfg.steps, "a checkpoint keeps the resolved count"
 
 
 def test_resume_with_more_steps_continues_without_preparing_the_data_again(tiny_corpus, tmp_path, monkeypatch,

@@ -30,7 +30,20 @@ _PRESET_OPTIONS = {
     "checkpoint_every": ("train", "checkpoint_every"), "minutes": ("train", "max_minutes"),
     "log_every": ("train", "log_every"), "precision": ("train", "precision"),
     "corpus": ("data", "corpus"), "vocab_size": ("data", "vocab_size"), "max_train_bytes": ("data", "max_train_bytes"),
+    "experts": ("model", "moe.n_experts"), "top_k": ("model", "moe.top_k"),
+    "expert_ffn": ("model", "moe.expert_hidden"), "moe_layers": ("model", "moe.layer_ids"),
 }
+
+
+def add_moe_arguments(group) -> None:
+    """--experts, --top-k, --expert-ffn, --moe-layers (shared with `condmem demo`)."""
+    group.add_argument("--experts", type=int,
+                       help="routed experts per block: an MoE backbone (--ffn is then the shared expert's width, "
+                       "0: none)")
+    group.add_argument("--top-k", type=int, help="with --experts: routed experts per token (default 2)")
+    group.add_argument("--expert-ffn", type=int, help="with --experts: SwiGLU width of one routed expert (default 128)")
+    group.add_argument("--moe-layers", type=int, nargs="+", help="with --experts: blocks with routed experts "
+                       "(default: all)")
 
 
 def register(sub) -> None:
@@ -44,7 +57,9 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem train --out runs/engram --steps 1000\n"
         "  condmem train --out runs/base --no-engram --iso-flop\n  condmem train --out runs/engram --resume\n"
-        "  condmem train --out runs/big --table-size 10000000 --table-tier host   # tables + Adam state in host memory\n"
+        "  condmem train --out runs/big --table-size 10000000 --table-tier host   # tables + Adam state in host RAM\n"
+        "  condmem train --out runs/moe --experts 8 --top-k 2 --expert-ffn 128 --ffn 256   # routed experts\n"
+        "  condmem train --out runs/engram --resume --steps 2000   # continue a finished run to step 2000\n"
         "  torchrun --nproc-per-node 8 -m condmem train --out runs/dp   # tables sharded over 8 data-parallel ranks",
     )
     p.add_argument("--out", required=True, help="run directory (checkpoints, summary.json)")
@@ -66,6 +81,7 @@ def register(sub) -> None:
     m.add_argument("--kv-heads", type=int)
     m.add_argument("--ffn", type=int, help="SwiGLU hidden width")
     m.add_argument("--max-seq-len", type=int)
+    add_moe_arguments(m)
     e = p.add_argument_group("engram")
     e.add_argument("--no-engram", action="store_true", help="train the plain baseline")
     e.add_argument("--iso-flop", action="store_true",
@@ -114,7 +130,11 @@ def preset_overrides(args) -> dict[str, dict]:
     for option, (section, key) in _PRESET_OPTIONS.items():
         value = getattr(args, option, None)
         if value is not None:
-            out.setdefault(section, {})[key] = value
+            *parents, leaf = key.split(".")
+            target = out.setdefault(section, {})
+            for parent in parents:
+                target = target.setdefault(parent, {})
+            target[leaf] = value
     return out
 
 
@@ -293,13 +313,15 @@ def _resume(args, device, rank: int | None, lead: bool) -> _Run | None:
              if o not in _RESUME_OPTIONS and getattr(args, o, None) is not None]
     fixed += [f"--{o.replace('_', '-')}" for o in ("no_engram", "iso_flop") if getattr(args, o)]
     if fixed:
+        free = ", ".join("--" + o.replace("_", "-") for o in _RESUME_OPTIONS)
         raise CliError(f"{', '.join(fixed)}: a resumed run keeps the settings of its checkpoint (config.json); drop "
-                       f"{'it' if len(fixed) == 1 else 'them'} (with --resume only {', '.join('--' + o.replace('_', '-') for o in _RESUME_OPTIONS)} "
-                       "may change), or start afresh with --overwrite")
+                       f"{'it' if len(fixed) == 1 else 'them'} (with --resume only {free} may change), or start "
+                       "afresh with --overwrite")
     ckpt = load_checkpoint(args.out, device=device, tables_on_host=args.table_tier == "host")
     if ckpt.tables_sharded != (rank is not None):
-        raise CliError(f"{ckpt.path} was saved by "
-                       f"{'data-parallel ranks: resume it under torchrun' if ckpt.tables_sharded else 'one process: resume it without torchrun'}")
+        how = ("data-parallel ranks: resume it under torchrun" if ckpt.tables_sharded
+               else "one process: resume it without torchrun")
+        raise CliError(f"{ckpt.path} was saved by {how}")
     tc = TrainConfig.from_dict(ckpt.config["train"])
     step = int(ckpt.state["step"])
     changes = {o: getattr(args, o) for o in _RESUME_OPTIONS if getattr(args, o) is not None}

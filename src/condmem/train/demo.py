@@ -110,9 +110,9 @@ def format_table(per_seed: list[dict]) -> str:
         rows.append((f"  val loss, 3-gram {bucket} ({100 * b[0]['fraction']:.0f}% of tokens)",
                      _pm([x["loss"] for x in b], ".4f"), _pm([x["loss"] for x in e], ".4f"),
                      gap_text([_gap(x["loss"], y["loss"]) for x, y in zip(b, e)])))
-    rows.append(("tokens / s (train)", f"{np.mean(col['baseline']['tokens_per_s']):,.0f}",
-                 f"{np.mean(col['engram']['tokens_per_s']):,.0f}",
-                 f"ratio {np.mean(col['engram']['tokens_per_s']) / max(np.mean(col['baseline']['tokens_per_s']), 1e-9):.3f}"))
+    tok_s = {label: float(np.mean(col[label]["tokens_per_s"])) for label in ("baseline", "engram")}
+    rows.append(("tokens / s (train)", f"{tok_s['baseline']:,.0f}", f"{tok_s['engram']:,.0f}",
+                 f"ratio {tok_s['engram'] / max(tok_s['baseline'], 1e-9):.3f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
     for i, r in enumerate(rows):
@@ -139,7 +139,8 @@ def plot_summary(summary: dict, path: str | Path) -> Path | None:
     n = len(summary["seeds"])
     title = (f"baseline vs Engram on {summary['corpus_description']}: {_fmt_m(eng['train_tokens'])} training tokens "
              f"each ({base['passes']:.2f} passes), FLOPs/token ratio {comp['flops_per_token_ratio']:.3f}\n"
-             f"Engram validation loss {-gap:+.2f}%" + (f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else "")
+             f"Engram validation loss {-gap:+.2f}%"
+             + (f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else "")
              + f" over all {eng['val_tokens']:,} deduplicated validation tokens")
     buckets = {label: [r[label]["buckets"] for r in summary["seeds"]] for label in ("baseline", "engram")}
     return plot_loss_curves(summary["curves"], path, title=title, buckets=buckets)
@@ -248,7 +249,8 @@ def describe_data(data: PreparedData) -> str:
         src = f"Python {c['python_version']} standard library" + (" and installed packages" if "site_dirs" in c else "")
     else:
         src = ", ".join(Path(x).name or x for x in c["sources"])
-    print(f"corpus: {src}: {c['n_documents']:,} documents, {c['n_bytes']:,} bytes, sha256 {c['sha256'][:16]}...", flush=True)
+    print(f"corpus: {src}: {c['n_documents']:,} documents, {c['n_bytes']:,} bytes, sha256 {c['sha256'][:16]}...",
+          flush=True)
     t = data.info["tokenizer"]
     v = data.info["validation"]
     print(f"tokenizer: {t['source']}: {t['vocab_size']:,} ids -> compressed V'={t['compressed_vocab_size']:,}; "
@@ -290,7 +292,9 @@ def plan_steps(p: Preset, data: PreparedData, *, steps: int | None, minutes: flo
 
 def train_pairs(p: Preset, data: PreparedData, dev: torch.device, cfgs: dict[str, ModelConfig], plan: StepPlan, *,
                 seeds: int, seed: int, seen: np.ndarray, run_root: Path | None, progress: bool):
-    """Both models for every seed, on the same steps. Returns (per-seed results, curves, configs, first seed's models)."""
+    """Both models for every seed, on the same steps.
+
+    Returns (per-seed results, curves, configs, the first seed's models)."""
     per_seed: list[dict] = []
     curves: dict[str, list[dict]] = {label: [] for label in cfgs}
     configs: dict[str, dict] = {}
@@ -318,7 +322,8 @@ def train_pairs(p: Preset, data: PreparedData, dev: torch.device, cfgs: dict[str
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
         results["val_loss_gap_pct"] = _gap(results["baseline"]["val_loss"], results["engram"]["val_loss"])
-        results["bits_per_byte_gap_pct"] = _gap(results["baseline"]["bits_per_byte"], results["engram"]["bits_per_byte"])
+        results["bits_per_byte_gap_pct"] = _gap(results["baseline"]["bits_per_byte"],
+                                                results["engram"]["bits_per_byte"])
         per_seed.append(results)
         if seeds > 1:
             print(f"seed {run_seed}: Engram val loss {results['val_loss_gap_pct']:+.2f}% lower "
@@ -374,7 +379,8 @@ def write_samples(models: dict[str, DecoderLM], data: PreparedData, out: Path, *
         new = generate(models[label], torch.tensor(prompt_ids), max_new_tokens, temperature=0.8, top_k=40, seed=seed,
                        stop_ids=(data.eos_id,))
         samples[label] = data.tokenizer.decode(new.tolist(), skip_special_tokens=True)
-    print("\nprompt + Engram completion:\n" + "-" * 60 + "\n" + prompt + samples["engram"] + "\n" + "-" * 60, flush=True)
+    rule = "-" * 60
+    print(f"\nprompt + Engram completion:\n{rule}\n{prompt}{samples['engram']}\n{rule}", flush=True)
     atomic_write_text(out / "sample.txt", f"# prompt\n{prompt}\n# engram completion\n{samples['engram']}\n"
                                           f"# baseline completion\n{samples['baseline']}\n")
     return samples

@@ -84,7 +84,8 @@ def _deduplicated_validation(tok: Tokenizer, docs: Sequence[Document], train_tok
     """Encode each validation document, drop near-duplicates of the training tokens, and
     describe what was dropped. Returns (kept documents, their token stream, description)."""
     dtype = np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
-    encoded = [np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch([d.text for d in docs], add_special_tokens=False)]
+    encoded = [np.asarray(e.ids, dtype=dtype)
+               for e in tok.encode_batch([d.text for d in docs], add_special_tokens=False)]
     fractions = (near_duplicate_fractions(train_tokens, encoded, DEDUP_NGRAM) if threshold is not None
                  else np.zeros(len(docs)))
     keep = [threshold is None or f <= threshold for f in fractions]
@@ -155,7 +156,8 @@ def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | 
         return _prepare(corpus, tokenizer, source, vocab_size, tokenizer_train_bytes, settings, record, cache, False)
     t0 = time.perf_counter()
     fingerprint = corpus_fingerprint(corpus, max_bytes=max_corpus_bytes)
-    spec = {"bpe": [vocab_size, tokenizer_train_bytes]} if tokenizer is None else {"tokenizer": tokenizer_sha256(tokenizer)}
+    spec = ({"bpe": [vocab_size, tokenizer_train_bytes]} if tokenizer is None
+            else {"tokenizer": tokenizer_sha256(tokenizer)})
     key = _prepared_key(fingerprint, spec, settings)
     data = _load_prepared(cache / "prepared", key)
     if data is None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from condmem.config import ConfigError
+from condmem.models.config import MoEConfig
 from condmem.train.loop import TrainConfig
 
 
@@ -43,6 +44,12 @@ class ModelPreset:
     """SwiGLU hidden width of each block; in a block with routed experts, the shared expert's (0: none)."""
     max_seq_len: int
     """Longest sequence (RoPE table)."""
+    moe: MoEConfig | None = None
+    """Routed experts in some or every block (None: a dense backbone)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
 
 
 @dataclass
@@ -79,6 +86,17 @@ class DataPreset:
     """Train the BPE on a sample of this size."""
     max_corpus_bytes: int | None = None
     """Read at most this much corpus text (None: all)."""
+
+
+def _merged(current, values: dict[str, Any], where: str):
+    """`current` (a config dataclass, or None) with `values` replaced; None: built from `values`."""
+    if current is not None:
+        return dataclasses.replace(current, **values)
+    if where == "model.moe":
+        if "n_experts" not in values:
+            raise ConfigError("model.moe.n_experts (--experts) is needed to give a dense preset routed experts")
+        return MoEConfig(**values)
+    raise ConfigError(f"{where} is not a section of fields")
 
 
 _SECTIONS = {"model": ModelPreset, "engram": EngramPreset, "train": TrainConfig, "data": DataPreset}
@@ -118,6 +136,9 @@ class Preset:
             unknown = sorted(set(given) - known)
             if unknown:
                 raise ConfigError(f"unknown preset field(s) {', '.join(f'{section}.{k}' for k in unknown)}")
+            for key, value in given.items():
+                if isinstance(value, dict):   # a nested section (model.moe): merged field by field
+                    given[key] = _merged(getattr(parts[section], key), value, f"{section}.{key}")
             parts[section] = dataclasses.replace(parts[section], **given)
         seq_len = parts["train"].seq_len
         if seq_len > parts["model"].max_seq_len and merged.get("model", {}).get("max_seq_len") is None:
