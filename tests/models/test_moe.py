@@ -72,6 +72,17 @@ def test_moe_matches_a_plain_loop(grouped, tokens, n_experts, top_k):
         assert_close(f"grad {name}", ref_moe.get_parameter(name).grad, moe.get_parameter(name).grad)
 
 
+def test_router_stays_fp32_under_autocast():
+    moe, _ = _pair(16, 2)
+    x = torch.randn(256, 16)
+    _, experts, weights = moe.route(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        probs, experts_amp, weights_amp = moe.route(x)
+        y = moe(x)
+    assert probs.dtype == torch.float32 and y.dtype == torch.bfloat16
+    assert torch.equal(experts, experts_amp) and torch.equal(weights, weights_amp)
+
+
 def test_moe_keeps_the_input_shape_and_is_batch_independent():
     moe, _ = _pair(4, 2)
     x = torch.randn(2, 5, 16)

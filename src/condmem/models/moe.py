@@ -119,8 +119,11 @@ class MoE(nn.Module):
         """None: `torch._grouped_mm` where `grouped_mm_available`; True / False forces a backend."""
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router probabilities fp32 [N, E], chosen experts int64 [N, k] and their weights fp32 [N, k]."""
-        probs = torch.softmax(F.linear(x.float(), self.router.weight.float()), dim=-1)
+        """Router probabilities fp32 [N, E], chosen experts int64 [N, k] and their weights fp32 [N, k].
+
+        The router runs in fp32 even under autocast: a bf16 logit would flip near-tied choices."""
+        with torch.autocast(x.device.type, enabled=False):
+            probs = torch.softmax(F.linear(x.float(), self.router.weight.float()), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         return probs, experts, weights
 
