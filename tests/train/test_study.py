@@ -156,6 +156,11 @@ def test_tiny_slot_study_end_to_end(tiny_corpus, tmp_path):
     s = _check_study(out, "slots", 4, 1)
     assert s["finding"]["decades"] >= 2 and s["runs"][0]["table_rows"] == 0
     assert isinstance(s["finding"]["slope_per_decade"], float)
+    if importlib.util.find_spec("matplotlib") is not None:
+        (out / "slots.png").unlink()
+        assert main(["study", "slots", "--out", str(out), "--replot"]) == 0
+        assert (out / "slots.png").stat().st_size > 1000
+    assert main(["study", "allocation", "--out", str(out), "--replot"]) == 1
 
 
 def test_study_refuses_bad_arguments(tiny_corpus, tmp_path, capsys):

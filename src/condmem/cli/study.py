@@ -21,7 +21,8 @@ def register(sub) -> None:
         epilog="examples:\n  condmem study allocation --preset tiny\n"
         "  condmem study allocation --preset gpu --seeds 2      # one H200, <= 9 minutes\n"
         "  condmem study slots --preset gpu\n"
-        "  condmem study allocation --preset tiny --corpus /path/to/texts --rhos 1 0.8 0.6",
+        "  condmem study allocation --preset tiny --corpus /path/to/texts --rhos 1 0.8 0.6\n"
+        "  condmem study allocation --out runs/allocation --replot   # the PNG again from study.json",
     )
     p.add_argument("kind", choices=["allocation", "slots"], help="which sweep")
     p.add_argument("--preset", choices=["tiny", "gpu"], default="tiny",
@@ -40,12 +41,17 @@ def register(sub) -> None:
     p.add_argument("--table-sizes", type=int, nargs="+", help="slot sweep: bucket range per (order, head)")
     p.add_argument("--seed", type=int, default=0, help="data seed and first initialization seed")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--replot", action="store_true",
+                   help="only draw the PNG again from --out's study.json (after a run on a machine without "
+                   "matplotlib)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from condmem.train.study import run_study
+    from condmem.train.study import replot, run_study
 
+    if args.replot:
+        return 0 if replot(args.kind, args.out) is not None else 1
     run_study(args.kind, args.out, preset=args.preset, seeds=args.seeds, corpus=args.corpus, device=args.device,
               steps=args.steps, minutes=args.minutes, seed=args.seed, rhos=args.rhos, table_sizes=args.table_sizes,
               progress=not args.no_progress)

@@ -273,6 +273,20 @@ def run_study(kind: str, out: str | Path | None = None, *, preset: str = "tiny",
     return summary
 
 
+def replot(kind: str, out: str | Path | None = None) -> Path | None:
+    """Draw ``<kind>.png`` again from ``out/study.json`` (a GPU run on a machine without matplotlib)."""
+    out = Path(out or f"condmem-study/{kind}")
+    summary = json.loads((out / "study.json").read_text())
+    if summary.get("study") != kind:
+        raise ValueError(f"{out / 'study.json'} holds a {summary.get('study')!r} study, not {kind!r}")
+    figure = plot_study(summary, out / f"{kind}.png")
+    if figure is not None:
+        summary["figure"] = figure.name
+        atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n")
+        print(f"wrote {figure}", flush=True)
+    return figure
+
+
 def print_plan(kind: str, points: list[Point], steps: int, tc: TrainConfig, seeds: int) -> None:
     """One line per point: experts, table rows, parameters, FLOPs."""
     print(f"{len(points)} models x {seeds} seed{'s' if seeds > 1 else ''}, each {steps:,} steps x "
