@@ -95,6 +95,7 @@ def test_dispatch_layout_groups_pairs_by_expert():
     experts = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 0]])   # expert 1 idle, expert 2 three times
     dest, ends, rows = dispatch_layout(experts, 4)
     assert rows == 8 + GROUP_ALIGN * 4 and ends.dtype == torch.int32 and ends[-1] == rows
+    assert dispatch_layout(torch.tensor([[1, 0], [2, 1], [0, 3]]), 4)[2] == 8 + GROUP_ALIGN * 4   # 6 pairs -> 8
     assert ends.tolist() == [8, 16, 24, rows]
     starts = [0, 8, 16, 24]
     flat = experts.flatten().tolist()

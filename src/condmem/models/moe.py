@@ -9,8 +9,8 @@
 The experts run as grouped GEMMs: the N*top_k (token, expert) pairs are sorted by expert
 into one buffer in which expert i owns a contiguous slice, padded to a multiple of 8 rows
 (at least 8, so no group is empty; the last group runs to the end of the buffer). The
-buffer's size, N*top_k + 8*E, does not depend on the routing, so the layer needs no
-device-to-host copy. Each GEMM over the slices is either one `torch._grouped_mm` (CUDA,
+buffer's size, N*top_k rounded up to 8 plus 8*E, does not depend on the routing, so the
+layer needs no device-to-host copy. Each GEMM over the slices is either one `torch._grouped_mm` (CUDA,
 bf16 under autocast, compute capability 9.0+: what the H100/H200 run) or one matmul per
 expert over its slice (everywhere else). Padding rows are zeros, are never read back, and
 add nothing to any gradient. The combine gathers each pair's row back and sums a token's
@@ -71,14 +71,14 @@ def dispatch_layout(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor
         experts: int64 [N, k] chosen experts.
 
     Returns (dest int64 [N*k]: each pair's row, pairs in token-major order; ends int32 [E]:
-    the end of each expert's rows; rows: the buffer's size, N*k + GROUP_ALIGN*E). Pairs of one
-    expert keep their token order.
+    the end of each expert's rows; rows: the buffer's size, N*k rounded up to GROUP_ALIGN plus
+    GROUP_ALIGN*E). Pairs of one expert keep their token order.
     """
     flat = experts.flatten()
     pairs = flat.numel()
     counts = torch.bincount(flat, minlength=n_experts)
     padded = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).clamp_min(GROUP_ALIGN)
-    rows = pairs + GROUP_ALIGN * n_experts
+    rows = -(-pairs // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * n_experts   # every group end aligned
     ends = torch.cumsum(padded, 0)
     ends[-1] = rows                      # the last group takes the unused rows: the groups cover the buffer
     starts = ends - padded

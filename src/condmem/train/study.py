@@ -447,7 +447,7 @@ def report_text(kind: str, s: dict) -> str:
         flops = (f"{sc['train_flops_per_run']:.2e} training FLOPs per run, {sc['orders_of_magnitude_below_paper']:.1f} "
                  "orders of magnitude below the paper's 6e20")
         if f["optimum_rho"] == 1.0:
-            claim = "pure MoE (rho = 1) has the lowest loss: no gain from moving parameters into Engram tables"
+            claim = "pure MoE (rho = 1) has the lowest mean loss: no rho of the grid gains from Engram tables"
         elif f["beyond_seed_spread"] is None:
             claim = (f"lowest mean loss at rho = {f['optimum_rho']:.2f} ({f['gain_vs_pure_moe_pct']:.2f}% below pure "
                      "MoE), from one seed: no spread measured, so no minimum is claimed")
@@ -458,6 +458,9 @@ def report_text(kind: str, s: dict) -> str:
             shape = "a U-shape: lower than both ends of the grid" if f["u_shape"] else "lowest at the grid's edge"
             claim = (f"minimum at rho = {f['optimum_rho']:.2f}, {f['gain_vs_pure_moe_pct']:.2f}% below pure MoE, "
                      f"beyond the spread of {n} seeds ({shape})")
+        at_04 = f["loss_vs_pure_moe_pct"].get("0.40")
+        if at_04 is not None:
+            claim += f"; at rho = 0.40 the loss is {at_04:+.2f}% against pure MoE's (paper: about equal)"
         return (f"Allocation at {flops}; {tokens}. Measured: {claim}. Paper: a U-shape with its minimum at rho "
                 "0.75-0.80, 0.8% below pure MoE at 6e20 FLOPs. This sweep tests the same trade (expert parameters "
                 "for table parameters at equal total and active parameters) at a far smaller scale: it can agree "
