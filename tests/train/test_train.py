@@ -173,3 +173,42 @@ def test_prepared_data_cache_gives_the_same_data(tiny_corpus, tmp_path):
     with open(corpus / "notes.txt", "a", encoding="utf-8") as fh:
         fh.write("one more line\n")
     assert not prepare_data(str(corpus), **kwargs).info["prepared_cache"]["hit"]
+
+
+def test_moe_backbone_trains_and_resumes_exactly(tiny_data, tmp_path, monkeypatch):
+    """Routed experts in both blocks (no shared expert): the loss falls, the balance loss is
+    part of what is minimized, and a resumed run repeats an uninterrupted one."""
+    preset = get_preset("tiny", {"model": {"ffn_hidden": 0, "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 32}}})
+
+    def trainer(steps, run_dir=None, model=None):
+        if model is None:
+            model = build_model(build_model_config(preset, tiny_data), tiny_data, seed=0, device="cpu")
+        tc = dataclasses.replace(preset.train, steps=steps, lr=1e-2, checkpoint_every=4)
+        return build_trainer(model, tc, tiny_data, "cpu", run_dir=run_dir, progress=False)
+
+    straight = trainer(8)
+    straight.fit()
+    run = losses(straight)
+    assert sum(run[-3:]) < sum(run[:3])
+    straight.model.train()
+    batch = straight._batch(0)
+    straight.model.loss(batch.inputs, batch.targets, batch.doc_starts)
+    assert 0.01 <= straight.model.aux_loss().item() < 0.01 * 2 * 4   # two blocks, each between 1 and E
+    real_step = Trainer.train_step
+
+    def crash_at_5(self, step):
+        if step == 5:
+            raise KeyboardInterrupt("simulated crash")
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        trainer(8, tmp_path / "run").fit()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.state["step"] == 4
+    assert ckpt.model.cfg.moe == preset.model.moe
+    resumed = trainer(8, tmp_path / "run", model=ckpt.model)
+    resumed.restore(ckpt)
+    resumed.fit()
+    assert losses(resumed) == run
