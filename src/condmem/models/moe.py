@@ -10,8 +10,8 @@ The experts run as grouped GEMMs: the N*top_k (token, expert) pairs are sorted b
 into one buffer in which expert i owns a contiguous slice, padded to a multiple of 8 rows
 (at least 8, so no group is empty; the last group runs to the end of the buffer). The
 buffer's size, N*top_k rounded up to 8 plus 8*E, does not depend on the routing, so the
-layer needs no device-to-host copy. Each GEMM over the slices is either one `torch._grouped_mm` (CUDA,
-bf16 under autocast, compute capability 9.0+) or one matmul per
+layer needs no device-to-host copy. Each GEMM over the slices is either one
+`torch._grouped_mm` (CUDA, bf16 under autocast, compute capability 9.0+) or one matmul per
 expert over its slice (everywhere else). Padding rows are zeros, are never read back, and
 add nothing to any gradient. The combine gathers each pair's row back and sums a token's
 top_k rows in a fixed order.
