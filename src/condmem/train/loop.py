@@ -387,7 +387,7 @@ class Trainer:
             loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts)
         # Routed experts add their load-balancing loss to what is minimized; the loss
         # reported stays the cross-entropy, comparable across models.
-        aux = self.model.aux_loss()
+        aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
         (loss if aux is None else loss + aux).backward()
         if self.host is not None:
             clip_gradients_(self._gradients(), cfg.grad_clip)
