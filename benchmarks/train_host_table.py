@@ -25,6 +25,7 @@ and ``train_host_table.png`` (loss curves) under ``--out`` and prints a table la
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -38,11 +39,11 @@ from pathlib import Path
 import torch
 
 from condmem.models import DecoderLM
-from condmem.train.demo import build_model_config
+from condmem.train.build import build_model_config
 from condmem.train.host_table import HostTables
-from condmem.train.loop import Trainer, TrainConfig
+from condmem.train.loop import TrainConfig, Trainer
 from condmem.train.pipeline import prepare_data
-from condmem.train.presets import get_preset
+from condmem.train.presets import Preset, get_preset
 
 GiB = 2**30
 
@@ -62,18 +63,14 @@ def commit() -> str:
         return "unknown"
 
 
-def preset_for(args, table_size: int) -> dict:
-    preset = get_preset("tiny" if args.tiny else "gpu")
-    preset["engram"]["table_size"] = table_size
-    if not args.tiny:
-        preset["engram"].update(n_heads=8, head_dim=32)
-    return preset
+def preset_for(args, table_size: int) -> Preset:
+    engram = {"table_size": table_size} if args.tiny else {"table_size": table_size, "n_heads": 8, "head_dim": 32}
+    return get_preset("tiny" if args.tiny else "gpu", {"engram": engram})
 
 
-def train_config(args, preset: dict) -> TrainConfig:
-    t = dict(preset["train"], steps=args.steps, warmup_steps=max(1, args.steps // 10), eval_every=0,
-             eval_tokens=4096 if args.tiny else 65_536, log_every=max(1, args.steps // 5), seed=0)
-    return TrainConfig(**t)
+def train_config(args, preset: Preset) -> TrainConfig:
+    return dataclasses.replace(preset.train, steps=args.steps, warmup_steps=max(1, args.steps // 10), eval_every=0,
+                               eval_tokens=4096 if args.tiny else 65_536, log_every=max(1, args.steps // 5), seed=0)
 
 
 def run(name: str, args, data, table_size: int, device: torch.device, tier: str, staleness: int = 0,
@@ -208,8 +205,8 @@ def main() -> None:
         big_gib = min(args.big_gib, rate * args.max_setup_s)
         if args.tiny:
             big_gib = min(big_gib, 0.25)
-        head_dim = get_preset("tiny")["engram"]["head_dim"] if args.tiny else 32
-        n_cols = 2 * (get_preset("tiny")["engram"]["n_heads"] if args.tiny else 8)
+        head_dim = get_preset("tiny").engram.head_dim if args.tiny else 32
+        n_cols = 2 * (get_preset("tiny").engram.n_heads if args.tiny else 8)
         big_size = int(big_gib * GiB / state_b / head_dim / n_cols)
         result["big_plan"] = {"asked_gib": args.big_gib, "probe_rate_gib_s": rate, "planned_gib": big_gib,
                               "table_size": big_size}
@@ -218,12 +215,12 @@ def main() -> None:
 
     # Every mode once a round, rounds alternating (a machine's drift shows as the spread of one
     # mode's rounds); each mode reports its best round and lists them all.
-    small = {"hbm": dict(tier="hbm"), "host": dict(tier="host"), "host_stale": dict(tier="host", staleness=1),
-             "host_device_adam": dict(tier="host", adam="device")}
+    small = {"hbm": {"tier": "hbm"}, "host": {"tier": "host"}, "host_stale": {"tier": "host", "staleness": 1},
+             "host_device_adam": {"tier": "host", "adam": "device"}}
     plan = [(name, args.small_table_size, kw) for name, kw in small.items() if name in args.modes]
     if big_size is not None:
         plan += [("host_big" if adam == "host" else f"host_big_{adam}_adam", big_size,
-                  dict(tier="host_init", adam=adam)) for adam in args.big_adam]
+                  {"tier": "host_init", "adam": adam}) for adam in args.big_adam]
     for rnd in range(args.rounds):
         for name, size, kw in plan:
             try:

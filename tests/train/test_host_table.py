@@ -9,6 +9,7 @@ A run killed after a checkpoint and resumed on host tables equals an uninterrupt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -19,7 +20,7 @@ from condmem.models import DecoderLM
 from condmem.train.checkpoint import load_checkpoint
 from condmem.train.demo import build_model_config
 from condmem.train.host_table import HostTables, HostTableView
-from condmem.train.loop import Trainer, TrainConfig
+from condmem.train.loop import Trainer
 from condmem.train.presets import get_preset
 
 STEPS = 50
@@ -30,7 +31,7 @@ def _trainer(data, *, host: dict | None = None, steps=STEPS, run_dir=None, model
     preset = get_preset("tiny")
     if model is None:
         model = DecoderLM(build_model_config(preset, data), token_lookup=data.ctok.lookup, seed=0, device=device)
-    tc = TrainConfig(**dict(preset["train"], steps=steps, seed=0, lr=1e-2, warmup_steps=3, **train))
+    tc = dataclasses.replace(preset.train, steps=steps, seed=0, lr=1e-2, warmup_steps=3, **train)
     tier = None if host is None else HostTables(model, device, tables=tables, **host)
     extra = {"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info}
     return Trainer(model, tc, data.train, data.val, data.token_bytes, device, run_dir=run_dir, label="engram",

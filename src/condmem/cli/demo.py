@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from condmem.cli.train import add_moe_arguments
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -23,13 +25,15 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem demo\n  condmem demo --seeds 3 --out runs/demo-3seeds\n"
         "  condmem demo --minutes 30 --out runs/demo30\n"
-        "  condmem demo --device cuda --corpus /path/to/texts --steps 5000",
+        "  condmem demo --device cuda --corpus /path/to/texts --steps 5000\n"
+        "  condmem demo --experts 8 --top-k 2 --expert-ffn 64   # an MoE backbone for both models",
     )
     p.add_argument("--out", default="condmem-demo", help="output directory (default ./condmem-demo)")
     p.add_argument("--corpus", nargs="+", metavar="PATH",
                    help="directories, text files or .jsonl files, 'stdlib' (the Python standard library source) or "
                    "'python' (plus every installed package's source); default: stdlib on CPU, python on GPU")
-    p.add_argument("--preset", choices=["cpu", "gpu", "tiny"], help="model/training size (default: gpu with CUDA, else cpu)")
+    p.add_argument("--preset", choices=["cpu", "gpu", "tiny"],
+                   help="model/training size (default: gpu with CUDA, else cpu)")
     p.add_argument("--device", default="auto", help="auto (default: cuda when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--steps", type=int, help="training steps of each model (default: the preset's, capped at "
                    "--max-passes passes over the training split)")
@@ -47,7 +51,8 @@ def register(sub) -> None:
     p.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default: the preset's, 4096 on CPU)")
     p.add_argument("--tokenizer", help="use this tokenizer (tokenizer.json, its directory, or 'deepseek-v4') "
                    "instead of training a BPE")
-    p.add_argument("--table-size", type=int, help="Engram bucket range per (order, head): rows per layer ~ this x columns")
+    p.add_argument("--table-size", type=int,
+                   help="Engram bucket range per (order, head): rows per layer ~ this x columns")
     p.add_argument("--max-train-bytes", type=int, help="encode at most this much of the training split")
     p.add_argument("--prompt", help="prompt of the generated completion (default: the start of a Python function)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -57,12 +62,14 @@ def register(sub) -> None:
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the tokenizer/token caches")
     p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints (large tables on a GPU run)")
     p.add_argument("--max-corpus-bytes", type=int, help="read at most this much corpus text")
+    add_moe_arguments(p.add_argument_group("routed experts (both models: an MoE backbone)"))
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from condmem.train.demo import DEFAULT_PROMPT, run_demo
     from condmem.train.heldout import DEDUP_THRESHOLD
+    from condmem.cli.train import preset_overrides
 
     summary = run_demo(
         args.out, corpus=args.corpus, preset=args.preset, device=args.device, steps=args.steps, minutes=args.minutes,
@@ -72,5 +79,6 @@ def run(args) -> int:
         seed=args.seed, batch_size=args.batch_size, max_train_bytes=args.max_train_bytes, table_size=args.table_size,
         log_every=args.log_every, progress=not args.no_progress, use_cache=not args.no_cache,
         checkpoint=not args.no_checkpoint, max_corpus_bytes=args.max_corpus_bytes,
+        overrides={"model": preset_overrides(args).get("model")},
     )
     return 0 if summary["comparison"]["val_loss_gap_pct"] is not None else 1

@@ -3,24 +3,47 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
+import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from condmem.cli import CliError
 
 logger = logging.getLogger("condmem.train")
 
-_MODEL_ARGS = {"dim": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "ffn": "ffn_hidden",
-               "max_seq_len": "max_seq_len"}
-_ENGRAM_ARGS = {"engram_layers": "layer_ids", "ngram": "max_ngram_size", "engram_heads": "n_heads",
-                "engram_head_dim": "head_dim", "table_size": "table_size", "table_init_std": "table_init_std"}
-_TRAIN_ARGS = {"steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr",
-               "table_lr_mult": "table_lr_mult", "warmup": "warmup_steps", "weight_decay": "weight_decay",
-               "grad_clip": "grad_clip", "eval_every": "eval_every", "eval_tokens": "eval_tokens",
-               "checkpoint_every": "checkpoint_every", "minutes": "max_minutes", "log_every": "log_every",
-               "precision": "precision"}
+# Each option that changes a preset value: option name -> (preset section, field).
+_PRESET_OPTIONS = {
+    "dim": ("model", "dim"), "layers": ("model", "n_layers"), "heads": ("model", "n_heads"),
+    "kv_heads": ("model", "n_kv_heads"), "ffn": ("model", "ffn_hidden"), "max_seq_len": ("model", "max_seq_len"),
+    "engram_layers": ("engram", "layer_ids"), "ngram": ("engram", "max_ngram_size"),
+    "engram_heads": ("engram", "n_heads"), "engram_head_dim": ("engram", "head_dim"),
+    "table_size": ("engram", "table_size"), "table_init_std": ("engram", "table_init_std"),
+    "steps": ("train", "steps"), "batch_size": ("train", "batch_size"), "seq_len": ("train", "seq_len"),
+    "lr": ("train", "lr"), "table_lr_mult": ("train", "table_lr_mult"), "warmup": ("train", "warmup_steps"),
+    "weight_decay": ("train", "weight_decay"), "grad_clip": ("train", "grad_clip"),
+    "eval_every": ("train", "eval_every"), "eval_tokens": ("train", "eval_tokens"),
+    "checkpoint_every": ("train", "checkpoint_every"), "minutes": ("train", "max_minutes"),
+    "log_every": ("train", "log_every"), "precision": ("train", "precision"),
+    "corpus": ("data", "corpus"), "vocab_size": ("data", "vocab_size"), "max_train_bytes": ("data", "max_train_bytes"),
+    "experts": ("model", "moe.n_experts"), "top_k": ("model", "moe.top_k"),
+    "expert_ffn": ("model", "moe.expert_hidden"), "moe_layers": ("model", "moe.layer_ids"),
+}
+
+
+def add_moe_arguments(group) -> None:
+    """--experts, --top-k, --expert-ffn, --moe-layers (shared with `condmem demo`)."""
+    group.add_argument("--experts", type=int,
+                       help="routed experts per block: an MoE backbone (--ffn is then the shared expert's width, "
+                       "0: none)")
+    group.add_argument("--top-k", type=int, help="with --experts: routed experts per token (default 2)")
+    group.add_argument("--expert-ffn", type=int, help="with --experts: SwiGLU width of one routed expert (default 128)")
+    group.add_argument("--moe-layers", type=int, nargs="+", help="with --experts: blocks with routed experts "
+                       "(default: all)")
 
 
 def register(sub) -> None:
@@ -34,7 +57,9 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem train --out runs/engram --steps 1000\n"
         "  condmem train --out runs/base --no-engram --iso-flop\n  condmem train --out runs/engram --resume\n"
-        "  condmem train --out runs/big --table-size 10000000 --table-tier host   # tables + Adam state in host memory\n"
+        "  condmem train --out runs/big --table-size 10000000 --table-tier host   # tables + Adam state in host RAM\n"
+        "  condmem train --out runs/moe --experts 8 --top-k 2 --expert-ffn 128 --ffn 256   # routed experts\n"
+        "  condmem train --out runs/engram --resume --steps 2000   # continue a finished run to step 2000\n"
         "  torchrun --nproc-per-node 8 -m condmem train --out runs/dp   # tables sharded over 8 data-parallel ranks",
     )
     p.add_argument("--out", required=True, help="run directory (checkpoints, summary.json)")
@@ -56,6 +81,7 @@ def register(sub) -> None:
     m.add_argument("--kv-heads", type=int)
     m.add_argument("--ffn", type=int, help="SwiGLU hidden width")
     m.add_argument("--max-seq-len", type=int)
+    add_moe_arguments(m)
     e = p.add_argument_group("engram")
     e.add_argument("--no-engram", action="store_true", help="train the plain baseline")
     e.add_argument("--iso-flop", action="store_true",
@@ -98,11 +124,18 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _apply(target: dict, args, mapping: dict) -> None:
-    for arg, key in mapping.items():
-        value = getattr(args, arg, None)
+def preset_overrides(args) -> dict[str, dict]:
+    """The options the user gave, by preset section (for `Preset.override`)."""
+    out: dict[str, dict] = {}
+    for option, (section, key) in _PRESET_OPTIONS.items():
+        value = getattr(args, option, None)
         if value is not None:
-            target[key] = value
+            *parents, leaf = key.split(".")
+            target = out.setdefault(section, {})
+            for parent in parents:
+                target = target.setdefault(parent, {})
+            target[leaf] = value
+    return out
 
 
 def _claim(args, out) -> None:
@@ -176,127 +209,172 @@ def _run_ranks(args) -> int:
         dist.destroy_process_group()
 
 
+@dataclass
+class _Run:
+    """What `_train` trains: a new model, or one resumed from its checkpoint."""
+
+    model: object
+    train_cfg: object
+    data: object
+    label: str
+    checkpoint: object = None
+    """The checkpoint resumed from (None: a new run)."""
+
+
 def _train(args, rank: int | None = None, world: int = 1) -> int:
     """Train one model; `rank` is set when this process is one of `world` data-parallel ranks."""
-    from condmem.models import DecoderLM, iso_flop_baseline, train_flops_per_token
-    from condmem.train.checkpoint import load_checkpoint
-    from condmem.train.demo import build_model_config, resolve_device
-    from condmem.train.loop import Trainer, TrainConfig
-    from condmem.train.pipeline import prepare_data
-    from condmem.train.presets import get_preset
-    from condmem.utils.atomic import atomic_write_text
+    from condmem.train.build import build_trainer
 
-    import contextlib
-    import io
-    import os
-
-    device = resolve_device(args.device)
+    device = _device(args, rank)
     lead = rank in (None, 0)
-    if rank is not None:
-        import torch
-        import torch.distributed as dist
-
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        real_prepare = prepare_data
-
-        def prepare_data(*a, **k):   # rank 0 first: the others then read its tokenizer and token caches
-            if rank != 0:
-                dist.barrier()
-            out = real_prepare(*a, **k)
-            if rank == 0:
-                dist.barrier()
-            return out
-
-    def say(text: str) -> None:
-        if lead:
-            print(text, flush=True)
-
-    host = args.table_tier == "host"
-    if args.no_engram and host:
+    if args.no_engram and args.table_tier == "host":
         raise CliError("--table-tier host needs Engram tables; drop --no-engram")
-    if args.resume:
-        ckpt = load_checkpoint(args.out, device=device, tables_on_host=host)
-        if ckpt.tables_sharded != (rank is not None):
-            raise CliError(f"{ckpt.path} was saved by {'data-parallel ranks: resume it under torchrun' if ckpt.tables_sharded else 'one process: resume it without torchrun'}")
-        cfg = ckpt.model.cfg
-        tc = TrainConfig.from_dict(ckpt.config["train"])
-        a = ckpt.config["data"].get("args", {})
-        data = prepare_data(a.get("corpus"), tokenizer=ckpt.tokenizer, max_corpus_bytes=a.get("max_corpus_bytes"),
-                            max_train_bytes=a.get("max_train_bytes"), tokenizer_train_bytes=a.get("tokenizer_train_bytes"),
-                            val_fraction=a.get("val_fraction", 0.02), seed=a.get("seed", 0),
-                            dedup_threshold=a.get("dedup_threshold"))
-        data.info["args"] = a
-        model = ckpt.model
-        label = ckpt.state.get("label", "model")
-        say(f"resuming {ckpt.path} at step {ckpt.state['step']}/{tc.steps}")
-    else:
-        preset = get_preset(args.preset or ("gpu" if device.type == "cuda" else "cpu"))
-        _apply(preset["model"], args, _MODEL_ARGS)
-        _apply(preset["engram"], args, _ENGRAM_ARGS)
-        _apply(preset["train"], args, _TRAIN_ARGS)
-        if args.vocab_size:
-            preset["data"]["vocab_size"] = args.vocab_size
-        if args.max_train_bytes:
-            preset["data"]["max_train_bytes"] = args.max_train_bytes
-        if args.seq_len and not args.max_seq_len:
-            preset["model"]["max_seq_len"] = max(preset["model"]["max_seq_len"], args.seq_len)
-        data = prepare_data(args.corpus or preset["data"].get("corpus"), tokenizer=args.tokenizer,
-                            vocab_size=preset["data"]["vocab_size"],
-                            max_corpus_bytes=preset["data"].get("max_corpus_bytes"),
-                            max_train_bytes=preset["data"].get("max_train_bytes"),
-                            tokenizer_train_bytes=preset["data"].get("tokenizer_train_bytes"), seed=args.seed)
-        cfg = build_model_config(preset, data)
-        label = "engram"
-        if args.no_engram:
-            cfg = iso_flop_baseline(cfg) if args.iso_flop else cfg.replace(engram=None)
-            label = "baseline"
-        tc = TrainConfig(**dict(preset["train"], seed=args.seed))
-        # Huge host tables are drawn on the host by HostTables; on the CPU the model's own draw is
-        # kept, so both tiers start from the same rows.
-        table_device = "meta" if host and device.type == "cuda" else None
-        model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=args.seed, device=device, table_device=table_device)
-        say(f"[{label}] {model.param_counts()['total']:,} parameters, "
-            f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)")
-    tables = None
-    if host:
-        from condmem.train.host_table import HostTables
-
-        tables = HostTables(model, device, state_dtype=args.host_state, threads=args.host_threads,
-                            tables=ckpt.tables if args.resume else None, seed=args.seed,
-                            staleness=args.host_staleness, adam=args.host_adam)
-        print(f"[{label}] tables in host memory: {tables.table_params:,} parameters, "
-              f"{tables.host_bytes / 2**30:.2f} GiB with Adam state ({tables.setup_s:.1f} s to allocate)", flush=True)
-    params = model.param_counts()
+    run = _resume(args, device, rank, lead) if args.resume else _start(args, device, rank, lead)
+    if run is None:
+        return 0
+    tables = _host_tables(args, run, device) if args.table_tier == "host" else None
+    dp = _data_parallel(args, run, rank, world, lead) if rank is not None else None
+    params = run.model.param_counts()
     if tables is not None:
         params.update(tables=tables.table_params, total=params["total"] + tables.table_params)
-    dp = None
-    if rank is not None:
-        from condmem.train.data_parallel import DataParallelTables
-
-        dp = (DataParallelTables.load(args.out, model, int(ckpt.state["step"])) if args.resume
-              else DataParallelTables(model))
-        say(f"[{label}] tables sharded over {world} ranks, each holding its columns' rows and their Adam state")
     try:
-        trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, device, run_dir=args.out, label=label,
-                          checkpoint_extra={"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info},
-                          progress=not args.no_progress and lead, host_tables=tables, data_parallel=dp)
-        if args.resume:
-            trainer.restore(ckpt)
+        trainer = build_trainer(run.model, run.train_cfg, run.data, device, run_dir=args.out, label=run.label,
+                                progress=not args.no_progress and lead, host_tables=tables, data_parallel=dp)
+        if run.checkpoint is not None:
+            trainer.restore(run.checkpoint)
         with contextlib.redirect_stdout(io.StringIO()) if not lead else contextlib.nullcontext():
             summary = trainer.fit()
     finally:
         if tables is not None:
             tables.close()
-    if not lead:
-        return 0
-    summary.update(params=params, flops_per_token=train_flops_per_token(cfg, tc.seq_len),
-                   checkpoint=str(trainer.last_checkpoint),
+    if lead:
+        _write_summary(args, run, trainer, dict(summary, params=params), rank, world)
+    return 0
+
+
+def _say(lead: bool, text: str) -> None:
+    if lead:
+        print(text, flush=True)
+
+
+def _device(args, rank: int | None):
+    """--device; under torchrun on CUDA, this rank's GPU (LOCAL_RANK)."""
+    import torch
+
+    from condmem.train.build import resolve_device
+
+    device = resolve_device(args.device)
+    if rank is not None and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return device
+
+
+def _start(args, device, rank: int | None, lead: bool) -> _Run:
+    """A new model from the preset and the options (the build step `condmem demo` shares)."""
+    import dataclasses
+
+    from condmem.models import iso_flop_baseline, train_flops_per_token
+    from condmem.train.build import build_model, build_model_config, prepare
+    from condmem.train.presets import default_preset_name, get_preset
+
+    preset = get_preset(args.preset or default_preset_name(device.type), preset_overrides(args))
+    data = prepare(preset, tokenizer=args.tokenizer, seed=args.seed, rank=rank)
+    cfg = build_model_config(preset, data)
+    label = "engram"
+    if args.no_engram:
+        cfg = iso_flop_baseline(cfg) if args.iso_flop else cfg.replace(engram=None)
+        label = "baseline"
+    tc = dataclasses.replace(preset.train, seed=args.seed)
+    # Huge host tables are drawn on the host by HostTables; on the CPU the model's own draw is
+    # kept, so both tiers start from the same rows.
+    table_device = "meta" if args.table_tier == "host" and device.type == "cuda" else None
+    model = build_model(cfg, data, seed=args.seed, device=device, table_device=table_device)
+    _say(lead, f"[{label}] {model.param_counts()['total']:,} parameters, "
+               f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)")
+    return _Run(model, tc, data, label)
+
+
+# What a resumed run may change: when it stops, how often it evaluates, logs and checkpoints.
+_RESUME_OPTIONS = ("steps", "eval_every", "checkpoint_every", "log_every")
+
+
+def _resume(args, device, rank: int | None, lead: bool) -> _Run | None:
+    """The latest checkpoint in --out, with its data prepared again as it was (read from the
+    prepared-data cache when the corpus is unchanged). --steps N moves the end of the run to
+    step N; a run already at its end returns None (nothing to train, nothing rewritten)."""
+    import dataclasses
+
+    from condmem.train.build import prepare_recorded
+    from condmem.train.checkpoint import load_checkpoint
+    from condmem.train.loop import TrainConfig
+
+    fixed = [f"--{o.replace('_', '-')}" for o in [*_PRESET_OPTIONS, "preset", "tokenizer"]
+             if o not in _RESUME_OPTIONS and getattr(args, o, None) is not None]
+    fixed += [f"--{o.replace('_', '-')}" for o in ("no_engram", "iso_flop") if getattr(args, o)]
+    if fixed:
+        free = ", ".join("--" + o.replace("_", "-") for o in _RESUME_OPTIONS)
+        raise CliError(f"{', '.join(fixed)}: a resumed run keeps the settings of its checkpoint (config.json); drop "
+                       f"{'it' if len(fixed) == 1 else 'them'} (with --resume only {free} may change), or start "
+                       "afresh with --overwrite")
+    ckpt = load_checkpoint(args.out, device=device, tables_on_host=args.table_tier == "host")
+    if ckpt.tables_sharded != (rank is not None):
+        how = ("data-parallel ranks: resume it under torchrun" if ckpt.tables_sharded
+               else "one process: resume it without torchrun")
+        raise CliError(f"{ckpt.path} was saved by {how}")
+    tc = TrainConfig.from_dict(ckpt.config["train"])
+    step = int(ckpt.state["step"])
+    changes = {o: getattr(args, o) for o in _RESUME_OPTIONS if getattr(args, o) is not None}
+    if changes.get("steps", step + 1) < step:
+        raise CliError(f"--steps {args.steps}: {ckpt.path} is at step {step} already, and a run does not go back; "
+                       "start afresh with --overwrite")
+    tc = dataclasses.replace(tc, **changes)
+    if step >= tc.steps:
+        _say(lead, f"{ckpt.path} is at step {step}, the end of the run: nothing to train "
+                   f"(pass --steps N with N > {step} to continue it)")
+        return None
+    if "steps" in changes and changes["steps"] != TrainConfig.from_dict(ckpt.config["train"]).steps:
+        _say(lead, f"continuing to step {tc.steps}: the learning-rate schedule now ends there (steps "
+                   f"{step + 1}-{tc.steps} follow a {tc.steps}-step warm-up + cosine; the steps before followed the "
+                   "old end), so the run is not the same as one planned for that many steps from the start")
+    data = prepare_recorded(ckpt.config["data"].get("args", {}), tokenizer=ckpt.tokenizer, rank=rank)
+    _say(lead, f"resuming {ckpt.path} at step {step}/{tc.steps}")
+    return _Run(ckpt.model, tc, data, ckpt.state.get("label", "model"), ckpt)
+
+
+def _host_tables(args, run: _Run, device):
+    """The model's Engram tables moved into host memory (--table-tier host)."""
+    from condmem.train.host_table import HostTables
+
+    tables = HostTables(run.model, device, state_dtype=args.host_state, threads=args.host_threads,
+                        tables=run.checkpoint.tables if run.checkpoint is not None else None, seed=args.seed,
+                        staleness=args.host_staleness, adam=args.host_adam)
+    print(f"[{run.label}] tables in host memory: {tables.table_params:,} parameters, "
+          f"{tables.host_bytes / 2**30:.2f} GiB with Adam state ({tables.setup_s:.1f} s to allocate)", flush=True)
+    return tables
+
+
+def _data_parallel(args, run: _Run, rank: int, world: int, lead: bool):
+    """The Engram tables sharded over the ranks (a new sharding, or the checkpoint's shards)."""
+    from condmem.train.data_parallel import DataParallelTables
+
+    dp = (DataParallelTables.load(args.out, run.model, int(run.checkpoint.state["step"])) if run.checkpoint is not None
+          else DataParallelTables(run.model))
+    _say(lead, f"[{run.label}] tables sharded over {world} ranks, each holding its columns' rows and their Adam state")
+    return dp
+
+
+def _write_summary(args, run: _Run, trainer, summary: dict, rank: int | None, world: int) -> None:
+    """--out/summary.json: the run's numbers, configs, data record and curves."""
+    from condmem.models import train_flops_per_token
+    from condmem.utils.atomic import atomic_write_text
+
+    cfg, tc = run.model.cfg, run.train_cfg
+    summary.update(flops_per_token=train_flops_per_token(cfg, tc.seq_len), checkpoint=str(trainer.last_checkpoint),
                    table_tier=args.table_tier if rank is None else f"sharded over {world} ranks")
-    if host:
+    if args.table_tier == "host":
         summary.update(host_staleness=args.host_staleness, host_adam=args.host_adam)
     atomic_write_text(Path(args.out) / "summary.json",
                       json.dumps({"summary": summary, "model": cfg.to_dict(), "train": tc.to_dict(),
-                                  "data": data.info, "history": trainer.history, "evals": trainer.evals}, indent=1) + "\n")
-    return 0
+                                  "data": run.data.info, "history": trainer.history, "evals": trainer.evals},
+                                 indent=1) + "\n")

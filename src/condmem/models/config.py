@@ -1,9 +1,10 @@
 """`ModelConfig`: the geometry of the reference decoder LM, with or without Engram layers.
 
-A Llama-style dense decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention). The
-optional `engram` field is the model's `EngramConfig`; its ``hidden_size`` must be the
-model's ``dim`` and its ``layer_ids`` must be layers of this model. Validation errors
-are `ConfigError` naming the field, as for `EngramConfig`.
+A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention), dense or with
+routed experts (`MoEConfig`) in some or all blocks. The optional `engram` field is the
+model's `EngramConfig`; its ``hidden_size`` must be the model's ``dim`` and its
+``layer_ids`` must be layers of this model. Validation errors are `ConfigError` naming the
+field, as for `EngramConfig`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,45 @@ from dataclasses import dataclass
 from typing import Any
 
 from condmem.config import ConfigError, EngramConfig, require_int
+
+
+@dataclass
+class MoEConfig:
+    """Routed experts of the blocks that have them (`condmem.models.moe.MoE`).
+
+    In such a block the dense SwiGLU of ``ModelConfig.ffn_hidden`` becomes the shared
+    expert, which every token passes through (width 0: none), and each token also goes
+    through its ``top_k`` routed experts, weighted by their router probabilities."""
+
+    n_experts: int
+    """Routed experts per block."""
+    top_k: int = 2
+    """Routed experts each token goes through."""
+    expert_hidden: int = 128
+    """SwiGLU hidden width of one routed expert."""
+    layer_ids: list[int] | None = None
+    """Blocks with routed experts (None: every block)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss added to the training loss (0: none)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        require_int("MoEConfig", "n_experts", self.n_experts, 1)
+        require_int("MoEConfig", "top_k", self.top_k, 1)
+        require_int("MoEConfig", "expert_hidden", self.expert_hidden, 1)
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"MoEConfig.top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
+        if self.layer_ids is not None:
+            self.layer_ids = list(self.layer_ids)
+            for lid in self.layer_ids:
+                require_int("MoEConfig", "layer_ids[]", lid, 0)
+            if len(set(self.layer_ids)) != len(self.layer_ids):
+                raise ConfigError(f"MoEConfig.layer_ids has duplicates: {self.layer_ids}")
+        coef = self.aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
+            raise ConfigError(f"MoEConfig.aux_loss_coef must be a finite number >= 0, got {coef!r}")
 
 
 @dataclass
@@ -31,7 +71,8 @@ class ModelConfig:
     """Key/value heads (grouped-query attention); must divide n_heads."""
     ffn_hidden: int | list[int] = 688
     """SwiGLU hidden width: one int for every block, or one per block (a baseline can
-    spend an Engram's FLOPs on a wider MLP in the same block)."""
+    spend an Engram's FLOPs on a wider MLP in the same block). In a block with routed
+    experts this is the shared expert's width, and 0 means none."""
     max_seq_len: int = 256
     """Longest sequence (RoPE table and KV cache length)."""
     rope_theta: float = 10_000.0
@@ -46,10 +87,14 @@ class ModelConfig:
     """Engram layers (None: a plain baseline). ``engram.hidden_size`` must equal ``dim``."""
     engram_table_init_std: float = 1.0
     """Initial standard deviation of the Engram table rows."""
+    moe: MoEConfig | None = None
+    """Routed experts (None: a dense decoder)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.engram, dict):
             self.engram = EngramConfig.from_dict(self.engram)
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
         self.validate()
 
     def validate(self) -> None:
@@ -70,27 +115,38 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig: head width dim/n_heads = {self.dim // self.n_heads} must be even (RoPE)")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"ModelConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.moe is not None:
+            if not isinstance(self.moe, MoEConfig):
+                raise ConfigError(f"ModelConfig.moe must be a MoEConfig or None, got {type(self.moe).__name__}")
+            self.moe.validate()
+            bad = [lid for lid in self.moe.layer_ids or [] if lid >= self.n_layers]
+            if bad:
+                raise ConfigError(f"ModelConfig.moe.layer_ids {bad} are not layers of a {self.n_layers}-layer model")
         if isinstance(self.ffn_hidden, (list, tuple)):
             self.ffn_hidden = list(self.ffn_hidden)
             if len(self.ffn_hidden) != self.n_layers:
                 raise ConfigError(
                     f"ModelConfig.ffn_hidden has {len(self.ffn_hidden)} entries for n_layers={self.n_layers}"
                 )
-            for width in self.ffn_hidden:
-                need_int("ffn_hidden[]", width, 1)
-        else:
-            need_int("ffn_hidden", self.ffn_hidden, 1)
+        widths = self.ffn_hidden if isinstance(self.ffn_hidden, list) else [self.ffn_hidden] * self.n_layers
+        for layer, width in enumerate(widths):
+            # A block with routed experts may have no shared expert; a dense block needs its MLP.
+            need_int("ffn_hidden" + ("[]" if isinstance(self.ffn_hidden, list) else ""), width,
+                     0 if self.has_experts(layer) else 1)
         for name in ("rope_theta", "norm_eps", "init_std", "engram_table_init_std"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive number, got {value!r}")
         if self.engram is not None:
             if not isinstance(self.engram, EngramConfig):
-                raise ConfigError(f"ModelConfig.engram must be an EngramConfig or None, got {type(self.engram).__name__}")
+                raise ConfigError(
+                    f"ModelConfig.engram must be an EngramConfig or None, got {type(self.engram).__name__}"
+                )
             self.engram.validate()
             if self.engram.hidden_size != self.dim:
                 raise ConfigError(
-                    f"ModelConfig.engram.hidden_size ({self.engram.hidden_size}) must equal ModelConfig.dim ({self.dim})"
+                    f"ModelConfig.engram.hidden_size ({self.engram.hidden_size}) must equal "
+                    f"ModelConfig.dim ({self.dim})"
                 )
             if self.engram.hc_mult != 1:
                 raise ConfigError(
@@ -112,21 +168,32 @@ class ModelConfig:
         """SwiGLU hidden width of block `layer`."""
         return self.ffn_hidden[layer] if isinstance(self.ffn_hidden, list) else self.ffn_hidden
 
+    def has_experts(self, layer: int) -> bool:
+        """Whether block `layer` has routed experts."""
+        return self.moe is not None and (self.moe.layer_ids is None or layer in self.moe.layer_ids)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """Blocks with routed experts."""
+        return [i for i in range(self.n_layers) if self.has_experts(i)]
+
     @property
     def engram_layer_ids(self) -> list[int]:
         return [] if self.engram is None else list(self.engram.layer_ids)
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["engram"] = None if self.engram is None else self.engram.to_dict("native")
+        if self.moe is None:
+            out.pop("moe")   # dense configs keep the keys they always had
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a model config must be a JSON object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}

@@ -1,8 +1,9 @@
-"""FLOPs per token of the reference decoder, and the iso-FLOP baseline of an Engram model.
+"""FLOPs and parameters per token of the reference decoder, and the iso-FLOP baseline of an Engram model.
 
 Counted: every matrix product (2 FLOPs per multiply-add), attention scores and values
 over the average causal context, the Engram's ``wkv`` GEMM, its depthwise ShortConv
-and its gate dot product. Not counted: embedding and table lookups (gathers, no
+and its gate dot product, and in a block with routed experts the router (every expert's
+logit) and the ``top_k`` experts a token goes through. Not counted: embedding and table lookups (gathers, no
 arithmetic), norms, activations, softmax and other elementwise work, which is the
 same order for both models and small beside the GEMMs. Training costs 3x the
 forward (backward = 2x forward), the usual convention.
@@ -24,11 +25,20 @@ def engram_flops_per_token(cfg: ModelConfig) -> int:
     return wkv + conv + gate
 
 
+def moe_flops_per_token(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token of ONE block's routed experts: the router and top_k SwiGLU experts (0 without)."""
+    m = cfg.moe
+    if m is None:
+        return 0
+    return 2 * cfg.dim * m.n_experts + m.top_k * 2 * 3 * cfg.dim * m.expert_hidden
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, int]:
     """Forward FLOPs per token by component, for sequences of `seq_len` tokens (default max_seq_len).
 
     Returns:
-        dict with ``attention_proj``, ``attention_scores``, ``mlp``, ``lm_head``, ``engram`` and ``total``.
+        dict with ``attention_proj``, ``attention_scores``, ``mlp`` (dense SwiGLUs and shared
+        experts), ``moe`` (routers and routed experts), ``lm_head``, ``engram`` and ``total``.
     """
     seq_len = seq_len or cfg.max_seq_len
     d, hd = cfg.dim, cfg.head_dim
@@ -39,6 +49,7 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dic
         "attention_proj": cfg.n_layers * 2 * (d * d + 2 * d * kv_dim + d * d),
         "attention_scores": int(cfg.n_layers * 2 * 2 * cfg.n_heads * hd * context),
         "mlp": sum(2 * 3 * d * cfg.ffn_width(i) for i in range(cfg.n_layers)),
+        "moe": len(cfg.moe_layer_ids) * moe_flops_per_token(cfg),
         "lm_head": 2 * d * cfg.vocab_size,
         "engram": len(cfg.engram_layer_ids) * engram_flops_per_token(cfg),
     }
@@ -63,3 +74,31 @@ def iso_flop_baseline(cfg: ModelConfig) -> ModelConfig:
     extra = round(engram_flops_per_token(cfg) / (2 * 3 * cfg.dim))
     widths = [cfg.ffn_width(i) + (extra if i in cfg.engram_layer_ids else 0) for i in range(cfg.n_layers)]
     return cfg.replace(engram=None, ffn_hidden=widths)
+
+
+def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
+    """`DecoderLM.param_counts` from the config alone (no model is built): ``total``, ``tables``,
+    ``backbone``, ``embeddings``, ``non_embedding`` and ``active`` (routed experts a token is
+    not sent to left out). Table rows are the layout's (sums of primes)."""
+    from condmem.layout import EngramLayout
+
+    d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
+    embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    blocks = cfg.n_layers * (2 * d + 2 * d * d + 2 * d * kv)       # two norms, attention
+    blocks += sum(3 * d * cfg.ffn_width(i) for i in range(cfg.n_layers))
+    expert = 3 * d * cfg.moe.expert_hidden if cfg.moe is not None else 0
+    idle = 0
+    for _ in cfg.moe_layer_ids:
+        blocks += cfg.moe.n_experts * (d + expert)                  # router row + expert
+        idle += (cfg.moe.n_experts - cfg.moe.top_k) * expert
+    tables = 0
+    e = cfg.engram
+    if e is not None:
+        per_layer = e.engram_dim * (e.hc_mult + 1) * d + 2 * e.hc_mult * d  # wkv, gate norms
+        if e.short_conv:
+            per_layer += e.hc_mult * d * (1 + e.kernel_size)          # its norm, depthwise taps
+        blocks += len(e.layer_ids) * per_layer
+        tables = sum(EngramLayout(e).num_embeddings) * e.head_dim
+    total = embed + blocks + d + tables                               # + the final norm
+    return {"total": total, "tables": tables, "backbone": total - tables, "embeddings": embed,
+            "non_embedding": total - tables - embed, "active": total - tables - idle}

@@ -1,5 +1,7 @@
 """`DecoderLM`: the reference Llama-style decoder, with Engram modules at chosen layers.
 
+Dense, or with routed experts (`condmem.models.moe`) beside a shared SwiGLU where the config says.
+
     token ids ──> NgramHasher ──> row ids for every Engram layer (once, before block 0)
     embed ──> block 0 ──> block 1 [h += Engram(h, rows[1])] ──> ... ──> norm ──> logits
 
@@ -27,6 +29,7 @@ from condmem.layout import EngramLayout
 from condmem.models.attention import Attention, KVCache
 from condmem.models.config import ModelConfig
 from condmem.models.layers import RMSNorm, Rotary, SwiGLU
+from condmem.models.moe import MoE
 from condmem.module import Engram
 
 
@@ -57,7 +60,7 @@ class GateCapture:
 
 
 class Block(nn.Module):
-    """One decoder block: optional Engram, attention, SwiGLU (all pre-norm residual)."""
+    """One decoder block: optional Engram, attention, SwiGLU and/or routed experts (all pre-norm residual)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None, sparse_tables: bool, device=None,
                  table_device=None):
@@ -72,7 +75,11 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, device=device)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn_width(layer_id), device=device)
+        width = cfg.ffn_width(layer_id)
+        # With routed experts the SwiGLU is the shared expert (width 0: none).
+        self.mlp = SwiGLU(cfg.dim, width, device=device) if width > 0 else None
+        self.moe = (MoE(cfg.dim, cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_hidden, device=device)
+                    if cfg.has_experts(layer_id) else None)
 
     def forward(self, x, cos, sin, rows=None, kv: KVCache | None = None, start_pos: int = 0,
                 conv_state: torch.Tensor | None = None, capture: GateCapture | None = None,
@@ -81,7 +88,11 @@ class Block(nn.Module):
             x = self.engram(x, rows, rows=looked_up, residual=True, conv_state=conv_state,
                             gates=None if capture is None else capture.gates)
         x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.moe is None:
+            return x + self.mlp(self.mlp_norm(x))
+        h = self.mlp_norm(x)
+        routed = self.moe(h)
+        return x + (routed if self.mlp is None else self.mlp(h) + routed)
 
 
 class DecoderLM(nn.Module):
@@ -152,7 +163,7 @@ class DecoderLM(nn.Module):
                     p.normal_(0.0, cfg.engram_table_init_std, generator=gen)
                 elif name.endswith("engram.wkv.weight"):
                     p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]), generator=gen)
-                elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                elif name.endswith(("attn.wo.weight", "mlp.w2.weight", "moe.w2")):
                     p.normal_(0.0, resid_std, generator=gen)
                 elif p.dim() >= 2:
                     p.normal_(0.0, cfg.init_std, generator=gen)
@@ -170,11 +181,25 @@ class DecoderLM(nn.Module):
         return [(n, p) for n, p in self.named_parameters() if not n.endswith("table.weight")]
 
     def param_counts(self) -> dict[str, int]:
+        """Parameters: ``total``, Engram ``tables``, ``backbone`` (the rest), ``embeddings`` (input and
+        output), ``non_embedding`` (backbone minus embeddings) and ``active``: the backbone
+        parameters one token uses (the routed experts it is not sent to left out; table rows
+        are read, not multiplied, and are not counted)."""
         tables = sum(p.numel() for _, p in self.table_parameters())
         total = sum(p.numel() for p in self.parameters())
         embed = self.embed.weight.numel() + (0 if self.cfg.tie_embeddings else self.lm_head.weight.numel())
+        idle = sum((b.moe.n_experts - b.moe.top_k) * (b.moe.w13[0].numel() + b.moe.w2[0].numel())
+                   for b in self.blocks if b.moe is not None)
         return {"total": total, "tables": tables, "backbone": total - tables, "embeddings": embed,
-                "non_embedding": total - tables - embed}
+                "non_embedding": total - tables - embed, "active": total - tables - idle}
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The routed experts' load-balancing loss of the last training forward, weighted by
+        ``cfg.moe.aux_loss_coef`` and summed over blocks (None: no routed experts, or eval mode)."""
+        losses = [b.moe.aux_loss for b in self.blocks if b.moe is not None and b.moe.aux_loss is not None]
+        if not losses or not self.cfg.moe.aux_loss_coef:
+            return None
+        return self.cfg.moe.aux_loss_coef * torch.stack(losses).sum()
 
     @property
     def engram_layers(self) -> list[Engram]:

@@ -22,9 +22,9 @@ import logging
 import os
 import platform
 import sysconfig
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -143,6 +143,81 @@ def split_text(text: str, size: int) -> list[str]:
     return pieces
 
 
+def _normalize_sources(sources) -> list:
+    if sources is None or (isinstance(sources, str) and sources == STDLIB):
+        return [STDLIB]
+    if isinstance(sources, str) and sources == PYTHON:
+        return [PYTHON]
+    if isinstance(sources, (str, os.PathLike)):
+        return [sources]
+    return list(sources)
+
+
+def _tree_files(source: str, patterns: Sequence[str]) -> list[tuple[str, Path]] | None:
+    """(document name, file) of every file a 'stdlib' / 'python' / directory source reads, in
+    reading order; None for a file source (its documents come from its content)."""
+    if source in (STDLIB, PYTHON):
+        root, files = _stdlib_files()
+        trees = [("stdlib", root, files)]
+        if source == PYTHON:
+            trees += [(f"site{i}", d, _dir_files(d, ("*.py",))) for i, d in enumerate(site_dirs())]
+        return [(f"{prefix}/{f.relative_to(tree).as_posix()}", f) for prefix, tree, fs in trees for f in fs]
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return [(f"{path.name}/{f.relative_to(path).as_posix()}", f) for f in _dir_files(path, patterns)]
+    if path.is_file():
+        return None
+    raise CorpusError(f"corpus source {source!r} is neither 'stdlib', 'python', a directory, nor a file")
+
+
+def _source_info(source: str, info: dict) -> None:
+    if source in (STDLIB, PYTHON):
+        info["python_version"] = platform.python_version()
+        info["python_implementation"] = platform.python_implementation()
+        info["stdlib_dir"] = str(stdlib_dir())
+        if source == PYTHON:
+            info["site_dirs"] = [str(d) for d in site_dirs()]
+
+
+def _file_documents(path: Path, jsonl_key: str) -> Iterable[tuple[str, str]]:
+    """A .jsonl file's records, or a text file cut at line ends into ~PIECE_CHARS pieces."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise CorpusError(f"{path}:{lineno} is not valid JSON: {exc}") from None
+                if not isinstance(record, dict) or not isinstance(record.get(jsonl_key), str):
+                    raise CorpusError(f"{path}:{lineno} has no string field {jsonl_key!r}")
+                yield f"{path.name}:{lineno}", record[jsonl_key]
+        return
+    text = _read_text(path)
+    if text is None:
+        raise CorpusError(f"corpus file {path} is not UTF-8 text")
+    # One long text (a book, a dump) becomes pieces of ~PIECE_CHARS cut at line ends, so
+    # that it can be split into training and validation like a folder of files.
+    pieces = split_text(text, PIECE_CHARS)
+    for k, piece in enumerate(pieces):
+        yield (path.name if len(pieces) == 1 else f"{path.name}#{k:06d}"), piece
+
+
+def _documents(sources: list, patterns: Sequence[str], jsonl_key: str, info: dict) -> Iterable[tuple[str, str]]:
+    """(name, text) of every document of `sources`, in order (files that are not UTF-8 skipped)."""
+    for source in sources:
+        files = _tree_files(str(source), patterns)
+        _source_info(str(source), info)
+        if files is None:
+            yield from _file_documents(Path(source).expanduser(), jsonl_key)
+            continue
+        for name, path in files:
+            text = _read_text(path)
+            if text is not None:
+                yield name, text
+
+
 def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
                 patterns: Sequence[str] = DEFAULT_PATTERNS, jsonl_key: str = "text",
                 max_bytes: int | None = None) -> Corpus:
@@ -160,90 +235,44 @@ def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None 
         A `Corpus` whose ``info`` records the source, the Python version for the stdlib,
         and a sha256 over every (name, text) pair.
     """
-    if sources is None or (isinstance(sources, str) and sources == STDLIB):
-        sources = [STDLIB]
-    elif isinstance(sources, str) and sources == PYTHON:
-        sources = [PYTHON]
-    elif isinstance(sources, (str, os.PathLike)):
-        sources = [sources]
+    sources = _normalize_sources(sources)
+    info: dict = {"sources": [str(s) for s in sources]}
     docs: list[Document] = []
     digest = hashlib.sha256()
     n_bytes = 0
-    info: dict = {"sources": [str(s) for s in sources]}
     full = False
-
-    def add(name: str, text: str) -> bool:
-        nonlocal n_bytes
+    for name, text in _documents(sources, patterns, jsonl_key, info):
         if not text:
-            return True
+            continue
         data = text.encode("utf-8")
         if max_bytes is not None and n_bytes + len(data) > max_bytes and docs:
-            return False
+            full = True
+            break
         docs.append(Document(name, text))
         digest.update(name.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little") + data)
         n_bytes += len(data)
-        return True
-
-    for source in sources:
-        if full:
-            break
-        if str(source) in (STDLIB, PYTHON):
-            root, files = _stdlib_files()
-            info["python_version"] = platform.python_version()
-            info["python_implementation"] = platform.python_implementation()
-            info["stdlib_dir"] = str(root)
-            trees = [("stdlib", root, files)]
-            if str(source) == PYTHON:
-                info["site_dirs"] = [str(d) for d in site_dirs()]
-                trees += [(f"site{i}", d, _dir_files(d, ("*.py",))) for i, d in enumerate(site_dirs())]
-            for prefix, tree_root, tree_files in trees:
-                for path in tree_files:
-                    text = _read_text(path)
-                    if text is not None and not add(f"{prefix}/{path.relative_to(tree_root).as_posix()}", text):
-                        full = True
-                        break
-                if full:
-                    break
-            continue
-        path = Path(source).expanduser()
-        if path.is_dir():
-            for file in _dir_files(path, patterns):
-                text = _read_text(file)
-                if text is not None and not add(f"{path.name}/{file.relative_to(path).as_posix()}", text):
-                    full = True
-                    break
-        elif path.is_file() and path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise CorpusError(f"{path}:{lineno} is not valid JSON: {exc}") from None
-                    if not isinstance(record, dict) or not isinstance(record.get(jsonl_key), str):
-                        raise CorpusError(f"{path}:{lineno} has no string field {jsonl_key!r}")
-                    if not add(f"{path.name}:{lineno}", record[jsonl_key]):
-                        full = True
-                        break
-        elif path.is_file():
-            text = _read_text(path)
-            if text is None:
-                raise CorpusError(f"corpus file {path} is not UTF-8 text")
-            # One long text (a book, a dump) becomes pieces of ~PIECE_CHARS cut at line ends, so
-            # that it can be split into training and validation like a folder of files.
-            pieces = split_text(text, PIECE_CHARS)
-            for k, piece in enumerate(pieces):
-                name = path.name if len(pieces) == 1 else f"{path.name}#{k:06d}"
-                if not add(name, piece):
-                    full = True
-                    break
-        else:
-            raise CorpusError(f"corpus source {str(source)!r} is neither 'stdlib', 'python', a directory, nor a file")
     if not docs:
         raise CorpusError(f"the corpus {info['sources']} holds no text (patterns {list(patterns)})")
     info.update(n_documents=len(docs), n_bytes=n_bytes, sha256=digest.hexdigest(), truncated=full)
     return Corpus(docs, info)
+
+
+def corpus_fingerprint(sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
+                       patterns: Sequence[str] = DEFAULT_PATTERNS, jsonl_key: str = "text",
+                       max_bytes: int | None = None) -> str:
+    """A cheap identity of what `load_corpus` would read with these arguments: the path, size
+    and modification time of every file (no content is read), the arguments and the
+    interpreter. An edited, added or removed file changes it."""
+    digest = hashlib.sha256(json.dumps([_TOKEN_CACHE_FORMAT, list(patterns), jsonl_key, max_bytes,
+                                        sys.version]).encode())
+    for source in _normalize_sources(sources):
+        files = _tree_files(str(source), patterns)
+        paths = [Path(source).expanduser().resolve()] if files is None else [f for _, f in files]
+        digest.update(f"\1{source}".encode())
+        for path in paths:
+            st = path.stat()
+            digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
 
 
 def split_corpus(corpus: Corpus, val_fraction: float = 0.02, seed: int = 0) -> tuple[list[Document], list[Document]]:
@@ -334,7 +363,7 @@ class Batch:
     positions: torch.Tensor | None = None
     """int64 [B, T]: each target's index in its stream (validation only)."""
 
-    def to(self, device, non_blocking: bool = False) -> "Batch":
+    def to(self, device, non_blocking: bool = False) -> Batch:
         moved = [None if t is None else t.to(device, non_blocking=non_blocking)
                  for t in (self.inputs, self.targets, self.doc_starts, self.scored, self.positions)]
         return Batch(*moved)

@@ -13,60 +13,43 @@ one output directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
-import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from condmem.config import EngramConfig
-from condmem.models import DecoderLM, ModelConfig, forward_flops_per_token, generate, iso_flop_baseline, train_flops_per_token
-from condmem.train.loop import Trainer, TrainConfig
+from condmem.models import (
+    DecoderLM,
+    ModelConfig,
+    forward_flops_per_token,
+    generate,
+    iso_flop_baseline,
+    train_flops_per_token,
+)
+from condmem.train.build import (
+    banner,
+    build_model,
+    build_model_config,
+    build_trainer,
+    cap_steps,
+    machine_info,
+    prepare,
+    resolve_device,
+)
 from condmem.train.heldout import DEDUP_THRESHOLD, seen_in_training
-from condmem.train.pipeline import PreparedData, prepare_data
+from condmem.train.pipeline import PreparedData
 from condmem.train.plots import plot_gate_heatmap, plot_loss_curves
-from condmem.train.presets import get_preset
+from condmem.train.presets import Preset, default_preset_name, get_preset
 from condmem.utils.atomic import atomic_write_text
 
 logger = logging.getLogger("condmem.demo")
 
 DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n'
-
-
-def resolve_device(device: str | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
-    return dev
-
-
-def build_model_config(preset: dict, data: PreparedData, *, engram: bool = True) -> ModelConfig:
-    """The Engram model's config from a preset and the prepared data (V' from its compressed tokenizer)."""
-    m, e = preset["model"], preset["engram"]
-    vocab = data.tokenizer.get_vocab_size(with_added_tokens=True)
-    ecfg = None
-    if engram:
-        ecfg = EngramConfig(
-            layer_ids=list(e["layer_ids"]), max_ngram_size=e["max_ngram_size"], n_heads=e["n_heads"],
-            head_dim=e["head_dim"], table_size=e["table_size"], pad_id=data.pad_id, hidden_size=m["dim"], hc_mult=1,
-            short_conv=e.get("short_conv", True), compressed_vocab_size=data.ctok.vocab_size,
-        )
-    return ModelConfig(vocab_size=vocab, engram=ecfg, engram_table_init_std=e.get("table_init_std", 1.0), **m)
-
-
-def machine_info(device: torch.device) -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "cpu_threads": torch.get_num_threads(), "device": str(device),
-            "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 def _fmt_m(n: float) -> str:
@@ -76,14 +59,14 @@ def _fmt_m(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def _mean_std(values: list[float]) -> tuple[float, float | None]:
+def mean_std(values: list[float]) -> tuple[float, float | None]:
     """Mean and sample standard deviation (None for a single value)."""
     arr = np.asarray(values, dtype=float)
     return float(arr.mean()), (float(arr.std(ddof=1)) if len(arr) > 1 else None)
 
 
 def _pm(values: list[float], fmt: str) -> str:
-    mean, std = _mean_std(values)
+    mean, std = mean_std(values)
     return f"{mean:{fmt}}" if std is None else f"{mean:{fmt}} +- {std:{fmt}}"
 
 
@@ -102,7 +85,7 @@ def format_table(per_seed: list[dict]) -> str:
     ratio = eng0["flops_per_token"] / base0["flops_per_token"]
 
     def gap_text(values: list[float]) -> str:
-        mean, std = _mean_std(values)
+        mean, std = mean_std(values)
         spread = "" if std is None else f" +- {std:.2f}"
         return f"{abs(mean):.2f}{spread}% {'lower' if mean >= 0 else 'HIGHER'}"
 
@@ -127,9 +110,9 @@ def format_table(per_seed: list[dict]) -> str:
         rows.append((f"  val loss, 3-gram {bucket} ({100 * b[0]['fraction']:.0f}% of tokens)",
                      _pm([x["loss"] for x in b], ".4f"), _pm([x["loss"] for x in e], ".4f"),
                      gap_text([_gap(x["loss"], y["loss"]) for x, y in zip(b, e)])))
-    rows.append(("tokens / s (train)", f"{np.mean(col['baseline']['tokens_per_s']):,.0f}",
-                 f"{np.mean(col['engram']['tokens_per_s']):,.0f}",
-                 f"ratio {np.mean(col['engram']['tokens_per_s']) / max(np.mean(col['baseline']['tokens_per_s']), 1e-9):.3f}"))
+    tok_s = {label: float(np.mean(col[label]["tokens_per_s"])) for label in ("baseline", "engram")}
+    rows.append(("tokens / s (train)", f"{tok_s['baseline']:,.0f}", f"{tok_s['engram']:,.0f}",
+                 f"ratio {tok_s['engram'] / max(tok_s['baseline'], 1e-9):.3f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
     for i, r in enumerate(rows):
@@ -149,23 +132,6 @@ def bucket_losses(token_losses: np.ndarray, seen: np.ndarray) -> dict:
     return out
 
 
-def cap_steps(requested: int, stream, batch_size: int, seq_len: int, max_passes: float) -> tuple[int, dict]:
-    """Steps after capping at `max_passes` passes over `stream`, and a record of the decision."""
-    per_pass = stream.windows_per_pass(seq_len)
-    limit = max(1, int(max_passes * per_pass // batch_size))
-    steps = min(requested, limit)
-    record = {"requested_steps": requested, "steps": steps, "max_passes": max_passes, "capped": steps < requested,
-              "steps_per_pass": per_pass / batch_size, "train_tokens_available": len(stream),
-              "passes": stream.passes(steps, batch_size, seq_len),
-              "requested_passes": stream.passes(requested, batch_size, seq_len)}
-    return steps, record
-
-
-def _banner(text: str) -> str:
-    bar = "!" * 78
-    return f"\n{bar}\n{text}\n{bar}\n"
-
-
 def plot_summary(summary: dict, path: str | Path) -> Path | None:
     """loss_curves.png from a demo summary (every seed's curves, seen/unseen losses); None without matplotlib."""
     base, eng, comp = summary["baseline"], summary["engram"], summary["comparison"]
@@ -173,7 +139,8 @@ def plot_summary(summary: dict, path: str | Path) -> Path | None:
     n = len(summary["seeds"])
     title = (f"baseline vs Engram on {summary['corpus_description']}: {_fmt_m(eng['train_tokens'])} training tokens "
              f"each ({base['passes']:.2f} passes), FLOPs/token ratio {comp['flops_per_token_ratio']:.3f}\n"
-             f"Engram validation loss {-gap:+.2f}%" + (f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else "")
+             f"Engram validation loss {-gap:+.2f}%"
+             + (f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else "")
              + f" over all {eng['val_tokens']:,} deduplicated validation tokens")
     buckets = {label: [r[label]["buckets"] for r in summary["seeds"]] for label in ("baseline", "engram")}
     return plot_loss_curves(summary["curves"], path, title=title, buckets=buckets)
@@ -199,6 +166,18 @@ def gate_sample(model: DecoderLM, data: PreparedData, device: torch.device, n_to
             "gates": {str(lid): g[0].float().cpu().tolist() for lid, g in gates.items()}}
 
 
+@dataclass
+class StepPlan:
+    """How many steps each model trains, decided once before the first model."""
+
+    max_steps: int
+    """The step cap: the requested steps, or the --minutes probe's upper bound, capped at max_passes."""
+    passes: dict
+    """`cap_steps`'s record (requested, capped, passes)."""
+    budget_s: float | None
+    """Seconds left for training with --minutes, else None."""
+
+
 def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | None = None, device: str | None = None,
              steps: int | None = None, minutes: float | None = None, seeds: int = 1, max_passes: float = 1.0,
              vocab_size: int | None = None, tokenizer: str | None = None, prompt: str = DEFAULT_PROMPT,
@@ -216,6 +195,8 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
         max_passes: cap the steps at this many passes over the training split.
         dedup_threshold: drop validation documents sharing more than this fraction of their
             13-token n-grams with the training split (None: keep all).
+        overrides: preset values by section (``{"train": {"eval_every": 2}}``); the keyword
+            options above win over them.
 
     Returns the summary written to ``summary.json``.
     """
@@ -225,33 +206,51 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
     if not max_passes > 0:
         raise ValueError(f"--max-passes must be positive, got {max_passes!r}")
     dev = resolve_device(device)
-    preset_name = preset or ("gpu" if dev.type == "cuda" else "cpu")
-    p = get_preset(preset_name)
-    for section, values in (overrides or {}).items():
-        p[section].update(values)
-    for section, key, value in (("data", "vocab_size", vocab_size), ("data", "max_train_bytes", max_train_bytes),
-                                ("data", "max_corpus_bytes", max_corpus_bytes), ("data", "corpus", corpus),
-                                ("train", "steps", steps), ("train", "batch_size", batch_size),
-                                ("engram", "table_size", table_size), ("train", "log_every", log_every)):
-        if value is not None:
-            p[section][key] = value
+    p = get_preset(preset or default_preset_name(dev.type)).override(
+        overrides, train={"steps": steps, "batch_size": batch_size, "log_every": log_every},
+        engram={"table_size": table_size},
+        data={"vocab_size": vocab_size, "max_train_bytes": max_train_bytes, "max_corpus_bytes": max_corpus_bytes,
+              "corpus": corpus})
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    print(f"condmem demo: preset {preset_name!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
+    print(f"condmem demo: preset {p.name!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
           flush=True)
 
-    data = prepare_data(p["data"].get("corpus"), tokenizer=tokenizer, vocab_size=p["data"]["vocab_size"],
-                        max_corpus_bytes=p["data"].get("max_corpus_bytes"),
-                        max_train_bytes=p["data"].get("max_train_bytes"),
-                        tokenizer_train_bytes=p["data"].get("tokenizer_train_bytes"), seed=seed, use_cache=use_cache,
-                        dedup_threshold=dedup_threshold)
+    data = prepare(p, tokenizer=tokenizer, seed=seed, use_cache=use_cache, dedup_threshold=dedup_threshold)
+    src = describe_data(data)
+    data.tokenizer.save(str(out / "tokenizer.json"))
+    seen = seen_in_training(data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"],
+                            pad_id=data.eos_id)
+    print(f"validation tokens whose trailing 3-gram occurs in the training split: {100 * seen.mean():.1f}%", flush=True)
+    eng_cfg = build_model_config(p, data)
+    cfgs = {"baseline": iso_flop_baseline(eng_cfg), "engram": eng_cfg}
+    plan = plan_steps(p, data, steps=steps, minutes=minutes, max_passes=max_passes, wall=wall)
+    per_seed, curves, configs, models = train_pairs(p, data, dev, cfgs, plan, seeds=seeds, seed=seed, seen=seen,
+                                                    run_root=out if checkpoint else None, progress=progress)
+    table = report_comparison(per_seed, max_passes)
+    samples = write_samples(models, data, out, prompt=prompt, max_new_tokens=max_new_tokens, seed=seed)
+    summary = demo_summary(per_seed, plan, p, data, dev, seed=seed, seen=seen, src=src, curves=curves,
+                           configs=configs, table=table, samples=samples, prompt=prompt)
+    write_figures(summary, models["engram"], data, dev, out)
+    summary["wall_seconds"] = time.perf_counter() - wall
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    figures = summary["figures"]
+    print(f"\nwrote {out}/summary.json, {', '.join(figures.values()) or 'no figures (matplotlib missing)'}, "
+          f"sample.txt, gates.json{f'; checkpoints in {out}/engram and {out}/baseline' if checkpoint else ''} "
+          f"({summary['wall_seconds']:.0f} s in all)", flush=True)
+    return summary
+
+
+def describe_data(data: PreparedData) -> str:
+    """Print what was read, the tokenizer and the validation split; returns a short corpus description."""
     c = data.info["corpus"]
     if "python_version" in c:
         src = f"Python {c['python_version']} standard library" + (" and installed packages" if "site_dirs" in c else "")
     else:
         src = ", ".join(Path(x).name or x for x in c["sources"])
-    print(f"corpus: {src}: {c['n_documents']:,} documents, {c['n_bytes']:,} bytes, sha256 {c['sha256'][:16]}...", flush=True)
+    print(f"corpus: {src}: {c['n_documents']:,} documents, {c['n_bytes']:,} bytes, sha256 {c['sha256'][:16]}...",
+          flush=True)
     t = data.info["tokenizer"]
     v = data.info["validation"]
     print(f"tokenizer: {t['source']}: {t['vocab_size']:,} ids -> compressed V'={t['compressed_vocab_size']:,}; "
@@ -262,13 +261,13 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
           f"(> {v['dedup_threshold']} of their {v['dedup_ngram']}-token n-grams in the training split)"
           + (f": {', '.join(r['name'] for r in v['removed'][:5])}{' ...' if len(v['removed']) > 5 else ''}"
              if v["removed"] else ""), flush=True)
-    data.tokenizer.save(str(out / "tokenizer.json"))
-    seen = seen_in_training(data.train.tokens, data.val.tokens, t["vocab_size"], pad_id=data.eos_id)
-    print(f"validation tokens whose trailing 3-gram occurs in the training split: {100 * seen.mean():.1f}%", flush=True)
+    return src
 
-    eng_cfg = build_model_config(p, data)
-    base_cfg = iso_flop_baseline(eng_cfg)
-    tc0 = TrainConfig(**p["train"])
+
+def plan_steps(p: Preset, data: PreparedData, *, steps: int | None, minutes: float | None, max_passes: float,
+               wall: float) -> StepPlan:
+    """The step cap of every run: the preset's (or --steps), or what --minutes leaves; at most max_passes passes."""
+    tc = p.train
     budget_s = None
     if minutes is not None:
         # The demo's whole budget: what data preparation used is gone; the first baseline
@@ -276,57 +275,44 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
         budget_s = minutes * 60 - (time.perf_counter() - wall)
         if budget_s <= 0:
             raise ValueError(f"--minutes {minutes}: data preparation alone took longer")
-    requested = tc0.steps if budget_s is None or steps is not None else 10**9
-    max_steps, passes = cap_steps(requested, data.train, tc0.batch_size, tc0.seq_len, max_passes)
+    requested = tc.steps if budget_s is None or steps is not None else 10**9
+    max_steps, passes = cap_steps(requested, data.train, tc.batch_size, tc.seq_len, max_passes)
     if budget_s is not None:
         print(f"steps: sized to the --minutes budget, at most {max_steps:,} ({max_passes:g} passes over the "
               f"{len(data.train):,}-token training split)", flush=True)
     elif passes["capped"]:
-        print(_banner(
-            f"WARNING: {requested:,} steps x {tc0.batch_size * tc0.seq_len:,} tokens would make "
+        print(banner(
+            f"WARNING: {requested:,} steps x {tc.batch_size * tc.seq_len:,} tokens would make "
             f"{passes['requested_passes']:.1f} passes over the {len(data.train):,}-token training split.\n"
             f"Capped at {max_steps:,} steps ({passes['passes']:.2f} passes, --max-passes {max_passes:g}): "
             "a model that sees its data again memorizes it,\nand Engram's tables memorize fastest. "
             "Pass a larger --corpus, or --max-passes to allow repeats."), flush=True)
+    return StepPlan(max_steps, passes, budget_s)
 
+
+def train_pairs(p: Preset, data: PreparedData, dev: torch.device, cfgs: dict[str, ModelConfig], plan: StepPlan, *,
+                seeds: int, seed: int, seen: np.ndarray, run_root: Path | None, progress: bool):
+    """Both models for every seed, on the same steps.
+
+    Returns (per-seed results, curves, configs, the first seed's models)."""
     per_seed: list[dict] = []
-    curves: dict[str, list[dict]] = {"baseline": [], "engram": []}
+    curves: dict[str, list[dict]] = {label: [] for label in cfgs}
     configs: dict[str, dict] = {}
     models: dict[str, DecoderLM] = {}
     for k in range(seeds):
         run_seed = seed + k
         results: dict[str, dict] = {}
-        for label, cfg in (("baseline", base_cfg), ("engram", eng_cfg)):
-            tc = TrainConfig(**dict(p["train"], seed=run_seed))
-            tc.steps = max_steps
-            if per_seed or label == "engram":
-                tc.steps = per_seed[0]["baseline"]["steps"] if per_seed else results["baseline"]["steps"]
-            elif budget_s is not None:
-                tc.max_minutes = budget_s * 0.44 / seeds / 60
-            tc.warmup_steps = min(tc.warmup_steps, max(0, tc.steps - 1))
-            model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=run_seed, device=dev)
-            run_dir = out / label if checkpoint and k == 0 else None
-            trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, dev, run_dir=run_dir,
-                              label=label if seeds == 1 else f"{label} seed {run_seed}",
-                              checkpoint_extra={"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info},
-                              progress=progress)
-            counts = model.param_counts()
-            print(f"[{trainer.label}] {counts['total']:,} parameters ({counts['tables']:,} in Engram tables), "
-                  f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token; "
-                  f"{tc.steps if tc.max_minutes is None else 'budgeted'} steps x {tc.batch_size * tc.seq_len:,} "
-                  "tokens", flush=True)
-            summary = trainer.fit(token_losses=True)
-            summary.update(
-                seed=run_seed, params=counts["total"], backbone_params=counts["backbone"],
-                table_params=counts["tables"],
-                table_rows=sum(model.layout.num_embeddings) if model.layout is not None else 0,
-                flops_per_token=train_flops_per_token(cfg, tc.seq_len),
-                forward_flops=forward_flops_per_token(cfg, tc.seq_len),
-                passes=data.train.passes(trainer.step, tc.batch_size, tc.seq_len),
-                buckets=bucket_losses(trainer.token_losses, seen),
-                checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
-            )
-            results[label] = summary
+        for label, cfg in cfgs.items():
+            # Every run after the first takes the first baseline's steps (fixed by --minutes, if given).
+            first = per_seed[0]["baseline"] if per_seed else results.get("baseline")
+            steps = first["steps"] if first is not None else plan.max_steps
+            budget = plan.budget_s * 0.44 / seeds / 60 if first is None and plan.budget_s is not None else None
+            tc = dataclasses.replace(p.train, seed=run_seed, steps=steps, max_minutes=budget,
+                                     warmup_steps=min(p.train.warmup_steps, max(0, steps - 1)))
+            model = build_model(cfg, data, seed=run_seed, device=dev)
+            trainer = build_trainer(model, tc, data, dev, run_dir=run_root / label if run_root and k == 0 else None,
+                                    label=label if seeds == 1 else f"{label} seed {run_seed}", progress=progress)
+            results[label] = _fit(trainer, model, cfg, data, seen, run_seed)
             curves[label].append({"seed": run_seed, "history": trainer.history, "evals": trainer.evals})
             configs[label] = {"model": cfg.to_dict(), "train": tc.to_dict()}
             if k == 0:
@@ -336,68 +322,107 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
         results["val_loss_gap_pct"] = _gap(results["baseline"]["val_loss"], results["engram"]["val_loss"])
-        results["bits_per_byte_gap_pct"] = _gap(results["baseline"]["bits_per_byte"], results["engram"]["bits_per_byte"])
+        results["bits_per_byte_gap_pct"] = _gap(results["baseline"]["bits_per_byte"],
+                                                results["engram"]["bits_per_byte"])
         per_seed.append(results)
         if seeds > 1:
             print(f"seed {run_seed}: Engram val loss {results['val_loss_gap_pct']:+.2f}% lower "
                   f"({results['baseline']['val_loss']:.4f} -> {results['engram']['val_loss']:.4f})", flush=True)
+    return per_seed, curves, configs, models
 
+
+def _fit(trainer, model: DecoderLM, cfg: ModelConfig, data: PreparedData, seen: np.ndarray, run_seed: int) -> dict:
+    """Train one model; its summary with parameters, FLOPs, passes and the seen/unseen 3-gram losses."""
+    tc = trainer.cfg
+    counts = model.param_counts()
+    print(f"[{trainer.label}] {counts['total']:,} parameters ({counts['tables']:,} in Engram tables), "
+          f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token; "
+          f"{tc.steps if tc.max_minutes is None else 'budgeted'} steps x {tc.batch_size * tc.seq_len:,} "
+          "tokens", flush=True)
+    summary = trainer.fit(token_losses=True)
+    summary.update(
+        seed=run_seed, params=counts["total"], backbone_params=counts["backbone"], table_params=counts["tables"],
+        table_rows=sum(model.layout.num_embeddings) if model.layout is not None else 0,
+        flops_per_token=train_flops_per_token(cfg, tc.seq_len), forward_flops=forward_flops_per_token(cfg, tc.seq_len),
+        passes=data.train.passes(trainer.step, tc.batch_size, tc.seq_len),
+        buckets=bucket_losses(trainer.token_losses, seen),
+        checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
+    )
+    return summary
+
+
+def report_comparison(per_seed: list[dict], max_passes: float) -> str:
+    """Print the side-by-side table and the verdict; returns the table."""
     base, eng = per_seed[0]["baseline"], per_seed[0]["engram"]
-    passes.update(steps=base["steps"], passes=base["passes"])
     table = format_table(per_seed)
-    gap_mean, gap_std = _mean_std([r["val_loss_gap_pct"] for r in per_seed])
-    bpb_mean, bpb_std = _mean_std([r["bits_per_byte_gap_pct"] for r in per_seed])
     print("\n" + table + "\n", flush=True)
-    flops_ratio = eng["flops_per_token"] / base["flops_per_token"]
+    gap_mean, gap_std = mean_std([r["val_loss_gap_pct"] for r in per_seed])
     verdict = "lower" if gap_mean > 0 else "NOT lower"
-    spread = f" (mean of {seeds} seeds, std {gap_std:.2f} points)" if gap_std is not None else ""
+    spread = f" (mean of {len(per_seed)} seeds, std {gap_std:.2f} points)" if gap_std is not None else ""
     print(f"Engram validation loss is {abs(gap_mean):.2f}% {verdict} than the baseline's{spread} at the same "
           f"{eng['train_tokens']:,} training tokens ({base['passes']:.2f} passes over the training split; "
-          f"FLOPs/token ratio {flops_ratio:.4f}), over all {eng['val_tokens']:,} deduplicated validation tokens.",
-          flush=True)
+          f"FLOPs/token ratio {eng['flops_per_token'] / base['flops_per_token']:.4f}), over all "
+          f"{eng['val_tokens']:,} deduplicated validation tokens.", flush=True)
     if base["passes"] > 1:
-        print(_banner(f"NOTE: each model saw its training data {base['passes']:.2f} times "
-                      f"(--max-passes {max_passes:g}); the comparison measures memorization as much as modelling."),
+        print(banner(f"NOTE: each model saw its training data {base['passes']:.2f} times "
+                     f"(--max-passes {max_passes:g}); the comparison measures memorization as much as modelling."),
               flush=True)
+    return table
 
+
+def write_samples(models: dict[str, DecoderLM], data: PreparedData, out: Path, *, prompt: str, max_new_tokens: int,
+                  seed: int) -> dict[str, str]:
+    """A completion of `prompt` from each model (printed for Engram, all in sample.txt)."""
     prompt_ids = data.tokenizer.encode(prompt, add_special_tokens=False).ids
     samples = {}
     for label in ("engram", "baseline"):
         new = generate(models[label], torch.tensor(prompt_ids), max_new_tokens, temperature=0.8, top_k=40, seed=seed,
                        stop_ids=(data.eos_id,))
         samples[label] = data.tokenizer.decode(new.tolist(), skip_special_tokens=True)
-    print("\nprompt + Engram completion:\n" + "-" * 60 + "\n" + prompt + samples["engram"] + "\n" + "-" * 60, flush=True)
+    rule = "-" * 60
+    print(f"\nprompt + Engram completion:\n{rule}\n{prompt}{samples['engram']}\n{rule}", flush=True)
     atomic_write_text(out / "sample.txt", f"# prompt\n{prompt}\n# engram completion\n{samples['engram']}\n"
                                           f"# baseline completion\n{samples['baseline']}\n")
+    return samples
+
+
+def demo_summary(per_seed: list[dict], plan: StepPlan, p: Preset, data: PreparedData, dev: torch.device, *,
+                 seed: int, seen: np.ndarray, src: str, curves: dict, configs: dict, table: str, samples: dict,
+                 prompt: str) -> dict:
+    """What summary.json holds (figures and wall time are added after)."""
+    base, eng = per_seed[0]["baseline"], per_seed[0]["engram"]
+    plan.passes.update(steps=base["steps"], passes=base["passes"])
+    gap_mean, gap_std = mean_std([r["val_loss_gap_pct"] for r in per_seed])
+    bpb_mean, bpb_std = mean_std([r["bits_per_byte_gap_pct"] for r in per_seed])
 
     def spread_of(label: str, key: str) -> dict:
         values = [r[label][key] for r in per_seed]
-        mean, std = _mean_std(values)
+        mean, std = mean_std(values)
         return {"mean": mean, "std": std, "values": values}
 
-    summary = {
+    return {
         "corpus_description": src,
         "baseline": base,
         "engram": eng,
         "seeds": per_seed,
         "comparison": {
-            "seeds": [seed + k for k in range(seeds)],
+            "seeds": [seed + k for k in range(len(per_seed))],
             "val_loss_gap_pct": gap_mean,
             "val_loss_gap_pct_std": gap_std,
             "bits_per_byte_gap_pct": bpb_mean,
             "bits_per_byte_gap_pct_std": bpb_std,
             "val_loss": {label: spread_of(label, "val_loss") for label in ("baseline", "engram")},
             "bits_per_byte": {label: spread_of(label, "bits_per_byte") for label in ("baseline", "engram")},
-            "flops_per_token_ratio": flops_ratio,
+            "flops_per_token_ratio": eng["flops_per_token"] / base["flops_per_token"],
             "tokens_per_s_ratio": eng["tokens_per_s"] / max(base["tokens_per_s"], 1e-9),
             "same_tokens": eng["train_tokens"] == base["train_tokens"],
             "val_tokens": eng["val_tokens"],
             "seen_3gram_fraction": float(seen.mean()),
         },
-        "passes": passes,
-        "preset": preset_name,
+        "passes": plan.passes,
+        "preset": p.name,
         "config": {"baseline": configs["baseline"]["model"], "engram": configs["engram"]["model"],
-                   "train": configs["engram"]["train"], "preset": p},
+                   "train": configs["engram"]["train"], "preset": p.to_dict()},
         "data": data.info,
         "machine": machine_info(dev),
         "figures": {},
@@ -405,20 +430,18 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
         "curves": curves,
         "table": table,
     }
+
+
+def write_figures(summary: dict, engram_model: DecoderLM, data: PreparedData, dev: torch.device, out: Path) -> None:
+    """loss_curves.png, gates.json and gates.png; their names go into ``summary["figures"]``."""
     figures = summary["figures"]
     fig = plot_summary(summary, out / "loss_curves.png")
     if fig:
         figures["loss_curves"] = fig.name
-    gates = gate_sample(models["engram"], data, dev)
+    gates = gate_sample(engram_model, data, dev)
     atomic_write_text(out / "gates.json", json.dumps(gates) + "\n")
     first = next(iter(gates["gates"]))
     fig = plot_gate_heatmap(gates["pieces"], np.array([gates["gates"][k] for k in gates["gates"]]), out / "gates.png",
                             title=f"Engram gate (layer {first}) per token over validation code; darker = more memory")
     if fig:
         figures["gates"] = fig.name
-    summary["wall_seconds"] = time.perf_counter() - wall
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    print(f"\nwrote {out}/summary.json, {', '.join(figures.values()) or 'no figures (matplotlib missing)'}, "
-          f"sample.txt, gates.json{f'; checkpoints in {out}/engram and {out}/baseline' if checkpoint else ''} "
-          f"({summary['wall_seconds']:.0f} s in all)", flush=True)
-    return summary

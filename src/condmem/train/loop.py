@@ -1,7 +1,8 @@
 """The training loop: `TrainConfig`, `Trainer` (fit, evaluate, checkpoint, resume).
 
 One step: batch ``step`` of the stream (a pure function of seed and step), forward and
-loss (bf16 autocast on GPU), backward, global-norm clipping over dense and sparse
+loss (bf16 autocast on GPU; plus the routed experts' load-balancing loss), backward,
+global-norm clipping over dense and sparse
 gradients, AdamW on the backbone and `SparseAdam` on the tables (or, for tables in host
 memory, `HostTables`, which also prefetches the next step's rows), both on the same
 warm-up + cosine curve (the tables at ``table_lr_mult`` times the rate). A run is
@@ -26,7 +27,13 @@ import torch
 
 from condmem.config import ConfigError
 from condmem.train.data import TokenStream
-from condmem.train.optim import build_optimizers, clip_grad_norm_, clip_gradients_, lr_factor, set_lr
+from condmem.train.optim import (
+    build_optimizers,
+    clip_grad_norm_,
+    clip_gradients_,
+    lr_factor,
+    set_lr,
+)
 from condmem.train.progress import format_duration
 from condmem.utils.progress import Progress
 
@@ -114,7 +121,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -222,7 +229,8 @@ class Trainer:
     """
 
     def __init__(self, model, cfg: TrainConfig, train_stream: TokenStream, val_stream: TokenStream,
-                 token_bytes: np.ndarray | torch.Tensor, device: torch.device | str, *, run_dir: str | Path | None = None,
+                 token_bytes: np.ndarray | torch.Tensor, device: torch.device | str, *,
+                 run_dir: str | Path | None = None,
                  label: str = "model", checkpoint_extra: dict | None = None, progress: bool = True,
                  host_tables=None, data_parallel=None):
         self.model = model
@@ -283,7 +291,8 @@ class Trainer:
 
         names = {p: n for n, p in self.model.named_parameters()}
         tensors = checkpoint.optimizer_tensors
-        import_adamw_state(self.adamw, {k[len("adamw."):]: v for k, v in tensors.items() if k.startswith("adamw.")}, names)
+        adamw = {k[len("adamw."):]: v for k, v in tensors.items() if k.startswith("adamw.")}
+        import_adamw_state(self.adamw, adamw, names)
         if self.sparse is not None:
             self.sparse.import_state({k[len("sparse_adam."):]: v for k, v in tensors.items()
                                       if k.startswith("sparse_adam.")}, names)
@@ -352,7 +361,8 @@ class Trainer:
         fit = self.step + int(max(0.0, 0.95 * remaining) / max(step_seconds, 1e-9))
         steps = max(self.step + 1, min(cfg.steps, fit))
         if steps != cfg.steps:
-            logger.info("%s: %.1f min budget at %.3f s/step -> %d steps", self.label, cfg.max_minutes, step_seconds, steps)
+            logger.info("%s: %.1f min budget at %.3f s/step -> %d steps", self.label, cfg.max_minutes, step_seconds,
+                        steps)
         cfg.steps = steps
         cfg.warmup_steps = min(cfg.warmup_steps, max(0, steps - 1))
         self.budget_resolved = True
@@ -394,7 +404,10 @@ class Trainer:
         set_lr(self.optimizers, lr_mult)
         with autocast_for(self.device, cfg.precision):
             loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts)
-        loss.backward()
+        # Routed experts add their load-balancing loss to what is minimized; the loss
+        # reported stays the cross-entropy, comparable across models.
+        aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
+        (loss if aux is None else loss + aux).backward()
         if self.host is not None:
             clip_gradients_(self._gradients(), cfg.grad_clip)
         elif self.dp is not None:

@@ -1,4 +1,4 @@
-"""Named sizes for `condmem demo` / `condmem train`: model, Engram, training and data settings.
+"""Named sizes for `condmem demo`, `condmem train` and `condmem study`: typed presets.
 
 * ``cpu``: the default on a machine without a GPU; baseline + Engram in <= 10 minutes on
   2 cores (measured numbers in the README).
@@ -10,45 +10,181 @@
 The Engram layer sits in the second block (index 1), reads 2- and 3-grams with a
 ShortConv, hc_mult 1. Its ``wkv`` GEMM and conv cost FLOPs that the baseline spends
 on a wider MLP in the same block (`iso_flop_baseline`).
+
+A `Preset` is four typed sections (model, engram, train, data). `Preset.override` is the
+one place where a command's options replace preset values: `condmem demo`, `condmem
+train` and `condmem study` all pass their options through it.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
-PRESETS: dict[str, dict] = {
-    "cpu": {
-        "model": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 352, "max_seq_len": 256},
-        "engram": {"layer_ids": [1], "max_ngram_size": 3, "n_heads": 4, "head_dim": 16, "table_size": 20_000,
-                   "short_conv": True, "table_init_std": 0.02},
-        "train": {"steps": 240, "batch_size": 16, "seq_len": 256, "lr": 3e-3, "warmup_steps": 24,
-                  "eval_tokens": 32_768, "eval_every": 60, "log_every": 1},
-        "data": {"corpus": "stdlib", "vocab_size": 4096, "max_train_bytes": 12_000_000,
-                 "tokenizer_train_bytes": 6_000_000},
-    },
-    "gpu": {
-        "model": {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 1408, "max_seq_len": 512},
-        "engram": {"layer_ids": [1], "max_ngram_size": 3, "n_heads": 8, "head_dim": 32, "table_size": 2_000_000,
-                   "short_conv": True, "table_init_std": 0.02},
-        "train": {"steps": 1000, "batch_size": 64, "seq_len": 512, "lr": 2e-3, "warmup_steps": 100,
-                  "eval_tokens": 262_144, "eval_every": 200, "eval_batch_size": 32, "log_every": 50},
-        "data": {"corpus": "python", "vocab_size": 8192, "max_train_bytes": 250_000_000,
-                 "max_corpus_bytes": 1_500_000_000,
-                 "tokenizer_train_bytes": 20_000_000},
-    },
-    "tiny": {
-        "model": {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64, "max_seq_len": 64},
-        "engram": {"layer_ids": [1], "max_ngram_size": 3, "n_heads": 2, "head_dim": 8, "table_size": 500,
-                   "short_conv": True, "table_init_std": 0.02},
-        "train": {"steps": 8, "batch_size": 4, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2,
-                  "eval_tokens": 512, "eval_every": 0, "log_every": 1},
-        "data": {"corpus": "stdlib", "vocab_size": 320, "max_train_bytes": None, "tokenizer_train_bytes": 2_000_000},
-    },
+from condmem.config import ConfigError
+from condmem.models.config import MoEConfig
+from condmem.train.loop import TrainConfig
+
+
+@dataclass
+class ModelPreset:
+    """The backbone's geometry (the vocabulary size comes from the tokenizer)."""
+
+    dim: int
+    """Width D of the residual stream."""
+    n_layers: int
+    """Transformer blocks."""
+    n_heads: int
+    """Query heads (head width dim / n_heads)."""
+    n_kv_heads: int
+    """Key/value heads (grouped-query attention)."""
+    ffn_hidden: int
+    """SwiGLU hidden width of each block; in a block with routed experts, the shared expert's (0: none)."""
+    max_seq_len: int
+    """Longest sequence (RoPE table)."""
+    moe: MoEConfig | None = None
+    """Routed experts in some or every block (None: a dense backbone)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+
+
+@dataclass
+class EngramPreset:
+    """The Engram layers of the Engram model (the baseline has none)."""
+
+    layer_ids: list[int]
+    """Blocks holding an Engram."""
+    max_ngram_size: int
+    """N: orders 2..N are hashed."""
+    n_heads: int
+    """Hash heads per order."""
+    head_dim: int
+    """Width of one table row."""
+    table_size: int
+    """Bucket range per (order, head); each head's range is the next unused prime above it."""
+    short_conv: bool = True
+    """The ShortConv branch."""
+    table_init_std: float = 0.02
+    """Standard deviation of the initial table rows."""
+
+
+@dataclass
+class DataPreset:
+    """What `prepare_data` reads and how it tokenizes."""
+
+    corpus: str | list[str] | None
+    """'stdlib', 'python', or paths (see `load_corpus`)."""
+    vocab_size: int
+    """Ids of the byte-level BPE trained on the training split."""
+    max_train_bytes: int | None = None
+    """Encode at most this much of the training split (None: all)."""
+    tokenizer_train_bytes: int | None = None
+    """Train the BPE on a sample of this size."""
+    max_corpus_bytes: int | None = None
+    """Read at most this much corpus text (None: all)."""
+
+
+def _merged(current, values: dict[str, Any], where: str):
+    """`current` (a config dataclass, or None) with `values` replaced; None: built from `values`."""
+    if current is not None:
+        return dataclasses.replace(current, **values)
+    if where == "model.moe":
+        if "n_experts" not in values:
+            raise ConfigError("model.moe.n_experts (--experts) is needed to give a dense preset routed experts")
+        return MoEConfig(**values)
+    raise ConfigError(f"{where} is not a section of fields")
+
+
+_SECTIONS = {"model": ModelPreset, "engram": EngramPreset, "train": TrainConfig, "data": DataPreset}
+
+
+@dataclass
+class Preset:
+    """One named size: model, Engram, training and data settings."""
+
+    name: str
+    """The preset's name (``cpu``, ``gpu``, ``tiny``)."""
+    model: ModelPreset
+    engram: EngramPreset
+    train: TrainConfig
+    """Training settings (``seed`` is set per run)."""
+    data: DataPreset
+
+    def override(self, values: dict[str, dict[str, Any]] | None = None, **sections: dict[str, Any] | None) -> Preset:
+        """A copy with some values replaced: ``override(train={"steps": 6}, data={"vocab_size": 320})``.
+
+        Values that are None are skipped (an option the user did not give). An unknown
+        section or field is a `ConfigError` naming it. A ``train.seq_len`` longer than
+        ``model.max_seq_len`` raises the latter to it (the RoPE table must cover a sequence),
+        unless ``model.max_seq_len`` is given too.
+        """
+        merged: dict[str, dict[str, Any]] = {}
+        for source in (values or {}, sections):
+            for section, fields in source.items():
+                if fields:
+                    merged.setdefault(section, {}).update(fields)
+        parts = {name: copy.deepcopy(getattr(self, name)) for name in _SECTIONS}
+        for section, fields in merged.items():
+            if section not in _SECTIONS:
+                raise ConfigError(f"unknown preset section {section!r}; choose one of {sorted(_SECTIONS)}")
+            known = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+            given = {k: v for k, v in fields.items() if v is not None}
+            unknown = sorted(set(given) - known)
+            if unknown:
+                raise ConfigError(f"unknown preset field(s) {', '.join(f'{section}.{k}' for k in unknown)}")
+            for key, value in given.items():
+                if isinstance(value, dict):   # a nested section (model.moe): merged field by field
+                    given[key] = _merged(getattr(parts[section], key), value, f"{section}.{key}")
+            parts[section] = dataclasses.replace(parts[section], **given)
+        seq_len = parts["train"].seq_len
+        if seq_len > parts["model"].max_seq_len and merged.get("model", {}).get("max_seq_len") is None:
+            parts["model"] = dataclasses.replace(parts["model"], max_seq_len=seq_len)
+        return Preset(self.name, **parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, Preset] = {
+    "cpu": Preset(
+        "cpu",
+        ModelPreset(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352, max_seq_len=256),
+        EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=16, table_size=20_000),
+        TrainConfig(steps=240, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=24, eval_tokens=32_768,
+                    eval_every=60, log_every=1),
+        DataPreset(corpus="stdlib", vocab_size=4096, max_train_bytes=12_000_000, tokenizer_train_bytes=6_000_000),
+    ),
+    "gpu": Preset(
+        "gpu",
+        ModelPreset(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1408, max_seq_len=512),
+        EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=8, head_dim=32, table_size=2_000_000),
+        TrainConfig(steps=1000, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=100, eval_tokens=262_144,
+                    eval_every=200, eval_batch_size=32, log_every=50),
+        DataPreset(corpus="python", vocab_size=8192, max_train_bytes=250_000_000, max_corpus_bytes=1_500_000_000,
+                   tokenizer_train_bytes=20_000_000),
+    ),
+    "tiny": Preset(
+        "tiny",
+        ModelPreset(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=64, max_seq_len=64),
+        EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=500),
+        TrainConfig(steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_tokens=512, eval_every=0,
+                    log_every=1),
+        DataPreset(corpus="stdlib", vocab_size=320, max_train_bytes=None, tokenizer_train_bytes=2_000_000),
+    ),
 }
 
 
-def get_preset(name: str) -> dict:
-    """A deep copy of a preset (callers may edit it)."""
+def get_preset(name: str, overrides: dict[str, dict[str, Any]] | None = None) -> Preset:
+    """The preset `name` with `overrides` applied (`Preset.override`); presets are never modified."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return copy.deepcopy(PRESETS[name])
+    return PRESETS[name].override(overrides)
+
+
+def default_preset_name(device_type: str) -> str:
+    """``gpu`` on CUDA, else ``cpu``."""
+    return "gpu" if device_type == "cuda" else "cpu"

@@ -1,0 +1,189 @@
+"""Routed experts (`condmem.models.moe`) against a plain per-token, per-expert loop.
+
+Routing is compared exactly (the experts each token chose); outputs and every gradient at
+fp32 tolerance, for both GEMM backends (one matmul per expert, and `torch._grouped_mm`
+where this torch has it), including experts that get no token. The load-balancing loss is
+checked on hand-computed cases, and the FLOPs / parameter accounting of an MoE decoder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import cuda_only
+
+from condmem.config import ConfigError
+from condmem.models import DecoderLM, forward_flops_per_token, iso_flop_baseline
+from condmem.models.config import ModelConfig, MoEConfig
+from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss
+
+BACKENDS = [False, pytest.param(True, marks=pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
+                                                                reason="torch has no _grouped_mm"))]
+
+
+def reference(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
+    """The routed experts written plainly: each token, each of its top-k experts, one at a time."""
+    probs = torch.softmax(x @ moe.router.weight.T, dim=-1)
+    out = torch.zeros_like(x)
+    chosen = []
+    for t in range(x.shape[0]):
+        experts = sorted(range(moe.n_experts), key=lambda e: -float(probs[t, e].detach()))[: moe.top_k]
+        chosen.append(experts)
+        for e in experts:
+            gate, up = (x[t] @ moe.w13[e].T).chunk(2)
+            out[t] = out[t] + probs[t, e] * ((F.silu(gate) * up) @ moe.w2[e].T)
+    return out, chosen
+
+
+def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float = 1e-5) -> None:
+    err = (ref - got).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= tol * max(1.0, scale), f"{name}: max error {err:.3g} (max |ref| {scale:.3g})"
+
+
+def _pair(n_experts: int, top_k: int, seed: int = 0) -> tuple[MoE, MoE]:
+    torch.manual_seed(seed)
+    a = MoE(16, n_experts, top_k, 8)
+    with torch.no_grad():
+        a.router.weight.normal_(0, 1.0)
+    b = MoE(16, n_experts, top_k, 8)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+@pytest.mark.parametrize("grouped", BACKENDS, ids=["loop", "grouped_mm"])
+@pytest.mark.parametrize(("tokens", "n_experts", "top_k"), [(13, 5, 2), (1, 4, 1), (3, 8, 2), (40, 6, 3)],
+                         ids=["odd", "one-token", "idle-experts", "top3"])
+def test_moe_matches_a_plain_loop(grouped, tokens, n_experts, top_k):
+    moe, ref_moe = _pair(n_experts, top_k)
+    moe.use_grouped_mm = grouped
+    x = torch.randn(tokens, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    _, experts, _ = moe.route(x)
+    want, chosen = reference(ref_moe, x_ref)
+    assert experts.tolist() == chosen
+    got = moe(x)
+    assert_close("output", want, got)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    assert_close("grad x", x_ref.grad, x.grad)
+    for name in ("router.weight", "w13", "w2"):
+        assert_close(f"grad {name}", ref_moe.get_parameter(name).grad, moe.get_parameter(name).grad)
+
+
+def test_router_stays_fp32_under_autocast():
+    moe, _ = _pair(16, 2)
+    x = torch.randn(256, 16)
+    _, experts, weights = moe.route(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        probs, experts_amp, weights_amp = moe.route(x)
+        y = moe(x)
+    assert probs.dtype == torch.float32 and y.dtype == torch.bfloat16
+    assert torch.equal(experts, experts_amp) and torch.equal(weights, weights_amp)
+
+
+def test_moe_keeps_the_input_shape_and_is_batch_independent():
+    moe, _ = _pair(4, 2)
+    x = torch.randn(2, 5, 16)
+    y = moe(x)
+    assert y.shape == x.shape
+    assert_close("row alone", y[1], moe(x[1:])[0])
+
+
+def test_dispatch_layout_groups_pairs_by_expert():
+    experts = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 0]])   # expert 1 idle, expert 2 three times
+    dest, ends, rows = dispatch_layout(experts, 4)
+    assert rows == 8 + GROUP_ALIGN * 4 and ends.dtype == torch.int32 and ends[-1] == rows
+    assert dispatch_layout(torch.tensor([[1, 0], [2, 1], [0, 3]]), 4)[2] == 8 + GROUP_ALIGN * 4   # 6 pairs -> 8
+    assert ends.tolist() == [8, 16, 24, rows]
+    starts = [0, 8, 16, 24]
+    flat = experts.flatten().tolist()
+    assert len(set(dest.tolist())) == len(flat)
+    for pair, e in enumerate(flat):
+        assert starts[e] <= dest[pair] < ends[e]
+    # within an expert, pairs keep token order and fill the group from its start
+    assert [int(dest[p]) for p, e in enumerate(flat) if e == 2] == [16, 17, 18, 19]
+
+
+def test_load_balancing_loss_hand_cases():
+    # uniform: f = P = 1/E, loss 1
+    probs = torch.full((4, 4), 0.25)
+    assert load_balancing_loss(probs, torch.tensor([[0], [1], [2], [3]]), 4).item() == pytest.approx(1.0)
+    # two tokens, both to expert 0: f = [1, 0], P = [0.7, 0.3] -> 2 * 0.7
+    probs = torch.tensor([[0.8, 0.2], [0.6, 0.4]])
+    assert load_balancing_loss(probs, torch.tensor([[0], [0]]), 2).item() == pytest.approx(1.4)
+    # top-2 of 3: counts [2, 1, 1] of 4 choices, P = [0.5, 0.3, 0.2] -> 3 * (0.25 + 0.075 + 0.05)
+    probs = torch.tensor([[0.6, 0.3, 0.1], [0.4, 0.3, 0.3]])
+    loss = load_balancing_loss(probs, torch.tensor([[0, 1], [0, 2]]), 3)
+    assert loss.item() == pytest.approx(3 * (0.5 * 0.5 + 0.25 * 0.3 + 0.25 * 0.2))
+    # the gradient reaches the probabilities, not the choices
+    p = probs.clone().requires_grad_(True)
+    load_balancing_loss(p, torch.tensor([[0, 1], [0, 2]]), 3).backward()
+    assert torch.allclose(p.grad, torch.tensor([[0.5, 0.25, 0.25]] * 2) * 3 / 2)
+
+
+def _moe_cfg(**moe) -> ModelConfig:
+    return ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=24, max_seq_len=16,
+                       moe=MoEConfig(**{"n_experts": 6, "top_k": 2, "expert_hidden": 16, **moe}))
+
+
+def test_moe_decoder_accounting_and_aux_loss():
+    cfg = _moe_cfg(layer_ids=[1, 2])
+    model = DecoderLM(cfg)
+    assert model.blocks[0].moe is None and model.blocks[1].moe is not None
+    counts = model.param_counts()
+    expert = 3 * 32 * 16
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["total"] - counts["active"] == 2 * (6 - 2) * expert
+    flops = forward_flops_per_token(cfg, 16)
+    assert flops["moe"] == 2 * (2 * 32 * 6 + 2 * 6 * 32 * 16)
+    assert flops["mlp"] == 3 * 6 * 32 * 24
+    ids = torch.randint(0, 64, (2, 16))
+    loss = model.loss(ids, ids)
+    aux = model.aux_loss()
+    assert aux is not None and aux.item() == pytest.approx(
+        0.01 * sum(float(b.moe.aux_loss.detach()) for b in model.blocks[1:]))
+    (loss + aux).backward()
+    assert model.blocks[1].moe.router.weight.grad.abs().sum() > 0
+    model.eval()
+    model.loss(ids, ids)
+    assert model.aux_loss() is None
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_moe_block_without_shared_expert_and_iso_flop_baseline():
+    from condmem.config import EngramConfig
+
+    engram = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=50, hidden_size=32,
+                          compressed_vocab_size=60)
+    cfg = _moe_cfg().replace(ffn_hidden=0, engram=engram)
+    assert DecoderLM(cfg, seed=0).blocks[0].mlp is None
+    base = iso_flop_baseline(cfg)
+    assert base.ffn_hidden[1] > 0 and base.ffn_hidden[0] == base.ffn_hidden[2] == 0
+    assert abs(forward_flops_per_token(base)["total"] - forward_flops_per_token(cfg)["total"]) < 6 * 32
+    with pytest.raises(ConfigError, match="ffn_hidden"):
+        ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=0)
+    with pytest.raises(ConfigError, match="top_k"):
+        MoEConfig(n_experts=2, top_k=3)
+    with pytest.raises(ConfigError, match="layer_ids"):
+        _moe_cfg(layer_ids=[5])
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_grouped_mm_matches_the_loop_on_the_gpu():
+    torch.manual_seed(0)
+    moe = MoE(256, 16, 2, 128).cuda()
+    loop = MoE(256, 16, 2, 128).cuda()
+    loop.load_state_dict(moe.state_dict())
+    moe.use_grouped_mm, loop.use_grouped_mm = None, False
+    x = torch.randn(4096, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, y_loop = moe(x), loop(x)
+    assert y.dtype == torch.bfloat16
+    assert_close("output", y_loop.float(), y.float(), tol=2e-2)
+    y.float().square().sum().backward()
+    y_loop.float().square().sum().backward()
+    for name in ("router.weight", "w13", "w2"):
+        assert_close(f"grad {name}", loop.get_parameter(name).grad, moe.get_parameter(name).grad, tol=3e-2)

@@ -1,0 +1,178 @@
+"""`condmem study`: exact parameter / FLOP accounting of every point, the findings' logic, and
+the tiny sweeps end to end (well-formed study.json and PNG)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from condmem.cli import main
+from condmem.models import DecoderLM, forward_flops_per_token
+from condmem.train.build import build_model_config
+from condmem.train.study import (
+    STUDY_PRESETS,
+    allocation_finding,
+    allocation_points,
+    slot_points,
+    slots_finding,
+    train_points,
+)
+
+
+def _base(preset: str):
+    """The preset's backbone config, with a stand-in tokenizer (vocab 8192 / 320, V' 90% of it)."""
+    p = STUDY_PRESETS[preset].base
+    vocab = p.data.vocab_size
+    data = SimpleNamespace(tokenizer=SimpleNamespace(get_vocab_size=lambda with_added_tokens: vocab), pad_id=1,
+                           ctok=SimpleNamespace(vocab_size=vocab * 9 // 10))
+    return build_model_config(p, data)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpu"])
+def test_allocation_accounting_is_exact_for_every_rho(preset):
+    base = _base(preset)
+    sp = STUDY_PRESETS[preset]
+    points = allocation_points(base, sp.rhos)
+    assert [p.rho for p in points] == sorted(sp.rhos, reverse=True)
+    ref = points[0]
+    d, moe, layers = base.dim, base.moe, base.n_layers
+    expert = 3 * d * moe.expert_hidden
+    budget = ref.accounting["params"]["total"]
+    for p in points:
+        a, cfg = p.accounting, p.cfg
+        # the formula equals the parameters of the model built (on meta: no memory)
+        assert a["params"] == DecoderLM(cfg, device="meta").param_counts(), p.label
+        n = cfg.moe.n_experts
+        assert n == moe.top_k + round(p.rho * (moe.n_experts - moe.top_k))
+        assert a["idle_expert_params"] == layers * (n - moe.top_k) * expert
+        assert a["params"]["tables"] == a["table_rows"] * base.engram.head_dim
+        # every point has the budget's total, less than one more step of the table's primes
+        assert 0 <= budget - a["params"]["total"] < (a["table_rows"] // 50 + 64) * base.engram.head_dim + 1
+        if p.rho < 1:
+            assert a["rho_realized"] == pytest.approx(p.rho, abs=0.05)
+            assert cfg.engram.table_size > 1 and cfg.ffn_hidden == base.ffn_hidden
+        # FLOPs: the same attention and shared expert, top_k experts, only the router and the
+        # Engram-vs-wider-shared-expert exchange differ (less than one hidden unit)
+        f, f1 = forward_flops_per_token(cfg, base.max_seq_len), forward_flops_per_token(ref.cfg, base.max_seq_len)
+        assert f["moe"] == layers * (2 * d * n + moe.top_k * 6 * d * moe.expert_hidden)
+        assert f["moe"] - f1["moe"] == layers * 2 * d * (n - moe.n_experts)
+        assert abs((f["mlp"] + f["engram"]) - (f1["mlp"] + f1["engram"])) < 6 * d
+        assert a["flops_per_token"] == 3 * f["total"]
+        # active parameters: the routers' rows and the same exchange
+        active_gap = a["params"]["active"] - ref.accounting["params"]["active"]
+        assert abs(active_gap - d * layers * (n - moe.n_experts)) < 3 * d + base.engram.kernel_size * d + 4 * d
+
+
+def test_slot_points_sweep_two_decades_on_a_fixed_backbone():
+    base = _base("gpu")
+    points = slot_points(base, STUDY_PRESETS["gpu"].table_sizes)
+    rows = [p.accounting["table_rows"] for p in points]
+    assert rows[0] == 0 and rows[1:] == sorted(rows[1:]) and rows[-1] / rows[1] >= 100
+    for p in points:
+        assert p.cfg.moe == base.moe
+        assert p.accounting["params"] == DecoderLM(p.cfg, device="meta").param_counts()
+    flops = {forward_flops_per_token(p.cfg)["total"] for p in points[1:]}
+    assert len(flops) == 1 and abs(flops.pop() - forward_flops_per_token(points[0].cfg)["total"]) < 6 * base.dim
+
+
+def _point(rho, values):
+    mean = sum(values) / len(values)
+    std = None if len(values) == 1 else (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return {"rho": rho, "val_loss": {"mean": mean, "std": std, "values": values}}
+
+
+def test_allocation_finding_claims_a_minimum_only_beyond_the_spread():
+    u = [_point(1.0, [3.00, 3.02]), _point(0.8, [2.90, 2.91]), _point(0.4, [3.05, 3.07])]
+    f = allocation_finding(u)
+    assert f["optimum_rho"] == 0.8 and f["beyond_seed_spread"] and f["u_shape"]
+    close = [_point(1.0, [3.00, 3.10]), _point(0.8, [2.98, 3.06]), _point(0.4, [3.05, 3.07])]
+    f = allocation_finding(close)
+    assert f["optimum_rho"] == 0.8 and f["beyond_seed_spread"] is False and not f["u_shape"]
+    one = allocation_finding([_point(1.0, [3.0]), _point(0.5, [2.9])])
+    assert one["beyond_seed_spread"] is None and not one["u_shape"]
+    assert allocation_finding([_point(1.0, [2.8]), _point(0.5, [2.9])])["optimum_rho"] == 1.0
+
+
+def test_slots_finding_fits_a_line_in_log_rows():
+    runs = [{"table_rows": 0, "val_loss": 3.0}] + [{"table_rows": r, "val_loss": 3.0 - 0.05 * k}
+                                                   for k, r in enumerate([1e3, 1e4, 1e5])]
+    points = [{"table_rows": 0, "val_loss": {"mean": 3.0}}]
+    f = slots_finding(points, runs)
+    assert f["slope_per_decade"] == pytest.approx(-0.05) and f["slope_stderr"] == pytest.approx(0, abs=1e-9)
+    assert f["decades"] == pytest.approx(2) and f["no_engram_val_loss"] == 3.0
+
+
+def test_a_budget_cuts_the_first_run_and_every_run_follows(tiny_data):
+    sp = STUDY_PRESETS["tiny"]
+    base = build_model_config(sp.base, tiny_data)
+    points = allocation_points(base, [1.0, 0.5])
+    import numpy as np
+
+    seen = np.zeros(len(tiny_data.val) - 1, dtype=bool)
+    runs = train_points(points, tiny_data, torch.device("cpu"), sp.base.train, steps=10**6, seeds=1, seed=0, seen=seen,
+                        budget_s=1.0, progress=False)
+    assert runs[0]["steps"] < 10**6 and runs[0]["steps"] == runs[1]["steps"]
+
+
+def _check_study(path, kind, n_points, seeds):
+    s = json.loads((path / "study.json").read_text())
+    assert s["study"] == kind and s["same_tokens"] and s["passes"]["passes"] <= 1.0
+    assert len(s["runs"]) == n_points * seeds and len(s["points"]) == n_points
+    assert s["seeds"] == list(range(seeds)) and s["data_seed"] == 0
+    for r in s["runs"]:
+        for key in ("total_params", "active_params", "flops_per_token", "train_tokens", "val_loss", "bits_per_byte",
+                    "tokens_per_s", "passes"):
+            assert r[key] is not None and r[key] >= 0, key
+        assert r["buckets"]["seen"]["tokens"] + r["buckets"]["unseen"]["tokens"] == r["val_tokens"]
+        assert r["val_tokens"] == s["data"]["validation"]["tokens"] - 1    # every held-out token, deduplicated
+    assert "orders of magnitude" in s["report"] and s["scale"]["orders_of_magnitude_below_paper"] > 3
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert s["figure"] == f"{kind}.png" and (path / s["figure"]).stat().st_size > 1000
+    return s
+
+
+def test_tiny_allocation_study_end_to_end(tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "allocation"
+    assert main(["study", "allocation", "--preset", "tiny", "--corpus", str(tiny_corpus), "--seeds", "2",
+                 "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    s = _check_study(out, "allocation", 3, 2)
+    assert [r["rho"] for r in s["runs"][:3]] == [1.0, 0.75, 0.5]
+    assert s["runs"][0]["table_params"] == 0 and all(r["table_params"] > 0 for r in s["runs"][1:3])
+    totals = [r["total_params"] for r in s["runs"]]
+    assert max(totals) <= totals[0] and min(totals) > 0.99 * totals[0]
+    assert s["finding"]["beyond_seed_spread"] is not None
+    assert "Allocation at" in capsys.readouterr().out
+
+
+def test_tiny_slot_study_end_to_end(tiny_corpus, tmp_path):
+    out = tmp_path / "slots"
+    assert main(["study", "slots", "--preset", "tiny", "--corpus", str(tiny_corpus), "--out", str(out),
+                 "--no-progress", "--device", "cpu"]) == 0
+    s = _check_study(out, "slots", 4, 1)
+    assert s["finding"]["decades"] >= 2 and s["runs"][0]["table_rows"] == 0
+    assert isinstance(s["finding"]["slope_per_decade"], float)
+    if importlib.util.find_spec("matplotlib") is not None:
+        (out / "slots.png").unlink()
+        assert main(["study", "slots", "--out", str(out), "--replot"]) == 0
+        assert (out / "slots.png").stat().st_size > 1000
+    assert main(["study", "allocation", "--out", str(out), "--replot"]) == 1
+
+
+def test_study_refuses_bad_arguments(tiny_corpus, tmp_path, capsys):
+    common = ["--preset", "tiny", "--corpus", str(tiny_corpus), "--no-progress", "--out", str(tmp_path / "x")]
+    assert main(["study", "allocation", "--rhos", "1.5", *common]) == 1
+    assert "rho must be in [0, 1]" in capsys.readouterr().err
+    assert main(["study", "slots", "--table-sizes", "100", *common]) == 1
+    assert "two table sizes" in capsys.readouterr().err
+    assert main(["study", "allocation", "--seeds", "0", *common]) == 1
+
+
+def test_study_presets_are_typed():
+    gpu = STUDY_PRESETS["gpu"]
+    assert gpu.minutes is not None and gpu.rhos[0] == 1.0 and len(gpu.rhos) >= 7
+    assert dataclasses.replace(gpu.base.train, seed=3).seed == 3
