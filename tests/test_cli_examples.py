@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 
 from condmem.cli import build_parser, main
-from helpers import cuda_only
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,7 +210,6 @@ def test_help_examples_run(path, workdir, released, monkeypatch, capsys):
 
 
 @pytest.mark.gpu
-@cuda_only
 def test_gpu_help_examples_run(workdir, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
     gpu = [e for path in ORDER for e in EXAMPLES[path] if needs_gpu(e)]

@@ -20,7 +20,6 @@ from condmem import EngramConfig, EngramLayout, NgramHasher
 from condmem.hashing.hasher import HashInputError
 from condmem.hashing.id_checks import _MAX_PENDING, PendingIdChecks
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _hasher(device="cpu") -> NgramHasher:
@@ -50,7 +49,7 @@ def test_a_message_is_made_only_for_a_bad_id():
 
 
 @pytest.mark.gpu
-@cuda
+@pytest.mark.gpu
 def test_gpu_checks_reuse_buffers_and_still_name_a_bad_id():
     hasher = _hasher("cuda")
     checks = hasher._checks
@@ -77,7 +76,7 @@ def test_gpu_checks_reuse_buffers_and_still_name_a_bad_id():
 
 
 @pytest.mark.gpu
-@cuda
+@pytest.mark.gpu
 def test_gpu_submit_ids_and_a_host_far_ahead():
     checks = PendingIdChecks(HashInputError, bound=100, what="table", noun="row id")
     checks.submit_ids(torch.tensor([5, 99, 0], device="cuda"), "good")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cuda_only
 
 from condmem.config import ConfigError
 from condmem.models import DecoderLM, forward_flops_per_token, iso_flop_baseline
@@ -171,7 +170,6 @@ def test_moe_block_without_shared_expert_and_iso_flop_baseline():
 
 
 @pytest.mark.gpu
-@cuda_only
 def test_grouped_mm_matches_the_loop_on_the_gpu():
     torch.manual_seed(0)
     moe = MoE(256, 16, 2, 128).cuda()

@@ -244,7 +244,9 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
         assert hidden.hidden > 0.99 and hidden.lead_ms > 10
         engine = memory.engines[3]
         with torch.cuda.stream(engine.copy_stream):
-            torch.cuda._sleep(100_000_000)            # hold this layer's DMA back
+            # hold this layer's DMA back ~0.5 s: far beyond the host's own time to queue and read
+            # the lookup, also with busy parallel test workers beside it
+            torch.cuda._sleep(1_000_000_000)
         late = memory.prepare(ids)
         late.rows(3)
         exposed = late.fetch_timing()[3]

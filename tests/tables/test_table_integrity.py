@@ -139,7 +139,6 @@ def test_a_flipped_row_byte_is_refused_where_it_is_read(table):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["fp8_interleaved", "fp8", "bf16"])
 def test_the_hbm_tier_checks_what_it_loads(tmp_path, fmt):
     from condmem.fp8 import pack_rows, quantize_fp8_e8m0

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import sysconfig
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
