@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Subcommands in the order their examples run (a later one reads what an earlier one wrote:
 # generate reads the demo's checkpoint, train --resume the first train example's run).
-ORDER = ["condmem", "tokenizer train", "layout", "hash", "convert", "inspect", "demo", "generate", "train", "bench"]
+ORDER = ["condmem", "tokenizer train", "layout", "hash", "convert", "inspect", "demo", "generate", "train", "study",
+         "bench"]
 
 # Flags appended to examples that train: a tiny model on a tiny corpus for a step or two.
 TINY_RUN = ["--preset", "tiny", "--corpus", "corpus", "--vocab-size", "320", "--no-progress"]
@@ -104,6 +105,11 @@ def sized(argv: list[str]) -> list[str]:
         return argv + ["--max-bytes", "200000"]
     if command == "generate":
         return argv + ["--max-new-tokens", "2", "--device", "cpu"]
+    if command == "study":
+        # The gpu preset's sweeps take minutes on an H200: the tiny preset's (seconds on a CPU) instead; the
+        # user's corpus is the test's stdlib folder.
+        argv = ["tiny" if a == "gpu" else "corpus" if a == "/path/to/texts" else a for a in argv]
+        return argv + ([] if "--replot" in argv or "--device" in argv else ["--device", "cpu"])
     if command == "bench":
         # GPU benchmarks at full size: --smoke runs them on the CPU at tiny sizes (the kernels in the
         # Triton interpreter); the lookup benchmark's sizes are flags, shrunk here.

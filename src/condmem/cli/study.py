@@ -18,7 +18,7 @@ def register(sub) -> None:
         "seen/unseen 3-gram losses, tokens/s) and a PNG to --out; the report states the scale gap to the "
         "paper's and claims a minimum only beyond the seed spread. Method: docs/study.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  condmem study allocation --preset tiny\n"
+        epilog="examples:\n  condmem study allocation --preset tiny --out runs/allocation\n"
         "  condmem study allocation --preset gpu --seeds 2      # one H200, <= 9 minutes\n"
         "  condmem study slots --preset gpu\n"
         "  condmem study allocation --preset tiny --corpus /path/to/texts --rhos 1 0.8 0.6\n"
