@@ -97,7 +97,14 @@ def sized(argv: list[str]) -> list[str]:
         return argv + extra + ([] if needs_gpu(" ".join(argv)) else ["--device", "cpu"])
     if command == "train":
         # One step (two for --resume: one more than the run it continues); a 1,000-bucket table for --table-size.
-        extra = TINY_RUN + ["--device", "cpu", "--steps", "2" if "--resume" in argv else "1", "--eval-every", "1"]
+        if "--resume" in argv:
+            # A resumed run keeps its checkpoint's settings: only a step count, one past the run it continues
+            # (an example's own --steps replaced).
+            if "--steps" in argv:
+                i = argv.index("--steps")
+                argv = argv[:i] + argv[i + 2:]
+            return argv + ["--steps", "2", "--eval-every", "1", "--no-progress"]
+        extra = TINY_RUN + ["--device", "cpu", "--steps", "1", "--eval-every", "1"]
         if "--table-size" in argv:
             extra += ["--table-size", "1000"]
         return argv + extra

@@ -44,7 +44,7 @@ def test_demo_and_train_share_the_build(tiny_corpus, tmp_path):
     summary = run_demo(tmp_path / "demo", corpus=str(tiny_corpus), preset="tiny", device="cpu", steps=3, vocab_size=320,
                        max_new_tokens=1, progress=False, checkpoint=False)
     assert main(["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "3",
-                 "--no-progress", "--out", str(tmp_path / "train")]) == 0
+                 "--no-progress", "--device", "cpu", "--out", str(tmp_path / "train")]) == 0
     trained = json.loads((tmp_path / "train" / "summary.json").read_text())
     demo_losses = [h["loss"] for h in summary["curves"]["engram"][0]["history"]]
     assert demo_losses == [h["loss"] for h in trained["history"]]
