@@ -19,15 +19,10 @@ done
 } 2>&1 | tee "$OUT/gpu_run.log"
 status=0
 if [ "$run_tests" = 1 ]; then
-  # Small-shape kernel tests in parallel (compilation dominates), then the full-geometry ones alone
-  # (one of them fills 101 GB of HBM with a whole V4.1 layer table).
+  # The kernel tests through scripts/gpu_test (parallel workers; the whole-GPU ones alone after).
   T0=$(date +%s)
-  timeout 200 "$PY" -m pytest -q -p no:cacheprovider -n 8 -k "not v41" tests/kernels tests/tables/test_quant.py \
-      tests/test_hashing.py tests/test_module.py > "$OUT/tests.log" 2>&1 || status=1
-  tail -15 "$OUT/tests.log" | tee -a "$OUT/gpu_run.log"
-  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=6 -k "v41" tests/kernels > "$OUT/tests_v41.log" 2>&1 \
-      || status=1
-  tail -12 "$OUT/tests_v41.log" | tee -a "$OUT/gpu_run.log"
+  LOG="$OUT/tests.log" PYTHON="$PY" scripts/gpu_test tests/kernels tests/test_hashing.py tests/test_module.py \
+      | tee -a "$OUT/gpu_run.log" || status=1
   echo "tests: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/gpu_run.log"
 fi
 if [ "$run_bench" = 1 ]; then
