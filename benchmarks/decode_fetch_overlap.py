@@ -117,8 +117,9 @@ def main() -> None:
     if args.staged_threads:
         t = args.staged_threads[len(args.staged_threads) // 2]
         with rows_without_wait():
-            graphs["staged_no_wait"] = GraphedDecoder(model, cache, memory=memories["host"], fetch="staged",
-                                                      fetch_threads=t)
+            graphs["staged_no_wait"] = GraphedDecoder(
+                model, cache, memory=memories["host"], fetch="staged", fetch_threads=t
+            )
 
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(args.rounds):
@@ -131,27 +132,41 @@ def main() -> None:
     slots = torch.arange(args.batch, device=device)
     for i in range(8):
         row_sets.append(memory.hasher.decode(memory.history, slots, ids_sets[i])[:, None, 0].clone())
-    out = torch.empty(args.batch, 1, *graphs["host"].fetch.rows_buf[lid].shape[2:], dtype=torch.bfloat16,
-                      device=device)
-    fetch = {name: graph_replay_ms(lambda ids, m=memories[name]: m.gather_into(lid, ids, out=out),
-                                   [(ids,) for ids in row_sets]) for name in ("hbm", "host")}
+    out = torch.empty(args.batch, 1, *graphs["host"].fetch.rows_buf[lid].shape[2:], dtype=torch.bfloat16, device=device)
+    fetch = {
+        name: graph_replay_ms(
+            lambda ids, m=memories[name]: m.gather_into(lid, ids, out=out), [(ids,) for ids in row_sets]
+        )
+        for name in ("hbm", "host")
+    }
 
     # The blocks before the Engram layer: the share of a step the fetch can hide behind.
     per_block_ms = statistics.median(times["none"]) / model.cfg.n_layers
     staged_host = {name: g.fetch_stats() for name, g in graphs.items() if g.fetch_stats() is not None}
     for graph in graphs.values():
         graph.close()
-    result = {"bench": "decode_fetch_overlap", "backbone": args.backbone, "batch": args.batch,
-              "staged_host": staged_host,
-              "table_gib": args.table_gib, "engram_layer": lid, "mean_len": float(lengths.float().mean()),
-              "step_ms": {k: statistics.median(v) for k, v in times.items()},
-              "step_ms_rounds": times, "fetch_alone_ms": fetch, "rows_per_step": args.batch * out.shape[2],
-              "blocks_before_layer_ms": per_block_ms * lid, "machine": machine_info()}
+    result = {
+        "bench": "decode_fetch_overlap",
+        "backbone": args.backbone,
+        "batch": args.batch,
+        "staged_host": staged_host,
+        "table_gib": args.table_gib,
+        "engram_layer": lid,
+        "mean_len": float(lengths.float().mean()),
+        "step_ms": {k: statistics.median(v) for k, v in times.items()},
+        "step_ms_rounds": times,
+        "fetch_alone_ms": fetch,
+        "rows_per_step": args.batch * out.shape[2],
+        "blocks_before_layer_ms": per_block_ms * lid,
+        "machine": machine_info(),
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "decode_fetch_overlap.json").write_text(json.dumps(result, indent=1) + "\n")
     base = result["step_ms"]["hbm"]
-    print(f"fetch alone: hbm {fetch['hbm']:.4f} ms, host {fetch['host']:.4f} ms ({result['rows_per_step']} rows); "
-          f"blocks before the Engram layer ~{result['blocks_before_layer_ms']:.3f} ms")
+    print(
+        f"fetch alone: hbm {fetch['hbm']:.4f} ms, host {fetch['host']:.4f} ms ({result['rows_per_step']} rows); "
+        f"blocks before the Engram layer ~{result['blocks_before_layer_ms']:.3f} ms"
+    )
     print(f"{'variant':20s} {'step ms':>8s} {'x hbm':>7s} {'host us':>8s}  rounds")
     for name, ms in result["step_ms"].items():
         host_us = f"{staged_host[name]['mean_us']:8.1f}" if name in staged_host else f"{'':8s}"

@@ -69,10 +69,22 @@ def main() -> None:
         t = getattr(e, key)
         print(f"{e.key[:90]:90s} {e.count:6d} {t:9.1f} {t / max(total, 1):6.1%}")
     launches = sum(e.count for e in events)
-    print(json.dumps({"backbone": args.backbone, "batch": args.batch, "mean_len": float(lengths.float().mean()),
-                      "graph_step_ms": step_ms, "bound_ms": bound_ms, "vs_bound": bound_ms / step_ms,
-                      "bytes_per_step": bytes_step, "d2d_gbps": bw, "eager_kernel_us": total,
-                      "eager_kernel_launches": launches}))
+    print(
+        json.dumps(
+            {
+                "backbone": args.backbone,
+                "batch": args.batch,
+                "mean_len": float(lengths.float().mean()),
+                "graph_step_ms": step_ms,
+                "bound_ms": bound_ms,
+                "vs_bound": bound_ms / step_ms,
+                "bytes_per_step": bytes_step,
+                "d2d_gbps": bw,
+                "eager_kernel_us": total,
+                "eager_kernel_launches": launches,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from condmem.tables.storage import place_layer
 from condmem.tables.table_file import LayerRows
 
 BLOCK = 4096
-CHUNK_ROWS = 4096 * 62         # a write chunk: 64 MiB - 0.06 MiB, whole rows and whole 4 KiB blocks
+CHUNK_ROWS = 4096 * 62  # a write chunk: 64 MiB - 0.06 MiB, whole rows and whole 4 KiB blocks
 
 
 def log(*args) -> None:
@@ -115,7 +115,7 @@ def pick_dir(candidates: list[str]) -> Path:
 def write_file(path: Path, want_bytes: int, budget_s: float) -> dict:
     """Sequential O_DIRECT writes of 64 MiB chunks until `want_bytes` or `budget_s`; returns what was written."""
     chunk_bytes = CHUNK_ROWS * ROW_BYTES
-    buf = mmap.mmap(-1, chunk_bytes)                     # page-aligned, as O_DIRECT needs
+    buf = mmap.mmap(-1, chunk_bytes)  # page-aligned, as O_DIRECT needs
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         rows = torch.frombuffer(buf, dtype=torch.uint8).view(CHUNK_ROWS, ROW_BYTES)
@@ -150,8 +150,14 @@ def write_file(path: Path, want_bytes: int, budget_s: float) -> dict:
     buf.close()
     if not direct:
         drop_cache(path)
-    return {"bytes": written, "gib": written / 2**30, "seconds": seconds, "gb_per_s": written / seconds / 1e9,
-            "o_direct": direct, "chunk_bytes": chunk_bytes}
+    return {
+        "bytes": written,
+        "gib": written / 2**30,
+        "seconds": seconds,
+        "gb_per_s": written / seconds / 1e9,
+        "o_direct": direct,
+        "chunk_bytes": chunk_bytes,
+    }
 
 
 def expected_rows(ids: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
@@ -185,19 +191,24 @@ def probe_rate(path: Path, nbytes: int, threads: int, n: int, gen: torch.Generat
     seconds = time.perf_counter() - t0
     reader.close()
     unique = ids.unique().numel()
-    return {"threads": threads, "reads": unique, "seconds": seconds, "reads_per_s": unique / seconds,
-            "gb_per_s": unique * BLOCK / seconds / 1e9}
+    return {
+        "threads": threads,
+        "reads": unique,
+        "seconds": seconds,
+        "reads_per_s": unique / seconds,
+        "gb_per_s": unique * BLOCK / seconds / 1e9,
+    }
 
 
 class Tier:
     """The disk tier as EngramMemory builds it (direct reader, DRAM cache), read by a LookupEngine."""
 
     def __init__(self, path: Path, rows: int, cache_gib: float, device: str, threads: int | None = None):
-        with warnings.catch_warnings():   # a read-only map; nothing writes through it
+        with warnings.catch_warnings():  # a read-only map; nothing writes through it
             warnings.simplefilter("ignore", UserWarning)
             mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, ROW_BYTES)))
         self.store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False, name="bench disk")
-        reader_kw = {} if threads is None else {"threads": threads}    # default: the tier's own
+        reader_kw = {} if threads is None else {"threads": threads}  # default: the tier's own
         self.reader = DirectRowReader(path, 0, ROW_BYTES, rows, **reader_kw)
         self.store.direct_reader = self.reader
         self.cache = None
@@ -236,8 +247,9 @@ class Tier:
         self.store.close()
 
 
-def check_sample(tier: Tier, path: Path, ids: torch.Tensor, rows: torch.Tensor, template: torch.Tensor,
-                 gen: torch.Generator, n: int) -> dict:
+def check_sample(
+    tier: Tier, path: Path, ids: torch.Tensor, rows: torch.Tensor, template: torch.Tensor, gen: torch.Generator, n: int
+) -> dict:
     """A sample of a batch's rows against the file (read with plain preads) and the write pattern."""
     flat = ids.reshape(-1)
     pick = torch.randint(0, flat.numel(), (min(n, flat.numel()),), generator=gen)
@@ -250,20 +262,32 @@ def check_sample(tier: Tier, path: Path, ids: torch.Tensor, rows: torch.Tensor, 
         rows_ok = torch.equal(got.view(torch.int16), ref.view(torch.int16))
     else:
         rows_ok = torch.equal(rows[pick], want)
-    return {"sample": int(pick.numel()), "file_matches_write_pattern": pattern_ok, "tier_rows_equal_file": rows_ok,
-            "store_gather_equal_file": raw_ok}
+    return {
+        "sample": int(pick.numel()),
+        "file_matches_write_pattern": pattern_ok,
+        "tier_rows_equal_file": rows_ok,
+        "store_gather_equal_file": raw_ok,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", nargs="+", default=["."], help="candidate folders: the one with most free space that "
-                    "takes O_DIRECT holds the file")
+    ap.add_argument(
+        "--dir",
+        nargs="+",
+        default=["."],
+        help="candidate folders: the one with most free space that takes O_DIRECT holds the file",
+    )
     ap.add_argument("--gib", type=float, default=40.0, help="table file size (less if the disk or budget is short)")
     ap.add_argument("--write-budget-s", type=float, default=75.0, help="stop writing after this long")
     ap.add_argument("--cache-gib", type=float, default=4.0, help="the tier's DRAM row cache")
-    ap.add_argument("--probe-threads", type=int, nargs="*", default=[16, 64], help="probe thread counts besides the tier's")
+    ap.add_argument(
+        "--probe-threads", type=int, nargs="*", default=[16, 64], help="probe thread counts besides the tier's"
+    )
     ap.add_argument("--probe-reads", type=int, default=100_000)
-    ap.add_argument("--probe-after", action="store_true", help="probe again at the tier's threads after the cold batches")
+    ap.add_argument(
+        "--probe-after", action="store_true", help="probe again at the tier's threads after the cold batches"
+    )
     ap.add_argument("--threads", type=int, default=None, help="the tier's reader threads (default: DirectRowReader's)")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--cold-batches", type=int, default=3)
@@ -281,13 +305,24 @@ def main() -> None:
     path = folder / "condmem-disk-bench.rows"
     free = shutil.disk_usage(folder).free + (path.stat().st_size if path.exists() else 0)
     want = min(int(args.gib * 2**30), free - (4 << 30))
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpus": os.cpu_count(),
-                    "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                    "torch": torch.__version__, "args": vars(args), "dir": str(folder), "row_bytes": ROW_BYTES,
-                    "meminfo_start": meminfo()}
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": vars(args),
+        "dir": str(folder),
+        "row_bytes": ROW_BYTES,
+        "meminfo_start": meminfo(),
+    }
     try:
-        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                          check=False).stdout.strip() or None
+        result["commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         result["commit"] = None
     log(f"writing up to {want / 2**30:.1f} GiB to {path} (free {free / 2**30:.1f} GiB)")
@@ -317,9 +352,12 @@ def main() -> None:
 
     tier = Tier(path, rows_total, args.cache_gib, args.device, args.threads)
     threads = tier.reader.threads
-    result["tier"] = {"threads": threads, "dram_cache_gib": args.cache_gib,
-                      "dram_cache_rows": tier.cache.capacity_rows if tier.cache is not None else 0,
-                      "engine": "LookupEngine -> " + args.device if tier.engine is not None else "LayerStore.gather_raw"}
+    result["tier"] = {
+        "threads": threads,
+        "dram_cache_gib": args.cache_gib,
+        "dram_cache_rows": tier.cache.capacity_rows if tier.cache is not None else 0,
+        "engine": "LookupEngine -> " + args.device if tier.engine is not None else "LayerStore.gather_raw",
+    }
     probes = [probe_rate(path, nbytes, threads, args.probe_reads, gen)]
     for t in args.probe_threads:
         if t != threads:
@@ -341,8 +379,12 @@ def main() -> None:
         cold.append({"ids": ids.numel(), "unique": unique, "ms": seconds * 1e3, "rows_per_s": unique / seconds})
         log("cold", cold[-1])
     rate = statistics.median(c["rows_per_s"] for c in cold)
-    result["cold"] = {"batches": cold, "rows_per_s": rate, "vs_probe": rate / probes[0]["reads_per_s"],
-                      "check": check_sample(tier, path, ids, rows, template, gen, args.sample)}
+    result["cold"] = {
+        "batches": cold,
+        "rows_per_s": rate,
+        "vs_probe": rate / probes[0]["reads_per_s"],
+        "check": check_sample(tier, path, ids, rows, template, gen, args.sample),
+    }
     log("cold", {k: v for k, v in result["cold"].items() if k != "batches"})
     if args.probe_after:
         result["probe_after"] = probe_rate(path, nbytes, threads, args.probe_reads, gen)
@@ -359,8 +401,16 @@ def main() -> None:
             cold_ms.append(tier.read(ids)[1] * 1e3)
         for _ in range(args.decode_repeats):
             warm_ms.append(tier.read(ids)[1] * 1e3)
-        decode.append({"tokens": t, "ids": t * N_COLS, "cold_ms": statistics.median(cold_ms),
-                       "warm_ms": statistics.median(warm_ms), "cold_all": cold_ms, "warm_all": warm_ms})
+        decode.append(
+            {
+                "tokens": t,
+                "ids": t * N_COLS,
+                "cold_ms": statistics.median(cold_ms),
+                "warm_ms": statistics.median(warm_ms),
+                "cold_all": cold_ms,
+                "warm_all": warm_ms,
+            }
+        )
         log("decode", decode[-1])
     result["decode"] = decode
     save()
@@ -373,14 +423,24 @@ def main() -> None:
     for s in range(0, text_ids.shape[0] - args.batch_tokens + 1, args.batch_tokens):
         if time.perf_counter() - t_start > args.steady_s or args.steady_s <= 0:
             break
-        ids = text_ids[s:s + args.batch_tokens]
+        ids = text_ids[s : s + args.batch_tokens]
         before = tier.cache_counts()
         rows, seconds = tier.read(ids)
         after = tier.cache_counts()
         probed, hits = after[0] - before[0], after[1] - before[1]
-        steady.append({"batch": len(steady), "unique": ids.unique().numel(), "probed": probed, "hits": hits,
-                       "hit_rate": hits / max(1, probed), "disk_rows": probed - hits, "ms": seconds * 1e3,
-                       "disk_rows_per_s": (probed - hits) / seconds, "tokens_per_s": args.batch_tokens / seconds})
+        steady.append(
+            {
+                "batch": len(steady),
+                "unique": ids.unique().numel(),
+                "probed": probed,
+                "hits": hits,
+                "hit_rate": hits / max(1, probed),
+                "disk_rows": probed - hits,
+                "ms": seconds * 1e3,
+                "disk_rows_per_s": (probed - hits) / seconds,
+                "tokens_per_s": args.batch_tokens / seconds,
+            }
+        )
         log("steady", steady[-1])
     if not steady:
         result["after_reads"] = {**meminfo(), "file_resident": resident_fraction(path), "rss_gib": rss_gib()}
@@ -392,9 +452,12 @@ def main() -> None:
     last = steady[-5:]
     filled = int((tier.cache.keys >= 0).sum()) if tier.cache is not None else 0
     result["steady"] = {
-        "batches": steady, "tokens": len(steady) * args.batch_tokens,
-        "last5": {k: statistics.median(b[k] for b in last) for k in ("hit_rate", "ms", "disk_rows_per_s",
-                                                                      "tokens_per_s", "unique")},
+        "batches": steady,
+        "tokens": len(steady) * args.batch_tokens,
+        "last5": {
+            k: statistics.median(b[k] for b in last)
+            for k in ("hit_rate", "ms", "disk_rows_per_s", "tokens_per_s", "unique")
+        },
         "first3_hit_rate": [b["hit_rate"] for b in steady[:3]],
         "dram_cache_rows_filled": filled,
         "check": check_sample(tier, path, ids, rows, template, gen, args.sample),

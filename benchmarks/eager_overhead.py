@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 if "--host-only" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"   # lets the Triton code paths run on CPU tensors (launches stubbed)
+    os.environ["TRITON_INTERPRET"] = "1"  # lets the Triton code paths run on CPU tensors (launches stubbed)
 
 import numpy as np
 import torch
@@ -53,9 +53,9 @@ from condmem.hashing.id_checks import PendingIdChecks
 from condmem.ops.gate import engram_gate
 from condmem.ops.gather import engram_gather
 
-VOCAB = 129_280          # DeepSeek-V4's token ids
-HC, HIDDEN = 4, 4096     # V4.1 Flash residual branches and width
-TABLE_ROWS = 1 << 22     # packed fp8 rows of 264 B: 1.1 GB, far larger than L2
+VOCAB = 129_280  # DeepSeek-V4's token ids
+HC, HIDDEN = 4, 4096  # V4.1 Flash residual branches and width
+TABLE_ROWS = 1 << 22  # packed fp8 rows of 264 B: 1.1 GB, far larger than L2
 
 
 def log(*args) -> None:
@@ -69,7 +69,7 @@ def v41_layout() -> EngramLayout:
 
 def make_hasher(device, backend: str = "auto") -> NgramHasher:
     layout = v41_layout()
-    lookup = np.arange(VOCAB) % layout.compressed_vocab_size   # a valid map onto V' ids
+    lookup = np.arange(VOCAB) % layout.compressed_vocab_size  # a valid map onto V' ids
     hasher = NgramHasher(layout, token_lookup=lookup, pad_id=layout.config.pad_id, backend=backend)
     hasher.constants(device)
     return hasher
@@ -93,19 +93,28 @@ def cases(tokens: int, device, sets: int, backend: str | None = None) -> tuple[d
     slots = torch.arange(n_seqs, device=device)
     cu = torch.arange(0, tokens + 1, tokens // n_seqs, device=device, dtype=torch.int32)
     flat = [x.reshape(-1) for x in ids]
-    out["hash_ragged"] = (lambda x: hasher.hash_ragged(x, cu, history=history, slots=slots),
-                          lambda x: hasher.hash_ragged(x, cu, history=history, slots=slots, check=False),
-                          [(x,) for x in flat])
-    out["hash_ragged_nocheck"] = (lambda x: hasher.hash_ragged(x, cu, history=history, slots=slots, check=False),
-                                  None, [(x,) for x in flat])
+    out["hash_ragged"] = (
+        lambda x: hasher.hash_ragged(x, cu, history=history, slots=slots),
+        lambda x: hasher.hash_ragged(x, cu, history=history, slots=slots, check=False),
+        [(x,) for x in flat],
+    )
+    out["hash_ragged_nocheck"] = (
+        lambda x: hasher.hash_ragged(x, cu, history=history, slots=slots, check=False),
+        None,
+        [(x,) for x in flat],
+    )
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dim = HIDDEN if device.type == "cuda" else 64
     qw = torch.ones(HC, dim, device=device, dtype=dtype)
     kw = torch.ones(HC, dim, device=device, dtype=dtype)
-    gate_sets = [(torch.randn(tokens, HC, dim, device=device, dtype=dtype, generator=gen),
-                  torch.randn(tokens, (HC + 1) * dim, device=device, dtype=dtype, generator=gen))
-                 for _ in range(sets)]
+    gate_sets = [
+        (
+            torch.randn(tokens, HC, dim, device=device, dtype=dtype, generator=gen),
+            torch.randn(tokens, (HC + 1) * dim, device=device, dtype=dtype, generator=gen),
+        )
+        for _ in range(sets)
+    ]
 
     def gate(h, kv):
         return engram_gate(h, kv, qw, kw, residual=True, backend=backend)
@@ -132,12 +141,25 @@ def cases(tokens: int, device, sets: int, backend: str | None = None) -> tuple[d
 
         c = hasher.constants(device)
         magic = hasher._magic(device)
-        out["hasher_launcher"] = (lambda x: hash_prefill_triton(
-            x, multipliers=c["multipliers"], primes=c["primes"], magic=magic, offsets=c["offsets"],
-            n_heads=hasher.layout.n_heads, pad_id=hasher.pad_compressed_id, lookup=c["lookup"]),
-            None, [(x,) for x in ids])
-        out["gate_launcher"] = (lambda h, kv: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None, residual=True),
-                                None, gate_sets)
+        out["hasher_launcher"] = (
+            lambda x: hash_prefill_triton(
+                x,
+                multipliers=c["multipliers"],
+                primes=c["primes"],
+                magic=magic,
+                offsets=c["offsets"],
+                n_heads=hasher.layout.n_heads,
+                pad_id=hasher.pad_compressed_id,
+                lookup=c["lookup"],
+            ),
+            None,
+            [(x,) for x in ids],
+        )
+        out["gate_launcher"] = (
+            lambda h, kv: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None, residual=True),
+            None,
+            gate_sets,
+        )
         fmt = table_format(table, None, 256)
 
         def gather_launch(r):
@@ -185,8 +207,9 @@ def checks(device) -> dict:
     ids = torch.randint(0, VOCAB, (2, 300), device=device)
     got = {"hasher_equals_reference": torch.equal(hasher(ids), hasher(ids, backend="torch"))}
     cu = torch.tensor([0, 100, 600], device=device, dtype=torch.int32)
-    got["hash_ragged_equals_whole"] = torch.equal(hasher.hash_ragged(ids.reshape(-1), cu)[100:600],
-                                                  hasher(ids.reshape(1, -1)[:, 100:600])[0])
+    got["hash_ragged_equals_whole"] = torch.equal(
+        hasher.hash_ragged(ids.reshape(-1), cu)[100:600], hasher(ids.reshape(1, -1)[:, 100:600])[0]
+    )
     bad = ids.clone()
     bad[1, 7] = VOCAB + 5
     try:
@@ -196,7 +219,7 @@ def checks(device) -> dict:
     except HashInputError as exc:
         got["bad_id_raises"] = str(VOCAB + 5) in str(exc)
     hasher(ids)
-    hasher.raise_pending()   # the error is not raised twice
+    hasher.raise_pending()  # the error is not raised twice
     checks = PendingIdChecks(HashInputError, 1000, "table", noun="row id")
     got["submit_ids_names_min_and_max"] = True
     for bad_ids, name in (([3, -4, 5], "-4"), ([3, 1000, 5], "1000")):
@@ -218,8 +241,8 @@ def run_gpu(args) -> dict:
         for name, (fn, graph_fn, arg_sets) in ops.items():
             row = {"op": name, "tokens": tokens, "eager_ms": eager_ms(fn, arg_sets, args.calls, args.batches)}
             if graph_fn is not None:
-                hasher.raise_pending()   # checks still in flight are read before a capture (no event query in it)
-                if not name.startswith("hash_ragged"):   # (advances its history: compared in `checks`)
+                hasher.raise_pending()  # checks still in flight are read before a capture (no event query in it)
+                if not name.startswith("hash_ragged"):  # (advances its history: compared in `checks`)
                     row["equal"] = same_as_graph(fn, graph_fn, arg_sets[0], hasher)
                 row["graph_ms"] = graph_replay_ms(graph_fn, arg_sets, launches=args.sets * 4, replays=args.batches)
                 row["ratio"] = row["eager_ms"] / row["graph_ms"]
@@ -228,7 +251,7 @@ def run_gpu(args) -> dict:
         del ops, hasher
         torch.cuda.empty_cache()
     graph_of = {(r["op"], r["tokens"]): r.get("graph_ms") for r in result["rows"]}
-    for r in result["rows"]:   # the no-check variants and the bare launchers against the same graph
+    for r in result["rows"]:  # the no-check variants and the bare launchers against the same graph
         base = r["op"].replace("_nocheck", "").replace("_launcher", "")
         if r.get("graph_ms") is None and graph_of.get((base, r["tokens"])):
             r["ratio"] = r["eager_ms"] / graph_of[(base, r["tokens"])]
@@ -249,14 +272,17 @@ def stub_kernels() -> None:
     import condmem.ops.gather.triton as gather_t
     import condmem.ops.hash.triton as hash_t
 
-    for mod, names in ((hash_t, ("_hash_prefill_kernel", "_hash_ragged_kernel", "_advance_kernel",
-                                 "_hash_decode_kernel")),
-                       (gate_t, ("_gate_fwd_chunked_kernel",)), (gather_t, ("_gather_kernel",))):
+    for mod, names in (
+        (hash_t, ("_hash_prefill_kernel", "_hash_ragged_kernel", "_advance_kernel", "_hash_decode_kernel")),
+        (gate_t, ("_gate_fwd_chunked_kernel",)),
+        (gather_t, ("_gather_kernel",)),
+    ):
         for n in names:
             setattr(mod, n, _StubKernel())
     # The stubs write no id ranges: the slots start at zero (in range), which the CPU reads at once.
     hash_t.id_range_slots = lambda n_tokens, device, block_t=128: torch.zeros(
-        (max(1, -(-n_tokens // block_t)), 3), dtype=torch.int32, device=device)
+        (max(1, -(-n_tokens // block_t)), 3), dtype=torch.int32, device=device
+    )
 
 
 def python_calls(fn, n: int) -> float:
@@ -296,22 +322,31 @@ def hf_decode_step_calls() -> dict | None:
     tok = CompressedTokenizer.from_any(train_bpe([text], vocab_size=300), use_cache=False)
 
     def model():
-        cfg = transformers.LlamaConfig(vocab_size=tok.original_vocab_size, hidden_size=64, intermediate_size=128,
-                                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                       max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
-                                       pad_token_id=1)
+        cfg = transformers.LlamaConfig(
+            vocab_size=tok.original_vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=1,
+        )
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
     ids = torch.randint(2, tok.original_vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
-    ecfg = EngramConfig(layer_ids=[1, 2], max_ngram_size=3, n_heads=2, head_dim=16, table_size=61, pad_id=1,
-                        short_conv=False)
+    ecfg = EngramConfig(
+        layer_ids=[1, 2], max_ngram_size=3, n_heads=2, head_dim=16, table_size=61, pad_id=1, short_conv=False
+    )
 
     def per_step(m) -> float:
         def gen(n):
-            kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": n,
-                  "max_new_tokens": n}
+            kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": n, "max_new_tokens": n}
             return lambda: m.generate(ids, **kw)
+
         with torch.no_grad():
             gen(17)()
             return (python_calls(gen(17), 3) - python_calls(gen(1), 3)) / 16
@@ -367,8 +402,10 @@ def main() -> None:
         if hf:
             print("HF decode step, Python calls: " + ", ".join(f"{k} {v:.0f}" for k, v in hf.items()))
         return
-    print("eager: public call, fresh inputs, synchronized per batch of calls (median); graph: the same calls "
-          "replayed from a CUDA graph; *_launcher: Triton's launch alone; target ratio <= 1.5")
+    print(
+        "eager: public call, fresh inputs, synchronized per batch of calls (median); graph: the same calls "
+        "replayed from a CUDA graph; *_launcher: Triton's launch alone; target ratio <= 1.5"
+    )
     print(f"{'op':>20} {'tokens':>7} {'eager ms':>9} {'graph ms':>9} {'ratio':>6}  equal")
     for r in result["rows"]:
         graph = f"{r['graph_ms']:9.4f}" if r.get("graph_ms") is not None else f"{'':>9}"
@@ -376,7 +413,8 @@ def main() -> None:
         print(f"{r['op']:>20} {r['tokens']:7d} {r['eager_ms']:9.4f} {graph} {ratio}  {r.get('equal', '')}")
     print("checks:", result["checks"])
     failed = [k for k, v in result["checks"].items() if not v] + [
-        f"{r['op']}@{r['tokens']}" for r in result["rows"] if r.get("equal") is False]
+        f"{r['op']}@{r['tokens']}" for r in result["rows"] if r.get("equal") is False
+    ]
     if failed:
         raise SystemExit(f"failed: {failed}")
 

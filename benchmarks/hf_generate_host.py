@@ -43,7 +43,7 @@ import subprocess
 import time
 from pathlib import Path
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS, set before CUDA starts
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
 
 import torch
 
@@ -64,7 +64,7 @@ def prompts(ctok: CompressedTokenizer, batch: int, tokens: int) -> torch.Tensor:
     for text in stdlib_sources(batch * 200_000):
         ids = ctok.tokenizer.encode(text, add_special_tokens=False).ids
         if len(ids) >= tokens + 64:
-            out.append(ids[64:64 + tokens])   # past the license headers
+            out.append(ids[64 : 64 + tokens])  # past the license headers
         if len(out) == batch:
             return torch.tensor(out, dtype=torch.int64)
     raise SystemExit(f"found only {len(out)} files of {tokens + 64}+ tokens")
@@ -80,7 +80,9 @@ def greedy(ids: torch.Tensor, new: int) -> dict:
     return {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": new, "max_new_tokens": new}
 
 
-def timed_generate(model, ids: torch.Tensor, new: int, repeats: int, device: str) -> tuple[torch.Tensor, list[float], bool]:
+def timed_generate(
+    model, ids: torch.Tensor, new: int, repeats: int, device: str
+) -> tuple[torch.Tensor, list[float], bool]:
     kw = greedy(ids, new)
     # Warm-up at full length: no KV length is met for the first time inside a timed run.
     model.generate(ids, **kw)
@@ -93,7 +95,7 @@ def timed_generate(model, ids: torch.Tensor, new: int, repeats: int, device: str
         seconds.append(time.perf_counter() - t0)
         same = same and (out is None or torch.equal(out, got))
         out = got
-    return out[:, ids.shape[1]:], seconds, same
+    return out[:, ids.shape[1] :], seconds, same
 
 
 class RecordedMemory:
@@ -120,7 +122,7 @@ def traced_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new
         out = model.generate(ids, **greedy(ids, new), output_logits=True, return_dict_in_generate=True)
     finally:
         adapter.memory = memory
-    return out.sequences[:, ids.shape[1]:], out.logits, recorded.calls
+    return out.sequences[:, ids.shape[1] :], out.logits, recorded.calls
 
 
 def _device_events(averages):
@@ -146,7 +148,7 @@ def profile_generate(model, name: str, ids: torch.Tensor, new: int, top: int = 1
             sync(ids.device.type)
         seconds = time.perf_counter() - t0
         prefill_gpu_ms = None
-        if on_gpu:   # the prompt's forward alone (one new token): what the decode steps' GPU time is net of
+        if on_gpu:  # the prompt's forward alone (one new token): what the decode steps' GPU time is net of
             with profile(activities=[ProfilerActivity.CUDA]) as first:
                 model.generate(ids, **greedy(ids, 1))
                 sync("cuda")
@@ -166,20 +168,32 @@ def profile_generate(model, name: str, ids: torch.Tensor, new: int, top: int = 1
     gpu = sorted(_device_events(averages), key=lambda e: -e.self_device_time_total)
     gpu_ms = sum(e.self_device_time_total for e in gpu) / 1e3
     gpu_ops = [{"op": e.key, "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3} for e in gpu[:top]]
-    stats = pstats.Stats(profiler).stats   # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
-    functions = {f"{Path(f).name}:{line}:{name}": {"calls": c[1], "own_ms": c[2] * 1e3, "cum_ms": c[3] * 1e3}
-                 for (f, line, name), c in stats.items()}
-    log(f"profile, {name}: {seconds:.2f} s for {new} "
-        f"new tokens (torch.profiler), {py_seconds:.2f} s (cProfile); GPU busy {gpu_ms:.1f} ms")
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+    functions = {
+        f"{Path(f).name}:{line}:{name}": {"calls": c[1], "own_ms": c[2] * 1e3, "cum_ms": c[3] * 1e3}
+        for (f, line, name), c in stats.items()
+    }
+    log(
+        f"profile, {name}: {seconds:.2f} s for {new} "
+        f"new tokens (torch.profiler), {py_seconds:.2f} s (cProfile); GPU busy {gpu_ms:.1f} ms"
+    )
     for op in ops:
         log(f"  {op['op'][:60]:60s} {op['calls']:7d} {op['self_cpu_ms']:9.1f} ms")
     log("  GPU time by kernel or copy:")
     for op in gpu_ops[:8]:
         log(f"  {op['op'][:60]:60s} {op['calls']:7d} {op['gpu_ms']:9.2f} ms")
-    return {"seconds": seconds, "cprofile_seconds": py_seconds, "new_tokens": new, "ops": ops, "functions": functions,
-            "gpu_ms": gpu_ms, "gpu_ops": gpu_ops, "prefill_gpu_ms": prefill_gpu_ms,
-            "decode_gpu_ms_per_step": None if prefill_gpu_ms is None else (gpu_ms - prefill_gpu_ms) / max(1, new - 1),
-            "host_calls": sum(f["calls"] for f in functions.values())}
+    return {
+        "seconds": seconds,
+        "cprofile_seconds": py_seconds,
+        "new_tokens": new,
+        "ops": ops,
+        "functions": functions,
+        "gpu_ms": gpu_ms,
+        "gpu_ops": gpu_ops,
+        "prefill_gpu_ms": prefill_gpu_ms,
+        "decode_gpu_ms_per_step": None if prefill_gpu_ms is None else (gpu_ms - prefill_gpu_ms) / max(1, new - 1),
+        "host_calls": sum(f["calls"] for f in functions.values()),
+    }
 
 
 def profile_difference(a: dict, b: dict, top: int = 20) -> list[dict]:
@@ -188,9 +202,14 @@ def profile_difference(a: dict, b: dict, top: int = 20) -> list[dict]:
     rows = []
     for key in set(fa) | set(fb):
         x, y = fa.get(key, {}), fb.get(key, {})
-        rows.append({"function": key, "own_ms": [x.get("own_ms", 0.0), y.get("own_ms", 0.0)],
-                     "cum_ms": [x.get("cum_ms", 0.0), y.get("cum_ms", 0.0)],
-                     "calls": [x.get("calls", 0), y.get("calls", 0)]})
+        rows.append(
+            {
+                "function": key,
+                "own_ms": [x.get("own_ms", 0.0), y.get("own_ms", 0.0)],
+                "cum_ms": [x.get("cum_ms", 0.0), y.get("cum_ms", 0.0)],
+                "calls": [x.get("calls", 0), y.get("calls", 0)],
+            }
+        )
     rows.sort(key=lambda r: -abs(r["own_ms"][1] - r["own_ms"][0]))
     return rows[:top]
 
@@ -224,8 +243,11 @@ def first_parting(a, b) -> dict:
 def agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
     """How far two [B, new] token tensors agree: equal, share of equal tokens, first differing step."""
     diff = (a != b).any(dim=0).nonzero()
-    return {"equal": torch.equal(a, b), "equal_fraction": float((a == b).float().mean()),
-            "first_differing_step": int(diff[0]) if diff.numel() else None}
+    return {
+        "equal": torch.equal(a, b),
+        "equal_fraction": float((a == b).float().mean()),
+        "first_differing_step": int(diff[0]) if diff.numel() else None,
+    }
 
 
 def main() -> None:
@@ -241,8 +263,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--profile-steps", type=int, default=0,
-                    help="also profile a generate of this many new tokens per memory (host time by op, printed)")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="also profile a generate of this many new tokens per memory (host time by op, printed)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and table, few tokens (a smoke run)")
     ap.add_argument("--out", default=".")
@@ -259,48 +285,78 @@ def main() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     ctok = CompressedTokenizer.from_any("deepseek-v4")
     vocab = ctok.original_vocab_size
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
-                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-                    "transformers": transformers.__version__, "args": vars(args)}
-    result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                      check=False).stdout.strip() or None
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "args": vars(args),
+    }
+    result["commit"] = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        or None
+    )
     ids = prompts(ctok, args.batch, args.prompt_tokens).to(device)
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         intermediate_size=args.intermediate, max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=2,
+    )
     t0 = time.perf_counter()
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval()
     model.generation_config.pad_token_id = 2
     result["backbone_params"] = sum(p.numel() for p in model.parameters())
-    log(f"Llama {result['backbone_params'] / 1e9:.3f} B parameters, vocab {vocab}, built in "
-        f"{time.perf_counter() - t0:.1f} s")
+    log(
+        f"Llama {result['backbone_params'] / 1e9:.3f} B parameters, vocab {vocab}, built in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
 
     plain = model
-    ecfg = EngramConfig.deepseek_v41_flash().replace(layer_ids=args.engram_layers, table_size=args.table_size,
-                                                     num_embeddings=None, compressed_vocab_size=None)
+    ecfg = EngramConfig.deepseek_v41_flash().replace(
+        layer_ids=args.engram_layers, table_size=args.table_size, num_embeddings=None, compressed_vocab_size=None
+    )
     t0 = time.perf_counter()
-    model = copy.deepcopy(plain)            # the same backbone weights, with Engram
+    model = copy.deepcopy(plain)  # the same backbone weights, with Engram
     add_engram(model, ecfg, ctok, zero_init=False)
     adapter = get_engram(model)
     weights = {lid: e.table.weight.detach() for lid, e in adapter.engrams.items()}
     table_bytes = sum(w.numel() * w.element_size() for w in weights.values())
-    result["engram"] = {"layers": args.engram_layers, "columns_per_token": adapter.layout.n_cols,
-                        "rows": {lid: int(w.shape[0]) for lid, w in weights.items()},
-                        "table_gib": table_bytes / 2**30,
-                        "engram_params_without_tables": sum(p.numel() for e in adapter.engrams.values()
-                                                            for n, p in e.named_parameters() if "table" not in n)}
+    result["engram"] = {
+        "layers": args.engram_layers,
+        "columns_per_token": adapter.layout.n_cols,
+        "rows": {lid: int(w.shape[0]) for lid, w in weights.items()},
+        "table_gib": table_bytes / 2**30,
+        "engram_params_without_tables": sum(
+            p.numel() for e in adapter.engrams.values() for n, p in e.named_parameters() if "table" not in n
+        ),
+    }
     log("engram", result["engram"], f"added in {time.perf_counter() - t0:.1f} s")
 
     t0 = time.perf_counter()
-    hbm = offload_tables(model, tier="hbm" if device == "cuda" else "host", device=device)   # CPU: a smoke run
+    hbm = offload_tables(model, tier="hbm" if device == "cuda" else "host", device=device)  # CPU: a smoke run
     result["hbm_place_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    host = EngramMemory.from_weights(adapter.hasher, weights, tier="host", device=device,
-                                     host_alloc="mmap_register" if device == "cuda" else "pageable")
+    host = EngramMemory.from_weights(
+        adapter.hasher,
+        weights,
+        tier="host",
+        device=device,
+        host_alloc="mmap_register" if device == "cuda" else "pageable",
+    )
     result["host_place_s"] = time.perf_counter() - t0
     del weights
     log(f"host tables placed in {result['host_place_s']:.1f} s")
@@ -321,20 +377,24 @@ def main() -> None:
 
     with torch.no_grad():
         for name in variants:
-            tokens[name] = select(name).generate(ids, **kw)[:, ids.shape[1]:].cpu()
+            tokens[name] = select(name).generate(ids, **kw)[:, ids.shape[1] :].cpu()
         for r in range(args.repeats):
-            for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+            for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
                 target = select(name)
                 sync(device)
                 t0 = time.perf_counter()
                 got = target.generate(ids, **kw)
                 sync(device)
                 seconds[name].append(time.perf_counter() - t0)
-                same[name] = same.get(name, True) and torch.equal(tokens[name], got[:, ids.shape[1]:].cpu())
+                same[name] = same.get(name, True) and torch.equal(tokens[name], got[:, ids.shape[1] :].cpu())
     runs: dict = {}
     for name in variants:
-        runs[name] = {"seconds": seconds[name], "tokens_per_s": args.batch * args.new_tokens / min(seconds[name]),
-                      "new_tokens": args.batch * args.new_tokens, "repeats_equal": same[name]}
+        runs[name] = {
+            "seconds": seconds[name],
+            "tokens_per_s": args.batch * args.new_tokens / min(seconds[name]),
+            "new_tokens": args.batch * args.new_tokens,
+            "repeats_equal": same[name],
+        }
         log(name, runs[name])
     adapter.memory = host
 
@@ -343,23 +403,29 @@ def main() -> None:
         traces = {"hbm": traced_generate(model, adapter, hbm, ids, args.new_tokens, args.engram_layers)}
         traces["hbm_again"] = traced_generate(model, adapter, hbm, ids, args.new_tokens, args.engram_layers)
         traces["host"] = traced_generate(model, adapter, host, ids, args.new_tokens, args.engram_layers)
-    result["trace"] = {"host_vs_hbm": first_parting(traces["host"], traces["hbm"]),
-                       "hbm_vs_hbm": first_parting(traces["hbm_again"], traces["hbm"])}
+    result["trace"] = {
+        "host_vs_hbm": first_parting(traces["host"], traces["hbm"]),
+        "hbm_vs_hbm": first_parting(traces["hbm_again"], traces["hbm"]),
+    }
     log("trace", result["trace"])
     del traces
     adapter.memory = host
 
     if args.profile_steps:
-        result["profile"] = {name: profile_generate(select(name), name, ids, args.profile_steps)
-                             for name in ("none", "hbm", "host")}
+        result["profile"] = {
+            name: profile_generate(select(name), name, ids, args.profile_steps) for name in ("none", "hbm", "host")
+        }
         result["profile_difference"] = {}
         for a, b in (("none", "hbm"), ("hbm", "host")):
-            rows = result["profile_difference"][f"{a}_to_{b}"] = profile_difference(result["profile"][a],
-                                                                                     result["profile"][b])
+            rows = result["profile_difference"][f"{a}_to_{b}"] = profile_difference(
+                result["profile"][a], result["profile"][b]
+            )
             log(f"Python functions whose own time differs most, {a} -> {b} (ms own, ms cumulative, calls):")
             for row in rows:
-                log(f"  {row['function'][:70]:70s} {row['own_ms'][0]:8.1f} -> {row['own_ms'][1]:8.1f}  "
-                    f"{row['cum_ms'][0]:8.1f} -> {row['cum_ms'][1]:8.1f}  {row['calls'][0]} -> {row['calls'][1]}")
+                log(
+                    f"  {row['function'][:70]:70s} {row['own_ms'][0]:8.1f} -> {row['own_ms'][1]:8.1f}  "
+                    f"{row['cum_ms'][0]:8.1f} -> {row['cum_ms'][1]:8.1f}  {row['calls'][0]} -> {row['calls'][1]}"
+                )
         adapter.memory = host
 
     # One forward over prompt + generated tokens with each memory: the rows and the logits.
@@ -370,26 +436,38 @@ def main() -> None:
         for name, memory in (("host", host), ("hbm", hbm)):
             adapter.memory = memory
             prepared = memory.lookup(row_ids)
-            forward[name] = ({lid: prepared.rows(lid) for lid in args.engram_layers},
-                             model(seq, attention_mask=torch.ones_like(seq)).logits)
+            forward[name] = (
+                {lid: prepared.rows(lid) for lid in args.engram_layers},
+                model(seq, attention_mask=torch.ones_like(seq)).logits,
+            )
     result["forward_equal"] = {
         "rows": all(torch.equal(forward["host"][0][lid], forward["hbm"][0][lid]) for lid in args.engram_layers),
         "logits": torch.equal(forward["host"][1], forward["hbm"][1]),
-        "tokens": int(seq.numel())}
+        "tokens": int(seq.numel()),
+    }
     hbm.close()
     host.close()
 
     def ratio(a: str, b: str) -> dict:
         """a's speed over b's: best run against best run, and the median of the rounds' paired ratios."""
         paired = [y / x for x, y in zip(seconds[a], seconds[b])]
-        return {"best": runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"], "rounds_median": statistics.median(paired),
-                "rounds": paired}
+        return {
+            "best": runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"],
+            "rounds_median": statistics.median(paired),
+            "rounds": paired,
+        }
 
     result["runs"] = runs
-    result["ratios"] = {"host_vs_hbm": ratio("host", "hbm"), "hbm_vs_none": ratio("hbm", "none"),
-                        "host_vs_none": ratio("host", "none"), "aa_none_again_vs_none": ratio("none_again", "none")}
-    result["tokens"] = {"host_vs_hbm": agreement(tokens["host"], tokens["hbm"]),
-                        "host_vs_none": agreement(tokens["host"], tokens["none"])}
+    result["ratios"] = {
+        "host_vs_hbm": ratio("host", "hbm"),
+        "hbm_vs_none": ratio("hbm", "none"),
+        "host_vs_none": ratio("host", "none"),
+        "aa_none_again_vs_none": ratio("none_again", "none"),
+    }
+    result["tokens"] = {
+        "host_vs_hbm": agreement(tokens["host"], tokens["hbm"]),
+        "host_vs_none": agreement(tokens["host"], tokens["none"]),
+    }
     log({k: result[k] for k in ("ratios", "tokens", "forward_equal")})
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -397,16 +475,24 @@ def main() -> None:
     print(f"\n{'variant':>11} {'new tok/s':>10}  seconds per round")
     for name, run in runs.items():
         print(f"{name:>11} {run['tokens_per_s']:10,.0f}  " + " ".join(f"{x:.2f}" for x in run["seconds"]))
-    targets = {"hbm_vs_none": 0.95, "host_vs_hbm": 0.97}   # HBM Engram against the plain model; host against HBM
+    targets = {"hbm_vs_none": 0.95, "host_vs_hbm": 0.97}  # HBM Engram against the plain model; host against HBM
     for name, r in result["ratios"].items():
-        goal = f"  (target >= {targets[name]}: {'met' if r['rounds_median'] >= targets[name] else 'not met'})" \
-            if name in targets else ""
+        goal = (
+            f"  (target >= {targets[name]}: {'met' if r['rounds_median'] >= targets[name] else 'not met'})"
+            if name in targets
+            else ""
+        )
         print(f"{name:>22}: best {r['best']:.3f}, rounds median {r['rounds_median']:.3f}{goal}")
     for name, prof in result.get("profile", {}).items():
-        split = ("" if prof["prefill_gpu_ms"] is None else
-                 f" (prompt {prof['prefill_gpu_ms']:.2f} ms, a decode step {prof['decode_gpu_ms_per_step']:.3f} ms)")
-        print(f"{name:>11} profiled, {prof['new_tokens']} new tokens: GPU busy {prof['gpu_ms']:.1f} ms{split}, "
-              f"Python calls {prof['host_calls']}, host {prof['cprofile_seconds']:.2f} s (cProfile)")
+        split = (
+            ""
+            if prof["prefill_gpu_ms"] is None
+            else f" (prompt {prof['prefill_gpu_ms']:.2f} ms, a decode step {prof['decode_gpu_ms_per_step']:.3f} ms)"
+        )
+        print(
+            f"{name:>11} profiled, {prof['new_tokens']} new tokens: GPU busy {prof['gpu_ms']:.1f} ms{split}, "
+            f"Python calls {prof['host_calls']}, host {prof['cprofile_seconds']:.2f} s (cProfile)"
+        )
     if not result["forward_equal"]["rows"]:
         raise SystemExit("host-table rows differ from HBM-table rows")
 

@@ -49,7 +49,7 @@ def cpu_gather_rows(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 1
     rows = []
     impls = [("torch", False)] + ([("native", True)] if native_gather.available() else [])
     for impl, native in impls:
-        with mock.patch.object(native_gather, "available", lambda: native):   # torch: index_select
+        with mock.patch.object(native_gather, "available", lambda: native):  # torch: index_select
             for order, sets in (("random", id_sets), ("sorted", [i.sort().values for i in id_sets])):
                 store.gather_raw(sets[0], out=out)
                 times = []
@@ -58,13 +58,30 @@ def cpu_gather_rows(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 1
                     store.gather_raw(batch, out=out)
                     times.append(time.perf_counter() - t0)
                 sec = sorted(times)[2]
-                rows.append({"bench": "cpu_gather", "tier": store.tier, "stream": f"cpu-{impl}-{order}",
-                             "tokens": n_ids // N_COLS, "ids": n_ids, "ms": sec * 1e3, "rows_per_s": n_ids / sec,
-                             "effective_gbps": n_ids * store.row_bytes / sec / 1e9,
-                             "threads": torch.get_num_threads(), "table_gib": round(store.nbytes / 2**30, 2),
-                             **ceiling, "machine": info})
-                log.info("CPU gather %s %s: %.2f ms, %.0fM rows/s, %.1f GB/s", impl, order, sec * 1e3,
-                         n_ids / sec / 1e6, rows[-1]["effective_gbps"])
+                rows.append(
+                    {
+                        "bench": "cpu_gather",
+                        "tier": store.tier,
+                        "stream": f"cpu-{impl}-{order}",
+                        "tokens": n_ids // N_COLS,
+                        "ids": n_ids,
+                        "ms": sec * 1e3,
+                        "rows_per_s": n_ids / sec,
+                        "effective_gbps": n_ids * store.row_bytes / sec / 1e9,
+                        "threads": torch.get_num_threads(),
+                        "table_gib": round(store.nbytes / 2**30, 2),
+                        **ceiling,
+                        "machine": info,
+                    }
+                )
+                log.info(
+                    "CPU gather %s %s: %.2f ms, %.0fM rows/s, %.1f GB/s",
+                    impl,
+                    order,
+                    sec * 1e3,
+                    n_ids / sec / 1e6,
+                    rows[-1]["effective_gbps"],
+                )
     return rows
 
 
@@ -126,15 +143,27 @@ def phase_rows(store: LayerStore, info: dict, ceiling: dict, tokens: int = 16384
     }
     rows = []
     for name, ms in phases.items():
-        rows.append({"bench": "lookup_phase", "tier": store.tier, "stream": f"phase-{name}", "tokens": tokens,
-                     "ids": ids.numel(), "unique": n, "ms": ms, "table_gib": round(store.nbytes / 2**30, 2),
-                     **ceiling, "machine": info})
+        rows.append(
+            {
+                "bench": "lookup_phase",
+                "tier": store.tier,
+                "stream": f"phase-{name}",
+                "tokens": tokens,
+                "ids": ids.numel(),
+                "unique": n,
+                "ms": ms,
+                "table_gib": round(store.nbytes / 2**30, 2),
+                **ceiling,
+                "machine": info,
+            }
+        )
         log.info("phase %-15s %.3f ms", name, ms)
     return rows
 
 
-def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int = 16384 * N_COLS,
-                      repeats: int = 5) -> list[dict]:
+def gather_under_load(
+    store: LayerStore, info: dict, ceiling: dict, n_ids: int = 16384 * N_COLS, repeats: int = 5
+) -> list[dict]:
     """The native CPU gather of fresh sorted ids, alone and under the conditions the engine runs it in.
 
     Separates the causes of a slow in-engine gather: the calling thread (main vs a worker),
@@ -169,23 +198,25 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
     def chunked(ids, pieces=4):
         step = -(-ids.numel() // pieces)
         for s in range(0, ids.numel(), step):
-            native_gather_rows(store.raw, ids[s:s + step], staging[s:s + step], threads)
+            native_gather_rows(store.raw, ids[s : s + step], staging[s : s + step], threads)
 
     def os_threads(ids):
         step = -(-ids.numel() // threads)
-        jobs = [pool.submit(native_gather_rows, store.raw, ids[s:s + step], staging[s:s + step], 1)
-                for s in range(0, ids.numel(), step)]
+        jobs = [
+            pool.submit(native_gather_rows, store.raw, ids[s : s + step], staging[s : s + step], 1)
+            for s in range(0, ids.numel(), step)
+        ]
         for j in jobs:
             j.result()
 
     def h2d_load():
         with torch.cuda.stream(side):
-            for _ in range(60):                      # ~70 ms of copies at 55 GB/s
+            for _ in range(60):  # ~70 ms of copies at 55 GB/s
                 load_dst.copy_(load_src, non_blocking=True)
 
     def zero_copy_load():
         with torch.cuda.stream(side):
-            for _ in range(8):                       # ~100 ms of zero-copy reads
+            for _ in range(8):  # ~100 ms of zero-copy reads
                 engram_gather(zc_ids, words)
 
     variants = {
@@ -208,7 +239,7 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
                 load()
                 done = torch.cuda.Event()
                 done.record(side)
-                time.sleep(0.002)                    # the load is under way before the gather starts
+                time.sleep(0.002)  # the load is under way before the gather starts
             t0 = time.perf_counter()
             fn(ids)
             sec = time.perf_counter() - t0
@@ -218,12 +249,29 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
             if r:
                 times.append(sec)
         sec = sorted(times)[len(times) // 2]
-        rows.append({"bench": "gather_under_load", "tier": store.tier, "stream": name, "ids": n_ids,
-                     "tokens": n_ids // N_COLS, "ms": sec * 1e3, "rows_per_s": n_ids / sec,
-                     "overlapped": overlapped if load is not None else None, "threads": threads,
-                     "table_gib": round(store.nbytes / 2**30, 2), **ceiling, "machine": info})
-        log.info("gather under load: %-40s %6.2f ms  %5.0fM rows/s%s", name, sec * 1e3, n_ids / sec / 1e6,
-                 "" if load is None else f"  (load still running at the end: {overlapped})")
+        rows.append(
+            {
+                "bench": "gather_under_load",
+                "tier": store.tier,
+                "stream": name,
+                "ids": n_ids,
+                "tokens": n_ids // N_COLS,
+                "ms": sec * 1e3,
+                "rows_per_s": n_ids / sec,
+                "overlapped": overlapped if load is not None else None,
+                "threads": threads,
+                "table_gib": round(store.nbytes / 2**30, 2),
+                **ceiling,
+                "machine": info,
+            }
+        )
+        log.info(
+            "gather under load: %-40s %6.2f ms  %5.0fM rows/s%s",
+            name,
+            sec * 1e3,
+            n_ids / sec / 1e6,
+            "" if load is None else f"  (load still running at the end: {overlapped})",
+        )
     pool.shutdown()
     worker.shutdown()
     # The host's own copy bandwidth (read + write), the budget the gather, its staging writes
@@ -238,15 +286,30 @@ def gather_under_load(store: LayerStore, info: dict, ceiling: dict, n_ids: int =
         b.copy_(a)
         times.append(time.perf_counter() - t0)
     gbps = 2 * a.numel() / sorted(times)[1] / 1e9
-    rows.append({"bench": "host_memcpy", "tier": "host", "stream": "host memcpy (read + write)", "gbps": gbps,
-                 "threads": threads, **ceiling, "machine": info})
+    rows.append(
+        {
+            "bench": "host_memcpy",
+            "tier": "host",
+            "stream": "host memcpy (read + write)",
+            "gbps": gbps,
+            "threads": threads,
+            **ceiling,
+            "machine": info,
+        }
+    )
     log.info("host memcpy, %d threads: %.1f GB/s (read + write counted)", threads, gbps)
     del a, b
     return rows
 
 
-def pipeline_trace(store: LayerStore, batches: list[torch.Tensor], cpu_fraction: float, trace: Path,
-                   cache: RowCache | None = None, warm: list[torch.Tensor] | None = None) -> dict:
+def pipeline_trace(
+    store: LayerStore,
+    batches: list[torch.Tensor],
+    cpu_fraction: float,
+    trace: Path,
+    cache: RowCache | None = None,
+    warm: list[torch.Tensor] | None = None,
+) -> dict:
     """A torch profiler trace of `batches` looked up back to back at this CPU share (the plans
     warmed up first; `warm`: batches run before, e.g. to bring a cache to its steady state).
     Returns a result row with the pipeline's ms per lookup."""
@@ -255,17 +318,28 @@ def pipeline_trace(store: LayerStore, batches: list[torch.Tensor], cpu_fraction:
         time_pipelined(engine, warm or batches[:3])
         engine.flush()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as profiler:
             t0 = time.perf_counter()
             run_pipelined(engine, batches)
             torch.cuda.synchronize()
             ms = (time.perf_counter() - t0) * 1e3 / len(batches)
         profiler.export_chrome_trace(str(trace))
-    log.info("pipeline cpu_fraction %.2f: %.3f ms per lookup; profiler trace (chrome://tracing) in %s",
-             cpu_fraction, ms, trace)
-    return {"bench": "pipeline_trace", "cpu_fraction": cpu_fraction, "ms": ms, "trace": str(trace),
-            "tokens": batches[0].shape[0], "cache": cache is not None}
+    log.info(
+        "pipeline cpu_fraction %.2f: %.3f ms per lookup; profiler trace (chrome://tracing) in %s",
+        cpu_fraction,
+        ms,
+        trace,
+    )
+    return {
+        "bench": "pipeline_trace",
+        "cpu_fraction": cpu_fraction,
+        "ms": ms,
+        "trace": str(trace),
+        "tokens": batches[0].shape[0],
+        "cache": cache is not None,
+    }
 
 
 PLAN_VARIANTS = ("graphs", "eager", "graphs/torch", "eager/torch")
@@ -273,8 +347,16 @@ PLAN_VARIANTS = ("graphs", "eager", "graphs/torch", "eager/torch")
 cache's probe and admission as Triton kernels (default on CUDA) or torch ops (``/torch``)."""
 
 
-def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm: int, variants: list[str],
-               info: dict, ceiling: dict, kernels: bool = False) -> list[dict]:
+def plan_costs(
+    num_rows: int,
+    cache_rows: int,
+    batches: list[torch.Tensor],
+    warm: int,
+    variants: list[str],
+    info: dict,
+    ceiling: dict,
+    kernels: bool = False,
+) -> list[dict]:
     """Median device ms of a plan (dedup, probe, hits, misses, split, counts to the host) and of
     its cache admission, each alone, per variant (`PLAN_VARIANTS`); the cache warmed on the
     first `warm` batches.
@@ -292,7 +374,7 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
         n = plan_bucket(batches[0].numel())
         plan = LookupPlan(n, ROW_BYTES, num_rows, device, cache, 1.0, 64 << 10, pin=on_gpu)
         capture = mode == "graphs" and on_gpu
-        stream = torch.cuda.Stream() if on_gpu else None   # graphs are captured off the default stream
+        stream = torch.cuda.Stream() if on_gpu else None  # graphs are captured off the default stream
         times: dict[str, list[float]] = {"plan": [], "admit": []}
         with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
             if capture:
@@ -316,15 +398,27 @@ def plan_costs(num_rows: int, cache_rows: int, batches: list[torch.Tensor], warm
                         times[name].append(ms)
         hit = cache.stats.hit_rate
         if kernels and on_gpu:
-            rows.extend(plan_kernel_rows(plan, batches[warm:warm + 4], variant, stream, info))
+            rows.extend(plan_kernel_rows(plan, batches[warm : warm + 4], variant, stream, info))
         for name, ts in times.items():
             ts.sort()
             ms = ts[len(ts) // 2] if ts else float("nan")
-            rows.append({"bench": "plan_cost", "tier": "-", "stream": f"text {name}", "variant": variant,
-                         "tokens": batches[0].shape[0], "ids": n, "ms": ms, "hit_rate": hit, **ceiling,
-                         "machine": info})
-            log.info("plan cost [%s] %-5s %.3f ms (median of %d text batches, hit %.2f)", variant, name, ms,
-                     len(ts), hit)
+            rows.append(
+                {
+                    "bench": "plan_cost",
+                    "tier": "-",
+                    "stream": f"text {name}",
+                    "variant": variant,
+                    "tokens": batches[0].shape[0],
+                    "ids": n,
+                    "ms": ms,
+                    "hit_rate": hit,
+                    **ceiling,
+                    "machine": info,
+                }
+            )
+            log.info(
+                "plan cost [%s] %-5s %.3f ms (median of %d text batches, hit %.2f)", variant, name, ms, len(ts), hit
+            )
         del plan, cache
     return rows
 
@@ -350,13 +444,19 @@ def kernel_row(per_kernel: dict[str, list], per: int, label: str, **fields) -> d
     log.info("kernels %s: %.3f ms of device time per call", label, total)
     for ms, count, kernel in top[:12]:
         log.info("    %7.3f ms  x%-4d %s", ms, count // max(1, per), kernel)
-    return {"bench": "kernels", "label": label, "ms_total": total, **fields,
-            "kernels": [{"name": k, "ms": ms, "launches": c // max(1, per)} for ms, c, k in top]}
+    return {
+        "bench": "kernels",
+        "label": label,
+        "ms_total": total,
+        **fields,
+        "kernels": [{"name": k, "ms": ms, "launches": c // max(1, per)} for ms, c, k in top],
+    }
 
 
 def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: str, stream, info: dict) -> list[dict]:
     """Device time per kernel of the plan and the admission over `batches` (torch profiler), one
     row per step with its kernels sorted by total time: where the cache path's milliseconds go."""
+
     def run(admit: bool):
         with torch.cuda.stream(stream):
             for ids in batches:
@@ -369,13 +469,14 @@ def plan_kernel_rows(plan: LookupPlan, batches: list[torch.Tensor], variant: str
 
     plan_only = kernel_times(lambda: run(False), len(batches))
     with_admit = kernel_times(lambda: run(True), len(batches))
-    for kernel, (ms, count) in plan_only.items():     # the admission's own kernels: the difference
+    for kernel, (ms, count) in plan_only.items():  # the admission's own kernels: the difference
         if kernel in with_admit:
             with_admit[kernel][0] -= ms
             with_admit[kernel][1] -= count
-    return [kernel_row(k, len(batches), f"[{variant}] {name}", variant=variant, step=name,
-                       machine=info)
-            for name, k in (("plan", plan_only), ("admit", with_admit))]
+    return [
+        kernel_row(k, len(batches), f"[{variant}] {name}", variant=variant, step=name, machine=info)
+        for name, k in (("plan", plan_only), ("admit", with_admit))
+    ]
 
 
 def lookup_kernel_row(engine: LookupEngine, sets: list[torch.Tensor], label: str, info: dict) -> dict:
@@ -391,12 +492,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from condmem.bench.harness import append_rows, copy_bandwidth_gbps, machine_info, rows_table
     from condmem.bench.lookup_setup import h2d_bandwidth_gbps, host_store, text_batches, text_row_ids
 
-    p = argparse.ArgumentParser(description="Where a host-tier lookup's time goes (see the module docstring). "
-                                            "Appends JSON rows to <out>/lookup_diagnostics.json.")
-    p.add_argument("what", nargs="+", choices=["gather", "phases", "pipeline", "plan", "kernels"],
-                   help="gather: CPU gather alone and under GPU load; phases: each step alone; pipeline: profiler "
-                        "traces of pipelined lookups; plan: plan and admission alone per variant (no table); "
-                        "kernels: device time per kernel of a pipelined lookup")
+    p = argparse.ArgumentParser(
+        description="Where a host-tier lookup's time goes (see the module docstring). "
+        "Appends JSON rows to <out>/lookup_diagnostics.json."
+    )
+    p.add_argument(
+        "what",
+        nargs="+",
+        choices=["gather", "phases", "pipeline", "plan", "kernels"],
+        help="gather: CPU gather alone and under GPU load; phases: each step alone; pipeline: profiler "
+        "traces of pipelined lookups; plan: plan and admission alone per variant (no table); "
+        "kernels: device time per kernel of a pipelined lookup",
+    )
     p.add_argument("--table-gib", type=float, default=16.0, help="pinned host table size")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per lookup (x24 row ids)")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.7, 1.0], help="CPU shares of the pipeline traces")
@@ -420,8 +527,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     warm = min(args.text_warmup, len(text) - 2)
     rows: list[dict] = []
     if "plan" in args.what:
-        rows += plan_costs(n_rows, max(1, int(n_rows * args.cache_fraction)), text, warm, args.plan_variants,
-                           info, ceiling, kernels="kernels" in args.what)
+        rows += plan_costs(
+            n_rows,
+            max(1, int(n_rows * args.cache_fraction)),
+            text,
+            warm,
+            args.plan_variants,
+            info,
+            ceiling,
+            kernels="kernels" in args.what,
+        )
     host_work = {"gather", "phases", "pipeline", "kernels"} & set(args.what)
     if host_work and device == "cuda":
         store = host_store(n_rows, "mmap_register")
@@ -434,8 +549,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for fraction in args.fractions if "pipeline" in args.what else ():
             rows.append(pipeline_trace(store, uniform, fraction, out / f"lookup_trace_uniform_{fraction:.2f}.json"))
             cache = RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device="cuda")
-            rows.append(pipeline_trace(store, text[warm:], fraction, out / f"lookup_trace_text_{fraction:.2f}.json",
-                                       cache=cache, warm=text[:warm]))
+            rows.append(
+                pipeline_trace(
+                    store,
+                    text[warm:],
+                    fraction,
+                    out / f"lookup_trace_text_{fraction:.2f}.json",
+                    cache=cache,
+                    warm=text[:warm],
+                )
+            )
         if "kernels" in args.what:
             with LookupEngine(store, "cuda", config=LookupConfig(cpu_fraction=args.fractions[0])) as engine:
                 engine.warm_up([args.tokens * N_COLS])
@@ -444,9 +567,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     elif host_work:
         log.warning("%s: need a GPU; skipped", ", ".join(sorted(host_work)))
     append_rows(out / "lookup_diagnostics.json", rows)
-    print(rows_table([r for r in rows if "ms" in r], [("bench", "bench", ""), ("stream", "what", ""),
-                                                     ("variant", "variant", ""), ("cpu_fraction", "cpu frac", ".2f"),
-                                                     ("ms", "ms", ".3f")]))
+    print(
+        rows_table(
+            [r for r in rows if "ms" in r],
+            [
+                ("bench", "bench", ""),
+                ("stream", "what", ""),
+                ("variant", "variant", ""),
+                ("cpu_fraction", "cpu frac", ".2f"),
+                ("ms", "ms", ".3f"),
+            ],
+        )
+    )
     return rows
 
 

@@ -47,8 +47,9 @@ VOCAB = 8192
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -74,11 +75,14 @@ def check_layer(device: torch.device, tiny: bool) -> dict:
         return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
     names = ("output", "grad router", "grad w13", "grad w2")
-    result = {"grouped_vs_loop": dict(zip(names, map(rel, out["grouped"], out["loop"]))),
-              "loop_vs_fp32": dict(zip(names, map(rel, out["loop"], out["fp32"]))),
-              "grouped_mm_used": layers["grouped"].use_grouped_mm}
+    result = {
+        "grouped_vs_loop": dict(zip(names, map(rel, out["grouped"], out["loop"]))),
+        "loop_vs_fp32": dict(zip(names, map(rel, out["loop"], out["fp32"]))),
+        "grouped_mm_used": layers["grouped"].use_grouped_mm,
+    }
     result["ok"] = all(v < 2e-2 for v in result["grouped_vs_loop"].values()) and all(
-        v < 5e-2 for v in result["loop_vs_fp32"].values())
+        v < 5e-2 for v in result["loop_vs_fp32"].values()
+    )
     return result
 
 
@@ -86,18 +90,30 @@ def variants(tiny: bool) -> dict[str, ModelConfig]:
     sp = STUDY_PRESETS["tiny" if tiny else "gpu"]
     m = sp.base.model
     e = sp.base.engram
-    engram = EngramConfig(layer_ids=e.layer_ids, max_ngram_size=e.max_ngram_size, n_heads=e.n_heads,
-                          head_dim=e.head_dim, table_size=e.table_size, pad_id=1, hidden_size=m.dim, hc_mult=1,
-                          compressed_vocab_size=VOCAB)
-    base = ModelConfig(vocab_size=VOCAB, engram=engram, engram_table_init_std=e.table_init_std,
-                       **dataclasses.asdict(m))
+    engram = EngramConfig(
+        layer_ids=e.layer_ids,
+        max_ngram_size=e.max_ngram_size,
+        n_heads=e.n_heads,
+        head_dim=e.head_dim,
+        table_size=e.table_size,
+        pad_id=1,
+        hidden_size=m.dim,
+        hc_mult=1,
+        compressed_vocab_size=VOCAB,
+    )
+    base = ModelConfig(vocab_size=VOCAB, engram=engram, engram_table_init_std=e.table_init_std, **dataclasses.asdict(m))
     allocation = allocation_points(base, sp.rhos)
     slots = slot_points(base, sp.table_sizes)
     moe = allocation[0].cfg
     active = m.ffn_hidden + m.moe.top_k * m.moe.expert_hidden
     dense = moe.replace(moe=None, ffn_hidden=[w - m.ffn_hidden + active for w in moe.ffn_hidden])
-    return {"dense": dense, "moe": moe, "moe_loop": moe, f"moe_engram_rho{allocation[-1].rho}": allocation[-1].cfg,
-            "moe_engram_big": slots[-1].cfg}
+    return {
+        "dense": dense,
+        "moe": moe,
+        "moe_loop": moe,
+        f"moe_engram_rho{allocation[-1].rho}": allocation[-1].cfg,
+        "moe_engram_big": slots[-1].cfg,
+    }
 
 
 def time_variant(name: str, cfg: ModelConfig, device: torch.device, steps: int, tc: TrainConfig) -> dict:
@@ -116,10 +132,14 @@ def time_variant(name: str, cfg: ModelConfig, device: torch.device, steps: int, 
         torch.cuda.reset_peak_memory_stats(device)
     summary = trainer.fit()
     counts = model.param_counts()
-    out = {"tokens_per_s": summary["tokens_per_s"], "ms_per_step": 1e3 * tc.batch_size * tc.seq_len /
-           max(summary["tokens_per_s"], 1e-9), "build_s": build_s, "params": counts,
-           "final_train_loss": summary["final_train_loss"],
-           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    out = {
+        "tokens_per_s": summary["tokens_per_s"],
+        "ms_per_step": 1e3 * tc.batch_size * tc.seq_len / max(summary["tokens_per_s"], 1e-9),
+        "build_s": build_s,
+        "params": counts,
+        "final_train_loss": summary["final_train_loss"],
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
     del trainer, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -138,13 +158,19 @@ def estimates(rows: dict, tiny: bool) -> dict:
         return steps * tokens / rate + val_tokens / (3 * rate) + overhead_s
 
     n = len(sp.rhos)
-    alloc = 2 * (run_s(per_run["moe"]["tokens_per_s"], sp.allocation_steps)
-                 + (n - 1) * run_s(per_run["engram"]["tokens_per_s"], sp.allocation_steps))
-    slots = (run_s(per_run["moe"]["tokens_per_s"], sp.slots_steps)
-             + len(sp.table_sizes) * run_s(rows["moe_engram_big"]["tokens_per_s"], sp.slots_steps))
-    return {"allocation_2_seeds_min": (alloc + prep_s) / 60, "slots_min": (slots + prep_s) / 60,
-            "assumed": {"val_tokens": val_tokens, "data_prep_s_first_time": prep_s, "overhead_s_per_run": overhead_s},
-            "budget_min": sp.minutes}
+    alloc = 2 * (
+        run_s(per_run["moe"]["tokens_per_s"], sp.allocation_steps)
+        + (n - 1) * run_s(per_run["engram"]["tokens_per_s"], sp.allocation_steps)
+    )
+    slots = run_s(per_run["moe"]["tokens_per_s"], sp.slots_steps) + len(sp.table_sizes) * run_s(
+        rows["moe_engram_big"]["tokens_per_s"], sp.slots_steps
+    )
+    return {
+        "allocation_2_seeds_min": (alloc + prep_s) / 60,
+        "slots_min": (slots + prep_s) / 60,
+        "assumed": {"val_tokens": val_tokens, "data_prep_s_first_time": prep_s, "overhead_s_per_run": overhead_s},
+        "budget_min": sp.minutes,
+    }
 
 
 def main() -> None:
@@ -157,9 +183,13 @@ def main() -> None:
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"commit": commit(), "torch": torch.__version__, "device": str(device),
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    result = {
+        "commit": commit(),
+        "torch": torch.__version__,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
     result["layer_check"] = check_layer(device, args.tiny)
     print(f"layer check: {json.dumps(result['layer_check'])}", flush=True)
     tc = STUDY_PRESETS["tiny" if args.tiny else "gpu"].base.train
@@ -172,17 +202,23 @@ def main() -> None:
     result["target_met"] = result["moe_over_dense"] <= 1.5
     result["sweep_estimates"] = estimates(rows, args.tiny)
     (out / "moe_step.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n{'variant':<22} {'ms/step':>8} {'tok/s':>11} {'vs dense':>9} {'active':>12} {'total':>14} {'peak GiB':>9}")
+    print(
+        f"\n{'variant':<22} {'ms/step':>8} {'tok/s':>11} {'vs dense':>9} {'active':>12} {'total':>14} {'peak GiB':>9}"
+    )
     for name, r in rows.items():
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        print(f"{name:<22} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>11,.0f} "
-              f"{rows['dense']['tokens_per_s'] / r['tokens_per_s']:>8.2f}x {r['params']['active']:>12,} "
-              f"{r['params']['total']:>14,} {peak:>9}")
+        print(
+            f"{name:<22} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>11,.0f} "
+            f"{rows['dense']['tokens_per_s'] / r['tokens_per_s']:>8.2f}x {r['params']['active']:>12,} "
+            f"{r['params']['total']:>14,} {peak:>9}"
+        )
     est = result["sweep_estimates"]
-    print(f"layer check {'ok' if result['layer_check']['ok'] else 'FAILED'}; MoE step {result['moe_over_dense']:.2f}x "
-          f"dense (target <= 1.5: {'met' if result['target_met'] else 'NOT met'}); estimated sweeps: allocation "
-          f"(2 seeds) {est['allocation_2_seeds_min']:.1f} min, slots {est['slots_min']:.1f} min "
-          f"(budget {est['budget_min']} min each)")
+    print(
+        f"layer check {'ok' if result['layer_check']['ok'] else 'FAILED'}; MoE step {result['moe_over_dense']:.2f}x "
+        f"dense (target <= 1.5: {'met' if result['target_met'] else 'NOT met'}); estimated sweeps: allocation "
+        f"(2 seeds) {est['allocation_2_seeds_min']:.1f} min, slots {est['slots_min']:.1f} min "
+        f"(budget {est['budget_min']} min each)"
+    )
 
 
 if __name__ == "__main__":

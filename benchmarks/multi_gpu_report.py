@@ -37,13 +37,28 @@ def collect(out: Path, n: int) -> dict:
         tp = _load(out / f"tp_w{w}" / "multi_gpu_tp.json")
         if tp is not None:
             result["tp_engram"][str(w)] = {
-                "allgather_bus_gbps": tp["allgather_bus_gbps"], "tokens_per_step": tp["tokens_per_step"],
-                "modes": {m["mode"]: {k: m.get(k) for k in ("exact_on_every_rank", "rel_err_max_over_ranks", "step_ms",
-                                                           "collective_ms", "predicted_ms", "bytes_per_token")}
-                          for m in tp["modes"]}}
+                "allgather_bus_gbps": tp["allgather_bus_gbps"],
+                "tokens_per_step": tp["tokens_per_step"],
+                "modes": {
+                    m["mode"]: {
+                        k: m.get(k)
+                        for k in (
+                            "exact_on_every_rank",
+                            "rel_err_max_over_ranks",
+                            "step_ms",
+                            "collective_ms",
+                            "predicted_ms",
+                            "bytes_per_token",
+                        )
+                    }
+                    for m in tp["modes"]
+                },
+            }
     train = result["training"]
-    runs = {name: _load(out / f"train_{name}" / "summary.json")
-            for name in ("same_batch_w1", f"same_batch_w{n}", "whole", "killed", *(f"per_gpu_w{w}" for w in WORLDS))}
+    runs = {
+        name: _load(out / f"train_{name}" / "summary.json")
+        for name in ("same_batch_w1", f"same_batch_w{n}", "whole", "killed", *(f"per_gpu_w{w}" for w in WORLDS))
+    }
     a, b = runs["same_batch_w1"], runs[f"same_batch_w{n}"]
     if a and b:
         la, lb = [h["loss"] for h in a["history"]], [h["loss"] for h in b["history"]]
@@ -62,13 +77,24 @@ def collect(out: Path, n: int) -> dict:
     if a and b:
         la, lb = [h["loss"] for h in a["history"]], [h["loss"] for h in b["history"]]
         train["kill_resume_steps_compared"] = len(lb)
-        train["kill_resume_losses_equal"] = bool(lb) and la[-len(lb):] == lb
+        train["kill_resume_losses_equal"] = bool(lb) and la[-len(lb) :] == lb
     for name in ("tp1", f"tp{n}_head", f"tp{n}_row"):
         rows = _rows(out / f"e2e_{name}" / "e2e.json")
         if rows:
-            result["serving"][name] = {r["variant"]: {k: r.get(k) for k in (
-                "tokens_per_s", "prefill_tokens_per_s", "decode_tokens_per_s", "x_none", "x_hbm", "tokens_equal")}
-                for r in rows}
+            result["serving"][name] = {
+                r["variant"]: {
+                    k: r.get(k)
+                    for k in (
+                        "tokens_per_s",
+                        "prefill_tokens_per_s",
+                        "decode_tokens_per_s",
+                        "x_none",
+                        "x_hbm",
+                        "tokens_equal",
+                    )
+                }
+                for r in rows
+            }
     return result
 
 
@@ -115,8 +141,12 @@ def plot(result: dict, path: Path) -> Path | None:
     variants = list(dict.fromkeys(v for runs in serving.values() for v in runs if v != "none_again"))
     width = 0.8 / max(1, len(serving))
     for i, (name, runs) in enumerate(serving.items()):
-        ax.bar([j + i * width for j in range(len(variants))],
-               [runs.get(v, {}).get("tokens_per_s") or 0 for v in variants], width, label=name)
+        ax.bar(
+            [j + i * width for j in range(len(variants))],
+            [runs.get(v, {}).get("tokens_per_s") or 0 for v in variants],
+            width,
+            label=name,
+        )
     ax.set_xticks([j + width * (len(serving) - 1) / 2 for j in range(len(variants))], variants, fontsize=7)
     ax.set_ylabel("tokens/s (prompt + generated)")
     ax.set_title("serving, bench e2e")
@@ -139,20 +169,29 @@ def main() -> None:
     plot(result, args.out / "multi_gpu.png")
     for w, tp in result["tp_engram"].items():
         for mode, m in tp["modes"].items():
-            exact = m["exact_on_every_rank"] if m.get("exact_on_every_rank") is not None else \
-                f"rel err {m.get('rel_err_max_over_ranks'):.1e}"
+            exact = (
+                m["exact_on_every_rank"]
+                if m.get("exact_on_every_rank") is not None
+                else f"rel err {m.get('rel_err_max_over_ranks'):.1e}"
+            )
             coll = m.get("collective_ms")
-            print(f"TP Engram W={w} {mode:<11} exact {exact!s:<16} collective "
-                  f"{'-' if coll is None else f'{coll:.3f}'} ms, predicted {m['predicted_ms']:.3f} ms")
+            print(
+                f"TP Engram W={w} {mode:<11} exact {exact!s:<16} collective "
+                f"{'-' if coll is None else f'{coll:.3f}'} ms, predicted {m['predicted_ms']:.3f} ms"
+            )
     train = result["training"]
     if "same_batch_max_rel_loss_diff" in train:
-        print(f"training, one global batch at 1 and {args.world} GPUs: max relative loss difference "
-              f"{train['same_batch_max_rel_loss_diff']:.2e} over {train['same_batch_steps']} steps")
+        print(
+            f"training, one global batch at 1 and {args.world} GPUs: max relative loss difference "
+            f"{train['same_batch_max_rel_loss_diff']:.2e} over {train['same_batch_steps']} steps"
+        )
     for w, s in train.get("per_gpu_batch_scaling", {}).items():
         print(f"training, {w} GPU(s): {s['tokens_per_s']:,.0f} tokens/s, {s['x_linear']:.3f} of linear")
     if "kill_resume_losses_equal" in train:
-        print(f"training killed at step 10 and resumed: losses equal over {train['kill_resume_steps_compared']} steps: "
-              f"{train['kill_resume_losses_equal']}")
+        print(
+            f"training killed at step 10 and resumed: losses equal over {train['kill_resume_steps_compared']} steps: "
+            f"{train['kill_resume_losses_equal']}"
+        )
     for name, runs in result["serving"].items():
         print(f"serving {name}: " + ", ".join(f"{v} {r['tokens_per_s']:,.0f} tok/s" for v, r in runs.items()))
 

@@ -60,13 +60,19 @@ def bus_bandwidth_gbps(nbytes_per_rank: int, device: torch.device, repeats: int)
 
 def run(args, rank: int, world: int, device: torch.device) -> dict | None:
     """The measurements on one rank (called on every rank; rank 0 returns the result)."""
-    cfg = EngramConfig.deepseek_v41_flash().replace(layer_ids=[1], table_size=args.table_size, num_embeddings=None,
-                                                    compressed_vocab_size=1000, hidden_size=args.hidden, hc_mult=1,
-                                                    rms_norm_eps=1e-6)
+    cfg = EngramConfig.deepseek_v41_flash().replace(
+        layer_ids=[1],
+        table_size=args.table_size,
+        num_embeddings=None,
+        compressed_vocab_size=1000,
+        hidden_size=args.hidden,
+        hc_mult=1,
+        rms_norm_eps=1e-6,
+    )
     layout = EngramLayout(cfg)
     layer = layout.layer(1)
     dim, n_cols = cfg.head_dim, layout.n_cols
-    gen = torch.Generator(device=device).manual_seed(0)       # the same table on every rank
+    gen = torch.Generator(device=device).manual_seed(0)  # the same table on every rank
     table = torch.randn((layer.num_embeddings, dim), generator=gen, device=device).to(torch.bfloat16)
     ids = torch.randint(0, 1000, (args.batch, args.tokens), generator=gen, device=device)
     row_ids = NgramHasher(layout)(ids)[:, :, 0]
@@ -88,10 +94,17 @@ def run(args, rank: int, world: int, device: torch.device) -> dict | None:
             step_ms = timed_ms(lambda s=sharded: s(row_ids), device, args.repeats)
             local_ms = timed_ms(lambda s=sharded: s._local(row_ids), device, args.repeats)
             key = mode + ("_sp" if sp else "")
-            rows_out.append({"mode": key, "exact_on_every_rank": bool(exact.item()), "step_ms": step_ms,
-                             "local_lookup_ms": local_ms, "collective_ms": step_ms - local_ms,
-                             "bytes_per_token": predicted[key],
-                             "predicted_ms": predicted[key] * tokens / (bw * 1e9) * 1e3})
+            rows_out.append(
+                {
+                    "mode": key,
+                    "exact_on_every_rank": bool(exact.item()),
+                    "step_ms": step_ms,
+                    "local_lookup_ms": local_ms,
+                    "collective_ms": step_ms - local_ms,
+                    "bytes_per_token": predicted[key],
+                    "predicted_ms": predicted[key] * tokens / (bw * 1e9) * 1e3,
+                }
+            )
     torch.manual_seed(1)
     engram = Engram(cfg, layer.num_embeddings, layer_id=1, device=device, table_device="meta").to(torch.bfloat16)
     hidden = torch.randn((args.batch, args.tokens, args.hidden), generator=gen, device=device).to(torch.bfloat16)
@@ -102,17 +115,33 @@ def run(args, rank: int, world: int, device: torch.device) -> dict | None:
         err = torch.tensor(float((out - ref).norm() / ref.norm()), device=device)
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         step_ms = timed_ms(lambda: column_parallel_engram(engram, hidden, local, plan), device, args.repeats)
-    rows_out.append({"mode": "column_wkv", "rel_err_max_over_ranks": float(err.item()), "step_ms": step_ms,
-                     "bytes_per_token": predicted["column_wkv"],
-                     "predicted_ms": predicted["column_wkv"] * tokens / (bw * 1e9) * 1e3})
+    rows_out.append(
+        {
+            "mode": "column_wkv",
+            "rel_err_max_over_ranks": float(err.item()),
+            "step_ms": step_ms,
+            "bytes_per_token": predicted["column_wkv"],
+            "predicted_ms": predicted["column_wkv"] * tokens / (bw * 1e9) * 1e3,
+        }
+    )
     if rank != 0:
         return None
-    return {"world": world, "backend": dist.get_backend(), "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "tokens_per_step": tokens, "columns": n_cols, "head_dim": dim, "rows_per_layer": layer.num_embeddings,
-            "rows_on_rank0": r1 - r0, "allgather_bus_gbps": bw, "modes": rows_out,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "command": "torchrun benchmarks/multi_gpu_tp.py " + " ".join(args.argv)}
+    return {
+        "world": world,
+        "backend": dist.get_backend(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "tokens_per_step": tokens,
+        "columns": n_cols,
+        "head_dim": dim,
+        "rows_per_layer": layer.num_embeddings,
+        "rows_on_rank0": r1 - r0,
+        "allgather_bus_gbps": bw,
+        "modes": rows_out,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "command": "torchrun benchmarks/multi_gpu_tp.py " + " ".join(args.argv),
+    }
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -135,13 +164,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def report(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "multi_gpu_tp.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"world {result['world']} ({result['backend']}), {result['tokens_per_step']} tokens a step, all-gather bus "
-          f"bandwidth {result['allgather_bus_gbps']:.1f} GB/s")
+    print(
+        f"world {result['world']} ({result['backend']}), {result['tokens_per_step']} tokens a step, all-gather bus "
+        f"bandwidth {result['allgather_bus_gbps']:.1f} GB/s"
+    )
     print(f"{'mode':<11} {'exact':>6} {'step ms':>9} {'local ms':>9} {'coll. ms':>9} {'B/token':>8} {'pred. ms':>9}")
     for r in result["modes"]:
         exact = r.get("exact_on_every_rank", f"{r.get('rel_err_max_over_ranks', 0):.1e}")
-        print(f"{r['mode']:<11} {str(exact):>6} {r['step_ms']:>9.3f} {r.get('local_lookup_ms', float('nan')):>9.3f} "
-              f"{r.get('collective_ms', float('nan')):>9.3f} {r['bytes_per_token']:>8.0f} {r['predicted_ms']:>9.3f}")
+        print(
+            f"{r['mode']:<11} {str(exact):>6} {r['step_ms']:>9.3f} {r.get('local_lookup_ms', float('nan')):>9.3f} "
+            f"{r.get('collective_ms', float('nan')):>9.3f} {r['bytes_per_token']:>8.0f} {r['predicted_ms']:>9.3f}"
+        )
 
 
 def main() -> None:

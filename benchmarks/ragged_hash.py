@@ -102,22 +102,30 @@ def main() -> None:
 
     # 1. The default (validating) call against the kernel alone. GPU times without host gaps:
     # graph replays (check=False paths can be captured) and profiler busy time (all paths).
-    graphs = {"padded 8x2048": graph_ms(lambda: hasher(ids, check=False)),
-              "ragged 8 seqs": graph_ms(lambda: hasher.hash_ragged(flat, cu8, check=False)),
-              "padded 1x8448": None, "mixed 8192+256 hash": None, "mixed 8192+256 hash + advance": None}
-    busy = {"padded check=False": busy_us(lambda: hasher(ids, check=False)),
-            "padded default": busy_us(lambda: hasher(ids)),
-            "ragged check=False": busy_us(lambda: hasher.hash_ragged(flat, cu8, check=False)),
-            "ragged default": busy_us(lambda: hasher.hash_ragged(flat, cu8))}
+    graphs = {
+        "padded 8x2048": graph_ms(lambda: hasher(ids, check=False)),
+        "ragged 8 seqs": graph_ms(lambda: hasher.hash_ragged(flat, cu8, check=False)),
+        "padded 1x8448": None,
+        "mixed 8192+256 hash": None,
+        "mixed 8192+256 hash + advance": None,
+    }
+    busy = {
+        "padded check=False": busy_us(lambda: hasher(ids, check=False)),
+        "padded default": busy_us(lambda: hasher(ids)),
+        "ragged check=False": busy_us(lambda: hasher.hash_ragged(flat, cu8, check=False)),
+        "ragged default": busy_us(lambda: hasher.hash_ragged(flat, cu8)),
+    }
     hasher.raise_pending()
     rows["padded, check=False (kernel alone)"] = gpu_time_ms(lambda: hasher(ids, check=False))
     rows["padded, default (check on the device)"] = gpu_time_ms(lambda: hasher(ids))
     rows["ragged 8 seqs, check=False"] = gpu_time_ms(lambda: hasher.hash_ragged(flat, cu8, check=False))
     rows["ragged 8 seqs, default"] = gpu_time_ms(lambda: hasher.hash_ragged(flat, cu8))
-    wall = {"padded check=False": wall_per_call_ms(lambda: hasher(ids, check=False)),
-            "padded default": wall_per_call_ms(lambda: hasher(ids)),
-            "ragged check=False": wall_per_call_ms(lambda: hasher.hash_ragged(flat, cu8, check=False)),
-            "ragged default": wall_per_call_ms(lambda: hasher.hash_ragged(flat, cu8))}
+    wall = {
+        "padded check=False": wall_per_call_ms(lambda: hasher(ids, check=False)),
+        "padded default": wall_per_call_ms(lambda: hasher(ids)),
+        "ragged check=False": wall_per_call_ms(lambda: hasher.hash_ragged(flat, cu8, check=False)),
+        "ragged default": wall_per_call_ms(lambda: hasher.hash_ragged(flat, cu8)),
+    }
     hasher.raise_pending()
 
     # No host sync: calls issued behind a 200 ms GPU sleep return at once.
@@ -139,16 +147,20 @@ def main() -> None:
     mixed = torch.randint(0, hasher.vocab_size, (int(cu_mixed[-1]),), device=dev, generator=gen)
     hist0 = history.ids.clone()
     rows["mixed 8192+256, hash (commit=False)"] = gpu_time_ms(
-        lambda: hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots, commit=False))
+        lambda: hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots, commit=False)
+    )
     rows["mixed 8192+256, hash + advance"] = gpu_time_ms(
-        lambda: (history.ids.copy_(hist0), hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots)))
+        lambda: (history.ids.copy_(hist0), hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots))
+    )
     # Equal-token padded reference for the mixed batch: [1, 8448].
     rows["padded [1, 8448], check=False"] = gpu_time_ms(lambda: hasher(mixed[None], check=False))
     graphs["padded 1x8448"] = graph_ms(lambda: hasher(mixed[None], check=False))
     graphs["mixed 8192+256 hash"] = graph_ms(
-        lambda: hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots, commit=False, check=False))
+        lambda: hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots, commit=False, check=False)
+    )
     graphs["mixed 8192+256 hash + advance"] = graph_ms(
-        lambda: hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots, check=False))
+        lambda: hasher.hash_ragged(mixed, cu_mixed, history=history, slots=slots, check=False)
+    )
 
     fetch = {}
     if args.table_gib > 0:
@@ -176,20 +188,34 @@ def main() -> None:
             engine.lookup(dec[None]).wait()
             torch.cuda.synchronize()
             two.append((time.perf_counter() - t0) * 1e3)
-        fetch = {"table_gib": args.table_gib, "rows": table_rows, "reps": args.reps,
-                 "one_mixed_batch_ms": statistics.median(one), "two_batches_ms": statistics.median(two),
-                 "one_all_ms": one, "two_all_ms": two}
+        fetch = {
+            "table_gib": args.table_gib,
+            "rows": table_rows,
+            "reps": args.reps,
+            "one_mixed_batch_ms": statistics.median(one),
+            "two_batches_ms": statistics.median(two),
+            "one_all_ms": one,
+            "two_all_ms": two,
+        }
         engine.close()
         store.close()
 
-    result.update(graph_ms_per_call=graphs, busy_us_per_call=busy, do_bench_ms=rows, wall_ms_per_call=wall,
-                  calls_behind_200ms_sleep_ms=behind_sleep_ms, fetch=fetch,
-                  ratios={"default_vs_kernel_busy": busy["padded default"] / max(busy["padded check=False"], 1e-9),
-                          "ragged_default_vs_kernel_busy": busy["ragged default"] / max(busy["padded check=False"], 1e-9),
-                          "ragged_vs_padded_graph": graphs["ragged 8 seqs"] / graphs["padded 8x2048"],
-                          "mixed_vs_padded_equal_tokens_graph": graphs["mixed 8192+256 hash"] / graphs["padded 1x8448"],
-                          "default_vs_kernel_wall": wall["padded default"] / wall["padded check=False"]},
-                  date=time.strftime("%Y-%m-%d"))
+    result.update(
+        graph_ms_per_call=graphs,
+        busy_us_per_call=busy,
+        do_bench_ms=rows,
+        wall_ms_per_call=wall,
+        calls_behind_200ms_sleep_ms=behind_sleep_ms,
+        fetch=fetch,
+        ratios={
+            "default_vs_kernel_busy": busy["padded default"] / max(busy["padded check=False"], 1e-9),
+            "ragged_default_vs_kernel_busy": busy["ragged default"] / max(busy["padded check=False"], 1e-9),
+            "ragged_vs_padded_graph": graphs["ragged 8 seqs"] / graphs["padded 8x2048"],
+            "mixed_vs_padded_equal_tokens_graph": graphs["mixed 8192+256 hash"] / graphs["padded 1x8448"],
+            "default_vs_kernel_wall": wall["padded default"] / wall["padded check=False"],
+        },
+        date=time.strftime("%Y-%m-%d"),
+    )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "ragged_hash.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{'GPU time per call, CUDA-graph replay':<44} {'us':>8}")
@@ -202,8 +228,10 @@ def main() -> None:
     print(f"two default calls issued behind a 200 ms GPU sleep returned in {behind_sleep_ms:.2f} ms")
     print("ratios:", {k: round(v, 3) for k, v in result["ratios"].items()})
     if fetch:
-        print(f"mixed batch from a {args.table_gib:g} GiB host table: one batch {fetch['one_mixed_batch_ms']:.3f} ms "
-              f"(hash + fetch), as two batches {fetch['two_batches_ms']:.3f} ms (fetch only)")
+        print(
+            f"mixed batch from a {args.table_gib:g} GiB host table: one batch {fetch['one_mixed_batch_ms']:.3f} ms "
+            f"(hash + fetch), as two batches {fetch['two_batches_ms']:.3f} ms (fetch only)"
+        )
 
 
 if __name__ == "__main__":

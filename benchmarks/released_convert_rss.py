@@ -55,8 +55,18 @@ def main() -> None:
         t0 = time.perf_counter()
         info = write_synthetic_checkpoint(src, args.table_gib, [1, 14], shards=3, dialect="original")
         t_write = time.perf_counter() - t0
-        cmd = [sys.executable, "-m", "condmem", "convert", "--released", str(src), str(dst), "--to", args.to,
-               "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "condmem",
+            "convert",
+            "--released",
+            str(src),
+            str(dst),
+            "--to",
+            args.to,
+            "--no-progress",
+        ]
         t0 = time.perf_counter()
         peak_kib = peak_rss_kib(cmd)
         seconds = time.perf_counter() - t0
@@ -74,13 +84,14 @@ def main() -> None:
             exact &= torch.equal(got[:, 256:], rows.scales.index_select(0, ids))
         result = {
             "what": "condmem convert --released, synthetic V4.1-geometry checkpoint (2 layers, 3 shards + index, "
-                    "original tensor names), peak RSS of the converting process",
+            "original tensor names), peak RSS of the converting process",
             "date": datetime.date.today().isoformat(),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip(),
+            "commit": subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip(),
             "command": " ".join(["condmem"] + cmd[3:]),
             "machine": f"{os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} "
-                       "GiB RAM",
+            "GiB RAM",
             "source_gib": info["bytes"] / 2**30,
             "output_gib": dst.stat().st_size / 2**30,
             "rows": ckpt.layout().num_embeddings,

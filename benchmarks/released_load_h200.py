@@ -74,7 +74,7 @@ def main() -> None:
     logging.getLogger().addHandler(logs)
     result: dict = {
         "what": "synthetic released-format V4.1-geometry layer loaded by EngramMemory.from_released into page-locked "
-                "host memory, served on the GPU",
+        "host memory, served on the GPU",
         "date": datetime.date.today().isoformat(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         or os.environ.get("CONDMEM_COMMIT", "unknown"),
@@ -82,8 +82,11 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU smoke run)",
         "torch": torch.__version__,
         "kernel": os.uname().release,
-        "thp": {k: Path(f"/sys/kernel/mm/transparent_hugepage/{k}").read_text().strip()
-                for k in ("enabled", "defrag") if Path(f"/sys/kernel/mm/transparent_hugepage/{k}").exists()},
+        "thp": {
+            k: Path(f"/sys/kernel/mm/transparent_hugepage/{k}").read_text().strip()
+            for k in ("enabled", "defrag")
+            if Path(f"/sys/kernel/mm/transparent_hugepage/{k}").exists()
+        },
     }
 
     def save():
@@ -104,8 +107,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     try:
         t0 = time.perf_counter()
-        info = write_synthetic_checkpoint(root, table_gib, [1], shards=1, dialect="hf", device=device,
-                                          chunk_rows=1 << 21)
+        info = write_synthetic_checkpoint(
+            root, table_gib, [1], shards=1, dialect="hf", device=device, chunk_rows=1 << 21
+        )
         os.sync()
         for f in info["files"]:
             drop_page_cache(root / f)
@@ -147,8 +151,9 @@ def main() -> None:
             got = prepared.rows(1)
             sync()
             rid = prepared.row_ids(1).cpu().flatten()
-            want = dequantize_fp8_e8m0(source.weight.index_select(0, rid).contiguous(),
-                                       source.scales.index_select(0, rid).contiguous())
+            want = dequantize_fp8_e8m0(
+                source.weight.index_select(0, rid).contiguous(), source.scales.index_select(0, rid).contiguous()
+            )
             exact &= torch.equal(got.cpu().reshape(want.shape[0], -1), want)
             checked += rid.numel()
         result["lookup_rows_checked"] = checked
@@ -166,8 +171,11 @@ def main() -> None:
         hidden = torch.randn(2, 1024, module.hc_mult, module.hidden_size, device=device, dtype=torch.bfloat16)
         y = module(hidden, prepared.row_ids(1), rows=prepared.rows(1))
         result["forward_finite"] = bool(torch.isfinite(y).all())
-        result["module"] = {"hidden_size": module.hidden_size, "hc_mult": module.hc_mult,
-                            "wkv": list(module.wkv.weight.shape)}
+        result["module"] = {
+            "hidden_size": module.hidden_size,
+            "hc_mult": module.hc_mult,
+            "wkv": list(module.wkv.weight.shape),
+        }
         memory.close()
     except Exception as exc:  # keep what was measured
         result["error"] = f"{type(exc).__name__}: {exc}"

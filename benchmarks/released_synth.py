@@ -35,8 +35,9 @@ HIDDEN, HC, EPS, BLOCK = 4096, 4, 1e-6, 128
 def synthetic_config(table_gib: float, layer_ids: list[int]) -> EngramConfig:
     """V4.1 Engram geometry whose layers hold about `table_gib` GiB of fp8 rows in all."""
     per_head = max(2, math.ceil(table_gib * 2**30 / ROW_BYTES / 24 / len(layer_ids)))
-    return EngramConfig.deepseek_v41_flash().replace(layer_ids=layer_ids, table_size=per_head, num_embeddings=None,
-                                                     hidden_size=HIDDEN, hc_mult=HC, rms_norm_eps=EPS)
+    return EngramConfig.deepseek_v41_flash().replace(
+        layer_ids=layer_ids, table_size=per_head, num_embeddings=None, hidden_size=HIDDEN, hc_mult=HC, rms_norm_eps=EPS
+    )
 
 
 class RandomBytes:
@@ -68,8 +69,15 @@ def names(layer_id: int, dialect: str) -> dict[str, str]:
     return TensorNames(dialect, "" if dialect == "original" else "model.").layer(layer_id)
 
 
-def write_synthetic_checkpoint(root: str | Path, table_gib: float, layer_ids: list[int], shards: int = 1,
-                               dialect: str = "original", device: str = "cpu", chunk_rows: int = 1 << 20) -> dict:
+def write_synthetic_checkpoint(
+    root: str | Path,
+    table_gib: float,
+    layer_ids: list[int],
+    shards: int = 1,
+    dialect: str = "original",
+    device: str = "cpu",
+    chunk_rows: int = 1 << 20,
+) -> dict:
     """Write the checkpoint into folder `root`; returns {config, files, bytes}."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -88,8 +96,9 @@ def write_synthetic_checkpoint(root: str | Path, table_gib: float, layer_ids: li
         specs[n["q_weight"]] = (torch.bfloat16, (HC, HIDDEN))
         specs[n["k_weight"]] = (torch.bfloat16, (HC, HIDDEN))
     # Shards: the tables spread over the files (largest first), the small tensors with them.
-    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
-             for i in range(shards)]
+    files = [
+        f"model-{i + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors" for i in range(shards)
+    ]
     order = sorted(specs, key=lambda k: -math.prod(specs[k][1]))
     load = [0] * shards
     placement = {}

@@ -48,10 +48,17 @@ def _status(key: str) -> int:
 
 def sample(t0: float, done: int) -> dict:
     free, total = torch.cuda.mem_get_info()
-    row = {"t": round(time.perf_counter() - t0, 3), "lookups": done, "rss": _status("VmRSS"),
-           "locked": _status("VmLck") + _status("VmPin"), "threads": _status("Threads"),
-           "open_files": len(os.listdir("/proc/self/fd")), "gpu_allocated": torch.cuda.memory_allocated(),
-           "gpu_reserved": torch.cuda.memory_reserved(), "gpu_used": total - free}
+    row = {
+        "t": round(time.perf_counter() - t0, 3),
+        "lookups": done,
+        "rss": _status("VmRSS"),
+        "locked": _status("VmLck") + _status("VmPin"),
+        "threads": _status("Threads"),
+        "open_files": len(os.listdir("/proc/self/fd")),
+        "gpu_allocated": torch.cuda.memory_allocated(),
+        "gpu_reserved": torch.cuda.memory_reserved(),
+        "gpu_used": total - free,
+    }
     try:
         row["pinned_host_allocated"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     except (AttributeError, RuntimeError):
@@ -59,8 +66,17 @@ def sample(t0: float, done: int) -> dict:
     return row
 
 
-def caller(k: int, engine: LookupEngine, store: LayerStore, n: int, seed: int, deadline: float, stats: dict,
-           lock: threading.Lock, progress: list) -> None:
+def caller(
+    k: int,
+    engine: LookupEngine,
+    store: LayerStore,
+    n: int,
+    seed: int,
+    deadline: float,
+    stats: dict,
+    lock: threading.Lock,
+    progress: list,
+) -> None:
     rng = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = store.num_rows
@@ -112,13 +128,20 @@ def main() -> int:
     host = host_store(rows, "mmap_register", progress=False)
     hbm = HbmStore("fp8_interleaved", HEAD_DIM, host.raw.to("cuda"))
     build_s = time.perf_counter() - t_build
-    engines = [LookupEngine(host, "cuda"), LookupEngine(host, "cuda"), LookupEngine(hbm, "cuda"),
-               LookupEngine(hbm, "cuda")]
+    engines = [
+        LookupEngine(host, "cuda"),
+        LookupEngine(host, "cuda"),
+        LookupEngine(hbm, "cuda"),
+        LookupEngine(hbm, "cuda"),
+    ]
     stores = [host, host, hbm, hbm]
-    stats = {"outcomes": {f"{t}/{p}/{g}": Counter() for t in ("host", "hbm") for p in ("direct", "full")
-                          for g in ("good", "bad")},
-             "checked": {f"{t}/{p}/good": Counter() for t in ("host", "hbm") for p in ("direct", "full")},
-             "ms": {f"{t}/{p}": [] for t in ("host", "hbm") for p in ("direct", "full")}}
+    stats = {
+        "outcomes": {
+            f"{t}/{p}/{g}": Counter() for t in ("host", "hbm") for p in ("direct", "full") for g in ("good", "bad")
+        },
+        "checked": {f"{t}/{p}/good": Counter() for t in ("host", "hbm") for p in ("direct", "full")},
+        "ms": {f"{t}/{p}": [] for t in ("host", "hbm") for p in ("direct", "full")},
+    }
     lock = threading.Lock()
     progress = [0]
     t0 = time.perf_counter()
@@ -132,8 +155,12 @@ def main() -> int:
     watcher = threading.Thread(target=sampler, daemon=True)
     watcher.start()
     deadline = t0 + args.budget_s
-    threads = [threading.Thread(target=caller, args=(k, engines[k], stores[k], args.lookups // 4, 1000 + k, deadline,
-                                                     stats, lock, progress)) for k in range(4)]
+    threads = [
+        threading.Thread(
+            target=caller, args=(k, engines[k], stores[k], args.lookups // 4, 1000 + k, deadline, stats, lock, progress)
+        )
+        for k in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -150,8 +177,13 @@ def main() -> int:
     def growth(key: str) -> dict:
         steady = [s[key] for s in samples if s["lookups"] >= progress[0] * 0.2]
         half = len(steady) // 2
-        a, b = steady[:max(1, half)], steady[half:] or steady
-        return {"first_half_max": max(a), "second_half_max": max(b), "end": samples[-1][key], "after_close": after_close[key]}
+        a, b = steady[: max(1, half)], steady[half:] or steady
+        return {
+            "first_half_max": max(a),
+            "second_half_max": max(b),
+            "end": samples[-1][key],
+            "after_close": after_close[key],
+        }
 
     def pct(xs, q):
         xs = sorted(xs)
@@ -159,17 +191,27 @@ def main() -> int:
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
         "command": " ".join(["python", "benchmarks/reliability_soak.py"] + sys.argv[1:]),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "table_gib": round(rows * ROW_BYTES / 2**30, 2), "rows": rows, "build_s": round(build_s, 1),
-        "lookups_done": progress[0], "lookups_asked": args.lookups, "run_s": round(run_s, 1),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "table_gib": round(rows * ROW_BYTES / 2**30, 2),
+        "rows": rows,
+        "build_s": round(build_s, 1),
+        "lookups_done": progress[0],
+        "lookups_asked": args.lookups,
+        "run_s": round(run_s, 1),
         "outcomes": {k: dict(v) for k, v in stats["outcomes"].items()},
         "checked": {k: dict(v) for k, v in stats["checked"].items()},
-        "latency_ms": {k: {"n": len(v), "p50": pct(v, 0.5), "p99": pct(v, 0.99), "max": pct(v, 1.0)}
-                       for k, v in stats["ms"].items()},
-        "growth": {k: growth(k) for k in ("rss", "locked", "threads", "open_files", "gpu_allocated", "gpu_reserved",
-                                          "gpu_used")},
+        "latency_ms": {
+            k: {"n": len(v), "p50": pct(v, 0.5), "p99": pct(v, 0.99), "max": pct(v, 1.0)}
+            for k, v in stats["ms"].items()
+        },
+        "growth": {
+            k: growth(k)
+            for k in ("rss", "locked", "threads", "open_files", "gpu_allocated", "gpu_reserved", "gpu_used")
+        },
         "samples": samples,
     }
     (out / "reliability_soak_h200.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -188,12 +230,17 @@ def plot(samples: list[dict], path: Path, result: dict) -> None:
     import matplotlib.pyplot as plt
 
     t = [s["t"] for s in samples]
-    panels = [("RSS (GiB)", "rss", 2**30), ("locked host memory (GiB)", "locked", 2**30),
-              ("GPU memory (GiB)", ("gpu_allocated", "gpu_reserved", "gpu_used"), 2**30),
-              ("threads", "threads", 1), ("open files", "open_files", 1), ("lookups done", "lookups", 1)]
+    panels = [
+        ("RSS (GiB)", "rss", 2**30),
+        ("locked host memory (GiB)", "locked", 2**30),
+        ("GPU memory (GiB)", ("gpu_allocated", "gpu_reserved", "gpu_used"), 2**30),
+        ("threads", "threads", 1),
+        ("open files", "open_files", 1),
+        ("lookups done", "lookups", 1),
+    ]
     fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
     for ax, (title, keys, scale) in zip(axes.flat, panels):
-        for key in (keys if isinstance(keys, tuple) else (keys,)):
+        for key in keys if isinstance(keys, tuple) else (keys,):
             ax.plot(t, [s[key] / scale for s in samples], label=key)
         ax.set_title(title)
         ax.set_ylim(bottom=0)
@@ -201,9 +248,11 @@ def plot(samples: list[dict], path: Path, result: dict) -> None:
             ax.legend(fontsize=7)
     for ax in axes[-1]:
         ax.set_xlabel("seconds")
-    fig.suptitle(f"condmem lookup soak, {result['gpu']}: {result['lookups_done']:,} lookups from 4 threads, "
-                 f"{result['table_gib']} GiB host + HBM tables ({result['date'][:10]}, {str(result['commit'])[:10]})",
-                 fontsize=10)
+    fig.suptitle(
+        f"condmem lookup soak, {result['gpu']}: {result['lookups_done']:,} lookups from 4 threads, "
+        f"{result['table_gib']} GiB host + HBM tables ({result['date'][:10]}, {str(result['commit'])[:10]})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -46,8 +46,8 @@ from condmem.tables.storage import StorageError, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file
 
 ROW_BYTES = 264
-N_COLS = 24                      # row ids per token at V4.1 geometry (3 orders x 8 heads)
-PATTERN_ROWS = 1 << 20           # the random block the rows are tiled from
+N_COLS = 24  # row ids per token at V4.1 geometry (3 orders x 8 heads)
+PATTERN_ROWS = 1 << 20  # the random block the rows are tiled from
 T0 = time.perf_counter()
 
 
@@ -58,14 +58,17 @@ def log(*args) -> None:
 def layout_for(gib: float) -> EngramLayout:
     """One Engram layer, one 2-gram head: its prime is the row count, about `gib` of 264 B rows."""
     rows = int(gib * 2**30 / ROW_BYTES)
-    return EngramLayout(EngramConfig(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=256, table_size=rows,
-                                     compressed_vocab_size=1000))
+    return EngramLayout(
+        EngramConfig(
+            layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=256, table_size=rows, compressed_vocab_size=1000
+        )
+    )
 
 
 def pattern() -> np.ndarray:
     rng = np.random.default_rng(0)
     block = rng.integers(0, 256, (PATTERN_ROWS, ROW_BYTES), dtype=np.uint8)
-    block[:, :256] &= 0x7E                      # finite fp8 values
+    block[:, :256] &= 0x7E  # finite fp8 values
     return block
 
 
@@ -77,8 +80,8 @@ def expected(block: np.ndarray, ids: np.ndarray) -> torch.Tensor:
 
 
 def chunks(block: np.ndarray, n: int):
-    for s in range(0, n, PATTERN_ROWS):   # whole tiles of the pattern: a slice, not a gather
-        rows = block[:min(n, s + PATTERN_ROWS) - s].copy()
+    for s in range(0, n, PATTERN_ROWS):  # whole tiles of the pattern: a slice, not a gather
+        rows = block[: min(n, s + PATTERN_ROWS) - s].copy()
         rows[:, :8] = np.arange(s, s + len(rows), dtype="<i8").view(np.uint8).reshape(-1, 8)
         yield LayerRows("fp8_interleaved", torch.from_numpy(rows))
 
@@ -109,8 +112,13 @@ def main() -> int:
         raise SystemExit(f"the native library is needed (CRC32C, checked reads): {native.build().reason}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result: dict = {"bench": "table_check_cost", "machine": machine_info(), "args": vars(args),
-                    "crc32c_hardware": native.crc32c_hardware(), "threads": integrity.default_threads()}
+    result: dict = {
+        "bench": "table_check_cost",
+        "machine": machine_info(),
+        "args": vars(args),
+        "crc32c_hardware": native.crc32c_hardware(),
+        "threads": integrity.default_threads(),
+    }
     path = Path(args.dir) / f"table_check_cost.{os.getpid()}.safetensors"
     block = pattern()
     probe = np.random.default_rng(1).integers(0, 256, 256 << 20, dtype=np.uint8)
@@ -125,8 +133,12 @@ def main() -> int:
         log(f"writing {nbytes / 2**30:.1f} GiB ({n:,} rows) to {path}")
         t = time.perf_counter()
         write_table_file(path, layout, "fp8_interleaved", {1: chunks(block, n)})
-        result["write"] = {"gib": nbytes / 2**30, "rows": n, "s": time.perf_counter() - t,
-                           "gbps": nbytes / (time.perf_counter() - t) / 1e9}
+        result["write"] = {
+            "gib": nbytes / 2**30,
+            "rows": n,
+            "s": time.perf_counter() - t,
+            "gbps": nbytes / (time.perf_counter() - t) / 1e9,
+        }
         log(f"written at {result['write']['gbps']:.2f} GB/s (CRCs and fsync included)")
         table = EngramTableFile(path, layout=layout)
         source = table.source(1)
@@ -136,7 +148,7 @@ def main() -> int:
         # ---- host tier: fill from the page cache, checked vs not, alternated
         host = {"checked": [], "unchecked": [], "rows_equal": True}
         for rep in range(args.repeats):
-            for checked in ((False, True) if rep % 2 == 0 else (True, False)):
+            for checked in (False, True) if rep % 2 == 0 else (True, False):
                 if rep and time.perf_counter() - T0 > args.budget_s * 0.35:
                     break
                 buf = allocate_host(nbytes, "mmap_register")
@@ -147,8 +159,7 @@ def main() -> int:
                 host["checked" if checked else "unchecked"].append(dt)
                 host["rows_equal"] &= check_rows(raw[torch.from_numpy(sample)], block, sample)
                 buf.close()
-                log(f"host fill {'checked' if checked else 'unchecked'}: {dt:.2f} s "
-                    f"({nbytes / dt / 1e9:.1f} GB/s)")
+                log(f"host fill {'checked' if checked else 'unchecked'}: {dt:.2f} s ({nbytes / dt / 1e9:.1f} GB/s)")
         host["ratio"] = statistics.median(host["checked"]) / statistics.median(host["unchecked"])
         # ---- the mapped copy the host tier used before (no checks), from the page cache too, for reference
         weight = table.layer(1).weight
@@ -156,7 +167,7 @@ def main() -> int:
         store = place_layer(LayerRows("fp8_interleaved", weight), "host", progress=False)
         host["mapped_copy_s"] = time.perf_counter() - t
         store.close()
-        release_pages(weight)   # unmapped, so that the disk phase can drop the file's pages
+        release_pages(weight)  # unmapped, so that the disk phase can drop the file's pages
         del weight
         log(f"host mapped copy (the tier before: no checks): {host['mapped_copy_s']:.2f} s")
         t = time.perf_counter()
@@ -174,15 +185,18 @@ def main() -> int:
         for direct in (True, False):
             key = "direct" if direct else "buffered"
             try:
-                readers = {True: source.reader(direct=direct)["weight"],
-                           False: DirectRowReader(path, source.spans["weight"][1], ROW_BYTES, n, direct=direct,
-                                                  identity=table.header.identity)}
+                readers = {
+                    True: source.reader(direct=direct)["weight"],
+                    False: DirectRowReader(
+                        path, source.spans["weight"][1], ROW_BYTES, n, direct=direct, identity=table.header.identity
+                    ),
+                }
             except StorageError as exc:
                 disk[key] = {"error": str(exc)}
                 continue
             d = {"checked_s": [], "unchecked_s": [], "rows_equal": True, "ids": ids_n}
             for rep in range(args.repeats):
-                for checked in ((False, True) if rep % 2 == 0 else (True, False)):
+                for checked in (False, True) if rep % 2 == 0 else (True, False):
                     if rep and time.perf_counter() - T0 > args.budget_s * 0.85:
                         break
                     ids = gen.integers(0, n, ids_n)
@@ -193,13 +207,15 @@ def main() -> int:
                     d["checked_s" if checked else "unchecked_s"].append(dt)
                     pick = gen.integers(0, ids_n, 4096)
                     d["rows_equal"] &= check_rows(got[torch.from_numpy(pick)], block, ids[pick])
-                    log(f"disk {key} cold {'checked' if checked else 'unchecked'}: {dt:.2f} s "
-                        f"({len(np.unique(ids)) / dt:,.0f} rows/s)")
+                    log(
+                        f"disk {key} cold {'checked' if checked else 'unchecked'}: {dt:.2f} s "
+                        f"({len(np.unique(ids)) / dt:,.0f} rows/s)"
+                    )
             d["unique_rows"] = len(np.unique(ids))
             d["ratio"] = statistics.median(d["checked_s"]) / statistics.median(d["unchecked_s"])
             d["rows_per_s_checked"] = d["unique_rows"] / statistics.median(d["checked_s"])
             d["rows_per_s_unchecked"] = d["unique_rows"] / statistics.median(d["unchecked_s"])
-            if not direct:   # the same ids again, from the page cache: the CPU cost alone
+            if not direct:  # the same ids again, from the page cache: the CPU cost alone
                 warm = {}
                 for checked in (False, True, False, True):
                     t = time.perf_counter()
@@ -242,26 +258,39 @@ def main() -> int:
     (out_dir / "table_check_cost.json").write_text(json.dumps(result, indent=1))
 
     h, dk = result["host"], result["disk"]
-    ok = h["rows_equal"] and all(v.get("rows_equal", False) for v in dk.values()) and \
-        all(v.startswith("refused") for v in result["negative_control"].values())
-    print(f"\ntable_check_cost: {result['write']['gib']:.1f} GiB table, {result['threads']} threads, CRC32C "
-          f"{'SSE4.2' if result['crc32c_hardware'] else 'table'} {result['crc32c_gbps_one_thread']:.1f} GB/s/thread; "
-          f"rows exact and damage refused: {ok}")
+    ok = (
+        h["rows_equal"]
+        and all(v.get("rows_equal", False) for v in dk.values())
+        and all(v.startswith("refused") for v in result["negative_control"].values())
+    )
+    print(
+        f"\ntable_check_cost: {result['write']['gib']:.1f} GiB table, {result['threads']} threads, CRC32C "
+        f"{'SSE4.2' if result['crc32c_hardware'] else 'table'} {result['crc32c_gbps_one_thread']:.1f} GB/s/thread; "
+        f"rows exact and damage refused: {ok}"
+    )
     print(f"{'what':<44}{'checked':>10}{'unchecked':>11}{'ratio':>8}")
-    print(f"{'host load from page cache (s, median)':<44}{statistics.median(h['checked']):>10.2f}"
-          f"{statistics.median(h['unchecked']):>11.2f}{h['ratio']:>8.3f}")
+    print(
+        f"{'host load from page cache (s, median)':<44}{statistics.median(h['checked']):>10.2f}"
+        f"{statistics.median(h['unchecked']):>11.2f}{h['ratio']:>8.3f}"
+    )
     for key, d in dk.items():
         if "error" in d:
             print(f"disk {key}: {d['error']}")
             continue
         label = f"disk {key} cold {args.tokens // 1024}K-token batch (s, median)"
-        print(f"{label:<44}{statistics.median(d['checked_s']):>10.2f}"
-              f"{statistics.median(d['unchecked_s']):>11.2f}{d['ratio']:>8.3f}")
+        print(
+            f"{label:<44}{statistics.median(d['checked_s']):>10.2f}"
+            f"{statistics.median(d['unchecked_s']):>11.2f}{d['ratio']:>8.3f}"
+        )
         if "warm_ratio" in d:
-            print(f"{'disk buffered, same batch warm (s, best)':<44}{d['warm_checked_s']:>10.3f}"
-                  f"{d['warm_unchecked_s']:>11.3f}{d['warm_ratio']:>8.3f}")
-    print(f"host place_layer (checked, pinned {h['place_layer_pinned']}): {h['place_layer_s']:.2f} s; "
-          f"the tier's mapped copy before (unchecked): {h['mapped_copy_s']:.2f} s; total {result['total_s']:.0f} s")
+            print(
+                f"{'disk buffered, same batch warm (s, best)':<44}{d['warm_checked_s']:>10.3f}"
+                f"{d['warm_unchecked_s']:>11.3f}{d['warm_ratio']:>8.3f}"
+            )
+    print(
+        f"host place_layer (checked, pinned {h['place_layer_pinned']}): {h['place_layer_s']:.2f} s; "
+        f"the tier's mapped copy before (unchecked): {h['mapped_copy_s']:.2f} s; total {result['total_s']:.0f} s"
+    )
     return 0 if ok else 1
 
 

@@ -57,8 +57,9 @@ def rss_bytes() -> int:
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -69,12 +70,20 @@ def preset_for(args, table_size: int) -> Preset:
 
 
 def train_config(args, preset: Preset) -> TrainConfig:
-    return dataclasses.replace(preset.train, steps=args.steps, warmup_steps=max(1, args.steps // 10), eval_every=0,
-                               eval_tokens=4096 if args.tiny else 65_536, log_every=max(1, args.steps // 5), seed=0)
+    return dataclasses.replace(
+        preset.train,
+        steps=args.steps,
+        warmup_steps=max(1, args.steps // 10),
+        eval_every=0,
+        eval_tokens=4096 if args.tiny else 65_536,
+        log_every=max(1, args.steps // 5),
+        seed=0,
+    )
 
 
-def run(name: str, args, data, table_size: int, device: torch.device, tier: str, staleness: int = 0,
-        adam: str = "host") -> dict:
+def run(
+    name: str, args, data, table_size: int, device: torch.device, tier: str, staleness: int = 0, adam: str = "host"
+) -> dict:
     """Train one model; returns its numbers (history, tok/s, memory)."""
     preset = preset_for(args, table_size)
     cfg = build_model_config(preset, data)
@@ -95,35 +104,59 @@ def run(name: str, args, data, table_size: int, device: torch.device, tier: str,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     rss1 = rss_bytes()
-    trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, device, label=name, progress=False,
-                      host_tables=tables)
+    trainer = Trainer(
+        model, tc, data.train, data.val, data.token_bytes, device, label=name, progress=False, host_tables=tables
+    )
     try:
         summary = trainer.fit()
         out = {
-            "name": name, "tier": "hbm" if tier == "hbm" else "host", "table_size": table_size,
-            "table_params": table_params, "table_gib_fp32": table_params * 4 / GiB,
-            "tokens_per_s": trainer.tokens_per_s, "steps": trainer.step,
-            "tokens_per_step": tc.batch_size * tc.seq_len, "val_loss": summary["val_loss"],
-            "state_rows": summary["sparse_state_rows"], "setup_s": setup_s,
+            "name": name,
+            "tier": "hbm" if tier == "hbm" else "host",
+            "table_size": table_size,
+            "table_params": table_params,
+            "table_gib_fp32": table_params * 4 / GiB,
+            "tokens_per_s": trainer.tokens_per_s,
+            "steps": trainer.step,
+            "tokens_per_step": tc.batch_size * tc.seq_len,
+            "val_loss": summary["val_loss"],
+            "state_rows": summary["sparse_state_rows"],
+            "setup_s": setup_s,
             "history": [{"step": h["step"], "loss": h["loss"]} for h in trainer.history],
-            "rss_before_gib": rss0 / GiB, "rss_after_setup_gib": rss1 / GiB, "rss_peak_run_gib": rss_bytes() / GiB,
+            "rss_before_gib": rss0 / GiB,
+            "rss_after_setup_gib": rss1 / GiB,
+            "rss_peak_run_gib": rss_bytes() / GiB,
         }
         if device.type == "cuda":
             out["hbm_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GiB
             out["hbm_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GiB
         if tables is not None:
-            out.update(host_bytes=tables.host_bytes, host_gib=tables.host_bytes / GiB,
-                       host_bytes_per_param=tables.host_bytes / table_params, setup_seconds=tables.setup_seconds,
-                       host_wait_s=tables.wait_s, host_state_dtype="fp32", threads=args.threads, staleness=staleness, adam=adam,
-                       rss_bytes_per_param=(rss1 - rss0) / table_params)
+            out.update(
+                host_bytes=tables.host_bytes,
+                host_gib=tables.host_bytes / GiB,
+                host_bytes_per_param=tables.host_bytes / table_params,
+                setup_seconds=tables.setup_seconds,
+                host_wait_s=tables.wait_s,
+                host_state_dtype="fp32",
+                threads=args.threads,
+                staleness=staleness,
+                adam=adam,
+                rss_bytes_per_param=(rss1 - rss0) / table_params,
+            )
         else:
             opt = trainer.sparse
-            state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                              if torch.is_tensor(t))
-            out.update(table_bytes=table_params * 4, adam_state_bytes=state_bytes,
-                       hbm_bytes_per_param=(table_params * 4 + state_bytes) / table_params)
-        print(f"[{name}] {out['tokens_per_s']:,.0f} tok/s, val loss {out['val_loss']:.4f}, "
-              f"table {out['table_gib_fp32']:.2f} GiB fp32, setup {setup_s:.1f} s", flush=True)
+            state_bytes = sum(
+                t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+            )
+            out.update(
+                table_bytes=table_params * 4,
+                adam_state_bytes=state_bytes,
+                hbm_bytes_per_param=(table_params * 4 + state_bytes) / table_params,
+            )
+        print(
+            f"[{name}] {out['tokens_per_s']:,.0f} tok/s, val loss {out['val_loss']:.4f}, "
+            f"table {out['table_gib_fp32']:.2f} GiB fp32, setup {setup_s:.1f} s",
+            flush=True,
+        )
         return out
     finally:
         if tables is not None:
@@ -141,11 +174,14 @@ def probe_pin(device: torch.device, threads: int, gib: float) -> dict:
     seconds: dict = {}
     n = int(gib * GiB) // 4
     t, buf = _host_tensor((n,), torch.float32, device.type == "cuda", _fill_zero(threads), seconds)
-    del t   # before close(): a live view keeps the mapping
+    del t  # before close(): a live view keeps the mapping
     if buf is not None:
         buf.close()
-    return {"gib": gib, "fill_gib_s": gib / max(seconds["fill"], 1e-9),
-            "pin_gib_s": gib / max(seconds.get("pin", 0.0), 1e-9) if seconds.get("pin") else None}
+    return {
+        "gib": gib,
+        "fill_gib_s": gib / max(seconds["fill"], 1e-9),
+        "pin_gib_s": gib / max(seconds.get("pin", 0.0), 1e-9) if seconds.get("pin") else None,
+    }
 
 
 def main() -> None:
@@ -160,12 +196,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-setup-s", type=float, default=150.0, help="shrink host_big to fit this setup time")
     ap.add_argument("--skip-big", action="store_true")
-    ap.add_argument("--big-adam", choices=["host", "device"], nargs="+", default=["host", "device"],
-                    help="where the big runs put Adam: one big run for each")
+    ap.add_argument(
+        "--big-adam",
+        choices=["host", "device"],
+        nargs="+",
+        default=["host", "device"],
+        help="where the big runs put Adam: one big run for each",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of every run")
-    ap.add_argument("--modes", nargs="+", default=["hbm", "host", "host_stale", "host_device_adam"],
-                    choices=["hbm", "host", "host_stale", "host_device_adam"],
-                    help="the runs at the table size both tiers fit (hbm is the reference: always run)")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["hbm", "host", "host_stale", "host_device_adam"],
+        choices=["hbm", "host", "host_stale", "host_device_adam"],
+        help="the runs at the table size both tiers fit (hbm is the reference: always run)",
+    )
     args = ap.parse_args()
     if "hbm" not in args.modes:
         args.modes.append("hbm")
@@ -175,10 +220,15 @@ def main() -> None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.set_num_threads(args.threads)
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(),
-                    "command": "python benchmarks/train_host_table.py " + " ".join(sys.argv[1:]),
-                    "torch": torch.__version__, "python": platform.python_version(), "cpu_threads": args.threads,
-                    "runs": {}}
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit(),
+        "command": "python benchmarks/train_host_table.py " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_threads": args.threads,
+        "runs": {},
+    }
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.hbm_cap_gib * GiB / total), device)
@@ -187,40 +237,57 @@ def main() -> None:
     result["host_mem_total_gib"] = int(meminfo[0].split()[1]) / 2**20
 
     t0 = time.perf_counter()
-    data = prepare_data("stdlib", vocab_size=320 if args.tiny else 4096,
-                        max_train_bytes=2_000_000 if args.tiny else 8_000_000,
-                        tokenizer_train_bytes=1_000_000 if args.tiny else 2_000_000, seed=0)
+    data = prepare_data(
+        "stdlib",
+        vocab_size=320 if args.tiny else 4096,
+        max_train_bytes=2_000_000 if args.tiny else 8_000_000,
+        tokenizer_train_bytes=1_000_000 if args.tiny else 2_000_000,
+        seed=0,
+    )
     result["data_seconds"] = time.perf_counter() - t0
     print(f"data ready in {result['data_seconds']:.1f} s", flush=True)
 
     warm = argparse.Namespace(**dict(vars(args), steps=6))
-    run("warm-up", warm, data, args.small_table_size, device, "hbm")   # compiles kernels; not reported
+    run("warm-up", warm, data, args.small_table_size, device, "hbm")  # compiles kernels; not reported
     json_path = out_dir / "train_host_table.json"
     big_size = None
     if not args.skip_big:
         probe = probe_pin(device, args.threads, 0.5 if args.tiny else 4.0)
         result["pin_probe"] = probe
         rate = 1 / (1 / probe["fill_gib_s"] + (1 / probe["pin_gib_s"] if probe["pin_gib_s"] else 0))
-        state_b = 12 + 4 / 32 + 1 / 32   # per parameter: weight, two moments; per row: step, marker (head_dim 32)
+        state_b = 12 + 4 / 32 + 1 / 32  # per parameter: weight, two moments; per row: step, marker (head_dim 32)
         big_gib = min(args.big_gib, rate * args.max_setup_s)
         if args.tiny:
             big_gib = min(big_gib, 0.25)
         head_dim = get_preset("tiny").engram.head_dim if args.tiny else 32
         n_cols = 2 * (get_preset("tiny").engram.n_heads if args.tiny else 8)
         big_size = int(big_gib * GiB / state_b / head_dim / n_cols)
-        result["big_plan"] = {"asked_gib": args.big_gib, "probe_rate_gib_s": rate, "planned_gib": big_gib,
-                              "table_size": big_size}
-        print(f"pin probe: fill {probe['fill_gib_s']:.1f} GiB/s, pin {probe['pin_gib_s'] or 0:.1f} GiB/s -> "
-              f"host_big {big_gib:.1f} GiB (table_size {big_size:,})", flush=True)
+        result["big_plan"] = {
+            "asked_gib": args.big_gib,
+            "probe_rate_gib_s": rate,
+            "planned_gib": big_gib,
+            "table_size": big_size,
+        }
+        print(
+            f"pin probe: fill {probe['fill_gib_s']:.1f} GiB/s, pin {probe['pin_gib_s'] or 0:.1f} GiB/s -> "
+            f"host_big {big_gib:.1f} GiB (table_size {big_size:,})",
+            flush=True,
+        )
 
     # Every mode once a round, rounds alternating (a machine's drift shows as the spread of one
     # mode's rounds); each mode reports its best round and lists them all.
-    small = {"hbm": {"tier": "hbm"}, "host": {"tier": "host"}, "host_stale": {"tier": "host", "staleness": 1},
-             "host_device_adam": {"tier": "host", "adam": "device"}}
+    small = {
+        "hbm": {"tier": "hbm"},
+        "host": {"tier": "host"},
+        "host_stale": {"tier": "host", "staleness": 1},
+        "host_device_adam": {"tier": "host", "adam": "device"},
+    }
     plan = [(name, args.small_table_size, kw) for name, kw in small.items() if name in args.modes]
     if big_size is not None:
-        plan += [("host_big" if adam == "host" else f"host_big_{adam}_adam", big_size,
-                  {"tier": "host_init", "adam": adam}) for adam in args.big_adam]
+        plan += [
+            ("host_big" if adam == "host" else f"host_big_{adam}_adam", big_size, {"tier": "host_init", "adam": adam})
+            for adam in args.big_adam
+        ]
     for rnd in range(args.rounds):
         for name, size, kw in plan:
             try:
@@ -239,10 +306,11 @@ def main() -> None:
     runs = result["runs"]
     hbm = runs["hbm"]
     for name, r in runs.items():
-        if name != "hbm":   # best round against best round, and median against median
+        if name != "hbm":  # best round against best round, and median against median
             result[f"ratio_{name}_vs_hbm"] = r["tokens_per_s"] / hbm["tokens_per_s"]
-            result[f"ratio_{name}_vs_hbm_median"] = (statistics.median(r["rounds_tokens_per_s"])
-                                                     / statistics.median(hbm["rounds_tokens_per_s"]))
+            result[f"ratio_{name}_vs_hbm_median"] = statistics.median(r["rounds_tokens_per_s"]) / statistics.median(
+                hbm["rounds_tokens_per_s"]
+            )
     bigs = [name for name in runs if name.startswith("host_big")]
     if bigs:
         big = runs[bigs[0]]
@@ -254,7 +322,8 @@ def main() -> None:
         host = runs.get("host")
         if "hbm_peak_allocated_gib" in hbm and host is not None:
             result["hbm_tier_gpu_bytes_per_param_measured"] = (
-                (hbm["hbm_peak_allocated_gib"] - host["hbm_peak_allocated_gib"]) * GiB / hbm["table_params"])
+                (hbm["hbm_peak_allocated_gib"] - host["hbm_peak_allocated_gib"]) * GiB / hbm["table_params"]
+            )
             # per-parameter GPU bytes of the host tier: a big run's peak above the small run with
             # Adam in the same place (what grows with the table, not with the batch)
             for name in bigs:
@@ -262,8 +331,10 @@ def main() -> None:
                 if small_run is None:
                     continue
                 result[f"{name}_gpu_bytes_per_param_measured"] = (
-                    (runs[name]["hbm_peak_allocated_gib"] - small_run["hbm_peak_allocated_gib"]) * GiB
-                    / (runs[name]["table_params"] - small_run["table_params"]))
+                    (runs[name]["hbm_peak_allocated_gib"] - small_run["hbm_peak_allocated_gib"])
+                    * GiB
+                    / (runs[name]["table_params"] - small_run["table_params"])
+                )
     json_path.write_text(json.dumps(result, indent=1) + "\n")
 
     try:
@@ -274,8 +345,12 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         for name, r in runs.items():
-            ax.plot([h["step"] for h in r["history"]], [h["loss"] for h in r["history"]],
-                    label=f"{name}: {r['table_gib_fp32']:.1f} GiB table, {r['tokens_per_s']:,.0f} tok/s", lw=1)
+            ax.plot(
+                [h["step"] for h in r["history"]],
+                [h["loss"] for h in r["history"]],
+                label=f"{name}: {r['table_gib_fp32']:.1f} GiB table, {r['tokens_per_s']:,.0f} tok/s",
+                lw=1,
+            )
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats/token)")
         ax.set_title(f"Engram table in HBM vs host memory ({result.get('gpu', args.device)})")
@@ -285,13 +360,17 @@ def main() -> None:
     except ImportError:
         print("matplotlib missing: no PNG", flush=True)
 
-    print(f"\n{'run':<22} {'table GiB':>9} {'host GiB':>9} {'HBM peak GiB':>12} {'RSS GiB':>8} {'setup s':>8} "
-          f"{'tok/s':>10} {'vs hbm':>7} {'val loss':>9}  rounds (tok/s)")
+    print(
+        f"\n{'run':<22} {'table GiB':>9} {'host GiB':>9} {'HBM peak GiB':>12} {'RSS GiB':>8} {'setup s':>8} "
+        f"{'tok/s':>10} {'vs hbm':>7} {'val loss':>9}  rounds (tok/s)"
+    )
     for name, r in runs.items():
-        print(f"{name:<22} {r['table_gib_fp32']:>9.2f} {r.get('host_gib', 0):>9.2f} "
-              f"{r.get('hbm_peak_allocated_gib', float('nan')):>12.2f} {r['rss_peak_run_gib']:>8.2f} "
-              f"{r['setup_s']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['tokens_per_s'] / hbm['tokens_per_s']:>7.3f} "
-              f"{r['val_loss']:>9.4f}  " + " ".join(f"{t:,.0f}" for t in r.get("rounds_tokens_per_s", [])))
+        print(
+            f"{name:<22} {r['table_gib_fp32']:>9.2f} {r.get('host_gib', 0):>9.2f} "
+            f"{r.get('hbm_peak_allocated_gib', float('nan')):>12.2f} {r['rss_peak_run_gib']:>8.2f} "
+            f"{r['setup_s']:>8.1f} {r['tokens_per_s']:>10,.0f} {r['tokens_per_s'] / hbm['tokens_per_s']:>7.3f} "
+            f"{r['val_loss']:>9.4f}  " + " ".join(f"{t:,.0f}" for t in r.get("rounds_tokens_per_s", []))
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,16 @@ def rss() -> int:
 
 
 def layout_for(args) -> EngramLayout:
-    return EngramLayout(EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=args.head_dim,
-                                     table_size=args.table_size, compressed_vocab_size=50_000))
+    return EngramLayout(
+        EngramConfig(
+            layer_ids=[1],
+            max_ngram_size=3,
+            n_heads=4,
+            head_dim=args.head_dim,
+            table_size=args.table_size,
+            compressed_vocab_size=50_000,
+        )
+    )
 
 
 def worker(rank: int, world: int, init: str, args, out: str) -> None:
@@ -53,18 +61,27 @@ def worker(rank: int, world: int, init: str, args, out: str) -> None:
     opt = SparseAdam([table.weight], lr=1e-3)
     target = torch.randn(plan.n_cols, args.head_dim, generator=gen)
     for step in range(args.steps):
-        ids = torch.randint(0, 50_000, (args.batch, args.seq), generator=torch.Generator().manual_seed(step * 97 + rank))
+        ids = torch.randint(
+            0, 50_000, (args.batch, args.seq), generator=torch.Generator().manual_seed(step * 97 + rank)
+        )
         rows = table(hasher(ids)[:, :, 0])
         ((rows - target) ** 2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     state = opt.state[table.weight]
-    tensor_bytes = table.weight.numel() * 4 + sum(t.numel() * t.element_size() for t in state.values()
-                                                  if torch.is_tensor(t))
+    tensor_bytes = table.weight.numel() * 4 + sum(
+        t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)
+    )
     full = layout.layer(1).num_embeddings * args.head_dim
-    row = {"world": world, "rank": rank, "table_params": full, "shard_rows": r1 - r0,
-           "state_rows": state["n_slots"], "tensor_bytes_per_param": tensor_bytes / full,
-           "rss_bytes_per_param": (rss() - before) / full}
+    row = {
+        "world": world,
+        "rank": rank,
+        "table_params": full,
+        "shard_rows": r1 - r0,
+        "state_rows": state["n_slots"],
+        "tensor_bytes_per_param": tensor_bytes / full,
+        "rss_bytes_per_param": (rss() - before) / full,
+    }
     Path(out, f"w{world}-r{rank}.json").write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
@@ -90,8 +107,10 @@ def main() -> None:
     Path(args.out, "train_sharded_bytes.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'world':>5} {'rank':>4} {'shard rows':>11} {'state rows':>10} {'tensor B/param':>14} {'RSS B/param':>11}")
     for r in rows:
-        print(f"{r['world']:>5} {r['rank']:>4} {r['shard_rows']:>11,} {r['state_rows']:>10,} "
-              f"{r['tensor_bytes_per_param']:>14.3f} {r['rss_bytes_per_param']:>11.3f}")
+        print(
+            f"{r['world']:>5} {r['rank']:>4} {r['shard_rows']:>11,} {r['state_rows']:>10,} "
+            f"{r['tensor_bytes_per_param']:>14.3f} {r['rss_bytes_per_param']:>11.3f}"
+        )
 
 
 if __name__ == "__main__":

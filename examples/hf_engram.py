@@ -64,25 +64,42 @@ def main() -> None:
     eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
     train = TokenStream(encode_documents(tok, train_docs, eos), eos)
     val = TokenStream(encode_documents(tok, val_docs, eos), eos)
-    val_batches = list(val.eval_batches(args.seq_len, max_tokens=args.val_windows * args.seq_len, batch_size=args.batch))
+    val_batches = list(
+        val.eval_batches(args.seq_len, max_tokens=args.val_windows * args.seq_len, batch_size=args.batch)
+    )
 
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len,
-                         pad_token_id=pad, bos_token_id=None, eos_token_id=eos, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.seq_len,
+        pad_token_id=pad,
+        bos_token_id=None,
+        eos_token_id=eos,
+        tie_word_embeddings=True,
+    )
     baseline = LlamaForCausalLM(config)
     engram = copy.deepcopy(baseline)  # the same initial backbone
     ctok = CompressedTokenizer(tok)
-    add_engram(engram, EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=16, table_size=20_000,
-                                    pad_id=pad), ctok)
+    add_engram(
+        engram,
+        EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=16, table_size=20_000, pad_id=pad),
+        ctok,
+    )
     models = {"baseline": baseline, "engram": engram}
     optimizers = {
         "baseline": torch.optim.AdamW(baseline.parameters(), lr=args.lr, weight_decay=0.0),
         "engram": engram_optimizer(engram, lr=args.lr, max_grad_norm=1.0),  # tables: SparseAdam at 5x lr
     }
     params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
-    print(f"corpus {sum(len(d.text) for d in corpus.documents) / 1e6:.1f} MB, train {len(train):,} tokens, "
-          f"val {sum(b.targets.numel() for b in val_batches):,} tokens scored; V={tok.get_vocab_size()} -> "
-          f"V'={ctok.vocab_size}; params {params}")
+    print(
+        f"corpus {sum(len(d.text) for d in corpus.documents) / 1e6:.1f} MB, train {len(train):,} tokens, "
+        f"val {sum(b.targets.numel() for b in val_batches):,} tokens scored; V={tok.get_vocab_size()} -> "
+        f"V'={ctok.vocab_size}; params {params}"
+    )
 
     curves = {k: [] for k in models}
     start = time.perf_counter()
@@ -91,11 +108,14 @@ def main() -> None:
             row = {k: evaluate(m, val_batches) for k, m in models.items()}
             for k in models:
                 curves[k].append((step, row[k]))
-            print(f"step {step:5d}  val loss  baseline {row['baseline']:.4f}  engram {row['engram']:.4f}  "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"step {step:5d}  val loss  baseline {row['baseline']:.4f}  engram {row['engram']:.4f}  "
+                f"({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
         if step == args.steps:
             break
-        batch = train.batch(step, args.batch, args.seq_len)   # the same batch for both models
+        batch = train.batch(step, args.batch, args.seq_len)  # the same batch for both models
         for k, model in models.items():
             logits = model(batch.inputs).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten())
@@ -106,12 +126,17 @@ def main() -> None:
             optimizers[k].step()
 
     base, eng = curves["baseline"][-1][1], curves["engram"][-1][1]
-    table = ("| steps | baseline val loss | Engram val loss | gap |\n| ---: | ---: | ---: | ---: |\n"
-             + "".join(f"| {s} | {b:.4f} | {e:.4f} | {100 * (e - b) / b:+.2f} % |\n"
-                       for (s, b), (_, e) in zip(curves["baseline"], curves["engram"])))
+    table = "| steps | baseline val loss | Engram val loss | gap |\n| ---: | ---: | ---: | ---: |\n" + "".join(
+        f"| {s} | {b:.4f} | {e:.4f} | {100 * (e - b) / b:+.2f} % |\n"
+        for (s, b), (_, e) in zip(curves["baseline"], curves["engram"])
+    )
     print(table)
-    (out / "summary.json").write_text(json.dumps({"curves": curves, "params": params, "args": vars(args),
-                                                  "final": {"baseline": base, "engram": eng}}, indent=1))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {"curves": curves, "params": params, "args": vars(args), "final": {"baseline": base, "engram": eng}},
+            indent=1,
+        )
+    )
     try:
         import matplotlib
 

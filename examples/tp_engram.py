@@ -35,8 +35,16 @@ def main() -> None:
     dist.init_process_group("nccl" if args.cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
-    ecfg = EngramConfig(layer_ids=[1, 2], max_ngram_size=3, n_heads=4, head_dim=32, table_size=997, hidden_size=128,
-                        compressed_vocab_size=200, short_conv=False)
+    ecfg = EngramConfig(
+        layer_ids=[1, 2],
+        max_ngram_size=3,
+        n_heads=4,
+        head_dim=32,
+        table_size=997,
+        hidden_size=128,
+        compressed_vocab_size=200,
+        short_conv=False,
+    )
     cfg = ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, engram=ecfg, max_seq_len=64)
     model = DecoderLM(cfg, token_lookup=np.arange(256) % 200, seed=0, device=device, sparse_tables=False).eval()
     tables = {b.layer_id: b.engram.table.weight.detach().bfloat16().float() for b in model.blocks if b.engram}
@@ -44,11 +52,18 @@ def main() -> None:
         for b in model.blocks:
             if b.engram is not None:
                 b.engram.table.weight.copy_(tables[b.layer_id])  # bf16-exact, as the memory stores them
-    whole = copy.deepcopy(model)                                  # the one-process reference
+    whole = copy.deepcopy(model)  # the one-process reference
     shard_backbone(model)
-    memory = EngramMemory.from_weights(model.hasher, tables, "host", device, process_group=dist.group.WORLD,
-                                       tp_mode=args.mode, max_sequences=2,
-                                       host_alloc="pageable" if not args.cuda else "mmap_register")
+    memory = EngramMemory.from_weights(
+        model.hasher,
+        tables,
+        "host",
+        device,
+        process_group=dist.group.WORLD,
+        tp_mode=args.mode,
+        max_sequences=2,
+        host_alloc="pageable" if not args.cuda else "mmap_register",
+    )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (12, 7)]
     slots = [memory.allocate() for _ in prompts]
@@ -57,8 +72,9 @@ def main() -> None:
     on_device = [p.to(device) for p in prompts]
     tokens = []
     with torch.no_grad():
-        logits = prefill_packed(model, cache, slots, on_device,
-                                prepared=memory.prepare_ragged(ids, cu, slots=torch.tensor(slots)))
+        logits = prefill_packed(
+            model, cache, slots, on_device, prepared=memory.prepare_ragged(ids, cu, slots=torch.tensor(slots))
+        )
         want = prefill_packed(whole, whole_cache, slots, on_device)
         for step in range(9):
             torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
@@ -76,9 +92,11 @@ def main() -> None:
         shard = {lid: memory.stores[lid].num_rows for lid in memory.layer_ids}
         total = {lid: model.layout.layer(lid).num_embeddings for lid in memory.layer_ids}
         attn = model.blocks[0].attn
-        print(f"world {dist.get_world_size()}, mode {args.mode}: rank 0 holds {attn.n_heads} of {cfg.n_heads} heads, "
-              f"{model.blocks[0].mlp.w1.weight.shape[0]} of {cfg.ffn_width(0)} SwiGLU units and {shard} of {total} "
-              f"table rows; prefill + 8 decode steps equal to one process; tokens {list(zip(*tokens))}")
+        print(
+            f"world {dist.get_world_size()}, mode {args.mode}: rank 0 holds {attn.n_heads} of {cfg.n_heads} heads, "
+            f"{model.blocks[0].mlp.w1.weight.shape[0]} of {cfg.ffn_width(0)} SwiGLU units and {shard} of {total} "
+            f"table rows; prefill + 8 decode steps equal to one process; tokens {list(zip(*tokens))}"
+        )
     memory.close()
     dist.barrier()
     dist.destroy_process_group()

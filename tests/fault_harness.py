@@ -76,4 +76,6 @@ def report(fault: str, tried: int, outcomes: Counter, command: str) -> None:
     path = os.environ.get("CONDMEM_FAULT_REPORT")
     if path:
         with open(path, "a") as fh:
-            fh.write(json.dumps({"fault": fault, "tried": tried, "outcomes": dict(outcomes), "command": command}) + "\n")
+            fh.write(
+                json.dumps({"fault": fault, "tried": tried, "outcomes": dict(outcomes), "command": command}) + "\n"
+            )

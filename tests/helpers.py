@@ -6,7 +6,6 @@ import pytest
 import torch
 
 
-
 def devices() -> list:
     """Parameters for a ``device`` argument: CPU, and CUDA marked `gpu` (skipped without a GPU,
     listed by ``pytest -m gpu`` everywhere)."""

@@ -22,9 +22,16 @@ def kernel_devices() -> list:
     """Parameters for a kernel test's ``device``: CPU through the Triton interpreter (skipped
     unless TRITON_INTERPRET=1, which tests/conftest.py sets on machines without a GPU), and
     CUDA with compiled kernels, marked `gpu`."""
-    return [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU kernels run in the Triton "
-                                                            "interpreter (TRITON_INTERPRET=1, set where there is no GPU)")),
-            pytest.param("cuda", marks=pytest.mark.gpu)]
+    return [
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not INTERPRET,
+                reason="CPU kernels run in the Triton interpreter (TRITON_INTERPRET=1, set where there is no GPU)",
+            ),
+        ),
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ]
 
 
 def kernel_devices_here() -> list[str]:
@@ -45,14 +52,17 @@ def assert_bits_equal(name: str, ref: torch.Tensor, got: torch.Tensor) -> None:
     rn, gn = ref.isnan(), got.isnan()
     if not torch.equal(rn, gn):
         i = int((rn != gn).nonzero()[0][0]) if rn.dim() == 1 else tuple((rn != gn).nonzero()[0].tolist())
-        raise AssertionError(f"{name}: NaN pattern differs ({int((rn != gn).sum())} elements), first at {i}: "
-                             f"ref {ref[i]} got {got[i]}")
+        raise AssertionError(
+            f"{name}: NaN pattern differs ({int((rn != gn).sum())} elements), first at {i}: ref {ref[i]} got {got[i]}"
+        )
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ref.element_size()]
     rb, gb = ref.view(ints)[~rn], got.view(ints)[~gn]
     if not torch.equal(rb, gb):
         bad = (rb != gb).nonzero().flatten()
-        raise AssertionError(f"{name}: {bad.numel()} of {rb.numel()} values differ in their bits; first: "
-                             f"ref {ref[~rn][bad[0]].item()!r} got {got[~gn][bad[0]].item()!r}")
+        raise AssertionError(
+            f"{name}: {bad.numel()} of {rb.numel()} values differ in their bits; first: "
+            f"ref {ref[~rn][bad[0]].item()!r} got {got[~gn][bad[0]].item()!r}"
+        )
 
 
 def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -69,5 +79,7 @@ def assert_rel(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float) -> N
     err = rel_err(ref, got)
     if not err <= tol:
         d = (ref.detach().double().cpu() - got64).abs()
-        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.1e} (max abs {d.max().item():.3e}, "
-                             f"mean abs {d.mean().item():.3e})")
+        raise AssertionError(
+            f"{name}: relative error {err:.3e} > {tol:.1e} (max abs {d.max().item():.3e}, "
+            f"mean abs {d.mean().item():.3e})"
+        )

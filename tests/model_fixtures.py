@@ -12,8 +12,16 @@ from condmem.models.transformer import DecoderLM
 
 def tiny_engram_lm(device, short_conv: bool = True):
     """(model, {layer_id: table weight}); table values are bf16-representable so host rows match exactly."""
-    ecfg = EngramConfig(layer_ids=[1, 2], max_ngram_size=3, n_heads=2, head_dim=16, table_size=97, hidden_size=64,
-                        compressed_vocab_size=40, short_conv=short_conv)
+    ecfg = EngramConfig(
+        layer_ids=[1, 2],
+        max_ngram_size=3,
+        n_heads=2,
+        head_dim=16,
+        table_size=97,
+        hidden_size=64,
+        compressed_vocab_size=40,
+        short_conv=short_conv,
+    )
     cfg = ModelConfig(vocab_size=50, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, engram=ecfg, max_seq_len=128)
     model = DecoderLM(cfg, token_lookup=np.arange(50) % 40, sparse_tables=False).to(device).eval()
     gen = torch.Generator().manual_seed(0)
@@ -24,8 +32,9 @@ def tiny_engram_lm(device, short_conv: bool = True):
                 # bf16-exact values, so host rows (bf16) and the fp32 module table agree bit for bit.
                 w.copy_(w.bfloat16().float())
                 if block.engram.short_conv is not None:
-                    block.engram.short_conv.weight.copy_(torch.randn(block.engram.short_conv.weight.shape,
-                                                                     generator=gen))
+                    block.engram.short_conv.weight.copy_(
+                        torch.randn(block.engram.short_conv.weight.shape, generator=gen)
+                    )
     tables = {b.layer_id: b.engram.table.weight for b in model.blocks if b.engram is not None}
     return model, tables
 
@@ -45,4 +54,4 @@ def greedy_tokens(model, prompt: list[int], n: int, device) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(model(torch.tensor([seq], device=device))[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]

@@ -25,7 +25,10 @@ def stand_ins() -> tuple[ctypes.CDLL, dict[str, int]] | None:
     tmp = tempfile.mkdtemp(prefix="condmem-stand-ins-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     out = Path(tmp) / "stand_ins.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", str(Path(__file__).with_suffix(".c")), "-o", str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [cc, "-O2", "-shared", "-fPIC", str(Path(__file__).with_suffix(".c")), "-o", str(out)],
+        check=True,
+        capture_output=True,
+    )
     lib = ctypes.CDLL(str(out))
     return lib, {name: ctypes.cast(getattr(lib, f"condmem_test_{name}"), ctypes.c_void_p).value for name in NAMES}

@@ -21,8 +21,9 @@ from safetensors.torch import save_file
 
 from condmem import EngramConfig
 
-GEOMETRY = dict(layer_ids=[2, 5], max_ngram_size=3, n_heads=2, head_dim=64, table_size=37, pad_id=2,
-                compressed_vocab_size=50)
+GEOMETRY = dict(
+    layer_ids=[2, 5], max_ngram_size=3, n_heads=2, head_dim=64, table_size=37, pad_id=2, compressed_vocab_size=50
+)
 HIDDEN, HC, EPS = 48, 2, 1e-5
 WKV_BLOCK = (16, 32)
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -30,8 +31,9 @@ E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 def engram_config(**changes) -> EngramConfig:
     """The geometry with the backbone dims the fixture checkpoints carry."""
-    return EngramConfig(**{**GEOMETRY, "hidden_size": HIDDEN, "hc_mult": HC, "rms_norm_eps": EPS, "short_conv": False,
-                           **changes})
+    return EngramConfig(
+        **{**GEOMETRY, "hidden_size": HIDDEN, "hc_mult": HC, "rms_norm_eps": EPS, "short_conv": False, **changes}
+    )
 
 
 def config_json(style: str = "flat", drop: tuple[str, ...] = (), **changes) -> dict:
@@ -66,12 +68,23 @@ def tensor_names(layer_id: int, dialect: str) -> dict[str, str]:
     p = "" if dialect == "original" else "model."
     s = "scale" if dialect == "original" else "weight_scale_inv"
     base = f"{p}layers.{layer_id}.engram."
-    return {"embed": base + "embed.weight", "embed_scale": base + f"embed.{s}", "wkv": base + "wkv.weight",
-            "wkv_scale": base + f"wkv.{s}", "q_weight": base + "q_weight", "k_weight": base + "k_weight"}
+    return {
+        "embed": base + "embed.weight",
+        "embed_scale": base + f"embed.{s}",
+        "wkv": base + "wkv.weight",
+        "wkv_scale": base + f"wkv.{s}",
+        "q_weight": base + "q_weight",
+        "k_weight": base + "k_weight",
+    }
 
 
-def make_tensors(dialect: str = "original", scale_dtype: str = "e8m0", wkv_scale_dtype: str = "e8m0",
-                 seed: int = 0, table_size: int = GEOMETRY["table_size"]) -> tuple[dict[str, torch.Tensor], dict]:
+def make_tensors(
+    dialect: str = "original",
+    scale_dtype: str = "e8m0",
+    wkv_scale_dtype: str = "e8m0",
+    seed: int = 0,
+    table_size: int = GEOMETRY["table_size"],
+) -> tuple[dict[str, torch.Tensor], dict]:
     """All tensors of a checkpoint, and {layer_id: {role: tensor}} for the tests."""
     from condmem import EngramLayout
 
@@ -81,7 +94,8 @@ def make_tensors(dialect: str = "original", scale_dtype: str = "e8m0", wkv_scale
     out, truth = {}, {}
     prefix = "" if dialect == "original" else "model."
     out[f"{prefix}embed.weight" if dialect == "original" else "model.embed_tokens.weight"] = torch.randn(
-        10, HIDDEN, generator=gen).bfloat16()
+        10, HIDDEN, generator=gen
+    ).bfloat16()
     for layer in layout.layers:
         lid, rows = layer.layer_id, layer.num_embeddings
         names = tensor_names(lid, dialect)
@@ -93,8 +107,10 @@ def make_tensors(dialect: str = "original", scale_dtype: str = "e8m0", wkv_scale
         else:
             wkv_s = _scales(torch.randint(112, 122, grid, generator=gen).to(torch.uint8), wkv_scale_dtype)
         t = {
-            "embed": random_fp8((rows, d), gen), "embed_scale": _scales(e, scale_dtype),
-            "wkv": random_fp8(wkv_shape, gen), "wkv_scale": wkv_s,
+            "embed": random_fp8((rows, d), gen),
+            "embed_scale": _scales(e, scale_dtype),
+            "wkv": random_fp8(wkv_shape, gen),
+            "wkv_scale": wkv_s,
             "q_weight": (1 + 0.1 * torch.randn(HC, HIDDEN, generator=gen)).bfloat16(),
             "k_weight": (1 + 0.1 * torch.randn(HC, HIDDEN, generator=gen)).bfloat16(),
         }
@@ -104,8 +120,14 @@ def make_tensors(dialect: str = "original", scale_dtype: str = "e8m0", wkv_scale
     return out, truth
 
 
-def write_checkpoint(root: Path, dialect: str = "original", shards: int = 1, config: str | dict | None = "flat",
-                     tensors: dict[str, torch.Tensor] | None = None, **make) -> dict:
+def write_checkpoint(
+    root: Path,
+    dialect: str = "original",
+    shards: int = 1,
+    config: str | dict | None = "flat",
+    tensors: dict[str, torch.Tensor] | None = None,
+    **make,
+) -> dict:
     """Write a checkpoint into folder `root`; returns the truth of `make_tensors` (or {} when `tensors` given)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -137,7 +159,7 @@ def _e4m3_table() -> torch.Tensor:
         if exp == 15 and mant == 7:
             vals.append(float("nan"))
         elif exp == 0:
-            vals.append(sign * mant / 8 * 2.0 ** -6)
+            vals.append(sign * mant / 8 * 2.0**-6)
         else:
             vals.append(sign * (1 + mant / 8) * 2.0 ** (exp - 7))
     return torch.tensor(vals, dtype=torch.float64)
@@ -166,5 +188,7 @@ def block_dequant_f64(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(w)
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            out[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi] = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi] * s[i, j]
+            out[i * bo : (i + 1) * bo, j * bi : (j + 1) * bi] = (
+                w[i * bo : (i + 1) * bo, j * bi : (j + 1) * bi] * s[i, j]
+            )
     return out

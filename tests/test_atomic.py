@@ -109,13 +109,15 @@ def test_a_waiting_writer_goes_after_the_first(tmp_path):
 
 def _killed_writer(tmp_path: Path, name: str) -> None:
     """A writer SIGKILLed inside atomic_path (the module alone: no torch to import)."""
-    script = (f"import importlib.util, sys, time\n"
-              f"spec = importlib.util.spec_from_file_location('atomic', {str(ATOMIC_PY)!r})\n"
-              f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-              f"with m.atomic_path({str(tmp_path / name)!r}) as tmp:\n"
-              f"    tmp.write_bytes(b'x' * 4096)\n"
-              f"    print('ready', flush=True)\n"
-              f"    time.sleep(60)\n")
+    script = (
+        f"import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('atomic', {str(ATOMIC_PY)!r})\n"
+        f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"with m.atomic_path({str(tmp_path / name)!r}) as tmp:\n"
+        f"    tmp.write_bytes(b'x' * 4096)\n"
+        f"    print('ready', flush=True)\n"
+        f"    time.sleep(60)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGKILL)
@@ -136,8 +138,12 @@ def test_only_temps_of_gone_writers_are_swept(tmp_path):
     reused_old = tmp_path / ".c.bin.1.abcdefgh.tmp"  # pid 1 runs, the temp is unlocked and old: pid reused
     locked_old = tmp_path / f".d.bin.{os.getpid()}.ijklmnop.tmp"
     dead_dir = tmp_path / f".step-0000003.{_dead_pid()}.qrstuvwx"
-    unrelated = [tmp_path / ".hidden.1.2", tmp_path / "plain.123.abcdefgh.tmp", tmp_path / ".other-tool.lock",
-                 tmp_path / f".short.{_dead_pid()}.abc.tmp"]
+    unrelated = [
+        tmp_path / ".hidden.1.2",
+        tmp_path / "plain.123.abcdefgh.tmp",
+        tmp_path / ".other-tool.lock",
+        tmp_path / f".short.{_dead_pid()}.abc.tmp",
+    ]
     for p in (dead, live, reused_old, locked_old, *unrelated):
         p.write_bytes(b"x")
     dead_dir.mkdir()

@@ -36,7 +36,9 @@ def test_hash_json_matches_the_library(v41_config, capsys):
     from condmem import EngramConfig, NgramHasher
     from condmem.tokenizer import CompressedTokenizer
 
-    assert main(["hash", "--tokenizer", "deepseek-v4", "--config", v41_config, "--text", "Hello, World! hello world"]) == 0
+    assert (
+        main(["hash", "--tokenizer", "deepseek-v4", "--config", v41_config, "--text", "Hello, World! hello world"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     for key in ("compressed_vocab_size", "layer_ids", "compressed_ids", "bucket_ids", "row_ids"):
         assert key in out
@@ -53,8 +55,16 @@ def test_hash_json_matches_the_library(v41_config, capsys):
 
 
 def test_hash_accepts_ids_and_the_demo_dialect(tmp_path, capsys):
-    cfg = {"engram_vocab_size": [1000, 2000], "max_ngram_size": 3, "n_embed_per_ngram": 64, "n_head_per_ngram": 4,
-           "layer_ids": [1, 5], "pad_id": 2, "seed": 0, "kernel_size": 4}
+    cfg = {
+        "engram_vocab_size": [1000, 2000],
+        "max_ngram_size": 3,
+        "n_embed_per_ngram": 64,
+        "n_head_per_ngram": 4,
+        "layer_ids": [1, 5],
+        "pad_id": 2,
+        "seed": 0,
+        "kernel_size": 4,
+    }
     path = tmp_path / "demo.json"
     path.write_text(json.dumps(cfg))
     assert main(["hash", "--tokenizer", "deepseek-v4", "--config", str(path), "--ids", "0,15,2024"]) == 0
@@ -92,8 +102,13 @@ def test_bench_smoke_switches_the_triton_interpreter_on_itself(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "condmem", "bench", "hash", "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "condmem", "bench", "hash", "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "TRITON_INTERPRET=1" in done.stderr and (tmp_path / "kernels_hash.json").is_file()
 
@@ -110,8 +125,22 @@ def test_tokenizer_train_writes_a_tokenizer_json_engram_reads(tmp_path, capsys):
     (corpus / "a.py").write_text("def add(x, y):\n    return x + y\n" * 50)
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 20}) + "\n")
     out = tmp_path / "tok" / "tokenizer.json"
-    assert main(["tokenizer", "train", "--corpus", str(corpus), str(tmp_path / "b.jsonl"), "--out", str(out),
-                 "--vocab-size", "300"]) == 0
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--corpus",
+                str(corpus),
+                str(tmp_path / "b.jsonl"),
+                "--out",
+                str(out),
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     tok = Tokenizer.from_file(str(out))
     assert tok.get_vocab_size() <= 300 and tok.token_to_id("<|pad|>") == 1 and tok.token_to_id("<|endoftext|>") == 0

@@ -32,8 +32,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Subcommands in the order their examples run (a later one reads what an earlier one wrote:
 # generate reads the demo's checkpoint, train --resume the first train example's run).
-ORDER = ["condmem", "tokenizer train", "layout", "hash", "convert", "inspect", "demo", "generate", "train", "study",
-         "bench"]
+ORDER = [
+    "condmem",
+    "tokenizer train",
+    "layout",
+    "hash",
+    "convert",
+    "inspect",
+    "demo",
+    "generate",
+    "train",
+    "study",
+    "bench",
+]
 
 # Flags appended to examples that train: a tiny model on a tiny corpus for a step or two.
 TINY_RUN = ["--preset", "tiny", "--corpus", "corpus", "--vocab-size", "320", "--no-progress"]
@@ -61,7 +72,7 @@ def examples_in(text: str) -> list[str]:
     if start is None:
         return []
     found, pending = [], ""
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith(" "):
             break
         # A comment starts with '#' or after a run of spaces (the top-level help's descriptions).
@@ -102,13 +113,13 @@ def sized(argv: list[str]) -> list[str]:
             # (an example's own --steps replaced).
             if "--steps" in argv:
                 i = argv.index("--steps")
-                argv = argv[:i] + argv[i + 2:]
+                argv = argv[:i] + argv[i + 2 :]
             return argv + ["--steps", "2", "--eval-every", "1", "--no-progress"]
         extra = TINY_RUN + ["--device", "cpu", "--steps", "1", "--eval-every", "1"]
         if "--table-size" in argv:
             extra += ["--table-size", "1000"]
         return argv + extra
-    if argv[:2] == ["tokenizer", "train"]:   # BPE training reads up to 100 MB by default: 200 KB here
+    if argv[:2] == ["tokenizer", "train"]:  # BPE training reads up to 100 MB by default: 200 KB here
         return argv + ["--max-bytes", "200000"]
     if command == "generate":
         return argv + ["--max-new-tokens", "2", "--device", "cpu"]
@@ -122,9 +133,22 @@ def sized(argv: list[str]) -> list[str]:
         # Triton interpreter); the lookup benchmark's sizes are flags, shrunk here.
         extra = ["--smoke"]
         if argv[1] == "lookup":
-            extra += ["--table-gib", "0.002", "--hbm-gib", "0.002", "--batch-tokens", "1", "16", "--text-batches", "2",
-                      "--text-warmup", "1", "--repeats", "1"]
-        if argv[1] == "e2e":   # two of the default five variants (each a whole serving run; all five: tests/bench)
+            extra += [
+                "--table-gib",
+                "0.002",
+                "--hbm-gib",
+                "0.002",
+                "--batch-tokens",
+                "1",
+                "16",
+                "--text-batches",
+                "2",
+                "--text-warmup",
+                "1",
+                "--repeats",
+                "1",
+            ]
+        if argv[1] == "e2e":  # two of the default five variants (each a whole serving run; all five: tests/bench)
             extra += ["--e2e-variants", "none", "host_prefetch"]
         return argv + extra
     return argv
@@ -136,9 +160,17 @@ def run_example(example: str, capsys) -> None:
         # torchrun's ranks: 2 instead of the example's 8 (a 2-core CPU), on a free port (--standalone).
         i = tokens.index("--nproc-per-node")
         tokens[i + 1] = "2"
-        argv = sized(tokens[tokens.index("condmem") + 1:])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *tokens[1:tokens.index("condmem") - 1],
-               "-m", "condmem", *argv]
+        argv = sized(tokens[tokens.index("condmem") + 1 :])
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            *tokens[1 : tokens.index("condmem") - 1],
+            "-m",
+            "condmem",
+            *argv,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, f"{example}\n-> {' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -161,13 +193,23 @@ def workdir(tmp_path_factory):
     corpus = root / "corpus"
     corpus.mkdir()
     texts = []
-    for name in ("textwrap.py", "string.py", "heapq.py", "bisect.py", "colorsys.py", "keyword.py", "fnmatch.py",
-                 "glob.py", "shlex.py", "getopt.py"):
+    for name in (
+        "textwrap.py",
+        "string.py",
+        "heapq.py",
+        "bisect.py",
+        "colorsys.py",
+        "keyword.py",
+        "fnmatch.py",
+        "glob.py",
+        "shlex.py",
+        "getopt.py",
+    ):
         text = (stdlib_dir() / name).read_text(encoding="utf-8")
         (corpus / name).write_text(text, encoding="utf-8")
         texts.append(text)
     train_bpe(texts, vocab_size=320).save(str(root / "tokenizer.json"))
-    (root / "texts").mkdir()   # the tokenizer example's corpus: a folder and a .jsonl file
+    (root / "texts").mkdir()  # the tokenizer example's corpus: a folder and a .jsonl file
     (root / "texts" / "a.txt").write_text(texts[0], encoding="utf-8")
     (root / "notes.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[1:4]), encoding="utf-8")
     return root
@@ -184,17 +226,31 @@ def released(workdir):
     # The released layout at a tiny geometry; its config states the DeepSeek-V4 tokenizer's V' (the
     # examples pass --tokenizer deepseek-v4); row counts do not depend on V'.
     v_prime = CompressedTokenizer.from_any("deepseek-v4").vocab_size
-    write_checkpoint(root / "DeepSeek-V4.1-Flash", "original", 3,
-                     config_json("flat", engram_compressed_vocab_size=v_prime))
+    write_checkpoint(
+        root / "DeepSeek-V4.1-Flash", "original", 3, config_json("flat", engram_compressed_vocab_size=v_prime)
+    )
     # A table file (convert's first example re-formats one; the second writes one from the checkpoint).
-    assert main(["convert", "--released", str(root / "DeepSeek-V4.1-Flash"), str(root / "tables.safetensors"),
-                 "--to", "fp8", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--released",
+                str(root / "DeepSeek-V4.1-Flash"),
+                str(root / "tables.safetensors"),
+                "--to",
+                "fp8",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return root
 
 
 def test_every_subcommand_has_examples_and_the_order_lists_them():
-    leaves = [path for path in EXAMPLES if not any(other.startswith(path + " ") for other in EXAMPLES)
-              and path != "condmem"]
+    leaves = [
+        path for path in EXAMPLES if not any(other.startswith(path + " ") for other in EXAMPLES) and path != "condmem"
+    ]
     assert not [path for path in leaves if not EXAMPLES[path]], "a subcommand's --help has no example"
     with_examples = {path for path, found in EXAMPLES.items() if found}
     assert with_examples == set(ORDER), "add the subcommand to ORDER (and to sized() if its examples are long)"
@@ -203,7 +259,7 @@ def test_every_subcommand_has_examples_and_the_order_lists_them():
 _seen: set[str] = set()
 
 
-SLOW = {"demo", "bench"}   # 6-20 s and 16-50 s on a 2-core CPU, idle to busy: the smallest sizes that run them
+SLOW = {"demo", "bench"}  # 6-20 s and 16-50 s on a 2-core CPU, idle to busy: the smallest sizes that run them
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW else p for p in ORDER])
@@ -211,11 +267,11 @@ def test_help_examples_run(path, workdir, released, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if path == "generate" and not (workdir / "condmem-demo" / "engram").exists():
-        run_example("condmem demo", capsys)   # its checkpoint (run by the demo case when the whole file runs)
+        run_example("condmem demo", capsys)  # its checkpoint (run by the demo case when the whole file runs)
     ran = 0
     for example in EXAMPLES[path]:
         if needs_gpu(example) or example in _seen:
-            continue   # GPU examples: test_gpu_help_examples_run; the same example in two helps runs once
+            continue  # GPU examples: test_gpu_help_examples_run; the same example in two helps runs once
         run_example(example, capsys)
         _seen.add(example)
         ran += 1
@@ -228,4 +284,4 @@ def test_gpu_help_examples_run(workdir, monkeypatch, capsys):
     gpu = [e for path in ORDER for e in EXAMPLES[path] if needs_gpu(e)]
     assert gpu
     for example in gpu:
-        run_example(example, capsys)   # its --corpus (/path/to/texts) is the appended tiny corpus
+        run_example(example, capsys)  # its --corpus (/path/to/texts) is the appended tiny corpus

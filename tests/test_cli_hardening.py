@@ -17,8 +17,9 @@ from condmem.cli import main
 @pytest.fixture
 def config(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"layer_ids": [1], "max_ngram_size": 3, "n_heads": 2, "head_dim": 32,
-                                "table_size": 1000}))
+    path.write_text(
+        json.dumps({"layer_ids": [1], "max_ngram_size": 3, "n_heads": 2, "head_dim": 32, "table_size": 1000})
+    )
     return path
 
 
@@ -82,8 +83,17 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path):
 
 
 # ---------------------------------------------------------------------------- flags and files that were misread
-@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
-                                         ("--max-new-tokens", "-1"), ("--max-new-tokens", "0"), ("--top-k", "-5")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--temperature", "nan"),
+        ("--temperature", "-1"),
+        ("--temperature", "inf"),
+        ("--max-new-tokens", "-1"),
+        ("--max-new-tokens", "0"),
+        ("--top-k", "-5"),
+    ],
+)
 def test_generate_refuses_bad_sampling_flags(tmp_path, flag, value, capsys):
     # Refused before the checkpoint is even looked for.
     rc = main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x", f"{flag}={value}"])
@@ -119,8 +129,9 @@ def _small_table(tmp_path):
     from condmem import EngramConfig, EngramLayout
     from condmem.tables.table_file import LayerRows, write_table_file
 
-    layout = EngramLayout(EngramConfig(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, table_size=500,
-                                       compressed_vocab_size=50))
+    layout = EngramLayout(
+        EngramConfig(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, table_size=500, compressed_vocab_size=50)
+    )
     rows = torch.randn(layout.num_embeddings[0], 32).to(torch.bfloat16)
     return write_table_file(tmp_path / "src.safetensors", layout, "bf16", {1: [LayerRows("bf16", rows)]})
 

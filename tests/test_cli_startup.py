@@ -39,4 +39,4 @@ def test_deferred_arguments_appear_in_the_subcommand_help(capsys):
     except SystemExit:
         pass
     out = capsys.readouterr().out
-    assert "--table-gib" in out and "--backbones" in out   # bench lookup's and bench e2e's options
+    assert "--table-gib" in out and "--backbones" in out  # bench lookup's and bench e2e's options

@@ -10,9 +10,21 @@ from condmem import ConfigError, EngramConfig, EngramLayout, LayoutError
 
 
 def test_dialect_round_trips(tmp_path):
-    cfg = EngramConfig(layer_ids=[2, 9], max_ngram_size=4, n_heads=3, head_dim=16, table_size=[101, 203, 307],
-                       pad_id=5, seed=1, hidden_size=80, hc_mult=2, kernel_size=3, short_conv=True,
-                       compressed_vocab_size=321, rms_norm_eps=1e-5)
+    cfg = EngramConfig(
+        layer_ids=[2, 9],
+        max_ngram_size=4,
+        n_heads=3,
+        head_dim=16,
+        table_size=[101, 203, 307],
+        pad_id=5,
+        seed=1,
+        hidden_size=80,
+        hc_mult=2,
+        kernel_size=3,
+        short_conv=True,
+        compressed_vocab_size=321,
+        rms_norm_eps=1e-5,
+    )
     for dialect in ("native", "v4", "demo"):
         path = tmp_path / f"{dialect}.json"
         cfg.save(path, dialect=dialect)
@@ -21,10 +33,19 @@ def test_dialect_round_trips(tmp_path):
 
 def test_reads_a_v41_hf_config_with_unrelated_keys(tmp_path):
     hf = {
-        "architectures": ["DeepseekV4ForCausalLM"], "hidden_size": 4096, "hc_mult": 4, "vocab_size": 129280,
-        "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
-        "engram_vocab_size": 16000000, "engram_n_heads": 8, "engram_head_dim": 256,
-        "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 2, "rms_norm_eps": 1e-6,
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "hidden_size": 4096,
+        "hc_mult": 4,
+        "vocab_size": 129280,
+        "engram_layer_ids": [1, 14],
+        "engram_num_embeddings": [384006168, 384016682],
+        "engram_max_ngram_size": 4,
+        "engram_vocab_size": 16000000,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_compressed_vocab_size": 99092,
+        "engram_pad_token_id": 2,
+        "rms_norm_eps": 1e-6,
     }
     (tmp_path / "config.json").write_text(json.dumps(hf))
     cfg = EngramConfig.load(tmp_path)  # a directory holding config.json
@@ -33,9 +54,17 @@ def test_reads_a_v41_hf_config_with_unrelated_keys(tmp_path):
 
 
 def test_reads_the_official_demo_keys():
-    demo = {"tokenizer_name_or_path": "deepseek-ai/DeepSeek-V3", "engram_vocab_size": [129280 * 5, 129280 * 5],
-            "max_ngram_size": 3, "n_embed_per_ngram": 512, "n_head_per_ngram": 8, "layer_ids": [1, 15],
-            "pad_id": 2, "seed": 0, "kernel_size": 4}
+    demo = {
+        "tokenizer_name_or_path": "deepseek-ai/DeepSeek-V3",
+        "engram_vocab_size": [129280 * 5, 129280 * 5],
+        "max_ngram_size": 3,
+        "n_embed_per_ngram": 512,
+        "n_head_per_ngram": 8,
+        "layer_ids": [1, 15],
+        "pad_id": 2,
+        "seed": 0,
+        "kernel_size": 4,
+    }
     cfg = EngramConfig.from_dict(demo)
     assert cfg.head_dim == 64 and cfg.table_sizes == [646400, 646400] and cfg.short_conv
 
@@ -95,28 +124,47 @@ def test_compressed_vocab_mismatch_and_missing():
 def test_fingerprint_tracks_everything_that_moves_a_row():
     base = EngramConfig(layer_ids=[1, 3], table_size=50, compressed_vocab_size=100)
     fp = EngramLayout(base).fingerprint
-    assert EngramLayout(base.replace(hidden_size=64)).fingerprint == fp   # not part of addressing
-    for change in ({"seed": 1}, {"pad_id": 3}, {"table_size": 51}, {"layer_ids": [1, 4]}, {"n_heads": 4},
-                   {"compressed_vocab_size": 101}, {"max_ngram_size": 4}):
+    assert EngramLayout(base.replace(hidden_size=64)).fingerprint == fp  # not part of addressing
+    for change in (
+        {"seed": 1},
+        {"pad_id": 3},
+        {"table_size": 51},
+        {"layer_ids": [1, 4]},
+        {"n_heads": 4},
+        {"compressed_vocab_size": 101},
+        {"max_ngram_size": 4},
+    ):
         assert EngramLayout(base.replace(**change)).fingerprint != fp, change
 
 
 def _v41_keys():
-    return {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,
-            "engram_vocab_size": 16000000, "engram_pad_token_id": 2, "engram_compressed_vocab_size": 99092,
-            "engram_num_embeddings": [384006168, 384016682]}
+    return {
+        "engram_layer_ids": [1, 14],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_vocab_size": 16000000,
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": 99092,
+        "engram_num_embeddings": [384006168, 384016682],
+    }
 
 
 def test_reads_engram_keys_nested_under_text_config_or_a_named_key(tmp_path):
     flat = EngramConfig.from_dict({**_v41_keys(), "hidden_size": 96, "hc_mult": 2, "rms_norm_eps": 1e-5})
-    nested = {"architectures": ["X"], "vision_config": {"hidden_size": 3},
-              "text_config": {**_v41_keys(), "hidden_size": 96, "hc_mult": 2, "rms_norm_eps": 1e-5}}
+    nested = {
+        "architectures": ["X"],
+        "vision_config": {"hidden_size": 3},
+        "text_config": {**_v41_keys(), "hidden_size": 96, "hc_mult": 2, "rms_norm_eps": 1e-5},
+    }
     assert EngramConfig.from_dict(nested) == flat
     # Backbone dims stated at the top level apply to a nested section that lacks them.
     top = {"hidden_size": 96, "hc_mult": 2, "rms_norm_eps": 1e-5, "language": _v41_keys()}
     (tmp_path / "config.json").write_text(json.dumps(top))
     assert EngramConfig.load(tmp_path, key="language") == flat
-    with pytest.raises(ConfigError, match=r"config.json: no Engram keys found, at the top level or under 'text_config'"):
+    with pytest.raises(
+        ConfigError, match=r"config.json: no Engram keys found, at the top level or under 'text_config'"
+    ):
         EngramConfig.load(tmp_path)
     with pytest.raises(ConfigError, match="no section 'lang'"):
         EngramConfig.load(tmp_path, key="lang")

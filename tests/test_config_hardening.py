@@ -10,26 +10,54 @@ import pytest
 
 from condmem.config import ConfigError, EngramConfig
 
-V4 = {"engram_layer_ids": [1], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
-      "engram_vocab_size": 1000, "engram_compressed_vocab_size": 50}
-DEMO = {"engram_vocab_size": [1000, 1000], "max_ngram_size": 3, "n_embed_per_ngram": 64, "n_head_per_ngram": 2,
-        "layer_ids": [1], "pad_id": 2, "seed": 0}
+V4 = {
+    "engram_layer_ids": [1],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 1000,
+    "engram_compressed_vocab_size": 50,
+}
+DEMO = {
+    "engram_vocab_size": [1000, 1000],
+    "max_ngram_size": 3,
+    "n_embed_per_ngram": 64,
+    "n_head_per_ngram": 2,
+    "layer_ids": [1],
+    "pad_id": 2,
+    "seed": 0,
+}
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"table_size": 2**62}, "table_size"),
-    ({"table_size": [2**41, 10]}, "table_size"),
-    ({"n_heads": 10**7}, "n_heads.*<="),
-    ({"max_ngram_size": 10**6}, "max_ngram_size.*<="),
-    ({"head_dim": 10**15}, "head_dim.*<="),
-    ({"rms_norm_eps": float("inf")}, "rms_norm_eps"),
-    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
-    ({"short_conv": "false"}, "short_conv"),
-    ({"layer_ids": list(range(5000))}, "layer_ids"),
-    ({"compressed_vocab_size": 2**40}, "compressed_vocab_size"),
-    ({"layer_ids": list(range(1024)), "max_ngram_size": 32, "n_heads": 256}, "hash columns, at most"),
-], ids=["table_2^62", "table_list", "heads", "order", "head_dim", "eps_inf", "eps_nan", "str_bool", "layers", "vocab",
-        "columns"])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"table_size": 2**62}, "table_size"),
+        ({"table_size": [2**41, 10]}, "table_size"),
+        ({"n_heads": 10**7}, "n_heads.*<="),
+        ({"max_ngram_size": 10**6}, "max_ngram_size.*<="),
+        ({"head_dim": 10**15}, "head_dim.*<="),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+        ({"short_conv": "false"}, "short_conv"),
+        ({"layer_ids": list(range(5000))}, "layer_ids"),
+        ({"compressed_vocab_size": 2**40}, "compressed_vocab_size"),
+        ({"layer_ids": list(range(1024)), "max_ngram_size": 32, "n_heads": 256}, "hash columns, at most"),
+    ],
+    ids=[
+        "table_2^62",
+        "table_list",
+        "heads",
+        "order",
+        "head_dim",
+        "eps_inf",
+        "eps_nan",
+        "str_bool",
+        "layers",
+        "vocab",
+        "columns",
+    ],
+)
 def test_out_of_range_native_values_are_refused(change, match):
     cfg = dict(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=32, table_size=1000)
     cfg.update(change)
@@ -40,8 +68,9 @@ def test_out_of_range_native_values_are_refused(change, match):
 def test_row_ids_stay_far_below_2_63():
     from condmem.layout import EngramLayout
 
-    cfg = EngramConfig(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, table_size=2**40,
-                       compressed_vocab_size=50)
+    cfg = EngramConfig(
+        layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, table_size=2**40, compressed_vocab_size=50
+    )
     layout = EngramLayout(cfg)
     assert sum(layout.num_embeddings) < 2**62
 
@@ -63,12 +92,16 @@ def test_misspelled_keys_are_named():
     EngramConfig.from_dict(dict(V4, vocab_size=129280, num_hidden_layers=43, hidden_size=4096))
 
 
-@pytest.mark.parametrize("text, match", [
-    ('{"layer_ids": [1], "layer_ids": [2]}', "duplicate key 'layer_ids'"),
-    ('{"layer_ids": [1], "rms_norm_eps": Infinity}', "Infinity"),
-    ('{"layer_ids": [1], "rms_norm_eps": NaN}', "NaN"),
-    ("[" * 100000 + "]" * 100000, "nested"),
-], ids=["duplicate", "infinity", "nan", "deep"])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"layer_ids": [1], "layer_ids": [2]}', "duplicate key 'layer_ids'"),
+        ('{"layer_ids": [1], "rms_norm_eps": Infinity}', "Infinity"),
+        ('{"layer_ids": [1], "rms_norm_eps": NaN}', "NaN"),
+        ("[" * 100000 + "]" * 100000, "nested"),
+    ],
+    ids=["duplicate", "infinity", "nan", "deep"],
+)
 def test_bad_json_is_a_config_error_naming_the_file(tmp_path, text, match):
     path = tmp_path / "c.json"
     path.write_text(text)

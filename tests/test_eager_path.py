@@ -21,10 +21,10 @@ from condmem.hashing.hasher import HashInputError
 from condmem.hashing.id_checks import _MAX_PENDING, PendingIdChecks
 
 
-
 def _hasher(device="cpu") -> NgramHasher:
-    cfg = EngramConfig(layer_ids=[1, 2], max_ngram_size=3, n_heads=2, head_dim=8, table_size=53,
-                       compressed_vocab_size=40)
+    cfg = EngramConfig(
+        layer_ids=[1, 2], max_ngram_size=3, n_heads=2, head_dim=8, table_size=53, compressed_vocab_size=40
+    )
     hasher = NgramHasher(EngramLayout(cfg), token_lookup=np.arange(60) % 40)
     hasher.constants(device)
     return hasher
@@ -66,7 +66,7 @@ def test_gpu_checks_reuse_buffers_and_still_name_a_bad_id():
     with pytest.raises(HashInputError, match=f"token id {60 + 9} is outside"):
         hasher(ids[0])
         hasher.raise_pending(block=True)
-    hasher.raise_pending(block=True)   # reported once
+    hasher.raise_pending(block=True)  # reported once
     neg = ids[0].clone()
     neg[0, 0] = -5
     with pytest.raises(HashInputError, match="token id -5 is outside"):
@@ -103,14 +103,26 @@ def hf_model():
 
     text = "The quick brown fox jumps over the lazy dog. def add(x, y): return x + y\n" * 6
     tok = CompressedTokenizer.from_any(train_bpe([text], vocab_size=280), use_cache=False)
-    config = transformers.LlamaConfig(vocab_size=tok.original_vocab_size, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, pad_token_id=1, bos_token_id=None,
-                                      eos_token_id=None)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.original_vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    add_engram(model, EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=61, pad_id=1,
-                                   short_conv=False), tok, zero_init=False)
+    add_engram(
+        model,
+        EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=61, pad_id=1, short_conv=False),
+        tok,
+        zero_init=False,
+    )
     return model, tok
 
 

@@ -77,11 +77,13 @@ class Recorder:
             if all(p is None for p in parts):
                 return None
             if key == "token_mask":
-                parts = [torch.ones(c["hidden"].shape[:2], dtype=torch.bool) if p is None else p
-                         for c, p in zip(calls, parts)]
+                parts = [
+                    torch.ones(c["hidden"].shape[:2], dtype=torch.bool) if p is None else p
+                    for c, p in zip(calls, parts)
+                ]
             return torch.cat(parts, dim=1)
 
-        self.handle.remove()   # the reference call is not recorded
+        self.handle.remove()  # the reference call is not recorded
         try:
             with torch.no_grad():
                 want = self.engram(cat("hidden"), cat("row_ids"), cat("token_mask"), rows=cat("rows"), residual=True)
@@ -91,10 +93,19 @@ class Recorder:
 
 
 def _tiny_lm(short_conv: bool, wkv: str) -> DecoderLM:
-    ecfg = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=53, hidden_size=32,
-                        compressed_vocab_size=40, short_conv=short_conv)
-    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, engram=ecfg,
-                      max_seq_len=32)
+    ecfg = EngramConfig(
+        layer_ids=[1],
+        max_ngram_size=3,
+        n_heads=2,
+        head_dim=8,
+        table_size=53,
+        hidden_size=32,
+        compressed_vocab_size=40,
+        short_conv=short_conv,
+    )
+    cfg = ModelConfig(
+        vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, engram=ecfg, max_seq_len=32
+    )
     model = DecoderLM(cfg, token_lookup=np.arange(50) % 40, sparse_tables=False).eval()
     gen = torch.Generator().manual_seed(3)
     engram = model.blocks[1].engram
@@ -121,7 +132,7 @@ def test_decoder_whole_and_cached_decoding(short_conv, wkv):
         assert torch.equal(got, want), "DecoderLM.forward"
         rec.calls.clear()
         cache = model.new_cache(2, 9)
-        for t0, t1 in ((0, 4), (4, 5), (5, 7), (7, 8), (8, 9)):   # prefill, then steps of 1 and 2 tokens
+        for t0, t1 in ((0, 4), (4, 5), (5, 7), (7, 8), (8, 9)):  # prefill, then steps of 1 and 2 tokens
             model(ids[:, t0:t1], cache=cache)
         assert len(rec.calls) == 5
         got, want = rec.one_pass()
@@ -144,7 +155,7 @@ def test_serving_prefill_and_decode_steps(wkv):
             last = decode_step(model, cache, None, last.argmax(-1))
     prefills, steps = rec.calls[:2], rec.calls[2:]
     assert len(steps) == 3 and all(c["hidden"].shape[:2] == (2, 1) for c in steps)
-    for slot in range(2):   # one pass per slot: its prompt, then its row of every decode step
+    for slot in range(2):  # one pass per slot: its prompt, then its row of every decode step
         rows = [{k: (v[slot : slot + 1] if isinstance(v, torch.Tensor) else v) for k, v in c.items()} for c in steps]
         got, want = rec.one_pass([prefills[slot], *rows])
         assert torch.equal(got, want), f"serving slot {slot} (prefill, then decode steps with ShortConv state)"
@@ -181,18 +192,29 @@ def test_hf_adapter_generate(wkv, tables):
 
     text = "The quick brown fox jumps over the lazy dog. def add(x, y): return x + y\n" * 6
     tok = CompressedTokenizer.from_any(train_bpe([text], vocab_size=280), use_cache=False)
-    config = transformers.LlamaConfig(vocab_size=tok.original_vocab_size, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, pad_token_id=1, bos_token_id=None,
-                                      eos_token_id=None)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.original_vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    add_engram(model, EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=61, pad_id=1,
-                                   short_conv=True), tok)
+    add_engram(
+        model,
+        EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=61, pad_id=1, short_conv=True),
+        tok,
+    )
     engram = get_engram(model).engrams[1]
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
-        exact_projection(engram, gen)   # also what a bf16 memory holds exactly
+        exact_projection(engram, gen)  # also what a bf16 memory holds exactly
         engram.short_conv.weight.copy_(torch.randn(engram.short_conv.weight.shape, generator=gen) * 0.5)
     if wkv == "fp8":
         keep_fp8(engram)
@@ -200,7 +222,7 @@ def test_hf_adapter_generate(wkv, tables):
     rec = Recorder(engram)
     ids = torch.randint(2, tok.original_vocab_size, (2, 6), generator=gen)
     mask = torch.ones_like(ids)
-    ids[1, :2], mask[1, :2] = 0, 0   # left padding: the gate closed there
+    ids[1, :2], mask[1, :2] = 0, 0  # left padding: the gate closed there
     try:
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
@@ -219,13 +241,22 @@ def _tp_worker(rank: int, world: int, init_file: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        cfg = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=8, table_size=[101, 53],
-                           hidden_size=32, hc_mult=1, compressed_vocab_size=60, short_conv=True)
+        cfg = EngramConfig(
+            layer_ids=[1],
+            max_ngram_size=3,
+            n_heads=4,
+            head_dim=8,
+            table_size=[101, 53],
+            hidden_size=32,
+            hc_mult=1,
+            compressed_vocab_size=60,
+            short_conv=True,
+        )
         layout = EngramLayout(cfg)
-        gen = torch.Generator().manual_seed(0)   # the same module on every rank
+        gen = torch.Generator().manual_seed(0)  # the same module on every rank
         engram = Engram(cfg, layout.layer(1).num_embeddings, layer_id=1)
         with torch.no_grad():
-            exact_projection(engram, gen)   # the all-reduced kv equals one process's bit for bit
+            exact_projection(engram, gen)  # the all-reduced kv equals one process's bit for bit
             engram.q_weight.normal_(generator=gen)
             engram.short_conv.weight.normal_(generator=gen)
         row_ids = NgramHasher(layout)(torch.randint(0, 60, (2, 7), generator=gen))[:, :, 0]

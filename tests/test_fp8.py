@@ -44,8 +44,12 @@ def test_round_trip_error_bound(dtype):
 
 def test_exponent_is_the_smallest_that_fits():
     gen = torch.Generator().manual_seed(1)
-    amax = torch.cat([torch.rand(4000, generator=gen) * 10.0 ** torch.randint(-38, 38, (4000,), generator=gen).float(),
-                      torch.tensor([448.0, 448.0 * 2**-127, 449.0, 447.99, 1.0, 2.0**-149, 3.4e38])])
+    amax = torch.cat(
+        [
+            torch.rand(4000, generator=gen) * 10.0 ** torch.randint(-38, 38, (4000,), generator=gen).float(),
+            torch.tensor([448.0, 448.0 * 2**-127, 449.0, 447.99, 1.0, 2.0**-149, 3.4e38]),
+        ]
+    )
     e = e8m0_exponent(amax).to(torch.int64)
     for a, ei in zip(amax.double().tolist(), e.tolist()):
         if a == 0:

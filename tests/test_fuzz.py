@@ -14,20 +14,53 @@ from condmem.config import DEMO_KEYS, V4_KEYS, ConfigError, EngramConfig
 from condmem.tables.safetensors_io import TableFileError
 from condmem.tables.table_file import EngramTableFile
 
-FAST = settings(max_examples=150, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-NATIVE_KEYS = ["layer_ids", "max_ngram_size", "n_heads", "head_dim", "table_size", "pad_id", "seed", "hidden_size",
-               "hc_mult", "kernel_size", "short_conv", "compressed_vocab_size", "num_embeddings", "rms_norm_eps"]
+FAST = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+NATIVE_KEYS = [
+    "layer_ids",
+    "max_ngram_size",
+    "n_heads",
+    "head_dim",
+    "table_size",
+    "pad_id",
+    "seed",
+    "hidden_size",
+    "hc_mult",
+    "kernel_size",
+    "short_conv",
+    "compressed_vocab_size",
+    "num_embeddings",
+    "rms_norm_eps",
+]
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
 BASES = {
     "native": {"layer_ids": [1], "max_ngram_size": 3, "n_heads": 2, "head_dim": 32, "table_size": 1000},
-    "v4": {"engram_layer_ids": [1], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
-           "engram_vocab_size": 1000},
-    "demo": {"engram_vocab_size": [1000, 1000], "max_ngram_size": 3, "n_embed_per_ngram": 64,
-             "n_head_per_ngram": 2, "layer_ids": [1]},
+    "v4": {
+        "engram_layer_ids": [1],
+        "engram_max_ngram_size": 3,
+        "engram_n_heads": 2,
+        "engram_head_dim": 32,
+        "engram_vocab_size": 1000,
+    },
+    "demo": {
+        "engram_vocab_size": [1000, 1000],
+        "max_ngram_size": 3,
+        "n_embed_per_ngram": 64,
+        "n_head_per_ngram": 2,
+        "layer_ids": [1],
+    },
 }
 KEYS = {"native": NATIVE_KEYS, "v4": sorted(V4_KEYS), "demo": sorted(DEMO_KEYS)}
 
@@ -57,8 +90,9 @@ def test_fuzzed_config_files_are_a_config_error(tmp_path_factory, raw):
 
 
 @FAST
-@given(header=st.dictionaries(st.text(max_size=6), values, max_size=4), tail=st.binary(max_size=64),
-       lie=st.integers(-3, 3))
+@given(
+    header=st.dictionaries(st.text(max_size=6), values, max_size=4), tail=st.binary(max_size=64), lie=st.integers(-3, 3)
+)
 def test_fuzzed_table_headers_are_a_table_file_error(tmp_path_factory, header, tail, lie):
     raw = json.dumps(header).encode()
     path = tmp_path_factory.mktemp("hdr") / "t.safetensors"
@@ -70,10 +104,31 @@ def test_fuzzed_table_headers_are_a_table_file_error(tmp_path_factory, header, t
 
 
 @FAST
-@given(cmd=st.sampled_from(["hash", "layout", "convert", "inspect", "generate"]),
-       args=st.lists(st.sampled_from(["--config", "--ids", "--to", "--out", "--chunk-rows", "--sample", "--steps",
-                                      "/dev/zero", "/nonexistent", "1e20", "-1", "fp8", "x,y", "--verify"])
-                     | st.text(max_size=6), max_size=6))
+@given(
+    cmd=st.sampled_from(["hash", "layout", "convert", "inspect", "generate"]),
+    args=st.lists(
+        st.sampled_from(
+            [
+                "--config",
+                "--ids",
+                "--to",
+                "--out",
+                "--chunk-rows",
+                "--sample",
+                "--steps",
+                "/dev/zero",
+                "/nonexistent",
+                "1e20",
+                "-1",
+                "fp8",
+                "x,y",
+                "--verify",
+            ]
+        )
+        | st.text(max_size=6),
+        max_size=6,
+    ),
+)
 def test_fuzzed_cli_arguments_exit_cleanly(cmd, args, capsys):
     try:
         rc = main([cmd, *args, "--no-progress"] if cmd in ("convert", "inspect") else [cmd, *args])

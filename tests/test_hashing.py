@@ -115,9 +115,16 @@ def _build(p, gen):
     # Random surjective map token id -> compressed id.
     lookup = np.concatenate([np.arange(p["vocab"]), gen.integers(0, p["vocab"], tok_vocab - p["vocab"])])
     gen.shuffle(lookup)
-    cfg = EngramConfig(layer_ids=p["layers"], max_ngram_size=p["max_n"], n_heads=p["heads"], head_dim=4,
-                       table_size=sizes, pad_id=int(gen.integers(0, tok_vocab)), seed=p["seed"],
-                       compressed_vocab_size=p["vocab"])
+    cfg = EngramConfig(
+        layer_ids=p["layers"],
+        max_ngram_size=p["max_n"],
+        n_heads=p["heads"],
+        head_dim=4,
+        table_size=sizes,
+        pad_id=int(gen.integers(0, tok_vocab)),
+        seed=p["seed"],
+        compressed_vocab_size=p["vocab"],
+    )
     return cfg, lookup, tok_vocab
 
 
@@ -129,9 +136,17 @@ def test_hasher_equals_scalar_oracle(p, data_seed):
     hasher = NgramHasher(EngramLayout(cfg), token_lookup=lookup)
     ids = gen.integers(0, tok_vocab, size=(p["batch"], p["length"]))
     blocked = gen.random((p["batch"], p["length"])) < 0.25 if p["blocked"] else None
-    expect_rows = oracle_rows(ids.tolist(), None if blocked is None else blocked.tolist(), lookup.tolist(), cfg, p["vocab"])
-    expect_buckets = oracle_rows(ids.tolist(), None if blocked is None else blocked.tolist(), lookup.tolist(), cfg,
-                                 p["vocab"], with_offsets=False)
+    expect_rows = oracle_rows(
+        ids.tolist(), None if blocked is None else blocked.tolist(), lookup.tolist(), cfg, p["vocab"]
+    )
+    expect_buckets = oracle_rows(
+        ids.tolist(),
+        None if blocked is None else blocked.tolist(),
+        lookup.tolist(),
+        cfg,
+        p["vocab"],
+        with_offsets=False,
+    )
     blocked_t = None if blocked is None else torch.from_numpy(blocked)
     for device in available_devices():
         x = torch.from_numpy(ids).to(device)
@@ -139,12 +154,21 @@ def test_hasher_equals_scalar_oracle(p, data_seed):
         rows = hasher(x, blocked=b)
         assert rows.dtype == torch.int64 and rows.shape == (p["batch"], p["length"], len(p["layers"]), cfg.n_cols)
         assert torch.equal(rows.cpu(), torch.tensor(expect_rows, dtype=torch.int64))
-        assert torch.equal(hasher(x, blocked=b, with_offsets=False).cpu(), torch.tensor(expect_buckets, dtype=torch.int64))
+        assert torch.equal(
+            hasher(x, blocked=b, with_offsets=False).cpu(), torch.tensor(expect_buckets, dtype=torch.int64)
+        )
 
 
 def test_layout_matches_oracle_primes_and_multipliers():
-    cfg = EngramConfig(layer_ids=[3, 0, 7], max_ngram_size=4, n_heads=5, table_size=[50, 50, 20], head_dim=4,
-                       compressed_vocab_size=777, seed=2)
+    cfg = EngramConfig(
+        layer_ids=[3, 0, 7],
+        max_ngram_size=4,
+        n_heads=5,
+        table_size=[50, 50, 20],
+        head_dim=4,
+        compressed_vocab_size=777,
+        seed=2,
+    )
     layout = EngramLayout(cfg)
     primes = oracle_primes(cfg.layer_ids, cfg.table_sizes, cfg.n_heads)
     for layer in layout.layers:
@@ -179,7 +203,9 @@ def test_v41_rows_on_a_long_sequence_match_oracle():
 
 
 def test_doc_starts_equal_hashing_each_document_alone():
-    cfg = EngramConfig(layer_ids=[1, 4], max_ngram_size=4, n_heads=3, table_size=97, head_dim=4, compressed_vocab_size=50)
+    cfg = EngramConfig(
+        layer_ids=[1, 4], max_ngram_size=4, n_heads=3, table_size=97, head_dim=4, compressed_vocab_size=50
+    )
     hasher = NgramHasher(EngramLayout(cfg))
     gen = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, 50, (1, n), generator=gen) for n in (5, 1, 7, 2)]

@@ -17,14 +17,26 @@ from condmem.module import Engram, EngramInputError
 
 
 def _config(hc=2, hidden=96, short_conv=True, n=3, heads=2, head_dim=8):
-    return EngramConfig(layer_ids=[1], max_ngram_size=n, n_heads=heads, head_dim=head_dim, table_size=53,
-                        hidden_size=hidden, hc_mult=hc, short_conv=short_conv, compressed_vocab_size=40)
+    return EngramConfig(
+        layer_ids=[1],
+        max_ngram_size=n,
+        n_heads=heads,
+        head_dim=head_dim,
+        table_size=53,
+        hidden_size=hidden,
+        hc_mult=hc,
+        short_conv=short_conv,
+        compressed_vocab_size=40,
+    )
 
 
 def _randomize(module: Engram, gen: torch.Generator) -> None:
     with torch.no_grad():
         for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * (0.5 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 2 and p.shape[0] == module.hc_mult else 0.0))
+            p.copy_(
+                torch.randn(p.shape, generator=gen, dtype=p.dtype) * (0.5 if p.dim() > 1 else 1.0)
+                + (1.0 if p.dim() == 2 and p.shape[0] == module.hc_mult else 0.0)
+            )
 
 
 def reference_forward(module: Engram, hidden: torch.Tensor, rows: torch.Tensor, token_mask=None) -> torch.Tensor:
@@ -32,19 +44,21 @@ def reference_forward(module: Engram, hidden: torch.Tensor, rows: torch.Tensor, 
     cfg = module.config
     hc, dim = cfg.hc_mult, cfg.hidden_size
     table = module.table.weight.double()
-    e = table[rows].flatten(-2)                                    # [B, T, cols*hd]
-    kv = e @ module.wkv.weight.double().T                          # [B, T, (hc+1)*D]
+    e = table[rows].flatten(-2)  # [B, T, cols*hd]
+    kv = e @ module.wkv.weight.double().T  # [B, T, (hc+1)*D]
     h = hidden.double()
     eps = cfg.rms_norm_eps
 
     def rms(x, w):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
-    value = kv[..., hc * dim:]
+    value = kv[..., hc * dim :]
     out = torch.empty(*h.shape, dtype=torch.float64)
     for m in range(hc):
-        k = kv[..., m * dim:(m + 1) * dim]
-        g = (rms(h[:, :, m], module.q_weight[m].double()) * rms(k, module.k_weight[m].double())).sum(-1) / math.sqrt(dim)
+        k = kv[..., m * dim : (m + 1) * dim]
+        g = (rms(h[:, :, m], module.q_weight[m].double()) * rms(k, module.k_weight[m].double())).sum(-1) / math.sqrt(
+            dim
+        )
         g = torch.sign(g) * torch.sqrt(torch.clamp(g.abs(), min=1e-6))
         alpha = 1 / (1 + torch.exp(-g))
         if token_mask is not None:
@@ -53,20 +67,23 @@ def reference_forward(module: Engram, hidden: torch.Tensor, rows: torch.Tensor, 
     if module.short_conv is None:
         return out
     sc = module.short_conv
-    w = sc.weight.double().view(hc, dim, -1)                       # [hc, D, K]
+    w = sc.weight.double().view(hc, dim, -1)  # [hc, D, K]
     ksz, dil = sc.kernel_size, sc.dilation
     normed = torch.stack([rms(out[:, :, m], sc.norm_weight[m].double()) for m in range(hc)], dim=2)
     conv = torch.zeros_like(out)
     for t in range(out.shape[1]):
         for j in range(ksz):
-            src = t - (ksz - 1 - j) * dil                          # tap j looks (K-1-j)*dil back
+            src = t - (ksz - 1 - j) * dil  # tap j looks (K-1-j)*dil back
             if src >= 0:
                 conv[:, t] += w[:, :, j] * normed[:, src]
     return out + conv * torch.sigmoid(conv)
 
 
-@pytest.mark.parametrize("hc,hidden,short_conv", [(1, 96, True), (2, 96, True), (4, 257, False), (3, 64, True)],
-                         ids=["hc1-conv", "hc2-conv", "hc4-D257-noconv", "hc3-conv"])
+@pytest.mark.parametrize(
+    "hc,hidden,short_conv",
+    [(1, 96, True), (2, 96, True), (4, 257, False), (3, 64, True)],
+    ids=["hc1-conv", "hc2-conv", "hc4-D257-noconv", "hc3-conv"],
+)
 @pytest.mark.parametrize("device", devices())
 def test_forward_matches_fp64_reference(hc, hidden, short_conv, device):
     gen = torch.Generator().manual_seed(hc * 1000 + hidden)
@@ -86,8 +103,9 @@ def test_forward_matches_fp64_reference(hc, hidden, short_conv, device):
     assert_close(f"engram fwd hc={hc} D={hidden}", expect, got, atol=2e-4, rtol=2e-4)
     # With the residual add (fused into the gate kernel where there is no ShortConv).
     got = module(hidden_states.to(device), rows.to(device), mask.to(device), residual=True)
-    assert_close(f"engram fwd + residual hc={hc} D={hidden}", hidden_states.double() + expect, got,
-                 atol=2e-4, rtol=2e-4)
+    assert_close(
+        f"engram fwd + residual hc={hc} D={hidden}", hidden_states.double() + expect, got, atol=2e-4, rtol=2e-4
+    )
 
 
 def test_fresh_short_conv_is_identity_and_mask_closes_gate():
@@ -100,7 +118,7 @@ def test_fresh_short_conv_is_identity_and_mask_closes_gate():
     without = Engram(cfg.replace(short_conv=False), n_rows, layer_id=1)
     h = torch.randn(1, 5, 2, 32, generator=gen)
     rows = torch.randint(0, n_rows, (1, 5, cfg.n_cols), generator=gen)
-    assert torch.equal(with_conv(h, rows), without(h, rows))   # conv weights start at zero
+    assert torch.equal(with_conv(h, rows), without(h, rows))  # conv weights start at zero
     mask = torch.tensor([[True, False, True, False, True]])
     out = without(h, rows, mask)
     assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1])) and torch.equal(out[0, 3], torch.zeros_like(out[0, 3]))

@@ -99,8 +99,9 @@ def test_sieve_next_prime_is_exact(lo, hi):
 @pytest.mark.parametrize("n_layers", [4, 64])
 def test_largest_orders_and_heads_build_fast(n_layers):
     # N=32, 256 heads, 2**40-row ranges: 4 layers took 54 s with the per-order restart, 64 never finished.
-    cfg = EngramConfig(layer_ids=list(range(n_layers)), max_ngram_size=32, n_heads=256, table_size=2**40,
-                       compressed_vocab_size=1000)
+    cfg = EngramConfig(
+        layer_ids=list(range(n_layers)), max_ngram_size=32, n_heads=256, table_size=2**40, compressed_vocab_size=1000
+    )
     t0 = time.perf_counter()
     layout = EngramLayout(cfg)
     elapsed = time.perf_counter() - t0

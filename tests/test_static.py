@@ -1,5 +1,5 @@
-"""Static checks of the tree: `ruff check` with the project's rules (pyproject.toml: pyflakes'
-undefined names, unused imports and variables, pycodestyle's errors), every `from condmem...
+"""Static checks of the tree: `ruff format` applied, `ruff check` with the project's rules
+(pyproject.toml: pyflakes' undefined names, unused imports and variables, pycodestyle's errors), every `from condmem...
 import name` resolving (also those inside functions that run only on a GPU), and no package of
 condmem importing a package that imports it back."""
 
@@ -21,15 +21,33 @@ SRC = ROOT / "src" / "condmem"
 def test_ruff_check_is_clean():
     pytest.importorskip("ruff")
     paths = [p for p in ("src", "tests", "benchmarks", "scripts", "examples") if (ROOT / p).exists()]
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *paths],
-                          cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", *paths], cwd=ROOT, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_format_is_applied():
+    pytest.importorskip("ruff")
+    paths = [p for p in ("src", "tests", "benchmarks", "scripts", "examples") if (ROOT / p).exists()]
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", *paths],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, "run `ruff format src tests benchmarks scripts examples`\n" + done.stdout
 
 
 def _condmem_imports():
     for path in sorted(SRC.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("condmem") and not node.level:
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("condmem")
+                and not node.level
+            ):
                 yield path, node
 
 
@@ -103,7 +121,12 @@ def test_only_triton_modules_need_triton():
         "        if 'triton' in str(exc): bad.append(f'{name}: {exc}')\n"
         "print('\\n'.join(bad))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1"},
+    )
     assert done.returncode == 0, done.stderr
     assert not done.stdout.strip(), "modules that need Triton but are not kernel files:\n" + done.stdout

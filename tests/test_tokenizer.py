@@ -70,9 +70,9 @@ def oracle_lookup(tok: Tokenizer) -> tuple[np.ndarray, int]:
             normalizers.StripAccents(),
             normalizers.Lowercase(),
             normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-            normalizers.Replace(Regex(r"^ $"), "\uE000"),
+            normalizers.Replace(Regex(r"^ $"), "\ue000"),
             normalizers.Strip(),
-            normalizers.Replace("\uE000", " "),
+            normalizers.Replace("\ue000", " "),
         ]
     )
     key2new: dict = {}

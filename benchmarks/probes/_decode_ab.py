@@ -98,14 +98,17 @@ def decode_bench(backbone: str, batch: int, steps: int) -> DecodeBench:
     gen = torch.Generator(device="cuda").manual_seed(1)
     n_kv, head_dim = model.blocks[0].attn.n_kv_heads, model.blocks[0].attn.head_dim
     for layer in range(cfg.n_layers):
-        k, v = (torch.randn(batch, n_kv, max_len, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
-                for _ in range(2))
+        k, v = (
+            torch.randn(batch, n_kv, max_len, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+            for _ in range(2)
+        )
         cache.store_prefix(layer, index, k, v)
     return DecodeBench(model, cache, lengths, ids, bw)
 
 
-def report(out: str, filename: str, result: dict, times: dict[str, list[float]], bound_ms: float,
-           prefix: str = "") -> dict[str, float]:
+def report(
+    out: str, filename: str, result: dict, times: dict[str, list[float]], bound_ms: float, prefix: str = ""
+) -> dict[str, float]:
     """Write `result` with each variant's median step (``step_ms``), rounds and bound to
     ``out/filename``; print a table of them. Returns the median steps."""
     step = {name: statistics.median(t) for name, t in times.items()}

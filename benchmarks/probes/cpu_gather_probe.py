@@ -67,11 +67,22 @@ void copy_par(const uint8_t *src, uint8_t *dst, int64_t n, int nthreads) {
 def build():
     tmp = Path(tempfile.mkdtemp())
     (tmp / "g.c").write_text(SRC)
-    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(tmp / "g.c"), "-o",
-                    str(tmp / "g.so")], check=True)
+    subprocess.run(
+        ["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(tmp / "g.c"), "-o", str(tmp / "g.so")],
+        check=True,
+    )
     lib = ctypes.CDLL(str(tmp / "g.so"))
-    lib.gather.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.gather.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.copy_par.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
 
@@ -84,8 +95,13 @@ def launch_costs() -> list[dict]:
     cudart_path = next((line.split()[-1] for line in maps.splitlines() if "libcudart" in line), None)
     cudart = ctypes.CDLL(cudart_path) if cudart_path else None
     if cudart is not None:
-        cudart.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                           ctypes.c_void_p]
+        cudart.cudaMemcpyAsync.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
     print("cudart:", cudart_path, flush=True)
 
     def per_call(name, fn, calls=50, **extra):
@@ -106,10 +122,15 @@ def launch_costs() -> list[dict]:
         def torch_copy():
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
+
         per_call("torch copy_ pinned -> device (non_blocking)", torch_copy, calls=20, bytes=nbytes)
         if cudart is not None:
-            per_call("cudaMemcpyAsync (ctypes)", lambda: cudart.cudaMemcpyAsync(
-                dst.data_ptr(), src.data_ptr(), nbytes, 1, stream.cuda_stream), calls=20, bytes=nbytes)
+            per_call(
+                "cudaMemcpyAsync (ctypes)",
+                lambda: cudart.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, 1, stream.cuda_stream),
+                calls=20,
+                bytes=nbytes,
+            )
     small = torch.zeros(16, device="cuda")
     per_call("tiny kernel (add_)", lambda: small.add_(1))
     per_call("torch.cuda.Event() + record", lambda: torch.cuda.Event().record(stream))
@@ -137,20 +158,25 @@ def sh(cmd: str) -> str:
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "/tmp/probe"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = {"lscpu": sh("lscpu | head -30"), "thp": sh("cat /sys/kernel/mm/transparent_hugepage/enabled"),
-            "nproc": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "meminfo": sh("grep -E 'MemTotal|AnonHuge|Hugepagesize' /proc/meminfo")}
+    info = {
+        "lscpu": sh("lscpu | head -30"),
+        "thp": sh("cat /sys/kernel/mm/transparent_hugepage/enabled"),
+        "nproc": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "meminfo": sh("grep -E 'MemTotal|AnonHuge|Hugepagesize' /proc/meminfo"),
+    }
     print(info["lscpu"], "\n", info["thp"], "\n", info["meminfo"], flush=True)
     lib = build()
     gib = float(sys.argv[1]) if len(sys.argv) > 1 else 64.0
-    parts = sys.argv[2] if len(sys.argv) > 2 else "ABCDS"   # which parts to run (also E, F, G, I, P)
+    parts = sys.argv[2] if len(sys.argv) > 2 else "ABCDS"  # which parts to run (also E, F, G, I, P)
     rows = int(gib * 2**30) // ROW
     from condmem.bench.lookup_setup import host_store
+
     if set(parts) <= {"F"}:
         results = launch_costs()
         (out_dir / "cpu_gather_probe.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
         return
-    store = host_store(rows, "mmap_register")     # random rows, page-locked; keeps the mapping alive
+    store = host_store(rows, "mmap_register")  # random rows, page-locked; keeps the mapping alive
     table = store.raw
     print(f"table {gib} GiB: {tuple(table.shape)}", flush=True)
     n = 131072
@@ -164,12 +190,12 @@ def main() -> None:
         turn[0] += 1
         ids = pool[turn[0] % len(pool)]
         step = max(1, ids.numel() // k)
-        return ids[::step][:k].contiguous()   # a sorted uniform subset of k ids
+        return ids[::step][:k].contiguous()  # a sorted uniform subset of k ids
 
     def median(fn, reps=7):
         times = []
         for _ in range(reps):
-            args = fn()      # set-up, untimed; returns the timed callable
+            args = fn()  # set-up, untimed; returns the timed callable
             torch.cuda.synchronize()
             t = time.perf_counter()
             args()
@@ -179,14 +205,24 @@ def main() -> None:
         return times[len(times) // 2]
 
     def record(name, k, sec, **extra):
-        row = {"name": name, "rows": k, "ms": sec * 1e3, "mrows_s": k / sec / 1e6,
-               "x_h2d": k * ROW / sec / 1e9 / h2d, **extra}
+        row = {
+            "name": name,
+            "rows": k,
+            "ms": sec * 1e3,
+            "mrows_s": k / sec / 1e6,
+            "x_h2d": k * ROW / sec / 1e9 / h2d,
+            **extra,
+        }
         results.append(row)
-        print(f"{name:44s} {k:7d} rows: {sec * 1e3:6.3f} ms {k / sec / 1e6:6.1f} Mrows/s "
-              f"{row['x_h2d']:.2f}x H2D  {extra if extra else ''}", flush=True)
+        print(
+            f"{name:44s} {k:7d} rows: {sec * 1e3:6.3f} ms {k / sec / 1e6:6.1f} Mrows/s "
+            f"{row['x_h2d']:.2f}x H2D  {extra if extra else ''}",
+            flush=True,
+        )
 
     from condmem.bench.lookup_setup import h2d_bandwidth_gbps
     from condmem.tables.lookup_plan import move_rows
+
     h2d = h2d_bandwidth_gbps()
     print(f"H2D {h2d:.1f} GB/s", flush=True)
     ring_bufs = [torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True) for _ in range(3)]
@@ -207,9 +243,11 @@ def main() -> None:
                 record("A gather", n, median(lambda: gather_call(n, pf=pf, hint=hint)), pf=pf, hint=hint)
         record("A gather, ring of 3 dst", n, median(lambda: gather_call(n, ring=True)), pf=12, hint=0)
         record("A gather, ring of 3 dst, NT stores", n, median(lambda: gather_call(n, ring=True, nt=1)), nt=1)
+
         def unsorted_call():
             ids = fresh(n)[torch.randperm(n)].contiguous()
             return lambda: lib.gather(table.data_ptr(), ROW, ids.data_ptr(), n, ring_bufs[0].data_ptr(), 15, 12, 0, 0)
+
         record("A gather, unsorted ids", n, median(unsorted_call))
         for threads in (8, 12, 16):
             record("A gather, threads", n, median(lambda: gather_call(n, threads=threads)), threads=threads)
@@ -232,19 +270,19 @@ def main() -> None:
                 torch.cuda.synchronize()
                 with torch.cuda.stream(dma_stream):
                     big_dev.copy_(big, non_blocking=True)
-                time.sleep(0.001)     # the DMA under way
+                time.sleep(0.001)  # the DMA under way
                 t = time.perf_counter()
                 run()
                 times.append(time.perf_counter() - t)
                 dma_stream.synchronize()
             times.sort()
             return times[len(times) // 2]
+
         median(lambda: gather_call(n))
-        for _ in range(2):    # twice: the spread between rounds is the noise
+        for _ in range(2):  # twice: the spread between rounds is the noise
             for hint in (3, 2, 1):
                 for pf in (8, 12, 16, 24, 32):
-                    record("P gather", n, median(lambda: gather_call(n, pf=pf, hint=hint, ring=True)), pf=pf,
-                           hint=hint)
+                    record("P gather", n, median(lambda: gather_call(n, pf=pf, hint=hint, ring=True)), pf=pf, hint=hint)
             for hint, pf in ((3, 12), (2, 16), (2, 24), (1, 24)):
                 record("P gather beside a DMA (gather timed)", n, timed_beside(n, pf, hint), pf=pf, hint=hint)
 
@@ -269,8 +307,9 @@ def main() -> None:
                     free[b].synchronize()
                 t1 = time.perf_counter()
                 if gather:
-                    lib.gather(table.data_ptr(), ROW, ids[s0:].data_ptr(), e0 - s0, bufs[b].data_ptr(), threads,
-                               pf, hint, nt)
+                    lib.gather(
+                        table.data_ptr(), ROW, ids[s0:].data_ptr(), e0 - s0, bufs[b].data_ptr(), threads, pf, hint, nt
+                    )
                 t2 = time.perf_counter()
                 if dma:
                     with torch.cuda.stream(copy_stream):
@@ -282,11 +321,13 @@ def main() -> None:
                 steps["gather"] += t2 - t1
                 steps["dma launch"] += t3 - t2
             copy_stream.synchronize()
+
         return go
 
     def zero_copy(k):
         ids = fresh(k).cuda()
         return lambda: move_rows(table, ids, zc_out, zc_dst[:k])
+
     zc_out = torch.empty((393216, ROW), dtype=torch.uint8, device="cuda")
     zc_dst = torch.arange(393216, device="cuda")
     side = torch.cuda.Stream()
@@ -302,6 +343,7 @@ def main() -> None:
                 zc()
             cpu()
             side.synchronize()
+
         return go
 
     if "E" in parts:
@@ -312,38 +354,51 @@ def main() -> None:
             for key in steps:
                 steps[key] = 0.0
             sec = median(lambda: cpu_path(393216, chunk))
-            record("E pipeline", 393216, sec, chunk=chunk,
-                   **{f"{key} ms/call": round(v / 7 * 1e3, 3) for key, v in steps.items()})
+            record(
+                "E pipeline",
+                393216,
+                sec,
+                chunk=chunk,
+                **{f"{key} ms/call": round(v / 7 * 1e3, 3) for key, v in steps.items()},
+            )
 
     if "G" in parts:
         # G. The staged sender (condmem.tables.staged_transfer): native (one parallel region,
         # direct cudaMemcpyAsync) by chunk size, against its torch loop; then beside zero-copy.
         from condmem.tables.staged_transfer import StagedSender
+
         senders = {}
 
         def staged(k, chunk, native=True, ring=4, threads=15):
             key = (chunk, native, ring)
             if key not in senders:
                 senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring)
-                senders[key].native = senders[key].native and native   # False: the torch loop
+                senders[key].native = senders[key].native and native  # False: the torch loop
             sender, ids = senders[key], fresh(k)
 
             def go():
                 sender.send(store, ids, dev_rows[:k], copy_stream, threads=threads)
                 copy_stream.synchronize()
+
             return go
+
         for k in (105000, 393216):
             record("G torch loop (chunk 131072, ring 3)", k, median(lambda: staged(k, 131072, False, 3)))
             for chunk in (8192, 16384, 32768, 65536, 131072):
                 record("G native send", k, median(lambda: staged(k, chunk)), chunk=chunk)
             record("G native send, 16 threads", k, median(lambda: staged(k, 65536, threads=16)), chunk=65536)
             record("G native send, ring 8", k, median(lambda: staged(k, 16384, ring=8)), chunk=16384)
-        median(lambda: zero_copy(1024), reps=2)   # compile
+        median(lambda: zero_copy(1024), reps=2)  # compile
         for f in (0.7, 0.8, 0.9):
             for chunk in (32768, 65536):
                 kc = int(393216 * f)
-                record("G split: native send + zero-copy", 393216,
-                       median(lambda: split_call(lambda: staged(kc, chunk), kc)), f=f, chunk=chunk)
+                record(
+                    "G split: native send + zero-copy",
+                    393216,
+                    median(lambda: split_call(lambda: staged(kc, chunk), kc)),
+                    f=f,
+                    chunk=chunk,
+                )
 
     if "I" in parts:
         # I. The native send (`condmem_gather_stream`: no team barriers, threads take 64-row
@@ -352,13 +407,15 @@ def main() -> None:
         # ("fixed"); per-chunk times; beside zero-copy. (Against the barrier-per-chunk routine
         # it replaced: `docs/lookup-engine.md`.)
         from condmem.tables.staged_transfer import StagedSender
+
         senders = {}
 
         def sender_for(chunk, ring, ramp):
             key = (chunk, ring, ramp)
             if key not in senders:
-                senders[key] = StagedSender(ROW, "cuda", chunk_rows=chunk, ring=ring,
-                                            **({} if ramp else {"tail_rows": chunk}))
+                senders[key] = StagedSender(
+                    ROW, "cuda", chunk_rows=chunk, ring=ring, **({} if ramp else {"tail_rows": chunk})
+                )
             return senders[key]
 
         def streamed(k, chunk, ring=4, ramp=True, threads=15, per=None):
@@ -371,38 +428,57 @@ def main() -> None:
                 if per is not None:
                     for key, v in sender.last_timeline.items():
                         per.setdefault(key, []).extend(v)
+
             return go
-        for _ in range(2):    # twice: the spread between rounds is the noise
+
+        for _ in range(2):  # twice: the spread between rounds is the noise
             for k in (105000, 393216):
                 for chunk in (8192, 65536):
                     record("I native send, fixed", k, median(lambda: streamed(k, chunk, ramp=False)), chunk=chunk)
                 for chunk in (16384, 32768, 65536, 131072):
                     record("I native send, ramped", k, median(lambda: streamed(k, chunk)), chunk=chunk)
                 record("I native send, ramped, ring 8", k, median(lambda: streamed(k, 16384, ring=8)), chunk=16384)
-                record("I native send, ramped, 16 threads", k, median(lambda: streamed(k, 65536, threads=16)),
-                       chunk=65536)
+                record(
+                    "I native send, ramped, 16 threads", k, median(lambda: streamed(k, 65536, threads=16)), chunk=65536
+                )
         for chunk in (8192, 65536):
             per = {}
             sec = median(lambda: streamed(393216, chunk, ramp=False, per=per))
-            record("I native send, fixed, per chunk (us)", 393216, sec, chunk=chunk,
-                   **{f"{key} us": round(sum(v) / len(v), 1) for key, v in per.items()})
-        median(lambda: zero_copy(1024), reps=2)   # compile
+            record(
+                "I native send, fixed, per chunk (us)",
+                393216,
+                sec,
+                chunk=chunk,
+                **{f"{key} us": round(sum(v) / len(v), 1) for key, v in per.items()},
+            )
+        median(lambda: zero_copy(1024), reps=2)  # compile
         for f in (0.7, 0.8, 0.9):
             kc = int(393216 * f)
-            record("I split: native send (ramped) + zero-copy", 393216,
-                   median(lambda: split_call(lambda: streamed(kc, 65536), kc)), f=f, chunk=65536)
+            record(
+                "I split: native send (ramped) + zero-copy",
+                393216,
+                median(lambda: split_call(lambda: streamed(kc, 65536), kc)),
+                f=f,
+                chunk=65536,
+            )
 
     if "B" in parts:
         for k in (105000, 275000, 393216):
             for chunk in (8192, 16384, 32768, 65536, 131072):
                 record("B cpu path (gather + DMA ring)", k, median(lambda: cpu_path(k, chunk)), chunk=chunk)
         for hint, nt in ((3, 0), (0, 1)):
-            record("B cpu path", 393216, median(lambda: cpu_path(393216, 32768, hint=hint, nt=nt)), chunk=32768,
-                   hint=hint, nt=nt)
+            record(
+                "B cpu path",
+                393216,
+                median(lambda: cpu_path(393216, 32768, hint=hint, nt=nt)),
+                chunk=32768,
+                hint=hint,
+                nt=nt,
+            )
 
     if "C" in parts:
         # C. GPU zero-copy of sorted uniform rows, warm.
-        median(lambda: zero_copy(1024), reps=2)   # compile
+        median(lambda: zero_copy(1024), reps=2)  # compile
         for k in (32768, 118000, 393216):
             record("C zero-copy (GPU reads host rows)", k, median(lambda: zero_copy(k)))
 
@@ -411,8 +487,13 @@ def main() -> None:
         for f in (0.6, 0.7, 0.8):
             for chunk in (16384, 32768, 131072):
                 kc = int(393216 * f)
-                record("D split: cpu path + zero-copy", 393216,
-                       median(lambda: split_call(lambda: cpu_path(kc, chunk), kc)), f=f, chunk=chunk)
+                record(
+                    "D split: cpu path + zero-copy",
+                    393216,
+                    median(lambda: split_call(lambda: cpu_path(kc, chunk), kc)),
+                    f=f,
+                    chunk=chunk,
+                )
 
     if "S" in parts:
         a = torch.empty(1 << 30, dtype=torch.uint8)

@@ -24,10 +24,22 @@ def main() -> None:
     diff = float((logits["cublaslt"] - logits["cublas"]).abs().max())
     times = bench.alternate(graphs, args.steps, args.rounds)
     faster = sum(a < b for a, b in zip(times["cublaslt"], times["cublas"]))
-    report(args.out, f"decode_blas_ab_{args.backbone}.json",
-           {"bench": "decode_blas_ab", "backbone": args.backbone, "batch": args.batch, "rounds_lt_faster": faster,
-            "max_abs_logit_diff": diff, "logit_scale": float(logits["cublas"].abs().max()), "d2d_gbps": bench.d2d_gbps},
-           times, bench.bound_ms(args.steps), prefix=f"{args.backbone}: ")
+    report(
+        args.out,
+        f"decode_blas_ab_{args.backbone}.json",
+        {
+            "bench": "decode_blas_ab",
+            "backbone": args.backbone,
+            "batch": args.batch,
+            "rounds_lt_faster": faster,
+            "max_abs_logit_diff": diff,
+            "logit_scale": float(logits["cublas"].abs().max()),
+            "d2d_gbps": bench.d2d_gbps,
+        },
+        times,
+        bench.bound_ms(args.steps),
+        prefix=f"{args.backbone}: ",
+    )
     print(f"{args.backbone}: cuBLASLt faster in {faster}/{args.rounds} rounds; max |logit diff| {diff:.3g}")
 
 

@@ -29,8 +29,12 @@ from condmem.bench.harness import copy_bandwidth_gbps, graph_replay_ms
 def shapes(name: str) -> dict[str, tuple[int, int]]:
     s = BACKBONES[name]
     hd = s["dim"] // s["n_heads"]
-    return {"qkv": ((s["n_heads"] + 2 * s["n_kv_heads"]) * hd, s["dim"]), "wo": (s["dim"], s["n_heads"] * hd),
-            "gate_up": (2 * s["ffn_hidden"], s["dim"]), "down": (s["dim"], s["ffn_hidden"])}
+    return {
+        "qkv": ((s["n_heads"] + 2 * s["n_kv_heads"]) * hd, s["dim"]),
+        "wo": (s["dim"], s["n_heads"] * hd),
+        "gate_up": (2 * s["ffn_hidden"], s["dim"]),
+        "down": (s["dim"], s["ffn_hidden"]),
+    }
 
 
 def main() -> None:
@@ -61,10 +65,20 @@ def main() -> None:
                     try:
                         for name, fn in variants.items():
                             ms = graph_replay_ms(fn, [(w,) for w in sets[name]])
-                            rows.append({"backbone": backbone, "proj": proj, "m": m, "n": n, "k": k,
-                                         "variant": f"{lib} {name}", "ms": ms,
-                                         "x_copy_bound": n * k * 2 / (bw * 1e9) * 1e3 / ms, "rel_err": err,
-                                         "d2d_gbps": bw})
+                            rows.append(
+                                {
+                                    "backbone": backbone,
+                                    "proj": proj,
+                                    "m": m,
+                                    "n": n,
+                                    "k": k,
+                                    "variant": f"{lib} {name}",
+                                    "ms": ms,
+                                    "x_copy_bound": n * k * 2 / (bw * 1e9) * 1e3 / ms,
+                                    "rel_err": err,
+                                    "d2d_gbps": bw,
+                                }
+                            )
                     finally:
                         torch.backends.cuda.preferred_blas_library(before)
                 del w_nk, w_kn
@@ -73,8 +87,10 @@ def main() -> None:
     (out / "decode_gemm_layouts.json").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     print(f"copy bandwidth {bw:.0f} GB/s")
     for r in rows:
-        print(f"{r['backbone']:3s} {r['proj']:8s} m{r['m']:<4d} [{r['n']}x{r['k']}] {r['variant']:28s} "
-              f"{r['ms'] * 1e3:8.1f} us  x bound {r['x_copy_bound']:.2f}")
+        print(
+            f"{r['backbone']:3s} {r['proj']:8s} m{r['m']:<4d} [{r['n']}x{r['k']}] {r['variant']:28s} "
+            f"{r['ms'] * 1e3:8.1f} us  x bound {r['x_copy_bound']:.2f}"
+        )
 
 
 if __name__ == "__main__":

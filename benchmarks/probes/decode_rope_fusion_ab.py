@@ -36,16 +36,27 @@ def two_launches(q, k, v, cos, sin, k_pool, v_pool, table, n_keys):
 def main() -> None:
     args = ab_arguments(__doc__.splitlines()[0], rounds=4)
     bench = decode_bench(args.backbone, args.batch, args.steps)
-    graphs, logits = bench.capture_variants(serving, "decode_attention_rope_store",
-                                            {"fused": serving.decode_attention_rope_store,
-                                             "two_launches": two_launches})
+    graphs, logits = bench.capture_variants(
+        serving,
+        "decode_attention_rope_store",
+        {"fused": serving.decode_attention_rope_store, "two_launches": two_launches},
+    )
     diff = float((logits["fused"] - logits["two_launches"]).abs().max())
     scale = float(logits["two_launches"].abs().max())
     times = bench.alternate(graphs, args.steps, args.rounds)
-    report(args.out, "decode_rope_fusion_ab.json",
-           {"bench": "decode_rope_fusion_ab", "backbone": args.backbone, "batch": args.batch,
-            "max_abs_logit_diff": diff, "logit_scale": scale},
-           times, bench.bound_ms(args.steps))
+    report(
+        args.out,
+        "decode_rope_fusion_ab.json",
+        {
+            "bench": "decode_rope_fusion_ab",
+            "backbone": args.backbone,
+            "batch": args.batch,
+            "max_abs_logit_diff": diff,
+            "logit_scale": scale,
+        },
+        times,
+        bench.bound_ms(args.steps),
+    )
     print(f"max |logit diff| fused vs two launches {diff:.4g} (logit scale {scale:.3g})")
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from condmem.bench.harness import event_times_ms
 
-ROW_WORDS = 66          # 264-byte rows (fp8 x 256 + 8 scale bytes), as int32 words
+ROW_WORDS = 66  # 264-byte rows (fp8 x 256 + 8 scale bytes), as int32 words
 
 
 @triton.jit
@@ -70,13 +70,22 @@ class _Loc(ctypes.Structure):
 
 
 class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
 
 
 class _Prop(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Loc),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Loc),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
 
 
 class _Access(ctypes.Structure):
@@ -102,22 +111,36 @@ class VmmHostBuffer:
                 continue
             self.granularity = gran.value
             self.size = -(-nbytes // gran.value) * gran.value
-            rc = self.cu.cuMemCreate(ctypes.byref(self.handle), ctypes.c_size_t(self.size), ctypes.byref(prop),
-                                     ctypes.c_ulonglong(0))
+            rc = self.cu.cuMemCreate(
+                ctypes.byref(self.handle), ctypes.c_size_t(self.size), ctypes.byref(prop), ctypes.c_ulonglong(0)
+            )
             if rc == 0:
                 self.location = loc_type
                 break
             errors.append(f"cuMemCreate (location {loc_type}): CUresult {rc}")
         else:
             raise RuntimeError("; ".join(errors))
-        self._check(self.cu.cuMemAddressReserve(ctypes.byref(self.ptr), ctypes.c_size_t(self.size),
-                                                ctypes.c_size_t(self.granularity), ctypes.c_ulonglong(0),
-                                                ctypes.c_ulonglong(0)), "cuMemAddressReserve")
-        self._check(self.cu.cuMemMap(self.ptr, ctypes.c_size_t(self.size), ctypes.c_size_t(0), self.handle,
-                                     ctypes.c_ulonglong(0)), "cuMemMap")
+        self._check(
+            self.cu.cuMemAddressReserve(
+                ctypes.byref(self.ptr),
+                ctypes.c_size_t(self.size),
+                ctypes.c_size_t(self.granularity),
+                ctypes.c_ulonglong(0),
+                ctypes.c_ulonglong(0),
+            ),
+            "cuMemAddressReserve",
+        )
+        self._check(
+            self.cu.cuMemMap(
+                self.ptr, ctypes.c_size_t(self.size), ctypes.c_size_t(0), self.handle, ctypes.c_ulonglong(0)
+            ),
+            "cuMemMap",
+        )
         access = _Access(location=_Loc(self.LOC_DEVICE, device), flags=3)
-        self._check(self.cu.cuMemSetAccess(self.ptr, ctypes.c_size_t(self.size), ctypes.byref(access),
-                                           ctypes.c_size_t(1)), "cuMemSetAccess")
+        self._check(
+            self.cu.cuMemSetAccess(self.ptr, ctypes.c_size_t(self.size), ctypes.byref(access), ctypes.c_size_t(1)),
+            "cuMemSetAccess",
+        )
 
     def _check(self, rc: int, call: str) -> None:
         if rc != 0:
@@ -171,8 +194,9 @@ def main() -> None:
                     table = _Pointer(buf.ptr.value, torch.int32)
 
                 def fetch(ids):
-                    _gather_rows[(triton.cdiv(args.rows, 64),)](table, ids, fetch_out, args.rows, ROW=ROW_WORDS,
-                                                                ROW_P=128, BLOCK=64)
+                    _gather_rows[(triton.cdiv(args.rows, 64),)](
+                        table, ids, fetch_out, args.rows, ROW=ROW_WORDS, ROW_P=128, BLOCK=64
+                    )
 
                 def fetch_all():
                     for ids in fetch_ids:
@@ -210,8 +234,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['span_gib']:8.2f} {r['kind']:>11s}  error: {r['error'][:80]}")
             continue
-        print(f"{r['span_gib']:8.2f} {r['kind']:>11s} {r['fetch_ms']:9.4f} {r['work_alone_ms']:8.3f} "
-              f"{r['work_beside_fetch_ms']:8.3f} {r['slowdown']:8.3f}")
+        print(
+            f"{r['span_gib']:8.2f} {r['kind']:>11s} {r['fetch_ms']:9.4f} {r['work_alone_ms']:8.3f} "
+            f"{r['work_beside_fetch_ms']:8.3f} {r['slowdown']:8.3f}"
+        )
 
 
 if __name__ == "__main__":

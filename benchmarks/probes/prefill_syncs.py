@@ -37,8 +37,11 @@ def main() -> None:
     def show(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        frames = [f"{f.filename.split('condmem/')[-1]}:{f.lineno}:{f.name}" for f in traceback.extract_stack()[:-1]
-                  if "/condmem/" in f.filename and "prefill_syncs" not in f.filename]
+        frames = [
+            f"{f.filename.split('condmem/')[-1]}:{f.lineno}:{f.name}"
+            for f in traceback.extract_stack()[:-1]
+            if "/condmem/" in f.filename and "prefill_syncs" not in f.filename
+        ]
         counts[(variant["name"], threading.current_thread().name, " <- ".join(reversed(frames[-5:])))] += 1
 
     warnings.showwarning = show
@@ -46,9 +49,17 @@ def main() -> None:
     wave = WaveServer.wave
 
     def watched_wave(self, *a, **k):
-        variant["name"] = "none" if self.memory is None else ("hbm" if all(
-            s.in_device_memory for s in self.memory.stores.values()) else f"host/{self.graph.fetch.__class__.__name__}"
-            if self.graph is not None and self.graph.fetch is not None else "host")
+        variant["name"] = (
+            "none"
+            if self.memory is None
+            else (
+                "hbm"
+                if all(s.in_device_memory for s in self.memory.stores.values())
+                else f"host/{self.graph.fetch.__class__.__name__}"
+                if self.graph is not None and self.graph.fetch is not None
+                else "host"
+            )
+        )
         if not torch.cuda.is_available():
             return wave(self, *a, **k)
         torch.cuda.set_sync_debug_mode("warn")

@@ -23,10 +23,14 @@ __version__ = "0.1.0"
 # Loaded on first use: numpy, torch and tokenizers take seconds to import, and the command
 # line (`condmem --help`, argument errors) needs none of them.
 _LAZY = {
-    "EngramLayout": "condmem.layout", "LayoutError": "condmem.layout",
-    "NgramHasher": "condmem.hashing", "HashInputError": "condmem.hashing",
-    "Engram": "condmem.module", "EngramTable": "condmem.module",
-    "CompressedTokenizer": "condmem.tokenizer", "TokenizerMismatchError": "condmem.tokenizer",
+    "EngramLayout": "condmem.layout",
+    "LayoutError": "condmem.layout",
+    "NgramHasher": "condmem.hashing",
+    "HashInputError": "condmem.hashing",
+    "Engram": "condmem.module",
+    "EngramTable": "condmem.module",
+    "CompressedTokenizer": "condmem.tokenizer",
+    "TokenizerMismatchError": "condmem.tokenizer",
     "TokenIdError": "condmem.tokenizer",
 }
 

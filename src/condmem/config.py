@@ -135,7 +135,9 @@ class EngramConfig:
         if not self.layer_ids:
             raise ConfigError("EngramConfig.layer_ids is empty: at least one Engram layer is needed")
         if len(self.layer_ids) > LIMITS["layer_ids"]:
-            raise ConfigError(f"EngramConfig.layer_ids has {len(self.layer_ids)} entries, at most {LIMITS['layer_ids']}")
+            raise ConfigError(
+                f"EngramConfig.layer_ids has {len(self.layer_ids)} entries, at most {LIMITS['layer_ids']}"
+            )
         for lid in self.layer_ids:
             require_int("EngramConfig", "layer_ids[]", lid, 0, LIMITS["layer_id"])
         if len(set(self.layer_ids)) != len(self.layer_ids):
@@ -147,7 +149,8 @@ class EngramConfig:
             raise ConfigError(
                 "EngramConfig.pad_id is None: pass a token id of the model's tokenizer, its pad token "
                 "(tokenizer.pad_token_id), or for a tokenizer without one (GPT-2's) its EOS (tokenizer.eos_token_id). "
-                "Engram hashes it in place of the tokens before a sequence's start")
+                "Engram hashes it in place of the tokens before a sequence's start"
+            )
         need_int("pad_id", self.pad_id, 0)
         need_int("seed", self.seed, 0)
         if self.hidden_size is not None:
@@ -167,8 +170,10 @@ class EngramConfig:
         if isinstance(self.table_size, (list, tuple)):
             self.table_size = list(self.table_size)
             if len(self.table_size) > LIMITS["max_ngram_size"]:
-                raise ConfigError(f"EngramConfig.table_size has {len(self.table_size)} entries, at most "
-                                  f"{LIMITS['max_ngram_size'] - 1}")
+                raise ConfigError(
+                    f"EngramConfig.table_size has {len(self.table_size)} entries, at most "
+                    f"{LIMITS['max_ngram_size'] - 1}"
+                )
             if len(self.table_size) != self.max_ngram_size - 1:
                 raise ConfigError(
                     f"EngramConfig.table_size has {len(self.table_size)} entries but max_ngram_size="
@@ -193,8 +198,10 @@ class EngramConfig:
             for n in self.num_embeddings:
                 need_int("num_embeddings[]", n, 1)
         if self.rms_norm_eps is not None and not (
-            isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
-            and math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1
+            isinstance(self.rms_norm_eps, (int, float))
+            and not isinstance(self.rms_norm_eps, bool)
+            and math.isfinite(self.rms_norm_eps)
+            and 0 < self.rms_norm_eps < 1
         ):
             raise ConfigError(f"EngramConfig.rms_norm_eps must be a finite float in (0, 1), got {self.rms_norm_eps!r}")
 
@@ -206,15 +213,25 @@ class EngramConfig:
         sequence's start), but it is likely the default (2) left by mistake, and a released
         or saved model must be served with the pad id it was trained with.
         """
-        hint = f"pass pad_id={pad_token_id} (its pad token)" if pad_token_id is not None else \
-            "pass pad_id=<its pad token id> (or its EOS id when it has no pad token)"
+        hint = (
+            f"pass pad_id={pad_token_id} (its pad token)"
+            if pad_token_id is not None
+            else "pass pad_id=<its pad token id> (or its EOS id when it has no pad token)"
+        )
         if not 0 <= self.pad_id < vocab_size:
-            raise ConfigError(f"EngramConfig.pad_id {self.pad_id} is not a token id of {tokenizer} "
-                              f"(0..{vocab_size - 1}): {hint}")
+            raise ConfigError(
+                f"EngramConfig.pad_id {self.pad_id} is not a token id of {tokenizer} (0..{vocab_size - 1}): {hint}"
+            )
         if pad_token_id is not None and pad_token_id != self.pad_id:
-            log.warning("EngramConfig.pad_id is %d but %s's pad token is id %d: Engram reads the pad id in place of "
-                        "the tokens before a sequence's start; %s, unless %d is meant", self.pad_id, tokenizer,
-                        pad_token_id, hint, self.pad_id)
+            log.warning(
+                "EngramConfig.pad_id is %d but %s's pad token is id %d: Engram reads the pad id in place of "
+                "the tokens before a sequence's start; %s, unless %d is meant",
+                self.pad_id,
+                tokenizer,
+                pad_token_id,
+                hint,
+                self.pad_id,
+            )
 
     def require_backbone(self, what: str = "an Engram module") -> None:
         """Raise `ConfigError` naming every backbone field that is still None (unknown)."""
@@ -312,8 +329,7 @@ class EngramConfig:
         n_embed, n_head = d["n_embed_per_ngram"], d["n_head_per_ngram"]
         if isinstance(n_embed, bool) or not isinstance(n_embed, int):
             raise ConfigError(f"n_embed_per_ngram must be an int, got {n_embed!r}")
-        if (not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1
-                or n_embed % n_head):
+        if not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1 or n_embed % n_head:
             raise ConfigError(
                 f"n_embed_per_ngram ({n_embed!r}) must be a multiple of n_head_per_ngram ({n_head!r}): "
                 "each head's row is n_embed_per_ngram / n_head_per_ngram wide"
@@ -438,8 +454,10 @@ def read_json_file(path: Path, what: str = "config") -> Any:
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{what} file {path} is not a regular file")
         if st.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{what} file {path} has {st.st_size / 2**20:.1f} MiB, more than a config's "
-                              f"{MAX_CONFIG_BYTES // 2**20} MiB")
+            raise ConfigError(
+                f"{what} file {path} has {st.st_size / 2**20:.1f} MiB, more than a config's "
+                f"{MAX_CONFIG_BYTES // 2**20} MiB"
+            )
         raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{what} file not found: {path}") from None
@@ -474,13 +492,43 @@ def _no_constants(name: str) -> Any:
     raise ConfigError(f"{name} is not a number a config may hold")
 
 
-V4_KEYS = frozenset({"engram_layer_ids", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
-                     "engram_vocab_size", "engram_pad_token_id", "engram_seed", "engram_kernel_size",
-                     "engram_short_conv", "engram_compressed_vocab_size", "engram_num_embeddings"})
+V4_KEYS = frozenset(
+    {
+        "engram_layer_ids",
+        "engram_max_ngram_size",
+        "engram_n_heads",
+        "engram_head_dim",
+        "engram_vocab_size",
+        "engram_pad_token_id",
+        "engram_seed",
+        "engram_kernel_size",
+        "engram_short_conv",
+        "engram_compressed_vocab_size",
+        "engram_num_embeddings",
+    }
+)
 """The V4.1 Engram keys this reader knows; another ``engram_*`` key is a misspelling or a newer format."""
-DEMO_KEYS = frozenset({"engram_vocab_size", "max_ngram_size", "n_embed_per_ngram", "n_head_per_ngram", "layer_ids",
-                       "pad_id", "seed", "kernel_size", "hidden_size", "hc_mult", "short_conv", "rms_norm_eps",
-                       "compressed_vocab_size", "num_embeddings", "tokenizer_name_or_path", "vocab_size", "num_layers"})
+DEMO_KEYS = frozenset(
+    {
+        "engram_vocab_size",
+        "max_ngram_size",
+        "n_embed_per_ngram",
+        "n_head_per_ngram",
+        "layer_ids",
+        "pad_id",
+        "seed",
+        "kernel_size",
+        "hidden_size",
+        "hc_mult",
+        "short_conv",
+        "rms_norm_eps",
+        "compressed_vocab_size",
+        "num_embeddings",
+        "tokenizer_name_or_path",
+        "vocab_size",
+        "num_layers",
+    }
+)
 """Keys of the official demo's EngramConfig and BackBoneConfig, plus the ones condmem writes."""
 
 
@@ -492,8 +540,9 @@ _MISSING = _Missing()
 
 
 def _has_engram_keys(data: Any) -> bool:
-    return isinstance(data, dict) and any(k in data for k in ("engram_layer_ids", "n_head_per_ngram",
-                                                                "n_embed_per_ngram", "layer_ids"))
+    return isinstance(data, dict) and any(
+        k in data for k in ("engram_layer_ids", "n_head_per_ngram", "n_embed_per_ngram", "layer_ids")
+    )
 
 
 def engram_section(data: dict[str, Any], key: str | None = None) -> dict[str, Any]:

@@ -112,8 +112,9 @@ def check_fp8_pair(q: torch.Tensor, scales: torch.Tensor) -> None:
         raise QuantError(f"e8m0 scales must be uint8, got {scales.dtype}")
     d = q.shape[-1]
     if d % SCALE_BLOCK or scales.shape != (*q.shape[:-1], d // SCALE_BLOCK):
-        raise QuantError(f"scales {tuple(scales.shape)} do not fit fp8 rows {tuple(q.shape)} "
-                         f"(one scale per {SCALE_BLOCK} elements)")
+        raise QuantError(
+            f"scales {tuple(scales.shape)} do not fit fp8 rows {tuple(q.shape)} (one scale per {SCALE_BLOCK} elements)"
+        )
 
 
 def packed_row_bytes(head_dim: int) -> int:
@@ -153,7 +154,11 @@ def unpack_rows(packed: torch.Tensor, head_dim: int | None = None) -> tuple[torc
 
 
 def quantize_table(
-    table: torch.Tensor, *, interleaved: bool = False, rows_per_chunk: int = 1 << 20, device: torch.device | str | None = None,
+    table: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    rows_per_chunk: int = 1 << 20,
+    device: torch.device | str | None = None,
     pin_memory: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantize a [R, D] table chunk by chunk (tables of V4.1 size do not fit a float32 copy).

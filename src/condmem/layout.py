@@ -223,7 +223,11 @@ class EngramLayout:
                 "compressed_vocab_size is unknown: set EngramConfig.compressed_vocab_size or build the "
                 "layout from a CompressedTokenizer (it enters every hash multiplier)"
             )
-        if isinstance(compressed_vocab_size, bool) or not isinstance(compressed_vocab_size, int) or compressed_vocab_size < 1:
+        if (
+            isinstance(compressed_vocab_size, bool)
+            or not isinstance(compressed_vocab_size, int)
+            or compressed_vocab_size < 1
+        ):
             raise LayoutError(f"compressed_vocab_size must be a positive int, got {compressed_vocab_size!r}")
         self.config = config
         self.compressed_vocab_size = compressed_vocab_size
@@ -366,6 +370,8 @@ class EngramLayout:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_primes(layer_ids: tuple[int, ...], table_sizes: tuple[int, ...], n_heads: int) -> tuple[tuple[int, ...], ...]:
+def _cached_primes(
+    layer_ids: tuple[int, ...], table_sizes: tuple[int, ...], n_heads: int
+) -> tuple[tuple[int, ...], ...]:
     # The prime search is the slow part of a layout (~1.5 us a prime at 2**40); configs repeat.
     return tuple(tuple(cols) for cols in draw_primes(list(layer_ids), list(table_sizes), n_heads))

@@ -44,8 +44,16 @@ class EngramTable(nn.Module):
         device: use ``"meta"`` to describe a huge table without allocating it.
     """
 
-    def __init__(self, num_embeddings: int, head_dim: int, *, sparse: bool = False, init_std: float = 1.0,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        head_dim: int,
+        *,
+        sparse: bool = False,
+        init_std: float = 1.0,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.head_dim = head_dim
@@ -89,8 +97,18 @@ class Engram(nn.Module):
         >>> h = h + engram(h, rows)
     """
 
-    def __init__(self, config: EngramConfig, num_embeddings: int, layer_id: int = -1, *, sparse: bool = False,
-                 table_init_std: float = 1.0, device=None, dtype=None, table_device=None):
+    def __init__(
+        self,
+        config: EngramConfig,
+        num_embeddings: int,
+        layer_id: int = -1,
+        *,
+        sparse: bool = False,
+        table_init_std: float = 1.0,
+        device=None,
+        dtype=None,
+        table_device=None,
+    ):
         super().__init__()
         config.validate()
         config.require_backbone(f"Engram(layer {layer_id})")
@@ -100,16 +118,30 @@ class Engram(nn.Module):
         self.hc_mult = config.hc_mult
         self.n_cols = config.n_cols
         self.eps = config.rms_norm_eps
-        self.table = EngramTable(num_embeddings, config.head_dim, sparse=sparse, init_std=table_init_std,
-                                 device=table_device if table_device is not None else device, dtype=dtype)
+        self.table = EngramTable(
+            num_embeddings,
+            config.head_dim,
+            sparse=sparse,
+            init_std=table_init_std,
+            device=table_device if table_device is not None else device,
+            dtype=dtype,
+        )
         # One GEMM makes hc keys and the shared value (production fuses them the same way).
-        self.wkv = nn.Linear(config.engram_dim, (config.hc_mult + 1) * config.hidden_size, bias=False,
-                             device=device, dtype=dtype)
+        self.wkv = nn.Linear(
+            config.engram_dim, (config.hc_mult + 1) * config.hidden_size, bias=False, device=device, dtype=dtype
+        )
         self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, device=device, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, device=device, dtype=dtype))
         self.short_conv = (
-            ShortConv(config.hidden_size, config.hc_mult, config.kernel_size, dilation=config.max_ngram_size,
-                      eps=config.rms_norm_eps, device=device, dtype=dtype)
+            ShortConv(
+                config.hidden_size,
+                config.hc_mult,
+                config.kernel_size,
+                dilation=config.max_ngram_size,
+                eps=config.rms_norm_eps,
+                device=device,
+                dtype=dtype,
+            )
             if config.short_conv
             else None
         )
@@ -117,9 +149,18 @@ class Engram(nn.Module):
             nn.init.normal_(self.wkv.weight, std=1.0 / math.sqrt(config.engram_dim))
 
     @classmethod
-    def from_released(cls, checkpoint, layer_id: int, *, device=None, dtype: torch.dtype = torch.bfloat16,
-                      keep_fp8: bool = False, load_table: bool = False, config=None,
-                      config_key: str | None = None) -> Engram:
+    def from_released(
+        cls,
+        checkpoint,
+        layer_id: int,
+        *,
+        device=None,
+        dtype: torch.dtype = torch.bfloat16,
+        keep_fp8: bool = False,
+        load_table: bool = False,
+        config=None,
+        config_key: str | None = None,
+    ) -> Engram:
         """One Engram layer of a released checkpoint, ready to run (no conversion step).
 
         Args:
@@ -158,13 +199,17 @@ class Engram(nn.Module):
             module.wkv = BlockFp8Linear(weight.to(device), scales.to(device))
         else:
             module.wkv = nn.Linear(cfg.engram_dim, (cfg.hc_mult + 1) * cfg.hidden_size, bias=False, device="meta")
-            module.wkv.weight = nn.Parameter(ckpt.wkv(layer_id, torch.float32).to(device=device, dtype=dtype),
-                                             requires_grad=False)
+            module.wkv.weight = nn.Parameter(
+                ckpt.wkv(layer_id, torch.float32).to(device=device, dtype=dtype), requires_grad=False
+            )
         if load_table:
             table = ckpt.table(layer_id, layout)
             module.table.weight = nn.Parameter(
-                dequantize_fp8_e8m0(table.weight.contiguous(), table.scales.contiguous(), torch.float32)
-                .to(device=device, dtype=dtype), requires_grad=False)
+                dequantize_fp8_e8m0(table.weight.contiguous(), table.scales.contiguous(), torch.float32).to(
+                    device=device, dtype=dtype
+                ),
+                requires_grad=False,
+            )
         module.released_from = str(ckpt.path)
         return module
 
@@ -175,11 +220,19 @@ class Engram(nn.Module):
         w = self.wkv.weight
         return self.q_weight.dtype if w.dtype == torch.float8_e4m3fn else w.dtype
 
-    def _check(self, hidden: torch.Tensor, row_ids: torch.Tensor | None, token_mask: torch.Tensor | None,
-               rows: torch.Tensor | None, kv: torch.Tensor | None) -> torch.Tensor:
+    def _check(
+        self,
+        hidden: torch.Tensor,
+        row_ids: torch.Tensor | None,
+        token_mask: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        kv: torch.Tensor | None,
+    ) -> torch.Tensor:
         if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
-            raise EngramInputError(f"Engram(layer {self.layer_id}): hidden states must be a float tensor, got "
-                                   f"{getattr(hidden, 'dtype', type(hidden))}")
+            raise EngramInputError(
+                f"Engram(layer {self.layer_id}): hidden states must be a float tensor, got "
+                f"{getattr(hidden, 'dtype', type(hidden))}"
+            )
         if hidden.dim() == 3 and self.hc_mult == 1:
             hidden = hidden.unsqueeze(2)
         if hidden.dim() != 4 or hidden.shape[2:] != (self.hc_mult, self.hidden_size):
@@ -193,20 +246,28 @@ class Engram(nn.Module):
         if row_ids is not None:
             self._check_row_ids(row_ids, lead)
         if rows is not None and kv is None and rows.shape != (*lead, self.n_cols, self.config.head_dim):
-            raise EngramInputError(f"Engram(layer {self.layer_id}): rows must be [B, T, n_cols, head_dim]="
-                                   f"{(*lead, self.n_cols, self.config.head_dim)}, got {tuple(rows.shape)}")
+            raise EngramInputError(
+                f"Engram(layer {self.layer_id}): rows must be [B, T, n_cols, head_dim]="
+                f"{(*lead, self.n_cols, self.config.head_dim)}, got {tuple(rows.shape)}"
+            )
         if kv is not None and kv.shape != (*lead, (self.hc_mult + 1) * self.hidden_size):
-            raise EngramInputError(f"Engram(layer {self.layer_id}): kv must be [B, T, (hc+1)*D]="
-                                   f"{(*lead, (self.hc_mult + 1) * self.hidden_size)}, got {tuple(kv.shape)}")
+            raise EngramInputError(
+                f"Engram(layer {self.layer_id}): kv must be [B, T, (hc+1)*D]="
+                f"{(*lead, (self.hc_mult + 1) * self.hidden_size)}, got {tuple(kv.shape)}"
+            )
         if token_mask is not None and (token_mask.dtype != torch.bool or tuple(token_mask.shape) != lead):
-            raise EngramInputError(f"Engram(layer {self.layer_id}): token_mask must be bool [B, T]={lead}, "
-                                   f"got {token_mask.dtype} {tuple(token_mask.shape)}")
+            raise EngramInputError(
+                f"Engram(layer {self.layer_id}): token_mask must be bool [B, T]={lead}, "
+                f"got {token_mask.dtype} {tuple(token_mask.shape)}"
+            )
         return hidden
 
     def _check_row_ids(self, row_ids: torch.Tensor, lead: tuple[int, int]) -> None:
         if not isinstance(row_ids, torch.Tensor) or row_ids.dtype not in (torch.int64, torch.int32):
-            raise EngramInputError(f"Engram(layer {self.layer_id}): row ids must be an int64/int32 tensor, got "
-                                   f"{getattr(row_ids, 'dtype', type(row_ids))}")
+            raise EngramInputError(
+                f"Engram(layer {self.layer_id}): row ids must be an int64/int32 tensor, got "
+                f"{getattr(row_ids, 'dtype', type(row_ids))}"
+            )
         if row_ids.shape != (*lead, self.n_cols):
             raise EngramInputError(
                 f"Engram(layer {self.layer_id}): row ids must be [B, T, n_cols={self.n_cols}] matching hidden "
@@ -237,7 +298,7 @@ class Engram(nn.Module):
         wkv = self.wkv
         weight = wkv.weight
         fp8 = weight.dtype == torch.float8_e4m3fn
-        dtype = self.q_weight.dtype if fp8 else weight.dtype   # `compute_dtype`, with fewer attribute reads
+        dtype = self.q_weight.dtype if fp8 else weight.dtype  # `compute_dtype`, with fewer attribute reads
         x = rows.flatten(-2)
         if x.dtype != dtype:
             x = x.to(dtype)
@@ -248,10 +309,18 @@ class Engram(nn.Module):
             weight = wkv.dequantized(dtype)
         return F.linear(x, weight[:, columns[0] * d : columns[1] * d].to(dtype))
 
-    def forward(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None, rows: torch.Tensor | None = None, *,
-                residual: bool = False, conv_state: torch.Tensor | None = None, kv: torch.Tensor | None = None,
-                gates: dict | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        row_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        *,
+        residual: bool = False,
+        conv_state: torch.Tensor | None = None,
+        kv: torch.Tensor | None = None,
+        gates: dict | None = None,
+    ) -> torch.Tensor:
         """Residual update for `hidden` from this layer's `row_ids`: embed -> wkv -> gate (+ ShortConv).
 
         This is the one place the layer runs: the decoder, the serving steps, the Hugging Face
@@ -284,9 +353,11 @@ class Engram(nn.Module):
             if rows is None:
                 table = self.table
                 if table.weight.is_meta:
-                    raise EngramInputError(f"Engram(layer {self.layer_id}): the table lives outside this module "
-                                           "(meta); pass the looked-up rows (e.g. "
-                                           "EngramMemory.prepare(...).rows(layer_id))")
+                    raise EngramInputError(
+                        f"Engram(layer {self.layer_id}): the table lives outside this module "
+                        "(meta); pass the looked-up rows (e.g. "
+                        "EngramMemory.prepare(...).rows(layer_id))"
+                    )
                 rows = table(row_ids)
             kv = self.project(rows)
         q_weight, k_weight, short_conv = self.q_weight, self.k_weight, self.short_conv
@@ -308,8 +379,10 @@ class Engram(nn.Module):
             return short_conv(u)
         pad = (short_conv.kernel_size - 1) * short_conv.dilation
         if state.shape != (u.shape[0], pad, *u.shape[2:]):
-            raise EngramInputError(f"Engram(layer {self.layer_id}): conv_state must be [B, (kernel-1)*dilation, hc, D]"
-                                   f"={(u.shape[0], pad, *u.shape[2:])}, got {tuple(state.shape)}")
+            raise EngramInputError(
+                f"Engram(layer {self.layer_id}): conv_state must be [B, (kernel-1)*dilation, hc, D]"
+                f"={(u.shape[0], pad, *u.shape[2:])}, got {tuple(state.shape)}"
+            )
         full = torch.cat([state.to(u.dtype), u], dim=1)
         # Outputs at positions >= pad see only real inputs; the module's own zero padding never
         # reaches them, and a zero state equals the zero padding of a prefill.

@@ -33,11 +33,18 @@ def test_hf_generate_host_tiny(tmp_path):
     assert all(len(r["seconds"]) == 2 for r in result["runs"].values())
     # On the CPU both memories read the same rows: nothing parts.
     assert result["forward_equal"] == {"rows": True, "logits": True, "tokens": result["forward_equal"]["tokens"]}
-    assert result["trace"]["host_vs_hbm"]["first_differing_step"] == {"row_ids": None, "rows": None, "logits": None,
-                                                                      "tokens": None}
+    assert result["trace"]["host_vs_hbm"]["first_differing_step"] == {
+        "row_ids": None,
+        "rows": None,
+        "logits": None,
+        "tokens": None,
+    }
     assert result["tokens"]["host_vs_hbm"]["equal"]
     assert set(result["profile"]) == {"none", "hbm", "host"} and result["profile"]["host"]["ops"]
-    assert result["profile"]["host"]["functions"] and set(result["profile_difference"]) == {"none_to_hbm", "hbm_to_host"}
+    assert result["profile"]["host"]["functions"] and set(result["profile_difference"]) == {
+        "none_to_hbm",
+        "hbm_to_host",
+    }
 
 
 def _tp_worker(rank: int, world: int, init_file: str, out: str) -> None:
@@ -73,28 +80,58 @@ def test_multi_gpu_report_collects_every_part_and_leaves_out_what_is_missing(tmp
     """The multi-GPU run's folder (as `scripts/gpu_multi.sh` leaves it, here written by hand,
     one world size's TP check missing) -> one JSON and one PNG; the scaling and the loss
     comparisons computed from the training summaries."""
+
     def write(rel, obj):
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
 
-    mode = {"exact_on_every_rank": True, "step_ms": 1.0, "local_lookup_ms": 0.6, "collective_ms": 0.4,
-            "bytes_per_token": 512, "predicted_ms": 0.3}
-    write("tp_w2/multi_gpu_tp.json", {"allgather_bus_gbps": 300.0, "tokens_per_step": 16384,
-                                      "modes": [{"mode": "head", **mode}, {"mode": "row", **mode},
-                                                {"mode": "column_wkv", "rel_err_max_over_ranks": 1e-3, "step_ms": 2.0,
-                                                 "bytes_per_token": 256, "predicted_ms": 0.2}]})
+    mode = {
+        "exact_on_every_rank": True,
+        "step_ms": 1.0,
+        "local_lookup_ms": 0.6,
+        "collective_ms": 0.4,
+        "bytes_per_token": 512,
+        "predicted_ms": 0.3,
+    }
+    write(
+        "tp_w2/multi_gpu_tp.json",
+        {
+            "allgather_bus_gbps": 300.0,
+            "tokens_per_step": 16384,
+            "modes": [
+                {"mode": "head", **mode},
+                {"mode": "row", **mode},
+                {
+                    "mode": "column_wkv",
+                    "rel_err_max_over_ranks": 1e-3,
+                    "step_ms": 2.0,
+                    "bytes_per_token": 256,
+                    "predicted_ms": 0.2,
+                },
+            ],
+        },
+    )
+
     def train(name, losses, tps):
-        write(f"train_{name}/summary.json", {"summary": {"tokens_per_s": tps},
-                                             "history": [{"step": i + 1, "loss": x} for i, x in enumerate(losses)]})
+        write(
+            f"train_{name}/summary.json",
+            {"summary": {"tokens_per_s": tps}, "history": [{"step": i + 1, "loss": x} for i, x in enumerate(losses)]},
+        )
+
     train("same_batch_w1", [5.0, 4.0, 3.0], 1000.0)
     train("same_batch_w2", [5.0, 4.0004, 3.0], 1900.0)
     train("per_gpu_w1", [5.0], 1000.0)
     train("per_gpu_w2", [5.0], 1800.0)
     train("whole", [5.0, 4.0, 3.5, 3.0], 1.0)
     train("killed", [3.5, 3.0], 1.0)
-    write("e2e_tp1/e2e.json", "\n".join(json.dumps({"variant": v, "tokens_per_s": t}) for v, t in
-                                        (("none", 100.0), ("hbm", 99.0), ("host_prefetch", 98.0), ("none_again", 100.5))))
+    write(
+        "e2e_tp1/e2e.json",
+        "\n".join(
+            json.dumps({"variant": v, "tokens_per_s": t})
+            for v, t in (("none", 100.0), ("hbm", 99.0), ("host_prefetch", 98.0), ("none_again", 100.5))
+        ),
+    )
     write("e2e_tp2_head/e2e.json", json.dumps({"variant": "none", "tokens_per_s": 180.0}))
     _run("multi_gpu_report.py", str(tmp_path), "2")
     result = json.loads((tmp_path / "multi_gpu.json").read_text())
@@ -103,7 +140,7 @@ def test_multi_gpu_report_collects_every_part_and_leaves_out_what_is_missing(tmp
     assert abs(train_result["same_batch_max_rel_loss_diff"] - 1e-4) < 1e-9
     assert train_result["per_gpu_batch_scaling"]["2"]["x_linear"] == 0.9
     assert train_result["kill_resume_losses_equal"] is True and train_result["kill_resume_steps_compared"] == 2
-    assert set(result["serving"]) == {"tp1", "tp2_head"}           # the row-mode run is missing: left out
+    assert set(result["serving"]) == {"tp1", "tp2_head"}  # the row-mode run is missing: left out
     assert result["serving"]["tp1"]["host_prefetch"]["tokens_per_s"] == 98.0
     pytest.importorskip("matplotlib")
     assert (tmp_path / "multi_gpu.png").stat().st_size > 0

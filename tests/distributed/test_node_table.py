@@ -30,8 +30,9 @@ def _worker(rank, world, init_file, name, fingerprints, nbytes, out_dir):
     out = Path(out_dir)
     try:
         try:
-            buf = node_shared_table(name, nbytes, lambda t: t.copy_(_pattern(nbytes)), fingerprint=fingerprints[rank],
-                                    local_rank=rank)
+            buf = node_shared_table(
+                name, nbytes, lambda t: t.copy_(_pattern(nbytes)), fingerprint=fingerprints[rank], local_rank=rank
+            )
         except NodeTableError as exc:
             (out / f"error{rank}").write_text(str(exc))
             return

@@ -12,8 +12,16 @@ from condmem import Engram, EngramConfig, EngramLayout, NgramHasher
 from condmem.distributed import ShardedRows, ShardingError, ShardPlan, column_parallel_engram, traffic_per_token
 from ranks import spawn_ranks
 
-CFG = dict(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=8, table_size=[101, 53], hidden_size=32, hc_mult=1,
-           compressed_vocab_size=60)
+CFG = dict(
+    layer_ids=[1],
+    max_ngram_size=3,
+    n_heads=4,
+    head_dim=8,
+    table_size=[101, 53],
+    hidden_size=32,
+    hc_mult=1,
+    compressed_vocab_size=60,
+)
 
 
 def _setup():
@@ -40,11 +48,12 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             want_out = engram(hidden, row_ids)
             plan = ShardPlan.for_layer(layout.layer(1), world)
             r0, r1 = plan.rows(rank)
-            shard = engram.table.weight[r0:r1].clone()        # this rank holds its slice only
+            shard = engram.table.weight[r0:r1].clone()  # this rank holds its slice only
             for mode in ("head", "row"):
                 for sp in (False, True):
-                    sharded = ShardedRows(plan, lambda local: shard[local], cfg.head_dim, mode=mode,
-                                          sequence_parallel=sp)
+                    sharded = ShardedRows(
+                        plan, lambda local: shard[local], cfg.head_dim, mode=mode, sequence_parallel=sp
+                    )
                     rows = sharded(row_ids)
                     t0, t1 = sharded.token_chunk(row_ids.shape[1]) if sp else (0, row_ids.shape[1])
                     assert torch.equal(rows, want_rows[:, t0:t1]), (mode, sp, rank)
@@ -108,8 +117,9 @@ def _memory_worker(rank: int, world: int, init_file: str, table_path: str) -> No
                     if source == "weights":
                         memory = EngramMemory.from_weights(hasher, weights, "host", "cpu", host_alloc="pageable", **kw)
                     else:
-                        memory = EngramMemory.from_table_file(table_path, hasher, "host", "cpu", host_alloc="pageable",
-                                                              progress=False, **kw)
+                        memory = EngramMemory.from_table_file(
+                            table_path, hasher, "host", "cpu", host_alloc="pageable", progress=False, **kw
+                        )
                     for lid in cfg.layer_ids:  # each rank holds its shard only
                         plan = memory.sharded[lid].plan
                         r0, r1 = plan.rows(rank)

@@ -24,19 +24,35 @@ VOCAB = 50
 
 
 def _config(n_kv_heads: int = 4) -> ModelConfig:
-    ecfg = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=16, table_size=97, hidden_size=64,
-                        compressed_vocab_size=40, short_conv=False)
-    return ModelConfig(vocab_size=VOCAB, dim=64, n_layers=3, n_heads=8, n_kv_heads=n_kv_heads, ffn_hidden=96,
-                       max_seq_len=64, engram=ecfg)
+    ecfg = EngramConfig(
+        layer_ids=[1],
+        max_ngram_size=3,
+        n_heads=2,
+        head_dim=16,
+        table_size=97,
+        hidden_size=64,
+        compressed_vocab_size=40,
+        short_conv=False,
+    )
+    return ModelConfig(
+        vocab_size=VOCAB,
+        dim=64,
+        n_layers=3,
+        n_heads=8,
+        n_kv_heads=n_kv_heads,
+        ffn_hidden=96,
+        max_seq_len=64,
+        engram=ecfg,
+    )
 
 
 def _model() -> DecoderLM:
     model = DecoderLM(_config(), token_lookup=np.arange(VOCAB) % 40, sparse_tables=False, seed=0).eval()
     with torch.no_grad():
         for block in model.blocks:
-            block.attn.wq.weight.mul_(6.0)   # sharp attention: a wrong key or position shows
+            block.attn.wq.weight.mul_(6.0)  # sharp attention: a wrong key or position shows
             block.attn.wk.weight.mul_(6.0)
-            if block.engram is not None:     # bf16-exact, so rows from a memory equal the module's
+            if block.engram is not None:  # bf16-exact, so rows from a memory equal the module's
                 block.engram.table.weight.copy_(block.engram.table.weight.bfloat16().float())
     return model
 
@@ -79,23 +95,31 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     try:
         full = _model()
         want, want_tokens = _serve(full)
-        for tables in (None, "head", "row"):     # whole in the model, or sharded by a memory in each mode
+        for tables in (None, "head", "row"):  # whole in the model, or sharded by a memory in each mode
             model = shard_backbone(copy.deepcopy(full))
             assert model.blocks[0].attn.n_heads == 8 // world and model.blocks[0].attn.n_kv_heads == 4 // world
             assert model.blocks[0].mlp.w2.weight.shape == (64, 96 // world)
-            assert "_serving_joined" not in model.blocks[0].attn.wq.__dict__   # no whole joined weight kept
+            assert "_serving_joined" not in model.blocks[0].attn.wq.__dict__  # no whole joined weight kept
             memory = None
-            if tables is not None:   # the table sharded over the same group: rows completed by its collective
+            if tables is not None:  # the table sharded over the same group: rows completed by its collective
                 table = {1: model.blocks[1].engram.table.weight}
-                memory = EngramMemory.from_weights(model.hasher, table, "host", "cpu", host_alloc="pageable",
-                                                   max_sequences=4, process_group=dist.group.WORLD, tp_mode=tables)
+                memory = EngramMemory.from_weights(
+                    model.hasher,
+                    table,
+                    "host",
+                    "cpu",
+                    host_alloc="pageable",
+                    max_sequences=4,
+                    process_group=dist.group.WORLD,
+                    tp_mode=tables,
+                )
                 for _ in range(4):
-                    memory.allocate()     # history slots numbered like the cache slots
+                    memory.allocate()  # history slots numbered like the cache slots
             got, got_tokens = _serve(model, memory)
             for step, (g, w) in enumerate(zip(got, want)):
                 torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-5, msg=lambda m: f"call {step}: {m}")
             assert all(torch.equal(a, b) for a, b in zip(got_tokens, want_tokens))
-            for g in got:   # every rank holds the same logits, bit for bit
+            for g in got:  # every rank holds the same logits, bit for bit
                 others = [torch.empty_like(g) for _ in range(world)]
                 dist.all_gather(others, g)
                 assert all(torch.equal(o, g) for o in others)
@@ -120,7 +144,9 @@ def test_slices_keep_grouped_heads_together_and_refuse_uneven_splits():
     with pytest.raises(ShardingError, match="4 KV heads do not split over 8 ranks"):
         backbone_slices(cfg, 8, 0)
     with pytest.raises(ShardingError, match="96 SwiGLU units do not split over 5 ranks"):
-        backbone_slices(ModelConfig(vocab_size=VOCAB, dim=80, n_layers=1, n_heads=10, n_kv_heads=5, ffn_hidden=96), 5, 0)
+        backbone_slices(
+            ModelConfig(vocab_size=VOCAB, dim=80, n_layers=1, n_heads=10, n_kv_heads=5, ffn_hidden=96), 5, 0
+        )
 
 
 def test_the_tensor_parallel_example_runs_on_two_gloo_ranks():
@@ -131,8 +157,20 @@ def test_the_tensor_parallel_example_runs_on_two_gloo_ranks():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(root / "examples" / "tp_engram.py")], capture_output=True, text=True, timeout=600,
-                          cwd=root)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(root / "examples" / "tp_engram.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "prefill + 8 decode steps equal to one process" in done.stdout

@@ -18,9 +18,27 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_engram.py"
 def test_example_trains_both_models_and_writes_its_table(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--steps", "2", "--eval-every", "1", "--batch", "2", "--seq-len", "32",
-         "--val-windows", "4", "--max-bytes", "200000", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--val-windows",
+            "4",
+            "--max-bytes",
+            "200000",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
         # The example runs no Triton kernel: keep the interpreter (the suite's setting) out of it.
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
     )

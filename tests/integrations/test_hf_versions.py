@@ -14,11 +14,11 @@ def test_the_hf_page_states_the_torch_ci_installs_and_the_installed_transformers
     transformers = pytest.importorskip("transformers")
     pinned = re.search(r'"torch==([\d.]+)"', (ROOT / "scripts" / "_env.sh").read_text()).group(1)
     page = (ROOT / "docs" / "huggingface.md").read_text()
-    tested = page[page.index("Tested with"):page.index("## Example")]
+    tested = page[page.index("Tested with") : page.index("## Example")]
     assert f"torch {pinned}" in tested, tested
     import torch
 
-    if torch.__version__.split("+")[0] == pinned:   # CI's environment: the transformers it installs is named
+    if torch.__version__.split("+")[0] == pinned:  # CI's environment: the transformers it installs is named
         assert f"transformers {transformers.__version__}" in tested, tested
 
 

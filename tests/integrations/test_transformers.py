@@ -34,8 +34,10 @@ from helpers import assert_close  # noqa: E402
 PAD = 1  # "<|pad|>" of train_bpe's special tokens: Engram's pad id
 FILL = 0  # what padded batches hold at masked positions: another id, so that hashing it would show
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-TEXT = ("The quick brown fox jumps over the lazy dog. the Quick BROWN fox! "
-        "def add(x, y):\n    return x + y\n\nclass Point:\n    pass\n") * 4
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. the Quick BROWN fox! "
+    "def add(x, y):\n    return x + y\n\nclass Point:\n    pass\n"
+) * 4
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +47,33 @@ def tokenizer():
 
 def tiny_model(family: str, vocab: int, layers: int = 3):
     t = transformers
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  pad_token_id=PAD, bos_token_id=None, eos_token_id=None)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     config = {
         "llama": lambda: t.LlamaConfig(**common),
         "mistral": lambda: t.MistralConfig(**common, sliding_window=None),
         "qwen2": lambda: t.Qwen2Config(**common),
         "qwen3": lambda: t.Qwen3Config(**common, head_dim=8),
-        "gpt2": lambda: t.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
-                                     pad_token_id=PAD, bos_token_id=None, eos_token_id=None),
+        "gpt2": lambda: t.GPT2Config(
+            vocab_size=vocab,
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            pad_token_id=PAD,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
     }[family]()
     cls = t.GPT2LMHeadModel if family == "gpt2" else t.AutoModelForCausalLM
     torch.manual_seed(0)
@@ -63,8 +82,9 @@ def tiny_model(family: str, vocab: int, layers: int = 3):
 
 
 def engram_config(short_conv: bool = True) -> EngramConfig:
-    return EngramConfig(layer_ids=[0, 2], max_ngram_size=3, n_heads=2, head_dim=8, table_size=61, pad_id=PAD,
-                        short_conv=short_conv)
+    return EngramConfig(
+        layer_ids=[0, 2], max_ngram_size=3, n_heads=2, head_dim=8, table_size=61, pad_id=PAD, short_conv=short_conv
+    )
 
 
 def randomize_engram(model, seed: int = 1) -> None:
@@ -168,8 +188,9 @@ def test_generate_greedy_left_padded_equals_step_by_step_full_forward(family, to
         got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         ref = greedy_full_forward(model, ids, mask, 6)
         # A static cache makes generate() hand the layers a 4-D mask: padding must still be seen.
-        static = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                                cache_implementation="static")
+        static = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static"
+        )
     assert torch.equal(got, ref)
     assert torch.equal(static, ref)
 
@@ -301,8 +322,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
         if checkpointing:  # the method's newer name where there is one
             getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model(ids, attention_mask=mask, labels=labels).loss.backward()
-        grads.append({n: p.grad.to_dense() if p.grad.is_sparse else p.grad
-                      for n, p in model.named_parameters() if p.grad is not None})
+        grads.append(
+            {
+                n: p.grad.to_dense() if p.grad.is_sparse else p.grad
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
+        )
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:  # the same maths, recomputed: fp32 rounding at most
         assert_close(name, grads[0][name], grads[1][name], atol=1e-6)
@@ -317,10 +343,20 @@ def test_trainer_lowers_loss_and_moves_only_rows_it_read(tokenizer, tmp_path):
     ids, mask, labels, seqs = training_batch(tokenizer.original_vocab_size)
     data = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)] * 4
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant", max_grad_norm=1.0)
-    trainer = EngramTrainer(model=model, args=args, train_dataset=data,
-                            optimizers=(engram_optimizer(model, lr=3e-3), None))
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=8,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+    )
+    trainer = EngramTrainer(
+        model=model, args=args, train_dataset=data, optimizers=(engram_optimizer(model, lr=3e-3), None)
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.1, losses
@@ -354,16 +390,30 @@ def test_save_pretrained_and_load_round_trip(tokenizer, tmp_path):
 def test_refusals_name_the_problem(tokenizer):
     vocab = tokenizer.original_vocab_size
     with pytest.raises(UnsupportedModelError, match="OPTForCausalLM"):
-        add_engram(transformers.OPTForCausalLM(transformers.OPTConfig(
-            vocab_size=vocab, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
-            word_embed_proj_dim=16)), engram_config(), tokenizer)
+        add_engram(
+            transformers.OPTForCausalLM(
+                transformers.OPTConfig(
+                    vocab_size=vocab,
+                    hidden_size=16,
+                    num_hidden_layers=1,
+                    ffn_dim=32,
+                    num_attention_heads=2,
+                    word_embed_proj_dim=16,
+                )
+            ),
+            engram_config(),
+            tokenizer,
+        )
     with pytest.raises(UnsupportedModelError, match="LlamaModel"):
         add_engram(tiny_model("llama", vocab).model, engram_config(), tokenizer)
     with pytest.raises(EngramModelError, match=r"\[5\] do not exist"):
         add_engram(tiny_model("llama", vocab), engram_config(), tokenizer, layers=[1, 5])
     with pytest.raises(TokenizerMismatchError, match="silently rehashed"):
-        add_engram(tiny_model("llama", vocab), engram_config().replace(compressed_vocab_size=tokenizer.vocab_size + 1),
-                   tokenizer)
+        add_engram(
+            tiny_model("llama", vocab),
+            engram_config().replace(compressed_vocab_size=tokenizer.vocab_size + 1),
+            tokenizer,
+        )
     model = add_engram(tiny_model("gpt2", vocab), engram_config(), tokenizer)
     with pytest.raises(EngramModelError, match="already has Engram"):
         add_engram(model, engram_config(), tokenizer)
@@ -377,7 +427,7 @@ def test_save_pretrained_after_offload_writes_the_tables_and_reloads_equal(token
     randomize_engram(model)
     ids, mask, pos, _ = padded_batch([6, 3], 6, tokenizer.original_vocab_size, "left")
     model.save_pretrained(tmp_path / "plain")
-    memory = offload_tables(model, tier="host")   # the memory holds bf16 rows
+    memory = offload_tables(model, tier="host")  # the memory holds bf16 rows
     try:
         with torch.no_grad():
             ref = model(ids, attention_mask=mask, position_ids=pos).logits
@@ -393,7 +443,7 @@ def test_save_pretrained_after_offload_writes_the_tables_and_reloads_equal(token
         return out
 
     plain, offloaded = tensors(tmp_path / "plain"), tensors(tmp_path / "offloaded")
-    assert plain.keys() == offloaded.keys()          # the same tensors, names, dtypes and shapes
+    assert plain.keys() == offloaded.keys()  # the same tensors, names, dtypes and shapes
     for name, t in plain.items():
         assert offloaded[name].dtype == t.dtype and offloaded[name].shape == t.shape, name
         expect = t.bfloat16().float() if name.endswith("engram.table.weight") else t  # rows as the memory held them
@@ -408,13 +458,13 @@ def test_a_failing_save_leaves_no_half_written_folder(tokenizer, tmp_path, monke
     model = tiny_model("llama", tokenizer.original_vocab_size)
     add_engram(model, engram_config(), tokenizer)
     model.save_pretrained(tmp_path / "ckpt")
-    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")   # saved beside the model earlier: kept
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")  # saved beside the model earlier: kept
     before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", broken)   # fails after config.json
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", broken)  # fails after config.json
     with pytest.raises(RuntimeError, match="disk full"):
         model.save_pretrained(tmp_path / "ckpt")
     with pytest.raises(RuntimeError, match="disk full"):
@@ -429,10 +479,24 @@ def test_a_failing_save_leaves_no_half_written_folder(tokenizer, tmp_path, monke
 
 
 def _trainer_args(tmp_path, **changes):
-    return transformers.TrainingArguments(**{
-        **dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=6, logging_steps=1,
-               save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant",
-               max_grad_norm=1.0, learning_rate=3e-3), **changes})
+    return transformers.TrainingArguments(
+        **{
+            **dict(
+                output_dir=str(tmp_path),
+                per_device_train_batch_size=4,
+                max_steps=6,
+                logging_steps=1,
+                save_strategy="no",
+                report_to=[],
+                use_cpu=True,
+                disable_tqdm=True,
+                lr_scheduler_type="constant",
+                max_grad_norm=1.0,
+                learning_rate=3e-3,
+            ),
+            **changes,
+        }
+    )
 
 
 def test_plain_trainer_with_engram_optimizer_trains_and_clips_sparse_gradients(tokenizer, tmp_path):
@@ -444,8 +508,12 @@ def test_plain_trainer_with_engram_optimizer_trains_and_clips_sparse_gradients(t
     start = table.detach().clone()
     ids, mask, labels, seqs = training_batch(tokenizer.original_vocab_size)
     data = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)] * 4
-    trainer = transformers.Trainer(model=model, args=_trainer_args(tmp_path), train_dataset=data,
-                                   optimizers=(engram_optimizer(model, lr=3e-3), None))
+    trainer = transformers.Trainer(
+        model=model,
+        args=_trainer_args(tmp_path),
+        train_dataset=data,
+        optimizers=(engram_optimizer(model, lr=3e-3), None),
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 6 and logs[-1]["loss"] < logs[0]["loss"] - 0.1, logs
@@ -460,7 +528,7 @@ def test_sparse_gradient_norm_counts_each_row_once():
     enable_sparse_grad_norm()
     emb = torch.nn.Embedding(10, 4, sparse=True)
     lin = torch.nn.Linear(4, 1)
-    lin(emb(torch.tensor([1, 1, 3, 1]))).sum().backward()   # repeated rows: an uncoalesced gradient
+    lin(emb(torch.tensor([1, 1, 3, 1]))).sum().backward()  # repeated rows: an uncoalesced gradient
     assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
     dense = [emb.weight.grad.to_dense(), lin.weight.grad.clone(), lin.bias.grad.clone()]
     ref = torch.cat([g.flatten() for g in dense]).double().norm()
@@ -494,8 +562,9 @@ def test_pad_id_none_says_what_to_pass():
 def test_pad_id_is_checked_against_the_tokenizer(tokenizer, caplog):
     from tokenizers import Tokenizer
 
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.tokenizer.to_str()),
-                                                  pad_token="<|pad|>")
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(tokenizer.tokenizer.to_str()), pad_token="<|pad|>"
+    )
     assert hf_tok.pad_token_id == PAD
     vocab = tokenizer.original_vocab_size
     with pytest.raises(ConfigError, match=rf"pad_id {vocab + 5} is not a token id of .*0\.\.{vocab - 1}.*pad_id={PAD}"):
@@ -505,7 +574,7 @@ def test_pad_id_is_checked_against_the_tokenizer(tokenizer, caplog):
     assert f"pad_id is 2 but the tokenizer's pad token is id {PAD}" in caplog.text and f"pad_id={PAD}" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="condmem"):
-        add_engram(tiny_model("llama", vocab), engram_config(), hf_tok)   # pad_id=PAD: nothing to say
+        add_engram(tiny_model("llama", vocab), engram_config(), hf_tok)  # pad_id=PAD: nothing to say
     assert "pad" not in caplog.text
 
 
@@ -529,7 +598,7 @@ def test_remove_engram_restores_the_model_and_add_engram_works_again(tokenizer, 
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), plain_tokens)
     with pytest.raises(EngramModelError, match="has no Engram"):
         get_engram(model)
-    add_engram(model, engram_config(short_conv=False), tokenizer, layers=[1])   # works again, another geometry
+    add_engram(model, engram_config(short_conv=False), tokenizer, layers=[1])  # works again, another geometry
     assert sorted(get_engram(model).engrams) == [1]
     model.save_pretrained(tmp_path)
     assert load_pretrained(tmp_path, tokenizer) is not None

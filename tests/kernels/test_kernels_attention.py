@@ -14,8 +14,12 @@ import pytest
 import torch
 
 from condmem.models.attention import decode_attention
-from condmem.ops.attention import (decode_attention_rope_store, paged_decode_attention, paged_prefill_attention,
-                                   rope_store)
+from condmem.ops.attention import (
+    decode_attention_rope_store,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rope_store,
+)
 from condmem.ops.attention.reference import (
     gather_paged,
     paged_decode_attention_ref,
@@ -41,22 +45,25 @@ def _paged_cache(batch, max_blocks, block_size, n_kv, head_dim, device, dtype, s
 
 DECODE_CASES = [  # (lengths, heads, kv heads, head_dim, block size, blocks per sequence)
     ((1, 7, 20), 4, 2, 16, 4, 5),
-    ((0, 1, 33), 8, 2, 32, 8, 5),        # a padding row (no key) beside length 1
-    ((17,), 4, 4, 16, 16, 2),            # no grouping
-    ((5, 64, 3, 40), 6, 2, 16, 16, 4),   # 3 query heads per KV head (not a power of two)
-    ((3, 21), 4, 1, 80, 8, 3),           # head_dim 80 (the 4B backbone's): padded to 128 in the kernel
-    ((9, 30), 4, 2, 48, 8, 4),           # padded to 64
-    ((12, 1), 2, 1, 112, 4, 3),          # padded to 128
-    ((6, 19), 4, 2, 24, 4, 5),           # padded to 32
-    ((2, 9), 4, 2, 8, 4, 3),             # head_dim 8: below tl.dot's minimum
+    ((0, 1, 33), 8, 2, 32, 8, 5),  # a padding row (no key) beside length 1
+    ((17,), 4, 4, 16, 16, 2),  # no grouping
+    ((5, 64, 3, 40), 6, 2, 16, 16, 4),  # 3 query heads per KV head (not a power of two)
+    ((3, 21), 4, 1, 80, 8, 3),  # head_dim 80 (the 4B backbone's): padded to 128 in the kernel
+    ((9, 30), 4, 2, 48, 8, 4),  # padded to 64
+    ((12, 1), 2, 1, 112, 4, 3),  # padded to 128
+    ((6, 19), 4, 2, 24, 4, 5),  # padded to 32
+    ((2, 9), 4, 2, 8, 4, 3),  # head_dim 8: below tl.dot's minimum
 ]
 ROPE_CASES = [c for c in DECODE_CASES if c[3] >= 16]
 
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("lengths,heads,n_kv,head_dim,block_size,max_blocks", DECODE_CASES,
-                         ids=[f"len{'-'.join(map(str, c[0]))}_h{c[1]}kv{c[2]}hd{c[3]}" for c in DECODE_CASES])
+@pytest.mark.parametrize(
+    "lengths,heads,n_kv,head_dim,block_size,max_blocks",
+    DECODE_CASES,
+    ids=[f"len{'-'.join(map(str, c[0]))}_h{c[1]}kv{c[2]}hd{c[3]}" for c in DECODE_CASES],
+)
 @pytest.mark.parametrize("n_splits", [1, 3], ids=["one-split", "three-splits"])
 def test_decode_kernel_matches_reference(device, lengths, heads, n_kv, head_dim, block_size, max_blocks, n_splits):
     batch = len(lengths)
@@ -75,7 +82,7 @@ def test_decode_reference_equals_dense_masked_attention():
     k, v, table = _paged_cache(batch, max_blocks, block_size, n_kv, head_dim, "cpu", torch.float32)
     q = torch.randn(batch, heads, head_dim)
     lengths = torch.tensor([1, 13, 24])
-    dense_k = gather_paged(k, table, max_blocks * block_size).transpose(1, 2)        # [B, KV, L, D]
+    dense_k = gather_paged(k, table, max_blocks * block_size).transpose(1, 2)  # [B, KV, L, D]
     dense_v = gather_paged(v, table, max_blocks * block_size).transpose(1, 2)
     seen = torch.arange(max_blocks * block_size)[None, :] < lengths[:, None]
     want = decode_attention(q[:, :, None], dense_k, dense_v, seen)[:, :, 0]
@@ -84,7 +91,7 @@ def test_decode_reference_equals_dense_masked_attention():
 
 PREFILL_CASES = [  # (chunk lengths, cached prefix lengths, heads, kv heads, head_dim, block size)
     ((1, 5, 19), (0, 0, 0), 4, 2, 16, 4),
-    ((3, 1, 17), (6, 1, 0), 8, 2, 32, 8),      # chunks after a cached prefix
+    ((3, 1, 17), (6, 1, 0), 8, 2, 32, 8),  # chunks after a cached prefix
     ((33,), (0,), 2, 1, 16, 16),
     ((7, 12), (0, 5), 4, 2, 80, 8),
 ]
@@ -92,8 +99,11 @@ PREFILL_CASES = [  # (chunk lengths, cached prefix lengths, heads, kv heads, hea
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("chunks,starts,heads,n_kv,head_dim,block_size", PREFILL_CASES,
-                         ids=[f"q{'-'.join(map(str, c[0]))}_ctx{'-'.join(map(str, c[1]))}" for c in PREFILL_CASES])
+@pytest.mark.parametrize(
+    "chunks,starts,heads,n_kv,head_dim,block_size",
+    PREFILL_CASES,
+    ids=[f"q{'-'.join(map(str, c[0]))}_ctx{'-'.join(map(str, c[1]))}" for c in PREFILL_CASES],
+)
 def test_prefill_kernel_matches_reference(device, chunks, starts, heads, n_kv, head_dim, block_size):
     batch = len(chunks)
     max_blocks = -(-max(c + s for c, s in zip(chunks, starts)) // block_size)
@@ -115,7 +125,7 @@ def test_prefill_reference_is_causal_attention_per_sequence():
     q = torch.randn(14, heads, head_dim)
     got = paged_prefill_attention_ref(q, k, v, table, cu, torch.zeros(2, dtype=torch.int32))
     for b, n in enumerate(chunks):
-        keys = gather_paged(k, table[b : b + 1], n)[0].transpose(0, 1).repeat_interleave(2, 0)   # [H, n, D]
+        keys = gather_paged(k, table[b : b + 1], n)[0].transpose(0, 1).repeat_interleave(2, 0)  # [H, n, D]
         vals = gather_paged(v, table[b : b + 1], n)[0].transpose(0, 1).repeat_interleave(2, 0)
         qb = q[cu[b] : cu[b + 1]].transpose(0, 1)
         want = torch.nn.functional.scaled_dot_product_attention(qb, keys, vals, is_causal=True).transpose(0, 1)
@@ -148,11 +158,15 @@ def test_rope_store_matches_reference(device, with_valid, head_dim):
 
 @needs_kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("lengths,heads,n_kv,head_dim,block_size,max_blocks", ROPE_CASES,
-                         ids=[f"len{'-'.join(map(str, c[0]))}_h{c[1]}kv{c[2]}hd{c[3]}" for c in ROPE_CASES])
+@pytest.mark.parametrize(
+    "lengths,heads,n_kv,head_dim,block_size,max_blocks",
+    ROPE_CASES,
+    ids=[f"len{'-'.join(map(str, c[0]))}_h{c[1]}kv{c[2]}hd{c[3]}" for c in ROPE_CASES],
+)
 @pytest.mark.parametrize("n_splits", [1, 3], ids=["one-split", "three-splits"])
-def test_decode_with_rope_and_store_matches_rope_store_then_decode(device, lengths, heads, n_kv, head_dim,
-                                                                   block_size, max_blocks, n_splits):
+def test_decode_with_rope_and_store_matches_rope_store_then_decode(
+    device, lengths, heads, n_kv, head_dim, block_size, max_blocks, n_splits
+):
     """One launch: the new token's q and k rotated at position length - 1, k and v stored there
     (a row of length 0 stores nothing), then attention: the pools and the output as the
     reference's rope_store followed by its decode attention."""
@@ -168,8 +182,9 @@ def test_decode_with_rope_and_store_matches_rope_store_then_decode(device, lengt
     cos, sin = angles.cos().to(device), angles.sin().to(device)
     n = torch.tensor(lengths, device=device)
     pools_ref = (k_pool.clone(), v_pool.clone())
-    q_rot = rope_store_ref(q, k, v, cos, sin, (n - 1).clamp(min=0), torch.arange(batch, device=device), table,
-                           *pools_ref, n > 0)
+    q_rot = rope_store_ref(
+        q, k, v, cos, sin, (n - 1).clamp(min=0), torch.arange(batch, device=device), table, *pools_ref, n > 0
+    )
     want = paged_decode_attention_ref(q_rot, *pools_ref, table, n)
     got = kernels.paged_decode_attention(q, k_pool, v_pool, table, n, None, n_splits, rope=(k, v, cos, sin))
     assert_close("k pool", pools_ref[0], k_pool, atol=1e-6)
@@ -177,7 +192,7 @@ def test_decode_with_rope_and_store_matches_rope_store_then_decode(device, lengt
     assert_close("decode with rope + store", want, got, atol=2e-5, rtol=2e-5)
     assert torch.equal(got[n == 0], torch.zeros_like(got[n == 0]))
     # The op's torch path is the same reference; its Triton path this kernel.
-    pools_op = (pools_ref[0].clone(), pools_ref[1].clone())     # storing the same k, v again changes nothing
+    pools_op = (pools_ref[0].clone(), pools_ref[1].clone())  # storing the same k, v again changes nothing
     got_ref_path = decode_attention_rope_store(q, k, v, cos, sin, *pools_op, table, n, backend="torch")
     assert_close("op, torch path", want, got_ref_path, atol=1e-6)
 
@@ -196,15 +211,17 @@ def test_rms_norm_and_silu_mul_match_the_modules(device, dim):
     assert_close("add + rms_norm", want_normed, normed, atol=1e-6, rtol=1e-6)
     a, b = (torch.randn(3, dim, generator=gen).to(device) for _ in range(2))
     assert_close("silu_mul", silu_mul_ref(a, b), silu_mul(a, b, backend="triton"), atol=1e-6, rtol=1e-6)
-    joined = torch.randn(4, 2 * dim, generator=gen).to(device)          # the halves of one fused projection
+    joined = torch.randn(4, 2 * dim, generator=gen).to(device)  # the halves of one fused projection
     a, b = joined[:, :dim], joined[:, dim:]
-    assert_close("silu_mul (strided rows)", silu_mul_ref(a, b), silu_mul(a, b, backend="triton"), atol=1e-6,
-                 rtol=1e-6)
+    assert_close("silu_mul (strided rows)", silu_mul_ref(a, b), silu_mul(a, b, backend="triton"), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,max_len,head_dim", [(128, 1152, 128), (128, 1152, 80), (3, 200, 128)],
-                         ids=["b128-hd128", "b128-hd80", "b3-hd128"])
+@pytest.mark.parametrize(
+    "batch,max_len,head_dim",
+    [(128, 1152, 128), (128, 1152, 80), (3, 200, 128)],
+    ids=["b128-hd128", "b128-hd80", "b3-hd128"],
+)
 def test_bf16_decode_at_model_size_and_under_a_cuda_graph(batch, max_len, head_dim):
     """bf16, 32 query / 8 KV heads, block size 16: the kernel within bf16 rounding of the fp32
     reference; replayed from a CUDA graph with new lengths, the same output as eager."""
@@ -239,8 +256,9 @@ def test_bf16_prefill_at_model_size(head_dim):
     st = torch.zeros(len(chunks), dtype=torch.int32, device="cuda")
     q = torch.randn(sum(chunks), heads, head_dim, device="cuda", dtype=torch.bfloat16)
     want = paged_prefill_attention_ref(q, k, v, table, cu, st).float()
-    assert_close("bf16 prefill", want, paged_prefill_attention(q, k, v, table, cu, st, max(chunks)).float(),
-                 atol=2e-2, rtol=2e-2)
+    assert_close(
+        "bf16 prefill", want, paged_prefill_attention(q, k, v, table, cu, st, max(chunks)).float(), atol=2e-2, rtol=2e-2
+    )
 
 
 def test_pools_of_different_layouts_or_strides_are_refused():
@@ -249,7 +267,7 @@ def test_pools_of_different_layouts_or_strides_are_refused():
     k, v, table = _paged_cache(2, 3, 4, 2, 8, "cpu", torch.float32)
     q = torch.randn(2, 4, 8)
     lengths = torch.tensor([3, 5])
-    heads_outer = v.transpose(1, 2).contiguous().transpose(1, 2)       # same shape, other strides
+    heads_outer = v.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, other strides
     with pytest.raises(ValueError, match="same strides"):
         paged_decode_attention(q, k, heads_outer, table, lengths)
     with pytest.raises(ValueError, match="both be"):
@@ -260,8 +278,12 @@ def test_pools_of_different_layouts_or_strides_are_refused():
     k_hnd = k.transpose(1, 2).contiguous().transpose(1, 2)
     want = paged_decode_attention(q, k, v, table, lengths, backend="torch")
     for backend in ("torch", "triton") if INTERPRET else ("torch",):
-        assert_close(f"heads-outer pools ({backend})", want,
-                     paged_decode_attention(q, k_hnd, heads_outer, table, lengths, backend=backend), atol=1e-5)
+        assert_close(
+            f"heads-outer pools ({backend})",
+            want,
+            paged_decode_attention(q, k_hnd, heads_outer, table, lengths, backend=backend),
+            atol=1e-5,
+        )
 
 
 @pytest.mark.gpu
@@ -272,8 +294,9 @@ def test_bf16_decode_with_rope_and_store_at_model_size_and_under_a_cuda_graph(he
     from condmem.ops.attention import triton as kernels
 
     batch, max_len, heads, n_kv, block_size = 128, 1152, 32, 8, 16
-    k_pool, v_pool, table = _paged_cache(batch, max_len // block_size, block_size, n_kv, head_dim, "cuda",
-                                         torch.bfloat16)
+    k_pool, v_pool, table = _paged_cache(
+        batch, max_len // block_size, block_size, n_kv, head_dim, "cuda", torch.bfloat16
+    )
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, n_kv, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, n_kv, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -281,8 +304,18 @@ def test_bf16_decode_with_rope_and_store_at_model_size_and_under_a_cuda_graph(he
     cos, sin = angles.cos().cuda(), angles.sin().cuda()
     lengths = torch.randint(0, max_len + 1, (batch,), device="cuda")
     pools_ref = (k_pool.clone(), v_pool.clone())
-    q_rot = rope_store_ref(q, k, v, cos, sin, (lengths - 1).clamp(min=0), torch.arange(batch, device="cuda"),
-                           table, *pools_ref, lengths > 0)
+    q_rot = rope_store_ref(
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        (lengths - 1).clamp(min=0),
+        torch.arange(batch, device="cuda"),
+        table,
+        *pools_ref,
+        lengths > 0,
+    )
     want = paged_decode_attention_ref(q_rot, *pools_ref, table, lengths).float()
     got = decode_attention_rope_store(q, k, v, cos, sin, k_pool, v_pool, table, lengths)
     assert_close("k pool", pools_ref[0].float(), k_pool.float(), atol=2e-2, rtol=2e-2)
@@ -295,5 +328,4 @@ def test_bf16_decode_with_rope_and_store_at_model_size_and_under_a_cuda_graph(he
         out = kernels.paged_decode_attention(q, k_pool, v_pool, table, static_len, rope=(k, v, cos, sin))
     static_len.copy_(torch.randint(1, max_len + 1, (batch,), device="cuda"))
     graph.replay()
-    assert torch.equal(out, kernels.paged_decode_attention(q, k_pool, v_pool, table, static_len,
-                                                           rope=(k, v, cos, sin)))
+    assert torch.equal(out, kernels.paged_decode_attention(q, k_pool, v_pool, table, static_len, rope=(k, v, cos, sin)))

@@ -26,8 +26,14 @@ def test_lookup_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = Path(__file__).resolve().parents[2] / "src"
     env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "condmem.ops.compile_check"], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "condmem.ops.compile_check"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     summary = [line for line in proc.stdout.splitlines() if line.startswith(("ok", "FAILED", "triton"))]
     assert proc.returncode == 0, "\n".join(summary) or proc.stderr[-2000:]
     assert sum(line.startswith("ok") for line in summary) >= 7

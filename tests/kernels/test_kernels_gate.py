@@ -84,8 +84,12 @@ def test_gate_forward_and_grads_vs_fp64(hc, dim, n, dtype, masked, residual, dev
     plain = [t.detach() for t in inputs]
     for chunk, warps in ((32, 4), (64, 2), (1024, 8)):
         other = gate_forward_triton(*plain, 1e-6, 1e-6, mask, residual=residual, chunk=chunk, num_warps=warps)
-        assert_rel(f"forward, chunk {chunk} warps {warps} (seed {seed})", ref_out, other,
-                   max(fwd_tol, RATIO * rel_err(ref_out, base_out)))
+        assert_rel(
+            f"forward, chunk {chunk} warps {warps} (seed {seed})",
+            ref_out,
+            other,
+            max(fwd_tol, RATIO * rel_err(ref_out, base_out)),
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -126,8 +130,17 @@ def test_engram_module_uses_kernel_on_gpu():
     from condmem import EngramConfig, EngramLayout, NgramHasher
     from condmem.module import Engram
 
-    cfg = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=32, table_size=101, hidden_size=257,
-                       hc_mult=4, short_conv=True, compressed_vocab_size=50)
+    cfg = EngramConfig(
+        layer_ids=[1],
+        max_ngram_size=3,
+        n_heads=2,
+        head_dim=32,
+        table_size=101,
+        hidden_size=257,
+        hc_mult=4,
+        short_conv=True,
+        compressed_vocab_size=50,
+    )
     layout = EngramLayout(cfg)
     torch.manual_seed(0)
     module = Engram(cfg, layout.layer(1).num_embeddings, layer_id=1).cuda()
@@ -148,6 +161,9 @@ def test_engram_module_uses_kernel_on_gpu():
         ref = module(hidden, rows)
         ref.square().sum().backward()
     assert_rel("module forward", ref, out, 1e-5)
-    for name, g, p in zip(("hidden", "q_weight", "k_weight", "wkv"), g_kernel,
-                          (hidden, module.q_weight, module.k_weight, module.wkv.weight)):
+    for name, g, p in zip(
+        ("hidden", "q_weight", "k_weight", "wkv"),
+        g_kernel,
+        (hidden, module.q_weight, module.k_weight, module.wkv.weight),
+    ):
         assert_rel(f"module grad {name}", p.grad, g, 1e-4)

@@ -26,8 +26,8 @@ def _fp8_table(rows: int, head_dim: int, seed: int, device="cpu", edge_rows=True
     q = torch.randint(0, 256, (rows, head_dim), generator=gen, dtype=torch.int32).to(torch.uint8)
     e = torch.randint(100, 140, (rows, head_dim // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
     if edge_rows and rows >= 6:
-        e[0] = 0      # subnormal scale 2**-127
-        e[1] = 254    # 2**127: large values overflow to inf
+        e[0] = 0  # subnormal scale 2**-127
+        e[1] = 254  # 2**127: large values overflow to inf
         e[2, 0] = 255  # NaN block
         e[3] = 1
         e[4] = 253
@@ -42,7 +42,7 @@ def _ids(shape, rows, seed, device, lo=0, spill=5):
     flat = ids.view(-1)
     if flat.numel() > 8:
         flat[:6] = torch.arange(6) + lo  # the edge rows, always read
-        flat[6] = flat[7]                # a repeated id
+        flat[6] = flat[7]  # a repeated id
     return ids.to(device)
 
 
@@ -50,10 +50,10 @@ FORMATS = ["fp8", "packed", "bf16", "fp32", "int32-words"]
 CASES = [
     # (rows, head_dim, ids shape, row_range offset or None)
     (40, 64, (7, 5), None),
-    (40, 96, (3, 4, 2), 1000),   # head_dim / 32 = 3 scale blocks (not a power of two)
-    (1, 32, (1,), None),          # one row, one id
-    (33, 64, (0, 24), None),      # empty batch
-    (300, 256, (9, 24), 10**9),   # V4.1 head_dim; a shard far into the id space
+    (40, 96, (3, 4, 2), 1000),  # head_dim / 32 = 3 scale blocks (not a power of two)
+    (1, 32, (1,), None),  # one row, one id
+    (33, 64, (0, 24), None),  # empty batch
+    (300, 256, (9, 24), 10**9),  # V4.1 head_dim; a shard far into the id space
 ]
 
 
@@ -68,14 +68,16 @@ def _tables(fmt, rows, head_dim, seed, device):
         return (w.to(torch.bfloat16),), {}
     if fmt == "fp32":
         return (w,), {}
-    if fmt == "int64-words":      # plain 8-byte words of raw rows
+    if fmt == "int64-words":  # plain 8-byte words of raw rows
         packed = pack_rows(q, e)
         return (packed.view(torch.int64) if packed.shape[1] % 8 == 0 else w.view(torch.int64),), {}
     return (pack_rows(q, e).view(torch.int32) if (head_dim + head_dim // 32) % 4 == 0 else w.view(torch.int32),), {}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c[0]}-D{c[1]}-ids{'x'.join(map(str, c[2]))}-{'shard' if c[3] else 'full'}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"R{c[0]}-D{c[1]}-ids{'x'.join(map(str, c[2]))}-{'shard' if c[3] else 'full'}"
+)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gather_equals_reference(fmt, case, device):
     rows, head_dim, shape, lo = case
@@ -99,7 +101,7 @@ def test_exponent_edge_rows_bit_exact(device):
     got = engram_gather(ids, q, e, backend="triton").cpu()
     ref = gather_reference(ids, q, e).cpu()
     assert_bits_equal("edge rows", ref, got)
-    assert (got[0] != 0).any() and got[0].float().nan_to_num(0.0).abs().max() < 2.0**-118   # subnormal bf16 kept
+    assert (got[0] != 0).any() and got[0].float().nan_to_num(0.0).abs().max() < 2.0**-118  # subnormal bf16 kept
     assert got[1].isinf().any()
     assert got[2, :32].isnan().all()
     assert (got[5] != 0).sum() > 50  # bytes 0..63 times 2**-127: most survive as bf16 subnormals
@@ -121,7 +123,7 @@ def test_gather_capped_grid_still_covers_every_row(device):
     """`max_programs=1`: one program loops over every block (a fetch beside other work)."""
     q, e = _fp8_table(64, 64, seed=4, device=device)
     ids = _ids((37, 3), 64, seed=6, device=device)
-    out = torch.full((37, 3, 64), float("nan"), dtype=torch.bfloat16, device=device)   # poisoned
+    out = torch.full((37, 3, 64), float("nan"), dtype=torch.bfloat16, device=device)  # poisoned
     engram_gather(ids, q, e, out=out, backend="triton", block_rows=4, max_programs=1)
     assert_bits_equal("max_programs=1", gather_reference(ids, q, e), out)
     with pytest.raises(GatherError, match="max_programs"):
@@ -138,13 +140,13 @@ def test_gather_scatters_to_out_index(fmt, backend, device):
     gen = torch.Generator().manual_seed(9)
     m, n = 90, 70
     dst = torch.randperm(m, generator=gen)[:n]
-    dst[50:] = torch.tensor([m, m + 3, -1] * 7)[:20]          # padding: outside out
+    dst[50:] = torch.tensor([m, m + 3, -1] * 7)[:20]  # padding: outside out
     ids = torch.randint(0, 64, (n,), generator=gen)
     ids[50:] = -1
     ids, dst = ids.to(device), dst.to(device)
     ref_rows = gather_reference(ids, *tables, **kw)
     out = torch.empty((m, ref_rows.shape[-1]), dtype=ref_rows.dtype, device=device)
-    out.view(torch.uint8).fill_(0x7F)                             # poisoned: NaN / a marker
+    out.view(torch.uint8).fill_(0x7F)  # poisoned: NaN / a marker
     before = out.clone()
     res = engram_gather(ids, *tables, out=out, out_index=dst, backend=backend, block_rows=4, **kw)
     assert res is out

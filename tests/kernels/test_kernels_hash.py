@@ -21,11 +21,27 @@ pytestmark = needs_kernels
 DEVICES = kernel_devices()
 
 
-def _hasher(max_n=4, heads=3, layers=(1, 5), sizes=(101, 53, 999, 31), vocab=500, extra_tokens=100, seed=0,
-            lookup=True, pad_id=None) -> NgramHasher:
+def _hasher(
+    max_n=4,
+    heads=3,
+    layers=(1, 5),
+    sizes=(101, 53, 999, 31),
+    vocab=500,
+    extra_tokens=100,
+    seed=0,
+    lookup=True,
+    pad_id=None,
+) -> NgramHasher:
     gen = np.random.default_rng(seed)
-    cfg = EngramConfig(layer_ids=list(layers), max_ngram_size=max_n, n_heads=heads, head_dim=8,
-                       table_size=list(sizes[: max_n - 1]), compressed_vocab_size=vocab, seed=seed % 3)
+    cfg = EngramConfig(
+        layer_ids=list(layers),
+        max_ngram_size=max_n,
+        n_heads=heads,
+        head_dim=8,
+        table_size=list(sizes[: max_n - 1]),
+        compressed_vocab_size=vocab,
+        seed=seed % 3,
+    )
     table = None
     if lookup:
         table = np.concatenate([np.arange(vocab), gen.integers(0, vocab, extra_tokens)])
@@ -47,7 +63,9 @@ PREFILL_CASES = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"N{c[0]}-H{c[1]}-L{len(c[2])}-B{c[3]}-T{c[4]}-{c[5]}-lut{int(c[6])}")
+@pytest.mark.parametrize(
+    "case", PREFILL_CASES, ids=lambda c: f"N{c[0]}-H{c[1]}-L{len(c[2])}-B{c[3]}-T{c[4]}-{c[5]}-lut{int(c[6])}"
+)
 def test_prefill_equals_reference(case, device):
     max_n, heads, layers, batch, length, blocked, lookup = case
     hasher = _hasher(max_n, heads, layers, lookup=lookup, seed=batch * 31 + length)
@@ -84,24 +102,46 @@ def test_prefill_plain_modulo_and_int32_ids(device):
     ref = hasher.hash_compressed(ids, blocked=blocked, backend="torch")
     for fast_mod in (True, False):
         for dtype in (torch.int64, torch.int32):
-            got = hash_prefill_triton(ids.to(dtype), multipliers=c["multipliers"], primes=c["primes"],
-                                      magic=hasher._magic(torch.device(device)), offsets=c["offsets"],
-                                      n_heads=3, pad_id=hasher.pad_compressed_id, blocked=blocked, fast_mod=fast_mod,
-                                      block_t=16)
+            got = hash_prefill_triton(
+                ids.to(dtype),
+                multipliers=c["multipliers"],
+                primes=c["primes"],
+                magic=hasher._magic(torch.device(device)),
+                offsets=c["offsets"],
+                n_heads=3,
+                pad_id=hasher.pad_compressed_id,
+                blocked=blocked,
+                fast_mod=fast_mod,
+                block_t=16,
+            )
             assert torch.equal(ref, got), (fast_mod, dtype)
 
 
 @settings(max_examples=12 if INTERPRET else 40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(max_n=st.integers(2, 5), heads=st.sampled_from([1, 3, 8, 9]), n_layers=st.integers(1, 3),
-       vocab=st.sampled_from([2, 17, 99_092, 2**20 + 7]), length=st.integers(1, 12), p_block=st.sampled_from([0.0, 0.3]),
-       data_seed=st.integers(0, 2**31 - 1))
+@given(
+    max_n=st.integers(2, 5),
+    heads=st.sampled_from([1, 3, 8, 9]),
+    n_layers=st.integers(1, 3),
+    vocab=st.sampled_from([2, 17, 99_092, 2**20 + 7]),
+    length=st.integers(1, 12),
+    p_block=st.sampled_from([0.0, 0.3]),
+    data_seed=st.integers(0, 2**31 - 1),
+)
 def test_prefill_property(max_n, heads, n_layers, vocab, length, p_block, data_seed):
     gen = np.random.default_rng(data_seed)
     layers = sorted(gen.choice(40, size=n_layers, replace=False).tolist())
     sizes = gen.integers(2, 5000, size=4).tolist()
     extra = int(gen.integers(0, 30))
-    hasher = _hasher(max_n, heads, layers, sizes=sizes, vocab=vocab, extra_tokens=extra, seed=data_seed % 1000,
-                     pad_id=int(gen.integers(0, vocab + extra)))
+    hasher = _hasher(
+        max_n,
+        heads,
+        layers,
+        sizes=sizes,
+        vocab=vocab,
+        extra_tokens=extra,
+        seed=data_seed % 1000,
+        pad_id=int(gen.integers(0, vocab + extra)),
+    )
     ids = torch.from_numpy(gen.integers(0, hasher.vocab_size, size=(2, length)))
     blocked = torch.from_numpy(gen.random((2, length)) < p_block) if p_block else None
     for device in kernel_devices_here():
@@ -131,7 +171,9 @@ def test_barrett_modulo_edges(device):
     """umulhi-based x % p over the extremes: x near 2**63, tiny and huge primes."""
     gen = torch.Generator().manual_seed(11)
     n = 512
-    primes = torch.tensor([2, 3, 5, 7, 16_000_057, 384_006_151, 2**31 - 1, 2**61 - 1, 2**62 - 57, (2**63 - 25)] * 52)[:n]
+    primes = torch.tensor([2, 3, 5, 7, 16_000_057, 384_006_151, 2**31 - 1, 2**61 - 1, 2**62 - 57, (2**63 - 25)] * 52)[
+        :n
+    ]
     x = torch.randint(0, 2**62, (n,), generator=gen) * 2 + torch.randint(0, 2, (n,), generator=gen)
     x[:20] = 2**63 - 1
     x[20:40] = 0
@@ -139,7 +181,9 @@ def test_barrett_modulo_edges(device):
     x[80:100] = torch.where(primes[80:100] < 2**62, primes[80:100] * 2 - 1, primes[80:100] + 1)
     x[60:80] = primes[60:80]
     out = torch.empty_like(x).to(device)
-    _mod_kernel[(triton.cdiv(n, 128),)](x.to(device), primes.to(device), barrett_magic(primes).to(device), out, n, BLOCK=128)
+    _mod_kernel[(triton.cdiv(n, 128),)](
+        x.to(device), primes.to(device), barrett_magic(primes).to(device), out, n, BLOCK=128
+    )
     expect = torch.tensor([int(a) % int(p) for a, p in zip(x.tolist(), primes.tolist())], dtype=torch.int64)
     assert torch.equal(out.cpu(), expect)
 
@@ -166,8 +210,9 @@ def _run_decode(hasher, device, backend, seqs, prompt_lens, blocked_full, aliase
     hist.free(reused)
     for i, s in enumerate(slots):
         p = prompt_lens[i]
-        hasher.prefill_history(hist, [s], seqs[i : i + 1, :p].to(device),
-                               blocked=blocked_full[i : i + 1, :p].to(device), check=False)
+        hasher.prefill_history(
+            hist, [s], seqs[i : i + 1, :p].to(device), blocked=blocked_full[i : i + 1, :p].to(device), check=False
+        )
     rows_per_step, hist_per_step = [], []
     for t in range(min(prompt_lens), length):
         live = [i for i in range(n_seq) if t >= prompt_lens[i]]
@@ -189,7 +234,9 @@ def _run_decode(hasher, device, backend, seqs, prompt_lens, blocked_full, aliase
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("max_n,heads,layers", [(2, 2, (4,)), (4, 3, (1, 5)), (5, 1, (0, 2, 9))], ids=["N2", "N4", "N5"])
+@pytest.mark.parametrize(
+    "max_n,heads,layers", [(2, 2, (4,)), (4, 3, (1, 5)), (5, 1, (0, 2, 9))], ids=["N2", "N4", "N5"]
+)
 def test_decode_history_equals_full_sequence(max_n, heads, layers, device):
     hasher = _hasher(max_n, heads, layers, seed=max_n)
     gen = torch.Generator().manual_seed(max_n * 7)
@@ -212,7 +259,9 @@ def test_decode_history_equals_full_sequence(max_n, heads, layers, device):
 
 
 @pytest.mark.parametrize("lookup", [True, False], ids=["lookup", "no-lookup"])
-@pytest.mark.parametrize("max_n,heads,layers", [(2, 2, (4,)), (4, 3, (1, 5)), (5, 1, (0, 2, 9))], ids=["N2", "N4", "N5"])
+@pytest.mark.parametrize(
+    "max_n,heads,layers", [(2, 2, (4,)), (4, 3, (1, 5)), (5, 1, (0, 2, 9))], ids=["N2", "N4", "N5"]
+)
 def test_native_cpu_decode_equals_reference(max_n, heads, layers, lookup, monkeypatch):
     """The CPU decode hash (`hash.c`, what `decode` runs on CPU tensors by default) gives the
     reference's row ids and history, bit for bit: live, padding, aliasing, blocked and
@@ -225,7 +274,7 @@ def test_native_cpu_decode_equals_reference(max_n, heads, layers, lookup, monkey
     gen = torch.Generator().manual_seed(max_n * 11)
     n_seq, length = 4, 14
     seqs = torch.randint(0, hasher.vocab_size, (n_seq, length), generator=gen)
-    seqs[1, 9], seqs[2, 10] = -3, hasher.vocab_size + 7          # out of range: read the pad
+    seqs[1, 9], seqs[2, 10] = -3, hasher.vocab_size + 7  # out of range: read the pad
     blocked = torch.rand(n_seq, length, generator=gen) < 0.15
     ref = _run_decode(hasher, "cpu", "torch", seqs, [1, 4, 6, 2], blocked, aliases=[0, 3])
     calls = []
@@ -265,9 +314,13 @@ def test_history_slots_and_errors():
     hist.ids[b] = 4
     hist.reset([b])
     assert torch.all(hist.ids == 9)
-    tail = NgramHistory.tail_history(torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]]), 3, 9,
-                                     blocked=torch.tensor([[False, True, False, False], [False] * 4]),
-                                     lengths=torch.tensor([4, 2]))
+    tail = NgramHistory.tail_history(
+        torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]]),
+        3,
+        9,
+        blocked=torch.tensor([[False, True, False, False], [False] * 4]),
+        lengths=torch.tensor([4, 2]),
+    )
     assert tail.tolist() == [[4, 3, 9], [6, 5, 9]]
     with pytest.raises(Exception, match="new_history"):
         _hasher(4).decode(NgramHistory(2, 3, 0), torch.tensor([0]), torch.tensor([1]))
@@ -282,8 +335,16 @@ def test_decode_reference_matches_prefill_on_cpu():
     s = hist.allocate()
     c = hasher.constants("cpu")
     for t in range(9):
-        rows = hash_decode_reference(hist.ids, torch.tensor([s]), seq[0, t : t + 1], multipliers=c["multipliers"],
-                                     primes=c["primes"], offsets=c["offsets"], n_heads=2, pad_id=hasher.pad_compressed_id)
+        rows = hash_decode_reference(
+            hist.ids,
+            torch.tensor([s]),
+            seq[0, t : t + 1],
+            multipliers=c["multipliers"],
+            primes=c["primes"],
+            offsets=c["offsets"],
+            n_heads=2,
+            pad_id=hasher.pad_compressed_id,
+        )
         assert torch.equal(rows[0], full[t])
 
 
@@ -311,8 +372,9 @@ def test_v41_prefill_full_geometry(v41_hasher):
     assert torch.equal(ref, got)
     assert int(got.max()) < max(hasher.layout.num_embeddings) and int(got.min()) >= 0
     # Hashing is causal: a prefix hashed on CPU gives the same rows as the prefix of the GPU result.
-    ref_cpu = hasher(ids[:1, :257].cpu(), doc_starts=doc_starts[:1, :257].cpu(), blocked=blocked[:1, :257].cpu(),
-                     backend="torch")
+    ref_cpu = hasher(
+        ids[:1, :257].cpu(), doc_starts=doc_starts[:1, :257].cpu(), blocked=blocked[:1, :257].cpu(), backend="torch"
+    )
     assert torch.equal(ref_cpu, got[:1, :257].cpu())
 
 

@@ -21,8 +21,15 @@ DEVICES = kernel_devices()
 def _hasher(max_n: int, seed: int) -> NgramHasher:
     gen = np.random.default_rng(seed)
     vocab = 40
-    cfg = EngramConfig(layer_ids=[1, 4], max_ngram_size=max_n, n_heads=2, head_dim=8,
-                       table_size=[101, 53, 31][: max_n - 1], compressed_vocab_size=vocab, seed=seed % 3)
+    cfg = EngramConfig(
+        layer_ids=[1, 4],
+        max_ngram_size=max_n,
+        n_heads=2,
+        head_dim=8,
+        table_size=[101, 53, 31][: max_n - 1],
+        compressed_vocab_size=vocab,
+        seed=seed % 3,
+    )
     table = np.concatenate([np.arange(vocab), gen.integers(0, vocab, 25)])
     gen.shuffle(table)
     return NgramHasher(EngramLayout(cfg), token_lookup=table)
@@ -47,8 +54,18 @@ class Sequence:
         self.slot = -1
 
 
-def run_schedule(hasher: NgramHasher, device, backend: str, rng: np.random.Generator, n_seqs: int, max_len: int,
-                 spec_prob: float, block_prob: float, handover_prob: float, preempt_prob: float) -> int:
+def run_schedule(
+    hasher: NgramHasher,
+    device,
+    backend: str,
+    rng: np.random.Generator,
+    n_seqs: int,
+    max_len: int,
+    spec_prob: float,
+    block_prob: float,
+    handover_prob: float,
+    preempt_prob: float,
+) -> int:
     depth = hasher.layout.max_ngram_size - 1
     history = hasher.new_history(n_slots=max(2, n_seqs // 2 + 1), device=device)
     waiting, running, checked = [], [], 0
@@ -56,8 +73,9 @@ def run_schedule(hasher: NgramHasher, device, backend: str, rng: np.random.Gener
         length = int(rng.integers(1, max_len + 1))
         ids = rng.integers(0, hasher.vocab_size, length)
         blocked = rng.random(length) < block_prob
-        truth = hasher(torch.as_tensor(ids)[None].to(device), blocked=torch.as_tensor(blocked)[None].to(device),
-                       backend="torch")[0]
+        truth = hasher(
+            torch.as_tensor(ids)[None].to(device), blocked=torch.as_tensor(blocked)[None].to(device), backend="torch"
+        )[0]
         seq = Sequence(ids, blocked, truth)
         seq.done = int(rng.integers(0, length)) if rng.random() < 0.4 else 0  # a prefix-cache hit
         waiting.append(seq)
@@ -98,13 +116,25 @@ def run_schedule(hasher: NgramHasher, device, backend: str, rng: np.random.Gener
         cu = np.concatenate([[0], np.cumsum([len(c) for c, _ in chunks])])
         slots = torch.tensor([-1 if h else s.slot for s, h in zip(batch, handed)], device=device)
         lookback = torch.tensor([_lookback(s.ids, s.blocked, s.done, depth) for s in batch], device=device)
-        args = dict(history=history, slots=slots, lookback_ids=lookback if any(handed) else None,
-                    blocked=torch.as_tensor(flat_blocked, device=device), backend=backend)
+        args = dict(
+            history=history,
+            slots=slots,
+            lookback_ids=lookback if any(handed) else None,
+            blocked=torch.as_tensor(flat_blocked, device=device),
+            backend=backend,
+        )
         flat_t, cu_t = torch.as_tensor(flat, device=device), torch.as_tensor(cu, device=device)
         rows = hasher.hash_ragged(flat_t, cu_t, commit=not spec, **args)
         if spec:
-            hasher.commit(history, slots, flat_t, cu_t, torch.tensor(accepted, device=device),
-                          blocked=args["blocked"], backend=backend)
+            hasher.commit(
+                history,
+                slots,
+                flat_t,
+                cu_t,
+                torch.tensor(accepted, device=device),
+                blocked=args["blocked"],
+                backend=backend,
+            )
         for b, (s, h) in enumerate(zip(batch, handed)):
             n_ok = accepted[b]
             got = rows[cu[b] : cu[b] + n_ok]
@@ -113,8 +143,11 @@ def run_schedule(hasher: NgramHasher, device, backend: str, rng: np.random.Gener
             checked += n_ok
             if h:
                 # A handed-over chunk wrote nothing: the engine re-seeds the slot as it would on arrival.
-                hasher.seed_history(history, torch.tensor([s.slot], device=device),
-                                    torch.tensor([_lookback(s.ids, s.blocked, s.done + n_ok, depth)], device=device))
+                hasher.seed_history(
+                    history,
+                    torch.tensor([s.slot], device=device),
+                    torch.tensor([_lookback(s.ids, s.blocked, s.done + n_ok, depth)], device=device),
+                )
             s.done += n_ok
         padding_rows = rows[cu[-1] :]
         offsets = hasher.constants(device)["offsets"]
@@ -135,17 +168,26 @@ BACKENDS = ["torch", "triton"]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=12 if INTERPRET else 60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31 - 1), max_n=st.sampled_from([2, 3, 4]), n_seqs=st.integers(1, 6),
-       spec_prob=st.sampled_from([0.0, 0.5]), block_prob=st.sampled_from([0.0, 0.15]),
-       handover_prob=st.sampled_from([0.0, 0.3]), preempt_prob=st.sampled_from([0.0, 0.2]))
-def test_any_schedule_hashes_like_whole_sequences(device, backend, seed, max_n, n_seqs, spec_prob, block_prob,
-                                                   handover_prob, preempt_prob):
+@settings(
+    max_examples=12 if INTERPRET else 60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    max_n=st.sampled_from([2, 3, 4]),
+    n_seqs=st.integers(1, 6),
+    spec_prob=st.sampled_from([0.0, 0.5]),
+    block_prob=st.sampled_from([0.0, 0.15]),
+    handover_prob=st.sampled_from([0.0, 0.3]),
+    preempt_prob=st.sampled_from([0.0, 0.2]),
+)
+def test_any_schedule_hashes_like_whole_sequences(
+    device, backend, seed, max_n, n_seqs, spec_prob, block_prob, handover_prob, preempt_prob
+):
     hasher = _hasher(max_n, seed)
     rng = np.random.default_rng(seed)
-    checked = run_schedule(hasher, device, backend, rng, n_seqs, 14, spec_prob, block_prob, handover_prob,
-                           preempt_prob)
+    checked = run_schedule(hasher, device, backend, rng, n_seqs, 14, spec_prob, block_prob, handover_prob, preempt_prob)
     assert checked > 0
 
 
@@ -165,12 +207,14 @@ def test_triton_equals_reference_on_one_mixed_batch(device):
         history = hasher.new_history(16, device)
         for _ in range(10):
             history.allocate()
-        history.ids.copy_(torch.randint(0, hasher.layout.compressed_vocab_size, history.ids.shape, generator=gen)
-                          .to(device))
+        history.ids.copy_(
+            torch.randint(0, hasher.layout.compressed_vocab_size, history.ids.shape, generator=gen).to(device)
+        )
         slots = torch.tensor([3, 0, 9, -1, 5, 2, 7, 4], device=device)
         lookback = torch.randint(-1, hasher.vocab_size, (len(lengths), 3), generator=gen).to(device)
-        rows = hasher.hash_ragged(ids, cu, history=history, slots=slots, lookback_ids=lookback, blocked=blocked,
-                                  backend=backend)
+        rows = hasher.hash_ragged(
+            ids, cu, history=history, slots=slots, lookback_ids=lookback, blocked=blocked, backend=backend
+        )
         results.append((rows, history.ids.clone()))
         gen.manual_seed(0)
         torch.randint(0, hasher.vocab_size, (n,), generator=gen)
@@ -280,8 +324,9 @@ def test_ragged_hash_and_commit_replay_in_a_cuda_graph():
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_rows = hasher.hash_ragged(static_ids, static_cu, history=graph_hist, slots=static_slots, commit=False,
-                                         check=False)
+        static_rows = hasher.hash_ragged(
+            static_ids, static_cu, history=graph_hist, slots=static_slots, commit=False, check=False
+        )
         hasher.commit(graph_hist, static_slots, static_ids, static_cu, static_commit)
     rng = np.random.default_rng(0)
     for step in range(20):

@@ -19,8 +19,10 @@ DEVICES = kernel_devices()
 
 
 def _pair(device, capacity, row_bytes, ways, decay_every):
-    return [RowCache(capacity, row_bytes, ways=ways, device=device, decay_every=decay_every, backend=b)
-            for b in ("torch", "triton")]
+    return [
+        RowCache(capacity, row_bytes, ways=ways, device=device, decay_every=decay_every, backend=b)
+        for b in ("torch", "triton")
+    ]
 
 
 def _assert_same_state(ref: RowCache, got: RowCache, step: str) -> None:
@@ -65,8 +67,9 @@ def test_kernels_match_the_torch_ops(device, row_bytes, ways, capacity):
         row_index = torch.randperm(newcomers.numel(), generator=gen).to(device)
         source_rows = torch.empty_like(source)
         source_rows[row_index] = source
-        kept_ref, kept = (c.admit_rows(newcomers, source_rows, valid=newcomers >= 0, row_index=row_index)
-                          for c in (ref, got))
+        kept_ref, kept = (
+            c.admit_rows(newcomers, source_rows, valid=newcomers >= 0, row_index=row_index) for c in (ref, got)
+        )
         for c in (ref, got):
             c.note_admission()
         assert torch.equal(kept_ref, kept), f"step {step}: admitted slots differ"
@@ -78,13 +81,13 @@ def test_kernels_match_the_torch_ops(device, row_bytes, ways, capacity):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_burst_into_one_set_takes_at_most_every_way(device):
-    ref, got = _pair(device, capacity=8, row_bytes=16, ways=4, decay_every=0)   # 2 sets
+    ref, got = _pair(device, capacity=8, row_bytes=16, ways=4, decay_every=0)  # 2 sets
     gen = torch.Generator().manual_seed(5)
-    first = torch.tensor([0, 2, 4], device=device)                  # set 0, one way left empty
+    first = torch.tensor([0, 2, 4], device=device)  # set 0, one way left empty
     for cache in (ref, got):
         cache.admit(first, _rows(first, 16, gen).to(device))
-        cache.probe(torch.tensor([2], device=device))               # id 2 becomes the most frequent
-    burst = torch.arange(10, 30, 2, device=device)                  # 10 newcomers for set 0
+        cache.probe(torch.tensor([2], device=device))  # id 2 becomes the most frequent
+    burst = torch.arange(10, 30, 2, device=device)  # 10 newcomers for set 0
     rows = _rows(burst, 16, gen).to(device)
     slots = [cache.admit(burst, rows) for cache in (ref, got)]
     assert torch.equal(slots[0], slots[1])

@@ -24,10 +24,24 @@ LOOKUP = np.arange(VOCAB) % V_COMPRESSED  # a valid first-appearance map onto 60
 
 
 def make_cfg(engram: bool = True, short_conv: bool = True, layers=(1,), n_layers: int = 3) -> ModelConfig:
-    e = EngramConfig(layer_ids=list(layers), max_ngram_size=3, n_heads=2, head_dim=8, table_size=53, pad_id=1,
-                     hidden_size=32, short_conv=short_conv, compressed_vocab_size=V_COMPRESSED) if engram else None
-    return ModelConfig(vocab_size=VOCAB, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_hidden=48,
-                       max_seq_len=40, engram=e)
+    e = (
+        EngramConfig(
+            layer_ids=list(layers),
+            max_ngram_size=3,
+            n_heads=2,
+            head_dim=8,
+            table_size=53,
+            pad_id=1,
+            hidden_size=32,
+            short_conv=short_conv,
+            compressed_vocab_size=V_COMPRESSED,
+        )
+        if engram
+        else None
+    )
+    return ModelConfig(
+        vocab_size=VOCAB, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=40, engram=e
+    )
 
 
 def randomize_conv(model: DecoderLM) -> None:
@@ -50,8 +64,9 @@ def test_forward_shapes_and_loss(engram):
     assert abs(loss.item() - np.log(VOCAB)) < 1.0  # near uniform at init
 
 
-@pytest.mark.parametrize("engram,short_conv", [(False, False), (True, False), (True, True)],
-                         ids=["baseline", "engram-noconv", "engram-conv"])
+@pytest.mark.parametrize(
+    "engram,short_conv", [(False, False), (True, False), (True, True)], ids=["baseline", "engram-noconv", "engram-conv"]
+)
 @pytest.mark.parametrize("prefill", [1, 6, 19], ids=lambda n: f"prefill{n}")
 def test_incremental_decoding_matches_full_forward(engram, short_conv, prefill):
     model = DecoderLM(make_cfg(engram, short_conv, layers=(0, 2)), token_lookup=LOOKUP).eval()
@@ -126,10 +141,11 @@ def test_sparse_table_gradient():
     model = DecoderLM(make_cfg(), token_lookup=LOOKUP, sparse_tables=True)
     ids = torch.randint(0, VOCAB, (2, 10))
     model.loss(ids, ids).backward()
-    (_name, table), = model.table_parameters()
+    ((_name, table),) = model.table_parameters()
     assert table.grad.is_sparse
-    assert all(p.grad is not None and not p.grad.is_sparse for n, p in model.backbone_parameters()
-               if "short_conv" not in n), "every backbone parameter gets a dense gradient"
+    assert all(
+        p.grad is not None and not p.grad.is_sparse for n, p in model.backbone_parameters() if "short_conv" not in n
+    ), "every backbone parameter gets a dense gradient"
 
 
 def test_generate_is_deterministic_and_respects_length():

@@ -17,8 +17,10 @@ from condmem.models import DecoderLM, forward_flops_per_token, iso_flop_baseline
 from condmem.models.config import ModelConfig, MoEConfig
 from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss
 
-BACKENDS = [False, pytest.param(True, marks=pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
-                                                                reason="torch has no _grouped_mm"))]
+BACKENDS = [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")),
+]
 
 
 def reference(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
@@ -52,8 +54,11 @@ def _pair(n_experts: int, top_k: int, seed: int = 0) -> tuple[MoE, MoE]:
 
 
 @pytest.mark.parametrize("grouped", BACKENDS, ids=["loop", "grouped_mm"])
-@pytest.mark.parametrize(("tokens", "n_experts", "top_k"), [(13, 5, 2), (1, 4, 1), (3, 8, 2), (40, 6, 3)],
-                         ids=["odd", "one-token", "idle-experts", "top3"])
+@pytest.mark.parametrize(
+    ("tokens", "n_experts", "top_k"),
+    [(13, 5, 2), (1, 4, 1), (3, 8, 2), (40, 6, 3)],
+    ids=["odd", "one-token", "idle-experts", "top3"],
+)
 def test_moe_matches_a_plain_loop(grouped, tokens, n_experts, top_k):
     moe, ref_moe = _pair(n_experts, top_k)
     moe.use_grouped_mm = grouped
@@ -91,10 +96,10 @@ def test_moe_keeps_the_input_shape_and_is_batch_independent():
 
 
 def test_dispatch_layout_groups_pairs_by_expert():
-    experts = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 0]])   # expert 1 idle, expert 2 three times
+    experts = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 0]])  # expert 1 idle, expert 2 three times
     dest, ends, rows = dispatch_layout(experts, 4)
     assert rows == 8 + GROUP_ALIGN * 4 and ends.dtype == torch.int32 and ends[-1] == rows
-    assert dispatch_layout(torch.tensor([[1, 0], [2, 1], [0, 3]]), 4)[2] == 8 + GROUP_ALIGN * 4   # 6 pairs -> 8
+    assert dispatch_layout(torch.tensor([[1, 0], [2, 1], [0, 3]]), 4)[2] == 8 + GROUP_ALIGN * 4  # 6 pairs -> 8
     assert ends.tolist() == [8, 16, 24, rows]
     starts = [0, 8, 16, 24]
     flat = experts.flatten().tolist()
@@ -123,8 +128,16 @@ def test_load_balancing_loss_hand_cases():
 
 
 def _moe_cfg(**moe) -> ModelConfig:
-    return ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=24, max_seq_len=16,
-                       moe=MoEConfig(**{"n_experts": 6, "top_k": 2, "expert_hidden": 16, **moe}))
+    return ModelConfig(
+        vocab_size=64,
+        dim=32,
+        n_layers=3,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_hidden=24,
+        max_seq_len=16,
+        moe=MoEConfig(**{"n_experts": 6, "top_k": 2, "expert_hidden": 16, **moe}),
+    )
 
 
 def test_moe_decoder_accounting_and_aux_loss():
@@ -142,7 +155,8 @@ def test_moe_decoder_accounting_and_aux_loss():
     loss = model.loss(ids, ids)
     aux = model.aux_loss()
     assert aux is not None and aux.item() == pytest.approx(
-        0.01 * sum(float(b.moe.aux_loss.detach()) for b in model.blocks[1:]))
+        0.01 * sum(float(b.moe.aux_loss.detach()) for b in model.blocks[1:])
+    )
     (loss + aux).backward()
     assert model.blocks[1].moe.router.weight.grad.abs().sum() > 0
     model.eval()
@@ -154,8 +168,9 @@ def test_moe_decoder_accounting_and_aux_loss():
 def test_moe_block_without_shared_expert_and_iso_flop_baseline():
     from condmem.config import EngramConfig
 
-    engram = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=50, hidden_size=32,
-                          compressed_vocab_size=60)
+    engram = EngramConfig(
+        layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=50, hidden_size=32, compressed_vocab_size=60
+    )
     cfg = _moe_cfg().replace(ffn_hidden=0, engram=engram)
     assert DecoderLM(cfg, seed=0).blocks[0].mlp is None
     base = iso_flop_baseline(cfg)
@@ -179,7 +194,7 @@ def test_grouped_mm_matches_the_loop_on_the_gpu():
     x = torch.randn(4096, 256, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y, y_loop = moe(x), loop(x)
-    assert y.dtype == y_loop.dtype   # both backends hand back the same dtype (the fp32 routing weights combine)
+    assert y.dtype == y_loop.dtype  # both backends hand back the same dtype (the fp32 routing weights combine)
     assert_close("output", y_loop.float(), y.float(), tol=2e-2)
     y.float().square().sum().backward()
     y_loop.float().square().sum().backward()

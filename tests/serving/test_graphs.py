@@ -65,6 +65,7 @@ def _slow_side_branch(delay_cycles: int, skip_wait: bool = False):
     captured graph must): the negative control of the wait."""
     with pytest.MonkeyPatch.context() as mp:
         for cls in (ZeroCopyRows, StagedRows):
+
             def slowed(self, ids_by_layer, fetch=cls._fetch):
                 torch.cuda._sleep(delay_cycles)
                 fetch(self, ids_by_layer)
@@ -100,8 +101,9 @@ def test_graph_fetching_rows_inside_is_exact(tier, wait, host_prompts):
     memory = EngramMemory.from_weights(model.hasher, tables, tier, "cuda", max_sequences=3)
     with torch.no_grad():
         plain = _run(model, graphed=True, steps=64)
-        served = _run(model, memory=memory, graphed=True, wait=wait, host_prompts=host_prompts, steps=64,
-                      fetch="zero_copy")
+        served = _run(
+            model, memory=memory, graphed=True, wait=wait, host_prompts=host_prompts, steps=64, fetch="zero_copy"
+        )
     assert len(served) == 64
     for i, (a, b) in enumerate(zip(plain, served)):
         assert torch.equal(a, b), f"step {i}"
@@ -122,7 +124,7 @@ def test_graph_with_a_capped_fetch_grid_is_exact():
 def test_graph_negative_control_rows_read_without_waiting_are_wrong():
     """A slowed fetch still gives exact logits with the wait, and wrong ones when the Engram layer skips it."""
     model, tables = tiny_engram_lm("cuda")
-    delay = 50_000_000   # ~25 ms of GPU sleep before the side branch gathers
+    delay = 50_000_000  # ~25 ms of GPU sleep before the side branch gathers
     with torch.no_grad():
         plain = _run(model, graphed=True, steps=6)
         memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3)
@@ -188,8 +190,13 @@ def test_graph_staged_fetch_stats_close_and_refusals():
         GraphedDecoder(model, cache, memory=memory, fetch="dma")
     with torch.no_grad():
         slot = memory.allocate()
-        prefill(model, cache, slot, torch.arange(5, device="cuda"), prepared=memory.prepare(
-            torch.arange(5)[None], slots=torch.tensor([slot])))
+        prefill(
+            model,
+            cache,
+            slot,
+            torch.arange(5, device="cuda"),
+            prepared=memory.prepare(torch.arange(5)[None], slots=torch.tensor([slot])),
+        )
         with GraphedDecoder(model, cache, memory=memory, fetch="staged", fetch_threads=2) as graph:
             for _ in range(5):
                 graph.step([slot], torch.tensor([3], device="cuda"))
@@ -218,8 +225,9 @@ def test_graph_staged_fetch_of_a_tensor_parallel_memory_is_exact(tmp_path, mode)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
     try:
         model, tables = tiny_engram_lm("cuda")
-        memory = EngramMemory.from_weights(model.hasher, tables, "host", "cuda", max_sequences=3,
-                                           process_group=dist.group.WORLD, tp_mode=mode)
+        memory = EngramMemory.from_weights(
+            model.hasher, tables, "host", "cuda", max_sequences=3, process_group=dist.group.WORLD, tp_mode=mode
+        )
         assert memory.sharded
         with torch.no_grad():
             plain = _run(model, graphed=True, steps=16)

@@ -11,23 +11,44 @@ from helpers import devices
 
 
 def _setup(device="cpu"):
-    cfg = EngramConfig(layer_ids=[1, 3], max_ngram_size=3, n_heads=2, head_dim=16, table_size=101, hidden_size=32,
-                       hc_mult=1, compressed_vocab_size=70)
+    cfg = EngramConfig(
+        layer_ids=[1, 3],
+        max_ngram_size=3,
+        n_heads=2,
+        head_dim=16,
+        table_size=101,
+        hidden_size=32,
+        hc_mult=1,
+        compressed_vocab_size=70,
+    )
     hasher = NgramHasher(EngramLayout(cfg))
     torch.manual_seed(0)
-    modules = {lid: Engram(cfg, hasher.layout.layer(lid).num_embeddings, layer_id=lid, dtype=torch.bfloat16).to(device)
-               for lid in cfg.layer_ids}
+    modules = {
+        lid: Engram(cfg, hasher.layout.layer(lid).num_embeddings, layer_id=lid, dtype=torch.bfloat16).to(device)
+        for lid in cfg.layer_ids
+    }
     return cfg, hasher, modules
 
 
-@pytest.mark.parametrize(("device", "tier"), [("cpu", "host"), pytest.param("cuda", "host", marks=pytest.mark.gpu),
-                                             pytest.param("cuda", "hbm", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    ("device", "tier"),
+    [
+        ("cpu", "host"),
+        pytest.param("cuda", "host", marks=pytest.mark.gpu),
+        pytest.param("cuda", "hbm", marks=pytest.mark.gpu),
+    ],
+)
 @pytest.mark.parametrize("cache", [0, 4096], ids=["nocache", "cache"])
 def test_prefetched_rows_equal_the_module_table(device, tier, cache):
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, tier, device,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register",
-                                       cache_bytes=cache)
+    memory = EngramMemory.from_weights(
+        hasher,
+        {lid: m.table.weight for lid, m in modules.items()},
+        tier,
+        device,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+        cache_bytes=cache,
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         ids = torch.randint(0, 70, (3, 11), generator=gen).to(device)
@@ -43,8 +64,14 @@ def test_prefetched_rows_equal_the_module_table(device, tier, cache):
 @pytest.mark.parametrize("device", devices())
 def test_decode_history_equals_hashing_whole_sequences(device):
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register", max_sequences=4)
+    memory = EngramMemory.from_weights(
+        hasher,
+        {lid: m.table.weight for lid, m in modules.items()},
+        "host",
+        device,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+        max_sequences=4,
+    )
     gen = torch.Generator().manual_seed(2)
     # Three requests with different prompt lengths; one leaves early and a new one reuses its slot.
     seqs = {name: torch.randint(0, 70, (n,), generator=gen).tolist() for name, n in (("a", 5), ("b", 2), ("c", 7))}
@@ -54,7 +81,7 @@ def test_decode_history_equals_hashing_whole_sequences(device):
         memory.prepare(torch.tensor([seqs[name]], device=device), slots=torch.tensor([slot]))
         live[name] = slot
     for step in range(8):
-        if step == 3:                                    # b leaves, c joins in its slot
+        if step == 3:  # b leaves, c joins in its slot
             memory.free(live.pop("b"))
             slot = memory.allocate()
             memory.prepare(torch.tensor([seqs["c"]], device=device), slots=torch.tensor([slot]))
@@ -68,7 +95,7 @@ def test_decode_history_equals_hashing_whole_sequences(device):
         prepared = memory.prepare_decode(slots, ids, valid=valid)
         for i, name in enumerate(names):
             seqs[name].append(int(new[i]))
-            full = hasher(torch.tensor([seqs[name]], device=device))[0, -1]       # [L, C]
+            full = hasher(torch.tensor([seqs[name]], device=device))[0, -1]  # [L, C]
             assert torch.equal(prepared.row_ids_all[i, 0], full)
             for lid in cfg.layer_ids:
                 rows = prepared.rows(lid)[i, 0]
@@ -92,8 +119,13 @@ def test_prepare_refuses_ids_outside_the_vocabulary(device):
     from condmem.hashing.hasher import HashInputError
 
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register")
+    memory = EngramMemory.from_weights(
+        hasher,
+        {lid: m.table.weight for lid, m in modules.items()},
+        "host",
+        device,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+    )
     bad = torch.tensor([[1, 2, 70]])
     with pytest.raises(HashInputError, match="token id 70 is outside"):
         memory.prepare(bad)
@@ -108,13 +140,14 @@ def test_prepare_refuses_ids_outside_the_vocabulary(device):
 def test_negative_control_rows_read_without_waiting_are_wrong():
     """Removing the wait on the lookup's event must break exactness, or the test above proves nothing."""
     cfg, hasher, modules = _setup("cuda")
-    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", "cuda",
-                                       cpu_fraction=1.0)
+    memory = EngramMemory.from_weights(
+        hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", "cuda", cpu_fraction=1.0
+    )
     ids = torch.randint(0, 70, (4, 64), device="cuda")
     engine = memory.engines[1]
-    engine.direct_max_ids = 0                     # the full path: CPU gather -> staging -> DMA
+    engine.direct_max_ids = 0  # the full path: CPU gather -> staging -> DMA
     with torch.cuda.stream(engine.copy_stream):
-        torch.cuda._sleep(200_000_000)            # hold the DMAs back ~0.1 s
+        torch.cuda._sleep(200_000_000)  # hold the DMAs back ~0.1 s
     prepared = memory.prepare(ids)
     early = prepared.rows(1, wait=False).clone()  # no wait: reads the buffer before it is filled
     late = prepared.rows(1)
@@ -129,9 +162,15 @@ def test_calibration_on_token_batches_keeps_rows_exact(device):
     """EngramMemory.calibrate hashes the caller's batches and times each host layer's split on
     them (on the CPU the split is unused and kept); rows stay exact afterwards."""
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register",
-                                       cache_bytes=4096, cpu_fraction=0.5)
+    memory = EngramMemory.from_weights(
+        hasher,
+        {lid: m.table.weight for lid, m in modules.items()},
+        "host",
+        device,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+        cache_bytes=4096,
+        cpu_fraction=0.5,
+    )
     gen = torch.Generator().manual_seed(2)
     sample = [torch.randint(0, 70, (4, 64), generator=gen) for _ in range(4)]
     with pytest.raises(EngramMemoryError, match="at least two"):
@@ -155,8 +194,9 @@ def test_ragged_batches_serve_the_rows_of_whole_sequences(device):
     EngramMemory: every committed token's rows equal the module table at its whole-sequence ids."""
     cfg, hasher, modules = _setup(device)
     weights = {lid: m.table.weight for lid, m in modules.items()}
-    memory = EngramMemory.from_weights(hasher, weights, "host", device,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register", max_sequences=4)
+    memory = EngramMemory.from_weights(
+        hasher, weights, "host", device, host_alloc="pageable" if device == "cpu" else "mmap_register", max_sequences=4
+    )
     gen = torch.Generator().manual_seed(5)
     a, b = torch.randint(0, 70, (9,), generator=gen), torch.randint(0, 70, (6,), generator=gen)
     truth = {name: hasher(seq[None].to(device))[0] for name, seq in (("a", a), ("b", b))}
@@ -175,11 +215,12 @@ def test_ragged_batches_serve_the_rows_of_whole_sequences(device):
 
     # step 1: a's first chunk (4 tokens) + b's first uncached chunk (2 tokens) + 2 padding tokens
     ids = torch.cat([a[:4], b[3:5], torch.tensor([7, 7])])
-    check(memory.prepare_ragged(ids, torch.tensor([0, 4, 6]), slots=torch.tensor([sa, sb])),
-          [("a", 0, 4), ("b", 3, 5)])
+    check(memory.prepare_ragged(ids, torch.tensor([0, 4, 6]), slots=torch.tensor([sa, sb])), [("a", 0, 4), ("b", 3, 5)])
     # step 2: a's rest of the prompt + b's last token (decode)
-    check(memory.prepare_ragged(torch.cat([a[4:7], b[5:6]]), torch.tensor([0, 3, 4]), slots=torch.tensor([sa, sb])),
-          [("a", 4, 7), ("b", 5, 6)])
+    check(
+        memory.prepare_ragged(torch.cat([a[4:7], b[5:6]]), torch.tensor([0, 3, 4]), slots=torch.tensor([sa, sb])),
+        [("a", 4, 7), ("b", 5, 6)],
+    )
     memory.free(sb)
     # step 3: speculative verify for a: [a7, a8, wrong draft]; 2 accepted
     ids = torch.cat([a[7:9], torch.tensor([(int(a[8]) + 1) % 70])])
@@ -198,11 +239,16 @@ def test_warm_up_captures_every_layer_and_rows_stay_exact(device):
     """EngramMemory.warm_up(batch_tokens): each layer's plans for those batch sizes are captured
     (CUDA; a no-op on the CPU), and lookups of warmed and other sizes give the module's rows."""
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register",
-                                       cache_bytes=4096)
+    memory = EngramMemory.from_weights(
+        hasher,
+        {lid: m.table.weight for lid, m in modules.items()},
+        "host",
+        device,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+        cache_bytes=4096,
+    )
     for engine in memory.engines.values():
-        engine.direct_max_ids = 0                 # the full path, which has plans to capture
+        engine.direct_max_ids = 0  # the full path, which has plans to capture
     memory.warm_up([4 * 64])
     for engine in memory.engines.values():
         captured = [p.captured for ring in engine._plans.values() for p in ring]
@@ -225,11 +271,17 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
     from condmem.serving.memory import FetchTiming
 
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register",
-                                       cpu_fraction=1.0, measure_fetch=True)
+    memory = EngramMemory.from_weights(
+        hasher,
+        {lid: m.table.weight for lid, m in modules.items()},
+        "host",
+        device,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+        cpu_fraction=1.0,
+        measure_fetch=True,
+    )
     for engine in memory.engines.values():
-        engine.direct_max_ids = 0                     # CPU gather -> staging -> DMA
+        engine.direct_max_ids = 0  # CPU gather -> staging -> DMA
     ids = torch.randint(0, 70, (4, 64), generator=torch.Generator().manual_seed(6)).to(device)
     if device == "cpu":
         prepared = memory.prepare(ids)
@@ -238,7 +290,7 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
         assert timing.lead_ms == 0.0 and timing.hidden == 0.0
     else:
         prepared = memory.prepare(ids)
-        torch.cuda._sleep(100_000_000)                # ~50 ms of "layers" before the Engram layer
+        torch.cuda._sleep(100_000_000)  # ~50 ms of "layers" before the Engram layer
         prepared.rows(1)
         hidden = prepared.fetch_timing()[1]
         assert hidden.hidden > 0.99 and hidden.lead_ms > 10
@@ -252,8 +304,13 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
         exposed = late.fetch_timing()[3]
         assert exposed.stall_ms > 10 and exposed.hidden < 0.5
     assert FetchTiming(3.0, 1.0).hidden == 0.75 and FetchTiming(3.0, 0.0).hidden == 1.0
-    plain = EngramMemory.from_weights(hasher, {lid: m.table.weight for lid, m in modules.items()}, "host", device,
-                                      host_alloc="pageable" if device == "cpu" else "mmap_register")
+    plain = EngramMemory.from_weights(
+        hasher,
+        {lid: m.table.weight for lid, m in modules.items()},
+        "host",
+        device,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+    )
     with pytest.raises(EngramMemoryError, match="measure_fetch"):
         plain.prepare(ids).fetch_timing()
     plain.close()
@@ -274,7 +331,7 @@ def test_fresh_prompts_hashed_without_slots_then_committed_equal_prepared_with_s
     prompts = [torch.randint(0, 70, (n,), generator=gen) for n in (1, 2, 7, 4)]
     ids = torch.cat(prompts)
     cu = torch.tensor([0, *torch.tensor([p.numel() for p in prompts]).cumsum(0).tolist()])
-    for memory in (early, plain):     # a used slot first: admission must reset it
+    for memory in (early, plain):  # a used slot first: admission must reset it
         s = memory.allocate()
         memory.prepare_ragged(torch.tensor([3, 4, 5]), torch.tensor([0, 3]), slots=torch.tensor([s]))
         memory.free(s)
@@ -291,8 +348,12 @@ def test_fresh_prompts_hashed_without_slots_then_committed_equal_prepared_with_s
     b = plain.prepare_decode(plain_slots, nxt)
     for lid in cfg.layer_ids:
         assert torch.equal(a.row_ids(lid), b.row_ids(lid))
-        whole = torch.stack([hasher(torch.cat([p, n[None]])[None].to(device))[0, -1, hasher.layer_index(lid)]
-                             for p, n in zip(prompts, nxt)])
+        whole = torch.stack(
+            [
+                hasher(torch.cat([p, n[None]])[None].to(device))[0, -1, hasher.layer_index(lid)]
+                for p, n in zip(prompts, nxt)
+            ]
+        )
         assert torch.equal(a.row_ids(lid)[:, 0], whole)
     early.close(), plain.close()
 
@@ -312,7 +373,7 @@ def test_gpu_prompt_batch_given_on_the_host_starts_without_a_host_sync(tier, tok
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 70, (tokens,), generator=gen)
     cu = torch.tensor([0, tokens // 3, tokens])
-    memory.prepare_ragged(ids, cu, slots=slots, commit=False).rows(cfg.layer_ids[0])   # compiles, plans
+    memory.prepare_ragged(ids, cu, slots=slots, commit=False).rows(cfg.layer_ids[0])  # compiles, plans
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -15,8 +15,14 @@ from model_fixtures import tiny_engram_lm as _model
 @pytest.mark.parametrize("device", devices())
 def test_prefill_and_decode_logits_equal_with_prefetched_host_tables(device):
     model, tables = _model(device)
-    memory = EngramMemory.from_weights(model.hasher, tables, "host", device,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register", max_sequences=8)
+    memory = EngramMemory.from_weights(
+        model.hasher,
+        tables,
+        "host",
+        device,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+        max_sequences=8,
+    )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         ids = torch.randint(0, 50, (3, 17), generator=gen).to(device)
@@ -46,7 +52,7 @@ def test_generate_with_memory_equals_generate_with_module_tables():
     plain = generate(model, prompt, 20, temperature=0)
     with_memory = generate(model, prompt, 20, temperature=0, memory=memory)
     assert torch.equal(plain, with_memory)
-    assert memory.history.ids.shape[0] == 4 and len(memory.history._live) == 0   # slots given back
+    assert memory.history.ids.shape[0] == 4 and len(memory.history._live) == 0  # slots given back
 
 
 def test_model_with_meta_tables_runs_from_memory_only():

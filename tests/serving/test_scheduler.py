@@ -14,11 +14,14 @@ from model_fixtures import greedy_tokens, sharpen_attention, tiny_engram_lm
 
 def _serve(model, device, memory=None, budget=7, lookahead=True, spy=None):
     gen = torch.Generator().manual_seed(4)
-    prompts = {k: torch.randint(0, 50, (n,), generator=gen).tolist() for k, n in
-               (("a", 13), ("b", 3), ("c", 9), ("d", 1), ("e", 17))}
+    prompts = {
+        k: torch.randint(0, 50, (n,), generator=gen).tolist()
+        for k, n in (("a", 13), ("b", 3), ("c", 9), ("d", 1), ("e", 17))
+    }
     news = {"a": 6, "b": 9, "c": 1, "d": 5, "e": 4}
-    sched = Scheduler(model, ServingCache(model, n_slots=3, max_len=40), memory=memory, token_budget=budget,
-                      lookahead=lookahead)
+    sched = Scheduler(
+        model, ServingCache(model, n_slots=3, max_len=40), memory=memory, token_budget=budget, lookahead=lookahead
+    )
     if spy is not None:
         spy(sched)
     for k in ("a", "b", "c"):
@@ -49,8 +52,14 @@ def test_schedule_from_engram_memory_gives_the_same_tokens(device):
     model, tables = tiny_engram_lm(device, short_conv=False)
     with torch.no_grad():
         _, _, plain, _ = _serve(model, device)
-        memory = EngramMemory.from_weights(model.hasher, tables, "host", device, max_sequences=3,
-                                           host_alloc="pageable" if device == "cpu" else "mmap_register")
+        memory = EngramMemory.from_weights(
+            model.hasher,
+            tables,
+            "host",
+            device,
+            max_sequences=3,
+            host_alloc="pageable" if device == "cpu" else "mmap_register",
+        )
         _, _, served, _ = _serve(model, device, memory=memory)
         memory.close()
     assert served == plain
@@ -106,12 +115,12 @@ def test_lookahead_starts_the_next_prefill_before_sampling_and_changes_no_token(
     results = {}
     with torch.no_grad():
         for lookahead in (False, True):
-            memory = EngramMemory.from_weights(model.hasher, tables, "host", "cpu", max_sequences=3,
-                                               host_alloc="pageable")
+            memory = EngramMemory.from_weights(
+                model.hasher, tables, "host", "cpu", max_sequences=3, host_alloc="pageable"
+            )
             order.clear()
             sizes.clear()
-            prompts, news, done, _ = _serve(model, "cpu", memory=memory, budget=budget, lookahead=lookahead,
-                                            spy=spy)
+            prompts, news, done, _ = _serve(model, "cpu", memory=memory, budget=budget, lookahead=lookahead, spy=spy)
             results[lookahead] = done
             assert max(sizes) <= budget
             memory.close()

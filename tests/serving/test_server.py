@@ -22,8 +22,14 @@ def _prompts():
 
 
 def _memory(model, tables, device, n_slots):
-    return EngramMemory.from_weights(model.hasher, tables, "host", device, max_sequences=n_slots,
-                                     host_alloc="pageable" if device == "cpu" else "mmap_register")
+    return EngramMemory.from_weights(
+        model.hasher,
+        tables,
+        "host",
+        device,
+        max_sequences=n_slots,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+    )
 
 
 def test_pack_cuts_consecutive_prompts_at_the_token_budget():
@@ -48,7 +54,7 @@ def test_waves_generate_the_greedy_tokens_with_and_without_a_memory(device):
             for wait in ("at_layer", "before_step"):
                 with WaveServer(model, cache, memory, wait=wait, prefill_tokens=12) as server:
                     assert torch.equal(server.serve(prompts, GEN).cpu(), want), wait
-                assert cache.host_lengths == [0, 0, 0]      # every wave released its slots
+                assert cache.host_lengths == [0, 0, 0]  # every wave released its slots
         finally:
             memory.close()
 
@@ -76,11 +82,13 @@ def test_the_observer_hears_every_phase_in_order():
         def decode_done(self, prepared):
             calls.append(f"decode/{len(prepared)}")
 
-    prompts = _prompts()[:3]              # 7 + 2 tokens in one batch, then 11
+    prompts = _prompts()[:3]  # 7 + 2 tokens in one batch, then 11
     memory = _memory(model, tables, "cpu", 3)
     try:
-        with torch.no_grad(), WaveServer(model, ServingCache(model, n_slots=3, max_len=32), memory,
-                                         prefill_tokens=10) as server:
+        with (
+            torch.no_grad(),
+            WaveServer(model, ServingCache(model, n_slots=3, max_len=32), memory, prefill_tokens=10) as server,
+        ):
             server.serve(prompts, 2, observer=Spy())
     finally:
         memory.close()

@@ -77,8 +77,14 @@ def test_joins_and_leaves_match_full_forward(device):
 @pytest.mark.parametrize("device", devices())
 def test_serving_from_prefetched_host_tables_is_exact(device):
     model, tables = _model(device)
-    memory = EngramMemory.from_weights(model.hasher, tables, "host", device, max_sequences=3,
-                                       host_alloc="pageable" if device == "cpu" else "mmap_register")
+    memory = EngramMemory.from_weights(
+        model.hasher,
+        tables,
+        "host",
+        device,
+        max_sequences=3,
+        host_alloc="pageable" if device == "cpu" else "mmap_register",
+    )
     # 64 decode steps; sequences join and leave along the way.
     schedule = dict(steps=64, leave_b=10, join_c=10, join_d=30, leave_a=45)
     plain = _schedule(model, device, **schedule)
@@ -101,10 +107,18 @@ def test_all_slots_step_with_valid_mask_matches_and_leaves_invalid_rows_untouche
         for slot, n in enumerate((4, 7, 2)):
             prefill(model, cache, slot, torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(slot)))
     ids = torch.randint(0, 50, (3,), generator=gen)
+
     def slot_state(cache, slot):
         kv = [t for i in range(len(model.blocks)) for t in cache.prefix(i, slot, cache.max_len)]
-        return [t.clone() for t in (*kv, cache.tokens[slot], cache.lengths[slot],
-                                    *[c[slot] for c in cache.conv.values() if c is not None])]
+        return [
+            t.clone()
+            for t in (
+                *kv,
+                cache.tokens[slot],
+                cache.lengths[slot],
+                *[c[slot] for c in cache.conv.values() if c is not None],
+            )
+        ]
 
     before = slot_state(caches[1], 1)
     by_slots = decode_step(model, caches[0], torch.tensor([0, 2]), ids[[0, 2]])
@@ -132,8 +146,9 @@ def test_batched_prefill_equals_one_prompt_at_a_time(device):
     memory = EngramMemory.from_weights(model.hasher, tables, "host", device, max_sequences=3)
     slots = [memory.allocate() for _ in prompts]
     ids, lengths = padded_ids([p.cpu() for p in prompts])
-    from_memory = prefill_batch(model, served, slots, prompts, prepared=memory.prepare(ids, slots=torch.tensor(slots),
-                                                                                         lengths=lengths))
+    from_memory = prefill_batch(
+        model, served, slots, prompts, prepared=memory.prepare(ids, slots=torch.tensor(slots), lengths=lengths)
+    )
     assert torch.equal(batched, from_memory)
     assert grouped.host_lengths == [7, 2, 11] and grouped.lengths.tolist() == [7, 2, 11]
     rounded = ServingCache(model, n_slots=3, max_len=32)

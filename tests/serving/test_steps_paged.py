@@ -20,7 +20,7 @@ VOCAB = 61
 def _model(seed: int = 0) -> DecoderLM:
     cfg = ModelConfig(vocab_size=VOCAB, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=48)
     model = DecoderLM(cfg, seed=seed).eval()
-    with torch.no_grad():   # sharper attention, so a wrong key or position shows
+    with torch.no_grad():  # sharper attention, so a wrong key or position shows
         for block in model.blocks:
             block.attn.wq.weight.mul_(6.0)
             block.attn.wk.weight.mul_(6.0)
@@ -59,8 +59,11 @@ def test_a_shuffled_block_table_gives_the_same_logits():
     model, prompts = _model(), _prompts()
     ordered = ServingCache(model, n_slots=4, max_len=24, block_size=4)
     shuffled = ServingCache(model, n_slots=4, max_len=24, block_size=4)
-    shuffled.block_table.copy_(shuffled.block_table.flatten()[torch.randperm(shuffled.block_table.numel(),
-                               generator=torch.Generator().manual_seed(3))].view_as(shuffled.block_table))
+    shuffled.block_table.copy_(
+        shuffled.block_table.flatten()[
+            torch.randperm(shuffled.block_table.numel(), generator=torch.Generator().manual_seed(3))
+        ].view_as(shuffled.block_table)
+    )
     a = prefill_packed(model, ordered, [0, 1, 2, 3], prompts)
     b = prefill_packed(model, shuffled, [0, 1, 2, 3], prompts)
     assert torch.equal(a, b)
@@ -78,7 +81,7 @@ def test_packed_prefill_equals_one_prompt_at_a_time_and_fills_the_same_positions
     got = prefill_packed(model, packed, [0, 1, 2, 3], prompts)
     want = torch.stack([prefill(model, single, s, p, last_only=True)[0] for s, p in enumerate(prompts)])
     assert_close("last-token logits", want, got, atol=2e-5, rtol=2e-5)
-    for i in range(len(model.blocks)):   # the same keys and values at positions 0..n-1 of each slot
+    for i in range(len(model.blocks)):  # the same keys and values at positions 0..n-1 of each slot
         for s, p in enumerate(prompts):
             for name, a, b in zip("kv", single.prefix(i, s, p.numel()), packed.prefix(i, s, p.numel())):
                 assert_close(f"layer {i} slot {s} {name}", a, b, atol=2e-5)
@@ -92,8 +95,12 @@ def test_idle_graph_rows_change_nothing():
     model, prompts = _model(), _prompts()
     cache = ServingCache(model, n_slots=4, max_len=24, block_size=4)
     prefill_packed(model, cache, [0, 1, 2, 3], prompts)
-    before = ([p.clone() for p in cache.k_pool], [p.clone() for p in cache.v_pool], cache.lengths.clone(),
-              cache.tokens.clone())
+    before = (
+        [p.clone() for p in cache.k_pool],
+        [p.clone() for p in cache.v_pool],
+        cache.lengths.clone(),
+        cache.tokens.clone(),
+    )
     valid = torch.tensor([True, False, True, False])
     decode_step(model, cache, None, torch.tensor([5, 6, 7, 8]), check=False, valid=valid)
     table = cache.block_table
@@ -111,7 +118,7 @@ def test_joined_projections_are_views_and_follow_a_move():
     ids = torch.randint(0, VOCAB, (1, 6))
     before = model(ids)
     joined = _joined([attn.wq, attn.wk, attn.wv])
-    assert attn.wk.weight.data_ptr() == joined[attn.wq.weight.shape[0]:].data_ptr()
+    assert attn.wk.weight.data_ptr() == joined[attn.wq.weight.shape[0] :].data_ptr()
     assert _joined([attn.wq, attn.wk, attn.wv]) is joined
     assert torch.equal(before, model(ids)), "joining must not change the model"
     model.double()
@@ -128,8 +135,11 @@ def test_prefix_store_read_and_copy_go_through_a_shuffled_block_table():
 
     model = _model()
     cache = ServingCache(model, n_slots=3, max_len=24, block_size=4)
-    cache.block_table.copy_(cache.block_table.flatten()[torch.randperm(cache.block_table.numel(),
-                            generator=torch.Generator().manual_seed(5))].view_as(cache.block_table))
+    cache.block_table.copy_(
+        cache.block_table.flatten()[
+            torch.randperm(cache.block_table.numel(), generator=torch.Generator().manual_seed(5))
+        ].view_as(cache.block_table)
+    )
     gen = torch.Generator().manual_seed(6)
     n_kv, hd = cache.k_pool[0].shape[2:]
     k = torch.randn(2, n_kv, 10, hd, generator=gen)
@@ -138,7 +148,7 @@ def test_prefix_store_read_and_copy_go_through_a_shuffled_block_table():
     for row, slot in enumerate((2, 0)):
         got_k, got_v = cache.prefix(0, slot, 10)
         assert torch.equal(got_k, k[row]) and torch.equal(got_v, v[row])
-        dense_k = gather_paged(cache.k_pool[0], cache.block_table[slot:slot + 1], 10)[0]   # [10, n_kv, hd]
+        dense_k = gather_paged(cache.k_pool[0], cache.block_table[slot : slot + 1], 10)[0]  # [10, n_kv, hd]
         assert torch.equal(dense_k.transpose(0, 1), k[row])
     assert not cache.k_pool[0][cache.block_table[1].long()].any(), "slot 1 was written"
     assert not cache.k_pool[1].any(), "layer 1 was written"
@@ -163,7 +173,9 @@ def test_prefix_helpers_refuse_bad_slots_positions_and_shapes():
         cache.copy_prefix(0, 1, 25)
     with pytest.raises(ValueError, match="outside the cache"):
         cache.copy_prefix(0, -1, 4)
-    for run in (lambda: prefill(model, cache, -1, torch.tensor([1, 2])),
-                lambda: prefill_packed(model, cache, [2], [torch.tensor([1, 2])])):
+    for run in (
+        lambda: prefill(model, cache, -1, torch.tensor([1, 2])),
+        lambda: prefill_packed(model, cache, [2], [torch.tensor([1, 2])]),
+    ):
         with pytest.raises(ValueError, match="slot -1 outside|slot 2 outside"):
             run()

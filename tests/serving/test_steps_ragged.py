@@ -21,9 +21,11 @@ BUDGET = 10
 def _serve(model, device, memory=None, spec_every: int = 2, seed: int = 0):
     """Run the schedule; returns {name: (tokens, {position: logits})}."""
     gen = torch.Generator().manual_seed(seed)
-    prompts = {"a": torch.randint(0, 50, (13,), generator=gen).tolist(),
-               "b": torch.randint(0, 50, (6,), generator=gen).tolist(),
-               "c": torch.randint(0, 50, (9,), generator=gen).tolist()}
+    prompts = {
+        "a": torch.randint(0, 50, (13,), generator=gen).tolist(),
+        "b": torch.randint(0, 50, (6,), generator=gen).tolist(),
+        "c": torch.randint(0, 50, (9,), generator=gen).tolist(),
+    }
     prompts["e"] = prompts["a"][:8] + torch.randint(0, 50, (4,), generator=gen).tolist()  # shares a's first 8
     new_tokens = {"a": 7, "b": 9, "c": 5, "e": 6}
     truth = {k: greedy_tokens(model, p, new_tokens[k] + 3, device) for k, p in prompts.items()}  # for right drafts
@@ -59,15 +61,15 @@ def _serve(model, device, memory=None, spec_every: int = 2, seed: int = 0):
             if budget <= 0:
                 break
             left = len(prompts[name]) - st["done"]
-            if left > 0:                                     # prefill chunk
+            if left > 0:  # prefill chunk
                 n = min(left, budget, 1 + (step + len(name)) % 5)
                 chunk = st["tokens"][st["done"] : st["done"] + n]
                 kinds.append(0)
-            else:                                            # decode token (+ drafts)
+            else:  # decode token (+ drafts)
                 nxt = int(st["last"].argmax())
                 chunk = [nxt]
                 if spec and budget >= 3:
-                    k = st["new"] + 1                          # drafts: the true greedy tokens, one spoiled at times
+                    k = st["new"] + 1  # drafts: the true greedy tokens, one spoiled at times
                     drafts = truth[name][k : k + 2]
                     if (step + len(name)) % 3 == 0 and drafts:
                         drafts[-1] = (drafts[-1] + 1) % 50
@@ -83,14 +85,20 @@ def _serve(model, device, memory=None, spec_every: int = 2, seed: int = 0):
         if memory is not None:
             prepared = memory.prepare_ragged(ids, cu, slots=torch.tensor(slots), commit=not spec)
         # Verification needs the logits first: run with every chunk kept, then commit what is accepted.
-        logits = ragged_step(model, cache, slots, [c.to(device) for c in chunks], prepared=prepared,
-                             n_commit=None if not spec else [len(c) for c in chunks])
+        logits = ragged_step(
+            model,
+            cache,
+            slots,
+            [c.to(device) for c in chunks],
+            prepared=prepared,
+            n_commit=None if not spec else [len(c) for c in chunks],
+        )
         n_commit = []
         for b, (name, kind, chunk) in enumerate(zip(names, kinds, chunks)):
             st = live[name]
             lg = logits[int(cu[b]) : int(cu[b + 1])]
             keep = len(chunk)
-            if kind == 1 and len(chunk) > 1:                  # accept drafts while the model agrees
+            if kind == 1 and len(chunk) > 1:  # accept drafts while the model agrees
                 keep = 1
                 while keep < len(chunk) and int(lg[keep - 1].argmax()) == int(chunk[keep]):
                     keep += 1
@@ -149,8 +157,14 @@ def test_engine_schedule_from_engram_memory_equals_own_tables(device):
     with torch.no_grad():
         plain, _ = _serve(model, device)
         for tier in tiers:
-            memory = EngramMemory.from_weights(model.hasher, tables, tier, device, max_sequences=3,
-                                               host_alloc="pageable" if device == "cpu" else "mmap_register")
+            memory = EngramMemory.from_weights(
+                model.hasher,
+                tables,
+                tier,
+                device,
+                max_sequences=3,
+                host_alloc="pageable" if device == "cpu" else "mmap_register",
+            )
             served, _ = _serve(model, device, memory=memory)
             assert plain.keys() == served.keys()
             for name in plain:

@@ -17,14 +17,19 @@ from condmem.tables.table_file import EngramTableFile, LayerRows, TableFileError
 
 
 def _layout():
-    return EngramLayout(EngramConfig(layer_ids=[1, 4], max_ngram_size=3, n_heads=2, head_dim=64, table_size=41,
-                                     compressed_vocab_size=60))
+    return EngramLayout(
+        EngramConfig(
+            layer_ids=[1, 4], max_ngram_size=3, n_heads=2, head_dim=64, table_size=41, compressed_vocab_size=60
+        )
+    )
 
 
 def _bf16_tables(layout, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return {l.layer_id: LayerRows("bf16", (torch.randn(l.num_embeddings, 64, generator=gen) * 3).bfloat16())
-            for l in layout.layers}
+    return {
+        l.layer_id: LayerRows("bf16", (torch.randn(l.num_embeddings, 64, generator=gen) * 3).bfloat16())
+        for l in layout.layers
+    }
 
 
 def test_bf16_to_fp8_to_interleaved_and_back_is_exact(tmp_path):
@@ -36,11 +41,16 @@ def test_bf16_to_fp8_to_interleaved_and_back_is_exact(tmp_path):
         q, s = quantize_fp8_e8m0(t.weight.float())  # chunking must not change a byte
         assert torch.equal(fp8.layer(lid).weight.view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(fp8.layer(lid).scales, s)
-    inter = EngramTableFile(convert_tables(fp8.tables(), layout, tmp_path / "i.safetensors", "fp8_interleaved", "tok",
-                                           chunk_rows=5, progress=False))
+    inter = EngramTableFile(
+        convert_tables(
+            fp8.tables(), layout, tmp_path / "i.safetensors", "fp8_interleaved", "tok", chunk_rows=5, progress=False
+        )
+    )
     row = inter.layer(4).weight
     assert row.shape[1] == 66
-    assert torch.equal(row[:, :64], fp8.layer(4).weight.view(torch.uint8)) and torch.equal(row[:, 64:], fp8.layer(4).scales)
+    assert torch.equal(row[:, :64], fp8.layer(4).weight.view(torch.uint8)) and torch.equal(
+        row[:, 64:], fp8.layer(4).scales
+    )
     back = EngramTableFile(convert_tables(inter.tables(), layout, tmp_path / "f.safetensors", "fp8", progress=False))
     assert torch.equal(back.layer(1).weight.view(torch.uint8), fp8.layer(1).weight.view(torch.uint8))
     deq = EngramTableFile(convert_tables(inter.tables(), layout, tmp_path / "b.safetensors", "bf16", progress=False))
@@ -76,8 +86,12 @@ def test_released_loader_maps_fp8_tables(tmp_path):
         assert torch.equal(tables[lid].weight.view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(tables[lid].scales, s)
     # Explicit templates work too.
-    t = load_released_tables(tmp_path, layout, "model.layers.{layer_id}.engram.embed.weight",
-                             "model.layers.{layer_id}.engram.embed.weight_scale_inv")
+    t = load_released_tables(
+        tmp_path,
+        layout,
+        "model.layers.{layer_id}.engram.embed.weight",
+        "model.layers.{layer_id}.engram.embed.weight_scale_inv",
+    )
     assert torch.equal(t[4].scales, truth[4][1])
 
 
@@ -101,8 +115,24 @@ def test_convert_cli_released_and_table(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     layout.config.save(cfg, dialect="v4")
     out = tmp_path / "t.safetensors"
-    assert main(["convert", str(ckpt), str(out), "--released", "--config", str(cfg), "--to", "fp8_interleaved",
-                 "--no-progress", "--chunk-rows", "10"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(ckpt),
+                str(out),
+                "--released",
+                "--config",
+                str(cfg),
+                "--to",
+                "fp8_interleaved",
+                "--no-progress",
+                "--chunk-rows",
+                "10",
+            ]
+        )
+        == 0
+    )
     f = EngramTableFile(out, layout=layout)
     assert torch.equal(f.layer(1).weight[:, :64], truth[1][0].view(torch.uint8))
     assert main(["convert", str(out), str(tmp_path / "b.safetensors"), "--to", "bf16", "--no-progress"]) == 0
@@ -110,8 +140,9 @@ def test_convert_cli_released_and_table(tmp_path, capsys):
     assert main(["convert", str(ckpt), str(tmp_path / "x"), "--released", "--to", "fp8"]) == 1
     assert "no config.json in the checkpoint folder" in capsys.readouterr().err
     layout.config.save(ckpt / "config.json", dialect="v4")  # read from the folder when --config is not given
-    assert main(["convert", "--released", str(ckpt), str(tmp_path / "z.safetensors"), "--to", "fp8",
-                 "--no-progress"]) == 0
+    assert (
+        main(["convert", "--released", str(ckpt), str(tmp_path / "z.safetensors"), "--to", "fp8", "--no-progress"]) == 0
+    )
     assert torch.equal(EngramTableFile(tmp_path / "z.safetensors", layout=layout).layer(4).scales, truth[4][1])
     other = tmp_path / "other.json"
     layout.config.replace(seed=5).save(other)

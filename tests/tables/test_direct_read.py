@@ -32,8 +32,15 @@ def _drop_cache(path) -> None:
 
 @pytest.fixture
 def table(tmp_path):
-    cfg = EngramConfig(layer_ids=[1, 2], max_ngram_size=3, n_heads=4, head_dim=256, table_size=[3001, 2003],
-                       compressed_vocab_size=50, hidden_size=64)
+    cfg = EngramConfig(
+        layer_ids=[1, 2],
+        max_ngram_size=3,
+        n_heads=4,
+        head_dim=256,
+        table_size=[3001, 2003],
+        compressed_vocab_size=50,
+        hidden_size=64,
+    )
     layout = EngramLayout(cfg)
     gen = torch.Generator().manual_seed(0)
     rows = {}
@@ -41,7 +48,9 @@ def table(tmp_path):
         q, s = quantize_fp8_e8m0(torch.randn(layout.layer(lid).num_embeddings, 256, generator=gen))
         rows[lid] = pack_rows(q, s)
     path = tmp_path / "tables.safetensors"
-    write_table_file(path, layout, "fp8_interleaved", {lid: [LayerRows("fp8_interleaved", r)] for lid, r in rows.items()})
+    write_table_file(
+        path, layout, "fp8_interleaved", {lid: [LayerRows("fp8_interleaved", r)] for lid, r in rows.items()}
+    )
     probe = tmp_path / "probe"
     probe.write_bytes(b"\0" * 8192)
     try:
@@ -93,8 +102,9 @@ def test_engram_memory_on_direct_disk_reads_equals_the_host_tier(table):
     hasher = NgramHasher(layout)
     ids = torch.randint(0, 50, (3, 17), generator=torch.Generator().manual_seed(2))
     host = EngramMemory.from_table_file(path, hasher, "host", "cpu", host_alloc="pageable", progress=False)
-    disk = EngramMemory.from_table_file(path, hasher, "disk", "cpu", direct_io=True, dram_cache_bytes=64 * 264,
-                                        progress=False)
+    disk = EngramMemory.from_table_file(
+        path, hasher, "disk", "cpu", direct_io=True, dram_cache_bytes=64 * 264, progress=False
+    )
     for _ in range(2):  # the second pass hits the DRAM cache for some rows
         a, b = host.prepare(ids), disk.prepare(ids)
         for lid in layout.layer_ids:
@@ -104,7 +114,7 @@ def test_engram_memory_on_direct_disk_reads_equals_the_host_tier(table):
     # mapping's native gather (unchecked, and SIGBUS on a truncated file); rows given as a mapped tensor
     # keep the native send (control).
     sender = SimpleNamespace(native=True)
-    assert not StagedSender.uses_native(sender, disk.stores[2].inner)   # the direct reader alone
+    assert not StagedSender.uses_native(sender, disk.stores[2].inner)  # the direct reader alone
     buffered = EngramMemory.from_table_file(path, hasher, "disk", "cpu", progress=False)
     assert not StagedSender.uses_native(sender, buffered.stores[2])
     mapped = place_layer(LayerRows("fp8_interleaved", EngramTableFile(path).layer(2).weight), "disk", progress=False)

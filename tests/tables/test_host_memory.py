@@ -199,22 +199,26 @@ def test_two_processes_serving_two_tables_each_serve_their_own_rows(tmp_path):
     from condmem.tables.table_file import LayerRows, write_table_file
 
     # Two layers of different sizes; two tables of the same geometry with different rows.
-    cfg = EngramConfig(layer_ids=[1, 3], max_ngram_size=3, n_heads=2, head_dim=16, table_size=101,
-                       compressed_vocab_size=50)
+    cfg = EngramConfig(
+        layer_ids=[1, 3], max_ngram_size=3, n_heads=2, head_dim=16, table_size=101, compressed_vocab_size=50
+    )
     layout = EngramLayout(cfg)
     assert len(set(layout.num_embeddings)) == 2
     paths = []
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
-        rows = {lid: [LayerRows("bf16", torch.randn(n, 16, generator=gen).to(torch.bfloat16))]
-                for lid, n in zip(layout.layer_ids, layout.num_embeddings)}
+        rows = {
+            lid: [LayerRows("bf16", torch.randn(n, 16, generator=gen).to(torch.bfloat16))]
+            for lid, n in zip(layout.layer_ids, layout.num_embeddings)
+        }
         paths.append(str(write_table_file(tmp_path / f"t{seed}.safetensors", layout, "bf16", rows)))
     ctx = _context()
     results = ctx.Queue()
     ready = [ctx.Event(), ctx.Event()]
     go = [ctx.Event(), ctx.Event()]
-    procs = [ctx.Process(target=_serve, args=(p, r, g, results, tag))
-             for p, r, g, tag in zip(paths, ready, go, ("a", "b"))]
+    procs = [
+        ctx.Process(target=_serve, args=(p, r, g, results, tag)) for p, r, g, tag in zip(paths, ready, go, ("a", "b"))
+    ]
     procs[0].start()
     assert ready[0].wait(60)
     procs[1].start()  # fills its table while the first one holds its own

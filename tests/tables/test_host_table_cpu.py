@@ -19,5 +19,5 @@ def test_a_host_table_without_a_gpu_does_not_warn_about_gpu_page_walks(monkeypat
         assert torch.equal(store.raw.view(torch.bfloat16), rows.weight)
     finally:
         store.close()
-    assert "huge pages" in caplog.text   # the coverage is still reported
+    assert "huge pages" in caplog.text  # the coverage is still reported
     assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

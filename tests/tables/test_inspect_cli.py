@@ -19,8 +19,22 @@ from released_fixtures import config_json, make_tensors, tensor_names, write_che
 def test_convert_released_reads_the_config_from_the_folder(tmp_path, dialect, shards, style):
     truth = write_checkpoint(tmp_path / "ckpt", dialect, shards, style)
     out = tmp_path / "t.safetensors"
-    assert main(["convert", "--released", str(tmp_path / "ckpt"), str(out), "--to", "fp8_interleaved",
-                 "--no-progress", "--chunk-rows", "50"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--released",
+                str(tmp_path / "ckpt"),
+                str(out),
+                "--to",
+                "fp8_interleaved",
+                "--no-progress",
+                "--chunk-rows",
+                "50",
+            ]
+        )
+        == 0
+    )
     table = EngramTableFile(out)
     for lid, t in truth.items():
         rows = table.layer(lid).weight
@@ -51,9 +65,9 @@ def test_inspect_checkpoint_reports_layout_tensors_bytes_and_rows(tmp_path, caps
 
 def test_inspect_counts_zero_nan_inf_rows_and_reads_table_files(tmp_path, capsys):
     q = torch.zeros(4, 64, dtype=torch.uint8)
-    q[1, 3] = 0x7F                       # an fp8 NaN
-    q[2, 0] = 0x7E                       # 448, times 2**127 overflows float32
-    q[3, 5] = 0x38                       # 1.0
+    q[1, 3] = 0x7F  # an fp8 NaN
+    q[2, 0] = 0x7E  # 448, times 2**127 overflows float32
+    q[3, 5] = 0x38  # 1.0
     e = torch.full((4, 2), 127, dtype=torch.uint8)
     e[2, 0] = 254
     stats = row_stats(LayerRows("fp8", q.view(torch.float8_e4m3fn), e), sample=None)
@@ -88,7 +102,7 @@ def _broken(tmp_path, change):
 
 
 def _wkv_narrow(t, a, b):
-    t[a["wkv"]] = t[a["wkv"]][:, :200]          # [144, 200] instead of [144, 256]; still divides into its scales
+    t[a["wkv"]] = t[a["wkv"]][:, :200]  # [144, 200] instead of [144, 256]; still divides into its scales
 
 
 def _no_wkv_scale(t, a, b):
@@ -100,7 +114,7 @@ def _q_wrong(t, a, b):
 
 
 def _q_first_wrong(t, a, b):
-    t[a["q_weight"]] = t[a["q_weight"]][:1]      # [1, 48]: the first layer's q_weight gives the backbone dims
+    t[a["q_weight"]] = t[a["q_weight"]][:1]  # [1, 48]: the first layer's q_weight gives the backbone dims
 
 
 BROKEN = [
@@ -108,8 +122,12 @@ BROKEN = [
     ("wkv [144, 200]", _wkv_narrow, "layers.2.engram.wkv.weight", r"is \[144, 200\].*must be \[144, 256\]"),
     ("missing wkv scale", _no_wkv_scale, "layers.5.engram.wkv.scale", "not found"),
     ("q_weight [2, 40]", _q_wrong, "layers.5.engram.q_weight", r"is \[2, 40\].*must be \[2, 48\]"),
-    ("first q_weight [1, 48]", _q_first_wrong, "layers.2.engram.q_weight",
-     r"says hc_mult = 2 .*is \[1, 48\].*hc_mult = 1"),
+    (
+        "first q_weight [1, 48]",
+        _q_first_wrong,
+        "layers.2.engram.q_weight",
+        r"says hc_mult = 2 .*is \[1, 48\].*hc_mult = 1",
+    ),
 ]
 
 

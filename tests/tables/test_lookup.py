@@ -26,8 +26,9 @@ D = 64
 
 
 def _layout():
-    return EngramLayout(EngramConfig(layer_ids=[2], max_ngram_size=3, n_heads=2, head_dim=D, table_size=211,
-                                     compressed_vocab_size=90))
+    return EngramLayout(
+        EngramConfig(layer_ids=[2], max_ngram_size=3, n_heads=2, head_dim=D, table_size=211, compressed_vocab_size=90)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,11 @@ def table_files(tmp_path_factory):
     x = (torch.randn(rows, D, generator=gen) * 4).bfloat16()
     q, s = quantize_fp8_e8m0(x.float())
     packed = torch.cat([q.view(torch.uint8), s], dim=1)
-    sources = {"bf16": LayerRows("bf16", x), "fp8": LayerRows("fp8", q, s), "fp8_interleaved": LayerRows("fp8_interleaved", packed)}
+    sources = {
+        "bf16": LayerRows("bf16", x),
+        "fp8": LayerRows("fp8", q, s),
+        "fp8_interleaved": LayerRows("fp8_interleaved", packed),
+    }
     paths = {}
     for fmt, lr in sources.items():
         paths[fmt] = tmp / f"{fmt}.safetensors"
@@ -111,8 +116,9 @@ def test_hbm_tier_needs_cuda_and_mmap_strategy_works_on_cpu(table_files):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
-@pytest.mark.parametrize("tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc"),
-                                        ("disk", None)])
+@pytest.mark.parametrize(
+    "tier,alloc", [("hbm", None), ("host", "mmap_register"), ("host", "cuda_host_alloc"), ("disk", None)]
+)
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("cpu_fraction", [0.0, 0.5, 1.0])
 def test_gpu_lookup_equals_plain_gather(table_files, fmt, tier, alloc, cached, cpu_fraction):
@@ -154,7 +160,7 @@ def test_gpu_direct_path_for_small_batches(table_files, fmt, tier, alloc):
     engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"))
     for ids in _batches(store.num_rows, seed=4, n=4):
         handle = engine.lookup(ids.cuda())
-        assert handle.stats.unique == -1          # took the direct path
+        assert handle.stats.unique == -1  # took the direct path
         assert torch.equal(handle.wait().cpu(), _expected(source, ids))
     engine.close()
     store.close()
@@ -168,7 +174,7 @@ def test_gpu_hbm_tables_take_the_direct_path_at_any_size_and_host_tables_do_not(
     for tier, direct in (("hbm", True), ("host", False)):
         store, source = _place(table_files, "fp8_interleaved", tier)
         engine = LookupEngine(store, "cuda", config=LookupConfig(direct_max_ids=64))
-        ids = torch.randint(0, store.num_rows, (50, 6), generator=gen)       # 300 ids > 64
+        ids = torch.randint(0, store.num_rows, (50, 6), generator=gen)  # 300 ids > 64
         handle = engine.lookup(ids.cuda())
         assert torch.equal(handle.wait().cpu(), _expected(source, ids))
         assert (handle.stats.unique == -1) == direct, tier
@@ -184,7 +190,7 @@ def test_split_by_density_gives_the_cpu_the_lone_rows():
     for trial in range(20):
         ids = torch.unique(torch.randint(0, 5000, (int(torch.randint(1, 400, (1,), generator=gen)),), generator=gen))
         n = ids.numel()
-        region = ids * 24 // 960                      # 40 rows of 24 B per 960 B region
+        region = ids * 24 // 960  # 40 rows of 24 B per 960 B region
         counts = torch.bincount(region)[region]
         lone = counts == 1
         for n_cpu in (0, 1, n // 3, int(lone.sum()), n - 1, n):
@@ -216,15 +222,19 @@ def test_gpu_pipelined_lookups_are_exact(table_files, monkeypatch, cached, regio
     fmt = "fp8_interleaved"
     store, source = _place(table_files, fmt, "host")
     cache = RowCache(128, store.row_bytes, ways=4, device="cuda") if cached else None
-    engine = LookupEngine(store, "cuda", cache=cache, config=LookupConfig(
-        cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7, max_in_flight=max_in_flight))
+    engine = LookupEngine(
+        store,
+        "cuda",
+        cache=cache,
+        config=LookupConfig(cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7, max_in_flight=max_in_flight),
+    )
     batches = list(_batches(store.num_rows, seed=7, n=12))
     if warm:
         engine.warm_up({ids.numel() for ids in batches})
     handles = [engine.lookup(ids.cuda()) for ids in batches[:8]]
-    for i in (3, 0, 7, 1, 2, 6, 5, 4):                       # out of order
+    for i in (3, 0, 7, 1, 2, 6, 5, 4):  # out of order
         assert torch.equal(handles[i].wait().cpu(), _expected(source, batches[i]))
-    for ids in batches[8:]:                                # one at a time after the burst
+    for ids in batches[8:]:  # one at a time after the burst
         assert torch.equal(engine.lookup(ids.cuda()).wait().cpu(), _expected(source, ids))
     engine.flush()
     if cached:
@@ -241,14 +251,18 @@ def test_gpu_capped_zero_copy_grid_is_exact(table_files, monkeypatch, programs):
     monkeypatch.setattr(lookup_module, "REGION_BYTES", 4 * 72)
     monkeypatch.setattr(lookup_module, "ZERO_COPY_PROGRAMS", programs)
     store, source = _place(table_files, "fp8_interleaved", "host")
-    engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
-                          config=LookupConfig(cpu_fraction=0.3, direct_max_ids=0, staging_chunk_rows=7))
+    engine = LookupEngine(
+        store,
+        "cuda",
+        cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
+        config=LookupConfig(cpu_fraction=0.3, direct_max_ids=0, staging_chunk_rows=7),
+    )
     gpu_rows = 0
     for ids in _batches(store.num_rows, seed=31, n=5):
         handle = engine.lookup(ids.cuda())
         assert torch.equal(handle.wait().cpu(), _expected(source, ids))
         gpu_rows += handle.stats.gpu_rows
-    assert gpu_rows > 0                      # the capped kernel did read rows
+    assert gpu_rows > 0  # the capped kernel did read rows
     engine.close()
     store.close()
 
@@ -260,15 +274,16 @@ def test_gpu_caller_expands_on_done_wait_or_next_lookup(table_files):
     row exact, and dropped handles' misses still reach the cache (a repeat lookup hits them)."""
     store, source = _place(table_files, "fp8_interleaved", "host")
     cache = RowCache(4096, store.row_bytes, ways=4, device="cuda")
-    engine = LookupEngine(store, "cuda", cache=cache,
-                          config=LookupConfig(cpu_fraction=1.0, direct_max_ids=0, staging_chunk_rows=7))
+    engine = LookupEngine(
+        store, "cuda", cache=cache, config=LookupConfig(cpu_fraction=1.0, direct_max_ids=0, staging_chunk_rows=7)
+    )
     batches = list(_batches(store.num_rows, seed=41, n=6))
     polled = engine.lookup(batches[0].cuda())
     while not polled.done():
         pass
-    torch.cuda.synchronize()                 # done() said so: the rows are there without a wait()
+    torch.cuda.synchronize()  # done() said so: the rows are there without a wait()
     assert torch.equal(polled.rows.cpu(), _expected(source, batches[0]))
-    dropped = [engine.lookup(ids.cuda()) for ids in batches[1:5]]     # never waited: settled by later lookups
+    dropped = [engine.lookup(ids.cuda()) for ids in batches[1:5]]  # never waited: settled by later lookups
     last = engine.lookup(batches[5].cuda())
     assert torch.equal(last.wait().cpu(), _expected(source, batches[5]))
     engine.flush()
@@ -278,7 +293,7 @@ def test_gpu_caller_expands_on_done_wait_or_next_lookup(table_files):
     cache.reset_stats()
     again = engine.lookup(batches[2].cuda())
     assert torch.equal(again.wait().cpu(), _expected(source, batches[2]))
-    assert again.stats.hits >= 0.9 * again.stats.unique     # admitted though never waited for
+    assert again.stats.hits >= 0.9 * again.stats.unique  # admitted though never waited for
     engine.close()
     store.close()
 
@@ -293,7 +308,7 @@ def test_gpu_pipeline_negative_control_rows_read_before_the_event_are_wrong(tabl
     with torch.cuda.stream(engine.copy_stream):
         torch.cuda._sleep(200_000_000)
     handle = engine.lookup(ids.cuda())
-    early = handle.rows.clone()          # on the default stream, no wait
+    early = handle.rows.clone()  # on the default stream, no wait
     assert torch.equal(handle.wait().cpu(), _expected(source, ids))
     assert not torch.equal(early.cpu(), _expected(source, ids))
     engine.close()
@@ -346,8 +361,9 @@ def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fractio
     results = {}
     for graphs in (False, True):
         cache = RowCache(64, store.row_bytes, ways=4, device="cuda")
-        engine = LookupEngine(store, "cuda", cache=cache,
-                              config=LookupConfig(cpu_fraction=fraction, direct_max_ids=0, graphs=graphs))
+        engine = LookupEngine(
+            store, "cuda", cache=cache, config=LookupConfig(cpu_fraction=fraction, direct_max_ids=0, graphs=graphs)
+        )
         batches = list(_batches(store.num_rows, seed=21, n=9))
         engine.warm_up({ids.numel() for ids in batches})
         assert all(p.captured == graphs for ring in engine._plans.values() for p in ring)
@@ -372,14 +388,18 @@ def test_gpu_graphed_plans_equal_eager_plans_rows_and_cache(table_files, fractio
 def test_gpu_ids_outside_the_table_raise_at_wait_and_the_engine_goes_on(table_files, tier):
     fmt = "fp8_interleaved"
     store, source = _place(table_files, fmt, tier)
-    engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
-                          config=LookupConfig(cpu_fraction=0.5, direct_max_ids=0))
+    engine = LookupEngine(
+        store,
+        "cuda",
+        cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
+        config=LookupConfig(cpu_fraction=0.5, direct_max_ids=0),
+    )
     good = next(_batches(store.num_rows, seed=22, n=1))
     bad = good.clone()
     bad[3, 2] = store.num_rows + 5
     with pytest.raises(StorageError, match=str(store.num_rows + 5)):
         engine.lookup(bad.cuda()).wait()
-    for _ in range(3):   # the failed lookup's slot is reused and nothing of it was admitted
+    for _ in range(3):  # the failed lookup's slot is reused and nothing of it was admitted
         assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(source, good))
     engine.close()
     store.close()
@@ -398,7 +418,7 @@ def test_gpu_direct_lookup_of_ids_outside_the_table_is_raised_later_not_lost(tab
     bad[0, 1] = store.num_rows + 9
     assert torch.equal(engine.lookup(good.cuda()).wait().cpu(), _expected(source, good))
     with pytest.raises(StorageError, match=f"row id {store.num_rows + 9} is outside"):
-        engine.lookup(bad.cuda()).wait()   # raised here if its check has landed, else below
+        engine.lookup(bad.cuda()).wait()  # raised here if its check has landed, else below
         engine.raise_pending()
     engine.raise_pending()  # reported once
     negative = good.clone()
@@ -421,8 +441,12 @@ def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, monkeypatch, warm, att
     burst once spoiled a graph capture made while the gather thread synchronized.)"""
     monkeypatch.setattr(lookup_module, "STAGING_RING", 2)
     store, source = _place(table_files, "fp8_interleaved", "host")
-    engine = LookupEngine(store, "cuda", cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
-                          config=LookupConfig(cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7))
+    engine = LookupEngine(
+        store,
+        "cuda",
+        cache=RowCache(64, store.row_bytes, ways=4, device="cuda"),
+        config=LookupConfig(cpu_fraction=0.5, direct_max_ids=0, staging_chunk_rows=7),
+    )
     batches = list(_batches(store.num_rows, seed=23, n=4))
     if warm:
         engine.warm_up([batches[0].numel()])
@@ -451,8 +475,13 @@ def test_cpu_lookups_of_any_shape_and_repeat_pattern_are_exact(table_files):
     engine.max_plan_sizes = 2
 
     @settings(max_examples=60, deadline=None)
-    @given(n=st.integers(1, 400), distinct=st.integers(1, 50), seed=st.integers(0, 2**16),
-           wide=st.booleans(), cols=st.sampled_from([1, 3, 6]))
+    @given(
+        n=st.integers(1, 400),
+        distinct=st.integers(1, 50),
+        seed=st.integers(0, 2**16),
+        wide=st.booleans(),
+        cols=st.sampled_from([1, 3, 6]),
+    )
     def check(n, distinct, seed, wide, cols):
         gen = torch.Generator().manual_seed(seed)
         pool = torch.randint(0, store.num_rows, (distinct,), generator=gen)
@@ -496,8 +525,14 @@ def test_engine_face_is_small_typed_and_validated():
 
     assert len(inspect.signature(LookupEngine).parameters) <= 8
     assert len(dataclasses.fields(LookupConfig)) <= 6
-    for field, bad in (("cpu_fraction", 1.5), ("cpu_fraction", "fast"), ("cpu_threads", 0), ("max_in_flight", 0),
-                       ("direct_max_ids", -1), ("staging_chunk_rows", 0)):
+    for field, bad in (
+        ("cpu_fraction", 1.5),
+        ("cpu_fraction", "fast"),
+        ("cpu_threads", 0),
+        ("max_in_flight", 0),
+        ("direct_max_ids", -1),
+        ("staging_chunk_rows", 0),
+    ):
         with pytest.raises(ValueError, match=f"LookupConfig.{field}"):
             LookupConfig(**{field: bad})
     with pytest.raises(dataclasses.FrozenInstanceError):

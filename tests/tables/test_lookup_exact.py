@@ -37,7 +37,7 @@ def test_a_correct_engine_passes_every_split():
     store = _store()
     engine = LookupEngine(store, "cpu", config=LookupConfig(cpu_fraction=0.5))
     ids = _ids(store.num_rows, 1)
-    assert check_splits(engine, store, ids, "cpu") == [0.5]      # no GPU: the engine's own split only
+    assert check_splits(engine, store, ids, "cpu") == [0.5]  # no GPU: the engine's own split only
     check_lookup(engine, store, ids, "cpu")
     engine.close()
 

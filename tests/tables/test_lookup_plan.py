@@ -42,7 +42,7 @@ def test_compact_padded_equals_nonzero(device):
         pos, count = compact_padded(mask, fill=777)
         ref = torch.nonzero(mask).flatten()
         assert int(count) == ref.numel()
-        assert torch.equal(pos[: ref.numel()], ref) and bool((pos[ref.numel():] == 777).all())
+        assert torch.equal(pos[: ref.numel()], ref) and bool((pos[ref.numel() :] == 777).all())
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.5, 0.9, 1.0])
@@ -51,15 +51,16 @@ def test_split_padded_equals_split_by_density(fraction, region_rows):
     row_bytes = 72
     miss = torch.unique(_ids(600, 5000, seed=3))
     n_miss = miss.numel()
-    n = 900                                              # padded size > n_miss
+    n = 900  # padded size > n_miss
     padded = torch.full((n + 1,), PAD_ID, dtype=torch.int64)
     padded[:n_miss] = miss
-    gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(padded, torch.tensor([n_miss]), row_bytes, region_rows * row_bytes,
-                                                  fraction)
+    gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(
+        padded, torch.tensor([n_miss]), row_bytes, region_rows * row_bytes, fraction
+    )
     ref_gpu, ref_cpu = split_by_density(miss, row_bytes, region_rows * row_bytes, int(round(n_miss * fraction)))
     assert (int(n_gpu), int(n_cpu)) == (ref_gpu.numel(), ref_cpu.numel())
-    assert torch.equal(gpu_sel[: ref_gpu.numel()], ref_gpu) and bool((gpu_sel[ref_gpu.numel():] == n).all())
-    assert torch.equal(cpu_sel[: ref_cpu.numel()], ref_cpu) and bool((cpu_sel[ref_cpu.numel():] == n).all())
+    assert torch.equal(gpu_sel[: ref_gpu.numel()], ref_gpu) and bool((gpu_sel[ref_gpu.numel() :] == n).all())
+    assert torch.equal(cpu_sel[: ref_cpu.numel()], ref_cpu) and bool((cpu_sel[ref_cpu.numel() :] == n).all())
 
 
 def _rows(ids: torch.Tensor, row_bytes: int) -> torch.Tensor:
@@ -84,7 +85,7 @@ def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, 
     for seed in range(3):
         ids = _ids(n, num_rows, seed=10 + seed).to(device)
         plan.ids.copy_(ids)
-        plan.compact.fill_(0xEE)   # poisoned
+        plan.compact.fill_(0xEE)  # poisoned
         plan.run()
         uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         assert torch.equal(plan.inverse, inverse)
@@ -105,10 +106,10 @@ def test_plan_finds_hits_misses_and_shares_like_the_plain_steps(device, cached, 
         assert (counts["n_gpu"], counts["n_cpu"]) == (ref_gpu.numel(), ref_cpu.numel())
         assert torch.equal(plan.gpu_ids[: ref_gpu.numel()], uniq[miss_pos][ref_gpu])
         assert torch.equal(plan.gpu_dst[: ref_gpu.numel()], plan.row_of[miss_pos[ref_gpu]])
-        assert (plan.gpu_dst[ref_gpu.numel():] == n).all()
+        assert (plan.gpu_dst[ref_gpu.numel() :] == n).all()
         # The CPU share takes compact rows 0..n_cpu-1 in its own order (its DMAs land in place).
         assert torch.equal(plan.row_of[miss_pos[ref_cpu]], torch.arange(ref_cpu.numel(), device=device))
-        assert torch.equal(plan.host[N_COUNTS:N_COUNTS + ref_cpu.numel()].to(device), uniq[miss_pos][ref_cpu])
+        assert torch.equal(plan.host[N_COUNTS : N_COUNTS + ref_cpu.numel()].to(device), uniq[miss_pos][ref_cpu])
         if cached:
             # The misses' rows land (as the engine's shares would write them), then both caches admit.
             plan.compact[plan.row_of[miss_pos]] = _rows(uniq[miss_pos], row_bytes)
@@ -136,7 +137,7 @@ def test_plan_buckets_bound_the_padding_and_keep_the_prefill_size():
         b = plan_bucket(n)
         assert b >= n and (b - n) * 8 <= max(n, 16), (n, b)
     assert plan_bucket(16384 * 24) == 16384 * 24
-    assert len({plan_bucket(n) for n in range(100_000, 200_001)}) <= 17   # few plans for many sizes
+    assert len({plan_bucket(n) for n in range(100_000, 200_001)}) <= 17  # few plans for many sizes
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["nocache", "cache"])
@@ -163,13 +164,19 @@ def test_a_bucketed_plan_equals_the_plan_of_the_batch_alone(cached):
     counts = dict(zip(COUNT_NAMES, alone.host[:N_COUNTS].tolist()))
     k, g, c = counts["n_miss"], counts["n_gpu"], counts["n_cpu"]
     assert torch.equal(alone.inverse, bucketed.inverse[:n])
-    for name, m in (("miss_ids", k), ("miss_pos", k), ("gpu_ids", g), ("gpu_dst", g), ("rows_index", n),
-                    ("row_of", counts["n_unique"])):
+    for name, m in (
+        ("miss_ids", k),
+        ("miss_pos", k),
+        ("gpu_ids", g),
+        ("gpu_dst", g),
+        ("rows_index", n),
+        ("row_of", counts["n_unique"]),
+    ):
         assert torch.equal(getattr(alone, name)[:m], getattr(bucketed, name)[:m]), name
-    assert c == int((alone.row_of[:counts["n_unique"]] < c).sum())
+    assert c == int((alone.row_of[: counts["n_unique"]] < c).sum())
     hit = torch.ones(counts["n_unique"], dtype=torch.bool)
     hit[alone.miss_pos[:k]] = False
-    hits = alone.row_of[: counts["n_unique"]][hit]       # the compact rows the cache filled
+    hits = alone.row_of[: counts["n_unique"]][hit]  # the compact rows the cache filled
     assert torch.equal(alone.compact[hits], bucketed.compact[hits]) or not cached
 
 
@@ -180,10 +187,10 @@ def test_move_rows_moves_exact_bytes_and_skips_padding(row_bytes):
 
     gen = torch.Generator().manual_seed(row_bytes)
     src = torch.randint(0, 256, (20, row_bytes), generator=gen, dtype=torch.int32).to(torch.uint8)
-    src[0] = 0xFF                                              # NaN bit patterns as float words move intact
+    src[0] = 0xFF  # NaN bit patterns as float words move intact
     dst = torch.full((12, row_bytes), 0xEE, dtype=torch.uint8)
     src_index = torch.tensor([0, 5, 19, 3, -1])
-    dst_index = torch.tensor([11, 0, 4, 12, -1])               # 12 and -1: outside dst (padding)
+    dst_index = torch.tensor([11, 0, 4, 12, -1])  # 12 and -1: outside dst (padding)
     move_rows(src, src_index, dst, dst_index)
     expect = torch.full_like(dst, 0xEE)
     expect[11], expect[0], expect[4] = src[0], src[5], src[19]
@@ -194,5 +201,9 @@ def test_move_rows_refuses_rows_of_different_sizes():
     from condmem.tables.lookup_plan import move_rows
 
     with pytest.raises(ValueError, match="source rows of 264 B, destination rows of 256 B"):
-        move_rows(torch.zeros((4, 264), dtype=torch.uint8), torch.tensor([0]), torch.zeros((4, 256), dtype=torch.uint8),
-                  torch.tensor([0]))
+        move_rows(
+            torch.zeros((4, 264), dtype=torch.uint8),
+            torch.tensor([0]),
+            torch.zeros((4, 256), dtype=torch.uint8),
+            torch.tensor([0]),
+        )

@@ -19,14 +19,17 @@ needs_native = pytest.mark.skipif(not native.available(), reason=f"no native bui
 
 
 @needs_native
-@pytest.mark.parametrize("rows, row_bytes", [(5000, 66), (5000, 264), (5000, 512), (5000, 7), (200_000, 264)],
-                         ids=["66B", "264B", "512B", "7B", "264B-53MB-table"])
+@pytest.mark.parametrize(
+    "rows, row_bytes",
+    [(5000, 66), (5000, 264), (5000, 512), (5000, 7), (200_000, 264)],
+    ids=["66B", "264B", "512B", "7B", "264B-53MB-table"],
+)
 def test_native_gather_equals_index_select(rows, row_bytes):
     gen = torch.Generator().manual_seed(row_bytes + rows)
     table = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=gen)
     for n in (0, 1, 13, 4097):
         ids = torch.randint(0, rows, (n,), generator=gen)
-        ids[: n // 2] = ids[n // 2: 2 * (n // 2)]                   # repeated ids
+        ids[: n // 2] = ids[n // 2 : 2 * (n // 2)]  # repeated ids
         out = torch.full((n, row_bytes), 0xAB, dtype=torch.uint8)  # poisoned
         assert native.gather_rows(table, ids, out, threads=2) is out
         assert torch.equal(out, table.index_select(0, ids))
@@ -36,9 +39,9 @@ def test_store_gather_checks_ids_and_both_paths_agree(monkeypatch):
     table = torch.randint(0, 256, (100, 66), dtype=torch.uint8)
     store = HostStore("fp8_interleaved", 64, table)
     ids = torch.tensor([5, 99, 0, 5])
-    first = store.gather_raw(ids)                       # native where available
+    first = store.gather_raw(ids)  # native where available
     monkeypatch.setattr(native, "available", lambda: False)
-    assert torch.equal(first, store.gather_raw(ids))    # torch.index_select
+    assert torch.equal(first, store.gather_raw(ids))  # torch.index_select
     assert torch.equal(first, table.index_select(0, ids))
     with pytest.raises(StorageError, match="row id 100 outside"):
         store.gather_raw(torch.tensor([1, 100]))
@@ -67,15 +70,15 @@ def test_a_build_of_another_source_is_refused(monkeypatch):
 @pytest.mark.skipif(toolchain.find_compiler() is None, reason="no C compiler")
 def test_the_development_build_is_keyed_by_compiler_and_target(tmp_path, monkeypatch):
     first = toolchain.development_build(tmp_path)
-    assert toolchain.development_build(tmp_path) == first                # cached
-    lib = native._open(str(first))                                   # same source, same entry points
+    assert toolchain.development_build(tmp_path) == first  # cached
+    lib = native._open(str(first))  # same source, same entry points
     table = torch.randint(0, 256, (50, 264), dtype=torch.uint8)
     ids, out = torch.tensor([3, 49, 3, 0]), torch.empty((4, 264), dtype=torch.uint8)
     lib.condmem_gather_rows(table.data_ptr(), 264, ids.data_ptr(), 4, out.data_ptr(), 1)
     assert torch.equal(out, table.index_select(0, ids))
     real = toolchain.compiler_identity
     monkeypatch.setattr(toolchain, "compiler_identity", lambda cc: real(cc) + "|another target")
-    assert toolchain.development_build(tmp_path) != first                # another compiler or CPU: another file
+    assert toolchain.development_build(tmp_path) != first  # another compiler or CPU: another file
 
 
 def test_the_fallback_is_a_loud_warning_with_its_cost(monkeypatch, caplog):
@@ -116,7 +119,7 @@ def test_disk_tier_reads_about_a_page_per_cold_row(tmp_path):
         except (OSError, StopIteration):
             return None
 
-    rows, rb = 250_000, 264                       # 63 MiB
+    rows, rb = 250_000, 264  # 63 MiB
     path = tmp_path / "table.bin"
     data = np.random.default_rng(0).integers(0, 256, (rows, rb), dtype=np.uint8)
     with open(path, "wb") as f:
@@ -128,7 +131,7 @@ def test_disk_tier_reads_about_a_page_per_cold_row(tmp_path):
     os.close(fd)
     arr = np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, rb))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)   # read-only map: never written through
+        warnings.simplefilter("ignore", UserWarning)  # read-only map: never written through
         mapped = torch.from_numpy(arr)
     store = place_layer(LayerRows("fp8_interleaved", mapped), "disk", progress=False)
     ids = torch.from_numpy(np.sort(np.random.default_rng(1).choice(rows, 300, replace=False)))

@@ -21,12 +21,20 @@ from condmem.tables.released import ReleasedCheckpoint, ReleasedCheckpointError,
 from condmem.tables.table_file import TableMismatchError
 from helpers import assert_close
 from released_fixtures import (
-    EPS, HC, HIDDEN, WKV_BLOCK, block_dequant_f64, config_json, engram_config, make_tensors, rows_f64, tensor_names,
+    EPS,
+    HC,
+    HIDDEN,
+    WKV_BLOCK,
+    block_dequant_f64,
+    config_json,
+    engram_config,
+    make_tensors,
+    rows_f64,
+    tensor_names,
     write_checkpoint,
 )
 
-LAYOUTS = [("original", 1, "flat"), ("original", 3, "nested"), ("hf", 1, "nested"), ("hf", 3, "flat"),
-           ("hf", 3, "key")]
+LAYOUTS = [("original", 1, "flat"), ("original", 3, "nested"), ("hf", 1, "nested"), ("hf", 3, "flat"), ("hf", 3, "key")]
 
 
 def _hasher():
@@ -80,15 +88,17 @@ def test_wkv_equals_an_independent_block_dequantization(tmp_path, wkv_scale_dtyp
         assert torch.equal(ckpt.wkv(lid, torch.bfloat16), ref.float().bfloat16())
         module = Engram.from_released(ckpt, lid, dtype=torch.float32)
         assert torch.equal(module.wkv.weight, ref.float())
-        assert torch.equal(module.q_weight, t["q_weight"].float()) and torch.equal(module.k_weight, t["k_weight"].float())
+        assert torch.equal(module.q_weight, t["q_weight"].float()) and torch.equal(
+            module.k_weight, t["k_weight"].float()
+        )
 
 
 def _forward_f64(t: dict, rows_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """The Engram layer recomputed in float64 from the raw tensors."""
-    e = rows_f64(t["embed"], t["embed_exponents"])[rows_ids].flatten(-2)           # [B, T, n_cols*d]
-    kv = e @ block_dequant_f64(t["wkv"], t["wkv_scale"]).T                            # [B, T, (hc+1)*D]
+    e = rows_f64(t["embed"], t["embed_exponents"])[rows_ids].flatten(-2)  # [B, T, n_cols*d]
+    kv = e @ block_dequant_f64(t["wkv"], t["wkv_scale"]).T  # [B, T, (hc+1)*D]
     h = hidden.double()
-    keys, value = kv[..., : HC * HIDDEN].unflatten(-1, (HC, HIDDEN)), kv[..., HC * HIDDEN:]
+    keys, value = kv[..., : HC * HIDDEN].unflatten(-1, (HC, HIDDEN)), kv[..., HC * HIDDEN :]
 
     def norm(x, w):
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
@@ -135,8 +145,12 @@ def test_a_single_file_path_and_backbone_taken_from_tensors(tmp_path):
 def test_load_released_tables_keeps_name_overrides(tmp_path):
     truth = write_checkpoint(tmp_path, "hf", 3, "flat")
     layout = EngramLayout(engram_config())
-    t = load_released_tables(tmp_path, layout, "model.layers.{layer_id}.engram.embed.weight",
-                             "model.layers.{layer_id}.engram.embed.weight_scale_inv")
+    t = load_released_tables(
+        tmp_path,
+        layout,
+        "model.layers.{layer_id}.engram.embed.weight",
+        "model.layers.{layer_id}.engram.embed.weight_scale_inv",
+    )
     assert torch.equal(t[5].scales, truth[5]["embed_exponents"])
     with pytest.raises(ReleasedCheckpointError, match=r"tensor nope\.2 not found"):
         load_released_tables(tmp_path, layout, "nope.{layer_id}")
@@ -161,6 +175,7 @@ def _drop(role):
 def _set(role, fn):
     def change(t, n):
         t[n[role]] = fn(t[n[role]])
+
     return change
 
 
@@ -169,32 +184,80 @@ MALFORMED = [
     ("missing q_weight", "q_weight", _drop("q_weight"), "module", ReleasedCheckpointError, "not found"),
     ("missing table scales", "embed_scale", _drop("embed_scale"), "tables", ReleasedCheckpointError, "not found"),
     ("missing wkv", "wkv", _drop("wkv"), "module", ReleasedCheckpointError, "not found"),
-    ("k_weight wrong shape", "k_weight", _set("k_weight", lambda x: x[:, :-1]), "module", ReleasedCheckpointError,
-     r"\[2, 47\]; k_weight"),
-    ("table scales wrong shape", "embed_scale", _set("embed_scale", lambda x: x[:, :1]), "tables",
-     ReleasedCheckpointError, r"must be \[\d+, 2\]"),
-    ("table rows wrong width", "embed", _set("embed", lambda x: x[:, :32]), "tables", ReleasedCheckpointError,
-     "head_dim=64"),
-    ("wkv wrong shape", "wkv", _set("wkv", lambda x: x[:-16]), "module", ReleasedCheckpointError,
-     r"\(hc_mult\+1\)"),
-    ("indivisible block", "wkv_scale", _set("wkv_scale", lambda x: x[:5]), "module", ReleasedCheckpointError,
-     "does not divide into the scale grid"),
-    ("table rows bf16", "embed", _set("embed", lambda x: x.float().bfloat16()), "tables", ReleasedCheckpointError,
-     "must be float8_e4m3fn"),
-    ("table scales fp16", "embed_scale", _set("embed_scale", lambda x: x.view(torch.uint8).half()), "tables",
-     ReleasedCheckpointError, "float8_e8m0fnu or uint8 or float32"),
-    ("wkv bf16", "wkv", _set("wkv", lambda x: x.float().bfloat16()), "module", ReleasedCheckpointError,
-     "must be float8_e4m3fn"),
-    ("table scale not a power of two", "embed_scale", _set("embed_scale", lambda x: torch.full(x.shape, 0.3)),
-     "tables", ReleasedCheckpointError, "not a power of two"),
+    (
+        "k_weight wrong shape",
+        "k_weight",
+        _set("k_weight", lambda x: x[:, :-1]),
+        "module",
+        ReleasedCheckpointError,
+        r"\[2, 47\]; k_weight",
+    ),
+    (
+        "table scales wrong shape",
+        "embed_scale",
+        _set("embed_scale", lambda x: x[:, :1]),
+        "tables",
+        ReleasedCheckpointError,
+        r"must be \[\d+, 2\]",
+    ),
+    (
+        "table rows wrong width",
+        "embed",
+        _set("embed", lambda x: x[:, :32]),
+        "tables",
+        ReleasedCheckpointError,
+        "head_dim=64",
+    ),
+    ("wkv wrong shape", "wkv", _set("wkv", lambda x: x[:-16]), "module", ReleasedCheckpointError, r"\(hc_mult\+1\)"),
+    (
+        "indivisible block",
+        "wkv_scale",
+        _set("wkv_scale", lambda x: x[:5]),
+        "module",
+        ReleasedCheckpointError,
+        "does not divide into the scale grid",
+    ),
+    (
+        "table rows bf16",
+        "embed",
+        _set("embed", lambda x: x.float().bfloat16()),
+        "tables",
+        ReleasedCheckpointError,
+        "must be float8_e4m3fn",
+    ),
+    (
+        "table scales fp16",
+        "embed_scale",
+        _set("embed_scale", lambda x: x.view(torch.uint8).half()),
+        "tables",
+        ReleasedCheckpointError,
+        "float8_e8m0fnu or uint8 or float32",
+    ),
+    (
+        "wkv bf16",
+        "wkv",
+        _set("wkv", lambda x: x.float().bfloat16()),
+        "module",
+        ReleasedCheckpointError,
+        "must be float8_e4m3fn",
+    ),
+    (
+        "table scale not a power of two",
+        "embed_scale",
+        _set("embed_scale", lambda x: torch.full(x.shape, 0.3)),
+        "tables",
+        ReleasedCheckpointError,
+        "not a power of two",
+    ),
     ("rows != primes", "embed", _set("embed", lambda x: x[:-1]), "tables", TableMismatchError, "sum of its primes"),
 ]
 
 
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("case,role,change,call,error,text", MALFORMED, ids=[m[0] for m in MALFORMED])
-def test_malformed_checkpoints_name_the_tensor_and_file(tmp_path, capsys, shards, case, role, change, call, error,
-                                                        text):
+def test_malformed_checkpoints_name_the_tensor_and_file(
+    tmp_path, capsys, shards, case, role, change, call, error, text
+):
     _mutate(tmp_path, change, shards)
     name = tensor_names(2, "original")[role]
     with pytest.raises(error) as info:
@@ -234,8 +297,12 @@ def test_config_problems_are_named(tmp_path):
         Engram.from_released(tmp_path / "c", 3, config_key="language")
     write_checkpoint(tmp_path / "d", "original", 1, config_json("flat", engram_vocab_size=41))
     with pytest.raises(TableMismatchError, match=r"layers\.2\.engram\.embed\.weight in .*model\.safetensors"):
-        EngramMemory.from_released(tmp_path / "d", NgramHasher(EngramLayout(engram_config(table_size=41))),
-                                   host_alloc="pageable", progress=False)
+        EngramMemory.from_released(
+            tmp_path / "d",
+            NgramHasher(EngramLayout(engram_config(table_size=41))),
+            host_alloc="pageable",
+            progress=False,
+        )
 
 
 def test_index_and_shard_problems_are_named(tmp_path):

@@ -41,13 +41,15 @@ def test_host_load_drops_the_source_page_cache(tmp_path):
     with open(path, "rb") as fh:
         fh.read()  # all of it in the page cache
     assert cached_fraction(path, entry.start, entry.nbytes) > 0.9
-    kept = EngramMemory.from_released(ReleasedCheckpoint(tmp_path), hasher, "host", host_alloc="pageable",
-                                      progress=False, drop_page_cache=False)
+    kept = EngramMemory.from_released(
+        ReleasedCheckpoint(tmp_path), hasher, "host", host_alloc="pageable", progress=False, drop_page_cache=False
+    )
     assert cached_fraction(path, entry.start, entry.nbytes) > 0.9
     kept.close()
     del kept
     gc.collect()  # the first load's mappings: mapped pages stay cached whatever is asked
-    memory = EngramMemory.from_released(ReleasedCheckpoint(tmp_path), hasher, "host", host_alloc="pageable",
-                                        progress=False)
+    memory = EngramMemory.from_released(
+        ReleasedCheckpoint(tmp_path), hasher, "host", host_alloc="pageable", progress=False
+    )
     assert cached_fraction(path, entry.start, entry.nbytes) < 0.1
     memory.close()

@@ -36,11 +36,11 @@ def test_cached_reads_equal_the_backing_rows(device):
 
 @pytest.mark.parametrize("device", devices())
 def test_burst_into_one_set_does_not_overflow(device):
-    cache = RowCache(capacity_rows=8, row_bytes=4, ways=4, device=device)   # 2 sets
-    ids = torch.arange(0, 20, 2, device=device)                     # all in set 0
+    cache = RowCache(capacity_rows=8, row_bytes=4, ways=4, device=device)  # 2 sets
+    ids = torch.arange(0, 20, 2, device=device)  # all in set 0
     slot = cache.admit(ids, _rows(ids, 4))
     assert int((slot >= 0).sum()) == 4
-    assert (slot[slot >= 0] < 4).all()                              # only set 0's ways
+    assert (slot[slot >= 0] < 4).all()  # only set 0's ways
     # The dropped ids went nowhere visible: not probed, not in the keys, and the kept ones
     # read back their own bytes.
     assert torch.equal(cache.probe(ids, count=False), slot)
@@ -55,7 +55,7 @@ def test_frequent_rows_survive_a_scan():
     cache.admit(hot, _rows(hot, 4))
     for _ in range(5):
         assert (cache.probe(hot) >= 0).all()
-    for start in range(100, 400, 8):                                # a one-off scan of cold rows
+    for start in range(100, 400, 8):  # a one-off scan of cold rows
         cold = torch.arange(start, start + 8)
         slot = cache.probe(cold)
         cache.admit(cold[slot < 0], _rows(cold[slot < 0], 4))
@@ -85,7 +85,7 @@ def test_admitting_a_cached_id_again_keeps_one_copy():
 def test_a_set_with_empty_ways_never_evicts_a_live_row(device):
     # Counters decay to 0, but a live row still outranks an empty way: while a set has room,
     # admitting never drops what it holds (the bug this guards: decayed rows were evicted first).
-    cache = RowCache(capacity_rows=8, row_bytes=4, ways=8, device=device, decay_every=1)   # one set
+    cache = RowCache(capacity_rows=8, row_bytes=4, ways=8, device=device, decay_every=1)  # one set
     held = []
     for i in range(8):
         ids = torch.tensor([i], device=device)

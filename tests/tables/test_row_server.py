@@ -17,9 +17,11 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native
 
 def _tables(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (1000, 264), dtype=torch.uint8, generator=gen),     # fp8 rows + scales
-            torch.randint(0, 256, (333, 32), dtype=torch.uint8, generator=gen),       # bf16 rows, head_dim 16
-            torch.randint(0, 256, (77, 520), dtype=torch.uint8, generator=gen)]
+    return [
+        torch.randint(0, 256, (1000, 264), dtype=torch.uint8, generator=gen),  # fp8 rows + scales
+        torch.randint(0, 256, (333, 32), dtype=torch.uint8, generator=gen),  # bf16 rows, head_dim 16
+        torch.randint(0, 256, (77, 520), dtype=torch.uint8, generator=gen),
+    ]
 
 
 def _serve(server: RowServer, ids: list[torch.Tensor], timeout_s: float = 10.0) -> list[torch.Tensor]:
@@ -46,7 +48,7 @@ def test_staged_rows_equal_a_plain_gather_step_after_step(threads, n_ids):
         for step in range(20):
             ids = [torch.randint(0, t.shape[0], (n_ids,), generator=gen) for t in tables]
             if step % 5 == 4:
-                ids = [torch.full((n_ids,), t.shape[0] - 1) for t in tables]    # one row, repeated
+                ids = [torch.full((n_ids,), t.shape[0] - 1) for t in tables]  # one row, repeated
             rows = _serve(server, ids)
             for layer, (t, i, r) in enumerate(zip(tables, ids, rows)):
                 assert torch.equal(r, t[i]), f"step {step}, layer {layer}"
@@ -67,9 +69,9 @@ def test_ids_outside_a_table_are_served_as_zeros_counted_and_raised():
         assert int(rows[1][bad].abs().sum()) == 0
         with pytest.raises(RowServerError, match="3 row id"):
             server.check()
-        server.check()                                   # each bad id is raised once
+        server.check()  # each bad id is raised once
         good = [torch.zeros(8, dtype=torch.long) for _ in tables]
-        rows = _serve(server, good)                      # and the server goes on
+        rows = _serve(server, good)  # and the server goes on
         assert all(torch.equal(r, t[g]) for r, t, g in zip(rows, tables, good))
 
 
@@ -84,7 +86,7 @@ def test_stop_is_idempotent_and_a_stopped_server_serves_nothing():
     server.request[0] = 1
     time.sleep(0.05)
     assert int(server.done.sum()) == 0 and server.request[0] == 1
-    server.start()                                       # started again, it takes the pending request
+    server.start()  # started again, it takes the pending request
     t0 = time.monotonic()
     while not bool((server.done == 1).all()):
         assert time.monotonic() - t0 < 10
@@ -112,7 +114,7 @@ def test_a_napping_server_still_serves_every_request_exactly():
     with RowServer(tables, 100, threads=2, spin_ms=0.0) as server:
         for step in range(6):
             if step == 3:
-                time.sleep(1.1)                          # past a second idle: the long naps
+                time.sleep(1.1)  # past a second idle: the long naps
             ids = [torch.randint(0, t.shape[0], (100,), generator=gen) for t in tables]
             rows = _serve(server, ids)
             assert all(torch.equal(r, t[i]) for r, t, i in zip(rows, tables, ids)), f"step {step}"

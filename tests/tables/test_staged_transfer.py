@@ -16,8 +16,10 @@ from condmem import native
 from condmem.tables.storage import HostStore
 from native_stand_ins import stand_ins
 
-needs_native = pytest.mark.skipif(not native.available() or stand_ins() is None,
-                                  reason=f"no native build ({native.build().reason}) or no C compiler for the stand-ins")
+needs_native = pytest.mark.skipif(
+    not native.available() or stand_ins() is None,
+    reason=f"no native build ({native.build().reason}) or no C compiler for the stand-ins",
+)
 
 
 @pytest.mark.gpu
@@ -36,7 +38,7 @@ def test_gpu_staged_send_equals_a_plain_gather(path, n, monkeypatch):
     if path == "native" and not sender.native:
         pytest.skip(f"native staged send unavailable here: {native.build().reason or 'no CUDA runtime found'}")
     stream = torch.cuda.Stream()
-    for round_ in range(3):                         # the ring carries over between sends
+    for round_ in range(3):  # the ring carries over between sends
         ids = torch.randint(0, 100_000, (n,), generator=gen)
         dst = torch.full((n, 264), 0xAB, dtype=torch.uint8, device="cuda")
         stream.wait_stream(torch.cuda.current_stream())
@@ -52,14 +54,19 @@ def test_sender_checks_its_destination():
     sender = StagedSender(264, "cuda", chunk_rows=16, ring=2)
     store = HostStore("fp8_interleaved", 256, torch.zeros((10, 264), dtype=torch.uint8))
     with pytest.raises(ValueError, match="dst must be contiguous"):
-        sender.send(store, torch.tensor([1, 2]), torch.empty((3, 264), dtype=torch.uint8, device="cuda"),
-                    torch.cuda.current_stream(), threads=1)
+        sender.send(
+            store,
+            torch.tensor([1, 2]),
+            torch.empty((3, 264), dtype=torch.uint8, device="cuda"),
+            torch.cuda.current_stream(),
+            threads=1,
+        )
 
 
 def test_the_cuda_runtime_is_named_by_torchs_cuda_version():
     assert native.cudart_soname("12.8") == "libcudart.so.12"
     assert native.cudart_soname("13.0") == "libcudart.so.13"
-    assert native.cudart_soname(None) is None                      # a CPU-only torch
+    assert native.cudart_soname(None) is None  # a CPU-only torch
     if not torch.cuda.is_available():
         assert native.cuda_runtime() is None
 
@@ -88,7 +95,7 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch):
     _, fn = stand_ins()
     runtime = native.CudaRuntime(fn["memcpy"], fn["record"], fn["query"], lambda code: f"stand-in error {code}")
     monkeypatch.setattr(native, "cuda_runtime", lambda: runtime)
-    sender = object.__new__(StagedSender)          # no CUDA here: the fields __init__ would set
+    sender = object.__new__(StagedSender)  # no CUDA here: the fields __init__ would set
     sender.row_bytes, sender.chunk_rows, sender.record_timeline, sender.last_timeline = 264, 5, True, None
     sender.buffers = [torch.zeros((5, 264), dtype=torch.uint8) for _ in range(3)]
     events = [torch.zeros(7, dtype=torch.int64) for _ in range(3)]
@@ -101,18 +108,19 @@ def test_native_send_plumbing_on_the_cpu(monkeypatch):
     counters = torch.zeros(2, dtype=torch.int64)
     dst = torch.full((23, 264), 0xAB, dtype=torch.uint8)
     bounds = [0, 5, 10, 15, 20, 23]
-    sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=1,
-                        bounds=bounds)
+    sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=1, bounds=bounds)
     assert torch.equal(dst, table.index_select(0, ids))
     assert len(sender.last_timeline["launch"]) == 5
-    counters[:] = torch.tensor([0, 2])              # the second send fails
+    counters[:] = torch.tensor([0, 2])  # the second send fails
     with pytest.raises(RuntimeError, match=r"staged send of 23 rows failed: CUDA error 7 \(stand-in error 7\)"):
-        sender._send_native(store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=0,
-                            bounds=bounds)
+        sender._send_native(
+            store, ids, dst, SimpleNamespace(cuda_stream=counters.data_ptr()), 2, start=0, bounds=bounds
+        )
 
 
-def _stream_on_host(table, ids, chunk_rows, ring_len, start, threads, delay=0, fail_at=0, timeline=None,
-                    bounds=None, wait="query"):
+def _stream_on_host(
+    table, ids, chunk_rows, ring_len, start, threads, delay=0, fail_at=0, timeline=None, bounds=None, wait="query"
+):
     """Run the native send with stand-ins that model asynchronous copies (each chunk's copy is
     carried out only when a query first reports its event done, after `delay` "not ready"
     answers), then finish the copies still queued; (dst, return code, sends, event counters).
@@ -123,14 +131,27 @@ def _stream_on_host(table, ids, chunk_rows, ring_len, start, threads, delay=0, f
     ring = [torch.full((chunk_rows, row_bytes), 0xCD, dtype=torch.uint8) for _ in range(ring_len)]
     events = [torch.tensor([0, 0, 0, 0, 0, 0, delay], dtype=torch.int64) for _ in range(ring_len)]
     stream = torch.tensor([0, fail_at, 0, 0, 0], dtype=torch.int64)
-    dst = torch.full((n, row_bytes), 0xAB, dtype=torch.uint8)       # poisoned
+    dst = torch.full((n, row_bytes), 0xAB, dtype=torch.uint8)  # poisoned
     bounds = torch.tensor(bounds or [*range(0, n, chunk_rows), n], dtype=torch.int64)
     err = lib.condmem_gather_stream(
-        table.data_ptr(), row_bytes, ids.data_ptr(), (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring)),
-        (ctypes.c_void_p * ring_len)(*(e.data_ptr() for e in events)), ring_len, start, bounds.data_ptr(),
-        bounds.numel() - 1, dst.data_ptr(), stream.data_ptr(), fn["deferred_memcpy"], fn["deferred_record"],
-        fn[wait], threads, None if timeline is None else timeline.data_ptr())
-    for e in events:                      # the copies still in flight when the call returned
+        table.data_ptr(),
+        row_bytes,
+        ids.data_ptr(),
+        (ctypes.c_void_p * ring_len)(*(b.data_ptr() for b in ring)),
+        (ctypes.c_void_p * ring_len)(*(e.data_ptr() for e in events)),
+        ring_len,
+        start,
+        bounds.data_ptr(),
+        bounds.numel() - 1,
+        dst.data_ptr(),
+        stream.data_ptr(),
+        fn["deferred_memcpy"],
+        fn["deferred_record"],
+        fn[wait],
+        threads,
+        None if timeline is None else timeline.data_ptr(),
+    )
+    for e in events:  # the copies still in flight when the call returned
         e[2] = 0
         stand_in_lib.condmem_test_query(ctypes.c_void_p(e.data_ptr()))
     return dst, err, int(stream[0]), torch.stack(events)
@@ -167,18 +188,29 @@ def test_chunk_bounds_ramp_up_and_down_and_cover_every_row():
         assert bounds[0] == 0 and bounds[-1] == n
         assert all(0 < size <= max_rows for size in sizes)
         if n >= 2 * min_rows and min_rows <= max_rows:
-            assert sizes[0] <= min_rows and sizes[-1] <= min_rows   # short first and last DMAs
+            assert sizes[0] <= min_rows and sizes[-1] <= min_rows  # short first and last DMAs
         if n >= 64 * max_rows:
-            assert sum(size for size in sizes if 2 * size >= max_rows) >= 0.9 * n   # mostly big chunks
+            assert sum(size for size in sizes if 2 * size >= max_rows) >= 0.9 * n  # mostly big chunks
+
     check()
 
 
 @needs_native
-@pytest.mark.parametrize("n, chunk_rows, ring_len, start, threads, delay",
-                         [(23, 5, 3, 2, 4, 0), (40, 8, 2, 0, 1, 3), (7, 64, 4, 3, 3, 1), (1, 1, 2, 1, 2, 2),
-                          (4096, 100, 4, 1, 4, 5), (5000, 64, 2, 1, 6, 50), (3001, 1000, 3, 0, 8, 0)])
+@pytest.mark.parametrize(
+    "n, chunk_rows, ring_len, start, threads, delay",
+    [
+        (23, 5, 3, 2, 4, 0),
+        (40, 8, 2, 0, 1, 3),
+        (7, 64, 4, 3, 3, 1),
+        (1, 1, 2, 1, 2, 2),
+        (4096, 100, 4, 1, 4, 5),
+        (5000, 64, 2, 1, 6, 50),
+        (3001, 1000, 3, 0, 8, 0),
+    ],
+)
 def test_streaming_send_lands_every_row_and_reuses_a_buffer_only_once_its_copy_is_done(
-        n, chunk_rows, ring_len, start, threads, delay):
+    n, chunk_rows, ring_len, start, threads, delay
+):
     gen = torch.Generator().manual_seed(n + delay)
     table = torch.randint(0, 256, (997, 264), dtype=torch.uint8, generator=gen)
     ids = torch.randint(0, 997, (n,), generator=gen)
@@ -190,7 +222,7 @@ def test_streaming_send_lands_every_row_and_reuses_a_buffer_only_once_its_copy_i
     expected = torch.zeros(ring_len, dtype=torch.int64)
     for c in range(n_chunks):
         expected[(start + c) % ring_len] += 1
-    assert torch.equal(events[:, 0], expected)                # one record per chunk, on its buffer
+    assert torch.equal(events[:, 0], expected)  # one record per chunk, on its buffer
 
 
 @needs_native
@@ -210,13 +242,14 @@ def test_a_failed_streaming_send_stops_the_rest_and_returns_its_code():
     gen = torch.Generator().manual_seed(2)
     table = torch.randint(0, 256, (500, 264), dtype=torch.uint8, generator=gen)
     ids = torch.randint(0, 500, (50,), generator=gen)
-    dst, err, sends, events = _stream_on_host(table, ids, chunk_rows=10, ring_len=3, start=0, threads=4, delay=2,
-                                              fail_at=3)
+    dst, err, sends, events = _stream_on_host(
+        table, ids, chunk_rows=10, ring_len=3, start=0, threads=4, delay=2, fail_at=3
+    )
     assert err == 7
-    assert sends == 3                                            # nothing sent after the failure
+    assert sends == 3  # nothing sent after the failure
     assert torch.equal(dst[:20], table.index_select(0, ids[:20]))  # chunks 0-1 landed
-    assert (dst[20:] == 0xAB).all()                               # the failed chunk and later: untouched
-    assert int(events[:, 0].sum()) == 2                           # no record after the failed send
+    assert (dst[20:] == 0xAB).all()  # the failed chunk and later: untouched
+    assert int(events[:, 0].sum()) == 2  # no record after the failed send
 
 
 @needs_native
@@ -228,13 +261,14 @@ def test_the_streaming_timeline_has_every_chunk_in_order():
     ids = torch.randint(0, 2000, (1000,), generator=gen)
     n_chunks = 1000 // 64 + 1
     timeline = torch.full((1 + 3 * n_chunks,), -1, dtype=torch.int64)
-    dst, err, sends, _ = _stream_on_host(table, ids, chunk_rows=64, ring_len=3, start=0, threads=3, delay=1,
-                                         timeline=timeline)
+    dst, err, sends, _ = _stream_on_host(
+        table, ids, chunk_rows=64, ring_len=3, start=0, threads=3, delay=1, timeline=timeline
+    )
     assert err == 0 and sends == n_chunks
     assert torch.equal(dst, table.index_select(0, ids))
     writable, whole, queued = timeline[1::3], timeline[2::3], timeline[3::3]
     assert bool((writable >= timeline[0]).all()) and bool((writable <= whole).all()) and bool((whole <= queued).all())
-    assert bool((whole[1:] >= queued[:-1]).all())                # chunks are queued in order
+    assert bool((whole[1:] >= queued[:-1]).all())  # chunks are queued in order
     times = chunk_times(timeline)
     assert {k: len(v) for k, v in times.items()} == {"interval": n_chunks, "launch": n_chunks, "late": n_chunks}
     assert min(min(v) for v in times.values()) >= 0

@@ -30,18 +30,25 @@ CMD = "scripts/test tests/tables/test_table_faults.py -q"
 
 
 def _layout(table_size=20_000):
-    return EngramLayout(EngramConfig(layer_ids=[1, 4], max_ngram_size=3, n_heads=2, head_dim=64,
-                                     table_size=table_size, compressed_vocab_size=50))
+    return EngramLayout(
+        EngramConfig(
+            layer_ids=[1, 4], max_ngram_size=3, n_heads=2, head_dim=64, table_size=table_size, compressed_vocab_size=50
+        )
+    )
 
 
 def _tables(layout, seed):
     gen = torch.Generator().manual_seed(seed)
-    return {l.layer_id: LayerRows("fp8_interleaved", torch.randint(0, 256, (l.num_embeddings, 66), dtype=torch.uint8,
-                                                                   generator=gen)) for l in layout.layers}
+    return {
+        l.layer_id: LayerRows(
+            "fp8_interleaved", torch.randint(0, 256, (l.num_embeddings, 66), dtype=torch.uint8, generator=gen)
+        )
+        for l in layout.layers
+    }
 
 
 def _chunked(rows, size=2048):
-    return [LayerRows(rows.format, rows.weight[s:s + size]) for s in range(0, rows.num_rows, size)]
+    return [LayerRows(rows.format, rows.weight[s : s + size]) for s in range(0, rows.num_rows, size)]
 
 
 def _write(path, layout, tables):
@@ -53,7 +60,9 @@ def _which(path, versions) -> str:
     f = EngramTableFile(path, verify="full")
     for label, tables in versions.items():
         rows = {lid: f.layer(lid) for lid in tables}
-        if all(torch.equal(rows[lid].weight.view(torch.uint8), t.weight.view(torch.uint8)) for lid, t in tables.items()):
+        if all(
+            torch.equal(rows[lid].weight.view(torch.uint8), t.weight.view(torch.uint8)) for lid, t in tables.items()
+        ):
             return label
     raise AssertionError(f"{path} verifies but holds neither version: silent wrong data")
 
@@ -168,8 +177,12 @@ def test_byte_flips_anywhere_are_refused(small_table, tmp_path):
             raise AssertionError(f"a flipped byte at offset {off} of {size} was not detected")
         flip_byte(path, off)
     assert _which(path, {"original": tables}) == "original"
-    report("one flipped bit in a table file (header and rows, 300 offsets)", sum(seen.values()), seen,
-           CMD + " -k byte_flips")
+    report(
+        "one flipped bit in a table file (header and rows, 300 offsets)",
+        sum(seen.values()),
+        seen,
+        CMD + " -k byte_flips",
+    )
 
 
 def test_truncations_are_refused(small_table, tmp_path):
@@ -244,12 +257,15 @@ def test_flipped_row_bytes_are_never_served_by_the_disk_tier(small_table, tmp_pa
         flip_byte(path, off, mask=1 << (off % 8))
         damaged, bad_row = _damaged_layer(path, off)
         f = EngramTableFile(path, layout=layout)
-        stores = {lid: place_layer(f.layer(lid), "disk", progress=False, direct_io=direct_io, threads=1)
-                  for lid in tables}
+        stores = {
+            lid: place_layer(f.layer(lid), "disk", progress=False, direct_io=direct_io, threads=1) for lid in tables
+        }
         # Rows outside the damaged 4 KiB block are served exactly; a read that touches it is refused.
         start = f.header.tensors[f"layers.{damaged}.rows"].start
         rows = torch.randint(0, tables[damaged].num_rows, (64,), generator=gen).tolist()
-        far = torch.tensor([r for r in rows if not (start + r * 66) // 4096 <= off // 4096 <= (start + r * 66 + 65) // 4096])
+        far = torch.tensor(
+            [r for r in rows if not (start + r * 66) // 4096 <= off // 4096 <= (start + r * 66 + 65) // 4096]
+        )
         assert torch.equal(stores[damaged].gather_raw(far), tables[damaged].weight[far])
         for lid, want in tables.items():
             ids = torch.randint(0, want.num_rows, (64,), generator=gen)
@@ -268,8 +284,12 @@ def test_flipped_row_bytes_are_never_served_by_the_disk_tier(small_table, tmp_pa
             store.close()
         flip_byte(path, off, mask=1 << (off % 8))
     assert seen["refused at the read (StorageError)"] == opens
-    report(f"one flipped bit in row data, disk tier ({'O_DIRECT' if direct_io else 'buffered'}, {opens} opens)", opens,
-           seen, CMD + " -k never_served_by_the_disk")
+    report(
+        f"one flipped bit in row data, disk tier ({'O_DIRECT' if direct_io else 'buffered'}, {opens} opens)",
+        opens,
+        seen,
+        CMD + " -k never_served_by_the_disk",
+    )
 
 
 _LIVE_READER = r"""
@@ -306,27 +326,36 @@ sys.exit(0 if all(o and o.startswith("ERROR") for o in outcome) else 2)
 def test_cp_and_truncate_under_a_live_disk_reader_are_clear_errors(tmp_path):
     layout = _layout(table_size=400)
     a, b = _tables(layout, 5), _tables(layout, 6)
-    files = [tmp_path / f"t{i}.safetensors" for i in range(8)]   # 0-3 read buffered, 4-7 with O_DIRECT
+    files = [tmp_path / f"t{i}.safetensors" for i in range(8)]  # 0-3 read buffered, 4-7 with O_DIRECT
     for f in files:
         _write(f, layout, a)
     try:
         os.close(os.open(files[0], os.O_RDONLY | os.O_DIRECT))
         modes = ["0"] * 4 + ["1"] * 4
-    except OSError:   # this file system refuses O_DIRECT: buffered readers only
+    except OSError:  # this file system refuses O_DIRECT: buffered readers only
         modes = ["0"] * 8
     same_size, bigger = tmp_path / "same.safetensors", tmp_path / "bigger.safetensors"
     _write(same_size, layout, b)
     _write(bigger, _layout(table_size=600), _tables(_layout(table_size=600), 8))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2] / "src"),
-                                                                    os.environ.get("PYTHONPATH")]))}
-    child = subprocess.Popen([sys.executable, "-c", _LIVE_READER, *(f"{f}={m}" for f, m in zip(files, modes))],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-c", _LIVE_READER, *(f"{f}={m}" for f, m in zip(files, modes))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert child.stdout.readline().strip() == "ready", child.stderr.read()
         for k in (0, 4):
-            subprocess.run(["cp", str(same_size), str(files[k])], check=True)      # same size, new bytes, in place
-            subprocess.run(["cp", str(bigger), str(files[k + 1])], check=True)     # another size, in place
-            os.truncate(files[k + 2], files[k + 2].stat().st_size // 2)            # cut under the reader
+            subprocess.run(["cp", str(same_size), str(files[k])], check=True)  # same size, new bytes, in place
+            subprocess.run(["cp", str(bigger), str(files[k + 1])], check=True)  # another size, in place
+            os.truncate(files[k + 2], files[k + 2].stat().st_size // 2)  # cut under the reader
             os.truncate(files[k + 3], 0)
         out, err = child.communicate(timeout=60)
     finally:
@@ -347,8 +376,9 @@ def test_a_mapping_of_a_truncated_file_dies_with_sigbus(tmp_path):
     # The negative control: what the disk tier did before it read with pread (Bus error, exit 135 in a shell).
     path = tmp_path / "f"
     path.write_bytes(b"x" * 65536)
-    code = ("import mmap, os, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
-            "os.truncate(sys.argv[1], 0); print(m[60000])")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=30,
-                          check=False)
+    code = (
+        "import mmap, os, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
+        "os.truncate(sys.argv[1], 0); print(m[60000])"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=30, check=False)
     assert done.returncode == -7, done

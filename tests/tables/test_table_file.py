@@ -30,7 +30,9 @@ def _random_layer(fmt: str, rows: int, d: int, gen) -> LayerRows:
 
 def _chunks(rows: LayerRows, size: int):
     for s in range(0, rows.num_rows, size):
-        yield LayerRows(rows.format, rows.weight[s:s + size], None if rows.scales is None else rows.scales[s:s + size])
+        yield LayerRows(
+            rows.format, rows.weight[s : s + size], None if rows.scales is None else rows.scales[s : s + size]
+        )
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_interleaved"])
@@ -58,8 +60,13 @@ def test_foreign_layout_and_tokenizer_are_refused(tmp_path):
     gen = torch.Generator().manual_seed(1)
     layout = _layout()
     path = tmp_path / "t.safetensors"
-    write_table_file(path, layout, "bf16", {l.layer_id: [_random_layer("bf16", l.num_embeddings, 64, gen)] for l in layout.layers},
-                     tokenizer_fingerprint="tok-A")
+    write_table_file(
+        path,
+        layout,
+        "bf16",
+        {l.layer_id: [_random_layer("bf16", l.num_embeddings, 64, gen)] for l in layout.layers},
+        tokenizer_fingerprint="tok-A",
+    )
     with pytest.raises(TableMismatchError, match="another Engram layout.*compressed_vocab_size: file 50 vs yours 51"):
         EngramTableFile(path, layout=_layout(compressed_vocab_size=51))
     with pytest.raises(TableMismatchError, match="another Engram layout.*seed"):
@@ -74,7 +81,9 @@ def test_truncated_and_foreign_files(tmp_path):
     gen = torch.Generator().manual_seed(2)
     layout = _layout()
     path = tmp_path / "t.safetensors"
-    write_table_file(path, layout, "fp8", {l.layer_id: [_random_layer("fp8", l.num_embeddings, 64, gen)] for l in layout.layers})
+    write_table_file(
+        path, layout, "fp8", {l.layer_id: [_random_layer("fp8", l.num_embeddings, 64, gen)] for l in layout.layers}
+    )
     data = path.read_bytes()
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(data[:-10])
@@ -105,8 +114,12 @@ def test_failed_write_leaves_nothing(tmp_path):
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]  # no temp file left
     with pytest.raises(TableFileError, match="fp8_interleaved chunk for a bf16"):
-        write_table_file(path, layout, "bf16", {l.layer_id: [LayerRows("fp8_interleaved", torch.zeros(2, 66, dtype=torch.uint8))]
-                                                 for l in layout.layers})
+        write_table_file(
+            path,
+            layout,
+            "bf16",
+            {l.layer_id: [LayerRows("fp8_interleaved", torch.zeros(2, 66, dtype=torch.uint8))] for l in layout.layers},
+        )
 
 
 def test_streaming_writer_checks_completeness(tmp_path):

@@ -39,21 +39,29 @@ def _layout(**kw):
 
 def _tables(layout, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return {l.layer_id: LayerRows("fp8_interleaved", torch.randint(0, 256, (l.num_embeddings, 66), dtype=torch.uint8,
-                                                                   generator=gen)) for l in layout.layers}
+    return {
+        l.layer_id: LayerRows(
+            "fp8_interleaved", torch.randint(0, 256, (l.num_embeddings, 66), dtype=torch.uint8, generator=gen)
+        )
+        for l in layout.layers
+    }
 
 
 def _write(path, layout, tables, fingerprint="tok-a"):
-    return write_table_file(path, layout, "fp8_interleaved", {k: [v] for k, v in tables.items()},
-                            tokenizer_fingerprint=fingerprint)
+    return write_table_file(
+        path, layout, "fp8_interleaved", {k: [v] for k, v in tables.items()}, tokenizer_fingerprint=fingerprint
+    )
 
 
 def write_legacy(path, layout, tables, chunk_bytes=4096):
     """A table file as written before the block CRCs: a sha256 per chunk of every tensor."""
-    specs = {tensor_names(lid, "fp8_interleaved")["weight"]: (torch.uint8, tuple(t.weight.shape))
-             for lid, t in tables.items()}
-    with StreamingWriter(path, specs, table_metadata(layout, "fp8_interleaved", "tok-a"),
-                         integrity_chunk_bytes=chunk_bytes) as w:
+    specs = {
+        tensor_names(lid, "fp8_interleaved")["weight"]: (torch.uint8, tuple(t.weight.shape))
+        for lid, t in tables.items()
+    }
+    with StreamingWriter(
+        path, specs, table_metadata(layout, "fp8_interleaved", "tok-a"), integrity_chunk_bytes=chunk_bytes
+    ) as w:
         for lid, t in tables.items():
             w.write(tensor_names(lid, "fp8_interleaved")["weight"], t.weight)
     return path
@@ -84,7 +92,7 @@ def test_writer_records_a_crc32c_per_block_of_the_file_grid(table):
     for lid in (1, 4):
         e = h.tensors[f"layers.{lid}.rows"]
         sums = h.tensors[f"layers.{lid}.rows.crc32c"]
-        crcs = np.frombuffer(data[sums.start:sums.start + sums.nbytes], "<u4")
+        crcs = np.frombuffer(data[sums.start : sums.start + sums.nbytes], "<u4")
         edges = [e.start, *range((e.start // 4096 + 1) * 4096, e.start + e.nbytes, 4096), e.start + e.nbytes]
         want = [google_crc32c.value(data[lo:hi]) for lo, hi in itertools.pairwise(edges)]
         assert crcs.tolist() == want
@@ -112,8 +120,8 @@ def test_crc32c_native_and_fallback_agree(monkeypatch, fallback):
     bad[5] ^= 1
     assert integrity.block_crcs(data, 100, 4096, sums) == -1 and integrity.block_crcs(data, 100, 4096, bad) == 5
     summer = integrity.BlockSummer(4096 - 100, data.size, 4096)
-    for lo in range(0, data.size, 777):   # writes of any size, across block edges
-        summer.update(data[lo:lo + 777])
+    for lo in range(0, data.size, 777):  # writes of any size, across block edges
+        summer.update(data[lo : lo + 777])
     assert summer.finish().tolist() == sums.tolist()
 
 
@@ -122,7 +130,7 @@ def test_a_flipped_row_byte_is_refused_where_it_is_read(table):
     entry = read_header(path).tensors["layers.4.rows"]
     bad = entry.start + entry.nbytes // 2
     _flip(path, bad)
-    f = EngramTableFile(path)   # opening reads no rows
+    f = EngramTableFile(path)  # opening reads no rows
     assert torch.equal(place_layer(f.layer(1), "host", host_alloc="pageable", progress=False).raw, tables[1].weight)
     with pytest.raises(TableFileError, match=r"t.safetensors: tensor 'layers.4.rows', block \d+ .*CRC32C"):
         place_layer(f.layer(4), "host", host_alloc="pageable", progress=False)
@@ -156,9 +164,12 @@ def test_the_hbm_tier_checks_what_it_loads(tmp_path, fmt):
     path = write_table_file(tmp_path / "t.safetensors", layout, fmt, {k: [v] for k, v in tables.items()})
     f = EngramTableFile(path)
     for lid, rows in tables.items():
-        store = place_layer(f.layer(lid), "hbm", progress=False, chunk_rows=100)   # several staging rounds
-        want = {"bf16": lambda: rows.weight.view(torch.uint8), "fp8": lambda: pack_rows(rows.weight, rows.scales),
-                "fp8_interleaved": lambda: rows.weight}[fmt]()
+        store = place_layer(f.layer(lid), "hbm", progress=False, chunk_rows=100)  # several staging rounds
+        want = {
+            "bf16": lambda: rows.weight.view(torch.uint8),
+            "fp8": lambda: pack_rows(rows.weight, rows.scales),
+            "fp8_interleaved": lambda: rows.weight,
+        }[fmt]()
         assert torch.equal(store.raw.cpu(), want)
     entry = f.header.tensors[tensor_names(4, fmt)["weight"]]
     _flip(path, entry.start + entry.nbytes - 2)
@@ -182,7 +193,7 @@ def test_the_python_reader_checks_like_the_native_one(table, monkeypatch):
     ids = torch.tensor([0, 5, 5, tables[1].num_rows - 1, 800])
     assert torch.equal(place_layer(f.layer(1), "disk", progress=False).gather_raw(ids), tables[1].weight[ids])
     _flip(path, entry.start + 800 * 66 + 10)
-    with pytest.raises(StorageError, match="modified"):   # the file it opened changed under it
+    with pytest.raises(StorageError, match="modified"):  # the file it opened changed under it
         place_layer(f.layer(1), "disk", progress=False).gather_raw(ids)
     with pytest.raises(StorageError, match="row 800 was not served"):
         place_layer(EngramTableFile(path).layer(1), "disk", progress=False).gather_raw(ids)
@@ -199,19 +210,21 @@ def test_header_metadata_edit_is_refused(table):
 
 def test_missing_hashes_are_refused_unless_asked(table, caplog):
     path, _, tables = table
-    n, = struct.unpack("<Q", path.read_bytes()[:8])
-    header = json.loads(path.read_bytes()[8:8 + n])
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    header = json.loads(path.read_bytes()[8 : 8 + n])
     header["__metadata__"].pop("integrity")
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (n - len(raw))
     data = path.read_bytes()
-    path.write_bytes(data[:8] + raw + data[8 + n:])
+    path.write_bytes(data[:8] + raw + data[8 + n :])
     with pytest.raises(TableFileError, match="no chunk hashes"):
         EngramTableFile(path)
     f = EngramTableFile(path, verify="none")
     assert "UNVERIFIED" in caplog.text
     assert torch.equal(f.layer(1).weight, tables[1].weight)
-    assert torch.equal(place_layer(f.layer(1), "disk", progress=False).gather_raw(torch.tensor([3])), tables[1].weight[3:4])
+    assert torch.equal(
+        place_layer(f.layer(1), "disk", progress=False).gather_raw(torch.tensor([3])), tables[1].weight[3:4]
+    )
 
 
 def test_a_table_written_before_the_block_crcs_opens_with_a_note_and_is_checked_chunk_by_chunk(tmp_path, caplog):
@@ -229,7 +242,7 @@ def test_a_table_written_before_the_block_crcs_opens_with_a_note_and_is_checked_
     ids = torch.randint(0, tables[4].num_rows, (200,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(disk.gather_raw(ids), tables[4].weight[ids])
     entry = f.header.tensors["layers.4.rows"]
-    row = tables[4].num_rows - 3   # in a chunk the reads above may not have touched
+    row = tables[4].num_rows - 3  # in a chunk the reads above may not have touched
     _flip(path, entry.start + row * 66)
     fresh = EngramTableFile(path)
     with pytest.raises(TableFileError, match="layers.4.rows', chunk"):
@@ -246,7 +259,7 @@ def test_a_content_change_with_the_same_size_and_mtime_is_still_refused(table):
     entry = f.header.tensors["layers.1.rows"]
     st = os.stat(path)
     other = _tables(layout, seed=9)[1].weight
-    with open(path, "r+b") as fh:   # what `rsync --inplace --times` does: new bytes, the old size and mtime
+    with open(path, "r+b") as fh:  # what `rsync --inplace --times` does: new bytes, the old size and mtime
         fh.seek(entry.start)
         fh.write(other.numpy().tobytes())
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -263,7 +276,7 @@ def test_reader_reads_the_file_it_validated(tmp_path):
     other = _write(tmp_path / "other.safetensors", _layout(table_size=41), _tables(_layout(table_size=41), 2), "tok-b")
     os.replace(other, path)  # an atomic replacement after the checks passed
     assert torch.equal(opened.layer(1).weight, a[1].weight)
-    for tier in ("host", "disk"):   # the tiers read the validated inode, not the path
+    for tier in ("host", "disk"):  # the tiers read the validated inode, not the path
         store = place_layer(opened.layer(4), tier, host_alloc="pageable", progress=False)
         assert torch.equal(store.gather_raw(torch.arange(a[4].num_rows)), a[4].weight), tier
 
@@ -272,8 +285,10 @@ def test_half_written_temp_is_not_a_table(tmp_path):
     layout = _layout()
     tables = _tables(layout)
     dst = tmp_path / "t.safetensors"
-    specs = {"layers.1.rows": (torch.uint8, (layout.num_embeddings[0], 66)),
-             "layers.4.rows": (torch.uint8, (layout.num_embeddings[1], 66))}
+    specs = {
+        "layers.1.rows": (torch.uint8, (layout.num_embeddings[0], 66)),
+        "layers.4.rows": (torch.uint8, (layout.num_embeddings[1], 66)),
+    }
     writer = StreamingWriter(dst, specs, table_metadata(layout, "fp8_interleaved", None), block_bytes=4096)
     writer.write("layers.1.rows", tables[1].weight)
     writer._fh.flush()

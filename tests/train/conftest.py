@@ -9,8 +9,20 @@ import torch
 
 from condmem.train.data import stdlib_dir
 
-MODULES = ["textwrap.py", "string.py", "heapq.py", "bisect.py", "colorsys.py", "keyword.py", "fnmatch.py",
-           "glob.py", "shlex.py", "this.py", "getopt.py", "copy.py"]
+MODULES = [
+    "textwrap.py",
+    "string.py",
+    "heapq.py",
+    "bisect.py",
+    "colorsys.py",
+    "keyword.py",
+    "fnmatch.py",
+    "glob.py",
+    "shlex.py",
+    "this.py",
+    "getopt.py",
+    "copy.py",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -37,5 +49,6 @@ def tiny_corpus(tmp_path_factory):
 def tiny_data(tiny_corpus, tmp_path_factory):
     from condmem.train.pipeline import prepare_data
 
-    return prepare_data(str(tiny_corpus), vocab_size=320, val_fraction=0.2, seed=0,
-                        cache_dir=tmp_path_factory.mktemp("cache"))
+    return prepare_data(
+        str(tiny_corpus), vocab_size=320, val_fraction=0.2, seed=0, cache_dir=tmp_path_factory.mktemp("cache")
+    )

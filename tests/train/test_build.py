@@ -41,10 +41,38 @@ def test_build_gives_identical_models_and_batches_for_a_seed(tiny_data):
 
 
 def test_demo_and_train_share_the_build(tiny_corpus, tmp_path):
-    summary = run_demo(tmp_path / "demo", corpus=str(tiny_corpus), preset="tiny", device="cpu", steps=3, vocab_size=320,
-                       max_new_tokens=1, progress=False, checkpoint=False)
-    assert main(["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "3",
-                 "--no-progress", "--device", "cpu", "--out", str(tmp_path / "train")]) == 0
+    summary = run_demo(
+        tmp_path / "demo",
+        corpus=str(tiny_corpus),
+        preset="tiny",
+        device="cpu",
+        steps=3,
+        vocab_size=320,
+        max_new_tokens=1,
+        progress=False,
+        checkpoint=False,
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--corpus",
+                str(tiny_corpus),
+                "--vocab-size",
+                "320",
+                "--steps",
+                "3",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp_path / "train"),
+            ]
+        )
+        == 0
+    )
     trained = json.loads((tmp_path / "train" / "summary.json").read_text())
     demo_losses = [h["loss"] for h in summary["curves"]["engram"][0]["history"]]
     assert demo_losses == [h["loss"] for h in trained["history"]]
@@ -55,7 +83,7 @@ def test_presets_are_typed_and_overrides_are_checked():
     preset = get_preset("tiny", {"train": {"steps": 5, "batch_size": None}, "engram": {"table_size": 700}})
     assert preset.train.steps == 5 and preset.train.batch_size == PRESETS["tiny"].train.batch_size
     assert preset.engram.table_size == 700 and PRESETS["tiny"].engram.table_size == 500
-    preset.engram.layer_ids.append(0)   # a copy: the named preset is unchanged
+    preset.engram.layer_ids.append(0)  # a copy: the named preset is unchanged
     assert PRESETS["tiny"].engram.layer_ids == [1]
     longer = get_preset("tiny").override(train={"seq_len": 128})
     assert longer.model.max_seq_len == 128

@@ -110,7 +110,9 @@ def test_other_tokenizer_is_refused(ckpt_copy, tiny_data):
 def test_cli_reports_mismatch_without_traceback(ckpt_copy, tiny_data, tmp_path, capsys):
     other = train_bpe([d.text for d in tiny_data.val_docs], vocab_size=300)
     other.save(str(tmp_path / "other.json"))
-    rc = main(["generate", "--checkpoint", str(ckpt_copy), "--prompt", "x", "--tokenizer", str(tmp_path / "other.json")])
+    rc = main(
+        ["generate", "--checkpoint", str(ckpt_copy), "--prompt", "x", "--tokenizer", str(tmp_path / "other.json")]
+    )
     assert rc == 1
     err = capsys.readouterr().err
     assert "error:" in err and "tokenizer" in err and "Traceback" not in err

@@ -85,15 +85,29 @@ def test_sigkill_during_checkpoint_saves(trained, tmp_path, same_step):
             trainer.save()
     trainer.step, trainer.history = 3, history
     trainer.save()
-    assert _visible(run / "checkpoints") == ["LATEST", "step-0000003"] or \
-        _visible(run / "checkpoints") == ["LATEST", "step-0000003", "step-0000004"]
+    assert _visible(run / "checkpoints") == ["LATEST", "step-0000003"] or _visible(run / "checkpoints") == [
+        "LATEST",
+        "step-0000003",
+        "step-0000004",
+    ]
     assert resolve_checkpoint(run).name == "step-0000003"
     what = "a same-step replacement" if same_step else "a new step"
-    report(f"SIGKILL during a checkpoint save ({what})", KILLS, seen, CMD + f" -k {'same_step' if same_step else 'new_step'}")
+    report(
+        f"SIGKILL during a checkpoint save ({what})",
+        KILLS,
+        seen,
+        CMD + f" -k {'same_step' if same_step else 'new_step'}",
+    )
 
 
-FILES = ["state.json", "config.json", "tokenizer.json", "model.safetensors", "tables.safetensors",
-         "optimizer.safetensors"]
+FILES = [
+    "state.json",
+    "config.json",
+    "tokenizer.json",
+    "model.safetensors",
+    "tables.safetensors",
+    "optimizer.safetensors",
+]
 
 
 def test_byte_flips_and_truncations_in_every_file_are_refused(trained, tmp_path):
@@ -119,8 +133,12 @@ def test_byte_flips_and_truncations_in_every_file_are_refused(trained, tmp_path)
             seen["refused (CorruptCheckpointError)"] += 1
         path.write_bytes(data)
     assert load_checkpoint(run).state["step"] == 3
-    report("one flipped bit or a truncation in each checkpoint file (6 files x 30)", sum(seen.values()), seen,
-           CMD + " -k flips")
+    report(
+        "one flipped bit or a truncation in each checkpoint file (6 files x 30)",
+        sum(seen.values()),
+        seen,
+        CMD + " -k flips",
+    )
 
 
 # ---------------------------------------------------------------------------- free space
@@ -134,8 +152,12 @@ def small_fs(tmp_path):
     def mount(nbytes: int) -> Path:
         if os.geteuid() != 0 or shutil.which("mount") is None:
             pytest.skip("mounting a tmpfs needs root")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(mnt)],
-                              check=False, capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(mnt)],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
         mounted.append(mnt)
@@ -158,8 +180,20 @@ def _one_line(err: str) -> str:
 
 def test_small_filesystem_refuses_to_train_up_front(small_fs, tiny_corpus, capsys):
     fs = small_fs(256 << 10)  # less than one tiny checkpoint
-    rc = main(["train", "--out", str(fs / "run"), "--preset", "tiny", "--corpus", str(tiny_corpus), "--steps", "3",
-               "--no-progress"])
+    rc = main(
+        [
+            "train",
+            "--out",
+            str(fs / "run"),
+            "--preset",
+            "tiny",
+            "--corpus",
+            str(tiny_corpus),
+            "--steps",
+            "3",
+            "--no-progress",
+        ]
+    )
     assert rc == 1
     out, err = capsys.readouterr()
     line = _one_line(err)
@@ -214,8 +248,11 @@ def test_simulated_enospc_in_a_save_keeps_the_previous_checkpoint(tiny_data, tmp
         return real(tensors, path, metadata=metadata)
 
     monkeypatch.setattr(checkpoint_module, "save_file", save_file)
-    with pytest.raises(CheckpointSaveError, match=r"step 6 .*No space left on device.*step-0000003 \(step 3\), "
-                                                  r"is kept: steps 4\.\.6 are lost"):
+    with pytest.raises(
+        CheckpointSaveError,
+        match=r"step 6 .*No space left on device.*step-0000003 \(step 3\), "
+        r"is kept: steps 4\.\.6 are lost",
+    ):
         trainer.fit()
     root = tmp_path / "run" / "checkpoints"
     assert (root / "LATEST").read_text().strip() == "step-0000003"

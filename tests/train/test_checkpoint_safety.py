@@ -96,8 +96,9 @@ def test_one_writer_per_run_folder(tmp_path):
 
 def test_cli_refuses_a_used_out_without_resume_or_overwrite(run, tiny_corpus, capsys):
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    rc = main(["train", "--out", str(run), "--preset", "tiny", "--corpus", str(tiny_corpus), "--steps", "1",
-               "--no-progress"])
+    rc = main(
+        ["train", "--out", str(run), "--preset", "tiny", "--corpus", str(tiny_corpus), "--steps", "1", "--no-progress"]
+    )
     assert rc == 1
     err = capsys.readouterr().err
     assert "--overwrite" in err and "--resume" in err and "Traceback" not in err
@@ -106,8 +107,20 @@ def test_cli_refuses_a_used_out_without_resume_or_overwrite(run, tiny_corpus, ca
 
 def test_cli_refuses_an_unwritable_out_before_training(tmp_path, tiny_corpus, capsys):
     (tmp_path / "file").write_text("x")
-    rc = main(["train", "--out", str(tmp_path / "file" / "run"), "--preset", "tiny", "--corpus", str(tiny_corpus),
-               "--steps", "1", "--no-progress"])
+    rc = main(
+        [
+            "train",
+            "--out",
+            str(tmp_path / "file" / "run"),
+            "--preset",
+            "tiny",
+            "--corpus",
+            str(tiny_corpus),
+            "--steps",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert rc == 1
     err = capsys.readouterr().err
     assert "--out" in err and "Traceback" not in err

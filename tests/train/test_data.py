@@ -81,13 +81,18 @@ def test_one_pass_sees_every_window_once_before_any_twice(batch_size, seq_len):
     if per_pass > 2:
         assert not np.array_equal(first_pass, second_pass), "each pass has its own order"
     assert stream.passes(steps, batch_size, seq_len) == steps * batch_size / per_pass
-    other_seed = np.concatenate([stream.batch(s, batch_size, seq_len, seed=8).inputs[:, 0].numpy() for s in range(steps)])
+    other_seed = np.concatenate(
+        [stream.batch(s, batch_size, seq_len, seed=8).inputs[:, 0].numpy() for s in range(steps)]
+    )
     if per_pass > 2:
         assert not np.array_equal(firsts, other_seed)
 
 
-@pytest.mark.parametrize("n_tokens, seq_len, batch_size", [(61, 6, 4), (60, 6, 4), (13, 6, 1), (4, 6, 2), (2, 6, 3)],
-                         ids=["tail", "exact", "tail-b1", "shorter-than-window", "two-tokens"])
+@pytest.mark.parametrize(
+    "n_tokens, seq_len, batch_size",
+    [(61, 6, 4), (60, 6, 4), (13, 6, 1), (4, 6, 2), (2, 6, 3)],
+    ids=["tail", "exact", "tail-b1", "shorter-than-window", "two-tokens"],
+)
 def test_validation_scores_every_target_exactly_once(n_tokens, seq_len, batch_size):
     tokens = np.arange(1, n_tokens + 1, dtype=np.uint16)
     stream = TokenStream(tokens, eos_id=0)

@@ -28,8 +28,9 @@ def _rank_main(rank, world, init_file, argv, crash_at, want_rc):
 
     torch.set_num_threads(1)
     port = int(open(f"{init_file}.port").read()) if os.path.exists(f"{init_file}.port") else None
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     if crash_at is not None:
         real = Trainer.train_step
 
@@ -44,7 +45,7 @@ def _rank_main(rank, world, init_file, argv, crash_at, want_rc):
 
 def _spawn(world, tmp_path, name, argv, crash_at=None, want_rc=0):
     init = tmp_path / name
-    for attempt in range(3):   # spawn_ranks suffixes the attempt; each attempt gets its own port
+    for attempt in range(3):  # spawn_ranks suffixes the attempt; each attempt gets its own port
         (tmp_path / f"{name}.{attempt}.port").write_text(str(_free_port()))
     spawn_ranks(_rank_main, world, init, argv, crash_at, want_rc)
 
@@ -54,8 +55,23 @@ def _losses(run) -> list[float]:
 
 
 def test_torchrun_ranks_train_like_one_process_and_resume_on_fewer_ranks(tiny_corpus, tmp_path):
-    common = ["--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "6",
-              "--checkpoint-every", "3", "--no-progress", "--device", "cpu", "--precision", "fp32"]
+    common = [
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(tiny_corpus),
+        "--vocab-size",
+        "320",
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+    ]
     assert main(["train", "--out", str(tmp_path / "one")] + common) == 0
     one = _losses(tmp_path / "one")
 
@@ -63,8 +79,11 @@ def test_torchrun_ranks_train_like_one_process_and_resume_on_fewer_ranks(tiny_co
     _spawn(2, tmp_path, "two", ["train", "--out", str(tmp_path / "two"), "--overwrite"] + common)
     assert _losses(tmp_path / "two") == pytest.approx(one, rel=1e-4)
     shards = tmp_path / "two" / "sharded_tables" / "layer1" / "step-0000006"
-    assert sorted(p.name for p in shards.iterdir()) == ["manifest.json", "shard-00000-of-00002.safetensors",
-                                                        "shard-00001-of-00002.safetensors"]
+    assert sorted(p.name for p in shards.iterdir()) == [
+        "manifest.json",
+        "shard-00000-of-00002.safetensors",
+        "shard-00001-of-00002.safetensors",
+    ]
 
     run = tmp_path / "killed"
     _spawn(2, tmp_path, "killed", ["train", "--out", str(run), "--overwrite"] + common, crash_at=4, want_rc=130)

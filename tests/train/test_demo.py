@@ -15,8 +15,26 @@ from condmem.train.demo import run_demo
 def test_demo_pipeline_on_a_tiny_corpus(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "demo"
     start = time.perf_counter()
-    rc = main(["demo", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "6",
-               "--out", str(out), "--device", "cpu", "--max-new-tokens", "12", "--no-progress"])
+    rc = main(
+        [
+            "demo",
+            "--preset",
+            "tiny",
+            "--corpus",
+            str(tiny_corpus),
+            "--vocab-size",
+            "320",
+            "--steps",
+            "6",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "12",
+            "--no-progress",
+        ]
+    )
     elapsed = time.perf_counter() - start
     assert rc == 0
     assert elapsed < 60, f"the tiny demo took {elapsed:.0f} s"
@@ -30,7 +48,10 @@ def test_demo_pipeline_on_a_tiny_corpus(tiny_corpus, tmp_path, capsys):
     assert summary["baseline"]["train_tokens"] == summary["engram"]["train_tokens"]
     assert abs(summary["comparison"]["flops_per_token_ratio"] - 1) < 0.05
     assert summary["engram"]["table_params"] > 0 and summary["baseline"]["table_params"] == 0
-    assert summary["data"]["tokenizer"]["compressed_vocab_size"] == summary["config"]["engram"]["engram"]["compressed_vocab_size"]
+    assert (
+        summary["data"]["tokenizer"]["compressed_vocab_size"]
+        == summary["config"]["engram"]["engram"]["compressed_vocab_size"]
+    )
     gates = json.loads((out / "gates.json").read_text())
     assert len(gates["pieces"]) == len(gates["gates"]["1"]) > 10
     assert (out / "sample.txt").read_text().startswith("# prompt")
@@ -39,15 +60,40 @@ def test_demo_pipeline_on_a_tiny_corpus(tiny_corpus, tmp_path, capsys):
         assert (out / "loss_curves.png").stat().st_size > 1000
         assert (out / "gates.png").stat().st_size > 1000
     # The demo's Engram checkpoint serves `condmem generate`.
-    assert main(["generate", "--checkpoint", str(out / "engram"), "--prompt", "import ", "--max-new-tokens", "4",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(out / "engram"),
+                "--prompt",
+                "import ",
+                "--max-new-tokens",
+                "4",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
 
 
 def test_demo_caps_steps_at_one_pass_and_says_so(tiny_corpus, tmp_path, capsys):
     """A corpus too small for the requested steps is not repeated silently."""
     out = tmp_path / "capped"
-    summary = run_demo(out, corpus=str(tiny_corpus), preset="tiny", device="cpu", steps=10_000, vocab_size=320,
-                       max_new_tokens=4, progress=False, checkpoint=False, seeds=2, overrides={"train": {"eval_every": 2}})
+    summary = run_demo(
+        out,
+        corpus=str(tiny_corpus),
+        preset="tiny",
+        device="cpu",
+        steps=10_000,
+        vocab_size=320,
+        max_new_tokens=4,
+        progress=False,
+        checkpoint=False,
+        seeds=2,
+        overrides={"train": {"eval_every": 2}},
+    )
     printed = capsys.readouterr().out
     assert "WARNING" in printed and "passes over the" in printed and "Capped at" in printed
     passes = summary["passes"]
@@ -58,7 +104,7 @@ def test_demo_caps_steps_at_one_pass_and_says_so(tiny_corpus, tmp_path, capsys):
     assert [r["baseline"]["seed"] for r in summary["seeds"]] == [0, 1]
     gaps = [r["val_loss_gap_pct"] for r in summary["seeds"]]
     assert summary["comparison"]["val_loss_gap_pct"] == pytest.approx(sum(gaps) / 2)
-    assert summary["comparison"]["val_loss_gap_pct_std"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2 ** 0.5)
+    assert summary["comparison"]["val_loss_gap_pct_std"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2**0.5)
     assert len(summary["curves"]["engram"]) == 2
     # the whole validation split is evaluated, and evaluations during training show the curve
     v = summary["data"]["validation"]
@@ -72,7 +118,17 @@ def test_demo_caps_steps_at_one_pass_and_says_so(tiny_corpus, tmp_path, capsys):
 
 
 def test_demo_with_more_passes_allowed_repeats_and_notes_it(tiny_corpus, tmp_path, capsys):
-    summary = run_demo(tmp_path / "repeat", corpus=str(tiny_corpus), preset="tiny", device="cpu", steps=1000,
-                       vocab_size=320, max_new_tokens=2, progress=False, checkpoint=False, max_passes=2.0)
+    summary = run_demo(
+        tmp_path / "repeat",
+        corpus=str(tiny_corpus),
+        preset="tiny",
+        device="cpu",
+        steps=1000,
+        vocab_size=320,
+        max_new_tokens=2,
+        progress=False,
+        checkpoint=False,
+        max_passes=2.0,
+    )
     assert 1.0 < summary["passes"]["passes"] <= 2.0
     assert "saw its training data" in capsys.readouterr().out

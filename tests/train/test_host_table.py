@@ -26,16 +26,28 @@ from condmem.train.presets import get_preset
 STEPS = 50
 
 
-def _trainer(data, *, host: dict | None = None, steps=STEPS, run_dir=None, model=None, tables=None, device="cpu",
-             **train):
+def _trainer(
+    data, *, host: dict | None = None, steps=STEPS, run_dir=None, model=None, tables=None, device="cpu", **train
+):
     preset = get_preset("tiny")
     if model is None:
         model = DecoderLM(build_model_config(preset, data), token_lookup=data.ctok.lookup, seed=0, device=device)
     tc = dataclasses.replace(preset.train, steps=steps, seed=0, lr=1e-2, warmup_steps=3, **train)
     tier = None if host is None else HostTables(model, device, tables=tables, **host)
     extra = {"tokenizer": data.tokenizer, "ctok": data.ctok, "data": data.info}
-    return Trainer(model, tc, data.train, data.val, data.token_bytes, device, run_dir=run_dir, label="engram",
-                   checkpoint_extra=extra, progress=False, host_tables=tier)
+    return Trainer(
+        model,
+        tc,
+        data.train,
+        data.val,
+        data.token_bytes,
+        device,
+        run_dir=run_dir,
+        label="engram",
+        checkpoint_extra=extra,
+        progress=False,
+        host_tables=tier,
+    )
 
 
 def _tables(trainer) -> dict[int, torch.Tensor]:
@@ -141,8 +153,9 @@ def test_resume_on_host_tables_equals_an_uninterrupted_run(tiny_data, reference,
 
     ckpt = load_checkpoint(run, tables_on_host=True)
     assert ckpt.state["step"] == 20 and ckpt.model.table_parameters()[0][1].device.type == "meta"
-    resumed = _trainer(tiny_data, host={"adam": adam}, run_dir=run, checkpoint_every=20, model=ckpt.model,
-                       tables=ckpt.tables)
+    resumed = _trainer(
+        tiny_data, host={"adam": adam}, run_dir=run, checkpoint_every=20, model=ckpt.model, tables=ckpt.tables
+    )
     with resumed.host:
         resumed.restore(ckpt)
         resumed.fit()
@@ -153,8 +166,22 @@ def test_resume_on_host_tables_equals_an_uninterrupted_run(tiny_data, reference,
 
 
 def test_cli_table_tier_host_resumes_like_the_model_tier(tiny_corpus, tmp_path, monkeypatch):
-    args = ["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "6",
-            "--checkpoint-every", "3", "--no-progress", "--device", "cpu"]
+    args = [
+        "train",
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(tiny_corpus),
+        "--vocab-size",
+        "320",
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
     assert main(args + ["--out", str(tmp_path / "module")]) == 0
     real_step = Trainer.train_step
 
@@ -166,13 +193,26 @@ def test_cli_table_tier_host_resumes_like_the_model_tier(tiny_corpus, tmp_path, 
     monkeypatch.setattr(Trainer, "train_step", crash_at_4)
     assert main(args + ["--out", str(tmp_path / "host"), "--table-tier", "host"]) == 130
     monkeypatch.setattr(Trainer, "train_step", real_step)
-    assert main(["train", "--out", str(tmp_path / "host"), "--resume", "--table-tier", "host", "--no-progress",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(tmp_path / "host"),
+                "--resume",
+                "--table-tier",
+                "host",
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     module = json.loads((tmp_path / "module" / "summary.json").read_text())
     host = json.loads((tmp_path / "host" / "summary.json").read_text())
     assert [h["loss"] for h in host["history"]] == [h["loss"] for h in module["history"]]
     assert host["summary"]["table_tier"] == "host" and module["summary"]["table_tier"] == "module"
-
 
 
 def test_staleness_one_reads_rows_a_step_late_and_trains_close(tiny_data, reference):
@@ -202,9 +242,26 @@ def test_staleness_must_be_zero_or_one(tiny_data):
 
 def test_cli_host_staleness_one_trains(tiny_corpus, tmp_path):
     """``condmem train --table-tier host --host-staleness 1`` runs and says so in its summary."""
-    args = ["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "4",
-            "--no-progress", "--device", "cpu", "--table-tier", "host", "--host-staleness", "1",
-            "--out", str(tmp_path / "run")]
+    args = [
+        "train",
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(tiny_corpus),
+        "--vocab-size",
+        "320",
+        "--steps",
+        "4",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--table-tier",
+        "host",
+        "--host-staleness",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())["summary"]
     assert summary["table_tier"] == "host" and summary["host_staleness"] == 1
@@ -278,7 +335,6 @@ def test_host_tables_on_a_gpu_train_like_model_tables(tiny_data, adam):
         moved = (ref_rows - start[lid]).norm()
         off = (got - ref_rows).norm() / moved
         assert off < 0.05, f"layer {lid}: rows differ by {off:.4f} of their training movement {moved:.3f}"
-
 
 
 @pytest.mark.parametrize("adam", ["host", "device"])

@@ -75,8 +75,9 @@ def test_export_import_roundtrip_continues_identically():
     p1 = torch.nn.Parameter(torch.randn(ROWS, DIM, generator=gen))
     p2 = torch.nn.Parameter(p1.detach().clone())
     o1, o2 = SparseAdam([p1], lr=0.02), SparseAdam([p2], lr=0.02)
-    grads = [sparse_grad(torch.randint(0, ROWS, (7,), generator=gen), torch.randn(7, DIM, generator=gen))
-             for _ in range(6)]
+    grads = [
+        sparse_grad(torch.randint(0, ROWS, (7,), generator=gen), torch.randn(7, DIM, generator=gen)) for _ in range(6)
+    ]
     for g in grads[:3]:
         p1.grad = g
         o1.step()

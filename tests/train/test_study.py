@@ -28,8 +28,11 @@ def _base(preset: str):
     """The preset's backbone config, with a stand-in tokenizer (vocab 8192 / 320, V' 90% of it)."""
     p = STUDY_PRESETS[preset].base
     vocab = p.data.vocab_size
-    data = SimpleNamespace(tokenizer=SimpleNamespace(get_vocab_size=lambda with_added_tokens: vocab), pad_id=1,
-                           ctok=SimpleNamespace(vocab_size=vocab * 9 // 10))
+    data = SimpleNamespace(
+        tokenizer=SimpleNamespace(get_vocab_size=lambda with_added_tokens: vocab),
+        pad_id=1,
+        ctok=SimpleNamespace(vocab_size=vocab * 9 // 10),
+    )
     return build_model_config(p, data)
 
 
@@ -99,8 +102,9 @@ def test_allocation_finding_claims_a_minimum_only_beyond_the_spread():
 
 
 def test_slots_finding_fits_a_line_in_log_rows():
-    runs = [{"table_rows": 0, "val_loss": 3.0}] + [{"table_rows": r, "val_loss": 3.0 - 0.05 * k}
-                                                   for k, r in enumerate([1e3, 1e4, 1e5])]
+    runs = [{"table_rows": 0, "val_loss": 3.0}] + [
+        {"table_rows": r, "val_loss": 3.0 - 0.05 * k} for k, r in enumerate([1e3, 1e4, 1e5])
+    ]
     points = [{"table_rows": 0, "val_loss": {"mean": 3.0}}]
     f = slots_finding(points, runs)
     assert f["slope_per_decade"] == pytest.approx(-0.05) and f["slope_stderr"] == pytest.approx(0, abs=1e-9)
@@ -114,8 +118,18 @@ def test_a_budget_cuts_the_first_run_and_every_run_follows(tiny_data):
     import numpy as np
 
     seen = np.zeros(len(tiny_data.val) - 1, dtype=bool)
-    runs = train_points(points, tiny_data, torch.device("cpu"), sp.base.train, steps=10**6, seeds=1, seed=0, seen=seen,
-                        budget_s=1.0, progress=False)
+    runs = train_points(
+        points,
+        tiny_data,
+        torch.device("cpu"),
+        sp.base.train,
+        steps=10**6,
+        seeds=1,
+        seed=0,
+        seen=seen,
+        budget_s=1.0,
+        progress=False,
+    )
     assert runs[0]["steps"] < 10**6 and runs[0]["steps"] == runs[1]["steps"]
 
 
@@ -125,11 +139,19 @@ def _check_study(path, kind, n_points, seeds):
     assert len(s["runs"]) == n_points * seeds and len(s["points"]) == n_points
     assert s["seeds"] == list(range(seeds)) and s["data_seed"] == 0
     for r in s["runs"]:
-        for key in ("total_params", "active_params", "flops_per_token", "train_tokens", "val_loss", "bits_per_byte",
-                    "tokens_per_s", "passes"):
+        for key in (
+            "total_params",
+            "active_params",
+            "flops_per_token",
+            "train_tokens",
+            "val_loss",
+            "bits_per_byte",
+            "tokens_per_s",
+            "passes",
+        ):
             assert r[key] is not None and r[key] >= 0, key
         assert r["buckets"]["seen"]["tokens"] + r["buckets"]["unseen"]["tokens"] == r["val_tokens"]
-        assert r["val_tokens"] == s["data"]["validation"]["tokens"] - 1    # every held-out token, deduplicated
+        assert r["val_tokens"] == s["data"]["validation"]["tokens"] - 1  # every held-out token, deduplicated
     assert "orders of magnitude" in s["report"] and s["scale"]["orders_of_magnitude_below_paper"] > 3
     if importlib.util.find_spec("matplotlib") is not None:
         assert s["figure"] == f"{kind}.png" and (path / s["figure"]).stat().st_size > 1000
@@ -138,8 +160,26 @@ def _check_study(path, kind, n_points, seeds):
 
 def test_tiny_allocation_study_end_to_end(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "allocation"
-    assert main(["study", "allocation", "--preset", "tiny", "--corpus", str(tiny_corpus), "--seeds", "2",
-                 "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "study",
+                "allocation",
+                "--preset",
+                "tiny",
+                "--corpus",
+                str(tiny_corpus),
+                "--seeds",
+                "2",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     s = _check_study(out, "allocation", 3, 2)
     assert [r["rho"] for r in s["runs"][:3]] == [1.0, 0.75, 0.5]
     assert s["runs"][0]["table_params"] == 0 and all(r["table_params"] > 0 for r in s["runs"][1:3])
@@ -151,8 +191,24 @@ def test_tiny_allocation_study_end_to_end(tiny_corpus, tmp_path, capsys):
 
 def test_tiny_slot_study_end_to_end(tiny_corpus, tmp_path):
     out = tmp_path / "slots"
-    assert main(["study", "slots", "--preset", "tiny", "--corpus", str(tiny_corpus), "--out", str(out),
-                 "--no-progress", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "study",
+                "slots",
+                "--preset",
+                "tiny",
+                "--corpus",
+                str(tiny_corpus),
+                "--out",
+                str(out),
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     s = _check_study(out, "slots", 4, 1)
     assert s["finding"]["decades"] >= 2 and s["runs"][0]["table_rows"] == 0
     assert isinstance(s["finding"]["slope_per_decade"], float)

@@ -21,8 +21,9 @@ def make_trainer(data, *, engram=True, steps=8, run_dir=None, seed=0, model=None
     if model is None:
         model = build_model(build_model_config(preset, data, engram=engram), data, seed=seed, device="cpu")
     tc = dataclasses.replace(preset.train, steps=steps, seed=seed, **train)
-    return build_trainer(model, tc, data, "cpu", run_dir=run_dir, label="engram" if engram else "baseline",
-                         progress=False)
+    return build_trainer(
+        model, tc, data, "cpu", run_dir=run_dir, label="engram" if engram else "baseline", progress=False
+    )
 
 
 def losses(trainer):
@@ -81,8 +82,20 @@ def test_resume_equals_uninterrupted_run(tiny_data, tmp_path, monkeypatch):
 
 
 def test_cli_train_resume_and_generate(tiny_corpus, tmp_path, monkeypatch, capsys):
-    args = ["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "6",
-            "--checkpoint-every", "3", "--no-progress"]
+    args = [
+        "train",
+        "--preset",
+        "tiny",
+        "--corpus",
+        str(tiny_corpus),
+        "--vocab-size",
+        "320",
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--no-progress",
+    ]
     assert main(args + ["--out", str(tmp_path / "straight")]) == 0
     real_step = Trainer.train_step
 
@@ -99,8 +112,22 @@ def test_cli_train_resume_and_generate(tiny_corpus, tmp_path, monkeypatch, capsy
     resumed = json.loads((tmp_path / "crashed" / "summary.json").read_text())
     assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"]]
     capsys.readouterr()
-    assert main(["generate", "--checkpoint", str(tmp_path / "crashed"), "--prompt", "def f(x):",
-                 "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(tmp_path / "crashed"),
+                "--prompt",
+                "def f(x):",
+                "--max-new-tokens",
+                "8",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("def f(x):")
 
 
@@ -112,14 +139,30 @@ def test_time_budget_resolves_the_step_count(tiny_data):
     assert trainer.state()["train_config"]["steps"] == trainer.cfg.steps, "a checkpoint keeps the resolved count"
 
 
-def test_resume_with_more_steps_continues_without_preparing_the_data_again(tiny_corpus, tmp_path, monkeypatch,
-                                                                           capsys):
+def test_resume_with_more_steps_continues_without_preparing_the_data_again(tiny_corpus, tmp_path, monkeypatch, capsys):
     from condmem.train import pipeline
 
     monkeypatch.setenv("CONDMEM_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "r"
-    assert main(["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "30",
-                 "--no-progress", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--corpus",
+                str(tiny_corpus),
+                "--vocab-size",
+                "320",
+                "--steps",
+                "30",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     first = json.loads((out / "summary.json").read_text())
     step30 = out / "checkpoints" / "step-0000030"
     files = {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in step30.iterdir()}
@@ -167,8 +210,11 @@ def test_prepared_data_cache_gives_the_same_data(tiny_corpus, tmp_path):
         assert (data.val.tokens == fresh.val.tokens).all() and (data.token_bytes == fresh.token_bytes).all()
         assert data.tokenizer.to_str() == fresh.tokenizer.to_str() and data.ctok.fingerprint == fresh.ctok.fingerprint
         assert [d.name for d in data.val_docs] == [d.name for d in fresh.val_docs]
-        assert (data.eos_id, data.pad_id, data.info["validation"]) == (fresh.eos_id, fresh.pad_id,
-                                                                        fresh.info["validation"])
+        assert (data.eos_id, data.pad_id, data.info["validation"]) == (
+            fresh.eos_id,
+            fresh.pad_id,
+            fresh.info["validation"],
+        )
     # An edited corpus file makes another corpus.
     with open(corpus / "notes.txt", "a", encoding="utf-8") as fh:
         fh.write("one more line\n")
@@ -193,7 +239,7 @@ def test_moe_backbone_trains_and_resumes_exactly(tiny_data, tmp_path, monkeypatc
     straight.model.train()
     batch = straight._batch(0)
     straight.model.loss(batch.inputs, batch.targets, batch.doc_starts)
-    assert 0.01 <= straight.model.aux_loss().item() < 0.01 * 2 * 4   # two blocks, each between 1 and E
+    assert 0.01 <= straight.model.aux_loss().item() < 0.01 * 2 * 4  # two blocks, each between 1 and E
     real_step = Trainer.train_step
 
     def crash_at_5(self, step):

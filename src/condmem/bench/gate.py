@@ -27,7 +27,7 @@ def run(args, ceiling: dict) -> list[dict]:
     rows = []
     dev = args.device
     gen = torch.Generator(device=dev).manual_seed(0)
-    for n, hc, dim in (SMOKE_SHAPES if args.smoke else SHAPES):
+    for n, hc, dim in SMOKE_SHAPES if args.smoke else SHAPES:
         dtype = torch.bfloat16
         esz = 2
         sets = []
@@ -43,15 +43,16 @@ def run(args, ceiling: dict) -> list[dict]:
         impls = {
             "triton": lambda h, kv: engram_gate(h, kv, qw, kw, token_mask=mask, backend="triton"),
             "torch-eager": lambda h, kv: engram_gate_reference(h, kv, qw, kw, token_mask=mask),
-            "triton-residual": lambda h, kv: engram_gate(h, kv, qw, kw, token_mask=mask, residual=True,
-                                                         backend="triton"),
+            "triton-residual": lambda h, kv: engram_gate(
+                h, kv, qw, kw, token_mask=mask, residual=True, backend="triton"
+            ),
             "triton+add": lambda h, kv: h + engram_gate(h, kv, qw, kw, token_mask=mask, backend="triton"),
         }
         if args.variants:
             for chunk, nw in ((1024, 4), (2048, 4), (4096, 4), (2048, 8)):
-                impls[f"triton-residual-c{chunk}-w{nw}"] = (
-                    lambda h, kv, c=chunk, nw=nw: gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, mask, residual=True,
-                                                                     chunk=c, num_warps=nw))
+                impls[f"triton-residual-c{chunk}-w{nw}"] = lambda h, kv, c=chunk, nw=nw: gate_forward_triton(
+                    h, kv, qw, kw, 1e-6, 1e-6, mask, residual=True, chunk=c, num_warps=nw
+                )
         ref = impls["torch-eager"](*sets[0]).float()
         ref_residual = engram_gate_reference(*sets[0], qw, kw, token_mask=mask, residual=True).float()
         for name, fn in impls.items():  # every variant computes the same thing before it is timed
@@ -63,8 +64,15 @@ def run(args, ceiling: dict) -> list[dict]:
             res[name] = time_ms(Rotator(fn, sets), dev)
         for name, t in res.items():
             gbps = fwd_bytes / (t["ms"] * 1e-3) / 1e9
-            row = {**base, "pass": "forward", "impl": name, **t, "bytes": fwd_bytes, "gbps": gbps,
-                   "hbm_fraction": gbps / ceiling["d2d_gbps"]}
+            row = {
+                **base,
+                "pass": "forward",
+                "impl": name,
+                **t,
+                "bytes": fwd_bytes,
+                "gbps": gbps,
+                "hbm_fraction": gbps / ceiling["d2d_gbps"],
+            }
             if name.startswith("triton"):
                 row["speedup_vs_eager"] = res["torch-eager"]["ms"] / t["ms"]
             if name.startswith("triton-residual"):
@@ -80,25 +88,40 @@ def run(args, ceiling: dict) -> list[dict]:
                 gsets.append((h.detach().requires_grad_(), kv.detach().requires_grad_(), torch.randn_like(h)))
             qg, kg = qw.clone().requires_grad_(), kw.clone().requires_grad_()
 
-            def step(h, kv, go, backend):           # as the models train it: the residual add fused in
+            def step(h, kv, go, backend):  # as the models train it: the residual add fused in
                 out = engram_gate(h, kv, qg, kg, token_mask=mask, residual=True, backend=backend)
                 torch.autograd.grad(out, (h, kv, qg, kg), go)
 
-            bres = {name: time_ms(Rotator(lambda h, kv, go, b=b: step(h, kv, go, b), gsets), dev)
-                    for name, b in (("triton", "triton"), ("torch-eager", "torch"))}
+            bres = {
+                name: time_ms(Rotator(lambda h, kv, go, b=b: step(h, kv, go, b), gsets), dev)
+                for name, b in (("triton", "triton"), ("torch-eager", "torch"))
+            }
             if args.variants:
                 # The backward kernels alone (no forward), at two widths.
                 for nw in (4, 8, 16):
-                    bres[f"triton-bwd-only-w{nw}"] = time_ms(Rotator(
-                        lambda h, kv, go, nw=nw: gate_backward_triton(go, h.detach(), kv.detach(), qw, kw, 1e-6, 1e-6,
-                                                                      mask, residual=True, num_warps=nw), gsets), dev)
+                    bres[f"triton-bwd-only-w{nw}"] = time_ms(
+                        Rotator(
+                            lambda h, kv, go, nw=nw: gate_backward_triton(
+                                go, h.detach(), kv.detach(), qw, kw, 1e-6, 1e-6, mask, residual=True, num_warps=nw
+                            ),
+                            gsets,
+                        ),
+                        dev,
+                    )
             # backward reads h, kv, dout, writes dh, dkv; the weight pass re-reads h and the keys.
             bwd_bytes = fwd_bytes + n * (5 * hc * dim + 2 * (hc + 1) * dim) * esz
             for name, t in bres.items():
                 nbytes = bwd_bytes - fwd_bytes if "bwd-only" in name else bwd_bytes
                 gbps = nbytes / (t["ms"] * 1e-3) / 1e9
-                row = {**base, "pass": "backward" if "bwd-only" in name else "forward+backward", "impl": name, **t,
-                       "bytes": nbytes, "gbps": gbps, "hbm_fraction": gbps / ceiling["d2d_gbps"]}
+                row = {
+                    **base,
+                    "pass": "backward" if "bwd-only" in name else "forward+backward",
+                    "impl": name,
+                    **t,
+                    "bytes": nbytes,
+                    "gbps": gbps,
+                    "hbm_fraction": gbps / ceiling["d2d_gbps"],
+                }
                 if name == "triton":
                     row["speedup_vs_eager"] = bres["torch-eager"]["ms"] / t["ms"]
                 rows.append(row)

@@ -32,8 +32,20 @@ def _time_variants(rows, base, fmt, tables, kw, sets, out, bytes_per_row, ceilin
         fn = Rotator(lambda ids, tune=tune: engram_gather(ids, *tables, out=out, backend="triton", **kw, **tune), sets)
         t = time_ms(fn, dev)
         gbps = n * bytes_per_row / (t["ms"] * 1e-3) / 1e9
-        rows.append({**base, "format": fmt, "impl": name, **tune, "ids": n, **t, "rows_per_s": n / (t["ms"] * 1e-3),
-                     "bytes_per_row": bytes_per_row, "gbps": gbps, "d2d_fraction": gbps / ceiling["d2d_gbps"]})
+        rows.append(
+            {
+                **base,
+                "format": fmt,
+                "impl": name,
+                **tune,
+                "ids": n,
+                **t,
+                "rows_per_s": n / (t["ms"] * 1e-3),
+                "bytes_per_row": bytes_per_row,
+                "gbps": gbps,
+                "d2d_fraction": gbps / ceiling["d2d_gbps"],
+            }
+        )
 
 
 def _free(dev: str) -> None:
@@ -52,11 +64,13 @@ def run(args, ceiling: dict) -> list[dict]:
     out = torch.empty((n_ids, HEAD_DIM), dtype=torch.bfloat16, device=dev)
     variants = [("triton", dict(block_rows=32, num_warps=4, programs_per_sm=4))]
     if args.variants:
-        variants += [("triton", dict(block_rows=16, num_warps=4, programs_per_sm=4)),
-                     ("triton", dict(block_rows=64, num_warps=4, programs_per_sm=4)),
-                     ("triton", dict(block_rows=32, num_warps=4, programs_per_sm=8)),
-                     ("triton", dict(block_rows=32, num_warps=8, programs_per_sm=4)),
-                     ("triton", dict(block_rows=64, num_warps=8, programs_per_sm=2))]
+        variants += [
+            ("triton", dict(block_rows=16, num_warps=4, programs_per_sm=4)),
+            ("triton", dict(block_rows=64, num_warps=4, programs_per_sm=4)),
+            ("triton", dict(block_rows=32, num_warps=4, programs_per_sm=8)),
+            ("triton", dict(block_rows=32, num_warps=8, programs_per_sm=4)),
+            ("triton", dict(block_rows=64, num_warps=8, programs_per_sm=2)),
+        ]
     # -- packed fp8 rows (264 B) in HBM
     packed = _random_rows(table_rows, PACKED_ROW, dev, scale_from=HEAD_DIM)
     b = {**base, "tier": "hbm", "table_gib": packed.numel() / 2**30}
@@ -65,7 +79,9 @@ def run(args, ceiling: dict) -> list[dict]:
     assert same_rows(got, ref), "the Triton gather differs from the reference"
     _time_variants(rows, b, "fp8-packed", (packed,), {}, sets, out, PACKED_ROW + 2 * HEAD_DIM, ceiling, variants)
     t = time_ms(Rotator(lambda ids, packed=packed: gather_reference(ids, packed), sets), dev, rep_ms=100)
-    rows.append({**b, "format": "fp8-packed", "impl": "torch-gpu", "ids": n_ids, **t, "rows_per_s": n_ids / (t["ms"] * 1e-3)})
+    rows.append(
+        {**b, "format": "fp8-packed", "impl": "torch-gpu", "ids": n_ids, **t, "rows_per_s": n_ids / (t["ms"] * 1e-3)}
+    )
     # -- separate fp8 rows + scales in HBM (same bytes, two random accesses per row)
     q = packed[:, :HEAD_DIM].contiguous().view(torch.float8_e4m3fn)
     s = packed[:, HEAD_DIM:].contiguous()
@@ -78,8 +94,18 @@ def run(args, ceiling: dict) -> list[dict]:
     bf_rows = args.table_mib * 2**20 // (2 * HEAD_DIM)
     bf = torch.empty((bf_rows, HEAD_DIM), dtype=torch.bfloat16, device=dev).normal_()
     bsets = [(torch.randint(0, bf_rows, (n_ids,), device=dev, generator=gen),) for _ in range(4)]
-    _time_variants(rows, {**base, "tier": "hbm", "table_rows": bf_rows, "table_gib": bf.numel() * 2 / 2**30}, "bf16",
-                   (bf,), {}, bsets, out, 4 * HEAD_DIM, ceiling, variants[:1])
+    _time_variants(
+        rows,
+        {**base, "tier": "hbm", "table_rows": bf_rows, "table_gib": bf.numel() * 2 / 2**30},
+        "bf16",
+        (bf,),
+        {},
+        bsets,
+        out,
+        4 * HEAD_DIM,
+        ceiling,
+        variants[:1],
+    )
     del bf, bsets
     _free(dev)
     # -- small decode-sized batches (latency): 256 tokens x 24 columns
@@ -87,8 +113,18 @@ def run(args, ceiling: dict) -> list[dict]:
     small = [(ids[0][:n_small].clone(),) for ids in sets]
     packed_small = _random_rows(table_rows, PACKED_ROW, dev, scale_from=HEAD_DIM)
     out_small = torch.empty((n_small, HEAD_DIM), dtype=torch.bfloat16, device=dev)
-    _time_variants(rows, {**b, "batch": "decode-256x24"}, "fp8-packed", (packed_small,), {}, small, out_small,
-                   PACKED_ROW + 2 * HEAD_DIM, ceiling, variants[:1])
+    _time_variants(
+        rows,
+        {**b, "batch": "decode-256x24"},
+        "fp8-packed",
+        (packed_small,),
+        {},
+        small,
+        out_small,
+        PACKED_ROW + 2 * HEAD_DIM,
+        ceiling,
+        variants[:1],
+    )
     del packed_small
     _free(dev)
     # -- pinned host table, zero-copy over PCIe (UVA)
@@ -106,8 +142,9 @@ def run(args, ceiling: dict) -> list[dict]:
     assert same_rows(got, ref), "the Triton gather differs from the reference"
     _time_variants(rows, hb, "fp8-packed", (host,), {}, hsets, out_h, PACKED_ROW, ceiling, variants[:1])
     ssets = [(torch.sort(ids[0]).values,) for ids in hsets]
-    _time_variants(rows, {**hb, "ids_order": "sorted"}, "fp8-packed", (host,), {}, ssets, out_h, PACKED_ROW, ceiling,
-                   variants[:1])
+    _time_variants(
+        rows, {**hb, "ids_order": "sorted"}, "fp8-packed", (host,), {}, ssets, out_h, PACKED_ROW, ceiling, variants[:1]
+    )
     for r in rows:
         if r.get("tier") == "pinned-host" and r["impl"] == "triton":
             r["row_gbps"] = r.pop("gbps")  # host rows: requested table bytes only (PCIe side)

@@ -35,11 +35,20 @@ def machine_info() -> dict:
         info["triton"] = None
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda, capability=f"{p.major}.{p.minor}")
+        info.update(
+            gpu=p.name,
+            sm_count=p.multi_processor_count,
+            gpu_mem_gib=round(p.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            capability=f"{p.major}.{p.minor}",
+        )
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             info["nvidia_smi"] = smi.stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
@@ -51,12 +60,20 @@ def machine_info() -> dict:
     info["source_sha256"] = digest.hexdigest()[:16]
     try:
         root = Path(__file__).resolve().parents[3]
-        info["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, timeout=5).stdout.strip() or None
+        info["commit"] = (
+            subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
         # A tree that differs from its commit (e.g. a copy whose .git is older than its files)
         # says so: then only source_sha256 identifies the code.
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         if info["commit"] and dirty:
             info["commit"] += "+dirty"
     except (OSError, subprocess.SubprocessError):

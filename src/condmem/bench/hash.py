@@ -46,27 +46,58 @@ def run(args, ceiling: dict) -> list[dict]:
         assert torch.equal(ref, got), "Triton hash differs from the reference"
         out = torch.empty_like(got)
         bytes_moved = tokens * (8 + out_bytes_per_token)  # ids read + row ids written
-        variants = [("triton", dict(fast_mod=True, block_t=128)), ("triton-plain-mod", dict(fast_mod=False, block_t=128))]
+        variants = [
+            ("triton", dict(fast_mod=True, block_t=128)),
+            ("triton-plain-mod", dict(fast_mod=False, block_t=128)),
+        ]
         if args.variants:
-            variants += [("triton-bt64", dict(fast_mod=True, block_t=64)), ("triton-bt256", dict(fast_mod=True, block_t=256)),
-                         ("triton-bt128-w8", dict(fast_mod=True, block_t=128, num_warps=8)),
-                         ("triton-bt256-w8", dict(fast_mod=True, block_t=256, num_warps=8))]
+            variants += [
+                ("triton-bt64", dict(fast_mod=True, block_t=64)),
+                ("triton-bt256", dict(fast_mod=True, block_t=256)),
+                ("triton-bt128-w8", dict(fast_mod=True, block_t=128, num_warps=8)),
+                ("triton-bt256-w8", dict(fast_mod=True, block_t=256, num_warps=8)),
+            ]
         results = {}
         for name, kw in variants:
-            fn = Rotator(lambda ids, kw=kw, out=out: hash_prefill_triton(
-                ids, multipliers=c["multipliers"], primes=c["primes"], magic=magic, offsets=c["offsets"],
-                n_heads=layout.n_heads, pad_id=hasher.pad_compressed_id, lookup=c["lookup"], out=out, **kw), sets)
+            fn = Rotator(
+                lambda ids, kw=kw, out=out: hash_prefill_triton(
+                    ids,
+                    multipliers=c["multipliers"],
+                    primes=c["primes"],
+                    magic=magic,
+                    offsets=c["offsets"],
+                    n_heads=layout.n_heads,
+                    pad_id=hasher.pad_compressed_id,
+                    lookup=c["lookup"],
+                    out=out,
+                    **kw,
+                ),
+                sets,
+            )
             results[name] = time_ms(fn, dev)
-        results["torch-gpu"] = time_ms(Rotator(lambda ids: hasher(ids, backend="torch", check=False), sets), dev,
-                                       rep_ms=300)
+        results["torch-gpu"] = time_ms(
+            Rotator(lambda ids: hasher(ids, backend="torch", check=False), sets), dev, rep_ms=300
+        )
         for name, t in results.items():
             tps = tokens / (t["ms"] * 1e-3)
-            row = {**base, "impl": name, "phase": "prefill", "tokens": tokens, "batch": batch, "seq_len": length,
-                   **t, "tokens_per_s": tps}
+            row = {
+                **base,
+                "impl": name,
+                "phase": "prefill",
+                "tokens": tokens,
+                "batch": batch,
+                "seq_len": length,
+                **t,
+                "tokens_per_s": tps,
+            }
             if name.startswith("triton"):
                 gbps = bytes_moved / (t["ms"] * 1e-3) / 1e9
-                row.update(bytes=bytes_moved, gbps=gbps, hbm_fraction=gbps / ceiling["d2d_gbps"],
-                           speedup_vs_torch_gpu=results["torch-gpu"]["ms"] / t["ms"])
+                row.update(
+                    bytes=bytes_moved,
+                    gbps=gbps,
+                    hbm_fraction=gbps / ceiling["d2d_gbps"],
+                    speedup_vs_torch_gpu=results["torch-gpu"]["ms"] / t["ms"],
+                )
             rows.append(row)
         del sets, ref, got, out
         if dev == "cuda":
@@ -78,26 +109,49 @@ def run(args, ceiling: dict) -> list[dict]:
     mult, primes = layout.multipliers_array(), layout.primes_array()
     demo = numpy_demo_hash(compressed, mult, primes, layout.n_heads, hasher.pad_compressed_id)
     assert np.array_equal(demo, hasher(ids_cpu, with_offsets=False, backend="torch").numpy()), "numpy demo differs"
-    t_np = cpu_time_ms(lambda: numpy_demo_hash(compressed, mult, primes, layout.n_heads, hasher.pad_compressed_id),
-                       repeats=3)
+    t_np = cpu_time_ms(
+        lambda: numpy_demo_hash(compressed, mult, primes, layout.n_heads, hasher.pad_compressed_id), repeats=3
+    )
     t_cpu = cpu_time_ms(lambda: hasher(ids_cpu, backend="torch"), repeats=3)
     n_cpu = ids_cpu.numel()
     best = min((r for r in rows if r["impl"] == "triton"), key=lambda r: r["ms"] / r["tokens"])
     for name, t in (("numpy-demo-cpu", t_np), ("torch-cpu", t_cpu)):
         tps = n_cpu / (t["ms"] * 1e-3)
-        rows.append({**base, "impl": name, "phase": "prefill", "tokens": n_cpu, "threads": torch.get_num_threads()
-                     if name == "torch-cpu" else 1, **t, "tokens_per_s": tps})
+        rows.append(
+            {
+                **base,
+                "impl": name,
+                "phase": "prefill",
+                "tokens": n_cpu,
+                "threads": torch.get_num_threads() if name == "torch-cpu" else 1,
+                **t,
+                "tokens_per_s": tps,
+            }
+        )
         best[f"speedup_vs_{name}"] = best["tokens_per_s"] / tps
     # Decode: one token per sequence against NgramHistory, padding rows included.
     for n_seq in args.decode_batch:
         hist = hasher.new_history(n_seq, device=dev)
         slots = torch.tensor([hist.allocate() for _ in range(n_seq)], device=dev)
         valid = torch.ones(n_seq, dtype=torch.bool, device=dev)
-        valid[-max(1, n_seq // 8):] = False
+        valid[-max(1, n_seq // 8) :] = False
         sets = [(torch.randint(0, TOKENIZER_VOCAB, (n_seq,), generator=gen).to(dev),) for _ in range(4)]
         for name, backend in (("triton", "triton"), ("torch-gpu", "torch")):
-            t = time_ms(Rotator(lambda ids, b=backend: hasher.decode(hist, slots, ids, valid=valid, backend=b), sets),
-                        dev, warmup_ms=20, rep_ms=100)
-            rows.append({**base, "impl": name, "phase": "decode", "tokens": n_seq, **t,
-                         "us": t["ms"] * 1e3, "tokens_per_s": n_seq / (t["ms"] * 1e-3)})
+            t = time_ms(
+                Rotator(lambda ids, b=backend: hasher.decode(hist, slots, ids, valid=valid, backend=b), sets),
+                dev,
+                warmup_ms=20,
+                rep_ms=100,
+            )
+            rows.append(
+                {
+                    **base,
+                    "impl": name,
+                    "phase": "decode",
+                    "tokens": n_seq,
+                    **t,
+                    "us": t["ms"] * 1e3,
+                    "tokens_per_s": n_seq / (t["ms"] * 1e-3),
+                }
+            )
     return rows

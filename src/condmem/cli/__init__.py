@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
-        print(f"\ncondmem {args.command}: interrupted ({signal.Signals(signum).name}); partial outputs were removed",
-              file=sys.stderr)
+        print(
+            f"\ncondmem {args.command}: interrupted ({signal.Signals(signum).name}); partial outputs were removed",
+            file=sys.stderr,
+        )
         return 128 + int(signum)
     finally:
         if in_main:

@@ -34,22 +34,33 @@ def register(sub) -> None:
         "  condmem bench lookup --tiers host --streams text uniform --batch-tokens 16384 --rounds 3\n"
         "  condmem bench e2e --backbones 4b 8b --table-gib 64 --sequences 512",
     )
-    p.add_argument("op", choices=(*OPS, "all", "lookup", "e2e"),
-                   help="which kernel to benchmark (all = hash, gather, gate); lookup: the table lookup engine; "
-                   "e2e: serving throughput of 4B/8B decoders with the Engram table in HBM vs host memory")
+    p.add_argument(
+        "op",
+        choices=(*OPS, "all", "lookup", "e2e"),
+        help="which kernel to benchmark (all = hash, gather, gate); lookup: the table lookup engine; "
+        "e2e: serving throughput of 4B/8B decoders with the Engram table in HBM vs host memory",
+    )
     p.add_argument("--out", default="benchmarks/results", help="folder of the kernels_<op>.json result files")
     p.add_argument("--variants", action="store_true", help="also time tuning variants (block sizes, plain %%)")
-    p.add_argument("--hash-tokens", type=int, nargs="+", default=[16384, 262144, 1048576],
-                   help="prefill sizes (tokens) for the hash")
+    p.add_argument(
+        "--hash-tokens",
+        type=int,
+        nargs="+",
+        default=[16384, 262144, 1048576],
+        help="prefill sizes (tokens) for the hash",
+    )
     p.add_argument("--cpu-tokens", type=int, default=65536, help="tokens for the CPU baselines of the hash")
     p.add_argument("--decode-batch", type=int, nargs="+", default=[64, 512], help="sequences per decode step")
     p.add_argument("--gather-ids", type=int, default=1 << 20, help="row ids per gather (1M = the 0.6 target size)")
     p.add_argument("--table-mib", type=int, default=16384, help="HBM table size (MiB) for the gather")
     p.add_argument("--host-mib", type=int, default=4096, help="pinned host table size (MiB) for the zero-copy gather")
     p.add_argument("--host-ids", type=int, default=1 << 18, help="row ids per pinned-host gather")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes on the CPU through the Triton interpreter (sets TRITON_INTERPRET=1 itself): "
-                   "checks the benchmark code runs, times nothing meaningful")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes on the CPU through the Triton interpreter (sets TRITON_INTERPRET=1 itself): "
+        "checks the benchmark code runs, times nothing meaningful",
+    )
     # Their modules import torch: added when 'condmem bench' is used, not for 'condmem --help'.
     if hasattr(p, "defer"):
         p.defer(_add_lookup_and_e2e_arguments)
@@ -70,18 +81,44 @@ def _summary(op: str, rows: list[dict]) -> str:
     from condmem.bench.harness import rows_table
 
     if op == "hash":
-        cols = [("impl", "impl", ""), ("phase", "phase", ""), ("tokens", "tokens", "d"), ("ms", "ms", ".4f"),
-                ("tokens_per_s", "tok/s", ".3g"), ("hbm_fraction", "HBM frac", ".2f"),
-                ("speedup_vs_torch_gpu", "x torch-gpu", ".1f"), ("speedup_vs_numpy-demo-cpu", "x numpy", ".0f")]
+        cols = [
+            ("impl", "impl", ""),
+            ("phase", "phase", ""),
+            ("tokens", "tokens", "d"),
+            ("ms", "ms", ".4f"),
+            ("tokens_per_s", "tok/s", ".3g"),
+            ("hbm_fraction", "HBM frac", ".2f"),
+            ("speedup_vs_torch_gpu", "x torch-gpu", ".1f"),
+            ("speedup_vs_numpy-demo-cpu", "x numpy", ".0f"),
+        ]
     elif op == "gather":
-        cols = [("tier", "tier", ""), ("format", "format", ""), ("impl", "impl", ""), ("block_rows", "BR", "d"),
-                ("num_warps", "warps", "d"), ("programs_per_sm", "prog/SM", "d"), ("ids", "ids", "d"),
-                ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f"), ("row_gbps", "row GB/s", ".1f"),
-                ("d2d_fraction", "x D2D", ".2f")]
+        cols = [
+            ("tier", "tier", ""),
+            ("format", "format", ""),
+            ("impl", "impl", ""),
+            ("block_rows", "BR", "d"),
+            ("num_warps", "warps", "d"),
+            ("programs_per_sm", "prog/SM", "d"),
+            ("ids", "ids", "d"),
+            ("ms", "ms", ".4f"),
+            ("gbps", "GB/s", ".0f"),
+            ("row_gbps", "row GB/s", ".1f"),
+            ("d2d_fraction", "x D2D", ".2f"),
+        ]
     else:
-        cols = [("pass", "pass", ""), ("impl", "impl", ""), ("tokens", "tokens", "d"), ("hc", "hc", "d"),
-                ("hidden", "D", "d"), ("ms", "ms", ".4f"), ("gbps", "GB/s", ".0f"), ("hbm_fraction", "HBM frac", ".2f"),
-                ("speedup_vs_eager", "x eager", ".1f"), ("x_unfused", "x gate+add", ".2f"), ("x_peer", "x peer", ".2f")]
+        cols = [
+            ("pass", "pass", ""),
+            ("impl", "impl", ""),
+            ("tokens", "tokens", "d"),
+            ("hc", "hc", "d"),
+            ("hidden", "D", "d"),
+            ("ms", "ms", ".4f"),
+            ("gbps", "GB/s", ".0f"),
+            ("hbm_fraction", "HBM frac", ".2f"),
+            ("speedup_vs_eager", "x eager", ".1f"),
+            ("x_unfused", "x gate+add", ".2f"),
+            ("x_peer", "x peer", ".2f"),
+        ]
     return rows_table(rows, cols)
 
 
@@ -95,15 +132,17 @@ def _interpret_kernels() -> None:
         return
     compiled = sorted(m for m in sys.modules if m.startswith("condmem.ops.") and m.endswith(".triton"))
     if compiled:
-        raise CliError(f"--smoke runs the kernels in the Triton interpreter, but {compiled[0]} was imported before "
-                       "it was switched on: set TRITON_INTERPRET=1 before starting Python")
+        raise CliError(
+            f"--smoke runs the kernels in the Triton interpreter, but {compiled[0]} was imported before "
+            "it was switched on: set TRITON_INTERPRET=1 before starting Python"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
     print("--smoke: TRITON_INTERPRET=1 (the kernels run in the Triton interpreter, on the CPU)", file=sys.stderr)
 
 
 def run(args) -> int:
     if args.smoke and args.op in (*OPS, "all"):
-        _interpret_kernels()   # before anything below imports a kernel
+        _interpret_kernels()  # before anything below imports a kernel
     import torch
 
     if args.op == "lookup":
@@ -123,8 +162,9 @@ def run(args) -> int:
         args.hash_tokens, args.cpu_tokens, args.decode_batch = [64], 64, [8]
         args.gather_ids, args.table_mib, args.host_mib, args.host_ids = 512, 1, 1, 256
     elif not torch.cuda.is_available():
-        raise CliError("condmem bench needs a CUDA device (the kernels are timed on the GPU); --smoke checks the "
-                       "code on CPU")
+        raise CliError(
+            "condmem bench needs a CUDA device (the kernels are timed on the GPU); --smoke checks the code on CPU"
+        )
     else:
         args.device = "cuda"
     from pathlib import Path
@@ -138,8 +178,11 @@ def run(args) -> int:
     ops = OPS if args.op == "all" else (args.op,)
     info = machine_info()
     ceiling = copy_bandwidth_gbps(device=args.device) if not args.smoke else copy_bandwidth_gbps(1 << 20, "cpu")
-    print(f"{info.get('gpu')}: D2D copy {ceiling['d2d_gbps']:.0f} GB/s (read + write), torch {info['torch']}, "
-          f"triton {info['triton']}", flush=True)
+    print(
+        f"{info.get('gpu')}: D2D copy {ceiling['d2d_gbps']:.0f} GB/s (read + write), torch {info['torch']}, "
+        f"triton {info['triton']}",
+        flush=True,
+    )
     tables = []
     for op in ops:
         rows = modules[op].run(args, ceiling)

@@ -29,30 +29,56 @@ def register(sub) -> None:
         "  condmem demo --experts 8 --top-k 2 --expert-ffn 64   # an MoE backbone for both models",
     )
     p.add_argument("--out", default="condmem-demo", help="output directory (default ./condmem-demo)")
-    p.add_argument("--corpus", nargs="+", metavar="PATH",
-                   help="directories, text files or .jsonl files, 'stdlib' (the Python standard library source) or "
-                   "'python' (plus every installed package's source); default: stdlib on CPU, python on GPU")
-    p.add_argument("--preset", choices=["cpu", "gpu", "tiny"],
-                   help="model/training size (default: gpu with CUDA, else cpu)")
+    p.add_argument(
+        "--corpus",
+        nargs="+",
+        metavar="PATH",
+        help="directories, text files or .jsonl files, 'stdlib' (the Python standard library source) or "
+        "'python' (plus every installed package's source); default: stdlib on CPU, python on GPU",
+    )
+    p.add_argument(
+        "--preset", choices=["cpu", "gpu", "tiny"], help="model/training size (default: gpu with CUDA, else cpu)"
+    )
     p.add_argument("--device", default="auto", help="auto (default: cuda when available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--steps", type=int, help="training steps of each model (default: the preset's, capped at "
-                   "--max-passes passes over the training split)")
-    p.add_argument("--seeds", type=int, default=1,
-                   help="train each model with this many seeds (initialization and batch order) and report the "
-                   "mean +- std of the gap (default 1; the run takes this many times longer)")
-    p.add_argument("--max-passes", type=float, default=1.0,
-                   help="never train past this many passes over the training split (default 1: no token seen twice)")
-    p.add_argument("--no-dedup", action="store_true",
-                   help="keep validation files that near-duplicate training files (default: remove and list them)")
-    p.add_argument("--minutes", type=float,
-                   help="wall-clock budget of the whole demo: the baseline's step count is sized to it, "
-                   "and the Engram model trains the same steps")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="training steps of each model (default: the preset's, capped at "
+        "--max-passes passes over the training split)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="train each model with this many seeds (initialization and batch order) and report the "
+        "mean +- std of the gap (default 1; the run takes this many times longer)",
+    )
+    p.add_argument(
+        "--max-passes",
+        type=float,
+        default=1.0,
+        help="never train past this many passes over the training split (default 1: no token seen twice)",
+    )
+    p.add_argument(
+        "--no-dedup",
+        action="store_true",
+        help="keep validation files that near-duplicate training files (default: remove and list them)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        help="wall-clock budget of the whole demo: the baseline's step count is sized to it, "
+        "and the Engram model trains the same steps",
+    )
     p.add_argument("--batch-size", type=int, help="sequences per step")
     p.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default: the preset's, 4096 on CPU)")
-    p.add_argument("--tokenizer", help="use this tokenizer (tokenizer.json, its directory, or 'deepseek-v4') "
-                   "instead of training a BPE")
-    p.add_argument("--table-size", type=int,
-                   help="Engram bucket range per (order, head): rows per layer ~ this x columns")
+    p.add_argument(
+        "--tokenizer",
+        help="use this tokenizer (tokenizer.json, its directory, or 'deepseek-v4') instead of training a BPE",
+    )
+    p.add_argument(
+        "--table-size", type=int, help="Engram bucket range per (order, head): rows per layer ~ this x columns"
+    )
     p.add_argument("--max-train-bytes", type=int, help="encode at most this much of the training split")
     p.add_argument("--prompt", help="prompt of the generated completion (default: the start of a Python function)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -72,13 +98,28 @@ def run(args) -> int:
     from condmem.cli.train import preset_overrides
 
     summary = run_demo(
-        args.out, corpus=args.corpus, preset=args.preset, device=args.device, steps=args.steps, minutes=args.minutes,
-        seeds=args.seeds, max_passes=args.max_passes, dedup_threshold=None if args.no_dedup else DEDUP_THRESHOLD,
-        vocab_size=args.vocab_size, tokenizer=args.tokenizer,
-        prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt, max_new_tokens=args.max_new_tokens,
-        seed=args.seed, batch_size=args.batch_size, max_train_bytes=args.max_train_bytes, table_size=args.table_size,
-        log_every=args.log_every, progress=not args.no_progress, use_cache=not args.no_cache,
-        checkpoint=not args.no_checkpoint, max_corpus_bytes=args.max_corpus_bytes,
+        args.out,
+        corpus=args.corpus,
+        preset=args.preset,
+        device=args.device,
+        steps=args.steps,
+        minutes=args.minutes,
+        seeds=args.seeds,
+        max_passes=args.max_passes,
+        dedup_threshold=None if args.no_dedup else DEDUP_THRESHOLD,
+        vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer,
+        prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        max_train_bytes=args.max_train_bytes,
+        table_size=args.table_size,
+        log_every=args.log_every,
+        progress=not args.no_progress,
+        use_cache=not args.no_cache,
+        checkpoint=not args.no_checkpoint,
+        max_corpus_bytes=args.max_corpus_bytes,
         overrides={"model": preset_overrides(args).get("model")},
     )
     return 0 if summary["comparison"]["val_loss_gap_pct"] is not None else 1

@@ -27,9 +27,13 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--tokenizer", help="tokenizer to use instead of the checkpoint's own (must be the same one)")
-    p.add_argument("--tier", default="module", choices=["module", "hbm", "host"],
-                   help="where the Engram tables are read from: the model's own parameters (default), or an "
-                   "EngramMemory in HBM / host memory with rows prefetched before layer 0")
+    p.add_argument(
+        "--tier",
+        default="module",
+        choices=["module", "hbm", "host"],
+        help="where the Engram tables are read from: the model's own parameters (default), or an "
+        "EngramMemory in HBM / host memory with rows prefetched before layer 0",
+    )
     p.set_defaults(func=run)
 
 
@@ -64,10 +68,23 @@ def run(args) -> int:
         from condmem.serving import EngramMemory
 
         tables = {b.layer_id: b.engram.table.weight for b in ckpt.model.blocks if b.engram is not None}
-        memory = EngramMemory.from_weights(ckpt.model.hasher, tables, args.tier, device,
-                                           host_alloc="mmap_register" if torch.cuda.is_available() else "pageable")
-    new = generate(ckpt.model, torch.tensor(ids), args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, stop_ids=(eos,) if eos >= 0 else (), memory=memory)
+        memory = EngramMemory.from_weights(
+            ckpt.model.hasher,
+            tables,
+            args.tier,
+            device,
+            host_alloc="mmap_register" if torch.cuda.is_available() else "pageable",
+        )
+    new = generate(
+        ckpt.model,
+        torch.tensor(ids),
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_ids=(eos,) if eos >= 0 else (),
+        memory=memory,
+    )
     if memory is not None:
         memory.close()
     sys.stdout.write(prompt + ckpt.tokenizer.decode(new.tolist(), skip_special_tokens=True) + "\n")

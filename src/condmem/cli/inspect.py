@@ -31,9 +31,12 @@ def register(sub) -> None:
     p.add_argument("--config-key", help="JSON section holding the Engram keys (default: top level or text_config)")
     p.add_argument("--full", action="store_true", help="statistics over every row (streams the whole table)")
     p.add_argument("--sample", type=int, default=65536, help="rows sampled per layer without --full (default 65536)")
-    p.add_argument("--verify", action="store_true",
-                   help="condmem table file: read every block of every tensor and compare it with its recorded "
-                   "checksum (exit status 1 naming the first damaged block)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="condmem table file: read every block of every tensor and compare it with its recorded "
+        "checksum (exit status 1 naming the first damaged block)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -47,18 +50,26 @@ def format_report(r: dict) -> str:
     """The report as text lines."""
     lines = [f"{r['kind']}: {r['path']}"]
     if r["kind"] == "condmem table file":
-        lines.append(f"  format {r['format']}, {_gib(r['file_bytes'])} on disk, tokenizer fingerprint "
-                     f"{(r['tokenizer_fingerprint'] or 'none')[:16]}")
+        lines.append(
+            f"  format {r['format']}, {_gib(r['file_bytes'])} on disk, tokenizer fingerprint "
+            f"{(r['tokenizer_fingerprint'] or 'none')[:16]}"
+        )
     else:
-        lines.append(f"  {r['files']} file(s), {_gib(r['file_bytes'])}; tensor names: {r['tensor_names']}"
-                     f"{' (prefix ' + repr(r['prefix']) + ')' if r['prefix'] else ''}; Engram layers in tensors: "
-                     f"{r['engram_layers_in_tensors']}")
-        lines.append(f"  config: {r['config'] or 'none found (pass --config)'}"
-                     + (f"; backbone {r['backbone']}" if r.get("backbone") else ""))
+        lines.append(
+            f"  {r['files']} file(s), {_gib(r['file_bytes'])}; tensor names: {r['tensor_names']}"
+            f"{' (prefix ' + repr(r['prefix']) + ')' if r['prefix'] else ''}; Engram layers in tensors: "
+            f"{r['engram_layers_in_tensors']}"
+        )
+        lines.append(
+            f"  config: {r['config'] or 'none found (pass --config)'}"
+            + (f"; backbone {r['backbone']}" if r.get("backbone") else "")
+        )
     if r.get("layout"):
         lay = r["layout"]
-        lines.append(f"  layout: layers {lay['layer_ids']}, rows {', '.join(f'{n:,}' for n in lay['num_embeddings'])}, "
-                     f"V' {lay['compressed_vocab_size']:,}, fingerprint {lay['fingerprint'][:16]}")
+        lines.append(
+            f"  layout: layers {lay['layer_ids']}, rows {', '.join(f'{n:,}' for n in lay['num_embeddings'])}, "
+            f"V' {lay['compressed_vocab_size']:,}, fingerprint {lay['fingerprint'][:16]}"
+        )
     for layer in r["layers"]:
         lines.append(f"  layer {layer['layer_id']}:")
         for role, t in layer.get("tensors", {}).items():
@@ -71,20 +82,27 @@ def format_report(r: dict) -> str:
             lines.append(f"    wkv block shape {layer['wkv_block']}")
         if "rows_match_primes" in layer:
             ok = "ok" if layer["rows_match_primes"] else "MISMATCH"
-            lines.append(f"    rows {layer.get('rows', '?'):,} vs sum of primes {layer['rows_expected']:,}: {ok}"
-                         if isinstance(layer.get("rows"), int) else f"    rows: ?, expected {layer['rows_expected']:,}")
+            lines.append(
+                f"    rows {layer.get('rows', '?'):,} vs sum of primes {layer['rows_expected']:,}: {ok}"
+                if isinstance(layer.get("rows"), int)
+                else f"    rows: ?, expected {layer['rows_expected']:,}"
+            )
         if "bytes" in layer:
             lines.append("    bytes: " + ", ".join(f"{k} {_gib(v)}" for k, v in layer["bytes"].items()))
         st = layer.get("row_stats")
         if st:
             what = f"{st['rows_checked']:,} sampled of {st['of_rows']:,}" if st["sampled"] else f"all {st['of_rows']:,}"
-            lines.append(f"    rows checked: {what}; all-zero {st['zero_rows']:,}, with NaN {st['nan_rows']:,}, "
-                         f"with inf {st['inf_rows']:,}")
+            lines.append(
+                f"    rows checked: {what}; all-zero {st['zero_rows']:,}, with NaN {st['nan_rows']:,}, "
+                f"with inf {st['inf_rows']:,}"
+            )
             if "scale_exponents" in st:
                 hist = st["scale_exponents"]
                 total = sum(hist.values()) or 1
-                lines.append("    scale exponents (e: share): " + ", ".join(
-                    f"{e}: {100 * c / total:.1f}%" for e, c in sorted(hist.items())))
+                lines.append(
+                    "    scale exponents (e: share): "
+                    + ", ".join(f"{e}: {100 * c / total:.1f}%" for e, c in sorted(hist.items()))
+                )
     for kind in ("warnings", "errors"):
         if r.get(kind):
             lines.append(f"{kind} ({len(r[kind])}):")
@@ -113,12 +131,15 @@ def run(args) -> int:
         table = EngramTableFile(args.path, verify="none")
         checked = table.verify(progress=not args.no_progress)
         what = "4 KiB block matches its recorded CRC32C" if table.block_crcs else "chunk matches its recorded sha256"
-        print(f"verified {table.path}: {checked / 2**30:,.2f} GiB of {len(table.data_tensors())} tensors, every "
-              f"{what} ({time.perf_counter() - start:.1f} s)")
+        print(
+            f"verified {table.path}: {checked / 2**30:,.2f} GiB of {len(table.data_tensors())} tensors, every "
+            f"{what} ({time.perf_counter() - start:.1f} s)"
+        )
         return 0
 
-    report = inspect_tables(args.path, args.config, args.config_key, full=args.full, sample=args.sample,
-                            progress=not args.no_progress)
+    report = inspect_tables(
+        args.path, args.config, args.config_key, full=args.full, sample=args.sample, progress=not args.no_progress
+    )
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     if not report["ok"]:
         print(f"condmem inspect: {len(report['errors'])} error(s): the loaders refuse {args.path}", file=sys.stderr)

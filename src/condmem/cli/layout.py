@@ -41,23 +41,31 @@ def run(args) -> int:
 
         vocab = CompressedTokenizer.from_any(args.tokenizer).vocab_size
     if vocab is None and config.compressed_vocab_size is None:
-        raise CliError(f"--config {args.config} states no compressed vocabulary size V' (it enters every hash "
-                       "multiplier): pass --tokenizer (tokenizer.json, its directory, or 'deepseek-v4') to take it "
-                       "from the tokenizer, or --compressed-vocab-size N")
+        raise CliError(
+            f"--config {args.config} states no compressed vocabulary size V' (it enters every hash "
+            "multiplier): pass --tokenizer (tokenizer.json, its directory, or 'deepseek-v4') to take it "
+            "from the tokenizer, or --compressed-vocab-size N"
+        )
     layout = EngramLayout(config, compressed_vocab_size=vocab)
     summary = layout.summary()
     if args.json:
         print_json(summary)
         return 0
     c = config
-    print(f"Engram layout: layers {layout.layer_ids}, orders 2..{c.max_ngram_size}, {c.n_heads} heads/order, "
-          f"{layout.n_cols} columns/layer, head_dim {c.head_dim}, V'={layout.compressed_vocab_size}")
+    print(
+        f"Engram layout: layers {layout.layer_ids}, orders 2..{c.max_ngram_size}, {c.n_heads} heads/order, "
+        f"{layout.n_cols} columns/layer, head_dim {c.head_dim}, V'={layout.compressed_vocab_size}"
+    )
     print(f"fingerprint {layout.fingerprint}")
     print(f"{'layer':>5} {'rows':>14} {'primes (min..max)':>27} {'bf16':>13} {'fp8+e8m0':>13}")
     for layer in summary["layers"]:
-        print(f"{layer['layer_id']:>5} {layer['num_embeddings']:>14,} {layer['min_prime']:>13,}..{layer['max_prime']:<13,}"
-              f"{_gib(layer['bytes_bf16']):>13} {_gib(layer['bytes_fp8_e8m0']):>13}")
-    print(f"{'all':>5} {sum(layout.num_embeddings):>14,} {'':>27}{_gib(summary['bytes_bf16']):>13} "
-          f"{_gib(summary['bytes_fp8_e8m0']):>13}")
+        print(
+            f"{layer['layer_id']:>5} {layer['num_embeddings']:>14,} {layer['min_prime']:>13,}..{layer['max_prime']:<13,}"
+            f"{_gib(layer['bytes_bf16']):>13} {_gib(layer['bytes_fp8_e8m0']):>13}"
+        )
+    print(
+        f"{'all':>5} {sum(layout.num_embeddings):>14,} {'':>27}{_gib(summary['bytes_bf16']):>13} "
+        f"{_gib(summary['bytes_fp8_e8m0']):>13}"
+    )
     print(f"table parameters: {layout.n_params:,} ({layout.n_params / 1e9:.1f}B)")
     return 0

@@ -25,25 +25,39 @@ def register(sub) -> None:
         "  condmem study allocation --out runs/allocation --replot   # the PNG again from study.json",
     )
     p.add_argument("kind", choices=["allocation", "slots"], help="which sweep")
-    p.add_argument("--preset", choices=["tiny", "gpu"], default="tiny",
-                   help="tiny: CPU, seconds (CI); gpu: one H200, each sweep <= 9 minutes (default tiny)")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "gpu"],
+        default="tiny",
+        help="tiny: CPU, seconds (CI); gpu: one H200, each sweep <= 9 minutes (default tiny)",
+    )
     p.add_argument("--out", help="output directory (default ./condmem-study/KIND)")
-    p.add_argument("--seeds", type=int, default=1,
-                   help="initialization seeds per point (the data order is the same for every run)")
-    p.add_argument("--corpus", nargs="+", metavar="PATH",
-                   help="directories, text or .jsonl files, 'stdlib' or 'python' (default: the preset's)")
+    p.add_argument(
+        "--seeds", type=int, default=1, help="initialization seeds per point (the data order is the same for every run)"
+    )
+    p.add_argument(
+        "--corpus",
+        nargs="+",
+        metavar="PATH",
+        help="directories, text or .jsonl files, 'stdlib' or 'python' (default: the preset's)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--steps", type=int, help="training steps of every run (default: the preset's)")
-    p.add_argument("--minutes", type=float,
-                   help="wall-clock budget of the sweep: the first run's steps are cut to fit, never raised "
-                   "(default: the preset's; gpu 9)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        help="wall-clock budget of the sweep: the first run's steps are cut to fit, never raised "
+        "(default: the preset's; gpu 9)",
+    )
     p.add_argument("--rhos", type=float, nargs="+", help="allocation grid (1.0 is always run)")
     p.add_argument("--table-sizes", type=int, nargs="+", help="slot sweep: bucket range per (order, head)")
     p.add_argument("--seed", type=int, default=0, help="data seed and first initialization seed")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--replot", action="store_true",
-                   help="only draw the PNG again from --out's study.json (after a run on a machine without "
-                   "matplotlib)")
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="only draw the PNG again from --out's study.json (after a run on a machine without matplotlib)",
+    )
     p.set_defaults(func=run)
 
 
@@ -52,7 +66,18 @@ def run(args) -> int:
 
     if args.replot:
         return 0 if replot(args.kind, args.out) is not None else 1
-    run_study(args.kind, args.out, preset=args.preset, seeds=args.seeds, corpus=args.corpus, device=args.device,
-              steps=args.steps, minutes=args.minutes, seed=args.seed, rhos=args.rhos, table_sizes=args.table_sizes,
-              progress=not args.no_progress)
+    run_study(
+        args.kind,
+        args.out,
+        preset=args.preset,
+        seeds=args.seeds,
+        corpus=args.corpus,
+        device=args.device,
+        steps=args.steps,
+        minutes=args.minutes,
+        seed=args.seed,
+        rhos=args.rhos,
+        table_sizes=args.table_sizes,
+        progress=not args.no_progress,
+    )
     return 0

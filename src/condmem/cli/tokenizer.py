@@ -31,14 +31,27 @@ def register(sub) -> None:
         "  condmem tokenizer train --corpus stdlib --out tokenizer.json   # this Python's standard library source\n"
         "  condmem tokenizer train --corpus ./texts notes.jsonl --out tok.json --vocab-size 8192",
     )
-    t.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
-                   help="directories (their *.py, *.txt, *.md, ... files), text files, .jsonl files (a 'text' field "
-                   "per line), 'stdlib' (the Python standard library source) or 'python' (plus installed packages)")
+    t.add_argument(
+        "--corpus",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="directories (their *.py, *.txt, *.md, ... files), text files, .jsonl files (a 'text' field "
+        "per line), 'stdlib' (the Python standard library source) or 'python' (plus installed packages)",
+    )
     t.add_argument("--out", required=True, help="the tokenizer.json to write")
-    t.add_argument("--vocab-size", type=int, default=4096, help="ids in the tokenizer, special and byte tokens "
-                   "included (default 4096)")
-    t.add_argument("--max-bytes", type=int, default=100_000_000,
-                   help="read at most this much text (default 100 MB; BPE training takes about a minute per 100 MB)")
+    t.add_argument(
+        "--vocab-size",
+        type=int,
+        default=4096,
+        help="ids in the tokenizer, special and byte tokens included (default 4096)",
+    )
+    t.add_argument(
+        "--max-bytes",
+        type=int,
+        default=100_000_000,
+        help="read at most this much text (default 100 MB; BPE training takes about a minute per 100 MB)",
+    )
     t.add_argument("--min-frequency", type=int, default=2, help="merge only pairs seen at least this often")
     t.set_defaults(func=run)
 
@@ -63,9 +76,13 @@ def run(args) -> int:
 
     ctok = CompressedTokenizer.from_any(tok, use_cache=False)
     info = corpus.info
-    print(f"wrote {out}: byte-level BPE of {tok.get_vocab_size():,} ids, trained on {info['n_bytes'] / 1e6:,.1f} MB "
-          f"({info['n_documents']:,} documents{', truncated at --max-bytes' if info['truncated'] else ''}) in "
-          f"{time.perf_counter() - start:.1f} s")
-    print(f"for an EngramConfig: pad_id={tok.token_to_id(PAD)} ({PAD}), compressed_vocab_size={ctok.vocab_size} "
-          f"(V'; or pass --tokenizer {out})")
+    print(
+        f"wrote {out}: byte-level BPE of {tok.get_vocab_size():,} ids, trained on {info['n_bytes'] / 1e6:,.1f} MB "
+        f"({info['n_documents']:,} documents{', truncated at --max-bytes' if info['truncated'] else ''}) in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
+    print(
+        f"for an EngramConfig: pad_id={tok.token_to_id(PAD)} ({PAD}), compressed_vocab_size={ctok.vocab_size} "
+        f"(V'; or pass --tokenizer {out})"
+    )
     return 0

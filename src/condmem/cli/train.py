@@ -18,32 +18,54 @@ logger = logging.getLogger("condmem.train")
 
 # Each option that changes a preset value: option name -> (preset section, field).
 _PRESET_OPTIONS = {
-    "dim": ("model", "dim"), "layers": ("model", "n_layers"), "heads": ("model", "n_heads"),
-    "kv_heads": ("model", "n_kv_heads"), "ffn": ("model", "ffn_hidden"), "max_seq_len": ("model", "max_seq_len"),
-    "engram_layers": ("engram", "layer_ids"), "ngram": ("engram", "max_ngram_size"),
-    "engram_heads": ("engram", "n_heads"), "engram_head_dim": ("engram", "head_dim"),
-    "table_size": ("engram", "table_size"), "table_init_std": ("engram", "table_init_std"),
-    "steps": ("train", "steps"), "batch_size": ("train", "batch_size"), "seq_len": ("train", "seq_len"),
-    "lr": ("train", "lr"), "table_lr_mult": ("train", "table_lr_mult"), "warmup": ("train", "warmup_steps"),
-    "weight_decay": ("train", "weight_decay"), "grad_clip": ("train", "grad_clip"),
-    "eval_every": ("train", "eval_every"), "eval_tokens": ("train", "eval_tokens"),
-    "checkpoint_every": ("train", "checkpoint_every"), "minutes": ("train", "max_minutes"),
-    "log_every": ("train", "log_every"), "precision": ("train", "precision"),
-    "corpus": ("data", "corpus"), "vocab_size": ("data", "vocab_size"), "max_train_bytes": ("data", "max_train_bytes"),
-    "experts": ("model", "moe.n_experts"), "top_k": ("model", "moe.top_k"),
-    "expert_ffn": ("model", "moe.expert_hidden"), "moe_layers": ("model", "moe.layer_ids"),
+    "dim": ("model", "dim"),
+    "layers": ("model", "n_layers"),
+    "heads": ("model", "n_heads"),
+    "kv_heads": ("model", "n_kv_heads"),
+    "ffn": ("model", "ffn_hidden"),
+    "max_seq_len": ("model", "max_seq_len"),
+    "engram_layers": ("engram", "layer_ids"),
+    "ngram": ("engram", "max_ngram_size"),
+    "engram_heads": ("engram", "n_heads"),
+    "engram_head_dim": ("engram", "head_dim"),
+    "table_size": ("engram", "table_size"),
+    "table_init_std": ("engram", "table_init_std"),
+    "steps": ("train", "steps"),
+    "batch_size": ("train", "batch_size"),
+    "seq_len": ("train", "seq_len"),
+    "lr": ("train", "lr"),
+    "table_lr_mult": ("train", "table_lr_mult"),
+    "warmup": ("train", "warmup_steps"),
+    "weight_decay": ("train", "weight_decay"),
+    "grad_clip": ("train", "grad_clip"),
+    "eval_every": ("train", "eval_every"),
+    "eval_tokens": ("train", "eval_tokens"),
+    "checkpoint_every": ("train", "checkpoint_every"),
+    "minutes": ("train", "max_minutes"),
+    "log_every": ("train", "log_every"),
+    "precision": ("train", "precision"),
+    "corpus": ("data", "corpus"),
+    "vocab_size": ("data", "vocab_size"),
+    "max_train_bytes": ("data", "max_train_bytes"),
+    "experts": ("model", "moe.n_experts"),
+    "top_k": ("model", "moe.top_k"),
+    "expert_ffn": ("model", "moe.expert_hidden"),
+    "moe_layers": ("model", "moe.layer_ids"),
 }
 
 
 def add_moe_arguments(group) -> None:
     """--experts, --top-k, --expert-ffn, --moe-layers (shared with `condmem demo`)."""
-    group.add_argument("--experts", type=int,
-                       help="routed experts per block: an MoE backbone (--ffn is then the shared expert's width, "
-                       "0: none)")
+    group.add_argument(
+        "--experts",
+        type=int,
+        help="routed experts per block: an MoE backbone (--ffn is then the shared expert's width, 0: none)",
+    )
     group.add_argument("--top-k", type=int, help="with --experts: routed experts per token (default 2)")
     group.add_argument("--expert-ffn", type=int, help="with --experts: SwiGLU width of one routed expert (default 128)")
-    group.add_argument("--moe-layers", type=int, nargs="+", help="with --experts: blocks with routed experts "
-                       "(default: all)")
+    group.add_argument(
+        "--moe-layers", type=int, nargs="+", help="with --experts: blocks with routed experts (default: all)"
+    )
 
 
 def register(sub) -> None:
@@ -64,8 +86,11 @@ def register(sub) -> None:
     )
     p.add_argument("--out", required=True, help="run directory (checkpoints, summary.json)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start afresh in a used --out: its checkpoints and summary.json are deleted first")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a used --out: its checkpoints and summary.json are deleted first",
+    )
     p.add_argument("--preset", choices=["cpu", "gpu", "tiny"], help="base settings (default: gpu with CUDA, else cpu)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -84,27 +109,47 @@ def register(sub) -> None:
     add_moe_arguments(m)
     e = p.add_argument_group("engram")
     e.add_argument("--no-engram", action="store_true", help="train the plain baseline")
-    e.add_argument("--iso-flop", action="store_true",
-                   help="with --no-engram: widen the MLP of the would-be Engram blocks by the Engram's FLOPs")
+    e.add_argument(
+        "--iso-flop",
+        action="store_true",
+        help="with --no-engram: widen the MLP of the would-be Engram blocks by the Engram's FLOPs",
+    )
     e.add_argument("--engram-layers", type=int, nargs="+", help="blocks holding an Engram (default: 1)")
     e.add_argument("--ngram", type=int, help="max n-gram order N (orders 2..N)")
     e.add_argument("--engram-heads", type=int, help="hash heads per order")
     e.add_argument("--engram-head-dim", type=int, help="width of one table row")
     e.add_argument("--table-size", type=int, help="bucket range per (order, head)")
     e.add_argument("--table-init-std", type=float)
-    e.add_argument("--table-tier", choices=["module", "host"], default="module",
-                   help="module: the tables are model parameters on --device; host: tables and their Adam state "
-                   "live in (page-locked) host memory, rows fetched each step with the next step's prefetched "
-                   "(exact; docs/training.md). Checkpoints are the same either way.")
-    e.add_argument("--host-state", choices=["fp32", "bf16"], default="fp32",
-                   help="with --table-tier host: Adam moments in fp32 (exact) or bf16 (8 instead of 12 B/parameter)")
+    e.add_argument(
+        "--table-tier",
+        choices=["module", "host"],
+        default="module",
+        help="module: the tables are model parameters on --device; host: tables and their Adam state "
+        "live in (page-locked) host memory, rows fetched each step with the next step's prefetched "
+        "(exact; docs/training.md). Checkpoints are the same either way.",
+    )
+    e.add_argument(
+        "--host-state",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="with --table-tier host: Adam moments in fp32 (exact) or bf16 (8 instead of 12 B/parameter)",
+    )
     e.add_argument("--host-threads", type=int, help="with --table-tier host: threads of the host Adam and gathers")
-    e.add_argument("--host-adam", choices=["host", "device"], default="host",
-                   help="with --table-tier host: where Adam runs: on the host's threads, or on the device with the "
-                   "host only storing rows and state (exact either way; docs/training.md)")
-    e.add_argument("--host-staleness", type=int, choices=[0, 1], default=0,
-                   help="with --table-tier host: 0 = exact (a step waits for the host's Adam of the rows it shares "
-                   "with the step before); 1 = no wait, those rows read one update late (not exact)")
+    e.add_argument(
+        "--host-adam",
+        choices=["host", "device"],
+        default="host",
+        help="with --table-tier host: where Adam runs: on the host's threads, or on the device with the "
+        "host only storing rows and state (exact either way; docs/training.md)",
+    )
+    e.add_argument(
+        "--host-staleness",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="with --table-tier host: 0 = exact (a step waits for the host's Adam of the rows it shares "
+        "with the step before); 1 = no wait, those rows read one update late (not exact)",
+    )
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int)
     t.add_argument("--batch-size", type=int)
@@ -143,8 +188,10 @@ def _claim(args, out) -> None:
     used = sorted(p.name for p in out.iterdir() if p.name != ".lock")
     if used and not args.resume:
         if not args.overwrite:
-            raise CliError(f"--out {out} already holds {', '.join(used[:5])}: continue that run with --resume, or "
-                           "start afresh there with --overwrite (which deletes its checkpoints)")
+            raise CliError(
+                f"--out {out} already holds {', '.join(used[:5])}: continue that run with --resume, or "
+                "start afresh there with --overwrite (which deletes its checkpoints)"
+            )
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         shutil.rmtree(out / "sharded_tables", ignore_errors=True)
         (out / "summary.json").unlink(missing_ok=True)
@@ -201,7 +248,7 @@ def _run_ranks(args) -> int:
         if box[0] is not None:
             raise CliError(box[0])
         code = _train(args, rank=rank, world=dist.get_world_size())
-        dist.barrier()   # no rank tears the group down while another still talks to it
+        dist.barrier()  # no rank tears the group down while another still talks to it
         return code
     finally:
         if lock is not None:
@@ -238,8 +285,17 @@ def _train(args, rank: int | None = None, world: int = 1) -> int:
     if tables is not None:
         params.update(tables=tables.table_params, total=params["total"] + tables.table_params)
     try:
-        trainer = build_trainer(run.model, run.train_cfg, run.data, device, run_dir=args.out, label=run.label,
-                                progress=not args.no_progress and lead, host_tables=tables, data_parallel=dp)
+        trainer = build_trainer(
+            run.model,
+            run.train_cfg,
+            run.data,
+            device,
+            run_dir=args.out,
+            label=run.label,
+            progress=not args.no_progress and lead,
+            host_tables=tables,
+            data_parallel=dp,
+        )
         if run.checkpoint is not None:
             trainer.restore(run.checkpoint)
         with contextlib.redirect_stdout(io.StringIO()) if not lead else contextlib.nullcontext():
@@ -290,8 +346,11 @@ def _start(args, device, rank: int | None, lead: bool) -> _Run:
     # kept, so both tiers start from the same rows.
     table_device = "meta" if args.table_tier == "host" and device.type == "cuda" else None
     model = build_model(cfg, data, seed=args.seed, device=device, table_device=table_device)
-    _say(lead, f"[{label}] {model.param_counts()['total']:,} parameters, "
-               f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)")
+    _say(
+        lead,
+        f"[{label}] {model.param_counts()['total']:,} parameters, "
+        f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)",
+    )
     return _Run(model, tc, data, label)
 
 
@@ -309,34 +368,50 @@ def _resume(args, device, rank: int | None, lead: bool) -> _Run | None:
     from condmem.train.checkpoint import load_checkpoint
     from condmem.train.loop import TrainConfig
 
-    fixed = [f"--{o.replace('_', '-')}" for o in [*_PRESET_OPTIONS, "preset", "tokenizer"]
-             if o not in _RESUME_OPTIONS and getattr(args, o, None) is not None]
+    fixed = [
+        f"--{o.replace('_', '-')}"
+        for o in [*_PRESET_OPTIONS, "preset", "tokenizer"]
+        if o not in _RESUME_OPTIONS and getattr(args, o, None) is not None
+    ]
     fixed += [f"--{o.replace('_', '-')}" for o in ("no_engram", "iso_flop") if getattr(args, o)]
     if fixed:
         free = ", ".join("--" + o.replace("_", "-") for o in _RESUME_OPTIONS)
-        raise CliError(f"{', '.join(fixed)}: a resumed run keeps the settings of its checkpoint (config.json); drop "
-                       f"{'it' if len(fixed) == 1 else 'them'} (with --resume only {free} may change), or start "
-                       "afresh with --overwrite")
+        raise CliError(
+            f"{', '.join(fixed)}: a resumed run keeps the settings of its checkpoint (config.json); drop "
+            f"{'it' if len(fixed) == 1 else 'them'} (with --resume only {free} may change), or start "
+            "afresh with --overwrite"
+        )
     ckpt = load_checkpoint(args.out, device=device, tables_on_host=args.table_tier == "host")
     if ckpt.tables_sharded != (rank is not None):
-        how = ("data-parallel ranks: resume it under torchrun" if ckpt.tables_sharded
-               else "one process: resume it without torchrun")
+        how = (
+            "data-parallel ranks: resume it under torchrun"
+            if ckpt.tables_sharded
+            else "one process: resume it without torchrun"
+        )
         raise CliError(f"{ckpt.path} was saved by {how}")
     tc = TrainConfig.from_dict(ckpt.config["train"])
     step = int(ckpt.state["step"])
     changes = {o: getattr(args, o) for o in _RESUME_OPTIONS if getattr(args, o) is not None}
     if changes.get("steps", step + 1) < step:
-        raise CliError(f"--steps {args.steps}: {ckpt.path} is at step {step} already, and a run does not go back; "
-                       "start afresh with --overwrite")
+        raise CliError(
+            f"--steps {args.steps}: {ckpt.path} is at step {step} already, and a run does not go back; "
+            "start afresh with --overwrite"
+        )
     tc = dataclasses.replace(tc, **changes)
     if step >= tc.steps:
-        _say(lead, f"{ckpt.path} is at step {step}, the end of the run: nothing to train "
-                   f"(pass --steps N with N > {step} to continue it)")
+        _say(
+            lead,
+            f"{ckpt.path} is at step {step}, the end of the run: nothing to train "
+            f"(pass --steps N with N > {step} to continue it)",
+        )
         return None
     if "steps" in changes and changes["steps"] != TrainConfig.from_dict(ckpt.config["train"]).steps:
-        _say(lead, f"continuing to step {tc.steps}: the learning-rate schedule now ends there (steps "
-                   f"{step + 1}-{tc.steps} follow a {tc.steps}-step warm-up + cosine; the steps before followed the "
-                   "old end), so the run is not the same as one planned for that many steps from the start")
+        _say(
+            lead,
+            f"continuing to step {tc.steps}: the learning-rate schedule now ends there (steps "
+            f"{step + 1}-{tc.steps} follow a {tc.steps}-step warm-up + cosine; the steps before followed the "
+            "old end), so the run is not the same as one planned for that many steps from the start",
+        )
     data = prepare_recorded(ckpt.config["data"].get("args", {}), tokenizer=ckpt.tokenizer, rank=rank)
     _say(lead, f"resuming {ckpt.path} at step {step}/{tc.steps}")
     return _Run(ckpt.model, tc, data, ckpt.state.get("label", "model"), ckpt)
@@ -346,11 +421,21 @@ def _host_tables(args, run: _Run, device):
     """The model's Engram tables moved into host memory (--table-tier host)."""
     from condmem.train.host_table import HostTables
 
-    tables = HostTables(run.model, device, state_dtype=args.host_state, threads=args.host_threads,
-                        tables=run.checkpoint.tables if run.checkpoint is not None else None, seed=args.seed,
-                        staleness=args.host_staleness, adam=args.host_adam)
-    print(f"[{run.label}] tables in host memory: {tables.table_params:,} parameters, "
-          f"{tables.host_bytes / 2**30:.2f} GiB with Adam state ({tables.setup_s:.1f} s to allocate)", flush=True)
+    tables = HostTables(
+        run.model,
+        device,
+        state_dtype=args.host_state,
+        threads=args.host_threads,
+        tables=run.checkpoint.tables if run.checkpoint is not None else None,
+        seed=args.seed,
+        staleness=args.host_staleness,
+        adam=args.host_adam,
+    )
+    print(
+        f"[{run.label}] tables in host memory: {tables.table_params:,} parameters, "
+        f"{tables.host_bytes / 2**30:.2f} GiB with Adam state ({tables.setup_s:.1f} s to allocate)",
+        flush=True,
+    )
     return tables
 
 
@@ -358,8 +443,11 @@ def _data_parallel(args, run: _Run, rank: int, world: int, lead: bool):
     """The Engram tables sharded over the ranks (a new sharding, or the checkpoint's shards)."""
     from condmem.train.data_parallel import DataParallelTables
 
-    dp = (DataParallelTables.load(args.out, run.model, int(run.checkpoint.state["step"])) if run.checkpoint is not None
-          else DataParallelTables(run.model))
+    dp = (
+        DataParallelTables.load(args.out, run.model, int(run.checkpoint.state["step"]))
+        if run.checkpoint is not None
+        else DataParallelTables(run.model)
+    )
     _say(lead, f"[{run.label}] tables sharded over {world} ranks, each holding its columns' rows and their Adam state")
     return dp
 
@@ -370,11 +458,25 @@ def _write_summary(args, run: _Run, trainer, summary: dict, rank: int | None, wo
     from condmem.utils.atomic import atomic_write_text
 
     cfg, tc = run.model.cfg, run.train_cfg
-    summary.update(flops_per_token=train_flops_per_token(cfg, tc.seq_len), checkpoint=str(trainer.last_checkpoint),
-                   table_tier=args.table_tier if rank is None else f"sharded over {world} ranks")
+    summary.update(
+        flops_per_token=train_flops_per_token(cfg, tc.seq_len),
+        checkpoint=str(trainer.last_checkpoint),
+        table_tier=args.table_tier if rank is None else f"sharded over {world} ranks",
+    )
     if args.table_tier == "host":
         summary.update(host_staleness=args.host_staleness, host_adam=args.host_adam)
-    atomic_write_text(Path(args.out) / "summary.json",
-                      json.dumps({"summary": summary, "model": cfg.to_dict(), "train": tc.to_dict(),
-                                  "data": run.data.info, "history": trainer.history, "evals": trainer.evals},
-                                 indent=1) + "\n")
+    atomic_write_text(
+        Path(args.out) / "summary.json",
+        json.dumps(
+            {
+                "summary": summary,
+                "model": cfg.to_dict(),
+                "train": tc.to_dict(),
+                "data": run.data.info,
+                "history": trainer.history,
+                "evals": trainer.evals,
+            },
+            indent=1,
+        )
+        + "\n",
+    )

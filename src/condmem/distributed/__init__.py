@@ -22,6 +22,18 @@ from condmem.distributed.sharding import ShardPlan, ShardingError, traffic_per_t
 from condmem.distributed.tp import ShardedRows, column_parallel_engram
 from condmem.distributed.tp_backbone import BackboneSlices, backbone_slices, shard_backbone
 
-__all__ = ["BackboneSlices", "NodeTableError", "ShardPlan", "ShardedRows", "ShardedTable", "ShardingError",
-           "backbone_slices", "column_parallel_engram", "map_shared_table", "node_shared_table", "remove_node_table",
-           "shard_backbone", "traffic_per_token"]
+__all__ = [
+    "BackboneSlices",
+    "NodeTableError",
+    "ShardPlan",
+    "ShardedRows",
+    "ShardedTable",
+    "ShardingError",
+    "backbone_slices",
+    "column_parallel_engram",
+    "map_shared_table",
+    "node_shared_table",
+    "remove_node_table",
+    "shard_backbone",
+    "traffic_per_token",
+]

@@ -42,17 +42,26 @@ def _state_by_row(opt: torch.optim.Optimizer, table: ShardedTable) -> dict[str, 
     state = opt.state.get(table.weight)
     d = table.weight.shape[1]
     if not state:
-        return {"state_rows": torch.zeros(0, dtype=torch.int64), "exp_avg": torch.zeros(0, d),
-                "exp_avg_sq": torch.zeros(0, d), "row_step": torch.zeros(0)}
+        return {
+            "state_rows": torch.zeros(0, dtype=torch.int64),
+            "exp_avg": torch.zeros(0, d),
+            "exp_avg_sq": torch.zeros(0, d),
+            "row_step": torch.zeros(0),
+        }
     slot = state["slot_of_row"].long().cpu()
     rows = (slot >= 0).nonzero().flatten()
     slots = slot[rows]
-    return {"state_rows": rows + r0, "exp_avg": state["exp_avg"].cpu()[slots].contiguous(),
-            "exp_avg_sq": state["exp_avg_sq"].cpu()[slots].contiguous(), "row_step": state["row_step"].cpu()[slots]}
+    return {
+        "state_rows": rows + r0,
+        "exp_avg": state["exp_avg"].cpu()[slots].contiguous(),
+        "exp_avg_sq": state["exp_avg_sq"].cpu()[slots].contiguous(),
+        "row_step": state["row_step"].cpu()[slots],
+    }
 
 
-def save_sharded(run_dir: str | os.PathLike, table: ShardedTable, opt: torch.optim.Optimizer, step: int,
-                 fingerprint: str) -> Path:
+def save_sharded(
+    run_dir: str | os.PathLike, table: ShardedTable, opt: torch.optim.Optimizer, step: int, fingerprint: str
+) -> Path:
     """Every rank calls this, `opt` being the `SparseAdam` that trains `table.weight`; returns the
     checkpoint folder (on every rank)."""
     run_dir = Path(run_dir)
@@ -72,9 +81,15 @@ def save_sharded(run_dir: str | os.PathLike, table: ShardedTable, opt: torch.opt
     dist.all_gather_object(digests, (fname, sha256_file(tmp / fname)), group=group)
     final = run_dir / name
     if rank == 0:
-        manifest = {"format": FORMAT, "step": step, "world_size": plan.world_size, "row_bounds": list(plan.row_bounds),
-                    "col_bounds": list(plan.col_bounds), "fingerprint": fingerprint,
-                    "files": {f: h for f, h in digests}}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": plan.world_size,
+            "row_bounds": list(plan.row_bounds),
+            "col_bounds": list(plan.col_bounds),
+            "fingerprint": fingerprint,
+            "files": {f: h for f, h in digests},
+        }
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=1) + "\n")
         if final.exists():
             aside = run_dir / f".{name}.old"
@@ -89,8 +104,9 @@ def save_sharded(run_dir: str | os.PathLike, table: ShardedTable, opt: torch.opt
     return final
 
 
-def load_sharded(checkpoint: str | os.PathLike, plan: ShardPlan, rank: int, fingerprint: str,
-                 device: str | torch.device = "cpu") -> tuple[torch.Tensor, dict, int]:
+def load_sharded(
+    checkpoint: str | os.PathLike, plan: ShardPlan, rank: int, fingerprint: str, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, dict, int]:
     """This rank's rows under `plan` and their SparseAdam state, from a checkpoint made at any
     world size. Returns (weight [rows owned, D], state for `SparseAdam.state[param]`, step)."""
     path = Path(checkpoint)
@@ -101,8 +117,10 @@ def load_sharded(checkpoint: str | os.PathLike, plan: ShardPlan, rank: int, fing
         raise ShardedCheckpointError(f"{path} has no manifest.json: not a complete sharded checkpoint")
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("fingerprint") != fingerprint:
-        raise ShardedCheckpointError(f"{path} was saved for layout {str(manifest.get('fingerprint'))[:16]}, this run "
-                                     f"has {fingerprint[:16]}: every row would be read at another address")
+        raise ShardedCheckpointError(
+            f"{path} was saved for layout {str(manifest.get('fingerprint'))[:16]}, this run "
+            f"has {fingerprint[:16]}: every row would be read at another address"
+        )
     old = manifest["row_bounds"]
     if old[-1] != plan.row_bounds[-1]:
         raise ShardedCheckpointError(f"{path} holds {old[-1]:,} rows, the plan {plan.row_bounds[-1]:,}")
@@ -131,7 +149,12 @@ def load_sharded(checkpoint: str | os.PathLike, plan: ShardPlan, rank: int, fing
     rows = torch.cat(state_rows) - r0
     slot_of_row = torch.full((r1 - r0,), -1, dtype=torch.int32)
     slot_of_row[rows] = torch.arange(rows.numel(), dtype=torch.int32)
-    state = {"slot_of_row": slot_of_row.to(device), "exp_avg": torch.cat(avg).to(device),
-             "exp_avg_sq": torch.cat(avg_sq).to(device), "row_step": torch.cat(steps).to(device),
-             "n_slots": int(rows.numel()), "steps": int(manifest["step"])}   # no row took more steps
+    state = {
+        "slot_of_row": slot_of_row.to(device),
+        "exp_avg": torch.cat(avg).to(device),
+        "exp_avg_sq": torch.cat(avg_sq).to(device),
+        "row_step": torch.cat(steps).to(device),
+        "n_slots": int(rows.numel()),
+        "steps": int(manifest["step"]),
+    }  # no row took more steps
     return weight, state, int(manifest["step"])

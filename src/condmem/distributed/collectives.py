@@ -39,8 +39,9 @@ def _unsupported(exc: RuntimeError) -> bool:
     return "not support" in text or "unsupported" in text or "not implemented" in text
 
 
-def all_to_all_equal(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group=None, *,
-                     method: Method | None = None) -> None:
+def all_to_all_equal(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], group=None, *, method: Method | None = None
+) -> None:
     """``outputs[p]`` <- what rank p sent this rank as its ``inputs[rank]``; every message has
     one shape and dtype. `method` forces a path (tests); by default the direct one unless the
     backend refused it before."""
@@ -70,8 +71,9 @@ def _all_to_all_by_all_gather(send: torch.Tensor, group) -> torch.Tensor:
     return torch.stack([g[rank] for g in gathered])
 
 
-def reduce_scatter_equal(output: torch.Tensor, inputs: list[torch.Tensor], group=None, *,
-                         method: Method | None = None) -> None:
+def reduce_scatter_equal(
+    output: torch.Tensor, inputs: list[torch.Tensor], group=None, *, method: Method | None = None
+) -> None:
     """``output`` <- the sum over ranks of their ``inputs[rank]``; every input has ``output``'s
     shape. `method` as in `all_to_all_equal`."""
     key = _key("reduce_scatter", group, output)

@@ -31,13 +31,23 @@ class NodeTableError(ValueError):
 
 
 def _shm_hint(nbytes: int) -> str:
-    return (f"{nbytes / 2**30:.2f} GiB asked. Containers give /dev/shm 64 MiB by default: start them with "
-            f"--shm-size={max(1, -(-nbytes // 2**30))}g (docker) or mount a larger tmpfs there, or use "
-            "per_rank=True (one private copy per rank)")
+    return (
+        f"{nbytes / 2**30:.2f} GiB asked. Containers give /dev/shm 64 MiB by default: start them with "
+        f"--shm-size={max(1, -(-nbytes // 2**30))}g (docker) or mount a larger tmpfs there, or use "
+        "per_rank=True (one private copy per rank)"
+    )
 
 
-def node_shared_table(name: str, nbytes: int, fill: Callable[[torch.Tensor], None], *, fingerprint: str,
-                      local_rank: int, group=None, per_rank: bool = False) -> HostBuffer:
+def node_shared_table(
+    name: str,
+    nbytes: int,
+    fill: Callable[[torch.Tensor], None],
+    *,
+    fingerprint: str,
+    local_rank: int,
+    group=None,
+    per_rank: bool = False,
+) -> HostBuffer:
     """The node's copy of a table: written once by local rank 0, mapped read-only by the others.
 
     Args:
@@ -92,12 +102,14 @@ def map_shared_table(name: str, nbytes: int, fingerprint: str) -> HostBuffer:
     """Map an existing, complete node table read-only (what a non-writer or a restarted rank does)."""
     path, ready = SHM / name, SHM / f"{name}.ready"
     if not ready.is_file():
-        raise NodeTableError(f"{path} is not complete (no {ready.name}): its writer did not finish; restart the "
-                             "writer (local rank 0)")
+        raise NodeTableError(
+            f"{path} is not complete (no {ready.name}): its writer did not finish; restart the writer (local rank 0)"
+        )
     meta = json.loads(ready.read_text())
     if meta.get("fingerprint") != fingerprint or meta.get("nbytes") != nbytes:
-        raise NodeTableError(f"{path} holds another table ({meta}); expected fingerprint {fingerprint[:16]}, "
-                             f"{nbytes:,} bytes")
+        raise NodeTableError(
+            f"{path} holds another table ({meta}); expected fingerprint {fingerprint[:16]}, {nbytes:,} bytes"
+        )
     fd = os.open(path, os.O_RDONLY)
     try:
         if os.fstat(fd).st_size != nbytes:

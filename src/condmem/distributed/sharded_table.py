@@ -45,14 +45,16 @@ class _Exchange(torch.autograd.Function):
             ids = (row_ids[:, :, c0:c1] - plan.rows(q)[0]).reshape(-1)
             requests.append(torch.cat([ids, ids.new_zeros(size - ids.numel())]))
         served = [torch.empty(size, dtype=row_ids.dtype, device=row_ids.device) for _ in range(w)]
-        all_to_all_equal(served, requests, group=group)      # served[p]: ids rank p asks of me
+        all_to_all_equal(served, requests, group=group)  # served[p]: ids rank p asks of me
         real = b * t * _width(plan, rank)
         served = [ids[:real] for ids in served]
         r0, r1 = plan.rows(rank)
         for ids in served:  # checked on the CPU (free there); a GPU gather of a bad id raises on its own
             if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= r1 - r0):
-                raise ShardingError(f"rank {rank} was asked for rows outside its shard {r0}..{r1 - 1}: were the row "
-                                    "ids hashed for another layout?")
+                raise ShardingError(
+                    f"rank {rank} was asked for rows outside its shard {r0}..{r1 - 1}: were the row "
+                    "ids hashed for another layout?"
+                )
         outgoing = [torch.cat([weight[ids], weight.new_zeros(size - ids.numel(), d)]) for ids in served]
         incoming = [torch.empty(size, d, dtype=weight.dtype, device=weight.device) for _ in range(w)]
         all_to_all_equal(incoming, outgoing, group=group)
@@ -75,7 +77,7 @@ class _Exchange(torch.autograd.Function):
             g = grad_rows[:, :, c0:c1].reshape(-1, d)
             outgoing.append(torch.cat([g, g.new_zeros(size - g.shape[0], d)]))
         incoming = [torch.empty(size, d, dtype=grad_rows.dtype, device=grad_rows.device) for _ in range(w)]
-        all_to_all_equal(incoming, outgoing, group=group)     # incoming[p]: gradients of the rows p read
+        all_to_all_equal(incoming, outgoing, group=group)  # incoming[p]: gradients of the rows p read
         ids = torch.cat(served)
         values = torch.cat([g[: served[p].numel()] for p, g in enumerate(incoming)]) / w
         grad = torch.sparse_coo_tensor(ids[None], values, ctx.weight_shape, check_invariants=False).coalesce()
@@ -102,8 +104,10 @@ class ShardedTable(nn.Module):
             raise ShardingError(f"the plan is for {plan.world_size} ranks, the group has {dist.get_world_size(group)}")
         r0, r1 = plan.rows(self.rank)
         if shard.dim() != 2 or shard.shape[0] != r1 - r0:
-            raise ShardingError(f"rank {self.rank} owns rows {r0}..{r1 - 1} ({r1 - r0:,} rows); its shard has shape "
-                                f"{tuple(shard.shape)}")
+            raise ShardingError(
+                f"rank {self.rank} owns rows {r0}..{r1 - 1} ({r1 - r0:,} rows); its shard has shape "
+                f"{tuple(shard.shape)}"
+            )
         self.weight = nn.Parameter(shard.detach().clone())
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:

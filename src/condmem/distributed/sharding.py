@@ -38,8 +38,10 @@ class ShardPlan:
         if not isinstance(world_size, int) or world_size < 1:
             raise ShardingError(f"world_size must be a positive int, got {world_size!r}")
         if world_size > n_cols:
-            raise ShardingError(f"layer {layer.layer_id} has {n_cols} columns: at most {n_cols} ranks can each own a "
-                                f"whole one, not {world_size}")
+            raise ShardingError(
+                f"layer {layer.layer_id} has {n_cols} columns: at most {n_cols} ranks can each own a "
+                f"whole one, not {world_size}"
+            )
         if not np.array_equal(offsets, np.concatenate([[0], np.cumsum(primes)[:-1]])):
             raise ShardingError(f"layer {layer.layer_id}'s column ranges are not laid out back to back")
         ends = np.cumsum(primes)
@@ -69,8 +71,16 @@ class ShardPlan:
         return max(b - a for a, b in zip(self.col_bounds[:-1], self.col_bounds[1:]))
 
 
-def traffic_per_token(n_cols: int, head_dim: int, world_size: int, *, hidden: int | None = None, hc_mult: int = 1,
-                      row_bytes: int = 2, kv_bytes: int = 4) -> dict[str, float]:
+def traffic_per_token(
+    n_cols: int,
+    head_dim: int,
+    world_size: int,
+    *,
+    hidden: int | None = None,
+    hc_mult: int = 1,
+    row_bytes: int = 2,
+    kv_bytes: int = 4,
+) -> dict[str, float]:
     """Bytes each rank sends per token per Engram layer, ring collectives (bandwidth terms only).
 
     * ``head`` (all-gather of each rank's columns): ``(w-1)/w * C * D * row_bytes``;

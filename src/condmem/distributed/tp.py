@@ -44,8 +44,16 @@ class ShardedRows:
         group: the process group (default: the world).
     """
 
-    def __init__(self, plan: ShardPlan, lookup: Callable[[torch.Tensor], torch.Tensor], head_dim: int, *,
-                 mode: Mode = "head", sequence_parallel: bool = False, group=None):
+    def __init__(
+        self,
+        plan: ShardPlan,
+        lookup: Callable[[torch.Tensor], torch.Tensor],
+        head_dim: int,
+        *,
+        mode: Mode = "head",
+        sequence_parallel: bool = False,
+        group=None,
+    ):
         if mode not in ("head", "row"):
             raise ShardingError(f"mode must be 'head' or 'row', got {mode!r}")
         world = dist.get_world_size(group)
@@ -76,8 +84,10 @@ class ShardedRows:
         # Checked here on the CPU only (free there); on a GPU the lookup engine checks its ids
         # without stalling the host.
         if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= r1 - r0):
-            raise ShardingError(f"rank {self.rank}: row ids of columns {c0}..{c1 - 1} fall outside its rows "
-                                f"{r0}..{r1 - 1}: were they hashed for another layout?")
+            raise ShardingError(
+                f"rank {self.rank}: row ids of columns {c0}..{c1 - 1} fall outside its rows "
+                f"{r0}..{r1 - 1}: were they hashed for another layout?"
+            )
         return ids
 
     def _local(self, row_ids: torch.Tensor) -> torch.Tensor:
@@ -141,9 +151,17 @@ class ShardedRows:
         return out[:, : t1 - t0]
 
 
-def column_parallel_engram(engram, hidden: torch.Tensor, local_rows: torch.Tensor, plan: ShardPlan, *,
-                           token_mask: torch.Tensor | None = None, residual: bool = False,
-                           conv_state: torch.Tensor | None = None, group=None) -> torch.Tensor:
+def column_parallel_engram(
+    engram,
+    hidden: torch.Tensor,
+    local_rows: torch.Tensor,
+    plan: ShardPlan,
+    *,
+    token_mask: torch.Tensor | None = None,
+    residual: bool = False,
+    conv_state: torch.Tensor | None = None,
+    group=None,
+) -> torch.Tensor:
     """The Engram layer with `wkv` split by its input columns: this rank multiplies its own
     columns' rows by its slice of `wkv` (`Engram.project`), one all-reduce sums the keys and
     value, and the rest of the layer runs replicated (`Engram.forward` from the summed kv).

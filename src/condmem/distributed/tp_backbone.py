@@ -32,7 +32,7 @@ class BackboneSlices:
     rank: int
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
-    ffn_units: list[tuple[int, int]]       # per block (widths may differ by block)
+    ffn_units: list[tuple[int, int]]  # per block (widths may differ by block)
 
 
 def backbone_slices(cfg, world: int, rank: int) -> BackboneSlices:
@@ -40,8 +40,10 @@ def backbone_slices(cfg, world: int, rank: int) -> BackboneSlices:
     if world < 1 or not 0 <= rank < world:
         raise ShardingError(f"rank {rank} of a world of {world}")
     if cfg.n_kv_heads % world:
-        raise ShardingError(f"{cfg.n_kv_heads} KV heads do not split over {world} ranks: tensor parallelism "
-                            f"keeps whole KV heads (and their query heads) on one rank")
+        raise ShardingError(
+            f"{cfg.n_kv_heads} KV heads do not split over {world} ranks: tensor parallelism "
+            f"keeps whole KV heads (and their query heads) on one rank"
+        )
     q, kv = cfg.n_heads // world, cfg.n_kv_heads // world
     units = []
     for layer in range(cfg.n_layers):
@@ -71,7 +73,7 @@ def shard_backbone(model, group=None):
     slices = backbone_slices(model.cfg, world, rank)
     for block, units in zip(model.blocks, slices.ffn_units):
         attn, mlp = block.attn, block.mlp
-        for linear in (attn.wq, mlp.w1):       # a joined weight of the whole block would outlive it
+        for linear in (attn.wq, mlp.w1):  # a joined weight of the whole block would outlive it
             linear.__dict__.pop("_serving_joined", None)
         hd = attn.head_dim
         q = slice(slices.q_heads[0] * hd, slices.q_heads[1] * hd)

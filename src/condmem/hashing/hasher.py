@@ -131,16 +131,14 @@ class NgramHasher:
 
     def constants(self, device: torch.device | str) -> dict[str, torch.Tensor | None]:
         """The lookup, multipliers, primes and offsets on `device` (copied once, then cached)."""
-        c = self._per_device.get(device)   # a tensor's device: found at once (on every call)
+        c = self._per_device.get(device)  # a tensor's device: found at once (on every call)
         if c is not None:
             return c
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._per_device:
-            self._per_device[device] = {
-                k: (None if v is None else v.to(device)) for k, v in self._host.items()
-            }
+            self._per_device[device] = {k: (None if v is None else v.to(device)) for k, v in self._host.items()}
         return self._per_device[device]
 
     def _magic(self, device: torch.device) -> torch.Tensor:
@@ -158,7 +156,7 @@ class NgramHasher:
     def _backend(self, backend: str | None, device: torch.device) -> str:
         key = (backend or self.backend, device.type)
         got = self._backends.get(key)
-        if got is None:   # resolved once per (backend, device type): the choice depends on nothing else
+        if got is None:  # resolved once per (backend, device type): the choice depends on nothing else
             got = self._backends[key] = resolve_backend(key[0], device, "NgramHasher")
         return got
 
@@ -241,15 +239,16 @@ class NgramHasher:
         device = input_ids.device
         shape = input_ids.shape
 
-        def call() -> str:   # formatted only for an error message
+        def call() -> str:  # formatted only for an error message
             return f"hasher call on {tuple(shape)} ids"
 
         if self._backend(backend, device) == "triton":
             # The kernel applies the compression map itself: one launch from token ids to rows,
             # with the id range folded in on the device.
             id_range = self._range_slots(input_ids.numel(), device) if check else None
-            rows = self._hash_triton(input_ids, self.constants(device)["lookup"], blocked, with_offsets,
-                                     id_range=id_range)
+            rows = self._hash_triton(
+                input_ids, self.constants(device)["lookup"], blocked, with_offsets, id_range=id_range
+            )
             if id_range is not None:
                 self._checks.submit(id_range, call)
             return rows
@@ -272,8 +271,9 @@ class NgramHasher:
         """
         self._checks.raise_pending(block=block)
 
-    def _hash_triton(self, ids: torch.Tensor, lookup, blocked, with_offsets: bool,
-                     id_range: torch.Tensor | None = None) -> torch.Tensor:
+    def _hash_triton(
+        self, ids: torch.Tensor, lookup, blocked, with_offsets: bool, id_range: torch.Tensor | None = None
+    ) -> torch.Tensor:
         c = self.constants(ids.device)
         return _kernels().hash_prefill_triton(
             ids,
@@ -289,7 +289,11 @@ class NgramHasher:
         )
 
     def hash_compressed(
-        self, compressed: torch.Tensor, *, blocked: torch.Tensor | None = None, with_offsets: bool = True,
+        self,
+        compressed: torch.Tensor,
+        *,
+        blocked: torch.Tensor | None = None,
+        with_offsets: bool = True,
         backend: str | None = None,
     ) -> torch.Tensor:
         """Like `__call__` but for compressed ids already (no range check)."""
@@ -309,17 +313,22 @@ class NgramHasher:
     # ------------------------------------------------------------------ ragged batches
     def _check_ragged(self, input_ids, cu_seqlens, history, slots, lookback_ids, blocked, n_commit=None):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
-            raise HashInputError(f"ragged input_ids must be a flat [n] tensor, got "
-                                 f"{tuple(getattr(input_ids, 'shape', ())) or type(input_ids).__name__}")
+            raise HashInputError(
+                f"ragged input_ids must be a flat [n] tensor, got "
+                f"{tuple(getattr(input_ids, 'shape', ())) or type(input_ids).__name__}"
+            )
         if input_ids.dtype not in _ID_DTYPES:
             raise HashInputError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         device = input_ids.device
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise HashInputError(f"cu_seqlens must be a [B+1] integer tensor (B >= 1), got "
-                                 f"{tuple(getattr(cu_seqlens, 'shape', ())) or type(cu_seqlens).__name__}")
+            raise HashInputError(
+                f"cu_seqlens must be a [B+1] integer tensor (B >= 1), got "
+                f"{tuple(getattr(cu_seqlens, 'shape', ())) or type(cu_seqlens).__name__}"
+            )
         if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.device != device:
-            raise HashInputError(f"cu_seqlens must be int32/int64 on {device}, got {cu_seqlens.dtype} on "
-                                 f"{cu_seqlens.device}")
+            raise HashInputError(
+                f"cu_seqlens must be int32/int64 on {device}, got {cu_seqlens.dtype} on {cu_seqlens.device}"
+            )
         n_seqs = cu_seqlens.numel() - 1
         depth = self._depth
         if (history is None) != (slots is None):
@@ -330,17 +339,28 @@ class NgramHasher:
             if history.ids.device != device:
                 raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
             if not isinstance(slots, torch.Tensor) or slots.shape != (n_seqs,) or slots.device != device:
-                raise HashInputError(f"slots must be a [B={n_seqs}] tensor on {device}, got "
-                                     f"{tuple(getattr(slots, 'shape', ()))}")
-        if lookback_ids is not None and (not isinstance(lookback_ids, torch.Tensor)
-                                         or lookback_ids.shape != (n_seqs, depth) or lookback_ids.device != device):
-            raise HashInputError(f"lookback_ids must be [B={n_seqs}, N-1={depth}] token ids on {device} (oldest "
-                                 f"first, -1 where there is none), got {tuple(getattr(lookback_ids, 'shape', ()))}")
-        if blocked is not None and (not isinstance(blocked, torch.Tensor) or blocked.dtype != torch.bool
-                                    or blocked.shape != input_ids.shape or blocked.device != device):
+                raise HashInputError(
+                    f"slots must be a [B={n_seqs}] tensor on {device}, got {tuple(getattr(slots, 'shape', ()))}"
+                )
+        if lookback_ids is not None and (
+            not isinstance(lookback_ids, torch.Tensor)
+            or lookback_ids.shape != (n_seqs, depth)
+            or lookback_ids.device != device
+        ):
+            raise HashInputError(
+                f"lookback_ids must be [B={n_seqs}, N-1={depth}] token ids on {device} (oldest "
+                f"first, -1 where there is none), got {tuple(getattr(lookback_ids, 'shape', ()))}"
+            )
+        if blocked is not None and (
+            not isinstance(blocked, torch.Tensor)
+            or blocked.dtype != torch.bool
+            or blocked.shape != input_ids.shape
+            or blocked.device != device
+        ):
             raise HashInputError(f"blocked must be a bool [{input_ids.numel()}] tensor on {device}")
-        if n_commit is not None and (not isinstance(n_commit, torch.Tensor) or n_commit.shape != (n_seqs,)
-                                     or n_commit.device != device):
+        if n_commit is not None and (
+            not isinstance(n_commit, torch.Tensor) or n_commit.shape != (n_seqs,) or n_commit.device != device
+        ):
             raise HashInputError(f"n_commit must be a [B={n_seqs}] integer tensor on {device}")
 
     def hash_ragged(
@@ -390,16 +410,26 @@ class NgramHasher:
 
         n_tokens, n_seqs = input_ids.numel(), cu_seqlens.numel() - 1
 
-        def label() -> str:   # formatted only for an error message
+        def label() -> str:  # formatted only for an error message
             return f"hash_ragged on {n_tokens} tokens, {n_seqs} sequences"
 
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
             id_range = self._range_slots(input_ids.numel(), device) if check else None
             rows = _kernels().hash_ragged_triton(
-                input_ids, cu_seqlens, multipliers=c["multipliers"], primes=c["primes"], magic=self._magic(device),
-                offsets=offsets, n_heads=self._n_heads, pad_id=self.pad_compressed_id, lookup=c["lookup"],
-                blocked=blocked, history=None if history is None else history.ids, slots=slots, lookback=lookback,
+                input_ids,
+                cu_seqlens,
+                multipliers=c["multipliers"],
+                primes=c["primes"],
+                magic=self._magic(device),
+                offsets=offsets,
+                n_heads=self._n_heads,
+                pad_id=self.pad_compressed_id,
+                lookup=c["lookup"],
+                blocked=blocked,
+                history=None if history is None else history.ids,
+                slots=slots,
+                lookback=lookback,
                 id_range=id_range,
             )
             if id_range is not None:
@@ -412,16 +442,28 @@ class NgramHasher:
                 live = torch.arange(input_ids.numel(), device=device) < cu_seqlens[-1]
                 self._checks.submit_ids(torch.where(live, input_ids.long(), 0), label)
             compressed = self._compress_safe(input_ids)
-            lb = torch.full((cu_seqlens.numel() - 1, self.layout.max_ngram_size - 1), self.pad_compressed_id,
-                            dtype=torch.int64, device=device)
+            lb = torch.full(
+                (cu_seqlens.numel() - 1, self.layout.max_ngram_size - 1),
+                self.pad_compressed_id,
+                dtype=torch.int64,
+                device=device,
+            )
             if lookback is not None:
                 lb = lookback
             if history is not None:
                 own = (slots >= 0) & (slots < history.n_slots)
                 lb = torch.where(own[:, None], history.ids[slots.long().clamp(0, history.n_slots - 1)], lb)
-            rows = hash_ragged_reference(compressed, cu_seqlens, lb, multipliers=c["multipliers"], primes=c["primes"],
-                                         offsets=offsets, n_heads=self._n_heads, pad_id=self.pad_compressed_id,
-                                         blocked=blocked)
+            rows = hash_ragged_reference(
+                compressed,
+                cu_seqlens,
+                lb,
+                multipliers=c["multipliers"],
+                primes=c["primes"],
+                offsets=offsets,
+                n_heads=self._n_heads,
+                pad_id=self.pad_compressed_id,
+                blocked=blocked,
+            )
         if commit and history is not None:
             self._advance(history, slots, input_ids, cu_seqlens, None, blocked, backend)
         return rows
@@ -432,17 +474,28 @@ class NgramHasher:
         first, -1 where the sequence has nothing or a block hides it). No host sync."""
         depth = self.layout.max_ngram_size - 1
         if not isinstance(lookback_ids, torch.Tensor) or lookback_ids.dim() != 2 or lookback_ids.shape[1] != depth:
-            raise HashInputError(f"lookback_ids must be [B, N-1={depth}] token ids, got "
-                                 f"{tuple(getattr(lookback_ids, 'shape', ()))}")
+            raise HashInputError(
+                f"lookback_ids must be [B, N-1={depth}] token ids, got {tuple(getattr(lookback_ids, 'shape', ()))}"
+            )
         index = torch.as_tensor(slots, dtype=torch.int64, device=history.device).reshape(-1)
         if index.numel() != lookback_ids.shape[0]:
             raise HashInputError(f"{index.numel()} slots for {lookback_ids.shape[0]} look-back rows")
         lookup = self.constants(history.device)["lookup"]
-        history.ids.index_copy_(0, index, lookback_from_ids(lookback_ids.to(history.device), lookup,
-                                                            self.pad_compressed_id))
+        history.ids.index_copy_(
+            0, index, lookback_from_ids(lookback_ids.to(history.device), lookup, self.pad_compressed_id)
+        )
 
-    def commit(self, history: NgramHistory, slots: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-               n_commit: torch.Tensor, *, blocked: torch.Tensor | None = None, backend: str | None = None) -> None:
+    def commit(
+        self,
+        history: NgramHistory,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        n_commit: torch.Tensor,
+        *,
+        blocked: torch.Tensor | None = None,
+        backend: str | None = None,
+    ) -> None:
         """After speculative verification: advance each slot by the first ``n_commit[b]``
         tokens of its chunk in the batch `hash_ragged(..., commit=False)` hashed (1 + the
         accepted drafts, when the chunk is [last sampled token, drafts...]). Tokens not
@@ -454,11 +507,26 @@ class NgramHasher:
         device = input_ids.device
         c = self.constants(device)
         if self._backend(backend, device) == "triton":
-            _kernels().advance_triton(history.ids, slots, input_ids, cu_seqlens, pad_id=self.pad_compressed_id,
-                                      lookup=c["lookup"], blocked=blocked, n_commit=n_commit)
+            _kernels().advance_triton(
+                history.ids,
+                slots,
+                input_ids,
+                cu_seqlens,
+                pad_id=self.pad_compressed_id,
+                lookup=c["lookup"],
+                blocked=blocked,
+                n_commit=n_commit,
+            )
         else:
-            advance_reference(history.ids, slots, self._compress_safe(input_ids), cu_seqlens, n_commit,
-                              self.pad_compressed_id, blocked)
+            advance_reference(
+                history.ids,
+                slots,
+                self._compress_safe(input_ids),
+                cu_seqlens,
+                n_commit,
+                self.pad_compressed_id,
+                blocked,
+            )
 
     def _compress_safe(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Compressed ids; out-of-range ids read the pad, as in the kernels (the check reports them)."""
@@ -468,8 +536,9 @@ class NgramHasher:
             inside = (ids >= 0) & (ids < self.vocab_size)
             return torch.where(inside, ids, torch.full_like(ids, self.pad_compressed_id))
         inside = (ids >= 0) & (ids < lookup.numel())
-        return torch.where(inside, lookup[ids.clamp(0, lookup.numel() - 1)],
-                           torch.full_like(ids, self.pad_compressed_id))
+        return torch.where(
+            inside, lookup[ids.clamp(0, lookup.numel() - 1)], torch.full_like(ids, self.pad_compressed_id)
+        )
 
     def _check_boundaries(self, cu_seqlens: torch.Tensor, n_tokens: int) -> None:
         """cu_seqlens must start at 0, never decrease and end within the batch; checked
@@ -478,8 +547,10 @@ class NgramHasher:
         broken = (cu[0] != 0) | (cu[1:] < cu[:-1]).any() | (cu[-1] > n_tokens)
         if cu.device.type != "cuda":
             if bool(broken):
-                raise HashInputError(f"cu_seqlens {cu.tolist()[:8]}... must start at 0, never decrease and end "
-                                     f"at most at the {n_tokens} tokens of the batch")
+                raise HashInputError(
+                    f"cu_seqlens {cu.tolist()[:8]}... must start at 0, never decrease and end "
+                    f"at most at the {n_tokens} tokens of the batch"
+                )
             return
         row = torch.zeros(1, 3, dtype=torch.int32, device=cu.device)
         row[0, 2] = broken.to(torch.int32)
@@ -491,8 +562,15 @@ class NgramHasher:
         return NgramHistory(n_slots, self.layout.max_ngram_size, self.pad_compressed_id, device)
 
     def prefill_history(
-        self, history: NgramHistory, slots, input_ids: torch.Tensor, *, blocked: torch.Tensor | None = None,
-        doc_starts: torch.Tensor | None = None, lengths: torch.Tensor | None = None, check: bool = True,
+        self,
+        history: NgramHistory,
+        slots,
+        input_ids: torch.Tensor,
+        *,
+        blocked: torch.Tensor | None = None,
+        doc_starts: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        check: bool = True,
     ) -> None:
         """Seed the slots' histories from prompts [B, T] (token ids), as `__call__` would see them."""
         compressed = self.compress(input_ids, check=check)
@@ -533,8 +611,10 @@ class NgramHasher:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
             raise HashInputError(f"decode input_ids must be a [B] tensor, got {getattr(input_ids, 'shape', input_ids)}")
         if history.max_ngram_size != self.layout.max_ngram_size or history.pad_id != self.pad_compressed_id:
-            raise HashInputError(f"{history!r} was not made for this hasher (N={self.layout.max_ngram_size}, "
-                                 f"pad={self.pad_compressed_id}): use hasher.new_history")
+            raise HashInputError(
+                f"{history!r} was not made for this hasher (N={self.layout.max_ngram_size}, "
+                f"pad={self.pad_compressed_id}): use hasher.new_history"
+            )
         device = input_ids.device
         if history.device != device:
             raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
@@ -549,27 +629,56 @@ class NgramHasher:
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
             return _kernels().hash_decode_triton(
-                history.ids, slots.to(device), input_ids, multipliers=c["multipliers"], primes=c["primes"],
-                magic=self._magic(device), offsets=offsets, n_heads=self._n_heads,
-                pad_id=self.pad_compressed_id, lookup=c["lookup"], valid=valid, blocked=blocked,
+                history.ids,
+                slots.to(device),
+                input_ids,
+                multipliers=c["multipliers"],
+                primes=c["primes"],
+                magic=self._magic(device),
+                offsets=offsets,
+                n_heads=self._n_heads,
+                pad_id=self.pad_compressed_id,
+                lookup=c["lookup"],
+                valid=valid,
+                blocked=blocked,
             )
         lookup = c["lookup"]
         if backend in (None, "auto") and device.type == "cpu" and history.ids.is_contiguous():
             from condmem import native
 
-            rows = native.hash_decode(history.ids, slots, input_ids, lookup=lookup, multipliers=c["multipliers"],
-                                      primes=c["primes"], offsets=offsets, n_heads=self._n_heads,
-                                      pad_id=self.pad_compressed_id, valid=valid, blocked=blocked)
-            if rows is not None:      # the same numbers, without the reference's dozens of small ops
+            rows = native.hash_decode(
+                history.ids,
+                slots,
+                input_ids,
+                lookup=lookup,
+                multipliers=c["multipliers"],
+                primes=c["primes"],
+                offsets=offsets,
+                n_heads=self._n_heads,
+                pad_id=self.pad_compressed_id,
+                valid=valid,
+                blocked=blocked,
+            )
+            if rows is not None:  # the same numbers, without the reference's dozens of small ops
                 return rows
         ids = input_ids.long()
         if lookup is not None:
             # Out-of-range ids read the pad, as in the kernel (memory-safe; `check` reports them).
             inside = (ids >= 0) & (ids < lookup.numel())
-            ids = torch.where(inside, lookup[ids.clamp(0, lookup.numel() - 1)], torch.full_like(ids, self.pad_compressed_id))
+            ids = torch.where(
+                inside, lookup[ids.clamp(0, lookup.numel() - 1)], torch.full_like(ids, self.pad_compressed_id)
+            )
         return hash_decode_reference(
-            history.ids, slots.to(device), ids, multipliers=c["multipliers"], primes=c["primes"], offsets=offsets,
-            n_heads=self._n_heads, pad_id=self.pad_compressed_id, valid=valid, blocked=blocked,
+            history.ids,
+            slots.to(device),
+            ids,
+            multipliers=c["multipliers"],
+            primes=c["primes"],
+            offsets=offsets,
+            n_heads=self._n_heads,
+            pad_id=self.pad_compressed_id,
+            valid=valid,
+            blocked=blocked,
         )
 
     def __repr__(self) -> str:

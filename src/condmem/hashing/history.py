@@ -52,8 +52,9 @@ class NgramHistory:
         self.n_slots = int(n_slots)
         self.max_ngram_size = int(max_ngram_size)
         self.pad_id = int(pad_id)
-        self.ids = torch.full((self.n_slots, self.max_ngram_size - 1), self.pad_id, dtype=torch.int64,
-                              device=torch.device(device))
+        self.ids = torch.full(
+            (self.n_slots, self.max_ngram_size - 1), self.pad_id, dtype=torch.int64, device=torch.device(device)
+        )
         self._free = list(range(self.n_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._live: set[int] = set()
 
@@ -94,7 +95,11 @@ class NgramHistory:
 
     @staticmethod
     def tail_history(
-        compressed: torch.Tensor, depth: int, pad_id: int, *, blocked: torch.Tensor | None = None,
+        compressed: torch.Tensor,
+        depth: int,
+        pad_id: int,
+        *,
+        blocked: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, T] compressed ids -> [B, depth]: what the token after position ``lengths-1`` looks back at.
@@ -121,7 +126,11 @@ class NgramHistory:
         return torch.where(hidden, torch.full_like(vals, pad_id), vals)
 
     def prefill(
-        self, slots: torch.Tensor | list[int], compressed: torch.Tensor, *, blocked: torch.Tensor | None = None,
+        self,
+        slots: torch.Tensor | list[int],
+        compressed: torch.Tensor,
+        *,
+        blocked: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
     ) -> None:
         """Set each slot's history from its prompt: [B] slots, [B, T] compressed ids.
@@ -135,11 +144,16 @@ class NgramHistory:
         index = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
         if compressed.dim() != 2 or compressed.shape[0] != index.numel():
             raise HistoryError(f"prefill needs [B={index.numel()}, T] compressed ids, got {tuple(compressed.shape)}")
-        tail = self.tail_history(compressed.to(self.device), self.depth, self.pad_id,
-                                 blocked=None if blocked is None else blocked.to(self.device),
-                                 lengths=lengths)
+        tail = self.tail_history(
+            compressed.to(self.device),
+            self.depth,
+            self.pad_id,
+            blocked=None if blocked is None else blocked.to(self.device),
+            lengths=lengths,
+        )
         self.ids.index_copy_(0, index, tail)
 
     def __repr__(self) -> str:
-        return (f"NgramHistory(slots={self.n_slots}, N={self.max_ngram_size}, live={len(self._live)}, "
-                f"device={self.device})")
+        return (
+            f"NgramHistory(slots={self.n_slots}, N={self.max_ngram_size}, live={len(self._live)}, device={self.device})"
+        )

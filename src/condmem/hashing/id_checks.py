@@ -37,7 +37,7 @@ class _Slot:
         dtype, cols, _device = self.key = key
         self.host = torch.empty((rows, cols), dtype=dtype, pin_memory=True)
         self.array = self.host.numpy()
-        self.event = torch.cuda.Event()   # made on the key's device at its first record
+        self.event = torch.cuda.Event()  # made on the key's device at its first record
 
 
 class PendingIdChecks:
@@ -53,14 +53,20 @@ class PendingIdChecks:
     Not thread-safe: one per hasher or lookup engine, used from the thread that calls it.
     """
 
-    def __init__(self, error: type[Exception], bound: int, what: str, noun: str = "token id",
-                 hint: str = "were these ids made by another tokenizer?"):
+    def __init__(
+        self,
+        error: type[Exception],
+        bound: int,
+        what: str,
+        noun: str = "token id",
+        hint: str = "were these ids made by another tokenizer?",
+    ):
         self.error = error
         self.bound = int(bound)
         self.what = what
         self.noun = noun
         self.hint = hint
-        self._pending: deque = deque()     # (slot, rows, negated, call)
+        self._pending: deque = deque()  # (slot, rows, negated, call)
         self._spare: dict[tuple, list[_Slot]] = {}
         self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
@@ -124,7 +130,7 @@ class PendingIdChecks:
             slot = spare.pop()
             if slot.host.shape[0] >= rows:
                 return slot
-        return _Slot(key, max(64, 1 << (rows - 1).bit_length()))   # grown: the short one is dropped
+        return _Slot(key, max(64, 1 << (rows - 1).bit_length()))  # grown: the short one is dropped
 
     def _stream(self, index: int) -> torch.cuda.Stream:
         """Device `index`'s current stream, as an object made once per stream (making one per call
@@ -153,5 +159,6 @@ class PendingIdChecks:
         if broken:
             raise self.error(f"cu_seqlens must start at 0, never decrease and end within the batch ({call})")
         bad = hi if hi >= self.bound else -neg_lo
-        raise self.error(f"{self.noun} {bad} is outside the {self.what}'s ids 0..{self.bound - 1} ({call}): "
-                         f"{self.hint}")
+        raise self.error(
+            f"{self.noun} {bad} is outside the {self.what}'s ids 0..{self.bound - 1} ({call}): {self.hint}"
+        )

@@ -44,7 +44,9 @@ class KVCache(nn.Module):
         return self.k[: k.shape[0], :, :end], self.v[: v.shape[0], :, :end]
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keys_seen: torch.Tensor) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keys_seen: torch.Tensor
+) -> torch.Tensor:
     """Attention of one new query per sequence over its cached keys (grouped-query heads).
 
     Args:
@@ -63,7 +65,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """
     batch, n_heads, _, head_dim = q.shape
     n_kv = keys.shape[1]
-    grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)                 # [B, KV, rep, hd]
+    grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)  # [B, KV, rep, hd]
     y = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=keys_seen[:, None, None, :])
     return y.reshape(batch, n_heads, 1, head_dim)
 
@@ -81,8 +83,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False, device=device, dtype=dtype)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)

@@ -131,8 +131,11 @@ class ModelConfig:
         widths = self.ffn_hidden if isinstance(self.ffn_hidden, list) else [self.ffn_hidden] * self.n_layers
         for layer, width in enumerate(widths):
             # A block with routed experts may have no shared expert; a dense block needs its MLP.
-            need_int("ffn_hidden" + ("[]" if isinstance(self.ffn_hidden, list) else ""), width,
-                     0 if self.has_experts(layer) else 1)
+            need_int(
+                "ffn_hidden" + ("[]" if isinstance(self.ffn_hidden, list) else ""),
+                width,
+                0 if self.has_experts(layer) else 1,
+            )
         for name in ("rope_theta", "norm_eps", "init_std", "engram_table_init_std"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -155,9 +158,7 @@ class ModelConfig:
                 )
             bad = [lid for lid in self.engram.layer_ids if lid >= self.n_layers]
             if bad:
-                raise ConfigError(
-                    f"ModelConfig.engram.layer_ids {bad} are not layers of a {self.n_layers}-layer model"
-                )
+                raise ConfigError(f"ModelConfig.engram.layer_ids {bad} are not layers of a {self.n_layers}-layer model")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -189,7 +190,7 @@ class ModelConfig:
         out = dataclasses.asdict(self)
         out["engram"] = None if self.engram is None else self.engram.to_dict("native")
         if self.moe is None:
-            out.pop("moe")   # dense configs keep the keys they always had
+            out.pop("moe")  # dense configs keep the keys they always had
         return out
 
     @classmethod

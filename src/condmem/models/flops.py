@@ -84,21 +84,27 @@ def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
 
     d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
     embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    blocks = cfg.n_layers * (2 * d + 2 * d * d + 2 * d * kv)       # two norms, attention
+    blocks = cfg.n_layers * (2 * d + 2 * d * d + 2 * d * kv)  # two norms, attention
     blocks += sum(3 * d * cfg.ffn_width(i) for i in range(cfg.n_layers))
     expert = 3 * d * cfg.moe.expert_hidden if cfg.moe is not None else 0
     idle = 0
     for _ in cfg.moe_layer_ids:
-        blocks += cfg.moe.n_experts * (d + expert)                  # router row + expert
+        blocks += cfg.moe.n_experts * (d + expert)  # router row + expert
         idle += (cfg.moe.n_experts - cfg.moe.top_k) * expert
     tables = 0
     e = cfg.engram
     if e is not None:
         per_layer = e.engram_dim * (e.hc_mult + 1) * d + 2 * e.hc_mult * d  # wkv, gate norms
         if e.short_conv:
-            per_layer += e.hc_mult * d * (1 + e.kernel_size)          # its norm, depthwise taps
+            per_layer += e.hc_mult * d * (1 + e.kernel_size)  # its norm, depthwise taps
         blocks += len(e.layer_ids) * per_layer
         tables = sum(EngramLayout(e).num_embeddings) * e.head_dim
-    total = embed + blocks + d + tables                               # + the final norm
-    return {"total": total, "tables": tables, "backbone": total - tables, "embeddings": embed,
-            "non_embedding": total - tables - embed, "active": total - tables - idle}
+    total = embed + blocks + d + tables  # + the final norm
+    return {
+        "total": total,
+        "tables": tables,
+        "backbone": total - tables,
+        "embeddings": embed,
+        "non_embedding": total - tables - embed,
+        "active": total - tables - idle,
+    }

@@ -25,8 +25,17 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, gen
 
 
 @torch.no_grad()
-def generate(model: DecoderLM, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.8,
-             top_k: int | None = 40, seed: int | None = 0, stop_ids: tuple[int, ...] = (), memory=None) -> torch.Tensor:
+def generate(
+    model: DecoderLM,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int | None = 0,
+    stop_ids: tuple[int, ...] = (),
+    memory=None,
+) -> torch.Tensor:
     """Continue `prompt_ids` [B, T] (or [T]) by up to `max_new_tokens` tokens.
 
     With `memory` (a `condmem.serving.EngramMemory` holding the model's tables in some
@@ -45,7 +54,7 @@ def generate(model: DecoderLM, prompt_ids: torch.Tensor, max_new_tokens: int, *,
         raise ValueError("generate needs a prompt of at least one token")
     room = model.cfg.max_seq_len
     if length + max_new_tokens > room:  # keep the prompt's tail; the model sees max_seq_len tokens at most
-        ids = ids[:, -max(1, room - max_new_tokens):]
+        ids = ids[:, -max(1, room - max_new_tokens) :]
         length = ids.shape[1]
     n_new = min(max_new_tokens, room - length)
     generator = None

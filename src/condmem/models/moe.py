@@ -48,8 +48,12 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: i
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs the fast kernel for `x`: CUDA, bf16, compute capability >= 9.0."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, *, use_grouped_mm: bool) -> torch.Tensor:
@@ -61,7 +65,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, *,
     if use_grouped_mm:
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
     bounds = [0, *ends.tolist()]
-    return torch.cat([x[bounds[i]:bounds[i + 1]] @ weight[i].T for i in range(weight.shape[0])])
+    return torch.cat([x[bounds[i] : bounds[i + 1]] @ weight[i].T for i in range(weight.shape[0])])
 
 
 def dispatch_layout(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -78,9 +82,9 @@ def dispatch_layout(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor
     pairs = flat.numel()
     counts = torch.bincount(flat, minlength=n_experts)
     padded = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).clamp_min(GROUP_ALIGN)
-    rows = -(-pairs // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * n_experts   # every group end aligned
+    rows = -(-pairs // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * n_experts  # every group end aligned
     ends = torch.cumsum(padded, 0)
-    ends[-1] = rows                      # the last group takes the unused rows: the groups cover the buffer
+    ends[-1] = rows  # the last group takes the unused rows: the groups cover the buffer
     starts = ends - padded
     order = torch.argsort(flat, stable=True)
     first_pair = torch.cumsum(counts, 0) - counts

@@ -62,13 +62,27 @@ class GateCapture:
 class Block(nn.Module):
     """One decoder block: optional Engram, attention, SwiGLU and/or routed experts (all pre-norm residual)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None, sparse_tables: bool, device=None,
-                 table_device=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        engram_rows: int | None,
+        sparse_tables: bool,
+        device=None,
+        table_device=None,
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.engram = (
-            Engram(cfg.engram, engram_rows, layer_id=layer_id, sparse=sparse_tables,
-                   table_init_std=cfg.engram_table_init_std, device=device, table_device=table_device)
+            Engram(
+                cfg.engram,
+                engram_rows,
+                layer_id=layer_id,
+                sparse=sparse_tables,
+                table_init_std=cfg.engram_table_init_std,
+                device=device,
+                table_device=table_device,
+            )
             if engram_rows is not None
             else None
         )
@@ -78,15 +92,33 @@ class Block(nn.Module):
         width = cfg.ffn_width(layer_id)
         # With routed experts the SwiGLU is the shared expert (width 0: none).
         self.mlp = SwiGLU(cfg.dim, width, device=device) if width > 0 else None
-        self.moe = (MoE(cfg.dim, cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_hidden, device=device)
-                    if cfg.has_experts(layer_id) else None)
+        self.moe = (
+            MoE(cfg.dim, cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_hidden, device=device)
+            if cfg.has_experts(layer_id)
+            else None
+        )
 
-    def forward(self, x, cos, sin, rows=None, kv: KVCache | None = None, start_pos: int = 0,
-                conv_state: torch.Tensor | None = None, capture: GateCapture | None = None,
-                looked_up: torch.Tensor | None = None):
+    def forward(
+        self,
+        x,
+        cos,
+        sin,
+        rows=None,
+        kv: KVCache | None = None,
+        start_pos: int = 0,
+        conv_state: torch.Tensor | None = None,
+        capture: GateCapture | None = None,
+        looked_up: torch.Tensor | None = None,
+    ):
         if self.engram is not None:
-            x = self.engram(x, rows, rows=looked_up, residual=True, conv_state=conv_state,
-                            gates=None if capture is None else capture.gates)
+            x = self.engram(
+                x,
+                rows,
+                rows=looked_up,
+                residual=True,
+                conv_state=conv_state,
+                gates=None if capture is None else capture.gates,
+            )
         x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
         if self.moe is None:
             return x + self.mlp(self.mlp_norm(x))
@@ -116,8 +148,16 @@ class DecoderLM(nn.Module):
         >>> loss = model.loss(input_ids, targets)
     """
 
-    def __init__(self, cfg: ModelConfig, token_lookup=None, *, sparse_tables: bool = True, seed: int = 0,
-                 device=None, table_device=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        token_lookup=None,
+        *,
+        sparse_tables: bool = True,
+        seed: int = 0,
+        device=None,
+        table_device=None,
+    ):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
@@ -188,10 +228,19 @@ class DecoderLM(nn.Module):
         tables = sum(p.numel() for _, p in self.table_parameters())
         total = sum(p.numel() for p in self.parameters())
         embed = self.embed.weight.numel() + (0 if self.cfg.tie_embeddings else self.lm_head.weight.numel())
-        idle = sum((b.moe.n_experts - b.moe.top_k) * (b.moe.w13[0].numel() + b.moe.w2[0].numel())
-                   for b in self.blocks if b.moe is not None)
-        return {"total": total, "tables": tables, "backbone": total - tables, "embeddings": embed,
-                "non_embedding": total - tables - embed, "active": total - tables - idle}
+        idle = sum(
+            (b.moe.n_experts - b.moe.top_k) * (b.moe.w13[0].numel() + b.moe.w2[0].numel())
+            for b in self.blocks
+            if b.moe is not None
+        )
+        return {
+            "total": total,
+            "tables": tables,
+            "backbone": total - tables,
+            "embeddings": embed,
+            "non_embedding": total - tables - embed,
+            "active": total - tables - idle,
+        }
 
     def aux_loss(self) -> torch.Tensor | None:
         """The routed experts' load-balancing loss of the last training forward, weighted by
@@ -215,9 +264,17 @@ class DecoderLM(nn.Module):
         return self.hasher(input_ids, doc_starts=doc_starts, check=input_ids.device.type == "cpu")
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
-                cache: InferenceCache | None = None, capture: GateCapture | None = None,
-                prepared=None, last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        doc_starts: torch.Tensor | None = None,
+        cache: InferenceCache | None = None,
+        capture: GateCapture | None = None,
+        prepared=None,
+        last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, T, vocab] for token ids [B, T].
 
         Args:
@@ -237,9 +294,11 @@ class DecoderLM(nn.Module):
                 e.g. the last real token of right-padded prompts.
         """
         if self.tp_group is not None:
-            raise RuntimeError("this model's blocks are sharded for tensor-parallel serving (shard_backbone): "
-                               "run it through condmem.serving (ragged_step, prefill_packed, decode_step, "
-                               "GraphedDecoder), whose forward completes each block's partial sums")
+            raise RuntimeError(
+                "this model's blocks are sharded for tensor-parallel serving (shard_backbone): "
+                "run it through condmem.serving (ragged_step, prefill_packed, decode_step, "
+                "GraphedDecoder), whose forward completes each block's partial sums"
+            )
         batch, length = input_ids.shape
         start = 0
         rows = None
@@ -263,12 +322,16 @@ class DecoderLM(nn.Module):
             if block.engram is not None:
                 if prepared is not None:
                     layer_rows = prepared.row_ids(block.layer_id)
-                    looked_up = prepared.rows(block.layer_id)   # waits for this layer's lookup only
+                    looked_up = prepared.rows(block.layer_id)  # waits for this layer's lookup only
                 else:
                     layer_rows = rows[:, :, slot]
                 slot += 1
             x = block(
-                x, cos, sin, layer_rows, looked_up=looked_up,
+                x,
+                cos,
+                sin,
+                layer_rows,
+                looked_up=looked_up,
                 kv=None if cache is None else cache.kv[block.layer_id],
                 start_pos=start,
                 conv_state=self._conv_state(cache, block, batch),
@@ -288,8 +351,13 @@ class DecoderLM(nn.Module):
             return None
         return cache.conv[block.layer_id][:batch]
 
-    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_starts: torch.Tensor | None = None,
-             reduction: str = "mean") -> torch.Tensor:
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        doc_starts: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
         """Cross-entropy (nats) of `targets` [B, T] given `input_ids` [B, T]; -100 targets are ignored."""
         logits = self(input_ids, doc_starts=doc_starts)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
@@ -309,8 +377,9 @@ class DecoderLM(nn.Module):
         for block in self.blocks:
             if block.engram is not None and block.engram.short_conv is not None:
                 sc = block.engram.short_conv
-                conv[block.layer_id] = torch.zeros(batch, (sc.kernel_size - 1) * sc.dilation, 1, cfg.dim,
-                                                   device=device, dtype=dtype)
+                conv[block.layer_id] = torch.zeros(
+                    batch, (sc.kernel_size - 1) * sc.dilation, 1, cfg.dim, device=device, dtype=dtype
+                )
             elif block.engram is not None:
                 conv[block.layer_id] = None
         tokens = torch.zeros(batch, max_len, dtype=torch.long, device=device)

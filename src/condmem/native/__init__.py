@@ -33,14 +33,30 @@ import torch
 from condmem.native import toolchain
 from condmem.native.cudart import CudaRuntime, cuda_runtime, cudart_soname
 
-__all__ = ["Build", "CudaRuntime", "FALLBACK_COST", "available", "build", "cuda_runtime", "cudart_soname",
-           "crc32c", "crc32c_blocks", "crc32c_hardware", "gather_path", "gather_rows", "hash_decode", "library",
-           "pread_rows"]
+__all__ = [
+    "Build",
+    "CudaRuntime",
+    "FALLBACK_COST",
+    "available",
+    "build",
+    "cuda_runtime",
+    "cudart_soname",
+    "crc32c",
+    "crc32c_blocks",
+    "crc32c_hardware",
+    "gather_path",
+    "gather_rows",
+    "hash_decode",
+    "library",
+    "pread_rows",
+]
 
 log = logging.getLogger("condmem.native")
 
-FALLBACK_COST = ("a text batch's staged send of 105K rows 2.0 ms instead of 1.0 ms, the bare gather 1.3x slower "
-                 "(docs/lookup-engine.md#native-code)")
+FALLBACK_COST = (
+    "a text batch's staged send of 105K rows 2.0 ms instead of 1.0 ms, the bare gather 1.3x slower "
+    "(docs/lookup-engine.md#native-code)"
+)
 """What the fallback costs, said by the warning when the native code is unavailable."""
 
 
@@ -67,7 +83,8 @@ _build: Build | None = None
 
 def _cache_dir() -> Path:
     root = os.environ.get("CONDMEM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "condmem")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "condmem"
+    )
     return Path(root) / "native"
 
 
@@ -78,11 +95,23 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.condmem_gather_rows.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int]
     lib.condmem_gather_rows.restype = None
     lib.condmem_gather_stream.argtypes = [
-        ptr, i64, ptr,                            # src, row_bytes, ids
-        ptr, ptr, ctypes.c_int, ctypes.c_int,     # ring, events, ring_len, ring_start
-        ptr, i64, ptr, ptr,                       # bounds, n_chunks, dst, stream
-        ptr, ptr, ptr, ctypes.c_int,              # memcpy_async, record, query, threads
-        ptr]                                      # timeline (or None)
+        ptr,
+        i64,
+        ptr,  # src, row_bytes, ids
+        ptr,
+        ptr,
+        ctypes.c_int,
+        ctypes.c_int,  # ring, events, ring_len, ring_start
+        ptr,
+        i64,
+        ptr,
+        ptr,  # bounds, n_chunks, dst, stream
+        ptr,
+        ptr,
+        ptr,
+        ctypes.c_int,  # memcpy_async, record, query, threads
+        ptr,
+    ]  # timeline (or None)
     lib.condmem_gather_stream.restype = ctypes.c_int
     lib.condmem_pread_rows.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, i64, i64, i64, ptr]
     lib.condmem_pread_rows.restype = i64
@@ -91,9 +120,24 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.condmem_crc32c_blocks.restype = i64
     lib.condmem_crc32c_hardware.argtypes, lib.condmem_crc32c_hardware.restype = [], ctypes.c_int
     lib.condmem_hash_decode.argtypes = [
-        ptr, i64, i64, ptr,                       # history, n_slots, n_back, slots
-        ptr, ptr, i64, ptr, ptr, i64,             # ids, lookup, vocab, valid, blocked, batch
-        ptr, ptr, ptr, i64, i64, i64, ptr]        # multipliers, primes, offsets, n_layers, n_heads, pad_id, out
+        ptr,
+        i64,
+        i64,
+        ptr,  # history, n_slots, n_back, slots
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,  # ids, lookup, vocab, valid, blocked, batch
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
+    ]  # multipliers, primes, offsets, n_layers, n_heads, pad_id, out
     lib.condmem_hash_decode.restype = None
     lib.condmem_row_server_size.argtypes, lib.condmem_row_server_size.restype = [], i64
     lib.condmem_row_server_start.argtypes, lib.condmem_row_server_start.restype = [ptr], ctypes.c_int
@@ -105,11 +149,12 @@ def _open(path: str) -> ctypes.CDLL:
     """Load and declare the library at `path`; OSError (or AttributeError: an entry point is
     missing) when it cannot serve, ValueError when it was built from other C sources."""
     lib = _declare(ctypes.CDLL(path))
-    if all(s.exists() for s in toolchain.SOURCES):   # the sources ship with the package; compare
+    if all(s.exists() for s in toolchain.SOURCES):  # the sources ship with the package; compare
         got, want = lib.condmem_source_digest().decode(), toolchain.source_digest()
         if got != want:
-            raise ValueError(f"built from other C sources (digest {got}, sources {want}): "
-                             "rebuild with `pip install -e .`")
+            raise ValueError(
+                f"built from other C sources (digest {got}, sources {want}): rebuild with `pip install -e .`"
+            )
     return lib
 
 
@@ -120,8 +165,14 @@ def _installed() -> tuple[ctypes.CDLL | None, str | None, str]:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.origin:
-        return None, None, (f"no installed build ({toolchain.MODULE} not found: running from a source tree, "
-                            "or the compile failed at install)")
+        return (
+            None,
+            None,
+            (
+                f"no installed build ({toolchain.MODULE} not found: running from a source tree, "
+                "or the compile failed at install)"
+            ),
+        )
     try:
         return _open(spec.origin), spec.origin, ""
     except (OSError, AttributeError, ValueError) as exc:
@@ -137,15 +188,18 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _build is None:
             _lib, found = _find()
-            _build = found      # set after _lib: a caller that sees it sees the library too
+            _build = found  # set after _lib: a caller that sees it sees the library too
     return _lib
 
 
 def _find() -> tuple[ctypes.CDLL | None, Build]:
     if os.environ.get("CONDMEM_NATIVE", "1") == "0":
         reason = "turned off by CONDMEM_NATIVE=0"
-        log.warning("native CPU code %s: CPU gathers use torch.index_select and staged sends a Python loop "
-                    "(%s)", reason, FALLBACK_COST)
+        log.warning(
+            "native CPU code %s: CPU gathers use torch.index_select and staged sends a Python loop (%s)",
+            reason,
+            FALLBACK_COST,
+        )
         return None, Build("none", None, reason)
     lib, path, reason = _installed()
     if lib is not None:
@@ -155,9 +209,14 @@ def _find() -> tuple[ctypes.CDLL | None, Build]:
         path = str(toolchain.development_build(_cache_dir()))
         lib = _open(path)
     except (toolchain.BuildError, OSError, AttributeError, ValueError) as exc:
-        log.warning("NATIVE CPU CODE UNAVAILABLE: %s; a development build failed too (%s). CPU gathers use "
-                    "torch.index_select and staged sends a Python loop, slower: %s. Install a C compiler with "
-                    "OpenMP (gcc) and reinstall condmem (`pip install -e .`).", reason, exc, FALLBACK_COST)
+        log.warning(
+            "NATIVE CPU CODE UNAVAILABLE: %s; a development build failed too (%s). CPU gathers use "
+            "torch.index_select and staged sends a Python loop, slower: %s. Install a C compiler with "
+            "OpenMP (gcc) and reinstall condmem (`pip install -e .`).",
+            reason,
+            exc,
+            FALLBACK_COST,
+        )
         return None, Build("none", None, f"{reason}; development build: {exc}")
     log.info("native CPU code: %s; using a development build of gather.c at %s", reason, path)
     return lib, Build("development", path, reason)
@@ -184,8 +243,9 @@ def library() -> ctypes.CDLL | None:
     return _load()
 
 
-def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
-                threads: int | None = None) -> torch.Tensor | None:
+def gather_rows(
+    table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: int | None = None
+) -> torch.Tensor | None:
     """Rows ``table[ids]`` into `out`; None when the native code is unavailable (nothing written).
 
     Args:
@@ -207,14 +267,24 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
     ids = ids.contiguous().to(torch.int64)
     n = ids.numel()
     if n:
-        lib.condmem_gather_rows(table.data_ptr(), table.shape[1], ids.data_ptr(), n, out.data_ptr(),
-                                int(threads or torch.get_num_threads()))
+        lib.condmem_gather_rows(
+            table.data_ptr(), table.shape[1], ids.data_ptr(), n, out.data_ptr(), int(threads or torch.get_num_threads())
+        )
     return out
 
 
-def pread_rows(fd: int, offset: int, row_bytes: int, ids: torch.Tensor, out: torch.Tensor, threads: int,
-               sums: torch.Tensor | None = None, span: tuple[int, int] = (0, 0), block: int = 4096,
-               bad: torch.Tensor | None = None) -> int | None:
+def pread_rows(
+    fd: int,
+    offset: int,
+    row_bytes: int,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    threads: int,
+    sums: torch.Tensor | None = None,
+    span: tuple[int, int] = (0, 0),
+    block: int = 4096,
+    bad: torch.Tensor | None = None,
+) -> int | None:
     """Rows ``ids`` of `row_bytes` at file offset ``offset + id * row_bytes`` of `fd` (with or
     without O_DIRECT) into `out` (contiguous uint8 [n, row_bytes]), `threads` reads in flight.
 
@@ -228,9 +298,22 @@ def pread_rows(fd: int, offset: int, row_bytes: int, ids: torch.Tensor, out: tor
         return None
     if sums is not None and (bad is None or block % 4096):
         raise ValueError("checked reads need `bad` (int64 [2]) and a block that is a multiple of 4096")
-    return int(lib.condmem_pread_rows(fd, offset, row_bytes, ids.data_ptr(), ids.numel(), out.data_ptr(), threads,
-                                      None if sums is None else sums.data_ptr(), span[0], span[1], block,
-                                      None if bad is None else bad.data_ptr()))
+    return int(
+        lib.condmem_pread_rows(
+            fd,
+            offset,
+            row_bytes,
+            ids.data_ptr(),
+            ids.numel(),
+            out.data_ptr(),
+            threads,
+            None if sums is None else sums.data_ptr(),
+            span[0],
+            span[1],
+            block,
+            None if bad is None else bad.data_ptr(),
+        )
+    )
 
 
 def crc32c(data, crc: int = 0) -> int | None:
@@ -284,10 +367,20 @@ def _address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
-def hash_decode(history: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, *, lookup: torch.Tensor | None,
-                multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor | None, n_heads: int,
-                pad_id: int, valid: torch.Tensor | None = None,
-                blocked: torch.Tensor | None = None) -> torch.Tensor | None:
+def hash_decode(
+    history: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    lookup: torch.Tensor | None,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    offsets: torch.Tensor | None,
+    n_heads: int,
+    pad_id: int,
+    valid: torch.Tensor | None = None,
+    blocked: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """One decode step of the n-gram hash on the CPU (``hash.c``): the row ids int64
     [B, L, (N-1)*H] of `ids` [B] (token ids, mapped through `lookup` when given), with
     `history` (int64 [n_slots, N-1], contiguous) updated in place; the numbers of
@@ -306,7 +399,7 @@ def hash_decode(history: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, *
         raise ValueError(f"primes and offsets must be [{n_layers}, {n_cols}], got {tuple(primes.shape)}")
     batch = ids.numel()
 
-    def flat(t, dtype):            # no copy (and no torch op) when t already fits: a decode step is ~10 us of C
+    def flat(t, dtype):  # no copy (and no torch op) when t already fits: a decode step is ~10 us of C
         if t is None:
             return None
         if t.dtype == torch.bool and dtype == torch.uint8 and t.is_contiguous():
@@ -316,12 +409,34 @@ def hash_decode(history: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, *
     per_row = [flat(slots, torch.int64), flat(ids, torch.int64), flat(valid, torch.uint8), flat(blocked, torch.uint8)]
     if any(t is not None and t.numel() != batch for t in per_row):
         raise ValueError(f"slots, valid and blocked must have the {batch} rows of ids")
-    args = [*per_row[:2], flat(lookup, torch.int64), *per_row[2:], flat(multipliers, torch.int64),
-            flat(primes, torch.int64), flat(offsets, torch.int64)]
+    args = [
+        *per_row[:2],
+        flat(lookup, torch.int64),
+        *per_row[2:],
+        flat(multipliers, torch.int64),
+        flat(primes, torch.int64),
+        flat(offsets, torch.int64),
+    ]
     out = torch.empty((batch, n_layers, n_cols), dtype=torch.int64)
     if batch:
         ptr = [None if a is None else a.data_ptr() for a in args]
-        lib.condmem_hash_decode(history.data_ptr(), history.shape[0], history.shape[1], ptr[0], ptr[1], ptr[2],
-                                0 if lookup is None else lookup.numel(), ptr[3], ptr[4], batch, ptr[5], ptr[6],
-                                ptr[7], n_layers, n_heads, pad_id, out.data_ptr())
+        lib.condmem_hash_decode(
+            history.data_ptr(),
+            history.shape[0],
+            history.shape[1],
+            ptr[0],
+            ptr[1],
+            ptr[2],
+            0 if lookup is None else lookup.numel(),
+            ptr[3],
+            ptr[4],
+            batch,
+            ptr[5],
+            ptr[6],
+            ptr[7],
+            n_layers,
+            n_heads,
+            pad_id,
+            out.data_ptr(),
+        )
     return out

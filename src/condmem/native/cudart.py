@@ -38,7 +38,7 @@ def cudart_soname(cuda_version: str | None) -> str | None:
     return f"libcudart.so.{major}" if major.isdigit() else None
 
 
-@functools.cache   # once per process: a send asks on every call
+@functools.cache  # once per process: a send asks on every call
 def cuda_runtime() -> CudaRuntime | None:
     """The runtime calls of the CUDA runtime torch loaded, or None where there is none to use
     (no CUDA device; a torch that links the runtime statically: logged as a warning, since
@@ -52,9 +52,11 @@ def cuda_runtime() -> CudaRuntime | None:
     except OSError:
         lib = None
     if lib is None:
-        log.warning("CUDA runtime %s is not among the libraries torch loaded: staged sends take the Python loop "
-                    "(about twice as slow: docs/lookup-engine.md#native-code)",
-                    soname or f"of CUDA {torch.version.cuda}")
+        log.warning(
+            "CUDA runtime %s is not among the libraries torch loaded: staged sends take the Python loop "
+            "(about twice as slow: docs/lookup-engine.md#native-code)",
+            soname or f"of CUDA {torch.version.cuda}",
+        )
         return None
     lib.cudaGetErrorString.restype = ctypes.c_char_p
     lib.cudaGetErrorString.argtypes = [ctypes.c_int]
@@ -62,8 +64,10 @@ def cuda_runtime() -> CudaRuntime | None:
     def error_string(code: int) -> str:
         return lib.cudaGetErrorString(code).decode(errors="replace")
 
-    calls = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-             for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventQuery")]
+    calls = [
+        ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        for name in ("cudaMemcpyAsync", "cudaEventRecord", "cudaEventQuery")
+    ]
     return CudaRuntime(*calls, error_string)
 
 
@@ -81,7 +85,7 @@ class StreamMemops(NamedTuple):
     word at the address equals the value."""
 
 
-_WAIT_EQ = 0x1   # CU_STREAM_WAIT_VALUE_EQ
+_WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 
 
 @functools.cache
@@ -109,8 +113,9 @@ def stream_memops() -> StreamMemops | None:
         if code:
             msg = ctypes.c_char_p()
             lib.cuGetErrorString(code, ctypes.byref(msg))
-            raise RuntimeError(f"{what} failed: CUDA driver error {code} "
-                               f"({(msg.value or b'?').decode(errors='replace')})")
+            raise RuntimeError(
+                f"{what} failed: CUDA driver error {code} ({(msg.value or b'?').decode(errors='replace')})"
+            )
 
     def write(stream, address: int, value: int) -> None:
         check("cuStreamWriteValue32", calls["cuStreamWriteValue32"](stream.cuda_stream, address, value, 0))

@@ -36,16 +36,28 @@ class _Server(ctypes.Structure):
     """Mirror of ``condmem_row_server`` (checked against ``condmem_row_server_size``)."""
 
     _fields_ = [
-        ("request", ctypes.c_void_p), ("done", ctypes.c_void_p), ("ids", ctypes.c_void_p),
-        ("n_ids", ctypes.c_int64), ("n_layers", ctypes.c_int32), ("n_threads", ctypes.c_int32),
-        ("src", ctypes.c_void_p * MAX_LAYERS), ("dst", ctypes.c_void_p * MAX_LAYERS),
-        ("row_bytes", ctypes.c_int64 * MAX_LAYERS), ("num_rows", ctypes.c_int64 * MAX_LAYERS),
+        ("request", ctypes.c_void_p),
+        ("done", ctypes.c_void_p),
+        ("ids", ctypes.c_void_p),
+        ("n_ids", ctypes.c_int64),
+        ("n_layers", ctypes.c_int32),
+        ("n_threads", ctypes.c_int32),
+        ("src", ctypes.c_void_p * MAX_LAYERS),
+        ("dst", ctypes.c_void_p * MAX_LAYERS),
+        ("row_bytes", ctypes.c_int64 * MAX_LAYERS),
+        ("num_rows", ctypes.c_int64 * MAX_LAYERS),
         ("spin_ns", ctypes.c_int64),
-        ("steps", ctypes.c_int64), ("bad_ids", ctypes.c_int64), ("busy_ns", ctypes.c_int64),
+        ("steps", ctypes.c_int64),
+        ("bad_ids", ctypes.c_int64),
+        ("busy_ns", ctypes.c_int64),
         ("max_ns", ctypes.c_int64),
-        ("stop", ctypes.c_int32), ("generation", ctypes.c_int64), ("next_piece", ctypes.c_int64),
-        ("pieces_done", ctypes.c_int64 * MAX_LAYERS), ("pieces_per_layer", ctypes.c_int64),
-        ("started", ctypes.c_int64), ("threads", ctypes.c_ulong * MAX_THREADS),
+        ("stop", ctypes.c_int32),
+        ("generation", ctypes.c_int64),
+        ("next_piece", ctypes.c_int64),
+        ("pieces_done", ctypes.c_int64 * MAX_LAYERS),
+        ("pieces_per_layer", ctypes.c_int64),
+        ("started", ctypes.c_int64),
+        ("threads", ctypes.c_ulong * MAX_THREADS),
     ]
 
 
@@ -69,8 +81,9 @@ class RowServer:
     def __init__(self, tables: list[torch.Tensor], n_ids: int, *, threads: int = 4, spin_ms: float = SPIN_MS):
         lib = native.library()
         if lib is None:
-            raise RowServerError("the decode row server needs condmem's native library, which is unavailable "
-                                 f"({native.build().reason})")
+            raise RowServerError(
+                f"the decode row server needs condmem's native library, which is unavailable ({native.build().reason})"
+            )
         if lib.condmem_row_server_size() != ctypes.sizeof(_Server):
             raise RowServerError("row_server.c and its Python mirror disagree on the struct's size: rebuild")
         if not 1 <= len(tables) <= MAX_LAYERS:
@@ -81,12 +94,14 @@ class RowServer:
             raise ValueError(f"n_ids must be positive, got {n_ids}")
         for i, t in enumerate(tables):
             if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
-                raise ValueError(f"table {i} must be a contiguous uint8 [rows, row_bytes] CPU tensor, got "
-                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+                raise ValueError(
+                    f"table {i} must be a contiguous uint8 [rows, row_bytes] CPU tensor, got "
+                    f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                )
         self._lib = lib
         self.tables = list(tables)
         self.n_ids, self.threads = int(n_ids), int(threads)
-        pin = torch.cuda.is_available()     # page-locked = mapped for the GPU (unified addressing)
+        pin = torch.cuda.is_available()  # page-locked = mapped for the GPU (unified addressing)
         self.request = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self.done = torch.zeros(len(tables), dtype=torch.int32, pin_memory=pin)
         self.ids = torch.zeros(len(tables), n_ids, dtype=torch.int64, pin_memory=pin)
@@ -128,7 +143,7 @@ class RowServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def __del__(self):   # the threads read this object's buffers: never outlive them
+    def __del__(self):  # the threads read this object's buffers: never outlive them
         try:
             self.stop()
         except Exception:
@@ -139,8 +154,13 @@ class RowServer:
         last layer staged): mean and max in microseconds."""
         s = self._struct
         steps = s.steps
-        return {"steps": steps, "bad_ids": s.bad_ids, "threads": self.threads,
-                "mean_us": s.busy_ns / steps / 1e3 if steps else 0.0, "max_us": s.max_ns / 1e3}
+        return {
+            "steps": steps,
+            "bad_ids": s.bad_ids,
+            "threads": self.threads,
+            "mean_us": s.busy_ns / steps / 1e3 if steps else 0.0,
+            "max_us": s.max_ns / 1e3,
+        }
 
     def check(self) -> None:
         """Raise `RowServerError` if ids outside a table were asked for since the last check
@@ -148,5 +168,7 @@ class RowServer:
         bad = self._struct.bad_ids
         if bad > self._checked_bad:
             new, self._checked_bad = bad - self._checked_bad, bad
-            raise RowServerError(f"{new} row id(s) outside their table were asked for (served as zero rows); "
-                                 f"tables have {[t.shape[0] for t in self.tables]} rows")
+            raise RowServerError(
+                f"{new} row id(s) outside their table were asked for (served as zero rows); "
+                f"tables have {[t.shape[0] for t in self.tables]} rows"
+            )

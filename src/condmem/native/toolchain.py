@@ -55,9 +55,11 @@ def find_compiler() -> str | None:
 def compiler_identity(cc: str) -> str:
     """What decides the machine code besides source and flags: the compiler's resolved path,
     its version line and its target triple (the baseline CPU it emits code for)."""
+
     def ask(flag: str) -> str:
         done = subprocess.run([cc, flag], capture_output=True, text=True, check=False)
         return (done.stdout.strip().splitlines() or [""])[0]
+
     return "|".join([os.path.realpath(cc), ask("--version"), ask("-dumpmachine"), platform.machine()])
 
 
@@ -81,9 +83,10 @@ def development_build(cache_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / "gather.so"
-        done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), *LINK_ARGS],
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [cc, *flags, *map(str, SOURCES), "-o", str(out), *LINK_ARGS], capture_output=True, text=True, check=False
+        )
         if done.returncode != 0:
             raise BuildError(f"{cc} failed: {done.stderr.strip()[:300]}")
-        os.replace(out, target)   # atomic: concurrent processes see a whole file or none
+        os.replace(out, target)  # atomic: concurrent processes see a whole file or none
     return target

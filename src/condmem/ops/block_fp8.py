@@ -37,11 +37,15 @@ class BlockFp8Error(ValueError):
 def block_shape(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...], what: str = "weight") -> tuple[int, int]:
     """(bo, bi) such that weight [O, I] = scale [O/bo, I/bi] blocks; `BlockFp8Error` if it does not divide."""
     if len(weight_shape) != 2 or len(scale_shape) != 2:
-        raise BlockFp8Error(f"{what}: a block-FP8 weight and its scales must both be 2-D, got {tuple(weight_shape)} "
-                            f"and {tuple(scale_shape)}")
+        raise BlockFp8Error(
+            f"{what}: a block-FP8 weight and its scales must both be 2-D, got {tuple(weight_shape)} "
+            f"and {tuple(scale_shape)}"
+        )
     if min(scale_shape) < 1 or any(w % s for w, s in zip(weight_shape, scale_shape)):
-        raise BlockFp8Error(f"{what}: weight {tuple(weight_shape)} does not divide into the scale grid "
-                            f"{tuple(scale_shape)}: no whole block shape fits")
+        raise BlockFp8Error(
+            f"{what}: weight {tuple(weight_shape)} does not divide into the scale grid "
+            f"{tuple(scale_shape)}: no whole block shape fits"
+        )
     return weight_shape[0] // scale_shape[0], weight_shape[1] // scale_shape[1]
 
 
@@ -56,8 +60,9 @@ def scales_to_float(scales: torch.Tensor, what: str = "scales") -> torch.Tensor:
     raise BlockFp8Error(f"{what}: scales are {scales.dtype}; expected float8_e8m0fnu, uint8 (e8m0) or float32")
 
 
-def dequantize_block_fp8(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                         what: str = "weight") -> torch.Tensor:
+def dequantize_block_fp8(
+    weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, what: str = "weight"
+) -> torch.Tensor:
     """fp8 e4m3 [O, I] and block scales [O/bo, I/bi] -> [O, I] in `dtype` (float32 products, then rounded)."""
     if weight.dtype != FP8_DTYPE:
         raise BlockFp8Error(f"{what}: a block-FP8 weight must be {FP8_DTYPE}, got {weight.dtype}")
@@ -94,8 +99,13 @@ class BlockFp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._told:
             self._told = True
-            log.info("BlockFp8Linear %s: weight kept in fp8 (block %s); each call dequantizes it to %s for the GEMM "
-                     "(no fp8 GEMM path)", tuple(self.weight.shape), self.block, x.dtype)
+            log.info(
+                "BlockFp8Linear %s: weight kept in fp8 (block %s); each call dequantizes it to %s for the GEMM "
+                "(no fp8 GEMM path)",
+                tuple(self.weight.shape),
+                self.block,
+                x.dtype,
+            )
         return F.linear(x, self.dequantized(x.dtype))
 
     def extra_repr(self) -> str:

@@ -26,29 +26,90 @@ def variants() -> list[tuple[str, object, dict, dict]]:
     from condmem.ops.row_cache import triton as rc
 
     out = []
-    gather_sig = {"ids_ptr": "*i64", "tab_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp32", "dst_ptr": "*i64",
-                  "n_rows": "i64", "lo": "i64", "n_local": "i64", "n_out": "i64"}
+    gather_sig = {
+        "ids_ptr": "*i64",
+        "tab_ptr": "*fp32",
+        "scale_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        "dst_ptr": "*i64",
+        "n_rows": "i64",
+        "lo": "i64",
+        "n_local": "i64",
+        "n_out": "i64",
+    }
     # Plain 4-byte words of 264 B rows (the engine's row moves), and packed fp8 rows expanded to bf16.
-    for mode, d, nb, sig in ((0, 66, 1, gather_sig),
-                             (2, 256, 8, dict(gather_sig, tab_ptr="*u8", scale_ptr="*u8", out_ptr="*bf16"))):
+    for mode, d, nb, sig in (
+        (0, 66, 1, gather_sig),
+        (2, 256, 8, dict(gather_sig, tab_ptr="*u8", scale_ptr="*u8", out_ptr="*bf16")),
+    ):
         for scatter in (False, True):
-            consts = {"ROW_STRIDE": d + (d // 32 if mode == 2 else 0), "SCALE_STRIDE": 0 if mode == 0 else 264,
-                      "SCALE_OFF": 0 if mode == 0 else 256, "D": d, "NB": nb, "BLOCK_NB": next_pow2(nb),
-                      "BLOCK_D": next_pow2(d), "BLOCK_R": 32, "MODE": mode, "EXACT": False, "SCATTER": scatter}
+            consts = {
+                "ROW_STRIDE": d + (d // 32 if mode == 2 else 0),
+                "SCALE_STRIDE": 0 if mode == 0 else 264,
+                "SCALE_OFF": 0 if mode == 0 else 256,
+                "D": d,
+                "NB": nb,
+                "BLOCK_NB": next_pow2(nb),
+                "BLOCK_D": next_pow2(d),
+                "BLOCK_R": 32,
+                "MODE": mode,
+                "EXACT": False,
+                "SCATTER": scatter,
+            }
             out.append((f"gather mode={mode} scatter={scatter}", _gather_kernel, sig, consts))
-    out.append(("cache probe", rc.probe_kernel,
-                {"ids_ptr": "*i64", "valid_ptr": "*i1", "keys_ptr": "*i64", "freq_ptr": "*i32", "slot_ptr": "*i64",
-                 "n": "i64", "n_sets": "i64"},
-                {"WAYS": 16, "HAS_VALID": True, "COUNT": True, "BLOCK": rc.BLOCK_IDS}))
-    out.append(("cache choose slots", rc.choose_slots_kernel,
-                {"sorted_sets_ptr": "*i64", "rank_ptr": "*i64", "order_ptr": "*i64", "ids_ptr": "*i64",
-                 "keys_ptr": "*i64", "freq_ptr": "*i32", "slot_ptr": "*i64", "n": "i64", "n_sets": "i64"},
-                {"WAYS": 16, "BLOCK": rc.SLOT_CHOICE_BLOCK}))
-    out.append(("cache write", rc.write_kernel,
-                {"slot_ptr": "*i64", "order_ptr": "*i64", "ids_ptr": "*i64", "src_index_ptr": "*i64",
-                 "src_ptr": "*i64", "keys_ptr": "*i64", "freq_ptr": "*i32", "data_ptr": "*i64", "n": "i64",
-                 "row_words": "i64"},
-                {"WORDS": 64, "HAS_INDEX": True, "BLOCK": rc.BLOCK_IDS}))
+    out.append(
+        (
+            "cache probe",
+            rc.probe_kernel,
+            {
+                "ids_ptr": "*i64",
+                "valid_ptr": "*i1",
+                "keys_ptr": "*i64",
+                "freq_ptr": "*i32",
+                "slot_ptr": "*i64",
+                "n": "i64",
+                "n_sets": "i64",
+            },
+            {"WAYS": 16, "HAS_VALID": True, "COUNT": True, "BLOCK": rc.BLOCK_IDS},
+        )
+    )
+    out.append(
+        (
+            "cache choose slots",
+            rc.choose_slots_kernel,
+            {
+                "sorted_sets_ptr": "*i64",
+                "rank_ptr": "*i64",
+                "order_ptr": "*i64",
+                "ids_ptr": "*i64",
+                "keys_ptr": "*i64",
+                "freq_ptr": "*i32",
+                "slot_ptr": "*i64",
+                "n": "i64",
+                "n_sets": "i64",
+            },
+            {"WAYS": 16, "BLOCK": rc.SLOT_CHOICE_BLOCK},
+        )
+    )
+    out.append(
+        (
+            "cache write",
+            rc.write_kernel,
+            {
+                "slot_ptr": "*i64",
+                "order_ptr": "*i64",
+                "ids_ptr": "*i64",
+                "src_index_ptr": "*i64",
+                "src_ptr": "*i64",
+                "keys_ptr": "*i64",
+                "freq_ptr": "*i32",
+                "data_ptr": "*i64",
+                "n": "i64",
+                "row_words": "i64",
+            },
+            {"WORDS": 64, "HAS_INDEX": True, "BLOCK": rc.BLOCK_IDS},
+        )
+    )
     return out
 
 
@@ -60,8 +121,9 @@ def compile_all(arch: int = 90) -> list[tuple[str, str | None]]:
 
     results = []
     for name, kernel, signature, constexprs in variants():
-        source = ASTSource(fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}},
-                           constexprs=constexprs)
+        source = ASTSource(
+            fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}}, constexprs=constexprs
+        )
         try:
             triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
             results.append((name, None))

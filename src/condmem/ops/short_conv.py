@@ -17,8 +17,16 @@ from torch import nn
 class ShortConv(nn.Module):
     """Causal depthwise conv over [B, T, hc, D] with per-branch RMSNorm and SiLU."""
 
-    def __init__(self, hidden_size: int, hc_mult: int, kernel_size: int = 4, dilation: int = 1, eps: float = 1e-6,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        hc_mult: int,
+        kernel_size: int = 4,
+        dilation: int = 1,
+        eps: float = 1e-6,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.hidden_size = hidden_size
         self.hc_mult = hc_mult

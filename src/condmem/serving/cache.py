@@ -32,8 +32,14 @@ class ServingCache:
     `release` and the decoders), so schedulers can check capacity without a device sync.
     """
 
-    def __init__(self, model: DecoderLM, n_slots: int, max_len: int | None = None, dtype: torch.dtype | None = None,
-                 block_size: int = 16):
+    def __init__(
+        self,
+        model: DecoderLM,
+        n_slots: int,
+        max_len: int | None = None,
+        dtype: torch.dtype | None = None,
+        block_size: int = 16,
+    ):
         cfg = model.cfg
         self.max_len = max_len or cfg.max_seq_len
         if self.max_len > cfg.max_seq_len:
@@ -57,8 +63,13 @@ class ServingCache:
         for block in model.blocks:
             if block.engram is not None:
                 sc = block.engram.short_conv
-                self.conv[block.layer_id] = (None if sc is None else torch.zeros(
-                    n_slots, (sc.kernel_size - 1) * sc.dilation, 1, cfg.dim, device=device, dtype=dtype))
+                self.conv[block.layer_id] = (
+                    None
+                    if sc is None
+                    else torch.zeros(
+                        n_slots, (sc.kernel_size - 1) * sc.dilation, 1, cfg.dim, device=device, dtype=dtype
+                    )
+                )
         self.n_slots = n_slots
 
     def live_kv_bytes(self, lengths) -> int:
@@ -70,7 +81,7 @@ class ServingCache:
         """Pool indices (long) of the blocks that hold positions 0..n-1 of `slots` (through the table)."""
         if not 0 <= n <= self.max_len:
             raise ValueError(f"{n} positions: the cache holds 0..{self.max_len}")
-        host = not (isinstance(slots, torch.Tensor) and slots.is_cuda)   # device slots: checked by the caller, no sync
+        host = not (isinstance(slots, torch.Tensor) and slots.is_cuda)  # device slots: checked by the caller, no sync
         bad = [s for s in torch.as_tensor(slots).reshape(-1).tolist() if not 0 <= s < self.n_slots] if host else []
         if bad:
             raise ValueError(f"slot(s) {bad} outside the cache's 0..{self.n_slots - 1}")
@@ -82,8 +93,10 @@ class ServingCache:
         batch, n_kv, width, head_dim = k.shape
         n_kv_pool, head_dim_pool = self.k_pool[layer].shape[2:]
         if v.shape != k.shape or (n_kv, head_dim) != (n_kv_pool, head_dim_pool) or slots.numel() != batch:
-            raise ValueError(f"k, v must both be [{slots.numel()}, {n_kv_pool}, W, {head_dim_pool}], "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"k, v must both be [{slots.numel()}, {n_kv_pool}, W, {head_dim_pool}], "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
         ids = self._blocks(slots, width)
         pad = ids.shape[1] * self.block_size - width
         for pool, dense in ((self.k_pool[layer], k), (self.v_pool[layer], v)):
@@ -93,8 +106,10 @@ class ServingCache:
     def prefix(self, layer: int, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values [n_kv_heads, n, head_dim] of `slot`'s first `n` positions."""
         ids = self._blocks(slot, n)
-        return tuple(pool[ids].reshape(-1, *pool.shape[2:])[:n].transpose(0, 1)
-                     for pool in (self.k_pool[layer], self.v_pool[layer]))
+        return tuple(
+            pool[ids].reshape(-1, *pool.shape[2:])[:n].transpose(0, 1)
+            for pool in (self.k_pool[layer], self.v_pool[layer])
+        )
 
     def adopt(self, slots: list[int], temp, lengths: list[int]) -> None:
         """Take over what a model forward left in `temp` (an `InferenceCache` whose row j holds
@@ -121,7 +136,7 @@ class ServingCache:
 
     def release(self, slot: int) -> None:
         """Forget a finished sequence (its slot is reset; the next prefill overwrites it)."""
-        self.lengths[slot].zero_()         # a fill kernel: assigning a Python 0 would copy it from the host, a sync
+        self.lengths[slot].zero_()  # a fill kernel: assigning a Python 0 would copy it from the host, a sync
         self.host_lengths[slot] = 0
         for c in self.conv.values():
             if c is not None:

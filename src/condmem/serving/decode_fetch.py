@@ -29,7 +29,7 @@ class SideBranchRows:
         self.memory, self.join = memory, join
         self.layer_ids = list(memory.layer_ids)
         self.sharded = memory.sharded or {}
-        self.side = torch.cuda.Stream(device, priority=-1)   # the fetch is on the critical path
+        self.side = torch.cuda.Stream(device, priority=-1)  # the fetch is on the critical path
         self.events = {lid: torch.cuda.Event() for lid in self.layer_ids}
         self.rows_buf: dict[int, torch.Tensor] = {}
         self.row_ids_all: torch.Tensor | None = None
@@ -45,7 +45,7 @@ class SideBranchRows:
     def launch(self, slots: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None:
         """Hash the step's tokens (updating history), then queue the fetch on the side stream."""
         memory = self.memory
-        self.row_ids_all = memory.hasher.decode(memory.history, slots, ids, valid=valid)[:, None]   # [B, 1, L, C]
+        self.row_ids_all = memory.hasher.decode(memory.history, slots, ids, valid=valid)[:, None]  # [B, 1, L, C]
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
@@ -53,7 +53,7 @@ class SideBranchRows:
             for lid in self.layer_ids:
                 ids = self.row_ids(lid)
                 if lid in self.sharded:
-                    ids = self.sharded[lid].local_ids(ids)     # this rank's columns, in its own rows
+                    ids = self.sharded[lid].local_ids(ids)  # this rank's columns, in its own rows
                 ids_by_layer[lid] = ids
             self._fetch(ids_by_layer)
         if self.join == "before_step":
@@ -94,8 +94,9 @@ class ZeroCopyRows(SideBranchRows):
         super().__init__(memory, device, join)
         self.max_programs = max_programs
         for lid in self.layer_ids:
-            self.rows_buf[lid] = torch.zeros(n_rows, 1, self.columns(lid), memory.stores[lid].head_dim,
-                                             dtype=torch.bfloat16, device=device)
+            self.rows_buf[lid] = torch.zeros(
+                n_rows, 1, self.columns(lid), memory.stores[lid].head_dim, dtype=torch.bfloat16, device=device
+            )
 
     def _fetch(self, ids_by_layer: dict[int, torch.Tensor]) -> None:
         for lid, ids in ids_by_layer.items():

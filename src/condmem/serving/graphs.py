@@ -79,9 +79,18 @@ class GraphedDecoder:
         >>> logits = graph.step([0, 3], next_ids)          # advances slots 0 and 3
     """
 
-    def __init__(self, model: DecoderLM, cache: ServingCache, *, memory=None, wait: str = "at_layer",
-                 fetch_programs: int | None = None, fetch: str = "auto", fetch_threads: int | None = None,
-                 warmup: int = 3):
+    def __init__(
+        self,
+        model: DecoderLM,
+        cache: ServingCache,
+        *,
+        memory=None,
+        wait: str = "at_layer",
+        fetch_programs: int | None = None,
+        fetch: str = "auto",
+        fetch_threads: int | None = None,
+        warmup: int = 3,
+    ):
         if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")
         if wait not in WAIT_MODES:
@@ -95,15 +104,21 @@ class GraphedDecoder:
         if memory is not None:
             unreadable = [lid for lid, s in memory.stores.items() if not s.gpu_readable]
             if unreadable and fetch == "zero_copy":
-                raise ValueError(f"Engram layer(s) {unreadable} live in a tier the GPU cannot read in place "
-                                 "(disk?): serve them with fetch='staged' where the CPU can read their rows "
-                                 "(a memory-mapped file), else with eager decode_step + memory.prepare_decode")
+                raise ValueError(
+                    f"Engram layer(s) {unreadable} live in a tier the GPU cannot read in place "
+                    "(disk?): serve them with fetch='staged' where the CPU can read their rows "
+                    "(a memory-mapped file), else with eager decode_step + memory.prepare_decode"
+                )
             if any(sr.sequence_parallel for sr in (memory.sharded or {}).values()):
-                raise ValueError("a sequence-parallel memory splits a step's tokens over the ranks; the decode graph "
-                                 "runs every slot on every rank: build the memory with sequence_parallel=False")
+                raise ValueError(
+                    "a sequence-parallel memory splits a step's tokens over the ranks; the decode graph "
+                    "runs every slot on every rank: build the memory with sequence_parallel=False"
+                )
             if memory.history.n_slots < cache.n_slots:
-                raise ValueError(f"the memory's history has {memory.history.n_slots} slots, the cache "
-                                 f"{cache.n_slots}: they must share slot numbers")
+                raise ValueError(
+                    f"the memory's history has {memory.history.n_slots} slots, the cache "
+                    f"{cache.n_slots}: they must share slot numbers"
+                )
         if memory is None and model.cfg.engram is not None and model.engram_layers[0].table.weight.is_meta:
             raise ValueError("the model's Engram tables live outside it (meta): pass memory=")
         self.model, self.cache, self.memory = model, cache, memory
@@ -116,12 +131,15 @@ class GraphedDecoder:
         self._index: torch.Tensor | None = None
         self.fetch = None
         if memory is not None:
-            self.fetch = (StagedRows(memory, n, device, wait, fetch_threads) if fetch == "staged"
-                          else ZeroCopyRows(memory, n, device, wait, fetch_programs))
+            self.fetch = (
+                StagedRows(memory, n, device, wait, fetch_threads)
+                if fetch == "staged"
+                else ZeroCopyRows(memory, n, device, wait, fetch_programs)
+            )
         try:
             self._capture(device, warmup)
         except BaseException:
-            self.close()         # a staged fetch's threads must not outlive a decoder that failed
+            self.close()  # a staged fetch's threads must not outlive a decoder that failed
             raise
 
     def _capture(self, device, warmup: int) -> None:
@@ -136,7 +154,7 @@ class GraphedDecoder:
                 self._body()
         torch.cuda.current_stream(device).wait_stream(side)
         if self.memory is not None:
-            self.memory.flush()   # a lookup thread's sync would spoil the capture: none may run meanwhile
+            self.memory.flush()  # a lookup thread's sync would spoil the capture: none may run meanwhile
         self.graph = torch.cuda.CUDAGraph()
         with capture(self.graph):
             self.logits = self._body()
@@ -144,8 +162,7 @@ class GraphedDecoder:
     def _body(self) -> torch.Tensor:
         if self.fetch is not None:
             self.fetch.launch(self.slots, self.ids, self.valid)
-        return decode_step(self.model, self.cache, None, self.ids, prepared=self.fetch, check=False,
-                           valid=self.valid)
+        return decode_step(self.model, self.cache, None, self.ids, prepared=self.fetch, check=False, valid=self.valid)
 
     @torch.no_grad()
     def step(self, slots, ids: torch.Tensor) -> torch.Tensor:
@@ -157,13 +174,13 @@ class GraphedDecoder:
         if bad:
             raise ValueError(f"slots {bad} are not slots of the cache (0..{self.cache.n_slots - 1})")
         self.cache.check_room(slots)
-        if slots != self._slots:   # a new set of live slots: one host->device copy (a sync), then reused
+        if slots != self._slots:  # a new set of live slots: one host->device copy (a sync), then reused
             self._slots = slots
             self._index = torch.tensor(slots, dtype=torch.long).to(self.ids.device)
             self.valid.zero_()
             self.valid[self._index] = True
         if self.fetch is not None:
-            self.fetch.check()          # a staged fetch: its threads run, no step asked for ids outside a table
+            self.fetch.check()  # a staged fetch: its threads run, no step asked for ids outside a table
         index = self._index
         self.ids[index] = ids.to(self.ids.device)
         self.graph.replay()

@@ -174,10 +174,20 @@ class EngramMemory:
             (`Prepared.fetch_timing`: how much of it was hidden); a few timed CUDA events per layer.
     """
 
-    def __init__(self, hasher: NgramHasher, stores: Mapping[int, LayerStore], device: str | torch.device = "cpu", *,
-                 cache_bytes: int = 0, cpu_fraction: float | None = 0.5, max_sequences: int = 256,
-                 process_group=None, tp_mode: str = "head", sequence_parallel: bool = False,
-                 measure_fetch: bool = False):
+    def __init__(
+        self,
+        hasher: NgramHasher,
+        stores: Mapping[int, LayerStore],
+        device: str | torch.device = "cpu",
+        *,
+        cache_bytes: int = 0,
+        cpu_fraction: float | None = 0.5,
+        max_sequences: int = 256,
+        process_group=None,
+        tp_mode: str = "head",
+        sequence_parallel: bool = False,
+        measure_fetch: bool = False,
+    ):
         missing = set(hasher.layer_ids) - set(stores)
         if missing:
             raise EngramMemoryError(f"no table for Engram layer(s) {sorted(missing)}")
@@ -189,10 +199,17 @@ class EngramMemory:
         if process_group is not None:
             from condmem.distributed import ShardedRows
 
-            self.sharded = {lid: ShardedRows(shard_plan(hasher, lid, process_group), None,
-                                             hasher.layout.config.head_dim, mode=tp_mode,
-                                             sequence_parallel=sequence_parallel, group=process_group)
-                            for lid in hasher.layer_ids}
+            self.sharded = {
+                lid: ShardedRows(
+                    shard_plan(hasher, lid, process_group),
+                    None,
+                    hasher.layout.config.head_dim,
+                    mode=tp_mode,
+                    sequence_parallel=sequence_parallel,
+                    group=process_group,
+                )
+                for lid in hasher.layer_ids
+            }
         for layer_id in hasher.layer_ids:
             store = self.stores[layer_id]
             expected = hasher.layout.layer(layer_id).num_embeddings
@@ -200,8 +217,10 @@ class EngramMemory:
                 r0, r1 = self.sharded[layer_id].plan.rows(self.sharded[layer_id].rank)
                 expected = r1 - r0
             if store.num_rows != expected:
-                raise EngramMemoryError(f"layer {layer_id}: the table has {store.num_rows:,} rows, the layout "
-                                        f"{expected:,}{' (this rank' + chr(39) + 's shard)' if self.sharded else ''}")
+                raise EngramMemoryError(
+                    f"layer {layer_id}: the table has {store.num_rows:,} rows, the layout "
+                    f"{expected:,}{' (this rank' + chr(39) + 's shard)' if self.sharded else ''}"
+                )
             cache = None
             if cache_bytes and not store.in_device_memory:
                 cache = RowCache.from_bytes(cache_bytes, store.row_bytes, ways=16, device=self.device)
@@ -215,10 +234,20 @@ class EngramMemory:
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
-    def from_table_file(cls, path, hasher: NgramHasher, tier: str = "host", device: str | torch.device = "cpu", *,
-                        tokenizer_fingerprint: str | None = None, host_alloc: str = "mmap_register",
-                        progress: bool = True, direct_io: bool = False, dram_cache_bytes: int = 0,
-                        **kwargs) -> "EngramMemory":
+    def from_table_file(
+        cls,
+        path,
+        hasher: NgramHasher,
+        tier: str = "host",
+        device: str | torch.device = "cpu",
+        *,
+        tokenizer_fingerprint: str | None = None,
+        host_alloc: str = "mmap_register",
+        progress: bool = True,
+        direct_io: bool = False,
+        dram_cache_bytes: int = 0,
+        **kwargs,
+    ) -> "EngramMemory":
         """Open a table file (identity checked against the hasher's layout) and place each layer in `tier`.
 
         `direct_io` (disk tier): read rows with O_DIRECT, bypassing the page cache
@@ -229,11 +258,19 @@ class EngramMemory:
             raise EngramMemoryError(f"direct_io reads the disk tier; tier is {tier!r}")
         table = EngramTableFile(path, layout=hasher.layout, tokenizer_fingerprint=tokenizer_fingerprint)
         group = kwargs.get("process_group")
-        stores = {lid: place_layer(_shard(table.layer(lid), hasher, lid, group), tier,
-                                   device=device if tier == "hbm" else None, host_alloc=host_alloc, progress=progress,
-                                   name=f"layer {lid}", direct_io=direct_io,
-                                   shared_name=_shared_name(table, lid, hasher, group) if host_alloc == "shared" else None)
-                  for lid in hasher.layer_ids}
+        stores = {
+            lid: place_layer(
+                _shard(table.layer(lid), hasher, lid, group),
+                tier,
+                device=device if tier == "hbm" else None,
+                host_alloc=host_alloc,
+                progress=progress,
+                name=f"layer {lid}",
+                direct_io=direct_io,
+                shared_name=_shared_name(table, lid, hasher, group) if host_alloc == "shared" else None,
+            )
+            for lid in hasher.layer_ids
+        }
         if dram_cache_bytes:
             if tier != "disk":
                 raise EngramMemoryError(f"a DRAM row cache fronts the disk tier; tier is {tier!r}")
@@ -241,9 +278,18 @@ class EngramMemory:
         return cls(hasher, stores, device, **kwargs)
 
     @classmethod
-    def from_released(cls, checkpoint, hasher: NgramHasher, tier: str = "host", device: str | torch.device = "cpu", *,
-                      host_alloc: str = "mmap_register", drop_page_cache: bool = True, progress: bool = True,
-                      **kwargs) -> "EngramMemory":
+    def from_released(
+        cls,
+        checkpoint,
+        hasher: NgramHasher,
+        tier: str = "host",
+        device: str | torch.device = "cpu",
+        *,
+        host_alloc: str = "mmap_register",
+        drop_page_cache: bool = True,
+        progress: bool = True,
+        **kwargs,
+    ) -> "EngramMemory":
         """Serve a released DeepSeek-V4.1 checkpoint's tables directly (no conversion step).
 
         Args:
@@ -267,14 +313,29 @@ class EngramMemory:
         stores = {}
         for lid in hasher.layer_ids:
             rows = _shard(ckpt.table(lid, hasher.layout), hasher, lid, kwargs.get("process_group"))
-            stores[lid] = place_layer(rows, tier, device=device if tier == "hbm" else None, host_alloc=host_alloc,
-                                      progress=progress, name=f"layer {lid}", drop_source_cache=drop_page_cache)
+            stores[lid] = place_layer(
+                rows,
+                tier,
+                device=device if tier == "hbm" else None,
+                host_alloc=host_alloc,
+                progress=progress,
+                name=f"layer {lid}",
+                drop_source_cache=drop_page_cache,
+            )
         return cls(hasher, stores, device, **kwargs)
 
     @classmethod
-    def from_weights(cls, hasher: NgramHasher, weights: Mapping[int, torch.Tensor], tier: str = "host",
-                     device: str | torch.device = "cpu", *, host_alloc: str = "mmap_register", progress: bool = False,
-                     **kwargs) -> "EngramMemory":
+    def from_weights(
+        cls,
+        hasher: NgramHasher,
+        weights: Mapping[int, torch.Tensor],
+        tier: str = "host",
+        device: str | torch.device = "cpu",
+        *,
+        host_alloc: str = "mmap_register",
+        progress: bool = False,
+        **kwargs,
+    ) -> "EngramMemory":
         """Place bf16 table weights (e.g. a trained model's `Engram.table.weight`s) in `tier`."""
         missing = set(hasher.layer_ids) - set(weights)
         if missing:
@@ -284,8 +345,14 @@ class EngramMemory:
         for lid in hasher.layer_ids:
             rows = _shard(LayerRows("bf16", weights[lid].detach()), hasher, lid, group)
             w = rows.weight.to("cpu", torch.bfloat16).contiguous()
-            stores[lid] = place_layer(LayerRows("bf16", w), tier, device=device if tier == "hbm" else None,
-                                      host_alloc=host_alloc, progress=progress, name=f"layer {lid}")
+            stores[lid] = place_layer(
+                LayerRows("bf16", w),
+                tier,
+                device=device if tier == "hbm" else None,
+                host_alloc=host_alloc,
+                progress=progress,
+                name=f"layer {lid}",
+            )
         return cls(hasher, stores, device, **kwargs)
 
     @property
@@ -330,13 +397,24 @@ class EngramMemory:
         """Start every layer's lookup of row ids hashed elsewhere: int64 [B, T, n_layers, n_cols]
         in this memory's layout (e.g. by an adapter that hashes inside a model's forward)."""
         n_layers, n_cols = len(self._layer_index), self.hasher.n_cols
-        if not isinstance(row_ids, torch.Tensor) or row_ids.dim() != 4 or tuple(row_ids.shape[2:]) != (n_layers, n_cols):
-            raise EngramMemoryError(f"row_ids must be [B, T, {n_layers}, {n_cols}], got "
-                                    f"{tuple(getattr(row_ids, 'shape', ()))}")
+        if (
+            not isinstance(row_ids, torch.Tensor)
+            or row_ids.dim() != 4
+            or tuple(row_ids.shape[2:]) != (n_layers, n_cols)
+        ):
+            raise EngramMemoryError(
+                f"row_ids must be [B, T, {n_layers}, {n_cols}], got {tuple(getattr(row_ids, 'shape', ()))}"
+            )
         return self._start(row_ids.to(self.device, non_blocking=True))
 
-    def prepare(self, input_ids: torch.Tensor, *, doc_starts: torch.Tensor | None = None,
-                slots: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> Prepared:
+    def prepare(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        doc_starts: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> Prepared:
         """Prefill: hash [B, T] token ids for every layer and start every lookup.
 
         Ids given on the CPU are range-checked there (no device sync); ids already on the
@@ -361,18 +439,26 @@ class EngramMemory:
             row_ids = self.hasher(ids, doc_starts=starts, check=not on_host)
             prepared = self._start(row_ids)
         if side is not None:
-            main.wait_stream(side)             # the ids and row ids (hashing is short)
+            main.wait_stream(side)  # the ids and row ids (hashing is short)
             for t in (ids, row_ids) + (() if starts is None else (starts,)):
                 t.record_stream(main)
         if slots is not None:
             # On the caller's stream: decode steps queued there may still read and write these slots.
-            self.hasher.prefill_history(self.history, to_device(slots, self.device), ids,
-                                        doc_starts=starts, lengths=lengths, check=False)
+            self.hasher.prefill_history(
+                self.history, to_device(slots, self.device), ids, doc_starts=starts, lengths=lengths, check=False
+            )
         return prepared
 
-    def prepare_ragged(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, *, slots: torch.Tensor | None = None,
-                       lookback_ids: torch.Tensor | None = None, blocked: torch.Tensor | None = None,
-                       commit: bool = True) -> Prepared:
+    def prepare_ragged(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        slots: torch.Tensor | None = None,
+        lookback_ids: torch.Tensor | None = None,
+        blocked: torch.Tensor | None = None,
+        commit: bool = True,
+    ) -> Prepared:
         """A flat batch of sequence chunks: hash every layer's ids and start every lookup.
 
         Args:
@@ -392,35 +478,57 @@ class EngramMemory:
         dev = self.device
         slot_t = None if slots is None else to_device(slots, dev)
         row_ids = self.hasher.hash_ragged(
-            to_device(input_ids, dev), to_device(cu_seqlens, dev),
-            history=self.history if slot_t is not None else None, slots=slot_t,
+            to_device(input_ids, dev),
+            to_device(cu_seqlens, dev),
+            history=self.history if slot_t is not None else None,
+            slots=slot_t,
             lookback_ids=None if lookback_ids is None else to_device(lookback_ids, dev),
-            blocked=None if blocked is None else to_device(blocked, dev), commit=commit)
+            blocked=None if blocked is None else to_device(blocked, dev),
+            commit=commit,
+        )
         return self._start(row_ids[None])
 
-    def commit(self, slots: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-               n_commit: torch.Tensor, *, blocked: torch.Tensor | None = None) -> None:
+    def commit(
+        self,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        n_commit: torch.Tensor,
+        *,
+        blocked: torch.Tensor | None = None,
+    ) -> None:
         """After speculative verification, advance each slot by the first ``n_commit[b]``
         tokens of its chunk (the batch given to ``prepare_ragged(..., commit=False)``)."""
         dev = self.device
-        self.hasher.commit(self.history, to_device(slots, dev), to_device(input_ids, dev),
-                           to_device(cu_seqlens, dev), to_device(n_commit, dev),
-                           blocked=None if blocked is None else to_device(blocked, dev))
+        self.hasher.commit(
+            self.history,
+            to_device(slots, dev),
+            to_device(input_ids, dev),
+            to_device(cu_seqlens, dev),
+            to_device(n_commit, dev),
+            blocked=None if blocked is None else to_device(blocked, dev),
+        )
 
     def seed(self, slots: torch.Tensor, lookback_ids: torch.Tensor) -> None:
         """A prefix-cache hit: set slots' histories from the token ids before their first
         uncached token ([B, N-1], oldest first, -1 where the sequence has none)."""
         self.hasher.seed_history(self.history, to_device(slots, self.device), to_device(lookback_ids, self.device))
 
-    def prepare_decode(self, slots: torch.Tensor, input_ids: torch.Tensor, *,
-                       valid: torch.Tensor | None = None) -> Prepared:
+    def prepare_decode(
+        self, slots: torch.Tensor, input_ids: torch.Tensor, *, valid: torch.Tensor | None = None
+    ) -> Prepared:
         """Decode: one new token per sequence ([B] ids, [B] slots; `valid` False marks padding rows)."""
-        row_ids = self.hasher.decode(self.history, to_device(slots, self.device), to_device(input_ids, self.device),
-                                     valid=None if valid is None else to_device(valid, self.device))
+        row_ids = self.hasher.decode(
+            self.history,
+            to_device(slots, self.device),
+            to_device(input_ids, self.device),
+            valid=None if valid is None else to_device(valid, self.device),
+        )
         return self._start(row_ids[:, None])
 
-    def calibrate(self, sample_ids: list[torch.Tensor], candidates: tuple[float, ...] | None = None
-                  ) -> dict[int, float]:
+    def calibrate(
+        self, sample_ids: list[torch.Tensor], candidates: tuple[float, ...] | None = None
+    ) -> dict[int, float]:
         """Pick each host layer's CPU / zero-copy split on the caller's own token batches.
 
         `sample_ids`: at least two [B, T] token batches like the traffic to come (half warm
@@ -432,11 +540,14 @@ class EngramMemory:
         if len(sample_ids) < 2:
             raise EngramMemoryError(f"calibrate needs at least two token batches, got {len(sample_ids)}")
         row_batches = [self.hasher(ids.to(self.device), check=True) for ids in sample_ids]
-        return {lid: self.engines[lid].calibrate(sample=[r[:, :, i] for r in row_batches], candidates=candidates)
-                for lid, i in self._layer_index.items()}
+        return {
+            lid: self.engines[lid].calibrate(sample=[r[:, :, i] for r in row_batches], candidates=candidates)
+            for lid, i in self._layer_index.items()
+        }
 
-    def gather_into(self, layer_id: int, row_ids: torch.Tensor, out: torch.Tensor | None = None, *,
-                    max_programs: int | None = None) -> torch.Tensor:
+    def gather_into(
+        self, layer_id: int, row_ids: torch.Tensor, out: torch.Tensor | None = None, *, max_programs: int | None = None
+    ) -> torch.Tensor:
         """Layer `layer_id`'s rows of `row_ids` read in place on the current stream: one kernel, no
         host work, capturable in a CUDA graph (`LookupEngine.gather_into`; HBM or page-locked tables)."""
         return self.engines[layer_id].gather_into(row_ids, out=out, max_programs=max_programs)
@@ -451,7 +562,7 @@ class EngramMemory:
         (`LookupEngine.warm_up`): call it once before serving with the prefill sizes to come
         (e.g. the scheduler's token budget); other sizes run the same kernels one by one."""
         batch_tokens = [int(t) for t in batch_tokens]
-        self.flush()                 # no layer's gather thread may sync while another captures
+        self.flush()  # no layer's gather thread may sync while another captures
         for lid, engine in self.engines.items():
             # A rank looks up its own columns of each batch's tokens.
             n_cols = self.hasher.n_cols if self.sharded is None else self.sharded[lid].local_columns
@@ -490,15 +601,16 @@ def _shared_name(table, layer_id: int, hasher: NgramHasher, group) -> str:
 
     record = table.header.metadata.get("integrity")
     if not record:
-        raise EngramMemoryError(f"{table.path} records no checksums to name a shared host copy by its content: "
-                                "rewrite it with `condmem convert`, or use another host_alloc")
+        raise EngramMemoryError(
+            f"{table.path} records no checksums to name a shared host copy by its content: "
+            "rewrite it with `condmem convert`, or use another host_alloc"
+        )
     rows = [0, table.num_embeddings[table.layer_ids.index(layer_id)]]
     if group is not None:
         import torch.distributed as dist
 
         rows = list(shard_plan(hasher, layer_id, group).rows(dist.get_rank(group)))
     return shared_table_name(content_fingerprint(record, table.format, layer_id, rows), layer_id)
-
 
 
 def _check_same_geometry(ckpt, hasher: NgramHasher) -> None:
@@ -508,9 +620,20 @@ def _check_same_geometry(ckpt, hasher: NgramHasher) -> None:
     mine = hasher.layout.describe()
     stated = ckpt.config.compressed_vocab_size
     theirs = EngramLayout(ckpt.config, compressed_vocab_size=stated or mine["compressed_vocab_size"]).describe()
-    keys = ["layer_ids", "max_ngram_size", "n_heads", "table_sizes", "pad_id", "seed", "primes", "compressed_vocab_size"]
+    keys = [
+        "layer_ids",
+        "max_ngram_size",
+        "n_heads",
+        "table_sizes",
+        "pad_id",
+        "seed",
+        "primes",
+        "compressed_vocab_size",
+    ]
     diffs = [k for k in keys if theirs[k] != mine[k]]
     if diffs:
         detail = ", ".join(f"{k}: checkpoint {theirs[k]} vs hasher {mine[k]}" for k in diffs[:3])
-        raise EngramMemoryError(f"the hasher's layout is not the one {ckpt.config_path} describes ({detail}): rows "
-                                "would be read at the wrong addresses")
+        raise EngramMemoryError(
+            f"the hasher's layout is not the one {ckpt.config_path} describes ({detail}): rows "
+            "would be read at the wrong addresses"
+        )

@@ -66,8 +66,15 @@ class Scheduler:
             computes (see the module's docstring).
     """
 
-    def __init__(self, model, cache: ServingCache, memory=None, token_budget: int = 512,
-                 stop_ids: tuple[int, ...] = (), lookahead: bool = True):
+    def __init__(
+        self,
+        model,
+        cache: ServingCache,
+        memory=None,
+        token_budget: int = 512,
+        stop_ids: tuple[int, ...] = (),
+        lookahead: bool = True,
+    ):
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if memory is not None and memory.history.n_slots < cache.n_slots:
@@ -88,8 +95,10 @@ class Scheduler:
         if not prompt:
             raise ValueError(f"request {rid!r}: an empty prompt")
         if len(prompt) + max_new_tokens > self.cache.max_len:
-            raise ValueError(f"request {rid!r}: {len(prompt)} + {max_new_tokens} tokens exceed the cache's "
-                             f"{self.cache.max_len} positions")
+            raise ValueError(
+                f"request {rid!r}: {len(prompt)} + {max_new_tokens} tokens exceed the cache's "
+                f"{self.cache.max_len} positions"
+            )
         self.waiting.append(Request(rid, prompt, max_new_tokens))
 
     def _admit(self) -> None:
@@ -140,8 +149,11 @@ class Scheduler:
             if decode:
                 parts.append(self._prepare(decode, [[r.next_token] for r in decode]))
             if prefill:
-                parts.append(prefill_prepared if prefill_prepared is not None
-                             else self._prepare([r for r, _ in prefill], [c for _, c in prefill]))
+                parts.append(
+                    prefill_prepared
+                    if prefill_prepared is not None
+                    else self._prepare([r for r, _ in prefill], [c for _, c in prefill])
+                )
             prepared = join_prepared(parts)
         device = self.cache.tokens.device
         logits = ragged_step(self.model, self.cache, slots, [c.to(device) for c in chunks], prepared=prepared)
@@ -176,9 +188,10 @@ class Scheduler:
         prefilled = {id(req): req.prefilled + len(chunk) for req, chunk in prefill}
         # The most decode tokens the next step can have: every sequence with a sampled token
         # (served in this step or left over by the budget) and every prompt this step completes.
-        samplers = (sum(req.next_token is not None for req in self.running)
-                    + sum(prefilled[id(req)] == len(req.prompt) for req, _ in prefill))
-        self._admit()                      # slots free now; the next step's prefill may start them
+        samplers = sum(req.next_token is not None for req in self.running) + sum(
+            prefilled[id(req)] == len(req.prompt) for req, _ in prefill
+        )
+        self._admit()  # slots free now; the next step's prefill may start them
         chunks = self._prefill_chunks(self.token_budget - samplers, prefilled)
         if chunks:
             self._ahead = (chunks, self._prepare([r for r, _ in chunks], [c for _, c in chunks]))

@@ -87,9 +87,19 @@ class WaveServer:
         ...     tokens = server.serve(prompts, gen=128)       # [len(prompts), 128]
     """
 
-    def __init__(self, model: DecoderLM, cache: ServingCache, memory: EngramMemory | None = None, *,
-                 wait: str = "at_layer", prefill_tokens: int = 8192, graphs: bool = True, fetch: str = "auto",
-                 fetch_programs: int | None = None, fetch_threads: int | None = None):
+    def __init__(
+        self,
+        model: DecoderLM,
+        cache: ServingCache,
+        memory: EngramMemory | None = None,
+        *,
+        wait: str = "at_layer",
+        prefill_tokens: int = 8192,
+        graphs: bool = True,
+        fetch: str = "auto",
+        fetch_programs: int | None = None,
+        fetch_threads: int | None = None,
+    ):
         if wait not in WAIT_MODES:
             raise ValueError(f"wait must be one of {WAIT_MODES}, got {wait!r}")
         if prefill_tokens < 1:
@@ -104,8 +114,15 @@ class WaveServer:
         self.graph = None
         in_place = memory is None or all(s.gpu_readable for s in memory.stores.values())
         if self.device.type == "cuda" and in_place and graphs:
-            self.graph = GraphedDecoder(model, cache, memory=memory, wait=wait, fetch_programs=fetch_programs,
-                                        fetch=fetch, fetch_threads=fetch_threads)
+            self.graph = GraphedDecoder(
+                model,
+                cache,
+                memory=memory,
+                wait=wait,
+                fetch_programs=fetch_programs,
+                fetch=fetch,
+                fetch_threads=fetch_threads,
+            )
 
     @property
     def ahead(self) -> bool:
@@ -147,13 +164,19 @@ class WaveServer:
         staged = self.stage(prompts)
         self.early = None
         batch = self.cache.n_slots
-        tokens = [self.wave(staged[s : s + batch], gen, upcoming=staged[s + batch : s + 2 * batch], observer=observer)
-                  for s in range(0, len(staged), batch)]
+        tokens = [
+            self.wave(staged[s : s + batch], gen, upcoming=staged[s + batch : s + 2 * batch], observer=observer)
+            for s in range(0, len(staged), batch)
+        ]
         return torch.cat(tokens)
 
-    def wave(self, prompts: list[tuple[torch.Tensor, torch.Tensor]], gen: int,
-             upcoming: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-             observer: WaveObserver | None = None) -> torch.Tensor:
+    def wave(
+        self,
+        prompts: list[tuple[torch.Tensor, torch.Tensor]],
+        gen: int,
+        upcoming: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        observer: WaveObserver | None = None,
+    ) -> torch.Tensor:
         """Prefill `prompts` (`stage`d, one per slot) and decode `gen` tokens each; returns tokens [n, gen].
         `upcoming`: the next wave's prompts, whose first batch is fetched while this wave decodes."""
         n = len(prompts)
@@ -167,7 +190,7 @@ class WaveServer:
         out = torch.empty(n, gen, dtype=torch.long, device=self.device)
         obs.wave_started()
         groups = pack([p[0].numel() for p in prompts], self.prefill_tokens)
-        ahead, alive = {}, []       # Prepared batches stay referenced until the wave has synced
+        ahead, alive = {}, []  # Prepared batches stay referenced until the wave has synced
 
         def start(g):
             return self._prepare([prompts[i][0] for i in groups[g]], [slots[i] for i in groups[g]])
@@ -186,25 +209,26 @@ class WaveServer:
             if memory is not None:
                 if self.ahead:
                     prepared = ahead.pop(g)
-                    if g + 1 < len(groups):   # the next batch's rows are fetched while this batch runs
+                    if g + 1 < len(groups):  # the next batch's rows are fetched while this batch runs
                         ahead[g + 1] = start(g + 1)
                 else:
                     prepared = start(g)
                     for lid in memory.layer_ids:
-                        prepared.rows(lid)          # the stream waits here, before block 0
+                        prepared.rows(lid)  # the stream waits here, before block 0
                 alive.append(prepared)
             obs.batch_launching()
-            logits = prefill_packed(self.model, self.cache, [slots[i] for i in members],
-                                    [prompts[i][1] for i in members], prepared=prepared)
+            logits = prefill_packed(
+                self.model, self.cache, [slots[i] for i in members], [prompts[i][1] for i in members], prepared=prepared
+            )
             out[to_device(members, self.device), 0] = logits.argmax(-1)
             obs.batch_launched()
         if memory is not None and memory.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(memory.stream)   # histories, for decode
+            torch.cuda.current_stream(self.device).wait_stream(memory.stream)  # histories, for decode
         obs.prefill_done()
         if upcoming and self.ahead:
             # The next wave's first batch, fetched while this wave decodes.
             first = [upcoming[i][0] for i in pack([p[0].numel() for p in upcoming], self.prefill_tokens)[0]]
-            self.early = (first, self._prepare(first, None))   # referenced here until the next wave syncs
+            self.early = (first, self._prepare(first, None))  # referenced here until the next wave syncs
         ids = out[:, 0]
         for t in range(1, gen):
             if self.graph is not None:

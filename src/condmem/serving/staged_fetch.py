@@ -65,23 +65,27 @@ class StagedRows(SideBranchRows):
     def __init__(self, memory, n_rows: int, device, join: str, threads: int | None = None):
         memops = stream_memops()
         if memops is None:
-            raise RowServerError("the CUDA driver's stream memory operations (cuStreamWaitValue32) are "
-                                 "unavailable: use the zero-copy fetch")
+            raise RowServerError(
+                "the CUDA driver's stream memory operations (cuStreamWaitValue32) are "
+                "unavailable: use the zero-copy fetch"
+            )
         super().__init__(memory, device, join)
         self.memops = memops
         widths = {self.columns(lid) for lid in self.layer_ids}
         if len(widths) != 1:
             raise ValueError(f"a staged fetch needs every layer's columns of one width on this rank, got {widths}")
         self.n_cols = widths.pop()
-        self.last_replay = torch.cuda.Event()   # recorded after each replay: `close` waits for it
+        self.last_replay = torch.cuda.Event()  # recorded after each replay: `close` waits for it
         tables, self.formats = [], []
         for lid in self.layer_ids:
             store = memory.stores[lid]
             raw = _cpu_rows(store)
             if raw is None:
                 where = "no in-memory rows" if getattr(store, "raw", None) is None else f"rows on {store.raw.device}"
-                raise ValueError(f"Engram layer {lid}'s store ({store.tier}, {where}) cannot be staged by the "
-                                 "CPU: a staged fetch serves host (or memory-mapped) tables")
+                raise ValueError(
+                    f"Engram layer {lid}'s store ({store.tier}, {where}) cannot be staged by the "
+                    "CPU: a staged fetch serves host (or memory-mapped) tables"
+                )
             tables.append(raw)
             self.formats.append((store.format, store.head_dim))
         n_ids = n_rows * self.n_cols
@@ -93,8 +97,11 @@ class StagedRows(SideBranchRows):
             rows = torch.zeros(n_rows, 1, self.n_cols, head_dim, dtype=torch.bfloat16, device=device)
             self.rows_buf[lid] = rows
             # bf16 raw rows are the rows themselves: the DMA lands in place, no kernel after it.
-            self.raw_dev[lid] = (rows.view(torch.uint8).view(n_ids, table.shape[1]) if fmt == "bf16"
-                                 else torch.zeros(n_ids, table.shape[1], dtype=torch.uint8, device=device))
+            self.raw_dev[lid] = (
+                rows.view(torch.uint8).view(n_ids, table.shape[1])
+                if fmt == "bf16"
+                else torch.zeros(n_ids, table.shape[1], dtype=torch.uint8, device=device)
+            )
 
     def _fetch(self, ids_by_layer: dict[int, torch.Tensor]) -> None:
         server, memops = self.server, self.memops
@@ -109,7 +116,7 @@ class StagedRows(SideBranchRows):
             memops.write(self.side, done, 0)
             fmt, head_dim = self.formats[i]
             if fmt != "bf16":
-                engram_gather(self.local, self.raw_dev[lid], head_dim=head_dim, out=self.rows_buf[lid])   # dequantize
+                engram_gather(self.local, self.raw_dev[lid], head_dim=head_dim, out=self.rows_buf[lid])  # dequantize
             self.events[lid].record()
 
     def check(self) -> None:
@@ -133,7 +140,7 @@ class StagedRows(SideBranchRows):
             self.side.synchronize()
             self.server.stop()
 
-    def __del__(self):   # a graph still queued would wait forever for rows from stopped threads
+    def __del__(self):  # a graph still queued would wait forever for rows from stopped threads
         try:
             self.close()
         except Exception:

@@ -36,8 +36,9 @@ from condmem.serving.cache import ServingCache
 
 
 @torch.no_grad()
-def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor, prepared=None,
-            last_only: bool = False) -> torch.Tensor:
+def prefill(
+    model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor, prepared=None, last_only: bool = False
+) -> torch.Tensor:
     """Run prompt `ids` [T] into `slot` (which must be empty); returns logits [T, vocab] ([1, vocab] with `last_only`)."""
     cache.check_free(slot)
     if ids.numel() > cache.max_len:
@@ -49,8 +50,9 @@ def prefill(model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor,
 
 
 @torch.no_grad()
-def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], prompts: list[torch.Tensor],
-                  prepared=None, pad_to: int = 1) -> torch.Tensor:
+def prefill_batch(
+    model: DecoderLM, cache: ServingCache, slots: list[int], prompts: list[torch.Tensor], prepared=None, pad_to: int = 1
+) -> torch.Tensor:
     """Run several prompts in one forward (right-padded to the longest); returns last-token logits [B, vocab].
 
     One forward over B prompts launches the kernels of one, so a GPU that a single short
@@ -72,7 +74,9 @@ def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], promp
     if any(c is not None for c in cache.conv.values()):
         if prepared is not None and len(prompts) > 1:
             raise ValueError("a model with a ShortConv prefills one prompt at a time")
-        return torch.cat([prefill(model, cache, s, p, prepared=prepared, last_only=True) for s, p in zip(slots, prompts)])
+        return torch.cat(
+            [prefill(model, cache, s, p, prepared=prepared, last_only=True) for s, p in zip(slots, prompts)]
+        )
     device = cache.tokens.device
     ids, lengths = padded_ids(prompts, pad_to, cache.max_len)
     temp = model.new_cache(*ids.shape)
@@ -81,8 +85,9 @@ def prefill_batch(model: DecoderLM, cache: ServingCache, slots: list[int], promp
     return logits
 
 
-def padded_ids(prompts: list[torch.Tensor], pad_to: int = 1, max_width: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_ids(
+    prompts: list[torch.Tensor], pad_to: int = 1, max_width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts [T_i] -> (right-padded ids [B, W] on the prompts' device, lengths [B] on the CPU).
 
     W is the longest prompt rounded up to a multiple of `pad_to` (at most `max_width`).
@@ -166,8 +171,15 @@ def _attention_mlp(block, i: int, x: torch.Tensor, attend, tp_group=None) -> tor
 
 
 @torch.no_grad()
-def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | None, ids: torch.Tensor,
-                prepared=None, check: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
+def decode_step(
+    model: DecoderLM,
+    cache: ServingCache,
+    slots: torch.Tensor | None,
+    ids: torch.Tensor,
+    prepared=None,
+    check: bool = True,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One new token per live slot; returns logits [B, vocab].
 
     Args:
@@ -189,35 +201,36 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
     rows = torch.arange(batch, device=device) if slots is None else slots.to(device)
     if slots is None and batch != cache.n_slots:
         raise ValueError(f"slots=None covers all {cache.n_slots} slots; got {batch} ids")
-    pos = cache.lengths[rows]                                      # [B] position of the new token
+    pos = cache.lengths[rows]  # [B] position of the new token
     if check:
         over = pos >= cache.max_len if valid is None else (pos >= cache.max_len) & valid
         if bool(over.any()):
             raise ValueError(f"a sequence reached the cache's {cache.max_len} positions")
-    at = pos.clamp(max=cache.max_len - 1)                          # invalid rows may sit at a full slot
+    at = pos.clamp(max=cache.max_len - 1)  # invalid rows may sit at a full slot
     _masked_put(cache.tokens, (rows, at), ids, valid)
-    x = model.embed(ids)                                           # [B, D]
+    x = model.embed(ids)  # [B, D]
     rows_all = None
     if cfg.engram is not None and prepared is None:
         # Each slot's last N tokens; look-backs before its start are blocked (read as pad).
         n = cfg.engram.max_ngram_size
-        back = at[:, None] - torch.arange(n - 1, -1, -1, device=device)[None, :]        # [B, N]
+        back = at[:, None] - torch.arange(n - 1, -1, -1, device=device)[None, :]  # [B, N]
         window = cache.tokens[rows[:, None], back.clamp(min=0)]
-        rows_all = model.hasher(window, blocked=back < 0, check=False)[:, -1:]          # [B, 1, L, C]
-    n_keys = at + 1 if valid is None else torch.where(valid, at + 1, 0)                # invalid rows read nothing
+        rows_all = model.hasher(window, blocked=back < 0, check=False)[:, -1:]  # [B, 1, L, C]
+    n_keys = at + 1 if valid is None else torch.where(valid, at + 1, 0)  # invalid rows read nothing
     table = cache.block_table[rows] if slots is not None else cache.block_table
 
     def attend(i, q, k, v):
         # Row b's new token at position n_keys[b] - 1 = at[b]: rotated, stored, attended in one launch.
-        return decode_attention_rope_store(q, k, v, model.rotary.cos, model.rotary.sin, cache.k_pool[i],
-                                           cache.v_pool[i], table, n_keys)
+        return decode_attention_rope_store(
+            q, k, v, model.rotary.cos, model.rotary.sin, cache.k_pool[i], cache.v_pool[i], table, n_keys
+        )
 
     layer_slot = 0
     for i, block in enumerate(model.blocks):
         if block.engram is not None:
             lid = block.layer_id
             if prepared is not None:
-                row_ids, looked_up = prepared.row_ids(lid), prepared.rows(lid)   # waits for this layer's rows
+                row_ids, looked_up = prepared.row_ids(lid), prepared.rows(lid)  # waits for this layer's rows
             else:
                 row_ids, looked_up = rows_all[:, :, layer_slot], None
             layer_slot += 1
@@ -228,14 +241,21 @@ def decode_step(model: DecoderLM, cache: ServingCache, slots: torch.Tensor | Non
                 _masked_put(conv, (rows,), state, valid)
         x = _attention_mlp(block, i, x, attend, model.tp_group)
     _masked_put(cache.lengths, (rows,), pos + 1, valid)
-    if slots is not None:   # host mirror (a sync for device slots; graphs pass slots=None)
+    if slots is not None:  # host mirror (a sync for device slots; graphs pass slots=None)
         cache.advance((slots if valid is None else slots[valid.to(slots.device)]).tolist())
     return model.lm_head(rms_norm(x, model.norm.weight, model.norm.eps))
 
 
 @torch.no_grad()
-def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks: list[torch.Tensor],
-                prepared=None, n_commit: list[int] | None = None, last_only: bool = False) -> torch.Tensor:
+def ragged_step(
+    model: DecoderLM,
+    cache: ServingCache,
+    slots: list[int],
+    chunks: list[torch.Tensor],
+    prepared=None,
+    n_commit: list[int] | None = None,
+    last_only: bool = False,
+) -> torch.Tensor:
     """One forward over a flat batch of chunks (no padding tokens); returns logits of every token [n, vocab].
 
     Args:
@@ -256,8 +276,10 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
     """
     cfg = model.cfg
     if any(c is not None for c in cache.conv.values()):
-        raise ValueError("ragged_step serves models without a ShortConv (its state would need per-chunk handling); "
-                         "use prefill / decode_step")
+        raise ValueError(
+            "ragged_step serves models without a ShortConv (its state would need per-chunk handling); "
+            "use prefill / decode_step"
+        )
     if len(slots) != len(chunks) or not chunks or len(set(slots)) != len(slots):
         raise ValueError(f"{len(slots)} slots for {len(chunks)} chunks; slots must be distinct and non-empty")
     lengths = [int(c.numel()) for c in chunks]
@@ -273,9 +295,15 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
         cu.append(cu[-1] + length)
     # Host-side layout of the packed batch, sent in one copy: per token its slot and position,
     # per chunk its boundaries, start and slot.
-    host = torch.cat([torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)),
-                      torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)]),
-                      torch.tensor(cu), torch.tensor(starts), torch.tensor(slots)])
+    host = torch.cat(
+        [
+            torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)),
+            torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)]),
+            torch.tensor(cu),
+            torch.tensor(starts),
+            torch.tensor(slots),
+        ]
+    )
     n, batch = len(ids), len(chunks)
     meta = host.to(device, non_blocking=True)
     slot_of, pos = meta[:n], meta[n : 2 * n]
@@ -287,7 +315,7 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
     if cfg.engram is not None and prepared is None:
         # Each chunk looks back at the N-1 tokens its slot holds before it.
         depth = cfg.engram.max_ngram_size - 1
-        back = torch.tensor(starts)[:, None] - torch.arange(depth, 0, -1)[None, :]          # [B, N-1], oldest first
+        back = torch.tensor(starts)[:, None] - torch.arange(depth, 0, -1)[None, :]  # [B, N-1], oldest first
         lookback = cache.tokens[torch.tensor(slots)[:, None].to(device), back.clamp(min=0).to(device)]
         lookback = torch.where(back.to(device) >= 0, lookback, torch.full_like(lookback, -1))
         rows_all = model.hasher.hash_ragged(ids, cu_dev, lookback_ids=lookback, check=False)
@@ -295,11 +323,21 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
     max_q = max(lengths)
 
     def attend(i, q, k, v):
-        q = rope_store(q, k, v, model.rotary.cos, model.rotary.sin, pos, slot_of, cache.block_table, cache.k_pool[i],
-                       cache.v_pool[i])
+        q = rope_store(
+            q,
+            k,
+            v,
+            model.rotary.cos,
+            model.rotary.sin,
+            pos,
+            slot_of,
+            cache.block_table,
+            cache.k_pool[i],
+            cache.v_pool[i],
+        )
         return paged_prefill_attention(q, cache.k_pool[i], cache.v_pool[i], table, cu_dev, starts_dev, max_q)
 
-    x = model.embed(ids)                                                                 # [n, D]
+    x = model.embed(ids)  # [n, D]
     layer_slot = 0
     for i, block in enumerate(model.blocks):
         if block.engram is not None:
@@ -320,8 +358,9 @@ def ragged_step(model: DecoderLM, cache: ServingCache, slots: list[int], chunks:
 
 
 @torch.no_grad()
-def prefill_packed(model: DecoderLM, cache: ServingCache, slots: list[int], prompts: list[torch.Tensor],
-                   prepared=None) -> torch.Tensor:
+def prefill_packed(
+    model: DecoderLM, cache: ServingCache, slots: list[int], prompts: list[torch.Tensor], prepared=None
+) -> torch.Tensor:
     """Run several prompts into empty slots as one packed batch (no padding); last-token logits [B, vocab].
 
     `prepared` must come from ``memory.prepare_ragged(torch.cat(prompts), cu_seqlens, slots=...)``

@@ -69,11 +69,16 @@ def converted_chunks(rows: LayerRows, to_format: str, chunk_rows: int) -> Iterat
                 source.read(raw, start=start)
             except IntegrityMismatch as exc:
                 raise TableFileError(f"conversion source {source.path}: {exc}") from None
-            chunk = LayerRows("bf16", raw.view(torch.bfloat16)) if rows.format == "bf16" else \
-                LayerRows("fp8_interleaved", raw)
+            chunk = (
+                LayerRows("bf16", raw.view(torch.bfloat16))
+                if rows.format == "bf16"
+                else LayerRows("fp8_interleaved", raw)
+            )
             yield convert_rows(chunk, to_format)
             continue
-        chunk = LayerRows(rows.format, rows.weight[start:stop], None if rows.scales is None else rows.scales[start:stop])
+        chunk = LayerRows(
+            rows.format, rows.weight[start:stop], None if rows.scales is None else rows.scales[start:stop]
+        )
         yield convert_rows(chunk, to_format)
         for t in (chunk.weight, chunk.scales):
             if t is not None:
@@ -110,7 +115,10 @@ def convert_tables(
         if rows.num_rows != layer.num_embeddings:
             raise TableFileError(f"layer {layer.layer_id}: {rows.num_rows} rows, the layout has {layer.num_embeddings}")
         if rows.head_dim != layout.config.head_dim:
-            raise TableFileError(f"layer {layer.layer_id}: rows are {rows.head_dim} wide, head_dim is {layout.config.head_dim}")
-    sources = {lid: converted_chunks(rows, to_format, chunk_rows) for lid, rows in tables.items()
-               if lid in layout.layer_ids}
+            raise TableFileError(
+                f"layer {layer.layer_id}: rows are {rows.head_dim} wide, head_dim is {layout.config.head_dim}"
+            )
+    sources = {
+        lid: converted_chunks(rows, to_format, chunk_rows) for lid, rows in tables.items() if lid in layout.layer_ids
+    }
     return write_table_file(dst, layout, to_format, sources, tokenizer_fingerprint, progress=progress)

@@ -53,9 +53,19 @@ class DirectRowReader:
         checks: the tensor's recorded checksums (`TensorChecks`); None reads unchecked.
     """
 
-    def __init__(self, path: str | os.PathLike, offset: int, row_bytes: int, num_rows: int, *, threads: int = 32,
-                 identity: tuple[int, int] | None = None, direct: bool = True, source=None,
-                 checks: integrity.TensorChecks | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        offset: int,
+        row_bytes: int,
+        num_rows: int,
+        *,
+        threads: int = 32,
+        identity: tuple[int, int] | None = None,
+        direct: bool = True,
+        source=None,
+        checks: integrity.TensorChecks | None = None,
+    ):
         self.path, self.offset, self.row_bytes, self.num_rows, self.threads = path, offset, row_bytes, num_rows, threads
         self.direct, self.checks, self._file = direct, checks, None if source is None else source.file
         self.fd = -1
@@ -68,8 +78,10 @@ class DirectRowReader:
             raise StorageError(f"{path}: {exc}") from None
         except OSError as exc:
             if direct:
-                raise StorageError(f"{path}: cannot be opened with O_DIRECT ({exc.strerror or exc}); this file system "
-                                   "may not support direct reads: use the buffered disk tier (direct_io=False)") from None
+                raise StorageError(
+                    f"{path}: cannot be opened with O_DIRECT ({exc.strerror or exc}); this file system "
+                    "may not support direct reads: use the buffered disk tier (direct_io=False)"
+                ) from None
             raise StorageError(f"{path}: cannot be opened ({exc.strerror or exc})") from None
         st = os.fstat(self.fd)
         self._stamp = (st.st_size, st.st_mtime_ns)
@@ -78,8 +90,9 @@ class DirectRowReader:
             raise StorageError(f"{path} is no longer the file that was validated (replaced since it was opened)")
         if offset + row_bytes * num_rows > st.st_size:
             self.close()
-            raise StorageError(f"{path}: {num_rows:,} rows of {row_bytes} B at offset {offset:,} run past its "
-                               f"{st.st_size:,} bytes")
+            raise StorageError(
+                f"{path}: {num_rows:,} rows of {row_bytes} B at offset {offset:,} run past its {st.st_size:,} bytes"
+            )
         if not direct and hasattr(os, "POSIX_FADV_RANDOM"):
             os.posix_fadvise(self.fd, offset, row_bytes * num_rows, os.POSIX_FADV_RANDOM)
         self._crcs = None
@@ -113,11 +126,21 @@ class DirectRowReader:
         if self._verified is not None:
             self._verify_chunks(unique)
         c = self.checks
-        bad = torch.zeros(2, dtype=torch.int64)   # per call: readers may be shared by threads
-        threads = max(1, min(self.threads, -(-unique.numel() // 8)))   # the native loop hands out 8 ids at a time
+        bad = torch.zeros(2, dtype=torch.int64)  # per call: readers may be shared by threads
+        threads = max(1, min(self.threads, -(-unique.numel() // 8)))  # the native loop hands out 8 ids at a time
         if self._crcs is not None:
-            rc = native_pread_rows(self.fd, self.offset, self.row_bytes, unique, rows, threads, self._crcs,
-                                   (c.start, c.start + c.nbytes), c.block, bad)
+            rc = native_pread_rows(
+                self.fd,
+                self.offset,
+                self.row_bytes,
+                unique,
+                rows,
+                threads,
+                self._crcs,
+                (c.start, c.start + c.nbytes),
+                c.block,
+                bad,
+            )
         else:
             rc = native_pread_rows(self.fd, self.offset, self.row_bytes, unique, rows, threads)
         if rc is None:
@@ -146,9 +169,11 @@ class DirectRowReader:
             change = "it was modified (its mtime moved)"
         else:
             raise StorageError(f"{self.path}: {what}")
-        raise StorageError(f"{self.path} changed under this reader: {change} since it was opened"
-                           f"{'; ' + what if what else ''}. A served table must not be rewritten in place: write "
-                           "the new one to another name and rename it over (readers keep the old one), then reopen")
+        raise StorageError(
+            f"{self.path} changed under this reader: {change} since it was opened"
+            f"{'; ' + what if what else ''}. A served table must not be rewritten in place: write "
+            "the new one to another name and rename it over (readers keep the old one), then reopen"
+        )
 
     def _verify_chunks(self, unique: torch.Tensor) -> None:
         """Chunk digests: hash each chunk the rows touch at its first read (once per chunk)."""
@@ -172,7 +197,7 @@ class DirectRowReader:
         step = BLOCK if c is None else c.block
         size = ((self.row_bytes + 2 * step - 1) // step + 1) * step
         raw = np.empty(size + 4096, np.uint8)
-        buf = raw[(-raw.ctypes.data) % 4096:][:size]   # O_DIRECT needs an aligned buffer
+        buf = raw[(-raw.ctypes.data) % 4096 :][:size]  # O_DIRECT needs an aligned buffer
         for i, rid in enumerate(ids.tolist()):
             pos = self.offset + rid * self.row_bytes
             start = pos - pos % step
@@ -185,10 +210,10 @@ class DirectRowReader:
             if c is not None:
                 lo = max(start, c.start)
                 try:
-                    c.check(c.index(lo), buf[lo - start:end - start])
+                    c.check(c.index(lo), buf[lo - start : end - start])
                 except integrity.IntegrityMismatch as exc:
                     self._fail(f"{exc}; row {rid} was not served")
-            rows[i] = torch.from_numpy(buf[pos - start:pos - start + self.row_bytes].copy())
+            rows[i] = torch.from_numpy(buf[pos - start : pos - start + self.row_bytes].copy())
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -197,4 +222,3 @@ class DirectRowReader:
 
     def __del__(self):
         self.close()
-

@@ -152,8 +152,11 @@ class HostBuffer:
         try:
             self.close()
         except Exception as exc:  # noqa: BLE001 - reported, not swallowed
-            log.warning("host buffer of %.2f GiB released by the garbage collector failed to close: %s",
-                        self.nbytes / 2**30, exc)
+            log.warning(
+                "host buffer of %.2f GiB released by the garbage collector failed to close: %s",
+                self.nbytes / 2**30,
+                exc,
+            )
 
     def close(self) -> None:
         """Unregister, unmap, and remove a shared file this process created (unless persisted).
@@ -165,8 +168,9 @@ class HostBuffer:
             err = int(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()))
             self._registered = False
             if err != 0:
-                raise HostMemoryError(f"cudaHostUnregister of a {self.nbytes / 2**30:.2f} GiB host table failed "
-                                      f"(CUDA error {err})")
+                raise HostMemoryError(
+                    f"cudaHostUnregister of a {self.nbytes / 2**30:.2f} GiB host table failed (CUDA error {err})"
+                )
         if self._remove_on_close and self._path is not None:
             self._path.unlink(missing_ok=True)
             self._remove_on_close = False
@@ -182,8 +186,9 @@ class HostBuffer:
             self._mmap = None
 
 
-def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_name: str | None = None,
-                  persist: bool = False) -> HostBuffer:
+def allocate_host(
+    nbytes: int, strategy: HostAlloc = "mmap_register", shared_name: str | None = None, persist: bool = False
+) -> HostBuffer:
     """A host buffer of exactly `nbytes` (not yet page-locked for mmap strategies: call `pin()` after filling).
 
     Args:
@@ -223,8 +228,10 @@ def allocate_host(nbytes: int, strategy: HostAlloc = "mmap_register", shared_nam
             )
         if parse_shared_table_name(shared_name) is not None:
             if persist:
-                raise HostMemoryError(f"{shared_name}: a table-named shared file is removed by its last user; "
-                                      "persist applies to explicitly named files")
+                raise HostMemoryError(
+                    f"{shared_name}: a table-named shared file is removed by its last user; "
+                    "persist applies to explicitly named files"
+                )
             return _attach_shared_table(nbytes, shared_name)
         return _allocate_shared(nbytes, shared_name, persist)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -249,8 +256,10 @@ def _allocate_shared(nbytes: int, name: str, persist: bool) -> HostBuffer:
             vfs = os.statvfs(path.parent)
             free = vfs.f_bavail * vfs.f_frsize
             if nbytes > free:
-                raise HostMemoryError(f"a {nbytes / 2**30:.2f} GiB shared table does not fit /dev/shm: "
-                                      f"{free / 2**30:.2f} GiB free (raise its size, or use host_alloc='mmap_register')")
+                raise HostMemoryError(
+                    f"a {nbytes / 2**30:.2f} GiB shared table does not fit /dev/shm: "
+                    f"{free / 2**30:.2f} GiB free (raise its size, or use host_alloc='mmap_register')"
+                )
             try:
                 os.posix_fallocate(fd, 0, nbytes)  # reserve now: a full tmpfs later is a SIGBUS
             except OSError as exc:
@@ -262,8 +271,14 @@ def _allocate_shared(nbytes: int, name: str, persist: bool) -> HostBuffer:
         raise
     finally:
         os.close(fd)
-    return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8), "shared", pinned=False, _mmap=mm, _path=path,
-                      _remove_on_close=created and not persist)
+    return HostBuffer(
+        torch.frombuffer(mm, dtype=torch.uint8),
+        "shared",
+        pinned=False,
+        _mmap=mm,
+        _path=path,
+        _remove_on_close=created and not persist,
+    )
 
 
 SHM_DIR = Path("/dev/shm")
@@ -352,10 +367,16 @@ def _attach_shared_table(nbytes: int, name: str) -> HostBuffer:
                     head = os.pread(fd, len(record), 0)
                     if size == total and head == record:
                         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, offset=SHARED_HEADER_BYTES)
-                        return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8), "shared", pinned=False, _mmap=mm,
-                                          _path=path, _lock_fd=fd)
+                        return HostBuffer(
+                            torch.frombuffer(mm, dtype=torch.uint8),
+                            "shared",
+                            pinned=False,
+                            _mmap=mm,
+                            _path=path,
+                            _lock_fd=fd,
+                        )
                     if head.startswith(_SHARED_MAGIC) and head != record:
-                        theirs = os.pread(fd, 4096, 0)[len(_SHARED_MAGIC):].split(b"\n")[0]
+                        theirs = os.pread(fd, 4096, 0)[len(_SHARED_MAGIC) :].split(b"\n")[0]
                         raise HostMemoryError(
                             f"{path} holds {theirs.decode(errors='replace')}, not {nbytes:,} bytes: the same "
                             "fingerprint and layer with another size (two tables given one fingerprint?)"
@@ -366,8 +387,10 @@ def _attach_shared_table(nbytes: int, name: str) -> HostBuffer:
             raise
         os.close(fd)
         if time.monotonic() > deadline:
-            raise HostMemoryError(f"{path} could not be attached or taken over within 60 s: other processes keep it "
-                                  "locked while it is incomplete")
+            raise HostMemoryError(
+                f"{path} could not be attached or taken over within 60 s: other processes keep it "
+                "locked while it is incomplete"
+            )
         time.sleep(random.uniform(0.002, 0.02))  # apart from other waiters, so that one of them gets it alone
 
 
@@ -380,8 +403,10 @@ def _init_shared_table(fd: int, path: Path, record: bytes, total: int) -> None:
         vfs = os.fstatvfs(fd)
         free = vfs.f_bavail * vfs.f_frsize
         if total > free:
-            raise HostMemoryError(f"a {total / 2**30:.2f} GiB shared table does not fit /dev/shm: "
-                                  f"{free / 2**30:.2f} GiB free (raise its size, or use host_alloc='mmap_register')")
+            raise HostMemoryError(
+                f"a {total / 2**30:.2f} GiB shared table does not fit /dev/shm: "
+                f"{free / 2**30:.2f} GiB free (raise its size, or use host_alloc='mmap_register')"
+            )
         try:
             os.posix_fallocate(fd, SHARED_HEADER_BYTES, total - SHARED_HEADER_BYTES)  # a full tmpfs later: SIGBUS
         except OSError as exc:
@@ -424,8 +449,9 @@ def sweep_stale_shared(directory: Path = SHM_DIR, keep: str | None = None) -> li
             if _try_lock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
                 path.unlink(missing_ok=True)
                 removed.append(path)
-                log.warning("removed %s (%.2f GiB): a shared table whose users all died", path,
-                            os.fstat(fd).st_size / 2**30)
+                log.warning(
+                    "removed %s (%.2f GiB): a shared table whose users all died", path, os.fstat(fd).st_size / 2**30
+                )
         finally:
             os.close(fd)
     return removed
@@ -445,15 +471,18 @@ def collapse_huge_pages(buffer: HostBuffer, attempts: int = 3) -> bool:
     except OSError:
         return False
     for _ in range(attempts):
-        rc = libc.madvise(ctypes.c_void_p(buffer.tensor.data_ptr()), ctypes.c_size_t(buffer.nbytes),
-                          ctypes.c_int(MADV_COLLAPSE))
+        rc = libc.madvise(
+            ctypes.c_void_p(buffer.tensor.data_ptr()), ctypes.c_size_t(buffer.nbytes), ctypes.c_int(MADV_COLLAPSE)
+        )
         if rc == 0:
             return True
         err = ctypes.get_errno()
         if err != errno.EAGAIN:
             break
-    log.info("MADV_COLLAPSE refused (%s): huge pages only where the page faults placed them",
-             os.strerror(err) if err else "unknown")
+    log.info(
+        "MADV_COLLAPSE refused (%s): huge pages only where the page faults placed them",
+        os.strerror(err) if err else "unknown",
+    )
     return False
 
 
@@ -468,13 +497,19 @@ def report_coverage(buffer: HostBuffer, what: str) -> float | None:
     if cov is None:
         log.info("%s: huge-page coverage unknown (smaps unreadable or nothing resident)", what)
     elif cov < 0.5 and not buffer.pinned:
-        log.info("%s: %.0f%% of %.1f GiB on huge pages (read by the CPU only: not page-locked)", what, 100 * cov,
-                 buffer.nbytes / 2**30)
+        log.info(
+            "%s: %.0f%% of %.1f GiB on huge pages (read by the CPU only: not page-locked)",
+            what,
+            100 * cov,
+            buffer.nbytes / 2**30,
+        )
     elif cov < 0.5:
         log.warning(
             "%s: only %.0f%% of %.1f GiB is on huge pages: random row reads from the GPU may each cost a page-table "
             "walk (zero-copy gathers are translation-bound); prefer the CPU-gather path for this table",
-            what, 100 * cov, buffer.nbytes / 2**30,
+            what,
+            100 * cov,
+            buffer.nbytes / 2**30,
         )
     else:
         log.info("%s: %.0f%% of %.1f GiB on huge pages", what, 100 * cov, buffer.nbytes / 2**30)
@@ -491,8 +526,9 @@ def host_register(t: torch.Tensor) -> torch.Tensor:
     """
     if t.device.type != "cpu" or not t.is_contiguous():
         raise HostMemoryError("host_register needs a contiguous CPU tensor")
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
-                                               _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+    err = torch.cuda.cudart().cudaHostRegister(
+        t.data_ptr(), t.numel() * t.element_size(), _CUDA_HOST_REGISTER_PORTABLE_MAPPED
+    )
     if int(err) != 0:
         raise HostMemoryError(f"cudaHostRegister failed with error {int(err)}")
     return t

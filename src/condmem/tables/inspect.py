@@ -39,8 +39,14 @@ from condmem.tables.table_file import FORMAT_TAG, EngramTableFile, LayerRows
 from condmem.utils.progress import Progress
 
 
-def row_stats(rows: LayerRows, sample: int | None = 65536, chunk_rows: int = 1 << 16, progress: bool = False,
-              name: str = "rows", seed: int = 0) -> dict[str, Any]:
+def row_stats(
+    rows: LayerRows,
+    sample: int | None = 65536,
+    chunk_rows: int = 1 << 16,
+    progress: bool = False,
+    name: str = "rows",
+    seed: int = 0,
+) -> dict[str, Any]:
     """Scale-exponent histogram and zero / NaN / inf row counts of one layer's rows.
 
     Args:
@@ -82,8 +88,14 @@ def row_stats(rows: LayerRows, sample: int | None = 65536, chunk_rows: int = 1 <
                     release_pages(t)
         bar.update(stop - start)
     bar.close()
-    out: dict[str, Any] = {"rows_checked": total, "of_rows": n, "sampled": ids is not None,
-                           "zero_rows": zero, "nan_rows": nan, "inf_rows": inf}
+    out: dict[str, Any] = {
+        "rows_checked": total,
+        "of_rows": n,
+        "sampled": ids is not None,
+        "zero_rows": zero,
+        "nan_rows": nan,
+        "inf_rows": inf,
+    }
     if rows.format != "bf16":
         out["scale_exponents"] = {int(e): int(c) for e, c in enumerate(hist.tolist()) if c}
     return out
@@ -104,8 +116,12 @@ def _tensor_info(ckpt, name: str) -> dict[str, Any]:
 
 
 def _layout_summary(layout: EngramLayout) -> dict[str, Any]:
-    return {"layer_ids": layout.layer_ids, "num_embeddings": layout.num_embeddings,
-            "compressed_vocab_size": layout.compressed_vocab_size, "fingerprint": layout.fingerprint}
+    return {
+        "layer_ids": layout.layer_ids,
+        "num_embeddings": layout.num_embeddings,
+        "compressed_vocab_size": layout.compressed_vocab_size,
+        "fingerprint": layout.fingerprint,
+    }
 
 
 def _problems(report: dict[str, Any], problems) -> dict[str, Any]:
@@ -115,16 +131,21 @@ def _problems(report: dict[str, Any], problems) -> dict[str, Any]:
     return report
 
 
-def inspect_checkpoint(path, config=None, config_key: str | None = None, full: bool = False, sample: int = 65536,
-                       progress: bool = True) -> dict[str, Any]:
+def inspect_checkpoint(
+    path, config=None, config_key: str | None = None, full: bool = False, sample: int = 65536, progress: bool = True
+) -> dict[str, Any]:
     """The report (see the module docstring) for a released checkpoint."""
     from condmem.tables.released import CheckpointProblem, ReleasedCheckpoint
 
     ckpt = ReleasedCheckpoint(path, config, config_key=config_key)
     report: dict[str, Any] = {
-        "kind": "released checkpoint", "path": str(ckpt.path), "files": len(ckpt.files),
-        "file_bytes": sum(f.stat().st_size for f in ckpt.files), "tensor_names": ckpt.names.dialect,
-        "prefix": ckpt.names.prefix, "engram_layers_in_tensors": ckpt.layer_ids,
+        "kind": "released checkpoint",
+        "path": str(ckpt.path),
+        "files": len(ckpt.files),
+        "file_bytes": sum(f.stat().st_size for f in ckpt.files),
+        "tensor_names": ckpt.names.dialect,
+        "prefix": ckpt.names.prefix,
+        "engram_layers_in_tensors": ckpt.layer_ids,
         "config": str(ckpt.config_path) if ckpt.config_path else None,
     }
     problems = ckpt.validate()
@@ -139,7 +160,7 @@ def inspect_checkpoint(path, config=None, config_key: str | None = None, full: b
         except ValueError:
             pass  # among the problems
     layers = []
-    for lid in (ckpt.config.layer_ids if ckpt.config is not None else ckpt.layer_ids):
+    for lid in ckpt.config.layer_ids if ckpt.config is not None else ckpt.layer_ids:
         names = ckpt.tensor_names(lid)
         info: dict[str, Any] = {"layer_id": lid, "tensors": {role: _tensor_info(ckpt, n) for role, n in names.items()}}
         for t in info["tensors"].values():
@@ -152,8 +173,9 @@ def inspect_checkpoint(path, config=None, config_key: str | None = None, full: b
             rows, d = embed["shape"]
             info["rows"] = rows
             info["bytes"] = _tier_bytes(rows, d)
-            info["bytes"]["disk_as_stored"] = sum(ckpt.entry(names[k]).nbytes for k in ("embed", "embed_scale")
-                                                  if not info["tensors"][k].get("missing"))
+            info["bytes"]["disk_as_stored"] = sum(
+                ckpt.entry(names[k]).nbytes for k in ("embed", "embed_scale") if not info["tensors"][k].get("missing")
+            )
         if layout is not None:
             want = layout.layer(lid).num_embeddings
             info["rows_match_primes"] = info.get("rows") == want
@@ -161,8 +183,9 @@ def inspect_checkpoint(path, config=None, config_key: str | None = None, full: b
             if not bad_tensors & {names["embed"], names["embed_scale"]}:
                 try:  # reads the rows (and float32 scales, which must be powers of two)
                     table = ckpt.table(lid, layout)
-                    info["row_stats"] = row_stats(table, None if full else sample, progress=progress,
-                                                  name=f"layer {lid}")
+                    info["row_stats"] = row_stats(
+                        table, None if full else sample, progress=progress, name=f"layer {lid}"
+                    )
                 except ValueError as exc:
                     problems.append(CheckpointProblem("error", str(exc), names["embed_scale"], lid))
         layers.append(info)
@@ -177,26 +200,49 @@ def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: 
     table = EngramTableFile(path)
     layout = table.layout()
     report: dict[str, Any] = {
-        "kind": "condmem table file", "path": str(table.path), "format": table.format,
-        "file_bytes": Path(path).stat().st_size, "tokenizer_fingerprint": table.tokenizer_fingerprint,
-        "layout": _layout_summary(layout), "layers": [],
+        "kind": "condmem table file",
+        "path": str(table.path),
+        "format": table.format,
+        "file_bytes": Path(path).stat().st_size,
+        "tokenizer_fingerprint": table.tokenizer_fingerprint,
+        "layout": _layout_summary(layout),
+        "layers": [],
     }
     problems = []
     for lid, rows in zip(table.layer_ids, table.num_embeddings):
         want = layout.layer(lid).num_embeddings
         if rows != want:
-            problems.append(CheckpointProblem("error", f"layer {lid} of {table.path} has {rows:,} rows but its layout "
-                                              f"has {want:,} (sum of its primes)", None, lid))
-        report["layers"].append({
-            "layer_id": lid, "rows": rows, "rows_expected": want, "rows_match_primes": rows == want,
-            "bytes": _tier_bytes(rows, table.head_dim),
-            "row_stats": row_stats(table.layer(lid), None if full else sample, progress=progress, name=f"layer {lid}"),
-        })
+            problems.append(
+                CheckpointProblem(
+                    "error",
+                    f"layer {lid} of {table.path} has {rows:,} rows but its layout has {want:,} (sum of its primes)",
+                    None,
+                    lid,
+                )
+            )
+        report["layers"].append(
+            {
+                "layer_id": lid,
+                "rows": rows,
+                "rows_expected": want,
+                "rows_match_primes": rows == want,
+                "bytes": _tier_bytes(rows, table.head_dim),
+                "row_stats": row_stats(
+                    table.layer(lid), None if full else sample, progress=progress, name=f"layer {lid}"
+                ),
+            }
+        )
     return _problems(report, problems)
 
 
-def inspect_tables(path: str | os.PathLike, config=None, config_key: str | None = None, full: bool = False,
-                   sample: int = 65536, progress: bool = True) -> dict[str, Any]:
+def inspect_tables(
+    path: str | os.PathLike,
+    config=None,
+    config_key: str | None = None,
+    full: bool = False,
+    sample: int = 65536,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Report on `path`: a condmem table file, or a released checkpoint (folder or file)."""
     path = Path(path)
     if path.is_file() and read_header(path).metadata.get("format") == FORMAT_TAG:

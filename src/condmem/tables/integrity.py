@@ -97,7 +97,7 @@ def block_crcs(data, first: int, block: int, expected=None) -> Any:
     sums = np.fromiter((crc32c(view[lo:hi]) for lo, hi in bounds), np.uint32, len(bounds))
     if expected is None:
         return sums
-    bad = np.nonzero(sums != np.asarray(expected, np.uint32)[:len(sums)])[0]
+    bad = np.nonzero(sums != np.asarray(expected, np.uint32)[: len(sums)])[0]
     return int(bad[0]) if bad.size else -1
 
 
@@ -160,7 +160,7 @@ class BlockSummer:
         if len(view) >= need:
             whole = need + (len(view) - need) // self.block * self.block
             sums = block_crcs(view[:whole], need, self.block)
-            self.sums[self._k:self._k + len(sums)] = sums
+            self.sums[self._k : self._k + len(sums)] = sums
             self._k += len(sums)
             view = view[whole:]
         if len(view):
@@ -218,22 +218,33 @@ def header_digest(metadata: Mapping[str, str], tensors: Mapping[str, tuple[str, 
     Args:
         tensors: {name: (safetensors dtype name, shape, begin, end)}.
     """
-    canon = {"metadata": {k: v for k, v in sorted(metadata.items()) if k != KEY},
-             "tensors": {k: [v[0], list(v[1]), int(v[2]), int(v[3])] for k, v in sorted(tensors.items())}}
+    canon = {
+        "metadata": {k: v for k, v in sorted(metadata.items()) if k != KEY},
+        "tensors": {k: [v[0], list(v[1]), int(v[2]), int(v[3])] for k, v in sorted(tensors.items())},
+    }
     return hashlib.sha256(json.dumps(canon, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
 
 
 def placeholder_digests(sizes: Mapping[str, int], chunk_bytes: int, header: str) -> dict[str, Any]:
     """A chunk-digest record before any byte is written: every digest zero."""
-    return {"algo": DIGEST_ALGO, "chunk_bytes": chunk_bytes, "header": header,
-            "tensors": {name: [_EMPTY] * n_chunks(n, chunk_bytes) for name, n in sizes.items()}}
+    return {
+        "algo": DIGEST_ALGO,
+        "chunk_bytes": chunk_bytes,
+        "header": header,
+        "tensors": {name: [_EMPTY] * n_chunks(n, chunk_bytes) for name, n in sizes.items()},
+    }
 
 
 def placeholder_crcs(names: Iterable[str], block_bytes: int, header: str) -> dict[str, Any]:
     """A block-CRC record before any byte is written: every companion tensor's sha256 zero."""
     names = list(names)
-    return {"algo": CRC_ALGO, "block_bytes": block_bytes, "header": header,
-            "sums": {n: sums_name(n) for n in names}, "sums_sha256": {sums_name(n): _EMPTY for n in names}}
+    return {
+        "algo": CRC_ALGO,
+        "block_bytes": block_bytes,
+        "header": header,
+        "sums": {n: sums_name(n) for n in names},
+        "sums_sha256": {sums_name(n): _EMPTY for n in names},
+    }
 
 
 def encode(record: Mapping[str, Any]) -> str:
@@ -249,12 +260,19 @@ def parse(metadata: Mapping[str, str]) -> dict[str, Any] | None:
         record = json.loads(raw)
         ok = isinstance(record, dict) and isinstance(record.get("header"), str)
         if ok and record.get("algo") == DIGEST_ALGO:
-            ok = (isinstance(record["chunk_bytes"], int) and record["chunk_bytes"] > 0
-                  and isinstance(record["tensors"], dict))
+            ok = (
+                isinstance(record["chunk_bytes"], int)
+                and record["chunk_bytes"] > 0
+                and isinstance(record["tensors"], dict)
+            )
         elif ok and record.get("algo") == CRC_ALGO:
-            ok = (isinstance(record["block_bytes"], int) and record["block_bytes"] > 0
-                  and record["block_bytes"] % BLOCK_BYTES == 0 and isinstance(record["sums"], dict)
-                  and isinstance(record["sums_sha256"], dict))
+            ok = (
+                isinstance(record["block_bytes"], int)
+                and record["block_bytes"] > 0
+                and record["block_bytes"] % BLOCK_BYTES == 0
+                and isinstance(record["sums"], dict)
+                and isinstance(record["sums_sha256"], dict)
+            )
         else:
             ok = False
     except (ValueError, KeyError, TypeError):
@@ -268,11 +286,15 @@ def has_block_crcs(record: Mapping[str, Any] | None) -> bool:
     return record is not None and record["algo"] == CRC_ALGO
 
 
-def check_header(record: Mapping[str, Any], metadata: Mapping[str, str],
-                 tensors: Mapping[str, tuple[str, list[int], int, int]]) -> None:
+def check_header(
+    record: Mapping[str, Any], metadata: Mapping[str, str], tensors: Mapping[str, tuple[str, list[int], int, int]]
+) -> None:
     """Raise `IntegrityMismatch` for an incomplete write or a header that differs from the one written."""
-    digests = record["sums_sha256"].values() if has_block_crcs(record) else \
-        (d for ds in record["tensors"].values() for d in ds)
+    digests = (
+        record["sums_sha256"].values()
+        if has_block_crcs(record)
+        else (d for ds in record["tensors"].values() for d in ds)
+    )
     if any(d == _EMPTY for d in digests):
         raise IntegrityMismatch("it is an incomplete write (a temp file of an interrupted write, or a copy of one)")
     if record["header"] != header_digest(metadata, tensors):
@@ -295,8 +317,9 @@ def check_header(record: Mapping[str, Any], metadata: Mapping[str, str],
 def check_digest(name: str, data, expected: str) -> None:
     """Raise `IntegrityMismatch` unless the sha256 of `data` is `expected` (a companion tensor of CRCs)."""
     if hashlib.sha256(memoryview(data).cast("B")).hexdigest() != expected:
-        raise IntegrityMismatch(f"tensor {name!r} (block CRCs) does not match its recorded sha256: the file is "
-                                "corrupted")
+        raise IntegrityMismatch(
+            f"tensor {name!r} (block CRCs) does not match its recorded sha256: the file is corrupted"
+        )
 
 
 # --------------------------------------------------------------------------- checked reads
@@ -355,16 +378,18 @@ class TensorChecks:
             return
         while len(view):
             lo, hi = self.bounds(k)
-            if hashlib.sha256(view[:hi - lo]).hexdigest() != self.digests[k]:
+            if hashlib.sha256(view[: hi - lo]).hexdigest() != self.digests[k]:
                 raise self.mismatch(k)
-            view = view[hi - lo:]
+            view = view[hi - lo :]
             k += 1
 
     def mismatch(self, k: int) -> IntegrityMismatch:
         lo, hi = self.bounds(k)
         what = "block" if self.crcs is not None else "chunk"
-        return IntegrityMismatch(f"tensor {self.name!r}, {what} {k} (file bytes {lo:,}..{hi:,}) does not match its "
-                                 f"recorded {self.kind.upper()}: the file is corrupted")
+        return IntegrityMismatch(
+            f"tensor {self.name!r}, {what} {k} (file bytes {lo:,}..{hi:,}) does not match its "
+            f"recorded {self.kind.upper()}: the file is corrupted"
+        )
 
 
 def pread_into(fd: int, view: memoryview, offset: int) -> None:
@@ -373,8 +398,10 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
         if n == 0:
-            raise FileChanged(f"it ends at byte {offset + got:,}, before bytes it held when it was opened: it was "
-                              "truncated or rewritten since")
+            raise FileChanged(
+                f"it ends at byte {offset + got:,}, before bytes it held when it was opened: it was "
+                "truncated or rewritten since"
+            )
         got += n
 
 
@@ -388,22 +415,22 @@ def read_checked(fd: int, checks: TensorChecks | None, a: int, b: int, out: memo
     if b <= a:
         return
     if checks is None:
-        pread_into(fd, out[:b - a], a)
+        pread_into(fd, out[: b - a], a)
         return
     k_lo, k_hi = checks.index(a), checks.index(b - 1)
     full_lo = k_lo if checks.bounds(k_lo)[0] == a else k_lo + 1
     full_hi = k_hi if checks.bounds(k_hi)[1] == b else k_hi - 1
     if full_lo <= full_hi:
         lo, hi = checks.bounds(full_lo)[0], checks.bounds(full_hi)[1]
-        pread_into(fd, out[lo - a:hi - a], lo)
-        checks.check(full_lo, out[lo - a:hi - a])
+        pread_into(fd, out[lo - a : hi - a], lo)
+        checks.check(full_lo, out[lo - a : hi - a])
     for k in sorted({k_lo, k_hi} - set(range(full_lo, full_hi + 1))):
         lo, hi = checks.bounds(k)
         scratch = memoryview(bytearray(hi - lo))
         pread_into(fd, scratch, lo)
         checks.check(k, scratch)
         s, e = max(lo, a), min(hi, b)
-        out[s - a:e - a] = scratch[s - lo:e - lo]
+        out[s - a : e - a] = scratch[s - lo : e - lo]
 
 
 def pieces(checks: TensorChecks | None, a: int, b: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:

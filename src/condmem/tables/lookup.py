@@ -155,14 +155,21 @@ class LookupStats:
 class LookupHandle:
     """A lookup in flight. `wait()` returns the rows, ready on the caller's current stream."""
 
-    def __init__(self, rows: torch.Tensor, event, future: concurrent.futures.Future | None, stats: LookupStats,
-                 batch: _Batch | None = None, settle: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        event,
+        future: concurrent.futures.Future | None,
+        stats: LookupStats,
+        batch: _Batch | None = None,
+        settle: Callable[[], None] | None = None,
+    ):
         self.rows = rows
         self.event = event
         self._future = future
         self.stats = stats
         self._batch = batch
-        self._settle = settle       # the engine's: queues the expansion on the caller's thread
+        self._settle = settle  # the engine's: queues the expansion on the caller's thread
 
     def wait(self) -> torch.Tensor:
         """Rows [T, n_cols, head_dim] bf16. Blocks the host only until the CPU share is enqueued."""
@@ -174,9 +181,9 @@ class LookupHandle:
         if self.event is not None:
             stream = torch.cuda.current_stream(self.rows.device)
             stream.wait_event(self.event)
-            self.rows.record_stream(stream)   # allocated on the lookup stream, used and freed on this one
+            self.rows.record_stream(stream)  # allocated on the lookup stream, used and freed on this one
             if self._batch is not None:
-                self._batch.waited = True     # the caller's stream now waits for it: admitting it is free
+                self._batch.waited = True  # the caller's stream now waits for it: admitting it is free
         return self.rows
 
     def done(self) -> bool:
@@ -187,8 +194,9 @@ class LookupHandle:
         return self.event is None or self.event.query()
 
 
-def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int,
-                   out: torch.Tensor | None = None, **kernel) -> torch.Tensor:
+def _rows_from_raw(
+    ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int, out: torch.Tensor | None = None, **kernel
+) -> torch.Tensor:
     """bf16 rows [..., head_dim] of `ids` from raw rows (bf16 bytes, or interleaved fp8 + scales, dequantized).
 
     `kernel`: gather kernel options (e.g. ``max_programs``)."""
@@ -201,19 +209,19 @@ def _rows_from_raw(ids: torch.Tensor, raw: torch.Tensor, fmt: str, head_dim: int
 class _Batch:
     """One lookup on its way through the pipeline (GPU path)."""
 
-    plan: LookupPlan               # its plan slot: dedup, hits, misses, shares (static buffers)
-    out: torch.Tensor              # [.., head_dim] bf16 rows for the caller
-    shape: tuple                   # the row ids' shape
+    plan: LookupPlan  # its plan slot: dedup, hits, misses, shares (static buffers)
+    out: torch.Tensor  # [.., head_dim] bf16 rows for the caller
+    shape: tuple  # the row ids' shape
     stats: LookupStats
     start: float
-    planned: object = None         # event: plan done and its counts / CPU ids copied to the host
+    planned: object = None  # event: plan done and its counts / CPU ids copied to the host
     zero_copy_done: object = None  # event: the GPU share is in `plan.compact`
-    ready: object = None           # event: `out` holds the rows (recorded by `_assemble`)
-    dma_done: object = None        # event: the CPU share is on the device
+    ready: object = None  # event: `out` holds the rows (recorded by `_assemble`)
+    dma_done: object = None  # event: the CPU share is on the device
     future: concurrent.futures.Future | None = None
-    waited: bool = False           # a handle's wait() made the caller's stream wait for `ready`
-    failed: bool = False           # ids outside the table, or the send failed: nothing to admit
-    expanded: bool = False         # every GPU step queued, `ready` recorded (or failed)
+    waited: bool = False  # a handle's wait() made the caller's stream wait for `ready`
+    failed: bool = False  # ids outside the table, or the send failed: nothing to admit
+    expanded: bool = False  # every GPU step queued, `ready` recorded (or failed)
 
 
 class LookupEngine:
@@ -241,8 +249,14 @@ class LookupEngine:
             rows = handle.wait()                  # [..., head_dim] bf16 on the current stream
     """
 
-    def __init__(self, store: LayerStore, device: str | torch.device = "cpu", *, cache: RowCache | None = None,
-                 config: LookupConfig | None = None):
+    def __init__(
+        self,
+        store: LayerStore,
+        device: str | torch.device = "cpu",
+        *,
+        cache: RowCache | None = None,
+        config: LookupConfig | None = None,
+    ):
         config = config or LookupConfig()
         self.store, self.config = store, config
         self.device = torch.device(device)
@@ -250,8 +264,10 @@ class LookupEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.cache = cache
         if cache is not None and (cache.row_bytes != store.row_bytes or cache.device != self.device):
-            raise ValueError(f"cache rows ({cache.row_bytes} B on {cache.device}) do not match the store "
-                             f"({store.row_bytes} B) and device {self.device}")
+            raise ValueError(
+                f"cache rows ({cache.row_bytes} B on {cache.device}) do not match the store "
+                f"({store.row_bytes} B) and device {self.device}"
+            )
         self.on_gpu = self.device.type == "cuda"
         self._cpu_fraction = 0.5 if config.cpu_fraction == "calibrate" else float(config.cpu_fraction)
         self.cpu_threads = config.cpu_threads
@@ -263,26 +279,27 @@ class LookupEngine:
         self.staging_chunk_rows = min(config.staging_chunk_rows, max(1, store.num_rows))
         self.graphs = config.graphs and self.on_gpu
         self.max_plan_sizes = MAX_PLAN_SIZES
-        self._direct_checks = PendingIdChecks(StorageError, store.num_rows, "table", noun="row id",
-                                              hint="were these ids hashed for another layout?")
+        self._direct_checks = PendingIdChecks(
+            StorageError, store.num_rows, "table", noun="row id", hint="were these ids hashed for another layout?"
+        )
         if self.on_gpu:
             # High priority everywhere: beside a forward pass, the lookup's few short kernels
             # take the next free SMs instead of queueing behind the forward's.
-            self.stream = torch.cuda.Stream(self.device, priority=-1)            # plan: dedup, cache, ids out
+            self.stream = torch.cuda.Stream(self.device, priority=-1)  # plan: dedup, cache, ids out
             self.zero_copy_stream = torch.cuda.Stream(self.device, priority=-1)  # GPU reads of the misses
-            self.copy_stream = torch.cuda.Stream(self.device, priority=-1)       # DMAs of the CPU share
-            self.finish_stream = torch.cuda.Stream(self.device, priority=-1)     # assemble, expand
+            self.copy_stream = torch.cuda.Stream(self.device, priority=-1)  # DMAs of the CPU share
+            self.finish_stream = torch.cuda.Stream(self.device, priority=-1)  # assemble, expand
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-lookup")
         else:
             self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
             self._pool = None
-        self._settling = threading.Lock()      # handles may be waited for from other threads
-        self._sender: StagedSender | None = None   # made on the first CPU share (pinned ring)
+        self._settling = threading.Lock()  # handles may be waited for from other threads
+        self._sender: StagedSender | None = None  # made on the first CPU share (pinned ring)
         self._plans: collections.OrderedDict[int, list[LookupPlan]] = collections.OrderedDict()  # by bucket, LRU
         self._plan_next: dict[int, int] = {}
-        self._warm: set[int] = set()           # buckets whose plan slots are captured graphs
+        self._warm: set[int] = set()  # buckets whose plan slots are captured graphs
         self._eager_noted: set[int] = set()
-        self._in_flight: collections.deque[_Batch] = collections.deque()   # not yet admitted to the cache
+        self._in_flight: collections.deque[_Batch] = collections.deque()  # not yet admitted to the cache
         self._closed = False
         if config.cpu_fraction == "calibrate":
             self.calibrate()
@@ -299,7 +316,7 @@ class LookupEngine:
         if fraction == self._cpu_fraction:
             return
         self._cpu_fraction = fraction
-        if self._plans:            # plans of the old split: freed, the warmed-up ones captured again
+        if self._plans:  # plans of the old split: freed, the warmed-up ones captured again
             self._drop_plans(list(self._plans))
             self._capture(sorted(self._warm))
 
@@ -323,10 +340,11 @@ class LookupEngine:
         """Gather thread: the CPU share gathered on CPU threads and sent chunk by chunk through the
         pinned staging ring, straight into `rows` (the plan's first compact rows), on the copy
         stream; returns the event after the last send."""
-        self.copy_stream.wait_event(planned)    # the plan slot's earlier readers are done
+        self.copy_stream.wait_event(planned)  # the plan slot's earlier readers are done
         if self._sender is None:
-            self._sender = StagedSender(self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows,
-                                        ring=STAGING_RING)
+            self._sender = StagedSender(
+                self.store.row_bytes, self.device, chunk_rows=self.staging_chunk_rows, ring=STAGING_RING
+            )
         self._sender.send(self.store, ids_host, rows, self.copy_stream, self.cpu_threads)
         stats.cpu_path = self._cpu_path(self._sender.uses_native(self.store))
         done = torch.cuda.Event()
@@ -348,8 +366,12 @@ class LookupEngine:
             stats.seconds = time.perf_counter() - start
             return LookupHandle(rows, None, None, stats)
         if row_ids.numel() == 0:
-            return LookupHandle(torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16,
-                                            device=self.device), None, None, stats)
+            return LookupHandle(
+                torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device),
+                None,
+                None,
+                stats,
+            )
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         row_ids.record_stream(self.stream)
         if self._direct(row_ids.numel()):
@@ -360,7 +382,7 @@ class LookupEngine:
         with torch.cuda.stream(self.stream):
             self._admit_fetched()
             batch = self._plan(row_ids, stats, start)
-        batch.future = self._pool.submit(self._finish, batch)   # done (or failed) once the DMAs are queued
+        batch.future = self._pool.submit(self._finish, batch)  # done (or failed) once the DMAs are queued
         self._in_flight.append(batch)
         return LookupHandle(batch.out, batch.ready, batch.future, stats, batch, functools.partial(self._settle, batch))
 
@@ -372,7 +394,7 @@ class LookupEngine:
             return
         concurrent.futures.wait([batch.future])
         with self._settling:
-            if batch.expanded:                  # another waiter queued it
+            if batch.expanded:  # another waiter queued it
                 return
             if batch.future.exception() is not None:
                 batch.failed = True
@@ -441,8 +463,9 @@ class LookupEngine:
         the next `wait()` or `lookup()` once known, or here (``block=True`` waits for it)."""
         self._direct_checks.raise_pending(block=block)
 
-    def gather_into(self, row_ids: torch.Tensor, out: torch.Tensor | None = None, *,
-                    max_programs: int | None = None) -> torch.Tensor:
+    def gather_into(
+        self, row_ids: torch.Tensor, out: torch.Tensor | None = None, *, max_programs: int | None = None
+    ) -> torch.Tensor:
         """The direct path on the current stream: rows [..., head_dim] bf16 read from the table in place.
 
         One kernel, no host work: what a CUDA graph captures (`GraphedDecoder` with a
@@ -452,8 +475,9 @@ class LookupEngine:
         """
         if not self.store.gpu_readable:
             raise ValueError(f"a {self.store.tier} store cannot be read by the GPU in place; use lookup()")
-        return _rows_from_raw(row_ids, self.store.raw, self.store.format, self.store.head_dim, out,
-                              max_programs=max_programs)
+        return _rows_from_raw(
+            row_ids, self.store.raw, self.store.format, self.store.head_dim, out, max_programs=max_programs
+        )
 
     def _split_fraction(self) -> float:
         """Share of the misses the CPU gathers: what the store fixes (none from HBM, all when the
@@ -480,9 +504,8 @@ class LookupEngine:
         """
         if not self.graphs:
             return
-        buckets = {plan_bucket(n) for n in sizes
-                   if n > 0 and not self._direct(n)}
-        self._drop_plans([])                  # idle: nothing in flight, every stream run past
+        buckets = {plan_bucket(n) for n in sizes if n > 0 and not self._direct(n)}
+        self._drop_plans([])  # idle: nothing in flight, every stream run past
         self._warm |= buckets
         self._capture(sorted(buckets))
 
@@ -501,8 +524,16 @@ class LookupEngine:
         self.stream.synchronize()
 
     def _new_plan(self, n: int) -> LookupPlan:
-        return LookupPlan(n, self.store.row_bytes, self.store.num_rows, self.device, self.cache,
-                          self._split_fraction(), REGION_BYTES, pin=self.on_gpu)
+        return LookupPlan(
+            n,
+            self.store.row_bytes,
+            self.store.num_rows,
+            self.device,
+            self.cache,
+            self._split_fraction(),
+            REGION_BYTES,
+            pin=self.on_gpu,
+        )
 
     def _drop_plans(self, sizes: list[int]) -> None:
         """Free the plan slots of these sizes, once no lookup uses them: every lookup in flight
@@ -525,12 +556,14 @@ class LookupEngine:
         if ring is None:
             cold = [size for size in self._plans if size not in self._warm]
             if len(cold) >= self.max_plan_sizes:
-                self._drop_plans(cold[:1])   # the least recently used size that was not warmed up
+                self._drop_plans(cold[:1])  # the least recently used size that was not warmed up
             ring = self._plans[n] = []
             if self.graphs and n not in self._eager_noted:
                 self._eager_noted.add(n)
-                log.info("lookups of %d ids run their plan kernel by kernel: warm_up() that size for one "
-                         "CUDA graph replay", n)
+                log.info(
+                    "lookups of %d ids run their plan kernel by kernel: warm_up() that size for one CUDA graph replay",
+                    n,
+                )
         else:
             self._plans.move_to_end(n)
         k = self._plan_next.get(n, 0)
@@ -548,8 +581,9 @@ class LookupEngine:
         plan.run()
         out = torch.empty((*row_ids.shape, self.store.head_dim), dtype=torch.bfloat16, device=self.device)
         out.record_stream(self.finish_stream)
-        batch = _Batch(plan, out, tuple(row_ids.shape), stats, start, planned=torch.cuda.Event(),
-                       ready=torch.cuda.Event())
+        batch = _Batch(
+            plan, out, tuple(row_ids.shape), stats, start, planned=torch.cuda.Event(), ready=torch.cuda.Event()
+        )
         batch.planned.record(self.stream)
         if plan.gpu_share:
             n = plan.n
@@ -557,8 +591,13 @@ class LookupEngine:
                 self.zero_copy_stream.wait_event(batch.planned)
                 # Each row goes straight to its compact row (one kernel, HBM or zero-copy host);
                 # padding (row n, past compact[:n]) reads and stores nothing.
-                move_rows(self.store.raw, plan.gpu_ids[:n], plan.compact[:n], plan.gpu_dst[:n],
-                          max_programs=None if self.store.in_device_memory else ZERO_COPY_PROGRAMS)
+                move_rows(
+                    self.store.raw,
+                    plan.gpu_ids[:n],
+                    plan.compact[:n],
+                    plan.gpu_dst[:n],
+                    max_programs=None if self.store.in_device_memory else ZERO_COPY_PROGRAMS,
+                )
                 batch.zero_copy_done = torch.cuda.Event()
                 batch.zero_copy_done.record(self.zero_copy_stream)
         if not plan.cpu_share:
@@ -591,7 +630,7 @@ class LookupEngine:
         and measured slower."""
         plan = batch.plan
         with torch.cuda.device(self.device):
-            batch.planned.synchronize()                   # counts and CPU ids are on the host
+            batch.planned.synchronize()  # counts and CPU ids are on the host
             counts = dict(zip(COUNT_NAMES, plan.host[:N_COUNTS].tolist()))
             stats = batch.stats
             stats.unique, stats.hits = counts["n_unique"], counts["n_unique"] - counts["n_miss"]
@@ -599,13 +638,17 @@ class LookupEngine:
             if counts["bad"]:
                 batch.failed = True
                 if plan.cpu_share:
-                    self._assemble(batch, expand=False)   # `ready` still orders the slot's reuse
+                    self._assemble(batch, expand=False)  # `ready` still orders the slot's reuse
                     batch.expanded = True
                 bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
                 raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
             if plan.cpu_share and counts["n_cpu"]:
-                batch.dma_done = self._cpu_share(plan.host[N_COUNTS:N_COUNTS + counts["n_cpu"]],
-                                                 plan.compact[: counts["n_cpu"]], batch.planned, stats)
+                batch.dma_done = self._cpu_share(
+                    plan.host[N_COUNTS : N_COUNTS + counts["n_cpu"]],
+                    plan.compact[: counts["n_cpu"]],
+                    batch.planned,
+                    stats,
+                )
         stats.seconds = time.perf_counter() - batch.start
 
     def _lookup_sync(self, row_ids: torch.Tensor, stats: LookupStats) -> torch.Tensor:
@@ -620,8 +663,8 @@ class LookupEngine:
         if counts["bad"]:
             bad = counts["min_id"] if counts["min_id"] < 0 else counts["max_id"]
             raise StorageError(f"row id {bad} outside the table's 0..{self.store.num_rows - 1}")
-        if n_cpu:   # straight into the plan's first compact rows
-            self.store.gather_raw(plan.host[N_COUNTS:N_COUNTS + n_cpu], out=plan.compact[:n_cpu])
+        if n_cpu:  # straight into the plan's first compact rows
+            self.store.gather_raw(plan.host[N_COUNTS : N_COUNTS + n_cpu], out=plan.compact[:n_cpu])
             stats.cpu_path = self._cpu_path(False)
         out = self._expand(plan.compact, plan.rows_index[: row_ids.numel()].view(row_ids.shape))
         if self.cache is not None:
@@ -641,8 +684,14 @@ class LookupEngine:
         torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / max(1, len(batches))
 
-    def calibrate(self, n_ids: int = 1 << 18, candidates: tuple[float, ...] | None = None, seed: int = 0,
-                  sample: list[torch.Tensor] | None = None, refine: int = 3) -> float:
+    def calibrate(
+        self,
+        n_ids: int = 1 << 18,
+        candidates: tuple[float, ...] | None = None,
+        seed: int = 0,
+        sample: list[torch.Tensor] | None = None,
+        refine: int = 3,
+    ) -> float:
         """Pick `cpu_fraction` for a host store from measurements; returns the chosen fraction.
 
         Each candidate split is timed on a pipeline of lookups (the CPU gather, its DMAs and
@@ -667,10 +716,13 @@ class LookupEngine:
             return self.cpu_fraction
         if sample is None:
             gen = torch.Generator(device="cpu").manual_seed(seed)
-            warm = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device)
-                    for _ in range(self.max_in_flight)]
-            timed = [torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device)
-                     for _ in range(4)] * 2
+            warm = [
+                torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device)
+                for _ in range(self.max_in_flight)
+            ]
+            timed = [
+                torch.randint(0, self.store.num_rows, (n_ids,), generator=gen).to(self.device) for _ in range(4)
+            ] * 2
             cache, self.cache = self.cache, None
         else:
             if len(sample) < 2:
@@ -678,14 +730,14 @@ class LookupEngine:
             half = len(sample) // 2
             warm, timed, cache = sample[:half], sample[half:], self.cache
         warmed = set(self._warm)
-        self._drop_plans(list(self._plans))            # plans are remade with the cache in use here
-        self.warm_up({ids.numel() for ids in warm + timed})    # timed as it will run: graphs
+        self._drop_plans(list(self._plans))  # plans are remade with the cache in use here
+        self.warm_up({ids.numel() for ids in warm + timed})  # timed as it will run: graphs
 
         def timed_at(f: float) -> float:
-            self.cpu_fraction = f                      # plans of this split, captured again
+            self.cpu_fraction = f  # plans of this split, captured again
             if self.cache is not None:
                 self.cache.clear()
-            self._seconds_pipelined(warm)              # staging, the split's shapes, the cache
+            self._seconds_pipelined(warm)  # staging, the split's shapes, the cache
             seconds = self._seconds_pipelined(timed)
             self.flush()
             return seconds
@@ -699,11 +751,15 @@ class LookupEngine:
         self._cpu_fraction = min(results, key=results.get)
         self._capture(sorted(warmed))
         again = {f: t for f, t in results.items() if t < first[f]}
-        log.info("lookup split calibrated on %s: %s -> cpu_fraction %.2f%s",
-                 "the caller's sample" if sample is not None else f"{n_ids} random ids",
-                 ", ".join(f"{f:.2f}: {t * 1e3:.2f} ms" for f, t in first.items()), self.cpu_fraction,
-                 (" (faster when timed again: " + ", ".join(f"{f:.2f}: {t * 1e3:.2f} ms" for f, t in again.items())
-                  + ")") if again else "")
+        log.info(
+            "lookup split calibrated on %s: %s -> cpu_fraction %.2f%s",
+            "the caller's sample" if sample is not None else f"{n_ids} random ids",
+            ", ".join(f"{f:.2f}: {t * 1e3:.2f} ms" for f, t in first.items()),
+            self.cpu_fraction,
+            (" (faster when timed again: " + ", ".join(f"{f:.2f}: {t * 1e3:.2f} ms" for f, t in again.items()) + ")")
+            if again
+            else "",
+        )
         self.calibration = results
         return self.cpu_fraction
 
@@ -742,13 +798,14 @@ def run_pipelined(engine: LookupEngine, batches: list[torch.Tensor], depth: int 
     return handles
 
 
-def time_candidates(time_at: Callable[[float], float], candidates: tuple[float, ...],
-                    refine: int) -> tuple[dict[float, float], dict[float, float]]:
+def time_candidates(
+    time_at: Callable[[float], float], candidates: tuple[float, ...], refine: int
+) -> tuple[dict[float, float], dict[float, float]]:
     """`time_at` of every candidate in turn, then of the `refine` fastest again (the slowest of
     them first); returns the first pass's times and each candidate's best time
     (`LookupEngine.calibrate` keeps the fastest)."""
     first = {f: time_at(f) for f in candidates}
     best = dict(first)
-    for f in sorted(first, key=first.get)[:max(0, refine)][::-1]:
+    for f in sorted(first, key=first.get)[: max(0, refine)][::-1]:
         best[f] = min(best[f], time_at(f))
     return first, best

@@ -45,14 +45,19 @@ def as_words(raw: torch.Tensor) -> torch.Tensor | None:
     return None if words.dtype == torch.uint8 else words
 
 
-def move_rows(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor,
-              max_programs: int | None = None) -> None:
+def move_rows(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    max_programs: int | None = None,
+) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]`` (raw uint8 rows) for every i whose destination is
     inside `dst`; the others (padding) store nothing, and read nothing when their source index
     is -1. One kernel on CUDA, no host sync; `max_programs` caps its grid."""
     if src.shape[-1] != dst.shape[-1]:
         raise ValueError(f"move_rows: source rows of {src.shape[-1]} B, destination rows of {dst.shape[-1]} B")
-    src_words, dst_words = as_words(src), as_words(dst)   # same row size: same dtype
+    src_words, dst_words = as_words(src), as_words(dst)  # same row size: same dtype
     if src_words is not None:
         engram_gather(src_index, src_words, out=dst_words, out_index=dst_index, max_programs=max_programs)
         return
@@ -88,13 +93,13 @@ def dedup_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     sorted_ids, perm = torch.sort(ids)
     first = torch.ones(n, dtype=torch.bool, device=ids.device)
     first[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    rank = torch.cumsum(first, 0) - 1                      # unique index of each sorted id
+    rank = torch.cumsum(first, 0) - 1  # unique index of each sorted id
     inverse = torch.empty_like(rank)
     inverse.scatter_(0, perm, rank)
     uniq = torch.full((n + 1,), PAD_ID, dtype=ids.dtype, device=ids.device)
     # Repeats write their id to the spare entry n, reset to padding after.
     uniq.scatter_(0, torch.where(first, rank, n), sorted_ids)
-    uniq[n:].fill_(PAD_ID)      # (fill_, not item assignment: no host tensor copied in a graph)
+    uniq[n:].fill_(PAD_ID)  # (fill_, not item assignment: no host tensor copied in a graph)
     return uniq, inverse, rank[-1:] + 1
 
 
@@ -112,8 +117,9 @@ def compact_padded(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.T
     return pos, running[-1:]
 
 
-def split_by_density(miss_ids: torch.Tensor, row_bytes: int, region_bytes: int, n_cpu: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def split_by_density(
+    miss_ids: torch.Tensor, row_bytes: int, region_bytes: int, n_cpu: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (into the sorted `miss_ids`) of the zero-copy share and of the CPU share.
 
     The plain version of the split: the engine runs `lookup_plan.split_padded`, its padded,
@@ -142,8 +148,9 @@ def split_by_density(miss_ids: torch.Tensor, row_bytes: int, region_bytes: int, 
     return order[:n_gpu].sort().values, order[n_gpu:].sort().values
 
 
-def split_padded(miss_ids: torch.Tensor, n_miss: torch.Tensor, row_bytes: int, region_bytes: int,
-                 fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_padded(
+    miss_ids: torch.Tensor, n_miss: torch.Tensor, row_bytes: int, region_bytes: int, fraction: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The density split of `split_by_density` on padded misses, without a host sync.
 
     `miss_ids` [N + 1]: sorted missed ids then `PAD_ID`. The CPU takes round(n_miss *
@@ -177,7 +184,7 @@ def split_padded(miss_ids: torch.Tensor, n_miss: torch.Tensor, row_bytes: int, r
     sel = torch.sort(group * (n + 1) + order).values % (n + 1)
     gpu_sel = torch.full((n + 1,), n, dtype=torch.int64, device=dev)
     gpu_sel[:n] = torch.where(r < n_gpu, sel, n)
-    shifted = sel.gather(0, (r + n_gpu).clamp(max=n - 1))    # the CPU share starts at n_gpu
+    shifted = sel.gather(0, (r + n_gpu).clamp(max=n - 1))  # the CPU share starts at n_gpu
     cpu_sel = torch.full((n + 1,), n, dtype=torch.int64, device=dev)
     cpu_sel[:n] = torch.where(r < n_cpu, shifted, n)
     return gpu_sel, cpu_sel, n_gpu, n_cpu
@@ -203,11 +210,20 @@ class LookupPlan:
     only the counts cross). `admit()` queues the misses' admission to the cache (also a graph).
     """
 
-    def __init__(self, n: int, row_bytes: int, num_rows: int, device: torch.device, cache: RowCache | None,
-                 fraction: float, region_bytes: int, pin: bool):
+    def __init__(
+        self,
+        n: int,
+        row_bytes: int,
+        num_rows: int,
+        device: torch.device,
+        cache: RowCache | None,
+        fraction: float,
+        region_bytes: int,
+        pin: bool,
+    ):
         self.n, self.row_bytes, self.num_rows = n, row_bytes, num_rows
         self.cache, self.fraction, self.region_bytes = cache, fraction, region_bytes
-        self.gpu_share = fraction < 1.0    # else no GPU share (and for fraction 0, no CPU share)
+        self.gpu_share = fraction < 1.0  # else no GPU share (and for fraction 0, no CPU share)
         self.cpu_share = fraction > 0.0
         self.ids = torch.empty(n, dtype=torch.int64, device=device)
         self.compact = torch.empty((n + 1, row_bytes), dtype=torch.uint8, device=device)
@@ -230,8 +246,9 @@ class LookupPlan:
             miss = valid
         self.miss_pos, n_miss = compact_padded(miss, fill=n)
         self.miss_ids = uniq.index_select(0, self.miss_pos)
-        gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(self.miss_ids, n_miss, self.row_bytes, self.region_bytes,
-                                                      self.fraction)
+        gpu_sel, cpu_sel, n_gpu, n_cpu = split_padded(
+            self.miss_ids, n_miss, self.row_bytes, self.region_bytes, self.fraction
+        )
         self.gpu_ids = self.miss_ids.index_select(0, gpu_sel)
         gpu_pos = self.miss_pos.index_select(0, gpu_sel)
         cpu_pos = self.miss_pos.index_select(0, cpu_sel)
@@ -239,7 +256,7 @@ class LookupPlan:
         # order), then the other unique ids in order. A permutation of 0..n-1, found by one
         # prefix sum: no sort, no sync.
         is_cpu = torch.zeros(n + 1, dtype=torch.bool, device=dev)
-        is_cpu.index_fill_(0, cpu_pos[:n], True)      # (padding marks entry n)
+        is_cpu.index_fill_(0, cpu_pos[:n], True)  # (padding marks entry n)
         is_cpu = is_cpu[:n]
         cpu_before = torch.cumsum(is_cpu, 0) - is_cpu.long()
         u = torch.arange(n, device=dev)
@@ -260,7 +277,7 @@ class LookupPlan:
 
     def _admit(self) -> None:
         ids = self.miss_ids[: self.n]
-        rows = self.row_of.index_select(0, self.miss_pos[: self.n])   # padding: row N, the spare
+        rows = self.row_of.index_select(0, self.miss_pos[: self.n])  # padding: row N, the spare
         self.cache.admit_rows(ids, self.compact, valid=ids >= 0, row_index=rows, return_slots=False)
 
     # ------------------------------------------------------------------ running
@@ -281,7 +298,7 @@ class LookupPlan:
         self._graphs["plan"] = graph = torch.cuda.CUDAGraph()
         with capture(graph, torch.cuda.current_stream(self.ids.device)):
             self._plan()
-        graph.replay()                  # the captured buffers now hold the padding's plan
+        graph.replay()  # the captured buffers now hold the padding's plan
         if self.cache is not None:
             self._admit()
             self._graphs["admit"] = graph = torch.cuda.CUDAGraph()

@@ -124,7 +124,9 @@ def detect_names(names, where: str, dialect: str | None = None) -> TensorNames:
         raise ReleasedCheckpointError(f"no Engram tensors ('...layers.<L>.engram.*') in {where}")
     prefixes = sorted({m["prefix"] for m in hits})
     if len(prefixes) > 1:
-        raise ReleasedCheckpointError(f"Engram tensors under several prefixes {prefixes} in {where}: which is the model?")
+        raise ReleasedCheckpointError(
+            f"Engram tensors under several prefixes {prefixes} in {where}: which is the model?"
+        )
     rests = {m["rest"] for m in hits}
     original = any(r.endswith(".scale") for r in rests)
     hf = any(r.endswith(".weight_scale_inv") for r in rests)
@@ -175,13 +177,14 @@ def e8m0_bytes(scales: torch.Tensor, what: str) -> torch.Tensor:
     bits = scales.contiguous().view(torch.int32)
     nan = torch.isnan(scales)
     normal = (bits & 0x807FFFFF) == 0  # sign and mantissa clear
-    subnormal = bits == 0x00400000     # 2**-127, e8m0's e = 0
+    subnormal = bits == 0x00400000  # 2**-127, e8m0's e = 0
     exponent = (bits >> 23) & 0xFF
     ok = nan | (normal & (exponent > 0) & (exponent < 255)) | subnormal
     if not bool(ok.all()):
         bad = scales.flatten()[int((~ok).flatten().nonzero()[0])]
-        raise ReleasedCheckpointError(f"{what} holds {float(bad)!r}, which is not a power of two: no e8m0 exponent "
-                                      "represents it")
+        raise ReleasedCheckpointError(
+            f"{what} holds {float(bad)!r}, which is not a power of two: no e8m0 exponent represents it"
+        )
     out = torch.where(subnormal, torch.zeros_like(exponent), exponent)
     return torch.where(nan, torch.full_like(out, 255), out).to(torch.uint8)
 
@@ -207,8 +210,14 @@ class ReleasedCheckpoint:
         ConfigError: the config cannot be read, or disagrees with the tensors.
     """
 
-    def __init__(self, path: str | os.PathLike, config: EngramConfig | str | os.PathLike | None = None, *,
-                 config_key: str | None = None, dialect: str | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        config: EngramConfig | str | os.PathLike | None = None,
+        *,
+        config_key: str | None = None,
+        dialect: str | None = None,
+    ):
         self.path = Path(path)
         self.files, weight_map = checkpoint_files(self.path)
         self.headers: dict[str, Header] = {}
@@ -216,8 +225,9 @@ class ReleasedCheckpoint:
             header = read_header(file)
             for name in list(header.tensors) + list(header.other):
                 if name in self.headers:
-                    raise ReleasedCheckpointError(f"tensor {name} is in two shards: {self.headers[name].path.name} "
-                                                  f"and {file.name}")
+                    raise ReleasedCheckpointError(
+                        f"tensor {name} is in two shards: {self.headers[name].path.name} and {file.name}"
+                    )
                 self.headers[name] = header
         self.names = detect_names(self.headers, str(self.path), dialect)
         if weight_map is not None:
@@ -235,15 +245,18 @@ class ReleasedCheckpoint:
                 continue  # the rest of the model is not ours to vet
             header = self.headers.get(name)
             if header is None:
-                raise ReleasedCheckpointError(f"tensor {name} is listed in {index.name} under {file} but {file} "
-                                              "does not hold it")
+                raise ReleasedCheckpointError(
+                    f"tensor {name} is listed in {index.name} under {file} but {file} does not hold it"
+                )
             if header.path.name != Path(file).name:
-                raise ReleasedCheckpointError(f"tensor {name} is listed in {index.name} under {file} but lies in "
-                                              f"{header.path.name}")
+                raise ReleasedCheckpointError(
+                    f"tensor {name} is listed in {index.name} under {file} but lies in {header.path.name}"
+                )
         unlisted = [n for n in self.headers if _ENGRAM_NAME.match(n) and n not in weight_map]
         if unlisted:
-            raise ReleasedCheckpointError(f"tensor {unlisted[0]} lies in {self.headers[unlisted[0]].path.name} but "
-                                          f"{index.name} does not list it")
+            raise ReleasedCheckpointError(
+                f"tensor {unlisted[0]} lies in {self.headers[unlisted[0]].path.name} but {index.name} does not list it"
+            )
 
     def _read_config(self, config, key: str | None) -> EngramConfig | None:
         if isinstance(config, EngramConfig):
@@ -261,8 +274,10 @@ class ReleasedCheckpoint:
         """The config; `ConfigError` when there is none (released checkpoints need one for the layout)."""
         if self.config is None:
             where = self.path if self.path.is_dir() else self.path.parent
-            raise ConfigError(f"no config.json in {where}: the checkpoint's tensors do not record the hash layout; "
-                              "pass config= (a config.json or an EngramConfig)")
+            raise ConfigError(
+                f"no config.json in {where}: the checkpoint's tensors do not record the hash layout; "
+                "pass config= (a config.json or an EngramConfig)"
+            )
         return self.config
 
     def module_config(self) -> EngramConfig:
@@ -271,11 +286,15 @@ class ReleasedCheckpoint:
         if self._backbone is None:
             config = self.resolve_backbone(self.require_config())
             if config.rms_norm_eps is None:
-                raise ConfigError(f"{self.config_path or 'the config'} states no rms_norm_eps, and no tensor records "
-                                  "it: pass a config that states it")
+                raise ConfigError(
+                    f"{self.config_path or 'the config'} states no rms_norm_eps, and no tensor records "
+                    "it: pass a config that states it"
+                )
             if config.short_conv:
-                raise ConfigError(f"{self.config_path or 'the config'}: engram_short_conv is set, but released "
-                                  "checkpoints carry no ShortConv weights to load")
+                raise ConfigError(
+                    f"{self.config_path or 'the config'}: engram_short_conv is set, but released "
+                    "checkpoints carry no ShortConv weights to load"
+                )
             self._backbone = config
         return self._backbone
 
@@ -298,33 +317,43 @@ class ReleasedCheckpoint:
         if header is None:
             layer = _ENGRAM_NAME.match(name)
             ours = self.tensor_names(int(layer["layer"])) if layer else {}
-            hint = f" (this checkpoint names its Engram tensors like {ours['embed']})" \
-                if layer and name not in ours.values() else ""
+            hint = (
+                f" (this checkpoint names its Engram tensors like {ours['embed']})"
+                if layer and name not in ours.values()
+                else ""
+            )
             raise ReleasedCheckpointError(f"tensor {name} not found in {self.path}{hint}")
         if name in header.other:
-            raise ReleasedCheckpointError(f"tensor {name} in {header.path} is {header.other[name]}, a dtype torch cannot "
-                                          "read")
+            raise ReleasedCheckpointError(
+                f"tensor {name} in {header.path} is {header.other[name]}, a dtype torch cannot read"
+            )
         return header.tensors[name]
 
-    def _map(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None,
-             what: str) -> torch.Tensor:
+    def _map(
+        self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None, what: str
+    ) -> torch.Tensor:
         self._check_entry(name, dtypes, shape, what)
         return mmap_tensor(self.headers[name], name)
 
-    def _check_entry(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None,
-                     what: str) -> TensorEntry:
+    def _check_entry(
+        self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None, what: str
+    ) -> TensorEntry:
         entry = self.entry(name)
         if entry.dtype not in dtypes:
-            raise ReleasedCheckpointError(f"tensor {name} in {self.where(name)} is {entry.dtype}; {what} must be "
-                                          f"{' or '.join(str(d).replace('torch.', '') for d in dtypes)}")
+            raise ReleasedCheckpointError(
+                f"tensor {name} in {self.where(name)} is {entry.dtype}; {what} must be "
+                f"{' or '.join(str(d).replace('torch.', '') for d in dtypes)}"
+            )
         if shape is not None and entry.shape != tuple(shape):
-            raise ReleasedCheckpointError(f"tensor {name} in {self.where(name)} is {list(entry.shape)}; {what} must be "
-                                          f"{list(shape)}")
+            raise ReleasedCheckpointError(
+                f"tensor {name} in {self.where(name)} is {list(entry.shape)}; {what} must be {list(shape)}"
+            )
         return entry
 
     # ------------------------------------------------------------------ validation
-    def check_tensor(self, layer_id: int, role: str, layout: EngramLayout | None = None,
-                     backbone: EngramConfig | None = None) -> TensorEntry:
+    def check_tensor(
+        self, layer_id: int, role: str, layout: EngramLayout | None = None, backbone: EngramConfig | None = None
+    ) -> TensorEntry:
         """One Engram tensor's header entry, after checking its presence, dtype and shape.
 
         This is the one place that decides whether a tensor is loadable: the loaders call it
@@ -346,28 +375,37 @@ class ReleasedCheckpoint:
             d = geometry.head_dim
             if role == "embed":
                 if len(entry.shape) != 2 or entry.shape[1] != d:
-                    raise ReleasedCheckpointError(f"tensor {name} in {where} is {list(entry.shape)}; table rows must "
-                                                  f"be [rows, head_dim={d}]")
+                    raise ReleasedCheckpointError(
+                        f"tensor {name} in {where} is {list(entry.shape)}; table rows must be [rows, head_dim={d}]"
+                    )
                 rows = layout.layer(layer_id).num_embeddings if layout is not None else None
                 if rows is not None and entry.shape[0] != rows:
                     raise TableMismatchError(
                         f"tensor {name} in {where} has {entry.shape[0]:,} rows but layer {layer_id} of this layout "
-                        f"has {rows:,} (sum of its primes): the config's geometry does not match the checkpoint")
+                        f"has {rows:,} (sum of its primes): the config's geometry does not match the checkpoint"
+                    )
                 return entry
             if layout is not None:
-                return self._check_entry(name, dtypes, (layout.layer(layer_id).num_embeddings, d // FP8_SCALE_BLOCK),
-                                         what)
+                return self._check_entry(
+                    name, dtypes, (layout.layer(layer_id).num_embeddings, d // FP8_SCALE_BLOCK), what
+                )
             if len(entry.shape) != 2 or entry.shape[1] != d // FP8_SCALE_BLOCK:
-                raise ReleasedCheckpointError(f"tensor {name} in {where} is {list(entry.shape)}; {what} must be "
-                                              f"[rows, {d // FP8_SCALE_BLOCK}]")
+                raise ReleasedCheckpointError(
+                    f"tensor {name} in {where} is {list(entry.shape)}; {what} must be [rows, {d // FP8_SCALE_BLOCK}]"
+                )
             return entry
         if backbone is None:
             return self._check_entry(name, dtypes, None, what)
         c = backbone
         wkv_shape = ((c.hc_mult + 1) * c.hidden_size, c.engram_dim)
         if role == "wkv":
-            return self._check_entry(name, dtypes, wkv_shape, f"wkv ([(hc_mult+1)*hidden_size, n_cols*head_dim] = "
-                                     f"[({c.hc_mult}+1)*{c.hidden_size}, {c.n_cols}*{c.head_dim}])")
+            return self._check_entry(
+                name,
+                dtypes,
+                wkv_shape,
+                f"wkv ([(hc_mult+1)*hidden_size, n_cols*head_dim] = "
+                f"[({c.hc_mult}+1)*{c.hidden_size}, {c.n_cols}*{c.head_dim}])",
+            )
         if role == "wkv_scale":
             entry = self._check_entry(name, dtypes, None, what)
             try:
@@ -416,17 +454,30 @@ class ReleasedCheckpoint:
         for lid in layer_ids:
             names = self.tensor_names(lid)
             for role in ROLES:
-                entry = attempt(lambda lid=lid, role=role: self.check_tensor(lid, role, layout, backbone),
-                                names[role], lid)
+                entry = attempt(
+                    lambda lid=lid, role=role: self.check_tensor(lid, role, layout, backbone), names[role], lid
+                )
                 if role == "embed_scale" and entry is not None and entry.dtype == torch.float32:
-                    problems.append(CheckpointProblem(
-                        "warning", f"tensor {names[role]} in {self.where(names[role])}: float32 scales, converted to "
-                        "e8m0 bytes in memory on load (each must be a power of two)", names[role], lid))
+                    problems.append(
+                        CheckpointProblem(
+                            "warning",
+                            f"tensor {names[role]} in {self.where(names[role])}: float32 scales, converted to "
+                            "e8m0 bytes in memory on load (each must be a power of two)",
+                            names[role],
+                            lid,
+                        )
+                    )
         if self.config is not None:
             for lid in sorted(set(self.layer_ids) - set(self.config.layer_ids)):
-                problems.append(CheckpointProblem(
-                    "warning", f"the tensors hold Engram layer {lid}, which {self.config_path or 'the config'} does "
-                    f"not list (its Engram layers: {self.config.layer_ids}): it is not loaded", None, lid))
+                problems.append(
+                    CheckpointProblem(
+                        "warning",
+                        f"the tensors hold Engram layer {lid}, which {self.config_path or 'the config'} does "
+                        f"not list (its Engram layers: {self.config.layer_ids}): it is not loaded",
+                        None,
+                        lid,
+                    )
+                )
         return problems
 
     # ------------------------------------------------------------------ backbone dims
@@ -440,8 +491,10 @@ class ReleasedCheckpoint:
         name = self.tensor_names(lid)["q_weight"]
         entry = self.entry(name)
         if len(entry.shape) != 2:
-            raise ReleasedCheckpointError(f"tensor {name} in {self.where(name)} is {list(entry.shape)}; q_weight must "
-                                          "be 2-D [hc_mult, hidden_size]")
+            raise ReleasedCheckpointError(
+                f"tensor {name} in {self.where(name)} is {list(entry.shape)}; q_weight must "
+                "be 2-D [hc_mult, hidden_size]"
+            )
         hc, dim = entry.shape
         source = self.config_path or "the config"
         changes = {}
@@ -450,8 +503,10 @@ class ReleasedCheckpoint:
                 log.info("%s states no %s: taking %d from %s", source, field, found, name)
                 changes[field] = found
             elif stated != found:
-                raise ConfigError(f"{source} says {field} = {stated} but tensor {name} in {self.where(name)} is "
-                                  f"{list(entry.shape)} ([hc_mult, hidden_size]), i.e. {field} = {found}")
+                raise ConfigError(
+                    f"{source} says {field} = {stated} but tensor {name} in {self.where(name)} is "
+                    f"{list(entry.shape)} ([hc_mult, hidden_size]), i.e. {field} = {found}"
+                )
         return dataclasses.replace(config, **changes) if changes else config
 
     # ------------------------------------------------------------------ tensors
@@ -469,8 +524,12 @@ class ReleasedCheckpoint:
         weight = mmap_tensor(self.headers[w_name], w_name)
         scales = mmap_tensor(self.headers[s_name], s_name)
         if scales.dtype == torch.float32:
-            log.warning("%s in %s: float32 scales, converted to e8m0 bytes in memory (%.2f GiB)", s_name,
-                        self.where(s_name), scales.numel() / 2**30)
+            log.warning(
+                "%s in %s: float32 scales, converted to e8m0 bytes in memory (%.2f GiB)",
+                s_name,
+                self.where(s_name),
+                scales.numel() / 2**30,
+            )
         return LayerRows("fp8", weight, e8m0_bytes(scales, f"tensor {s_name} in {self.where(s_name)}"))
 
     def tables(self, layout: EngramLayout | None = None) -> dict[int, LayerRows]:
@@ -499,12 +558,16 @@ class ReleasedCheckpoint:
         names = self.tensor_names(layer_id)
         for role in ("q_weight", "k_weight"):
             self.check_tensor(layer_id, role, backbone=config)
-        return tuple(mmap_tensor(self.headers[names[k]], names[k])  # type: ignore[return-value]
-                     for k in ("q_weight", "k_weight"))
+        return tuple(
+            mmap_tensor(self.headers[names[k]], names[k])  # type: ignore[return-value]
+            for k in ("q_weight", "k_weight")
+        )
 
     def __repr__(self) -> str:
-        return (f"ReleasedCheckpoint({str(self.path)!r}, {len(self.files)} file(s), names={self.names.dialect}"
-                f"{' prefix ' + repr(self.names.prefix) if self.names.prefix else ''}, engram layers={self.layer_ids})")
+        return (
+            f"ReleasedCheckpoint({str(self.path)!r}, {len(self.files)} file(s), names={self.names.dialect}"
+            f"{' prefix ' + repr(self.names.prefix) if self.names.prefix else ''}, engram layers={self.layer_ids})"
+        )
 
 
 def open_checkpoint(checkpoint, **kwargs) -> ReleasedCheckpoint:

@@ -81,11 +81,19 @@ class RowCache:
         >>> rows = cache.read(slot[slot >= 0])
     """
 
-    def __init__(self, capacity_rows: int, row_bytes: int, ways: int = 8, device: str | torch.device = "cpu",
-                 decay_every: int = 64, backend: str = "auto"):
+    def __init__(
+        self,
+        capacity_rows: int,
+        row_bytes: int,
+        ways: int = 8,
+        device: str | torch.device = "cpu",
+        decay_every: int = 64,
+        backend: str = "auto",
+    ):
         if capacity_rows < 1 or row_bytes < 1 or ways < 1:
-            raise ValueError(f"RowCache needs positive capacity_rows, row_bytes and ways, got "
-                             f"{capacity_rows}, {row_bytes}, {ways}")
+            raise ValueError(
+                f"RowCache needs positive capacity_rows, row_bytes and ways, got {capacity_rows}, {row_bytes}, {ways}"
+            )
         self.ways = min(ways, capacity_rows)
         self.n_sets = max(1, capacity_rows // self.ways)
         self.row_bytes = row_bytes
@@ -155,7 +163,7 @@ class RowCache:
             hit = slot >= 0
         else:
             sets = torch.remainder(ids, self.n_sets)
-            match = self.keys.index_select(0, sets) == ids[:, None]   # [n, ways]
+            match = self.keys.index_select(0, sets) == ids[:, None]  # [n, ways]
             hit = match.any(dim=1)
             if valid is not None:
                 hit &= valid
@@ -196,8 +204,14 @@ class RowCache:
         if self.decay_every and self._admissions % self.decay_every == 0:
             self.freq.bitwise_right_shift_(1)
 
-    def admit_rows(self, ids: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None = None,
-                   row_index: torch.Tensor | None = None, return_slots: bool = True) -> torch.Tensor | None:
+    def admit_rows(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        row_index: torch.Tensor | None = None,
+        return_slots: bool = True,
+    ) -> torch.Tensor | None:
         """The device work of `admit` (fixed shapes, no host sync: capturable in a CUDA graph).
 
         `valid`: optional bool mask; ids where it is False (padding) are ignored: never
@@ -208,11 +222,13 @@ class RowCache:
         """
         n_rows = ids.numel() if row_index is None else rows.shape[0]
         if rows.dim() != 2 or rows.shape != (n_rows, self.row_bytes) or rows.dtype != torch.uint8:
-            raise ValueError(f"admit: rows must be uint8 [{n_rows}, {self.row_bytes}], got {rows.dtype} "
-                             f"{tuple(rows.shape)}")
+            raise ValueError(
+                f"admit: rows must be uint8 [{n_rows}, {self.row_bytes}], got {rows.dtype} {tuple(rows.shape)}"
+            )
         if row_index is not None and row_index.shape != ids.shape:
-            raise ValueError(f"admit: row_index must be shaped like ids {tuple(ids.shape)}, got "
-                             f"{tuple(row_index.shape)}")
+            raise ValueError(
+                f"admit: row_index must be shaped like ids {tuple(ids.shape)}, got {tuple(row_index.shape)}"
+            )
         sets = torch.remainder(ids, self.n_sets)
         if valid is not None:
             # Padding sorts into a set of its own past the last one, out of every real set's ranks.
@@ -225,8 +241,17 @@ class RowCache:
         if self.backend == "triton" and rows.device == self.device:
             from condmem.ops.row_cache import triton as cache_kernels
 
-            slot = cache_kernels.admit(sorted_sets, rank, order, ids, self.keys, self._freq_all,
-                                           row_words(self.data), row_words(rows), row_index)
+            slot = cache_kernels.admit(
+                sorted_sets,
+                rank,
+                order,
+                ids,
+                self.keys,
+                self._freq_all,
+                row_words(self.data),
+                row_words(rows),
+                row_index,
+            )
             kept = slot >= 0
         else:
             slot, kept = self._admit_sorted(ids, rows, row_index, sorted_sets, order, rank)
@@ -242,7 +267,7 @@ class RowCache:
         Padding sorts into set ``n_sets`` (see `admit_rows`)."""
         ids_sorted = ids.index_select(0, order)
         real_sets = sorted_sets.clamp(max=self.n_sets - 1)
-        set_keys = self.keys.index_select(0, real_sets)                       # [n, ways]
+        set_keys = self.keys.index_select(0, real_sets)  # [n, ways]
         # An id already cached (admitted since the caller's probe) is not admitted twice: one
         # key, one slot; padding is never admitted.
         present = (set_keys == ids_sorted[:, None]).any(dim=1) | (sorted_sets == self.n_sets)
@@ -255,8 +280,8 @@ class RowCache:
         ways = torch.arange(self.ways, device=ids.device)
         live = set_keys != EMPTY
         prio = torch.where(live, self.freq.index_select(0, real_sets).to(torch.int64) + 1, 0)
-        key = prio * self.ways + ways                                         # [n, ways], distinct per row
-        position = (key[:, None, :] < key[:, :, None]).sum(dim=2, dtype=torch.int16)   # [n, ways]: place in the order
+        key = prio * self.ways + ways  # [n, ways], distinct per row
+        position = (key[:, None, :] < key[:, :, None]).sum(dim=2, dtype=torch.int16)  # [n, ways]: place in the order
         chosen_way = (position == rank.clamp(max=self.ways - 1)[:, None]).to(torch.int8).argmax(dim=1)
         # Kept newcomers get distinct slots; dropped ones write trash slots (never probed).
         slot = torch.where(keep, sorted_sets * self.ways + chosen_way, self._trash)
@@ -268,5 +293,7 @@ class RowCache:
         return torch.where(keep, slot, torch.full_like(slot, -1)), keep
 
     def __repr__(self) -> str:
-        return (f"RowCache({self.capacity_rows:,} rows x {self.row_bytes} B = {self.data.numel() / 2**30:.2f} GiB, "
-                f"{self.ways}-way, {self.device})")
+        return (
+            f"RowCache({self.capacity_rows:,} rows x {self.row_bytes} B = {self.data.numel() / 2**30:.2f} GiB, "
+            f"{self.ways}-way, {self.device})"
+        )

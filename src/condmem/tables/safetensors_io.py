@@ -55,9 +55,16 @@ DTYPES: dict[str, torch.dtype] = {
     "I32": torch.int32,
     "I64": torch.int64,
 }
-for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"),  # how some checkpoints type their ue8m0 scales
-                     ("F8_E5M2", "float8_e5m2"), ("F64", "float64"), ("I16", "int16"), ("BOOL", "bool"),
-                     ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+for _name, _attr in (
+    ("F8_E8M0", "float8_e8m0fnu"),  # how some checkpoints type their ue8m0 scales
+    ("F8_E5M2", "float8_e5m2"),
+    ("F64", "float64"),
+    ("I16", "int16"),
+    ("BOOL", "bool"),
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -92,8 +99,9 @@ class Header:
     """Tensors of a dtype torch cannot map (name -> safetensors dtype name): listed, never read."""
     mapping: Any = dataclasses.field(default=None, compare=False, repr=False)
     """A read-only mmap of the whole file, made from the descriptor the header was read through."""
-    raw_tensors: dict[str, tuple[str, list[int], int, int]] = dataclasses.field(default_factory=dict, compare=False,
-                                                                                repr=False)
+    raw_tensors: dict[str, tuple[str, list[int], int, int]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
     """Each tensor's header entry as written: (dtype name, shape, begin, end)."""
     identity: tuple[int, int] | None = dataclasses.field(default=None, compare=False)
     """(st_dev, st_ino) of the file that was validated: a reader that opens it again checks it."""
@@ -121,7 +129,7 @@ class OpenFile:
             raise OSError(f"{self.path} was closed")
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if direct else 0)
         try:
-            fd = os.open(f"/proc/self/fd/{self.fd}", flags)   # the inode itself, whatever the path holds now
+            fd = os.open(f"/proc/self/fd/{self.fd}", flags)  # the inode itself, whatever the path holds now
         except FileNotFoundError:
             fd = os.open(self.path, flags)
         st = os.fstat(fd)
@@ -183,9 +191,10 @@ def read_header(path: str | os.PathLike) -> Header:
     size = len(mm)
     (n,) = struct.unpack("<Q", mm[:8])
     if n > _MAX_HEADER or 8 + n > size:
-        raise TableFileError(f"{path}: header length {n} does not fit a {size}-byte file: not safetensors, "
-                             "or truncated")
-    raw = mm[8:8 + n]
+        raise TableFileError(
+            f"{path}: header length {n} does not fit a {size}-byte file: not safetensors, or truncated"
+        )
+    raw = mm[8 : 8 + n]
     try:
         header = json.loads(raw, object_pairs_hook=_unique_keys)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, TableFileError) as exc:
@@ -193,7 +202,9 @@ def read_header(path: str | os.PathLike) -> Header:
     if not isinstance(header, dict):
         raise TableFileError(f"{path}: header is not a JSON object: not a safetensors file")
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise TableFileError(f"{path}: header metadata is not a str -> str map")
     data_start = 8 + n
     tensors = {}
@@ -213,7 +224,9 @@ def read_header(path: str | os.PathLike) -> Header:
             raise TableFileError(f"{path}: tensor {name!r} has an unsupported or malformed entry {info}") from None
         expect = math.prod(shape) * _itemsize(dtype)
         if end - begin != expect:
-            raise TableFileError(f"{path}: tensor {name!r} spans {end - begin} bytes but {shape} x {dtype} needs {expect}")
+            raise TableFileError(
+                f"{path}: tensor {name!r} spans {end - begin} bytes but {shape} x {dtype} needs {expect}"
+            )
         if data_start + end > size:
             raise TableFileError(
                 f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes: truncated "
@@ -221,8 +234,17 @@ def read_header(path: str | os.PathLike) -> Header:
             )
         tensors[name] = TensorEntry(name, dtype, shape, data_start + begin, expect)
         raw_tensors[name] = (info["dtype"], list(shape), begin, end)
-    return Header(path, dict(metadata), tensors, size, other, mapping=mm, raw_tensors=raw_tensors,
-                  identity=file.identity, file=file)
+    return Header(
+        path,
+        dict(metadata),
+        tensors,
+        size,
+        other,
+        mapping=mm,
+        raw_tensors=raw_tensors,
+        identity=file.identity,
+        file=file,
+    )
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -346,14 +368,21 @@ class StreamingWriter:
         ...     for chunk in chunks: w.write("t", chunk)
     """
 
-    def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, integrity_chunk_bytes: int | None = None,
-                 block_bytes: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+        integrity_chunk_bytes: int | None = None,
+        block_bytes: int | None = None,
+    ):
         from condmem.tables import integrity  # it reads headers parsed here
 
         self.path = Path(path)
         if block_bytes is not None and (block_bytes <= 0 or block_bytes % integrity.BLOCK_BYTES):
-            raise TableFileError(f"block_bytes must be a positive multiple of {integrity.BLOCK_BYTES}, got {block_bytes}")
+            raise TableFileError(
+                f"block_bytes must be a positive multiple of {integrity.BLOCK_BYTES}, got {block_bytes}"
+            )
         chunk_bytes = integrity_chunk_bytes or integrity.DEFAULT_CHUNK_BYTES
         metadata = dict(metadata or {})
         bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
@@ -361,7 +390,7 @@ class StreamingWriter:
             raise TableFileError(f"safetensors metadata must be str -> str; bad keys {bad}")
         offset = 0
         self._span: dict[str, tuple[int, int]] = {}
-        self._sums_span: dict[str, tuple[str, int, int]] = {}   # data tensor -> (companion, begin, nbytes)
+        self._sums_span: dict[str, tuple[str, int, int]] = {}  # data tensor -> (companion, begin, nbytes)
         entries: dict[str, Any] = {}
         for name, (dtype, shape) in specs.items():
             if dtype not in DTYPE_NAMES:
@@ -369,7 +398,11 @@ class StreamingWriter:
             if block_bytes is not None and name.endswith(integrity.SUMS_SUFFIX):
                 raise TableFileError(f"tensor {name!r}: names ending in {integrity.SUMS_SUFFIX} hold block CRCs")
             nbytes = math.prod(shape) * _itemsize(dtype)
-            entries[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            entries[name] = {
+                "dtype": DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             self._span[name] = (offset, nbytes)
             offset += nbytes
         if block_bytes is not None:
@@ -381,13 +414,16 @@ class StreamingWriter:
                 entries[companion] = {"dtype": "I32", "shape": [count], "data_offsets": [offset, offset + 4 * count]}
                 self._sums_span[name] = (companion, offset, 4 * count)
                 offset += 4 * count
-        digest = integrity.header_digest(metadata, {n: (e["dtype"], e["shape"], *e["data_offsets"])
-                                                    for n, e in entries.items()})
+        digest = integrity.header_digest(
+            metadata, {n: (e["dtype"], e["shape"], *e["data_offsets"]) for n, e in entries.items()}
+        )
         if block_bytes is None:
-            self._record = integrity.placeholder_digests({n: b for n, (_, b) in self._span.items()}, chunk_bytes, digest)
+            self._record = integrity.placeholder_digests(
+                {n: b for n, (_, b) in self._span.items()}, chunk_bytes, digest
+            )
         else:
             self._record = integrity.placeholder_crcs(self._span, block_bytes, digest)
-        self._align = block_bytes or 8   # the library pads the header to 8-byte alignment
+        self._align = block_bytes or 8  # the library pads the header to 8-byte alignment
         self._metadata = metadata
         self._entries = entries
         raw = self._header_bytes()
@@ -396,8 +432,10 @@ class StreamingWriter:
         if block_bytes is None:
             self._hashers = {name: integrity.ChunkHasher(chunk_bytes) for name in self._span}
         else:
-            self._hashers = {name: integrity.BlockSummer(self._data_start + begin, nbytes, block_bytes)
-                             for name, (begin, nbytes) in self._span.items()}
+            self._hashers = {
+                name: integrity.BlockSummer(self._data_start + begin, nbytes, block_bytes)
+                for name, (begin, nbytes) in self._span.items()
+            }
         self._ctx = atomic_path(self.path)
         self._tmp = self._ctx.__enter__()
         try:
@@ -442,8 +480,9 @@ class StreamingWriter:
         if short:
             self._fh.close()
             name, done, size = short[0]
-            exc = TableFileError(f"tensor {name!r} incomplete: {done} of {size} bytes written; "
-                                 f"nothing was written to {self.path}")
+            exc = TableFileError(
+                f"tensor {name!r} incomplete: {done} of {size} bytes written; nothing was written to {self.path}"
+            )
             self._ctx.__exit__(type(exc), exc, None)
             raise exc
         try:

@@ -44,8 +44,11 @@ def chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
     t = (timeline - timeline[0]).double() / 1e3
     writable, whole, queued = t[1::3], t[2::3], t[3::3]
     before = torch.cat([t[:1], whole[:-1]])
-    return {"interval": (whole - before).tolist(), "launch": (queued - whole).tolist(),
-            "late": (writable - before).clamp(min=0).tolist()}
+    return {
+        "interval": (whole - before).tolist(),
+        "launch": (queued - whole).tolist(),
+        "late": (writable - before).clamp(min=0).tolist(),
+    }
 
 
 def chunk_bounds(n: int, max_rows: int, min_rows: int = TAIL_CHUNK_ROWS) -> list[int]:
@@ -62,7 +65,7 @@ def chunk_bounds(n: int, max_rows: int, min_rows: int = TAIL_CHUNK_ROWS) -> list
     if ramp[-1] < max_rows:
         ramp.append(max_rows)
     ramp = [r for r in ramp if r <= max_rows] or [max_rows]
-    j = 0      # head/tail chunks taken from the ramp: as many as fit twice, below its top
+    j = 0  # head/tail chunks taken from the ramp: as many as fit twice, below its top
     while j < len(ramp) - 1 and 2 * sum(ramp[: j + 1]) <= n:
         j += 1
     head = ramp[:j]
@@ -94,8 +97,14 @@ class StagedSender:
         >>> done = torch.cuda.Event(); done.record(copy_stream)   # rows are there after it
     """
 
-    def __init__(self, row_bytes: int, device: str | torch.device, chunk_rows: int = STAGING_CHUNK_ROWS,
-                 ring: int = 4, tail_rows: int = TAIL_CHUNK_ROWS):
+    def __init__(
+        self,
+        row_bytes: int,
+        device: str | torch.device,
+        chunk_rows: int = STAGING_CHUNK_ROWS,
+        ring: int = 4,
+        tail_rows: int = TAIL_CHUNK_ROWS,
+    ):
         if chunk_rows < 1 or ring < 2:
             raise ValueError(f"StagedSender needs chunk_rows >= 1 and ring >= 2, got {chunk_rows}, {ring}")
         self.row_bytes = row_bytes
@@ -104,11 +113,10 @@ class StagedSender:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.chunk_rows = chunk_rows
         self.tail_rows = tail_rows
-        self.buffers = [torch.empty((chunk_rows, row_bytes), dtype=torch.uint8, pin_memory=True)
-                        for _ in range(ring)]
+        self.buffers = [torch.empty((chunk_rows, row_bytes), dtype=torch.uint8, pin_memory=True) for _ in range(ring)]
         self.events = []
         with torch.cuda.device(self.device):
-            for _ in range(ring):   # recorded once, so each has its runtime handle from the start
+            for _ in range(ring):  # recorded once, so each has its runtime handle from the start
                 event = torch.cuda.Event()
                 event.record()
                 self.events.append(event)
@@ -127,8 +135,9 @@ class StagedSender:
         read in place (no DRAM row cache or O_DIRECT reader in front of them)."""
         return self.native and store.raw_in_place
 
-    def send(self, store: LayerStore, ids: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream,
-             threads: int) -> None:
+    def send(
+        self, store: LayerStore, ids: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream, threads: int
+    ) -> None:
         """Queue ``dst[i] = store rows[ids[i]]`` on `stream`; returns once every chunk is queued.
 
         `ids`: int64 on the CPU, in range (the caller has checked them); `dst`: contiguous
@@ -137,8 +146,10 @@ class StagedSender:
         """
         n = ids.numel()
         if dst.shape != (n, self.row_bytes) or not dst.is_contiguous() or dst.device != self.device:
-            raise ValueError(f"send: dst must be contiguous [{n}, {self.row_bytes}] on {self.device}, got "
-                             f"{tuple(dst.shape)} on {dst.device}")
+            raise ValueError(
+                f"send: dst must be contiguous [{n}, {self.row_bytes}] on {self.device}, got "
+                f"{tuple(dst.shape)} on {dst.device}"
+            )
         if n == 0:
             return
         ids = ids.contiguous()
@@ -147,7 +158,7 @@ class StagedSender:
         bounds = chunk_bounds(n, self.chunk_rows, self.tail_rows) if use_native else None
         n_chunks = len(bounds) - 1 if use_native else -(-n // self.chunk_rows)
         start, self._next = self._next, (self._next + n_chunks) % len(self.buffers)
-        with torch.cuda.device(self.device):   # the runtime calls act on the current device
+        with torch.cuda.device(self.device):  # the runtime calls act on the current device
             if use_native:
                 self._send_native(store, ids, dst, stream, threads, start, bounds)
             else:
@@ -157,23 +168,37 @@ class StagedSender:
         runtime, lib = native.cuda_runtime(), native.library()
         bounds_t = torch.tensor(bounds, dtype=torch.int64)
         timeline = torch.zeros(3 * len(bounds) - 2, dtype=torch.int64) if self.record_timeline else None
-        err = lib.condmem_gather_stream(store.raw.data_ptr(), self.row_bytes, ids.data_ptr(), self._ring_ptrs,
-                                        self._event_ptrs, len(self.buffers), start, bounds_t.data_ptr(),
-                                        len(bounds) - 1, dst.data_ptr(), stream.cuda_stream, runtime.memcpy_async,
-                                        runtime.event_record, runtime.event_query, int(threads),
-                                        None if timeline is None else timeline.data_ptr())
+        err = lib.condmem_gather_stream(
+            store.raw.data_ptr(),
+            self.row_bytes,
+            ids.data_ptr(),
+            self._ring_ptrs,
+            self._event_ptrs,
+            len(self.buffers),
+            start,
+            bounds_t.data_ptr(),
+            len(bounds) - 1,
+            dst.data_ptr(),
+            stream.cuda_stream,
+            runtime.memcpy_async,
+            runtime.event_record,
+            runtime.event_query,
+            int(threads),
+            None if timeline is None else timeline.data_ptr(),
+        )
         if timeline is not None:
             self.last_timeline = chunk_times(timeline)
         if err:
-            raise RuntimeError(f"staged send of {ids.numel()} rows failed: CUDA error {err} "
-                               f"({runtime.error_string(err)})")
+            raise RuntimeError(
+                f"staged send of {ids.numel()} rows failed: CUDA error {err} ({runtime.error_string(err)})"
+            )
 
     def _send_torch(self, store, ids, dst, stream, threads, start) -> None:
         for c, s in enumerate(range(0, ids.numel(), self.chunk_rows)):
             e = min(ids.numel(), s + self.chunk_rows)
             k = (start + c) % len(self.buffers)
             buf, event = self.buffers[k][: e - s], self.events[k]
-            event.synchronize()                       # the last send out of this chunk is done
+            event.synchronize()  # the last send out of this chunk is done
             store.gather_raw(ids[s:e], out=buf, threads=threads)
             with torch.cuda.stream(stream):
                 dst[s:e].copy_(buf, non_blocking=True)

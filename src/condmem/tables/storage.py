@@ -67,8 +67,9 @@ def advise_random(t: torch.Tensor) -> bool:
     except (OSError, AttributeError):
         return False
     if not ok:
-        log.debug("madvise(MADV_RANDOM) refused (errno %d): the disk tier keeps the default read-around",
-                  ctypes.get_errno())
+        log.debug(
+            "madvise(MADV_RANDOM) refused (errno %d): the disk tier keeps the default read-around", ctypes.get_errno()
+        )
     return ok
 
 
@@ -106,8 +107,14 @@ class LayerStore:
     tier = "?"
     in_device_memory = False
 
-    def __init__(self, fmt: str, head_dim: int, raw: torch.Tensor | None,
-                 split: tuple[torch.Tensor, torch.Tensor] | None = None, buffer: HostBuffer | None = None):
+    def __init__(
+        self,
+        fmt: str,
+        head_dim: int,
+        raw: torch.Tensor | None,
+        split: tuple[torch.Tensor, torch.Tensor] | None = None,
+        buffer: HostBuffer | None = None,
+    ):
         self.format = fmt
         self.head_dim = head_dim
         self.raw = raw
@@ -164,7 +171,9 @@ class LayerStore:
         """This store behind a bounded DRAM `RowCache` (the middle level of HBM -> DRAM -> disk)."""
         return DramCachedStore(self, capacity_bytes, ways)
 
-    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    def gather_raw(
+        self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None
+    ) -> torch.Tensor:
         """Raw rows at `ids` (on the store's device), into `out` when given ([n, row_bytes] uint8).
 
         On the CPU the native prefetching gather (`condmem.native`) is used when it is
@@ -200,8 +209,10 @@ class LayerStore:
             self._buffer = None
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.format}, {self.num_rows:,} rows x {self.row_bytes} B = "
-                f"{self.nbytes / 2**30:.2f} GiB)")
+        return (
+            f"{type(self).__name__}({self.format}, {self.num_rows:,} rows x {self.row_bytes} B = "
+            f"{self.nbytes / 2**30:.2f} GiB)"
+        )
 
 
 class HbmStore(LayerStore):
@@ -261,7 +272,9 @@ class DiskStore(LayerStore):
     def raw_in_place(self) -> bool:
         return self._direct_reader is None and self._readers is None and self.cpu_contiguous
 
-    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    def gather_raw(
+        self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None
+    ) -> torch.Tensor:
         if self._readers is not None:
             if "scales" not in self._readers:
                 return self._readers["weight"].read(ids, out)
@@ -309,7 +322,9 @@ class DramCachedStore(LayerStore):
     def cpu_share(self) -> float:
         return 1.0
 
-    def gather_raw(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    def gather_raw(
+        self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None
+    ) -> torch.Tensor:
         if not ids.numel():
             return self.inner.gather_raw(ids, out, threads)
         uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
@@ -347,8 +362,9 @@ def _raw_chunk(chunk: LayerRows) -> torch.Tensor:
     return chunk.weight
 
 
-def _read_source(source, raw: torch.Tensor, bar: Progress, threads: int | None, drop_cache: bool,
-                 chunk_rows: int) -> None:
+def _read_source(
+    source, raw: torch.Tensor, bar: Progress, threads: int | None, drop_cache: bool, chunk_rows: int
+) -> None:
     """Every row of a table file's `source` into `raw` (CPU: in place; HBM: through a CPU staging
     buffer of `chunk_rows` rows), every block checked; a mismatch is a `TableFileError` naming the file."""
     try:
@@ -359,8 +375,8 @@ def _read_source(source, raw: torch.Tensor, bar: Progress, threads: int | None, 
         staging = torch.empty((step, source.row_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         for s in range(0, source.num_rows, step):
             e = min(source.num_rows, s + step)
-            source.read(staging[:e - s], start=s, threads=threads, progress=bar.update, drop_cache=drop_cache)
-            raw[s:e].copy_(staging[:e - s])
+            source.read(staging[: e - s], start=s, threads=threads, progress=bar.update, drop_cache=drop_cache)
+            raw[s:e].copy_(staging[: e - s])
         torch.cuda.synchronize(raw.device)
     except integrity.IntegrityMismatch as exc:
         raise TableFileError(f"{source.path}: {exc}") from None
@@ -408,8 +424,10 @@ def place_layer(
     d = rows.head_dim
     fmt = raw_format(rows.format)
     if direct_io and (tier != "disk" or rows.source is None):
-        raise StorageError(f"{name}: direct reads serve the disk tier from a table file (tier {tier!r}, "
-                           f"{'a table file' if rows.source is not None else 'rows without a file'})")
+        raise StorageError(
+            f"{name}: direct reads serve the disk tier from a table file (tier {tier!r}, "
+            f"{'a table file' if rows.source is not None else 'rows without a file'})"
+        )
     if tier == "disk" and rows.source is not None:
         return DiskStore(fmt, d, None, readers=rows.source.reader(direct=direct_io, threads=threads or 32))
     if tier == "disk":
@@ -430,8 +448,10 @@ def place_layer(
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         free, _ = torch.cuda.mem_get_info(dev)
         if n * row_bytes > free:
-            raise StorageError(f"{name}: {n * row_bytes / 2**30:.2f} GiB does not fit the {free / 2**30:.2f} GiB free "
-                               f"on {dev}; use the host tier")
+            raise StorageError(
+                f"{name}: {n * row_bytes / 2**30:.2f} GiB does not fit the {free / 2**30:.2f} GiB free "
+                f"on {dev}; use the host tier"
+            )
         raw = torch.empty((n, row_bytes), dtype=torch.uint8, device=dev)
         buffer = None
     else:
@@ -454,14 +474,25 @@ def place_layer(
         # Before page-locking: locked pages cannot be migrated into huge pages any more.
         cov = buffer.coverage()
         if cov is not None and cov < 0.98 and collapse_huge_pages(buffer):
-            log.info("%s: MADV_COLLAPSE: huge-page coverage %.0f%% -> %.0f%%", name, 100 * cov,
-                     100 * (buffer.coverage() or 0.0))
+            log.info(
+                "%s: MADV_COLLAPSE: huge-page coverage %.0f%% -> %.0f%%",
+                name,
+                100 * cov,
+                100 * (buffer.coverage() or 0.0),
+            )
     if buffer is not None and buffer.strategy in ("mmap_register", "shared") and torch.cuda.is_available():
         t_pin = time.perf_counter()
         buffer.pin()
         log.info("%s: page-locked %.2f GiB in %.1f s", name, buffer.nbytes / 2**30, time.perf_counter() - t_pin)
     if buffer is not None and buffer.strategy != "pageable":
         report_coverage(buffer, name)
-    log.info("%s: %s rows (%.2f GiB) placed in %s (%s) in %.1f s", name, f"{n:,}", n * row_bytes / 2**30, tier,
-             host_alloc if tier == "host" else raw.device, time.perf_counter() - start)
+    log.info(
+        "%s: %s rows (%.2f GiB) placed in %s (%s) in %.1f s",
+        name,
+        f"{n:,}",
+        n * row_bytes / 2**30,
+        tier,
+        host_alloc if tier == "host" else raw.device,
+        time.perf_counter() - start,
+    )
     return _BACKENDS[tier](fmt, d, raw, buffer=buffer)

@@ -113,8 +113,15 @@ class RowSource:
             raise integrity.FileChanged(f"{change} since it was opened")
         return fd
 
-    def read(self, out: torch.Tensor, start: int = 0, threads: int | None = None,
-             progress: Callable[[int], None] | None = None, checked: bool = True, drop_cache: bool = False) -> None:
+    def read(
+        self,
+        out: torch.Tensor,
+        start: int = 0,
+        threads: int | None = None,
+        progress: Callable[[int], None] | None = None,
+        checked: bool = True,
+        drop_cache: bool = False,
+    ) -> None:
         """Rows [start, start + len(out)) of these rows into `out` (CPU uint8 [n, row_bytes], raw rows), every
         block checked, on `threads` threads. Raises `IntegrityMismatch` / `FileChanged` (callers name the file).
 
@@ -147,10 +154,11 @@ class RowSource:
 
         def job_raw(a: int, b: int, base: int):
             def run() -> int:
-                integrity.read_checked(fd, checks.get("weight"), a, b, memoryview(flat[a - base:b - base]))
+                integrity.read_checked(fd, checks.get("weight"), a, b, memoryview(flat[a - base : b - base]))
                 if drop_cache:
                     os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
                 return b - a
+
             return run
 
         if len(roles) == 1:
@@ -174,6 +182,7 @@ class RowSource:
                 table[r_lo:r_hi, :w_rb] = parts[0]
                 table[r_lo:r_hi, w_rb:] = parts[1]
                 return (r_hi - r_lo) * (w_rb + s_rb)
+
             return run
 
         return [job_split(r, min(n, r + step)) for r in range(0, n, step)]
@@ -182,10 +191,19 @@ class RowSource:
         """The disk tier's row reader(s) of these rows: {"weight": reader[, "scales": reader]}."""
         from condmem.tables.direct_read import DirectRowReader
 
-        return {role: DirectRowReader(self.file.path, start + self.r0 * rb, rb, self.num_rows, threads=threads,
-                                      direct=direct, source=self,
-                                      checks=None if self.checks is None else self.checks[role])
-                for role, (_, start, rb) in self.spans.items()}
+        return {
+            role: DirectRowReader(
+                self.file.path,
+                start + self.r0 * rb,
+                rb,
+                self.num_rows,
+                threads=threads,
+                direct=direct,
+                source=self,
+                checks=None if self.checks is None else self.checks[role],
+            )
+            for role, (_, start, rb) in self.spans.items()
+        }
 
 
 @dataclass
@@ -204,8 +222,12 @@ class LayerRows:
 
     def slice_rows(self, start: int, stop: int) -> LayerRows:
         """Rows [start, stop) (views; the source follows)."""
-        return LayerRows(self.format, self.weight[start:stop], None if self.scales is None else self.scales[start:stop],
-                         None if self.source is None else self.source.slice(start, stop))
+        return LayerRows(
+            self.format,
+            self.weight[start:stop],
+            None if self.scales is None else self.scales[start:stop],
+            None if self.source is None else self.source.slice(start, stop),
+        )
 
     @property
     def num_rows(self) -> int:
@@ -236,8 +258,10 @@ class LayerRows:
             raise TableFileError(f"{self.format} table rows must be {want}, got {w.dtype}")
         if self.format == "fp8":
             if s is None or s.dtype != torch.uint8 or s.shape != (w.shape[0], -(-w.shape[1] // FP8_SCALE_BLOCK)):
-                raise TableFileError(f"fp8 table needs uint8 scales [rows, {-(-w.shape[1] // FP8_SCALE_BLOCK)}], got "
-                                     f"{None if s is None else (s.dtype, tuple(s.shape))}")
+                raise TableFileError(
+                    f"fp8 table needs uint8 scales [rows, {-(-w.shape[1] // FP8_SCALE_BLOCK)}], got "
+                    f"{None if s is None else (s.dtype, tuple(s.shape))}"
+                )
         elif s is not None:
             raise TableFileError(f"{self.format} table carries no separate scales")
         if self.format == "fp8_interleaved" and w.shape[1] % (FP8_SCALE_BLOCK + 1):
@@ -316,9 +340,12 @@ def write_table_file(
     if missing:
         raise TableFileError(f"no rows given for Engram layer(s) {sorted(missing)}")
     specs = _specs(layout, fmt)
-    bar = Progress(sum(layout.num_embeddings), f"write {Path(path).name}", enabled=progress, unit="row", unit_scale=True)
-    with StreamingWriter(path, specs, table_metadata(layout, fmt, tokenizer_fingerprint),
-                         block_bytes=block_bytes) as writer:
+    bar = Progress(
+        sum(layout.num_embeddings), f"write {Path(path).name}", enabled=progress, unit="row", unit_scale=True
+    )
+    with StreamingWriter(
+        path, specs, table_metadata(layout, fmt, tokenizer_fingerprint), block_bytes=block_bytes
+    ) as writer:
         for layer in layout.layers:
             names = tensor_names(layer.layer_id, fmt)
             written = 0
@@ -332,7 +359,9 @@ def write_table_file(
                 written += chunk.num_rows
                 bar.update(chunk.num_rows)
             if written != layer.num_embeddings:
-                raise TableFileError(f"layer {layer.layer_id}: {written} rows given, the layout has {layer.num_embeddings}")
+                raise TableFileError(
+                    f"layer {layer.layer_id}: {written} rows given, the layout has {layer.num_embeddings}"
+                )
     bar.close()
     return Path(path)
 
@@ -354,8 +383,13 @@ class EngramTableFile:
         TableMismatchError: made for another layout / tokenizer.
     """
 
-    def __init__(self, path: str | os.PathLike, layout: EngramLayout | None = None,
-                 tokenizer_fingerprint: str | None = None, verify: Verify = "read"):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        layout: EngramLayout | None = None,
+        tokenizer_fingerprint: str | None = None,
+        verify: Verify = "read",
+    ):
         if verify not in ("read", "full", "none"):
             raise TableFileError(f"verify must be read, full or none, got {verify!r}")
         self.header: Header = read_header(path)
@@ -374,14 +408,21 @@ class EngramTableFile:
             raise TableFileError(f"{self.path}: {exc}") from None
         if self.integrity is None:
             if verify != "none":
-                raise TableFileError(f"{self.path} has no chunk hashes, so its rows cannot be checked: rewrite it with "
-                                     "`condmem convert --no-verify` (which records them), or open it with verify='none'")
-            log.warning("%s: UNVERIFIED table file (no chunk hashes): corrupted rows would be served as rows", self.path)
+                raise TableFileError(
+                    f"{self.path} has no chunk hashes, so its rows cannot be checked: rewrite it with "
+                    "`condmem convert --no-verify` (which records them), or open it with verify='none'"
+                )
+            log.warning(
+                "%s: UNVERIFIED table file (no chunk hashes): corrupted rows would be served as rows", self.path
+            )
         elif not integrity.has_block_crcs(self.integrity):
-            log.warning("%s: written before per-block checksums: its rows are checked chunk by chunk (sha256 pieces "
-                        "of %.3g MiB: all of them while a tier loads it, each at its first read on the disk tier); "
-                        "`condmem convert` rewrites it with a CRC32C per 4 KiB block", self.path,
-                        self.integrity["chunk_bytes"] / 2**20)
+            log.warning(
+                "%s: written before per-block checksums: its rows are checked chunk by chunk (sha256 pieces "
+                "of %.3g MiB: all of them while a tier loads it, each at its first read on the disk tier); "
+                "`condmem convert` rewrites it with a CRC32C per 4 KiB block",
+                self.path,
+                self.integrity["chunk_bytes"] / 2**20,
+            )
         try:
             self.format: str = meta["dtype"]
             self.layout_fingerprint = meta["layout_fingerprint"]
@@ -433,8 +474,9 @@ class EngramTableFile:
             for name in self.data_tensors():
                 e = self.header.tensors[name]
                 if not self.block_crcs:
-                    checks[name] = integrity.TensorChecks(name, e.start, e.nbytes, record["chunk_bytes"], e.start,
-                                                          digests=record["tensors"][name])
+                    checks[name] = integrity.TensorChecks(
+                        name, e.start, e.nbytes, record["chunk_bytes"], e.start, digests=record["tensors"][name]
+                    )
                     continue
                 companion = self.header.tensors[record["sums"][name]]
                 raw = np.empty(companion.nbytes, np.uint8)
@@ -442,9 +484,11 @@ class EngramTableFile:
                 integrity.check_digest(companion.name, raw, record["sums_sha256"][companion.name])
                 crcs = raw.view("<u4").astype(np.uint32)
                 if len(crcs) != integrity.n_blocks(e.start, e.nbytes, record["block_bytes"]):
-                    raise integrity.IntegrityMismatch(f"tensor {name!r} has {len(crcs)} block CRCs for "
-                                                      f"{integrity.n_blocks(e.start, e.nbytes, record['block_bytes'])} "
-                                                      "blocks")
+                    raise integrity.IntegrityMismatch(
+                        f"tensor {name!r} has {len(crcs)} block CRCs for "
+                        f"{integrity.n_blocks(e.start, e.nbytes, record['block_bytes'])} "
+                        "blocks"
+                    )
                 checks[name] = integrity.TensorChecks(name, e.start, e.nbytes, record["block_bytes"], 0, crcs=crcs)
         except integrity.IntegrityMismatch as exc:
             raise TableFileError(f"{self.path}: {exc}") from None
@@ -465,9 +509,11 @@ class EngramTableFile:
             jobs = []
             for c in self._checks.values():
                 for a, b in integrity.pieces(c, c.start, c.start + c.nbytes):
+
                     def job(c=c, a=a, b=b) -> int:
                         integrity.read_checked(fd, c, a, b, memoryview(bytearray(b - a)))
                         return b - a
+
                     jobs.append(job)
             integrity.parallel(jobs, threads or integrity.default_threads(), bar.update)
             change = self.header.file.changed(fd)
@@ -509,8 +555,9 @@ class EngramTableFile:
         """Refuse a layout other than the one the table was made with, naming what differs."""
         if layout.fingerprint == self.layout_fingerprint:
             if layout.config.head_dim != self.head_dim:
-                raise TableMismatchError(f"{self.path}: rows are {self.head_dim} wide, the config says head_dim "
-                                         f"{layout.config.head_dim}")
+                raise TableMismatchError(
+                    f"{self.path}: rows are {self.head_dim} wide, the config says head_dim {layout.config.head_dim}"
+                )
             return
         mine, theirs = layout.describe(), self.layout_description
         diffs = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
@@ -547,16 +594,25 @@ class EngramTableFile:
         from condmem.config import EngramConfig
 
         d = self.layout_description
-        config = EngramConfig(layer_ids=d["layer_ids"], max_ngram_size=d["max_ngram_size"], n_heads=d["n_heads"],
-                              head_dim=self.head_dim, table_size=d["table_sizes"], pad_id=d["pad_id"], seed=d["seed"],
-                              compressed_vocab_size=d["compressed_vocab_size"])
+        config = EngramConfig(
+            layer_ids=d["layer_ids"],
+            max_ngram_size=d["max_ngram_size"],
+            n_heads=d["n_heads"],
+            head_dim=self.head_dim,
+            table_size=d["table_sizes"],
+            pad_id=d["pad_id"],
+            seed=d["seed"],
+            compressed_vocab_size=d["compressed_vocab_size"],
+        )
         layout = EngramLayout(config)
         if layout.fingerprint != self.layout_fingerprint:
             raise TableFileError(f"{self.path}: recorded layout does not reproduce its fingerprint (damaged metadata?)")
         return layout
 
     def __repr__(self) -> str:
-        return f"EngramTableFile({str(self.path)!r}, {self.format}, layers={self.layer_ids}, rows={self.num_embeddings})"
+        return (
+            f"EngramTableFile({str(self.path)!r}, {self.format}, layers={self.layer_ids}, rows={self.num_embeddings})"
+        )
 
 
 def _short(value) -> str:

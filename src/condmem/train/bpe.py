@@ -27,12 +27,19 @@ PAD = "<|pad|>"
 SPECIAL_TOKENS = (EOS, PAD)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = 4096, *, special_tokens: Sequence[str] = SPECIAL_TOKENS,
-              min_frequency: int = 2) -> Tokenizer:
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int = 4096,
+    *,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    min_frequency: int = 2,
+) -> Tokenizer:
     """Train a byte-level BPE tokenizer of `vocab_size` ids (special tokens and the 256 bytes included)."""
     if vocab_size < 256 + len(special_tokens) + 1:
-        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level BPE: it needs 256 byte tokens, "
-                         f"{len(special_tokens)} special tokens and at least one merge")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for a byte-level BPE: it needs 256 byte tokens, "
+            f"{len(special_tokens)} special tokens and at least one merge"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -101,5 +108,7 @@ def load_tokenizer(source: str | os.PathLike) -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer at {source!r} (expected a tokenizer.json, its directory, or 'deepseek-v4')")
+        raise FileNotFoundError(
+            f"no tokenizer at {source!r} (expected a tokenizer.json, its directory, or 'deepseek-v4')"
+        )
     return read_tokenizer_file(path)

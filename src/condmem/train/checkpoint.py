@@ -102,8 +102,10 @@ def read_state(folder: Path) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("files"), dict):
         raise CorruptCheckpointError(f"{path} is not a condmem checkpoint state")
     if state.get("version") != FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{path}: checkpoint format version {state.get('version')!r}, this condmem reads "
-                                     f"{FORMAT_VERSION} (whose state.json carries its own hash)")
+        raise CorruptCheckpointError(
+            f"{path}: checkpoint format version {state.get('version')!r}, this condmem reads "
+            f"{FORMAT_VERSION} (whose state.json carries its own hash)"
+        )
     if state.get("state_sha256") != _state_digest(state):
         raise CorruptCheckpointError(f"{path} does not match its recorded sha256: it was altered or corrupted")
     missing = sorted(set(FILES) - set(state["files"]))
@@ -150,7 +152,7 @@ def newest_complete(root: Path) -> Path | None:
 def _repair(root: Path) -> None:
     """Undo what a killed save left: temp folders of dead pids go; an aside folder whose step lost its folder returns."""
     for aside in [p for p in root.iterdir() if p.name.startswith(".step-") and p.name.endswith(ASIDE)]:
-        final = root / aside.name[1: -len(ASIDE)]
+        final = root / aside.name[1 : -len(ASIDE)]
         if final.exists():
             shutil.rmtree(aside, ignore_errors=True)
         else:
@@ -173,8 +175,9 @@ def _table_names(model: DecoderLM) -> dict[str, str]:
 def _fingerprints(model: DecoderLM, tokenizer: Tokenizer, ctok) -> dict[str, Any]:
     fp = {"tokenizer_json_sha256": hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()}
     if model.layout is not None:
-        fp.update(layout=model.layout.fingerprint, tokenizer_map=ctok.fingerprint,
-                  compressed_vocab_size=ctok.vocab_size)
+        fp.update(
+            layout=model.layout.fingerprint, tokenizer_map=ctok.fingerprint, compressed_vocab_size=ctok.vocab_size
+        )
     return fp
 
 
@@ -186,8 +189,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()  # meta tensors too: shape and dtype are known
 
 
-def checkpoint_bytes(model: DecoderLM, *, adamw, sparse=None, host_tables=None, tables_sharded: bool = False,
-                     tokenizer: Tokenizer | None = None, trainer_state: dict | None = None, tokens: int = 0) -> int:
+def checkpoint_bytes(
+    model: DecoderLM,
+    *,
+    adamw,
+    sparse=None,
+    host_tables=None,
+    tables_sharded: bool = False,
+    tokenizer: Tokenizer | None = None,
+    trainer_state: dict | None = None,
+    tokens: int = 0,
+) -> int:
     """An upper bound of the bytes `save_checkpoint` writes for this model (one checkpoint folder).
 
     Args:
@@ -198,8 +210,11 @@ def checkpoint_bytes(model: DecoderLM, *, adamw, sparse=None, host_tables=None, 
     """
     tables = _table_names(model)
     state = model.state_dict()
-    total = sum(_nbytes(v) for k, v in state.items() if k not in tables
-                and not (k == "lm_head.weight" and model.cfg.tie_embeddings))
+    total = sum(
+        _nbytes(v)
+        for k, v in state.items()
+        if k not in tables and not (k == "lm_head.weight" and model.cfg.tie_embeddings)
+    )
     if not tables_sharded:
         if host_tables is not None:
             total += sum(_nbytes(t) for t in host_tables.table_tensors().values())
@@ -207,7 +222,7 @@ def checkpoint_bytes(model: DecoderLM, *, adamw, sparse=None, host_tables=None, 
     for group in adamw.param_groups:
         for p in group["params"]:
             have = adamw.state.get(p)
-            total += (sum(_nbytes(v) for v in have.values() if torch.is_tensor(v)) if have else 2 * _nbytes(p) + 4)
+            total += sum(_nbytes(v) for v in have.values() if torch.is_tensor(v)) if have else 2 * _nbytes(p) + 4
     if sparse is not None and not tables_sharded and model.layout is not None:
         # SparseAdam or HostTables: slot_of_row (int32) per row; exp_avg, exp_avg_sq, row_step (fp32) per row with state.
         layout = model.layout
@@ -230,8 +245,10 @@ def _kept(run_dir: Path, step: int) -> str:
         return f"no earlier checkpoint is there: steps 1..{step} are lost"
     if prev_step >= step:
         return f"the checkpoint of step {prev_step}, {prev}, is kept: no step is lost"
-    return (f"the previous checkpoint, {prev} (step {prev_step}), is kept: steps {prev_step + 1}..{step} are lost "
-            "(resume from it with --resume)")
+    return (
+        f"the previous checkpoint, {prev} (step {prev_step}), is kept: steps {prev_step + 1}..{step} are lost "
+        "(resume from it with --resume)"
+    )
 
 
 def ensure_room(run_dir: str | os.PathLike, need_bytes: int, step: int | None = None) -> None:
@@ -251,9 +268,21 @@ def ensure_room(run_dir: str | os.PathLike, need_bytes: int, step: int | None = 
         raise CheckpointSaveError(f"{exc}; {_kept(Path(run_dir), step)}") from None
 
 
-def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, sparse, train_cfg, trainer_state: dict,
-                    tokenizer: Tokenizer, ctok=None, data: dict | None = None, keep: int = 2,
-                    host_tables=None, tables_sharded: bool = False) -> Path:
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    *,
+    model: DecoderLM,
+    adamw,
+    sparse,
+    train_cfg,
+    trainer_state: dict,
+    tokenizer: Tokenizer,
+    ctok=None,
+    data: dict | None = None,
+    keep: int = 2,
+    host_tables=None,
+    tables_sharded: bool = False,
+) -> Path:
     """Write a checkpoint of the current step under ``run_dir/checkpoints`` and point LATEST at it.
 
     `host_tables` (a `condmem.train.host_table.HostTables`) supplies the tables that live in
@@ -277,7 +306,7 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
         state = model.state_dict()
         backbone = {k: v.detach().contiguous() for k, v in state.items() if k not in tables}
         if tables_sharded:
-            sparse = None   # each rank writes its shards' Adam state with its shards
+            sparse = None  # each rank writes its shards' Adam state with its shards
         if model.cfg.tie_embeddings:
             backbone.pop("lm_head.weight", None)  # the same tensor as embed.weight
         fingerprints = _fingerprints(model, tokenizer, ctok)
@@ -285,8 +314,9 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
             save_file(backbone, str(p), metadata={"format": FORMAT})
         table_meta = {"format": TABLES_FORMAT, **{k: str(v) for k, v in fingerprints.items()}}
         if model.layout is not None:
-            table_meta.update(layer_ids=json.dumps(model.layout.layer_ids),
-                              num_embeddings=json.dumps(model.layout.num_embeddings))
+            table_meta.update(
+                layer_ids=json.dumps(model.layout.layer_ids), num_embeddings=json.dumps(model.layout.num_embeddings)
+            )
         with atomic_path(tmp / "tables.safetensors") as p:
             table_tensors = {} if tables_sharded else {tables[k]: state[k].detach().contiguous() for k in tables}
             if tables_sharded:
@@ -305,8 +335,13 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
         atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         atomic_write_text(tmp / "tokenizer.json", tokenizer.to_str())
         files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES}
-        meta = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprints": fingerprints, "files": files,
-                **trainer_state}
+        meta = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "fingerprints": fingerprints,
+            "files": files,
+            **trainer_state,
+        }
         meta["state_sha256"] = _state_digest(json.loads(json.dumps(meta)))
         atomic_write_text(tmp / "state.json", json.dumps(meta) + "\n")
         if final.exists():
@@ -318,18 +353,23 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: DecoderLM, adamw, spar
         if aside.exists() and not final.exists():
             os.replace(aside, final)
         if isinstance(exc, (OSError, SafetensorError)):
-            raise CheckpointSaveError(f"the checkpoint of step {step} could not be written in {root} "
-                                      f"({_reason(exc)}); {_kept(run_dir, step)}") from exc
+            raise CheckpointSaveError(
+                f"the checkpoint of step {step} could not be written in {root} ({_reason(exc)}); {_kept(run_dir, step)}"
+            ) from exc
         raise
     try:
         atomic_write_text(root / "LATEST", name + "\n")
     except OSError as exc:
-        raise CheckpointSaveError(f"the checkpoint of step {step} was written to {final}, but {root / 'LATEST'} could "
-                                  f"not be updated ({_reason(exc)}): resume from the folder itself") from exc
+        raise CheckpointSaveError(
+            f"the checkpoint of step {step} was written to {final}, but {root / 'LATEST'} could "
+            f"not be updated ({_reason(exc)}): resume from the folder itself"
+        ) from exc
     shutil.rmtree(aside, ignore_errors=True)
     # Keep the newest `keep` checkpoints by step, never the one just written (LATEST's target).
-    done = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p != final),
-                  key=lambda p: _step_of(p) or -1)
+    done = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p != final),
+        key=lambda p: _step_of(p) or -1,
+    )
     for old in done[: max(0, len(done) - max(0, keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     logger.info("checkpoint written: %s", final)
@@ -360,10 +400,16 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             if fallback is None:
                 if target is None:
                     continue
-                raise FileNotFoundError(f"{latest} points at {target}, which is not a complete checkpoint, and no "
-                                        f"other complete checkpoint is in {root}")
-            logger.warning("%s points at %s, which is not a complete checkpoint: using the newest complete one, %s",
-                           latest, target.name if target is not None else "nothing", fallback.name)
+                raise FileNotFoundError(
+                    f"{latest} points at {target}, which is not a complete checkpoint, and no "
+                    f"other complete checkpoint is in {root}"
+                )
+            logger.warning(
+                "%s points at %s, which is not a complete checkpoint: using the newest complete one, %s",
+                latest,
+                target.name if target is not None else "nothing",
+                fallback.name,
+            )
             return fallback
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist")
@@ -389,8 +435,15 @@ class Checkpoint:
     this folder; the model's tables are on meta."""
 
 
-def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cpu", tokenizer: Tokenizer | str | None = None,
-                    verify: bool = True, load_optimizer: bool = True, tables_on_host: bool = False) -> Checkpoint:
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    tokenizer: Tokenizer | str | None = None,
+    verify: bool = True,
+    load_optimizer: bool = True,
+    tables_on_host: bool = False,
+) -> Checkpoint:
     """Load a checkpoint (a folder, or a run directory's latest).
 
     Args:
@@ -475,8 +528,12 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
         table_tensors = load_file(str(tables_file), device="cpu" if tables_on_host else str(device))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for damaged headers
         raise CorruptCheckpointError(f"checkpoint {folder}: cannot read weights ({exc})") from None
-    model = DecoderLM(model_cfg, token_lookup=None if ctok is None else ctok.lookup, device=device,
-                      table_device="meta" if (tables_on_host or sharded) else None)
+    model = DecoderLM(
+        model_cfg,
+        token_lookup=None if ctok is None else ctok.lookup,
+        device=device,
+        table_device="meta" if (tables_on_host or sharded) else None,
+    )
     if model.layout is not None and table_meta.get("layout") != fp.get("layout"):
         raise CheckpointMismatchError(
             f"checkpoint {folder}: tables.safetensors was written for layout {table_meta.get('layout', '?')[:16]}..., "
@@ -498,12 +555,23 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
     except RuntimeError as exc:
         raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: {exc}") from None
     if (tables_on_host or sharded) and sorted(missing) != sorted(names):
-        raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: missing "
-                                      f"{sorted(set(missing) - set(names))}, unexpected {sorted(unexpected)}")
+        raise CheckpointMismatchError(
+            f"checkpoint {folder}: weights do not fit the config: missing "
+            f"{sorted(set(missing) - set(names))}, unexpected {sorted(unexpected)}"
+        )
     if unexpected:
         raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: unexpected {unexpected}")
     optimizer_tensors = {}
     if load_optimizer:
         optimizer_tensors = load_file(str(folder / "optimizer.safetensors"), device="cpu")
-    return Checkpoint(folder, model, config, state, tok, ctok, optimizer_tensors,
-                      host_tables if (tables_on_host and not sharded) else None, sharded)
+    return Checkpoint(
+        folder,
+        model,
+        config,
+        state,
+        tok,
+        ctok,
+        optimizer_tensors,
+        host_tables if (tables_on_host and not sharded) else None,
+        sharded,
+    )

@@ -219,9 +219,13 @@ def _documents(sources: list, patterns: Sequence[str], jsonl_key: str, info: dic
                 yield name, text
 
 
-def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
-                patterns: Sequence[str] = DEFAULT_PATTERNS, jsonl_key: str = "text",
-                max_bytes: int | None = None) -> Corpus:
+def load_corpus(
+    sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    *,
+    patterns: Sequence[str] = DEFAULT_PATTERNS,
+    jsonl_key: str = "text",
+    max_bytes: int | None = None,
+) -> Corpus:
     """Read documents.
 
     Args:
@@ -258,14 +262,19 @@ def load_corpus(sources: str | os.PathLike | Sequence[str | os.PathLike] | None 
     return Corpus(docs, info)
 
 
-def corpus_fingerprint(sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
-                       patterns: Sequence[str] = DEFAULT_PATTERNS, jsonl_key: str = "text",
-                       max_bytes: int | None = None) -> str:
+def corpus_fingerprint(
+    sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    *,
+    patterns: Sequence[str] = DEFAULT_PATTERNS,
+    jsonl_key: str = "text",
+    max_bytes: int | None = None,
+) -> str:
     """A cheap identity of what `load_corpus` would read with these arguments: the path, size
     and modification time of every file (no content is read), the arguments and the
     interpreter. An edited, added or removed file changes it."""
-    digest = hashlib.sha256(json.dumps([_TOKEN_CACHE_FORMAT, list(patterns), jsonl_key, max_bytes,
-                                        sys.version]).encode())
+    digest = hashlib.sha256(
+        json.dumps([_TOKEN_CACHE_FORMAT, list(patterns), jsonl_key, max_bytes, sys.version]).encode()
+    )
     for source in _normalize_sources(sources):
         files = _tree_files(str(source), patterns)
         paths = [Path(source).expanduser().resolve()] if files is None else [f for _, f in files]
@@ -316,8 +325,9 @@ def encode_documents(tokenizer, docs: Sequence[Document], eos_id: int, batch_doc
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def cached_encode(tokenizer, docs: Sequence[Document], eos_id: int, key: str, cache_dir: Path | None = None,
-                  use_cache: bool = True) -> np.ndarray:
+def cached_encode(
+    tokenizer, docs: Sequence[Document], eos_id: int, key: str, cache_dir: Path | None = None, use_cache: bool = True
+) -> np.ndarray:
     """`encode_documents`, cached at ``cache_dir/tokens-<key>.npy`` (written atomically)."""
     if not use_cache:
         return encode_documents(tokenizer, docs, eos_id)
@@ -365,8 +375,10 @@ class Batch:
     """int64 [B, T]: each target's index in its stream (validation only)."""
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        moved = [None if t is None else t.to(device, non_blocking=non_blocking)
-                 for t in (self.inputs, self.targets, self.doc_starts, self.scored, self.positions)]
+        moved = [
+            None if t is None else t.to(device, non_blocking=non_blocking)
+            for t in (self.inputs, self.targets, self.doc_starts, self.scored, self.positions)
+        ]
         return Batch(*moved)
 
     @property

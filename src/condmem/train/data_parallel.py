@@ -72,8 +72,12 @@ class DataParallelTables:
         if per * self.world != batch.inputs.shape[0]:
             raise ValueError(f"the batch of {batch.inputs.shape[0]} sequences does not split over {self.world} ranks")
         lo, hi = self.rank * per, (self.rank + 1) * per
-        return type(batch)(*[None if t is None else t[lo:hi]
-                             for t in (batch.inputs, batch.targets, batch.doc_starts, batch.scored, batch.positions)])
+        return type(batch)(
+            *[
+                None if t is None else t[lo:hi]
+                for t in (batch.inputs, batch.targets, batch.doc_starts, batch.scored, batch.positions)
+            ]
+        )
 
     def average_gradients(self, params) -> None:
         """All-reduce the replicated parameters' gradients to their mean over the ranks."""
@@ -86,9 +90,13 @@ class DataParallelTables:
     def clip_(self, replicated: list[torch.Tensor], sharded: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the global norm: the replicated gradients' squares once, the shards' summed
         over the ranks (sparse ones coalesced). Returns the norm before clipping."""
+
         def squares(grads):
-            return sum(((g.values() if g.is_sparse else g).float().pow(2).sum() for g in grads),
-                       torch.zeros((), device=self._device(replicated, sharded)))
+            return sum(
+                ((g.values() if g.is_sparse else g).float().pow(2).sum() for g in grads),
+                torch.zeros((), device=self._device(replicated, sharded)),
+            )
+
         shard_sq = squares(sharded)
         dist.all_reduce(shard_sq, group=self.group)
         total = (squares(replicated) + shard_sq).sqrt()

@@ -78,8 +78,10 @@ def _gap(base: float, eng: float) -> float:
 def format_table(per_seed: list[dict]) -> str:
     """The side-by-side table; with several seeds each value is mean +- std over seeds."""
     base0, eng0 = per_seed[0]["baseline"], per_seed[0]["engram"]
-    col = {label: {k: [r[label][k] for r in per_seed] for k in ("val_loss", "bits_per_byte", "tokens_per_s")}
-           for label in ("baseline", "engram")}
+    col = {
+        label: {k: [r[label][k] for r in per_seed] for k in ("val_loss", "bits_per_byte", "tokens_per_s")}
+        for label in ("baseline", "engram")
+    }
     gaps = [_gap(r["baseline"]["val_loss"], r["engram"]["val_loss"]) for r in per_seed]
     bpb_gaps = [_gap(r["baseline"]["bits_per_byte"], r["engram"]["bits_per_byte"]) for r in per_seed]
     ratio = eng0["flops_per_token"] / base0["flops_per_token"]
@@ -93,26 +95,57 @@ def format_table(per_seed: list[dict]) -> str:
     rows = [
         ("", "baseline", "engram", ""),
         ("parameters (all)", _fmt_m(base0["params"]), _fmt_m(eng0["params"]), ""),
-        ("  of which Engram tables", _fmt_m(base0["table_params"]), _fmt_m(eng0["table_params"]),
-         f"{eng0['table_rows']:,} rows"),
-        ("FLOPs / token (train)", _fmt_m(base0["flops_per_token"]), _fmt_m(eng0["flops_per_token"]),
-         f"ratio {ratio:.4f}"),
-        ("training tokens", _fmt_m(base0["train_tokens"]), _fmt_m(eng0["train_tokens"]),
-         f"{base0['passes']:.2f} passes over the training split"),
-        (f"val loss (nats/token){'' if n == 1 else f', {n} seeds'}", _pm(col["baseline"]["val_loss"], ".4f"),
-         _pm(col["engram"]["val_loss"], ".4f"), gap_text(gaps)),
-        ("bits per byte", _pm(col["baseline"]["bits_per_byte"], ".4f"), _pm(col["engram"]["bits_per_byte"], ".4f"),
-         gap_text(bpb_gaps)),
+        (
+            "  of which Engram tables",
+            _fmt_m(base0["table_params"]),
+            _fmt_m(eng0["table_params"]),
+            f"{eng0['table_rows']:,} rows",
+        ),
+        (
+            "FLOPs / token (train)",
+            _fmt_m(base0["flops_per_token"]),
+            _fmt_m(eng0["flops_per_token"]),
+            f"ratio {ratio:.4f}",
+        ),
+        (
+            "training tokens",
+            _fmt_m(base0["train_tokens"]),
+            _fmt_m(eng0["train_tokens"]),
+            f"{base0['passes']:.2f} passes over the training split",
+        ),
+        (
+            f"val loss (nats/token){'' if n == 1 else f', {n} seeds'}",
+            _pm(col["baseline"]["val_loss"], ".4f"),
+            _pm(col["engram"]["val_loss"], ".4f"),
+            gap_text(gaps),
+        ),
+        (
+            "bits per byte",
+            _pm(col["baseline"]["bits_per_byte"], ".4f"),
+            _pm(col["engram"]["bits_per_byte"], ".4f"),
+            gap_text(bpb_gaps),
+        ),
     ]
     for bucket in ("seen", "unseen"):
         b = [r["baseline"]["buckets"][bucket] for r in per_seed]
         e = [r["engram"]["buckets"][bucket] for r in per_seed]
-        rows.append((f"  val loss, 3-gram {bucket} ({100 * b[0]['fraction']:.0f}% of tokens)",
-                     _pm([x["loss"] for x in b], ".4f"), _pm([x["loss"] for x in e], ".4f"),
-                     gap_text([_gap(x["loss"], y["loss"]) for x, y in zip(b, e)])))
+        rows.append(
+            (
+                f"  val loss, 3-gram {bucket} ({100 * b[0]['fraction']:.0f}% of tokens)",
+                _pm([x["loss"] for x in b], ".4f"),
+                _pm([x["loss"] for x in e], ".4f"),
+                gap_text([_gap(x["loss"], y["loss"]) for x, y in zip(b, e)]),
+            )
+        )
     tok_s = {label: float(np.mean(col[label]["tokens_per_s"])) for label in ("baseline", "engram")}
-    rows.append(("tokens / s (train)", f"{tok_s['baseline']:,.0f}", f"{tok_s['engram']:,.0f}",
-                 f"ratio {tok_s['engram'] / max(tok_s['baseline'], 1e-9):.3f}"))
+    rows.append(
+        (
+            "tokens / s (train)",
+            f"{tok_s['baseline']:,.0f}",
+            f"{tok_s['engram']:,.0f}",
+            f"ratio {tok_s['engram'] / max(tok_s['baseline'], 1e-9):.3f}",
+        )
+    )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
     for i, r in enumerate(rows):
@@ -127,8 +160,11 @@ def bucket_losses(token_losses: np.ndarray, seen: np.ndarray) -> dict:
     out = {}
     for name, mask in (("seen", seen), ("unseen", ~seen)):
         values = token_losses[mask]
-        out[name] = {"tokens": int(mask.sum()), "fraction": float(mask.mean()) if len(mask) else 0.0,
-                     "loss": float(values.astype(np.float64).mean()) if len(values) else float("nan")}
+        out[name] = {
+            "tokens": int(mask.sum()),
+            "fraction": float(mask.mean()) if len(mask) else 0.0,
+            "loss": float(values.astype(np.float64).mean()) if len(values) else float("nan"),
+        }
     return out
 
 
@@ -137,11 +173,13 @@ def plot_summary(summary: dict, path: str | Path) -> Path | None:
     base, eng, comp = summary["baseline"], summary["engram"], summary["comparison"]
     gap, std = comp["val_loss_gap_pct"], comp.get("val_loss_gap_pct_std")
     n = len(summary["seeds"])
-    title = (f"baseline vs Engram on {summary['corpus_description']}: {_fmt_m(eng['train_tokens'])} training tokens "
-             f"each ({base['passes']:.2f} passes), FLOPs/token ratio {comp['flops_per_token_ratio']:.3f}\n"
-             f"Engram validation loss {-gap:+.2f}%"
-             + (f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else "")
-             + f" over all {eng['val_tokens']:,} deduplicated validation tokens")
+    title = (
+        f"baseline vs Engram on {summary['corpus_description']}: {_fmt_m(eng['train_tokens'])} training tokens "
+        f"each ({base['passes']:.2f} passes), FLOPs/token ratio {comp['flops_per_token_ratio']:.3f}\n"
+        f"Engram validation loss {-gap:+.2f}%"
+        + (f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else "")
+        + f" over all {eng['val_tokens']:,} deduplicated validation tokens"
+    )
     buckets = {label: [r[label]["buckets"] for r in summary["seeds"]] for label in ("baseline", "engram")}
     return plot_loss_curves(summary["curves"], path, title=title, buckets=buckets)
 
@@ -162,8 +200,11 @@ def gate_sample(model: DecoderLM, data: PreparedData, device: torch.device, n_to
     x = torch.tensor([ids], device=device)
     gates = model.gate_values(x)
     pieces = [data.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-    return {"tokens": ids, "pieces": pieces,
-            "gates": {str(lid): g[0].float().cpu().tolist() for lid, g in gates.items()}}
+    return {
+        "tokens": ids,
+        "pieces": pieces,
+        "gates": {str(lid): g[0].float().cpu().tolist() for lid, g in gates.items()},
+    }
 
 
 @dataclass
@@ -178,14 +219,32 @@ class StepPlan:
     """Seconds left for training with --minutes, else None."""
 
 
-def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | None = None, device: str | None = None,
-             steps: int | None = None, minutes: float | None = None, seeds: int = 1, max_passes: float = 1.0,
-             vocab_size: int | None = None, tokenizer: str | None = None, prompt: str = DEFAULT_PROMPT,
-             max_new_tokens: int = 96, seed: int = 0, batch_size: int | None = None,
-             max_train_bytes: int | None = None, table_size: int | None = None, log_every: int | None = None,
-             progress: bool = True, use_cache: bool = True, checkpoint: bool = True,
-             max_corpus_bytes: int | None = None, dedup_threshold: float | None = DEDUP_THRESHOLD,
-             overrides: dict | None = None) -> dict:
+def run_demo(
+    out: str | Path = "condmem-demo",
+    *,
+    corpus=None,
+    preset: str | None = None,
+    device: str | None = None,
+    steps: int | None = None,
+    minutes: float | None = None,
+    seeds: int = 1,
+    max_passes: float = 1.0,
+    vocab_size: int | None = None,
+    tokenizer: str | None = None,
+    prompt: str = DEFAULT_PROMPT,
+    max_new_tokens: int = 96,
+    seed: int = 0,
+    batch_size: int | None = None,
+    max_train_bytes: int | None = None,
+    table_size: int | None = None,
+    log_every: int | None = None,
+    progress: bool = True,
+    use_cache: bool = True,
+    checkpoint: bool = True,
+    max_corpus_bytes: int | None = None,
+    dedup_threshold: float | None = DEDUP_THRESHOLD,
+    overrides: dict | None = None,
+) -> dict:
     """Train baseline and Engram on the same tokens for `seeds` seeds, compare, plot, generate.
 
     Args:
@@ -207,38 +266,73 @@ def run_demo(out: str | Path = "condmem-demo", *, corpus=None, preset: str | Non
         raise ValueError(f"--max-passes must be positive, got {max_passes!r}")
     dev = resolve_device(device)
     p = get_preset(preset or default_preset_name(dev.type)).override(
-        overrides, train={"steps": steps, "batch_size": batch_size, "log_every": log_every},
+        overrides,
+        train={"steps": steps, "batch_size": batch_size, "log_every": log_every},
         engram={"table_size": table_size},
-        data={"vocab_size": vocab_size, "max_train_bytes": max_train_bytes, "max_corpus_bytes": max_corpus_bytes,
-              "corpus": corpus})
+        data={
+            "vocab_size": vocab_size,
+            "max_train_bytes": max_train_bytes,
+            "max_corpus_bytes": max_corpus_bytes,
+            "corpus": corpus,
+        },
+    )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    print(f"condmem demo: preset {p.name!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
-          flush=True)
+    print(
+        f"condmem demo: preset {p.name!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
+        flush=True,
+    )
 
     data = prepare(p, tokenizer=tokenizer, seed=seed, use_cache=use_cache, dedup_threshold=dedup_threshold)
     src = describe_data(data)
     data.tokenizer.save(str(out / "tokenizer.json"))
-    seen = seen_in_training(data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"],
-                            pad_id=data.eos_id)
+    seen = seen_in_training(
+        data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"], pad_id=data.eos_id
+    )
     print(f"validation tokens whose trailing 3-gram occurs in the training split: {100 * seen.mean():.1f}%", flush=True)
     eng_cfg = build_model_config(p, data)
     cfgs = {"baseline": iso_flop_baseline(eng_cfg), "engram": eng_cfg}
     plan = plan_steps(p, data, steps=steps, minutes=minutes, max_passes=max_passes, wall=wall)
-    per_seed, curves, configs, models = train_pairs(p, data, dev, cfgs, plan, seeds=seeds, seed=seed, seen=seen,
-                                                    run_root=out if checkpoint else None, progress=progress)
+    per_seed, curves, configs, models = train_pairs(
+        p,
+        data,
+        dev,
+        cfgs,
+        plan,
+        seeds=seeds,
+        seed=seed,
+        seen=seen,
+        run_root=out if checkpoint else None,
+        progress=progress,
+    )
     table = report_comparison(per_seed, max_passes)
     samples = write_samples(models, data, out, prompt=prompt, max_new_tokens=max_new_tokens, seed=seed)
-    summary = demo_summary(per_seed, plan, p, data, dev, seed=seed, seen=seen, src=src, curves=curves,
-                           configs=configs, table=table, samples=samples, prompt=prompt)
+    summary = demo_summary(
+        per_seed,
+        plan,
+        p,
+        data,
+        dev,
+        seed=seed,
+        seen=seen,
+        src=src,
+        curves=curves,
+        configs=configs,
+        table=table,
+        samples=samples,
+        prompt=prompt,
+    )
     write_figures(summary, models["engram"], data, dev, out)
     summary["wall_seconds"] = time.perf_counter() - wall
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     figures = summary["figures"]
-    print(f"\nwrote {out}/summary.json, {', '.join(figures.values()) or 'no figures (matplotlib missing)'}, "
-          f"sample.txt, gates.json{f'; checkpoints in {out}/engram and {out}/baseline' if checkpoint else ''} "
-          f"({summary['wall_seconds']:.0f} s in all)", flush=True)
+    print(
+        f"\nwrote {out}/summary.json, {', '.join(figures.values()) or 'no figures (matplotlib missing)'}, "
+        f"sample.txt, gates.json{f'; checkpoints in {out}/engram and {out}/baseline' if checkpoint else ''} "
+        f"({summary['wall_seconds']:.0f} s in all)",
+        flush=True,
+    )
     return summary
 
 
@@ -249,23 +343,35 @@ def describe_data(data: PreparedData) -> str:
         src = f"Python {c['python_version']} standard library" + (" and installed packages" if "site_dirs" in c else "")
     else:
         src = ", ".join(Path(x).name or x for x in c["sources"])
-    print(f"corpus: {src}: {c['n_documents']:,} documents, {c['n_bytes']:,} bytes, sha256 {c['sha256'][:16]}...",
-          flush=True)
+    print(
+        f"corpus: {src}: {c['n_documents']:,} documents, {c['n_bytes']:,} bytes, sha256 {c['sha256'][:16]}...",
+        flush=True,
+    )
     t = data.info["tokenizer"]
     v = data.info["validation"]
-    print(f"tokenizer: {t['source']}: {t['vocab_size']:,} ids -> compressed V'={t['compressed_vocab_size']:,}; "
-          f"train split {data.info['train_tokens_available']:,} tokens", flush=True)
-    print(f"validation: {v['documents']:,} document{'s' if v['documents'] != 1 else ''}, {v['tokens']:,} tokens, all "
-          f"of them evaluated; {v['removed_documents']} near-duplicate document"
-          f"{'s' if v['removed_documents'] != 1 else ''} ({v['removed_tokens']:,} tokens) removed "
-          f"(> {v['dedup_threshold']} of their {v['dedup_ngram']}-token n-grams in the training split)"
-          + (f": {', '.join(r['name'] for r in v['removed'][:5])}{' ...' if len(v['removed']) > 5 else ''}"
-             if v["removed"] else ""), flush=True)
+    print(
+        f"tokenizer: {t['source']}: {t['vocab_size']:,} ids -> compressed V'={t['compressed_vocab_size']:,}; "
+        f"train split {data.info['train_tokens_available']:,} tokens",
+        flush=True,
+    )
+    print(
+        f"validation: {v['documents']:,} document{'s' if v['documents'] != 1 else ''}, {v['tokens']:,} tokens, all "
+        f"of them evaluated; {v['removed_documents']} near-duplicate document"
+        f"{'s' if v['removed_documents'] != 1 else ''} ({v['removed_tokens']:,} tokens) removed "
+        f"(> {v['dedup_threshold']} of their {v['dedup_ngram']}-token n-grams in the training split)"
+        + (
+            f": {', '.join(r['name'] for r in v['removed'][:5])}{' ...' if len(v['removed']) > 5 else ''}"
+            if v["removed"]
+            else ""
+        ),
+        flush=True,
+    )
     return src
 
 
-def plan_steps(p: Preset, data: PreparedData, *, steps: int | None, minutes: float | None, max_passes: float,
-               wall: float) -> StepPlan:
+def plan_steps(
+    p: Preset, data: PreparedData, *, steps: int | None, minutes: float | None, max_passes: float, wall: float
+) -> StepPlan:
     """The step cap of every run: the preset's (or --steps), or what --minutes leaves; at most max_passes passes."""
     tc = p.train
     budget_s = None
@@ -278,20 +384,38 @@ def plan_steps(p: Preset, data: PreparedData, *, steps: int | None, minutes: flo
     requested = tc.steps if budget_s is None or steps is not None else 10**9
     max_steps, passes = cap_steps(requested, data.train, tc.batch_size, tc.seq_len, max_passes)
     if budget_s is not None:
-        print(f"steps: sized to the --minutes budget, at most {max_steps:,} ({max_passes:g} passes over the "
-              f"{len(data.train):,}-token training split)", flush=True)
+        print(
+            f"steps: sized to the --minutes budget, at most {max_steps:,} ({max_passes:g} passes over the "
+            f"{len(data.train):,}-token training split)",
+            flush=True,
+        )
     elif passes["capped"]:
-        print(banner(
-            f"WARNING: {requested:,} steps x {tc.batch_size * tc.seq_len:,} tokens would make "
-            f"{passes['requested_passes']:.1f} passes over the {len(data.train):,}-token training split.\n"
-            f"Capped at {max_steps:,} steps ({passes['passes']:.2f} passes, --max-passes {max_passes:g}): "
-            "a model that sees its data again memorizes it,\nand Engram's tables memorize fastest. "
-            "Pass a larger --corpus, or --max-passes to allow repeats."), flush=True)
+        print(
+            banner(
+                f"WARNING: {requested:,} steps x {tc.batch_size * tc.seq_len:,} tokens would make "
+                f"{passes['requested_passes']:.1f} passes over the {len(data.train):,}-token training split.\n"
+                f"Capped at {max_steps:,} steps ({passes['passes']:.2f} passes, --max-passes {max_passes:g}): "
+                "a model that sees its data again memorizes it,\nand Engram's tables memorize fastest. "
+                "Pass a larger --corpus, or --max-passes to allow repeats."
+            ),
+            flush=True,
+        )
     return StepPlan(max_steps, passes, budget_s)
 
 
-def train_pairs(p: Preset, data: PreparedData, dev: torch.device, cfgs: dict[str, ModelConfig], plan: StepPlan, *,
-                seeds: int, seed: int, seen: np.ndarray, run_root: Path | None, progress: bool):
+def train_pairs(
+    p: Preset,
+    data: PreparedData,
+    dev: torch.device,
+    cfgs: dict[str, ModelConfig],
+    plan: StepPlan,
+    *,
+    seeds: int,
+    seed: int,
+    seen: np.ndarray,
+    run_root: Path | None,
+    progress: bool,
+):
     """Both models for every seed, on the same steps.
 
     Returns (per-seed results, curves, configs, the first seed's models)."""
@@ -307,11 +431,23 @@ def train_pairs(p: Preset, data: PreparedData, dev: torch.device, cfgs: dict[str
             first = per_seed[0]["baseline"] if per_seed else results.get("baseline")
             steps = first["steps"] if first is not None else plan.max_steps
             budget = plan.budget_s * 0.44 / seeds / 60 if first is None and plan.budget_s is not None else None
-            tc = dataclasses.replace(p.train, seed=run_seed, steps=steps, max_minutes=budget,
-                                     warmup_steps=min(p.train.warmup_steps, max(0, steps - 1)))
+            tc = dataclasses.replace(
+                p.train,
+                seed=run_seed,
+                steps=steps,
+                max_minutes=budget,
+                warmup_steps=min(p.train.warmup_steps, max(0, steps - 1)),
+            )
             model = build_model(cfg, data, seed=run_seed, device=dev)
-            trainer = build_trainer(model, tc, data, dev, run_dir=run_root / label if run_root and k == 0 else None,
-                                    label=label if seeds == 1 else f"{label} seed {run_seed}", progress=progress)
+            trainer = build_trainer(
+                model,
+                tc,
+                data,
+                dev,
+                run_dir=run_root / label if run_root and k == 0 else None,
+                label=label if seeds == 1 else f"{label} seed {run_seed}",
+                progress=progress,
+            )
             results[label] = _fit(trainer, model, cfg, data, seen, run_seed)
             curves[label].append({"seed": run_seed, "history": trainer.history, "evals": trainer.evals})
             configs[label] = {"model": cfg.to_dict(), "train": tc.to_dict()}
@@ -322,12 +458,16 @@ def train_pairs(p: Preset, data: PreparedData, dev: torch.device, cfgs: dict[str
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
         results["val_loss_gap_pct"] = _gap(results["baseline"]["val_loss"], results["engram"]["val_loss"])
-        results["bits_per_byte_gap_pct"] = _gap(results["baseline"]["bits_per_byte"],
-                                                results["engram"]["bits_per_byte"])
+        results["bits_per_byte_gap_pct"] = _gap(
+            results["baseline"]["bits_per_byte"], results["engram"]["bits_per_byte"]
+        )
         per_seed.append(results)
         if seeds > 1:
-            print(f"seed {run_seed}: Engram val loss {results['val_loss_gap_pct']:+.2f}% lower "
-                  f"({results['baseline']['val_loss']:.4f} -> {results['engram']['val_loss']:.4f})", flush=True)
+            print(
+                f"seed {run_seed}: Engram val loss {results['val_loss_gap_pct']:+.2f}% lower "
+                f"({results['baseline']['val_loss']:.4f} -> {results['engram']['val_loss']:.4f})",
+                flush=True,
+            )
     return per_seed, curves, configs, models
 
 
@@ -335,15 +475,22 @@ def _fit(trainer, model: DecoderLM, cfg: ModelConfig, data: PreparedData, seen: 
     """Train one model; its summary with parameters, FLOPs, passes and the seen/unseen 3-gram losses."""
     tc = trainer.cfg
     counts = model.param_counts()
-    print(f"[{trainer.label}] {counts['total']:,} parameters ({counts['tables']:,} in Engram tables), "
-          f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token; "
-          f"{tc.steps if tc.max_minutes is None else 'budgeted'} steps x {tc.batch_size * tc.seq_len:,} "
-          "tokens", flush=True)
+    print(
+        f"[{trainer.label}] {counts['total']:,} parameters ({counts['tables']:,} in Engram tables), "
+        f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token; "
+        f"{tc.steps if tc.max_minutes is None else 'budgeted'} steps x {tc.batch_size * tc.seq_len:,} "
+        "tokens",
+        flush=True,
+    )
     summary = trainer.fit(token_losses=True)
     summary.update(
-        seed=run_seed, params=counts["total"], backbone_params=counts["backbone"], table_params=counts["tables"],
+        seed=run_seed,
+        params=counts["total"],
+        backbone_params=counts["backbone"],
+        table_params=counts["tables"],
         table_rows=sum(model.layout.num_embeddings) if model.layout is not None else 0,
-        flops_per_token=train_flops_per_token(cfg, tc.seq_len), forward_flops=forward_flops_per_token(cfg, tc.seq_len),
+        flops_per_token=train_flops_per_token(cfg, tc.seq_len),
+        forward_flops=forward_flops_per_token(cfg, tc.seq_len),
         passes=data.train.passes(trainer.step, tc.batch_size, tc.seq_len),
         buckets=bucket_losses(trainer.token_losses, seen),
         checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
@@ -359,36 +506,66 @@ def report_comparison(per_seed: list[dict], max_passes: float) -> str:
     gap_mean, gap_std = mean_std([r["val_loss_gap_pct"] for r in per_seed])
     verdict = "lower" if gap_mean > 0 else "NOT lower"
     spread = f" (mean of {len(per_seed)} seeds, std {gap_std:.2f} points)" if gap_std is not None else ""
-    print(f"Engram validation loss is {abs(gap_mean):.2f}% {verdict} than the baseline's{spread} at the same "
-          f"{eng['train_tokens']:,} training tokens ({base['passes']:.2f} passes over the training split; "
-          f"FLOPs/token ratio {eng['flops_per_token'] / base['flops_per_token']:.4f}), over all "
-          f"{eng['val_tokens']:,} deduplicated validation tokens.", flush=True)
+    print(
+        f"Engram validation loss is {abs(gap_mean):.2f}% {verdict} than the baseline's{spread} at the same "
+        f"{eng['train_tokens']:,} training tokens ({base['passes']:.2f} passes over the training split; "
+        f"FLOPs/token ratio {eng['flops_per_token'] / base['flops_per_token']:.4f}), over all "
+        f"{eng['val_tokens']:,} deduplicated validation tokens.",
+        flush=True,
+    )
     if base["passes"] > 1:
-        print(banner(f"NOTE: each model saw its training data {base['passes']:.2f} times "
-                     f"(--max-passes {max_passes:g}); the comparison measures memorization as much as modelling."),
-              flush=True)
+        print(
+            banner(
+                f"NOTE: each model saw its training data {base['passes']:.2f} times "
+                f"(--max-passes {max_passes:g}); the comparison measures memorization as much as modelling."
+            ),
+            flush=True,
+        )
     return table
 
 
-def write_samples(models: dict[str, DecoderLM], data: PreparedData, out: Path, *, prompt: str, max_new_tokens: int,
-                  seed: int) -> dict[str, str]:
+def write_samples(
+    models: dict[str, DecoderLM], data: PreparedData, out: Path, *, prompt: str, max_new_tokens: int, seed: int
+) -> dict[str, str]:
     """A completion of `prompt` from each model (printed for Engram, all in sample.txt)."""
     prompt_ids = data.tokenizer.encode(prompt, add_special_tokens=False).ids
     samples = {}
     for label in ("engram", "baseline"):
-        new = generate(models[label], torch.tensor(prompt_ids), max_new_tokens, temperature=0.8, top_k=40, seed=seed,
-                       stop_ids=(data.eos_id,))
+        new = generate(
+            models[label],
+            torch.tensor(prompt_ids),
+            max_new_tokens,
+            temperature=0.8,
+            top_k=40,
+            seed=seed,
+            stop_ids=(data.eos_id,),
+        )
         samples[label] = data.tokenizer.decode(new.tolist(), skip_special_tokens=True)
     rule = "-" * 60
     print(f"\nprompt + Engram completion:\n{rule}\n{prompt}{samples['engram']}\n{rule}", flush=True)
-    atomic_write_text(out / "sample.txt", f"# prompt\n{prompt}\n# engram completion\n{samples['engram']}\n"
-                                          f"# baseline completion\n{samples['baseline']}\n")
+    atomic_write_text(
+        out / "sample.txt",
+        f"# prompt\n{prompt}\n# engram completion\n{samples['engram']}\n# baseline completion\n{samples['baseline']}\n",
+    )
     return samples
 
 
-def demo_summary(per_seed: list[dict], plan: StepPlan, p: Preset, data: PreparedData, dev: torch.device, *,
-                 seed: int, seen: np.ndarray, src: str, curves: dict, configs: dict, table: str, samples: dict,
-                 prompt: str) -> dict:
+def demo_summary(
+    per_seed: list[dict],
+    plan: StepPlan,
+    p: Preset,
+    data: PreparedData,
+    dev: torch.device,
+    *,
+    seed: int,
+    seen: np.ndarray,
+    src: str,
+    curves: dict,
+    configs: dict,
+    table: str,
+    samples: dict,
+    prompt: str,
+) -> dict:
     """What summary.json holds (figures and wall time are added after)."""
     base, eng = per_seed[0]["baseline"], per_seed[0]["engram"]
     plan.passes.update(steps=base["steps"], passes=base["passes"])
@@ -421,8 +598,12 @@ def demo_summary(per_seed: list[dict], plan: StepPlan, p: Preset, data: Prepared
         },
         "passes": plan.passes,
         "preset": p.name,
-        "config": {"baseline": configs["baseline"]["model"], "engram": configs["engram"]["model"],
-                   "train": configs["engram"]["train"], "preset": p.to_dict()},
+        "config": {
+            "baseline": configs["baseline"]["model"],
+            "engram": configs["engram"]["model"],
+            "train": configs["engram"]["train"],
+            "preset": p.to_dict(),
+        },
         "data": data.info,
         "machine": machine_info(dev),
         "figures": {},
@@ -441,7 +622,11 @@ def write_figures(summary: dict, engram_model: DecoderLM, data: PreparedData, de
     gates = gate_sample(engram_model, data, dev)
     atomic_write_text(out / "gates.json", json.dumps(gates) + "\n")
     first = next(iter(gates["gates"]))
-    fig = plot_gate_heatmap(gates["pieces"], np.array([gates["gates"][k] for k in gates["gates"]]), out / "gates.png",
-                            title=f"Engram gate (layer {first}) per token over validation code; darker = more memory")
+    fig = plot_gate_heatmap(
+        gates["pieces"],
+        np.array([gates["gates"][k] for k in gates["gates"]]),
+        out / "gates.png",
+        title=f"Engram gate (layer {first}) per token over validation code; darker = more memory",
+    )
     if fig:
         figures["gates"] = fig.name

@@ -43,7 +43,7 @@ def ngram_keys(tokens: np.ndarray, n: int, vocab_size: int | None = None) -> np.
     m = len(t) - n + 1
     if m <= 0:
         return np.zeros(0, dtype=np.uint64)
-    exact = vocab_size is not None and n <= 3 and vocab_size ** n < 2**63
+    exact = vocab_size is not None and n <= 3 and vocab_size**n < 2**63
     base = np.uint64(vocab_size) if exact else _HASH_MULT
     key = t[:m].copy()
     with np.errstate(over="ignore"):
@@ -80,8 +80,9 @@ def near_duplicate_fractions(train_tokens: np.ndarray, docs: Sequence[np.ndarray
     return np.divide(per_doc, sizes, out=np.zeros(len(docs)), where=sizes > 0)
 
 
-def seen_in_training(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int, n: int = 3,
-                     pad_id: int = 0) -> np.ndarray:
+def seen_in_training(
+    train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int, n: int = 3, pad_id: int = 0
+) -> np.ndarray:
     """bool per validation target (positions 1 .. len-1): does the n-gram ending at that
     target occur in the training stream? Positions before the stream's start read `pad_id`."""
     padded = np.concatenate([np.full(n - 1, pad_id, dtype=np.int64), np.asarray(val_tokens, dtype=np.int64)])

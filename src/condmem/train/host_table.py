@@ -75,8 +75,9 @@ class HostTableError(RuntimeError):
     """Host-resident tables used against their contract (ids of another step, a closed tier)."""
 
 
-def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, fill=None,
-                 seconds: dict | None = None) -> tuple[torch.Tensor, object]:
+def _host_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, pin: bool, fill=None, seconds: dict | None = None
+) -> tuple[torch.Tensor, object]:
     """A host tensor of exactly `shape` (page-locked when `pin`), zeros unless `fill` (a function
     of the tensor) writes it first; returns (tensor, what keeps its memory: None or a HostBuffer).
     `seconds` accumulates the time spent filling (``fill``) and page-locking (``pin``)."""
@@ -94,7 +95,7 @@ def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, fill=Non
         return t, None
     from condmem.tables.host_memory import allocate_host
 
-    buf = allocate_host(nbytes, "mmap_register")   # exact size, anonymous memory: zeros until written
+    buf = allocate_host(nbytes, "mmap_register")  # exact size, anonymous memory: zeros until written
     t = buf.tensor.view(dtype).view(shape)
     t0 = time.perf_counter()
     if fill is not None:
@@ -109,27 +110,31 @@ def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, fill=Non
 def _fill_normal(std: float, seed: int, threads: int):
     """Fill a 2-D tensor with N(0, std) from per-chunk generators, chunks on `threads` threads
     (deterministic for a given seed and chunk size, whatever the thread count)."""
+
     def fill(t: torch.Tensor) -> None:
         chunk = max(1, (1 << 24) // max(1, t.shape[1]))
         starts = list(range(0, t.shape[0], chunk))
 
         def one(i: int) -> None:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            t[starts[i]: starts[i] + chunk].normal_(0.0, std, generator=gen)
+            t[starts[i] : starts[i] + chunk].normal_(0.0, std, generator=gen)
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
             list(pool.map(one, range(len(starts))))
+
     return fill
 
 
 def _fill_zero(threads: int):
     """Write zeros over a tensor in chunks on `threads` threads: the pages of fresh anonymous
     memory are then faulted in in parallel, not one by one while they are page-locked."""
+
     def fill(t: torch.Tensor) -> None:
         flat = t.view(-1)
         chunk = 1 << 26
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(lambda i: flat[i: i + chunk].zero_(), range(0, flat.numel(), chunk)))
+            list(pool.map(lambda i: flat[i : i + chunk].zero_(), range(0, flat.numel(), chunk)))
+
     return fill
 
 
@@ -227,20 +232,36 @@ class HostTables:
     A context manager: `close()` stops the worker and unpins the memory.
     """
 
-    def __init__(self, model, device: torch.device | str, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, state_dtype: str = "fp32", prefetch: bool = True, pin: bool | None = None,
-                 threads: int | None = None, tables: dict[int, torch.Tensor] | None = None,
-                 init_std: float | None = None, seed: int = 0, staleness: int = 0, adam: str = "host"):
+    def __init__(
+        self,
+        model,
+        device: torch.device | str,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        state_dtype: str = "fp32",
+        prefetch: bool = True,
+        pin: bool | None = None,
+        threads: int | None = None,
+        tables: dict[int, torch.Tensor] | None = None,
+        init_std: float | None = None,
+        seed: int = 0,
+        staleness: int = 0,
+        adam: str = "host",
+    ):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {state_dtype!r}")
         if staleness not in (0, 1):
-            raise ValueError(f"staleness must be 0 (exact) or 1 (rows may lack the previous step's update), "
-                             f"got {staleness!r}")
+            raise ValueError(
+                f"staleness must be 0 (exact) or 1 (rows may lack the previous step's update), got {staleness!r}"
+            )
         if adam not in ("host", "device"):
             raise ValueError(f"adam must be 'host' or 'device', got {adam!r}")
         if adam == "device" and staleness:
-            raise ValueError("adam='device' is exact only: the device's Adam needs each row's latest state "
-                             "(staleness=0)")
+            raise ValueError(
+                "adam='device' is exact only: the device's Adam needs each row's latest state (staleness=0)"
+            )
         self.staleness = staleness
         self.device_adam = adam == "device"
         self.device = torch.device(device)
@@ -259,8 +280,9 @@ class HostTables:
         self._closed = False
         self._step = 0
         self._gathers = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="condmem-host-adam",
-                                                           initializer=self._init_worker)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="condmem-host-adam", initializer=self._init_worker
+        )
         if self.cuda:
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
@@ -274,8 +296,11 @@ class HostTables:
             table = engram.table
             rows, dim = table.num_embeddings, table.head_dim
             src = tables[engram.layer_id] if tables is not None else table.weight
-            fill = (_fill_normal(std, seed + engram.layer_id, threads or torch.get_num_threads())
-                    if src.device.type == "meta" else (lambda t, s=src: t.copy_(s.detach())))
+            fill = (
+                _fill_normal(std, seed + engram.layer_id, threads or torch.get_num_threads())
+                if src.device.type == "meta"
+                else (lambda t, s=src: t.copy_(s.detach()))
+            )
             keep = []
             weight, k = _host_tensor((rows, dim), torch.float32, self.pin, fill, self.setup_seconds)
             keep.append(k)
@@ -287,12 +312,19 @@ class HostTables:
                 keep.append(k)
             row_step, k = _host_tensor((rows,), torch.float32, self.pin, zero, self.setup_seconds)
             keep.append(k)
-            layer = _Layer(engram.layer_id, weight, moments[0], moments[1], row_step,
-                           torch.zeros(rows, dtype=torch.bool), keep=keep)
+            layer = _Layer(
+                engram.layer_id,
+                weight,
+                moments[0],
+                moments[1],
+                row_step,
+                torch.zeros(rows, dtype=torch.bool),
+                keep=keep,
+            )
             self.layers[engram.layer_id] = layer
             engram.table = HostTableView(self, engram.layer_id, weight)
             self._views.append(engram.table)
-            del src, fill   # the model's own table is freed here (the fill held it)
+            del src, fill  # the model's own table is freed here (the fill held it)
         self.setup_s = time.perf_counter() - t0
         """Seconds spent allocating, filling and page-locking the host tensors."""
 
@@ -304,8 +336,10 @@ class HostTables:
     @property
     def host_bytes(self) -> int:
         """Bytes of the tables and their state on the host (weights, moments, steps, markers)."""
-        return sum(sum(t.numel() * t.element_size() for t in (L.weight, L.exp_avg, L.exp_avg_sq, L.row_step, L.marker))
-                   for L in self.layers.values())
+        return sum(
+            sum(t.numel() * t.element_size() for t in (L.weight, L.exp_avg, L.exp_avg_sq, L.row_step, L.marker))
+            for L in self.layers.values()
+        )
 
     # ------------------------------------------------------------------ worker
     def _init_worker(self) -> None:
@@ -320,7 +354,7 @@ class HostTables:
         fut = self._pool.submit(fn, *args)
         self._jobs.append(fut)
         while self._jobs and self._jobs[0].done():
-            self._jobs.popleft().result()   # raises a worker's error in the main thread
+            self._jobs.popleft().result()  # raises a worker's error in the main thread
         return fut
 
     def flush(self) -> None:
@@ -384,7 +418,7 @@ class HostTables:
             n, d = ids.numel(), layer.weight.shape[1]
             staging = self._named(layer, "rows", slot, (n, d), torch.float32, pinned=True)
             torch.index_select(layer.weight, 0, ids, out=staging)
-            if self.staleness == 0:      # the rows the Adam queued next updates first, for the patch
+            if self.staleness == 0:  # the rows the Adam queued next updates first, for the patch
                 layer.marker[ids] = True
                 layer.marked = ids
             if self.cuda:
@@ -394,17 +428,19 @@ class HostTables:
                     dev.copy_(staging, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(self._h2d)
-                done.synchronize()   # the staging is free again when this job ends (the worker has time)
+                done.synchronize()  # the staging is free again when this job ends (the worker has time)
                 ticket.rows[lid] = (dev, done, slot)
             else:
                 ticket.rows[lid] = (staging, None, slot)
 
-    def _named(self, layer: _Layer, name: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype,
-               pinned: bool) -> torch.Tensor:
+    def _named(
+        self, layer: _Layer, name: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool
+    ) -> torch.Tensor:
         """Buffer `slot` of the layer's pair `name` (pinned host or device), grown as needed."""
         key = (name, pinned)
-        return self._buffer(layer.buffers.setdefault(key, []), slot, shape, dtype,
-                            self._pinned if pinned else self._on_device)
+        return self._buffer(
+            layer.buffers.setdefault(key, []), slot, shape, dtype, self._pinned if pinned else self._on_device
+        )
 
     def _unique_state(self, layer: _Layer, ids: torch.Tensor, slot: int | None):
         """Host: the unique rows of `ids` (sorted) with their moments and step counts, on the
@@ -422,8 +458,12 @@ class HostTables:
         uniq, inv = torch.unique(ids, return_inverse=True)
         k, d = uniq.numel(), layer.weight.shape[1]
         host = {"ids": uniq, "inv": inv}
-        for name, src, shape in (("rows", layer.weight, (k, d)), ("m", layer.exp_avg, (k, d)),
-                                 ("v", layer.exp_avg_sq, (k, d)), ("step", layer.row_step, (k,))):
+        for name, src, shape in (
+            ("rows", layer.weight, (k, d)),
+            ("m", layer.exp_avg, (k, d)),
+            ("v", layer.exp_avg_sq, (k, d)),
+            ("step", layer.row_step, (k,)),
+        ):
             host[name] = torch.index_select(src, 0, uniq, out=buf(name, shape, src.dtype, self.pin))
         if not self.cuda:
             return (uniq, inv, host["rows"], host["m"].float(), host["v"].float(), host["step"], None)
@@ -438,7 +478,7 @@ class HostTables:
                 dev[name].copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._h2d)
-        done.synchronize()   # the pinned buffers are free again when this call ends
+        done.synchronize()  # the pinned buffers are free again when this call ends
         return (dev["ids"], dev["inv"], dev["rows"], dev["m"], dev["v"], dev["step"], done)
 
     def _gather_unique(self, ticket: _Ticket, slot: int) -> None:
@@ -497,7 +537,7 @@ class HostTables:
             self.flush()
             ids = row_ids.reshape(-1).cpu()
             if self.device_adam and training:
-                layer.last = None           # flushed: the host holds every update
+                layer.last = None  # flushed: the host holds every update
                 rows = self._device_rows(layer, (*self._unique_state(layer, ids, None), None), row_ids)
             else:
                 rows = layer.weight.index_select(0, ids).to(self.device).view(*row_ids.shape, -1)
@@ -514,8 +554,10 @@ class HostTables:
         lid = layer.layer_id
         index = list(self.layers).index(lid)
         if tuple(ticket.ids_dev.shape[:2]) + tuple(ticket.ids_dev.shape[3:]) != tuple(row_ids.shape):
-            raise HostTableError(f"layer {lid}: the prefetched step has ids {tuple(ticket.ids_dev.shape)}, the forward "
-                                 f"{tuple(row_ids.shape)}: prefetch the ids of the step that runs next")
+            raise HostTableError(
+                f"layer {lid}: the prefetched step has ids {tuple(ticket.ids_dev.shape)}, the forward "
+                f"{tuple(row_ids.shape)}: prefetch the ids of the step that runs next"
+            )
         if row_ids.device.type == "cpu" and not torch.equal(ticket.ids_dev[:, :, index], row_ids):
             raise HostTableError(f"layer {lid}: the forward's row ids are not the prefetched step's")
         if self.device_adam:
@@ -556,10 +598,11 @@ class HostTables:
                     continue
                 ids = torch.cat([i.reshape(-1) for i, _ in parts])
                 values = torch.cat([g.reshape(-1, g.shape[-1]) for _, g in parts])
-                with warnings.catch_warnings():   # ids are row ids of this table by construction
+                with warnings.catch_warnings():  # ids are row ids of this table by construction
                     warnings.filterwarnings("ignore", "Sparse invariant checks")
-                    layer.grad = torch.sparse_coo_tensor(ids[None].long(), values, layer.weight.shape,
-                                                         check_invariants=False).coalesce()
+                    layer.grad = torch.sparse_coo_tensor(
+                        ids[None].long(), values, layer.weight.shape, check_invariants=False
+                    ).coalesce()
             out[lid] = layer.grad
         return out
 
@@ -579,7 +622,7 @@ class HostTables:
             ids, values = grad.indices()[0], grad.values()
             slot = self._step % 2
             if layer.grad_jobs[slot] is not None:
-                layer.grad_jobs[slot].result()   # the Adam job that last read this pinned buffer is done
+                layer.grad_jobs[slot].result()  # the Adam job that last read this pinned buffer is done
             if self.cuda:
                 k, d = values.shape
                 h_ids = self._named(layer, "grad_ids", slot, (k,), torch.int64, pinned=True)
@@ -608,25 +651,29 @@ class HostTables:
             layer = self.layers[lid]
             uniq, rows, m, v, st, read_slot = layer.current
             ids, values = grad.indices()[0], grad.values()
-            pos = torch.searchsorted(uniq, ids)          # the gradient's rows are rows this step read
+            pos = torch.searchsorted(uniq, ids)  # the gradient's rows are rows this step read
             m, v, st, old = m[pos], v[pos], st[pos] + 1, rows[pos]
-            self._mark_consumed(layer, read_slot)       # the step's buffers are read up to here
+            self._mark_consumed(layer, read_slot)  # the step's buffers are read up to here
             layer.steps += 1
             new = old + adam_rows_delta(values.float(), m, v, st, lr, beta1, beta2, eps, layer.steps)
-            if layer.exp_avg.dtype != torch.float32:     # as the host stores them, so a patch equals a re-read
+            if layer.exp_avg.dtype != torch.float32:  # as the host stores them, so a patch equals a re-read
                 m, v = m.to(layer.exp_avg.dtype).float(), v.to(layer.exp_avg_sq.dtype).float()
             layer.last = (ids, new, m, v, st)
             layer.current = None
             slot = self._step % 2
             if layer.grad_jobs[slot] is not None:
-                layer.grad_jobs[slot].result()   # the writeback that last read these pinned buffers is done
+                layer.grad_jobs[slot].result()  # the writeback that last read these pinned buffers is done
             job = (ids, new, m, v, st)
             copied = None
             if self.cuda:
                 self._d2h.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._d2h):
-                    job = tuple(self._named(layer, f"writeback{i}", slot, tuple(t.shape), t.dtype, pinned=True)
-                                .copy_(t, non_blocking=True) for i, t in enumerate(job))
+                    job = tuple(
+                        self._named(layer, f"writeback{i}", slot, tuple(t.shape), t.dtype, pinned=True).copy_(
+                            t, non_blocking=True
+                        )
+                        for i, t in enumerate(job)
+                    )
                     for t in (ids, new, m, v, st):
                         t.record_stream(self._d2h)
                     copied = torch.cuda.Event()
@@ -665,7 +712,7 @@ class HostTables:
                 hot_ids = ids[hot]
                 hot_update = self._update(layer, hot_ids, values[hot], *args)
                 nxt.patch[lid] = self._send_patch(hot_ids, hot_update[0]) if hot.numel() else None
-                nxt.patch_ready[lid].set()   # the next step's wait ends here
+                nxt.patch_ready[lid].set()  # the next step's wait ends here
                 rest = (~first).nonzero().squeeze(1)
                 rest_ids = ids[rest]
                 rest_update = self._update(layer, rest_ids, values[rest], *args)
@@ -673,21 +720,32 @@ class HostTables:
                 self._write(layer, rest_ids, *rest_update)
             finally:
                 if nxt is not None and lid in nxt.patch_ready:
-                    nxt.patch_ready[lid].set()   # never leave the main thread waiting, even on an error
+                    nxt.patch_ready[lid].set()  # never leave the main thread waiting, even on an error
 
     @staticmethod
-    def _update(layer: _Layer, ids: torch.Tensor, grad: torch.Tensor, lr: float, beta1: float, beta2: float,
-                eps: float, max_step: int) -> tuple[torch.Tensor, ...]:
+    def _update(
+        layer: _Layer,
+        ids: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        max_step: int,
+    ) -> tuple[torch.Tensor, ...]:
         """Adam for unique rows `ids`: (new rows, moments, steps), not yet written."""
         m = layer.exp_avg.index_select(0, ids).float()
         v = layer.exp_avg_sq.index_select(0, ids).float()
         t = layer.row_step.index_select(0, ids) + 1
-        new = layer.weight.index_select(0, ids) + adam_rows_delta(grad.float(), m, v, t, lr, beta1, beta2, eps, max_step)
+        new = layer.weight.index_select(0, ids) + adam_rows_delta(
+            grad.float(), m, v, t, lr, beta1, beta2, eps, max_step
+        )
         return new, m, v, t
 
     @staticmethod
-    def _write(layer: _Layer, ids: torch.Tensor, new: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-               t: torch.Tensor) -> None:
+    def _write(
+        layer: _Layer, ids: torch.Tensor, new: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: torch.Tensor
+    ) -> None:
         layer.weight.index_copy_(0, ids, new)
         layer.exp_avg.index_copy_(0, ids, m.to(layer.exp_avg.dtype))
         layer.exp_avg_sq.index_copy_(0, ids, v.to(layer.exp_avg_sq.dtype))
@@ -756,8 +814,9 @@ class HostTables:
                 continue
             slot_of_row = tensors[f"{base}.slot_of_row"].to(torch.int64)
             if slot_of_row.shape != (layer.weight.shape[0],):
-                raise ValueError(f"optimizer state for {base} has {slot_of_row.shape[0]} rows, the table "
-                                 f"{layer.weight.shape[0]}")
+                raise ValueError(
+                    f"optimizer state for {base} has {slot_of_row.shape[0]} rows, the table {layer.weight.shape[0]}"
+                )
             rows = (slot_of_row >= 0).nonzero().squeeze(1)
             slots = slot_of_row[rows]
             layer.exp_avg.index_copy_(0, rows, tensors[f"{base}.exp_avg"][slots].to(layer.exp_avg.dtype))
@@ -776,7 +835,7 @@ class HostTables:
             self._closed = True
             self._pool.shutdown(wait=True)
             self._queue.clear()
-            for view in self._views:   # no tensor may view the memory when it is unmapped
+            for view in self._views:  # no tensor may view the memory when it is unmapped
                 view.weight = torch.empty(0, view.head_dim)
             for layer in self.layers.values():
                 layer.weight = layer.exp_avg = layer.exp_avg_sq = layer.row_step = layer.marked = None

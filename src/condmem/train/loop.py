@@ -145,9 +145,18 @@ def memory_gib(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, stream: TokenStream, token_bytes: torch.Tensor, *, seq_len: int, max_tokens: int | None,
-             batch_size: int, device: torch.device, precision: str = "auto",
-             token_losses: bool = False) -> dict:
+def evaluate(
+    model,
+    stream: TokenStream,
+    token_bytes: torch.Tensor,
+    *,
+    seq_len: int,
+    max_tokens: int | None,
+    batch_size: int,
+    device: torch.device,
+    precision: str = "auto",
+    token_losses: bool = False,
+) -> dict:
     """Validation loss (nats per token) and bits per byte.
 
     Args:
@@ -228,11 +237,22 @@ class Trainer:
             the model's tables sharded over the ranks.
     """
 
-    def __init__(self, model, cfg: TrainConfig, train_stream: TokenStream, val_stream: TokenStream,
-                 token_bytes: np.ndarray | torch.Tensor, device: torch.device | str, *,
-                 run_dir: str | Path | None = None,
-                 label: str = "model", checkpoint_extra: dict | None = None, progress: bool = True,
-                 host_tables=None, data_parallel=None):
+    def __init__(
+        self,
+        model,
+        cfg: TrainConfig,
+        train_stream: TokenStream,
+        val_stream: TokenStream,
+        token_bytes: np.ndarray | torch.Tensor,
+        device: torch.device | str,
+        *,
+        run_dir: str | Path | None = None,
+        label: str = "model",
+        checkpoint_extra: dict | None = None,
+        progress: bool = True,
+        host_tables=None,
+        data_parallel=None,
+    ):
         self.model = model
         self.cfg = cfg
         self.train_stream = train_stream
@@ -244,8 +264,13 @@ class Trainer:
         self.checkpoint_extra = checkpoint_extra or {}
         self.show_progress = progress
         self.adamw, self.sparse = build_optimizers(
-            model, cfg.lr, cfg.lr * cfg.table_lr_mult, cfg.weight_decay, (cfg.beta1, cfg.beta2),
-            (cfg.beta1, cfg.beta2), cfg.eps,
+            model,
+            cfg.lr,
+            cfg.lr * cfg.table_lr_mult,
+            cfg.weight_decay,
+            (cfg.beta1, cfg.beta2),
+            (cfg.beta1, cfg.beta2),
+            cfg.eps,
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.host = host_tables
@@ -260,8 +285,12 @@ class Trainer:
         if host_tables is not None:
             if self.sparse is not None:
                 raise ValueError("the model still has Engram tables of its own: build HostTables from it first")
-            host_tables.param_groups[0].update(lr=cfg.lr * cfg.table_lr_mult, base_lr=cfg.lr * cfg.table_lr_mult,
-                                               betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+            host_tables.param_groups[0].update(
+                lr=cfg.lr * cfg.table_lr_mult,
+                base_lr=cfg.lr * cfg.table_lr_mult,
+                betas=(cfg.beta1, cfg.beta2),
+                eps=cfg.eps,
+            )
             self.sparse = host_tables
             self._grad_sources = _grad_sources(model)
         self.step = 0
@@ -281,9 +310,16 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def state(self) -> dict:
         """Everything besides tensors that a resumed run needs."""
-        return {"step": self.step, "history": self.history, "evals": self.evals, "timed_tokens": self.timed_tokens,
-                "timed_seconds": self.timed_seconds, "budget_resolved": self.budget_resolved,
-                "train_config": self.cfg.to_dict(), "label": self.label}
+        return {
+            "step": self.step,
+            "history": self.history,
+            "evals": self.evals,
+            "timed_tokens": self.timed_tokens,
+            "timed_seconds": self.timed_seconds,
+            "budget_resolved": self.budget_resolved,
+            "train_config": self.cfg.to_dict(),
+            "label": self.label,
+        }
 
     def restore(self, checkpoint) -> None:
         """Continue from a `condmem.train.checkpoint.Checkpoint` of this model."""
@@ -291,11 +327,12 @@ class Trainer:
 
         names = {p: n for n, p in self.model.named_parameters()}
         tensors = checkpoint.optimizer_tensors
-        adamw = {k[len("adamw."):]: v for k, v in tensors.items() if k.startswith("adamw.")}
+        adamw = {k[len("adamw.") :]: v for k, v in tensors.items() if k.startswith("adamw.")}
         import_adamw_state(self.adamw, adamw, names)
         if self.sparse is not None:
-            self.sparse.import_state({k[len("sparse_adam."):]: v for k, v in tensors.items()
-                                      if k.startswith("sparse_adam.")}, names)
+            self.sparse.import_state(
+                {k[len("sparse_adam.") :]: v for k, v in tensors.items() if k.startswith("sparse_adam.")}, names
+            )
         st = checkpoint.state
         self.step = int(st["step"])
         self.history = list(st.get("history", []))
@@ -308,9 +345,16 @@ class Trainer:
         """An upper bound of this process's next checkpoint, `tokens` trained from now (see `checkpoint_bytes`)."""
         from condmem.train.checkpoint import checkpoint_bytes
 
-        return checkpoint_bytes(self.model, adamw=self.adamw, sparse=self.sparse, host_tables=self.host,
-                                tables_sharded=self.dp is not None, tokenizer=self.checkpoint_extra.get("tokenizer"),
-                                trainer_state=self.state(), tokens=tokens)
+        return checkpoint_bytes(
+            self.model,
+            adamw=self.adamw,
+            sparse=self.sparse,
+            host_tables=self.host,
+            tables_sharded=self.dp is not None,
+            tokenizer=self.checkpoint_extra.get("tokenizer"),
+            trainer_state=self.state(),
+            tokens=tokens,
+        )
 
     def save(self) -> Path | None:
         if self.run_dir is None:
@@ -327,24 +371,45 @@ class Trainer:
             path = None
             if self.dp.rank == 0:
                 path = save_checkpoint(
-                    self.run_dir, model=self.model, adamw=self.adamw, sparse=None, train_cfg=self.cfg,
-                    trainer_state=self.state(), keep=self.cfg.keep_checkpoints, tables_sharded=True,
+                    self.run_dir,
+                    model=self.model,
+                    adamw=self.adamw,
+                    sparse=None,
+                    train_cfg=self.cfg,
+                    trainer_state=self.state(),
+                    keep=self.cfg.keep_checkpoints,
+                    tables_sharded=True,
                     **self.checkpoint_extra,
                 )
             self.last_checkpoint = self.dp.broadcast(path)
             return self.last_checkpoint
         self.last_checkpoint = save_checkpoint(
-            self.run_dir, model=self.model, adamw=self.adamw, sparse=self.sparse, train_cfg=self.cfg,
-            trainer_state=self.state(), keep=self.cfg.keep_checkpoints, host_tables=self.host, **self.checkpoint_extra,
+            self.run_dir,
+            model=self.model,
+            adamw=self.adamw,
+            sparse=self.sparse,
+            train_cfg=self.cfg,
+            trainer_state=self.state(),
+            keep=self.cfg.keep_checkpoints,
+            host_tables=self.host,
+            **self.checkpoint_extra,
         )
         return self.last_checkpoint
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, full: bool = False, token_losses: bool = False) -> dict:
         """Validate on the fixed subset (``eval_tokens``), or on the whole split (`full`)."""
-        result = evaluate(self.model, self.val_stream, self.token_bytes, seq_len=self.cfg.seq_len,
-                          max_tokens=None if full else self.cfg.eval_tokens, batch_size=self.cfg.eval_batch_size,
-                          device=self.device, precision=self.cfg.precision, token_losses=token_losses)
+        result = evaluate(
+            self.model,
+            self.val_stream,
+            self.token_bytes,
+            seq_len=self.cfg.seq_len,
+            max_tokens=None if full else self.cfg.eval_tokens,
+            batch_size=self.cfg.eval_batch_size,
+            device=self.device,
+            precision=self.cfg.precision,
+            token_losses=token_losses,
+        )
         losses = result.pop("token_losses", None)
         if losses is not None:
             self.token_losses = losses
@@ -361,8 +426,9 @@ class Trainer:
         fit = self.step + int(max(0.0, 0.95 * remaining) / max(step_seconds, 1e-9))
         steps = max(self.step + 1, min(cfg.steps, fit))
         if steps != cfg.steps:
-            logger.info("%s: %.1f min budget at %.3f s/step -> %d steps", self.label, cfg.max_minutes, step_seconds,
-                        steps)
+            logger.info(
+                "%s: %.1f min budget at %.3f s/step -> %d steps", self.label, cfg.max_minutes, step_seconds, steps
+            )
         cfg.steps = steps
         cfg.warmup_steps = min(cfg.warmup_steps, max(0, steps - 1))
         self.budget_resolved = True
@@ -415,8 +481,11 @@ class Trainer:
             for p in self._sharded:
                 if p.grad is not None and p.grad.is_sparse:
                     p.grad = p.grad.coalesce()
-            self.dp.clip_([p.grad for p in self._replicated if p.grad is not None],
-                          [p.grad for p in self._sharded if p.grad is not None], cfg.grad_clip)
+            self.dp.clip_(
+                [p.grad for p in self._replicated if p.grad is not None],
+                [p.grad for p in self._sharded if p.grad is not None],
+                cfg.grad_clip,
+            )
         else:
             clip_grad_norm_(self.params, cfg.grad_clip)
         for opt in self.optimizers:
@@ -425,7 +494,7 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         value = float(loss.detach())
         if self.dp is not None:
-            value = self.dp.mean(value, self.device)   # every rank's slice has as many tokens
+            value = self.dp.mean(value, self.device)  # every rank's slice has as many tokens
         return value, cfg.lr * lr_mult
 
     def fit(self, token_losses: bool = False) -> dict:
@@ -477,17 +546,22 @@ class Trainer:
                     )
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                     ev = self.evaluate()
-                    bar.write(f"[{self.label}] step {self.step}: val loss {ev['val_loss']:.4f} | "
-                              f"{ev['bits_per_byte']:.4f} bits/byte")
+                    bar.write(
+                        f"[{self.label}] step {self.step}: val loss {ev['val_loss']:.4f} | "
+                        f"{ev['bits_per_byte']:.4f} bits/byte"
+                    )
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                     self.save()
         finally:
             bar.close()
         self.evaluate()
         ev = self.evaluate(full=True, token_losses=token_losses)
-        print(f"[{self.label}] done: {self.step} steps, val loss {ev['val_loss']:.4f}, "
-              f"{ev['bits_per_byte']:.4f} bits/byte over all {ev['val_tokens']:,} validation tokens, "
-              f"{self.tokens_per_s:,.0f} tok/s", flush=True)
+        print(
+            f"[{self.label}] done: {self.step} steps, val loss {ev['val_loss']:.4f}, "
+            f"{ev['bits_per_byte']:.4f} bits/byte over all {ev['val_tokens']:,} validation tokens, "
+            f"{self.tokens_per_s:,.0f} tok/s",
+            flush=True,
+        )
         self.save()
         return self.summary()
 
@@ -498,7 +572,7 @@ class Trainer:
     def summary(self) -> dict:
         finals = [e for e in self.evals if e.get("full")]
         last = finals[-1] if finals else (self.evals[-1] if self.evals else {})
-        tail = [h["loss"] for h in self.history[-max(1, min(50, len(self.history) // 10)):]]
+        tail = [h["loss"] for h in self.history[-max(1, min(50, len(self.history) // 10)) :]]
         return {
             "val_loss": last.get("val_loss"),
             "bits_per_byte": last.get("bits_per_byte"),

@@ -31,13 +31,22 @@ def beta_powers(beta: float, n: int, device: torch.device | str) -> torch.Tensor
     table = _POWERS.get(key)
     if table is None or table.numel() <= n:
         size = max(1024, 1 << (n + 1).bit_length())
-        table = torch.tensor([beta ** k for k in range(size)], dtype=torch.float32).to(device)
+        table = torch.tensor([beta**k for k in range(size)], dtype=torch.float32).to(device)
         _POWERS[key] = table
     return table
 
 
-def adam_rows_delta(grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: torch.Tensor, lr: float, beta1: float,
-                    beta2: float, eps: float, max_step: int) -> torch.Tensor:
+def adam_rows_delta(
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    t: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    max_step: int,
+) -> torch.Tensor:
     """One Adam step of k rows: updates the moments `m`, `v` (fp32 [k, dim]) in place and
     returns the change of the rows, ``-lr * update`` (fp32 [k, dim]).
 
@@ -138,7 +147,7 @@ class SparseAdam(torch.optim.Optimizer):
                 m = state["exp_avg"][slots]
                 v = state["exp_avg_sq"][slots]
                 t = state["row_step"][slots] + 1
-                state["steps"] = state.get("steps", 0) + 1   # no row has taken more steps than this
+                state["steps"] = state.get("steps", 0) + 1  # no row has taken more steps than this
                 delta = adam_rows_delta(grad, m, v, t, lr, beta1, beta2, eps, state["steps"])
                 p.index_add_(0, rows, delta.to(p.dtype))
                 state["exp_avg"][slots] = m
@@ -170,7 +179,9 @@ class SparseAdam(torch.optim.Optimizer):
                     continue
                 slot_of_row = tensors[f"{base}.slot_of_row"].to(p.device, torch.int32)
                 if slot_of_row.shape != (p.shape[0],):
-                    raise ValueError(f"optimizer state for {base} has {slot_of_row.shape[0]} rows, the table {p.shape[0]}")
+                    raise ValueError(
+                        f"optimizer state for {base} has {slot_of_row.shape[0]} rows, the table {p.shape[0]}"
+                    )
                 self.state[p] = {
                     "slot_of_row": slot_of_row.clone(),
                     "exp_avg": tensors[f"{base}.exp_avg"].to(p.device, torch.float32).clone(),
@@ -195,7 +206,9 @@ def export_adamw_state(opt: torch.optim.Optimizer, names: dict[nn.Parameter, str
     return out
 
 
-def import_adamw_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], names: dict[nn.Parameter, str]) -> None:
+def import_adamw_state(
+    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], names: dict[nn.Parameter, str]
+) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             base = names[p]
@@ -261,9 +274,16 @@ def clip_gradients_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
-def build_optimizers(model, lr: float, table_lr: float, weight_decay: float = 0.1,
-                     betas: tuple[float, float] = (0.9, 0.95), table_betas: tuple[float, float] = (0.9, 0.95),
-                     eps: float = 1e-8, fused: bool | None = None):
+def build_optimizers(
+    model,
+    lr: float,
+    table_lr: float,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    table_betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    fused: bool | None = None,
+):
     """(AdamW over the backbone, SparseAdam over the tables or None).
 
     Matrices (dim >= 2: linear weights, token embedding) get weight decay; norms, gate

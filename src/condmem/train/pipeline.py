@@ -79,31 +79,46 @@ def _sample_docs(docs: Sequence[Document], max_bytes: int | None, seed: int) -> 
     return out
 
 
-def _deduplicated_validation(tok: Tokenizer, docs: Sequence[Document], train_tokens: np.ndarray, eos_id: int,
-                             threshold: float | None) -> tuple[list[Document], np.ndarray, dict]:
+def _deduplicated_validation(
+    tok: Tokenizer, docs: Sequence[Document], train_tokens: np.ndarray, eos_id: int, threshold: float | None
+) -> tuple[list[Document], np.ndarray, dict]:
     """Encode each validation document, drop near-duplicates of the training tokens, and
     describe what was dropped. Returns (kept documents, their token stream, description)."""
     dtype = np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
-    encoded = [np.asarray(e.ids, dtype=dtype)
-               for e in tok.encode_batch([d.text for d in docs], add_special_tokens=False)]
-    fractions = (near_duplicate_fractions(train_tokens, encoded, DEDUP_NGRAM) if threshold is not None
-                 else np.zeros(len(docs)))
+    encoded = [
+        np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch([d.text for d in docs], add_special_tokens=False)
+    ]
+    fractions = (
+        near_duplicate_fractions(train_tokens, encoded, DEDUP_NGRAM) if threshold is not None else np.zeros(len(docs))
+    )
     keep = [threshold is None or f <= threshold for f in fractions]
     if not any(keep):
-        raise ValueError(f"every validation document near-duplicates the training split (threshold {threshold}); "
-                         "use a larger corpus or a higher threshold")
-    removed = sorted(({"name": d.name, "tokens": int(len(e) + 1), "shared_fraction": round(float(f), 4)}
-                      for d, e, f, k in zip(docs, encoded, fractions, keep) if not k),
-                     key=lambda r: -r["tokens"])
+        raise ValueError(
+            f"every validation document near-duplicates the training split (threshold {threshold}); "
+            "use a larger corpus or a higher threshold"
+        )
+    removed = sorted(
+        (
+            {"name": d.name, "tokens": int(len(e) + 1), "shared_fraction": round(float(f), 4)}
+            for d, e, f, k in zip(docs, encoded, fractions, keep)
+            if not k
+        ),
+        key=lambda r: -r["tokens"],
+    )
     eos = np.asarray([eos_id], dtype=dtype)
     stream = np.concatenate([part for e, k in zip(encoded, keep) if k for part in (e, eos)])
     description = {
-        "dedup_ngram": DEDUP_NGRAM, "dedup_threshold": threshold,
-        "documents_before": len(docs), "tokens_before": int(sum(len(e) + 1 for e in encoded)),
-        "removed_documents": len(removed), "removed_tokens": int(sum(r["tokens"] for r in removed)),
-        "documents": int(sum(keep)), "tokens": len(stream),
+        "dedup_ngram": DEDUP_NGRAM,
+        "dedup_threshold": threshold,
+        "documents_before": len(docs),
+        "tokens_before": int(sum(len(e) + 1 for e in encoded)),
+        "removed_documents": len(removed),
+        "removed_tokens": int(sum(r["tokens"] for r in removed)),
+        "documents": int(sum(keep)),
+        "tokens": len(stream),
         "shared_fraction_quantiles": {str(q): round(float(np.quantile(fractions, q)), 4) for q in (0.5, 0.9, 0.99)}
-        if len(fractions) else {},
+        if len(fractions)
+        else {},
         "removed": removed,
     }
     return [d for d, k in zip(docs, keep) if k], stream, description
@@ -119,11 +134,20 @@ def find_special(tokenizer: Tokenizer, candidates: Sequence[str], what: str, fal
     raise ValueError(f"the tokenizer has none of the {what} tokens {list(candidates)}")
 
 
-def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | Tokenizer | None = None,
-                 vocab_size: int = 4096, max_corpus_bytes: int | None = None, max_train_bytes: int | None = None,
-                 tokenizer_train_bytes: int | None = 8_000_000, val_fraction: float = 0.02, seed: int = 0,
-                 dedup_threshold: float | None = DEDUP_THRESHOLD,
-                 cache_dir: str | Path | None = None, use_cache: bool = True) -> PreparedData:
+def prepare_data(
+    corpus: str | Sequence[str] | None = None,
+    *,
+    tokenizer: str | Tokenizer | None = None,
+    vocab_size: int = 4096,
+    max_corpus_bytes: int | None = None,
+    max_train_bytes: int | None = None,
+    tokenizer_train_bytes: int | None = 8_000_000,
+    val_fraction: float = 0.02,
+    seed: int = 0,
+    dedup_threshold: float | None = DEDUP_THRESHOLD,
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
+) -> PreparedData:
     """Corpus -> tokenizer, compressed tokenizer and train/val token streams.
 
     Args:
@@ -144,20 +168,35 @@ def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | 
     source = None if tokenizer is None else ("given" if isinstance(tokenizer, Tokenizer) else str(tokenizer))
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer)
-    settings = {"max_corpus_bytes": max_corpus_bytes, "max_train_bytes": max_train_bytes,
-                "val_fraction": val_fraction, "seed": seed, "dedup_threshold": dedup_threshold}
-    record = {"corpus": None if corpus is None else ([str(c) for c in corpus] if isinstance(corpus, (list, tuple))
-                                                     else str(corpus)),
-              "max_corpus_bytes": max_corpus_bytes, "max_train_bytes": max_train_bytes,
-              "tokenizer_train_bytes": tokenizer_train_bytes, "vocab_size": vocab_size, "val_fraction": val_fraction,
-              "seed": seed, "dedup_threshold": dedup_threshold}
+    settings = {
+        "max_corpus_bytes": max_corpus_bytes,
+        "max_train_bytes": max_train_bytes,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "dedup_threshold": dedup_threshold,
+    }
+    record = {
+        "corpus": None
+        if corpus is None
+        else ([str(c) for c in corpus] if isinstance(corpus, (list, tuple)) else str(corpus)),
+        "max_corpus_bytes": max_corpus_bytes,
+        "max_train_bytes": max_train_bytes,
+        "tokenizer_train_bytes": tokenizer_train_bytes,
+        "vocab_size": vocab_size,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "dedup_threshold": dedup_threshold,
+    }
     cache = Path(cache_dir) if cache_dir is not None else cache_root()
     if not use_cache:
         return _prepare(corpus, tokenizer, source, vocab_size, tokenizer_train_bytes, settings, record, cache, False)
     t0 = time.perf_counter()
     fingerprint = corpus_fingerprint(corpus, max_bytes=max_corpus_bytes)
-    spec = ({"bpe": [vocab_size, tokenizer_train_bytes]} if tokenizer is None
-            else {"tokenizer": tokenizer_sha256(tokenizer)})
+    spec = (
+        {"bpe": [vocab_size, tokenizer_train_bytes]}
+        if tokenizer is None
+        else {"tokenizer": tokenizer_sha256(tokenizer)}
+    )
     key = _prepared_key(fingerprint, spec, settings)
     data = _load_prepared(cache / "prepared", key)
     if data is None:
@@ -176,9 +215,17 @@ def prepare_data(corpus: str | Sequence[str] | None = None, *, tokenizer: str | 
     return data
 
 
-def _prepare(corpus, tokenizer: Tokenizer | None, source: str | None, vocab_size: int,
-             tokenizer_train_bytes: int | None, settings: dict, record: dict, cache: Path,
-             use_cache: bool) -> PreparedData:
+def _prepare(
+    corpus,
+    tokenizer: Tokenizer | None,
+    source: str | None,
+    vocab_size: int,
+    tokenizer_train_bytes: int | None,
+    settings: dict,
+    record: dict,
+    cache: Path,
+    use_cache: bool,
+) -> PreparedData:
     """`prepare_data` without its own cache: read, split, tokenize, encode, deduplicate."""
     from condmem.tokenizer import CompressedTokenizer
 
@@ -204,8 +251,9 @@ def _prepare(corpus, tokenizer: Tokenizer | None, source: str | None, vocab_size
     train_tokens = cached_encode(tok, train_docs, eos_id, docs_key(train_docs, tok_sha), cache / "tokens", use_cache)
     t_enc = time.perf_counter() - t2
     t3 = time.perf_counter()
-    val_docs, val_tokens, validation = _deduplicated_validation(tok, val_docs, train_tokens, eos_id,
-                                                                settings["dedup_threshold"])
+    val_docs, val_tokens, validation = _deduplicated_validation(
+        tok, val_docs, train_tokens, eos_id, settings["dedup_threshold"]
+    )
     t_dedup = time.perf_counter() - t3
     info = {
         "args": record,
@@ -226,19 +274,41 @@ def _prepare(corpus, tokenizer: Tokenizer | None, source: str | None, vocab_size
             "eos_id": eos_id,
             "pad_id": pad_id,
         },
-        "seconds": {"read": round(t_read, 2), "tokenizer": round(t_tok, 2), "encode": round(t_enc, 2),
-                    "deduplicate": round(t_dedup, 2)},
+        "seconds": {
+            "read": round(t_read, 2),
+            "tokenizer": round(t_tok, 2),
+            "encode": round(t_enc, 2),
+            "deduplicate": round(t_dedup, 2),
+        },
     }
-    logger.info("data: %d train docs (%d tokens), %d val docs (%d tokens, %d near-duplicates removed); "
-                "vocab %d -> V'=%d; %.1f s",
-                len(train_docs), len(train_tokens), len(val_docs), len(val_tokens), validation["removed_documents"],
-                info["tokenizer"]["vocab_size"], ctok.vocab_size, time.perf_counter() - t0)
-    return PreparedData(tok, ctok, TokenStream(train_tokens, eos_id), TokenStream(val_tokens, eos_id),
-                        token_byte_lengths(tok), eos_id, pad_id, info, val_docs)
+    logger.info(
+        "data: %d train docs (%d tokens), %d val docs (%d tokens, %d near-duplicates removed); "
+        "vocab %d -> V'=%d; %.1f s",
+        len(train_docs),
+        len(train_tokens),
+        len(val_docs),
+        len(val_tokens),
+        validation["removed_documents"],
+        info["tokenizer"]["vocab_size"],
+        ctok.vocab_size,
+        time.perf_counter() - t0,
+    )
+    return PreparedData(
+        tok,
+        ctok,
+        TokenStream(train_tokens, eos_id),
+        TokenStream(val_tokens, eos_id),
+        token_byte_lengths(tok),
+        eos_id,
+        pad_id,
+        info,
+        val_docs,
+    )
 
 
-def _train_tokenizer(train_docs: list[Document], vocab_size: int, train_bytes: int | None, seed: int, cache: Path,
-                     use_cache: bool) -> tuple[Tokenizer, str]:
+def _train_tokenizer(
+    train_docs: list[Document], vocab_size: int, train_bytes: int | None, seed: int, cache: Path, use_cache: bool
+) -> tuple[Tokenizer, str]:
     """A byte-level BPE trained on a sample of the training split (cached by the sample's hash)."""
     sample = _sample_docs(train_docs, train_bytes, seed)
     tok = cached_train_bpe([d.text for d in sample], vocab_size, docs_key(sample), cache / "bpe") if use_cache else None
@@ -260,11 +330,19 @@ def _prepared_key(fingerprint: str, tokenizer_spec: dict, settings: dict) -> str
 
 def _save_prepared(folder: Path, key: str, alias: str | None, data: PreparedData) -> None:
     """One .npz per key (written atomically); `alias` names a small file that points at it."""
-    meta = {"info": data.info, "eos_id": data.eos_id, "pad_id": data.pad_id,
-            "val_docs": [[d.name, d.text] for d in data.val_docs]}
-    arrays = {"train": data.train.tokens, "val": data.val.tokens, "token_bytes": np.asarray(data.token_bytes),
-              "meta": np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8),
-              "tokenizer": np.frombuffer(data.tokenizer.to_str().encode("utf-8"), dtype=np.uint8)}
+    meta = {
+        "info": data.info,
+        "eos_id": data.eos_id,
+        "pad_id": data.pad_id,
+        "val_docs": [[d.name, d.text] for d in data.val_docs],
+    }
+    arrays = {
+        "train": data.train.tokens,
+        "val": data.val.tokens,
+        "token_bytes": np.asarray(data.token_bytes),
+        "meta": np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8),
+        "tokenizer": np.frombuffer(data.tokenizer.to_str().encode("utf-8"), dtype=np.uint8),
+    }
     try:
         with atomic_path(folder / f"prepared-{key}.npz") as tmp, open(tmp, "wb") as fh:
             np.savez(fh, **arrays)
@@ -296,6 +374,14 @@ def _load_prepared(folder: Path, key: str) -> PreparedData | None:
         logger.warning("ignoring unreadable prepared-data cache %s (%s)", path, exc)
         return None
     eos_id = meta["eos_id"]
-    return PreparedData(tok, CompressedTokenizer.from_any(tok), TokenStream(arrays["train"], eos_id),
-                        TokenStream(arrays["val"], eos_id), arrays["token_bytes"], eos_id, meta["pad_id"], meta["info"],
-                        [Document(name, text) for name, text in meta["val_docs"]])
+    return PreparedData(
+        tok,
+        CompressedTokenizer.from_any(tok),
+        TokenStream(arrays["train"], eos_id),
+        TokenStream(arrays["val"], eos_id),
+        arrays["token_bytes"],
+        eos_id,
+        meta["pad_id"],
+        meta["info"],
+        [Document(name, text) for name, text in meta["val_docs"]],
+    )

@@ -30,8 +30,9 @@ def _runs_of(value) -> list[dict]:
     return value if isinstance(value, list) else [value]
 
 
-def plot_loss_curves(runs: dict[str, list[dict] | dict], path: str | Path, title: str = "",
-                     buckets: dict[str, list[dict]] | None = None) -> Path | None:
+def plot_loss_curves(
+    runs: dict[str, list[dict] | dict], path: str | Path, title: str = "", buckets: dict[str, list[dict]] | None = None
+) -> Path | None:
     """Every seed's training loss (smoothed) and validation loss against training tokens;
     with `buckets`, a second panel of validation loss on seen / unseen 3-grams.
 
@@ -59,21 +60,41 @@ def plot_loss_curves(runs: dict[str, list[dict] | dict], path: str | Path, title
                 tokens = np.array([h["tokens"] for h in hist], dtype=float)
                 loss = np.array([h["loss"] for h in hist], dtype=float)
                 smooth = _ema(loss, 0.9 if len(loss) < 2000 else 0.98)
-                ax.plot(tokens / 1e6, smooth, color=color, linewidth=1.2, alpha=0.85,
-                        label=f"{label} train (EMA)" if i == 0 else None)
+                ax.plot(
+                    tokens / 1e6,
+                    smooth,
+                    color=color,
+                    linewidth=1.2,
+                    alpha=0.85,
+                    label=f"{label} train (EMA)" if i == 0 else None,
+                )
                 lows.append(smooth.min())
                 highs.append(smooth[min(len(smooth) - 1, len(smooth) // 6)])
             evals = run.get("evals", [])
             curve = [e for e in evals if not e.get("full")]
             if curve:
-                ax.plot([e["train_tokens"] / 1e6 for e in curve], [e["val_loss"] for e in curve], "o--", color=color,
-                        markersize=3.5, linewidth=0.9, alpha=0.85,
-                        label=f"{label} validation (fixed subset)" if i == 0 else None)
+                ax.plot(
+                    [e["train_tokens"] / 1e6 for e in curve],
+                    [e["val_loss"] for e in curve],
+                    "o--",
+                    color=color,
+                    markersize=3.5,
+                    linewidth=0.9,
+                    alpha=0.85,
+                    label=f"{label} validation (fixed subset)" if i == 0 else None,
+                )
             final = [e for e in evals if e.get("full")]
             if final:
-                ax.plot([e["train_tokens"] / 1e6 for e in final], [e["val_loss"] for e in final], "*", color=color,
-                        markersize=10, markeredgecolor="black", markeredgewidth=0.5,
-                        label=f"{label} validation (whole split){seed_note and ', every seed'}" if i == 0 else None)
+                ax.plot(
+                    [e["train_tokens"] / 1e6 for e in final],
+                    [e["val_loss"] for e in final],
+                    "*",
+                    color=color,
+                    markersize=10,
+                    markeredgecolor="black",
+                    markeredgewidth=0.5,
+                    label=f"{label} validation (whole split){seed_note and ', every seed'}" if i == 0 else None,
+                )
             lows += [e["val_loss"] for e in evals]
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("loss (nats / token)")
@@ -96,8 +117,9 @@ def plot_loss_curves(runs: dict[str, list[dict] | dict], path: str | Path, title
             for k in range(len(names)):
                 bx.text(x[k] + (j - 0.5) * width, mean[k], f"{mean[k]:.2f}", ha="center", va="bottom", fontsize=7)
         first = next(iter(buckets.values()))[0]
-        bx.set_xticks(x, [f"3-gram {n} in training\n({100 * first[n]['fraction']:.0f}% of tokens)" for n in names],
-                      fontsize=8)
+        bx.set_xticks(
+            x, [f"3-gram {n} in training\n({100 * first[n]['fraction']:.0f}% of tokens)" for n in names], fontsize=8
+        )
         bx.set_ylabel("validation loss (nats / token)")
         bx.set_title("where the difference comes from", fontsize=9)
         bx.grid(alpha=0.3, axis="y")
@@ -115,8 +137,9 @@ def _display(piece: str) -> str:
     return piece.replace("\t", "→").replace("\r", "")
 
 
-def plot_gate_heatmap(pieces: Sequence[str], gates: np.ndarray, path: str | Path, title: str = "",
-                      max_cols: int = 80) -> Path | None:
+def plot_gate_heatmap(
+    pieces: Sequence[str], gates: np.ndarray, path: str | Path, title: str = "", max_cols: int = 80
+) -> Path | None:
     """Validation text with each token's background coloured by its Engram gate value.
 
     Args:
@@ -163,17 +186,32 @@ def plot_gate_heatmap(pieces: Sequence[str], gates: np.ndarray, path: str | Path
     ax.set_ylim(n_lines, 0)
     ax.axis("off")
     for ln, c, w, text, value in placed:
-        ax.add_patch(plt.Rectangle((c, ln + 0.04), w, 0.92, facecolor=cmap(norm(value)), edgecolor="white",
-                                   linewidth=0.4))
-        ax.text(c, ln + 0.5, text, fontsize=fontsize, family="monospace", va="center", ha="left",
-                color="white" if norm(value) > 0.65 else "black")
+        ax.add_patch(
+            plt.Rectangle((c, ln + 0.04), w, 0.92, facecolor=cmap(norm(value)), edgecolor="white", linewidth=0.4)
+        )
+        ax.text(
+            c,
+            ln + 0.5,
+            text,
+            fontsize=fontsize,
+            family="monospace",
+            va="center",
+            ha="left",
+            color="white" if norm(value) > 0.65 else "black",
+        )
     cax = fig.add_axes([(margin_l + text_w + 0.25) / fw, margin_b / fh, 0.15 / fw, text_h / fh])
     sm = cm.ScalarMappable(norm=norm, cmap=cmap)
     cbar = fig.colorbar(sm, cax=cax)
     cbar.set_label("gate", fontsize=8)
     cbar.ax.tick_params(labelsize=7)
-    fig.suptitle(title or "Engram gate per token over validation text (darker = more memory used)", fontsize=9,
-                 x=margin_l / fw, ha="left", y=1 - 0.12 / fh, va="top")
+    fig.suptitle(
+        title or "Engram gate per token over validation text (darker = more memory used)",
+        fontsize=9,
+        x=margin_l / fw,
+        ha="left",
+        y=1 - 0.12 / fh,
+        va="top",
+    )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

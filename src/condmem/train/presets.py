@@ -137,7 +137,7 @@ class Preset:
             if unknown:
                 raise ConfigError(f"unknown preset field(s) {', '.join(f'{section}.{k}' for k in unknown)}")
             for key, value in given.items():
-                if isinstance(value, dict):   # a nested section (model.moe): merged field by field
+                if isinstance(value, dict):  # a nested section (model.moe): merged field by field
                     given[key] = _merged(getattr(parts[section], key), value, f"{section}.{key}")
             parts[section] = dataclasses.replace(parts[section], **given)
         seq_len = parts["train"].seq_len
@@ -154,25 +154,48 @@ PRESETS: dict[str, Preset] = {
         "cpu",
         ModelPreset(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352, max_seq_len=256),
         EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=4, head_dim=16, table_size=20_000),
-        TrainConfig(steps=240, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=24, eval_tokens=32_768,
-                    eval_every=60, log_every=1),
+        TrainConfig(
+            steps=240,
+            batch_size=16,
+            seq_len=256,
+            lr=3e-3,
+            warmup_steps=24,
+            eval_tokens=32_768,
+            eval_every=60,
+            log_every=1,
+        ),
         DataPreset(corpus="stdlib", vocab_size=4096, max_train_bytes=12_000_000, tokenizer_train_bytes=6_000_000),
     ),
     "gpu": Preset(
         "gpu",
         ModelPreset(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1408, max_seq_len=512),
         EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=8, head_dim=32, table_size=2_000_000),
-        TrainConfig(steps=1000, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=100, eval_tokens=262_144,
-                    eval_every=200, eval_batch_size=32, log_every=50),
-        DataPreset(corpus="python", vocab_size=8192, max_train_bytes=250_000_000, max_corpus_bytes=1_500_000_000,
-                   tokenizer_train_bytes=20_000_000),
+        TrainConfig(
+            steps=1000,
+            batch_size=64,
+            seq_len=512,
+            lr=2e-3,
+            warmup_steps=100,
+            eval_tokens=262_144,
+            eval_every=200,
+            eval_batch_size=32,
+            log_every=50,
+        ),
+        DataPreset(
+            corpus="python",
+            vocab_size=8192,
+            max_train_bytes=250_000_000,
+            max_corpus_bytes=1_500_000_000,
+            tokenizer_train_bytes=20_000_000,
+        ),
     ),
     "tiny": Preset(
         "tiny",
         ModelPreset(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=64, max_seq_len=64),
         EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=500),
-        TrainConfig(steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_tokens=512, eval_every=0,
-                    log_every=1),
+        TrainConfig(
+            steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_tokens=512, eval_every=0, log_every=1
+        ),
         DataPreset(corpus="stdlib", vocab_size=320, max_train_bytes=None, tokenizer_train_bytes=2_000_000),
     ),
 }

@@ -63,11 +63,21 @@ KINDS = ("allocation", "slots")
 
 PAPER = {
     "source": "arXiv 2601.07372 (figures as gathered in two public notes)",
-    "allocation": {"compute_flops": [2e20, 6e20], "optimum_rho": [0.75, 0.8], "loss_pure_moe_6e20": 1.7248,
-                   "loss_optimum_6e20": 1.7109, "gain_pct_6e20": 0.81, "rho_matching_pure_moe": 0.4,
-                   "total_over_active": 10},
-    "slots": {"backbone": "3B total, 568M active MoE", "train_tokens": 100e9, "rows": [2.58e5, 1e7],
-              "shape": "loss roughly linear in log(rows)"},
+    "allocation": {
+        "compute_flops": [2e20, 6e20],
+        "optimum_rho": [0.75, 0.8],
+        "loss_pure_moe_6e20": 1.7248,
+        "loss_optimum_6e20": 1.7109,
+        "gain_pct_6e20": 0.81,
+        "rho_matching_pure_moe": 0.4,
+        "total_over_active": 10,
+    },
+    "slots": {
+        "backbone": "3B total, 568M active MoE",
+        "train_tokens": 100e9,
+        "rows": [2.58e5, 1e7],
+        "shape": "loss roughly linear in log(rows)",
+    },
 }
 
 
@@ -93,26 +103,66 @@ class StudyPreset:
 
 STUDY_PRESETS: dict[str, StudyPreset] = {
     "tiny": StudyPreset(
-        Preset("tiny",
-               ModelPreset(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=64,
-                           moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=32)),
-               EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=500),
-               TrainConfig(steps=16, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_tokens=512,
-                           eval_every=0, log_every=8),
-               DataPreset(corpus="stdlib", vocab_size=320, max_train_bytes=2_000_000,
-                          tokenizer_train_bytes=1_000_000)),
-        rhos=[1.0, 0.75, 0.5], table_sizes=[20, 300, 3000], allocation_steps=16, slots_steps=16),
+        Preset(
+            "tiny",
+            ModelPreset(
+                dim=32,
+                n_layers=2,
+                n_heads=2,
+                n_kv_heads=1,
+                ffn_hidden=32,
+                max_seq_len=64,
+                moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=32),
+            ),
+            EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=500),
+            TrainConfig(
+                steps=16, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_tokens=512, eval_every=0, log_every=8
+            ),
+            DataPreset(corpus="stdlib", vocab_size=320, max_train_bytes=2_000_000, tokenizer_train_bytes=1_000_000),
+        ),
+        rhos=[1.0, 0.75, 0.5],
+        table_sizes=[20, 300, 3000],
+        allocation_steps=16,
+        slots_steps=16,
+    ),
     "gpu": StudyPreset(
-        Preset("gpu",
-               ModelPreset(dim=512, n_layers=6, n_heads=8, n_kv_heads=4, ffn_hidden=512, max_seq_len=512,
-                           moe=MoEConfig(n_experts=62, top_k=2, expert_hidden=256)),
-               EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=8, head_dim=32, table_size=2_000_000),
-               TrainConfig(steps=400, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=40, eval_tokens=65_536,
-                           eval_every=0, eval_batch_size=32, log_every=100),
-               DataPreset(corpus="python", vocab_size=8192, max_train_bytes=150_000_000,
-                          max_corpus_bytes=1_500_000_000, tokenizer_train_bytes=20_000_000)),
-        rhos=[1.0, 0.9, 0.8, 0.7, 0.6, 0.4, 0.2], table_sizes=[2_500, 25_000, 250_000, 2_500_000],
-        allocation_steps=400, slots_steps=1000, minutes=9.0),
+        Preset(
+            "gpu",
+            ModelPreset(
+                dim=512,
+                n_layers=6,
+                n_heads=8,
+                n_kv_heads=4,
+                ffn_hidden=512,
+                max_seq_len=512,
+                moe=MoEConfig(n_experts=62, top_k=2, expert_hidden=256),
+            ),
+            EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=8, head_dim=32, table_size=2_000_000),
+            TrainConfig(
+                steps=400,
+                batch_size=64,
+                seq_len=512,
+                lr=2e-3,
+                warmup_steps=40,
+                eval_tokens=65_536,
+                eval_every=0,
+                eval_batch_size=32,
+                log_every=100,
+            ),
+            DataPreset(
+                corpus="python",
+                vocab_size=8192,
+                max_train_bytes=150_000_000,
+                max_corpus_bytes=1_500_000_000,
+                tokenizer_train_bytes=20_000_000,
+            ),
+        ),
+        rhos=[1.0, 0.9, 0.8, 0.7, 0.6, 0.4, 0.2],
+        table_sizes=[2_500, 25_000, 250_000, 2_500_000],
+        allocation_steps=400,
+        slots_steps=1000,
+        minutes=9.0,
+    ),
 }
 
 
@@ -163,12 +213,12 @@ def allocation_points(base: ModelConfig, rhos: list[float]) -> list[Point]:
 def table_size_for(engram: EngramConfig, rows: int) -> int:
     """The largest table size whose layout gives each layer at most `rows` rows (sums of primes;
     2 when even that is too many)."""
+
     def layer_rows(size: int) -> int:
-        return max(sum(p) for p in draw_primes(engram.layer_ids, [size] * (engram.max_ngram_size - 1),
-                                               engram.n_heads))
+        return max(sum(p) for p in draw_primes(engram.layer_ids, [size] * (engram.max_ngram_size - 1), engram.n_heads))
 
     lo, hi = 2, max(2, rows // engram.n_cols + 1)
-    while lo < hi:          # layer_rows grows with the size: the last size that fits
+    while lo < hi:  # layer_rows grows with the size: the last size that fits
         mid = (lo + hi + 1) // 2
         if layer_rows(mid) <= rows:
             lo = mid
@@ -200,7 +250,9 @@ def accounting(cfg: ModelConfig, seq_len: int, budget: int | None = None) -> dic
         "n_experts": moe.n_experts if moe is not None else 0,
         "table_size": cfg.engram.table_size if cfg.engram is not None else 0,
         "table_rows": counts["tables"] // cfg.engram.head_dim if cfg.engram is not None else 0,
-        "params": counts, "idle_expert_params": idle_experts, "sparse_params": sparse,
+        "params": counts,
+        "idle_expert_params": idle_experts,
+        "sparse_params": sparse,
         "rho_realized": idle_experts / sparse if sparse else None,
         "forward_flops": forward_flops_per_token(cfg, seq_len),
         "flops_per_token": train_flops_per_token(cfg, seq_len),
@@ -213,10 +265,22 @@ def accounting(cfg: ModelConfig, seq_len: int, budget: int | None = None) -> dic
 # ----------------------------------------------------------------------------- running
 
 
-def run_study(kind: str, out: str | Path | None = None, *, preset: str = "tiny", seeds: int = 1, corpus=None,
-              device: str | None = None, steps: int | None = None, minutes: float | None = None, seed: int = 0,
-              rhos: list[float] | None = None, table_sizes: list[int] | None = None, max_passes: float = 1.0,
-              progress: bool = True) -> dict:
+def run_study(
+    kind: str,
+    out: str | Path | None = None,
+    *,
+    preset: str = "tiny",
+    seeds: int = 1,
+    corpus=None,
+    device: str | None = None,
+    steps: int | None = None,
+    minutes: float | None = None,
+    seed: int = 0,
+    rhos: list[float] | None = None,
+    table_sizes: list[int] | None = None,
+    max_passes: float = 1.0,
+    progress: bool = True,
+) -> dict:
     """Run one sweep; writes ``study.json`` and ``<kind>.png`` into `out`, returns the summary.
 
     Args:
@@ -232,35 +296,47 @@ def run_study(kind: str, out: str | Path | None = None, *, preset: str = "tiny",
         raise ValueError(f"--seeds must be a positive integer, got {seeds!r}")
     if preset not in STUDY_PRESETS:
         raise ValueError(f"unknown study preset {preset!r}; choose one of {sorted(STUDY_PRESETS)}")
-    sp = dataclasses.replace(STUDY_PRESETS[preset], rhos=rhos or STUDY_PRESETS[preset].rhos,
-                             table_sizes=table_sizes or STUDY_PRESETS[preset].table_sizes,
-                             minutes=minutes if minutes is not None else STUDY_PRESETS[preset].minutes)
+    sp = dataclasses.replace(
+        STUDY_PRESETS[preset],
+        rhos=rhos or STUDY_PRESETS[preset].rhos,
+        table_sizes=table_sizes or STUDY_PRESETS[preset].table_sizes,
+        minutes=minutes if minutes is not None else STUDY_PRESETS[preset].minutes,
+    )
     sp.base = sp.base.override(data={"corpus": corpus})
     if kind == "slots" and len(set(sp.table_sizes)) < 2:
         raise ValueError(f"the slot sweep needs two table sizes or more, got {sp.table_sizes}")
     dev = resolve_device(device)
     out = Path(out or f"condmem-study/{kind}")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"condmem study {kind}: preset {preset!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; "
-          f"output in {out}/", flush=True)
+    print(
+        f"condmem study {kind}: preset {preset!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
+        flush=True,
+    )
     data = prepare(sp.base, seed=seed)
-    seen = seen_in_training(data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"],
-                            pad_id=data.eos_id)
+    seen = seen_in_training(
+        data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"], pad_id=data.eos_id
+    )
     base = build_model_config(sp.base, data)
     points = allocation_points(base, sp.rhos) if kind == "allocation" else slot_points(base, sp.table_sizes)
     requested = steps or (sp.allocation_steps if kind == "allocation" else sp.slots_steps)
     tc = sp.base.train
     n_steps, passes = cap_steps(requested, data.train, tc.batch_size, tc.seq_len, max_passes)
     if passes["capped"]:
-        print(banner(f"{requested:,} steps would make {passes['requested_passes']:.2f} passes over the "
-                     f"{len(data.train):,}-token training split: capped at {n_steps:,} steps "
-                     f"({passes['passes']:.2f} passes)"), flush=True)
+        print(
+            banner(
+                f"{requested:,} steps would make {passes['requested_passes']:.2f} passes over the "
+                f"{len(data.train):,}-token training split: capped at {n_steps:,} steps "
+                f"({passes['passes']:.2f} passes)"
+            ),
+            flush=True,
+        )
     budget_s = None if sp.minutes is None else sp.minutes * 60 - (time.perf_counter() - wall)
     if budget_s is not None and budget_s <= 0:
         raise ValueError(f"--minutes {sp.minutes}: data preparation alone took longer")
     print_plan(kind, points, n_steps, tc, seeds)
-    runs = train_points(points, data, dev, tc, steps=n_steps, seeds=seeds, seed=seed, seen=seen,
-                        budget_s=budget_s, progress=progress)
+    runs = train_points(
+        points, data, dev, tc, steps=n_steps, seeds=seeds, seed=seed, seen=seen, budget_s=budget_s, progress=progress
+    )
     passes.update(steps=runs[0]["steps"], passes=runs[0]["passes"])
     summary = summarize(kind, sp, points, runs, seeds=seeds, seed=seed, passes=passes, data=data, dev=dev)
     print("\n" + summary["table"] + "\n\n" + summary["report"], flush=True)
@@ -268,8 +344,10 @@ def run_study(kind: str, out: str | Path | None = None, *, preset: str = "tiny",
     summary["figure"] = figure.name if figure else None
     summary["wall_seconds"] = time.perf_counter() - wall
     atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n")
-    print(f"\nwrote {out}/study.json{f', {figure.name}' if figure else ''} ({summary['wall_seconds']:.0f} s in all)",
-          flush=True)
+    print(
+        f"\nwrote {out}/study.json{f', {figure.name}' if figure else ''} ({summary['wall_seconds']:.0f} s in all)",
+        flush=True,
+    )
     return summary
 
 
@@ -289,17 +367,34 @@ def replot(kind: str, out: str | Path | None = None) -> Path | None:
 
 def print_plan(kind: str, points: list[Point], steps: int, tc: TrainConfig, seeds: int) -> None:
     """One line per point: experts, table rows, parameters, FLOPs."""
-    print(f"{len(points)} models x {seeds} seed{'s' if seeds > 1 else ''}, each {steps:,} steps x "
-          f"{tc.batch_size * tc.seq_len:,} tokens, same batches in the same order:", flush=True)
+    print(
+        f"{len(points)} models x {seeds} seed{'s' if seeds > 1 else ''}, each {steps:,} steps x "
+        f"{tc.batch_size * tc.seq_len:,} tokens, same batches in the same order:",
+        flush=True,
+    )
     for p in points:
         a = p.accounting
-        print(f"  {p.label:<22} {a['n_experts']:>3} experts, {a['table_rows']:>12,} table rows, "
-              f"{a['params']['total']:>13,} params ({a['params']['active']:,} active), "
-              f"{a['flops_per_token'] / 1e6:,.2f} MFLOPs/token", flush=True)
+        print(
+            f"  {p.label:<22} {a['n_experts']:>3} experts, {a['table_rows']:>12,} table rows, "
+            f"{a['params']['total']:>13,} params ({a['params']['active']:,} active), "
+            f"{a['flops_per_token'] / 1e6:,.2f} MFLOPs/token",
+            flush=True,
+        )
 
 
-def train_points(points: list[Point], data: PreparedData, dev: torch.device, tc: TrainConfig, *, steps: int,
-                 seeds: int, seed: int, seen: np.ndarray, budget_s: float | None, progress: bool) -> list[dict]:
+def train_points(
+    points: list[Point],
+    data: PreparedData,
+    dev: torch.device,
+    tc: TrainConfig,
+    *,
+    steps: int,
+    seeds: int,
+    seed: int,
+    seen: np.ndarray,
+    budget_s: float | None,
+    progress: bool,
+) -> list[dict]:
     """Every point for every seed on the same batches; the first run sizes the steps to `budget_s`."""
     runs: list[dict] = []
     warmup = min(tc.warmup_steps, max(0, steps - 1))
@@ -310,12 +405,18 @@ def train_points(points: list[Point], data: PreparedData, dev: torch.device, tc:
             budget = budget_s * 0.8 / (len(points) * seeds) / 60 if first and budget_s is not None else None
             run_cfg = dataclasses.replace(tc, seed=seed, steps=steps, warmup_steps=warmup, max_minutes=budget)
             model = build_model(point.cfg, data, seed=seed + k, device=dev)
-            trainer = build_trainer(model, run_cfg, data, dev, label=f"{point.label} seed {seed + k}",
-                                    progress=progress)
+            trainer = build_trainer(
+                model, run_cfg, data, dev, label=f"{point.label} seed {seed + k}", progress=progress
+            )
             result = trainer.fit(token_losses=True)
             if first and trainer.step < steps:
-                print(banner(f"the sweep's budget ({budget_s:.0f} s after data preparation) fits {trainer.step:,} of "
-                             f"{steps:,} steps per run: every run of this sweep trains that many"), flush=True)
+                print(
+                    banner(
+                        f"the sweep's budget ({budget_s:.0f} s after data preparation) fits {trainer.step:,} of "
+                        f"{steps:,} steps per run: every run of this sweep trains that many"
+                    ),
+                    flush=True,
+                )
                 steps, warmup = trainer.step, trainer.cfg.warmup_steps
             runs.append(_record(point, trainer, result, data, seen, seed + k))
             del model, trainer
@@ -328,23 +429,47 @@ def _record(point: Point, trainer, result: dict, data: PreparedData, seen: np.nd
     tc = trainer.cfg
     a = point.accounting
     return {
-        "label": point.label, "seed": run_seed, "rho": point.rho, "rho_realized": a["rho_realized"],
-        "n_experts": a["n_experts"], "table_size": a["table_size"], "table_rows": a["table_rows"],
-        "total_params": a["params"]["total"], "active_params": a["params"]["active"],
-        "table_params": a["params"]["tables"], "params": a["params"], "flops_per_token": a["flops_per_token"],
-        "forward_flops": a["forward_flops"], "steps": trainer.step, "train_tokens": result["train_tokens"],
-        "passes": data.train.passes(trainer.step, tc.batch_size, tc.seq_len), "val_loss": result["val_loss"],
-        "bits_per_byte": result["bits_per_byte"], "val_tokens": result["val_tokens"],
-        "buckets": bucket_losses(trainer.token_losses, seen), "tokens_per_s": result["tokens_per_s"],
-        "train_seconds": result["train_seconds"], "final_train_loss": result["final_train_loss"],
+        "label": point.label,
+        "seed": run_seed,
+        "rho": point.rho,
+        "rho_realized": a["rho_realized"],
+        "n_experts": a["n_experts"],
+        "table_size": a["table_size"],
+        "table_rows": a["table_rows"],
+        "total_params": a["params"]["total"],
+        "active_params": a["params"]["active"],
+        "table_params": a["params"]["tables"],
+        "params": a["params"],
+        "flops_per_token": a["flops_per_token"],
+        "forward_flops": a["forward_flops"],
+        "steps": trainer.step,
+        "train_tokens": result["train_tokens"],
+        "passes": data.train.passes(trainer.step, tc.batch_size, tc.seq_len),
+        "val_loss": result["val_loss"],
+        "bits_per_byte": result["bits_per_byte"],
+        "val_tokens": result["val_tokens"],
+        "buckets": bucket_losses(trainer.token_losses, seen),
+        "tokens_per_s": result["tokens_per_s"],
+        "train_seconds": result["train_seconds"],
+        "final_train_loss": result["final_train_loss"],
     }
 
 
 # ----------------------------------------------------------------------------- the report
 
 
-def summarize(kind: str, sp: StudyPreset, points: list[Point], runs: list[dict], *, seeds: int, seed: int,
-              passes: dict, data: PreparedData, dev: torch.device) -> dict:
+def summarize(
+    kind: str,
+    sp: StudyPreset,
+    points: list[Point],
+    runs: list[dict],
+    *,
+    seeds: int,
+    seed: int,
+    passes: dict,
+    data: PreparedData,
+    dev: torch.device,
+) -> dict:
     """study.json: the runs, per-point means, the finding and how far the scale is from the paper's."""
     per_point = []
     for p in points:
@@ -359,12 +484,24 @@ def summarize(kind: str, sp: StudyPreset, points: list[Point], runs: list[dict],
     finding = allocation_finding(per_point) if kind == "allocation" else slots_finding(per_point, runs)
     scale = scale_gap(kind, runs[0])
     summary = {
-        "study": kind, "preset": sp.base.name, "seeds": [seed + k for k in range(seeds)], "data_seed": seed,
-        "same_tokens": len({r["train_tokens"] for r in runs}) == 1, "passes": passes,
-        "points": per_point, "runs": runs, "finding": finding, "scale": scale, "paper": PAPER,
-        "config": {"study": {k: v for k, v in dataclasses.asdict(sp).items() if k != "base"},
-                   "preset": sp.base.to_dict(), "models": {p.label: p.cfg.to_dict() for p in points}},
-        "data": data.info, "machine": machine_info(dev),
+        "study": kind,
+        "preset": sp.base.name,
+        "seeds": [seed + k for k in range(seeds)],
+        "data_seed": seed,
+        "same_tokens": len({r["train_tokens"] for r in runs}) == 1,
+        "passes": passes,
+        "points": per_point,
+        "runs": runs,
+        "finding": finding,
+        "scale": scale,
+        "paper": PAPER,
+        "config": {
+            "study": {k: v for k, v in dataclasses.asdict(sp).items() if k != "base"},
+            "preset": sp.base.to_dict(),
+            "models": {p.label: p.cfg.to_dict() for p in points},
+        },
+        "data": data.info,
+        "machine": machine_info(dev),
     }
     summary["table"] = format_study_table(kind, per_point)
     summary["report"] = report_text(kind, summary)
@@ -388,9 +525,15 @@ def allocation_finding(points: list[dict]) -> dict:
     interior = best is not ref and best is not lowest_rho
     u_shape = interior and bool(beats_moe) and bool(_beyond(best["val_loss"], lowest_rho["val_loss"]))
     deltas = {f"{p['rho']:.2f}": 100 * (p["val_loss"]["mean"] / ref["val_loss"]["mean"] - 1) for p in points}
-    return {"optimum_rho": best["rho"], "optimum_val_loss": best["val_loss"]["mean"],
-            "pure_moe_val_loss": ref["val_loss"]["mean"], "gain_vs_pure_moe_pct": gap,
-            "beyond_seed_spread": beats_moe, "u_shape": u_shape, "loss_vs_pure_moe_pct": deltas}
+    return {
+        "optimum_rho": best["rho"],
+        "optimum_val_loss": best["val_loss"]["mean"],
+        "pure_moe_val_loss": ref["val_loss"]["mean"],
+        "gain_vs_pure_moe_pct": gap,
+        "beyond_seed_spread": beats_moe,
+        "u_shape": u_shape,
+        "loss_vs_pure_moe_pct": deltas,
+    }
 
 
 def slots_finding(points: list[dict], runs: list[dict]) -> dict:
@@ -403,16 +546,25 @@ def slots_finding(points: list[dict], runs: list[dict]) -> dict:
         residual = ys - (slope * xs + intercept)
         se = float(math.sqrt((residual @ residual) / (len(xs) - 2) / ((xs - xs.mean()) @ (xs - xs.mean()))))
     none = next(p for p in points if p["table_rows"] == 0)
-    return {"slope_per_decade": float(slope), "slope_stderr": se, "intercept": float(intercept),
-            "decades": float(xs.max() - xs.min()), "no_engram_val_loss": none["val_loss"]["mean"],
-            "slope_beyond_2se": None if se is None else bool(abs(slope) > 2 * se)}
+    return {
+        "slope_per_decade": float(slope),
+        "slope_stderr": se,
+        "intercept": float(intercept),
+        "decades": float(xs.max() - xs.min()),
+        "no_engram_val_loss": none["val_loss"]["mean"],
+        "slope_beyond_2se": None if se is None else bool(abs(slope) > 2 * se),
+    }
 
 
 def scale_gap(kind: str, run: dict) -> dict:
     """This sweep's scale beside the paper's: training FLOPs and tokens of one run."""
     flops = run["flops_per_token"] * run["train_tokens"]
-    out = {"train_flops_per_run": flops, "train_tokens_per_run": run["train_tokens"],
-           "active_params": run["active_params"], "total_params_reference": run["total_params"]}
+    out = {
+        "train_flops_per_run": flops,
+        "train_tokens_per_run": run["train_tokens"],
+        "active_params": run["active_params"],
+        "total_params_reference": run["total_params"],
+    }
     if kind == "allocation":
         out["paper_flops"] = PAPER["allocation"]["compute_flops"]
         out["orders_of_magnitude_below_paper"] = math.log10(PAPER["allocation"]["compute_flops"][1] / flops)
@@ -423,16 +575,37 @@ def scale_gap(kind: str, run: dict) -> dict:
 
 
 def format_study_table(kind: str, points: list[dict]) -> str:
-    head = ["point", "experts", "table rows", "params (total)", "active", "MFLOPs/tok", "val loss", "bits/byte",
-            "seen 3-gram", "unseen", "tok/s"]
+    head = [
+        "point",
+        "experts",
+        "table rows",
+        "params (total)",
+        "active",
+        "MFLOPs/tok",
+        "val loss",
+        "bits/byte",
+        "seen 3-gram",
+        "unseen",
+        "tok/s",
+    ]
     rows = [head]
     for p in points:
         v = p["val_loss"]
-        rows.append([p["label"], str(p["n_experts"]), f"{p['table_rows']:,}", f"{p['params']['total']:,}",
-                     f"{p['params']['active']:,}", f"{p['flops_per_token'] / 1e6:,.3f}",
-                     f"{v['mean']:.4f}" + ("" if v["std"] is None else f" +- {v['std']:.4f}"),
-                     f"{p['bits_per_byte']['mean']:.4f}", f"{p['val_loss_seen']:.4f}", f"{p['val_loss_unseen']:.4f}",
-                     f"{p['tokens_per_s']['mean']:,.0f}"])
+        rows.append(
+            [
+                p["label"],
+                str(p["n_experts"]),
+                f"{p['table_rows']:,}",
+                f"{p['params']['total']:,}",
+                f"{p['params']['active']:,}",
+                f"{p['flops_per_token'] / 1e6:,.3f}",
+                f"{v['mean']:.4f}" + ("" if v["std"] is None else f" +- {v['std']:.4f}"),
+                f"{p['bits_per_byte']['mean']:.4f}",
+                f"{p['val_loss_seen']:.4f}",
+                f"{p['val_loss_unseen']:.4f}",
+                f"{p['tokens_per_s']['mean']:,.0f}",
+            ]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -444,34 +617,46 @@ def report_text(kind: str, s: dict) -> str:
     f, sc, n = s["finding"], s["scale"], len(s["seeds"])
     tokens = f"{sc['train_tokens_per_run']:,} training tokens per run ({s['passes']['passes']:.2f} passes)"
     if kind == "allocation":
-        flops = (f"{sc['train_flops_per_run']:.2e} training FLOPs per run, {sc['orders_of_magnitude_below_paper']:.1f} "
-                 "orders of magnitude below the paper's 6e20")
+        flops = (
+            f"{sc['train_flops_per_run']:.2e} training FLOPs per run, {sc['orders_of_magnitude_below_paper']:.1f} "
+            "orders of magnitude below the paper's 6e20"
+        )
         if f["optimum_rho"] == 1.0:
             claim = "pure MoE (rho = 1) has the lowest mean loss: no rho of the grid gains from Engram tables"
         elif f["beyond_seed_spread"] is None:
-            claim = (f"lowest mean loss at rho = {f['optimum_rho']:.2f} ({f['gain_vs_pure_moe_pct']:.2f}% below pure "
-                     "MoE), from one seed: no spread measured, so no minimum is claimed")
+            claim = (
+                f"lowest mean loss at rho = {f['optimum_rho']:.2f} ({f['gain_vs_pure_moe_pct']:.2f}% below pure "
+                "MoE), from one seed: no spread measured, so no minimum is claimed"
+            )
         elif not f["beyond_seed_spread"]:
-            claim = (f"no minimum beyond the seed spread (lowest mean at rho = {f['optimum_rho']:.2f}, "
-                     f"{f['gain_vs_pure_moe_pct']:.2f}% below pure MoE, within the spread of {n} seeds)")
+            claim = (
+                f"no minimum beyond the seed spread (lowest mean at rho = {f['optimum_rho']:.2f}, "
+                f"{f['gain_vs_pure_moe_pct']:.2f}% below pure MoE, within the spread of {n} seeds)"
+            )
         else:
             shape = "a U-shape: lower than both ends of the grid" if f["u_shape"] else "lowest at the grid's edge"
-            claim = (f"minimum at rho = {f['optimum_rho']:.2f}, {f['gain_vs_pure_moe_pct']:.2f}% below pure MoE, "
-                     f"beyond the spread of {n} seeds ({shape})")
+            claim = (
+                f"minimum at rho = {f['optimum_rho']:.2f}, {f['gain_vs_pure_moe_pct']:.2f}% below pure MoE, "
+                f"beyond the spread of {n} seeds ({shape})"
+            )
         at_04 = f["loss_vs_pure_moe_pct"].get("0.40")
         if at_04 is not None:
             claim += f"; at rho = 0.40 the loss is {at_04:+.2f}% against pure MoE's (paper: about equal)"
-        return (f"Allocation at {flops}; {tokens}. Measured: {claim}. Paper: a U-shape with its minimum at rho "
-                "0.75-0.80, 0.8% below pure MoE at 6e20 FLOPs. This sweep tests the same trade (expert parameters "
-                "for table parameters at equal total and active parameters) at a far smaller scale: it can agree "
-                "or disagree with the paper's shape, not reproduce its numbers.")
+        return (
+            f"Allocation at {flops}; {tokens}. Measured: {claim}. Paper: a U-shape with its minimum at rho "
+            "0.75-0.80, 0.8% below pure MoE at 6e20 FLOPs. This sweep tests the same trade (expert parameters "
+            "for table parameters at equal total and active parameters) at a far smaller scale: it can agree "
+            "or disagree with the paper's shape, not reproduce its numbers."
+        )
     se = "" if f["slope_stderr"] is None else f" +- {f['slope_stderr']:.4f}"
     sign = "falls" if f["slope_per_decade"] < 0 else "does not fall"
-    return (f"Slots over {f['decades']:.1f} decades of table rows; {tokens}, "
-            f"{sc['orders_of_magnitude_below_paper']:.1f} orders of magnitude fewer tokens than the paper's 100B. "
-            f"Measured: validation loss {sign} with log10(rows), slope {f['slope_per_decade']:+.4f}{se} nats per "
-            f"decade{_significance(f['slope_beyond_2se'])}; without Engram "
-            f"{f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows.")
+    return (
+        f"Slots over {f['decades']:.1f} decades of table rows; {tokens}, "
+        f"{sc['orders_of_magnitude_below_paper']:.1f} orders of magnitude fewer tokens than the paper's 100B. "
+        f"Measured: validation loss {sign} with log10(rows), slope {f['slope_per_decade']:+.4f}{se} nats per "
+        f"decade{_significance(f['slope_beyond_2se'])}; without Engram "
+        f"{f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
+    )
 
 
 def _significance(beyond: bool | None) -> str:
@@ -497,18 +682,26 @@ def plot_study(summary: dict, path: Path) -> Path | None:
         ax.set_xlabel("rho: share of the sparse parameters in routed experts (rest: Engram table)")
     else:
         with_table = [r for r in runs if r["table_rows"] > 0]
-        ax.scatter([r["table_rows"] for r in with_table], [r["val_loss"] for r in with_table], s=18,
-                   label="each run")
-        xs = np.logspace(math.log10(min(r["table_rows"] for r in with_table)),
-                         math.log10(max(r["table_rows"] for r in with_table)), 50)
-        ax.plot(xs, f["intercept"] + f["slope_per_decade"] * np.log10(xs),
-                label=f"fit: {f['slope_per_decade']:+.4f} nats / decade")
+        ax.scatter([r["table_rows"] for r in with_table], [r["val_loss"] for r in with_table], s=18, label="each run")
+        xs = np.logspace(
+            math.log10(min(r["table_rows"] for r in with_table)),
+            math.log10(max(r["table_rows"] for r in with_table)),
+            50,
+        )
+        ax.plot(
+            xs,
+            f["intercept"] + f["slope_per_decade"] * np.log10(xs),
+            label=f"fit: {f['slope_per_decade']:+.4f} nats / decade",
+        )
         ax.axhline(f["no_engram_val_loss"], color="gray", ls="--", label="no Engram (same FLOPs)")
         ax.set_xscale("log")
         ax.set_xlabel("Engram table rows")
     ax.set_ylabel("validation loss (nats / token)")
-    ax.set_title(f"condmem study {summary['study']} ({summary['preset']}): "
-                 f"{summary['scale']['train_tokens_per_run']:,} tokens per run", fontsize=9)
+    ax.set_title(
+        f"condmem study {summary['study']} ({summary['preset']}): "
+        f"{summary['scale']['train_tokens_per_run']:,} tokens per run",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -195,8 +195,10 @@ def destination_lock(path: Path, wait: bool = False) -> Iterator[None]:
         try:
             if not _lock_now(fd, wait):
                 holder = os.pread(fd, 64, 0).removeprefix(_LOCK_TAG).decode(errors="replace").strip() or "?"
-                raise DestinationBusyError(f"{path} is being written by another process (pid {holder}): wait for it "
-                                           "to finish, or write elsewhere")
+                raise DestinationBusyError(
+                    f"{path} is being written by another process (pid {holder}): wait for it "
+                    "to finish, or write elsewhere"
+                )
             st, mine = _stat_or_none(lock), os.fstat(fd)
             if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                 break  # else the previous holder removed it between our open and our lock: take a fresh one
@@ -302,4 +304,3 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, wait: bool = Fal
 def atomic_write_text(path: str | os.PathLike, text: str, *, wait: bool = False) -> None:
     """Write `text` (UTF-8) to `path` atomically."""
     atomic_write_bytes(path, text.encode("utf-8"), wait=wait)
-

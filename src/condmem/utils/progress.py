@@ -23,13 +23,28 @@ _warned = False
 class Progress:
     """A progress bar (tqdm, on stderr) plus lines written above it (stdout)."""
 
-    def __init__(self, total: int, desc: str, initial: int = 0, enabled: bool = True, unit: str = "step",
-                 unit_scale: bool = False):
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        initial: int = 0,
+        enabled: bool = True,
+        unit: str = "step",
+        unit_scale: bool = False,
+    ):
         global _warned
         self.bar = None
         if enabled and _tqdm is not None and sys.stderr.isatty():
-            self.bar = _tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit_scale,
-                             unit_divisor=1024 if unit == "B" else 1000, dynamic_ncols=True, leave=False)
+            self.bar = _tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                unit=unit,
+                unit_scale=unit_scale,
+                unit_divisor=1024 if unit == "B" else 1000,
+                dynamic_ncols=True,
+                leave=False,
+            )
         elif enabled and _tqdm is None and not _warned:
             _warned = True
             logger.warning("tqdm is not installed: progress lines only, no progress bar (pip install tqdm)")

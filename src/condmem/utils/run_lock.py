@@ -32,8 +32,9 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise RunLockedError(f"{self.folder} is in use by another condmem process (pid {holder}); wait for it, "
-                                 "or use another folder") from None
+            raise RunLockedError(
+                f"{self.folder} is in use by another condmem process (pid {holder}); wait for it, or use another folder"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd

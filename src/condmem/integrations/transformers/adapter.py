@@ -52,11 +52,11 @@ class EngramModelError(ValueError):
 class _Step:
     """What one forward's Engram layers read: row ids, padding mask, prefetched rows, ShortConv inputs."""
 
-    row_ids: torch.Tensor             # int64 [B, T, n_layers, n_cols]
-    token_mask: torch.Tensor | None   # bool [B, T]; False at padding (gate closed)
-    prepared: object | None           # condmem.serving.Prepared when the tables sit in an EngramMemory
-    conv_in: dict[int, torch.Tensor] | None   # per ShortConv layer: inputs before this step (cached runs only)
-    next_state: DecodeState | None    # saved under the returned cache
+    row_ids: torch.Tensor  # int64 [B, T, n_layers, n_cols]
+    token_mask: torch.Tensor | None  # bool [B, T]; False at padding (gate closed)
+    prepared: object | None  # condmem.serving.Prepared when the tables sit in an EngramMemory
+    conv_in: dict[int, torch.Tensor] | None  # per ShortConv layer: inputs before this step (cached runs only)
+    next_state: DecodeState | None  # saved under the returned cache
 
 
 class EngramAdapter:
@@ -73,8 +73,17 @@ class EngramAdapter:
         last_row_ids: row ids of the latest forward, int64 [B, T, n_layers, n_cols].
     """
 
-    def __init__(self, model: nn.Module, family: Family, base: nn.Module, layers: nn.ModuleList,
-                 config: EngramConfig, tokenizer, hasher: NgramHasher, engrams: dict[int, Engram]):
+    def __init__(
+        self,
+        model: nn.Module,
+        family: Family,
+        base: nn.Module,
+        layers: nn.ModuleList,
+        config: EngramConfig,
+        tokenizer,
+        hasher: NgramHasher,
+        engrams: dict[int, Engram],
+    ):
         self.family = family
         self.config = config
         self.tokenizer = tokenizer
@@ -84,8 +93,11 @@ class EngramAdapter:
         self.last_row_ids: torch.Tensor | None = None
         # The base forward's positional parameter names: its arguments are found by name on every
         # forward without inspect's binding (dozens of Python calls a decode step).
-        self._positional = tuple(name for name, p in inspect.signature(base.forward).parameters.items()
-                                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        self._positional = tuple(
+            name
+            for name, p in inspect.signature(base.forward).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
         self._depth = config.max_ngram_size - 1
         self._conv_layers = {lid: e for lid, e in engrams.items() if e.short_conv is not None}
         self._states = DecodeStates()
@@ -125,20 +137,25 @@ class EngramAdapter:
         # reading it: torch.equal would wait for the GPU on every step).
         if new_ids is not stash[2] and not torch.equal(full[:, past:], new_ids):
             return None
-        return full[:, past - self._depth:]
+        return full[:, past - self._depth :]
 
-    def _lookback(self, batch: int, past: int, new_ids: torch.Tensor, cache,
-                  stash) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lookback(
+        self, batch: int, past: int, new_ids: torch.Tensor, cache, stash
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, valid) [B, N-1] before the new tokens of a cached forward."""
         depth = self._depth
         if stash is not None:
             full, mask = stash[0].to(new_ids.device), stash[1]
-            if full.shape == (batch, past + new_ids.shape[1]) and (new_ids is stash[2]
-                                                                  or torch.equal(full[:, past:], new_ids)):
+            if full.shape == (batch, past + new_ids.shape[1]) and (
+                new_ids is stash[2] or torch.equal(full[:, past:], new_ids)
+            ):
                 # Inside generate(): its running sequences are the truth (beams reordered, crops undone).
                 tokens = full[:, :past]
-                valid = (torch.ones_like(tokens, dtype=torch.bool) if mask is None
-                         else _as_valid(mask.to(new_ids.device)[:, :past]))
+                valid = (
+                    torch.ones_like(tokens, dtype=torch.bool)
+                    if mask is None
+                    else _as_valid(mask.to(new_ids.device)[:, :past])
+                )
                 return _last_columns(tokens, valid, depth, self.config.pad_id)
         state = self._states.get(cache)
         if state is None or state.length != past or state.batch != batch:
@@ -165,31 +182,32 @@ class EngramAdapter:
         bound = self._bind(args, kwargs)
         input_ids = bound.get("input_ids")
         if input_ids is None:
-            raise EngramModelError("Engram needs input_ids: its row ids are hashes of token ids, so a forward "
-                                   "from inputs_embeds alone cannot be served")
+            raise EngramModelError(
+                "Engram needs input_ids: its row ids are hashes of token ids, so a forward "
+                "from inputs_embeds alone cannot be served"
+            )
         if input_ids.dim() != 2:
             raise EngramModelError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         cache = bound.get("cache", bound.get("past_key_values"))
         past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
         batch, new = input_ids.shape
         device = input_ids.device
-        mask = self._mask_2d(bound.get("attention_mask"), batch, past + new)   # 0/1 or bool, as given
+        mask = self._mask_2d(bound.get("attention_mask"), batch, past + new)  # 0/1 or bool, as given
         depth = self._depth
         stash, self._generate_inputs = self._generate_inputs, None
         window = self._generate_window(stash, past, input_ids) if stash is not None and past >= depth else None
         if window is not None:
             # Inside generate(): the look-back and the new tokens are one slice of its sequences.
-            ids, valid = window, None if mask is None else _as_valid(mask[:, past - depth:].to(device))
+            ids, valid = window, None if mask is None else _as_valid(mask[:, past - depth :].to(device))
         elif past == 0:
             ids, valid = input_ids, None if mask is None else _as_valid(mask.to(device))
         else:
             back_ids, back_valid = self._lookback(batch, past, input_ids, cache, stash if past < depth else None)
             ids = torch.cat([back_ids.to(device), input_ids], dim=1)
-            now = (torch.ones_like(input_ids, dtype=torch.bool) if mask is None
-                   else _as_valid(mask[:, past:].to(device)))
+            now = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else _as_valid(mask[:, past:].to(device))
             valid = torch.cat([back_valid.to(device), now], dim=1)
-        current = None if valid is None else valid[:, valid.shape[1] - new:]
-        rows = self.hasher(ids, blocked=None if valid is None else ~valid)[:, ids.shape[1] - new:]
+        current = None if valid is None else valid[:, valid.shape[1] - new :]
+        rows = self.hasher(ids, blocked=None if valid is None else ~valid)[:, ids.shape[1] - new :]
         self.last_row_ids = rows
         prepared = self._start_lookups(rows) if self.memory is not None else None
         use_cache = bound.get("use_cache")
@@ -197,8 +215,9 @@ class EngramAdapter:
             use_cache = getattr(getattr(module, "config", None), "use_cache", False)
         next_state = conv_in = None
         if cache is not None or use_cache:  # this forward fills a cache: keep what the next one needs
-            tail = _last_columns(ids, torch.ones_like(ids, dtype=torch.bool) if valid is None else valid, depth,
-                                 self.config.pad_id)
+            tail = _last_columns(
+                ids, torch.ones_like(ids, dtype=torch.bool) if valid is None else valid, depth, self.config.pad_id
+            )
             next_state = DecodeState(*tail, past + new)
             conv_in = self._conv_inputs(cache, past, batch, device) if self._conv_layers else None
         self._step = _Step(rows, current, prepared, conv_in, next_state)
@@ -213,7 +232,8 @@ class EngramAdapter:
             raise EngramModelError(
                 "this cache was reordered or cropped outside the Engram model (e.g. assisted decoding), but the "
                 "ShortConv keeps each sequence's recent Engram outputs and cannot follow: use an EngramConfig with "
-                "short_conv=False for this kind of decoding")
+                "short_conv=False for this kind of decoding"
+            )
         out = {}
         for lid, e in conv_layers.items():
             if past:
@@ -242,8 +262,10 @@ class EngramAdapter:
         def hook(module, args, kwargs):
             step = self._step
             if step is None:
-                raise EngramModelError(f"decoder layer {layer_id} ran outside its model's forward: Engram's row ids "
-                                       "are hashed in the base model's forward, before the first layer")
+                raise EngramModelError(
+                    f"decoder layer {layer_id} ran outside its model's forward: Engram's row ids "
+                    "are hashed in the base model's forward, before the first layer"
+                )
             hidden = args[0] if args else kwargs["hidden_states"]
             # Rows fetched by the memory need no row ids (the memory checked them).
             looked_up = None if step.prepared is None else step.prepared.rows(layer_id)
@@ -273,13 +295,15 @@ class EngramAdapter:
             return self._check_mask(stash[1], batch, length)  # generate() turned its 2-D mask into a 4-D one
         raise EngramModelError(
             f"Engram needs the 2-D attention mask [B, past+T] to see padding, got {type(mask).__name__} "
-            f"{tuple(getattr(mask, 'shape', ()))}")
+            f"{tuple(getattr(mask, 'shape', ()))}"
+        )
 
     @staticmethod
     def _check_mask(mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
         if mask.shape != (batch, length):
-            raise EngramModelError(f"attention_mask has shape {tuple(mask.shape)}; Engram needs [B, past+T] = "
-                                   f"{(batch, length)}")
+            raise EngramModelError(
+                f"attention_mask has shape {tuple(mask.shape)}; Engram needs [B, past+T] = {(batch, length)}"
+            )
         return mask
 
     def _start_lookups(self, rows: torch.Tensor):
@@ -327,9 +351,11 @@ def _as_valid(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def _last_columns(tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _last_columns(
+    tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The last `depth` columns of [B, L] tokens / valid, left-filled with an invalid pad when L < depth."""
-    tokens, valid = tokens[:, max(0, tokens.shape[1] - depth):], valid[:, max(0, valid.shape[1] - depth):]
+    tokens, valid = tokens[:, max(0, tokens.shape[1] - depth) :], valid[:, max(0, valid.shape[1] - depth) :]
     short = depth - tokens.shape[1]
     if short > 0:
         tokens = torch.cat([tokens.new_full((tokens.shape[0], short), pad_id), tokens], dim=1)
@@ -347,8 +373,16 @@ def _pad_token_id(tokenizer) -> int | None:
 
 
 # ---------------------------------------------------------------------- public entry points
-def add_engram(model: nn.Module, engram_config: EngramConfig, tokenizer, layers: list[int] | None = None, *,
-               zero_init: bool = True, sparse_tables: bool = True, memory=None) -> nn.Module:
+def add_engram(
+    model: nn.Module,
+    engram_config: EngramConfig,
+    tokenizer,
+    layers: list[int] | None = None,
+    *,
+    zero_init: bool = True,
+    sparse_tables: bool = True,
+    memory=None,
+) -> nn.Module:
     """Insert Engram modules into a Hugging Face causal LM, in place; returns the model.
 
     Args:
@@ -375,8 +409,9 @@ def add_engram(model: nn.Module, engram_config: EngramConfig, tokenizer, layers:
 
     family, base, decoder_layers = locate(model)
     if getattr(model, "_condmem_engram", None) is not None:
-        raise EngramModelError(f"{type(model).__name__} already has Engram layers "
-                               f"{model._condmem_engram.config.layer_ids}")
+        raise EngramModelError(
+            f"{type(model).__name__} already has Engram layers {model._condmem_engram.config.layer_ids}"
+        )
     ctok = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer.from_any(tokenizer)
     config = engram_config
     if layers is not None:
@@ -384,28 +419,43 @@ def add_engram(model: nn.Module, engram_config: EngramConfig, tokenizer, layers:
     n_layers = len(decoder_layers)
     bad = [i for i in config.layer_ids if i >= n_layers]
     if bad:
-        raise EngramModelError(f"Engram layers {bad} do not exist: {type(model).__name__} has {n_layers} decoder "
-                               f"layers (0..{n_layers - 1})")
+        raise EngramModelError(
+            f"Engram layers {bad} do not exist: {type(model).__name__} has {n_layers} decoder "
+            f"layers (0..{n_layers - 1})"
+        )
     if config.hc_mult not in (None, 1):
-        raise ConfigError(f"EngramConfig.hc_mult is {config.hc_mult}, but a Hugging Face decoder has one residual "
-                          "stream: use hc_mult=1")
+        raise ConfigError(
+            f"EngramConfig.hc_mult is {config.hc_mult}, but a Hugging Face decoder has one residual "
+            "stream: use hc_mult=1"
+        )
     if config.compressed_vocab_size is not None:
         ctok.check_config(config.compressed_vocab_size)
     config.check_pad_id(ctok.original_vocab_size, _pad_token_id(tokenizer))
-    config = config.replace(hidden_size=int(model.config.hidden_size), hc_mult=1,
-                            compressed_vocab_size=ctok.vocab_size,
-                            rms_norm_eps=config.rms_norm_eps if config.rms_norm_eps is not None else 1e-6)
+    config = config.replace(
+        hidden_size=int(model.config.hidden_size),
+        hc_mult=1,
+        compressed_vocab_size=ctok.vocab_size,
+        rms_norm_eps=config.rms_norm_eps if config.rms_norm_eps is not None else 1e-6,
+    )
     layout = EngramLayout(config)
     vocab = int(getattr(model.config, "vocab_size", ctok.original_vocab_size))
     if vocab < ctok.original_vocab_size:
-        raise EngramModelError(f"the tokenizer has {ctok.original_vocab_size} ids but {type(model).__name__} embeds "
-                               f"only {vocab}: is this the model's tokenizer?")
+        raise EngramModelError(
+            f"the tokenizer has {ctok.original_vocab_size} ids but {type(model).__name__} embeds "
+            f"only {vocab}: is this the model's tokenizer?"
+        )
     lookup = ctok.lookup
     if vocab > ctok.original_vocab_size:
         # A padded embedding (e.g. to a multiple of 64): ids no tokenizer entry has read as the pad.
-        logger.warning("%s embeds %d ids, its tokenizer has %d: ids %d..%d hash as the pad id %d",
-                       type(model).__name__, vocab, ctok.original_vocab_size, ctok.original_vocab_size, vocab - 1,
-                       config.pad_id)
+        logger.warning(
+            "%s embeds %d ids, its tokenizer has %d: ids %d..%d hash as the pad id %d",
+            type(model).__name__,
+            vocab,
+            ctok.original_vocab_size,
+            ctok.original_vocab_size,
+            vocab - 1,
+            config.pad_id,
+        )
         extra = np.full(vocab - ctok.original_vocab_size, lookup[config.pad_id], dtype=np.int64)
         lookup = np.concatenate([lookup, extra])
     hasher = NgramHasher(layout, token_lookup=lookup, pad_id=config.pad_id)
@@ -418,28 +468,39 @@ def add_engram(model: nn.Module, engram_config: EngramConfig, tokenizer, layers:
         if hasattr(layer, "engram"):
             raise EngramModelError(f"decoder layer {lid} of {type(model).__name__} already has an 'engram' attribute")
         p = next(layer.parameters())
-        engram = Engram(config, layout.layer(lid).num_embeddings, layer_id=lid, sparse=sparse_tables,
-                        device=p.device, dtype=p.dtype, table_device="meta" if memory is not None else None)
+        engram = Engram(
+            config,
+            layout.layer(lid).num_embeddings,
+            layer_id=lid,
+            sparse=sparse_tables,
+            device=p.device,
+            dtype=p.dtype,
+            table_device="meta" if memory is not None else None,
+        )
         if zero_init:
             with torch.no_grad():
-                engram.wkv.weight[config.hc_mult * config.hidden_size:].zero_()  # the value rows
+                engram.wkv.weight[config.hc_mult * config.hidden_size :].zero_()  # the value rows
         layer.add_module("engram", engram)
         engrams[lid] = engram
 
-    patched = {name: vars(model).get(name, _UNSET) for name in _PATCHED}   # what remove_engram puts back
+    patched = {name: vars(model).get(name, _UNSET) for name in _PATCHED}  # what remove_engram puts back
     adapter = EngramAdapter(model, family, base, decoder_layers, config, ctok, hasher, engrams)
     adapter.memory = memory
     adapter._patched = patched
     model._condmem_engram = adapter
     from condmem.integrations.transformers.pretrained import wrap_save_pretrained
 
-    wrap_save_pretrained(model)   # offloaded tables saved from their tier; the folder written atomically
+    wrap_save_pretrained(model)  # offloaded tables saved from their tier; the folder written atomically
     # Saved with the model's config.json: what a reload needs to rebuild and verify the same layout.
-    setattr(model.config, CONFIG_KEY, {
-        "config": config.to_dict(),
-        "layout_fingerprint": layout.fingerprint,
-        "tokenizer_fingerprint": ctok.fingerprint,
-    })
+    setattr(
+        model.config,
+        CONFIG_KEY,
+        {
+            "config": config.to_dict(),
+            "layout_fingerprint": layout.fingerprint,
+            "tokenizer_fingerprint": ctok.fingerprint,
+        },
+    )
     return model
 
 
@@ -505,5 +566,7 @@ def offload_tables(model: nn.Module, tier: str = "host", device: str | torch.dev
 
 def _check_memory(memory, layout: EngramLayout) -> None:
     if memory.hasher.layout.fingerprint != layout.fingerprint:
-        raise EngramModelError("the EngramMemory was built for another layout (its hasher's fingerprint differs): "
-                               "rows would be read at the wrong addresses")
+        raise EngramModelError(
+            "the EngramMemory was built for another layout (its hasher's fingerprint differs): "
+            "rows would be read at the wrong addresses"
+        )

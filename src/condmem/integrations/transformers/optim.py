@@ -30,7 +30,7 @@ from condmem.train.optim import SparseAdam, clip_grad_norm_
 
 
 log = logging.getLogger("condmem.integrations.transformers")
-_SPARSE_NORM_LIB = None   # the torch.library registration, kept alive for the process
+_SPARSE_NORM_LIB = None  # the torch.library registration, kept alive for the process
 
 
 def _sparse_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -44,8 +44,9 @@ def _sparse_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
 
 
 def _has_sparse_norm(device: str) -> bool:
-    probe = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 2), (2, 2), device=device,
-                                    check_invariants=True)
+    probe = torch.sparse_coo_tensor(
+        torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 2), (2, 2), device=device, check_invariants=True
+    )
     try:
         torch.linalg.vector_norm(probe)
     except (NotImplementedError, RuntimeError):
@@ -63,17 +64,23 @@ def enable_sparse_grad_norm() -> bool:
     global _SPARSE_NORM_LIB
     if _SPARSE_NORM_LIB is not None:
         return True
-    keys = [key for key, device in (("SparseCPU", "cpu"), ("SparseCUDA", "cuda"))
-            if (device == "cpu" or torch.cuda.is_available()) and not _has_sparse_norm(device)]
+    keys = [
+        key
+        for key, device in (("SparseCPU", "cpu"), ("SparseCUDA", "cuda"))
+        if (device == "cpu" or torch.cuda.is_available()) and not _has_sparse_norm(device)
+    ]
     if not keys:
         return False
     lib = torch.library.Library("aten", "IMPL")
     for key in keys:
         lib.impl("linalg_vector_norm", _sparse_vector_norm, key)
     _SPARSE_NORM_LIB = lib
-    log.info("torch %s has no norm for sparse gradients (%s): condmem registered one (the coalesced gradient's "
-             "norm), so clip_grad_norm_ (e.g. Trainer's) takes the Engram tables' gradients", torch.__version__,
-             ", ".join(keys))
+    log.info(
+        "torch %s has no norm for sparse gradients (%s): condmem registered one (the coalesced gradient's "
+        "norm), so clip_grad_norm_ (e.g. Trainer's) takes the Engram tables' gradients",
+        torch.__version__,
+        ", ".join(keys),
+    )
     return True
 
 
@@ -94,8 +101,11 @@ def engram_param_groups(model: nn.Module, *, weight_decay: float = 0.0) -> dict[
             decay.append(p)
         else:
             no_decay.append(p)
-    backbone = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    backbone = [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
     return {"backbone": backbone, "tables": [{"params": table_params}] if table_params else []}
 
 
@@ -109,14 +119,15 @@ class EngramOptimizer(torch.optim.Optimizer):
             step; 0 or None: no clipping.
     """
 
-    def __init__(self, backbone: torch.optim.Optimizer | None, tables: SparseAdam | None,
-                 max_grad_norm: float | None = None):
+    def __init__(
+        self, backbone: torch.optim.Optimizer | None, tables: SparseAdam | None, max_grad_norm: float | None = None
+    ):
         self.optimizers = [o for o in (backbone, tables) if o is not None]
         if not self.optimizers:
             raise ValueError("EngramOptimizer needs at least one of backbone / tables")
         self.backbone, self.tables, self.max_grad_norm = backbone, tables, max_grad_norm
         if tables is not None:
-            enable_sparse_grad_norm()   # a Trainer driving this optimizer clips with torch's clip_grad_norm_
+            enable_sparse_grad_norm()  # a Trainer driving this optimizer clips with torch's clip_grad_norm_
         # The inner optimizers' own group dicts: a scheduler setting group["lr"] here sets it there.
         super().__init__([g for o in self.optimizers for g in o.param_groups], {})
 
@@ -158,9 +169,17 @@ class EngramOptimizer(torch.optim.Optimizer):
         pass
 
 
-def engram_optimizer(model: nn.Module, lr: float, *, table_lr: float | None = None, weight_decay: float = 0.0,
-                     betas: tuple[float, float] = (0.9, 0.999), table_betas: tuple[float, float] | None = None,
-                     eps: float = 1e-8, max_grad_norm: float | None = None) -> EngramOptimizer:
+def engram_optimizer(
+    model: nn.Module,
+    lr: float,
+    *,
+    table_lr: float | None = None,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    table_betas: tuple[float, float] | None = None,
+    eps: float = 1e-8,
+    max_grad_norm: float | None = None,
+) -> EngramOptimizer:
     """One optimizer for a model with Engram: AdamW at `lr`, tables with SparseAdam at `table_lr` (default 5 x lr).
 
     Example (Trainer)::
@@ -172,6 +191,7 @@ def engram_optimizer(model: nn.Module, lr: float, *, table_lr: float | None = No
     backbone = torch.optim.AdamW(groups["backbone"], lr=lr, betas=betas, eps=eps) if groups["backbone"] else None
     tables = None
     if groups["tables"]:
-        tables = SparseAdam(groups["tables"], lr=5 * lr if table_lr is None else table_lr,
-                            betas=table_betas or betas, eps=eps)
+        tables = SparseAdam(
+            groups["tables"], lr=5 * lr if table_lr is None else table_lr, betas=table_betas or betas, eps=eps
+        )
     return EngramOptimizer(backbone, tables, max_grad_norm=max_grad_norm)

@@ -66,8 +66,16 @@ def _engram_tensor_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys() if ".engram." in name}
 
 
-def load_pretrained(path: str | os.PathLike, tokenizer, *, model_class=None, sparse_tables: bool = True,
-                    tier: str | None = None, device=None, **from_pretrained_kwargs):
+def load_pretrained(
+    path: str | os.PathLike,
+    tokenizer,
+    *,
+    model_class=None,
+    sparse_tables: bool = True,
+    tier: str | None = None,
+    device=None,
+    **from_pretrained_kwargs,
+):
     """Reload a model saved with Engram.
 
     Args:
@@ -100,7 +108,8 @@ def load_pretrained(path: str | os.PathLike, tokenizer, *, model_class=None, spa
         raise TokenizerMismatchError(
             f"the tokenizer's compressed map (fingerprint {ctok.fingerprint[:12]}, V'={ctok.vocab_size}) is not the "
             f"one {path} was saved with ({section['tokenizer_fingerprint'][:12]}): every row id would differ. Use "
-            "the model's own tokenizer.")
+            "the model's own tokenizer."
+        )
     engram_config = EngramConfig.from_dict(section["config"], dialect="native")
     cls = model_class or AutoModelForCausalLM
     # The backbone class does not know the Engram tensors: they are read below, so its
@@ -114,8 +123,10 @@ def load_pretrained(path: str | os.PathLike, tokenizer, *, model_class=None, spa
     add_engram(model, engram_config, ctok, zero_init=False, sparse_tables=sparse_tables)
     adapter = get_engram(model)
     if adapter.layout.fingerprint != section["layout_fingerprint"]:
-        raise LayoutError(f"the Engram layout rebuilt from {path / 'config.json'} has fingerprint "
-                          f"{adapter.layout.fingerprint[:12]}, the saved one {section['layout_fingerprint'][:12]}")
+        raise LayoutError(
+            f"the Engram layout rebuilt from {path / 'config.json'} has fingerprint "
+            f"{adapter.layout.fingerprint[:12]}, the saved one {section['layout_fingerprint'][:12]}"
+        )
 
     files = _engram_tensor_files(path)
     wanted = {name: p for name, p in model.named_parameters() if ".engram." in name}
@@ -131,8 +142,9 @@ def load_pretrained(path: str | os.PathLike, tokenizer, *, model_class=None, spa
                     continue
                 tensor = f.get_tensor(name)
                 if tensor.shape != p.shape:
-                    raise EngramModelError(f"{name}: saved shape {tuple(tensor.shape)}, the layout needs "
-                                           f"{tuple(p.shape)}")
+                    raise EngramModelError(
+                        f"{name}: saved shape {tuple(tensor.shape)}, the layout needs {tuple(p.shape)}"
+                    )
                 with torch.no_grad():
                     p.copy_(tensor.to(p.dtype))
     if tier is not None:
@@ -152,8 +164,10 @@ def memory_table(memory, layer_id: int, dtype: torch.dtype = torch.float32, chun
     layer = memory.hasher.layout.layer(layer_id)
     store = memory.stores[layer_id]
     if memory.sharded is not None or store.num_rows != layer.num_embeddings:
-        raise EngramModelError(f"layer {layer_id}'s memory holds {store.num_rows:,} of its {layer.num_embeddings:,} "
-                               "rows (a tensor-parallel shard): save from a memory that holds whole tables")
+        raise EngramModelError(
+            f"layer {layer_id}'s memory holds {store.num_rows:,} of its {layer.num_embeddings:,} "
+            "rows (a tensor-parallel shard): save from a memory that holds whole tables"
+        )
     out = torch.empty(layer.num_embeddings, store.head_dim, dtype=dtype)
     for start in range(0, layer.num_embeddings, chunk_rows):
         stop = min(layer.num_embeddings, start + chunk_rows)
@@ -198,7 +212,7 @@ def _atomic_folder(target: Path):
     try:
         yield tmp
         if target.exists():
-            os.replace(target, aside)      # moved aside, not deleted: a crash from here on loses nothing
+            os.replace(target, aside)  # moved aside, not deleted: a crash from here on loses nothing
         os.replace(tmp, target)
         fsync_dir(target.parent)
     except BaseException:
@@ -207,7 +221,7 @@ def _atomic_folder(target: Path):
             os.replace(aside, target)
         raise
     if aside.exists():
-        for entry in aside.iterdir():   # e.g. a tokenizer saved there earlier; never an older save's weights
+        for entry in aside.iterdir():  # e.g. a tokenizer saved there earlier; never an older save's weights
             if not (target / entry.name).exists() and not _WEIGHT_FILE.fullmatch(entry.name):
                 os.replace(entry, target / entry.name)
         shutil.rmtree(aside, ignore_errors=True)
@@ -223,10 +237,10 @@ def wrap_save_pretrained(model) -> None:
         bound = signature.bind(save_directory, *args, **kwargs)
         arguments = bound.arguments
         if not arguments.get("is_main_process", True):
-            return original(*bound.args, **bound.kwargs)   # this rank writes nothing
+            return original(*bound.args, **bound.kwargs)  # this rank writes nothing
         arguments["state_dict"] = engram_state_dict(model, arguments.get("state_dict"))
         target = Path(save_directory)
-        if arguments.get("push_to_hub"):   # the repository is named after the folder, not the temp one
+        if arguments.get("push_to_hub"):  # the repository is named after the folder, not the temp one
             extra = arguments.setdefault("kwargs", {})
             extra.setdefault("repo_id", target.name)
         with _atomic_folder(target) as tmp:

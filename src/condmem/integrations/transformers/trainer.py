@@ -25,9 +25,13 @@ class EngramTrainer(transformers.Trainer):
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             args = self.args
-            self.optimizer = engram_optimizer(self.model if model is None else model, lr=args.learning_rate,
-                                              weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                                              eps=args.adam_epsilon)
+            self.optimizer = engram_optimizer(
+                self.model if model is None else model,
+                lr=args.learning_rate,
+                weight_decay=args.weight_decay,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+            )
         return self.optimizer
 
     def _clip_grad_norm(self, model):

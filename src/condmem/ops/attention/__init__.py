@@ -28,11 +28,15 @@ from condmem.ops.triton_util import resolve_backend
 def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, what: str) -> None:
     """The kernels address both pools with k_pool's strides: same shape, same strides, unit last stride."""
     if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"{what}: k_pool and v_pool must both be [n_blocks, block_size, KV, D], "
-                         f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+        raise ValueError(
+            f"{what}: k_pool and v_pool must both be [n_blocks, block_size, KV, D], "
+            f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+        )
     if k_pool.stride() != v_pool.stride() or k_pool.stride(-1) != 1:
-        raise ValueError(f"{what}: k_pool and v_pool need the same strides with a unit last stride, "
-                         f"got {k_pool.stride()} and {v_pool.stride()}")
+        raise ValueError(
+            f"{what}: k_pool and v_pool need the same strides with a unit last stride, "
+            f"got {k_pool.stride()} and {v_pool.stride()}"
+        )
 
 
 def _backend(backend: str | None, q: torch.Tensor, what: str) -> str:
@@ -43,9 +47,17 @@ def _backend(backend: str | None, q: torch.Tensor, what: str) -> str:
     return chosen
 
 
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                           lengths: torch.Tensor, *, scale: float | None = None, n_splits: int | None = None,
-                           backend: str | None = "auto") -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float | None = None,
+    n_splits: int | None = None,
+    backend: str | None = "auto",
+) -> torch.Tensor:
     """One query per sequence over the first ``lengths[b]`` keys of its paged cache.
 
     Args:
@@ -68,10 +80,20 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return kernels.paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale, n_splits)
 
 
-def decode_attention_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                                sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                                block_table: torch.Tensor, lengths: torch.Tensor, *, scale: float | None = None,
-                                backend: str | None = "auto") -> torch.Tensor:
+def decode_attention_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float | None = None,
+    backend: str | None = "auto",
+) -> torch.Tensor:
     """A decode step's attention with its RoPE and cache store: row b's new token sits at
     position ``lengths[b] - 1``; its q [B, H, D] and k [B, KV, D] are rotated by that position's
     angle, k and v stored there (rows with ``lengths[b] == 0`` store nothing and return zeros),
@@ -83,17 +105,27 @@ def decode_attention_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if _backend(backend, q, "decode_attention_rope_store") == "torch":
         rows = torch.arange(q.shape[0], device=q.device)
         lengths = lengths.to(q.device)
-        q_rot = reference.rope_store_ref(q, k, v, cos, sin, (lengths - 1).clamp(min=0), rows, block_table, k_pool,
-                                         v_pool, lengths > 0)
+        q_rot = reference.rope_store_ref(
+            q, k, v, cos, sin, (lengths - 1).clamp(min=0), rows, block_table, k_pool, v_pool, lengths > 0
+        )
         return reference.paged_decode_attention_ref(q_rot, k_pool, v_pool, block_table, lengths, scale)
     from condmem.ops.attention import triton as kernels
 
     return kernels.paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale, rope=(k, v, cos, sin))
 
 
-def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                            cu_seqlens: torch.Tensor, starts: torch.Tensor, max_q_len: int, *,
-                            scale: float | None = None, backend: str | None = "auto") -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    max_q_len: int,
+    *,
+    scale: float | None = None,
+    backend: str | None = "auto",
+) -> torch.Tensor:
     """Causal attention of a packed batch of chunks (no padding tokens) over their paged caches.
 
     Args:
@@ -116,10 +148,21 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     return kernels.paged_prefill_attention(q, k_pool, v_pool, block_table, cu_seqlens, starts, max_q_len, scale)
 
 
-def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               pos: torch.Tensor, slot_of: torch.Tensor, block_table: torch.Tensor, k_pool: torch.Tensor,
-               v_pool: torch.Tensor, valid: torch.Tensor | None = None, *, backend: str | None = "auto"
-               ) -> torch.Tensor:
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    slot_of: torch.Tensor,
+    block_table: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    backend: str | None = "auto",
+) -> torch.Tensor:
     """Rotate q and k by each token's RoPE angle and write k, v into the paged cache.
 
     Args:

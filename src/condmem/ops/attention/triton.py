@@ -62,13 +62,47 @@ def _rotate(x, partner, c, s, lower):
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
-                         sq_b, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_b, so_h,
-                         split_len, n_splits, n_heads, scale_log2,
-                         KN, VN, COS, SIN, skn_b, skn_h, svn_b, svn_h, scos,
-                         REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-                         ROPE: tl.constexpr):
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    BT,
+    LENS,
+    O,
+    PO,
+    PML,
+    sq_b,
+    sq_h,
+    sk_blk,
+    sk_pos,
+    sk_h,
+    sbt_b,
+    so_b,
+    so_h,
+    split_len,
+    n_splits,
+    n_heads,
+    scale_log2,
+    KN,
+    VN,
+    COS,
+    SIN,
+    skn_b,
+    skn_h,
+    svn_b,
+    svn_h,
+    scos,
+    REP: tl.constexpr,
+    REP_P: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    IEEE: tl.constexpr,
+    OFF64: tl.constexpr,
+    ROPE: tl.constexpr,
+):
     # Offsets into the pool in int32 unless the pool has 2**31 elements or more (OFF64): the
     # address arithmetic of a [BLOCK_N, D] tile is a visible share of this kernel's time.
     b = tl.program_id(0)
@@ -101,16 +135,20 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
             sn = tl.load(SIN + at * scos + d % half, mask=dm, other=0.0)
             qp = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + partner[None, :], mask=qmask, other=0.0)
             q = _rotate(q.to(tl.float32), qp.to(tl.float32), c[None, :], sn[None, :], lower[None, :]).to(
-                Q.dtype.element_ty)
+                Q.dtype.element_ty
+            )
             if (length > 0) & (s == limit - 1):
                 kn = tl.load(KN + b64 * skn_b + kvh * skn_h + d, mask=dm, other=0.0).to(tl.float32)
                 knp = tl.load(KN + b64 * skn_b + kvh * skn_h + partner, mask=dm, other=0.0).to(tl.float32)
                 blk_new = tl.load(BT + b64 * sbt_b + at // BS).to(tl.int64)
                 dest = blk_new * sk_blk + (at % BS) * sk_pos + kvh * sk_h + d
                 tl.store(K + dest, _rotate(kn, knp, c, sn, lower).to(K.dtype.element_ty), mask=dm)
-                tl.store(V + dest, tl.load(VN + b64 * svn_b + kvh * svn_h + d, mask=dm, other=0.0).to(
-                    V.dtype.element_ty), mask=dm)
-            tl.debug_barrier()       # the stores above are read back by this program's key loop
+                tl.store(
+                    V + dest,
+                    tl.load(VN + b64 * svn_b + kvh * svn_h + d, mask=dm, other=0.0).to(V.dtype.element_ty),
+                    mask=dm,
+                )
+            tl.debug_barrier()  # the stores above are read back by this program's key loop
         m = tl.full([REP_P], float("-inf"), tl.float32)
         l = tl.zeros([REP_P], tl.float32)
         acc = tl.zeros([REP_P, DP], tl.float32)
@@ -137,13 +175,14 @@ def _decode_split_kernel(Q, K, V, BT, LENS, O, PO, PML,
 
 @triton.jit
 def _store_normalized(O, acc, l, offsets, mask):
-    out = acc / tl.maximum(l, 1e-30)[:, None]            # no key (length 0): zeros
+    out = acc / tl.maximum(l, 1e-30)[:, None]  # no key (length 0): zeros
     tl.store(O + offsets, out.to(O.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _decode_combine_kernel(PO, PML, O, LENS, so_b, so_h, split_len, n_splits, n_heads, S_P: tl.constexpr,
-                           D: tl.constexpr, DP: tl.constexpr):
+def _decode_combine_kernel(
+    PO, PML, O, LENS, so_b, so_h, split_len, n_splits, n_heads, S_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr
+):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     limit = tl.maximum(tl.cdiv(tl.load(LENS + b).to(tl.int32), split_len), 1)
@@ -152,8 +191,9 @@ def _decode_combine_kernel(PO, PML, O, LENS, so_b, so_h, split_len, n_splits, n_
 
 
 @triton.jit
-def _combine_row(PO, PML, O, b, h, so_b, so_h, limit, n_splits, n_heads, S_P: tl.constexpr, D: tl.constexpr,
-                 DP: tl.constexpr):
+def _combine_row(
+    PO, PML, O, b, h, so_b, so_h, limit, n_splits, n_heads, S_P: tl.constexpr, D: tl.constexpr, DP: tl.constexpr
+):
     s = tl.arange(0, S_P)
     d = tl.arange(0, DP)
     dm = d < D
@@ -174,16 +214,26 @@ def decode_splits(batch: int, n_kv: int, max_pos: int, block_n: int, device: tor
     """Splits of the positions per (sequence, KV head): at most 512 positions a split, and enough
     programs to fill the GPU four times over (at most 16 splits, each at least `block_n` positions)."""
     if device.type != "cuda":
-        return min(2, max(1, -(-max_pos // block_n)))          # the interpreter: exercise the combine
+        return min(2, max(1, -(-max_pos // block_n)))  # the interpreter: exercise the combine
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(-(-4 * sms // max(1, batch * n_kv)), -(-max_pos // 512))
     return max(1, min(want, -(-max_pos // block_n), 16))
 
 
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                           lengths: torch.Tensor, scale: float | None = None, n_splits: int | None = None, *,
-                           rope: tuple | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+    n_splits: int | None = None,
+    *,
+    rope: tuple | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """Triton launcher of `condmem.ops.attention.paged_decode_attention` (same contract), and with
     ``rope=(k, v, cos, sin)`` of `decode_attention_rope_store` (q unrotated); `block_n`
     (positions a loop step), `num_warps` and `num_stages` for tuning sweeps."""
@@ -206,30 +256,99 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if rope is not None:
         k_new, v_new, cos, sin = rope
         assert q.stride(2) == 1 and k_new.stride(2) == 1 and v_new.stride(2) == 1 and cos.stride(1) == 1
-        rope_args = (k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-                     cos.stride(0))
+        rope_args = (
+            k_new,
+            v_new,
+            cos,
+            sin,
+            k_new.stride(0),
+            k_new.stride(1),
+            v_new.stride(0),
+            v_new.stride(1),
+            cos.stride(0),
+        )
     else:
         rope_args = (q, q, q, q, 0, 0, 0, 0, 0)
     _decode_split_kernel[(batch, n_kv, splits)](
-        q, k_pool, v_pool, block_table, lengths, out, part_o, part_ml,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), split_len, splits, n_heads, scale * LOG2E, *rope_args,
-        REP=rep, REP_P=max(16, next_pow2(rep)), D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size,
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        lengths,
+        out,
+        part_o,
+        part_ml,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        split_len,
+        splits,
+        n_heads,
+        scale * LOG2E,
+        *rope_args,
+        REP=rep,
+        REP_P=max(16, next_pow2(rep)),
+        D=head_dim,
+        DP=max(16, next_pow2(head_dim)),
+        BS=block_size,
         BLOCK_N=block_n,
-        DIRECT=splits == 1, IEEE=ieee, OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31, ROPE=rope is not None,
-        num_warps=num_warps, num_stages=num_stages)
+        DIRECT=splits == 1,
+        IEEE=ieee,
+        OFF64=max(k_pool.numel(), v_pool.numel()) >= 2**31,
+        ROPE=rope is not None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if splits > 1:
-        _decode_combine_kernel[(batch, n_heads)](part_o, part_ml, out, lengths, out.stride(0), out.stride(1),
-                                                 split_len, splits, n_heads, S_P=next_pow2(splits), D=head_dim,
-                                                 DP=max(16, next_pow2(head_dim)), num_warps=1)
+        _decode_combine_kernel[(batch, n_heads)](
+            part_o,
+            part_ml,
+            out,
+            lengths,
+            out.stride(0),
+            out.stride(1),
+            split_len,
+            splits,
+            n_heads,
+            S_P=next_pow2(splits),
+            D=head_dim,
+            DP=max(16, next_pow2(head_dim)),
+            num_warps=1,
+        )
     return out
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, BT, CU, STARTS, O,
-                    sq_n, sq_h, sk_blk, sk_pos, sk_h, sbt_b, so_n, so_h, scale_log2,
-                    REP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _prefill_kernel(
+    Q,
+    K,
+    V,
+    BT,
+    CU,
+    STARTS,
+    O,
+    sq_n,
+    sq_h,
+    sk_blk,
+    sk_pos,
+    sk_h,
+    sbt_b,
+    so_n,
+    so_h,
+    scale_log2,
+    REP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     mb = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -261,13 +380,21 @@ def _prefill_kernel(Q, K, V, BT, CU, STARTS, O,
             ok = pm[None, :] & (pos[None, :] <= q_pos[:, None])
             m, l, acc = _online_softmax_step(q, k, v, ok, m, l, acc, scale_log2, IEEE)
         out = acc / l[:, None]
-        tl.store(O + rows[:, None] * so_n + h * so_h + d[None, :], out.to(O.dtype.element_ty),
-                 mask=qm[:, None] & dm[None, :])
+        tl.store(
+            O + rows[:, None] * so_n + h * so_h + d[None, :], out.to(O.dtype.element_ty), mask=qm[:, None] & dm[None, :]
+        )
 
 
-def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                            cu_seqlens: torch.Tensor, starts: torch.Tensor, max_q_len: int,
-                            scale: float | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    max_q_len: int,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Triton launcher of `condmem.ops.attention.paged_prefill_attention` (same contract)."""
     n, n_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_pool.shape
@@ -278,20 +405,71 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         return out
     block_m, block_n = (64, 64) if not interpreting() else (16, 16)
     _prefill_kernel[(-(-max_q_len // block_m), batch, n_heads)](
-        q, k_pool, v_pool, block_table, cu_seqlens, starts, out,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), scale * LOG2E,
-        REP=n_heads // n_kv, D=head_dim, DP=max(16, next_pow2(head_dim)), BS=block_size, BLOCK_M=block_m,
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        cu_seqlens,
+        starts,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale * LOG2E,
+        REP=n_heads // n_kv,
+        D=head_dim,
+        DP=max(16, next_pow2(head_dim)),
+        BS=block_size,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
+    )
     return out
 
 
 @triton.jit
-def _rope_store_kernel(Q, K, V, COS, SIN, POS, SLOT, VALID, BT, KP, VP, QO,
-                       sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, scos, sbt_b, sp_blk, sp_pos, sp_h, sqo_n, sqo_h,
-                       H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BS: tl.constexpr,
-                       H_P: tl.constexpr, KV_P: tl.constexpr, HAS_VALID: tl.constexpr):
+def _rope_store_kernel(
+    Q,
+    K,
+    V,
+    COS,
+    SIN,
+    POS,
+    SLOT,
+    VALID,
+    BT,
+    KP,
+    VP,
+    QO,
+    sq_n,
+    sq_h,
+    sk_n,
+    sk_h,
+    sv_n,
+    sv_h,
+    scos,
+    sbt_b,
+    sp_blk,
+    sp_pos,
+    sp_h,
+    sqo_n,
+    sqo_h,
+    H: tl.constexpr,
+    KV: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BS: tl.constexpr,
+    H_P: tl.constexpr,
+    KV_P: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + n)
     j = tl.arange(0, HALF_P)
@@ -325,9 +503,19 @@ def _rope_store_kernel(Q, K, V, COS, SIN, POS, SLOT, VALID, BT, KP, VP, QO,
         tl.store(VP + dest + HALF, tl.load(vp + HALF, mask=kmask, other=0.0).to(VP.dtype.element_ty), mask=kmask)
 
 
-def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               pos: torch.Tensor, slot_of: torch.Tensor, block_table: torch.Tensor, k_pool: torch.Tensor,
-               v_pool: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    slot_of: torch.Tensor,
+    block_table: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Triton launcher of `condmem.ops.attention.rope_store` (same contract)."""
     n, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
@@ -336,9 +524,39 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         return q_rot
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.stride(1) == 1
     _rope_store_kernel[(n,)](
-        q, k, v, cos, sin, pos, slot_of, valid if valid is not None else pos, block_table, k_pool, v_pool, q_rot,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        block_table.stride(0), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), q_rot.stride(0),
-        q_rot.stride(1), H=n_heads, KV=n_kv, HALF=head_dim // 2, HALF_P=next_pow2(head_dim // 2), BS=k_pool.shape[1], H_P=next_pow2(n_heads),
-        KV_P=next_pow2(n_kv), HAS_VALID=valid is not None, num_warps=4)
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        pos,
+        slot_of,
+        valid if valid is not None else pos,
+        block_table,
+        k_pool,
+        v_pool,
+        q_rot,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        block_table.stride(0),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        q_rot.stride(0),
+        q_rot.stride(1),
+        H=n_heads,
+        KV=n_kv,
+        HALF=head_dim // 2,
+        HALF_P=next_pow2(head_dim // 2),
+        BS=k_pool.shape[1],
+        H_P=next_pow2(n_heads),
+        KV_P=next_pow2(n_kv),
+        HAS_VALID=valid is not None,
+        num_warps=4,
+    )
     return q_rot

@@ -10,8 +10,9 @@ from condmem.ops.triton_util import resolve_backend, triton_available
 __all__ = ["GATE_CLAMP", "engram_gate", "engram_gate_reference", "gate_values"]
 
 
-def engram_gate(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, token_mask=None, *, residual=False,
-                backend=None):
+def engram_gate(
+    hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, token_mask=None, *, residual=False, backend=None
+):
     """The gate, dispatched: the fused Triton kernel on CUDA, the reference elsewhere.
 
     Arguments and result as in `engram_gate_reference` (`residual`: return ``hidden + gate * v``,
@@ -19,8 +20,9 @@ def engram_gate(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=GATE_CLAMP, toke
     ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``) or ``"torch"``. Both are
     differentiable.
     """
-    if (backend is None and hidden.is_cuda and triton_available()) or \
-            resolve_backend(backend, hidden.device, "engram_gate") == "triton":
+    if (backend is None and hidden.is_cuda and triton_available()) or resolve_backend(
+        backend, hidden.device, "engram_gate"
+    ) == "triton":
         return _triton().engram_gate_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual)
     return engram_gate_reference(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual)
 

@@ -74,9 +74,25 @@ def _branch_scalars(h, k, qw, kw, inv_d, eps, inv_sqrt_d, clamp):
 
 @triton.jit
 def _gate_fwd_chunked_kernel(
-    h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, out_ptr,
-    D, h_stride, kv_stride, out_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
+    h_ptr,
+    kv_ptr,
+    qw_ptr,
+    kw_ptr,
+    mask_ptr,
+    out_ptr,
+    D,
+    h_stride,
+    kv_stride,
+    out_stride,
+    eps,
+    clamp,
+    inv_d,
+    inv_sqrt_d,
+    HC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     """One program per (token, branch) in two passes over D in chunks: the three sums (h.h, k.k,
     h.qw.k.kw) first, then the output from the value (and the hidden state, re-read from L2).
@@ -119,9 +135,29 @@ def _gate_fwd_chunked_kernel(
 
 @triton.jit
 def _gate_bwd_kernel(
-    h_ptr, kv_ptr, qw_ptr, kw_ptr, mask_ptr, dout_ptr, dh_ptr, dkv_ptr, coef_ptr,
-    D, h_stride, kv_stride, dout_stride, dh_stride, dkv_stride, eps, clamp, inv_d, inv_sqrt_d,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr, RESIDUAL: tl.constexpr,
+    h_ptr,
+    kv_ptr,
+    qw_ptr,
+    kw_ptr,
+    mask_ptr,
+    dout_ptr,
+    dh_ptr,
+    dkv_ptr,
+    coef_ptr,
+    D,
+    h_stride,
+    kv_stride,
+    dout_stride,
+    dh_stride,
+    dkv_stride,
+    eps,
+    clamp,
+    inv_d,
+    inv_sqrt_d,
+    HC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -150,7 +186,7 @@ def _gate_bwd_kernel(
         dh = rh * (u - yh * (tl.sum(u * yh, axis=0) * inv_d))
         dk = rk * (w - yk * (tl.sum(w * yk, axis=0) * inv_d))
         if RESIDUAL:
-            dh = dh + go          # out = h + gate * v: the identity path
+            dh = dh + go  # out = h + gate * v: the identity path
         tl.store(dh_ptr + t * dh_stride + m * D + d, dh.to(dh_ptr.dtype.element_ty), mask=dm)
         tl.store(dkv_ptr + t * dkv_stride + m * D + d, dk.to(dkv_ptr.dtype.element_ty), mask=dm)
         tl.store(coef_ptr + t * HC + m, c * rh * rk)
@@ -159,9 +195,17 @@ def _gate_bwd_kernel(
 
 @triton.jit
 def _gate_wgrad_kernel(
-    h_ptr, kv_ptr, coef_ptr, part_ptr,
-    n_tokens, D, h_stride, kv_stride, tokens_per_split,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr,
+    h_ptr,
+    kv_ptr,
+    coef_ptr,
+    part_ptr,
+    n_tokens,
+    D,
+    h_stride,
+    kv_stride,
+    tokens_per_split,
+    HC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """S[split, m, d] = sum over the split's tokens of coef[t, m] * h[t, m, d] * key[t, m, d]."""
     pd = tl.program_id(0)
@@ -206,8 +250,19 @@ def _forward_launch(dim: int, chunk: int | None, num_warps: int | None) -> tuple
     return chunk, cdiv(dim, chunk), num_warps or auto_warps, 1.0 / dim, 1.0 / math.sqrt(dim)
 
 
-def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *, residual: bool = False,
-                        chunk: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def gate_forward_triton(
+    hidden,
+    kv,
+    q_weight,
+    k_weight,
+    eps,
+    clamp,
+    token_mask=None,
+    *,
+    residual: bool = False,
+    chunk: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """Fused forward: [..., hc, D] hidden, [..., (hc+1)*D] kv -> [..., hc, D] in hidden's dtype;
     with `residual`, ``hidden + gate * v`` (the add in fp32, rounded once).
 
@@ -223,15 +278,43 @@ def gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask=N
     o2 = out.view(n, hc * dim)
     chunk, n_chunks, num_warps, inv_d, inv_sqrt_d = _forward_launch(dim, chunk, num_warps)
     _gate_fwd_chunked_kernel[(n * hc,)](
-        h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2,
-        dim, h2.stride(0), kv2.stride(0), o2.stride(0), float(eps), float(clamp), inv_d, inv_sqrt_d,
-        HC=hc, CHUNK=chunk, N_CHUNKS=n_chunks, HAS_MASK=mask is not None, RESIDUAL=residual,
-        num_warps=num_warps)
+        h2,
+        kv2,
+        q_weight.contiguous(),
+        k_weight.contiguous(),
+        mask if mask is not None else h2,
+        o2,
+        dim,
+        h2.stride(0),
+        kv2.stride(0),
+        o2.stride(0),
+        float(eps),
+        float(clamp),
+        inv_d,
+        inv_sqrt_d,
+        HC=hc,
+        CHUNK=chunk,
+        N_CHUNKS=n_chunks,
+        HAS_MASK=mask is not None,
+        RESIDUAL=residual,
+        num_warps=num_warps,
+    )
     return out
 
 
-def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token_mask=None, *,
-                         residual: bool = False, num_warps: int | None = None):
+def gate_backward_triton(
+    dout,
+    hidden,
+    kv,
+    q_weight,
+    k_weight,
+    eps,
+    clamp,
+    token_mask=None,
+    *,
+    residual: bool = False,
+    num_warps: int | None = None,
+):
     """Gradients (d hidden, d kv, d q_weight, d k_weight) of the fused gate (with `residual`,
     of ``hidden + gate * v``)."""
     h2, kv2, mask, hc, dim = _flatten(hidden, kv, token_mask)
@@ -248,10 +331,30 @@ def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token
     qw, kw = q_weight.contiguous(), k_weight.contiguous()
     block_d = next_pow2(dim)
     _gate_bwd_kernel[(n,)](
-        h2, kv2, qw, kw, mask if mask is not None else h2, do2, dh2, dkv2, coef,
-        dim, h2.stride(0), kv2.stride(0), do2.stride(0), dh2.stride(0), dkv2.stride(0),
-        float(eps), float(clamp), 1.0 / dim, 1.0 / math.sqrt(dim),
-        HC=hc, BLOCK_D=block_d, HAS_MASK=mask is not None, RESIDUAL=residual, num_warps=num_warps or _bwd_warps(block_d),
+        h2,
+        kv2,
+        qw,
+        kw,
+        mask if mask is not None else h2,
+        do2,
+        dh2,
+        dkv2,
+        coef,
+        dim,
+        h2.stride(0),
+        kv2.stride(0),
+        do2.stride(0),
+        dh2.stride(0),
+        dkv2.stride(0),
+        float(eps),
+        float(clamp),
+        1.0 / dim,
+        1.0 / math.sqrt(dim),
+        HC=hc,
+        BLOCK_D=block_d,
+        HAS_MASK=mask is not None,
+        RESIDUAL=residual,
+        num_warps=num_warps or _bwd_warps(block_d),
     )
     # Weight gradients: fixed token chunks per program, partial sums added in torch.
     wblock = min(next_pow2(dim), 1024)
@@ -262,8 +365,18 @@ def gate_backward_triton(dout, hidden, kv, q_weight, k_weight, eps, clamp, token
     splits = cdiv(n, per_split)
     part = torch.empty((splits, hc, dim), dtype=torch.float32, device=hidden.device)
     _gate_wgrad_kernel[(n_dblocks, hc, splits)](
-        h2, kv2, coef, part, n, dim, h2.stride(0), kv2.stride(0), per_split,
-        HC=hc, BLOCK_D=wblock, num_warps=4,
+        h2,
+        kv2,
+        coef,
+        part,
+        n,
+        dim,
+        h2.stride(0),
+        kv2.stride(0),
+        per_split,
+        HC=hc,
+        BLOCK_D=wblock,
+        num_warps=4,
     )
     s = part.sum(dim=0)
     dqw = (kw.float() * s).to(q_weight.dtype)
@@ -283,17 +396,27 @@ class EngramGateFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         hidden, kv, q_weight, k_weight, token_mask = ctx.saved_tensors
-        dh, dkv, dqw, dkw = gate_backward_triton(dout, hidden, kv, q_weight, k_weight, ctx.eps, ctx.clamp, token_mask,
-                                                 residual=ctx.residual)
-        return (dh if ctx.needs_input_grad[0] else None, dkv if ctx.needs_input_grad[1] else None,
-                dqw if ctx.needs_input_grad[2] else None, dkw if ctx.needs_input_grad[3] else None,
-                None, None, None, None)
+        dh, dkv, dqw, dkw = gate_backward_triton(
+            dout, hidden, kv, q_weight, k_weight, ctx.eps, ctx.clamp, token_mask, residual=ctx.residual
+        )
+        return (
+            dh if ctx.needs_input_grad[0] else None,
+            dkv if ctx.needs_input_grad[1] else None,
+            dqw if ctx.needs_input_grad[2] else None,
+            dkw if ctx.needs_input_grad[3] else None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def engram_gate_triton(hidden, kv, q_weight, k_weight, eps=1e-6, clamp=1e-6, token_mask=None,
-                       residual: bool = False) -> torch.Tensor:
+def engram_gate_triton(
+    hidden, kv, q_weight, k_weight, eps=1e-6, clamp=1e-6, token_mask=None, residual: bool = False
+) -> torch.Tensor:
     """The fused gate; differentiable (Triton backward) when any input requires grad."""
-    if torch.is_grad_enabled() and (hidden.requires_grad or kv.requires_grad or q_weight.requires_grad
-                                    or k_weight.requires_grad):
+    if torch.is_grad_enabled() and (
+        hidden.requires_grad or kv.requires_grad or q_weight.requires_grad or k_weight.requires_grad
+    ):
         return EngramGateFunction.apply(hidden, kv, q_weight, k_weight, token_mask, eps, clamp, residual)
     return gate_forward_triton(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual=residual)

@@ -70,8 +70,10 @@ def engram_gather(
     lo, _ = _local_ids(row_ids, row_range, fmt.rows)
     if row_ids.is_floating_point() or row_ids.dtype == torch.bool:
         raise GatherError(f"row_ids must be integers, got {row_ids.dtype}")
-    if not ((backend is None and row_ids.is_cuda and triton_available())
-            or resolve_backend(backend, row_ids.device, "engram_gather") == "triton"):
+    if not (
+        (backend is None and row_ids.is_cuda and triton_available())
+        or resolve_backend(backend, row_ids.device, "engram_gather") == "triton"
+    ):
         rows = gather_reference(row_ids, table, scales, head_dim=head_dim, row_range=row_range)
         if out_index is not None:
             _check_out_index(out_index, row_ids, out, fmt)
@@ -90,14 +92,19 @@ def engram_gather(
         _check_out_index(out_index, row_ids, out, fmt)
     elif out is None:
         out = torch.empty((*row_ids.shape, fmt.head_dim), dtype=fmt.out_dtype, device=device)
-    elif out.shape[:-1] != row_ids.shape or out.shape[-1] != fmt.head_dim or out.dtype != fmt.out_dtype \
-            or not out.is_contiguous():
+    elif (
+        out.shape[:-1] != row_ids.shape
+        or out.shape[-1] != fmt.head_dim
+        or out.dtype != fmt.out_dtype
+        or not out.is_contiguous()
+    ):
         raise GatherError(f"out must be a contiguous {fmt.out_dtype} tensor of shape {(*row_ids.shape, fmt.head_dim)}")
     ids = row_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    return _triton().gather_triton(ids, table, scales, fmt, lo, out, out_index, block_rows, programs_per_sm,
-                                   num_warps, max_programs)
+    return _triton().gather_triton(
+        ids, table, scales, fmt, lo, out, out_index, block_rows, programs_per_sm, num_warps, max_programs
+    )
 
 
 _TRITON = None
@@ -117,11 +124,17 @@ def _triton():
 def _format(table: torch.Tensor, scales: torch.Tensor | None, head_dim: int | None) -> TableFormat:
     """`table_format`, remembered per (shapes, strides, dtypes, devices): a format depends on
     nothing else, and the same tables are read on every call."""
-    key = (table.shape, table.stride(), table.dtype, table.device, head_dim,
-           None if scales is None else (scales.shape, scales.stride(), scales.dtype, scales.device))
+    key = (
+        table.shape,
+        table.stride(),
+        table.dtype,
+        table.device,
+        head_dim,
+        None if scales is None else (scales.shape, scales.stride(), scales.dtype, scales.device),
+    )
     fmt = _FORMATS.get(key)
     if fmt is None:
-        fmt = table_format(table, scales, head_dim)   # raises for a bad table: never remembered
+        fmt = table_format(table, scales, head_dim)  # raises for a bad table: never remembered
         if len(_FORMATS) >= 1024:
             _FORMATS.clear()
         _FORMATS[key] = fmt

@@ -76,14 +76,18 @@ def table_format(table: torch.Tensor, scales: torch.Tensor | None = None, head_d
         except ValueError as exc:
             raise GatherError(f"packed fp8 table: {exc}") from None
         if d % SCALE_BLOCK or width != d + d // SCALE_BLOCK:
-            raise GatherError(f"packed rows of {width} bytes do not hold head_dim {d} plus {d // SCALE_BLOCK} scale bytes")
+            raise GatherError(
+                f"packed rows of {width} bytes do not hold head_dim {d} plus {d // SCALE_BLOCK} scale bytes"
+            )
         return TableFormat(PACKED, d, rows, torch.bfloat16)
     if table.dtype in _PLAIN_DTYPES:
         if scales is not None:
             raise GatherError(f"a {table.dtype} table takes no scales")
         return TableFormat(PLAIN, width, rows, table.dtype)
-    raise GatherError(f"unsupported table dtype {table.dtype}: use float8_e4m3fn (+scales), packed uint8, "
-                      "bf16/fp16/fp32, or int16/int32/int64 words of raw rows")
+    raise GatherError(
+        f"unsupported table dtype {table.dtype}: use float8_e4m3fn (+scales), packed uint8, "
+        "bf16/fp16/fp32, or int16/int32/int64 words of raw rows"
+    )
 
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -96,16 +100,21 @@ def _scale_bytes(scales: torch.Tensor | None) -> torch.Tensor | None:
     return scales
 
 
-def _check_out_index(out_index: torch.Tensor, row_ids: torch.Tensor, out: torch.Tensor | None,
-                     fmt: TableFormat) -> None:
+def _check_out_index(
+    out_index: torch.Tensor, row_ids: torch.Tensor, out: torch.Tensor | None, fmt: TableFormat
+) -> None:
     if out is None:
         raise GatherError("out_index needs out: the [M, D] rows it scatters into")
     if out.dim() != 2 or out.shape[1] != fmt.head_dim or out.dtype != fmt.out_dtype or not out.is_contiguous():
-        raise GatherError(f"with out_index, out must be a contiguous {fmt.out_dtype} [M, {fmt.head_dim}] tensor, "
-                          f"got {out.dtype} {tuple(out.shape)}")
+        raise GatherError(
+            f"with out_index, out must be a contiguous {fmt.out_dtype} [M, {fmt.head_dim}] tensor, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
     if out_index.dtype != torch.int64 or out_index.numel() != row_ids.numel() or not out_index.is_contiguous():
-        raise GatherError(f"out_index must be contiguous int64 with one entry per row id ({row_ids.numel()}), got "
-                          f"{out_index.dtype} {tuple(out_index.shape)}")
+        raise GatherError(
+            f"out_index must be contiguous int64 with one entry per row id ({row_ids.numel()}), got "
+            f"{out_index.dtype} {tuple(out_index.shape)}"
+        )
     if out_index.device != row_ids.device or out.device != row_ids.device:
         raise GatherError("out_index and out must be on the row ids' device")
 

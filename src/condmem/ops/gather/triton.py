@@ -23,7 +23,7 @@ from condmem.fp8 import FP8_DTYPE, SCALE_BLOCK
 from condmem.ops.gather.reference import FP8, PLAIN, GatherError, TableFormat
 from condmem.ops.triton_util import cdiv, interpreting, next_pow2, persistent_programs
 
-_INTERPRET = interpreting()   # as triton decided when it was imported (read once: launches read it)
+_INTERPRET = interpreting()  # as triton decided when it was imported (read once: launches read it)
 
 if triton is not None:
 
@@ -39,11 +39,26 @@ if triton is not None:
     # (divisible by 16 or not) would compile new variants at random moments mid-run.
     @triton.jit(do_not_specialize=["n_rows", "lo", "n_local", "n_out"])
     def _gather_kernel(
-        ids_ptr, tab_ptr, scale_ptr, out_ptr, dst_ptr,
-        n_rows, lo, n_local, n_out,
-        ROW_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, SCALE_OFF: tl.constexpr,
-        D: tl.constexpr, NB: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_R: tl.constexpr, MODE: tl.constexpr, EXACT: tl.constexpr, SCATTER: tl.constexpr,
+        ids_ptr,
+        tab_ptr,
+        scale_ptr,
+        out_ptr,
+        dst_ptr,
+        n_rows,
+        lo,
+        n_local,
+        n_out,
+        ROW_STRIDE: tl.constexpr,
+        SCALE_STRIDE: tl.constexpr,
+        SCALE_OFF: tl.constexpr,
+        D: tl.constexpr,
+        NB: tl.constexpr,
+        BLOCK_NB: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        MODE: tl.constexpr,
+        EXACT: tl.constexpr,
+        SCATTER: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_blocks = tl.cdiv(n_rows, BLOCK_R)
@@ -79,8 +94,11 @@ if triton is not None:
                 xf = xb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 if EXACT:
                     xf = tl.where((xb & 0x7F) == 0x7F, float("nan"), xf)  # e4m3fn NaN (the interpreter decodes 480)
-                e = tl.load(scale_ptr + loc[:, None] * SCALE_STRIDE + SCALE_OFF + b[None, :],
-                            mask=ok[:, None] & bm[None, :], other=127).to(tl.int32)
+                e = tl.load(
+                    scale_ptr + loc[:, None] * SCALE_STRIDE + SCALE_OFF + b[None, :],
+                    mask=ok[:, None] & bm[None, :],
+                    other=127,
+                ).to(tl.int32)
                 bits = tl.where(e == 0, 0x00400000, e << 23)  # 2**(e-127); e = 0 is the subnormal 2**-127
                 bits = tl.where(e == 255, 0x7FC00000, bits)  # OCP MX: 0xFF is NaN
                 y = xf * bits.to(tl.float32, bitcast=True)[:, :, None]
@@ -124,9 +142,19 @@ def _blocks(head_dim: int, fp8: bool) -> tuple[int, int, int]:
     return nb, next_pow2(nb), next_pow2(head_dim)
 
 
-def gather_triton(ids: torch.Tensor, table: torch.Tensor, scales: torch.Tensor | None, fmt: TableFormat, lo: int,
-                  out: torch.Tensor, out_index: torch.Tensor | None, block_rows: int | None, programs_per_sm: int,
-                  num_warps: int | None, max_programs: int | None) -> torch.Tensor:
+def gather_triton(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    scales: torch.Tensor | None,
+    fmt: TableFormat,
+    lo: int,
+    out: torch.Tensor,
+    out_index: torch.Tensor | None,
+    block_rows: int | None,
+    programs_per_sm: int,
+    num_warps: int | None,
+    max_programs: int | None,
+) -> torch.Tensor:
     """Launch the kernel on checked arguments (`engram_gather` checks them): flat contiguous
     `ids`, `out` shaped for them (or the scatter target with `out_index`)."""
     n_rows = ids.numel()
@@ -154,11 +182,26 @@ def gather_triton(ids: torch.Tensor, table: torch.Tensor, scales: torch.Tensor |
         programs = min(programs, max_programs)
     try:
         _gather_kernel[(programs,)](
-            ids, _launch_table(table), _launch_table(scale_t), out, out_index if out_index is not None else ids,
-            n_rows, lo, fmt.rows, out.shape[0] if out_index is not None else 0,
-            ROW_STRIDE=row_stride, SCALE_STRIDE=scale_stride, SCALE_OFF=scale_off,
-            D=d, NB=nb, BLOCK_NB=block_nb, BLOCK_D=block_d,
-            BLOCK_R=block_rows, MODE=fmt.mode, EXACT=_INTERPRET, SCATTER=out_index is not None,
+            ids,
+            _launch_table(table),
+            _launch_table(scale_t),
+            out,
+            out_index if out_index is not None else ids,
+            n_rows,
+            lo,
+            fmt.rows,
+            out.shape[0] if out_index is not None else 0,
+            ROW_STRIDE=row_stride,
+            SCALE_STRIDE=scale_stride,
+            SCALE_OFF=scale_off,
+            D=d,
+            NB=nb,
+            BLOCK_NB=block_nb,
+            BLOCK_D=block_d,
+            BLOCK_R=block_rows,
+            MODE=fmt.mode,
+            EXACT=_INTERPRET,
+            SCATTER=out_index is not None,
             num_warps=num_warps,
         )
     except ValueError as exc:

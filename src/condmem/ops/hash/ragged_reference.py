@@ -39,8 +39,14 @@ def token_sequences(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tens
     return seq, local, live
 
 
-def ragged_windows(compressed: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor, max_ngram_size: int,
-                   pad_id: int, blocked: torch.Tensor | None = None) -> torch.Tensor:
+def ragged_windows(
+    compressed: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    lookback: torch.Tensor,
+    max_ngram_size: int,
+    pad_id: int,
+    blocked: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[n] compressed ids -> [n, N]: column k is the id k positions back (pad where hidden).
 
     A look-back that reaches a blocked position of the chunk, or passes one, reads the pad;
@@ -64,9 +70,18 @@ def ragged_windows(compressed: torch.Tensor, cu_seqlens: torch.Tensor, lookback:
     return torch.stack(columns, dim=-1)
 
 
-def hash_ragged_reference(compressed: torch.Tensor, cu_seqlens: torch.Tensor, lookback: torch.Tensor, *,
-                          multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor | None, n_heads: int,
-                          pad_id: int, blocked: torch.Tensor | None = None) -> torch.Tensor:
+def hash_ragged_reference(
+    compressed: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    lookback: torch.Tensor,
+    *,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    offsets: torch.Tensor | None,
+    n_heads: int,
+    pad_id: int,
+    blocked: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Row ids (bucket ids when `offsets` is None) [n, L, (N-1)*H]; padding tokens hold bucket 0."""
     windows = ragged_windows(compressed, cu_seqlens, lookback, multipliers.shape[-1], pad_id, blocked)
     mixes = ngram_mixes(windows[None], multipliers)[0]
@@ -76,8 +91,15 @@ def hash_ragged_reference(compressed: torch.Tensor, cu_seqlens: torch.Tensor, lo
     return buckets if offsets is None else buckets + offsets
 
 
-def advance_reference(history: torch.Tensor, slots: torch.Tensor, compressed: torch.Tensor, cu_seqlens: torch.Tensor,
-                      n_commit: torch.Tensor | None, pad_id: int, blocked: torch.Tensor | None = None) -> None:
+def advance_reference(
+    history: torch.Tensor,
+    slots: torch.Tensor,
+    compressed: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    n_commit: torch.Tensor | None,
+    pad_id: int,
+    blocked: torch.Tensor | None = None,
+) -> None:
     """Advance each sequence's history row by its first ``n_commit[b]`` chunk tokens (in place).
 
     Rows of sequences whose slot is outside [0, n_slots) are left alone. ``n_commit`` None:

@@ -41,7 +41,11 @@ def shifted_history(
         pad = compressed.new_full((batch, min(k, length)), pad_id)
         back = torch.cat([pad, compressed[:, : length - k]], dim=1) if k < length else pad
         if blocked is not None:
-            reached = torch.cat([blocked.new_zeros((batch, min(k, length))), blocked[:, : length - k]], dim=1) if k < length else blocked.new_zeros((batch, length))
+            reached = (
+                torch.cat([blocked.new_zeros((batch, min(k, length))), blocked[:, : length - k]], dim=1)
+                if k < length
+                else blocked.new_zeros((batch, length))
+            )
             dead = reached if dead is None else dead | reached
             back = torch.where(dead, torch.full_like(back, pad_id), back)
         columns.append(back)

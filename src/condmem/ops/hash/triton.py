@@ -93,8 +93,27 @@ def _write_id_range(ids_ptr, idx, mask, range_ptr, pid, bad_bounds):
 
 
 @triton.jit
-def _mix_and_store(mix, ck, k, live, lay, lmask, head, cmask, omask, out_row, n_cols, n_heads, max_n,
-                   mult_ptr, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS: tl.constexpr, FAST_MOD: tl.constexpr):
+def _mix_and_store(
+    mix,
+    ck,
+    k,
+    live,
+    lay,
+    lmask,
+    head,
+    cmask,
+    omask,
+    out_row,
+    n_cols,
+    n_heads,
+    max_n,
+    mult_ptr,
+    prime_ptr,
+    magic_ptr,
+    offset_ptr,
+    WITH_OFFSETS: tl.constexpr,
+    FAST_MOD: tl.constexpr,
+):
     """Order k + 1 of every token and layer: fold token t-k (`ck`) into the running `mix`, reduce it
     by each head's prime into its bucket (0 for tokens that are not `live`) and store the
     buckets (+ the layer's row offsets) in their columns; returns the new mix."""
@@ -113,10 +132,29 @@ def _mix_and_store(mix, ck, k, live, lay, lmask, head, cmask, omask, out_row, n_
 
 @triton.jit
 def _hash_prefill_kernel(
-    ids_ptr, lookup_ptr, blocked_ptr, mult_ptr, prime_ptr, magic_ptr, offset_ptr, out_ptr, range_ptr,
-    n_tokens, seq_len, vocab, n_layers, max_n, n_heads, pad_id,
-    BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_LOOKUP: tl.constexpr, HAS_BLOCKED: tl.constexpr, WITH_OFFSETS: tl.constexpr, FAST_MOD: tl.constexpr,
+    ids_ptr,
+    lookup_ptr,
+    blocked_ptr,
+    mult_ptr,
+    prime_ptr,
+    magic_ptr,
+    offset_ptr,
+    out_ptr,
+    range_ptr,
+    n_tokens,
+    seq_len,
+    vocab,
+    n_layers,
+    max_n,
+    n_heads,
+    pad_id,
+    BLOCK_T: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_LOOKUP: tl.constexpr,
+    HAS_BLOCKED: tl.constexpr,
+    WITH_OFFSETS: tl.constexpr,
+    FAST_MOD: tl.constexpr,
     CHECK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -146,18 +184,58 @@ def _hash_prefill_kernel(
             b = tl.load(blocked_ptr + tok - k, mask=back_ok, other=0)
             dead = dead | (b != 0)
             ck = tl.where(dead, pad_id, ck)
-        mix = _mix_and_store(mix, ck, k, tmask, lay, lmask, head, cmask, omask, out_row, n_cols, n_heads, max_n,
-                             mult_ptr, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
+        mix = _mix_and_store(
+            mix,
+            ck,
+            k,
+            tmask,
+            lay,
+            lmask,
+            head,
+            cmask,
+            omask,
+            out_row,
+            n_cols,
+            n_heads,
+            max_n,
+            mult_ptr,
+            prime_ptr,
+            magic_ptr,
+            offset_ptr,
+            WITH_OFFSETS,
+            FAST_MOD,
+        )
 
 
 @triton.jit
 def _hash_decode_kernel(
-    ids_ptr, lookup_ptr, slot_ptr, valid_ptr, blocked_ptr, hist_ptr,
-    mult_ptr, prime_ptr, magic_ptr, offset_ptr, out_ptr,
-    n_rows, n_slots, vocab, n_layers, max_n, n_heads, pad_id,
-    BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_LOOKUP: tl.constexpr, HAS_VALID: tl.constexpr, HAS_BLOCKED: tl.constexpr,
-    WITH_OFFSETS: tl.constexpr, FAST_MOD: tl.constexpr,
+    ids_ptr,
+    lookup_ptr,
+    slot_ptr,
+    valid_ptr,
+    blocked_ptr,
+    hist_ptr,
+    mult_ptr,
+    prime_ptr,
+    magic_ptr,
+    offset_ptr,
+    out_ptr,
+    n_rows,
+    n_slots,
+    vocab,
+    n_layers,
+    max_n,
+    n_heads,
+    pad_id,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_LOOKUP: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    HAS_BLOCKED: tl.constexpr,
+    WITH_OFFSETS: tl.constexpr,
+    FAST_MOD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -193,8 +271,27 @@ def _hash_decode_kernel(
     mix = c[:, None] * m0[None, :]
     for k in range(1, max_n):
         ck = tl.sum(tl.where(kk[None, :] == k - 1, hist, 0), axis=1)
-        mix = _mix_and_store(mix, ck, k, live, lay, lmask, head, cmask, omask, out_row, n_cols, n_heads, max_n,
-                             mult_ptr, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
+        mix = _mix_and_store(
+            mix,
+            ck,
+            k,
+            live,
+            lay,
+            lmask,
+            head,
+            cmask,
+            omask,
+            out_row,
+            n_cols,
+            n_heads,
+            max_n,
+            mult_ptr,
+            prime_ptr,
+            magic_ptr,
+            offset_ptr,
+            WITH_OFFSETS,
+            FAST_MOD,
+        )
     # Every thread's history reads above happen before any thread's write below.
     tl.debug_barrier()
     tl.store(hist_at, new_hist.to(hist_ptr.dtype.element_ty), mask=hmask2)
@@ -267,13 +364,31 @@ def hash_prefill_triton(
     grid = (cdiv(n_tokens, block_t),)
     block_l, block_h = _tile_sizes(n_layers, n_heads)
     _hash_prefill_kernel[grid](
-        ids, lookup if lookup is not None else ids, blocked_b if blocked_b is not None else ids,
-        multipliers, primes, magic, offsets if offsets is not None else primes, out,
+        ids,
+        lookup if lookup is not None else ids,
+        blocked_b if blocked_b is not None else ids,
+        multipliers,
+        primes,
+        magic,
+        offsets if offsets is not None else primes,
+        out,
         id_range if id_range is not None else ids,
-        n_tokens, length, 0 if lookup is None else lookup.numel(), n_layers, max_n, n_heads, pad_id,
-        BLOCK_T=block_t, BLOCK_L=block_l, BLOCK_H=block_h,
-        HAS_LOOKUP=lookup is not None, HAS_BLOCKED=blocked is not None, WITH_OFFSETS=offsets is not None,
-        FAST_MOD=fast_mod, CHECK=id_range is not None, num_warps=num_warps,
+        n_tokens,
+        length,
+        0 if lookup is None else lookup.numel(),
+        n_layers,
+        max_n,
+        n_heads,
+        pad_id,
+        BLOCK_T=block_t,
+        BLOCK_L=block_l,
+        BLOCK_H=block_h,
+        HAS_LOOKUP=lookup is not None,
+        HAS_BLOCKED=blocked is not None,
+        WITH_OFFSETS=offsets is not None,
+        FAST_MOD=fast_mod,
+        CHECK=id_range is not None,
+        num_warps=num_warps,
     )
     return out
 
@@ -320,13 +435,34 @@ def hash_decode_triton(
     grid = (cdiv(batch, block_b),)
     block_l, block_h = _tile_sizes(n_layers, n_heads)
     _hash_decode_kernel[grid](
-        ids.contiguous(), lookup if lookup is not None else ids, slots.contiguous(),
-        valid_b if valid_b is not None else slots, blocked_b if blocked_b is not None else slots, history,
-        multipliers, primes, magic, offsets if offsets is not None else primes, out,
-        batch, history.shape[0], 0 if lookup is None else lookup.numel(), n_layers, max_n, n_heads, pad_id,
-        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_H=block_h, BLOCK_K=max(4, next_pow2(max_n - 1)),  # (narrower tiles crash Triton 3.6)
-        HAS_LOOKUP=lookup is not None, HAS_VALID=valid is not None, HAS_BLOCKED=blocked is not None,
-        WITH_OFFSETS=offsets is not None, FAST_MOD=fast_mod, num_warps=4,
+        ids.contiguous(),
+        lookup if lookup is not None else ids,
+        slots.contiguous(),
+        valid_b if valid_b is not None else slots,
+        blocked_b if blocked_b is not None else slots,
+        history,
+        multipliers,
+        primes,
+        magic,
+        offsets if offsets is not None else primes,
+        out,
+        batch,
+        history.shape[0],
+        0 if lookup is None else lookup.numel(),
+        n_layers,
+        max_n,
+        n_heads,
+        pad_id,
+        BLOCK_B=block_b,
+        BLOCK_L=block_l,
+        BLOCK_H=block_h,
+        BLOCK_K=max(4, next_pow2(max_n - 1)),  # (narrower tiles crash Triton 3.6)
+        HAS_LOOKUP=lookup is not None,
+        HAS_VALID=valid is not None,
+        HAS_BLOCKED=blocked is not None,
+        WITH_OFFSETS=offsets is not None,
+        FAST_MOD=fast_mod,
+        num_warps=4,
     )
     return out
 
@@ -336,12 +472,38 @@ def hash_decode_triton(
 
 @triton.jit
 def _hash_ragged_kernel(
-    ids_ptr, lookup_ptr, blocked_ptr, cu_ptr, slot_ptr, hist_ptr, lb_ptr,
-    mult_ptr, prime_ptr, magic_ptr, offset_ptr, out_ptr, range_ptr,
-    n_tokens, n_seqs, n_slots, vocab, n_layers, max_n, n_heads, pad_id,
-    BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    HAS_LOOKUP: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_LOOKBACK: tl.constexpr,
-    WITH_OFFSETS: tl.constexpr, FAST_MOD: tl.constexpr, CHECK: tl.constexpr,
+    ids_ptr,
+    lookup_ptr,
+    blocked_ptr,
+    cu_ptr,
+    slot_ptr,
+    hist_ptr,
+    lb_ptr,
+    mult_ptr,
+    prime_ptr,
+    magic_ptr,
+    offset_ptr,
+    out_ptr,
+    range_ptr,
+    n_tokens,
+    n_seqs,
+    n_slots,
+    vocab,
+    n_layers,
+    max_n,
+    n_heads,
+    pad_id,
+    BLOCK_T: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    HAS_LOOKUP: tl.constexpr,
+    HAS_BLOCKED: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    HAS_LOOKBACK: tl.constexpr,
+    WITH_OFFSETS: tl.constexpr,
+    FAST_MOD: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -407,16 +569,49 @@ def _hash_ragged_kernel(
             lb = tl.load(lb_ptr + seq * depth + j, mask=before & ~has_hist, other=pad_id).to(tl.int64)
         ck = tl.where(inside, ck, tl.where(has_hist, from_hist, lb))
         ck = tl.where(dead, pad_id, ck)
-        mix = _mix_and_store(mix, ck, k, live, lay, lmask, head, cmask, omask, out_row, n_cols, n_heads, max_n,
-                             mult_ptr, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
+        mix = _mix_and_store(
+            mix,
+            ck,
+            k,
+            live,
+            lay,
+            lmask,
+            head,
+            cmask,
+            omask,
+            out_row,
+            n_cols,
+            n_heads,
+            max_n,
+            mult_ptr,
+            prime_ptr,
+            magic_ptr,
+            offset_ptr,
+            WITH_OFFSETS,
+            FAST_MOD,
+        )
 
 
 @triton.jit
 def _advance_kernel(
-    ids_ptr, lookup_ptr, blocked_ptr, cu_ptr, slot_ptr, commit_ptr, hist_ptr,
-    n_tokens, n_seqs, n_slots, vocab, depth, pad_id,
-    BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_LOOKUP: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_COMMIT: tl.constexpr,
+    ids_ptr,
+    lookup_ptr,
+    blocked_ptr,
+    cu_ptr,
+    slot_ptr,
+    commit_ptr,
+    hist_ptr,
+    n_tokens,
+    n_seqs,
+    n_slots,
+    vocab,
+    depth,
+    pad_id,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_LOOKUP: tl.constexpr,
+    HAS_BLOCKED: tl.constexpr,
+    HAS_COMMIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -505,17 +700,39 @@ def hash_ragged_triton(
     steps = max(4, -(-max(n_seqs, 1).bit_length() // 4) * 4)
     has_slots = history is not None and slots is not None
     _hash_ragged_kernel[grid](
-        ids, lookup if lookup is not None else ids, blocked_b if blocked_b is not None else ids, cu,
-        slots.contiguous() if has_slots else cu, history if has_slots else ids,
+        ids,
+        lookup if lookup is not None else ids,
+        blocked_b if blocked_b is not None else ids,
+        cu,
+        slots.contiguous() if has_slots else cu,
+        history if has_slots else ids,
         lookback.contiguous() if lookback is not None else ids,
-        multipliers, primes, magic, offsets if offsets is not None else primes, out,
+        multipliers,
+        primes,
+        magic,
+        offsets if offsets is not None else primes,
+        out,
         id_range if id_range is not None else cu,
-        n_tokens, n_seqs, history.shape[0] if has_slots else 0, 0 if lookup is None else lookup.numel(),
-        n_layers, max_n, n_heads, pad_id,
-        BLOCK_T=block_t, BLOCK_L=block_l, BLOCK_H=block_h, SEARCH_STEPS=steps,
-        HAS_LOOKUP=lookup is not None, HAS_BLOCKED=blocked is not None, HAS_SLOTS=has_slots,
-        HAS_LOOKBACK=lookback is not None, WITH_OFFSETS=offsets is not None, FAST_MOD=fast_mod,
-        CHECK=id_range is not None, num_warps=num_warps,
+        n_tokens,
+        n_seqs,
+        history.shape[0] if has_slots else 0,
+        0 if lookup is None else lookup.numel(),
+        n_layers,
+        max_n,
+        n_heads,
+        pad_id,
+        BLOCK_T=block_t,
+        BLOCK_L=block_l,
+        BLOCK_H=block_h,
+        SEARCH_STEPS=steps,
+        HAS_LOOKUP=lookup is not None,
+        HAS_BLOCKED=blocked is not None,
+        HAS_SLOTS=has_slots,
+        HAS_LOOKBACK=lookback is not None,
+        WITH_OFFSETS=offsets is not None,
+        FAST_MOD=fast_mod,
+        CHECK=id_range is not None,
+        num_warps=num_warps,
     )
     return out
 
@@ -540,10 +757,23 @@ def advance_triton(
     depth = history.shape[1]
     blocked_b = _as_bytes(blocked)
     _advance_kernel[(cdiv(n_seqs, block_b),)](
-        ids.contiguous(), lookup if lookup is not None else ids, blocked_b if blocked_b is not None else ids,
-        cu_seqlens.contiguous(), slots.contiguous(), n_commit.contiguous() if n_commit is not None else slots, history,
-        ids.numel(), n_seqs, history.shape[0], 0 if lookup is None else lookup.numel(), depth, pad_id,
-        BLOCK_B=block_b, BLOCK_K=max(4, next_pow2(depth)),
-        HAS_LOOKUP=lookup is not None, HAS_BLOCKED=blocked is not None, HAS_COMMIT=n_commit is not None,
+        ids.contiguous(),
+        lookup if lookup is not None else ids,
+        blocked_b if blocked_b is not None else ids,
+        cu_seqlens.contiguous(),
+        slots.contiguous(),
+        n_commit.contiguous() if n_commit is not None else slots,
+        history,
+        ids.numel(),
+        n_seqs,
+        history.shape[0],
+        0 if lookup is None else lookup.numel(),
+        depth,
+        pad_id,
+        BLOCK_B=block_b,
+        BLOCK_K=max(4, next_pow2(depth)),
+        HAS_LOOKUP=lookup is not None,
+        HAS_BLOCKED=blocked is not None,
+        HAS_COMMIT=n_commit is not None,
         num_warps=4,
     )

@@ -17,8 +17,14 @@ from condmem.ops.norm_act.reference import rms_norm_ref, silu_mul_ref
 from condmem.ops.triton_util import resolve_backend
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-             backend: str | None = "auto"):
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    backend: str | None = "auto",
+):
     """RMSNorm over the last dimension of x [..., D], after ``x + residual`` when given.
 
     Returns:

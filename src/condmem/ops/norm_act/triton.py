@@ -33,8 +33,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     x_out = torch.empty_like(x) if residual is not None else x
     if rows:
         res = residual.contiguous() if residual is not None else x
-        _rms_norm_kernel[(rows,)](x, res, weight, x_out, y, dim, eps, BLOCK=next_pow2(dim),
-                                  HAS_RES=residual is not None, num_warps=4 if dim <= 4096 else 8)
+        _rms_norm_kernel[(rows,)](
+            x,
+            res,
+            weight,
+            x_out,
+            y,
+            dim,
+            eps,
+            BLOCK=next_pow2(dim),
+            HAS_RES=residual is not None,
+            num_warps=4 if dim <= 4096 else 8,
+        )
     return y if residual is None else (x_out, y)
 
 
@@ -58,6 +68,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows = a2.shape[0]
     if rows and cols:
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](a2, b2, out, cols, a2.stride(0), b2.stride(0), BLOCK=block,
-                                                          num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
+            a2, b2, out, cols, a2.stride(0), b2.stride(0), BLOCK=block, num_warps=4
+        )
     return out

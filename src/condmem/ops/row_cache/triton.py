@@ -35,8 +35,19 @@ block size changes no slot."""
 
 
 @triton.jit
-def probe_kernel(ids_ptr, valid_ptr, keys_ptr, freq_ptr, slot_ptr, n, n_sets, WAYS: tl.constexpr,
-                 HAS_VALID: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+def probe_kernel(
+    ids_ptr,
+    valid_ptr,
+    keys_ptr,
+    freq_ptr,
+    slot_ptr,
+    n,
+    n_sets,
+    WAYS: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    COUNT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Slot of each id (-1: miss, padding or invalid), hit counters bumped."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
@@ -50,7 +61,7 @@ def probe_kernel(ids_ptr, valid_ptr, keys_ptr, freq_ptr, slot_ptr, n, n_sets, WA
     keys = tl.load(keys_ptr + slots, mask=ok[:, None], other=-1)
     match = (keys == ids[:, None]) & ok[:, None]
     hit = tl.max(match.to(tl.int32), axis=1) > 0
-    way = tl.sum(tl.where(match, ways[None, :], 0), axis=1)      # at most one way matches
+    way = tl.sum(tl.where(match, ways[None, :], 0), axis=1)  # at most one way matches
     slot = tl.where(hit, sets * WAYS + way, -1)
     tl.store(slot_ptr + offs, slot, mask=inb)
     if COUNT:
@@ -60,14 +71,25 @@ def probe_kernel(ids_ptr, valid_ptr, keys_ptr, freq_ptr, slot_ptr, n, n_sets, WA
 
 
 @triton.jit
-def choose_slots_kernel(sorted_sets_ptr, rank_ptr, order_ptr, ids_ptr, keys_ptr, freq_ptr, slot_ptr, n, n_sets,
-                        WAYS: tl.constexpr, BLOCK: tl.constexpr):
+def choose_slots_kernel(
+    sorted_sets_ptr,
+    rank_ptr,
+    order_ptr,
+    ids_ptr,
+    keys_ptr,
+    freq_ptr,
+    slot_ptr,
+    n,
+    n_sets,
+    WAYS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Entry i of the newcomers sorted by set: the slot it takes (-1: not admitted). Reads only."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     sets = tl.load(sorted_sets_ptr + offs, mask=inb, other=n_sets)
     rank = tl.load(rank_ptr + offs, mask=inb, other=WAYS)
-    real = inb & (sets < n_sets)                # padding sorts into set n_sets
+    real = inb & (sets < n_sets)  # padding sorts into set n_sets
     order = tl.load(order_ptr + offs, mask=real, other=0)
     ids = tl.load(ids_ptr + order, mask=real, other=-1)
     ways = tl.arange(0, WAYS)
@@ -85,8 +107,21 @@ def choose_slots_kernel(sorted_sets_ptr, rank_ptr, order_ptr, ids_ptr, keys_ptr,
 
 
 @triton.jit
-def write_kernel(slot_ptr, order_ptr, ids_ptr, src_index_ptr, src_ptr, keys_ptr, freq_ptr, data_ptr, n, row_words,
-                 WORDS: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+def write_kernel(
+    slot_ptr,
+    order_ptr,
+    ids_ptr,
+    src_index_ptr,
+    src_ptr,
+    keys_ptr,
+    freq_ptr,
+    data_ptr,
+    n,
+    row_words,
+    WORDS: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Keys, counters and rows of the admitted newcomers (slot >= 0) into their slots."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
@@ -108,28 +143,61 @@ def _grid(n: int, block: int = BLOCK_IDS) -> tuple[int]:
     return (triton.cdiv(n, block),)
 
 
-def probe(ids: torch.Tensor, valid: torch.Tensor | None, keys: torch.Tensor, freq: torch.Tensor,
-          count: bool) -> torch.Tensor:
+def probe(
+    ids: torch.Tensor, valid: torch.Tensor | None, keys: torch.Tensor, freq: torch.Tensor, count: bool
+) -> torch.Tensor:
     """Slots of `ids` [n] (int64, -1 on a miss) in the cache of `keys` [n_sets, ways]; see `RowCache.probe`."""
     n = ids.numel()
     slot = torch.empty_like(ids)
     n_sets, ways = keys.shape
-    probe_kernel[_grid(n)](ids, valid if valid is not None else ids, keys, freq, slot, n, n_sets, WAYS=ways,
-                           HAS_VALID=valid is not None, COUNT=count, BLOCK=BLOCK_IDS)
+    probe_kernel[_grid(n)](
+        ids,
+        valid if valid is not None else ids,
+        keys,
+        freq,
+        slot,
+        n,
+        n_sets,
+        WAYS=ways,
+        HAS_VALID=valid is not None,
+        COUNT=count,
+        BLOCK=BLOCK_IDS,
+    )
     return slot
 
 
-def admit(sorted_sets: torch.Tensor, rank: torch.Tensor, order: torch.Tensor, ids: torch.Tensor,
-          keys: torch.Tensor, freq: torch.Tensor, data_words: torch.Tensor, src_words: torch.Tensor,
-          src_index: torch.Tensor | None) -> torch.Tensor:
+def admit(
+    sorted_sets: torch.Tensor,
+    rank: torch.Tensor,
+    order: torch.Tensor,
+    ids: torch.Tensor,
+    keys: torch.Tensor,
+    freq: torch.Tensor,
+    data_words: torch.Tensor,
+    src_words: torch.Tensor,
+    src_index: torch.Tensor | None,
+) -> torch.Tensor:
     """The admission's slot choice and writes; returns the slot of each sorted newcomer (-1: dropped)."""
     n = ids.numel()
     n_sets, ways = keys.shape
     slot = torch.empty_like(ids)
-    choose_slots_kernel[_grid(n, SLOT_CHOICE_BLOCK)](sorted_sets, rank, order, ids, keys, freq, slot, n, n_sets,
-                                                     WAYS=ways, BLOCK=SLOT_CHOICE_BLOCK)
+    choose_slots_kernel[_grid(n, SLOT_CHOICE_BLOCK)](
+        sorted_sets, rank, order, ids, keys, freq, slot, n, n_sets, WAYS=ways, BLOCK=SLOT_CHOICE_BLOCK
+    )
     row_words = data_words.shape[1]
-    write_kernel[_grid(n)](slot, order, ids, src_index if src_index is not None else order, src_words, keys, freq,
-                           data_words, n, row_words, WORDS=next_pow2(row_words), HAS_INDEX=src_index is not None,
-                           BLOCK=BLOCK_IDS)
+    write_kernel[_grid(n)](
+        slot,
+        order,
+        ids,
+        src_index if src_index is not None else order,
+        src_words,
+        keys,
+        freq,
+        data_words,
+        n,
+        row_words,
+        WORDS=next_pow2(row_words),
+        HAS_INDEX=src_index is not None,
+        BLOCK=BLOCK_IDS,
+    )
     return slot
