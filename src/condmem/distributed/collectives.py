@@ -39,13 +39,11 @@ def _unsupported(exc: RuntimeError) -> bool:
     return "not support" in text or "unsupported" in text or "not implemented" in text
 
 
-def all_to_all_equal(
-    outputs: list[torch.Tensor], inputs: list[torch.Tensor], group=None, *, method: Method | None = None
-) -> None:
-    """``outputs[p]`` <- what rank p sent this rank as its ``inputs[rank]``; every message has
-    one shape and dtype. `method` forces a path (tests); by default the direct one unless the
-    backend refused it before."""
-    send = torch.stack([t.contiguous() for t in inputs])
+def all_to_all_equal(inputs: list[torch.Tensor], group=None, *, method: Method | None = None) -> list[torch.Tensor]:
+    """What every rank p sent this rank as its ``inputs[rank]``, in rank order (views of one
+    received buffer); every message has one shape and dtype. `method` forces a path (tests); by
+    default the direct one unless the backend refused it before."""
+    send = torch.stack(inputs)
     key = _key("all_to_all", group, send)
     if method is None:
         method = "fallback" if key in _refused else "direct"
@@ -60,8 +58,7 @@ def all_to_all_equal(
             recv = _all_to_all_by_all_gather(send, group)
     else:
         recv = _all_to_all_by_all_gather(send, group)
-    for out, part in zip(outputs, recv.unbind(0)):
-        out.copy_(part)
+    return list(recv.unbind(0))
 
 
 def _all_to_all_by_all_gather(send: torch.Tensor, group) -> torch.Tensor:

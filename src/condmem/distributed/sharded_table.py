@@ -44,8 +44,7 @@ class _Exchange(torch.autograd.Function):
             c0, c1 = plan.columns(q)
             ids = (row_ids[:, :, c0:c1] - plan.rows(q)[0]).reshape(-1)
             requests.append(torch.cat([ids, ids.new_zeros(size - ids.numel())]))
-        served = [torch.empty(size, dtype=row_ids.dtype, device=row_ids.device) for _ in range(w)]
-        all_to_all_equal(served, requests, group=group)  # served[p]: ids rank p asks of me
+        served = all_to_all_equal(requests, group=group)  # served[p]: ids rank p asks of me
         real = b * t * _width(plan, rank)
         served = [ids[:real] for ids in served]
         r0, r1 = plan.rows(rank)
@@ -56,8 +55,7 @@ class _Exchange(torch.autograd.Function):
                     "ids hashed for another layout?"
                 )
         outgoing = [torch.cat([weight[ids], weight.new_zeros(size - ids.numel(), d)]) for ids in served]
-        incoming = [torch.empty(size, d, dtype=weight.dtype, device=weight.device) for _ in range(w)]
-        all_to_all_equal(incoming, outgoing, group=group)
+        incoming = all_to_all_equal(outgoing, group=group)
         ctx.plan, ctx.rank, ctx.group = plan, rank, group
         ctx.save_for_backward(*served)
         ctx.weight_shape = weight.shape
@@ -76,8 +74,7 @@ class _Exchange(torch.autograd.Function):
             c0, c1 = plan.columns(q)
             g = grad_rows[:, :, c0:c1].reshape(-1, d)
             outgoing.append(torch.cat([g, g.new_zeros(size - g.shape[0], d)]))
-        incoming = [torch.empty(size, d, dtype=grad_rows.dtype, device=grad_rows.device) for _ in range(w)]
-        all_to_all_equal(incoming, outgoing, group=group)  # incoming[p]: gradients of the rows p read
+        incoming = all_to_all_equal(outgoing, group=group)  # incoming[p]: gradients of the rows p read
         ids = torch.cat(served)
         values = torch.cat([g[: served[p].numel()] for p, g in enumerate(incoming)]) / w
         grad = torch.sparse_coo_tensor(ids[None], values, ctx.weight_shape, check_invariants=False).coalesce()

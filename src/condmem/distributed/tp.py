@@ -125,9 +125,7 @@ class ShardedRows:
             per = -(-n // w)
             if per * w != n:
                 padded = torch.cat([padded, padded.new_zeros((padded.shape[0], per * w - n, *padded.shape[2:]))], 1)
-            send = [c.contiguous() for c in padded.split(per, dim=1)]
-            parts = [torch.empty_like(send[0]) for _ in range(w)]
-            all_to_all_equal(parts, send, group=self.group)
+            parts = all_to_all_equal(list(padded.split(per, dim=1)), group=self.group)
             t0, t1 = self.token_chunk(n)
             parts = [p[:, : t1 - t0] for p in parts]
         widths = [b - a for a, b in zip(self.plan.col_bounds[:-1], self.plan.col_bounds[1:])]
