@@ -129,7 +129,7 @@ def sized(argv: list[str]) -> list[str]:
         argv = ["tiny" if a == "gpu" else "corpus" if a == "/path/to/texts" else a for a in argv]
         return argv + ([] if "--replot" in argv or "--device" in argv else ["--device", "cpu"])
     if command == "bench":
-        # GPU benchmarks at full size: --smoke runs them on the CPU at tiny sizes (the kernels in the
+        # GPU benchmarks at full size: --smoke runs them at tiny sizes (on a CPU, the kernels in the
         # Triton interpreter); the lookup benchmark's sizes are flags, shrunk here.
         extra = ["--smoke"]
         if argv[1] == "lookup":

@@ -58,8 +58,8 @@ def register(sub) -> None:
     p.add_argument(
         "--smoke",
         action="store_true",
-        help="tiny sizes on the CPU through the Triton interpreter (sets TRITON_INTERPRET=1 itself): "
-        "checks the benchmark code runs, times nothing meaningful",
+        help="tiny sizes, on the GPU where there is one, else on the CPU through the Triton interpreter "
+        "(sets TRITON_INTERPRET=1 itself): checks the benchmark code runs, times nothing meaningful",
     )
     # Their modules import torch: added when 'condmem bench' is used, not for 'condmem --help'.
     if hasattr(p, "defer"):
@@ -141,9 +141,10 @@ def _interpret_kernels() -> None:
 
 
 def run(args) -> int:
-    if args.smoke and args.op in (*OPS, "all"):
+    import torch  # imports no kernel module: the interpreter can still be switched on below
+
+    if args.smoke and args.op in (*OPS, "all") and not torch.cuda.is_available():
         _interpret_kernels()  # before anything below imports a kernel
-    import torch
 
     if args.op == "lookup":
         from condmem.bench.lookup import main as bench_lookup
@@ -158,7 +159,7 @@ def run(args) -> int:
         bench_e2e(args)
         return 0
     if args.smoke:
-        args.device = "cpu"
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
         args.hash_tokens, args.cpu_tokens, args.decode_batch = [64], 64, [8]
         args.gather_ids, args.table_mib, args.host_mib, args.host_ids = 512, 1, 1, 256
     elif not torch.cuda.is_available():
@@ -177,7 +178,7 @@ def run(args) -> int:
     modules = {"hash": bench_hash, "gather": bench_gather, "gate": bench_gate}
     ops = OPS if args.op == "all" else (args.op,)
     info = machine_info()
-    ceiling = copy_bandwidth_gbps(device=args.device) if not args.smoke else copy_bandwidth_gbps(1 << 20, "cpu")
+    ceiling = copy_bandwidth_gbps(device=args.device) if not args.smoke else copy_bandwidth_gbps(1 << 20, args.device)
     print(
         f"{info.get('gpu')}: D2D copy {ceiling['d2d_gbps']:.0f} GB/s (read + write), torch {info['torch']}, "
         f"triton {info['triton']}",
