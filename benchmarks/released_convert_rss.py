@@ -6,7 +6,8 @@ on it in a child process, reads the child's peak resident set (``ru_maxrss``), c
 sample of converted rows byte for byte against the source, writes one JSON result and
 deletes both files.
 
-    python benchmarks/released_convert_rss.py --dir /work/tmp-convert --table-gib 8.2 --out benchmarks/results/released_convert_rss.json
+    python benchmarks/released_convert_rss.py --dir /work/tmp-convert --table-gib 8.2 \
+        --out benchmarks/results/released_convert_rss.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Runs of the same model on the same batches, in one process, the process's HBM ca
   on the host / on the GPU (``--big-adam``).
 
 Every run goes in alternating rounds (``--rounds``); each reports its best round and lists
-them all, and the ratios to ``hbm`` are given best against best and median against median. The trainer leaves each run's first 3 steps out of its tokens/s.
+them all, and the ratios to ``hbm`` are given best against best and median against median. The
+trainer leaves each run's first 3 steps out of its tokens/s.
 
 Before the big allocation a small page-locked probe measures the fill and page-lock rates,
 and the big table is shrunk to what ``--max-setup-s`` allows. Writes ``train_host_table.json``

@@ -29,5 +29,6 @@ def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, atol: float, r
         worst = tuple(int(i) for i in torch.unravel_index(excess.argmax(), err.shape))
         raise AssertionError(
             f"{name}: max err {err.max().item():.3e}, mean err {err.mean().item():.3e} "
-            f"(atol {atol:g}, rtol {rtol:g}); worst at {worst}: ref {ref64[worst].item():.6g} got {got64[worst].item():.6g}"
+            f"(atol {atol:g}, rtol {rtol:g}); worst at {worst}: "
+            f"ref {ref64[worst].item():.6g} got {got64[worst].item():.6g}"
         )

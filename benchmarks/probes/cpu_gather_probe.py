@@ -37,10 +37,15 @@ void gather(const uint8_t *src, int64_t row_bytes, const int64_t *ids, int64_t n
         if (pf && i + pf < n) {
             const uint8_t *ahead = src + ids[i + pf] * row_bytes;
             /* the hint must be a constant: 3 = T0 (every level), 2 = T1 (L2 and out), 1 = T2, 0 = NTA */
-            if (hint == 3) { for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3); }
-            else if (hint == 2) { for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 2); }
-            else if (hint == 1) { for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 1); }
-            else { for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0); }
+            if (hint == 3) {
+                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+            } else if (hint == 2) {
+                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 2);
+            } else if (hint == 1) {
+                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 1);
+            } else {
+                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 0);
+            }
         }
         const uint8_t *s = src + ids[i] * row_bytes;
         uint8_t *d = dst + i * row_bytes;

@@ -297,7 +297,10 @@ import sys, time, torch
 from condmem.tables.storage import StorageError, place_layer
 from condmem.tables.table_file import EngramTableFile
 args = [a.split("=") for a in sys.argv[1:]]   # path=0 (buffered) or path=1 (O_DIRECT)
-stores = [place_layer(EngramTableFile(p).layer(1), "disk", progress=False, direct_io=d == "1", threads=1) for p, d in args]
+stores = [
+    place_layer(EngramTableFile(p).layer(1), "disk", progress=False, direct_io=d == "1", threads=1)
+    for p, d in args
+]
 n = stores[0].num_rows
 want = [s.gather_raw(torch.arange(n)) for s in stores]          # checked: the rows as opened
 print("ready", flush=True)

@@ -23,7 +23,8 @@ def register(sub) -> None:
         "(every tensor's presence, dtype and shape, rows against primes, wkv's block divisibility, the config against "
         "the tensors) and exits 1 when there is an error, 0 otherwise (warnings included).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  condmem inspect ./DeepSeek-V4.1-Flash\n  condmem inspect tables.safetensors --full --json\n"
+        epilog="examples:\n  condmem inspect ./DeepSeek-V4.1-Flash\n"
+        "  condmem inspect tables.safetensors --full --json\n"
         "  condmem inspect tables.safetensors --verify",
     )
     p.add_argument("path", help="checkpoint folder, safetensors file, or condmem table file")

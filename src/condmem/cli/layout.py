@@ -60,7 +60,8 @@ def run(args) -> int:
     print(f"{'layer':>5} {'rows':>14} {'primes (min..max)':>27} {'bf16':>13} {'fp8+e8m0':>13}")
     for layer in summary["layers"]:
         print(
-            f"{layer['layer_id']:>5} {layer['num_embeddings']:>14,} {layer['min_prime']:>13,}..{layer['max_prime']:<13,}"
+            f"{layer['layer_id']:>5} {layer['num_embeddings']:>14,} "
+            f"{layer['min_prime']:>13,}..{layer['max_prime']:<13,}"
             f"{_gib(layer['bytes_bf16']):>13} {_gib(layer['bytes_fp8_e8m0']):>13}"
         )
     print(

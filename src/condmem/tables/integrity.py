@@ -368,7 +368,9 @@ class TensorChecks:
         return lo, min(self.start + self.nbytes, self.phase + (base + 1) * self.block)
 
     def check(self, k: int, data) -> None:
-        """Compare blocks k, k+1, ... whose bytes `data` holds exactly; raise `IntegrityMismatch` naming the first bad one."""
+        """Compare blocks k, k+1, ... whose bytes `data` holds exactly.
+
+        Raises `IntegrityMismatch` naming the first bad block."""
         view = memoryview(data).cast("B")
         if self.crcs is not None:
             first = self.bounds(k)[1] - self.bounds(k)[0]
@@ -447,7 +449,9 @@ def pieces(checks: TensorChecks | None, a: int, b: int, piece_bytes: int = PIECE
 
 
 def parallel(jobs: Sequence[Callable[[], int]], threads: int, progress: Callable[[int], None] | None = None) -> None:
-    """Run `jobs` (each returns the bytes it handled, for `progress`) on `threads` threads; the first error is raised."""
+    """Run `jobs` (each returns the bytes it handled, for `progress`) on `threads` threads.
+
+    The first error is raised."""
     if threads <= 1 or len(jobs) <= 1:
         for job in jobs:
             done = job()

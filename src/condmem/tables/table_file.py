@@ -397,8 +397,9 @@ class EngramTableFile:
         meta = self.header.metadata
         if meta.get("format") != FORMAT_TAG:
             raise TableFileError(
-                f"{self.path} is a safetensors file but not a condmem Engram table (format tag {meta.get('format')!r}); "
-                "released checkpoints load with condmem.tables.released.ReleasedCheckpoint (or condmem convert --released)"
+                f"{self.path} is a safetensors file but not a condmem Engram table "
+                f"(format tag {meta.get('format')!r}); released checkpoints load with "
+                "condmem.tables.released.ReleasedCheckpoint (or condmem convert --released)"
             )
         try:
             self.integrity = integrity.parse(meta)
