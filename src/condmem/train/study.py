@@ -352,15 +352,19 @@ def run_study(
 
 
 def replot(kind: str, out: str | Path | None = None) -> Path | None:
-    """Draw ``<kind>.png`` again from ``out/study.json`` (a GPU run on a machine without matplotlib)."""
+    """Draw ``<kind>.png`` again from ``out/study.json`` (a GPU run on a machine without matplotlib),
+    and derive the finding and the report again from the runs it records."""
     out = Path(out or f"condmem-study/{kind}")
     summary = json.loads((out / "study.json").read_text())
     if summary.get("study") != kind:
         raise ValueError(f"{out / 'study.json'} holds a {summary.get('study')!r} study, not {kind!r}")
+    summary["finding"] = find(kind, summary["points"], summary["runs"])
+    summary["report"] = report_text(kind, summary)
     figure = plot_study(summary, out / f"{kind}.png")
+    summary["figure"] = figure.name if figure is not None else summary.get("figure")
+    atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n")
+    print(summary["report"], flush=True)
     if figure is not None:
-        summary["figure"] = figure.name
-        atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n")
         print(f"wrote {figure}", flush=True)
     return figure
 
@@ -481,7 +485,7 @@ def summarize(
         for bucket in ("seen", "unseen"):
             row[f"val_loss_{bucket}"] = mean_std([r["buckets"][bucket]["loss"] for r in mine])[0]
         per_point.append(row)
-    finding = allocation_finding(per_point) if kind == "allocation" else slots_finding(per_point, runs)
+    finding = find(kind, per_point, runs)
     scale = scale_gap(kind, runs[0])
     summary = {
         "study": kind,
@@ -515,6 +519,11 @@ def _beyond(a: dict, b: dict) -> bool | None:
     return b["mean"] - a["mean"] > a["std"] + b["std"]
 
 
+def find(kind: str, points: list[dict], runs: list[dict]) -> dict:
+    """The sweep's finding from its per-point means (`points`) and its runs."""
+    return allocation_finding(points) if kind == "allocation" else slots_finding(points, runs)
+
+
 def allocation_finding(points: list[dict]) -> dict:
     """The lowest-loss rho, its gap to pure MoE, and whether either is beyond the seed spread."""
     ref = next(p for p in points if p["rho"] == 1.0)
@@ -525,6 +534,8 @@ def allocation_finding(points: list[dict]) -> dict:
     interior = best is not ref and best is not lowest_rho
     u_shape = interior and bool(beats_moe) and bool(_beyond(best["val_loss"], lowest_rho["val_loss"]))
     deltas = {f"{p['rho']:.2f}": 100 * (p["val_loss"]["mean"] / ref["val_loss"]["mean"] - 1) for p in points}
+    # Table-holding points the optimum does not beat beyond the seed spread: the grid cannot tell them apart.
+    ties = [p["rho"] for p in points if p is not best and p is not ref and not _beyond(best["val_loss"], p["val_loss"])]
     return {
         "optimum_rho": best["rho"],
         "optimum_val_loss": best["val_loss"]["mean"],
@@ -532,6 +543,8 @@ def allocation_finding(points: list[dict]) -> dict:
         "gain_vs_pure_moe_pct": gap,
         "beyond_seed_spread": beats_moe,
         "u_shape": u_shape,
+        "lowest_rho": lowest_rho["rho"],
+        "within_spread_of_optimum": ties,
         "loss_vs_pure_moe_pct": deltas,
     }
 
@@ -634,10 +647,9 @@ def report_text(kind: str, s: dict) -> str:
                 f"{f['gain_vs_pure_moe_pct']:.2f}% below pure MoE, within the spread of {n} seeds)"
             )
         else:
-            shape = "a U-shape: lower than both ends of the grid" if f["u_shape"] else "lowest at the grid's edge"
             claim = (
-                f"minimum at rho = {f['optimum_rho']:.2f}, {f['gain_vs_pure_moe_pct']:.2f}% below pure MoE, "
-                f"beyond the spread of {n} seeds ({shape})"
+                f"lowest mean loss at rho = {f['optimum_rho']:.2f}, {f['gain_vs_pure_moe_pct']:.2f}% below pure MoE, "
+                f"beyond the spread of {n} seeds; {_shape(f)}"
             )
         at_04 = f["loss_vs_pure_moe_pct"].get("0.40")
         if at_04 is not None:
@@ -657,6 +669,21 @@ def report_text(kind: str, s: dict) -> str:
         f"decade{_significance(f['slope_beyond_2se'])}; without Engram "
         f"{f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
     )
+
+
+def _shape(f: dict) -> str:
+    """Whether the allocation grid locates its optimum, in words."""
+    lowest = f.get("lowest_rho")
+    if f["u_shape"]:
+        shape = "a U-shape: below both ends of the grid beyond the spread"
+    elif f["optimum_rho"] == lowest:
+        shape = f"at the grid's low end (rho = {lowest:.2f}): no U-shape"
+    else:
+        shape = f"no U-shape beyond the spread: the grid's low end (rho = {lowest:.2f}) is within it"
+    ties = f.get("within_spread_of_optimum") or []
+    if ties:
+        shape += "; rho = " + ", ".join(f"{r:.2f}" for r in ties) + " within the spread of the lowest mean"
+    return shape
 
 
 def _significance(beyond: bool | None) -> str:
