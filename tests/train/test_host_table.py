@@ -20,6 +20,7 @@ from condmem.models import DecoderLM
 from condmem.train.checkpoint import load_checkpoint
 from condmem.train.demo import build_model_config
 from condmem.train.host_table import HostTables, HostTableView
+from condmem.train.host_table_optim import DeviceAdamTables, HostAdamTables
 from condmem.train.loop import Trainer
 from condmem.train.presets import get_preset
 
@@ -116,7 +117,7 @@ def test_host_tables_train_exactly_like_model_tables(tiny_data, reference, prefe
 def test_without_the_patch_prefetched_rows_are_stale(tiny_data, reference, monkeypatch):
     """Negative control: rows updated by step t and prefetched for step t+1 before that
     update must be patched; dropping the patch changes the losses."""
-    monkeypatch.setattr(HostTables, "_send_patch", lambda self, ids, new: None)
+    monkeypatch.setattr(HostAdamTables, "_send_patch", lambda self, ids, new: None)
     trainer = _trainer(tiny_data, host={"prefetch": True}, steps=12)
     with trainer.host:
         trainer.fit()
@@ -270,13 +271,13 @@ def test_cli_host_staleness_one_trains(tiny_corpus, tmp_path):
 def test_device_adam_without_its_patch_reads_stale_state(tiny_data, reference, monkeypatch):
     """Negative control for ``adam="device"``: the rows and Adam state a step updates reach the
     host after the next step's gather; without the device-side patch the losses differ."""
-    real = HostTables._device_rows
+    real = DeviceAdamTables._device_rows
 
     def unpatched(self, layer, fetched, row_ids):
         layer.last = None
         return real(self, layer, fetched, row_ids)
 
-    monkeypatch.setattr(HostTables, "_device_rows", unpatched)
+    monkeypatch.setattr(DeviceAdamTables, "_device_rows", unpatched)
     trainer = _trainer(tiny_data, host={"adam": "device"}, steps=12)
     with trainer.host:
         trainer.fit()

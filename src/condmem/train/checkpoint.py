@@ -150,7 +150,8 @@ def newest_complete(root: Path) -> Path | None:
 
 
 def _repair(root: Path) -> None:
-    """Undo what a killed save left: temp folders of dead pids go; an aside folder whose step lost its folder returns."""
+    """Undo what a killed save left: temp folders of dead pids go; an aside folder whose step lost
+    its folder returns."""
     for aside in [p for p in root.iterdir() if p.name.startswith(".step-") and p.name.endswith(ASIDE)]:
         final = root / aside.name[1 : -len(ASIDE)]
         if final.exists():
@@ -224,7 +225,8 @@ def checkpoint_bytes(
             have = adamw.state.get(p)
             total += sum(_nbytes(v) for v in have.values() if torch.is_tensor(v)) if have else 2 * _nbytes(p) + 4
     if sparse is not None and not tables_sharded and model.layout is not None:
-        # SparseAdam or HostTables: slot_of_row (int32) per row; exp_avg, exp_avg_sq, row_step (fp32) per row with state.
+        # SparseAdam or HostTables: slot_of_row (int32) per row; exp_avg, exp_avg_sq, row_step (fp32)
+        # per row with state.
         layout = model.layout
         rows = sum(layout.num_embeddings)
         slots = min(rows, sparse.state_rows() + tokens * layout.n_cols * layout.n_layers)
@@ -289,8 +291,6 @@ def save_checkpoint(
     host memory; they are written as the model's own would be, so either kind resumes from it.
     `tables_sharded`: the tables are shards written by every rank
     (`condmem.train.data_parallel`); ``tables.safetensors`` then holds none and says so."""
-    from condmem.train.optim import export_adamw_state
-
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -301,49 +301,10 @@ def save_checkpoint(
     aside = root / f".{name}{ASIDE}"
     tmp = make_temp_dir(root, name)
     try:
-        tables = _table_names(model)
-        names = {p: n for n, p in model.named_parameters()}
-        state = model.state_dict()
-        backbone = {k: v.detach().contiguous() for k, v in state.items() if k not in tables}
-        if tables_sharded:
-            sparse = None  # each rank writes its shards' Adam state with its shards
-        if model.cfg.tie_embeddings:
-            backbone.pop("lm_head.weight", None)  # the same tensor as embed.weight
         fingerprints = _fingerprints(model, tokenizer, ctok)
-        with atomic_path(tmp / "model.safetensors") as p:
-            save_file(backbone, str(p), metadata={"format": FORMAT})
-        table_meta = {"format": TABLES_FORMAT, **{k: str(v) for k, v in fingerprints.items()}}
-        if model.layout is not None:
-            table_meta.update(
-                layer_ids=json.dumps(model.layout.layer_ids), num_embeddings=json.dumps(model.layout.num_embeddings)
-            )
-        with atomic_path(tmp / "tables.safetensors") as p:
-            table_tensors = {} if tables_sharded else {tables[k]: state[k].detach().contiguous() for k in tables}
-            if tables_sharded:
-                table_meta["sharded"] = "true"
-            if host_tables is not None:
-                table_tensors.update({f"layer{lid}.table": t for lid, t in host_tables.table_tensors().items()})
-            save_file(table_tensors, str(p), metadata=table_meta)
-        opt = {f"adamw.{k}": v.detach().contiguous() for k, v in export_adamw_state(adamw, names).items()}
-        if sparse is not None:
-            opt.update({f"sparse_adam.{k}": v.detach().contiguous() for k, v in sparse.export_state(names).items()})
-        with atomic_path(tmp / "optimizer.safetensors") as p:
-            save_file(opt, str(p), metadata={"format": FORMAT})
-        config = {"model": model.cfg.to_dict(), "train": train_cfg.to_dict(), "data": data or {}}
-        if model.cfg.engram is not None:
-            config["engram_v4"] = model.cfg.engram.to_dict("v4")
-        atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
-        atomic_write_text(tmp / "tokenizer.json", tokenizer.to_str())
-        files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES}
-        meta = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "fingerprints": fingerprints,
-            "files": files,
-            **trainer_state,
-        }
-        meta["state_sha256"] = _state_digest(json.loads(json.dumps(meta)))
-        atomic_write_text(tmp / "state.json", json.dumps(meta) + "\n")
+        _write_tensor_files(tmp, model, adamw, sparse, fingerprints, host_tables, tables_sharded)
+        _write_text_files(tmp, model, train_cfg, tokenizer, data)
+        _write_state(tmp, fingerprints, trainer_state)
         if final.exists():
             os.replace(final, aside)  # moved aside, not deleted: a kill from here on loses nothing
         os.replace(tmp, final)
@@ -357,23 +318,90 @@ def save_checkpoint(
                 f"the checkpoint of step {step} could not be written in {root} ({_reason(exc)}); {_kept(run_dir, step)}"
             ) from exc
         raise
+    _point_latest(root, final, step)
+    shutil.rmtree(aside, ignore_errors=True)
+    _remove_old(root, final, keep)
+    logger.info("checkpoint written: %s", final)
+    return final
+
+
+def _write_tensor_files(
+    tmp: Path, model: DecoderLM, adamw, sparse, fingerprints: dict, host_tables, tables_sharded: bool
+) -> None:
+    """model.safetensors (the backbone), tables.safetensors and optimizer.safetensors into `tmp`."""
+    from condmem.train.optim import export_adamw_state
+
+    tables = _table_names(model)
+    names = {p: n for n, p in model.named_parameters()}
+    state = model.state_dict()
+    backbone = {k: v.detach().contiguous() for k, v in state.items() if k not in tables}
+    if tables_sharded:
+        sparse = None  # each rank writes its shards' Adam state with its shards
+    if model.cfg.tie_embeddings:
+        backbone.pop("lm_head.weight", None)  # the same tensor as embed.weight
+    with atomic_path(tmp / "model.safetensors") as p:
+        save_file(backbone, str(p), metadata={"format": FORMAT})
+    table_meta = {"format": TABLES_FORMAT, **{k: str(v) for k, v in fingerprints.items()}}
+    if model.layout is not None:
+        table_meta.update(
+            layer_ids=json.dumps(model.layout.layer_ids), num_embeddings=json.dumps(model.layout.num_embeddings)
+        )
+    with atomic_path(tmp / "tables.safetensors") as p:
+        table_tensors = {} if tables_sharded else {tables[k]: state[k].detach().contiguous() for k in tables}
+        if tables_sharded:
+            table_meta["sharded"] = "true"
+        if host_tables is not None:
+            table_tensors.update({f"layer{lid}.table": t for lid, t in host_tables.table_tensors().items()})
+        save_file(table_tensors, str(p), metadata=table_meta)
+    opt = {f"adamw.{k}": v.detach().contiguous() for k, v in export_adamw_state(adamw, names).items()}
+    if sparse is not None:
+        opt.update({f"sparse_adam.{k}": v.detach().contiguous() for k, v in sparse.export_state(names).items()})
+    with atomic_path(tmp / "optimizer.safetensors") as p:
+        save_file(opt, str(p), metadata={"format": FORMAT})
+
+
+def _write_text_files(tmp: Path, model: DecoderLM, train_cfg, tokenizer: Tokenizer, data: dict | None) -> None:
+    """config.json (the resolved configs) and tokenizer.json into `tmp`."""
+    config = {"model": model.cfg.to_dict(), "train": train_cfg.to_dict(), "data": data or {}}
+    if model.cfg.engram is not None:
+        config["engram_v4"] = model.cfg.engram.to_dict("v4")
+    atomic_write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
+    atomic_write_text(tmp / "tokenizer.json", tokenizer.to_str())
+
+
+def _write_state(tmp: Path, fingerprints: dict, trainer_state: dict) -> None:
+    """state.json into `tmp`, last: the hash of every file beside it, and its own."""
+    files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES}
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "fingerprints": fingerprints,
+        "files": files,
+        **trainer_state,
+    }
+    meta["state_sha256"] = _state_digest(json.loads(json.dumps(meta)))
+    atomic_write_text(tmp / "state.json", json.dumps(meta) + "\n")
+
+
+def _point_latest(root: Path, final: Path, step: int) -> None:
+    """Point ``root/LATEST`` at the checkpoint folder `final`, just written."""
     try:
-        atomic_write_text(root / "LATEST", name + "\n")
+        atomic_write_text(root / "LATEST", final.name + "\n")
     except OSError as exc:
         raise CheckpointSaveError(
             f"the checkpoint of step {step} was written to {final}, but {root / 'LATEST'} could "
             f"not be updated ({_reason(exc)}): resume from the folder itself"
         ) from exc
-    shutil.rmtree(aside, ignore_errors=True)
-    # Keep the newest `keep` checkpoints by step, never the one just written (LATEST's target).
+
+
+def _remove_old(root: Path, final: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints by step, never the one just written (LATEST's target)."""
     done = sorted(
         (p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p != final),
         key=lambda p: _step_of(p) or -1,
     )
     for old in done[: max(0, len(done) - max(0, keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
-    logger.info("checkpoint written: %s", final)
-    return final
 
 
 def _reason(exc: BaseException) -> str:
@@ -457,10 +485,49 @@ def load_checkpoint(
         CorruptCheckpointError: a file is missing, truncated or altered.
         CheckpointMismatchError: the tokenizer does not match the tables / embeddings.
     """
-    from condmem.tokenizer import CompressedTokenizer
-
     folder = resolve_checkpoint(path)
     state = read_state(folder)
+    _verify_files(folder, state, verify)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        model_cfg = ModelConfig.from_dict(config["model"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{folder / 'config.json'} is not a valid checkpoint config ({exc})") from None
+    fp = state.get("fingerprints", {})
+    tok, ctok = _matching_tokenizer(folder, model_cfg, fp, tokenizer)
+    device = torch.device(device)
+    table_meta, weights, table_tensors = _read_weights(folder, device, tables_on_host)
+    sharded = table_meta.get("sharded") == "true"
+    model = DecoderLM(
+        model_cfg,
+        token_lookup=None if ctok is None else ctok.lookup,
+        device=device,
+        table_device="meta" if (tables_on_host or sharded) else None,
+    )
+    if model.layout is not None and table_meta.get("layout") != fp.get("layout"):
+        raise CheckpointMismatchError(
+            f"checkpoint {folder}: tables.safetensors was written for layout {table_meta.get('layout', '?')[:16]}..., "
+            f"state.json says {str(fp.get('layout'))[:16]}..."
+        )
+    host_tables = _load_weights(folder, model, weights, table_tensors, sharded, tables_on_host)
+    optimizer_tensors = {}
+    if load_optimizer:
+        optimizer_tensors = load_file(str(folder / "optimizer.safetensors"), device="cpu")
+    return Checkpoint(
+        folder,
+        model,
+        config,
+        state,
+        tok,
+        ctok,
+        optimizer_tensors,
+        host_tables if (tables_on_host and not sharded) else None,
+        sharded,
+    )
+
+
+def _verify_files(folder: Path, state: dict, verify: bool) -> None:
+    """Every file state.json lists is there with its size (and, when `verify`, its sha256)."""
     for name, want in state["files"].items():
         if not isinstance(want, dict) or "/" in name or name.startswith("."):
             raise CorruptCheckpointError(f"{folder / 'state.json'}: malformed entry for {name!r}")
@@ -474,11 +541,12 @@ def load_checkpoint(
             )
         if verify and sha256_file(file) != want.get("sha256"):
             raise CorruptCheckpointError(f"checkpoint file {file} does not match its recorded sha256: it is corrupted")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-        model_cfg = ModelConfig.from_dict(config["model"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{folder / 'config.json'} is not a valid checkpoint config ({exc})") from None
+
+
+def _matching_tokenizer(folder: Path, model_cfg: ModelConfig, fp: dict, tokenizer: Tokenizer | str | None):
+    """(tokenizer, compressed tokenizer or None): the checkpoint's own or `tokenizer`, refused
+    (`CheckpointMismatchError`) unless it is the one the model was trained with."""
+    from condmem.tokenizer import CompressedTokenizer
 
     if tokenizer is None:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -488,16 +556,15 @@ def load_checkpoint(
         from condmem.train.bpe import load_tokenizer
 
         tok = load_tokenizer(tokenizer)
-    fp = state.get("fingerprints", {})
     ctok = None
     if model_cfg.engram is not None:
         ctok = CompressedTokenizer.from_any(tok)
         if ctok.fingerprint != fp.get("tokenizer_map"):
             raise CheckpointMismatchError(
                 f"checkpoint {folder}: its Engram tables were trained with the compressed tokenizer map "
-                f"{str(fp.get('tokenizer_map'))[:16]}... (V'={fp.get('compressed_vocab_size')}), but this tokenizer maps "
-                f"to {ctok.fingerprint[:16]}... (V'={ctok.vocab_size}): every row id would differ. Use the "
-                "tokenizer.json saved with the checkpoint."
+                f"{str(fp.get('tokenizer_map'))[:16]}... (V'={fp.get('compressed_vocab_size')}), "
+                f"but this tokenizer maps to {ctok.fingerprint[:16]}... (V'={ctok.vocab_size}): every row id "
+                "would differ. Use the tokenizer.json saved with the checkpoint."
             )
         try:
             layout = EngramLayout(model_cfg.engram, compressed_vocab_size=ctok.vocab_size)
@@ -515,30 +582,30 @@ def load_checkpoint(
             f"(tokenizer.json sha256 {tok_sha[:16]}... vs {str(fp.get('tokenizer_json_sha256'))[:16]}...): token ids "
             "would mean other strings"
         )
+    return tok, ctok
 
-    device = torch.device(device)
+
+def _read_weights(folder: Path, device: torch.device, tables_on_host: bool) -> tuple[dict, dict, dict]:
+    """(tables.safetensors' metadata, backbone weights on `device`, table tensors on `device`
+    or, with `tables_on_host`, on the CPU)."""
     try:
         from safetensors import safe_open
 
         tables_file = folder / "tables.safetensors"
         with safe_open(str(tables_file), framework="pt") as fh:
             table_meta = fh.metadata() or {}
-        sharded = table_meta.get("sharded") == "true"
         weights = load_file(str(folder / "model.safetensors"), device=str(device))
         table_tensors = load_file(str(tables_file), device="cpu" if tables_on_host else str(device))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for damaged headers
         raise CorruptCheckpointError(f"checkpoint {folder}: cannot read weights ({exc})") from None
-    model = DecoderLM(
-        model_cfg,
-        token_lookup=None if ctok is None else ctok.lookup,
-        device=device,
-        table_device="meta" if (tables_on_host or sharded) else None,
-    )
-    if model.layout is not None and table_meta.get("layout") != fp.get("layout"):
-        raise CheckpointMismatchError(
-            f"checkpoint {folder}: tables.safetensors was written for layout {table_meta.get('layout', '?')[:16]}..., "
-            f"state.json says {str(fp.get('layout'))[:16]}..."
-        )
+    return table_meta, weights, table_tensors
+
+
+def _load_weights(
+    folder: Path, model: DecoderLM, weights: dict, table_tensors: dict, sharded: bool, tables_on_host: bool
+) -> dict[int, torch.Tensor]:
+    """Load the weights (and the tables, unless on the host or sharded) into `model`; returns
+    {layer id: table} of the tables kept on the host."""
     names = _table_names(model)
     host_tables = {}
     for param_name, tensor_name in ({} if sharded else names).items():
@@ -548,7 +615,7 @@ def load_checkpoint(
             host_tables[int(param_name.split(".")[1])] = table_tensors[tensor_name]
         else:
             weights[param_name] = table_tensors[tensor_name]
-    if model_cfg.tie_embeddings:
+    if model.cfg.tie_embeddings:
         weights["lm_head.weight"] = weights["embed.weight"]
     try:
         missing, unexpected = model.load_state_dict(weights, strict=not (tables_on_host or sharded))
@@ -561,17 +628,4 @@ def load_checkpoint(
         )
     if unexpected:
         raise CheckpointMismatchError(f"checkpoint {folder}: weights do not fit the config: unexpected {unexpected}")
-    optimizer_tensors = {}
-    if load_optimizer:
-        optimizer_tensors = load_file(str(folder / "optimizer.safetensors"), device="cpu")
-    return Checkpoint(
-        folder,
-        model,
-        config,
-        state,
-        tok,
-        ctok,
-        optimizer_tensors,
-        host_tables if (tables_on_host and not sharded) else None,
-        sharded,
-    )
+    return host_tables

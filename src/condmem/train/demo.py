@@ -260,10 +260,7 @@ def run_demo(
     Returns the summary written to ``summary.json``.
     """
     wall = time.perf_counter()
-    if not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"--seeds must be a positive integer, got {seeds!r}")
-    if not max_passes > 0:
-        raise ValueError(f"--max-passes must be positive, got {max_passes!r}")
+    _check_seeds_and_passes(seeds, max_passes)
     dev = resolve_device(device)
     p = get_preset(preset or default_preset_name(dev.type)).override(
         overrides,
@@ -276,6 +273,42 @@ def run_demo(
             "corpus": corpus,
         },
     )
+    out = _open_output(out, p, dev, seeds, seed)
+    data, src, seen = _prepare_data(p, out, tokenizer, seed, use_cache, dedup_threshold)
+    eng_cfg = build_model_config(p, data)
+    cfgs = {"baseline": iso_flop_baseline(eng_cfg), "engram": eng_cfg}
+    plan = plan_steps(p, data, steps=steps, minutes=minutes, max_passes=max_passes, wall=wall)
+    summary, engram_model = _train_and_compare(
+        p,
+        data,
+        dev,
+        cfgs,
+        plan,
+        out,
+        seeds=seeds,
+        seed=seed,
+        seen=seen,
+        src=src,
+        max_passes=max_passes,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        checkpoint=checkpoint,
+        progress=progress,
+    )
+    _write_outputs(summary, engram_model, data, dev, out, wall, checkpoint)
+    return summary
+
+
+def _check_seeds_and_passes(seeds: int, max_passes: float) -> None:
+    """--seeds must be a positive integer and --max-passes positive."""
+    if not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be a positive integer, got {seeds!r}")
+    if not max_passes > 0:
+        raise ValueError(f"--max-passes must be positive, got {max_passes!r}")
+
+
+def _open_output(out: str | Path, p: Preset, dev: torch.device, seeds: int, seed: int) -> Path:
+    """Create the output directory, seed torch and say what the demo runs; returns the directory."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -283,7 +316,14 @@ def run_demo(
         f"condmem demo: preset {p.name!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
         flush=True,
     )
+    return out
 
+
+def _prepare_data(
+    p: Preset, out: Path, tokenizer: str | None, seed: int, use_cache: bool, dedup_threshold: float | None
+) -> tuple[PreparedData, str, np.ndarray]:
+    """The tokenized corpus (its tokenizer saved to `out`), its description, and which validation
+    tokens' trailing 3-gram occurs in the training split."""
     data = prepare(p, tokenizer=tokenizer, seed=seed, use_cache=use_cache, dedup_threshold=dedup_threshold)
     src = describe_data(data)
     data.tokenizer.save(str(out / "tokenizer.json"))
@@ -291,9 +331,29 @@ def run_demo(
         data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"], pad_id=data.eos_id
     )
     print(f"validation tokens whose trailing 3-gram occurs in the training split: {100 * seen.mean():.1f}%", flush=True)
-    eng_cfg = build_model_config(p, data)
-    cfgs = {"baseline": iso_flop_baseline(eng_cfg), "engram": eng_cfg}
-    plan = plan_steps(p, data, steps=steps, minutes=minutes, max_passes=max_passes, wall=wall)
+    return data, src, seen
+
+
+def _train_and_compare(
+    p: Preset,
+    data: PreparedData,
+    dev: torch.device,
+    cfgs: dict[str, ModelConfig],
+    plan: StepPlan,
+    out: Path,
+    *,
+    seeds: int,
+    seed: int,
+    seen: np.ndarray,
+    src: str,
+    max_passes: float,
+    prompt: str,
+    max_new_tokens: int,
+    checkpoint: bool,
+    progress: bool,
+) -> tuple[dict, DecoderLM]:
+    """Train both models for every seed, print the comparison, sample both; returns the summary
+    (without figures and wall time) and the first seed's Engram model."""
     per_seed, curves, configs, models = train_pairs(
         p,
         data,
@@ -323,7 +383,20 @@ def run_demo(
         samples=samples,
         prompt=prompt,
     )
-    write_figures(summary, models["engram"], data, dev, out)
+    return summary, models["engram"]
+
+
+def _write_outputs(
+    summary: dict,
+    engram_model: DecoderLM,
+    data: PreparedData,
+    dev: torch.device,
+    out: Path,
+    wall: float,
+    checkpoint: bool,
+) -> None:
+    """The figures and summary.json (with the wall time since `wall`), and the closing line."""
+    write_figures(summary, engram_model, data, dev, out)
     summary["wall_seconds"] = time.perf_counter() - wall
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     figures = summary["figures"]
@@ -333,7 +406,6 @@ def run_demo(
         f"({summary['wall_seconds']:.0f} s in all)",
         flush=True,
     )
-    return summary
 
 
 def describe_data(data: PreparedData) -> str:

@@ -52,78 +52,12 @@ def plot_loss_curves(
     colors = {"baseline": "#4c72b0", "engram": "#dd8452"}
     lows, highs = [], []
     for label, value in runs.items():
-        color = colors.get(label)
-        for i, run in enumerate(_runs_of(value)):
-            seed_note = f" (seed {run['seed']})" if "seed" in run and len(_runs_of(value)) > 1 else ""
-            hist = run.get("history", [])
-            if hist:
-                tokens = np.array([h["tokens"] for h in hist], dtype=float)
-                loss = np.array([h["loss"] for h in hist], dtype=float)
-                smooth = _ema(loss, 0.9 if len(loss) < 2000 else 0.98)
-                ax.plot(
-                    tokens / 1e6,
-                    smooth,
-                    color=color,
-                    linewidth=1.2,
-                    alpha=0.85,
-                    label=f"{label} train (EMA)" if i == 0 else None,
-                )
-                lows.append(smooth.min())
-                highs.append(smooth[min(len(smooth) - 1, len(smooth) // 6)])
-            evals = run.get("evals", [])
-            curve = [e for e in evals if not e.get("full")]
-            if curve:
-                ax.plot(
-                    [e["train_tokens"] / 1e6 for e in curve],
-                    [e["val_loss"] for e in curve],
-                    "o--",
-                    color=color,
-                    markersize=3.5,
-                    linewidth=0.9,
-                    alpha=0.85,
-                    label=f"{label} validation (fixed subset)" if i == 0 else None,
-                )
-            final = [e for e in evals if e.get("full")]
-            if final:
-                ax.plot(
-                    [e["train_tokens"] / 1e6 for e in final],
-                    [e["val_loss"] for e in final],
-                    "*",
-                    color=color,
-                    markersize=10,
-                    markeredgecolor="black",
-                    markeredgewidth=0.5,
-                    label=f"{label} validation (whole split){seed_note and ', every seed'}" if i == 0 else None,
-                )
-            lows += [e["val_loss"] for e in evals]
-    ax.set_xlabel("training tokens (millions)")
-    ax.set_ylabel("loss (nats / token)")
-    # Frame the second half of training, where the gap shows; the early drop is off the top.
-    if lows and highs:
-        lo, hi = min(lows), max(max(highs), max(lows))
-        if hi > lo:
-            ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.02 * (hi - lo))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        runs_of_label = _runs_of(value)
+        for i, run in enumerate(runs_of_label):
+            _plot_run(ax, run, label, colors.get(label), first=i == 0, seeds=len(runs_of_label), lows=lows, highs=highs)
+    _frame_losses(ax, lows, highs)
     if buckets:
-        names = ["seen", "unseen"]
-        x = np.arange(len(names))
-        width = 0.38
-        for j, (label, per_seed) in enumerate(buckets.items()):
-            values = np.array([[b[n]["loss"] for n in names] for b in per_seed])
-            mean = values.mean(axis=0)
-            err = values.std(axis=0, ddof=1) if len(values) > 1 else None
-            bx.bar(x + (j - 0.5) * width, mean, width, yerr=err, capsize=3, color=colors.get(label), label=label)
-            for k in range(len(names)):
-                bx.text(x[k] + (j - 0.5) * width, mean[k], f"{mean[k]:.2f}", ha="center", va="bottom", fontsize=7)
-        first = next(iter(buckets.values()))[0]
-        bx.set_xticks(
-            x, [f"3-gram {n} in training\n({100 * first[n]['fraction']:.0f}% of tokens)" for n in names], fontsize=8
-        )
-        bx.set_ylabel("validation loss (nats / token)")
-        bx.set_title("where the difference comes from", fontsize=9)
-        bx.grid(alpha=0.3, axis="y")
-        bx.legend(fontsize=8)
+        _plot_buckets(bx, buckets, colors)
     fig.suptitle(title or "baseline vs Engram (same tokens, matched FLOPs/token)", fontsize=9)
     fig.tight_layout()
     path = Path(path)
@@ -131,6 +65,89 @@ def plot_loss_curves(
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _plot_run(ax, run: dict, label: str, color, *, first: bool, seeds: int, lows: list, highs: list) -> None:
+    """One run's smoothed training loss, validation curve and whole-split star on `ax` (labelled
+    in the legend for the `first` run of `label`); adds the losses that frame the plot to `lows`
+    and `highs`."""
+    seed_note = f" (seed {run['seed']})" if "seed" in run and seeds > 1 else ""
+    hist = run.get("history", [])
+    if hist:
+        tokens = np.array([h["tokens"] for h in hist], dtype=float)
+        loss = np.array([h["loss"] for h in hist], dtype=float)
+        smooth = _ema(loss, 0.9 if len(loss) < 2000 else 0.98)
+        ax.plot(
+            tokens / 1e6,
+            smooth,
+            color=color,
+            linewidth=1.2,
+            alpha=0.85,
+            label=f"{label} train (EMA)" if first else None,
+        )
+        lows.append(smooth.min())
+        highs.append(smooth[min(len(smooth) - 1, len(smooth) // 6)])
+    evals = run.get("evals", [])
+    curve = [e for e in evals if not e.get("full")]
+    if curve:
+        ax.plot(
+            [e["train_tokens"] / 1e6 for e in curve],
+            [e["val_loss"] for e in curve],
+            "o--",
+            color=color,
+            markersize=3.5,
+            linewidth=0.9,
+            alpha=0.85,
+            label=f"{label} validation (fixed subset)" if first else None,
+        )
+    final = [e for e in evals if e.get("full")]
+    if final:
+        ax.plot(
+            [e["train_tokens"] / 1e6 for e in final],
+            [e["val_loss"] for e in final],
+            "*",
+            color=color,
+            markersize=10,
+            markeredgecolor="black",
+            markeredgewidth=0.5,
+            label=f"{label} validation (whole split){seed_note and ', every seed'}" if first else None,
+        )
+    lows.extend(e["val_loss"] for e in evals)
+
+
+def _frame_losses(ax, lows: list, highs: list) -> None:
+    """Axis labels, grid and legend; the y range frames the second half of training, where the gap
+    shows (the early drop is off the top)."""
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("loss (nats / token)")
+    if lows and highs:
+        lo, hi = min(lows), max(max(highs), max(lows))
+        if hi > lo:
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.02 * (hi - lo))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_buckets(bx, buckets: dict[str, list[dict]], colors: dict[str, str]) -> None:
+    """Bars of validation loss on seen / unseen 3-grams per label (mean, std over seeds)."""
+    names = ["seen", "unseen"]
+    x = np.arange(len(names))
+    width = 0.38
+    for j, (label, per_seed) in enumerate(buckets.items()):
+        values = np.array([[b[n]["loss"] for n in names] for b in per_seed])
+        mean = values.mean(axis=0)
+        err = values.std(axis=0, ddof=1) if len(values) > 1 else None
+        bx.bar(x + (j - 0.5) * width, mean, width, yerr=err, capsize=3, color=colors.get(label), label=label)
+        for k in range(len(names)):
+            bx.text(x[k] + (j - 0.5) * width, mean[k], f"{mean[k]:.2f}", ha="center", va="bottom", fontsize=7)
+    first = next(iter(buckets.values()))[0]
+    bx.set_xticks(
+        x, [f"3-gram {n} in training\n({100 * first[n]['fraction']:.0f}% of tokens)" for n in names], fontsize=8
+    )
+    bx.set_ylabel("validation loss (nats / token)")
+    bx.set_title("where the difference comes from", fontsize=9)
+    bx.grid(alpha=0.3, axis="y")
+    bx.legend(fontsize=8)
 
 
 def _display(piece: str) -> str:
