@@ -125,10 +125,52 @@ class EngramConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise `ConfigError` naming the field when a value is out of its domain."""
+        self._validate_layer_ids()
+        self._need_int("max_ngram_size", self.max_ngram_size, 2)
+        self._need_int("n_heads", self.n_heads, 1)
+        self._need_int("head_dim", self.head_dim, 1)
+        if self.pad_id is None:
+            raise ConfigError(
+                "EngramConfig.pad_id is None: pass a token id of the model's tokenizer, its pad token "
+                "(tokenizer.pad_token_id), or for a tokenizer without one (GPT-2's) its EOS (tokenizer.eos_token_id). "
+                "Engram hashes it in place of the tokens before a sequence's start"
+            )
+        self._need_int("pad_id", self.pad_id, 0)
+        self._need_int("seed", self.seed, 0)
+        if self.hidden_size is not None:
+            self._need_int("hidden_size", self.hidden_size, 1)
+        if self.hc_mult is not None:
+            self._need_int("hc_mult", self.hc_mult, 1)
+        self._need_int("kernel_size", self.kernel_size, 1)
+        columns = len(self.layer_ids) * (self.max_ngram_size - 1) * self.n_heads
+        if columns > LIMITS["columns"]:
+            raise ConfigError(
+                f"EngramConfig: {len(self.layer_ids)} layer_ids x {self.max_ngram_size - 1} orders x {self.n_heads} "
+                f"n_heads = {columns:,} hash columns, at most {LIMITS['columns']:,}: each is one row read per token "
+                "and one prime the layout draws"
+            )
+        if not isinstance(self.short_conv, bool):
+            raise ConfigError(f"EngramConfig.short_conv must be a bool, got {self.short_conv!r}")
+        self._validate_table_size()
+        if self.compressed_vocab_size is not None:
+            self._need_int("compressed_vocab_size", self.compressed_vocab_size, 1)
+        if self.num_embeddings is not None:
+            self._validate_num_embeddings()
+        if self.rms_norm_eps is not None and not (
+            isinstance(self.rms_norm_eps, (int, float))
+            and not isinstance(self.rms_norm_eps, bool)
+            and math.isfinite(self.rms_norm_eps)
+            and 0 < self.rms_norm_eps < 1
+        ):
+            raise ConfigError(f"EngramConfig.rms_norm_eps must be a finite float in (0, 1), got {self.rms_norm_eps!r}")
 
-        def need_int(name: str, value: Any, minimum: int) -> None:
-            require_int("EngramConfig", name, value, minimum, LIMITS.get(name.rstrip("[]")))
+    @staticmethod
+    def _need_int(name: str, value: Any, minimum: int) -> None:
+        """`require_int` for a field of this class, bounded by its `LIMITS` entry (``name[]``: each item's)."""
+        require_int("EngramConfig", name, value, minimum, LIMITS.get(name.rstrip("[]")))
 
+    def _validate_layer_ids(self) -> None:
+        """`layer_ids`: a non-empty list (made one here) of distinct layer numbers, within `LIMITS`."""
         if isinstance(self.layer_ids, (str, bytes)) or not hasattr(self.layer_ids, "__iter__"):
             raise ConfigError(f"EngramConfig.layer_ids must be a list of ints, got {self.layer_ids!r}")
         self.layer_ids = list(self.layer_ids)
@@ -142,31 +184,9 @@ class EngramConfig:
             require_int("EngramConfig", "layer_ids[]", lid, 0, LIMITS["layer_id"])
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise ConfigError(f"EngramConfig.layer_ids has duplicates: {self.layer_ids}")
-        need_int("max_ngram_size", self.max_ngram_size, 2)
-        need_int("n_heads", self.n_heads, 1)
-        need_int("head_dim", self.head_dim, 1)
-        if self.pad_id is None:
-            raise ConfigError(
-                "EngramConfig.pad_id is None: pass a token id of the model's tokenizer, its pad token "
-                "(tokenizer.pad_token_id), or for a tokenizer without one (GPT-2's) its EOS (tokenizer.eos_token_id). "
-                "Engram hashes it in place of the tokens before a sequence's start"
-            )
-        need_int("pad_id", self.pad_id, 0)
-        need_int("seed", self.seed, 0)
-        if self.hidden_size is not None:
-            need_int("hidden_size", self.hidden_size, 1)
-        if self.hc_mult is not None:
-            need_int("hc_mult", self.hc_mult, 1)
-        need_int("kernel_size", self.kernel_size, 1)
-        columns = len(self.layer_ids) * (self.max_ngram_size - 1) * self.n_heads
-        if columns > LIMITS["columns"]:
-            raise ConfigError(
-                f"EngramConfig: {len(self.layer_ids)} layer_ids x {self.max_ngram_size - 1} orders x {self.n_heads} "
-                f"n_heads = {columns:,} hash columns, at most {LIMITS['columns']:,}: each is one row read per token "
-                "and one prime the layout draws"
-            )
-        if not isinstance(self.short_conv, bool):
-            raise ConfigError(f"EngramConfig.short_conv must be a bool, got {self.short_conv!r}")
+
+    def _validate_table_size(self) -> None:
+        """`table_size`: one int for every order, or a list (made one here) of one per order 2..N."""
         if isinstance(self.table_size, (list, tuple)):
             self.table_size = list(self.table_size)
             if len(self.table_size) > LIMITS["max_ngram_size"]:
@@ -181,29 +201,22 @@ class EngramConfig:
                     f"({self.max_ngram_size - 1} entries)"
                 )
             for size in self.table_size:
-                need_int("table_size[]", size, 2)
+                self._need_int("table_size[]", size, 2)
         else:
-            need_int("table_size", self.table_size, 2)
-        if self.compressed_vocab_size is not None:
-            need_int("compressed_vocab_size", self.compressed_vocab_size, 1)
-        if self.num_embeddings is not None:
-            if isinstance(self.num_embeddings, (str, bytes, dict)) or not hasattr(self.num_embeddings, "__iter__"):
-                raise ConfigError(f"EngramConfig.num_embeddings must be a list of ints, got {self.num_embeddings!r}")
-            self.num_embeddings = list(self.num_embeddings)
-            if len(self.num_embeddings) != len(self.layer_ids):
-                raise ConfigError(
-                    f"EngramConfig.num_embeddings has {len(self.num_embeddings)} entries for "
-                    f"{len(self.layer_ids)} layer_ids {self.layer_ids}"
-                )
-            for n in self.num_embeddings:
-                need_int("num_embeddings[]", n, 1)
-        if self.rms_norm_eps is not None and not (
-            isinstance(self.rms_norm_eps, (int, float))
-            and not isinstance(self.rms_norm_eps, bool)
-            and math.isfinite(self.rms_norm_eps)
-            and 0 < self.rms_norm_eps < 1
-        ):
-            raise ConfigError(f"EngramConfig.rms_norm_eps must be a finite float in (0, 1), got {self.rms_norm_eps!r}")
+            self._need_int("table_size", self.table_size, 2)
+
+    def _validate_num_embeddings(self) -> None:
+        """`num_embeddings` (when given): a list (made one here) of one row count per layer id."""
+        if isinstance(self.num_embeddings, (str, bytes, dict)) or not hasattr(self.num_embeddings, "__iter__"):
+            raise ConfigError(f"EngramConfig.num_embeddings must be a list of ints, got {self.num_embeddings!r}")
+        self.num_embeddings = list(self.num_embeddings)
+        if len(self.num_embeddings) != len(self.layer_ids):
+            raise ConfigError(
+                f"EngramConfig.num_embeddings has {len(self.num_embeddings)} entries for "
+                f"{len(self.layer_ids)} layer_ids {self.layer_ids}"
+            )
+        for n in self.num_embeddings:
+            self._need_int("num_embeddings[]", n, 1)
 
     def check_pad_id(self, vocab_size: int, pad_token_id: int | None = None, tokenizer: str = "the tokenizer") -> None:
         """Check `pad_id` against a tokenizer of `vocab_size` ids whose pad token is `pad_token_id` (None: none).

@@ -1,4 +1,5 @@
-"""``condmem bench e2e``: serving throughput of a dense decoder whose Engram tables live in HBM or host memory, against the hardware limit.
+"""``condmem bench e2e``: serving throughput of a dense decoder whose Engram tables live in HBM or host
+memory, against the hardware limit.
 
 The paper's offloading experiment: a dense backbone (about 4B or 8B parameters, bf16,
 random weights) with Engram layers (default one, at the second block; ``--engram-layers 1 14``
@@ -396,6 +397,8 @@ def _serve_backbones(args, layout, alloc: str, info: dict, limits: dict, groups:
 def run_backbone(
     args, backbone: str, host_stores: dict[int, LayerStore], info: dict, limits: dict, groups: tuple = (None, None)
 ) -> list[dict]:
+    """One backbone's rows, one per variant: the models built, every variant served in interleaved
+    timed rounds, each variant's best run held to its bounds and to the other variants."""
     device = torch.device(args.device)
     max_len = args.prompt_max + args.gen
     t0 = time.perf_counter()
@@ -405,10 +408,7 @@ def run_backbone(
     if tp_group is not None:
         shard_backbone(model, tp_group)  # the twin shares these blocks' modules
         twin.tp_group = model.tp_group
-    for lid in layer_ids:
-        expected = layer_rows(model.layout.layer(lid), groups)
-        if host_stores[lid].num_rows != expected:
-            raise RuntimeError(f"layer {lid}'s host table has {host_stores[lid].num_rows} rows, the layout {expected}")
+    _check_host_tables(model, host_stores, layer_ids, groups)
     table_gib = sum(s.nbytes for s in host_stores.values()) / 2**30
     counts = model.param_counts()
     log.info(
@@ -420,86 +420,147 @@ def run_backbone(
         time.perf_counter() - t0,
     )
     prompts = workload(args.sequences, args.prompt_min, args.prompt_max, model.cfg.vocab_size, args.seed)
-    lengths = [p.numel() for p in prompts]
     # Warm-up: one wave of other prompts with the workload's spread of lengths, so the GEMM
     # heuristics, the allocator and the graph pools have met such batches before timing.
     warm = workload(
         min(args.batch, args.sequences), args.prompt_min, args.prompt_max, model.cfg.vocab_size, args.seed + 1
     )
+    servers, owned_stores, bounds = _build_servers(args, model, twin, host_stores, prompts, warm, rows_group)
+    results = _timed_rounds(args, backbone, servers, prompts)
+    for variant, server in servers.items():
+        _report_variant(args, backbone, variant, server, results[variant], prompts)
+        _close_variant(server, owned_stores.get(variant, {}))
+    servers = owned_stores = server = None  # the HBM copies (and the shared KV cache) are given back here
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    setup = dict(params=counts["backbone"], table_gib=table_gib, source=source, tp_group=tp_group)
+    return _variant_rows(args, backbone, results, bounds, limits, info, setup)
 
-    def packed_sizes(load: list[torch.Tensor]) -> set[int]:
-        """Token counts of the packed prefill batches `serve_all` forms from `load`, wave by wave."""
-        sizes = set()
-        for w in range(0, len(load), args.batch):
-            lengths = [p.numel() for p in load[w : w + args.batch]]
-            sizes |= {sum(lengths[i] for i in group) for group in pack(lengths, args.prefill_tokens)}
-        return sizes
 
-    prefill_sizes = packed_sizes(warm) | packed_sizes(prompts)
+def _check_host_tables(model: DecoderLM, host_stores: dict[int, LayerStore], layer_ids: tuple, groups: tuple) -> None:
+    """Refuse a host table whose row count is not the one the model's layout gives its layer on this rank."""
+    for lid in layer_ids:
+        expected = layer_rows(model.layout.layer(lid), groups)
+        if host_stores[lid].num_rows != expected:
+            raise RuntimeError(f"layer {lid}'s host table has {host_stores[lid].num_rows} rows, the layout {expected}")
 
-    def memory_for(stores):
-        # Prompts: dedup, then CPU threads gather the misses into pinned staging and DMA them
-        # (copy engines: no SMs taken from the forward running beside); decode: in the graph.
-        memory = EngramMemory(
-            model.hasher,
-            stores,
-            device,
-            cpu_fraction=1.0,
-            max_sequences=args.batch,
-            measure_fetch=args.measure_fetch,
-            process_group=rows_group,
-            tp_mode=args.tp_mode,
-        )
-        for engine in memory.engines.values():
-            engine.cpu_threads = args.lookup_threads  # leave cores to the thread launching the forward
-        memory.warm_up(prefill_sizes)  # the packed batches' lookup plans as CUDA graphs
-        return memory
 
-    results: dict[str, dict] = {}
-    bounds: dict[str, dict] = {}
+def _packed_sizes(load: list[torch.Tensor], batch: int, prefill_tokens: int) -> set[int]:
+    """Token counts of the packed prefill batches `serve_all` forms from `load`, wave by wave."""
+    sizes = set()
+    for w in range(0, len(load), batch):
+        lengths = [p.numel() for p in load[w : w + batch]]
+        sizes |= {sum(lengths[i] for i in group) for group in pack(lengths, prefill_tokens)}
+    return sizes
+
+
+def _serving_variants(args, device: torch.device) -> list[str]:
+    """The variants to serve, in serving order: those asked for that the device can run, then the A/A control."""
     # HBM tables and the staged decode fetch (a CUDA-graph path) need a GPU.
     variants = [v for v in args.e2e_variants if v not in ("hbm", "host_staged") or device.type == "cuda"]
     if "none" in variants and len(variants) > 1:
         variants.append(NONE_AGAIN)  # the A/A control: the backbone alone, a second time in every round
-    # Every variant is built first and the timed runs interleave: round r serves each variant
-    # once, in reversed order every other round, so a drift of the machine over the run
-    # (clocks, temperature) falls on every variant alike instead of on the ones served last.
+    return variants
+
+
+def _engram_memory(args, model: DecoderLM, stores: dict, rows_group, prefill_sizes: set[int]) -> EngramMemory:
+    """The Engram rows' memory of one variant over `stores`, its lookup plans warmed up for `prefill_sizes`."""
+    # Prompts: dedup, then CPU threads gather the misses into pinned staging and DMA them
+    # (copy engines: no SMs taken from the forward running beside); decode: in the graph.
+    memory = EngramMemory(
+        model.hasher,
+        stores,
+        torch.device(args.device),
+        cpu_fraction=1.0,
+        max_sequences=args.batch,
+        measure_fetch=args.measure_fetch,
+        process_group=rows_group,
+        tp_mode=args.tp_mode,
+    )
+    for engine in memory.engines.values():
+        engine.cpu_threads = args.lookup_threads  # leave cores to the thread launching the forward
+    memory.warm_up(prefill_sizes)  # the packed batches' lookup plans as CUDA graphs
+    return memory
+
+
+def _variant_stores(args, variant: str, host_stores: dict[int, LayerStore]) -> dict[int, LayerStore]:
+    """The tables an Engram variant reads: the host tables, or copies of them in HBM or on disk."""
+    if variant == "hbm":
+        return {lid: hbm_copy(s, torch.device(args.device)) for lid, s in host_stores.items()}
+    if variant == "disk_prefetch":
+        return {lid: disk_copy(s, args.disk_dir, args.dram_cache_gib) for lid, s in host_stores.items()}
+    return dict(host_stores)
+
+
+def _engram_server(args, variant: str, model: DecoderLM, cache: ServingCache, memory: EngramMemory) -> WaveServer:
+    """The server of an Engram variant: when it waits for its rows, and how decode fetches them."""
+    return WaveServer(
+        model,
+        cache,
+        memory,
+        wait="before_step" if variant == "host_sync" else "at_layer",
+        prefill_tokens=args.prefill_tokens,
+        graphs=variant != "host_eager",
+        fetch="staged" if variant == "host_staged" else "zero_copy",
+        fetch_programs=args.fetch_programs,
+        fetch_threads=args.staged_threads,
+    )
+
+
+def _variant_bounds(args, served: DecoderLM, server: WaveServer, lengths: list[int]) -> dict:
+    """The work a variant's phases are held to: decode bytes, weight bytes per step, prefill FLOPs."""
+    kv_per_token = server.cache.live_kv_bytes([1])
+    return {
+        "decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
+        "step_weight_bytes": step_weight_bytes(served),
+        "prefill_flops": prefill_flops(served, lengths),
+    }
+
+
+def _build_servers(
+    args,
+    model: DecoderLM,
+    twin: DecoderLM,
+    host_stores: dict[int, LayerStore],
+    prompts: list[torch.Tensor],
+    warm: list[torch.Tensor],
+    rows_group,
+) -> tuple[dict[str, WaveServer], dict[str, dict], dict[str, dict]]:
+    """Every variant's server, each served the warm-up prompts once (untimed): (servers in serving
+    order, the stores each variant owns, the bounds of each variant's work)."""
+    device = torch.device(args.device)
+    lengths = [p.numel() for p in prompts]
+    prefill_sizes = _packed_sizes(warm, args.batch, args.prefill_tokens)
+    prefill_sizes |= _packed_sizes(prompts, args.batch, args.prefill_tokens)
     # The servers share one KV cache (they run one at a time and free their slots each wave),
     # built for the Engram model (the no-Engram twin has the same blocks and uses none of its
     # Engram state).
-    shared_cache = ServingCache(model, n_slots=args.batch, max_len=max_len)
+    shared_cache = ServingCache(model, n_slots=args.batch, max_len=args.prompt_max + args.gen)
     servers: dict[str, WaveServer] = {}
     owned_stores: dict[str, dict] = {}
-    for variant in variants:
+    bounds: dict[str, dict] = {}
+    for variant in _serving_variants(args, device):
         if variant in NO_ENGRAM:
             server = WaveServer(twin, shared_cache, prefill_tokens=args.prefill_tokens)
         else:
-            stores = dict(host_stores)
-            if variant == "hbm":
-                stores = {lid: hbm_copy(s, device) for lid, s in host_stores.items()}
-            elif variant == "disk_prefetch":
-                stores = {lid: disk_copy(s, args.disk_dir, args.dram_cache_gib) for lid, s in host_stores.items()}
+            stores = _variant_stores(args, variant, host_stores)
+            if variant == "disk_prefetch":
                 owned_stores[variant] = stores  # the disk copies (their files) are this variant's
-            server = WaveServer(
-                model,
-                shared_cache,
-                memory_for(stores),
-                wait="before_step" if variant == "host_sync" else "at_layer",
-                prefill_tokens=args.prefill_tokens,
-                graphs=variant != "host_eager",
-                fetch="staged" if variant == "host_staged" else "zero_copy",
-                fetch_programs=args.fetch_programs,
-                fetch_threads=args.staged_threads,
-            )
+            memory = _engram_memory(args, model, stores, rows_group, prefill_sizes)
+            server = _engram_server(args, variant, model, shared_cache, memory)
         servers[variant] = server
-        served = twin if variant in NO_ENGRAM else model
-        kv_per_token = server.cache.live_kv_bytes([1])
-        bounds[variant] = {
-            "decode_bytes": decode_bytes(served, kv_per_token, lengths, args.batch, args.gen),
-            "step_weight_bytes": step_weight_bytes(served),
-            "prefill_flops": prefill_flops(served, lengths),
-        }
+        bounds[variant] = _variant_bounds(args, twin if variant in NO_ENGRAM else model, server, lengths)
         serve_all(server, warm, min(args.gen, 4), args.measure_fetch)  # untimed
+    return servers, owned_stores, bounds
+
+
+def _timed_rounds(args, backbone: str, servers: dict[str, WaveServer], prompts: list[torch.Tensor]) -> dict[str, dict]:
+    """The workload served `--e2e-repeats` times by every server, interleaved; each variant's fastest run."""
+    # Every variant is built first and the timed runs interleave: round r serves each variant
+    # once, in reversed order every other round, so a drift of the machine over the run
+    # (clocks, temperature) falls on every variant alike instead of on the ones served last.
+    variants = list(servers)
+    results: dict[str, dict] = {}
     for round_ in range(args.e2e_repeats):
         for variant in variants if round_ % 2 == 0 else variants[::-1]:
             r = serve_all(servers[variant], prompts, args.gen, args.measure_fetch)
@@ -514,93 +575,130 @@ def run_backbone(
             )
             if variant not in results or r["total_s"] < results[variant]["total_s"]:
                 results[variant] = r
-    for variant, server in servers.items():
-        best = results[variant]
-        if args.profile:
-            profile(
-                server, prompts[: args.batch], min(args.gen, 8), Path(args.out) / f"profile_{backbone}_{variant}.txt"
-            )
-        stats = server.graph.fetch_stats() if server.graph is not None else None
-        if stats is not None:
-            best["staged_host_us"] = stats["mean_us"]
-            best["staged_host_max_us"] = stats["max_us"]
-            log.info(
-                "%s / %s: host threads staged %d steps' rows, %.0f us a step (max %.0f), %d threads",
-                backbone,
-                variant,
-                stats["steps"],
-                stats["mean_us"],
-                stats["max_us"],
-                stats["threads"],
-            )
+    return results
+
+
+def _report_variant(args, backbone: str, variant: str, server: WaveServer, best: dict, prompts: list) -> None:
+    """Log a variant's best run (with `--profile`, profile one more wave first); a staged decode's
+    host-thread times join `best`."""
+    if args.profile:
+        profile(server, prompts[: args.batch], min(args.gen, 8), Path(args.out) / f"profile_{backbone}_{variant}.txt")
+    stats = server.graph.fetch_stats() if server.graph is not None else None
+    if stats is not None:
+        best["staged_host_us"] = stats["mean_us"]
+        best["staged_host_max_us"] = stats["max_us"]
         log.info(
-            "%s / %s: %.0f tok/s (prefill %.0f, decode %.0f)",
+            "%s / %s: host threads staged %d steps' rows, %.0f us a step (max %.0f), %d threads",
             backbone,
             variant,
-            best["tokens_per_s"],
-            best["prefill_tokens_per_s"],
-            best["decode_tokens_per_s"],
+            stats["steps"],
+            stats["mean_us"],
+            stats["max_us"],
+            stats["threads"],
         )
-        server.close()  # a staged fetch's host threads
-        if server.memory is not None:
-            for engine in server.memory.engines.values():  # not memory.close(): the host tables are reused
-                engine.close()
-        for store in owned_stores.get(variant, {}).values():
-            store.close()
-    servers = owned_stores = shared_cache = server = None  # the HBM copies are given back here
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    log.info(
+        "%s / %s: %.0f tok/s (prefill %.0f, decode %.0f)",
+        backbone,
+        variant,
+        best["tokens_per_s"],
+        best["prefill_tokens_per_s"],
+        best["decode_tokens_per_s"],
+    )
 
-    rows = []
+
+def _close_variant(server: WaveServer, owned: dict[int, LayerStore]) -> None:
+    """Stop a variant's server and its lookup engines, and close the stores only it reads."""
+    server.close()  # a staged fetch's host threads
+    if server.memory is not None:
+        for engine in server.memory.engines.values():  # not memory.close(): the host tables are reused
+            engine.close()
+    for store in owned.values():
+        store.close()
+
+
+def _variant_rows(
+    args, backbone: str, results: dict[str, dict], bounds: dict[str, dict], limits: dict, info: dict, setup: dict
+) -> list[dict]:
+    """One row per variant, in serving order: its best run, its bounds, its ratios to the baselines."""
     reference = next(
         (v for v in ("hbm", "host_sync", "host_prefetch", "host_staged", "host_eager") if v in results), None
     )
+    rows = []
     for variant, r in results.items():
-        row = {
-            "bench": "e2e",
-            "backbone": backbone,
-            "variant": variant,
-            "engram_layers": list(layer_ids),
-            "backbone_params": counts["backbone"],
-            "table_gib": table_gib if variant not in NO_ENGRAM else 0.0,
-            "table_tier": "-" if variant in NO_ENGRAM else {"hbm": "hbm", "disk_prefetch": "disk"}.get(variant, "host"),
-            "decode_graphs": (
-                variant in (*NO_ENGRAM, "hbm", "host_sync", "host_prefetch", "host_staged") and args.device == "cuda"
-            ),
-            "sequences": args.sequences,
-            "batch": args.batch,
-            "gen": args.gen,
-            "prefill_tokens": args.prefill_tokens,
-            "prompt_range": [args.prompt_min, args.prompt_max],
-            "tokenizer": source,
-            "tp_world": 1 if tp_group is None else dist.get_world_size(),
-            "tp_mode": None if tp_group is None else args.tp_mode,
-            **{k: v for k, v in r.items() if k != "tokens"},
-            **bounds[variant],
-            **limits,
-            "machine": info,
-        }
-        if limits.get("d2d_gbps"):
-            row["decode_bound_s"] = row["decode_bytes"] / (limits["d2d_gbps"] * 1e9)
-            row["decode_vs_bound"] = row["decode_bound_s"] / r["decode_s"]
-            row["decode_step_ms"] = 1e3 * r["decode_s"] / (math.ceil(args.sequences / args.batch) * (args.gen - 1))
-            row["prefill_gemm_s"] = row["prefill_flops"] / (limits["gemm_tflops"] * 1e12)
-            row["prefill_vs_gemm"] = row["prefill_gemm_s"] / r["prefill_s"]
-        for base in ("none", "hbm", "host_eager"):
-            if base in results:
-                b = results[base]
-                row[f"x_{base}"] = r["tokens_per_s"] / b["tokens_per_s"]
-                row[f"prefill_x_{base}"] = r["prefill_tokens_per_s"] / b["prefill_tokens_per_s"]
-                row[f"decode_x_{base}"] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-        if "none" in results:
-            row["drop_vs_none"] = 1 - row["x_none"]
-            row["paper_drop"] = PAPER_DROP.get(backbone)
-        # Every Engram variant must generate exactly the same tokens (same rows, same kernels).
-        if variant not in NO_ENGRAM and reference is not None and variant != reference:
-            row["same_tokens_as"] = reference
-            row["tokens_equal"] = bool(torch.equal(r["tokens"], results[reference]["tokens"]))
+        row = _variant_row(args, backbone, variant, r, bounds[variant], limits, info, **setup)
+        _add_bound_ratios(row, args, r, limits)
+        _add_baseline_ratios(row, backbone, variant, r, results, reference)
         rows.append(row)
     return rows
+
+
+def _variant_row(
+    args,
+    backbone: str,
+    variant: str,
+    r: dict,
+    bound: dict,
+    limits: dict,
+    info: dict,
+    *,
+    params: int,
+    table_gib: float,
+    source: str,
+    tp_group,
+) -> dict:
+    """A variant's row before its ratios: the setup, its best run's numbers, its bounds, the machine."""
+    return {
+        "bench": "e2e",
+        "backbone": backbone,
+        "variant": variant,
+        "engram_layers": list(args.engram_layers),
+        "backbone_params": params,
+        "table_gib": table_gib if variant not in NO_ENGRAM else 0.0,
+        "table_tier": "-" if variant in NO_ENGRAM else {"hbm": "hbm", "disk_prefetch": "disk"}.get(variant, "host"),
+        "decode_graphs": (
+            variant in (*NO_ENGRAM, "hbm", "host_sync", "host_prefetch", "host_staged") and args.device == "cuda"
+        ),
+        "sequences": args.sequences,
+        "batch": args.batch,
+        "gen": args.gen,
+        "prefill_tokens": args.prefill_tokens,
+        "prompt_range": [args.prompt_min, args.prompt_max],
+        "tokenizer": source,
+        "tp_world": 1 if tp_group is None else dist.get_world_size(),
+        "tp_mode": None if tp_group is None else args.tp_mode,
+        **{k: v for k, v in r.items() if k != "tokens"},
+        **bound,
+        **limits,
+        "machine": info,
+    }
+
+
+def _add_bound_ratios(row: dict, args, r: dict, limits: dict) -> None:
+    """Where the ceilings were measured (CUDA): each phase's time against its bound."""
+    if limits.get("d2d_gbps"):
+        row["decode_bound_s"] = row["decode_bytes"] / (limits["d2d_gbps"] * 1e9)
+        row["decode_vs_bound"] = row["decode_bound_s"] / r["decode_s"]
+        row["decode_step_ms"] = 1e3 * r["decode_s"] / (math.ceil(args.sequences / args.batch) * (args.gen - 1))
+        row["prefill_gemm_s"] = row["prefill_flops"] / (limits["gemm_tflops"] * 1e12)
+        row["prefill_vs_gemm"] = row["prefill_gemm_s"] / r["prefill_s"]
+
+
+def _add_baseline_ratios(row: dict, backbone: str, variant: str, r: dict, results: dict, reference: str | None) -> None:
+    """The variant's throughputs over each baseline served (none, hbm, host_eager), its drop
+    against the backbone alone, and whether its tokens equal the reference variant's."""
+    for base in ("none", "hbm", "host_eager"):
+        if base in results:
+            b = results[base]
+            row[f"x_{base}"] = r["tokens_per_s"] / b["tokens_per_s"]
+            row[f"prefill_x_{base}"] = r["prefill_tokens_per_s"] / b["prefill_tokens_per_s"]
+            row[f"decode_x_{base}"] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+    if "none" in results:
+        row["drop_vs_none"] = 1 - row["x_none"]
+        row["paper_drop"] = PAPER_DROP.get(backbone)
+    # Every Engram variant must generate exactly the same tokens (same rows, same kernels).
+    if variant not in NO_ENGRAM and reference is not None and variant != reference:
+        row["same_tokens_as"] = reference
+        row["tokens_equal"] = bool(torch.equal(r["tokens"], results[reference]["tokens"]))
 
 
 def profile(server: WaveServer, prompts: list[torch.Tensor], gen: int, path: Path) -> None:
@@ -762,8 +860,9 @@ def add_arguments(p) -> None:
         help="what to serve (the table size is --table-gib): no Engram, the table in HBM, in host "
         "memory read before each batch (sync) or prefetched (decode rows read by the GPU in "
         "place: host_prefetch; gathered by host threads and sent by DMA: host_staged), "
-        "prefetched with decode steps run kernel by kernel (host_eager), or from a file on disk (disk_prefetch: O_DIRECT reads "
-        "behind a DRAM row cache of --dram-cache-gib, the file in --disk-dir, decode kernel by kernel); "
+        "prefetched with decode steps run kernel by kernel (host_eager), or from a file on disk "
+        "(disk_prefetch: O_DIRECT reads behind a DRAM row cache of --dram-cache-gib, the file in "
+        "--disk-dir, decode kernel by kernel); "
         "default: " + " ".join(DEFAULT_VARIANTS),
     )
     p.add_argument(

@@ -53,15 +53,9 @@ def _free(dev: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run(args, ceiling: dict) -> list[dict]:
-    rows: list[dict] = []
-    dev = args.device
-    gen = torch.Generator(device=dev).manual_seed(0)
-    n_ids = args.gather_ids
-    table_rows = args.table_mib * 2**20 // PACKED_ROW
-    base = {"op": "gather", "head_dim": HEAD_DIM, "table_rows": table_rows}
-    sets = [(torch.randint(0, table_rows, (n_ids,), device=dev, generator=gen),) for _ in range(4)]
-    out = torch.empty((n_ids, HEAD_DIM), dtype=torch.bfloat16, device=dev)
+def _tunings(args) -> list[tuple[str, dict]]:
+    """(name, tuning) of the Triton gather launches timed: the default, with `--variants` also
+    other block sizes, warp counts and programs per SM."""
     variants = [("triton", dict(block_rows=32, num_warps=4, programs_per_sm=4))]
     if args.variants:
         variants += [
@@ -71,8 +65,35 @@ def run(args, ceiling: dict) -> list[dict]:
             ("triton", dict(block_rows=32, num_warps=8, programs_per_sm=4)),
             ("triton", dict(block_rows=64, num_warps=8, programs_per_sm=2)),
         ]
+    return variants
+
+
+def run(args, ceiling: dict) -> list[dict]:
+    """The gather's rows: fp8 rows (packed, then separate from their scales), bf16 rows and
+    decode-sized batches from HBM, then a pinned host table read over PCIe."""
+    rows: list[dict] = []
+    dev = args.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    n_ids = args.gather_ids
+    table_rows = args.table_mib * 2**20 // PACKED_ROW
+    base = {"op": "gather", "head_dim": HEAD_DIM, "table_rows": table_rows}
+    sets = [(torch.randint(0, table_rows, (n_ids,), device=dev, generator=gen),) for _ in range(4)]
+    out = torch.empty((n_ids, HEAD_DIM), dtype=torch.bfloat16, device=dev)
+    variants = _tunings(args)
+    _time_hbm_fp8(rows, args, base, sets, out, ceiling, variants)
+    _time_hbm_bf16(rows, args, base, gen, out, ceiling, variants)
+    _time_decode_sized(rows, args, base, sets, ceiling, variants)
+    _time_pinned_host(rows, args, base, gen, out, ceiling, variants)
+    return rows
+
+
+def _time_hbm_fp8(rows, args, base: dict, sets: list, out: torch.Tensor, ceiling: dict, variants: list) -> None:
+    """fp8 rows in HBM: packed with their scales (checked against the reference gather, which is
+    timed too), then the same bytes as separate rows and scales."""
+    dev = args.device
+    n_ids = args.gather_ids
     # -- packed fp8 rows (264 B) in HBM
-    packed = _random_rows(table_rows, PACKED_ROW, dev, scale_from=HEAD_DIM)
+    packed = _random_rows(base["table_rows"], PACKED_ROW, dev, scale_from=HEAD_DIM)
     b = {**base, "tier": "hbm", "table_gib": packed.numel() / 2**30}
     ref = gather_reference(sets[0][0][:4096], packed)
     got = engram_gather(sets[0][0][:4096], packed, backend="triton")
@@ -90,7 +111,12 @@ def run(args, ceiling: dict) -> list[dict]:
     _time_variants(rows, b, "fp8-separate", (q, s), {}, sets, out, PACKED_ROW + 2 * HEAD_DIM, ceiling, variants[:2])
     del q, s
     _free(dev)
-    # -- bf16 rows (512 B) in HBM, same table bytes
+
+
+def _time_hbm_bf16(rows, args, base: dict, gen, out: torch.Tensor, ceiling: dict, variants: list) -> None:
+    """bf16 rows (512 B) in HBM, the same table bytes as the fp8 table."""
+    dev = args.device
+    n_ids = args.gather_ids
     bf_rows = args.table_mib * 2**20 // (2 * HEAD_DIM)
     bf = torch.empty((bf_rows, HEAD_DIM), dtype=torch.bfloat16, device=dev).normal_()
     bsets = [(torch.randint(0, bf_rows, (n_ids,), device=dev, generator=gen),) for _ in range(4)]
@@ -108,14 +134,18 @@ def run(args, ceiling: dict) -> list[dict]:
     )
     del bf, bsets
     _free(dev)
-    # -- small decode-sized batches (latency): 256 tokens x 24 columns
-    n_small = min(256 * 24, n_ids)
+
+
+def _time_decode_sized(rows, args, base: dict, sets: list, ceiling: dict, variants: list) -> None:
+    """Small decode-sized batches (latency) of packed fp8 rows in HBM: 256 tokens x 24 columns."""
+    dev = args.device
+    n_small = min(256 * 24, args.gather_ids)
     small = [(ids[0][:n_small].clone(),) for ids in sets]
-    packed_small = _random_rows(table_rows, PACKED_ROW, dev, scale_from=HEAD_DIM)
+    packed_small = _random_rows(base["table_rows"], PACKED_ROW, dev, scale_from=HEAD_DIM)
     out_small = torch.empty((n_small, HEAD_DIM), dtype=torch.bfloat16, device=dev)
     _time_variants(
         rows,
-        {**b, "batch": "decode-256x24"},
+        {**base, "tier": "hbm", "table_gib": packed_small.numel() / 2**30, "batch": "decode-256x24"},
         "fp8-packed",
         (packed_small,),
         {},
@@ -127,14 +157,19 @@ def run(args, ceiling: dict) -> list[dict]:
     )
     del packed_small
     _free(dev)
-    # -- pinned host table, zero-copy over PCIe (UVA)
+
+
+def _time_pinned_host(rows, args, base: dict, gen, out: torch.Tensor, ceiling: dict, variants: list) -> None:
+    """A pinned host table read zero-copy over PCIe (UVA), ids in random then sorted order; its rows
+    report the requested table bytes per second (the PCIe side) instead of a D2D fraction."""
+    dev = args.device
     host_rows = args.host_mib * 2**20 // PACKED_ROW
     host = torch.empty((host_rows, PACKED_ROW), dtype=torch.uint8, pin_memory=dev == "cuda")
     chunk = 1 << 22
     for st in range(0, host_rows, chunk):
         host[st : st + chunk].copy_(_random_rows(min(chunk, host_rows - st), PACKED_ROW, dev, scale_from=HEAD_DIM))
     hb = {**base, "tier": "pinned-host", "table_rows": host_rows, "table_gib": host.numel() / 2**30}
-    n_host = min(n_ids, args.host_ids)
+    n_host = min(args.gather_ids, args.host_ids)
     hsets = [(torch.randint(0, host_rows, (n_host,), device=dev, generator=gen),) for _ in range(4)]
     out_h = out[:n_host]
     ref = gather_reference(hsets[0][0][:2048], host)
@@ -150,4 +185,3 @@ def run(args, ceiling: dict) -> list[dict]:
             r["row_gbps"] = r.pop("gbps")  # host rows: requested table bytes only (PCIe side)
             r.pop("d2d_fraction", None)
     del host
-    return rows

@@ -202,32 +202,32 @@ def exactness_rows(
     return rows
 
 
-def run_lookup(args) -> list[dict]:
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    info = machine_info()
-    rows_out: list[dict] = []
-    ceiling = {}
-    if device == "cuda":
-        ceiling["h2d_gbps"] = h2d_bandwidth_gbps()
-        ceiling.update(copy_bandwidth_gbps(device="cuda"))
-        log.info("ceilings: H2D %.1f GB/s, D2D %.0f GB/s", ceiling["h2d_gbps"], ceiling["d2d_gbps"])
-    table_bytes = int(args.table_gib * 2**30)
-    n_rows = table_bytes // ROW_BYTES
-    batches = sorted(set(args.batch_tokens))
-    gen = torch.Generator().manual_seed(0)
-    text_source = None
-    text_by_rows: dict[int, torch.Tensor] = {}
+class _TextStream:
+    """The text stream's row ids: hashed once per table size (tiers differ in size), each batch
+    size's batches moved to the device once."""
 
-    def text_ids_for(rows: int) -> torch.Tensor:
-        """The text stream hashed with a layout sized to a table of `rows` rows (tiers differ in size)."""
-        nonlocal text_source
-        if rows not in text_by_rows:
+    def __init__(self, args, batches: list[int], device: str):
+        self.args = args
+        self.batches = batches
+        self.device = device
+        self.source: str | None = None  # where the text came from, known once it is first read
+        self._by_rows: dict[int, torch.Tensor] = {}
+        self._on_device: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def ids_for(self, rows: int) -> torch.Tensor:
+        """The text stream hashed with a layout sized to a table of `rows` rows; a stream too short
+        for the warm-up and timed batches cuts the warm-up (`args.text_warmup`), or stops the run."""
+        args, batches = self.args, self.batches
+        if rows not in self._by_rows:
             need = max(batches) * (args.text_batches + args.text_warmup)
-            text_by_rows[rows], text_source = text_row_ids(rows, need)
+            self._by_rows[rows], self.source = text_row_ids(rows, need)
             log.info(
-                "text stream: %d tokens from %s, for a table of %d rows", text_by_rows[rows].shape[0], text_source, rows
+                "text stream: %d tokens from %s, for a table of %d rows",
+                self._by_rows[rows].shape[0],
+                self.source,
+                rows,
             )
-            have = text_by_rows[rows].shape[0] // max(batches)
+            have = self._by_rows[rows].shape[0] // max(batches)
             if have < args.text_batches + args.text_warmup:
                 if have <= args.text_batches:
                     raise SystemExit(
@@ -243,29 +243,56 @@ def run_lookup(args) -> list[dict]:
                     have - args.text_batches,
                 )
                 args.text_warmup = have - args.text_batches
-        return text_by_rows[rows]
+        return self._by_rows[rows]
 
-    text_on_device: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-    def text_sets_for(rows: int, tokens: int) -> list[torch.Tensor]:
+    def sets_for(self, rows: int, tokens: int) -> list[torch.Tensor]:
         """Every batch (warm-up, then timed) of the text stream on the device, moved there once."""
-        if (rows, tokens) not in text_on_device:
-            ids = text_ids_for(rows)
-            text_on_device[(rows, tokens)] = text_batches(ids, tokens, args.text_warmup + args.text_batches, device)
-        return text_on_device[(rows, tokens)]
+        if (rows, tokens) not in self._on_device:
+            ids = self.ids_for(rows)
+            count = self.args.text_warmup + self.args.text_batches
+            self._on_device[(rows, tokens)] = text_batches(ids, tokens, count, self.device)
+        return self._on_device[(rows, tokens)]
 
+
+def _copy_ceilings(device: str) -> dict:
+    """On a GPU, the pinned H2D memcpy and D2D copy bandwidth the lookups are compared with."""
+    ceiling = {}
+    if device == "cuda":
+        ceiling["h2d_gbps"] = h2d_bandwidth_gbps()
+        ceiling.update(copy_bandwidth_gbps(device="cuda"))
+        log.info("ceilings: H2D %.1f GB/s, D2D %.0f GB/s", ceiling["h2d_gbps"], ceiling["d2d_gbps"])
+    return ceiling
+
+
+def _tier_store(tier: str, args, n_rows: int, device: str) -> tuple[LayerStore, dict | None]:
+    """The table of a tier, filled with random rows, and for the disk tier what its setup measured."""
+    if tier == "hbm":
+        hbm_rows = min(n_rows, int(args.hbm_gib * 2**30) // ROW_BYTES)
+        raw = torch.empty((hbm_rows, ROW_BYTES), dtype=torch.uint8, device="cuda")
+        fill_table(raw)
+        return HbmStore("fp8_interleaved", HEAD_DIM, raw), None
+    if tier == "host":
+        return host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc), None
+    return disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
+
+
+def run_lookup(args) -> list[dict]:
+    """Every tier's rows: each stream measured `--rounds` times per batch size, each round with a
+    fresh engine and followed by its exactness checks."""
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    info = machine_info()
+    rows_out: list[dict] = []
+    ceiling = _copy_ceilings(device)
+    table_bytes = int(args.table_gib * 2**30)
+    n_rows = table_bytes // ROW_BYTES
+    batches = sorted(set(args.batch_tokens))
+    gen = torch.Generator().manual_seed(0)
+    text = _TextStream(args, batches, device)
     for tier in args.tiers:
-        if tier == "hbm":
-            if device != "cuda":
-                continue
-            hbm_rows = min(n_rows, int(args.hbm_gib * 2**30) // ROW_BYTES)
-            raw = torch.empty((hbm_rows, ROW_BYTES), dtype=torch.uint8, device="cuda")
-            fill_table(raw)
-            store = HbmStore("fp8_interleaved", HEAD_DIM, raw)
-        elif tier == "host":
-            store = host_store(n_rows, "pageable" if device == "cpu" else args.host_alloc)
-        else:
-            store, disk_info = disk_store(int(args.disk_gib * 2**30) // ROW_BYTES, args.disk_dir, args.dram_cache_gib)
+        if tier == "hbm" and device != "cuda":
+            continue
+        store, disk_info = _tier_store(tier, args, n_rows, device)
+        if tier == "disk":
             ceiling = {**ceiling, **disk_info, "page_cache_gib_before": page_cache_gib()}
         config = LookupConfig(
             cpu_fraction=min(1.0, max(0.0, args.cpu_fraction)),
@@ -275,85 +302,20 @@ def run_lookup(args) -> list[dict]:
         )
         for stream in args.streams:
             for i in range(args.rounds):
-                label = f" [round {i + 1}]" if args.rounds > 1 else ""
-                cached = stream == "text" and args.cache_fraction > 0
-                cache = (
-                    RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
-                    if cached
-                    else None
+                rows_out += _measure_round(
+                    args,
+                    store,
+                    config,
+                    tier,
+                    stream,
+                    i + 1,
+                    batches=batches,
+                    gen=gen,
+                    text=text,
+                    device=device,
+                    ceiling=ceiling,
+                    info=info,
                 )
-                with LookupEngine(store, device, cache=cache, config=config) as engine:
-                    engine.warm_up([tokens * N_COLS for tokens in batches])
-                    if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
-                        if stream == "text":
-                            # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
-                            engine.calibrate(sample=text_sets_for(store.num_rows, max(batches))[: args.text_warmup])
-                        else:
-                            engine.calibrate(n_ids=16384 * N_COLS)
-                    for tokens in batches:
-                        for mode, seconds, hit_rate, unique, extra in measure_stream(
-                            engine, stream, tokens, store, args, gen, text_sets_for, device
-                        ):
-                            requested = tokens * N_COLS * ROW_BYTES
-                            gbps = requested / seconds / 1e9
-                            row = {
-                                "bench": "lookup",
-                                "tier": tier,
-                                "stream": stream,
-                                "mode": mode,
-                                "tokens": tokens,
-                                "table_gib": round(store.nbytes / 2**30, 2),
-                                "row_bytes": ROW_BYTES,
-                                "ms": seconds * 1e3,
-                                "effective_gbps": gbps,
-                                "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
-                                "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
-                                "hit_rate": hit_rate,
-                                "unique_fraction": unique,
-                                "device": device,
-                                "text_source": text_source if stream == "text" else None,
-                                "round": i + 1,
-                                "graphs": engine.graphs,
-                                **ceiling,
-                                "machine": info,
-                            }
-                            if "h2d_gbps" in ceiling:
-                                row["x_h2d"] = gbps / ceiling["h2d_gbps"]
-                            row.update(extra)
-                            if "disk_rows_per_s" in extra and "probe_reads_per_s" in ceiling:
-                                row["x_probe"] = extra["disk_rows_per_s"] / ceiling["probe_reads_per_s"]
-                            if tier == "disk":  # the tier must not grow the kernel's page cache
-                                row["page_cache_gib_before"] = ceiling["page_cache_gib_before"]
-                                row["page_cache_gib"] = page_cache_gib()
-                            rows_out.append(row)
-                            log.info(
-                                "%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s",
-                                tier,
-                                stream,
-                                mode,
-                                tokens,
-                                label,
-                                seconds * 1e3,
-                                gbps,
-                                f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
-                                f", hit {hit_rate:.2f}, unique {unique:.2f}" if unique is not None else "",
-                            )
-                    rows_out.extend(
-                        exactness_rows(
-                            engine,
-                            store,
-                            tier,
-                            stream,
-                            batches,
-                            i + 1,
-                            label,
-                            gen,
-                            text_sets_for,
-                            device,
-                            splits=i == 0,
-                        )
-                    )
-                del cache
         if tier == "disk" and ceiling["page_cache_gib_before"] is not None:
             log.info(
                 "page cache (Cached in /proc/meminfo): %.2f GiB before the disk tier's lookups, %.2f GiB after "
@@ -366,6 +328,107 @@ def run_lookup(args) -> list[dict]:
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows_out
+
+
+def _measure_round(
+    args,
+    store: LayerStore,
+    config: LookupConfig,
+    tier: str,
+    stream: str,
+    round_no: int,
+    *,
+    batches: list[int],
+    gen,
+    text: _TextStream,
+    device: str,
+    ceiling: dict,
+    info: dict,
+) -> list[dict]:
+    """One round of a tier and stream with a fresh engine (and, for the text stream, a fresh HBM
+    row cache): a row per batch size and timing mode, then the round's exactness rows."""
+    label = f" [round {round_no}]" if args.rounds > 1 else ""
+    cached = stream == "text" and args.cache_fraction > 0
+    cache = (
+        RowCache.from_bytes(int(store.nbytes * args.cache_fraction), ROW_BYTES, ways=16, device=device)
+        if cached
+        else None
+    )
+    rows = []
+    with LookupEngine(store, device, cache=cache, config=config) as engine:
+        engine.warm_up([tokens * N_COLS for tokens in batches])
+        if tier == "host" and device == "cuda" and args.cpu_fraction < 0:
+            if stream == "text":
+                # Calibrated on the stream's own warm-up batches, with the cache (see `calibrate`).
+                engine.calibrate(sample=text.sets_for(store.num_rows, max(batches))[: args.text_warmup])
+            else:
+                engine.calibrate(n_ids=16384 * N_COLS)
+        for tokens in batches:
+            for mode, seconds, hit_rate, unique, extra in measure_stream(
+                engine, stream, tokens, store, args, gen, text.sets_for, device
+            ):
+                requested = tokens * N_COLS * ROW_BYTES
+                gbps = requested / seconds / 1e9
+                row = {
+                    "bench": "lookup",
+                    "tier": tier,
+                    "stream": stream,
+                    "mode": mode,
+                    "tokens": tokens,
+                    "table_gib": round(store.nbytes / 2**30, 2),
+                    "row_bytes": ROW_BYTES,
+                    "ms": seconds * 1e3,
+                    "effective_gbps": gbps,
+                    "cpu_fraction": engine.cpu_fraction if tier == "host" else None,
+                    "cache_gib": round(cache.data.numel() / 2**30, 2) if cache is not None else 0.0,
+                    "hit_rate": hit_rate,
+                    "unique_fraction": unique,
+                    "device": device,
+                    "text_source": text.source if stream == "text" else None,
+                    "round": round_no,
+                    "graphs": engine.graphs,
+                    **ceiling,
+                    "machine": info,
+                }
+                _add_ratios(row, extra, ceiling)
+                rows.append(row)
+                _log_lookup(row, label)
+        rows.extend(
+            exactness_rows(
+                engine, store, tier, stream, batches, round_no, label, gen, text.sets_for, device, splits=round_no == 1
+            )
+        )
+    return rows
+
+
+def _add_ratios(row: dict, extra: dict, ceiling: dict) -> None:
+    """A lookup row's effective bandwidth over H2D, the stream's extra fields, the disk reads over
+    the probed rate, and the page cache around a disk tier."""
+    if "h2d_gbps" in ceiling:
+        row["x_h2d"] = row["effective_gbps"] / ceiling["h2d_gbps"]
+    row.update(extra)
+    if "disk_rows_per_s" in extra and "probe_reads_per_s" in ceiling:
+        row["x_probe"] = extra["disk_rows_per_s"] / ceiling["probe_reads_per_s"]
+    if row["tier"] == "disk":  # the tier must not grow the kernel's page cache
+        row["page_cache_gib_before"] = ceiling["page_cache_gib_before"]
+        row["page_cache_gib"] = page_cache_gib()
+
+
+def _log_lookup(row: dict, label: str) -> None:
+    """One line per lookup row: its time, bandwidth, and for the text stream hit rate and unique fraction."""
+    unique = row["unique_fraction"]
+    log.info(
+        "%s %s %s %6d tokens%s: %.3f ms, %.1f GB/s%s%s",
+        row["tier"],
+        row["stream"],
+        row["mode"],
+        row["tokens"],
+        label,
+        row["ms"],
+        row["effective_gbps"],
+        f" ({row['x_h2d']:.2f}x H2D)" if "x_h2d" in row else "",
+        f", hit {row['hit_rate']:.2f}, unique {unique:.2f}" if unique is not None else "",
+    )
 
 
 def plot(rows: list[dict], path: Path) -> Path | None:
@@ -439,6 +502,13 @@ def main(args) -> list[dict]:
 
 def add_arguments(p) -> None:
     """The options of ``condmem bench lookup``."""
+    _add_table_arguments(p)
+    _add_stream_arguments(p)
+    _add_engine_arguments(p)
+
+
+def _add_table_arguments(p) -> None:
+    """The tables measured: their sizes per tier, and where the disk tier's file and cache go."""
     p.add_argument(
         "--table-gib",
         type=float,
@@ -458,6 +528,10 @@ def add_arguments(p) -> None:
     p.add_argument("--disk-gib", type=float, default=8.0, help="disk-tier table size in GiB (default 8)")
     p.add_argument("--disk-dir", default=None, help="folder for the disk-tier file (default: the temp folder)")
     p.add_argument("--dram-cache-gib", type=float, default=1.0, help="DRAM row cache in front of the disk tier")
+
+
+def _add_stream_arguments(p) -> None:
+    """The id streams looked up: which, at which batch sizes, and how the text stream is warmed and timed."""
     p.add_argument(
         "--streams",
         nargs="+",
@@ -486,6 +560,10 @@ def add_arguments(p) -> None:
         help="text batches run before timing, bringing the cache to its steady state (default 300: "
         "~5M tokens, about 30M distinct rows at 16K tokens per batch, more than a 10%% cache holds)",
     )
+
+
+def _add_engine_arguments(p) -> None:
+    """How the engine runs and is timed: host memory, rounds, plans, the CPU share and its threads, repeats."""
     p.add_argument(
         "--host-alloc",
         default="mmap_register",

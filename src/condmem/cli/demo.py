@@ -8,6 +8,7 @@ from condmem.cli.train import add_moe_arguments
 
 
 def register(sub) -> None:
+    """The ``condmem demo`` command and its options."""
     p = sub.add_parser(
         "demo",
         help="train baseline vs Engram on the same tokens and show the gain (the main job)",
@@ -28,6 +29,14 @@ def register(sub) -> None:
         "  condmem demo --device cuda --corpus /path/to/texts --steps 5000\n"
         "  condmem demo --experts 8 --top-k 2 --expert-ffn 64   # an MoE backbone for both models",
     )
+    _add_training_arguments(p)
+    _add_output_arguments(p)
+    add_moe_arguments(p.add_argument_group("routed experts (both models: an MoE backbone)"))
+    p.set_defaults(func=run)
+
+
+def _add_training_arguments(p) -> None:
+    """What the two models train on, on which device, how big and for how long."""
     p.add_argument("--out", default="condmem-demo", help="output directory (default ./condmem-demo)")
     p.add_argument(
         "--corpus",
@@ -80,6 +89,10 @@ def register(sub) -> None:
         "--table-size", type=int, help="Engram bucket range per (order, head): rows per layer ~ this x columns"
     )
     p.add_argument("--max-train-bytes", type=int, help="encode at most this much of the training split")
+
+
+def _add_output_arguments(p) -> None:
+    """The generated completion, the seed, progress, caches, checkpoints and the corpus read cap."""
     p.add_argument("--prompt", help="prompt of the generated completion (default: the start of a Python function)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
@@ -88,8 +101,6 @@ def register(sub) -> None:
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the tokenizer/token caches")
     p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints (large tables on a GPU run)")
     p.add_argument("--max-corpus-bytes", type=int, help="read at most this much corpus text")
-    add_moe_arguments(p.add_argument_group("routed experts (both models: an MoE backbone)"))
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

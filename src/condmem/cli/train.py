@@ -69,6 +69,7 @@ def add_moe_arguments(group) -> None:
 
 
 def register(sub) -> None:
+    """The ``condmem train`` command and its options."""
     p = sub.add_parser(
         "train",
         help="train one reference LM (Engram by default) with checkpoints; --resume continues exactly",
@@ -84,6 +85,16 @@ def register(sub) -> None:
         "  condmem train --out runs/engram --resume --steps 2000   # continue a finished run to step 2000\n"
         "  torchrun --nproc-per-node 8 -m condmem train --out runs/dp   # tables sharded over 8 data-parallel ranks",
     )
+    _add_run_arguments(p)
+    _add_data_arguments(p.add_argument_group("data"))
+    _add_model_arguments(p.add_argument_group("model"))
+    _add_engram_arguments(p.add_argument_group("engram"))
+    _add_training_arguments(p.add_argument_group("training"))
+    p.set_defaults(func=run)
+
+
+def _add_run_arguments(p) -> None:
+    """Where the run lives (--out, --resume, --overwrite), its preset, device and seed."""
     p.add_argument("--out", required=True, help="run directory (checkpoints, summary.json)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument(
@@ -94,12 +105,18 @@ def register(sub) -> None:
     p.add_argument("--preset", choices=["cpu", "gpu", "tiny"], help="base settings (default: gpu with CUDA, else cpu)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    d = p.add_argument_group("data")
+
+
+def _add_data_arguments(d) -> None:
+    """The corpus and the tokenizer."""
     d.add_argument("--corpus", nargs="+", metavar="PATH", help="directories, text or .jsonl files (default: stdlib)")
     d.add_argument("--tokenizer", help="tokenizer.json / directory / 'deepseek-v4' instead of training a BPE")
     d.add_argument("--vocab-size", type=int, help="BPE vocabulary size")
     d.add_argument("--max-train-bytes", type=int, help="encode at most this much of the training split")
-    m = p.add_argument_group("model")
+
+
+def _add_model_arguments(m) -> None:
+    """The backbone's shape (dense, or with routed experts)."""
     m.add_argument("--dim", type=int)
     m.add_argument("--layers", type=int)
     m.add_argument("--heads", type=int)
@@ -107,7 +124,10 @@ def register(sub) -> None:
     m.add_argument("--ffn", type=int, help="SwiGLU hidden width")
     m.add_argument("--max-seq-len", type=int)
     add_moe_arguments(m)
-    e = p.add_argument_group("engram")
+
+
+def _add_engram_arguments(e) -> None:
+    """The Engram layers (or the baseline without them) and the tier their tables train in."""
     e.add_argument("--no-engram", action="store_true", help="train the plain baseline")
     e.add_argument(
         "--iso-flop",
@@ -150,7 +170,10 @@ def register(sub) -> None:
         help="with --table-tier host: 0 = exact (a step waits for the host's Adam of the rows it shares "
         "with the step before); 1 = no wait, those rows read one update late (not exact)",
     )
-    t = p.add_argument_group("training")
+
+
+def _add_training_arguments(t) -> None:
+    """The optimizer, schedule, budget, evaluation, checkpoints and logging."""
     t.add_argument("--steps", type=int)
     t.add_argument("--batch-size", type=int)
     t.add_argument("--seq-len", type=int)
@@ -166,7 +189,6 @@ def register(sub) -> None:
     t.add_argument("--log-every", type=int)
     t.add_argument("--precision", choices=["auto", "fp32", "bf16"])
     t.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=run)
 
 
 def preset_overrides(args) -> dict[str, dict]:

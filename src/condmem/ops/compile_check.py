@@ -21,9 +21,13 @@ import sys
 
 def variants() -> list[tuple[str, object, dict, dict]]:
     """(name, kernel, signature, constexprs) of every kernel variant the lookup path compiles."""
+    return _gather_variants() + _row_cache_variants()
+
+
+def _gather_variants() -> list[tuple[str, object, dict, dict]]:
+    """The row gather's variants: 4-byte words and packed fp8 rows, each with and without a scatter."""
     from condmem.ops.gather.triton import _gather_kernel
     from condmem.ops.triton_util import next_pow2
-    from condmem.ops.row_cache import triton as rc
 
     out = []
     gather_sig = {
@@ -57,7 +61,14 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                 "SCATTER": scatter,
             }
             out.append((f"gather mode={mode} scatter={scatter}", _gather_kernel, sig, consts))
-    out.append(
+    return out
+
+
+def _row_cache_variants() -> list[tuple[str, object, dict, dict]]:
+    """The HBM row cache's kernels: probe, slot choice and write."""
+    from condmem.ops.row_cache import triton as rc
+
+    return [
         (
             "cache probe",
             rc.probe_kernel,
@@ -71,9 +82,7 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                 "n_sets": "i64",
             },
             {"WAYS": 16, "HAS_VALID": True, "COUNT": True, "BLOCK": rc.BLOCK_IDS},
-        )
-    )
-    out.append(
+        ),
         (
             "cache choose slots",
             rc.choose_slots_kernel,
@@ -89,9 +98,7 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                 "n_sets": "i64",
             },
             {"WAYS": 16, "BLOCK": rc.SLOT_CHOICE_BLOCK},
-        )
-    )
-    out.append(
+        ),
         (
             "cache write",
             rc.write_kernel,
@@ -108,9 +115,8 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                 "row_words": "i64",
             },
             {"WORDS": 64, "HAS_INDEX": True, "BLOCK": rc.BLOCK_IDS},
-        )
-    )
-    return out
+        ),
+    ]
 
 
 def compile_all(arch: int = 90) -> list[tuple[str, str | None]]:

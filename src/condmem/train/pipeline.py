@@ -227,23 +227,18 @@ def _prepare(
     use_cache: bool,
 ) -> PreparedData:
     """`prepare_data` without its own cache: read, split, tokenize, encode, deduplicate."""
-    from condmem.tokenizer import CompressedTokenizer
-
     t0 = time.perf_counter()
-    seed = settings["seed"]
-    data: Corpus = load_corpus(corpus, max_bytes=settings["max_corpus_bytes"])
-    train_docs, val_docs = split_corpus(data, settings["val_fraction"], seed)
-    train_docs = _sample_docs(train_docs, settings["max_train_bytes"], seed)
+    data, train_docs, val_docs = _read_and_split(corpus, settings)
     t_read = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     if tokenizer is None:
-        tok, source = _train_tokenizer(train_docs, vocab_size, tokenizer_train_bytes, seed, cache, use_cache)
+        tok, source = _train_tokenizer(
+            train_docs, vocab_size, tokenizer_train_bytes, settings["seed"], cache, use_cache
+        )
     else:
         tok = tokenizer
-    eos_id = find_special(tok, EOS_CANDIDATES, "end-of-document")
-    pad_id = find_special(tok, PAD_CANDIDATES, "pad", fallback=eos_id)
-    ctok = CompressedTokenizer.from_any(tok)
+    ctok, eos_id, pad_id = _compressed_and_specials(tok)
     t_tok = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -281,18 +276,7 @@ def _prepare(
             "deduplicate": round(t_dedup, 2),
         },
     }
-    logger.info(
-        "data: %d train docs (%d tokens), %d val docs (%d tokens, %d near-duplicates removed); "
-        "vocab %d -> V'=%d; %.1f s",
-        len(train_docs),
-        len(train_tokens),
-        len(val_docs),
-        len(val_tokens),
-        validation["removed_documents"],
-        info["tokenizer"]["vocab_size"],
-        ctok.vocab_size,
-        time.perf_counter() - t0,
-    )
+    _log_prepared(info, time.perf_counter() - t0)
     return PreparedData(
         tok,
         ctok,
@@ -303,6 +287,42 @@ def _prepare(
         pad_id,
         info,
         val_docs,
+    )
+
+
+def _read_and_split(corpus, settings: dict) -> tuple[Corpus, list[Document], list[Document]]:
+    """The corpus read (up to ``max_corpus_bytes``), split by document, its training split sampled
+    down to ``max_train_bytes``: (corpus, training documents, validation documents)."""
+    seed = settings["seed"]
+    data: Corpus = load_corpus(corpus, max_bytes=settings["max_corpus_bytes"])
+    train_docs, val_docs = split_corpus(data, settings["val_fraction"], seed)
+    train_docs = _sample_docs(train_docs, settings["max_train_bytes"], seed)
+    return data, train_docs, val_docs
+
+
+def _compressed_and_specials(tok: Tokenizer) -> tuple[object, int, int]:
+    """The compressed tokenizer of `tok`, its end-of-document id, and its pad id (the EOS without one)."""
+    from condmem.tokenizer import CompressedTokenizer
+
+    eos_id = find_special(tok, EOS_CANDIDATES, "end-of-document")
+    pad_id = find_special(tok, PAD_CANDIDATES, "pad", fallback=eos_id)
+    ctok = CompressedTokenizer.from_any(tok)
+    return ctok, eos_id, pad_id
+
+
+def _log_prepared(info: dict, seconds: float) -> None:
+    """One line on the prepared data: documents and tokens per split, near-duplicates removed, V -> V'."""
+    logger.info(
+        "data: %d train docs (%d tokens), %d val docs (%d tokens, %d near-duplicates removed); "
+        "vocab %d -> V'=%d; %.1f s",
+        info["train_documents"],
+        info["train_tokens_available"],
+        info["val_documents"],
+        info["val_tokens_available"],
+        info["validation"]["removed_documents"],
+        info["tokenizer"]["vocab_size"],
+        info["tokenizer"]["compressed_vocab_size"],
+        seconds,
     )
 
 

@@ -290,21 +290,7 @@ def run_study(
         steps, minutes, rhos, table_sizes: replace the preset's.
     """
     wall = time.perf_counter()
-    if kind not in KINDS:
-        raise ValueError(f"unknown study {kind!r}; choose one of {list(KINDS)}")
-    if not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"--seeds must be a positive integer, got {seeds!r}")
-    if preset not in STUDY_PRESETS:
-        raise ValueError(f"unknown study preset {preset!r}; choose one of {sorted(STUDY_PRESETS)}")
-    sp = dataclasses.replace(
-        STUDY_PRESETS[preset],
-        rhos=rhos or STUDY_PRESETS[preset].rhos,
-        table_sizes=table_sizes or STUDY_PRESETS[preset].table_sizes,
-        minutes=minutes if minutes is not None else STUDY_PRESETS[preset].minutes,
-    )
-    sp.base = sp.base.override(data={"corpus": corpus})
-    if kind == "slots" and len(set(sp.table_sizes)) < 2:
-        raise ValueError(f"the slot sweep needs two table sizes or more, got {sp.table_sizes}")
+    sp = _study_preset(kind, preset, seeds, corpus, rhos, table_sizes, minutes)
     dev = resolve_device(device)
     out = Path(out or f"condmem-study/{kind}")
     out.mkdir(parents=True, exist_ok=True)
@@ -320,16 +306,7 @@ def run_study(
     points = allocation_points(base, sp.rhos) if kind == "allocation" else slot_points(base, sp.table_sizes)
     requested = steps or (sp.allocation_steps if kind == "allocation" else sp.slots_steps)
     tc = sp.base.train
-    n_steps, passes = cap_steps(requested, data.train, tc.batch_size, tc.seq_len, max_passes)
-    if passes["capped"]:
-        print(
-            banner(
-                f"{requested:,} steps would make {passes['requested_passes']:.2f} passes over the "
-                f"{len(data.train):,}-token training split: capped at {n_steps:,} steps "
-                f"({passes['passes']:.2f} passes)"
-            ),
-            flush=True,
-        )
+    n_steps, passes = _capped_steps(requested, data.train, tc, max_passes)
     budget_s = None if sp.minutes is None else sp.minutes * 60 - (time.perf_counter() - wall)
     if budget_s is not None and budget_s <= 0:
         raise ValueError(f"--minutes {sp.minutes}: data preparation alone took longer")
@@ -340,6 +317,58 @@ def run_study(
     passes.update(steps=runs[0]["steps"], passes=runs[0]["passes"])
     summary = summarize(kind, sp, points, runs, seeds=seeds, seed=seed, passes=passes, data=data, dev=dev)
     print("\n" + summary["table"] + "\n\n" + summary["report"], flush=True)
+    _write_study(summary, out, kind, wall)
+    return summary
+
+
+def _study_preset(
+    kind: str,
+    preset: str,
+    seeds: int,
+    corpus,
+    rhos: list[float] | None,
+    table_sizes: list[int] | None,
+    minutes: float | None,
+) -> StudyPreset:
+    """The study preset with the caller's corpus, rhos, table sizes and minutes in place of its own;
+    `ValueError` for an unknown kind or preset, a seed count that is not positive, or a slot sweep
+    of fewer than two table sizes."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown study {kind!r}; choose one of {list(KINDS)}")
+    if not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be a positive integer, got {seeds!r}")
+    if preset not in STUDY_PRESETS:
+        raise ValueError(f"unknown study preset {preset!r}; choose one of {sorted(STUDY_PRESETS)}")
+    sp = dataclasses.replace(
+        STUDY_PRESETS[preset],
+        rhos=rhos or STUDY_PRESETS[preset].rhos,
+        table_sizes=table_sizes or STUDY_PRESETS[preset].table_sizes,
+        minutes=minutes if minutes is not None else STUDY_PRESETS[preset].minutes,
+    )
+    sp.base = sp.base.override(data={"corpus": corpus})
+    if kind == "slots" and len(set(sp.table_sizes)) < 2:
+        raise ValueError(f"the slot sweep needs two table sizes or more, got {sp.table_sizes}")
+    return sp
+
+
+def _capped_steps(requested: int, train, tc: TrainConfig, max_passes: float) -> tuple[int, dict]:
+    """`cap_steps` of the requested steps over the training split, with a banner when it capped them."""
+    n_steps, passes = cap_steps(requested, train, tc.batch_size, tc.seq_len, max_passes)
+    if passes["capped"]:
+        print(
+            banner(
+                f"{requested:,} steps would make {passes['requested_passes']:.2f} passes over the "
+                f"{len(train):,}-token training split: capped at {n_steps:,} steps "
+                f"({passes['passes']:.2f} passes)"
+            ),
+            flush=True,
+        )
+    return n_steps, passes
+
+
+def _write_study(summary: dict, out: Path, kind: str, wall: float) -> None:
+    """The figure (``<kind>.png``, when matplotlib is there) and ``study.json``, then where they went;
+    the summary gains the figure's name and the wall time since `wall`."""
     figure = plot_study(summary, out / f"{kind}.png")
     summary["figure"] = figure.name if figure else None
     summary["wall_seconds"] = time.perf_counter() - wall
@@ -348,7 +377,6 @@ def run_study(
         f"\nwrote {out}/study.json{f', {figure.name}' if figure else ''} ({summary['wall_seconds']:.0f} s in all)",
         flush=True,
     )
-    return summary
 
 
 def replot(kind: str, out: str | Path | None = None) -> Path | None:
