@@ -5,8 +5,8 @@ gives every Engram layer its addresses (what lets tables live off the GPU and be
 prefetched). The hasher owns the compression map and the layout's constants, keeps
 one copy of them per device, validates its inputs once, and calls the hash
 implementation: the Triton kernels (`condmem.ops.hash.triton`) for CUDA tensors, the torch
-references (`condmem.ops.hash.reference`, `ragged_reference`) elsewhere; ``backend="triton"|"torch"`` forces either. Both
-give identical numbers.
+references (`condmem.ops.hash.reference`, `ragged_reference`) elsewhere; ``backend="triton"|"torch"``
+forces either. Both give identical numbers.
 
 Decoding hashes one new token per sequence against an `NgramHistory` (`new_history`,
 `prefill_history`, `decode`). Serving engines hash flat (ragged) batches that mix prefill
@@ -415,58 +415,77 @@ class NgramHasher:
 
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
-            id_range = self._range_slots(input_ids.numel(), device) if check else None
-            rows = _kernels().hash_ragged_triton(
-                input_ids,
-                cu_seqlens,
-                multipliers=c["multipliers"],
-                primes=c["primes"],
-                magic=self._magic(device),
-                offsets=offsets,
-                n_heads=self._n_heads,
-                pad_id=self.pad_compressed_id,
-                lookup=c["lookup"],
-                blocked=blocked,
-                history=None if history is None else history.ids,
-                slots=slots,
-                lookback=lookback,
-                id_range=id_range,
+            rows = self._hash_ragged_triton(
+                input_ids, cu_seqlens, c, offsets, history, slots, lookback, blocked, check, label
             )
-            if id_range is not None:
-                self._checks.submit(id_range, label)
-            if check and id_range is None:  # an empty batch: its boundaries still count
-                self._check_boundaries(cu_seqlens, 0)
         else:
-            if check:
-                self._check_boundaries(cu_seqlens, input_ids.numel())
-                live = torch.arange(input_ids.numel(), device=device) < cu_seqlens[-1]
-                self._checks.submit_ids(torch.where(live, input_ids.long(), 0), label)
-            compressed = self._compress_safe(input_ids)
-            lb = torch.full(
-                (cu_seqlens.numel() - 1, self.layout.max_ngram_size - 1),
-                self.pad_compressed_id,
-                dtype=torch.int64,
-                device=device,
-            )
-            if lookback is not None:
-                lb = lookback
-            if history is not None:
-                own = (slots >= 0) & (slots < history.n_slots)
-                lb = torch.where(own[:, None], history.ids[slots.long().clamp(0, history.n_slots - 1)], lb)
-            rows = hash_ragged_reference(
-                compressed,
-                cu_seqlens,
-                lb,
-                multipliers=c["multipliers"],
-                primes=c["primes"],
-                offsets=offsets,
-                n_heads=self._n_heads,
-                pad_id=self.pad_compressed_id,
-                blocked=blocked,
+            rows = self._hash_ragged_torch(
+                input_ids, cu_seqlens, c, offsets, history, slots, lookback, blocked, check, label
             )
         if commit and history is not None:
             self._advance(history, slots, input_ids, cu_seqlens, None, blocked, backend)
         return rows
+
+    def _hash_ragged_triton(
+        self, input_ids, cu_seqlens, c, offsets, history, slots, lookback, blocked, check: bool, label
+    ) -> torch.Tensor:
+        """`hash_ragged`'s rows from the Triton kernel; ids and boundaries checked on the device, read later."""
+        device = input_ids.device
+        id_range = self._range_slots(input_ids.numel(), device) if check else None
+        rows = _kernels().hash_ragged_triton(
+            input_ids,
+            cu_seqlens,
+            multipliers=c["multipliers"],
+            primes=c["primes"],
+            magic=self._magic(device),
+            offsets=offsets,
+            n_heads=self._n_heads,
+            pad_id=self.pad_compressed_id,
+            lookup=c["lookup"],
+            blocked=blocked,
+            history=None if history is None else history.ids,
+            slots=slots,
+            lookback=lookback,
+            id_range=id_range,
+        )
+        if id_range is not None:
+            self._checks.submit(id_range, label)
+        if check and id_range is None:  # an empty batch: its boundaries still count
+            self._check_boundaries(cu_seqlens, 0)
+        return rows
+
+    def _hash_ragged_torch(
+        self, input_ids, cu_seqlens, c, offsets, history, slots, lookback, blocked, check: bool, label
+    ) -> torch.Tensor:
+        """`hash_ragged`'s rows from the torch reference, each chunk's look-back gathered first."""
+        device = input_ids.device
+        if check:
+            self._check_boundaries(cu_seqlens, input_ids.numel())
+            live = torch.arange(input_ids.numel(), device=device) < cu_seqlens[-1]
+            self._checks.submit_ids(torch.where(live, input_ids.long(), 0), label)
+        compressed = self._compress_safe(input_ids)
+        lb = torch.full(
+            (cu_seqlens.numel() - 1, self.layout.max_ngram_size - 1),
+            self.pad_compressed_id,
+            dtype=torch.int64,
+            device=device,
+        )
+        if lookback is not None:
+            lb = lookback
+        if history is not None:
+            own = (slots >= 0) & (slots < history.n_slots)
+            lb = torch.where(own[:, None], history.ids[slots.long().clamp(0, history.n_slots - 1)], lb)
+        return hash_ragged_reference(
+            compressed,
+            cu_seqlens,
+            lb,
+            multipliers=c["multipliers"],
+            primes=c["primes"],
+            offsets=offsets,
+            n_heads=self._n_heads,
+            pad_id=self.pad_compressed_id,
+            blocked=blocked,
+        )
 
     def seed_history(self, history: NgramHistory, slots: torch.Tensor, lookback_ids: torch.Tensor) -> None:
         """Set slots' histories from the token ids just before their next chunk: a prompt
@@ -608,23 +627,10 @@ class NgramHasher:
             int64 [B, n_layers, n_cols]; padding rows hold bucket 0 (+ offset) of every column.
             Live rows must name distinct slots.
         """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
-            raise HashInputError(f"decode input_ids must be a [B] tensor, got {getattr(input_ids, 'shape', input_ids)}")
-        if history.max_ngram_size != self.layout.max_ngram_size or history.pad_id != self.pad_compressed_id:
-            raise HashInputError(
-                f"{history!r} was not made for this hasher (N={self.layout.max_ngram_size}, "
-                f"pad={self.pad_compressed_id}): use hasher.new_history"
-            )
-        device = input_ids.device
-        if history.device != device:
-            raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
-        if slots.shape != input_ids.shape:
-            raise HashInputError(f"slots {tuple(slots.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
-        for name, m in (("valid", valid), ("blocked", blocked)):
-            if m is not None and (m.dtype != torch.bool or m.shape != input_ids.shape):
-                raise HashInputError(f"{name} must be bool {tuple(input_ids.shape)}, got {m.dtype} {tuple(m.shape)}")
+        self._check_decode(history, slots, input_ids, valid, blocked)
         if check:
             self.compress(input_ids[None], check=True)
+        device = input_ids.device
         c = self.constants(device)
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
@@ -642,25 +648,52 @@ class NgramHasher:
                 valid=valid,
                 blocked=blocked,
             )
-        lookup = c["lookup"]
         if backend in (None, "auto") and device.type == "cpu" and history.ids.is_contiguous():
-            from condmem import native
-
-            rows = native.hash_decode(
-                history.ids,
-                slots,
-                input_ids,
-                lookup=lookup,
-                multipliers=c["multipliers"],
-                primes=c["primes"],
-                offsets=offsets,
-                n_heads=self._n_heads,
-                pad_id=self.pad_compressed_id,
-                valid=valid,
-                blocked=blocked,
-            )
+            rows = self._decode_native(history, slots, input_ids, c, offsets, valid, blocked)
             if rows is not None:  # the same numbers, without the reference's dozens of small ops
                 return rows
+        return self._decode_reference(history, slots, input_ids, c, offsets, valid, blocked)
+
+    def _check_decode(self, history: NgramHistory, slots, input_ids, valid, blocked) -> None:
+        """`decode`'s argument checks: ids [B], a history of this hasher on their device, slots and masks [B]."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise HashInputError(f"decode input_ids must be a [B] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+        if history.max_ngram_size != self.layout.max_ngram_size or history.pad_id != self.pad_compressed_id:
+            raise HashInputError(
+                f"{history!r} was not made for this hasher (N={self.layout.max_ngram_size}, "
+                f"pad={self.pad_compressed_id}): use hasher.new_history"
+            )
+        device = input_ids.device
+        if history.device != device:
+            raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
+        if slots.shape != input_ids.shape:
+            raise HashInputError(f"slots {tuple(slots.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+        for name, m in (("valid", valid), ("blocked", blocked)):
+            if m is not None and (m.dtype != torch.bool or m.shape != input_ids.shape):
+                raise HashInputError(f"{name} must be bool {tuple(input_ids.shape)}, got {m.dtype} {tuple(m.shape)}")
+
+    def _decode_native(self, history: NgramHistory, slots, input_ids, c, offsets, valid, blocked):
+        """`decode`'s rows from the native CPU hash, or None where it does not run (then the reference does)."""
+        from condmem import native
+
+        return native.hash_decode(
+            history.ids,
+            slots,
+            input_ids,
+            lookup=c["lookup"],
+            multipliers=c["multipliers"],
+            primes=c["primes"],
+            offsets=offsets,
+            n_heads=self._n_heads,
+            pad_id=self.pad_compressed_id,
+            valid=valid,
+            blocked=blocked,
+        )
+
+    def _decode_reference(self, history: NgramHistory, slots, input_ids, c, offsets, valid, blocked) -> torch.Tensor:
+        """`decode`'s rows from the torch reference (ids compressed here)."""
+        device = input_ids.device
+        lookup = c["lookup"]
         ids = input_ids.long()
         if lookup is not None:
             # Out-of-range ids read the pad, as in the kernel (memory-safe; `check` reports them).

@@ -1,4 +1,5 @@
-"""The serving forward of `DecoderLM`: prefill and decode steps over the paged `ServingCache`, each slot at its own position.
+"""The serving forward of `DecoderLM`: prefill and decode steps over the paged `ServingCache`, each slot
+at its own position.
 
 Why a second forward beside `DecoderLM.forward`: serving runs flat batches of many sequences,
 each at its own length, with keys and values in a paged pool read through a block table, which
@@ -39,7 +40,8 @@ from condmem.serving.cache import ServingCache
 def prefill(
     model: DecoderLM, cache: ServingCache, slot: int, ids: torch.Tensor, prepared=None, last_only: bool = False
 ) -> torch.Tensor:
-    """Run prompt `ids` [T] into `slot` (which must be empty); returns logits [T, vocab] ([1, vocab] with `last_only`)."""
+    """Run prompt `ids` [T] into `slot` (which must be empty); returns logits [T, vocab] ([1, vocab] with
+    `last_only`)."""
     cache.check_free(slot)
     if ids.numel() > cache.max_len:
         raise ValueError(f"a prompt of {ids.numel()} tokens does not fit the cache's {cache.max_len} positions")
@@ -275,6 +277,27 @@ def ragged_step(
     slot's cached prefix and its chunk from the paged cache (`paged_prefill_attention`).
     """
     cfg = model.cfg
+    lengths, starts, keep = _check_ragged_chunks(cache, slots, chunks, n_commit)
+    device = cache.tokens.device
+    ids = torch.cat([c.reshape(-1) for c in chunks]).to(device)
+    slot_of, pos, cu_dev, starts_dev, slots_dev = _packed_layout(slots, starts, lengths, len(ids), device)
+    cache.tokens[slot_of, pos] = ids
+    rows_all = None
+    if cfg.engram is not None and prepared is None:
+        rows_all = _own_engram_rows(model, cache, ids, cu_dev, slots, starts)
+    table = cache.block_table[slots_dev]
+    attend = _packed_attention(model, cache, pos, slot_of, table, cu_dev, starts_dev, max(lengths))
+    x = _run_packed_blocks(model, model.embed(ids), attend, prepared, rows_all)  # [n, D]
+    _commit_lengths(cache, slots, slots_dev, starts, keep)
+    if last_only:
+        x = x[cu_dev[1:].long() - 1]
+    return model.lm_head(rms_norm(x, model.norm.weight, model.norm.eps))
+
+
+def _check_ragged_chunks(
+    cache: ServingCache, slots: list[int], chunks: list[torch.Tensor], n_commit: list[int] | None
+) -> tuple[list[int], list[int], list[int]]:
+    """`ragged_step`'s checks; returns each chunk's length, its slot's start and the tokens it keeps."""
     if any(c is not None for c in cache.conv.values()):
         raise ValueError(
             "ragged_step serves models without a ShortConv (its state would need per-chunk handling); "
@@ -288,13 +311,17 @@ def ragged_step(
         if n == 0 or st + n > cache.max_len:
             raise ValueError(f"slot {s}: a chunk of {n} tokens at position {st} does not fit {cache.max_len} positions")
     keep = lengths if n_commit is None else [max(0, min(int(k), n)) for k, n in zip(n_commit, lengths)]
-    device = cache.tokens.device
-    ids = torch.cat([c.reshape(-1) for c in chunks]).to(device)
+    return lengths, starts, keep
+
+
+def _packed_layout(
+    slots: list[int], starts: list[int], lengths: list[int], n_tokens: int, device: torch.device
+) -> tuple:
+    """Host-side layout of the packed batch of `n_tokens` tokens, sent in one copy: per token its slot and
+    position, per chunk its boundaries (int32), start (int32) and slot."""
     cu = [0]
     for length in lengths:
         cu.append(cu[-1] + length)
-    # Host-side layout of the packed batch, sent in one copy: per token its slot and position,
-    # per chunk its boundaries, start and slot.
     host = torch.cat(
         [
             torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths)),
@@ -304,23 +331,31 @@ def ragged_step(
             torch.tensor(slots),
         ]
     )
-    n, batch = len(ids), len(chunks)
+    n, batch = n_tokens, len(lengths)
     meta = host.to(device, non_blocking=True)
     slot_of, pos = meta[:n], meta[n : 2 * n]
     cu_dev = meta[2 * n : 2 * n + batch + 1].to(torch.int32)
     starts_dev = meta[2 * n + batch + 1 : 2 * n + 2 * batch + 1].to(torch.int32)
     slots_dev = meta[2 * n + 2 * batch + 1 :]
-    cache.tokens[slot_of, pos] = ids
-    rows_all = None
-    if cfg.engram is not None and prepared is None:
-        # Each chunk looks back at the N-1 tokens its slot holds before it.
-        depth = cfg.engram.max_ngram_size - 1
-        back = torch.tensor(starts)[:, None] - torch.arange(depth, 0, -1)[None, :]  # [B, N-1], oldest first
-        lookback = cache.tokens[torch.tensor(slots)[:, None].to(device), back.clamp(min=0).to(device)]
-        lookback = torch.where(back.to(device) >= 0, lookback, torch.full_like(lookback, -1))
-        rows_all = model.hasher.hash_ragged(ids, cu_dev, lookback_ids=lookback, check=False)
-    table = cache.block_table[slots_dev]
-    max_q = max(lengths)
+    return slot_of, pos, cu_dev, starts_dev, slots_dev
+
+
+def _own_engram_rows(
+    model: DecoderLM, cache: ServingCache, ids: torch.Tensor, cu_dev: torch.Tensor, slots: list[int], starts: list[int]
+) -> torch.Tensor:
+    """Row ids of the packed tokens from the model's own hasher: each chunk looks back at the N-1
+    tokens its slot holds before it."""
+    device = cache.tokens.device
+    depth = model.cfg.engram.max_ngram_size - 1
+    back = torch.tensor(starts)[:, None] - torch.arange(depth, 0, -1)[None, :]  # [B, N-1], oldest first
+    lookback = cache.tokens[torch.tensor(slots)[:, None].to(device), back.clamp(min=0).to(device)]
+    lookback = torch.where(back.to(device) >= 0, lookback, torch.full_like(lookback, -1))
+    return model.hasher.hash_ragged(ids, cu_dev, lookback_ids=lookback, check=False)
+
+
+def _packed_attention(model: DecoderLM, cache: ServingCache, pos, slot_of, table, cu_dev, starts_dev, max_q: int):
+    """Layer i's attention over the packed chunks: RoPE and store of the chunks' keys and values, then
+    one varlen launch reading each slot's cached prefix and its chunk."""
 
     def attend(i, q, k, v):
         q = rope_store(
@@ -337,7 +372,12 @@ def ragged_step(
         )
         return paged_prefill_attention(q, cache.k_pool[i], cache.v_pool[i], table, cu_dev, starts_dev, max_q)
 
-    x = model.embed(ids)  # [n, D]
+    return attend
+
+
+def _run_packed_blocks(model: DecoderLM, x: torch.Tensor, attend, prepared, rows_all) -> torch.Tensor:
+    """The model's blocks over the packed tokens `x` [n, D]: each Engram (rows from `prepared`, else
+    the step's `rows_all`), then attention and MLP."""
     layer_slot = 0
     for i, block in enumerate(model.blocks):
         if block.engram is not None:
@@ -348,13 +388,17 @@ def ragged_step(
                 x = block.engram(x[None], rows_all[None, :, layer_slot], residual=True)[0]
             layer_slot += 1
         x = _attention_mlp(block, i, x, attend, model.tp_group)
+    return x
+
+
+def _commit_lengths(
+    cache: ServingCache, slots: list[int], slots_dev: torch.Tensor, starts: list[int], keep: list[int]
+) -> None:
+    """Each slot's length (host and device) advanced by the tokens its chunk keeps."""
     for s, st, k in zip(slots, starts, keep):
         cache.host_lengths[s] = st + k
     ends = torch.tensor([st + k for st, k in zip(starts, keep)])
-    cache.lengths[slots_dev] = ends.to(device, non_blocking=True)
-    if last_only:
-        x = x[cu_dev[1:].long() - 1]
-    return model.lm_head(rms_norm(x, model.norm.weight, model.norm.eps))
+    cache.lengths[slots_dev] = ends.to(cache.tokens.device, non_blocking=True)
 
 
 @torch.no_grad()

@@ -362,6 +362,72 @@ def _raw_chunk(chunk: LayerRows) -> torch.Tensor:
     return chunk.weight
 
 
+def _disk_store(rows: LayerRows, fmt: str, d: int, direct_io: bool, threads: int | None) -> DiskStore:
+    """The disk tier: a table file's rows read with ``pread`` (checked), or tensors read through their mapping."""
+    if rows.source is not None:
+        return DiskStore(fmt, d, None, readers=rows.source.reader(direct=direct_io, threads=threads or 32))
+    for t in (rows.weight, rows.scales):
+        if t is not None:
+            advise_random(t)
+    if rows.format == "fp8":
+        return DiskStore(fmt, d, None, split=(rows.weight, rows.scales))
+    raw = rows.weight.view(torch.uint8) if rows.format == "bf16" else rows.weight
+    return DiskStore(fmt, d, raw)
+
+
+def _allocate_hbm(n: int, row_bytes: int, device: str | torch.device | None, name: str) -> torch.Tensor:
+    """Uninitialized raw rows [n, row_bytes] on the CUDA device (default: current), if they fit its free memory."""
+    if not torch.cuda.is_available():
+        raise StorageError("the hbm tier needs a CUDA device")
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    free, _ = torch.cuda.mem_get_info(dev)
+    if n * row_bytes > free:
+        raise StorageError(
+            f"{name}: {n * row_bytes / 2**30:.2f} GiB does not fit the {free / 2**30:.2f} GiB free "
+            f"on {dev}; use the host tier"
+        )
+    return torch.empty((n, row_bytes), dtype=torch.uint8, device=dev)
+
+
+def _copy_tensor_rows(
+    rows: LayerRows, raw: torch.Tensor, bar: Progress, chunk_rows: int, drop_source_cache: bool
+) -> None:
+    """Rows given as tensors (no table file) into `raw`, `chunk_rows` at a time; with `drop_source_cache`
+    each copied chunk's pages are released from the page cache."""
+    n = rows.num_rows
+    row_bytes = raw.shape[1]
+    for s in range(0, n, chunk_rows):
+        e = min(n, s + chunk_rows)
+        piece = LayerRows(rows.format, rows.weight[s:e], None if rows.scales is None else rows.scales[s:e])
+        raw[s:e].copy_(_raw_chunk(piece))
+        if drop_source_cache:
+            for t in (piece.weight, piece.scales):
+                if t is not None:
+                    release_pages(t, drop_cache=True)
+        bar.update((e - s) * row_bytes)
+
+
+def _settle_host_buffer(buffer: HostBuffer, name: str) -> None:
+    """After the copy: huge pages collapsed where coverage is low, then page-locked (mmap_register, shared: with
+    CUDA) and the coverage reported (all but pageable)."""
+    if buffer.strategy == "mmap_register":
+        # Before page-locking: locked pages cannot be migrated into huge pages any more.
+        cov = buffer.coverage()
+        if cov is not None and cov < 0.98 and collapse_huge_pages(buffer):
+            log.info(
+                "%s: MADV_COLLAPSE: huge-page coverage %.0f%% -> %.0f%%",
+                name,
+                100 * cov,
+                100 * (buffer.coverage() or 0.0),
+            )
+    if buffer.strategy in ("mmap_register", "shared") and torch.cuda.is_available():
+        t_pin = time.perf_counter()
+        buffer.pin()
+        log.info("%s: page-locked %.2f GiB in %.1f s", name, buffer.nbytes / 2**30, time.perf_counter() - t_pin)
+    if buffer.strategy != "pageable":
+        report_coverage(buffer, name)
+
+
 def _read_source(
     source, raw: torch.Tensor, bar: Progress, threads: int | None, drop_cache: bool, chunk_rows: int
 ) -> None:
@@ -428,64 +494,24 @@ def place_layer(
             f"{name}: direct reads serve the disk tier from a table file (tier {tier!r}, "
             f"{'a table file' if rows.source is not None else 'rows without a file'})"
         )
-    if tier == "disk" and rows.source is not None:
-        return DiskStore(fmt, d, None, readers=rows.source.reader(direct=direct_io, threads=threads or 32))
     if tier == "disk":
-        for t in (rows.weight, rows.scales):
-            if t is not None:
-                advise_random(t)
-        if rows.format == "fp8":
-            return DiskStore(fmt, d, None, split=(rows.weight, rows.scales))
-        raw = rows.weight.view(torch.uint8) if rows.format == "bf16" else rows.weight
-        return DiskStore(fmt, d, raw)
+        return _disk_store(rows, fmt, d, direct_io, threads)
     row_bytes = 2 * d if fmt == "bf16" else d + d // 32
     n = rows.num_rows
     start = time.perf_counter()
     bar = Progress(n * row_bytes, f"{name} -> {tier}", enabled=progress, unit="B", unit_scale=True)
     if tier == "hbm":
-        if not torch.cuda.is_available():
-            raise StorageError("the hbm tier needs a CUDA device")
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        free, _ = torch.cuda.mem_get_info(dev)
-        if n * row_bytes > free:
-            raise StorageError(
-                f"{name}: {n * row_bytes / 2**30:.2f} GiB does not fit the {free / 2**30:.2f} GiB free "
-                f"on {dev}; use the host tier"
-            )
-        raw = torch.empty((n, row_bytes), dtype=torch.uint8, device=dev)
-        buffer = None
+        raw, buffer = _allocate_hbm(n, row_bytes, device, name), None
     else:
         buffer = allocate_host(n * row_bytes, host_alloc, shared_name)
         raw = buffer.tensor.view(n, row_bytes)
     if rows.source is not None:
         _read_source(rows.source, raw, bar, threads, drop_source_cache, chunk_rows)
     else:
-        for s in range(0, n, chunk_rows):
-            e = min(n, s + chunk_rows)
-            piece = LayerRows(rows.format, rows.weight[s:e], None if rows.scales is None else rows.scales[s:e])
-            raw[s:e].copy_(_raw_chunk(piece))
-            if drop_source_cache:
-                for t in (piece.weight, piece.scales):
-                    if t is not None:
-                        release_pages(t, drop_cache=True)
-            bar.update((e - s) * row_bytes)
+        _copy_tensor_rows(rows, raw, bar, chunk_rows, drop_source_cache)
     bar.close()
-    if buffer is not None and buffer.strategy == "mmap_register":
-        # Before page-locking: locked pages cannot be migrated into huge pages any more.
-        cov = buffer.coverage()
-        if cov is not None and cov < 0.98 and collapse_huge_pages(buffer):
-            log.info(
-                "%s: MADV_COLLAPSE: huge-page coverage %.0f%% -> %.0f%%",
-                name,
-                100 * cov,
-                100 * (buffer.coverage() or 0.0),
-            )
-    if buffer is not None and buffer.strategy in ("mmap_register", "shared") and torch.cuda.is_available():
-        t_pin = time.perf_counter()
-        buffer.pin()
-        log.info("%s: page-locked %.2f GiB in %.1f s", name, buffer.nbytes / 2**30, time.perf_counter() - t_pin)
-    if buffer is not None and buffer.strategy != "pageable":
-        report_coverage(buffer, name)
+    if buffer is not None:
+        _settle_host_buffer(buffer, name)
     log.info(
         "%s: %s rows (%.2f GiB) placed in %s (%s) in %.1f s",
         name,

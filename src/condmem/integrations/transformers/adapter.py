@@ -413,10 +413,42 @@ def add_engram(
             f"{type(model).__name__} already has Engram layers {model._condmem_engram.config.layer_ids}"
         )
     ctok = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer.from_any(tokenizer)
+    config = _model_engram_config(model, engram_config, layers, len(decoder_layers), ctok, tokenizer)
+    layout = EngramLayout(config)
+    lookup = _model_token_lookup(model, ctok, config.pad_id)
+    hasher = NgramHasher(layout, token_lookup=lookup, pad_id=config.pad_id)
+    if memory is not None:
+        _check_memory(memory, layout)
+    engrams = _insert_engrams(model, decoder_layers, config, layout, zero_init, sparse_tables, memory)
+    patched = {name: vars(model).get(name, _UNSET) for name in _PATCHED}  # what remove_engram puts back
+    adapter = EngramAdapter(model, family, base, decoder_layers, config, ctok, hasher, engrams)
+    adapter.memory = memory
+    adapter._patched = patched
+    model._condmem_engram = adapter
+    from condmem.integrations.transformers.pretrained import wrap_save_pretrained
+
+    wrap_save_pretrained(model)  # offloaded tables saved from their tier; the folder written atomically
+    # Saved with the model's config.json: what a reload needs to rebuild and verify the same layout.
+    setattr(
+        model.config,
+        CONFIG_KEY,
+        {
+            "config": config.to_dict(),
+            "layout_fingerprint": layout.fingerprint,
+            "tokenizer_fingerprint": ctok.fingerprint,
+        },
+    )
+    return model
+
+
+def _model_engram_config(
+    model: nn.Module, engram_config: EngramConfig, layers: list[int] | None, n_layers: int, ctok, tokenizer
+) -> EngramConfig:
+    """`engram_config` for this model: its `layers` (if given) checked against the model's `n_layers`,
+    hc_mult 1, the compressed tokenizer's size and pad checked, hidden size and norm eps filled in."""
     config = engram_config
     if layers is not None:
         config = config.replace(layer_ids=[int(i) for i in layers])
-    n_layers = len(decoder_layers)
     bad = [i for i in config.layer_ids if i >= n_layers]
     if bad:
         raise EngramModelError(
@@ -431,13 +463,17 @@ def add_engram(
     if config.compressed_vocab_size is not None:
         ctok.check_config(config.compressed_vocab_size)
     config.check_pad_id(ctok.original_vocab_size, _pad_token_id(tokenizer))
-    config = config.replace(
+    return config.replace(
         hidden_size=int(model.config.hidden_size),
         hc_mult=1,
         compressed_vocab_size=ctok.vocab_size,
         rms_norm_eps=config.rms_norm_eps if config.rms_norm_eps is not None else 1e-6,
     )
-    layout = EngramLayout(config)
+
+
+def _model_token_lookup(model: nn.Module, ctok, pad_id: int) -> np.ndarray:
+    """The compression map over every id the model embeds: the tokenizer's, extended with the pad's
+    compressed id for the ids of a padded embedding that no tokenizer entry has."""
     vocab = int(getattr(model.config, "vocab_size", ctok.original_vocab_size))
     if vocab < ctok.original_vocab_size:
         raise EngramModelError(
@@ -454,14 +490,24 @@ def add_engram(
             ctok.original_vocab_size,
             ctok.original_vocab_size,
             vocab - 1,
-            config.pad_id,
+            pad_id,
         )
-        extra = np.full(vocab - ctok.original_vocab_size, lookup[config.pad_id], dtype=np.int64)
+        extra = np.full(vocab - ctok.original_vocab_size, lookup[pad_id], dtype=np.int64)
         lookup = np.concatenate([lookup, extra])
-    hasher = NgramHasher(layout, token_lookup=lookup, pad_id=config.pad_id)
-    if memory is not None:
-        _check_memory(memory, layout)
+    return lookup
 
+
+def _insert_engrams(
+    model: nn.Module,
+    decoder_layers,
+    config: EngramConfig,
+    layout: EngramLayout,
+    zero_init: bool,
+    sparse_tables: bool,
+    memory,
+) -> dict[int, Engram]:
+    """An `Engram` added as child ``engram`` of each chosen decoder layer, on the layer's device and
+    dtype (tables on "meta" when `memory` holds them; value projection zeroed with `zero_init`)."""
     engrams: dict[int, Engram] = {}
     for lid in config.layer_ids:
         layer = decoder_layers[lid]
@@ -482,26 +528,7 @@ def add_engram(
                 engram.wkv.weight[config.hc_mult * config.hidden_size :].zero_()  # the value rows
         layer.add_module("engram", engram)
         engrams[lid] = engram
-
-    patched = {name: vars(model).get(name, _UNSET) for name in _PATCHED}  # what remove_engram puts back
-    adapter = EngramAdapter(model, family, base, decoder_layers, config, ctok, hasher, engrams)
-    adapter.memory = memory
-    adapter._patched = patched
-    model._condmem_engram = adapter
-    from condmem.integrations.transformers.pretrained import wrap_save_pretrained
-
-    wrap_save_pretrained(model)  # offloaded tables saved from their tier; the folder written atomically
-    # Saved with the model's config.json: what a reload needs to rebuild and verify the same layout.
-    setattr(
-        model.config,
-        CONFIG_KEY,
-        {
-            "config": config.to_dict(),
-            "layout_fingerprint": layout.fingerprint,
-            "tokenizer_fingerprint": ctok.fingerprint,
-        },
-    )
-    return model
+    return engrams
 
 
 def remove_engram(model: nn.Module) -> nn.Module:

@@ -94,9 +94,8 @@ def load_pretrained(
         LayoutError: the rebuilt layout's fingerprint differs from the saved one.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    from condmem.tokenizer import CompressedTokenizer, TokenizerMismatchError
+    from condmem.tokenizer import CompressedTokenizer
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
@@ -104,22 +103,9 @@ def load_pretrained(
     if not isinstance(section, dict):
         raise EngramModelError(f"{path / 'config.json'} has no '{CONFIG_KEY}' section: was it saved with Engram?")
     ctok = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer.from_any(tokenizer)
-    if ctok.fingerprint != section["tokenizer_fingerprint"]:
-        raise TokenizerMismatchError(
-            f"the tokenizer's compressed map (fingerprint {ctok.fingerprint[:12]}, V'={ctok.vocab_size}) is not the "
-            f"one {path} was saved with ({section['tokenizer_fingerprint'][:12]}): every row id would differ. Use "
-            "the model's own tokenizer."
-        )
+    _check_saved_tokenizer(ctok, section, path)
     engram_config = EngramConfig.from_dict(section["config"], dialect="native")
-    cls = model_class or AutoModelForCausalLM
-    # The backbone class does not know the Engram tensors: they are read below, so its
-    # "unexpected keys" report is expected; keep it out of the log.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model = cls.from_pretrained(path, config=config, **from_pretrained_kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    model = _load_backbone(model_class or AutoModelForCausalLM, path, config, from_pretrained_kwargs)
     add_engram(model, engram_config, ctok, zero_init=False, sparse_tables=sparse_tables)
     adapter = get_engram(model)
     if adapter.layout.fingerprint != section["layout_fingerprint"]:
@@ -127,7 +113,41 @@ def load_pretrained(
             f"the Engram layout rebuilt from {path / 'config.json'} has fingerprint "
             f"{adapter.layout.fingerprint[:12]}, the saved one {section['layout_fingerprint'][:12]}"
         )
+    _read_engram_tensors(model, path)
+    if tier is not None:
+        offload_tables(model, tier=tier, device=device)
+    return model
 
+
+def _check_saved_tokenizer(ctok, section: dict, path: Path) -> None:
+    """Refuse a tokenizer whose compressed map is not the one the model was saved with."""
+    from condmem.tokenizer import TokenizerMismatchError
+
+    if ctok.fingerprint != section["tokenizer_fingerprint"]:
+        raise TokenizerMismatchError(
+            f"the tokenizer's compressed map (fingerprint {ctok.fingerprint[:12]}, V'={ctok.vocab_size}) is not the "
+            f"one {path} was saved with ({section['tokenizer_fingerprint'][:12]}): every row id would differ. Use "
+            "the model's own tokenizer."
+        )
+
+
+def _load_backbone(cls, path: Path, config, from_pretrained_kwargs: dict):
+    """``cls.from_pretrained`` of the saved backbone, its logs at error level while it loads."""
+    from transformers.utils import logging as hf_logging
+
+    # The backbone class does not know the Engram tensors: they are read afterwards, so its
+    # "unexpected keys" report is expected; keep it out of the log.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return cls.from_pretrained(path, config=config, **from_pretrained_kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _read_engram_tensors(model, path: Path) -> None:
+    """Copy the saved Engram tensors of the folder `path` into the model's Engram parameters
+    (every one must be there, in the shape the layout gives it)."""
     files = _engram_tensor_files(path)
     wanted = {name: p for name, p in model.named_parameters() if ".engram." in name}
     missing = sorted(set(wanted) - set(files))
@@ -147,9 +167,6 @@ def load_pretrained(
                     )
                 with torch.no_grad():
                     p.copy_(tensor.to(p.dtype))
-    if tier is not None:
-        offload_tables(model, tier=tier, device=device)
-    return model
 
 
 # ---------------------------------------------------------------------- saving

@@ -103,14 +103,13 @@ def _decode_split_kernel(
     OFF64: tl.constexpr,
     ROPE: tl.constexpr,
 ):
-    # Offsets into the pool in int32 unless the pool has 2**31 elements or more (OFF64): the
-    # address arithmetic of a [BLOCK_N, D] tile is a visible share of this kernel's time.
+    # Over 80 lines: 39 arguments; the key loop and epilogue stay inline (helpers there change ptxas's schedule).
+    # Pool offsets in int32 unless the pool has 2**31+ elements (OFF64): [BLOCK_N, D] tile addressing costs time.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.load(LENS + b).to(tl.int32)
-    # Only the splits that hold keys run (split 0 of an empty sequence writes zeros), and a
-    # sequence whose keys fit one split gets its output from that split, with nothing to combine.
+    # Only splits that hold keys run (split 0 of an empty sequence writes zeros); one split: it writes the output.
     limit = tl.maximum(tl.cdiv(length, split_len), 1)
     if s < limit:
         start = s * split_len
@@ -124,30 +123,19 @@ def _decode_split_kernel(
         qmask = rmask[:, None] & dm[None, :]
         q = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
         if ROPE:
-            # The new token sits at position length - 1: rotate the query here, and the split
-            # that holds that position rotates the token's key and stores it and its value
-            # into the cache before reading its keys (one launch instead of a RoPE + store one).
-            half = D // 2
-            lower = d < half
-            partner = tl.where(lower, d + half, d - half)
-            at = tl.maximum(length - 1, 0)
-            c = tl.load(COS + at * scos + d % half, mask=dm, other=0.0)
-            sn = tl.load(SIN + at * scos + d % half, mask=dm, other=0.0)
+            # The new token sits at position length - 1: rotate the query here; the split that holds that position
+            # rotates the token's key and stores key and value in the cache before reading keys (one launch, not two).
+            c, sn, lower, partner, at = _rope_factors(COS, SIN, scos, length, d, dm, D)
             qp = tl.load(Q + b64 * sq_b + heads[:, None] * sq_h + partner[None, :], mask=qmask, other=0.0)
             q = _rotate(q.to(tl.float32), qp.to(tl.float32), c[None, :], sn[None, :], lower[None, :]).to(
                 Q.dtype.element_ty
             )
             if (length > 0) & (s == limit - 1):
-                kn = tl.load(KN + b64 * skn_b + kvh * skn_h + d, mask=dm, other=0.0).to(tl.float32)
-                knp = tl.load(KN + b64 * skn_b + kvh * skn_h + partner, mask=dm, other=0.0).to(tl.float32)
-                blk_new = tl.load(BT + b64 * sbt_b + at // BS).to(tl.int64)
-                dest = blk_new * sk_blk + (at % BS) * sk_pos + kvh * sk_h + d
-                tl.store(K + dest, _rotate(kn, knp, c, sn, lower).to(K.dtype.element_ty), mask=dm)
-                tl.store(
-                    V + dest,
-                    tl.load(VN + b64 * svn_b + kvh * svn_h + d, mask=dm, other=0.0).to(V.dtype.element_ty),
-                    mask=dm,
+                kn_row = KN + b64 * skn_b + kvh * skn_h
+                dest = _store_new_key(
+                    K, kn_row, BT, b64, sbt_b, at, kvh, d, dm, partner, c, sn, lower, sk_blk, sk_pos, sk_h, BS
                 )
+                _copy_new_value(V + dest, VN + b64 * svn_b + kvh * svn_h + d, dm)
             tl.debug_barrier()  # the stores above are read back by this program's key loop
         m = tl.full([REP_P], float("-inf"), tl.float32)
         l = tl.zeros([REP_P], tl.float32)
@@ -171,6 +159,40 @@ def _decode_split_kernel(
             tl.store(PO + base[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
             tl.store(PML + base * 2, m, mask=rmask)
             tl.store(PML + base * 2 + 1, l, mask=rmask)
+
+
+@triton.jit
+def _rope_factors(COS, SIN, scos, length, d, dm, D: tl.constexpr):
+    """RoPE of the new token's position `at` = length - 1 (cos and sin tables of row stride `scos`):
+    per lane of the head dimension its cos and sin, whether it is in the lower half, and its
+    partner lane in the other half. Returns (c, sn, lower, partner, at)."""
+    half = D // 2
+    lower = d < half
+    partner = tl.where(lower, d + half, d - half)
+    at = tl.maximum(length - 1, 0)
+    c = tl.load(COS + at * scos + d % half, mask=dm, other=0.0)
+    sn = tl.load(SIN + at * scos + d % half, mask=dm, other=0.0)
+    return c, sn, lower, partner, at
+
+
+@triton.jit
+def _store_new_key(
+    K, kn_row, BT, b64, sbt_b, at, kvh, d, dm, partner, c, sn, lower, sk_blk, sk_pos, sk_h, BS: tl.constexpr
+):
+    """The new token's key (`kn_row`) rotated and stored at position `at` of sequence `b64`'s pages
+    (block-table row stride `sbt_b`), KV head `kvh`; returns the offsets it went to in the pool."""
+    kn = tl.load(kn_row + d, mask=dm, other=0.0).to(tl.float32)
+    knp = tl.load(kn_row + partner, mask=dm, other=0.0).to(tl.float32)
+    blk_new = tl.load(BT + b64 * sbt_b + at // BS).to(tl.int64)
+    dest = blk_new * sk_blk + (at % BS) * sk_pos + kvh * sk_h + d
+    tl.store(K + dest, _rotate(kn, knp, c, sn, lower).to(K.dtype.element_ty), mask=dm)
+    return dest
+
+
+@triton.jit
+def _copy_new_value(v_at, vn_at, dm):
+    """The new token's value (at `vn_at`) stored at `v_at` in the value pool's dtype."""
+    tl.store(v_at, tl.load(vn_at, mask=dm, other=0.0).to(v_at.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -242,33 +264,11 @@ def paged_decode_attention(
     rep = n_heads // n_kv
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     block_n = block_n or (64 if not interpreting() else 16)
-    max_pos = block_table.shape[1] * block_size
-    splits = n_splits or decode_splits(batch, n_kv, max_pos, block_n, q.device)
-    split_len = -(-(-(-max_pos // splits)) // block_n) * block_n
-    splits = -(-max_pos // split_len)
+    splits, split_len = _split_positions(batch, n_kv, block_table.shape[1] * block_size, block_n, n_splits, q.device)
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
-    if splits == 1:
-        part_o = part_ml = out
-    else:
-        part_o = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=q.device)
-    if rope is not None:
-        k_new, v_new, cos, sin = rope
-        assert q.stride(2) == 1 and k_new.stride(2) == 1 and v_new.stride(2) == 1 and cos.stride(1) == 1
-        rope_args = (
-            k_new,
-            v_new,
-            cos,
-            sin,
-            k_new.stride(0),
-            k_new.stride(1),
-            v_new.stride(0),
-            v_new.stride(1),
-            cos.stride(0),
-        )
-    else:
-        rope_args = (q, q, q, q, 0, 0, 0, 0, 0)
+    part_o, part_ml = _split_partials(out, splits)
+    rope_args = _rope_args(q, rope)
     _decode_split_kernel[(batch, n_kv, splits)](
         q,
         k_pool,
@@ -305,22 +305,70 @@ def paged_decode_attention(
         num_stages=num_stages,
     )
     if splits > 1:
-        _decode_combine_kernel[(batch, n_heads)](
-            part_o,
-            part_ml,
-            out,
-            lengths,
-            out.stride(0),
-            out.stride(1),
-            split_len,
-            splits,
-            n_heads,
-            S_P=next_pow2(splits),
-            D=head_dim,
-            DP=max(16, next_pow2(head_dim)),
-            num_warps=1,
-        )
+        _combine_splits(part_o, part_ml, out, lengths, split_len, splits)
     return out
+
+
+def _split_positions(
+    batch: int, n_kv: int, max_pos: int, block_n: int, n_splits: int | None, device: torch.device
+) -> tuple[int, int]:
+    """(splits, positions a split) for `max_pos` positions: `n_splits` (default `decode_splits`)
+    rounded so that each split's length is a multiple of `block_n` and none is empty."""
+    splits = n_splits or decode_splits(batch, n_kv, max_pos, block_n, device)
+    split_len = -(-(-(-max_pos // splits)) // block_n) * block_n
+    return -(-max_pos // split_len), split_len
+
+
+def _split_partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partial outputs [B, H, S, D] and (max, sum) [B, H, S, 2] in fp32; one split
+    writes `out` itself, which then stands in for both."""
+    if splits == 1:
+        return out, out
+    batch, n_heads, head_dim = out.shape
+    part_o = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=out.device)
+    part_ml = torch.empty(batch, n_heads, splits, 2, dtype=torch.float32, device=out.device)
+    return part_o, part_ml
+
+
+def _rope_args(q: torch.Tensor, rope: tuple | None) -> tuple:
+    """The decode kernel's RoPE arguments (KN, VN, COS, SIN and their strides); stand-ins without `rope`."""
+    if rope is None:
+        return (q, q, q, q, 0, 0, 0, 0, 0)
+    k_new, v_new, cos, sin = rope
+    assert q.stride(2) == 1 and k_new.stride(2) == 1 and v_new.stride(2) == 1 and cos.stride(1) == 1
+    return (
+        k_new,
+        v_new,
+        cos,
+        sin,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos.stride(0),
+    )
+
+
+def _combine_splits(
+    part_o: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, lengths: torch.Tensor, split_len: int, splits: int
+) -> None:
+    """`_decode_combine_kernel`: each sequence's split partials into `out` [B, H, D] (one program a head)."""
+    batch, n_heads, head_dim = out.shape
+    _decode_combine_kernel[(batch, n_heads)](
+        part_o,
+        part_ml,
+        out,
+        lengths,
+        out.stride(0),
+        out.stride(1),
+        split_len,
+        splits,
+        n_heads,
+        S_P=next_pow2(splits),
+        D=head_dim,
+        DP=max(16, next_pow2(head_dim)),
+        num_warps=1,
+    )
 
 
 @triton.jit

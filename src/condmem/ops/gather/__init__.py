@@ -54,7 +54,8 @@ def engram_gather(
             they read nothing either), and out's other rows are left as they are. Scattering
             in the gather saves a separate scatter and its temporary.
         backend: "auto" (Triton when `row_ids` are on CUDA), "triton" or "torch".
-        block_rows, programs_per_sm, num_warps: kernel tuning (defaults: the best of the launch sweep on a Hopper GPU, docs/kernels.md).
+        block_rows, programs_per_sm, num_warps: kernel tuning (defaults: the best of the launch sweep on a
+            Hopper GPU, docs/kernels.md).
         max_programs: cap on the persistent grid, for a gather that runs beside other work
             (a zero-copy gather's programs wait on PCIe while holding SMs).
 
@@ -74,17 +75,7 @@ def engram_gather(
         (backend is None and row_ids.is_cuda and triton_available())
         or resolve_backend(backend, row_ids.device, "engram_gather") == "triton"
     ):
-        rows = gather_reference(row_ids, table, scales, head_dim=head_dim, row_range=row_range)
-        if out_index is not None:
-            _check_out_index(out_index, row_ids, out, fmt)
-            dst = out_index.reshape(-1)
-            inside = (dst >= 0) & (dst < out.shape[0])
-            out[dst[inside]] = rows.reshape(-1, fmt.head_dim)[inside]
-            return out
-        if out is not None:
-            out.copy_(rows)
-            return out
-        return rows
+        return _gather_torch(row_ids, table, scales, fmt, head_dim, row_range, out, out_index)
     device = row_ids.device
     if table.is_cuda and row_ids.is_cuda and table.device != device:
         raise GatherError(f"table on {table.device} but row ids on {device}")
@@ -105,6 +96,21 @@ def engram_gather(
     return _triton().gather_triton(
         ids, table, scales, fmt, lo, out, out_index, block_rows, programs_per_sm, num_warps, max_programs
     )
+
+
+def _gather_torch(row_ids, table, scales, fmt: TableFormat, head_dim, row_range, out, out_index) -> torch.Tensor:
+    """`engram_gather` by `gather_reference`, the rows then put into `out` (at `out_index`) when given."""
+    rows = gather_reference(row_ids, table, scales, head_dim=head_dim, row_range=row_range)
+    if out_index is not None:
+        _check_out_index(out_index, row_ids, out, fmt)
+        dst = out_index.reshape(-1)
+        inside = (dst >= 0) & (dst < out.shape[0])
+        out[dst[inside]] = rows.reshape(-1, fmt.head_dim)[inside]
+        return out
+    if out is not None:
+        out.copy_(rows)
+        return out
+    return rows
 
 
 _TRITON = None

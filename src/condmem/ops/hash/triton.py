@@ -93,33 +93,30 @@ def _write_id_range(ids_ptr, idx, mask, range_ptr, pid, bad_bounds):
 
 
 @triton.jit
-def _mix_and_store(
+def _fold(mix, ck, mult_at, lmask):
+    """Token t-k (`ck`) folded into every layer's running `mix` [T, L] with the layers' multipliers
+    of distance k (at `mult_at`); returns the new mix."""
+    mk = tl.load(mult_at, mask=lmask, other=0)
+    return mix ^ (ck[:, None] * mk[None, :])
+
+
+@triton.jit
+def _store_buckets(
     mix,
-    ck,
-    k,
     live,
-    lay,
-    lmask,
-    head,
+    col,
     cmask,
     omask,
     out_row,
-    n_cols,
-    n_heads,
-    max_n,
-    mult_ptr,
     prime_ptr,
     magic_ptr,
     offset_ptr,
     WITH_OFFSETS: tl.constexpr,
     FAST_MOD: tl.constexpr,
 ):
-    """Order k + 1 of every token and layer: fold token t-k (`ck`) into the running `mix`, reduce it
-    by each head's prime into its bucket (0 for tokens that are not `live`) and store the
-    buckets (+ the layer's row offsets) in their columns; returns the new mix."""
-    mk = tl.load(mult_ptr + lay * max_n + k, mask=lmask, other=0)
-    mix = mix ^ (ck[:, None] * mk[None, :])
-    col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]  # [L, H] column index
+    """One n-gram order of every token and layer: reduce each layer's `mix` by the prime of each
+    head's column `col` [L, H] into its bucket (0 for tokens that are not `live`) and store the
+    buckets (+ the layer's row offsets) in their columns."""
     p = tl.load(prime_ptr + col, mask=cmask, other=2)
     magic = tl.load(magic_ptr + col, mask=cmask, other=0)
     bucket = _mod(mix[:, :, None], p[None, :, :], magic[None, :, :], FAST_MOD)
@@ -127,7 +124,6 @@ def _mix_and_store(
     if WITH_OFFSETS:
         bucket += tl.load(offset_ptr + col, mask=cmask, other=0)[None, :, :]
     tl.store(out_row[:, None, None] + col[None, :, :], bucket, mask=omask)
-    return mix
 
 
 @triton.jit
@@ -184,27 +180,9 @@ def _hash_prefill_kernel(
             b = tl.load(blocked_ptr + tok - k, mask=back_ok, other=0)
             dead = dead | (b != 0)
             ck = tl.where(dead, pad_id, ck)
-        mix = _mix_and_store(
-            mix,
-            ck,
-            k,
-            tmask,
-            lay,
-            lmask,
-            head,
-            cmask,
-            omask,
-            out_row,
-            n_cols,
-            n_heads,
-            max_n,
-            mult_ptr,
-            prime_ptr,
-            magic_ptr,
-            offset_ptr,
-            WITH_OFFSETS,
-            FAST_MOD,
-        )
+        mix = _fold(mix, ck, mult_ptr + lay * max_n + k, lmask)
+        col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]  # [L, H] column index
+        _store_buckets(mix, tmask, col, cmask, omask, out_row, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
 
 
 @triton.jit
@@ -271,27 +249,9 @@ def _hash_decode_kernel(
     mix = c[:, None] * m0[None, :]
     for k in range(1, max_n):
         ck = tl.sum(tl.where(kk[None, :] == k - 1, hist, 0), axis=1)
-        mix = _mix_and_store(
-            mix,
-            ck,
-            k,
-            live,
-            lay,
-            lmask,
-            head,
-            cmask,
-            omask,
-            out_row,
-            n_cols,
-            n_heads,
-            max_n,
-            mult_ptr,
-            prime_ptr,
-            magic_ptr,
-            offset_ptr,
-            WITH_OFFSETS,
-            FAST_MOD,
-        )
+        mix = _fold(mix, ck, mult_ptr + lay * max_n + k, lmask)
+        col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]  # [L, H] column index
+        _store_buckets(mix, live, col, cmask, omask, out_row, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
     # Every thread's history reads above happen before any thread's write below.
     tl.debug_barrier()
     tl.store(hist_at, new_hist.to(hist_ptr.dtype.element_ty), mask=hmask2)
@@ -471,6 +431,63 @@ def hash_decode_triton(
 
 
 @triton.jit
+def _sequence_of(cu_ptr, tok, live, n_live, n_seqs, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Each token's sequence: the largest b < n_seqs with cu[b] <= tok (skips empty sequences)."""
+    lo = tl.zeros([BLOCK_T], dtype=tl.int64)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int64) + (n_seqs - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(cu_ptr + mid, mask=live & (mid <= hi), other=n_live + 1).to(tl.int64) <= tok
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _broken_boundaries(cu_ptr, pid, n_live, n_tokens, n_seqs, BLOCK_T: tl.constexpr):
+    """Program 0's check of the boundaries at `cu_ptr` (start at 0, never decrease, end within the
+    batch): 1 if broken, else 0. The other programs return 0."""
+    bad_bounds = (pid < 0).to(tl.int32)
+    if pid == 0:
+        first = tl.load(cu_ptr).to(tl.int64)
+        bad_bounds = ((first != 0) | (n_live > n_tokens)).to(tl.int32)
+        for s0 in range(0, n_seqs, BLOCK_T):
+            i = s0 + tl.arange(0, BLOCK_T)
+            im = i < n_seqs
+            a = tl.load(cu_ptr + i, mask=im, other=0).to(tl.int64)
+            b = tl.load(cu_ptr + i + 1, mask=im, other=0).to(tl.int64)
+            bad_bounds = bad_bounds | tl.max((b < a).to(tl.int32), axis=0)
+    return bad_bounds
+
+
+@triton.jit
+def _token_before_chunk(
+    hist_ptr,
+    lb_ptr,
+    slot,
+    seq,
+    back,
+    live,
+    inside,
+    has_hist,
+    depth,
+    pad_id,
+    BLOCK_T: tl.constexpr,
+    HAS_LOOKBACK: tl.constexpr,
+):
+    """The compressed token `back` + 1 places before each chunk's start, for the live tokens whose
+    look-back leaves the chunk (not `inside`): the slot's history, else the explicit look-back,
+    else the pad. (Clamped so that broken boundaries, reported by the check, never read out of bounds.)"""
+    j = tl.minimum(tl.maximum(back, 0), depth - 1)
+    before = live & ~inside
+    from_hist = tl.load(hist_ptr + slot * depth + j, mask=before & has_hist, other=pad_id).to(tl.int64)
+    lb = tl.full([BLOCK_T], pad_id, tl.int64)
+    if HAS_LOOKBACK:
+        lb = tl.load(lb_ptr + seq * depth + j, mask=before & ~has_hist, other=pad_id).to(tl.int64)
+    return tl.where(has_hist, from_hist, lb)
+
+
+@triton.jit
 def _hash_ragged_kernel(
     ids_ptr,
     lookup_ptr,
@@ -510,15 +527,7 @@ def _hash_ragged_kernel(
     n_live = tl.load(cu_ptr + n_seqs).to(tl.int64)
     tmask = tok < n_tokens
     live = tmask & (tok < n_live)
-    # The token's sequence: the largest b < n_seqs with cu[b] <= tok (skips empty sequences).
-    lo = tl.zeros([BLOCK_T], dtype=tl.int64)
-    hi = tl.zeros([BLOCK_T], dtype=tl.int64) + (n_seqs - 1)
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        go = tl.load(cu_ptr + mid, mask=live & (mid <= hi), other=n_live + 1).to(tl.int64) <= tok
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid - 1)
-    seq = lo
+    seq = _sequence_of(cu_ptr, tok, live, n_live, n_seqs, BLOCK_T, SEARCH_STEPS)
     local = tok - tl.load(cu_ptr + seq, mask=live, other=0).to(tl.int64)
     depth = max_n - 1
     slot = tl.full([BLOCK_T], -1, tl.int64)
@@ -536,17 +545,7 @@ def _hash_ragged_kernel(
     out_row = out_ptr + tok * (n_layers * n_cols)
 
     if CHECK:
-        # Program 0 also checks the boundaries: start at 0, never decrease, end within the batch.
-        bad_bounds = (pid < 0).to(tl.int32)
-        if pid == 0:
-            first = tl.load(cu_ptr).to(tl.int64)
-            bad_bounds = ((first != 0) | (n_live > n_tokens)).to(tl.int32)
-            for s0 in range(0, n_seqs, BLOCK_T):
-                i = s0 + tl.arange(0, BLOCK_T)
-                im = i < n_seqs
-                a = tl.load(cu_ptr + i, mask=im, other=0).to(tl.int64)
-                b = tl.load(cu_ptr + i + 1, mask=im, other=0).to(tl.int64)
-                bad_bounds = bad_bounds | tl.max((b < a).to(tl.int32), axis=0)
+        bad_bounds = _broken_boundaries(cu_ptr, pid, n_live, n_tokens, n_seqs, BLOCK_T)
         _write_id_range(ids_ptr, tok, live, range_ptr, pid, bad_bounds)
 
     c = _load_compressed(ids_ptr, lookup_ptr, tok, live, vocab, pad_id, HAS_LOOKUP)
@@ -560,36 +559,14 @@ def _hash_ragged_kernel(
             b = tl.load(blocked_ptr + tok - k, mask=inside, other=0)
             dead = dead | (b != 0)
         # Before the chunk: the slot's history, else the explicit look-back, else the pad.
-        # (Clamped so that broken boundaries, reported by the check, never read out of bounds.)
-        j = tl.minimum(tl.maximum(k - local - 1, 0), depth - 1)
-        before = live & ~inside
-        from_hist = tl.load(hist_ptr + slot * depth + j, mask=before & has_hist, other=pad_id).to(tl.int64)
-        lb = tl.full([BLOCK_T], pad_id, tl.int64)
-        if HAS_LOOKBACK:
-            lb = tl.load(lb_ptr + seq * depth + j, mask=before & ~has_hist, other=pad_id).to(tl.int64)
-        ck = tl.where(inside, ck, tl.where(has_hist, from_hist, lb))
-        ck = tl.where(dead, pad_id, ck)
-        mix = _mix_and_store(
-            mix,
-            ck,
-            k,
-            live,
-            lay,
-            lmask,
-            head,
-            cmask,
-            omask,
-            out_row,
-            n_cols,
-            n_heads,
-            max_n,
-            mult_ptr,
-            prime_ptr,
-            magic_ptr,
-            offset_ptr,
-            WITH_OFFSETS,
-            FAST_MOD,
+        prev = _token_before_chunk(
+            hist_ptr, lb_ptr, slot, seq, k - local - 1, live, inside, has_hist, depth, pad_id, BLOCK_T, HAS_LOOKBACK
         )
+        ck = tl.where(inside, ck, prev)
+        ck = tl.where(dead, pad_id, ck)
+        mix = _fold(mix, ck, mult_ptr + lay * max_n + k, lmask)
+        col = lay[:, None] * n_cols + (k - 1) * n_heads + head[None, :]  # [L, H] column index
+        _store_buckets(mix, live, col, cmask, omask, out_row, prime_ptr, magic_ptr, offset_ptr, WITH_OFFSETS, FAST_MOD)
 
 
 @triton.jit
@@ -691,8 +668,50 @@ def hash_ragged_triton(
         return out
     if n_seqs < 1:
         raise ValueError("cu_seqlens must hold at least [0, n]")
-    ids = ids.contiguous()
-    cu = cu_seqlens.contiguous()
+    _launch_hash_ragged(
+        ids.contiguous(),
+        cu_seqlens.contiguous(),
+        out,
+        tables=(multipliers, primes, magic, offsets),
+        n_heads=n_heads,
+        pad_id=pad_id,
+        lookup=lookup,
+        blocked=blocked,
+        history=history,
+        slots=slots,
+        lookback=lookback,
+        id_range=id_range,
+        fast_mod=fast_mod,
+        block_t=block_t,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def _launch_hash_ragged(
+    ids,
+    cu,
+    out,
+    *,
+    tables,
+    n_heads,
+    pad_id,
+    lookup,
+    blocked,
+    history,
+    slots,
+    lookback,
+    id_range,
+    fast_mod,
+    block_t,
+    num_warps,
+) -> None:
+    """`_hash_ragged_kernel` over contiguous `ids` and `cu` into `out` (the arguments of `hash_ragged_triton`;
+    `tables`: its multipliers, primes, magic and offsets)."""
+    multipliers, primes, magic, offsets = tables
+    (n_tokens,) = ids.shape
+    n_seqs = cu.numel() - 1
+    n_layers, max_n = multipliers.shape
     blocked_b = _as_bytes(blocked)
     grid = (cdiv(n_tokens, block_t),)
     block_l, block_h = _tile_sizes(n_layers, n_heads)
@@ -734,7 +753,6 @@ def hash_ragged_triton(
         CHECK=id_range is not None,
         num_warps=num_warps,
     )
-    return out
 
 
 def advance_triton(
