@@ -4,8 +4,9 @@ the paged decode attention at the 4B backbone's decode step (block, warps, stage
 layouts), beside two controls: a kernel that reads the same keys and values through the same
 addressing with no attention arithmetic, and a contiguous read of as many bytes. Every
 variant's output is checked against the reference first; each is timed as a CUDA graph of 8
-launches cycling over 4 input sets (no launch overhead; inputs not repeated within L2 reach), median of 20 replays, against
-the device copy bandwidth measured in the same run. Writes JSON lines to --out, prints a table.
+launches cycling over 4 input sets (no launch overhead; inputs not repeated within L2 reach),
+median of 20 replays, against the device copy bandwidth measured in the same run. Writes JSON
+lines to --out, prints a table.
 
     PYTHONPATH=src python3 benchmarks/kernel_sweep.py --out DIR
 """

@@ -1,5 +1,6 @@
 """Static checks of the tree: `ruff format` applied, `ruff check` with the project's rules
-(pyproject.toml: pyflakes' undefined names, unused imports and variables, pycodestyle's errors), every `from condmem...
+(pyproject.toml: pyflakes' undefined names, unused imports and variables, pycodestyle's errors,
+lines up to 120 characters), no function in `src/` over 100 lines, every `from condmem...
 import name` resolving (also those inside functions that run only on a GPU), and no package of
 condmem importing a package that imports it back."""
 
@@ -37,6 +38,21 @@ def test_ruff_format_is_applied():
         text=True,
     )
     assert done.returncode == 0, "run `ruff format src tests benchmarks scripts examples`\n" + done.stdout
+
+
+MAX_FUNCTION_LINES = 100
+
+
+def test_no_function_in_src_is_longer_than_a_screenful_or_two():
+    # Long functions hide their steps; above ~80 lines a function says why at its top.
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(SRC.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
 
 
 def _condmem_imports():
@@ -112,7 +128,8 @@ def test_only_triton_modules_need_triton():
         "bad = []\n"
         "for p in sorted(src.rglob('*.py')):\n"
         "    kernel_bench = p.parent.name == 'bench' and p.stem in ('hash', 'gate')\n"
-        "    if p.stem in ('triton', '__main__') or p.stem.endswith('_triton') or 'integrations' in p.parts or kernel_bench:\n"
+        "    kernel_file = p.stem in ('triton', '__main__') or p.stem.endswith('_triton')\n"
+        "    if kernel_file or 'integrations' in p.parts or kernel_bench:\n"
         "        continue\n"
         "    name = '.'.join(('condmem',) + p.relative_to(src).with_suffix('').parts).removesuffix('.__init__')\n"
         "    try:\n"

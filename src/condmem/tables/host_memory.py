@@ -32,8 +32,9 @@ Strategies (`HostAlloc`):
 `collapse_huge_pages` asks the kernel (``MADV_COLLAPSE``, Linux >= 6.1) to back a filled
 anonymous buffer with 2 MiB pages right away, where the page-fault path left 4 KiB ones.
 
-Pinning a large table takes tens of seconds (docs/benchmarks.md), so the fill reports progress, and a
-request larger than ``MemAvailable`` fails at once with a message naming both numbers instead of dying in the OOM killer half-way.
+Pinning a large table takes tens of seconds (docs/benchmarks.md), so the fill reports progress,
+and a request larger than ``MemAvailable`` fails at once with a message naming both numbers
+instead of dying in the OOM killer half-way.
 """
 
 from __future__ import annotations
