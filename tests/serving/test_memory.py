@@ -290,10 +290,12 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
         assert timing.lead_ms == 0.0 and timing.hidden == 0.0
     else:
         prepared = memory.prepare(ids)
-        torch.cuda._sleep(100_000_000)  # ~50 ms of "layers" before the Engram layer
+        # ~0.5 s of "layers" before the Engram layer: far beyond the fetch's own time, also with
+        # busy parallel test workers slowing its host gather
+        torch.cuda._sleep(1_000_000_000)
         prepared.rows(1)
         hidden = prepared.fetch_timing()[1]
-        assert hidden.hidden > 0.99 and hidden.lead_ms > 10
+        assert hidden.hidden > 0.98 and hidden.lead_ms > 100
         engine = memory.engines[3]
         with torch.cuda.stream(engine.copy_stream):
             # hold this layer's DMA back ~0.5 s: far beyond the host's own time to queue and read
