@@ -62,6 +62,24 @@ def _tp_worker(rank: int, world: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def test_train_step_profile_tiny(tmp_path):
+    """Every Engram phase of a training step gets a span, the baseline has none of them, the
+    top-kernel table is written, and the script's wrappers are undone afterwards."""
+    import torch
+
+    backward = torch.Tensor.backward
+    _run("train_step_profile.py", "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--trace",
+         "--out", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "train_step_profile.json").read_text())
+    engram, baseline = result["breakdown"]["engram"], result["breakdown"]["baseline"]
+    parts = ["forward: hash", "forward: gather", "forward: wkv", "forward: gate", "backward: table grad"]
+    assert all(engram[k] > 0 for k in [*parts, "optimizer: SparseAdam", "optimizer: AdamW", "clip", "step"])
+    assert not set(parts) & set(baseline)
+    assert len(result["runs"]["engram"]["step_wall_ms"]) == 2
+    assert "aten::" in (tmp_path / "train_step_profile_kernels.txt").read_text()
+    assert torch.Tensor.backward is backward
+
+
 def test_multi_gpu_tp_on_two_gloo_ranks(tmp_path):
     """``benchmarks/multi_gpu_tp.py`` on 2 CPU ranks: every sharding mode's rows equal the
     unsharded gather on every rank; the column-parallel wkv within bf16 tolerance."""
