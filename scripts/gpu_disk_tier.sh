@@ -16,8 +16,7 @@ python3 -m condmem bench lookup --tiers disk --disk-gib "$DISK_GIB" --dram-cache
 python3 -m condmem bench e2e --backbones 4b --e2e-variants host_eager disk_prefetch --table-gib 16 \
   --disk-dir "$DISK_DIR" --dram-cache-gib 4 --sequences 128 --gen 128 --e2e-repeats 1 --measure-fetch \
   --out "$OUT" > "$OUT/bench_e2e_disk.log" 2>&1
-timeout -s INT 180 python3 -m pytest -q -p no:cacheprovider tests/serving/test_memory.py tests/serving/test_scheduler.py \
-  tests/tables/test_lookup.py -k "fetch_timing or lookahead or cpu_path or warm" > "$OUT/gpu_tests_disk_tier.log" 2>&1
-tail -n 2 "$OUT/gpu_tests_disk_tier.log"
+LOG="$OUT/gpu_tests_disk_tier.log" "$(dirname "$0")/gpu_test" tests/serving/test_memory.py \
+  tests/serving/test_scheduler.py tests/tables/test_lookup.py -k "fetch_timing or lookahead or cpu_path or warm" | tail -n 2
 grep -v "^\s*$" "$OUT/bench_lookup_disk.log" | tail -n 12
 tail -n 5 "$OUT/bench_e2e_disk.log"

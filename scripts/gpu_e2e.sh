@@ -6,6 +6,6 @@ set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -x -p no:cacheprovider tests/serving tests/models 2>&1 | tail -n 15 | tee "$OUT/runtime_gpu_tests.log"
+  LOG="$OUT/runtime_gpu_tests.log" "$(dirname "$0")/gpu_test" tests/serving tests/models | tail -n 15
 fi
 python3 -m condmem bench e2e --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_e2e.log"

@@ -6,9 +6,9 @@ set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels/test_kernels_attention.py \
-    tests/serving tests/models} 2>&1 | tail -n 25 > "$OUT/paged_gpu_tests.log"
-  tail -n 4 "$OUT/paged_gpu_tests.log"
+  # shellcheck disable=SC2086
+  LOG="$OUT/paged_gpu_tests.log" "$(dirname "$0")/gpu_test" ${TESTS:-tests/kernels/test_kernels_attention.py \
+    tests/serving tests/models} | tail -n 4
 fi
 if [ "${SKIP_PROFILE:-0}" != 1 ]; then
   timeout 120 python3 benchmarks/decode_step_profile.py --backbone 4b > "$OUT/decode_step_4b.log" 2>&1

@@ -8,10 +8,7 @@ set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 python3 -m condmem bench lookup --tiers hbm host --streams text uniform --table-gib 64 --hbm-gib 16 \
   --batch-tokens 1 64 256 16384 --repeats 3 --rounds 2 --out "$OUT" > "$OUT/bench_lookup.log" 2>&1
-timeout -s INT "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider \
-  tests/kernels tests/tables tests/serving > "$OUT/gpu_tests.log" 2>&1
-CONDMEM_BURST_REPEATS=50 timeout -s INT 180 python3 -m pytest -q -p no:cacheprovider \
-  tests/tables/test_lookup.py -k bad_ids_amid_a_burst > "$OUT/burst50.log" 2>&1
-tail -n 3 "$OUT/gpu_tests.log"
-tail -n 2 "$OUT/burst50.log"
+LOG="$OUT/gpu_tests.log" "$(dirname "$0")/gpu_test" tests/kernels tests/tables tests/serving | tail -n 3
+CONDMEM_BURST_REPEATS=50 LOG="$OUT/burst50.log" "$(dirname "$0")/gpu_test" tests/tables/test_lookup.py \
+  -k bad_ids_amid_a_burst | tail -n 2
 grep -v "^\s*$" "$OUT/bench_lookup.log" | tail -n 22

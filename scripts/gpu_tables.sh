@@ -8,12 +8,6 @@ set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
 python3 -m condmem bench lookup --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_lookup.log"
-# A hung test would hold the machine: with pytest-timeout (the device has it) a test
-# running past 120 s is stopped, its threads' stacks in the log; without it faulthandler only
-# dumps them; the suite gets 900 s in any case (SIGINT: pytest reports where it was).
-per_test="-o faulthandler_timeout=120"
-if python3 -c "import pytest_timeout" 2>/dev/null; then per_test="--timeout=120 --timeout-method=thread"; fi
-# shellcheck disable=SC2086
-timeout -s INT 900 python3 -m pytest -q -x -p no:cacheprovider $per_test \
-  tests/kernels/test_kernels_gather.py tests/kernels/test_kernels_row_cache.py tests/tables tests/serving > "$OUT/tables_tests_full.log" 2>&1
-tail -n 15 "$OUT/tables_tests_full.log" | tee "$OUT/tables_tests.log"
+# scripts/gpu_test stops a test that runs past TEST_TIMEOUT (pytest-timeout), its stacks in the log.
+LOG="$OUT/tables_tests_full.log" TEST_TIMEOUT=120 "$(dirname "$0")/gpu_test" tests/kernels/test_kernels_gather.py \
+  tests/kernels/test_kernels_row_cache.py tests/tables tests/serving | tee "$OUT/tables_tests.log"
