@@ -45,7 +45,7 @@ import condmem.train.loop as loop_module
 from condmem.bench.harness import machine_info
 from condmem.models import DecoderLM
 from condmem.models.flops import iso_flop_baseline
-from condmem.train.build import build_model_config
+from condmem.train.build import build_model, build_model_config, build_trainer
 from condmem.train.host_table import HostTables
 from condmem.train.loop import Trainer
 from condmem.train.pipeline import prepare_data
@@ -65,6 +65,7 @@ class PhaseClock:
         self.open: dict[str, object] = {}
         self.totals: dict[str, float] = defaultdict(float)
         self.replaced: list[tuple[object, str, object]] = []
+        self.hooks: list = []  # removable hook handles
 
     def mark(self):
         if self.cuda:
@@ -113,7 +114,10 @@ class PhaseClock:
         setattr(owner, name, timed)
 
     def restore(self) -> None:
-        """Undo every `wrap`, last first."""
+        """Undo every `wrap`, last first, and remove the hooks."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
         for owner, name, before in reversed(self.replaced):
             if before is None:
                 delattr(owner, name)
@@ -145,25 +149,21 @@ def instrument(clock: PhaseClock, model: DecoderLM, trainer: Trainer, host: Host
 
 def _time_table(clock: PhaseClock, table: torch.nn.Module) -> None:
     """The lookup as ``gather``; its backward, rows' gradient to the table's, as ``table grad``."""
-    lookup = table.forward
+    clock.wrap(table, "forward", "gather")
 
-    def timed(row_ids):
-        with clock.span("gather"):
-            rows = lookup(row_ids)
+    def on_rows(module, args, rows):
         if clock.active and rows.requires_grad:
             rows.register_hook(lambda grad: clock.begin("table grad"))
-        return rows
 
-    table.forward = timed
+    clock.hooks.append(table.register_forward_hook(on_rows))
     weight = getattr(table, "weight", None)
     if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
-        weight.register_post_accumulate_grad_hook(lambda p: clock.end("table grad"))
+        clock.hooks.append(weight.register_post_accumulate_grad_hook(lambda p: clock.end("table grad")))
 
 
 def profile_model(name: str, model: DecoderLM, data, tc, device, args, host: HostTables | None = None) -> dict:
     """Train `model` for warm-up + timed steps; per-phase mean ms per timed step."""
-    trainer = Trainer(model, tc, data.train, data.val, data.token_bytes, device, label=name, progress=False,
-                      host_tables=host)  # fmt: skip
+    trainer = build_trainer(model, tc, data, device, label=name, progress=False, host_tables=host)
     clock = PhaseClock(device)
     instrument(clock, model, trainer, host)
     model.train()
@@ -290,7 +290,7 @@ def main() -> None:
     runs = {}
     for name, cfg in (("baseline", iso_flop_baseline(eng_cfg)), ("engram", eng_cfg)):
         table_device = "meta" if name == "engram" and args.tier == "host" else None
-        model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=0, device=device, table_device=table_device)
+        model = build_model(cfg, data, seed=0, device=device, table_device=table_device)
         host = HostTables(model, device, seed=0, adam=args.adam) if table_device == "meta" else None
         try:
             runs[name] = profile_model(name, model, data, tc, device, args, host)

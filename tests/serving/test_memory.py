@@ -30,6 +30,13 @@ def _setup(device="cpu"):
     return cfg, hasher, modules
 
 
+def _host_memory(hasher, modules, device, **kwargs) -> EngramMemory:
+    """Host-tier memory over the modules' tables (pageable on CPU, registered mappings on CUDA)."""
+    weights = {lid: m.table.weight for lid, m in modules.items()}
+    host_alloc = "pageable" if device == "cpu" else "mmap_register"
+    return EngramMemory.from_weights(hasher, weights, "host", device, host_alloc=host_alloc, **kwargs)
+
+
 @pytest.mark.parametrize(
     ("device", "tier"),
     [
@@ -64,14 +71,7 @@ def test_prefetched_rows_equal_the_module_table(device, tier, cache):
 @pytest.mark.parametrize("device", devices())
 def test_decode_history_equals_hashing_whole_sequences(device):
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(
-        hasher,
-        {lid: m.table.weight for lid, m in modules.items()},
-        "host",
-        device,
-        host_alloc="pageable" if device == "cpu" else "mmap_register",
-        max_sequences=4,
-    )
+    memory = _host_memory(hasher, modules, device, max_sequences=4)
     gen = torch.Generator().manual_seed(2)
     # Three requests with different prompt lengths; one leaves early and a new one reuses its slot.
     seqs = {name: torch.randint(0, 70, (n,), generator=gen).tolist() for name, n in (("a", 5), ("b", 2), ("c", 7))}
@@ -119,13 +119,7 @@ def test_prepare_refuses_ids_outside_the_vocabulary(device):
     from condmem.hashing.hasher import HashInputError
 
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(
-        hasher,
-        {lid: m.table.weight for lid, m in modules.items()},
-        "host",
-        device,
-        host_alloc="pageable" if device == "cpu" else "mmap_register",
-    )
+    memory = _host_memory(hasher, modules, device)
     bad = torch.tensor([[1, 2, 70]])
     with pytest.raises(HashInputError, match="token id 70 is outside"):
         memory.prepare(bad)
@@ -162,15 +156,7 @@ def test_calibration_on_token_batches_keeps_rows_exact(device):
     """EngramMemory.calibrate hashes the caller's batches and times each host layer's split on
     them (on the CPU the split is unused and kept); rows stay exact afterwards."""
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(
-        hasher,
-        {lid: m.table.weight for lid, m in modules.items()},
-        "host",
-        device,
-        host_alloc="pageable" if device == "cpu" else "mmap_register",
-        cache_bytes=4096,
-        cpu_fraction=0.5,
-    )
+    memory = _host_memory(hasher, modules, device, cache_bytes=4096, cpu_fraction=0.5)
     gen = torch.Generator().manual_seed(2)
     sample = [torch.randint(0, 70, (4, 64), generator=gen) for _ in range(4)]
     with pytest.raises(EngramMemoryError, match="at least two"):
@@ -239,14 +225,7 @@ def test_warm_up_captures_every_layer_and_rows_stay_exact(device):
     """EngramMemory.warm_up(batch_tokens): each layer's plans for those batch sizes are captured
     (CUDA; a no-op on the CPU), and lookups of warmed and other sizes give the module's rows."""
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(
-        hasher,
-        {lid: m.table.weight for lid, m in modules.items()},
-        "host",
-        device,
-        host_alloc="pageable" if device == "cpu" else "mmap_register",
-        cache_bytes=4096,
-    )
+    memory = _host_memory(hasher, modules, device, cache_bytes=4096)
     for engine in memory.engines.values():
         engine.direct_max_ids = 0  # the full path, which has plans to capture
     memory.warm_up([4 * 64])
@@ -271,15 +250,7 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
     from condmem.serving.memory import FetchTiming
 
     cfg, hasher, modules = _setup(device)
-    memory = EngramMemory.from_weights(
-        hasher,
-        {lid: m.table.weight for lid, m in modules.items()},
-        "host",
-        device,
-        host_alloc="pageable" if device == "cpu" else "mmap_register",
-        cpu_fraction=1.0,
-        measure_fetch=True,
-    )
+    memory = _host_memory(hasher, modules, device, cpu_fraction=1.0, measure_fetch=True)
     for engine in memory.engines.values():
         engine.direct_max_ids = 0  # CPU gather -> staging -> DMA
     ids = torch.randint(0, 70, (4, 64), generator=torch.Generator().manual_seed(6)).to(device)
@@ -311,13 +282,7 @@ def test_fetch_timing_says_how_much_of_the_fetch_was_hidden(device):
         exposed = late.fetch_timing()[3]
         assert exposed.stall_ms > 10 and exposed.hidden < 0.5
     assert FetchTiming(3.0, 1.0).hidden == 0.75 and FetchTiming(3.0, 0.0).hidden == 1.0
-    plain = EngramMemory.from_weights(
-        hasher,
-        {lid: m.table.weight for lid, m in modules.items()},
-        "host",
-        device,
-        host_alloc="pageable" if device == "cpu" else "mmap_register",
-    )
+    plain = _host_memory(hasher, modules, device)
     with pytest.raises(EngramMemoryError, match="measure_fetch"):
         plain.prepare(ids).fetch_timing()
     plain.close()
