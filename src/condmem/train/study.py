@@ -701,14 +701,14 @@ def report_text(kind: str, s: dict) -> str:
 
 def _shape(f: dict) -> str:
     """Whether the allocation grid locates its optimum, in words."""
-    lowest = f.get("lowest_rho")
+    lowest = f["lowest_rho"]
     if f["u_shape"]:
         shape = "a U-shape: below both ends of the grid beyond the spread"
     elif f["optimum_rho"] == lowest:
         shape = f"at the grid's low end (rho = {lowest:.2f}): no U-shape"
     else:
         shape = f"no U-shape beyond the spread: the grid's low end (rho = {lowest:.2f}) is within it"
-    ties = f.get("within_spread_of_optimum") or []
+    ties = f["within_spread_of_optimum"]
     if ties:
         shape += "; rho = " + ", ".join(f"{r:.2f}" for r in ties) + " within the spread of the lowest mean"
     return shape
