@@ -27,6 +27,7 @@ from torch import nn
 from condmem.config import ConfigError, EngramConfig
 from condmem.ops.gate import GATE_CLAMP, engram_gate, gate_values
 from condmem.ops.short_conv import ShortConv
+from condmem.ops.row_grad import table_lookup
 
 
 class EngramInputError(ValueError):
@@ -67,6 +68,10 @@ class EngramTable(nn.Module):
             nn.init.normal_(self.weight, std=self.init_std)
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
+        if self.sparse and self.weight.is_cuda and self.weight.requires_grad and torch.is_grad_enabled():
+            # The same rows, and the sparse gradient's values bit-equal to the coalesced
+            # F.embedding one's, reduced per distinct row by one kernel (`ops.row_grad`).
+            return table_lookup(self.weight, row_ids)
         return F.embedding(row_ids, self.weight, sparse=self.sparse)
 
     def extra_repr(self) -> str:

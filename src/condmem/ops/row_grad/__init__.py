@@ -1,0 +1,104 @@
+"""A table's gradient reduced to one row per distinct row read: the sparse lookup's backward.
+
+`table_lookup(weight, row_ids)` reads rows like ``F.embedding(row_ids, weight)`` and gives
+``weight`` a *coalesced* sparse gradient: the distinct row ids in ascending order and, for
+each, the sum of the gradients of every lookup that read it, added in the order of the
+lookups. That is the order in which ``torch.sparse`` coalesces an embedding's gradient on
+CUDA (a stable sort, then one sequential fp32 sum per row), so the values are bit-equal to
+``F.embedding(..., sparse=True)`` followed by ``.coalesce()``, without the uncoalesced
+[lookups, dim] gradient and the sort of it after the backward:
+
+* the forward sorts the row ids (stable) and finds where each distinct row's run ends,
+  while the backbone's forward queues behind it (one host sync: the number of distinct
+  rows, which the sparse gradient's shape needs);
+* the backward is one kernel (`triton.py`): a program per distinct row sums its run's
+  gradient rows, several loads in flight at once, in the run's order.
+
+`row_sums_reference` is the plain torch sum the kernel is held to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from condmem.ops.row_grad.reference import row_sums_reference
+from condmem.ops.triton_util import resolve_backend
+
+
+def sorted_runs(row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, distinct rows, run ends) of the flattened ids: ``order`` int64 [n] sorts the
+    ids stably (equal ids keep their lookup order), ``rows`` int64 [k] ascending, ``ends``
+    int64 [k] the exclusive end of each row's run in ``order``."""
+    flat = row_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    return order, rows, counts.cumsum(0)
+
+
+def row_sums(grad_rows: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, backend: str | None = None):
+    """[k, dim] in ``grad_rows``' dtype: row u sums ``grad_rows[order[ends[u-1]:ends[u]]]`` in
+    fp32, first to last (`row_sums_reference` is the plain version)."""
+    if resolve_backend(backend, grad_rows.device, "row_sums") == "torch":
+        return row_sums_reference(grad_rows, order, ends)
+    from condmem.ops.row_grad.triton import row_sums_triton
+
+    return row_sums_triton(grad_rows, order, ends)
+
+
+# Autograd stores a sparse gradient it can take over as a new tensor over the same indices
+# and values, without the coalesced flag; a hook after accumulation sets the flag again
+# when the parameter's gradient is exactly the one this lookup made (its indices are ours),
+# so clipping and the optimizer do not sort it again. A sum with another gradient has new
+# indices and stays uncoalesced.
+# (Both marks are attributes of the parameter: tensors compare elementwise, so they cannot
+# key a weak dictionary.)
+
+
+def _flag_coalesced(weight: torch.Tensor) -> None:
+    rows = weight.__dict__.pop("_condmem_lookup_rows", None)
+    grad = weight.grad
+    if rows is None or grad is None or not grad.is_sparse or grad.is_coalesced():
+        return
+    indices = grad._indices()
+    if indices.data_ptr() == rows.data_ptr() and indices.shape[1] == rows.numel():
+        grad._coalesced_(True)
+
+
+class _TableLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, row_ids: torch.Tensor, backend: str | None):
+        out = F.embedding(row_ids, weight)
+        ctx.runs = sorted_runs(row_ids)
+        ctx.weight_shape = weight.shape
+        ctx.backend = backend
+        if weight.is_leaf and weight.requires_grad:
+            ctx.weight = weight
+            if not weight.__dict__.get("_condmem_flag_hook"):
+                weight.register_post_accumulate_grad_hook(_flag_coalesced)
+                weight._condmem_flag_hook = True
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        order, rows, ends = ctx.runs
+        del ctx.runs
+        values = row_sums(grad_out.reshape(-1, ctx.weight_shape[1]), order, ends, ctx.backend)
+        grad = torch.sparse_coo_tensor(
+            rows.unsqueeze(0), values, ctx.weight_shape, is_coalesced=True, check_invariants=False
+        )
+        weight = getattr(ctx, "weight", None)
+        if weight is not None:
+            weight._condmem_lookup_rows = rows
+            del ctx.weight
+        return grad, None, None
+
+
+def table_lookup(weight: torch.Tensor, row_ids: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """``F.embedding(row_ids, weight)`` whose gradient for ``weight`` is sparse and already
+    coalesced (see the module docstring); ``backend`` picks the backward's kernel
+    (`triton_util.resolve_backend`: Triton on CUDA, torch elsewhere)."""
+    return _TableLookup.apply(weight, row_ids, backend)
+
+
+__all__ = ["row_sums", "row_sums_reference", "sorted_runs", "table_lookup"]
