@@ -92,3 +92,12 @@ def test_the_sparse_table_takes_this_path_on_cuda_only_when_training():
     assert table.weight.grad.is_coalesced()
     with torch.no_grad():
         assert torch.equal(table(ids), table.weight[ids])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_runs_from_known_rows_equal_the_found_ones(device):
+    ids = _ids("skewed", (4, 50, 3), 700, torch.Generator().manual_seed(9)).to(device)
+    found = sorted_runs(ids)
+    given = sorted_runs(ids, torch.unique(ids))
+    for a, b in zip(found, given):
+        assert torch.equal(a, b)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from condmem.ops.row_grad import coalesced_gradient, sorted_runs
+
 logger = logging.getLogger("condmem.train")
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -440,8 +442,16 @@ class HostTables(abc.ABC):
         if not training:
             return rows
         leaf = rows.detach().requires_grad_(True)
-        layer.leaves.append((row_ids, leaf))
+        # On the device the lookup's runs are found now, so `gradients` reduces per row with one
+        # kernel and no sort (or host sync) between the backward and the optimizers.
+        runs = sorted_runs(row_ids, self._distinct_rows(layer)) if self.cuda else None
+        layer.leaves.append((row_ids, leaf, runs))
         return leaf
+
+    def _distinct_rows(self, layer: _Layer) -> torch.Tensor | None:
+        """The running step's distinct row ids of `layer` on the device (ascending) where the
+        mode has them already, else None."""
+        return None
 
     def _fetched_now(self, layer: _Layer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:
         """The rows of `row_ids` (`ids` flat on the host), read now: every update is applied."""
@@ -474,11 +484,15 @@ class HostTables(abc.ABC):
         out = {}
         for lid, layer in self.layers.items():
             if layer.grad is None:
-                parts = [(ids, leaf.grad) for ids, leaf in layer.leaves if leaf.grad is not None]
+                parts = [(ids, leaf.grad, runs) for ids, leaf, runs in layer.leaves if leaf.grad is not None]
                 if not parts:
                     continue
-                ids = torch.cat([i.reshape(-1) for i, _ in parts])
-                values = torch.cat([g.reshape(-1, g.shape[-1]) for _, g in parts])
+                if len(parts) == 1 and parts[0][2] is not None:
+                    layer.grad = coalesced_gradient(parts[0][1], parts[0][2], layer.weight.shape)
+                    out[lid] = layer.grad
+                    continue
+                ids = torch.cat([i.reshape(-1) for i, _, _ in parts])
+                values = torch.cat([g.reshape(-1, g.shape[-1]) for _, g, _ in parts])
                 with warnings.catch_warnings():  # ids are row ids of this table by construction
                     warnings.filterwarnings("ignore", "Sparse invariant checks")
                     layer.grad = torch.sparse_coo_tensor(

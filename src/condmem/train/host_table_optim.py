@@ -312,6 +312,9 @@ class DeviceAdamTables(HostTables):
         self.wait_s += time.perf_counter() - t0
         return self._device_rows(layer, ticket.rows[layer.layer_id], row_ids)
 
+    def _distinct_rows(self, layer: _Layer) -> torch.Tensor | None:
+        return layer.current[0] if layer.current is not None else None
+
     def _fetched_now(self, layer: _Layer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:
         """Training: the unique rows and their state, kept for `step`; otherwise the rows alone."""
         if not training:

@@ -26,14 +26,27 @@ from condmem.ops.row_grad.reference import row_sums_reference
 from condmem.ops.triton_util import resolve_backend
 
 
-def sorted_runs(row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sorted_runs(row_ids: torch.Tensor, rows: torch.Tensor | None = None):
     """(order, distinct rows, run ends) of the flattened ids: ``order`` int64 [n] sorts the
     ids stably (equal ids keep their lookup order), ``rows`` int64 [k] ascending, ``ends``
-    int64 [k] the exclusive end of each row's run in ``order``."""
+    int64 [k] the exclusive end of each row's run in ``order``.
+
+    ``rows``, when the caller knows them already (every distinct id, ascending, on the ids'
+    device), spare the host sync of finding them."""
     flat = row_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
+    if rows is not None:
+        return order, rows, torch.searchsorted(sorted_ids, rows.to(sorted_ids.dtype), right=True)
     rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     return order, rows, counts.cumsum(0)
+
+
+def coalesced_gradient(grad_rows: torch.Tensor, runs, shape, backend: str | None = None) -> torch.Tensor:
+    """The sparse COO gradient [shape] of a lookup whose `sorted_runs` are `runs`, from the
+    gradient of its rows (``grad_rows`` [..., dim], lookup order), flagged coalesced."""
+    order, rows, ends = runs
+    values = row_sums(grad_rows.reshape(-1, shape[1]), order, ends, backend)
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
 
 
 def row_sums(grad_rows: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, backend: str | None = None):
@@ -81,15 +94,12 @@ class _TableLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        order, rows, ends = ctx.runs
+        runs = ctx.runs
         del ctx.runs
-        values = row_sums(grad_out.reshape(-1, ctx.weight_shape[1]), order, ends, ctx.backend)
-        grad = torch.sparse_coo_tensor(
-            rows.unsqueeze(0), values, ctx.weight_shape, is_coalesced=True, check_invariants=False
-        )
+        grad = coalesced_gradient(grad_out, runs, ctx.weight_shape, ctx.backend)
         weight = getattr(ctx, "weight", None)
         if weight is not None:
-            weight._condmem_lookup_rows = rows
+            weight._condmem_lookup_rows = runs[1]
             del ctx.weight
         return grad, None, None
 
@@ -101,4 +111,4 @@ def table_lookup(weight: torch.Tensor, row_ids: torch.Tensor, backend: str | Non
     return _TableLookup.apply(weight, row_ids, backend)
 
 
-__all__ = ["row_sums", "row_sums_reference", "sorted_runs", "table_lookup"]
+__all__ = ["coalesced_gradient", "row_sums", "row_sums_reference", "sorted_runs", "table_lookup"]
