@@ -313,7 +313,9 @@ class DeviceAdamTables(HostTables):
         return self._device_rows(layer, ticket.rows[layer.layer_id], row_ids)
 
     def _distinct_rows(self, layer: _Layer) -> torch.Tensor | None:
-        return layer.current[0] if layer.current is not None else None
+        # A copy: the gradient's indices become the next gather's patch ids (``layer.last``),
+        # which must outlive the transfer buffer a later gather refills.
+        return layer.current[0].clone() if layer.current is not None else None
 
     def _fetched_now(self, layer: _Layer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:
         """Training: the unique rows and their state, kept for `step`; otherwise the rows alone."""
