@@ -270,6 +270,7 @@ def main() -> None:
     ap.add_argument("--table-size", type=int, default=None, help="Engram table_size (default: the preset's)")
     ap.add_argument("--tier", choices=["hbm", "host"], default="hbm", help="where the Engram tables live")
     ap.add_argument("--adam", choices=["host", "device"], default="device", help="host tier: where Adam runs")
+    ap.add_argument("--threads", type=int, default=None, help="host tier: the worker's torch threads")
     ap.add_argument("--trace", action="store_true", help="also the Engram steps' top kernels (torch.profiler)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -291,7 +292,7 @@ def main() -> None:
     for name, cfg in (("baseline", iso_flop_baseline(eng_cfg)), ("engram", eng_cfg)):
         table_device = "meta" if name == "engram" and args.tier == "host" else None
         model = build_model(cfg, data, seed=0, device=device, table_device=table_device)
-        host = HostTables(model, device, seed=0, adam=args.adam) if table_device == "meta" else None
+        host = HostTables(model, device, seed=0, adam=args.adam, threads=args.threads) if table_device == "meta" else None
         try:
             runs[name] = profile_model(name, model, data, tc, device, args, host)
         finally:
@@ -310,6 +311,7 @@ def main() -> None:
         "preset": "tiny" if args.tiny else "gpu",
         "tier": args.tier,
         "adam": args.adam if args.tier == "host" else "sparse (HBM)",
+        "threads": args.threads,
         "steps": args.steps,
         "warmup": args.warmup,
         "tokens_per_step": tc.batch_size * tc.seq_len,
