@@ -6,9 +6,7 @@
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
-timeout "${TEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider tests/train/test_host_table.py \
-  > "$OUT/train_host_gpu_tests.log" 2>&1
-tail -n 3 "$OUT/train_host_gpu_tests.log"
+LOG="$OUT/train_host_gpu_tests.log" scripts/gpu_test tests/train/test_host_table.py 2>&1 | tail -n 3
 python3 benchmarks/train_host_table.py --out "$OUT" "$@" > "$OUT/train_host_table.log" 2>&1
 grep -i "error\|Traceback" "$OUT/train_host_table.log" | head -5
 tail -n 8 "$OUT/train_host_table.log"
