@@ -50,6 +50,8 @@ Imported only when the fused step runs (it imports triton).
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -160,8 +162,8 @@ def _adam_kernel(
 
 
 def _f32(x: float) -> float:
-    """`x` rounded to fp32, as torch rounds a Python scalar for an fp32 op."""
-    return float(torch.tensor(x, dtype=torch.float32))
+    """`x` rounded to fp32 (to nearest), as torch rounds a Python scalar for an fp32 op."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _check(rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step) -> None:
