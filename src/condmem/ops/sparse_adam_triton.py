@@ -82,7 +82,7 @@ def _fresh_kernel(rows_ptr, slot_ptr, fresh_ptr, k, n_rows, BLOCK: tl.constexpr)
     tl.store(fresh_ptr + i, (ok & (slot < 0)).to(tl.int32), mask=live)
 
 
-@triton.jit(do_not_specialize=["k", "n_rows", "p_stride"])
+@triton.jit(do_not_specialize=["k", "n_rows"])  # k changes every step; a table's stride never
 def _adam_kernel(
     rows_ptr,
     grad_ptr,

@@ -62,9 +62,11 @@ def adam_rows_delta(
 
     `t` is fp32 [k], each row's step count including this step, none above `max_step`.
     Every operation acts on each row alone, so a row's result does not depend on the other
-    rows computed with it. `SparseAdam` and the host-resident tables
+    rows computed with it. `SparseAdam`'s torch path and the host-resident tables
     (`condmem.train.host_table`) both call this: the same rows with the same gradients get
-    bit-identical updates on the same device.
+    bit-identical updates on the same device. `SparseAdam`'s fused CUDA step
+    (`condmem.ops.sparse_adam_triton`) does these ops in this order with torch's roundings,
+    so it gives the same bits there (tests/train/test_sparse_adam_fused.py); change both together.
     """
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -194,12 +196,13 @@ class SparseAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 self._check_grad(p)
+                fused = self._use_fused(p)
                 rows, grad = self.touched(p.grad)
                 if rows.numel() == 0:
                     continue
                 state = self._state(p)
                 state["steps"] = state.get("steps", 0) + 1  # no row has taken more steps than this
-                if self._use_fused(p):
+                if fused:
                     self._fused_step(p, state, rows, grad, lr, beta1, beta2, eps)
                 else:
                     self._torch_step(p, state, rows, grad, lr, beta1, beta2, eps)
