@@ -242,6 +242,8 @@ def test_kernel_checks_its_arguments_and_skips_rows_outside_the_table():
     assert int(args["n_slots"]) == 3 and args["slot_of_row"].tolist() == [0, -1, -1, -1, -1, 1, -1, -1, -1, 2]
     moved = args["param"].ne(0).any(1).nonzero().flatten().tolist()
     assert moved == [0, 5, 9], "ids -1, 10 and 99 are outside the table: skipped"
+    short = _call(exp_avg=torch.zeros(2, 4), exp_avg_sq=torch.zeros(2, 4), row_step=torch.zeros(2))
+    assert short["slot_of_row"][9] == -1 and not short["param"][9].any(), "no room: skipped, not written past"
     for change, match in (
         (dict(rows=torch.tensor([0, 1], dtype=torch.int32), grad=torch.ones(2, 4)), "rows must be int64"),
         (dict(grad=torch.ones(6, 3)), r"grad must be .* \[6, 4\]"),

@@ -141,6 +141,7 @@ def _sparse_adam_variants() -> list[tuple[str, object, dict, dict, dict]]:
         "pow2_ptr": "*fp32",
         "k": "i64",
         "n_rows": "i64",
+        "capacity": "i64",
         "p_stride": "i64",
         **{name: "fp32" for name in ("w", "beta2", "one_minus_beta2", "eps", "neg_lr")},
     }

@@ -82,7 +82,7 @@ def _fresh_kernel(rows_ptr, slot_ptr, fresh_ptr, k, n_rows, BLOCK: tl.constexpr)
     tl.store(fresh_ptr + i, (ok & (slot < 0)).to(tl.int32), mask=live)
 
 
-@triton.jit(do_not_specialize=["k", "n_rows"])  # k changes every step; a table's stride never
+@triton.jit(do_not_specialize=["k", "n_rows", "capacity"])  # k changes every step; a table's stride never
 def _adam_kernel(
     rows_ptr,
     grad_ptr,
@@ -97,6 +97,7 @@ def _adam_kernel(
     pow2_ptr,
     k,
     n_rows,
+    capacity,
     p_stride,
     w,
     beta2,
@@ -121,6 +122,7 @@ def _adam_kernel(
     fresh = old < 0
     rank = tl.load(rank_ptr + r, mask=live, other=1)  # inclusive count of fresh rows up to this one
     slot = tl.where(fresh, tl.load(n_slots_ptr) + rank - 1, old.to(tl.int64))
+    live = live & (slot < capacity)  # memory safety only: the caller provides the room
     tl.store(slot_ptr + row, slot.to(tl.int32), mask=live & fresh)
     kept = live & (old >= 0)  # a fresh row's state is zero: nothing to read
     step = tl.load(step_ptr + slot, mask=kept, other=0.0) + 1.0
@@ -218,7 +220,8 @@ def sparse_adam_step(
     """One lazy Adam step of `param`'s unique `rows` (int64 [k]) with their summed gradient
     rows `grad` [k, dim], in place: the rows, their state and `n_slots` (int64 [1]).
 
-    The state buffers must hold ``n_slots + k`` slots (fresh rows take the next ones);
+    The state buffers must hold the fresh rows' slots (they take the next ones after
+    ``n_slots``; a row whose slot would fall outside is skipped, its slot not recorded);
     `pow1`, `pow2` are `condmem.train.optim.beta_powers` tables of beta1, beta2 longer than
     any row's step count after this step.
     """
@@ -226,7 +229,7 @@ def sparse_adam_step(
     k, dim = rows.numel(), param.shape[1]
     if k == 0:
         return
-    grad = grad.contiguous()
+    rows, grad = rows.contiguous(), grad.contiguous()  # (as they come from a coalesced gradient)
     fresh = torch.empty(k, dtype=torch.int32, device=rows.device)
     _fresh_kernel[(cdiv(k, FRESH_BLOCK),)](rows, slot_of_row, fresh, k, param.shape[0], BLOCK=FRESH_BLOCK)
     rank = fresh.cumsum_(0)
@@ -247,6 +250,7 @@ def sparse_adam_step(
         pow2,
         k,
         param.shape[0],
+        exp_avg.shape[0],
         param.stride(0),
         w,
         _f32(beta2),
