@@ -78,7 +78,7 @@ def worker(rank: int, world: int, init: str, args, out: str) -> None:
         "rank": rank,
         "table_params": full,
         "shard_rows": r1 - r0,
-        "state_rows": state["n_slots"],
+        "state_rows": opt.state_rows(),
         "tensor_bytes_per_param": tensor_bytes / full,
         "rss_bytes_per_param": (rss() - before) / full,
     }

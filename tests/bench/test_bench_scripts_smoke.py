@@ -163,3 +163,16 @@ def test_multi_gpu_report_collects_every_part_and_leaves_out_what_is_missing(tmp
     pytest.importorskip("matplotlib")
     assert (tmp_path / "multi_gpu.png").stat().st_size > 0
     assert "0.900 of linear" in capsys.readouterr().out
+
+
+def test_sparse_adam_step_smoke(tmp_path, capsys):
+    """Every case timed on both paths against its bound; the state of the two paths equal (on the CPU
+    the torch path's sqrt may part the rows by a rounding: `condmem.ops.sparse_adam_triton`)."""
+    _run("sparse_adam_step.py", "--smoke", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "sparse_adam_step.json").read_text())
+    cases = result["cases"]
+    assert [(c["k"], c["pattern"]) for c in cases] == [(k, p) for k in (100, 400) for p in ("fresh", "repeated")]
+    assert all(c["torch_ms"] > 0 and c["fused_ms"] > 0 and c["bound_ms"] > 0 for c in cases)
+    assert all(c["equal"]["state"] for c in cases), cases
+    assert result["copy_gbps"] > 0 and result["machine"]["torch"]
+    assert "fused/bound" in capsys.readouterr().out.splitlines()[-5]

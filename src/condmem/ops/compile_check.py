@@ -1,4 +1,5 @@
-"""Compile the lookup path's Triton kernels for a GPU architecture on a machine without a GPU.
+"""Compile the lookup path's (and the tables' sparse Adam's) Triton kernels for a GPU architecture on a machine
+without a GPU.
 
 CI has no GPU and runs kernels through the interpreter, which never invokes Triton's
 compiler, so a kernel the compiler rejects passes every CPU test (Triton 3.6, for one, fails
@@ -19,9 +20,11 @@ import os
 import sys
 
 
-def variants() -> list[tuple[str, object, dict, dict]]:
-    """(name, kernel, signature, constexprs) of every kernel variant the lookup path compiles."""
-    return _gather_variants() + _row_cache_variants()
+def variants() -> list[tuple[str, object, dict, dict, dict]]:
+    """(name, kernel, signature, constexprs, compile options) of every kernel variant the lookup
+    path and the sparse Adam compile."""
+    plain = [(*v, {}) for v in _gather_variants() + _row_cache_variants()]
+    return plain + _sparse_adam_variants()
 
 
 def _gather_variants() -> list[tuple[str, object, dict, dict]]:
@@ -119,6 +122,45 @@ def _row_cache_variants() -> list[tuple[str, object, dict, dict]]:
     ]
 
 
+def _sparse_adam_variants() -> list[tuple[str, object, dict, dict, dict]]:
+    """The tables' fused Adam: fresh-row flags, and the step on fp32, bf16 and fp16 tables (with the
+    launch's options: no fp contraction)."""
+    from condmem.ops import sparse_adam_triton as sa
+
+    adam_sig = {
+        "rows_ptr": "*i64",
+        "grad_ptr": "*fp32",
+        "p_ptr": "*fp32",
+        "slot_ptr": "*i32",
+        "rank_ptr": "*i32",
+        "n_slots_ptr": "*i64",
+        "m_ptr": "*fp32",
+        "v_ptr": "*fp32",
+        "step_ptr": "*fp32",
+        "pow1_ptr": "*fp32",
+        "pow2_ptr": "*fp32",
+        "k": "i64",
+        "n_rows": "i64",
+        "capacity": "i64",
+        "p_stride": "i64",
+        **{name: "fp32" for name in ("w", "beta2", "one_minus_beta2", "eps", "neg_lr")},
+    }
+    out = [
+        (
+            "sparse adam fresh rows",
+            sa._fresh_kernel,
+            {"rows_ptr": "*i64", "slot_ptr": "*i32", "fresh_ptr": "*i32", "k": "i64", "n_rows": "i64"},
+            {"BLOCK": sa.FRESH_BLOCK},
+            {},
+        )
+    ]
+    for dtype, kind in (("fp32", 0), ("bf16", 1), ("fp16", 2)):
+        consts = {"D": 64, "BLOCK_R": 32, "BLOCK_D": 64, "LERP_SMALL": True, "V_CUDA": True, "P_KIND": kind}
+        sig = dict(adam_sig, p_ptr=f"*{dtype}", grad_ptr=f"*{dtype}")
+        out.append((f"sparse adam step {dtype}", sa._adam_kernel, sig, {**consts, "EXACT": False}, sa.COMPILE_OPTIONS))
+    return out
+
+
 def compile_all(arch: int = 90) -> list[tuple[str, str | None]]:
     """(variant, None or the compiler's error) for every variant, compiled for sm_<arch>."""
     import triton
@@ -126,12 +168,12 @@ def compile_all(arch: int = 90) -> list[tuple[str, str | None]]:
     from triton.compiler import ASTSource
 
     results = []
-    for name, kernel, signature, constexprs in variants():
+    for name, kernel, signature, constexprs, options in variants():
         source = ASTSource(
             fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}}, constexprs=constexprs
         )
         try:
-            triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+            triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, **options})
             results.append((name, None))
         except Exception as exc:  # noqa: BLE001 - any compiler failure is the finding
             results.append((name, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"))

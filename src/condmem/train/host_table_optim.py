@@ -256,7 +256,8 @@ class DeviceAdamTables(HostTables):
     step t updates are patched from the device's own results of step t (rows and state), so no
     host work is on the device's path between two steps; the results go back to the host
     (``writeback``) while the next step computes. The same `adam_rows_delta` on the device
-    gives rows equal to `SparseAdam`'s there. Exact only (``staleness=0``).
+    gives rows equal to `SparseAdam`'s there (whose fused CUDA step is held ``torch.equal`` to
+    this arithmetic: tests/train/test_sparse_adam_fused.py). Exact only (``staleness=0``).
     """
 
     adam = "device"

@@ -7,6 +7,12 @@ never the table size, and a row no batch has read holds no state and never moves
 Each row counts its own steps for the bias correction, so a row read at every step
 follows dense Adam exactly.
 
+On CUDA `SparseAdam.step` runs the Triton kernels of `condmem.ops.sparse_adam_triton`: a
+few launches per table and no host sync (``n_slots`` is then a device tensor and a bound on
+it, kept on the host, decides when the moment buffers must grow; only then is it read), with
+rows, moments and steps bit-equal to the torch path's there (the kernel module says why, and
+where on the CPU they part). Elsewhere the torch path runs.
+
 `lr_factor` is linear warm-up then cosine decay to ``min_ratio``; each parameter group
 keeps its own base learning rate (``base_lr``), so the tables' higher rate follows the
 same curve. `clip_grad_norm_` clips by the global norm over dense and sparse gradients.
@@ -19,8 +25,12 @@ import math
 import torch
 from torch import nn
 
+from condmem.ops.triton_util import resolve_backend, triton_available
+
 
 _POWERS: dict[tuple[float, str], torch.Tensor] = {}
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Table dtypes the fused (Triton) step updates."""
 
 
 def beta_powers(beta: float, n: int, device: torch.device | str) -> torch.Tensor:
@@ -52,9 +62,11 @@ def adam_rows_delta(
 
     `t` is fp32 [k], each row's step count including this step, none above `max_step`.
     Every operation acts on each row alone, so a row's result does not depend on the other
-    rows computed with it. `SparseAdam` and the host-resident tables
+    rows computed with it. `SparseAdam`'s torch path and the host-resident tables
     (`condmem.train.host_table`) both call this: the same rows with the same gradients get
-    bit-identical updates on the same device.
+    bit-identical updates on the same device. `SparseAdam`'s fused CUDA step
+    (`condmem.ops.sparse_adam_triton`) does these ops in this order with torch's roundings,
+    so it gives the same bits there (tests/train/test_sparse_adam_fused.py); change both together.
     """
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -67,23 +79,46 @@ def adam_rows_delta(
     return update.mul_(-lr)
 
 
+HEADROOM_STEPS = 4
+"""When the fused path reads ``n_slots`` (its bound passed the capacity), the buffers grow
+unless they hold this many more steps of all-new rows: so the next read is at least this many
+steps away, not at every step while the count creeps below the capacity."""
+
+
 class SparseAdam(torch.optim.Optimizer):
     """Lazy Adam for embedding tables trained with sparse gradients.
 
     Args:
         params: table parameters (2-D); their gradients may be sparse COO (``sparse=True``
-            embeddings) or dense (then every row with a nonzero gradient counts as touched).
+            embeddings, sparse in the rows only) or dense (then every row with a nonzero
+            gradient counts as touched).
         lr, betas, eps: as `torch.optim.Adam`. No weight decay: a row not read is not pulled
             anywhere.
+        fused: None (default): the Triton step (`condmem.ops.sparse_adam_triton`) for fp32,
+            bf16 and fp16 tables on CUDA, the torch path otherwise. True: the Triton step
+            always (on CPU tensors only under ``TRITON_INTERPRET=1``: how the tests compare
+            it with the torch path); False: the torch path always.
 
     State per parameter: ``slot_of_row`` int32 [rows] (-1: no state yet), ``exp_avg`` and
-    ``exp_avg_sq`` [capacity, dim], ``row_step`` fp32 [capacity], ``n_slots``.
+    ``exp_avg_sq`` [capacity, dim], ``row_step`` fp32 [capacity], ``n_slots`` (an int on the
+    torch path; an int64 [1] device tensor on the fused path, with ``n_slots_bound``, a host
+    int no smaller than it), ``steps`` (steps this table took, at least any row's).
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        fused: bool | None = None,
+    ):
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid SparseAdam hyper-parameters lr={lr} betas={betas} eps={eps}")
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+        self.fused = fused
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -95,6 +130,12 @@ class SparseAdam(torch.optim.Optimizer):
             state["n_slots"] = 0
             state["steps"] = 0
         return state
+
+    @staticmethod
+    def slot_count(state: dict) -> int:
+        """Slots in use (``n_slots``) as an int: a host sync when the fused path keeps it on the device."""
+        n = state.get("n_slots", 0)
+        return int(n) if torch.is_tensor(n) else n
 
     @staticmethod
     def _grow(state: dict, needed: int, rows: int) -> None:
@@ -117,6 +158,32 @@ class SparseAdam(torch.optim.Optimizer):
         rows = grad.flatten(1).ne(0).any(dim=1).nonzero().squeeze(1)
         return rows, grad[rows]
 
+    @staticmethod
+    def _check_grad(p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad.layout not in (torch.strided, torch.sparse_coo):
+            raise ValueError(f"SparseAdam takes dense or sparse COO gradients, got {grad.layout}")
+        if grad.is_sparse and grad.sparse_dim() != 1:
+            raise ValueError(
+                f"SparseAdam needs gradients sparse in the rows only (sparse_dim 1, as nn.Embedding(sparse=True) "
+                f"gives), got sparse_dim {grad.sparse_dim()} for a table of shape {tuple(p.shape)}"
+            )
+
+    def _use_fused(self, p: torch.Tensor) -> bool:
+        """Whether `p` takes the Triton step (the `fused` argument's rule)."""
+        if self.fused is False:
+            return False
+        fits = p.dim() == 2 and p.dtype in FUSED_DTYPES and p.stride(1) == 1
+        if self.fused is None:
+            return fits and p.is_cuda and triton_available()
+        resolve_backend("triton", p.device, "SparseAdam(fused=True)")  # raises where it cannot run
+        if not fits:
+            raise ValueError(
+                f"SparseAdam(fused=True) updates 2-D fp32/bf16/fp16 tables with contiguous rows, got "
+                f"{p.dtype} {tuple(p.shape)}: use fused=None or False"
+            )
+        return True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -128,32 +195,83 @@ class SparseAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                self._check_grad(p)
+                fused = self._use_fused(p)
                 rows, grad = self.touched(p.grad)
                 if rows.numel() == 0:
                     continue
-                grad = grad.float()
                 state = self._state(p)
-                slot_of_row = state["slot_of_row"]
-                slots = slot_of_row[rows].long()
-                fresh = slots < 0
-                n_fresh = int(fresh.sum())  # one host sync; the sparse coalesce already needed one
-                if n_fresh:
-                    first = state["n_slots"]
-                    self._grow(state, first + n_fresh, p.shape[0])
-                    new_slots = torch.arange(first, first + n_fresh, device=p.device)
-                    slots[fresh] = new_slots
-                    slot_of_row[rows[fresh]] = new_slots.to(torch.int32)
-                    state["n_slots"] = first + n_fresh
-                m = state["exp_avg"][slots]
-                v = state["exp_avg_sq"][slots]
-                t = state["row_step"][slots] + 1
                 state["steps"] = state.get("steps", 0) + 1  # no row has taken more steps than this
-                delta = adam_rows_delta(grad, m, v, t, lr, beta1, beta2, eps, state["steps"])
-                p.index_add_(0, rows, delta.to(p.dtype))
-                state["exp_avg"][slots] = m
-                state["exp_avg_sq"][slots] = v
-                state["row_step"][slots] = t
+                if fused:
+                    self._fused_step(p, state, rows, grad, lr, beta1, beta2, eps)
+                else:
+                    self._torch_step(p, state, rows, grad, lr, beta1, beta2, eps)
         return loss
+
+    @staticmethod
+    def _torch_step(p, state: dict, rows, grad, lr: float, beta1: float, beta2: float, eps: float) -> None:
+        """The step in torch ops (any device): one host sync for the count of new rows."""
+        grad = grad.float()
+        state["n_slots"] = SparseAdam.slot_count(state)  # after fused steps: the device count, read once
+        slot_of_row = state["slot_of_row"]
+        slots = slot_of_row[rows].long()
+        fresh = slots < 0
+        n_fresh = int(fresh.sum())  # one host sync; the sparse coalesce already needed one
+        if n_fresh:
+            first = state["n_slots"]
+            SparseAdam._grow(state, first + n_fresh, p.shape[0])
+            new_slots = torch.arange(first, first + n_fresh, device=p.device)
+            slots[fresh] = new_slots
+            slot_of_row[rows[fresh]] = new_slots.to(torch.int32)
+            state["n_slots"] = first + n_fresh
+        m = state["exp_avg"][slots]
+        v = state["exp_avg_sq"][slots]
+        t = state["row_step"][slots] + 1
+        delta = adam_rows_delta(grad, m, v, t, lr, beta1, beta2, eps, state["steps"])
+        p.index_add_(0, rows, delta.to(p.dtype))
+        state["exp_avg"][slots] = m
+        state["exp_avg_sq"][slots] = v
+        state["row_step"][slots] = t
+
+    @staticmethod
+    def _reserve(state: dict, k: int, rows: int, device: torch.device) -> None:
+        """Room for `k` more slots on the fused path: the host bound of ``n_slots`` grows by
+        `k`; only when it could pass the capacity is the true count read (a host sync) and,
+        when short of `HEADROOM_STEPS` steps' room, the buffers grown."""
+        n = state["n_slots"]
+        if not torch.is_tensor(n):  # a fresh state, the torch path's or a checkpoint's count
+            state["n_slots"] = torch.full((1,), n, dtype=torch.int64, device=device)
+            state["n_slots_bound"] = n
+        bound = min(rows, state["n_slots_bound"] + k)
+        if bound > state["exp_avg"].shape[0]:
+            n = SparseAdam.slot_count(state)
+            SparseAdam._grow(state, min(rows, n + HEADROOM_STEPS * k), rows)
+            bound = min(rows, n + k)
+        state["n_slots_bound"] = bound
+
+    @staticmethod
+    def _fused_step(p, state: dict, rows, grad, lr: float, beta1: float, beta2: float, eps: float) -> None:
+        """The step in Triton kernels: no host sync unless the buffers may have to grow."""
+        from condmem.ops.sparse_adam_triton import sparse_adam_step
+
+        SparseAdam._reserve(state, rows.numel(), p.shape[0], p.device)
+        steps = state["steps"]
+        sparse_adam_step(
+            rows,
+            grad,
+            p,
+            state["slot_of_row"],
+            state["n_slots"],
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["row_step"],
+            beta_powers(beta1, steps, p.device),
+            beta_powers(beta2, steps, p.device),
+            lr,
+            beta1,
+            beta2,
+            eps,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def export_state(self, names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
@@ -164,7 +282,7 @@ class SparseAdam(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if not state:
                     continue
-                n = state["n_slots"]
+                n = self.slot_count(state)
                 base = names[p]
                 out[f"{base}.slot_of_row"] = state["slot_of_row"]
                 for key in ("exp_avg", "exp_avg_sq", "row_step"):
@@ -192,8 +310,8 @@ class SparseAdam(torch.optim.Optimizer):
                 }
 
     def state_rows(self) -> int:
-        """Rows holding optimizer state, over all tables."""
-        return sum(s.get("n_slots", 0) for s in self.state.values())
+        """Rows holding optimizer state, over all tables (a host sync per table on the fused path)."""
+        return sum(self.slot_count(s) for s in self.state.values())
 
 
 def export_adamw_state(opt: torch.optim.Optimizer, names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:

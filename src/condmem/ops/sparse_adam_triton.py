@@ -1,0 +1,270 @@
+"""The tables' lazy Adam step in two Triton launches and a scan, with no host sync.
+
+`condmem.train.optim.SparseAdam` keeps Adam state for the rows a gradient has touched:
+``slot_of_row`` int32 [rows] (-1: none yet), moments ``exp_avg``/``exp_avg_sq`` fp32
+[capacity, dim], ``row_step`` fp32 [capacity] and ``n_slots`` (here an int64 [1] device
+tensor). For k unique rows and their summed gradient rows `sparse_adam_step` runs:
+
+1. `_fresh_kernel`: 1 for each row without a slot; ``cumsum_`` numbers those rows in the
+   order given, so fresh rows take slots ``n_slots, n_slots + 1, ...`` in row order (the
+   torch path's layout);
+2. `_adam_kernel`: each row's slot (a fresh row's new one, recorded in ``slot_of_row``),
+   its moments and step count, one Adam step with the row's own bias correction, moments,
+   step and row written back (rows are unique: no atomics);
+3. ``n_slots += number of fresh rows``, on the device.
+
+The caller guarantees the capacity (`SparseAdam` keeps an upper bound of ``n_slots`` on the
+host); nothing here reads a device value on the host.
+
+The torch path's arithmetic (`condmem.train.optim.adam_rows_delta`, then ``index_add_``) op
+for op, each rounding as torch rounds it on the same device. Each torch op there is its own
+kernel that rounds to fp32 once, except for two fused multiply-adds:
+
+* ``m.lerp_(g, w)`` (w = 1 - beta1): ``fma(w, g - m, m)`` for w < 0.5, else
+  ``fma(w - 1, g - m, g)`` (``w - 1`` is exact), on the CPU (the vectorized lerp calls
+  ``fmadd``) and on CUDA (nvcc contracts ``self + weight * (end - self)``);
+* ``v.mul_(beta2).addcmul_(g, g, value=a)`` (a = 1 - beta2): CUDA's ``pointwise_op_impl``
+  computes ``fma(a, g * g, v * beta2)`` (``fma(g, g, v * beta2)`` when a == 1); the CPU's
+  ``self + value * t1 * t2``, contracted by the compiler of torch's AVX2/AVX512 kernels,
+  ``fma(a * g, g, v * beta2)``. ``V_CUDA`` picks the device's order.
+
+The rest is correctly rounded: ``tl.div_rn`` and ``tl.sqrt_rn`` (Triton's ``/`` and
+``tl.sqrt`` are approximate on NVIDIA GPUs), and the launch passes ``enable_fp_fusion=False``
+so that the compiler does not contract ``p + update * -lr`` (torch rounds the product first).
+A bf16/fp16 row gets ``p + delta.to(p.dtype)`` as ``index_add_`` computes it: the change
+rounded to the row's dtype, added in fp32, rounded again; the interpreter's fp32 -> bf16 cast
+truncates, so there the rounding is done by integer arithmetic. Scalars (lr, betas, eps) are
+rounded to fp32 on the host as torch rounds them.
+
+So on CUDA the rows, moments and steps equal the torch path's bit for bit (tests hold them
+``torch.equal``). On the CPU, where the kernel runs only in the interpreter (tests), one op
+parts: torch's CPU ``sqrt`` of fp32 is not correctly rounded (torch 2.13, AVX512, measured:
+about 1 result in 5 is 1 ulp off the IEEE square root, the same wherever the element sits),
+while the interpreter's ``np.sqrt`` is. Moments, steps and slots do not
+depend on a sqrt and stay equal; a row may differ by the rounding of its update (tests: equal
+with an IEEE sqrt in the torch path, within a bound from that rounding with torch's own).
+
+Rows outside ``[0, rows)`` (no valid sparse gradient has them) are skipped, not written.
+Imported only when the fused step runs (it imports triton).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from condmem.ops.gather.triton import _bf16_rne
+from condmem.ops.triton_util import cdiv, interpreting, next_pow2
+
+_INTERPRET = interpreting()  # as triton decided when it was imported
+
+FRESH_BLOCK = 1024
+TILE = 2048
+"""Elements of a program's [rows, dim] tile: 32 rows of 64 columns (16 fp32 a thread per
+tensor at 4 warps; the step is memory-bound)."""
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""Table dtypes the kernel updates (code of each: the kernel's ``P_KIND``)."""
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+"""Launch/compile options the exactness needs (module docstring)."""
+
+
+@triton.jit(do_not_specialize=["k", "n_rows"])
+def _fresh_kernel(rows_ptr, slot_ptr, fresh_ptr, k, n_rows, BLOCK: tl.constexpr):
+    """fresh[i] = 1 where row i has no slot yet (0 for rows outside the table)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < k
+    row = tl.load(rows_ptr + i, mask=live, other=0)
+    ok = live & (row >= 0) & (row < n_rows)
+    slot = tl.load(slot_ptr + row, mask=ok, other=0)
+    tl.store(fresh_ptr + i, (ok & (slot < 0)).to(tl.int32), mask=live)
+
+
+@triton.jit(do_not_specialize=["k", "n_rows", "capacity"])  # k changes every step; a table's stride never
+def _adam_kernel(
+    rows_ptr,
+    grad_ptr,
+    p_ptr,
+    slot_ptr,
+    rank_ptr,
+    n_slots_ptr,
+    m_ptr,
+    v_ptr,
+    step_ptr,
+    pow1_ptr,
+    pow2_ptr,
+    k,
+    n_rows,
+    capacity,
+    p_stride,
+    w,
+    beta2,
+    one_minus_beta2,
+    eps,
+    neg_lr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+    V_CUDA: tl.constexpr,
+    P_KIND: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    # Per-row values are loaded as [BLOCK_R, 1] columns, the rank of the tiles they address.
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    c = tl.arange(0, BLOCK_D)[None, :]
+    live = r < k
+    row = tl.load(rows_ptr + r, mask=live, other=0)
+    live = live & (row >= 0) & (row < n_rows)
+    old = tl.load(slot_ptr + row, mask=live, other=0)
+    fresh = old < 0
+    rank = tl.load(rank_ptr + r, mask=live, other=1)  # inclusive count of fresh rows up to this one
+    slot = tl.where(fresh, tl.load(n_slots_ptr) + rank - 1, old.to(tl.int64))
+    live = live & (slot < capacity)  # memory safety only: the caller provides the room
+    tl.store(slot_ptr + row, slot.to(tl.int32), mask=live & fresh)
+    kept = live & (old >= 0)  # a fresh row's state is zero: nothing to read
+    step = tl.load(step_ptr + slot, mask=kept, other=0.0) + 1.0
+    t = step.to(tl.int32)
+    bias1 = 1.0 - tl.load(pow1_ptr + t, mask=live, other=0.0)
+    bias2_sqrt = tl.sqrt_rn(1.0 - tl.load(pow2_ptr + t, mask=live, other=0.0))
+
+    cm = live & (c < D)
+    at = slot * D + c
+    g = tl.load(grad_ptr + r * D + c, mask=cm, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + at, mask=cm & kept, other=0.0)
+    v = tl.load(v_ptr + at, mask=cm & kept, other=0.0)
+    if LERP_SMALL:
+        m = tl.fma(w, g - m, m)
+    else:
+        m = tl.fma(w - 1.0, g - m, g)
+    if V_CUDA:
+        v = tl.fma(one_minus_beta2, g * g, v * beta2)
+    else:
+        v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+    update = tl.div_rn(tl.div_rn(m, bias1), tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps)
+    delta = update * neg_lr
+
+    pa = p_ptr + row * p_stride + c
+    p = tl.load(pa, mask=cm, other=0.0)
+    if P_KIND == 0:
+        p = p + delta
+    elif P_KIND == 1:
+        if EXACT:
+            p = _bf16_rne(p.to(tl.float32) + _bf16_rne(delta).to(tl.float32))
+        else:
+            p = (p.to(tl.float32) + delta.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    else:
+        p = (p.to(tl.float32) + delta.to(tl.float16).to(tl.float32)).to(tl.float16)
+    tl.store(pa, p, mask=cm)
+    tl.store(m_ptr + at, m, mask=cm)
+    tl.store(v_ptr + at, v, mask=cm)
+    tl.store(step_ptr + slot, step, mask=live)
+
+
+def _f32(x: float) -> float:
+    """`x` rounded to fp32 (to nearest), as torch rounds a Python scalar for an fp32 op."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _check(rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step) -> None:
+    """Shapes, dtypes and devices, from metadata only (no sync)."""
+    if param.dim() != 2 or param.dtype not in DTYPES or param.stride(1) != 1:
+        raise ValueError(
+            f"sparse_adam_step updates 2-D fp32/bf16/fp16 tables with contiguous rows, got "
+            f"{param.dtype} {tuple(param.shape)} strides {param.stride()}"
+        )
+    k, dim = rows.numel(), param.shape[1]
+    if rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(f"rows must be int64 [k], got {rows.dtype} {tuple(rows.shape)}")
+    if grad.shape != (k, dim) or grad.dtype not in DTYPES:
+        raise ValueError(
+            f"grad must be fp32/bf16/fp16 [{k}, {dim}] (one row per id), got {grad.dtype} {tuple(grad.shape)}"
+        )
+    if slot_of_row.shape != (param.shape[0],) or slot_of_row.dtype != torch.int32:
+        raise ValueError(
+            f"slot_of_row must be int32 [{param.shape[0]}], got {slot_of_row.dtype} {tuple(slot_of_row.shape)}"
+        )
+    if n_slots.shape != (1,) or n_slots.dtype != torch.int64:
+        raise ValueError(f"n_slots must be an int64 [1] tensor, got {n_slots.dtype} {tuple(n_slots.shape)}")
+    cap = exp_avg.shape[0]
+    for name, t, shape in (
+        ("exp_avg", exp_avg, (cap, dim)),
+        ("exp_avg_sq", exp_avg_sq, (cap, dim)),
+        ("row_step", row_step, (cap,)),
+    ):
+        if t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous fp32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    tensors = (rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step)
+    if any(t.device != param.device for t in tensors):
+        raise ValueError(f"sparse_adam_step: every tensor must be on the table's device {param.device}")
+
+
+def sparse_adam_step(
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    n_slots: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    row_step: torch.Tensor,
+    pow1: torch.Tensor,
+    pow2: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """One lazy Adam step of `param`'s unique `rows` (int64 [k]) with their summed gradient
+    rows `grad` [k, dim], in place: the rows, their state and `n_slots` (int64 [1]).
+
+    The state buffers must hold the fresh rows' slots (they take the next ones after
+    ``n_slots``; a row whose slot would fall outside is skipped, its slot not recorded);
+    `pow1`, `pow2` are `condmem.train.optim.beta_powers` tables of beta1, beta2 longer than
+    any row's step count after this step.
+    """
+    _check(rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step)
+    k, dim = rows.numel(), param.shape[1]
+    if k == 0:
+        return
+    rows, grad = rows.contiguous(), grad.contiguous()  # (as they come from a coalesced gradient)
+    fresh = torch.empty(k, dtype=torch.int32, device=rows.device)
+    _fresh_kernel[(cdiv(k, FRESH_BLOCK),)](rows, slot_of_row, fresh, k, param.shape[0], BLOCK=FRESH_BLOCK)
+    rank = fresh.cumsum_(0)
+    block_d = next_pow2(dim)
+    block_r = max(1, TILE // block_d)
+    w, a = _f32(1 - beta1), _f32(1 - beta2)
+    _adam_kernel[(cdiv(k, block_r),)](
+        rows,
+        grad,
+        param,
+        slot_of_row,
+        rank,
+        n_slots,
+        exp_avg,
+        exp_avg_sq,
+        row_step,
+        pow1,
+        pow2,
+        k,
+        param.shape[0],
+        exp_avg.shape[0],
+        param.stride(0),
+        w,
+        _f32(beta2),
+        a,
+        _f32(eps),
+        _f32(-lr),
+        D=dim,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        LERP_SMALL=abs(w) < 0.5,
+        V_CUDA=param.is_cuda and a != 1.0,  # with a == 1 both orders are fma(g, g, v * beta2)
+        P_KIND=DTYPES[param.dtype],
+        EXACT=_INTERPRET,
+        num_warps=4,
+        **COMPILE_OPTIONS,
+    )
+    n_slots.add_(rank[-1])
