@@ -292,7 +292,9 @@ def main() -> None:
     for name, cfg in (("baseline", iso_flop_baseline(eng_cfg)), ("engram", eng_cfg)):
         table_device = "meta" if name == "engram" and args.tier == "host" else None
         model = build_model(cfg, data, seed=0, device=device, table_device=table_device)
-        host = HostTables(model, device, seed=0, adam=args.adam, threads=args.threads) if table_device == "meta" else None
+        host = (
+            HostTables(model, device, seed=0, adam=args.adam, threads=args.threads) if table_device == "meta" else None
+        )
         try:
             runs[name] = profile_model(name, model, data, tc, device, args, host)
         finally:
