@@ -7,7 +7,8 @@ set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
 LOG="$OUT/train_speed_gpu_tests.log" scripts/gpu_test tests/kernels/test_kernels_row_grad.py \
-  tests/train/test_train_fast_paths.py tests/train/test_optim.py tests/train/test_host_table.py 2>&1 | tail -n 4
+  tests/train/test_train_fast_paths.py tests/train/test_optim.py tests/train/test_host_table.py \
+  tests/train/test_sparse_adam_fused.py tests/kernels/test_kernels_compile.py 2>&1 | tail -n 4
 profile() {  # name, then arguments of train_step_profile.py
   local name=$1; shift
   mkdir -p "$OUT/$name"
@@ -20,3 +21,4 @@ profile hbm --trace
 profile hbm_5gib --table-size 2500000
 profile host --tier host --steps 10
 profile host_threads4 --tier host --steps 10 --threads 4
+python3 benchmarks/sparse_adam_step.py --out "$OUT" > "$OUT/sparse_adam_step.log" 2>&1; tail -n 8 "$OUT/sparse_adam_step.log"

@@ -2,7 +2,8 @@
 preset on the GPU: every parameter and every loss bit-equal.
 
 * the tables' lookup (`condmem.ops.row_grad.table_lookup`: the sparse gradient reduced per
-  row by one kernel) against ``F.embedding(..., sparse=True)`` coalesced after the backward.
+  row by one kernel) against ``F.embedding(..., sparse=True)`` coalesced after the backward;
+* the tables' fused Adam step (`SparseAdam`'s Triton kernel, no host sync) against its torch path.
 
 A second plain run first shows the GPU run is itself deterministic (otherwise a difference
 would say nothing about the fast path).
@@ -31,6 +32,8 @@ def _train(data, monkeypatch, *, plain: bool):
         model = build_model(build_model_config(preset, data), data, seed=0, device="cuda")
         tc = dataclasses.replace(preset.train, steps=STEPS)
         trainer = build_trainer(model, tc, data, "cuda", progress=False)
+        if plain:
+            trainer.sparse.fused = False
         losses = [trainer.train_step(step)[0] for step in range(STEPS)]
         torch.cuda.synchronize()
         return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
