@@ -19,6 +19,5 @@ profile() {  # name, then arguments of train_step_profile.py
 }
 profile hbm --trace
 profile hbm_5gib --table-size 2500000
-profile host --tier host --steps 10
-profile host_threads4 --tier host --steps 10 --threads 4
+profile host --tier host --steps 10 --trace
 python3 benchmarks/sparse_adam_step.py --out "$OUT" > "$OUT/sparse_adam_step.log" 2>&1; tail -n 8 "$OUT/sparse_adam_step.log"

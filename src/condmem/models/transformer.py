@@ -274,6 +274,7 @@ class DecoderLM(nn.Module):
         prepared=None,
         last_only: bool = False,
         logits_at: torch.Tensor | None = None,
+        row_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] for token ids [B, T].
 
@@ -292,6 +293,8 @@ class DecoderLM(nn.Module):
                 prompt is a large, wasted matmul).
             logits_at: optional [B] positions: logits of one position per row ([B, 1, vocab]),
                 e.g. the last real token of right-padded prompts.
+            row_ids: `row_ids` of these ids (and `doc_starts`) computed already, e.g. for a
+                prefetch of host-resident tables; without a cache only.
         """
         if self.tp_group is not None:
             raise RuntimeError(
@@ -313,7 +316,7 @@ class DecoderLM(nn.Module):
                 window = cache.tokens[:batch, start - back : start + length]
                 rows = self.row_ids(window)[:, back:]
         elif prepared is None:
-            rows = self.row_ids(input_ids, doc_starts)
+            rows = row_ids if row_ids is not None else self.row_ids(input_ids, doc_starts)
         x = self.embed(input_ids)
         cos, sin = self.rotary(start, length)
         slot = 0
@@ -357,9 +360,11 @@ class DecoderLM(nn.Module):
         targets: torch.Tensor,
         doc_starts: torch.Tensor | None = None,
         reduction: str = "mean",
+        row_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Cross-entropy (nats) of `targets` [B, T] given `input_ids` [B, T]; -100 targets are ignored."""
-        logits = self(input_ids, doc_starts=doc_starts)
+        """Cross-entropy (nats) of `targets` [B, T] given `input_ids` [B, T]; -100 targets are ignored.
+        ``row_ids``: as `forward`'s."""
+        logits = self(input_ids, doc_starts=doc_starts, row_ids=row_ids)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
         return loss if reduction != "none" else loss.view_as(targets)
 

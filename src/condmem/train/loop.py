@@ -276,6 +276,7 @@ class Trainer:
         self.host = host_tables
         self.dp = data_parallel
         self._next_batch = None
+        self._next_rows = None
         if data_parallel is not None:
             if host_tables is not None:
                 raise ValueError("tables in host memory and tables sharded over ranks are two different tiers")
@@ -458,6 +459,8 @@ class Trainer:
         cfg = self.cfg
         batch = self._batch(step)
         self._next_batch = None
+        rows, self._next_rows = (self._next_rows or (None, None)), None
+        rows = rows[1] if rows[0] == step else None
         if self.dp is not None:
             batch = self.dp.local(batch)
         if self.host is not None:
@@ -465,11 +468,13 @@ class Trainer:
             if step + 1 < cfg.steps and self.host.prefetch_enabled:
                 nxt = self._batch(step + 1)
                 self._next_batch = (step + 1, nxt)
-                self.host.prefetch(self.model.row_ids(nxt.inputs, nxt.doc_starts), step + 1)
+                nxt_rows = self.model.row_ids(nxt.inputs, nxt.doc_starts)
+                self.host.prefetch(nxt_rows, step + 1)
+                self._next_rows = (step + 1, nxt_rows)  # the next forward does not hash again
         lr_mult = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         set_lr(self.optimizers, lr_mult)
         with autocast_for(self.device, cfg.precision):
-            loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts)
+            loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts, row_ids=rows)
         # Routed experts add their load-balancing loss to what is minimized; the loss
         # reported stays the cross-entropy, comparable across models.
         aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
