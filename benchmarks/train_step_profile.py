@@ -3,8 +3,9 @@
 Builds the demo's models (the ``gpu`` preset, or ``tiny`` with ``--tiny``): the iso-FLOP
 baseline and the Engram model, trains each on the same batches (stdlib source, a 4096-id
 BPE: the step's cost is measured here, not the loss), leaves ``--warmup`` steps out, then
-times ``--steps`` steps with every phase bracketed by CUDA events on the training stream
-(``time.perf_counter`` on a CPU):
+times ``--rounds`` rounds of ``--steps`` steps, the two models alternating (tokens/s best
+round against best and median against median), with every phase bracketed by CUDA events on
+the training stream (``time.perf_counter`` on a CPU):
 
 * forward: ``hash`` (`DecoderLM.row_ids`), ``gather`` (the table's lookup), ``wkv``
   (`Engram.project`), ``gate`` (`engram_gate`), ``short conv``; the rest is the backbone;
@@ -161,53 +162,73 @@ def _time_table(clock: PhaseClock, table: torch.nn.Module) -> None:
         clock.hooks.append(weight.register_post_accumulate_grad_hook(lambda p: clock.end("table grad")))
 
 
-def profile_model(name: str, model: DecoderLM, data, tc, device, args, host: HostTables | None = None) -> dict:
-    """Train `model` for warm-up + timed steps; per-phase mean ms per timed step."""
-    trainer = build_trainer(model, tc, data, device, label=name, progress=False, host_tables=host)
-    clock = PhaseClock(device)
-    instrument(clock, model, trainer, host)
-    model.train()
-    for step in range(args.warmup):
-        trainer.train_step(step)
-    walls = []
-    waited = host.wait_s if host is not None else 0.0
-    try:
-        for step in range(args.warmup, args.warmup + args.steps):
-            clock.active = True
-            t0 = time.perf_counter()
-            with clock.span("step"):
-                trainer.train_step(step)
-            walls.append((time.perf_counter() - t0) * 1e3)
-            clock.active = False
-            clock.collect()
-    finally:
-        clock.restore()
-    trace = None
-    if args.trace and name == "engram":
-        # Extra steps under the profiler, after the timed ones: its overhead stays out of the spans.
-        first = args.warmup + args.steps
-        with torch.profiler.profile(activities=_activities(device)) as profiler:
-            for step in range(first, first + TRACE_STEPS):
-                trainer.train_step(step)
-        trace = _top_kernels(profiler, device)
-    phases = {k: v / args.steps for k, v in clock.totals.items()}
-    tokens = tc.batch_size * tc.seq_len
-    step_ms = statistics.median(walls)
-    out = {
-        "name": name,
-        "phases_ms": phases,
-        "step_wall_ms_median": step_ms,
-        "step_wall_ms": walls,
-        "tokens_per_s": tokens / (step_ms / 1e3),
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
-    if host is not None:
-        # The main thread's wait for the host tier's worker (rows not yet gathered, a flush).
-        out["host_wait_ms_per_step"] = (host.wait_s - waited) / args.steps * 1e3
-    if trace is not None:
-        out["top_kernels"] = trace
-    del trainer
-    return out
+class ModelRun:
+    """One model's trainer, warmed up, timed a round at a time (rounds of the models alternate)."""
+
+    def __init__(self, name: str, model: DecoderLM, data, tc, device, args, host: HostTables | None = None):
+        self.name, self.model, self.device, self.args, self.host = name, model, device, args, host
+        self.trainer = build_trainer(model, tc, data, device, label=name, progress=False, host_tables=host)
+        self.clock = PhaseClock(device)
+        self.tokens = tc.batch_size * tc.seq_len
+        self.step = 0
+        self.walls: list[float] = []
+        self.round_tokens_per_s: list[float] = []
+        self.waited = 0.0
+        model.train()
+        for _ in range(args.warmup):
+            self._train_step()
+
+    def _train_step(self) -> None:
+        self.trainer.train_step(self.step)
+        self.step += 1
+
+    def round(self, steps: int) -> None:
+        """`steps` timed steps, every phase in its span (instrumented for the round only)."""
+        instrument(self.clock, self.model, self.trainer, self.host)
+        waited = self.host.wait_s if self.host is not None else 0.0
+        walls = []
+        try:
+            for _ in range(steps):
+                self.clock.active = True
+                t0 = time.perf_counter()
+                with self.clock.span("step"):
+                    self._train_step()
+                walls.append((time.perf_counter() - t0) * 1e3)
+                self.clock.active = False
+                self.clock.collect()
+        finally:
+            self.clock.restore()
+        if self.host is not None:
+            self.waited += self.host.wait_s - waited
+        self.walls += walls
+        self.round_tokens_per_s.append(self.tokens / (statistics.median(walls) / 1e3))
+
+    def result(self) -> dict:
+        """Per-phase mean ms per timed step, tokens/s (all timed steps' median step, and per round)."""
+        timed = len(self.walls)
+        trace = None
+        if self.args.trace and self.name == "engram":
+            # Extra steps under the profiler, after the timed ones: its overhead stays out of the spans.
+            with torch.profiler.profile(activities=_activities(self.device)) as profiler:
+                for _ in range(TRACE_STEPS):
+                    self._train_step()
+            trace = _top_kernels(profiler, self.device)
+        step_ms = statistics.median(self.walls)
+        out = {
+            "name": self.name,
+            "phases_ms": {k: v / timed for k, v in self.clock.totals.items()},
+            "step_wall_ms_median": step_ms,
+            "step_wall_ms": self.walls,
+            "tokens_per_s": self.tokens / (step_ms / 1e3),
+            "rounds_tokens_per_s": self.round_tokens_per_s,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+        if self.host is not None:
+            # The main thread's wait for the host tier's worker (rows not yet gathered, a flush).
+            out["host_wait_ms_per_step"] = self.waited / timed * 1e3
+        if trace is not None:
+            out["top_kernels"] = trace
+        return out
 
 
 def _activities(device: torch.device) -> list:
@@ -266,7 +287,20 @@ def report(runs: dict[str, dict]) -> str:
         lines.append(f"{'host tier: main thread waited':40s} {'':12s} {re_['host_wait_ms_per_step']:10.3f}")
     ratio = re_["tokens_per_s"] / rb["tokens_per_s"]
     lines.append(f"tokens/s: baseline {rb['tokens_per_s']:,.0f}, engram {re_['tokens_per_s']:,.0f} ({ratio:.3f}x)")
+    r = ratios(runs)
+    per_round = " ".join(f"{x:.3f}" for x in r["rounds"])
+    lines.append(f"engram / baseline tokens/s: best {r['best']:.3f}, median {r['median']:.3f} (rounds {per_round})")
     return "\n".join(lines)
+
+
+def ratios(runs: dict[str, dict]) -> dict:
+    """Engram over baseline tokens/s: best round against best, median against median, each round's."""
+    b, e = runs["baseline"]["rounds_tokens_per_s"], runs["engram"]["rounds_tokens_per_s"]
+    return {
+        "best": max(e) / max(b),
+        "median": statistics.median(e) / statistics.median(b),
+        "rounds": [x / y for x, y in zip(e, b)],
+    }
 
 
 def main() -> None:
@@ -274,7 +308,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny preset (a CPU smoke run)")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per model")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per model and round")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds, the two models alternating")
     ap.add_argument("--warmup", type=int, default=5, help="steps before the timed ones (compiles, caches)")
     ap.add_argument("--table-size", type=int, default=None, help="Engram table_size (default: the preset's)")
     ap.add_argument("--tier", choices=["hbm", "host"], default="hbm", help="where the Engram tables live")
@@ -295,24 +330,28 @@ def main() -> None:
         tokenizer_train_bytes=1_000_000 if args.tiny else 2_000_000,
         seed=0,
     )
-    tc = dataclasses.replace(preset.train, steps=args.warmup + args.steps + TRACE_STEPS, eval_every=0, seed=0)
+    total = args.warmup + args.rounds * args.steps + TRACE_STEPS
+    tc = dataclasses.replace(preset.train, steps=total, eval_every=0, seed=0)
     eng_cfg = build_model_config(preset, data)
-    runs = {}
-    for name, cfg in (("baseline", iso_flop_baseline(eng_cfg)), ("engram", eng_cfg)):
-        table_device = "meta" if name == "engram" and args.tier == "host" else None
-        model = build_model(cfg, data, seed=0, device=device, table_device=table_device)
-        host = (
-            HostTables(model, device, seed=0, adam=args.adam, threads=args.threads) if table_device == "meta" else None
-        )
-        try:
-            runs[name] = profile_model(name, model, data, tc, device, args, host)
-        finally:
-            if host is not None:
-                host.close()
-        del model, host
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    models = {}
+    try:
+        for name, cfg in (("baseline", iso_flop_baseline(eng_cfg)), ("engram", eng_cfg)):
+            table_device = "meta" if name == "engram" and args.tier == "host" else None
+            model = build_model(cfg, data, seed=0, device=device, table_device=table_device)
+            host = None
+            if table_device == "meta":
+                host = HostTables(model, device, seed=0, adam=args.adam, threads=args.threads)
+            models[name] = ModelRun(name, model, data, tc, device, args, host)
+        for _ in range(args.rounds):
+            for run in models.values():
+                run.round(args.steps)
+        runs = {name: run.result() for name, run in models.items()}
+    finally:
+        for run in models.values():
+            if run.host is not None:
+                run.host.close()
+    del models
+    gc.collect()
     text = report(runs)
     trace = runs["engram"].pop("top_kernels", None)
     if trace is not None:
@@ -324,10 +363,12 @@ def main() -> None:
         "adam": args.adam if args.tier == "host" else "sparse (HBM)",
         "threads": args.threads,
         "steps": args.steps,
+        "rounds": args.rounds,
         "warmup": args.warmup,
         "tokens_per_step": tc.batch_size * tc.seq_len,
         "runs": runs,
         "breakdown": {k: breakdown(v) for k, v in runs.items()},
+        "ratios": ratios(runs),
         "machine": machine_info(),
     }
     (out_dir / "train_step_profile.json").write_text(json.dumps(result, indent=1) + "\n")

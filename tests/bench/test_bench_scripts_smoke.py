@@ -68,14 +68,15 @@ def test_train_step_profile_tiny(tmp_path):
     import torch
 
     backward = torch.Tensor.backward
-    _run("train_step_profile.py", "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--trace",
-         "--out", str(tmp_path))  # fmt: skip
+    _run("train_step_profile.py", "--tiny", "--device", "cpu", "--steps", "2", "--rounds", "2", "--warmup", "1",
+         "--trace", "--out", str(tmp_path))  # fmt: skip
     result = json.loads((tmp_path / "train_step_profile.json").read_text())
     engram, baseline = result["breakdown"]["engram"], result["breakdown"]["baseline"]
     parts = ["forward: hash", "forward: gather", "forward: wkv", "forward: gate", "backward: table grad"]
     assert all(engram[k] > 0 for k in [*parts, "optimizer: SparseAdam", "optimizer: AdamW", "clip", "step"])
     assert not set(parts) & set(baseline)
-    assert len(result["runs"]["engram"]["step_wall_ms"]) == 2
+    assert len(result["runs"]["engram"]["step_wall_ms"]) == 2 * 2  # steps x rounds
+    assert len(result["ratios"]["rounds"]) == 2 and result["ratios"]["best"] > 0
     assert "aten::" in (tmp_path / "train_step_profile_kernels.txt").read_text()
     assert torch.Tensor.backward is backward
 
