@@ -21,6 +21,7 @@ import triton.language as tl
 
 from condmem.fp8 import FP8_DTYPE, SCALE_BLOCK
 from condmem.ops.gather.reference import FP8, PLAIN, GatherError, TableFormat
+from condmem.ops.launch import FastLaunch
 from condmem.ops.triton_util import cdiv, interpreting, next_pow2, persistent_programs
 
 _INTERPRET = interpreting()  # as triton decided when it was imported (read once: launches read it)
@@ -114,6 +115,8 @@ if triton is not None:
                 else:
                     tl.store(out_ptr + r[:, None, None] * D + col, yb, mask=om)
 
+    _GATHER = FastLaunch(_gather_kernel)
+
 
 class _HostPointer:
     """A host table at a kernel launch: Triton reads ``data_ptr()`` and ``dtype`` only, and its
@@ -181,16 +184,12 @@ def gather_triton(
             raise GatherError(f"max_programs must be >= 1, got {max_programs}")
         programs = min(programs, max_programs)
     try:
-        _gather_kernel[(programs,)](
-            ids,
-            _launch_table(table),
-            _launch_table(scale_t),
-            out,
-            out_index if out_index is not None else ids,
-            n_rows,
-            lo,
-            fmt.rows,
-            out.shape[0] if out_index is not None else 0,
+        _GATHER(
+            (programs,),
+            (ids, _launch_table(table), _launch_table(scale_t), out, out_index if out_index is not None else ids),
+            (n_rows, lo, fmt.rows, out.shape[0] if out_index is not None else 0),
+            (),
+            num_warps,
             ROW_STRIDE=row_stride,
             SCALE_STRIDE=scale_stride,
             SCALE_OFF=scale_off,
@@ -202,7 +201,6 @@ def gather_triton(
             MODE=fmt.mode,
             EXACT=_INTERPRET,
             SCATTER=out_index is not None,
-            num_warps=num_warps,
         )
     except ValueError as exc:
         if "cannot be accessed" in str(exc):
