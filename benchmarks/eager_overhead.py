@@ -315,6 +315,7 @@ def _stub_compiled():
     compiled = object.__new__(CompiledKernel)
     compiled.module, compiled.function, compiled.name, compiled.src = 1, 0, "stub", None
     compiled.packed_metadata, compiled._run = (4, 1, 0), "".format
+    compiled._module_pid = None  # (Triton 3.9 unloads a module of its own process when the object goes)
     return compiled
 
 

@@ -1,8 +1,9 @@
 """The eager per-call path stays correct where it was made cheaper.
 
 * id checks: a call's message is formatted only for a bad id; on a GPU the page-locked
-  buffers and events are reused across calls, a bad id is still raised (once, naming it),
-  and a host far ahead of its GPU keeps a bounded number of checks in flight;
+  buffers and events are reused across calls, the hash kernels write their ranges into them
+  (a checked call allocates nothing else), a bad id is still raised (once, naming it), and a
+  host far ahead of its GPU keeps a bounded number of checks in flight;
 * the Hugging Face adapter: inside generate() a decode step does not read a tensor on the
   host (no torch.equal, a GPU sync), and a base-model forward called with positional
   arguments finds them as with keywords.
@@ -73,6 +74,30 @@ def test_gpu_checks_reuse_buffers_and_still_name_a_bad_id():
         hasher(neg)
         hasher.raise_pending(block=True)
     assert torch.equal(hasher(ids[2]), hasher(ids[2], backend="torch"))
+
+
+@pytest.mark.gpu
+def test_gpu_hash_kernels_write_their_id_ranges_into_page_locked_slots():
+    """A checked call allocates its rows only (the kernel writes the ranges into a reserved page-locked
+    slot: no device buffer, no copy), and an id in the last program of a large batch is still named."""
+    hasher = _hasher("cuda")
+    ids = torch.randint(0, 60, (3, 1000), device="cuda")  # 24 programs of 128 tokens
+    cu = torch.tensor([0, 1000, 3000], device="cuda")
+    hasher(ids)
+    hasher.hash_ragged(ids.reshape(-1), cu)
+    hasher.raise_pending(block=True)
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    hasher(ids)
+    hasher.hash_ragged(ids.reshape(-1), cu)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - allocations == 2
+    assert all(slot.host.is_pinned() for slot, *_ in hasher._checks._pending)
+    hasher.raise_pending(block=True)
+    for call in (lambda x: hasher(x), lambda x: hasher.hash_ragged(x.reshape(-1), cu)):
+        bad = ids.clone()
+        bad[2, 999] = 60 + 4
+        with pytest.raises(HashInputError, match=f"token id {60 + 4} is outside"):
+            call(bad)
+            hasher.raise_pending(block=True)
 
 
 @pytest.mark.gpu

@@ -134,7 +134,9 @@ class FastLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self._compiled: dict[tuple, tuple] = {}  # key -> (launcher, function handle, packed metadata)
+        # key -> (launcher, function handle, packed metadata, the CompiledKernel: held so that its module stays
+        # loaded, Triton >= 3.9 unloads it when the object goes, e.g. once Triton's own cache is cleared)
+        self._compiled: dict[tuple, tuple] = {}
         self.launches = [0, 0]  # [normal, shortcut], read by tests and benchmarks
 
     def __call__(self, grid: tuple, ptrs: tuple, ints: tuple, floats: tuple, num_warps: int, **constexprs) -> None:
@@ -155,7 +157,7 @@ class FastLaunch:
                 self._remember(key, compiled)
             return
         self.launches[1] += 1
-        run, function, metadata = entry
+        run, function, metadata, _ = entry
         n = len(grid)
         # No launch metadata and no hooks: only launch hooks read them, and none is set (`Runtime.hooks_set`).
         run(
@@ -189,9 +191,23 @@ class FastLaunch:
 
     def _remember(self, key: tuple, compiled) -> None:
         """Keep what the normal launch returned, if it is a compiled kernel with what the shortcut calls."""
-        entry = tuple(getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
+        entry = (*(getattr(compiled, name, None) for name in ("run", "function", "packed_metadata")), compiled)
         if any(e is None for e in entry):
             return
         if len(self._compiled) >= _MAX_ENTRIES:
             self._compiled.clear()
         self._compiled[key] = entry
+
+
+class HostPointer:
+    """A page-locked host tensor at a kernel launch: Triton reads ``data_ptr()`` and ``dtype`` only (and the
+    shortcut's key the same), and its launcher turns the address into the device address of that memory."""
+
+    __slots__ = ("dtype", "tensor")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+        self.dtype = t.dtype
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from condmem.fp8 import FP8_DTYPE, SCALE_BLOCK
 from condmem.ops.gather.reference import FP8, PLAIN, GatherError, TableFormat
-from condmem.ops.launch import FastLaunch
+from condmem.ops.launch import FastLaunch, HostPointer
 from condmem.ops.triton_util import cdiv, interpreting, next_pow2, persistent_programs
 
 _INTERPRET = interpreting()  # as triton decided when it was imported (read once: launches read it)
@@ -118,23 +118,11 @@ if triton is not None:
     _GATHER = FastLaunch(_gather_kernel)
 
 
-class _HostPointer:
-    """A host table at a kernel launch: Triton reads ``data_ptr()`` and ``dtype`` only, and its
-    launcher turns the address into the device address of the page-locked memory."""
-
-    def __init__(self, t: torch.Tensor):
-        self.tensor = t
-        self.dtype = t.dtype
-
-    def data_ptr(self) -> int:
-        return self.tensor.data_ptr()
-
-
 def _launch_table(t: torch.Tensor):
     """What a kernel launch receives for a table: a uint8 view of fp8 data; host tables wrapped."""
     t = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
     if not t.is_cuda and not _INTERPRET:
-        return _HostPointer(t)
+        return HostPointer(t)
     return t
 
 
@@ -158,8 +146,8 @@ def gather_triton(
     num_warps: int | None,
     max_programs: int | None,
 ) -> torch.Tensor:
-    """Launch the kernel on checked arguments (`engram_gather` checks them): flat contiguous
-    `ids`, `out` shaped for them (or the scatter target with `out_index`)."""
+    """Launch the kernel on checked arguments (`engram_gather` checks them): contiguous `ids` (read
+    as flat, any shape), `out` shaped for them (or the scatter target with `out_index`)."""
     n_rows = ids.numel()
     if n_rows == 0:
         return out

@@ -262,9 +262,14 @@ _PREFILL = FastLaunch(_hash_prefill_kernel)
 _DECODE = FastLaunch(_hash_decode_kernel)
 
 
+def id_range_rows(n_tokens: int, block_t: int = 128) -> int:
+    """Programs of a hash launch over `n_tokens`: the rows of ranges it writes (`id_range`)."""
+    return max(1, cdiv(n_tokens, block_t))
+
+
 def id_range_slots(n_tokens: int, device, block_t: int = 128) -> torch.Tensor:
     """Uninitialized int32 [programs, 3] for the kernels' per-program id ranges."""
-    return torch.empty((max(1, cdiv(n_tokens, block_t)), 3), dtype=torch.int32, device=device)
+    return torch.empty((id_range_rows(n_tokens, block_t), 3), dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -308,8 +313,9 @@ def hash_prefill_triton(
         blocked: optional bool [B, T] (see `condmem.ops.hash.reference.shifted_history`).
         fast_mod: Barrett reduction instead of the 64-bit ``%``.
         out: optional int64 [B, T, L, (N-1)*H] to write into.
-        id_range: optional int32 [programs, 3] (`id_range_slots`): each program writes its
-            ``[max id, max -id, 0]`` there (no host sync, no zeroing).
+        id_range: optional int32 [programs, 3] (`id_range_slots`, or page-locked host memory as a
+            `condmem.ops.launch.HostPointer`): each program writes its ``[max id, max -id, 0]``
+            there (no host sync, no zeroing).
 
     Returns:
         int64 [B, T, L, (N-1)*H], equal (``torch.equal``) to `hash_reference`.
