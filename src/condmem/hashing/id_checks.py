@@ -45,6 +45,14 @@ class _Slot:
         self.pointer = HostPointer(self.host)
         self.event = torch.cuda.Event()  # made on the key's device at its first record
 
+    def __del__(self):
+        # A hash kernel may still be writing this memory (it writes it directly, no copy that torch's
+        # pinned pool would wait for): wait for it before the memory can go to another tensor.
+        try:
+            self.event.synchronize()  # (an event never recorded returns at once)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone: nothing left to protect
+            pass
+
 
 class PendingIdChecks:
     """Range rows of earlier hash calls (or lookups), checked when their GPU work is done.
