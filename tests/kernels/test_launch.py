@@ -220,15 +220,19 @@ def test_the_shortcut_runs_only_on_triton_versions_whose_launch_was_read(monkeyp
     assert launch._version("nightly") == (0, 0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if not hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a CPU-only torch: stand-ins for the two it reads
+        monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     for version in ("3.5.1", "3.10.0", "4.0.0", "nightly"):
         monkeypatch.setattr(triton, "__version__", version)
         assert launch._runtime() is None, version
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert launch._runtime() is None
-    if not hasattr(torch._C, "_cuda_getCurrentRawStream"):
-        return  # a CPU-only torch: no runtime whatever the version
     monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("CONDMEM_FAST_LAUNCH", "0")  # the user's switch
+    assert launch._runtime() is None
+    monkeypatch.delenv("CONDMEM_FAST_LAUNCH")
     assert isinstance(launch._runtime(), Runtime)
 
 

@@ -177,7 +177,7 @@ class NgramHasher:
             raise HashInputError(f"{name} must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
         if mask.shape != like.shape:
             raise HashInputError(f"{name} has shape {tuple(mask.shape)}, input_ids {tuple(like.shape)}")
-        return mask.to(like.device)
+        return mask if mask.device == like.device else mask.to(like.device)
 
     def compress(self, input_ids: torch.Tensor, check: bool = True) -> torch.Tensor:
         """Token ids [B, T] -> int64 compressed ids; `check` validates the id range (one host sync)."""

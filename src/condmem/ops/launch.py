@@ -24,7 +24,8 @@ The normal launch is used instead where the shortcut cannot be shown equal: in t
 interpreter (``TRITON_INTERPRET=1``), on a Triton version whose launch was not read (outside
 3.6 to 3.9) or whose objects lack what the shortcut calls, while a launch hook, pre-run hook
 or stage-inspection hook is set (profilers such as proton), and for arguments of other types
-than tensors, ints, floats, bools and None.
+than tensors, ints, floats, bools and None. ``CONDMEM_FAST_LAUNCH=0`` (read at import) turns
+the shortcut off everywhere.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Runtime:
 
 def _runtime() -> Runtime | None:
     """The `Runtime` where the shortcut may run in this process, else None (every launch the normal one)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or os.environ.get("CONDMEM_FAST_LAUNCH") == "0":
         return None
     try:
         import triton
