@@ -264,7 +264,7 @@ def run_gpu(args) -> dict:
 
     device = torch.device("cuda")
     result = {"machine": machine_info(), "args": vars(args), "checks": checks(device), "rows": []}
-    result["shortcut"] = launch.RUNTIME is not None
+    result["shortcut"] = launch.runtime() is not None
     log("checks", result["checks"], "shortcut launch:", result["shortcut"])
     for tokens in (128, 16384):
         ops, hasher = cases(tokens, device, args.sets)

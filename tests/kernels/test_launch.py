@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -236,6 +238,21 @@ def test_the_shortcut_runs_only_on_triton_versions_whose_launch_was_read(monkeyp
     assert isinstance(launch._runtime(), Runtime)
 
 
+def test_the_runtime_is_worked_out_at_the_first_launch_not_at_import(monkeypatch):
+    code = "import sys; from condmem import NgramHasher; import condmem.ops.launch; print('triton' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", "importing the hasher imports Triton"
+    stand_in = Runtime(_knobs(), lambda: 0, lambda d: 0)
+    monkeypatch.setattr(launch, "RUNTIME", launch._UNSET)
+    monkeypatch.setattr(launch, "_runtime", lambda: stand_in)
+    kernel = _Kernel()
+    fast = FastLaunch(kernel)
+    x, y = torch.zeros(32, dtype=torch.int64), torch.zeros(8)
+    for _ in range(2):
+        fast((1,), (x, y), (32,), (0.5,), 4, A=2, B=True)
+    assert launch.RUNTIME is stand_in and fast.launches == [1, 1]
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's fallback")
 def test_ops_in_the_interpreter_take_the_normal_launch_and_keep_their_results(runtime):
     """With a runtime installed, the interpreter's launches return no compiled kernel: nothing is cached."""
@@ -319,7 +336,7 @@ def _op_results(device, n_tokens: int = 37, offset: int = 0, dim: int = 40) -> d
 def test_gpu_shortcut_equals_the_plain_launch(monkeypatch, n_tokens, offset, dim):
     """Odd sizes and views `offset` elements into a buffer (misaligned pointers) change the specialization;
     the shortcut's results equal the plain launch's bit for bit, its first and its cached calls alike."""
-    assert launch.RUNTIME is not None, "the shortcut is off on this machine (Triton version?)"
+    assert launch.runtime() is not None, "the shortcut is off on this machine (Triton version?)"
     launchers = _launchers()
     with monkeypatch.context() as m:
         m.setattr(launch, "RUNTIME", None)
@@ -337,7 +354,7 @@ def test_gpu_shortcut_equals_the_plain_launch(monkeypatch, n_tokens, offset, dim
 @pytest.mark.gpu
 def test_gpu_shortcut_follows_specialization_changes_back_and_forth():
     """Aligned, misaligned, aligned again, other sizes: each call equals the plain launch of the same inputs."""
-    assert launch.RUNTIME is not None
+    assert launch.runtime() is not None
     for n_tokens, offset in [(64, 0), (64, 1), (64, 0), (17, 1), (16, 0), (1, 0), (64, 1)]:
         got = _op_results("cuda", n_tokens, offset, 48)
         saved, launch.RUNTIME = launch.RUNTIME, None

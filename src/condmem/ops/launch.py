@@ -24,7 +24,7 @@ The normal launch is used instead where the shortcut cannot be shown equal: in t
 interpreter (``TRITON_INTERPRET=1``), on a Triton version whose launch was not read (outside
 3.6 to 3.9) or whose objects lack what the shortcut calls, while a launch hook, pre-run hook
 or stage-inspection hook is set (profilers such as proton), and for arguments of other types
-than tensors, ints, floats, bools and None. ``CONDMEM_FAST_LAUNCH=0`` (read at import) turns
+than tensors, ints, floats, bools and None. ``CONDMEM_FAST_LAUNCH=0`` (read at the first launch) turns
 the shortcut off everywhere.
 """
 
@@ -103,8 +103,21 @@ def _runtime() -> Runtime | None:
     return Runtime(knobs, device, stream)
 
 
-RUNTIME: Runtime | None = _runtime()
-"""Read at every launch; None: the normal launch only. (Tests and the host-only benchmark put a stand-in here.)"""
+_UNSET = object()
+RUNTIME = _UNSET
+"""The `Runtime`, read at every launch; None: the normal launch only. Worked out at the first launch
+(importing this module imports no Triton). Tests and the host-only benchmark put a stand-in here."""
+
+
+def runtime() -> Runtime | None:
+    """The `Runtime` the shortcut runs with in this process; None where every launch is Triton's own."""
+    return _runtime_now() if RUNTIME is _UNSET else RUNTIME
+
+
+def _runtime_now() -> Runtime | None:
+    global RUNTIME
+    RUNTIME = _runtime()
+    return RUNTIME
 
 
 def _key(ptrs: tuple, ints: tuple, floats: tuple) -> tuple:
@@ -142,6 +155,8 @@ class FastLaunch:
 
     def __call__(self, grid: tuple, ptrs: tuple, ints: tuple, floats: tuple, num_warps: int, **constexprs) -> None:
         rt = RUNTIME
+        if rt is _UNSET:
+            rt = _runtime_now()
         if rt is None or rt.hooks_set(self.kernel):
             self._normal(grid, ptrs, ints + floats, num_warps, constexprs)
             return
