@@ -117,6 +117,7 @@ def _variants(x, y):
         ("bool where an int was", (x, y), (True,), (0.5,), 4, {"A": 2, "B": True}),
         ("constexpr value", (x, y), (32,), (0.5,), 4, {"A": 3, "B": True}),
         ("constexpr bool", (x, y), (32,), (0.5,), 4, {"A": 2, "B": False}),
+        ("constexpr of another type", (x, y), (32,), (0.5,), 4, {"A": 2, "B": 1}),
         ("num_warps", (x, y), (32,), (0.5,), 8, {"A": 2, "B": True}),
     ]
 

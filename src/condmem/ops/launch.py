@@ -12,13 +12,13 @@ launcher with the calling convention of ``JITFunction.run`` (Triton 3.6 to 3.9 a
     compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata,
                  launch_metadata, enter_hook, exit_hook, *every_argument)
 
-The key holds everything a compiled kernel is specialized on (`_key`): each
-argument's type; a tensor's dtype and whether its address is a multiple of 16; an int's
-``== 1`` (Triton makes it a constant), its divisibility by 16 and its width (i32, i64, u64);
-the constexpr values; ``num_warps``; the current device; and the Triton knobs that enter its
-compile options. Floats, bools and None are specialized on their type only. A key may split
-what Triton would share (``do_not_specialize`` arguments still enter it): that costs one more
-normal launch, never a wrong kernel.
+The key holds everything a compiled kernel is specialized on (`_key`): each scalar's type;
+a tensor's dtype and whether its address is a multiple of 16; an int's ``== 1`` (Triton
+makes it a constant), its divisibility by 16 and its width (i32, i64, u64); the constexprs'
+values and types; ``num_warps``; the current device; and the Triton knobs that enter its
+compile options. Floats are specialized on their type only. A key may split what Triton
+would share (``do_not_specialize`` arguments still enter it): that costs one more normal
+launch, never a wrong kernel.
 
 The normal launch is used instead where the shortcut cannot be shown equal: in the
 interpreter (``TRITON_INTERPRET=1``), on a Triton version whose launch was not read (outside
@@ -162,7 +162,9 @@ class FastLaunch:
             return
         device = rt.device()
         try:
-            key = (_key(ptrs, ints, floats), tuple(constexprs.items()), num_warps, device, rt.knob_values(rt.knobs))
+            # Constexprs by value and type (True == 1 == 1.0 in Python, not in a compiled kernel).
+            consts = (tuple(constexprs.items()), tuple(map(type, constexprs.values())))
+            key = (_key(ptrs, ints, floats), consts, num_warps, device, rt.knob_values(rt.knobs))
         except (AttributeError, TypeError):  # an argument of a kind the key does not cover
             self._normal(grid, ptrs, ints + floats, num_warps, constexprs)
             return
