@@ -6,10 +6,13 @@ For the hasher (`NgramHasher.__call__`, `hash_ragged` with history slots), the g
 hc 4 x 4096 hidden), this measures per call:
 
 * ``eager``: the public call as a user makes it (ids checked: the hasher's default
-  ``check=True``), on fresh inputs (several sets in turn), ``--calls`` calls between two
-  synchronizations, median over ``--batches`` batches: what the GPU sees when the host
-  queues one call after another (host-bound when the host's work exceeds the kernel's);
-* ``eager_nocheck`` (hash ops): the same with ``check=False``;
+  ``check=True``; kernels launched through `condmem.ops.launch`'s shortcut), on fresh inputs
+  (several sets in turn), ``--calls`` calls between two synchronizations, median over
+  ``--batches`` batches: what the GPU sees when the host queues one call after another
+  (host-bound when the host's work exceeds the kernel's);
+* ``eager_triton_launch``: the same with the shortcut off (every launch Triton's own
+  ``kernel[grid](...)``);
+* ``*_nocheck`` (hash ops): the same with ``check=False``;
 * ``graph``: the same calls captured in one CUDA graph and replayed (the kernels alone);
 * ``ratio`` = eager / graph (target <= 1.5).
 
@@ -19,10 +22,11 @@ same inputs, the hashes with the torch reference, and a bad token id must still 
 
     PYTHONPATH=src python3 benchmarks/eager_overhead.py --out $OUT        # GPU, < 1 minute
 
-``--host-only`` runs on the CPU with every kernel launch stubbed out: per call, the Python
-function calls (cProfile) and microseconds of the host work around the launch (plus an HF
-decode step's Python calls, with transformers installed). The GPU branches (pinned copies,
-events) do not run there.
+``--host-only`` runs on the CPU with every launch stubbed below Triton's Python (a stand-in
+driver and compiled kernel; the C launcher is a builtin): per call, the Python function calls
+(cProfile) and microseconds of the host work, once through Triton's own launch and once
+through the shortcut (plus an HF decode step's Python calls, with transformers installed).
+The GPU branches (pinned buffers, events) and the C launcher do not run there.
 
     PYTHONPATH=src python3 benchmarks/eager_overhead.py --host-only --out DIR
 """
@@ -232,14 +236,41 @@ def checks(device) -> dict:
     return got
 
 
+def triton_launch_ms(fn, arg_sets: list[tuple], calls: int, batches: int) -> float:
+    """`eager_ms` with `condmem.ops.launch`'s shortcut off: every launch is Triton's own ``kernel[grid](...)``."""
+    import condmem.ops.launch as launch
+
+    saved, launch.RUNTIME = launch.RUNTIME, None
+    try:
+        return eager_ms(fn, arg_sets, calls, batches)
+    finally:
+        launch.RUNTIME = saved
+
+
+def launch_counts() -> dict:
+    """[Triton's launches, shortcut launches] per launcher so far."""
+    import condmem.ops.gate.triton as gate_t
+    import condmem.ops.gather.triton as gather_t
+    import condmem.ops.hash.triton as hash_t
+
+    names = ("_PREFILL", "_RAGGED", "_ADVANCE", "_DECODE")
+    counts = {n.strip("_").lower(): list(getattr(hash_t, n).launches) for n in names}
+    counts.update(gate=list(gate_t._GATE_FWD.launches), gather=list(gather_t._GATHER.launches))
+    return counts
+
+
 def run_gpu(args) -> dict:
+    import condmem.ops.launch as launch
+
     device = torch.device("cuda")
     result = {"machine": machine_info(), "args": vars(args), "checks": checks(device), "rows": []}
-    log("checks", result["checks"])
+    result["shortcut"] = launch.runtime() is not None
+    log("checks", result["checks"], "shortcut launch:", result["shortcut"])
     for tokens in (128, 16384):
         ops, hasher = cases(tokens, device, args.sets)
         for name, (fn, graph_fn, arg_sets) in ops.items():
             row = {"op": name, "tokens": tokens, "eager_ms": eager_ms(fn, arg_sets, args.calls, args.batches)}
+            row["eager_triton_launch_ms"] = triton_launch_ms(fn, arg_sets, args.calls, args.batches)
             if graph_fn is not None:
                 hasher.raise_pending()  # checks still in flight are read before a capture (no event query in it)
                 if not name.startswith("hash_ragged"):  # (advances its history: compared in `checks`)
@@ -255,30 +286,72 @@ def run_gpu(args) -> dict:
         base = r["op"].replace("_nocheck", "").replace("_launcher", "")
         if r.get("graph_ms") is None and graph_of.get((base, r["tokens"])):
             r["ratio"] = r["eager_ms"] / graph_of[(base, r["tokens"])]
+    result["launches"] = launch_counts()
+    log("launches [triton, shortcut]:", result["launches"])
     return result
 
 
 # ---------------------------------------------------------------------- host only (CPU, launches stubbed)
-class _StubKernel:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` costs one Python call and one builtin
-    (``"".format`` takes and ignores any arguments)."""
+class _CpuDriver:
+    """Stands in for Triton's CUDA driver on the CPU: device 0, stream 0, an H100/H200 target."""
 
-    def __getitem__(self, grid):
-        return "".format
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
 
 
-def stub_kernels() -> None:
+def _stub_compiled():
+    """A CompiledKernel whose C launcher is a builtin (``"".format`` takes and ignores any arguments):
+    Triton's own Python around it (launch metadata, the ``run`` property) runs as on a GPU."""
+    from triton.compiler.compiler import CompiledKernel
+
+    compiled = object.__new__(CompiledKernel)
+    compiled.module, compiled.function, compiled.name, compiled.src = 1, 0, "stub", None
+    compiled.packed_metadata, compiled._run = (4, 1, 0), "".format
+    compiled._module_pid = None  # (Triton 3.9 unloads a module of its own process when the object goes)
+    return compiled
+
+
+def _jit_without_gpu(kernel):
+    """The kernel as a real JITFunction (the host-only run imports Triton as an interpreter) whose compile
+    step returns `_stub_compiled`: Triton's normal launch then runs its binder, cache key and checks."""
+    from triton.runtime.jit import JITFunction
+
+    jit = JITFunction(kernel.fn, **getattr(kernel, "kwargs", {}))
+
+    def compile_stub(key, signature, device, constexprs, options, attrs, warmup):
+        compiled = jit.device_caches[device][0][key] = _stub_compiled()
+        return compiled
+
+    jit._do_compile = compile_stub
+    return jit
+
+
+def stub_kernels(shortcut: bool) -> None:
+    """Every launch of the ops stubbed below Triton's Python: `shortcut` switches on `condmem.ops.launch`'s
+    shortcut (what a user gets on a GPU) with a stand-in runtime; else every launch is Triton's normal one."""
+    import triton
+    from triton.runtime import driver
+
     import condmem.ops.gate.triton as gate_t
     import condmem.ops.gather.triton as gather_t
     import condmem.ops.hash.triton as hash_t
+    import condmem.ops.launch as launch
 
-    for mod, names in (
-        (hash_t, ("_hash_prefill_kernel", "_hash_ragged_kernel", "_advance_kernel", "_hash_decode_kernel")),
-        (gate_t, ("_gate_fwd_chunked_kernel",)),
-        (gather_t, ("_gather_kernel",)),
-    ):
-        for n in names:
-            setattr(mod, n, _StubKernel())
+    driver.set_active(_CpuDriver())
+    for fast in (hash_t._PREFILL, hash_t._RAGGED, hash_t._ADVANCE, hash_t._DECODE, gate_t._GATE_FWD, gather_t._GATHER):
+        if not hasattr(fast, "interpreted"):
+            fast.interpreted = fast.kernel
+        fast.kernel = _jit_without_gpu(fast.interpreted)
+    # The current device and stream by builtins, as torch's own are (int() is 0, abs(0) is 0).
+    launch.RUNTIME = launch.Runtime(triton.knobs, int, abs) if shortcut else None
     # The stubs write no id ranges: the slots start at zero (in range), which the CPU reads at once.
     hash_t.id_range_slots = lambda n_tokens, device, block_t=128: torch.zeros(
         (max(1, -(-n_tokens // block_t)), 3), dtype=torch.int32, device=device
@@ -307,9 +380,11 @@ def host_us(fn, n: int = 200, batches: int = 15) -> float:
     return min(times)
 
 
-def hf_decode_step_calls() -> dict | None:
-    """Python calls of one decode step of HF generate(): a tiny Llama, plain and with Engram
-    (module tables; tables in an EngramMemory), each step's count from generates of 1 and 17 tokens."""
+def hf_decode_step() -> dict | None:
+    """Python calls and host microseconds of one decode step of HF generate() on the CPU: a tiny Llama,
+    plain and with Engram (module tables; tables in an EngramMemory), each step's from generates of 1 and
+    17 tokens. (On the CPU the Engram ops are the torch references: the adapter's own work is what
+    compares with a GPU step.)"""
     try:
         import transformers
     except ImportError:
@@ -342,14 +417,24 @@ def hf_decode_step_calls() -> dict | None:
         layer_ids=[1, 2], max_ngram_size=3, n_heads=2, head_dim=16, table_size=61, pad_id=1, short_conv=False
     )
 
-    def per_step(m) -> float:
+    def per_step(m) -> dict:
         def gen(n):
             kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": n, "max_new_tokens": n}
             return lambda: m.generate(ids, **kw)
 
+        def seconds(fn) -> float:  # the fastest of several: the host is shared
+            times = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
         with torch.no_grad():
             gen(17)()
-            return (python_calls(gen(17), 3) - python_calls(gen(1), 3)) / 16
+            calls = (python_calls(gen(17), 3) - python_calls(gen(1), 3)) / 16
+            us = (seconds(gen(17)) - seconds(gen(1))) / 16 * 1e6
+        return {"python_calls": calls, "host_us": us}
 
     plain = model()
     out = {"none": per_step(plain)}
@@ -365,19 +450,39 @@ def hf_decode_step_calls() -> dict | None:
 
 
 def run_host(args) -> dict:
-    stub_kernels()
     device = torch.device("cpu")
     result = {"machine": machine_info(), "args": vars(args), "rows": []}
     for tokens in (128, 16384):
-        ops, _ = cases(tokens, device, args.sets, backend="triton")
-        for name, (fn, _, arg_sets) in ops.items():
-            call = functools.partial(fn, *arg_sets[0])
-            row = {"op": name, "tokens": tokens, "python_calls": python_calls(call, 50), "host_us": host_us(call)}
-            result["rows"].append(row)
-            log(row)
-    result["hf_decode_step_python_calls"] = hf_decode_step_calls()
-    log("HF decode step, Python calls:", result["hf_decode_step_python_calls"])
+        for launch_path in ("triton", "shortcut"):
+            stub_kernels(shortcut=launch_path == "shortcut")
+            ops, _ = cases(tokens, device, args.sets, backend="triton")
+            for name, (fn, _, arg_sets) in ops.items():
+                call = functools.partial(fn, *arg_sets[0])
+                call()  # a specialization's first call compiles (here: the stub)
+                row = {"op": name, "tokens": tokens, "launch": launch_path}
+                row.update(python_calls=python_calls(call, 50), host_us=host_us(call))
+                result["rows"].append(row)
+                log(row)
+    result["hf_decode_step"] = hf_decode_step()
+    log("HF decode step:", result["hf_decode_step"])
     return result
+
+
+def print_host(result: dict) -> None:
+    rows = {(r["op"], r["tokens"], r["launch"]): r for r in result["rows"]}
+    print("per call, launches stubbed below Triton's Python: Triton's own launch, then condmem's shortcut")
+    print(f"{'op':>20} {'tokens':>7} {'calls triton':>13} {'calls shortcut':>15} {'us triton':>10} {'us shortcut':>12}")
+    for (op, tokens, path), r in rows.items():
+        if path == "triton":
+            f = rows[(op, tokens, "shortcut")]
+            print(
+                f"{op:>20} {tokens:7d} {r['python_calls']:13.1f} {f['python_calls']:15.1f} "
+                f"{r['host_us']:10.1f} {f['host_us']:12.1f}"
+            )
+    hf = result["hf_decode_step"]
+    if hf:
+        steps = ", ".join(f"{k} {v['python_calls']:.0f} calls {v['host_us']:.0f} us" for k, v in hf.items())
+        print("HF decode step (CPU, tiny Llama, torch ops), per step: " + steps)
 
 
 def main() -> None:
@@ -395,22 +500,22 @@ def main() -> None:
     (out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwritten {out / name}")
     if args.host_only:
-        print(f"{'op':>20} {'tokens':>7} {'Python calls':>13} {'host us':>8}")
-        for r in result["rows"]:
-            print(f"{r['op']:>20} {r['tokens']:7d} {r['python_calls']:13.1f} {r['host_us']:8.1f}")
-        hf = result["hf_decode_step_python_calls"]
-        if hf:
-            print("HF decode step, Python calls: " + ", ".join(f"{k} {v:.0f}" for k, v in hf.items()))
+        print_host(result)
         return
     print(
-        "eager: public call, fresh inputs, synchronized per batch of calls (median); graph: the same calls "
-        "replayed from a CUDA graph; *_launcher: Triton's launch alone; target ratio <= 1.5"
+        "eager: public call, fresh inputs, synchronized per batch of calls (median), launched as a user gets "
+        f"it (condmem's shortcut {'on' if result['shortcut'] else 'OFF'}); triton: the same through Triton's own "
+        "launch; graph: the same calls replayed from a CUDA graph; *_launcher: the launch function alone; "
+        "target ratio (eager / graph) <= 1.5"
     )
-    print(f"{'op':>20} {'tokens':>7} {'eager ms':>9} {'graph ms':>9} {'ratio':>6}  equal")
+    print(f"{'op':>20} {'tokens':>7} {'eager ms':>9} {'triton ms':>10} {'graph ms':>9} {'ratio':>6}  equal")
     for r in result["rows"]:
         graph = f"{r['graph_ms']:9.4f}" if r.get("graph_ms") is not None else f"{'':>9}"
         ratio = f"{r['ratio']:6.2f}" if r.get("ratio") is not None else f"{'':>6}"
-        print(f"{r['op']:>20} {r['tokens']:7d} {r['eager_ms']:9.4f} {graph} {ratio}  {r.get('equal', '')}")
+        print(
+            f"{r['op']:>20} {r['tokens']:7d} {r['eager_ms']:9.4f} {r['eager_triton_launch_ms']:10.4f} {graph} "
+            f"{ratio}  {r.get('equal', '')}"
+        )
     print("checks:", result["checks"])
     failed = [k for k, v in result["checks"].items() if not v] + [
         f"{r['op']}@{r['tokens']}" for r in result["rows"] if r.get("equal") is False

@@ -299,6 +299,11 @@ def main() -> None:
         ).stdout.strip()
         or None
     )
+    from condmem.ops import launch
+
+    # Whether the Engram kernels launch through condmem's shortcut here (docs/kernels.md): rows
+    # measured before it are compared with rows measured with it.
+    result["fast_launch"] = launch.runtime() is not None
     ids = prompts(ctok, args.batch, args.prompt_tokens).to(device)
 
     torch.manual_seed(0)

@@ -1,8 +1,9 @@
 """The eager per-call path stays correct where it was made cheaper.
 
 * id checks: a call's message is formatted only for a bad id; on a GPU the page-locked
-  buffers and events are reused across calls, a bad id is still raised (once, naming it),
-  and a host far ahead of its GPU keeps a bounded number of checks in flight;
+  buffers and events are reused across calls, the hash kernels write their ranges into them
+  (a checked call allocates nothing else), a bad id is still raised (once, naming it), and a
+  host far ahead of its GPU keeps a bounded number of checks in flight;
 * the Hugging Face adapter: inside generate() a decode step does not read a tensor on the
   host (no torch.equal, a GPU sync), and a base-model forward called with positional
   arguments finds them as with keywords.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import numpy as np
@@ -73,6 +75,30 @@ def test_gpu_checks_reuse_buffers_and_still_name_a_bad_id():
         hasher(neg)
         hasher.raise_pending(block=True)
     assert torch.equal(hasher(ids[2]), hasher(ids[2], backend="torch"))
+
+
+@pytest.mark.gpu
+def test_gpu_hash_kernels_write_their_id_ranges_into_page_locked_slots():
+    """A checked call allocates its rows only (the kernel writes the ranges into a reserved page-locked
+    slot: no device buffer, no copy), and an id in the last program of a large batch is still named."""
+    hasher = _hasher("cuda")
+    ids = torch.randint(0, 60, (3, 1000), device="cuda")  # 24 programs of 128 tokens
+    cu = torch.tensor([0, 1000, 3000], device="cuda")
+    hasher(ids)
+    hasher.hash_ragged(ids.reshape(-1), cu)
+    hasher.raise_pending(block=True)
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    hasher(ids)
+    hasher.hash_ragged(ids.reshape(-1), cu)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - allocations == 2
+    assert all(slot.host.is_pinned() for slot, *_ in hasher._checks._pending)
+    hasher.raise_pending(block=True)
+    for call in (lambda x: hasher(x), lambda x: hasher.hash_ragged(x.reshape(-1), cu)):
+        bad = ids.clone()
+        bad[2, 999] = 60 + 4
+        with pytest.raises(HashInputError, match=f"token id {60 + 4} is outside"):
+            call(bad)
+            hasher.raise_pending(block=True)
 
 
 @pytest.mark.gpu
@@ -148,6 +174,36 @@ def test_generate_decode_steps_read_no_tensor_on_the_host(hf_model, monkeypatch)
         got = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert real_equal(got, want)
     assert not calls, f"the adapter compared tensors {len(calls)} times (each a GPU sync) in generate()"
+
+
+def test_the_look_back_state_is_cut_only_when_a_forward_reads_it(hf_model, monkeypatch):
+    """Inside generate() each step reads generate's own sequences: no step cuts the state it leaves under
+    the cache. A forward continuing that cache outside generate() reads it, with the uncached rows."""
+    from condmem.integrations.transformers import decode_state, get_engram
+
+    model, tok = hf_model
+    adapter = get_engram(model)
+    ids = torch.randint(2, tok.original_vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    cut = []
+    real_last_columns = decode_state.last_columns
+    monkeypatch.setattr(decode_state, "last_columns", lambda *a: cut.append(1) or real_last_columns(*a))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        assert not cut, "a decode step inside generate() cut a look-back state"
+        seq = out.sequences
+        nxt = torch.randint(2, tok.original_vocab_size, (2, 1), generator=torch.Generator().manual_seed(3))
+        full_mask = torch.ones(2, seq.shape[1] + 1, dtype=mask.dtype)
+        full_mask[:, : mask.shape[1]] = mask
+        # generate() ends without the last token's forward: feed it with the next one.
+        cache = out.past_key_values if getattr(out, "cache", None) is None else out.cache
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        model(torch.cat([seq[:, -1:], nxt], 1), attention_mask=full_mask, **{key: cache})
+        assert len(cut) == 1
+        cached_rows = adapter.last_row_ids
+        model(torch.cat([seq, nxt], 1), attention_mask=full_mask)
+    assert torch.equal(cached_rows, adapter.last_row_ids[:, -2:])
 
 
 def test_positional_arguments_of_the_base_forward(hf_model):

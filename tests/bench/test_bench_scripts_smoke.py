@@ -177,3 +177,26 @@ def test_sparse_adam_step_smoke(tmp_path, capsys):
     assert all(c["equal"]["state"] for c in cases), cases
     assert result["copy_gbps"] > 0 and result["machine"]["torch"]
     assert "fused/bound" in capsys.readouterr().out.splitlines()[-5]
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(),
+    reason="--host-only is the CPU mode (it imports Triton as the interpreter; a GPU runs the full mode)",
+)
+def test_eager_overhead_host_only(tmp_path):
+    """In a process of its own (it swaps Triton's driver and the kernels for stand-ins): every op at both
+    sizes through Triton's launch and through condmem's shortcut, the shortcut with fewer Python calls."""
+    import subprocess
+
+    script = BENCHMARKS / "eager_overhead.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--host-only", "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = json.loads((tmp_path / "eager_overhead_host.json").read_text())["rows"]
+    calls = {(r["op"], r["tokens"], r["launch"]): r["python_calls"] for r in rows}
+    ops = {"hasher", "hasher_nocheck", "hash_ragged", "hash_ragged_nocheck", "gate", "gather"}
+    assert {op for op, _, _ in calls} == ops
+    for op in ops:
+        for tokens in (128, 16384):
+            assert calls[(op, tokens, "shortcut")] < calls[(op, tokens, "triton")], (op, tokens)

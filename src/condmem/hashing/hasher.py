@@ -104,6 +104,7 @@ class NgramHasher:
         }
         self._magic_host: torch.Tensor | None = None
         self._per_device: dict[torch.device, dict[str, torch.Tensor | None]] = {}
+        self._triton_consts: dict[torch.device, tuple] = {}
         self._backends: dict[tuple[str, str], str] = {}
         self._depth = layout.max_ngram_size - 1
         self._n_heads = layout.n_heads
@@ -176,7 +177,7 @@ class NgramHasher:
             raise HashInputError(f"{name} must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
         if mask.shape != like.shape:
             raise HashInputError(f"{name} has shape {tuple(mask.shape)}, input_ids {tuple(like.shape)}")
-        return mask.to(like.device)
+        return mask if mask.device == like.device else mask.to(like.device)
 
     def compress(self, input_ids: torch.Tensor, check: bool = True) -> torch.Tensor:
         """Token ids [B, T] -> int64 compressed ids; `check` validates the id range (one host sync)."""
@@ -245,21 +246,35 @@ class NgramHasher:
         if self._backend(backend, device) == "triton":
             # The kernel applies the compression map itself: one launch from token ids to rows,
             # with the id range folded in on the device.
-            id_range = self._range_slots(input_ids.numel(), device) if check else None
-            rows = self._hash_triton(
-                input_ids, self.constants(device)["lookup"], blocked, with_offsets, id_range=id_range
-            )
+            n_tokens = input_ids.numel()
+            id_range, slot = self._range_target(n_tokens, device) if check else (None, None)
+            rows = self._hash_triton(input_ids, True, blocked, with_offsets, id_range=id_range)
             if id_range is not None:
-                self._checks.submit(id_range, call)
+                self._submit_range(id_range, slot, n_tokens, call)
             return rows
         if check:
             self._checks.submit_ids(input_ids, call)
         compressed = self.compress(input_ids, check=False)
         return self.hash_compressed(compressed, blocked=blocked, with_offsets=with_offsets, backend="torch")
 
-    @staticmethod
-    def _range_slots(n_tokens: int, device: torch.device) -> torch.Tensor | None:
-        return _kernels().id_range_slots(n_tokens, device) if n_tokens else None
+    def _range_target(self, n_tokens: int, device: torch.device) -> tuple:
+        """Where a hash kernel writes its per-program id ranges: (its launch argument, the reserved slot or
+        None). On CUDA a page-locked slot the kernel writes itself (no device buffer, no copy to queue);
+        elsewhere a tensor, checked at once. (None, None) for an empty batch."""
+        if not n_tokens:
+            return None, None
+        kernels = _kernels()
+        if device.type == "cuda":
+            slot = self._checks.reserve(kernels.id_range_rows(n_tokens), device)
+            return slot.pointer, slot
+        return kernels.id_range_slots(n_tokens, device), None
+
+    def _submit_range(self, id_range, slot, n_tokens: int, call) -> None:
+        """Hand the ranges a launch writes (`_range_target`) to the pending checks."""
+        if slot is not None:
+            self._checks.submit_written(slot, _kernels().id_range_rows(n_tokens), call)
+        else:
+            self._checks.submit(id_range, call)
 
     def raise_pending(self, block: bool = True) -> None:
         """Raise `HashInputError` if an earlier call's token ids were out of range.
@@ -271,19 +286,28 @@ class NgramHasher:
         """
         self._checks.raise_pending(block=block)
 
+    def _triton_constants(self, device: torch.device) -> tuple:
+        """(multipliers, primes, Barrett magic, offsets, lookup) on `device`, looked up once per device."""
+        got = self._triton_consts.get(device)
+        if got is None:
+            c = self.constants(device)
+            got = (c["multipliers"], c["primes"], self._magic(device), c["offsets"], c["lookup"])
+            self._triton_consts[device] = got
+        return got
+
     def _hash_triton(
-        self, ids: torch.Tensor, lookup, blocked, with_offsets: bool, id_range: torch.Tensor | None = None
+        self, ids: torch.Tensor, with_lookup: bool, blocked, with_offsets: bool, id_range=None
     ) -> torch.Tensor:
-        c = self.constants(ids.device)
+        multipliers, primes, magic, offsets, lookup = self._triton_constants(ids.device)
         return _kernels().hash_prefill_triton(
             ids,
-            multipliers=c["multipliers"],
-            primes=c["primes"],
-            magic=self._magic(ids.device),
-            offsets=c["offsets"] if with_offsets else None,
+            multipliers=multipliers,
+            primes=primes,
+            magic=magic,
+            offsets=offsets if with_offsets else None,
             n_heads=self._n_heads,
             pad_id=self.pad_compressed_id,
-            lookup=lookup,
+            lookup=lookup if with_lookup else None,
             blocked=blocked,
             id_range=id_range,
         )
@@ -298,7 +322,7 @@ class NgramHasher:
     ) -> torch.Tensor:
         """Like `__call__` but for compressed ids already (no range check)."""
         if self._backend(backend, compressed.device) == "triton":
-            return self._hash_triton(compressed, None, blocked, with_offsets)
+            return self._hash_triton(compressed, False, blocked, with_offsets)
         c = self.constants(compressed.device)
         return hash_reference(
             compressed,
@@ -431,7 +455,8 @@ class NgramHasher:
     ) -> torch.Tensor:
         """`hash_ragged`'s rows from the Triton kernel; ids and boundaries checked on the device, read later."""
         device = input_ids.device
-        id_range = self._range_slots(input_ids.numel(), device) if check else None
+        n_tokens = input_ids.numel()
+        id_range, slot = self._range_target(n_tokens, device) if check else (None, None)
         rows = _kernels().hash_ragged_triton(
             input_ids,
             cu_seqlens,
@@ -449,7 +474,7 @@ class NgramHasher:
             id_range=id_range,
         )
         if id_range is not None:
-            self._checks.submit(id_range, label)
+            self._submit_range(id_range, slot, n_tokens, label)
         if check and id_range is None:  # an empty batch: its boundaries still count
             self._check_boundaries(cu_seqlens, 0)
         return rows

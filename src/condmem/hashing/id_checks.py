@@ -10,8 +10,10 @@ immediate.
 
 A check sits on every eager call, so its host work is kept small: the page-locked buffers
 and their events are reused (allocating page-locked memory and creating events per call
-cost more than the hash kernel itself), the ranges are read through numpy, and a call's
-message is only formatted when it reports a bad id.
+cost more than the hash kernel itself), a hash kernel writes its rows straight into a
+reserved page-locked buffer (`reserve` / `submit_written`: no device buffer to allocate,
+no copy to queue), the ranges are read through numpy, and a call's message is only
+formatted when it reports a bad id.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from condmem.ops.launch import HostPointer
+
 _MAX_PENDING = 256
 """Checks in flight at most; one more waits for the oldest (only a host far ahead of its GPU gets there)."""
 
@@ -29,15 +33,25 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class _Slot:
-    """A reusable page-locked buffer of range rows, its numpy view and the event its copy records."""
+    """A reusable page-locked buffer of range rows, its numpy view, its address for a kernel launch, and the
+    event recorded after the work that fills it."""
 
-    __slots__ = ("array", "event", "host", "key")
+    __slots__ = ("array", "event", "host", "key", "pointer")
 
     def __init__(self, key: tuple, rows: int):
         dtype, cols, _device = self.key = key
         self.host = torch.empty((rows, cols), dtype=dtype, pin_memory=True)
         self.array = self.host.numpy()
+        self.pointer = HostPointer(self.host)
         self.event = torch.cuda.Event()  # made on the key's device at its first record
+
+    def __del__(self):
+        # A hash kernel may still be writing this memory (it writes it directly, no copy that torch's
+        # pinned pool would wait for): wait for it before the memory can go to another tensor.
+        try:
+            self.event.synchronize()  # (an event never recorded returns at once)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone: nothing left to protect
+            pass
 
 
 class PendingIdChecks:
@@ -87,6 +101,20 @@ class PendingIdChecks:
         slot.host[:rows].copy_(id_range, non_blocking=True)
         slot.event.record(self._stream(index))
         self._pending.append((slot, rows, negated, call))
+        if len(self._pending) > _MAX_PENDING:
+            self._check_oldest(block=True)
+
+    def reserve(self, rows: int, device: torch.device) -> _Slot:
+        """A page-locked slot of at least `rows` int32 rows ``[max id, max -id, broken]`` that a kernel on CUDA
+        `device` writes itself: launch it with ``slot.pointer``, then hand the slot over with `submit_written`
+        (a slot not handed over is simply dropped)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return self._slot((torch.int32, 3, index), rows)
+
+    def submit_written(self, slot: _Slot, rows: int, call: str | Callable[[], str]) -> None:
+        """Hand over a `reserve`d slot whose first `rows` rows work queued on the current stream writes."""
+        slot.event.record(self._stream(slot.key[2]))
+        self._pending.append((slot, rows, True, call))
         if len(self._pending) > _MAX_PENDING:
             self._check_oldest(block=True)
 
@@ -146,10 +174,10 @@ class PendingIdChecks:
     def _raise_if_bad(self, rows: np.ndarray, negated: bool, call: str | Callable[[], str]) -> None:
         if rows.shape[0] == 0:
             return
-        worst = rows.max(axis=0)
+        worst = rows.max(axis=0).tolist()  # Python ints in one call
         if negated:
-            hi, neg_lo = int(worst[0]), int(worst[1])
-            broken = int(worst[2]) if rows.shape[1] > 2 else 0
+            hi, neg_lo = worst[0], worst[1]
+            broken = worst[2] if rows.shape[1] > 2 else 0
         else:
             hi, neg_lo, broken = int(worst[0]), -int(rows[:, 1].min()), 0
         if not broken and hi < self.bound and neg_lo <= 0:

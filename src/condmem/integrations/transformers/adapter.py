@@ -30,7 +30,7 @@ from torch import nn
 
 from condmem.config import ConfigError, EngramConfig
 from condmem.hashing import NgramHasher
-from condmem.integrations.transformers.decode_state import DecodeState, DecodeStates
+from condmem.integrations.transformers.decode_state import DecodeState, DecodeStates, last_columns
 from condmem.integrations.transformers.families import Family, locate
 from condmem.layout import EngramLayout
 from condmem.module import Engram
@@ -52,7 +52,7 @@ class EngramModelError(ValueError):
 class _Step:
     """What one forward's Engram layers read: row ids, padding mask, prefetched rows, ShortConv inputs."""
 
-    row_ids: torch.Tensor  # int64 [B, T, n_layers, n_cols]
+    layer_rows: tuple[torch.Tensor, ...] | None  # per layer int64 [B, T, n_cols]; None when a memory looks up
     token_mask: torch.Tensor | None  # bool [B, T]; False at padding (gate closed)
     prepared: object | None  # condmem.serving.Prepared when the tables sit in an EngramMemory
     conv_in: dict[int, torch.Tensor] | None  # per ShortConv layer: inputs before this step (cached runs only)
@@ -129,7 +129,9 @@ class EngramAdapter:
     def _generate_window(self, stash, past: int, new_ids: torch.Tensor) -> torch.Tensor | None:
         """Inside generate(), when this forward's tokens are its running sequences' last ones: those
         sequences from N-1 positions before the new tokens (a view: no copy, no look-back state)."""
-        full = stash[0].to(new_ids.device)
+        full = stash[0]
+        if full.device != new_ids.device:  # (a `.to` that returns the tensor itself still costs a dispatch)
+            full = full.to(new_ids.device)
         batch, new = new_ids.shape
         if full.shape != (batch, past + new):
             return None
@@ -156,7 +158,7 @@ class EngramAdapter:
                     if mask is None
                     else _as_valid(mask.to(new_ids.device)[:, :past])
                 )
-                return _last_columns(tokens, valid, depth, self.config.pad_id)
+                return last_columns(tokens, valid, depth, self.config.pad_id)
         state = self._states.get(cache)
         if state is None or state.length != past or state.batch != batch:
             seen = "no Engram state" if state is None else f"state for {state.batch} rows x {state.length} positions"
@@ -198,29 +200,30 @@ class EngramAdapter:
         window = self._generate_window(stash, past, input_ids) if stash is not None and past >= depth else None
         if window is not None:
             # Inside generate(): the look-back and the new tokens are one slice of its sequences.
-            ids, valid = window, None if mask is None else _as_valid(mask[:, past - depth :].to(device))
+            ids, valid = window, None if mask is None else _as_valid(mask[:, past - depth :], device)
         elif past == 0:
-            ids, valid = input_ids, None if mask is None else _as_valid(mask.to(device))
+            ids, valid = input_ids, None if mask is None else _as_valid(mask, device)
         else:
             back_ids, back_valid = self._lookback(batch, past, input_ids, cache, stash if past < depth else None)
             ids = torch.cat([back_ids.to(device), input_ids], dim=1)
             now = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else _as_valid(mask[:, past:].to(device))
             valid = torch.cat([back_valid.to(device), now], dim=1)
         current = None if valid is None else valid[:, valid.shape[1] - new :]
-        rows = self.hasher(ids, blocked=None if valid is None else ~valid)[:, ids.shape[1] - new :]
+        rows = self.hasher(ids, blocked=None if valid is None else ~valid)
+        if ids.shape[1] != new:  # the look-back's own rows are dropped
+            rows = rows[:, ids.shape[1] - new :]
         self.last_row_ids = rows
         prepared = self._start_lookups(rows) if self.memory is not None else None
+        # Each layer's rows as views made at once (one op, not one per layer).
+        layer_rows = rows.unbind(2) if prepared is None else None
         use_cache = bound.get("use_cache")
         if use_cache is None:
             use_cache = getattr(getattr(module, "config", None), "use_cache", False)
         next_state = conv_in = None
         if cache is not None or use_cache:  # this forward fills a cache: keep what the next one needs
-            tail = _last_columns(
-                ids, torch.ones_like(ids, dtype=torch.bool) if valid is None else valid, depth, self.config.pad_id
-            )
-            next_state = DecodeState(*tail, past + new)
+            next_state = DecodeState(ids, valid, depth, self.config.pad_id, past + new)
             conv_in = self._conv_inputs(cache, past, batch, device) if self._conv_layers else None
-        self._step = _Step(rows, current, prepared, conv_in, next_state)
+        self._step = _Step(layer_rows, current, prepared, conv_in, next_state)
 
     def _conv_inputs(self, cache, past: int, batch: int, device) -> dict[int, torch.Tensor] | None:
         """Each ShortConv's inputs before this forward: zeros at a start, else the cache's saved ones."""
@@ -269,7 +272,7 @@ class EngramAdapter:
             hidden = args[0] if args else kwargs["hidden_states"]
             # Rows fetched by the memory need no row ids (the memory checked them).
             looked_up = None if step.prepared is None else step.prepared.rows(layer_id)
-            rows = step.row_ids[:, :, index] if looked_up is None else None
+            rows = step.layer_rows[index] if looked_up is None else None
             conv = None
             if step.conv_in is not None and layer_id in step.conv_in:
                 # A copy: the forward advances it in place, and the earlier state stays as it was.
@@ -346,21 +349,12 @@ class EngramAdapter:
         self._handles = []
 
 
-def _as_valid(mask: torch.Tensor) -> torch.Tensor:
-    """A 2-D attention mask (0/1 or bool) as bool, True at real tokens."""
+def _as_valid(mask: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """A 2-D attention mask (0/1 or bool) as bool, True at real tokens (on `device` when given: moved only
+    when elsewhere, as a `.to` that returns the tensor itself still costs a dispatch)."""
+    if device is not None and mask.device != device:
+        mask = mask.to(device)
     return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _last_columns(
-    tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last `depth` columns of [B, L] tokens / valid, left-filled with an invalid pad when L < depth."""
-    tokens, valid = tokens[:, max(0, tokens.shape[1] - depth) :], valid[:, max(0, valid.shape[1] - depth) :]
-    short = depth - tokens.shape[1]
-    if short > 0:
-        tokens = torch.cat([tokens.new_full((tokens.shape[0], short), pad_id), tokens], dim=1)
-        valid = torch.cat([valid.new_zeros((valid.shape[0], short)), valid], dim=1)
-    return tokens, valid
 
 
 def _pad_token_id(tokenizer) -> int | None:

@@ -11,33 +11,74 @@ finished generation leaves nothing behind.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 
-@dataclass
 class DecodeState:
-    """What the next cached forward of a batch needs from the forwards before it."""
+    """What the next cached forward of a batch needs from the forwards before it.
 
-    tokens: torch.Tensor
-    """int64 [B, N-1]: the last N-1 token ids, oldest first (any id where `valid` is False)."""
-    valid: torch.Tensor
-    """bool [B, N-1]: False where there was no token yet, or it was padding (blocked)."""
-    length: int
-    """Positions the cache held after the forward that wrote this state."""
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per Engram layer with ShortConv: its last (kernel-1)*dilation gated outputs [B, pad, 1, D]."""
+    The look-back is cut from the forward's ids only when first read (`tokens`, `valid`):
+    inside generate() the next forward reads generate's own sequences instead, so most states
+    are never read and a decode step queues no op for them.
+
+    Args:
+        ids: int64 [B, L]: the forward's look-back and tokens (or a look-back alone).
+        valid: bool [B, L], False at padding; None: every position is a token.
+        depth: N-1, the look-back kept.
+        pad_id: the id left of a sequence shorter than `depth` (marked not valid).
+        length: positions the cache held after the forward that wrote this state.
+    """
+
+    def __init__(self, ids: torch.Tensor, valid: torch.Tensor | None, depth: int, pad_id: int, length: int):
+        self._window = (ids, valid, depth, pad_id)
+        self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.length = length
+        self.conv: dict[int, torch.Tensor] = {}
+        """Per Engram layer with ShortConv: its last (kernel-1)*dilation gated outputs [B, pad, 1, D]."""
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """int64 [B, N-1]: the last N-1 token ids, oldest first (any id where `valid` is False)."""
+        return self._look_back()[0]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """bool [B, N-1]: False where there was no token yet, or it was padding (blocked)."""
+        return self._look_back()[1]
 
     @property
     def batch(self) -> int:
-        return self.tokens.shape[0]
+        return self._window[0].shape[0]
 
-    def select(self, index: torch.Tensor) -> "DecodeState":
+    def _look_back(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tail is None:
+            ids, valid, depth, pad_id = self._window
+            if valid is None:
+                valid = torch.ones_like(ids, dtype=torch.bool)
+            self._tail = last_columns(ids, valid, depth, pad_id)
+        return self._tail
+
+    def select(self, index: torch.Tensor) -> DecodeState:
         """The state of batch rows `index` (beam search's reorder)."""
-        index = index.to(self.tokens.device)
-        conv = {lid: c.index_select(0, index.to(c.device)) for lid, c in self.conv.items()}
-        return DecodeState(self.tokens.index_select(0, index), self.valid.index_select(0, index), self.length, conv)
+        tokens, valid = self._look_back()
+        index = index.to(tokens.device)
+        _, _, depth, pad_id = self._window
+        state = DecodeState(tokens.index_select(0, index), valid.index_select(0, index), depth, pad_id, self.length)
+        state.conv = {lid: c.index_select(0, index.to(c.device)) for lid, c in self.conv.items()}
+        return state
+
+
+def last_columns(
+    tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last `depth` columns of [B, L] tokens / valid, left-filled with an invalid pad when L < depth."""
+    tokens, valid = tokens[:, max(0, tokens.shape[1] - depth) :], valid[:, max(0, valid.shape[1] - depth) :]
+    short = depth - tokens.shape[1]
+    if short > 0:
+        tokens = torch.cat([tokens.new_full((tokens.shape[0], short), pad_id), tokens], dim=1)
+        valid = torch.cat([valid.new_zeros((valid.shape[0], short)), valid], dim=1)
+    return tokens, valid
 
 
 class DecodeStates:

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from condmem.ops.launch import FastLaunch
 from condmem.ops.triton_util import cdiv, next_pow2
 
 MAX_CHUNKS = 16
@@ -131,6 +132,9 @@ def _gate_fwd_chunked_kernel(
         if RESIDUAL:
             y = y + tl.load(h_row + d, mask=dm, other=0).to(tl.float32)
         tl.store(out_ptr + t * out_stride + m * D + d, y.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+_GATE_FWD = FastLaunch(_gate_fwd_chunked_kernel)
 
 
 @triton.jit
@@ -277,27 +281,17 @@ def gate_forward_triton(
         return out
     o2 = out.view(n, hc * dim)
     chunk, n_chunks, num_warps, inv_d, inv_sqrt_d = _forward_launch(dim, chunk, num_warps)
-    _gate_fwd_chunked_kernel[(n * hc,)](
-        h2,
-        kv2,
-        q_weight.contiguous(),
-        k_weight.contiguous(),
-        mask if mask is not None else h2,
-        o2,
-        dim,
-        h2.stride(0),
-        kv2.stride(0),
-        o2.stride(0),
-        float(eps),
-        float(clamp),
-        inv_d,
-        inv_sqrt_d,
+    _GATE_FWD(
+        (n * hc,),
+        (h2, kv2, q_weight.contiguous(), k_weight.contiguous(), mask if mask is not None else h2, o2),
+        (dim, h2.stride(0), kv2.stride(0), o2.stride(0)),
+        (float(eps), float(clamp), inv_d, inv_sqrt_d),
+        num_warps,
         HC=hc,
         CHUNK=chunk,
         N_CHUNKS=n_chunks,
         HAS_MASK=mask is not None,
         RESIDUAL=residual,
-        num_warps=num_warps,
     )
     return out
 

@@ -77,7 +77,7 @@ def engram_gather(
     ):
         return _gather_torch(row_ids, table, scales, fmt, head_dim, row_range, out, out_index)
     device = row_ids.device
-    if table.is_cuda and row_ids.is_cuda and table.device != device:
+    if table.is_cuda and row_ids.is_cuda and table.get_device() != row_ids.get_device():
         raise GatherError(f"table on {table.device} but row ids on {device}")
     if out_index is not None:
         _check_out_index(out_index, row_ids, out, fmt)
@@ -90,9 +90,8 @@ def engram_gather(
         or not out.is_contiguous()
     ):
         raise GatherError(f"out must be a contiguous {fmt.out_dtype} tensor of shape {(*row_ids.shape, fmt.head_dim)}")
-    ids = row_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+    # The kernel reads the ids as flat: contiguous ones are passed as they are (no view to make).
+    ids = row_ids if row_ids.is_contiguous() else row_ids.reshape(-1).contiguous()
     return _triton().gather_triton(
         ids, table, scales, fmt, lo, out, out_index, block_rows, programs_per_sm, num_warps, max_programs
     )

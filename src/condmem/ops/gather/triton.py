@@ -21,6 +21,7 @@ import triton.language as tl
 
 from condmem.fp8 import FP8_DTYPE, SCALE_BLOCK
 from condmem.ops.gather.reference import FP8, PLAIN, GatherError, TableFormat
+from condmem.ops.launch import FastLaunch, HostPointer
 from condmem.ops.triton_util import cdiv, interpreting, next_pow2, persistent_programs
 
 _INTERPRET = interpreting()  # as triton decided when it was imported (read once: launches read it)
@@ -114,24 +115,14 @@ if triton is not None:
                 else:
                     tl.store(out_ptr + r[:, None, None] * D + col, yb, mask=om)
 
-
-class _HostPointer:
-    """A host table at a kernel launch: Triton reads ``data_ptr()`` and ``dtype`` only, and its
-    launcher turns the address into the device address of the page-locked memory."""
-
-    def __init__(self, t: torch.Tensor):
-        self.tensor = t
-        self.dtype = t.dtype
-
-    def data_ptr(self) -> int:
-        return self.tensor.data_ptr()
+    _GATHER = FastLaunch(_gather_kernel)
 
 
 def _launch_table(t: torch.Tensor):
     """What a kernel launch receives for a table: a uint8 view of fp8 data; host tables wrapped."""
     t = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
     if not t.is_cuda and not _INTERPRET:
-        return _HostPointer(t)
+        return HostPointer(t)
     return t
 
 
@@ -155,8 +146,8 @@ def gather_triton(
     num_warps: int | None,
     max_programs: int | None,
 ) -> torch.Tensor:
-    """Launch the kernel on checked arguments (`engram_gather` checks them): flat contiguous
-    `ids`, `out` shaped for them (or the scatter target with `out_index`)."""
+    """Launch the kernel on checked arguments (`engram_gather` checks them): contiguous `ids` (read
+    as flat, any shape), `out` shaped for them (or the scatter target with `out_index`)."""
     n_rows = ids.numel()
     if n_rows == 0:
         return out
@@ -181,16 +172,12 @@ def gather_triton(
             raise GatherError(f"max_programs must be >= 1, got {max_programs}")
         programs = min(programs, max_programs)
     try:
-        _gather_kernel[(programs,)](
-            ids,
-            _launch_table(table),
-            _launch_table(scale_t),
-            out,
-            out_index if out_index is not None else ids,
-            n_rows,
-            lo,
-            fmt.rows,
-            out.shape[0] if out_index is not None else 0,
+        _GATHER(
+            (programs,),
+            (ids, _launch_table(table), _launch_table(scale_t), out, out_index if out_index is not None else ids),
+            (n_rows, lo, fmt.rows, out.shape[0] if out_index is not None else 0),
+            (),
+            num_warps,
             ROW_STRIDE=row_stride,
             SCALE_STRIDE=scale_stride,
             SCALE_OFF=scale_off,
@@ -202,7 +189,6 @@ def gather_triton(
             MODE=fmt.mode,
             EXACT=_INTERPRET,
             SCATTER=out_index is not None,
-            num_warps=num_warps,
         )
     except ValueError as exc:
         if "cannot be accessed" in str(exc):

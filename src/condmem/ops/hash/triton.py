@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from condmem.ops.launch import FastLaunch
 from condmem.ops.triton_util import cdiv, next_pow2
 
 
@@ -257,9 +258,18 @@ def _hash_decode_kernel(
     tl.store(hist_at, new_hist.to(hist_ptr.dtype.element_ty), mask=hmask2)
 
 
+_PREFILL = FastLaunch(_hash_prefill_kernel)
+_DECODE = FastLaunch(_hash_decode_kernel)
+
+
+def id_range_rows(n_tokens: int, block_t: int = 128) -> int:
+    """Programs of a hash launch over `n_tokens`: the rows of ranges it writes (`id_range`)."""
+    return max(1, cdiv(n_tokens, block_t))
+
+
 def id_range_slots(n_tokens: int, device, block_t: int = 128) -> torch.Tensor:
     """Uninitialized int32 [programs, 3] for the kernels' per-program id ranges."""
-    return torch.empty((max(1, cdiv(n_tokens, block_t)), 3), dtype=torch.int32, device=device)
+    return torch.empty((id_range_rows(n_tokens, block_t), 3), dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -303,8 +313,9 @@ def hash_prefill_triton(
         blocked: optional bool [B, T] (see `condmem.ops.hash.reference.shifted_history`).
         fast_mod: Barrett reduction instead of the 64-bit ``%``.
         out: optional int64 [B, T, L, (N-1)*H] to write into.
-        id_range: optional int32 [programs, 3] (`id_range_slots`): each program writes its
-            ``[max id, max -id, 0]`` there (no host sync, no zeroing).
+        id_range: optional int32 [programs, 3] (`id_range_slots`, or page-locked host memory as a
+            `condmem.ops.launch.HostPointer`): each program writes its ``[max id, max -id, 0]``
+            there (no host sync, no zeroing).
 
     Returns:
         int64 [B, T, L, (N-1)*H], equal (``torch.equal``) to `hash_reference`.
@@ -323,23 +334,22 @@ def hash_prefill_triton(
     blocked_b = _as_bytes(blocked)
     grid = (cdiv(n_tokens, block_t),)
     block_l, block_h = _tile_sizes(n_layers, n_heads)
-    _hash_prefill_kernel[grid](
-        ids,
-        lookup if lookup is not None else ids,
-        blocked_b if blocked_b is not None else ids,
-        multipliers,
-        primes,
-        magic,
-        offsets if offsets is not None else primes,
-        out,
-        id_range if id_range is not None else ids,
-        n_tokens,
-        length,
-        0 if lookup is None else lookup.numel(),
-        n_layers,
-        max_n,
-        n_heads,
-        pad_id,
+    _PREFILL(
+        grid,
+        (
+            ids,
+            lookup if lookup is not None else ids,
+            blocked_b if blocked_b is not None else ids,
+            multipliers,
+            primes,
+            magic,
+            offsets if offsets is not None else primes,
+            out,
+            id_range if id_range is not None else ids,
+        ),
+        (n_tokens, length, 0 if lookup is None else lookup.numel(), n_layers, max_n, n_heads, pad_id),
+        (),
+        num_warps,
         BLOCK_T=block_t,
         BLOCK_L=block_l,
         BLOCK_H=block_h,
@@ -348,7 +358,6 @@ def hash_prefill_triton(
         WITH_OFFSETS=offsets is not None,
         FAST_MOD=fast_mod,
         CHECK=id_range is not None,
-        num_warps=num_warps,
     )
     return out
 
@@ -394,25 +403,32 @@ def hash_decode_triton(
     valid_b, blocked_b = _as_bytes(valid), _as_bytes(blocked)
     grid = (cdiv(batch, block_b),)
     block_l, block_h = _tile_sizes(n_layers, n_heads)
-    _hash_decode_kernel[grid](
-        ids.contiguous(),
-        lookup if lookup is not None else ids,
-        slots.contiguous(),
-        valid_b if valid_b is not None else slots,
-        blocked_b if blocked_b is not None else slots,
-        history,
-        multipliers,
-        primes,
-        magic,
-        offsets if offsets is not None else primes,
-        out,
-        batch,
-        history.shape[0],
-        0 if lookup is None else lookup.numel(),
-        n_layers,
-        max_n,
-        n_heads,
-        pad_id,
+    _DECODE(
+        grid,
+        (
+            ids.contiguous(),
+            lookup if lookup is not None else ids,
+            slots.contiguous(),
+            valid_b if valid_b is not None else slots,
+            blocked_b if blocked_b is not None else slots,
+            history,
+            multipliers,
+            primes,
+            magic,
+            offsets if offsets is not None else primes,
+            out,
+        ),
+        (
+            batch,
+            history.shape[0],
+            0 if lookup is None else lookup.numel(),
+            n_layers,
+            max_n,
+            n_heads,
+            pad_id,
+        ),
+        (),
+        4,
         BLOCK_B=block_b,
         BLOCK_L=block_l,
         BLOCK_H=block_h,
@@ -422,7 +438,6 @@ def hash_decode_triton(
         HAS_BLOCKED=blocked is not None,
         WITH_OFFSETS=offsets is not None,
         FAST_MOD=fast_mod,
-        num_warps=4,
     )
     return out
 
@@ -619,6 +634,10 @@ def _advance_kernel(
     tl.store(row + kk[None, :], value.to(hist_ptr.dtype.element_ty), mask=kmask)
 
 
+_RAGGED = FastLaunch(_hash_ragged_kernel)
+_ADVANCE = FastLaunch(_advance_kernel)
+
+
 def hash_ragged_triton(
     ids: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -718,28 +737,35 @@ def _launch_hash_ragged(
     # Enough halvings to search B sequences; rounded up so few variants compile.
     steps = max(4, -(-max(n_seqs, 1).bit_length() // 4) * 4)
     has_slots = history is not None and slots is not None
-    _hash_ragged_kernel[grid](
-        ids,
-        lookup if lookup is not None else ids,
-        blocked_b if blocked_b is not None else ids,
-        cu,
-        slots.contiguous() if has_slots else cu,
-        history if has_slots else ids,
-        lookback.contiguous() if lookback is not None else ids,
-        multipliers,
-        primes,
-        magic,
-        offsets if offsets is not None else primes,
-        out,
-        id_range if id_range is not None else cu,
-        n_tokens,
-        n_seqs,
-        history.shape[0] if has_slots else 0,
-        0 if lookup is None else lookup.numel(),
-        n_layers,
-        max_n,
-        n_heads,
-        pad_id,
+    _RAGGED(
+        grid,
+        (
+            ids,
+            lookup if lookup is not None else ids,
+            blocked_b if blocked_b is not None else ids,
+            cu,
+            slots.contiguous() if has_slots else cu,
+            history if has_slots else ids,
+            lookback.contiguous() if lookback is not None else ids,
+            multipliers,
+            primes,
+            magic,
+            offsets if offsets is not None else primes,
+            out,
+            id_range if id_range is not None else cu,
+        ),
+        (
+            n_tokens,
+            n_seqs,
+            history.shape[0] if has_slots else 0,
+            0 if lookup is None else lookup.numel(),
+            n_layers,
+            max_n,
+            n_heads,
+            pad_id,
+        ),
+        (),
+        num_warps,
         BLOCK_T=block_t,
         BLOCK_L=block_l,
         BLOCK_H=block_h,
@@ -751,7 +777,6 @@ def _launch_hash_ragged(
         WITH_OFFSETS=offsets is not None,
         FAST_MOD=fast_mod,
         CHECK=id_range is not None,
-        num_warps=num_warps,
     )
 
 
@@ -774,24 +799,23 @@ def advance_triton(
         return
     depth = history.shape[1]
     blocked_b = _as_bytes(blocked)
-    _advance_kernel[(cdiv(n_seqs, block_b),)](
-        ids.contiguous(),
-        lookup if lookup is not None else ids,
-        blocked_b if blocked_b is not None else ids,
-        cu_seqlens.contiguous(),
-        slots.contiguous(),
-        n_commit.contiguous() if n_commit is not None else slots,
-        history,
-        ids.numel(),
-        n_seqs,
-        history.shape[0],
-        0 if lookup is None else lookup.numel(),
-        depth,
-        pad_id,
+    _ADVANCE(
+        (cdiv(n_seqs, block_b),),
+        (
+            ids.contiguous(),
+            lookup if lookup is not None else ids,
+            blocked_b if blocked_b is not None else ids,
+            cu_seqlens.contiguous(),
+            slots.contiguous(),
+            n_commit.contiguous() if n_commit is not None else slots,
+            history,
+        ),
+        (ids.numel(), n_seqs, history.shape[0], 0 if lookup is None else lookup.numel(), depth, pad_id),
+        (),
+        4,
         BLOCK_B=block_b,
         BLOCK_K=max(4, next_pow2(depth)),
         HAS_LOOKUP=lookup is not None,
         HAS_BLOCKED=blocked is not None,
         HAS_COMMIT=n_commit is not None,
-        num_warps=4,
     )
