@@ -32,14 +32,14 @@ def _rank_main(rank, world, init_file, argv, crash_at, want_rc):
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     if crash_at is not None:
-        real = Trainer._launch_step
+        real = Trainer.train_step
 
         def crash(self, step):
             if step == crash_at:
                 raise KeyboardInterrupt("simulated kill")
             return real(self, step)
 
-        Trainer._launch_step = crash
+        Trainer.train_step = crash
     assert main(argv) == want_rc
 
 

@@ -140,17 +140,17 @@ def test_bf16_moments_train_close_to_fp32(tiny_data, reference):
 def test_resume_on_host_tables_equals_an_uninterrupted_run(tiny_data, reference, tmp_path, monkeypatch, adam):
     run = tmp_path / "run"
     crashed = _trainer(tiny_data, host={"adam": adam}, run_dir=run, checkpoint_every=20)
-    real_step = Trainer._launch_step
+    real_step = Trainer.train_step
 
     def crash_at_27(self, step):
         if step == 27:
             raise KeyboardInterrupt("simulated kill")
         return real_step(self, step)
 
-    monkeypatch.setattr(Trainer, "_launch_step", crash_at_27)
+    monkeypatch.setattr(Trainer, "train_step", crash_at_27)
     with crashed.host, pytest.raises(KeyboardInterrupt):
         crashed.fit()
-    monkeypatch.setattr(Trainer, "_launch_step", real_step)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
 
     ckpt = load_checkpoint(run, tables_on_host=True)
     assert ckpt.state["step"] == 20 and ckpt.model.table_parameters()[0][1].device.type == "meta"
@@ -184,16 +184,16 @@ def test_cli_table_tier_host_resumes_like_the_model_tier(tiny_corpus, tmp_path, 
         "cpu",
     ]
     assert main(args + ["--out", str(tmp_path / "module")]) == 0
-    real_step = Trainer._launch_step
+    real_step = Trainer.train_step
 
     def crash_at_4(self, step):
         if step == 4:
             raise KeyboardInterrupt("simulated kill")
         return real_step(self, step)
 
-    monkeypatch.setattr(Trainer, "_launch_step", crash_at_4)
+    monkeypatch.setattr(Trainer, "train_step", crash_at_4)
     assert main(args + ["--out", str(tmp_path / "host"), "--table-tier", "host"]) == 130
-    monkeypatch.setattr(Trainer, "_launch_step", real_step)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
     assert (
         main(
             [

@@ -58,17 +58,17 @@ def test_resume_equals_uninterrupted_run(tiny_data, tmp_path, monkeypatch):
     straight.fit()
 
     interrupted = make_trainer(tiny_data, steps=8, run_dir=tmp_path / "run", checkpoint_every=4)
-    real_step = Trainer._launch_step
+    real_step = Trainer.train_step
 
     def crash_at_5(self, step):
         if step == 5:
             raise KeyboardInterrupt("simulated crash")
         return real_step(self, step)
 
-    monkeypatch.setattr(Trainer, "_launch_step", crash_at_5)
+    monkeypatch.setattr(Trainer, "train_step", crash_at_5)
     with pytest.raises(KeyboardInterrupt):
         interrupted.fit()
-    monkeypatch.setattr(Trainer, "_launch_step", real_step)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
 
     ckpt = load_checkpoint(tmp_path / "run")
     assert ckpt.state["step"] == 4
@@ -97,16 +97,16 @@ def test_cli_train_resume_and_generate(tiny_corpus, tmp_path, monkeypatch, capsy
         "--no-progress",
     ]
     assert main(args + ["--out", str(tmp_path / "straight")]) == 0
-    real_step = Trainer._launch_step
+    real_step = Trainer.train_step
 
     def crash_at_4(self, step):
         if step == 4:
             raise KeyboardInterrupt("simulated crash")
         return real_step(self, step)
 
-    monkeypatch.setattr(Trainer, "_launch_step", crash_at_4)
+    monkeypatch.setattr(Trainer, "train_step", crash_at_4)
     assert main(args + ["--out", str(tmp_path / "crashed")]) == 130  # interrupted: no traceback
-    monkeypatch.setattr(Trainer, "_launch_step", real_step)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
     assert main(["train", "--out", str(tmp_path / "crashed"), "--resume", "--no-progress"]) == 0
     straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
     resumed = json.loads((tmp_path / "crashed" / "summary.json").read_text())
@@ -240,17 +240,17 @@ def test_moe_backbone_trains_and_resumes_exactly(tiny_data, tmp_path, monkeypatc
     batch = straight._batch(0)
     straight.model.loss(batch.inputs, batch.targets, batch.doc_starts)
     assert 0.01 <= straight.model.aux_loss().item() < 0.01 * 2 * 4  # two blocks, each between 1 and E
-    real_step = Trainer._launch_step
+    real_step = Trainer.train_step
 
     def crash_at_5(self, step):
         if step == 5:
             raise KeyboardInterrupt("simulated crash")
         return real_step(self, step)
 
-    monkeypatch.setattr(Trainer, "_launch_step", crash_at_5)
+    monkeypatch.setattr(Trainer, "train_step", crash_at_5)
     with pytest.raises(KeyboardInterrupt):
         trainer(8, tmp_path / "run").fit()
-    monkeypatch.setattr(Trainer, "_launch_step", real_step)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
     ckpt = load_checkpoint(tmp_path / "run")
     assert ckpt.state["step"] == 4
     assert ckpt.model.cfg.moe == preset.model.moe

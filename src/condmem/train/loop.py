@@ -216,18 +216,6 @@ def _grad_sources(model) -> list:
     return out
 
 
-@dataclass
-class _FitRun:
-    """What `Trainer.fit` keeps across its steps: start time, first step, steps left out of
-    tokens/s, the step that resolves a time budget, the progress bar."""
-
-    start: float
-    first: int
-    warm: int
-    probe_until: int
-    bar: object
-
-
 class Trainer:
     """Trains one `DecoderLM`.
 
@@ -468,18 +456,6 @@ class Trainer:
         return out
 
     def train_step(self, step: int) -> tuple[float, float]:
-        """One step: (its loss, read on the host, and its learning rate)."""
-        loss, lr = self._launch_step(step)
-        return self._loss_value(loss), lr
-
-    def _loss_value(self, loss: torch.Tensor) -> float:
-        value = float(loss)
-        if self.dp is not None:
-            value = self.dp.mean(value, self.device)  # every rank's slice has as many tokens
-        return value
-
-    def _launch_step(self, step: int) -> tuple[torch.Tensor, float]:
-        """Queue step `step` on the device: (its loss, still on the device, and its learning rate)."""
         cfg = self.cfg
         batch = self._batch(step)
         self._next_batch = None
@@ -521,36 +497,10 @@ class Trainer:
             opt.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return loss.detach(), cfg.lr * lr_mult
-
-    def _finish_step(self, run: "_FitRun", step: int, loss: torch.Tensor, lr: float) -> None:
-        """Step `step` (1-based) has been queued and the device has finished it once its loss is
-        read: check the loss, time the step, record it, report progress."""
-        cfg = self.cfg
-        tokens_per_step = cfg.batch_size * cfg.seq_len
-        value = self._loss_value(loss)
-        if not math.isfinite(value):
-            raise FloatingPointError(f"{self.label}: loss is {value} at step {step}")
-        now = time.perf_counter()
-        dt, self._fit_clock = now - self._fit_clock, now
-        if step - run.first > run.warm:
-            self.timed_tokens += tokens_per_step
-            self.timed_seconds += dt
-        self.history.append({"step": step, "loss": value, "lr": lr, "tokens": step * tokens_per_step})
-        if not self.budget_resolved and step >= run.probe_until and self.timed_seconds > 0:
-            step_s = self.timed_seconds / (self.timed_tokens / tokens_per_step)
-            self._resolve_budget(step_s, now - run.start)
-            run.bar.close()
-            run.bar = Progress(cfg.steps, self.label, initial=step, enabled=self.show_progress)
-        tok_s = self.timed_tokens / self.timed_seconds if self.timed_seconds else tokens_per_step / max(dt, 1e-9)
-        eta = (cfg.steps - step) * tokens_per_step / max(tok_s, 1e-9)
-        run.bar.update(1, loss=f"{value:.3f}")
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            run.bar.write(
-                f"[{self.label}] step {step:>{len(str(cfg.steps))}}/{cfg.steps} | loss {value:7.4f} | "
-                f"lr {lr:.2e} | {tok_s:>9,.0f} tok/s | mem {memory_gib(self.device):5.2f} GiB | "
-                f"eta {format_duration(eta)}"
-            )
+        value = float(loss.detach())
+        if self.dp is not None:
+            value = self.dp.mean(value, self.device)  # every rank's slice has as many tokens
+        return value, cfg.lr * lr_mult
 
     def fit(self, token_losses: bool = False) -> dict:
         """Train up to ``cfg.steps`` (from the current step), validate (the fixed subset, for
@@ -570,38 +520,45 @@ class Trainer:
             ensure_room(self.run_dir, self.checkpoint_bytes((first_save - self.step) * tokens_per_step))
         warm = min(3, max(0, cfg.steps - self.step - 1))  # steps left out of tok/s (allocations, caches)
         probe_until = self.step + max(warm + 2, min(cfg.warmup_steps, 12))
-        self._fit_clock = time.perf_counter()
+        start = time.perf_counter()
         bar = Progress(cfg.steps, self.label, initial=self.step, enabled=self.show_progress)
-        run = _FitRun(start=self._fit_clock, first=self.step, warm=warm, probe_until=probe_until, bar=bar)
+        first = self.step
         try:
-            pending = None
             while self.step < cfg.steps:
-                loss, lr = self._launch_step(self.step)
+                t0 = time.perf_counter()
+                loss, lr = self.train_step(self.step)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"{self.label}: loss is {loss} at step {self.step + 1}")
+                dt = time.perf_counter() - t0
                 self.step += 1
-                # The loss of the step before is read while this one runs: reading a step's own
-                # loss would empty the device's queue at every step (the host's launches of the
-                # next step would then start on an idle device).
-                if pending is not None:
-                    self._finish_step(run, *pending)
-                pending = (self.step, loss, lr)
-                boundary = self.step % cfg.log_every == 0 or self.step == cfg.steps or not self.budget_resolved
-                boundary |= bool(cfg.eval_every and self.step % cfg.eval_every == 0)
-                boundary |= bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
-                if not boundary:
-                    continue
-                self._finish_step(run, *pending)
-                pending = None
+                if self.step - first > warm:
+                    self.timed_tokens += tokens_per_step
+                    self.timed_seconds += dt
+                self.history.append({"step": self.step, "loss": loss, "lr": lr, "tokens": self.step * tokens_per_step})
+                if not self.budget_resolved and self.step >= probe_until and self.timed_seconds > 0:
+                    step_s = self.timed_seconds / (self.timed_tokens / tokens_per_step)
+                    self._resolve_budget(step_s, time.perf_counter() - start)
+                    bar.close()
+                    bar = Progress(cfg.steps, self.label, initial=self.step, enabled=self.show_progress)
+                tok_s = self.timed_tokens / self.timed_seconds if self.timed_seconds else tokens_per_step / dt
+                eta = (cfg.steps - self.step) * tokens_per_step / max(tok_s, 1e-9)
+                bar.update(1, loss=f"{loss:.3f}")
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    bar.write(
+                        f"[{self.label}] step {self.step:>{len(str(cfg.steps))}}/{cfg.steps} | loss {loss:7.4f} | "
+                        f"lr {lr:.2e} | {tok_s:>9,.0f} tok/s | mem {memory_gib(self.device):5.2f} GiB | "
+                        f"eta {format_duration(eta)}"
+                    )
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                     ev = self.evaluate()
-                    run.bar.write(
+                    bar.write(
                         f"[{self.label}] step {self.step}: val loss {ev['val_loss']:.4f} | "
                         f"{ev['bits_per_byte']:.4f} bits/byte"
                     )
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                     self.save()
-                self._fit_clock = time.perf_counter()  # evaluation and saving are not training time
         finally:
-            run.bar.close()
+            bar.close()
         self.evaluate()
         ev = self.evaluate(full=True, token_losses=token_losses)
         print(
