@@ -101,3 +101,34 @@ def test_runs_from_known_rows_equal_the_found_ones(device):
     given = sorted_runs(ids, torch.unique(ids))
     for a, b in zip(found, given):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_retained_graph_backward_twice_and_no_second_order(device):
+    weight = torch.randn(30, 4, device=device, requires_grad=True)
+    ids = torch.tensor([[1, 5, 1, 29]], device=device, dtype=torch.int32)
+    loss = (table_lookup(weight, ids) ** 2).sum()
+    loss.backward(retain_graph=True)
+    first = weight.grad.coalesce().to_dense().clone()
+    loss.backward()
+    torch.testing.assert_close(weight.grad.coalesce().to_dense(), 2 * first)
+    out = table_lookup(weight, ids).sum()
+    (g,) = torch.autograd.grad(out, weight, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(g.coalesce().values().sum(), weight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int32_ids_and_a_pickled_table_still_get_a_coalesced_gradient(device):
+    import io
+
+    table = EngramTable(40, 8, sparse=True, device=device)
+    ids = torch.tensor([[3, 3, 9]], device=device, dtype=torch.int32)
+    table_lookup(table.weight, ids).sum().backward()
+    assert table.weight.grad.is_coalesced()
+    buf = io.BytesIO()
+    torch.save(table, buf)
+    buf.seek(0)
+    copy = torch.load(buf, weights_only=False)
+    table_lookup(copy.weight, ids).sum().backward()
+    assert copy.weight.grad.is_coalesced(), "a pickled table's parameter gets its hook again"

@@ -19,7 +19,7 @@ from condmem.cli import main
 from condmem.models import DecoderLM
 from condmem.train.checkpoint import load_checkpoint
 from condmem.train.demo import build_model_config
-from condmem.train.host_table import HostTables, HostTableView
+from condmem.train.host_table import HostTableError, HostTables, HostTableView
 from condmem.train.host_table_optim import DeviceAdamTables, HostAdamTables
 from condmem.train.loop import Trainer
 from condmem.train.presets import get_preset
@@ -350,3 +350,16 @@ def test_reused_buffers_train_exactly(tiny_data, reference, monkeypatch, adam):
     with trainer.host:
         trainer.fit()
         _assert_same_training(reference, trainer)
+
+
+def test_device_adam_refuses_a_second_training_forward_in_a_step(tiny_data):
+    """Adam on the device updates the rows of the step's one forward; a second forward (gradient
+    accumulation) would have it apply the summed gradient to the second forward's rows only."""
+    trainer = _trainer(tiny_data, host={"adam": "device"}, steps=4)
+    with trainer.host:
+        trainer.train_step(0)
+        trainer.host.begin(1)
+        batch = trainer._batch(1)
+        trainer.model.loss(batch.inputs, batch.targets, batch.doc_starts)
+        with pytest.raises(HostTableError, match="second training forward"):
+            trainer.model.loss(batch.inputs, batch.targets, batch.doc_starts)

@@ -126,8 +126,11 @@ def _key(ptrs: tuple, ints: tuple, floats: tuple) -> tuple:
     Addresses: dtype and the address mod 16. Ints: their types, and for an int in 2..2**31-1 (sizes,
     strides) its divisibility by 16, for any other int (1 becomes a constant; 0, negatives and the i64 and
     u64 widths) the value itself (kept apart from the bools of the first case: 0 and 1 map below -2**40).
-    Floats: their types (Triton passes a float as fp32 whatever its value).
+    Floats: their types (Triton passes a float as fp32 whatever its value); anything else passed as
+    a float (an int is specialized on its value) is not covered.
     """
+    if any(type(f) is not float for f in floats):
+        raise TypeError("a non-float in the floats")
     return (
         tuple([p.dtype for p in ptrs]),
         tuple([p.data_ptr() % 16 for p in ptrs]),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from condmem.train.host_table import HostTables, _Layer, _patched, _Ticket
+from condmem.train.host_table import HostTableError, HostTables, _Layer, _patched, _Ticket
 from condmem.train.optim import adam_rows_delta
 
 
@@ -309,6 +309,11 @@ class DeviceAdamTables(HostTables):
         for index, (lid, layer) in enumerate(self.layers.items()):
             ticket.rows[lid] = (*self._unique_state(layer, ticket.ids_host[:, :, index].reshape(-1), slot), slot)
 
+    def begin(self, step: int) -> None:
+        super().begin(step)
+        for layer in self.layers.values():
+            layer.current = None  # a forward of an earlier step that took no optimizer step
+
     def _gathered_rows(self, ticket: _Ticket, layer: _Layer, row_ids: torch.Tensor, t0: float) -> torch.Tensor:
         self.wait_s += time.perf_counter() - t0
         return self._device_rows(layer, ticket.rows[layer.layer_id], row_ids)
@@ -328,6 +333,13 @@ class DeviceAdamTables(HostTables):
     def _device_rows(self, layer: _Layer, fetched, row_ids: torch.Tensor) -> torch.Tensor:
         """Main thread: the step's unique rows and state, patched with the latest device Adam's
         results (rows the host has not received yet), kept for `step`; returns the rows of `row_ids`."""
+        if layer.current is not None:
+            # Adam here updates the rows of one forward: a second forward's rows would replace
+            # the first's, and the step would apply the summed gradient to the wrong rows.
+            raise HostTableError(
+                f"layer {layer.layer_id}: a second training forward in one step; Adam on the device "
+                "takes one forward per step (adam='host' accumulates gradients over several)"
+            )
         uniq, inv, rows, m, v, st, done = fetched[:7]
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
         if done is not None:

@@ -38,9 +38,9 @@ def sorted_runs(row_ids: torch.Tensor, rows: torch.Tensor | None = None):
     flat = row_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
     if rows is not None:
-        return order, rows, torch.searchsorted(sorted_ids, rows.to(sorted_ids.dtype), right=True)
+        return order, rows.long(), torch.searchsorted(sorted_ids, rows.to(sorted_ids.dtype), right=True)
     rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    return order, rows, counts.cumsum(0)
+    return order, rows.long(), counts.cumsum(0)  # int64 rows: the sparse gradient's indices as they are
 
 
 def coalesced_gradient(grad_rows: torch.Tensor, runs, shape, backend: str | None = None) -> torch.Tensor:
@@ -67,13 +67,14 @@ def row_sums(grad_rows: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, b
 # and values, without the coalesced flag; a hook after accumulation sets the flag again
 # when the parameter's gradient is exactly the one this lookup made (its indices are ours),
 # so clipping and the optimizer do not sort it again. A sum with another gradient has new
-# indices and stays uncoalesced.
-# (Both marks are attributes of the parameter: tensors compare elementwise, so they cannot
-# key a weak dictionary.)
+# indices and stays uncoalesced. The rows a backward made are an attribute of the parameter
+# (tensors compare elementwise, so they cannot key a weak dictionary), dropped by the hook
+# and by the next forward.
+_ROWS = "_condmem_lookup_rows"
 
 
 def _flag_coalesced(weight: torch.Tensor) -> None:
-    rows = weight.__dict__.pop("_condmem_lookup_rows", None)
+    rows = weight.__dict__.pop(_ROWS, None)
     grad = weight.grad
     if rows is None or grad is None or not grad.is_sparse or grad.is_coalesced():
         return
@@ -82,29 +83,35 @@ def _flag_coalesced(weight: torch.Tensor) -> None:
         grad._coalesced_(True)
 
 
+def _hook_once(weight: torch.Tensor) -> None:
+    """Register `_flag_coalesced` on `weight` unless it is there (looked up among the hooks
+    themselves: a pickled copy keeps the parameter's attributes but not its hooks)."""
+    hooks = getattr(weight, "_post_accumulate_grad_hooks", None) or {}
+    if _flag_coalesced not in hooks.values():
+        weight.register_post_accumulate_grad_hook(_flag_coalesced)
+
+
 class _TableLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, row_ids: torch.Tensor, backend: str | None):
         out = F.embedding(row_ids, weight)
-        ctx.runs = sorted_runs(row_ids)
+        ctx.save_for_backward(*sorted_runs(row_ids))
         ctx.weight_shape = weight.shape
         ctx.backend = backend
+        ctx.weight = None
         if weight.is_leaf and weight.requires_grad:
+            weight.__dict__.pop(_ROWS, None)  # a backward that never reached accumulation left it
             ctx.weight = weight
-            if not weight.__dict__.get("_condmem_flag_hook"):
-                weight.register_post_accumulate_grad_hook(_flag_coalesced)
-                weight._condmem_flag_hook = True
+            _hook_once(weight)
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernel's sums are not differentiated again
     def backward(ctx, grad_out: torch.Tensor):
-        runs = ctx.runs
-        del ctx.runs
+        runs = ctx.saved_tensors
         grad = coalesced_gradient(grad_out, runs, ctx.weight_shape, ctx.backend)
-        weight = getattr(ctx, "weight", None)
-        if weight is not None:
-            weight._condmem_lookup_rows = runs[1]
-            del ctx.weight
+        if ctx.weight is not None:
+            setattr(ctx.weight, _ROWS, runs[1])
         return grad, None, None
 
 
