@@ -489,15 +489,14 @@ class HostTables(abc.ABC):
                     continue
                 if len(parts) == 1 and parts[0][2] is not None:
                     layer.grad = coalesced_gradient(parts[0][1], parts[0][2], layer.weight.shape)
-                    out[lid] = layer.grad
-                    continue
-                ids = torch.cat([i.reshape(-1) for i, _, _ in parts])
-                values = torch.cat([g.reshape(-1, g.shape[-1]) for _, g, _ in parts])
-                with warnings.catch_warnings():  # ids are row ids of this table by construction
-                    warnings.filterwarnings("ignore", "Sparse invariant checks")
-                    layer.grad = torch.sparse_coo_tensor(
-                        ids[None].long(), values, layer.weight.shape, check_invariants=False
-                    ).coalesce()
+                else:
+                    ids = torch.cat([i.reshape(-1) for i, _, _ in parts])
+                    values = torch.cat([g.reshape(-1, g.shape[-1]) for _, g, _ in parts])
+                    with warnings.catch_warnings():  # ids are row ids of this table by construction
+                        warnings.filterwarnings("ignore", "Sparse invariant checks")
+                        layer.grad = torch.sparse_coo_tensor(
+                            ids[None].long(), values, layer.weight.shape, check_invariants=False
+                        ).coalesce()
             out[lid] = layer.grad
         return out
 

@@ -275,8 +275,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.host = host_tables
         self.dp = data_parallel
-        self._next_batch = None
-        self._next_rows = None
+        self._next_batch = None  # (step, batch, its row ids): the host tier's prefetch of the next step
         if data_parallel is not None:
             if host_tables is not None:
                 raise ValueError("tables in host memory and tables sharded over ranks are two different tiers")
@@ -435,8 +434,6 @@ class Trainer:
         self.budget_resolved = True
 
     def _batch(self, step: int):
-        if self._next_batch is not None and self._next_batch[0] == step:
-            return self._next_batch[1]
         cfg = self.cfg
         return self.train_stream.batch(step, cfg.batch_size, cfg.seq_len, cfg.seed).to(self.device, non_blocking=True)
 
@@ -457,20 +454,20 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float]:
         cfg = self.cfg
-        batch = self._batch(step)
-        self._next_batch = None
-        rows, self._next_rows = (self._next_rows or (None, None)), None
-        rows = rows[1] if rows[0] == step else None
+        ahead, self._next_batch = self._next_batch, None
+        if ahead is not None and ahead[0] == step:
+            _, batch, rows = ahead  # batch and row ids made for the prefetch: the forward does not hash again
+        else:
+            batch, rows = self._batch(step), None
         if self.dp is not None:
             batch = self.dp.local(batch)
         if self.host is not None:
             self.host.begin(step)
             if step + 1 < cfg.steps and self.host.prefetch_enabled:
                 nxt = self._batch(step + 1)
-                self._next_batch = (step + 1, nxt)
                 nxt_rows = self.model.row_ids(nxt.inputs, nxt.doc_starts)
                 self.host.prefetch(nxt_rows, step + 1)
-                self._next_rows = (step + 1, nxt_rows)  # the next forward does not hash again
+                self._next_batch = (step + 1, nxt, nxt_rows)
         lr_mult = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         set_lr(self.optimizers, lr_mult)
         with autocast_for(self.device, cfg.precision):

@@ -216,7 +216,7 @@ class SparseAdam(torch.optim.Optimizer):
         slot_of_row = state["slot_of_row"]
         slots = slot_of_row[rows].long()
         fresh = slots < 0
-        n_fresh = int(fresh.sum())  # one host sync; the sparse coalesce already needed one
+        n_fresh = int(fresh.sum())  # one host sync (the fused path keeps the count on the device)
         if n_fresh:
             first = state["n_slots"]
             SparseAdam._grow(state, first + n_fresh, p.shape[0])
