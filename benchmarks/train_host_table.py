@@ -122,6 +122,7 @@ def run(
             "val_loss": summary["val_loss"],
             "state_rows": summary["sparse_state_rows"],
             "setup_s": setup_s,
+            "huge_page_coverage": tables.huge_page_coverage() if tables is not None else None,
             "history": [{"step": h["step"], "loss": h["loss"]} for h in trainer.history],
             "rss_before_gib": rss0 / GiB,
             "rss_after_setup_gib": rss1 / GiB,
@@ -155,7 +156,8 @@ def run(
             )
         print(
             f"[{name}] {out['tokens_per_s']:,.0f} tok/s, val loss {out['val_loss']:.4f}, "
-            f"table {out['table_gib_fp32']:.2f} GiB fp32, setup {setup_s:.1f} s",
+            f"table {out['table_gib_fp32']:.2f} GiB fp32, setup {setup_s:.1f} s"
+            + (f", huge pages {out['huge_page_coverage']:.0%}" if out.get("huge_page_coverage") is not None else ""),
             flush=True,
         )
         return out

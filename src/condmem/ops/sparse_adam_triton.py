@@ -45,6 +45,10 @@ depend on a sqrt and stay equal; a row may differ by the rounding of its update 
 with an IEEE sqrt in the torch path, within a bound from that rounding with torch's own).
 
 Rows outside ``[0, rows)`` (no valid sparse gradient has them) are skipped, not written.
+
+`adam_rows_step` is the same step for k rows already side by side (rows, moments and step
+counts gathered from wherever they live, as the host tier's device Adam holds them): one
+launch, in place.
 Imported only when the fused step runs (it imports triton).
 """
 
@@ -80,6 +84,23 @@ def _fresh_kernel(rows_ptr, slot_ptr, fresh_ptr, k, n_rows, BLOCK: tl.constexpr)
     ok = live & (row >= 0) & (row < n_rows)
     slot = tl.load(slot_ptr + row, mask=ok, other=0)
     tl.store(fresh_ptr + i, (ok & (slot < 0)).to(tl.int32), mask=live)
+
+
+@triton.jit
+def _adam_math(
+    g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL: tl.constexpr, V_CUDA: tl.constexpr
+):
+    """One Adam step of fp32 tiles: (new m, new v, the row's change) with torch's roundings (module docstring)."""
+    if LERP_SMALL:
+        m = tl.fma(w, g - m, m)
+    else:
+        m = tl.fma(w - 1.0, g - m, g)
+    if V_CUDA:
+        v = tl.fma(one_minus_beta2, g * g, v * beta2)
+    else:
+        v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+    update = tl.div_rn(tl.div_rn(m, bias1), tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps)
+    return m, v, update * neg_lr
 
 
 @triton.jit(do_not_specialize=["k", "n_rows", "capacity"])  # k changes every step; a table's stride never
@@ -135,16 +156,7 @@ def _adam_kernel(
     g = tl.load(grad_ptr + r * D + c, mask=cm, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + at, mask=cm & kept, other=0.0)
     v = tl.load(v_ptr + at, mask=cm & kept, other=0.0)
-    if LERP_SMALL:
-        m = tl.fma(w, g - m, m)
-    else:
-        m = tl.fma(w - 1.0, g - m, g)
-    if V_CUDA:
-        v = tl.fma(one_minus_beta2, g * g, v * beta2)
-    else:
-        v = tl.fma(one_minus_beta2 * g, g, v * beta2)
-    update = tl.div_rn(tl.div_rn(m, bias1), tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps)
-    delta = update * neg_lr
+    m, v, delta = _adam_math(g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL, V_CUDA)
 
     pa = p_ptr + row * p_stride + c
     p = tl.load(pa, mask=cm, other=0.0)
@@ -268,3 +280,104 @@ def sparse_adam_step(
         **COMPILE_OPTIONS,
     )
     n_slots.add_(rank[-1])
+
+
+@triton.jit(do_not_specialize=["k"])
+def _rows_adam_kernel(
+    grad_ptr,
+    p_ptr,
+    m_ptr,
+    v_ptr,
+    step_ptr,
+    pow1_ptr,
+    pow2_ptr,
+    k,
+    w,
+    beta2,
+    one_minus_beta2,
+    eps,
+    neg_lr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+    V_CUDA: tl.constexpr,
+):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    c = tl.arange(0, BLOCK_D)[None, :]
+    live = r < k
+    step = tl.load(step_ptr + r, mask=live, other=0.0) + 1.0
+    t = step.to(tl.int32)
+    bias1 = 1.0 - tl.load(pow1_ptr + t, mask=live, other=0.0)
+    bias2_sqrt = tl.sqrt_rn(1.0 - tl.load(pow2_ptr + t, mask=live, other=0.0))
+    cm = live & (c < D)
+    at = r * D + c
+    g = tl.load(grad_ptr + at, mask=cm, other=0.0)
+    m = tl.load(m_ptr + at, mask=cm, other=0.0)
+    v = tl.load(v_ptr + at, mask=cm, other=0.0)
+    m, v, delta = _adam_math(g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL, V_CUDA)
+    p = tl.load(p_ptr + at, mask=cm, other=0.0)
+    tl.store(p_ptr + at, p + delta, mask=cm)
+    tl.store(m_ptr + at, m, mask=cm)
+    tl.store(v_ptr + at, v, mask=cm)
+    tl.store(step_ptr + r, step, mask=live)
+
+
+def adam_rows_step(
+    grad: torch.Tensor,
+    rows: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    row_step: torch.Tensor,
+    pow1: torch.Tensor,
+    pow2: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """One Adam step of k rows held side by side, in place: ``rows`` [k, dim], their moments and
+    step counts ``row_step`` [k] (each + 1), with gradient rows `grad` [k, dim]; all fp32 and
+    contiguous. The same arithmetic as `sparse_adam_step`, hence bit-equal on CUDA to
+    ``row_step += 1; rows += adam_rows_delta(grad, exp_avg, exp_avg_sq, row_step, ...)``.
+    `pow1`, `pow2`: `beta_powers` tables longer than any step count after this step."""
+    k, dim = grad.shape
+    for name, t, shape in (
+        ("grad", grad, (k, dim)),
+        ("rows", rows, (k, dim)),
+        ("exp_avg", exp_avg, (k, dim)),
+        ("exp_avg_sq", exp_avg_sq, (k, dim)),
+        ("row_step", row_step, (k,)),
+    ):
+        if t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous() or t.device != grad.device:
+            raise ValueError(
+                f"adam_rows_step: {name} must be contiguous fp32 {shape} on {grad.device}, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    if k == 0:
+        return
+    block_d = next_pow2(dim)
+    block_r = max(1, TILE // block_d)
+    w, a = _f32(1 - beta1), _f32(1 - beta2)
+    _rows_adam_kernel[(cdiv(k, block_r),)](
+        grad,
+        rows,
+        exp_avg,
+        exp_avg_sq,
+        row_step,
+        pow1,
+        pow2,
+        k,
+        w,
+        _f32(beta2),
+        a,
+        _f32(eps),
+        _f32(-lr),
+        D=dim,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        LERP_SMALL=abs(w) < 0.5,
+        V_CUDA=grad.is_cuda and a != 1.0,
+        num_warps=4,
+        **COMPILE_OPTIONS,
+    )

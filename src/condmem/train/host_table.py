@@ -25,14 +25,6 @@ logger = logging.getLogger("condmem.train")
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _patched(ids: torch.Tensor, patch_ids: torch.Tensor, pairs) -> list[torch.Tensor]:
-    """For each (patch values, values) of `pairs` (rows aligned with the sorted, non-empty
-    `patch_ids` and with `ids`): the values, with the patch's row wherever an id is patched."""
-    pos = torch.searchsorted(patch_ids, ids).clamp_(max=patch_ids.numel() - 1)
-    hit = patch_ids[pos] == ids
-    return [torch.where(hit.view(-1, *([1] * (v.dim() - 1))), p[pos], v) for p, v in pairs]
-
-
 class HostTableError(RuntimeError):
     """Host-resident tables used against their contract (ids of another step, a closed tier)."""
 
@@ -143,8 +135,11 @@ class _Layer:
     grad_jobs: list = field(default_factory=lambda: [None, None])
     buffers: dict = field(default_factory=dict)
     """Named pairs of pinned / device transfer buffers (`HostTables._named`)."""
+    lookups: int = 0
+    """The most row ids one step has looked up in this table (a bound on its unique rows)."""
     current: tuple | None = None
-    """Device Adam: (unique ids, rows, moments, steps) on the device, as the running step read them."""
+    """Device Adam: (unique ids, rows, moments, steps, read slot, owned) on the device, as the running step
+    read them (owned: not the transfer buffers themselves)."""
     last: tuple | None = None
     """Device Adam: (ids, new rows, moments, steps) of the latest device Adam: the next gather's patch."""
 
@@ -255,6 +250,7 @@ class HostTables(abc.ABC):
         if self.cuda:
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
+            self._ids_d2h = torch.cuda.Stream(self.device)
         self.wait_s = 0.0
         """Seconds the main thread waited for the host (gathers and patches), summed."""
         std = init_std if init_std is not None else getattr(getattr(model, "cfg", None), "engram_table_init_std", 0.02)
@@ -323,6 +319,18 @@ class HostTables(abc.ABC):
             for L in self.layers.values()
         )
 
+    def huge_page_coverage(self) -> float | None:
+        """Fraction of the host tensors' resident bytes on huge pages (None: unknown, or not
+        page-locked buffers). Random row reads on 4 KiB pages miss the TLB at almost every row."""
+        covered = total = 0.0
+        for layer in self.layers.values():
+            for buf in layer.keep:
+                cov = buf.coverage() if buf is not None else None
+                if cov is not None:
+                    covered += cov * buf.nbytes
+                    total += buf.nbytes
+        return covered / total if total else None
+
     # ------------------------------------------------------------------ worker
     def _init_worker(self) -> None:
         if self.threads:
@@ -345,8 +353,11 @@ class HostTables(abc.ABC):
             self._jobs.popleft().result()
 
     @staticmethod
-    def _buffer(buffers: list, i: int, shape: tuple[int, ...], dtype: torch.dtype, make) -> torch.Tensor:
-        """Buffer `i` of a pair, grown to hold `shape` (reused across steps)."""
+    def _buffer(
+        buffers: list, i: int, shape: tuple[int, ...], dtype: torch.dtype, make, capacity: int = 0
+    ) -> torch.Tensor:
+        """Buffer `i` of a pair, grown to hold `shape` (reused across steps); a new buffer holds at
+        least `capacity` elements."""
         while len(buffers) <= i:
             buffers.append(None)
         need = 1
@@ -354,7 +365,7 @@ class HostTables(abc.ABC):
             need *= s
         b = buffers[i]
         if b is None or b.numel() < need or b.dtype != dtype:
-            b = buffers[i] = make(need, dtype)
+            b = buffers[i] = make(max(need, capacity), dtype)
         return b[:need].view(shape)
 
     def _pinned(self, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -366,10 +377,23 @@ class HostTables(abc.ABC):
     def _named(
         self, layer: _Layer, name: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool
     ) -> torch.Tensor:
-        """Buffer `slot` of the layer's pair `name` (pinned host or device), grown as needed."""
+        """Buffer `slot` of the layer's pair `name` (pinned host or device), grown as needed.
+
+        A step's unique rows vary in number, so a buffer sized to the rows of the step that
+        made it would grow again at every new maximum (each growth of a pinned buffer
+        page-locks fresh memory: milliseconds, on the worker and the device's path). Buffers
+        of rows are made for the step's lookups at once, the most rows a step can have."""
         key = (name, pinned)
+        per_row = 1
+        for s in shape[1:]:
+            per_row *= s
         return self._buffer(
-            layer.buffers.setdefault(key, []), slot, shape, dtype, self._pinned if pinned else self._on_device
+            layer.buffers.setdefault(key, []),
+            slot,
+            shape,
+            dtype,
+            self._pinned if pinned else self._on_device,
+            capacity=layer.lookups * per_row if shape else 0,
         )
 
     @staticmethod
@@ -403,12 +427,18 @@ class HostTables(abc.ABC):
         if not self.prefetch_enabled:
             return
         if self.cuda:
+            # On a side stream: the copy waits for the hash, the step's own kernels do not wait for it.
             ids_host = torch.empty(row_ids.shape, dtype=row_ids.dtype, pin_memory=self.pin)
-            ids_host.copy_(row_ids, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
+            self._ids_d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._ids_d2h):
+                ids_host.copy_(row_ids, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._ids_d2h)
+            row_ids.record_stream(self._ids_d2h)
         else:
             ids_host, copied = row_ids, None
+        for layer in self.layers.values():
+            layer.lookups = max(layer.lookups, row_ids.numel() // max(1, row_ids.shape[2] if row_ids.dim() > 2 else 1))
         ticket = self._ticket(step, ids_host, row_ids, copied)
         ticket.gathered = self._submit(self._gather, ticket, self._gathers % 2)
         self._gathers += 1
@@ -437,6 +467,7 @@ class HostTables(abc.ABC):
             t0 = time.perf_counter()
             self.flush()
             ids = row_ids.reshape(-1).cpu()
+            layer.lookups = max(layer.lookups, ids.numel())
             rows = self._fetched_now(layer, ids, row_ids, training)
             self.wait_s += time.perf_counter() - t0
         if not training:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from condmem.train.host_table import HostTableError, HostTables, _Layer, _patched, _Ticket
-from condmem.train.optim import adam_rows_delta
+from condmem.ops.row_patch import patched_rows
+from condmem.train.host_table import HostTableError, HostTables, _Layer, _Ticket
+from condmem.train.optim import adam_rows_delta, beta_powers
 
 
 def optimizer_mode(adam: str, staleness: int) -> type[HostTables]:
@@ -123,7 +124,7 @@ class HostAdamTables(HostTables):
                 cur.wait_event(p_done)
                 p_ids.record_stream(cur)
                 p_vals.record_stream(cur)
-            (out,) = _patched(row_ids.reshape(-1).to(p_ids.dtype), p_ids, [(p_vals, flat)])
+            (out,) = patched_rows(row_ids.reshape(-1).to(p_ids.dtype), p_ids, [(p_vals, flat)])
         else:
             out = flat.clone()
         self._mark_consumed(layer, slot)
@@ -345,10 +346,12 @@ class DeviceAdamTables(HostTables):
         if done is not None:
             cur.wait_event(done)
         m, v = m.float(), v.float()
+        owned = False  # the step's own tensors, not the transfer buffers a later gather refills
         if layer.last is not None and layer.last[0].numel():
             ids0, new0, m0, v0, st0 = layer.last
-            rows, m, v, st = _patched(uniq, ids0, [(new0, rows), (m0, m), (v0, v), (st0, st)])
-        layer.current = (uniq, rows, m, v, st, fetched[7])
+            rows, m, v, st = patched_rows(uniq, ids0, [(new0, rows), (m0, m), (v0, v), (st0, st)])
+            owned = True
+        layer.current = (uniq, rows, m, v, st, fetched[7], owned)
         out = rows[inv]
         self._mark_consumed(layer, fetched[7])
         return out.view(*row_ids.shape, -1)
@@ -358,13 +361,20 @@ class DeviceAdamTables(HostTables):
         and sent to the host, where the worker stores them."""
         for lid, grad in self.gradients().items():
             layer = self.layers[lid]
-            uniq, rows, m, v, st, read_slot = layer.current
+            uniq, rows, m, v, st, read_slot, owned = layer.current
             ids, values = grad.indices()[0], grad.values()
-            pos = torch.searchsorted(uniq, ids)  # the gradient's rows are rows this step read
-            m, v, st, old = m[pos], v[pos], st[pos] + 1, rows[pos]
+            if ids.numel() == uniq.numel():
+                # The gradient's rows are rows this step read (sorted, unique), so all of them, in
+                # order. Adam updates the step's own tensors in place (copies of the buffers first).
+                if not owned:
+                    rows, m, v, st = rows.clone(), m.clone(), v.clone(), st.clone()
+            else:
+                pos = torch.searchsorted(uniq, ids)
+                rows, m, v, st = rows[pos], m[pos], v[pos], st[pos]
             self._mark_consumed(layer, read_slot)  # the step's buffers are read up to here
             layer.steps += 1
-            new = old + adam_rows_delta(values.float(), m, v, st, lr, beta1, beta2, eps, layer.steps)
+            _adam_rows(values.float().contiguous(), rows, m, v, st, lr, beta1, beta2, eps, layer.steps)
+            new = rows
             if layer.exp_avg.dtype != torch.float32:  # as the host stores them, so a patch equals a re-read
                 m, v = m.to(layer.exp_avg.dtype).float(), v.to(layer.exp_avg_sq.dtype).float()
             layer.last = (ids, new, m, v, st)
@@ -395,3 +405,19 @@ class DeviceAdamTables(HostTables):
         if copied is not None:
             copied.synchronize()
         self._write(layer, ids, new, m, v, st)
+
+
+def _adam_rows(
+    grad, rows, m, v, st, lr: float, beta1: float, beta2: float, eps: float, max_step: int, fused: bool | None = None
+) -> None:
+    """Adam for k rows side by side, in place (rows, moments, step counts + 1): one Triton
+    launch on CUDA (`adam_rows_step`, bit-equal there), `adam_rows_delta` elsewhere or with
+    ``fused=False``."""
+    if rows.is_cuda if fused is None else fused:
+        from condmem.ops.sparse_adam_triton import adam_rows_step
+
+        pow1, pow2 = beta_powers(beta1, max_step, rows.device), beta_powers(beta2, max_step, rows.device)
+        adam_rows_step(grad, rows, m, v, st, pow1, pow2, lr, beta1, beta2, eps)
+        return
+    st.add_(1)
+    rows.add_(adam_rows_delta(grad, m, v, st, lr, beta1, beta2, eps, max_step))
