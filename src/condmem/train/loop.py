@@ -463,15 +463,18 @@ class Trainer:
             batch = self.dp.local(batch)
         if self.host is not None:
             self.host.begin(step)
-            if step + 1 < cfg.steps and self.host.prefetch_enabled:
-                nxt = self._batch(step + 1)
-                nxt_rows = self.model.row_ids(nxt.inputs, nxt.doc_starts)
-                self.host.prefetch(nxt_rows, step + 1)
-                self._next_batch = (step + 1, nxt, nxt_rows)
         lr_mult = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         set_lr(self.optimizers, lr_mult)
         with autocast_for(self.device, cfg.precision):
             loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts, row_ids=rows)
+        if self.host is not None and step + 1 < cfg.steps and self.host.prefetch_enabled:
+            # After the forward is queued, not before: the host's work here (the next batch, its
+            # hash, the prefetch) then overlaps the device's forward instead of leaving the device
+            # idle after the last step's loss read; the worker still has the backward to gather.
+            nxt = self._batch(step + 1)
+            nxt_rows = self.model.row_ids(nxt.inputs, nxt.doc_starts)
+            self.host.prefetch(nxt_rows, step + 1)
+            self._next_batch = (step + 1, nxt, nxt_rows)
         # Routed experts add their load-balancing loss to what is minimized; the loss
         # reported stays the cross-entropy, comparable across models.
         aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
