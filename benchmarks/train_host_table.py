@@ -5,7 +5,6 @@ Runs of the same model on the same batches, in one process, the process's HBM ca
 
 * ``hbm``: the table a model parameter in HBM, `SparseAdam` on the GPU (a size both fit);
 * ``host``: the same table (same initial rows) in page-locked host memory, Adam on the host;
-* ``host_stale``: as ``host`` with ``staleness=1`` (no patch: rows read one update late);
 * ``host_device_adam``: as ``host`` with ``adam="device"`` (Adam on the GPU, the host stores);
 * ``host_big`` / ``host_big_device_adam``: a table whose weights + Adam state (>= 60 GiB by
   default) exceed the HBM the backbone leaves free under the cap, in host memory, with Adam
@@ -82,9 +81,7 @@ def train_config(args, preset: Preset) -> TrainConfig:
     )
 
 
-def run(
-    name: str, args, data, table_size: int, device: torch.device, tier: str, staleness: int = 0, adam: str = "host"
-) -> dict:
+def run(name: str, args, data, table_size: int, device: torch.device, tier: str, adam: str = "host") -> dict:
     """Train one model; returns its numbers (history, tok/s, memory)."""
     preset = preset_for(args, table_size)
     cfg = build_model_config(preset, data)
@@ -98,7 +95,7 @@ def run(
     model = DecoderLM(cfg, token_lookup=data.ctok.lookup, seed=0, device=device, table_device=table_device)
     tables = None
     if tier != "hbm":
-        tables = HostTables(model, device, threads=args.threads, seed=0, staleness=staleness, adam=adam)
+        tables = HostTables(model, device, threads=args.threads, seed=0, adam=adam)
     setup_s = time.perf_counter() - t0
     table_params = tables.table_params if tables is not None else sum(p.numel() for _, p in model.table_parameters())
     if device.type == "cuda":
@@ -140,7 +137,6 @@ def run(
                 host_wait_s=tables.wait_s,
                 host_state_dtype="fp32",
                 threads=args.threads,
-                staleness=staleness,
                 adam=adam,
                 rss_bytes_per_param=(rss1 - rss0) / table_params,
             )
@@ -187,6 +183,33 @@ def probe_pin(device: torch.device, threads: int, gib: float) -> dict:
     }
 
 
+def plot_losses(runs: dict, machine: str, path: Path) -> None:
+    """The runs' training-loss curves, labelled with table size and tokens/s, to a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in runs.items():
+        ax.plot(
+            [h["step"] for h in r["history"]],
+            [h["loss"] for h in r["history"]],
+            label=f"{name}: {r['table_gib_fp32']:.1f} GiB table, {r['tokens_per_s']:,.0f} tok/s",
+            lw=1,
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(f"Engram table in HBM vs host memory ({machine})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -210,8 +233,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         nargs="+",
-        default=["hbm", "host", "host_stale", "host_device_adam"],
-        choices=["hbm", "host", "host_stale", "host_device_adam"],
+        default=["hbm", "host", "host_device_adam"],
+        choices=["hbm", "host", "host_device_adam"],
         help="the runs at the table size both tiers fit (hbm is the reference: always run)",
     )
     args = ap.parse_args()
@@ -282,7 +305,6 @@ def main() -> None:
     small = {
         "hbm": {"tier": "hbm"},
         "host": {"tier": "host"},
-        "host_stale": {"tier": "host", "staleness": 1},
         "host_device_adam": {"tier": "host", "adam": "device"},
     }
     plan = [(name, args.small_table_size, kw) for name, kw in small.items() if name in args.modes]
@@ -340,28 +362,7 @@ def main() -> None:
                 )
     json_path.write_text(json.dumps(result, indent=1) + "\n")
 
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, r in runs.items():
-            ax.plot(
-                [h["step"] for h in r["history"]],
-                [h["loss"] for h in r["history"]],
-                label=f"{name}: {r['table_gib_fp32']:.1f} GiB table, {r['tokens_per_s']:,.0f} tok/s",
-                lw=1,
-            )
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (nats/token)")
-        ax.set_title(f"Engram table in HBM vs host memory ({result.get('gpu', args.device)})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / "train_host_table.png", dpi=120)
-    except ImportError:
-        print("matplotlib missing: no PNG", flush=True)
+    plot_losses(runs, result.get("gpu", args.device), out_dir / "train_host_table.png")
 
     print(
         f"\n{'run':<22} {'table GiB':>9} {'host GiB':>9} {'HBM peak GiB':>12} {'RSS GiB':>8} {'setup s':>8} "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the host-resident training tables' GPU tests, then
-# benchmarks/train_host_table.py (hbm / host / host_stale / host_device_adam on the same
+# benchmarks/train_host_table.py (hbm / host / host_device_adam on the same
 # batches, and the >= 60 GiB host_big run; arguments passed through). Logs and JSON to $OUT;
 # the last lines are the bench's table.
 set -uo pipefail

@@ -216,33 +216,8 @@ def test_cli_table_tier_host_resumes_like_the_model_tier(tiny_corpus, tmp_path, 
     assert host["summary"]["table_tier"] == "host" and module["summary"]["table_tier"] == "module"
 
 
-def test_staleness_one_reads_rows_a_step_late_and_trains_close(tiny_data, reference):
-    """``staleness=1``: no patch, so step 2 reads the rows step 1 updated without that update
-    (its loss differs from the exact run's) while step 1 equals it; two runs are equal (the
-    lag is fixed, not timing-dependent), and the curve stays close to the exact one: on this
-    tiny model at a high learning rate, 0.019 nats apart on average per step (0.12 at most,
-    single noisy steps) and the validation loss 0.014 apart (measured)."""
-    runs, val = [], []
-    for _ in range(2):
-        trainer = _trainer(tiny_data, host={"staleness": 1})
-        with trainer.host:
-            val.append(trainer.fit()["val_loss"])
-        runs.append(_losses(trainer))
-    ref = _losses(reference)
-    assert runs[0] == runs[1] and val[0] == val[1], "a bounded lag of one step does not depend on timing"
-    assert runs[0][0] == ref[0] and runs[0][1] != ref[1]
-    diffs = [abs(a - b) for a, b in zip(runs[0], ref)]
-    assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.25, diffs
-    assert abs(val[0] - reference.summary()["val_loss"]) < 0.05, (val[0], reference.summary()["val_loss"])
-
-
-def test_staleness_must_be_zero_or_one(tiny_data):
-    with pytest.raises(ValueError, match="staleness"):
-        _trainer(tiny_data, host={"staleness": 2})
-
-
-def test_cli_host_staleness_one_trains(tiny_corpus, tmp_path):
-    """``condmem train --table-tier host --host-staleness 1`` runs and says so in its summary."""
+def test_cli_host_tables_with_device_adam_train(tiny_corpus, tmp_path):
+    """``condmem train --table-tier host --host-adam device`` runs and says so in its summary."""
     args = [
         "train",
         "--preset",
@@ -258,14 +233,14 @@ def test_cli_host_staleness_one_trains(tiny_corpus, tmp_path):
         "cpu",
         "--table-tier",
         "host",
-        "--host-staleness",
-        "1",
+        "--host-adam",
+        "device",
         "--out",
         str(tmp_path / "run"),
     ]
     assert main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())["summary"]
-    assert summary["table_tier"] == "host" and summary["host_staleness"] == 1
+    assert summary["table_tier"] == "host" and summary["host_adam"] == "device"
 
 
 def test_device_adam_without_its_patch_reads_stale_state(tiny_data, reference, monkeypatch):
@@ -299,9 +274,7 @@ def test_device_adam_with_bf16_moments_equals_host_adam(tiny_data):
         assert torch.equal(runs[0][1][lid], runs[1][1][lid])
 
 
-def test_device_adam_is_exact_only(tiny_data):
-    with pytest.raises(ValueError, match="exact only"):
-        _trainer(tiny_data, host={"adam": "device", "staleness": 1})
+def test_an_unknown_adam_mode_is_refused(tiny_data):
     with pytest.raises(ValueError, match="adam must be"):
         _trainer(tiny_data, host={"adam": "gpu"})
 

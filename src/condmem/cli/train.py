@@ -162,14 +162,6 @@ def _add_engram_arguments(e) -> None:
         help="with --table-tier host: where Adam runs: on the host's threads, or on the device with the "
         "host only storing rows and state (exact either way; docs/training.md)",
     )
-    e.add_argument(
-        "--host-staleness",
-        type=int,
-        choices=[0, 1],
-        default=0,
-        help="with --table-tier host: 0 = exact (a step waits for the host's Adam of the rows it shares "
-        "with the step before); 1 = no wait, those rows read one update late (not exact)",
-    )
 
 
 def _add_training_arguments(t) -> None:
@@ -450,7 +442,6 @@ def _host_tables(args, run: _Run, device):
         threads=args.host_threads,
         tables=run.checkpoint.tables if run.checkpoint is not None else None,
         seed=args.seed,
-        staleness=args.host_staleness,
         adam=args.host_adam,
     )
     print(
@@ -486,7 +477,7 @@ def _write_summary(args, run: _Run, trainer, summary: dict, rank: int | None, wo
         table_tier=args.table_tier if rank is None else f"sharded over {world} ranks",
     )
     if args.table_tier == "host":
-        summary.update(host_staleness=args.host_staleness, host_adam=args.host_adam)
+        summary.update(host_adam=args.host_adam)
     atomic_write_text(
         Path(args.out) / "summary.json",
         json.dumps(

@@ -160,10 +160,10 @@ class _Ticket:
 class HostTables(abc.ABC):
     """Every Engram table of a `DecoderLM` in host memory, with its Adam state; the tables' optimizer.
 
-    ``HostTables(model, device, adam=..., staleness=...)`` builds the optimizer mode's class
+    ``HostTables(model, device, adam=...)`` builds the optimizer mode's class
     (`condmem.train.host_table_optim.optimizer_mode`): `HostAdamTables` (``adam="host"``, the
-    default), `StaleHostAdamTables` (``staleness=1``) or `DeviceAdamTables` (``adam="device"``);
-    each can be built directly too. Every mode has the same interface: the views' rows,
+    default) or `DeviceAdamTables` (``adam="device"``); each can be built directly too. Both
+    are exact: every step reads every earlier update. Every mode has the same interface: the views' rows,
     `prefetch` / `begin`, `gradients`, ``step``, ``zero_grad``, `set_lr` through
     ``param_groups``, checkpoints in `SparseAdam`'s format (`export_state`, `import_state`).
 
@@ -179,9 +179,6 @@ class HostTables(abc.ABC):
             its rows after all earlier updates are applied (the reference the pipelined path
             is tested against). Outside training (no autograd, or no prefetched step) rows are
             fetched synchronously after all pending updates.
-        staleness: 0 (exact: rows step t updates are patched before step t+1 reads them) or 1
-            (no patch: a step may read rows without the previous step's update, and the
-            device never waits for the host's Adam).
         adam: ``"host"`` (Adam on the host's threads; the device waits for the rows the next
             step shares with this one) or ``"device"`` (Adam on the device, the host stores:
             more bytes sent each way, no host work between two steps; exact).
@@ -196,15 +193,13 @@ class HostTables(abc.ABC):
 
     adam: str
     """Where Adam runs: ``"host"`` or ``"device"`` (a class attribute of each mode)."""
-    staleness: int
-    """0: every step reads every earlier update; 1: a step may lack the previous step's."""
 
-    def __new__(cls, *args, adam: str | None = None, staleness: int | None = None, **kwargs):
+    def __new__(cls, *args, adam: str | None = None, **kwargs):
         mode = cls
         if cls is HostTables:
             from condmem.train.host_table_optim import optimizer_mode
 
-            mode = optimizer_mode("host" if adam is None else adam, 0 if staleness is None else staleness)
+            mode = optimizer_mode("host" if adam is None else adam)
         return super().__new__(mode)
 
     def __init__(
@@ -222,12 +217,11 @@ class HostTables(abc.ABC):
         tables: dict[int, torch.Tensor] | None = None,
         init_std: float | None = None,
         seed: int = 0,
-        staleness: int | None = None,
         adam: str | None = None,
     ):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {state_dtype!r}")
-        self._check_mode(adam, staleness)
+        self._check_mode(adam)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda and self.device.index is None:
@@ -262,13 +256,13 @@ class HostTables(abc.ABC):
         self.setup_s = time.perf_counter() - t0
         """Seconds spent allocating, filling and page-locking the host tensors."""
 
-    def _check_mode(self, adam: str | None, staleness: int | None) -> None:
-        """`adam` and `staleness` as the constructor got them: None or this mode's own."""
-        if (adam is None or adam == self.adam) and (staleness is None or staleness == self.staleness):
+    def _check_mode(self, adam: str | None) -> None:
+        """`adam` as the constructor got it: None or this mode's own."""
+        if adam is None or adam == self.adam:
             return
         raise ValueError(
-            f"{type(self).__name__} trains with adam={self.adam!r}, staleness={self.staleness}, not "
-            f"adam={adam!r}, staleness={staleness!r}: build HostTables(..., adam=..., staleness=...) to pick the mode"
+            f"{type(self).__name__} trains with adam={self.adam!r}, not adam={adam!r}: "
+            "build HostTables(..., adam=...) to pick the mode"
         )
 
     def _take_table(self, engram, tables: dict[int, torch.Tensor] | None, std: float, seed: int) -> None:

@@ -1,4 +1,4 @@
-"""The optimizer modes of `HostTables`: Adam on the host (exact, or a step late) and Adam on the device."""
+"""The optimizer modes of `HostTables`: Adam on the host and Adam on the device, both exact."""
 
 from __future__ import annotations
 
@@ -13,20 +13,11 @@ from condmem.train.host_table import HostTableError, HostTables, _Layer, _Ticket
 from condmem.train.optim import adam_rows_delta, beta_powers
 
 
-def optimizer_mode(adam: str, staleness: int) -> type[HostTables]:
-    """The `HostTables` class of an optimizer mode: ``adam`` ``"host"`` or ``"device"``,
-    ``staleness`` 0 (exact) or 1 (host Adam only)."""
-    if staleness not in (0, 1):
-        raise ValueError(
-            f"staleness must be 0 (exact) or 1 (rows may lack the previous step's update), got {staleness!r}"
-        )
+def optimizer_mode(adam: str) -> type[HostTables]:
+    """The `HostTables` class of an optimizer mode: ``adam`` ``"host"`` or ``"device"``."""
     if adam not in ("host", "device"):
         raise ValueError(f"adam must be 'host' or 'device', got {adam!r}")
-    if adam == "device" and staleness:
-        raise ValueError("adam='device' is exact only: the device's Adam needs each row's latest state (staleness=0)")
-    if adam == "device":
-        return DeviceAdamTables
-    return StaleHostAdamTables if staleness else HostAdamTables
+    return DeviceAdamTables if adam == "device" else HostAdamTables
 
 
 @dataclass
@@ -65,7 +56,6 @@ class HostAdamTables(HostTables):
     """
 
     adam = "host"
-    staleness = 0
 
     def _ticket(self, step: int, ids_host: torch.Tensor, ids_dev: torch.Tensor, copied) -> _PatchedTicket:
         ticket = _PatchedTicket(step, ids_host, ids_dev, copied)
@@ -231,25 +221,6 @@ class HostAdamTables(HostTables):
         return d_ids, d_new, done
 
 
-class StaleHostAdamTables(HostAdamTables):
-    """`HostAdamTables` with bounded staleness (``staleness=1``, Hogwild-like): no patch.
-
-    Step t+1 reads its rows as gathered, without step t's update to the rows both steps read
-    (every earlier update is in), and the device never waits for Adam. Not exact; the losses
-    drift from the exact run's by what one step of lag costs.
-    """
-
-    staleness = 1
-
-    @staticmethod
-    def _mark_for_patch(layer: _Layer, ids: torch.Tensor) -> None:
-        """No patch: nothing to mark."""
-
-    def _patched_ticket(self) -> None:
-        """No patch: Adam updates the rows of every step in one go."""
-        return None
-
-
 class DeviceAdamTables(HostTables):
     """`HostTables` with Adam on the device (``adam="device"``): the host only stores.
 
@@ -258,11 +229,10 @@ class DeviceAdamTables(HostTables):
     host work is on the device's path between two steps; the results go back to the host
     (``writeback``) while the next step computes. The same `adam_rows_delta` on the device
     gives rows equal to `SparseAdam`'s there (whose fused CUDA step is held ``torch.equal`` to
-    this arithmetic: tests/train/test_sparse_adam_fused.py). Exact only (``staleness=0``).
+    this arithmetic: tests/train/test_sparse_adam_fused.py).
     """
 
     adam = "device"
-    staleness = 0
 
     def _unique_state(self, layer: _Layer, ids: torch.Tensor, slot: int | None):
         """Host: the unique rows of `ids` (sorted) with their moments and step counts, on the
