@@ -83,3 +83,15 @@ def test_adam_rows_step_refuses_other_shapes_or_dtypes():
         adam_rows_step(t, t.clone(), t.clone(), t.clone(), torch.zeros(5), t, t, 0.1, 0.9, 0.9, 1e-8)
     with pytest.raises(ValueError, match="rows must be contiguous fp32"):
         adam_rows_step(t, t.double(), t.clone(), t.clone(), torch.zeros(4), t, t, 0.1, 0.9, 0.9, 1e-8)
+
+
+def test_patched_rows_check_their_inputs_on_every_backend():
+    ids, patch_ids = torch.tensor([1, 4, 7]), torch.tensor([4, 9])
+    values = torch.zeros(3, 2)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="does not match"):
+            patched_rows(ids, patch_ids, [(torch.ones(2, 2, dtype=torch.float64), values)], backend=backend)
+        with pytest.raises(ValueError, match="does not match"):
+            patched_rows(ids, patch_ids, [(torch.ones(3, 2), values)], backend=backend)
+    (out,) = patched_rows(ids, patch_ids[:0], [(torch.ones(0, 2), values)])
+    assert torch.equal(out, values) and out.data_ptr() != values.data_ptr()

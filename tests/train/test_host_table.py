@@ -336,3 +336,37 @@ def test_device_adam_refuses_a_second_training_forward_in_a_step(tiny_data):
         trainer.model.loss(batch.inputs, batch.targets, batch.doc_starts)
         with pytest.raises(HostTableError, match="second training forward"):
             trainer.model.loss(batch.inputs, batch.targets, batch.doc_starts)
+
+
+@pytest.mark.parametrize("adam", ["host", "device"])
+def test_transfer_buffers_are_made_once(tiny_data, adam):
+    """Every transfer buffer is made for the step's lookups at its first use and then reused: a
+    step with more unique rows than any before must not allocate (on a GPU each allocation
+    page-locks fresh memory on the step's path)."""
+    trainer = _trainer(tiny_data, host={"adam": adam}, steps=12)
+    with trainer.host:
+        trainer.train_step(0)
+        trainer.train_step(1)
+        trainer.host.flush()
+
+        def buffers():
+            return {
+                (lid, key, i): b.data_ptr()
+                for lid, layer in trainer.host.layers.items()
+                for key, pair in layer.buffers.items()
+                for i, b in enumerate(pair)
+                if b is not None
+            }
+
+        made = buffers()
+        assert made, "the prefetched steps use transfer buffers"
+        for step in range(2, 12):
+            trainer.train_step(step)
+        trainer.host.flush()
+        assert buffers() == made
+
+
+def test_huge_page_coverage_is_none_without_page_locked_buffers(tiny_data):
+    trainer = _trainer(tiny_data, host={}, steps=2)
+    with trainer.host:
+        assert trainer.host.huge_page_coverage() is None  # CPU: plain tensors, no host buffers

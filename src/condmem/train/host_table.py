@@ -431,8 +431,9 @@ class HostTables(abc.ABC):
             row_ids.record_stream(self._ids_d2h)
         else:
             ids_host, copied = row_ids, None
+        per_layer = row_ids.numel() // max(1, row_ids.shape[2] if row_ids.dim() > 2 else 1)
         for layer in self.layers.values():
-            layer.lookups = max(layer.lookups, row_ids.numel() // max(1, row_ids.shape[2] if row_ids.dim() > 2 else 1))
+            layer.lookups = max(layer.lookups, per_layer)
         ticket = self._ticket(step, ids_host, row_ids, copied)
         ticket.gathered = self._submit(self._gather, ticket, self._gathers % 2)
         self._gathers += 1
@@ -461,7 +462,8 @@ class HostTables(abc.ABC):
             t0 = time.perf_counter()
             self.flush()
             ids = row_ids.reshape(-1).cpu()
-            layer.lookups = max(layer.lookups, ids.numel())
+            if training:  # (an evaluation's rows use no transfer buffer)
+                layer.lookups = max(layer.lookups, ids.numel())
             rows = self._fetched_now(layer, ids, row_ids, training)
             self.wait_s += time.perf_counter() - t0
         if not training:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from condmem.ops.row_patch import patched_rows
+from condmem.ops.triton_util import triton_available
 from condmem.train.host_table import HostTableError, HostTables, _Layer, _Ticket
 from condmem.train.optim import adam_rows_delta, beta_powers
 
@@ -37,8 +38,9 @@ class HostAdamTables(HostTables):
     One worker thread does the host work in order::
 
         main thread (device)                          worker thread (host, torch intra-op threads)
-        step t:  hash batch t+1, copy its ids ──────► gather(t+1): index_select into pinned
-                 forward (rows of t: gather + patch)                staging, copy to the device
+        step t:  forward (rows of t: gather + patch)
+                 hash batch t+1, copy its ids ──────► gather(t+1): index_select into pinned
+                                                                   staging, copy to the device
                  backward; coalesce each table's
                  gradient per unique row; clip
                  (global norm); copy it to the host ─► Adam(t): rows also read at t+1 first,
@@ -227,9 +229,11 @@ class DeviceAdamTables(HostTables):
     gather(t+1) sends the unique rows of step t+1 with their moments and step counts; the rows
     step t updates are patched from the device's own results of step t (rows and state), so no
     host work is on the device's path between two steps; the results go back to the host
-    (``writeback``) while the next step computes. The same `adam_rows_delta` on the device
-    gives rows equal to `SparseAdam`'s there (whose fused CUDA step is held ``torch.equal`` to
-    this arithmetic: tests/train/test_sparse_adam_fused.py).
+    (``writeback``) while the next step computes. On CUDA the patch and the Adam step are
+    Triton kernels (`condmem.ops.row_patch`, `adam_rows_step`), elsewhere torch ops
+    (`adam_rows_delta`); both give rows equal to `SparseAdam`'s on the same device (its fused
+    CUDA step is held ``torch.equal`` to that arithmetic: tests/train/test_sparse_adam_fused.py,
+    and the kernels here to their torch ops: tests/train/test_train_fast_paths.py).
     """
 
     adam = "device"
@@ -256,7 +260,7 @@ class DeviceAdamTables(HostTables):
             ("v", layer.exp_avg_sq, (k, d)),
             ("step", layer.row_step, (k,)),
         ):
-            host[name] = torch.index_select(src, 0, uniq, out=buf(name, shape, src.dtype, self.pin))
+            host[name] = torch.index_select(src, 0, uniq, out=buf(name, shape, src.dtype, True))
         if not self.cuda:
             return (uniq, inv, host["rows"], host["m"].float(), host["v"].float(), host["step"], None)
         if slot is not None:
@@ -290,9 +294,7 @@ class DeviceAdamTables(HostTables):
         return self._device_rows(layer, ticket.rows[layer.layer_id], row_ids)
 
     def _distinct_rows(self, layer: _Layer) -> torch.Tensor | None:
-        # A copy: the gradient's indices become the next gather's patch ids (``layer.last``),
-        # which must outlive the transfer buffer a later gather refills.
-        return layer.current[0].clone() if layer.current is not None else None
+        return layer.current[0] if layer.current is not None else None
 
     def _fetched_now(self, layer: _Layer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:
         """Training: the unique rows and their state, kept for `step`; otherwise the rows alone."""
@@ -321,7 +323,10 @@ class DeviceAdamTables(HostTables):
             ids0, new0, m0, v0, st0 = layer.last
             rows, m, v, st = patched_rows(uniq, ids0, [(new0, rows), (m0, m), (v0, v), (st0, st)])
             owned = True
-        layer.current = (uniq, rows, m, v, st, fetched[7], owned)
+        # The ids copied before the buffers are marked read: the gradient's indices are these ids,
+        # and they become the next gather's patch ids (``layer.last``), which must outlive the
+        # transfer buffer a later gather refills.
+        layer.current = (uniq.clone(), rows, m, v, st, fetched[7], owned)
         out = rows[inv]
         self._mark_consumed(layer, fetched[7])
         return out.view(*row_ids.shape, -1)
@@ -383,7 +388,7 @@ def _adam_rows(
     """Adam for k rows side by side, in place (rows, moments, step counts + 1): one Triton
     launch on CUDA (`adam_rows_step`, bit-equal there), `adam_rows_delta` elsewhere or with
     ``fused=False``."""
-    if rows.is_cuda if fused is None else fused:
+    if (rows.is_cuda and triton_available()) if fused is None else fused:
         from condmem.ops.sparse_adam_triton import adam_rows_step
 
         pow1, pow2 = beta_powers(beta1, max_step, rows.device), beta_powers(beta2, max_step, rows.device)

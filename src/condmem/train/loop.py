@@ -468,9 +468,9 @@ class Trainer:
         with autocast_for(self.device, cfg.precision):
             loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts, row_ids=rows)
         if self.host is not None and step + 1 < cfg.steps and self.host.prefetch_enabled:
-            # After the forward is queued, not before: the host's work here (the next batch, its
-            # hash, the prefetch) then overlaps the device's forward instead of leaving the device
-            # idle after the last step's loss read; the worker still has the backward to gather.
+            # Once the forward is queued: the host's work here (the next batch, its hash, the
+            # prefetch) overlaps the device's forward, so the device does not idle through it after
+            # the last step's loss read; the worker has the backward's time to gather.
             nxt = self._batch(step + 1)
             nxt_rows = self.model.row_ids(nxt.inputs, nxt.doc_starts)
             self.host.prefetch(nxt_rows, step + 1)
