@@ -81,6 +81,33 @@ def train_config(args, preset: Preset) -> TrainConfig:
     )
 
 
+def _slowest(out: dict) -> str:
+    """', slowest step N: S s (host wait W s), median M s' for a run's line ('' without steps)."""
+    times = out["step_seconds"]
+    if not times:
+        return ""
+    i = out["slowest_steps"][0]
+    waits = out["step_host_wait_seconds"]
+    wait = f" (host wait {waits[i - 1]:.3f} s)" if waits else ""
+    return f", slowest step {i}: {times[i - 1]:.3f} s{wait}, median {statistics.median(times):.3f} s"
+
+
+def _time_steps(trainer: Trainer, tables) -> tuple[list[float], list[float]]:
+    """Record each training step's wall seconds, and the host tier's wait in it, into the two lists returned."""
+    times, waits = [], []
+    step = trainer.train_step
+
+    def timed(i: int):
+        t0, w0 = time.perf_counter(), tables.wait_s if tables is not None else 0.0
+        out = step(i)  # ends on the loss's host read: the step's work is done
+        times.append(time.perf_counter() - t0)
+        waits.append((tables.wait_s if tables is not None else 0.0) - w0)
+        return out
+
+    trainer.train_step = timed
+    return times, waits
+
+
 def run(name: str, args, data, table_size: int, device: torch.device, tier: str, adam: str = "host") -> dict:
     """Train one model; returns its numbers (history, tok/s, memory)."""
     preset = preset_for(args, table_size)
@@ -105,6 +132,7 @@ def run(name: str, args, data, table_size: int, device: torch.device, tier: str,
     trainer = Trainer(
         model, tc, data.train, data.val, data.token_bytes, device, label=name, progress=False, host_tables=tables
     )
+    step_times, step_waits = _time_steps(trainer, tables)
     try:
         summary = trainer.fit()
         out = {
@@ -121,6 +149,11 @@ def run(name: str, args, data, table_size: int, device: torch.device, tier: str,
             "setup_s": setup_s,
             "huge_page_coverage": tables.huge_page_coverage() if tables is not None else None,
             "history": [{"step": h["step"], "loss": h["loss"]} for h in trainer.history],
+            # Per step: its wall seconds and the main thread's wait for the host tier, so that a
+            # slow round shows where (which steps, and whether the host tier was waited for).
+            "step_seconds": step_times,
+            "step_host_wait_seconds": step_waits if tables is not None else None,
+            "slowest_steps": sorted(range(1, len(step_times) + 1), key=lambda i: -step_times[i - 1])[:5],
             "rss_before_gib": rss0 / GiB,
             "rss_after_setup_gib": rss1 / GiB,
             "rss_peak_run_gib": rss_bytes() / GiB,
@@ -153,7 +186,8 @@ def run(name: str, args, data, table_size: int, device: torch.device, tier: str,
         print(
             f"[{name}] {out['tokens_per_s']:,.0f} tok/s, val loss {out['val_loss']:.4f}, "
             f"table {out['table_gib_fp32']:.2f} GiB fp32, setup {setup_s:.1f} s"
-            + (f", huge pages {out['huge_page_coverage']:.0%}" if out.get("huge_page_coverage") is not None else ""),
+            + (f", huge pages {out['huge_page_coverage']:.0%}" if out.get("huge_page_coverage") is not None else "")
+            + _slowest(out),
             flush=True,
         )
         return out
