@@ -403,6 +403,36 @@ def main() -> None:
         log(name, runs[name])
     adapter.memory = host
 
+    def ratio(a: str, b: str) -> dict:
+        """a's speed over b's: best run against best run, and the median of the rounds' paired ratios."""
+        paired = [y / x for x, y in zip(seconds[a], seconds[b])]
+        return {
+            "best": runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"],
+            "rounds_median": statistics.median(paired),
+            "rounds": paired,
+        }
+
+    result["runs"] = runs
+    result["ratios"] = {
+        "host_vs_hbm": ratio("host", "hbm"),
+        "hbm_vs_none": ratio("hbm", "none"),
+        "host_vs_none": ratio("host", "none"),
+        "aa_none_again_vs_none": ratio("none_again", "none"),
+    }
+    result["tokens"] = {
+        "host_vs_hbm": agreement(tokens["host"], tokens["hbm"]),
+        "host_vs_none": agreement(tokens["host"], tokens["none"]),
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write_result() -> None:
+        """The JSON as it stands: written once the timed rounds are done (a run stopped during the
+        trace or the profile keeps its speeds), and again at the end."""
+        (out_dir / "hf_generate_host.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    write_result()
+
     # Where generate runs part: step by step, HBM against host and HBM against itself (the noise).
     with torch.no_grad():
         traces = {"hbm": traced_generate(model, adapter, hbm, ids, args.new_tokens, args.engram_layers)}
@@ -453,30 +483,8 @@ def main() -> None:
     hbm.close()
     host.close()
 
-    def ratio(a: str, b: str) -> dict:
-        """a's speed over b's: best run against best run, and the median of the rounds' paired ratios."""
-        paired = [y / x for x, y in zip(seconds[a], seconds[b])]
-        return {
-            "best": runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"],
-            "rounds_median": statistics.median(paired),
-            "rounds": paired,
-        }
-
-    result["runs"] = runs
-    result["ratios"] = {
-        "host_vs_hbm": ratio("host", "hbm"),
-        "hbm_vs_none": ratio("hbm", "none"),
-        "host_vs_none": ratio("host", "none"),
-        "aa_none_again_vs_none": ratio("none_again", "none"),
-    }
-    result["tokens"] = {
-        "host_vs_hbm": agreement(tokens["host"], tokens["hbm"]),
-        "host_vs_none": agreement(tokens["host"], tokens["none"]),
-    }
     log({k: result[k] for k in ("ratios", "tokens", "forward_equal")})
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "hf_generate_host.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_result()
     print(f"\n{'variant':>11} {'new tok/s':>10}  seconds per round")
     for name, run in runs.items():
         print(f"{name:>11} {run['tokens_per_s']:10,.0f}  " + " ".join(f"{x:.2f}" for x in run["seconds"]))
