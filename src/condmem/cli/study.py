@@ -19,7 +19,7 @@ def register(sub) -> None:
         "paper's and claims a minimum only beyond the seed spread. Method: docs/study.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem study allocation --preset tiny --out runs/allocation\n"
-        "  condmem study allocation --preset gpu --seeds 2      # one H200, <= 9 minutes\n"
+        "  condmem study allocation --preset gpu --seeds 2      # one GPU, minutes (timings: docs/benchmarks.md)\n"
         "  condmem study slots --preset gpu\n"
         "  condmem study allocation --preset tiny --corpus /path/to/texts --rhos 1 0.8 0.6\n"
         "  condmem study allocation --out runs/allocation --replot   # the PNG again from study.json",
@@ -29,7 +29,7 @@ def register(sub) -> None:
         "--preset",
         choices=["tiny", "gpu"],
         default="tiny",
-        help="tiny: CPU, seconds (CI); gpu: one H200, each sweep <= 9 minutes (default tiny)",
+        help="tiny: CPU, seconds (CI); gpu: one GPU, minutes a sweep (default tiny)",
     )
     p.add_argument("--out", help="output directory (default ./condmem-study/KIND)")
     p.add_argument(

@@ -87,6 +87,15 @@ def _fresh_kernel(rows_ptr, slot_ptr, fresh_ptr, k, n_rows, BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _bias_corrections(pow1_ptr, pow2_ptr, step, live):
+    """Each row's (1 - beta1^t, sqrt(1 - beta2^t)) for its step count `step`, from the power tables."""
+    t = step.to(tl.int32)
+    bias1 = 1.0 - tl.load(pow1_ptr + t, mask=live, other=0.0)
+    bias2_sqrt = tl.sqrt_rn(1.0 - tl.load(pow2_ptr + t, mask=live, other=0.0))
+    return bias1, bias2_sqrt
+
+
+@triton.jit
 def _adam_math(
     g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL: tl.constexpr, V_CUDA: tl.constexpr
 ):
@@ -147,9 +156,7 @@ def _adam_kernel(
     tl.store(slot_ptr + row, slot.to(tl.int32), mask=live & fresh)
     kept = live & (old >= 0)  # a fresh row's state is zero: nothing to read
     step = tl.load(step_ptr + slot, mask=kept, other=0.0) + 1.0
-    t = step.to(tl.int32)
-    bias1 = 1.0 - tl.load(pow1_ptr + t, mask=live, other=0.0)
-    bias2_sqrt = tl.sqrt_rn(1.0 - tl.load(pow2_ptr + t, mask=live, other=0.0))
+    bias1, bias2_sqrt = _bias_corrections(pow1_ptr, pow2_ptr, step, live)
 
     cm = live & (c < D)
     at = slot * D + c
@@ -178,6 +185,24 @@ def _adam_kernel(
 def _f32(x: float) -> float:
     """`x` rounded to fp32 (to nearest), as torch rounds a Python scalar for an fp32 op."""
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _adam_launch(dim: int, lr: float, beta1: float, beta2: float, eps: float, cuda: bool):
+    """What both Adam kernels' launches share: (rows a program, the scalars ``w, beta2, 1 - beta2,
+    eps, -lr`` rounded to fp32 as torch rounds them, the tile and exactness keywords)."""
+    block_d = next_pow2(dim)
+    block_r = max(1, TILE // block_d)
+    w, a = _f32(1 - beta1), _f32(1 - beta2)
+    meta = dict(
+        D=dim,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        LERP_SMALL=abs(w) < 0.5,
+        V_CUDA=cuda and a != 1.0,  # with a == 1 both orders are fma(g, g, v * beta2)
+        num_warps=4,
+        **COMPILE_OPTIONS,
+    )
+    return block_r, (w, _f32(beta2), a, _f32(eps), _f32(-lr)), meta
 
 
 def _check(rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step) -> None:
@@ -245,9 +270,7 @@ def sparse_adam_step(
     fresh = torch.empty(k, dtype=torch.int32, device=rows.device)
     _fresh_kernel[(cdiv(k, FRESH_BLOCK),)](rows, slot_of_row, fresh, k, param.shape[0], BLOCK=FRESH_BLOCK)
     rank = fresh.cumsum_(0)
-    block_d = next_pow2(dim)
-    block_r = max(1, TILE // block_d)
-    w, a = _f32(1 - beta1), _f32(1 - beta2)
+    block_r, scalars, meta = _adam_launch(dim, lr, beta1, beta2, eps, param.is_cuda)
     _adam_kernel[(cdiv(k, block_r),)](
         rows,
         grad,
@@ -264,20 +287,10 @@ def sparse_adam_step(
         param.shape[0],
         exp_avg.shape[0],
         param.stride(0),
-        w,
-        _f32(beta2),
-        a,
-        _f32(eps),
-        _f32(-lr),
-        D=dim,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
-        LERP_SMALL=abs(w) < 0.5,
-        V_CUDA=param.is_cuda and a != 1.0,  # with a == 1 both orders are fma(g, g, v * beta2)
+        *scalars,
         P_KIND=DTYPES[param.dtype],
         EXACT=_INTERPRET,
-        num_warps=4,
-        **COMPILE_OPTIONS,
+        **meta,
     )
     n_slots.add_(rank[-1])
 
@@ -307,9 +320,7 @@ def _rows_adam_kernel(
     c = tl.arange(0, BLOCK_D)[None, :]
     live = r < k
     step = tl.load(step_ptr + r, mask=live, other=0.0) + 1.0
-    t = step.to(tl.int32)
-    bias1 = 1.0 - tl.load(pow1_ptr + t, mask=live, other=0.0)
-    bias2_sqrt = tl.sqrt_rn(1.0 - tl.load(pow2_ptr + t, mask=live, other=0.0))
+    bias1, bias2_sqrt = _bias_corrections(pow1_ptr, pow2_ptr, step, live)
     cm = live & (c < D)
     at = r * D + c
     g = tl.load(grad_ptr + at, mask=cm, other=0.0)
@@ -356,28 +367,5 @@ def adam_rows_step(
             )
     if k == 0:
         return
-    block_d = next_pow2(dim)
-    block_r = max(1, TILE // block_d)
-    w, a = _f32(1 - beta1), _f32(1 - beta2)
-    _rows_adam_kernel[(cdiv(k, block_r),)](
-        grad,
-        rows,
-        exp_avg,
-        exp_avg_sq,
-        row_step,
-        pow1,
-        pow2,
-        k,
-        w,
-        _f32(beta2),
-        a,
-        _f32(eps),
-        _f32(-lr),
-        D=dim,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
-        LERP_SMALL=abs(w) < 0.5,
-        V_CUDA=grad.is_cuda and a != 1.0,
-        num_warps=4,
-        **COMPILE_OPTIONS,
-    )
+    block_r, scalars, meta = _adam_launch(dim, lr, beta1, beta2, eps, grad.is_cuda)
+    _rows_adam_kernel[(cdiv(k, block_r),)](grad, rows, exp_avg, exp_avg_sq, row_step, pow1, pow2, k, *scalars, **meta)
