@@ -108,8 +108,8 @@ class RecordedMemory:
     def __getattr__(self, name):
         return getattr(self.memory, name)
 
-    def lookup(self, row_ids):
-        prepared = self.memory.lookup(row_ids)
+    def lookup(self, row_ids, **kwargs):
+        prepared = self.memory.lookup(row_ids, **kwargs)
         self.calls.append((row_ids.clone(), {lid: prepared.rows(lid).clone() for lid in self.layers}))
         return prepared
 
@@ -163,6 +163,9 @@ def profile_generate(model, name: str, ids: torch.Tensor, new: int, top: int = 1
     averages = prof.key_averages()
     events = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:top]
     ops = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events]
+    # Every host-side op and CUDA runtime/driver call by count (launches, event records, stream waits,
+    # copies): what a variant adds a step, free of the host's speed.
+    op_counts = {e.key: e.count for e in averages if e.self_cpu_time_total > 0 or e.cpu_time_total > 0}
     # GPU work (kernels and copies) does not move with the host's speed, which sets an eager
     # generate's wall clock: the stable measure of what a variant adds.
     gpu = sorted(_device_events(averages), key=lambda e: -e.self_device_time_total)
@@ -187,6 +190,7 @@ def profile_generate(model, name: str, ids: torch.Tensor, new: int, top: int = 1
         "cprofile_seconds": py_seconds,
         "new_tokens": new,
         "ops": ops,
+        "op_counts": op_counts,
         "functions": functions,
         "gpu_ms": gpu_ms,
         "gpu_ops": gpu_ops,
@@ -211,6 +215,19 @@ def profile_difference(a: dict, b: dict, top: int = 20) -> list[dict]:
             }
         )
     rows.sort(key=lambda r: -abs(r["own_ms"][1] - r["own_ms"][0]))
+    return rows[:top]
+
+
+def op_count_difference(a: dict, b: dict, top: int = 30) -> list[dict]:
+    """Host ops and CUDA API calls whose count per generated token differs between two profiles (b - a)."""
+    ca, cb = a["op_counts"], b["op_counts"]
+    steps = a["new_tokens"]
+    rows = [
+        {"op": op, "per_step": [ca.get(op, 0) / steps, cb.get(op, 0) / steps]}
+        for op in set(ca) | set(cb)
+        if ca.get(op, 0) != cb.get(op, 0)
+    ]
+    rows.sort(key=lambda r: -abs(r["per_step"][1] - r["per_step"][0]))
     return rows[:top]
 
 
@@ -371,6 +388,9 @@ def main() -> None:
     variants = {"none": (plain, None), "hbm": (model, hbm), "host": (model, host), "none_again": (plain, None)}
     kw = greedy(ids, args.new_tokens)
     seconds: dict = {name: [] for name in variants}
+    # The main thread's CPU seconds too: the steps are bound by the host, and CPU time leaves out
+    # what a shared machine takes away from it (steal, other processes), which wall time keeps.
+    cpu_seconds: dict = {name: [] for name in variants}
     tokens: dict = {}
     same: dict = {}
 
@@ -387,15 +407,17 @@ def main() -> None:
             for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
                 target = select(name)
                 sync(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 got = target.generate(ids, **kw)
                 sync(device)
                 seconds[name].append(time.perf_counter() - t0)
+                cpu_seconds[name].append(time.thread_time() - c0)
                 same[name] = same.get(name, True) and torch.equal(tokens[name], got[:, ids.shape[1] :].cpu())
     runs: dict = {}
     for name in variants:
         runs[name] = {
             "seconds": seconds[name],
+            "cpu_seconds": cpu_seconds[name],
             "tokens_per_s": args.batch * args.new_tokens / min(seconds[name]),
             "new_tokens": args.batch * args.new_tokens,
             "repeats_equal": same[name],
@@ -406,10 +428,12 @@ def main() -> None:
     def ratio(a: str, b: str) -> dict:
         """a's speed over b's: best run against best run, and the median of the rounds' paired ratios."""
         paired = [y / x for x, y in zip(seconds[a], seconds[b])]
+        paired_cpu = [y / x for x, y in zip(cpu_seconds[a], cpu_seconds[b])]
         return {
             "best": runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"],
             "rounds_median": statistics.median(paired),
             "rounds": paired,
+            "cpu_rounds_median": statistics.median(paired_cpu),
         }
 
     result["runs"] = runs
@@ -450,8 +474,14 @@ def main() -> None:
         result["profile"] = {
             name: profile_generate(select(name), name, ids, args.profile_steps) for name in ("none", "hbm", "host")
         }
-        result["profile_difference"] = {}
+        result["profile_difference"], result["op_count_difference"] = {}, {}
         for a, b in (("none", "hbm"), ("hbm", "host")):
+            counts = result["op_count_difference"][f"{a}_to_{b}"] = op_count_difference(
+                result["profile"][a], result["profile"][b]
+            )
+            log(f"ops and CUDA calls per generated token, {a} -> {b}:")
+            for row in counts:
+                log(f"  {row['op'][:70]:70s} {row['per_step'][0]:8.2f} -> {row['per_step'][1]:8.2f}")
             rows = result["profile_difference"][f"{a}_to_{b}"] = profile_difference(
                 result["profile"][a], result["profile"][b]
             )
@@ -495,7 +525,10 @@ def main() -> None:
             if name in targets
             else ""
         )
-        print(f"{name:>22}: best {r['best']:.3f}, rounds median {r['rounds_median']:.3f}{goal}")
+        print(
+            f"{name:>22}: best {r['best']:.3f}, rounds median {r['rounds_median']:.3f} "
+            f"(CPU time {r['cpu_rounds_median']:.3f}){goal}"
+        )
     for name, prof in result.get("profile", {}).items():
         split = (
             ""

@@ -433,6 +433,24 @@ def test_gpu_direct_lookup_of_ids_outside_the_table_is_raised_later_not_lost(tab
 
 
 @pytest.mark.gpu
+def test_gpu_direct_lookup_of_ids_known_in_range_queues_no_check(table_files):
+    """`in_range=True` (ids a hasher of the layout made) reads the same rows and queues no range check;
+    an id that breaks the promise reads a zero row, and nothing is raised for it."""
+    store, source = _place(table_files, "fp8_interleaved", "hbm")
+    engine = LookupEngine(store, "cuda")
+    good = next(_batches(store.num_rows, seed=25, n=1))
+    assert torch.equal(engine.lookup(good.cuda(), in_range=True).wait().cpu(), _expected(source, good))
+    assert not engine._direct_checks._pending
+    bad = good.clone()
+    bad[0, 1] = store.num_rows + 9
+    rows = engine.lookup(bad.cuda(), in_range=True).wait().cpu()
+    assert not rows[0, 1].any() and torch.equal(rows[1:], _expected(source, good)[1:])
+    engine.raise_pending()
+    engine.close()
+    store.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("attempt", range(int(os.environ.get("CONDMEM_BURST_REPEATS", "1"))))
 @pytest.mark.parametrize("warm", [False, True], ids=["eager-plans", "graphed-plans"])
 def test_gpu_bad_ids_amid_a_burst_fail_alone(table_files, monkeypatch, warm, attempt):

@@ -369,18 +369,23 @@ class EngramMemory:
         self.history.free(slot)
 
     # ------------------------------------------------------------------ batches
-    def _start(self, row_ids: torch.Tensor) -> Prepared:
+    def _start(self, row_ids: torch.Tensor, in_range: bool = True) -> Prepared:
+        """Every layer's lookup of `row_ids` started; `in_range`: made by this memory's hasher (or one of
+        its layout), so the lookups need no range check of their own."""
         started = None
         if self.measure_fetch and self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record(torch.cuda.current_stream(self.device))
-        prepared = self._start_lookups(row_ids)
+        prepared = self._start_lookups(row_ids, in_range)
         prepared.measured, prepared._started = self.measure_fetch, started
         return prepared
 
-    def _start_lookups(self, row_ids: torch.Tensor) -> Prepared:
+    def _start_lookups(self, row_ids: torch.Tensor, in_range: bool) -> Prepared:
         if self.sharded is None:
-            handles = {lid: self.engines[lid].lookup(row_ids[:, :, i]) for lid, i in self._layer_index.items()}
+            handles = {
+                lid: self.engines[lid].lookup(row_ids[:, :, i], in_range=in_range)
+                for lid, i in self._layer_index.items()
+            }
             return Prepared(row_ids, handles, self._layer_index, self.hasher)
         handles, complete = {}, {}
         for lid, i in self._layer_index.items():
@@ -393,9 +398,14 @@ class EngramMemory:
             tokens = slice(*first.token_chunk(row_ids.shape[1]))
         return Prepared(row_ids, handles, self._layer_index, self.hasher, complete, tokens)
 
-    def lookup(self, row_ids: torch.Tensor) -> Prepared:
+    def lookup(self, row_ids: torch.Tensor, *, in_range: bool = False) -> Prepared:
         """Start every layer's lookup of row ids hashed elsewhere: int64 [B, T, n_layers, n_cols]
-        in this memory's layout (e.g. by an adapter that hashes inside a model's forward)."""
+        in this memory's layout (e.g. by an adapter that hashes inside a model's forward).
+
+        Ids outside a table are raised by a later wait (decode-sized lookups check without
+        waiting for the GPU). `in_range=True` says an `NgramHasher` of this layout made them
+        (in range by construction), which spares each layer that check.
+        """
         n_layers, n_cols = len(self._layer_index), self.hasher.n_cols
         if (
             not isinstance(row_ids, torch.Tensor)
@@ -405,7 +415,7 @@ class EngramMemory:
             raise EngramMemoryError(
                 f"row_ids must be [B, T, {n_layers}, {n_cols}], got {tuple(getattr(row_ids, 'shape', ()))}"
             )
-        return self._start(row_ids.to(self.device, non_blocking=True))
+        return self._start(row_ids.to(self.device, non_blocking=True), in_range)
 
     def prepare(
         self,

@@ -352,8 +352,13 @@ class LookupEngine:
         return done
 
     # ------------------------------------------------------------------ the lookup
-    def lookup(self, row_ids: torch.Tensor) -> LookupHandle:
-        """Start fetching rows for `row_ids` [..] (int64 on `device`); returns a handle at once."""
+    def lookup(self, row_ids: torch.Tensor, *, in_range: bool = False) -> LookupHandle:
+        """Start fetching rows for `row_ids` [..] (int64 on `device`); returns a handle at once.
+
+        `in_range`: the ids are known to lie in the table (an `NgramHasher` of the table's layout made
+        them: its rows are an offset plus a residue, in range by construction), so the direct path
+        queues no range check of its own (a reduction and a copy to the host per call).
+        """
         if row_ids.device != self.device:
             raise ValueError(f"row ids on {row_ids.device}, engine serves {self.device}")
         if self._closed:
@@ -375,7 +380,7 @@ class LookupEngine:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         row_ids.record_stream(self.stream)
         if self._direct(row_ids.numel()):
-            return self._lookup_direct(row_ids, stats)
+            return self._lookup_direct(row_ids, stats, in_range)
         # Back-pressure: at most max_in_flight lookups (and plan slots) in use.
         while sum(not b.expanded for b in self._in_flight) >= self.max_in_flight:
             self._settle(next(b for b in self._in_flight if not b.expanded))
@@ -440,7 +445,7 @@ class LookupEngine:
             return False
         return n <= self.direct_max_ids or self.store.in_device_memory
 
-    def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats) -> LookupHandle:
+    def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats, in_range: bool = False) -> LookupHandle:
         """Small batches (decode): one gather kernel straight from the table (HBM or page-locked host).
 
         No dedup, no cache, no host sync: a few thousand rows cost one kernel of tens of
@@ -452,8 +457,9 @@ class LookupEngine:
             event.record(self.stream)
             # Ids outside the table read zero rows (the kernel masks them); the range is copied
             # back without waiting and raised by a later wait() or lookup() (`raise_pending`).
-            # Graphed decoders (`gather_into`) skip it.
-            self._direct_checks.submit_ids(row_ids, f"a direct lookup of {row_ids.numel()} ids")
+            # Graphed decoders (`gather_into`) and ids a hasher of this layout made skip it.
+            if not in_range:
+                self._direct_checks.submit_ids(row_ids, f"a direct lookup of {row_ids.numel()} ids")
         stats.unique, stats.gpu_rows = -1, row_ids.numel()
         return LookupHandle(out, event, None, stats, settle=self._direct_checks.raise_pending)
 

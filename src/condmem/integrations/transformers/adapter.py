@@ -310,7 +310,8 @@ class EngramAdapter:
         return mask
 
     def _start_lookups(self, rows: torch.Tensor):
-        return self.memory.lookup(rows)
+        # The memory's layout is this hasher's (checked when it was attached): the rows are in range.
+        return self.memory.lookup(rows, in_range=True)
 
     def _wrap_generation(self, model: nn.Module) -> None:
         original = model.prepare_inputs_for_generation
