@@ -208,7 +208,8 @@ class EngramAdapter:
             ids = torch.cat([back_ids.to(device), input_ids], dim=1)
             now = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else _as_valid(mask[:, past:].to(device))
             valid = torch.cat([back_valid.to(device), now], dim=1)
-        current = None if valid is None else valid[:, valid.shape[1] - new :]
+        # Contiguous once here: each Engram layer's gate would otherwise copy the strided slice itself.
+        current = None if valid is None else valid[:, valid.shape[1] - new :].contiguous()
         rows = self.hasher(ids, blocked=None if valid is None else ~valid)
         if ids.shape[1] != new:  # the look-back's own rows are dropped
             rows = rows[:, ids.shape[1] - new :]
