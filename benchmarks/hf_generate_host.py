@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import gc
 import json
 import os
 import platform
@@ -406,6 +407,9 @@ def main() -> None:
         for r in range(args.repeats):
             for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
                 target = select(name)
+                # Every run starts with the collector's counts at zero: a collection the previous
+                # variant's garbage would trigger does not land in this one.
+                gc.collect()
                 sync(device)
                 t0, c0 = time.perf_counter(), time.thread_time()
                 got = target.generate(ids, **kw)

@@ -433,6 +433,30 @@ def test_gpu_direct_lookup_of_ids_outside_the_table_is_raised_later_not_lost(tab
 
 
 @pytest.mark.gpu
+def test_gpu_hbm_direct_lookup_runs_on_the_callers_stream_and_reads_right_from_another(table_files):
+    """An HBM table's direct lookup is one gather on the caller's stream (no event, no side stream);
+    rows gathered on a busy stream and waited for on another are exact, and (negative control) the
+    same rows read there without the wait are not."""
+    store, source = _place(table_files, "fp8_interleaved", "hbm")
+    engine = LookupEngine(store, "cuda")
+    first, second, third = (ids.cuda() for ids in _batches(store.num_rows, seed=27, n=3))
+    handle = engine.lookup(first)
+    assert handle.event is None
+    assert torch.equal(handle.wait().cpu(), _expected(source, first.cpu()))
+    side = torch.cuda.Stream()
+    for ids, wait in ((second, True), (third, False)):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the gather queued behind ~0.1 s of nothing
+            handle = engine.lookup(ids)
+        got = (handle.wait() if wait else handle.rows).cpu()
+        assert torch.equal(got, _expected(source, ids.cpu())) == wait
+        torch.cuda.synchronize()
+    engine.close()
+    store.close()
+
+
+@pytest.mark.gpu
 def test_gpu_direct_lookup_of_ids_known_in_range_queues_no_check(table_files):
     """`in_range=True` (ids a hasher of the layout made) reads the same rows and queues no range check;
     an id that breaks the promise reads a zero row, and nothing is raised for it."""

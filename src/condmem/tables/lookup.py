@@ -163,6 +163,7 @@ class LookupHandle:
         stats: LookupStats,
         batch: _Batch | None = None,
         settle: Callable[[], None] | None = None,
+        home: torch.cuda.Stream | None = None,
     ):
         self.rows = rows
         self.event = event
@@ -170,6 +171,7 @@ class LookupHandle:
         self.stats = stats
         self._batch = batch
         self._settle = settle  # the engine's: queues the expansion on the caller's thread
+        self._home = home  # no event: the stream the rows were gathered on (the caller's, then)
 
     def wait(self) -> torch.Tensor:
         """Rows [T, n_cols, head_dim] bf16. Blocks the host only until the CPU share is enqueued."""
@@ -184,6 +186,11 @@ class LookupHandle:
             self.rows.record_stream(stream)  # allocated on the lookup stream, used and freed on this one
             if self._batch is not None:
                 self._batch.waited = True  # the caller's stream now waits for it: admitting it is free
+        elif self._home is not None:
+            stream = torch.cuda.current_stream(self.rows.device)
+            if stream != self._home:  # gathered on another stream than the one now reading them
+                stream.wait_stream(self._home)
+                self.rows.record_stream(stream)
         return self.rows
 
     def done(self) -> bool:
@@ -377,10 +384,10 @@ class LookupEngine:
                 None,
                 stats,
             )
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        row_ids.record_stream(self.stream)
         if self._direct(row_ids.numel()):
             return self._lookup_direct(row_ids, stats, in_range)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        row_ids.record_stream(self.stream)
         # Back-pressure: at most max_in_flight lookups (and plan slots) in use.
         while sum(not b.expanded for b in self._in_flight) >= self.max_in_flight:
             self._settle(next(b for b in self._in_flight if not b.expanded))
@@ -446,21 +453,33 @@ class LookupEngine:
         return n <= self.direct_max_ids or self.store.in_device_memory
 
     def _lookup_direct(self, row_ids: torch.Tensor, stats: LookupStats, in_range: bool = False) -> LookupHandle:
-        """Small batches (decode): one gather kernel straight from the table (HBM or page-locked host).
+        """Small batches (decode), and any batch of an HBM table: one gather kernel straight from the table.
 
         No dedup, no cache, no host sync: a few thousand rows cost one kernel of tens of
-        microseconds, far less than the sort and synchronizations of the full path.
+        microseconds, far less than the sort and synchronizations of the full path. A page-locked
+        host table is read on the engine's stream, beside the caller's work (the read crosses
+        PCIe). An HBM table is read on the caller's stream: its gather is short, and a side stream
+        would cost more host work a call (stream switches, an event, waits) than it could hide.
         """
+        # Ids outside the table read zero rows (the kernel masks them); the range is copied back
+        # without waiting and raised by a later wait() or lookup() (`raise_pending`). Graphed
+        # decoders (`gather_into`) and ids a hasher of this layout made skip it.
+        label = None if in_range else f"a direct lookup of {row_ids.numel()} ids"
+        stats.unique, stats.gpu_rows = -1, row_ids.numel()
+        if self.store.in_device_memory:
+            stream = torch.cuda.current_stream(self.device)
+            out = self.gather_into(row_ids)
+            if label is not None:
+                self._direct_checks.submit_ids(row_ids, label)
+            return LookupHandle(out, None, None, stats, settle=self._direct_checks.raise_pending, home=stream)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        row_ids.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             out = self.gather_into(row_ids)
             event = torch.cuda.Event()
             event.record(self.stream)
-            # Ids outside the table read zero rows (the kernel masks them); the range is copied
-            # back without waiting and raised by a later wait() or lookup() (`raise_pending`).
-            # Graphed decoders (`gather_into`) and ids a hasher of this layout made skip it.
-            if not in_range:
-                self._direct_checks.submit_ids(row_ids, f"a direct lookup of {row_ids.numel()} ids")
-        stats.unique, stats.gpu_rows = -1, row_ids.numel()
+            if label is not None:
+                self._direct_checks.submit_ids(row_ids, label)
         return LookupHandle(out, event, None, stats, settle=self._direct_checks.raise_pending)
 
     def raise_pending(self, block: bool = True) -> None:
