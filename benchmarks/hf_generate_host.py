@@ -15,8 +15,9 @@ Variants (two models with the same backbone weights: the plain Llama, and a copy
   run's noise (a machine whose host speed drifts moves every eager ``generate()``).
 
 Every variant is built and warmed up at full length first; then ``--repeats`` rounds each time
-every variant once, the order reversed every other round, so a drift within the run falls on
-all alike. tokens/s counts new tokens (best run); ratios are also given per round (paired).
+every variant once, in an order shuffled each round (seeded), so a drift within the run falls on
+all alike and no variant always follows the same one. tokens/s counts new tokens (best run);
+ratios are also given per round (paired), from each run's total and from its median decode step.
 
 Prompts: ``--batch`` windows of ``--prompt-tokens`` tokens of the standard library's source
 through the DeepSeek-V4 tokenizer (no padding). The host and HBM variants' greedy tokens are
@@ -39,6 +40,7 @@ import json
 import os
 import platform
 import pstats
+import random
 import statistics
 import subprocess
 import time
@@ -81,22 +83,23 @@ def greedy(ids: torch.Tensor, new: int) -> dict:
     return {"attention_mask": torch.ones_like(ids), "do_sample": False, "min_new_tokens": new, "max_new_tokens": new}
 
 
-def timed_generate(
-    model, ids: torch.Tensor, new: int, repeats: int, device: str
-) -> tuple[torch.Tensor, list[float], bool]:
-    kw = greedy(ids, new)
-    # Warm-up at full length: no KV length is met for the first time inside a timed run.
-    model.generate(ids, **kw)
-    seconds, out, same = [], None, True
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        got = model.generate(ids, **kw)
-        sync(device)
-        seconds.append(time.perf_counter() - t0)
-        same = same and (out is None or torch.equal(out, got))
-        out = got
-    return out[:, ids.shape[1] :], seconds, same
+class StepClock:
+    """A stopping criterion that never stops: the wall clock at each of a generate()'s steps. The
+    median step of a run leaves out what lands in a few steps only (a stall of the machine, the
+    prompt's forward), which a run's total keeps."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._never: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        if self._never is None or self._never.shape[0] != input_ids.shape[0]:
+            self._never = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return self._never
+
+    def median_step_ms(self) -> float:
+        return statistics.median(b - a for a, b in zip(self.times, self.times[1:])) * 1e3
 
 
 class RecordedMemory:
@@ -295,7 +298,7 @@ def main() -> None:
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 3, 4, 2, 128
         args.engram_layers, args.table_size, args.batch, args.prompt_tokens, args.new_tokens = [1], 1000, 2, 16, 8
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
 
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     # Greedy tokens of a random model sit on near-ties (bf16 logits): any run-to-run difference
@@ -384,16 +387,16 @@ def main() -> None:
     del weights
     log(f"host tables placed in {result['host_place_s']:.1f} s")
 
-    # Every variant warmed up at full length, then timed in interleaved rounds (order reversed
-    # every other round): a machine that drifts within the run moves all variants alike.
+    # Every variant warmed up at full length, then timed in interleaved rounds, each in its own
+    # shuffled order (seeded): a machine that drifts within the run moves all variants alike, and
+    # no variant always follows the same one (a fixed order gave identical variants 7-13% apart).
     variants = {"none": (plain, None), "hbm": (model, hbm), "host": (model, host), "none_again": (plain, None)}
     kw = greedy(ids, args.new_tokens)
     seconds: dict = {name: [] for name in variants}
-    # The main thread's CPU seconds too: the steps are bound by the host, and CPU time leaves out
-    # what a shared machine takes away from it (steal, other processes), which wall time keeps.
-    cpu_seconds: dict = {name: [] for name in variants}
+    step_ms: dict = {name: [] for name in variants}  # each run's median decode step
     tokens: dict = {}
     same: dict = {}
+    order = random.Random(0)
 
     def select(name: str):
         target, memory = variants[name]
@@ -404,24 +407,27 @@ def main() -> None:
     with torch.no_grad():
         for name in variants:
             tokens[name] = select(name).generate(ids, **kw)[:, ids.shape[1] :].cpu()
-        for r in range(args.repeats):
-            for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
+        for _ in range(args.repeats):
+            names = list(variants)
+            order.shuffle(names)
+            for name in names:
                 target = select(name)
+                clock = StepClock()
                 # Every run starts with the collector's counts at zero: a collection the previous
                 # variant's garbage would trigger does not land in this one.
                 gc.collect()
                 sync(device)
-                t0, c0 = time.perf_counter(), time.thread_time()
-                got = target.generate(ids, **kw)
+                t0 = time.perf_counter()
+                got = target.generate(ids, **kw, stopping_criteria=StoppingCriteriaList([clock]))
                 sync(device)
                 seconds[name].append(time.perf_counter() - t0)
-                cpu_seconds[name].append(time.thread_time() - c0)
+                step_ms[name].append(clock.median_step_ms())
                 same[name] = same.get(name, True) and torch.equal(tokens[name], got[:, ids.shape[1] :].cpu())
     runs: dict = {}
     for name in variants:
         runs[name] = {
             "seconds": seconds[name],
-            "cpu_seconds": cpu_seconds[name],
+            "median_step_ms": step_ms[name],
             "tokens_per_s": args.batch * args.new_tokens / min(seconds[name]),
             "new_tokens": args.batch * args.new_tokens,
             "repeats_equal": same[name],
@@ -430,14 +436,15 @@ def main() -> None:
     adapter.memory = host
 
     def ratio(a: str, b: str) -> dict:
-        """a's speed over b's: best run against best run, and the median of the rounds' paired ratios."""
+        """a's speed over b's: best run against best run, the median of the rounds' paired ratios, and
+        the same of the runs' median steps."""
         paired = [y / x for x, y in zip(seconds[a], seconds[b])]
-        paired_cpu = [y / x for x, y in zip(cpu_seconds[a], cpu_seconds[b])]
+        paired_steps = [y / x for x, y in zip(step_ms[a], step_ms[b])]
         return {
             "best": runs[a]["tokens_per_s"] / runs[b]["tokens_per_s"],
             "rounds_median": statistics.median(paired),
             "rounds": paired,
-            "cpu_rounds_median": statistics.median(paired_cpu),
+            "steps_rounds_median": statistics.median(paired_steps),
         }
 
     result["runs"] = runs
@@ -531,7 +538,7 @@ def main() -> None:
         )
         print(
             f"{name:>22}: best {r['best']:.3f}, rounds median {r['rounds_median']:.3f} "
-            f"(CPU time {r['cpu_rounds_median']:.3f}){goal}"
+            f"(median steps {r['steps_rounds_median']:.3f}){goal}"
         )
     for name, prof in result.get("profile", {}).items():
         split = (
