@@ -14,7 +14,9 @@ hc 4 x 4096 hidden), this measures per call:
   ``kernel[grid](...)``);
 * ``*_nocheck`` (hash ops): the same with ``check=False``;
 * ``graph``: the same calls captured in one CUDA graph and replayed (the kernels alone);
-* ``ratio`` = eager / graph (target <= 1.5).
+* ``ratio`` = eager / graph (target <= 1.5);
+* ``torch_add``: one ATen kernel (``row_ids + 1``), eager and replayed: the floor of an eager call
+  on the machine, the ratio no eager op with a kernel of that size can beat.
 
 Every op's eager result is compared (``torch.equal``) with its graph-replayed result on the
 same inputs, the hashes with the torch reference, and a bad token id must still raise
@@ -134,6 +136,8 @@ def cases(tokens: int, device, sets: int, backend: str | None = None) -> tuple[d
         return engram_gather(r, table, head_dim=256, backend=backend)
 
     out["gather"] = (gather, gather, [(r,) for r in row_ids])
+    # The floor of any eager call: one ATen kernel (an add on the row ids), eager against its graph replay.
+    out["torch_add"] = (torch.Tensor.__add__, torch.Tensor.__add__, [(r, 1) for r in row_ids])
 
     if device.type == "cuda":
         # The launch functions alone (output allocated, arguments prepared here): the floor an

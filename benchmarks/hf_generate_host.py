@@ -12,7 +12,12 @@ Variants (two models with the same backbone weights: the plain Llama, and a copy
   lookups start before decoder layer 0 (prefill: staged CPU gather + DMA and zero-copy;
   decode steps: one zero-copy gather kernel);
 * ``none_again``: the plain Llama once more, an A/A control: its distance from ``none`` is the
-  run's noise (a machine whose host speed drifts moves every eager ``generate()``).
+  run's noise (a machine whose host speed drifts moves every eager ``generate()``);
+* ``hbm_eager``: ``hbm`` with the adapter's decode graphs off (``decode_graphs = False``): every
+  decode step's Engram work eager, what the graphs are measured against.
+
+``hbm`` and ``host`` replay Engram's share of each decode step from CUDA graphs (the adapter's
+default, `condmem.integrations.transformers.decode_graph`); prefill is eager in all variants.
 
 Every variant is built and warmed up at full length first; then ``--repeats`` rounds each time
 every variant once, in an order shuffled each round (seeded), so a drift within the run falls on
@@ -121,11 +126,11 @@ class RecordedMemory:
 def traced_generate(model, adapter, memory: EngramMemory, ids: torch.Tensor, new: int, layers: list[int]):
     """Greedy generate with `memory`, recording each step's row ids, rows and logits."""
     recorded = RecordedMemory(memory, layers)
-    adapter.memory = recorded
+    adapter.memory, adapter.decode_graphs = recorded, False  # every step's lookup through `recorded`
     try:
         out = model.generate(ids, **greedy(ids, new), output_logits=True, return_dict_in_generate=True)
     finally:
-        adapter.memory = memory
+        adapter.memory, adapter.decode_graphs = memory, True
     return out.sequences[:, ids.shape[1] :], out.logits, recorded.calls
 
 
@@ -390,7 +395,13 @@ def main() -> None:
     # Every variant warmed up at full length, then timed in interleaved rounds, each in its own
     # shuffled order (seeded): a machine that drifts within the run moves all variants alike, and
     # no variant always follows the same one (a fixed order gave identical variants 7-13% apart).
-    variants = {"none": (plain, None), "hbm": (model, hbm), "host": (model, host), "none_again": (plain, None)}
+    variants = {
+        "none": (plain, None),
+        "hbm": (model, hbm),
+        "host": (model, host),
+        "none_again": (plain, None),
+        "hbm_eager": (model, hbm),
+    }
     kw = greedy(ids, args.new_tokens)
     seconds: dict = {name: [] for name in variants}
     step_ms: dict = {name: [] for name in variants}  # each run's median decode step
@@ -402,6 +413,7 @@ def main() -> None:
         target, memory = variants[name]
         if memory is not None:
             adapter.memory = memory
+        adapter.decode_graphs = not name.endswith("_eager")
         return target
 
     with torch.no_grad():
@@ -453,6 +465,8 @@ def main() -> None:
         "hbm_vs_none": ratio("hbm", "none"),
         "host_vs_none": ratio("host", "none"),
         "aa_none_again_vs_none": ratio("none_again", "none"),
+        "hbm_eager_vs_none": ratio("hbm_eager", "none"),
+        "hbm_vs_hbm_eager": ratio("hbm", "hbm_eager"),
     }
     result["tokens"] = {
         "host_vs_hbm": agreement(tokens["host"], tokens["hbm"]),

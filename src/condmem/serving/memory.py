@@ -195,6 +195,7 @@ class EngramMemory:
         self.device = torch.device(device)
         self.stores = dict(stores)
         self.engines: dict[int, LookupEngine] = {}
+        self._closed = False
         self.sharded = None
         if process_group is not None:
             from condmem.distributed import ShardedRows
@@ -578,7 +579,13 @@ class EngramMemory:
             n_cols = self.hasher.n_cols if self.sharded is None else self.sharded[lid].local_columns
             engine.warm_up([t * n_cols for t in batch_tokens])
 
+    @property
+    def closed(self) -> bool:
+        """`close()` was called: the tables are released and no lookup may start."""
+        return self._closed
+
     def close(self) -> None:
+        self._closed = True
         for engine in self.engines.values():
             engine.close()
         for store in self.stores.values():

@@ -19,12 +19,13 @@ import torch
 
 
 @contextlib.contextmanager
-def capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
-    """``with capture(graph):`` records the work queued inside into `graph` (on `stream`)."""
+def capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None, pool=None) -> Iterator[None]:
+    """``with capture(graph):`` records the work queued inside into `graph` (on `stream`; its allocations
+    from the memory `pool` of `torch.cuda.graph_pool_handle()`, shared with other graphs, when given)."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
     finally:
         if collecting:

@@ -30,6 +30,7 @@ from torch import nn
 
 from condmem.config import ConfigError, EngramConfig
 from condmem.hashing import NgramHasher
+from condmem.integrations.transformers.decode_graph import DecodeGraphs, StepGraphs
 from condmem.integrations.transformers.decode_state import DecodeState, DecodeStates, last_columns
 from condmem.integrations.transformers.families import Family, locate
 from condmem.layout import EngramLayout
@@ -57,6 +58,7 @@ class _Step:
     prepared: object | None  # condmem.serving.Prepared when the tables sit in an EngramMemory
     conv_in: dict[int, torch.Tensor] | None  # per ShortConv layer: inputs before this step (cached runs only)
     next_state: DecodeState | None  # saved under the returned cache
+    graphs: StepGraphs | None = None  # a decode step replayed from CUDA graphs (then nothing above is read)
 
 
 class EngramAdapter:
@@ -70,7 +72,10 @@ class EngramAdapter:
         hasher: the `NgramHasher` (its layout: `hasher.layout`).
         engrams: {layer id: `Engram`} (each also the child ``engram`` of its decoder layer).
         memory: the `EngramMemory` the tables are read from, or None (tables in the modules).
-        last_row_ids: row ids of the latest forward, int64 [B, T, n_layers, n_cols].
+        last_row_ids: row ids of the latest forward, int64 [B, T, n_layers, n_cols] (of a decode step
+            replayed from a graph: the graph's buffer, which the next step overwrites; clone to keep).
+        decode_graphs: replay Engram's share of each `generate()` decode step from CUDA graphs
+            (`decode_graph`: same results, a fraction of the host work); False: every step eager.
     """
 
     def __init__(
@@ -91,6 +96,12 @@ class EngramAdapter:
         self.engrams = engrams
         self.memory = None
         self.last_row_ids: torch.Tensor | None = None
+        self.decode_graphs = True
+        self._graphs = DecodeGraphs(self)
+        self.layer_index = {lid: hasher.layout.layer_index(lid) for lid in config.layer_ids}
+        # Sampled tokens lie in the model's vocabulary: inside the hasher's range when that does (the
+        # graphs hash them unchecked; the prompt's ids are checked by the eager prefill).
+        self._vocab_in_range = _output_vocab(model) <= hasher.vocab_size
         # The base forward's positional parameter names: its arguments are found by name on every
         # forward without inspect's binding (dozens of Python calls a decode step).
         self._positional = tuple(
@@ -198,6 +209,13 @@ class EngramAdapter:
         depth = self._depth
         stash, self._generate_inputs = self._generate_inputs, None
         window = self._generate_window(stash, past, input_ids) if stash is not None and past >= depth else None
+        if window is not None and self.decode_graphs and self._graphs.usable(input_ids):
+            window_mask = None if mask is None else mask[:, past - depth :]
+            graphs = self._graphs.front(window, window_mask)
+            self.last_row_ids = graphs.row_ids
+            next_state, _ = self._next_state(bound, module, cache, window, window_mask, past, new, batch, device)
+            self._step = _Step(None, None, None, None, next_state, graphs)
+            return
         if window is not None:
             # Inside generate(): the look-back and the new tokens are one slice of its sequences.
             ids, valid = window, None if mask is None else _as_valid(mask[:, past - depth :], device)
@@ -217,14 +235,19 @@ class EngramAdapter:
         prepared = self._start_lookups(rows) if self.memory is not None else None
         # Each layer's rows as views made at once (one op, not one per layer).
         layer_rows = rows.unbind(2) if prepared is None else None
+        next_state, conv_in = self._next_state(bound, module, cache, ids, valid, past, new, batch, device)
+        self._step = _Step(layer_rows, current, prepared, conv_in, next_state)
+
+    def _next_state(self, bound, module, cache, ids, valid, past: int, new: int, batch: int, device):
+        """(DecodeState, ShortConv inputs) kept for the next forward, when this one fills a cache; else Nones."""
         use_cache = bound.get("use_cache")
         if use_cache is None:
             use_cache = getattr(getattr(module, "config", None), "use_cache", False)
-        next_state = conv_in = None
-        if cache is not None or use_cache:  # this forward fills a cache: keep what the next one needs
-            next_state = DecodeState(ids, valid, depth, self.config.pad_id, past + new)
-            conv_in = self._conv_inputs(cache, past, batch, device) if self._conv_layers else None
-        self._step = _Step(layer_rows, current, prepared, conv_in, next_state)
+        if cache is None and not use_cache:
+            return None, None
+        next_state = DecodeState(ids, valid, self._depth, self.config.pad_id, past + new)
+        conv_in = self._conv_inputs(cache, past, batch, device) if self._conv_layers else None
+        return next_state, conv_in
 
     def _conv_inputs(self, cache, past: int, batch: int, device) -> dict[int, torch.Tensor] | None:
         """Each ShortConv's inputs before this forward: zeros at a start, else the cache's saved ones."""
@@ -271,6 +294,15 @@ class EngramAdapter:
                     "are hashed in the base model's forward, before the first layer"
                 )
             hidden = args[0] if args else kwargs["hidden_states"]
+            if step.graphs is not None:
+                hidden = self._graphs.layer(step.graphs, layer_id, hidden)
+            else:
+                hidden = run_eager(step, hidden)
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+
+        def run_eager(step: _Step, hidden: torch.Tensor) -> torch.Tensor:
             # Rows fetched by the memory need no row ids (the memory checked them).
             looked_up = None if step.prepared is None else step.prepared.rows(layer_id)
             rows = step.layer_rows[index] if looked_up is None else None
@@ -280,10 +312,7 @@ class EngramAdapter:
                 conv = step.conv_in[layer_id].clone()
                 if step.next_state is not None:
                     step.next_state.conv[layer_id] = conv
-            hidden = engram(hidden, rows, token_mask=step.token_mask, rows=looked_up, residual=True, conv_state=conv)
-            if args:
-                return (hidden, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": hidden}
+            return engram(hidden, rows, token_mask=step.token_mask, rows=looked_up, residual=True, conv_state=conv)
 
         return hook
 
@@ -357,6 +386,16 @@ def _as_valid(mask: torch.Tensor, device: torch.device | None = None) -> torch.T
     if device is not None and mask.device != device:
         mask = mask.to(device)
     return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _output_vocab(model: nn.Module) -> int:
+    """How many token ids the model can sample: its output embedding's rows (else its config's vocab size)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else 1 << 62
 
 
 def _pad_token_id(tokenizer) -> int | None:

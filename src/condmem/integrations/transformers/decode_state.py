@@ -24,7 +24,8 @@ class DecodeState:
 
     Args:
         ids: int64 [B, L]: the forward's look-back and tokens (or a look-back alone).
-        valid: bool [B, L], False at padding; None: every position is a token.
+        valid: [B, L], False (0) at padding: bool, or an attention mask's 0/1 columns; None: every
+            position is a token.
         depth: N-1, the look-back kept.
         pad_id: the id left of a sequence shorter than `depth` (marked not valid).
         length: positions the cache held after the forward that wrote this state.
@@ -56,6 +57,8 @@ class DecodeState:
             ids, valid, depth, pad_id = self._window
             if valid is None:
                 valid = torch.ones_like(ids, dtype=torch.bool)
+            elif valid.dtype != torch.bool:
+                valid = valid != 0  # a 2-D attention mask's columns as given (0/1)
             self._tail = last_columns(ids, valid, depth, pad_id)
         return self._tail
 
