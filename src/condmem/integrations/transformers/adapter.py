@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,9 +100,7 @@ class EngramAdapter:
         self.decode_graphs = True
         self._graphs = DecodeGraphs(self)
         self.layer_index = {lid: hasher.layout.layer_index(lid) for lid in config.layer_ids}
-        # Sampled tokens lie in the model's vocabulary: inside the hasher's range when that does (the
-        # graphs hash them unchecked; the prompt's ids are checked by the eager prefill).
-        self._vocab_in_range = _output_vocab(model) <= hasher.vocab_size
+        self._model = weakref.ref(model)
         # The base forward's positional parameter names: its arguments are found by name on every
         # forward without inspect's binding (dozens of Python calls a decode step).
         self._positional = tuple(
@@ -388,7 +387,7 @@ def _as_valid(mask: torch.Tensor, device: torch.device | None = None) -> torch.T
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def _output_vocab(model: nn.Module) -> int:
+def _output_vocab(model: nn.Module | None) -> int:
     """How many token ids the model can sample: its output embedding's rows (else its config's vocab size)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)

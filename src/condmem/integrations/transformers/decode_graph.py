@@ -78,7 +78,7 @@ class DecodeGraphs:
             or input_ids.shape[1] != 1
             or torch.is_grad_enabled()
             or a._conv_layers
-            or not a._vocab_in_range
+            or not self._samples_in_range()
             or torch.compiler.is_compiling()
             or torch.cuda.is_current_stream_capturing()
         ):
@@ -91,6 +91,14 @@ class DecodeGraphs:
             and not memory.closed
             and all(s.gpu_readable for s in memory.stores.values())
         )
+
+    def _samples_in_range(self) -> bool:
+        """Every token the model can sample lies inside the hasher's ids (its output embedding's rows,
+        read now: `resize_token_embeddings` may have grown it since `add_engram`)."""
+        from condmem.integrations.transformers.adapter import _output_vocab
+
+        a = self.adapter
+        return _output_vocab(a._model()) <= a.hasher.vocab_size
 
     def front(self, window: torch.Tensor, valid: torch.Tensor | None) -> StepGraphs:
         """Replay (capturing first, for a new shape or memory) the hash and table reads of a step whose
