@@ -97,22 +97,6 @@ def test_the_same_specialization_takes_the_shortcut_with_tritons_calling_convent
     assert [type(entry[-1]) for entry in fast._compiled.values()] == [_Compiled]
 
 
-@pytest.mark.gpu
-def test_gpu_shortcut_passes_device_tensors_as_addresses(runtime):
-    """A CUDA tensor reaches the launcher as its address (no data_ptr() call and driver query there);
-    page-locked host memory behind a `HostPointer` as the object, for the launcher to translate."""
-    kernel = _Kernel()
-    fast = FastLaunch(kernel)
-    x = torch.zeros(32, dtype=torch.int64, device="cuda")
-    host = launch.HostPointer(torch.zeros(8).pin_memory())
-    for _ in range(2):
-        fast((1,), (x, host), (32,), (0.5,), 4, A=2, B=True)
-    assert fast.launches == [1, 1]
-    address, pointer = kernel.shortcut[0][9:11]
-    assert type(address) is int and address == x.data_ptr()
-    assert pointer is host
-
-
 def _variants(x, y):
     """(name, ptrs, ints, floats, num_warps, constexprs): each differs from the first in one thing Triton
     specializes on."""

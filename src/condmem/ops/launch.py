@@ -12,10 +12,6 @@ launcher with the calling convention of ``JITFunction.run`` (Triton 3.6 to 3.9 a
     compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata,
                  launch_metadata, enter_hook, exit_hook, *every_argument)
 
-A CUDA tensor is handed to that launcher as its address: given the tensor, the launcher calls
-its ``data_ptr()`` and asks the driver for each pointer's device address (a driver call per
-pointer, for device memory the address itself).
-
 The key holds everything a compiled kernel is specialized on (`_key`): each scalar's type;
 a tensor's dtype and whether its address is a multiple of 16; an int's ``== 1`` (Triton
 makes it a constant), its divisibility by 16 and its width (i32, i64, u64); the constexprs'
@@ -124,23 +120,20 @@ def _runtime_now() -> Runtime | None:
     return RUNTIME
 
 
-def _key(ptrs: tuple, ints: tuple, floats: tuple, addresses: list | None = None) -> tuple:
+def _key(ptrs: tuple, ints: tuple, floats: tuple) -> tuple:
     """The per-argument part of a key; raises AttributeError / TypeError for an argument it does not cover.
 
     Addresses: dtype and the address mod 16. Ints: their types, and for an int in 2..2**31-1 (sizes,
     strides) its divisibility by 16, for any other int (1 becomes a constant; 0, negatives and the i64 and
     u64 widths) the value itself (kept apart from the bools of the first case: 0 and 1 map below -2**40).
     Floats: their types (Triton passes a float as fp32 whatever its value); anything else passed as
-    a float (an int is specialized on its value) is not covered. `addresses`: the pointers'
-    ``data_ptr()`` when the caller has them.
+    a float (an int is specialized on its value) is not covered.
     """
     if any(type(f) is not float for f in floats):
         raise TypeError("a non-float in the floats")
-    if addresses is None:
-        addresses = [p.data_ptr() for p in ptrs]
     return (
         tuple([p.dtype for p in ptrs]),
-        tuple([a % 16 for a in addresses]),
+        tuple([p.data_ptr() % 16 for p in ptrs]),
         tuple(map(type, ints)),
         tuple([a % 16 == 0 if 1 < a <= 2147483647 else (a if a > 1 else a - 1099511627776) for a in ints]),
         tuple(map(type, floats)),
@@ -174,8 +167,7 @@ class FastLaunch:
         try:
             # Constexprs by value and type (True == 1 == 1.0 in Python, not in a compiled kernel).
             consts = (tuple(constexprs.items()), tuple(map(type, constexprs.values())))
-            addresses = [p.data_ptr() for p in ptrs]
-            key = (_key(ptrs, ints, floats, addresses), consts, num_warps, device, rt.knob_values(rt.knobs))
+            key = (_key(ptrs, ints, floats), consts, num_warps, device, rt.knob_values(rt.knobs))
         except (AttributeError, TypeError):  # an argument of a kind the key does not cover
             self._normal(grid, ptrs, ints + floats, num_warps, constexprs)
             return
@@ -188,11 +180,6 @@ class FastLaunch:
         self.launches[1] += 1
         run, function, metadata, _ = entry
         n = len(grid)
-        # A CUDA tensor goes to the launcher as its address: given the tensor, the launcher would call its
-        # data_ptr() again and ask the driver for the device address of each pointer (cuPointerGetAttribute),
-        # which for device memory is the address itself. Anything else (page-locked host memory behind a
-        # `HostPointer`, a CPU tensor the launcher refuses) goes as given, for the launcher to translate or refuse.
-        ptrs = [a if getattr(p, "is_cuda", False) else p for p, a in zip(ptrs, addresses)]
         # No launch metadata and no hooks: only launch hooks read them, and none is set (`Runtime.hooks_set`).
         run(
             grid[0],
