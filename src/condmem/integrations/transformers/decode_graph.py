@@ -22,7 +22,7 @@ step), tables the GPU reads in place (module tables, or an `EngramMemory` in HBM
 page-locked host memory, not sharded), and not inside another capture or a compiled
 region. Everything else takes the eager path. The token ids a graph hashes are the
 prompt's (range-checked by the eager prefill) and tokens the model sampled, inside its
-vocabulary: graphs are used only when that vocabulary lies inside the tokenizer's.
+vocabulary: graphs are used only while that vocabulary lies inside the hasher's ids.
 """
 
 from __future__ import annotations
@@ -66,9 +66,6 @@ class DecodeGraphs:
         self.adapter = adapter
         self._shapes: collections.OrderedDict[tuple, StepGraphs] = collections.OrderedDict()
         self.captures = 0  # graphs captured so far (read by tests)
-
-    def clear(self) -> None:
-        self._shapes.clear()
 
     def usable(self, input_ids: torch.Tensor) -> bool:
         """Whether this decode step can replay graphs (see the module docstring)."""
