@@ -14,16 +14,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from condmem import EngramConfig  # noqa: E402
 from condmem.integrations.transformers import add_engram, get_engram, offload_tables  # noqa: E402
 from condmem.tokenizer import CompressedTokenizer  # noqa: E402
 from condmem.train.bpe import train_bpe  # noqa: E402
+from hf_fixtures import engram_config, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-PAD = 1
 TEXT = ("The quick brown fox jumps over the lazy dog. def add(x, y):\n    return x + y\n") * 8
-LAYERS = (0, 2)
+LAYERS = (0, 2)  # engram_config's
 
 
 @pytest.fixture(scope="module")
@@ -32,31 +31,9 @@ def tokenizer():
 
 
 def build(tokenizer, *, short_conv: bool = False, tier: str | None = None):
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.original_vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=PAD,
-        bos_token_id=None,
-        eos_token_id=None,
-        attn_implementation="eager",  # matmuls and a softmax: the same logits on every run
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).cuda().eval()
-    ecfg = EngramConfig(
-        layer_ids=list(LAYERS),
-        max_ngram_size=3,
-        n_heads=2,
-        head_dim=16,
-        table_size=61,
-        pad_id=PAD,
-        short_conv=short_conv,
-    )
-    add_engram(model, ecfg, tokenizer, zero_init=False)
+    # Eager attention (matmuls and a softmax): the same logits on every run.
+    model = tiny_model("llama", tokenizer.original_vocab_size, attn_implementation="eager").cuda()
+    add_engram(model, engram_config(short_conv), tokenizer, zero_init=False)
     memory = offload_tables(model, tier=tier) if tier is not None else None
     return model, get_engram(model), memory
 

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from condmem import ConfigError, EngramConfig  # noqa: E402
+from condmem import ConfigError  # noqa: E402
 from condmem.integrations.transformers import (  # noqa: E402
     EngramModelError,
     EngramOptimizer,
@@ -30,8 +30,8 @@ from condmem.integrations.transformers import (  # noqa: E402
 from condmem.tokenizer import CompressedTokenizer, TokenizerMismatchError  # noqa: E402
 from condmem.train.bpe import train_bpe  # noqa: E402
 from helpers import assert_close  # noqa: E402
+from hf_fixtures import PAD, engram_config, tiny_model  # noqa: E402
 
-PAD = 1  # "<|pad|>" of train_bpe's special tokens: Engram's pad id
 FILL = 0  # what padded batches hold at masked positions: another id, so that hashing it would show
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 TEXT = (
@@ -43,48 +43,6 @@ TEXT = (
 @pytest.fixture(scope="module")
 def tokenizer():
     return CompressedTokenizer.from_any(train_bpe([TEXT], vocab_size=300), use_cache=False)
-
-
-def tiny_model(family: str, vocab: int, layers: int = 3):
-    t = transformers
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=PAD,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    config = {
-        "llama": lambda: t.LlamaConfig(**common),
-        "mistral": lambda: t.MistralConfig(**common, sliding_window=None),
-        "qwen2": lambda: t.Qwen2Config(**common),
-        "qwen3": lambda: t.Qwen3Config(**common, head_dim=8),
-        "gpt2": lambda: t.GPT2Config(
-            vocab_size=vocab,
-            n_embd=32,
-            n_layer=layers,
-            n_head=4,
-            n_positions=64,
-            pad_token_id=PAD,
-            bos_token_id=None,
-            eos_token_id=None,
-        ),
-    }[family]()
-    cls = t.GPT2LMHeadModel if family == "gpt2" else t.AutoModelForCausalLM
-    torch.manual_seed(0)
-    model = t.GPT2LMHeadModel(config) if family == "gpt2" else cls.from_config(config)
-    return model.eval()
-
-
-def engram_config(short_conv: bool = True) -> EngramConfig:
-    return EngramConfig(
-        layer_ids=[0, 2], max_ngram_size=3, n_heads=2, head_dim=8, table_size=61, pad_id=PAD, short_conv=short_conv
-    )
 
 
 def randomize_engram(model, seed: int = 1) -> None:

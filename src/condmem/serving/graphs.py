@@ -43,7 +43,7 @@ from condmem.serving.cache import ServingCache
 from condmem.serving.decode_fetch import ZeroCopyRows
 from condmem.serving.staged_fetch import StagedRows, staged_fetch_fits
 from condmem.serving.steps import decode_step
-from condmem.utils.graph_capture import capture
+from condmem.utils.graph_capture import warm_and_capture
 
 # The step's GEMMs are captured from cuBLASLt, whose kernels for a decode batch's skinny
 # GEMMs made the step faster than cuBLAS's (`benchmarks/probes/decode_blas_ab.py`; docs/benchmarks.md).
@@ -147,17 +147,9 @@ class GraphedDecoder:
             self._warm_and_capture(device, warmup)
 
     def _warm_and_capture(self, device, warmup: int) -> None:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):  # compiles kernels and caches constants outside the capture
-                self._body()
-        torch.cuda.current_stream(device).wait_stream(side)
-        if self.memory is not None:
-            self.memory.flush()  # a lookup thread's sync would spoil the capture: none may run meanwhile
-        self.graph = torch.cuda.CUDAGraph()
-        with capture(self.graph):
-            self.logits = self._body()
+        # A lookup thread's sync would spoil the capture: the memory's lookups are flushed before it.
+        flush = self.memory.flush if self.memory is not None else None
+        self.graph, self.logits = warm_and_capture(self._body, warmup=warmup, device=device, before_capture=flush)
 
     def _body(self) -> torch.Tensor:
         if self.fetch is not None:

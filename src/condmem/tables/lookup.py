@@ -464,8 +464,9 @@ class LookupEngine:
         # Ids outside the table read zero rows (the kernel masks them); the range is copied back
         # without waiting and raised by a later wait() or lookup() (`raise_pending`). Graphed
         # decoders (`gather_into`) and ids a hasher of this layout made skip it.
-        label = None if in_range else f"a direct lookup of {row_ids.numel()} ids"
-        stats.unique, stats.gpu_rows = -1, row_ids.numel()
+        n_ids = row_ids.numel()
+        label = None if in_range else (lambda: f"a direct lookup of {n_ids} ids")  # formatted for an error only
+        stats.unique, stats.gpu_rows = -1, n_ids
         if self.store.in_device_memory:
             stream = torch.cuda.current_stream(self.device)
             out = self.gather_into(row_ids)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -30,3 +33,23 @@ def capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None
     finally:
         if collecting:
             gc.enable()
+
+
+def warm_and_capture(work: Callable[[], T], *, warmup: int = 1, device=None, pool=None, before_capture=None):
+    """`work()` run `warmup` times on a side stream (kernels compiled, constants cached: outside the
+    capture), then captured: (the graph, what the captured call returned). The graph has not run yet.
+    `before_capture()`, when given, runs between the two (e.g. a memory's flush: no other thread of
+    condmem may sync during the capture); `pool` as in `capture`."""
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(main.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            work()
+    main.wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with capture(graph, pool=pool):
+        out = work()
+    return graph, out

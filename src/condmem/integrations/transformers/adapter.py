@@ -99,7 +99,7 @@ class EngramAdapter:
         self.last_row_ids: torch.Tensor | None = None
         self.decode_graphs = True
         self._graphs = DecodeGraphs(self)
-        self.layer_index = {lid: hasher.layout.layer_index(lid) for lid in config.layer_ids}
+        self._layer_index = {lid: hasher.layout.layer_index(lid) for lid in config.layer_ids}
         self._model = weakref.ref(model)
         # The base forward's positional parameter names: its arguments are found by name on every
         # forward without inspect's binding (dozens of Python calls a decode step).
@@ -282,7 +282,7 @@ class EngramAdapter:
             self._states.put(cache, step.next_state)
 
     def _layer_hook(self, layer_id: int):
-        index = self.layout.layer_index(layer_id)
+        index = self._layer_index[layer_id]
         engram = self.engrams[layer_id]
 
         def hook(module, args, kwargs):
@@ -385,16 +385,6 @@ def _as_valid(mask: torch.Tensor, device: torch.device | None = None) -> torch.T
     if device is not None and mask.device != device:
         mask = mask.to(device)
     return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _output_vocab(model: nn.Module | None) -> int:
-    """How many token ids the model can sample: its output embedding's rows (else its config's vocab size)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return int(weight.shape[0])
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    return vocab if isinstance(vocab, int) else 1 << 62
 
 
 def _pad_token_id(tokenizer) -> int | None:

@@ -31,8 +31,9 @@ import collections
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from condmem.utils.graph_capture import capture
+from condmem.utils.graph_capture import warm_and_capture
 
 MAX_SHAPES = 4  # batch shapes whose graphs are kept (least recently used dropped)
 
@@ -92,8 +93,6 @@ class DecodeGraphs:
     def _samples_in_range(self) -> bool:
         """Every token the model can sample lies inside the hasher's ids (its output embedding's rows,
         read now: `resize_token_embeddings` may have grown it since `add_engram`)."""
-        from condmem.integrations.transformers.adapter import _output_vocab
-
         a = self.adapter
         return _output_vocab(a._model()) <= a.hasher.vocab_size
 
@@ -105,7 +104,7 @@ class DecodeGraphs:
         self.adapter.hasher.raise_pending(block=False)  # a bad prompt id of the eager prefill, once known
         key = (tuple(window.shape), window.device, valid is None, id(memory))
         entry = self._shapes.get(key)
-        if entry is None or entry.memory is not memory:
+        if entry is None:  # (the entry holds its memory: no other memory can take its id meanwhile)
             entry = self._capture_front(window, valid, memory)
             self._shapes[key] = entry
             if len(self._shapes) > MAX_SHAPES:
@@ -152,7 +151,7 @@ class DecodeGraphs:
             blocked = None if static_valid is None else ~static_valid
             row_ids = a.hasher(ids, blocked=blocked, check=False)[:, depth:]
             if memory is not None:
-                for lid, i in a.layer_index.items():
+                for lid, i in a._layer_index.items():
                     rows[lid] = memory.gather_into(lid, row_ids[:, :, i])
             return row_ids
 
@@ -167,7 +166,7 @@ class DecodeGraphs:
         depth = a._depth
         mask = None if entry.valid is None else entry.valid[:, depth:]
         looked_up = entry.rows.get(layer_id)
-        row_ids = None if looked_up is not None else entry.row_ids[:, :, a.layer_index[layer_id]]
+        row_ids = None if looked_up is not None else entry.row_ids[:, :, a._layer_index[layer_id]]
 
         def work() -> torch.Tensor:
             return engram(static_hidden, row_ids, token_mask=mask, rows=looked_up, residual=True)
@@ -177,20 +176,21 @@ class DecodeGraphs:
         return _LayerGraph(graph, static_hidden, out, weights)
 
     def _record(self, work, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """`work` run once on a side stream (kernels compiled, constants cached outside the capture), then
-        captured and replayed: (the graph, its output)."""
-        main = torch.cuda.current_stream()
-        side = torch.cuda.Stream(main.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            work()
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capture(graph, pool=pool):
-            out = work()
+        """`work` warmed up, captured and replayed (this step's result): (the graph, its output)."""
+        graph, out = warm_and_capture(work, pool=pool)
         graph.replay()
         self.captures += 1
         return graph, out
+
+
+def _output_vocab(model: nn.Module | None) -> int:
+    """How many token ids the model can sample: its output embedding's rows (else its config's vocab size)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else 1 << 62
 
 
 def _tensors(engram) -> tuple[torch.Tensor, ...]:
