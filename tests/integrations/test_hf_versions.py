@@ -1,25 +1,23 @@
-"""What docs/huggingface.md and the extras say agrees with what is installed and tested."""
+"""What docs/huggingface.md and the extras say agrees with constraints.txt, the versions the suite
+is installed and run with (never with whatever release is newest)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
+from test_constraints import pinned
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_hf_page_states_the_torch_ci_installs_and_the_installed_transformers():
-    transformers = pytest.importorskip("transformers")
-    pinned = re.search(r'"torch==([\d.]+)"', (ROOT / "scripts" / "_env.sh").read_text()).group(1)
+def test_the_hf_page_names_the_pinned_torch_transformers_and_accelerate():
     page = (ROOT / "docs" / "huggingface.md").read_text()
     tested = page[page.index("Tested with") : page.index("## Example")]
-    assert f"torch {pinned}" in tested, tested
-    import torch
-
-    if torch.__version__.split("+")[0] == pinned:  # CI's environment: the transformers it installs is named
-        assert f"transformers {transformers.__version__}" in tested, tested
+    pins = pinned()
+    for name in ("torch", "transformers", "accelerate"):
+        assert f"{name} {pins[name]}" in tested, (name, pins[name], tested)
 
 
 def test_dev_extra_holds_every_feature_extra():
