@@ -209,6 +209,13 @@ def _claim(args, out) -> None:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         shutil.rmtree(out / "sharded_tables", ignore_errors=True)
         (out / "summary.json").unlink(missing_ok=True)
+    # What the run will write, checked now rather than after training: a regular summary.json (or none), and
+    # no link planted in --out that leads out of it (the writers check again when they write).
+    from condmem.utils.atomic import check_destination, check_inside
+
+    check_destination(out / "summary.json", within=out)
+    for folder in ("checkpoints", "sharded_tables"):
+        check_inside(out / folder, out)
 
 
 def run(args) -> int:
@@ -492,4 +499,5 @@ def _write_summary(args, run: _Run, trainer, summary: dict, rank: int | None, wo
             indent=1,
         )
         + "\n",
+        within=args.out,
     )

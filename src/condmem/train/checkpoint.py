@@ -55,6 +55,7 @@ from condmem.models import DecoderLM, ModelConfig
 from condmem.utils.atomic import (
     atomic_path,
     atomic_write_text,
+    check_inside,
     fsync_dir,
     make_temp_dir,
     sweep_stale,
@@ -293,6 +294,7 @@ def save_checkpoint(
     (`condmem.train.data_parallel`); ``tables.safetensors`` then holds none and says so."""
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
+    check_inside(root, run_dir)  # a link planted at checkpoints/ must not take the checkpoints out of the run
     root.mkdir(parents=True, exist_ok=True)
     _repair(root)
     step = int(trainer_state["step"])
@@ -318,7 +320,7 @@ def save_checkpoint(
                 f"the checkpoint of step {step} could not be written in {root} ({_reason(exc)}); {_kept(run_dir, step)}"
             ) from exc
         raise
-    _point_latest(root, final, step)
+    _point_latest(root, final, step, run_dir)
     shutil.rmtree(aside, ignore_errors=True)
     _remove_old(root, final, keep)
     logger.info("checkpoint written: %s", final)
@@ -383,10 +385,10 @@ def _write_state(tmp: Path, fingerprints: dict, trainer_state: dict) -> None:
     atomic_write_text(tmp / "state.json", json.dumps(meta) + "\n")
 
 
-def _point_latest(root: Path, final: Path, step: int) -> None:
-    """Point ``root/LATEST`` at the checkpoint folder `final`, just written."""
+def _point_latest(root: Path, final: Path, step: int, run_dir: Path) -> None:
+    """Point ``root/LATEST`` at the checkpoint folder `final`, just written (inside `run_dir`)."""
     try:
-        atomic_write_text(root / "LATEST", final.name + "\n")
+        atomic_write_text(root / "LATEST", final.name + "\n", within=run_dir)
     except OSError as exc:
         raise CheckpointSaveError(
             f"the checkpoint of step {step} was written to {final}, but {root / 'LATEST'} could "

@@ -168,8 +168,9 @@ def bucket_losses(token_losses: np.ndarray, seen: np.ndarray) -> dict:
     return out
 
 
-def plot_summary(summary: dict, path: str | Path) -> Path | None:
-    """loss_curves.png from a demo summary (every seed's curves, seen/unseen losses); None without matplotlib."""
+def plot_summary(summary: dict, path: str | Path, within: str | Path | None = None) -> Path | None:
+    """loss_curves.png from a demo summary (every seed's curves, seen/unseen losses), written inside `within`
+    when given; None without matplotlib."""
     base, eng, comp = summary["baseline"], summary["engram"], summary["comparison"]
     gap, std = comp["val_loss_gap_pct"], comp.get("val_loss_gap_pct_std")
     n = len(summary["seeds"])
@@ -181,7 +182,7 @@ def plot_summary(summary: dict, path: str | Path) -> Path | None:
         + f" over all {eng['val_tokens']:,} deduplicated validation tokens"
     )
     buckets = {label: [r[label]["buckets"] for r in summary["seeds"]] for label in ("baseline", "engram")}
-    return plot_loss_curves(summary["curves"], path, title=title, buckets=buckets)
+    return plot_loss_curves(summary["curves"], path, title=title, buckets=buckets, within=within)
 
 
 def gate_sample(model: DecoderLM, data: PreparedData, device: torch.device, n_tokens: int = 160) -> dict:
@@ -398,7 +399,7 @@ def _write_outputs(
     """The figures and summary.json (with the wall time since `wall`), and the closing line."""
     write_figures(summary, engram_model, data, dev, out)
     summary["wall_seconds"] = time.perf_counter() - wall
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n", within=out)
     figures = summary["figures"]
     print(
         f"\nwrote {out}/summary.json, {', '.join(figures.values()) or 'no figures (matplotlib missing)'}, "
@@ -618,6 +619,7 @@ def write_samples(
     atomic_write_text(
         out / "sample.txt",
         f"# prompt\n{prompt}\n# engram completion\n{samples['engram']}\n# baseline completion\n{samples['baseline']}\n",
+        within=out,
     )
     return samples
 
@@ -688,17 +690,18 @@ def demo_summary(
 def write_figures(summary: dict, engram_model: DecoderLM, data: PreparedData, dev: torch.device, out: Path) -> None:
     """loss_curves.png, gates.json and gates.png; their names go into ``summary["figures"]``."""
     figures = summary["figures"]
-    fig = plot_summary(summary, out / "loss_curves.png")
+    fig = plot_summary(summary, out / "loss_curves.png", within=out)
     if fig:
         figures["loss_curves"] = fig.name
     gates = gate_sample(engram_model, data, dev)
-    atomic_write_text(out / "gates.json", json.dumps(gates) + "\n")
+    atomic_write_text(out / "gates.json", json.dumps(gates) + "\n", within=out)
     first = next(iter(gates["gates"]))
     fig = plot_gate_heatmap(
         gates["pieces"],
         np.array([gates["gates"][k] for k in gates["gates"]]),
         out / "gates.png",
         title=f"Engram gate (layer {first}) per token over validation code; darker = more memory",
+        within=out,
     )
     if fig:
         figures["gates"] = fig.name

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from condmem.utils.plotting import pyplot as _pyplot
+from condmem.utils.plotting import save_figure
 
 logger = logging.getLogger("condmem.train.plots")
 
@@ -31,7 +32,11 @@ def _runs_of(value) -> list[dict]:
 
 
 def plot_loss_curves(
-    runs: dict[str, list[dict] | dict], path: str | Path, title: str = "", buckets: dict[str, list[dict]] | None = None
+    runs: dict[str, list[dict] | dict],
+    path: str | Path,
+    title: str = "",
+    buckets: dict[str, list[dict]] | None = None,
+    within: str | Path | None = None,
 ) -> Path | None:
     """Every seed's training loss (smoothed) and validation loss against training tokens;
     with `buckets`, a second panel of validation loss on seen / unseen 3-grams.
@@ -41,6 +46,7 @@ def plot_loss_curves(
             {"history": [{"tokens", "loss"}...], "evals": [{"train_tokens", "val_loss", "full"}...]}.
             Evaluations on the fixed subset draw the curve; the whole-split one is a star.
         buckets: label -> per seed {"seen": {"loss", "fraction"}, "unseen": {...}}.
+        within: the folder the figure must be written inside (a run's output folder).
     """
     plt = _pyplot()
     if plt is None:
@@ -60,11 +66,7 @@ def plot_loss_curves(
         _plot_buckets(bx, buckets, colors)
     fig.suptitle(title or "baseline vs Engram (same tokens, matched FLOPs/token)", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, within=within)
 
 
 def _plot_run(ax, run: dict, label: str, color, *, first: bool, seeds: int, lows: list, highs: list) -> None:
@@ -155,7 +157,12 @@ def _display(piece: str) -> str:
 
 
 def plot_gate_heatmap(
-    pieces: Sequence[str], gates: np.ndarray, path: str | Path, title: str = "", max_cols: int = 80
+    pieces: Sequence[str],
+    gates: np.ndarray,
+    path: str | Path,
+    title: str = "",
+    max_cols: int = 80,
+    within: str | Path | None = None,
 ) -> Path | None:
     """Validation text with each token's background coloured by its Engram gate value.
 
@@ -163,6 +170,7 @@ def plot_gate_heatmap(
         pieces: the text of each token (decoded), in order.
         gates: [n_layers, n_tokens] gate values in (0, 1), one row per Engram layer (the
             first row colours the text; every row is summarised in the colour bar title).
+        within: the folder the figure must be written inside (a run's output folder).
     """
     plt = _pyplot()
     if plt is None:
@@ -229,8 +237,4 @@ def plot_gate_heatmap(
         y=1 - 0.12 / fh,
         va="top",
     )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, within=within)

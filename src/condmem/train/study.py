@@ -56,8 +56,8 @@ from condmem.train.heldout import seen_in_training
 from condmem.train.loop import TrainConfig
 from condmem.train.pipeline import PreparedData
 from condmem.train.presets import DataPreset, EngramPreset, ModelPreset, Preset
-from condmem.utils.atomic import atomic_write_text
-from condmem.utils.plotting import pyplot
+from condmem.utils.atomic import atomic_write_text, check_destination
+from condmem.utils.plotting import pyplot, save_figure
 
 KINDS = ("allocation", "slots")
 
@@ -294,6 +294,8 @@ def run_study(
     dev = resolve_device(device)
     out = Path(out or f"condmem-study/{kind}")
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("study.json", f"{kind}.png"):  # checked before the runs, not after them; written with the same check
+        check_destination(out / name, within=out)
     print(
         f"condmem study {kind}: preset {preset!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
         flush=True,
@@ -369,10 +371,10 @@ def _capped_steps(requested: int, train, tc: TrainConfig, max_passes: float) -> 
 def _write_study(summary: dict, out: Path, kind: str, wall: float) -> None:
     """The figure (``<kind>.png``, when matplotlib is there) and ``study.json``, then where they went;
     the summary gains the figure's name and the wall time since `wall`."""
-    figure = plot_study(summary, out / f"{kind}.png")
+    figure = plot_study(summary, out / f"{kind}.png", within=out)
     summary["figure"] = figure.name if figure else None
     summary["wall_seconds"] = time.perf_counter() - wall
-    atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n", within=out)
     print(
         f"\nwrote {out}/study.json{f', {figure.name}' if figure else ''} ({summary['wall_seconds']:.0f} s in all)",
         flush=True,
@@ -388,9 +390,9 @@ def replot(kind: str, out: str | Path | None = None) -> Path | None:
         raise ValueError(f"{out / 'study.json'} holds a {summary.get('study')!r} study, not {kind!r}")
     summary["finding"] = find(kind, summary["points"], summary["runs"])
     summary["report"] = report_text(kind, summary)
-    figure = plot_study(summary, out / f"{kind}.png")
+    figure = plot_study(summary, out / f"{kind}.png", within=out)
     summary["figure"] = figure.name if figure is not None else summary.get("figure")
-    atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n", within=out)
     print(summary["report"], flush=True)
     if figure is not None:
         print(f"wrote {figure}", flush=True)
@@ -720,9 +722,9 @@ def _significance(beyond: bool | None) -> str:
     return " (beyond two standard errors)" if beyond else " (NOT beyond two standard errors)"
 
 
-def plot_study(summary: dict, path: Path) -> Path | None:
+def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | None:
     """allocation: val loss vs rho (every seed, the mean line, pure MoE marked); slots: val loss vs rows
-    (log axis) with the fitted line and the no-Engram level."""
+    (log axis) with the fitted line and the no-Engram level. Written inside `within` when given."""
     plt = pyplot()
     if plt is None:
         return None
@@ -760,7 +762,4 @@ def plot_study(summary: dict, path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, within=within)

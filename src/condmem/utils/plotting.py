@@ -7,6 +7,8 @@ without matplotlib still produces all numbers (JSON), only no PNGs.
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 log = logging.getLogger("condmem")
 
@@ -23,3 +25,19 @@ def pyplot():
     except ImportError:
         log.warning("matplotlib is not installed: no PNG figures (pip install matplotlib)")
         return None
+
+
+def save_figure(fig, path: str | os.PathLike, *, within: str | os.PathLike | None = None) -> Path:
+    """Write `fig` to `path` through the atomic writer (a regular file, inside `within` when given; format
+    from the suffix) and close it."""
+    from condmem.utils.atomic import atomic_path
+
+    path = Path(path)
+    try:
+        with atomic_path(path, within=within) as tmp:
+            fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return path

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from condmem.utils.atomic import temp_prefix
+from condmem.utils.atomic import DestinationError, check_destination, temp_prefix
 
 
 class OutputPathError(ValueError):
@@ -59,8 +59,10 @@ def check_output_dir(path: str | os.PathLike, flag: str, need_bytes: int = 0) ->
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f"{temp_prefix(path / 'probe')}probe.tmp"
+        # O_EXCL: a new file, never written through a link (or onto a node) planted at the probe's name.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            with open(probe, "wb") as fh:
+            with os.fdopen(os.open(probe, flags, 0o600), "wb") as fh:
                 fh.write(b"\0" * 4096)
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -75,9 +77,12 @@ def check_output_dir(path: str | os.PathLike, flag: str, need_bytes: int = 0) ->
 
 
 def check_output_file(path: str | os.PathLike, flag: str, need_bytes: int = 0) -> Path:
-    """Check that file `path` can be written atomically: not a directory, its folder writable, room for it."""
+    """Check that file `path` can be written atomically: a regular file or nothing yet (`check_destination`),
+    its folder writable, room for it."""
     path = Path(path)
-    if path.is_dir():
-        raise OutputPathError(f"{flag} {path}: is a directory, not a file")
-    check_output_dir(path.parent, flag, need_bytes)
+    try:
+        real = check_destination(path)
+    except DestinationError as exc:
+        raise OutputPathError(f"{flag} {exc}") from None
+    check_output_dir(real.parent, flag, need_bytes)
     return path

@@ -7,6 +7,7 @@ when the holder exits, even by SIGKILL: a stale lock never blocks the next run.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -26,7 +27,13 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # O_NOFOLLOW: a link planted at .lock must not make the lock truncate a file outside the folder.
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise RunLockedError(f"{self.path} is a symbolic link, not a lock file: remove it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
