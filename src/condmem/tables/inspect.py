@@ -34,7 +34,8 @@ import torch
 
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
 from condmem.fp8 import dequantize_fp8_e8m0, unpack_rows
-from condmem.tables.safetensors_io import read_header, release_pages
+from condmem.tables import integrity
+from condmem.tables.safetensors_io import TableFileError, read_header, release_pages
 from condmem.tables.table_file import FORMAT_TAG, EngramTableFile, LayerRows
 from condmem.utils.progress import Progress
 
@@ -49,8 +50,14 @@ def row_stats(
 ) -> dict[str, Any]:
     """Scale-exponent histogram and zero / NaN / inf row counts of one layer's rows.
 
+    Rows with a `source` (a table file's, a released checkpoint's) are read as the tiers read
+    them, and checked as they are: every row streamed through ``source.read`` (``sample=None``),
+    or the sampled rows through the disk tier's reader. A damaged block (table file) or a NaN /
+    inf scale (released checkpoint) raises a ``ValueError`` naming the file, like the loaders.
+    Rows given as tensors alone are looked at as they are.
+
     Args:
-        rows: the layer's rows (any format; typically memory-mapped).
+        rows: the layer's rows (any format).
         sample: rows to look at, spread uniformly at random (None: every row).
         chunk_rows: rows dequantized at a time.
     """
@@ -63,31 +70,53 @@ def row_stats(
     total = n if ids is None else ids.numel()
     hist = torch.zeros(256, dtype=torch.int64)
     zero = nan = inf = 0
+    source = rows.source
+    store = None
+    if source is not None and ids is not None:
+        from condmem.tables.storage import place_layer
+
+        store = place_layer(rows, "disk", progress=False, name=name)
     bar = Progress(total, f"inspect {name}", enabled=progress, unit="row", unit_scale=True)
-    for start in range(0, total, chunk_rows):
-        stop = min(total, start + chunk_rows)
-        if ids is None:
-            w = rows.weight[start:stop]
-            s = None if rows.scales is None else rows.scales[start:stop]
-        else:
-            sel = ids[start:stop]
-            w = rows.weight.index_select(0, sel)
-            s = None if rows.scales is None else rows.scales.index_select(0, sel)
-        if rows.format == "bf16":
-            values = w.float()
-        else:
-            q, e = unpack_rows(w.contiguous()) if rows.format == "fp8_interleaved" else (w.contiguous(), s.contiguous())
-            hist += torch.bincount(e.flatten().long(), minlength=256)
-            values = dequantize_fp8_e8m0(q, e, torch.float32)
-        zero += int((values == 0).all(dim=1).sum())
-        nan += int(torch.isnan(values).any(dim=1).sum())
-        inf += int(torch.isinf(values).any(dim=1).sum())
-        if ids is None:
-            for t in (w, s):
-                if t is not None:
-                    release_pages(t)
-        bar.update(stop - start)
-    bar.close()
+    try:
+        for start in range(0, total, chunk_rows):
+            stop = min(total, start + chunk_rows)
+            fmt = rows.format
+            if source is not None:
+                if ids is None:
+                    raw = torch.empty((stop - start, source.row_bytes), dtype=torch.uint8)
+                    try:
+                        source.read(raw, start=start)
+                    except integrity.IntegrityMismatch as exc:
+                        raise TableFileError(f"{source.path}: {exc}") from None
+                else:
+                    raw = store.gather_raw(ids[start:stop])
+                fmt = "bf16" if rows.format == "bf16" else "fp8_interleaved"
+                w, s = (raw.view(torch.bfloat16) if fmt == "bf16" else raw), None
+            elif ids is None:
+                w = rows.weight[start:stop]
+                s = None if rows.scales is None else rows.scales[start:stop]
+            else:
+                sel = ids[start:stop]
+                w = rows.weight.index_select(0, sel)
+                s = None if rows.scales is None else rows.scales.index_select(0, sel)
+            if fmt == "bf16":
+                values = w.float()
+            else:
+                q, e = unpack_rows(w.contiguous()) if fmt == "fp8_interleaved" else (w.contiguous(), s.contiguous())
+                hist += torch.bincount(e.flatten().long(), minlength=256)
+                values = dequantize_fp8_e8m0(q, e, torch.float32)
+            zero += int((values == 0).all(dim=1).sum())
+            nan += int(torch.isnan(values).any(dim=1).sum())
+            inf += int(torch.isinf(values).any(dim=1).sum())
+            if source is None and ids is None:
+                for t in (w, s):
+                    if t is not None:
+                        release_pages(t)
+            bar.update(stop - start)
+    finally:
+        bar.close()
+        if store is not None:
+            store.close()
     out: dict[str, Any] = {
         "rows_checked": total,
         "of_rows": n,
@@ -181,8 +210,11 @@ def inspect_checkpoint(
             info["rows_match_primes"] = info.get("rows") == want
             info["rows_expected"] = want
             if not bad_tensors & {names["embed"], names["embed_scale"]}:
-                try:  # reads the rows (and float32 scales, which must be powers of two)
+                try:  # every scale read and checked as the loaders check it, then the rows' statistics
                     table = ckpt.table(lid, layout)
+                    if not full:  # --full reads (and checks) them with the rows
+                        table.source.check_scales()
+                        info["scales_checked"] = table.num_rows
                     info["row_stats"] = row_stats(
                         table, None if full else sample, progress=progress, name=f"layer {lid}"
                     )
@@ -220,18 +252,20 @@ def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: 
                     lid,
                 )
             )
-        report["layers"].append(
-            {
-                "layer_id": lid,
-                "rows": rows,
-                "rows_expected": want,
-                "rows_match_primes": rows == want,
-                "bytes": _tier_bytes(rows, table.head_dim),
-                "row_stats": row_stats(
-                    table.layer(lid), None if full else sample, progress=progress, name=f"layer {lid}"
-                ),
-            }
-        )
+        info = {
+            "layer_id": lid,
+            "rows": rows,
+            "rows_expected": want,
+            "rows_match_primes": rows == want,
+            "bytes": _tier_bytes(rows, table.head_dim),
+        }
+        try:  # every row read is checked against its blocks' CRCs
+            info["row_stats"] = row_stats(
+                table.layer(lid), None if full else sample, progress=progress, name=f"layer {lid}"
+            )
+        except ValueError as exc:
+            problems.append(CheckpointProblem("error", str(exc), None, lid))
+        report["layers"].append(info)
     return _problems(report, problems)
 
 

@@ -46,11 +46,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 
 from condmem.config import ConfigError, EngramConfig
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
 from condmem.ops.block_fp8 import BlockFp8Error, block_shape, dequantize_block_fp8
+from condmem.tables import integrity
 from condmem.tables.safetensors_io import Header, TableFileError, TensorEntry, mmap_tensor, read_header
 from condmem.tables.table_file import LayerRows, TableMismatchError
 
@@ -136,8 +138,43 @@ def detect_names(names, where: str, dialect: str | None = None) -> TensorNames:
     return TensorNames(dialect or found, prefixes[0])
 
 
+def _shard_path(folder: Path, name, listed_by: str) -> Path:
+    """`folder / name` when that file lies inside the checkpoint folder; `ReleasedCheckpointError` otherwise.
+
+    Decided from the name and the links alone, before anything outside is opened: an
+    absolute path, a ``..`` part, or a symbolic link resolving outside the folder is
+    refused. The one exception is the Hugging Face hub cache, whose snapshot folders
+    (``<repo>/snapshots/<revision>/``) hold links into the repository's ``<repo>/blobs/``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ReleasedCheckpointError(f"{listed_by} names shard {name!r}, which is not a file name")
+    if os.path.isabs(name) or name.startswith(("/", "\\")):
+        raise ReleasedCheckpointError(
+            f"{listed_by} names shard {name!r}, an absolute path: shards must lie in the checkpoint folder {folder}"
+        )
+    if ".." in re.split(r"[/\\]", name):
+        raise ReleasedCheckpointError(
+            f"{listed_by} names shard {name!r}, which leaves the checkpoint folder {folder} ('..'): refused"
+        )
+    path = folder / name
+    root, real = folder.resolve(), path.resolve()
+    if root in real.parents:
+        return path
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if hub_blobs is not None and real.parent == hub_blobs:
+        return path
+    raise ReleasedCheckpointError(
+        f"{listed_by} names shard {name!r}, a link to {real}, outside the checkpoint folder {root}: refused "
+        "(copy the shard into the folder)"
+    )
+
+
 def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str] | None]:
-    """(the safetensors files of a checkpoint, the index's {tensor: file name} or None)."""
+    """(the safetensors files of a checkpoint, the index's {tensor: file name} or None).
+
+    Every shard must lie inside the folder (`_shard_path`): an index naming ``../x``,
+    ``/etc/passwd`` or a link leading out is refused before any shard is opened.
+    """
     path = Path(path)
     if path.is_file():
         return [path], None
@@ -151,22 +188,44 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str
                 raise TypeError("weight_map is not an object")
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ReleasedCheckpointError(f"{index} is not a safetensors index ({exc})") from None
-        files = sorted({path / f for f in weight_map.values()})
+        files = sorted({_shard_path(path, f, str(index)) for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise ReleasedCheckpointError(f"{index} names shard(s) that are missing: {missing[:5]}")
         return files, weight_map
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(_shard_path(path, f.name, f"the folder {path}") for f in path.glob("*.safetensors"))
     if not files:
         raise ReleasedCheckpointError(f"no .safetensors files in {path}")
     return files, None
 
 
-def e8m0_bytes(scales: torch.Tensor, what: str) -> torch.Tensor:
+def _row_of(rows: int | torch.Tensor, i: int) -> int:
+    """The tensor row of row `i` of a batch: `rows` is the first row's (a run) or every row's (ids)."""
+    return rows + i if isinstance(rows, int) else int(rows.reshape(-1)[i])
+
+
+def check_scale_bytes(exponents: torch.Tensor, what: str, rows: int | torch.Tensor = 0) -> torch.Tensor:
+    """`exponents` (uint8 e8m0 bytes [n, d/32]) when none is 0xFF, e8m0's NaN; else `ReleasedCheckpointError`
+    naming `what` and the row (`rows`: the tensor row of ``exponents[0]``, or of each row). A NaN scale
+    turns its row's values into NaN, so no loader, converter or reader passes one on."""
+    if exponents.numel() == 0:
+        return exponents
+    bad = (exponents == 255).reshape(exponents.shape[0], -1).any(dim=1)
+    if bool(bad.any()):
+        raise ReleasedCheckpointError(
+            f"{what}: row {_row_of(rows, int(bad.nonzero()[0])):,} has scale byte 0xFF, e8m0's NaN "
+            f"({int(bad.sum()):,} such row(s) among the {exponents.shape[0]:,} read): its values would be NaN; refused"
+        )
+    return exponents
+
+
+def e8m0_bytes(scales: torch.Tensor, what: str, rows: int | torch.Tensor = 0) -> torch.Tensor:
     """Per-32 row scales as uint8 exponents: e8m0 bytes as they are, float32 powers of two converted.
 
-    float32 scales must be exact powers of two (or NaN, exponent 255): anything else has
-    no e8m0 byte, and is an error naming `what`.
+    float32 scales must be finite exact powers of two: NaN, inf or anything else (no e8m0
+    byte represents it, or it would make its row NaN) is an error naming `what` and the row
+    (`rows`: the tensor row of ``scales[0]``, or of each row). e8m0 / uint8 bytes are returned as they are, unread:
+    readers check them as they read them (`check_scale_bytes`).
     """
     if _E8M0 is not None and scales.dtype == _E8M0:
         return scales.view(torch.uint8)
@@ -175,18 +234,330 @@ def e8m0_bytes(scales: torch.Tensor, what: str) -> torch.Tensor:
     if scales.dtype != torch.float32:
         raise ReleasedCheckpointError(f"{what} is {scales.dtype}; expected float8_e8m0fnu, uint8 or float32")
     bits = scales.contiguous().view(torch.int32)
-    nan = torch.isnan(scales)
     normal = (bits & 0x807FFFFF) == 0  # sign and mantissa clear
     subnormal = bits == 0x00400000  # 2**-127, e8m0's e = 0
     exponent = (bits >> 23) & 0xFF
-    ok = nan | (normal & (exponent > 0) & (exponent < 255)) | subnormal
+    ok = (normal & (exponent > 0) & (exponent < 255)) | subnormal
     if not bool(ok.all()):
-        bad = scales.flatten()[int((~ok).flatten().nonzero()[0])]
-        raise ReleasedCheckpointError(
-            f"{what} holds {float(bad)!r}, which is not a power of two: no e8m0 exponent represents it"
+        flat = int((~ok).flatten().nonzero()[0])
+        bad = float(scales.flatten()[flat])
+        cols = scales.shape[-1] if scales.dim() > 1 else 1
+        why = (
+            "not finite: its row's values would be NaN"
+            if bad != bad or bad in (float("inf"), float("-inf"))
+            else "not a power of two: no e8m0 exponent represents it"
         )
-    out = torch.where(subnormal, torch.zeros_like(exponent), exponent)
-    return torch.where(nan, torch.full_like(out, 255), out).to(torch.uint8)
+        raise ReleasedCheckpointError(
+            f"{what}: row {_row_of(rows, flat // cols):,} holds scale {bad!r}, {why}; refused"
+        )
+    return torch.where(subnormal, torch.zeros_like(exponent), exponent).to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What a shard was when its header was read: (device, inode), size, mtime and ctime (ns).
+
+    Released shards carry no checksums, so their readers compare this stamp before and after
+    every batch (one ``fstat``): a truncation, a ``cp`` over the file (same size or not), an
+    ``rsync --inplace`` that restores the mtime (``cp -p``, ``touch -r``) all move the size,
+    mtime or ctime, and the kernel sets ctime to the current time on every such change (no
+    call sets it back). Limits: a timestamp moves in the file system's clock ticks (a few
+    ms), so a rewrite in the same tick as the file's previous change is not seen; a change
+    of the inode's status alone (chmod, a hard link added, the file renamed over or unlinked)
+    also moves ctime and stops the reader with the same error.
+    """
+
+    path: Path
+    identity: tuple[int, int]
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: Path, st: os.stat_result) -> FileStamp:
+        return cls(path, (st.st_dev, st.st_ino), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def change(self, fd: int) -> str | None:
+        """How the file under `fd` differs from this stamp, or None."""
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.identity:
+            return "it is no longer the file that was opened"
+        if st.st_size != self.size:
+            return f"its size went from {self.size:,} to {st.st_size:,} bytes"
+        if st.st_mtime_ns != self.mtime_ns:
+            return "it was modified (its mtime moved)"
+        if st.st_ctime_ns != self.ctime_ns:
+            return (
+                "its inode changed (its ctime moved: rewritten with the mtime restored, or chmod, "
+                "linked, renamed over or unlinked)"
+            )
+        return None
+
+    def error(self, change: str, when: str = "since it was opened", detail: str = "") -> str:
+        """The one-line message for a shard that changed under a reader."""
+        return (
+            f"{self.path} changed under this reader: {change} {when}{'; ' + detail if detail else ''}. A released "
+            "checkpoint carries no checksums, so a served shard must not be rewritten or touched: put a new "
+            "checkpoint in another folder and reopen"
+        )
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """One tensor of a shard as rows: the header it was validated through, its entry, the shard's stamp."""
+
+    header: Header
+    entry: TensorEntry
+    stamp: FileStamp
+
+    @property
+    def row_bytes(self) -> int:
+        return self.entry.nbytes // self.entry.shape[0] if self.entry.shape and self.entry.shape[0] else 0
+
+    @property
+    def file(self):
+        """The shard's `OpenFile` (the descriptor its header was read through)."""
+        return self.header.file
+
+    def open(self, direct: bool = False) -> int:
+        """A new descriptor of the validated shard (its inode, through the descriptor kept open);
+        `integrity.FileChanged` when it changed since its header was read."""
+        try:
+            fd = self.header.file.reopen(direct)
+        except OSError as exc:
+            raise integrity.FileChanged(f"cannot be reopened ({exc})") from None
+        change = self.stamp.change(fd)
+        if change is not None:
+            os.close(fd)
+            raise integrity.FileChanged(f"changed under this reader: {change} since it was opened")
+        return fd
+
+
+@dataclass(frozen=True)
+class ReleasedRows:
+    """Where rows [r0, r1) of one layer lie in a released checkpoint, read with ``pread`` and checked.
+
+    The released counterpart of a table file's `RowSource`, with the same interface (`read`,
+    `reader`, `slice`), so the tiers, ``convert`` and ``inspect`` read released rows as they
+    read a table file's: never through a mapping (a truncated shard is an error, not a
+    SIGBUS), the shards' stamps (`FileStamp`) compared before and after each read, and every
+    scale checked as it is read (`check_scale_bytes`; float32 scales converted by
+    `e8m0_bytes`). Rows and scales may lie in different shards. Rows are served raw:
+    interleaved fp8 rows (fp8 bytes, then the row's e8m0 bytes).
+    """
+
+    weight: TensorSpan
+    scales: TensorSpan
+    r0: int
+    r1: int
+    format: str = "fp8"
+
+    @property
+    def path(self) -> Path:
+        return self.weight.header.path
+
+    @property
+    def num_rows(self) -> int:
+        return self.r1 - self.r0
+
+    @property
+    def head_dim(self) -> int:
+        return self.weight.row_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim + self.head_dim // FP8_SCALE_BLOCK
+
+    def slice(self, start: int, stop: int) -> ReleasedRows:
+        """Rows [start, stop) of these rows."""
+        start, stop, _ = slice(start, stop).indices(self.num_rows)
+        return dataclasses.replace(self, r0=self.r0 + start, r1=self.r0 + max(start, stop))
+
+    def scale_bytes(self, raw: torch.Tensor, rows: int | torch.Tensor, checked: bool = True) -> torch.Tensor:
+        """Scale rows as read (uint8 [n, scale row bytes]) -> uint8 e8m0 bytes [n, d/32], checked; `rows`:
+        the tensor row of ``raw[0]`` or of each row, for messages."""
+        what = f"tensor {self.scales.entry.name} in {self.scales.header.path}"
+        if self.scales.entry.dtype == torch.float32:
+            return e8m0_bytes(raw.contiguous().view(torch.float32), what, rows)
+        return check_scale_bytes(raw, what, rows) if checked else raw
+
+    def read(
+        self,
+        out: torch.Tensor,
+        start: int = 0,
+        threads: int | None = None,
+        progress=None,
+        checked: bool = True,
+        drop_cache: bool = False,
+    ) -> None:
+        """Rows [start, start + len(out)) into `out` (CPU uint8 [n, row_bytes], interleaved), on `threads` threads.
+
+        Raises `ReleasedCheckpointError` naming the shard: a NaN / inf scale (with its row), a
+        shard that changed (size, mtime, ctime, inode) before or while it was read. `checked=False`
+        skips the scale checks (float32 scales are still converted); `drop_cache` drops the read
+        bytes from the page cache.
+        """
+
+        n = out.shape[0]
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1:] != (self.row_bytes,):
+            raise ValueError(f"out must be contiguous uint8 [n, {self.row_bytes}]")
+        if start < 0 or start + n > self.num_rows:
+            raise ValueError(f"rows {start}..{start + n} outside 0..{self.num_rows}")
+        if n == 0:
+            return
+        spans = (self.weight, self.scales)
+        fds: dict[Path, int] = {}
+        try:
+            for span in spans:
+                if span.header.path not in fds:
+                    try:
+                        fds[span.header.path] = span.open()
+                    except integrity.FileChanged as exc:
+                        raise ReleasedCheckpointError(f"{span.header.path}: {exc}") from None
+            d = self.head_dim
+            row0 = self.r0 + start
+
+            def job(lo: int, hi: int):
+                def run() -> int:
+                    parts = []
+                    for span in spans:
+                        rb, fd = span.row_bytes, fds[span.header.path]
+                        buf = np.empty((hi - lo) * rb, np.uint8)
+                        a = span.entry.start + (row0 + lo) * rb
+                        integrity.pread_into(fd, memoryview(buf), a)
+                        if drop_cache:
+                            os.posix_fadvise(fd, a, buf.size, os.POSIX_FADV_DONTNEED)
+                        parts.append(torch.from_numpy(buf).view(hi - lo, rb))
+                    out[lo:hi, :d] = parts[0]
+                    out[lo:hi, d:] = self.scale_bytes(parts[1], row0 + lo, checked)
+                    return (hi - lo) * self.row_bytes
+
+                return run
+
+            step = max(1, integrity.PIECE_BYTES // max(1, d))
+            jobs = [job(r, min(n, r + step)) for r in range(0, n, step)]
+            try:
+                integrity.parallel(jobs, threads or integrity.default_threads(), progress)
+                short = None
+            except integrity.FileChanged as exc:  # a shard ended early: its stamp says how it changed
+                short = str(exc)
+            for span in spans:
+                change = span.stamp.change(fds[span.header.path])
+                if change is not None:
+                    raise ReleasedCheckpointError(span.stamp.error(change, "while it was read"))
+            if short is not None:
+                shards = sorted({str(span.header.path) for span in spans})
+                raise ReleasedCheckpointError(f"{' / '.join(shards)}: {short}")
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def check_scales(self, into: torch.Tensor | None = None, progress=None) -> int:
+        """Read every scale of these rows (``pread``, 1/33 of the table's bytes) and check it, without the rows.
+
+        `into`: uint8 [rows, d/32] that receives the e8m0 bytes (float32 scales converted).
+        Returns the scale bytes read; raises `ReleasedCheckpointError` as `read` does.
+        """
+
+        span = self.scales
+        rb, n = span.row_bytes, self.num_rows
+        try:
+            fd = span.open()
+        except integrity.FileChanged as exc:
+            raise ReleasedCheckpointError(f"{span.header.path}: {exc}") from None
+        try:
+            step, short = max(1, integrity.PIECE_BYTES // max(1, rb)), None
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                buf = np.empty((hi - lo) * rb, np.uint8)
+                try:
+                    integrity.pread_into(fd, memoryview(buf), span.entry.start + (self.r0 + lo) * rb)
+                except integrity.FileChanged as exc:
+                    short = str(exc)
+                    break
+                e = self.scale_bytes(torch.from_numpy(buf).view(hi - lo, rb), self.r0 + lo)
+                if into is not None:
+                    into[lo:hi] = e
+                if progress is not None:
+                    progress(hi - lo)
+            change = span.stamp.change(fd)
+            if change is not None:
+                raise ReleasedCheckpointError(span.stamp.error(change, "while it was read"))
+            if short is not None:
+                raise ReleasedCheckpointError(f"{span.header.path}: {short}")
+        finally:
+            os.close(fd)
+        return n * rb
+
+    def reader(self, direct: bool = False, threads: int = 32) -> dict:
+        """The disk tier's row readers: {"weight": ..., "scales": ...}, each a `ReleasedRowReader`."""
+        return {
+            "weight": ReleasedRowReader(self, "weight", direct, threads),
+            "scales": ReleasedRowReader(self, "scales", direct, threads),
+        }
+
+
+class ReleasedRowReader:
+    """The disk tier's reads of one released tensor's rows: a `DirectRowReader` (``pread``, nothing
+    mapped) with the shard's `FileStamp` compared before and after every batch, and, for the
+    scales, every scale of a served row checked (`ReleasedRows.scale_bytes`).
+
+    `read(ids)` returns uint8 [n, head_dim] (rows) or [n, head_dim/32] (e8m0 bytes); a change or a
+    bad scale is a `StorageError` naming the shard, and no row of that batch is returned.
+    """
+
+    def __init__(self, rows: ReleasedRows, role: str, direct: bool, threads: int):
+        from condmem.tables.direct_read import DirectRowReader
+
+        self.rows, self.role = rows, role
+        self.span = rows.weight if role == "weight" else rows.scales
+        span = self.span
+        self.inner = DirectRowReader(
+            span.header.path,
+            span.entry.start + rows.r0 * span.row_bytes,
+            span.row_bytes,
+            rows.num_rows,
+            threads=threads,
+            direct=direct,
+            source=span,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.inner.num_rows
+
+    @property
+    def threads(self) -> int:
+        return self.inner.threads
+
+    def _check(self, when: str) -> None:
+        from condmem.tables.storage import StorageError
+
+        if self.inner.fd < 0:
+            raise StorageError(f"{self.span.header.path}: the reader is closed")
+        change = self.span.stamp.change(self.inner.fd)
+        if change is not None:
+            raise StorageError(self.span.stamp.error(change, when))
+
+    def read(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        from condmem.tables.storage import StorageError
+
+        self._check("since it was opened")
+        got = self.inner.read(ids, None if self.role == "scales" else out)
+        self._check("while it was read")
+        if self.role == "weight":
+            return got
+        try:
+            scales = self.rows.scale_bytes(got, self.rows.r0 + ids.reshape(-1).to(torch.int64), True)
+        except ReleasedCheckpointError as exc:
+            raise StorageError(f"{exc} (not served)") from None
+        if out is None:
+            return scales
+        out.copy_(scales)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class ReleasedCheckpoint:
@@ -221,8 +592,14 @@ class ReleasedCheckpoint:
         self.path = Path(path)
         self.files, weight_map = checkpoint_files(self.path)
         self.headers: dict[str, Header] = {}
+        self.stamps: dict[Path, FileStamp] = {}
+        """Each shard as its header was read: its readers compare it before and after every read."""
         for file in self.files:
             header = read_header(file)
+            st = os.fstat(header.file.fd)
+            if (st.st_size, st.st_mtime_ns) != header.file.stamp:
+                raise ReleasedCheckpointError(f"{file} changed while its header was read: open it again")
+            self.stamps[file] = FileStamp.of(file, st)
             for name in list(header.tensors) + list(header.other):
                 if name in self.headers:
                     raise ReleasedCheckpointError(
@@ -521,16 +898,38 @@ class ReleasedCheckpoint:
         w_name, s_name = names["embed"], names["embed_scale"]
         self.check_tensor(layer_id, "embed", layout)
         self.check_tensor(layer_id, "embed_scale", layout)
+        return self._layer_rows(w_name, s_name)
+
+    def _layer_rows(self, w_name: str, s_name: str) -> LayerRows:
+        """Rows `w_name` and scales `s_name` (checked) as `LayerRows` whose `source` the tiers read them through.
+
+        ``weight`` and ``scales`` are views of the shards' mappings (for tools that look at a few
+        rows); the tiers, ``convert`` and ``inspect`` read `source` (`ReleasedRows`): ``pread``,
+        stamps compared, scales checked. float32 scales are converted to e8m0 bytes here, all of
+        them (1/33 of the table's bytes), read with ``pread`` too.
+        """
         weight = mmap_tensor(self.headers[w_name], w_name)
-        scales = mmap_tensor(self.headers[s_name], s_name)
-        if scales.dtype == torch.float32:
+        s_header = self.headers[s_name]
+        source = ReleasedRows(
+            TensorSpan(
+                self.headers[w_name], self.headers[w_name].tensors[w_name], self.stamps[self.headers[w_name].path]
+            ),
+            TensorSpan(s_header, s_header.tensors[s_name], self.stamps[s_header.path]),
+            0,
+            weight.shape[0],
+        )
+        if s_header.tensors[s_name].dtype == torch.float32:
             log.warning(
                 "%s in %s: float32 scales, converted to e8m0 bytes in memory (%.2f GiB)",
                 s_name,
                 self.where(s_name),
-                scales.numel() / 2**30,
+                s_header.tensors[s_name].nbytes / 4 / 2**30,
             )
-        return LayerRows("fp8", weight, e8m0_bytes(scales, f"tensor {s_name} in {self.where(s_name)}"))
+            scales = torch.empty((source.num_rows, source.head_dim // FP8_SCALE_BLOCK), dtype=torch.uint8)
+            source.check_scales(into=scales)
+        else:
+            scales = e8m0_bytes(mmap_tensor(s_header, s_name), f"tensor {s_name} in {self.where(s_name)}")
+        return LayerRows("fp8", weight, scales, source)
 
     def tables(self, layout: EngramLayout | None = None) -> dict[int, LayerRows]:
         """Every layout layer's table (see `table`)."""
@@ -603,7 +1002,7 @@ def load_released_tables(
         w = weight_name.format(layer_id=layer.layer_id) if weight_name else names["embed"]
         s = scale_name.format(layer_id=layer.layer_id) if scale_name else names["embed_scale"]
         d = layout.config.head_dim
-        weight = ckpt._map(w, (torch.float8_e4m3fn,), (layer.num_embeddings, d), "table rows [rows, head_dim]")
-        scales = ckpt._map(s, _SCALE_DTYPES, (layer.num_embeddings, d // FP8_SCALE_BLOCK), "the table's scales")
-        tables[layer.layer_id] = LayerRows("fp8", weight, e8m0_bytes(scales, f"tensor {s} in {ckpt.where(s)}"))
+        ckpt._check_entry(w, (torch.float8_e4m3fn,), (layer.num_embeddings, d), "table rows [rows, head_dim]")
+        ckpt._check_entry(s, _SCALE_DTYPES, (layer.num_embeddings, d // FP8_SCALE_BLOCK), "the table's scales")
+        tables[layer.layer_id] = ckpt._layer_rows(w, s)
     return tables
