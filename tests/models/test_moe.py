@@ -44,11 +44,13 @@ def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float = 1
 
 
 def _pair(n_experts: int, top_k: int, seed: int = 0) -> tuple[MoE, MoE]:
+    """Two equal layers with raw-probability weights and no selection bias (what `reference` writes;
+    renormalised routing and the bias: tests/models/test_moe_routing.py)."""
     torch.manual_seed(seed)
-    a = MoE(16, n_experts, top_k, 8)
+    a = MoE(16, n_experts, top_k, 8, renormalize=False, bias_rate=0.0)
     with torch.no_grad():
         a.router.weight.normal_(0, 1.0)
-    b = MoE(16, n_experts, top_k, 8)
+    b = MoE(16, n_experts, top_k, 8, renormalize=False, bias_rate=0.0)
     b.load_state_dict(a.state_dict())
     return a, b
 
@@ -141,7 +143,7 @@ def _moe_cfg(**moe) -> ModelConfig:
 
 
 def test_moe_decoder_accounting_and_aux_loss():
-    cfg = _moe_cfg(layer_ids=[1, 2])
+    cfg = _moe_cfg(layer_ids=[1, 2], aux_loss_coef=0.01)
     model = DecoderLM(cfg)
     assert model.blocks[0].moe is None and model.blocks[1].moe is not None
     counts = model.param_counts()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from condmem.config import ConfigError, EngramConfig, require_int
 
@@ -22,7 +22,12 @@ class MoEConfig:
 
     In such a block the dense SwiGLU of ``ModelConfig.ffn_hidden`` becomes the shared
     expert, which every token passes through (width 0: none), and each token also goes
-    through its ``top_k`` routed experts, weighted by their router probabilities."""
+    through its ``top_k`` routed experts, weighted by their router scores renormalised over
+    the chosen experts (DeepSeek-V3). Balancing by default: the auxiliary-loss-free
+    selection bias (``bias_rate``); ``aux_loss_coef`` adds the Switch-style loss instead or
+    as well. A config saved before these knobs existed (exactly the keys of
+    ``LEGACY_MOE_KEYS``) loads with the routing it was trained with: raw probabilities, no
+    bias (`ModelConfig.from_dict`)."""
 
     n_experts: int
     """Routed experts per block."""
@@ -32,8 +37,19 @@ class MoEConfig:
     """SwiGLU hidden width of one routed expert."""
     layer_ids: list[int] | None = None
     """Blocks with routed experts (None: every block)."""
-    aux_loss_coef: float = 0.01
-    """Weight of the load-balancing loss added to the training loss (0: none)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss ``E * sum_i f_i P_i`` added to the training loss (0: none;
+    the loss is still computed and recorded in the router statistics)."""
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score of each expert: softmax over the experts, or a sigmoid per expert (DeepSeek-V3)."""
+    renormalize: bool = True
+    """Divide the chosen experts' scores by their sum (weights sum to ``routed_scale``); False:
+    the raw scores (with softmax and many experts, a small routed path)."""
+    routed_scale: float = 1.0
+    """Factor on the routed experts' weights (DeepSeek-V3's routed scaling factor)."""
+    bias_rate: float = 1e-3
+    """Auxiliary-loss-free balancing: after each training forward, each expert's selection bias
+    moves by this much toward balance (``sign(mean load - load)``); 0: no bias."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -50,9 +66,23 @@ class MoEConfig:
                 require_int("MoEConfig", "layer_ids[]", lid, 0)
             if len(set(self.layer_ids)) != len(self.layer_ids):
                 raise ConfigError(f"MoEConfig.layer_ids has duplicates: {self.layer_ids}")
-        coef = self.aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
-            raise ConfigError(f"MoEConfig.aux_loss_coef must be a finite number >= 0, got {coef!r}")
+        for name in ("aux_loss_coef", "bias_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"MoEConfig.{name} must be a finite number >= 0, got {value!r}")
+        scale = self.routed_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ConfigError(f"MoEConfig.routed_scale must be a finite number > 0, got {scale!r}")
+        if self.score not in ("softmax", "sigmoid"):
+            raise ConfigError(f"MoEConfig.score must be 'softmax' or 'sigmoid', got {self.score!r}")
+        if not isinstance(self.renormalize, bool):
+            raise ConfigError(f"MoEConfig.renormalize must be true or false, got {self.renormalize!r}")
+
+
+LEGACY_MOE_KEYS = {"n_experts", "top_k", "expert_hidden", "layer_ids", "aux_loss_coef"}
+"""Every key a saved MoE config had before the routing knobs existed."""
+LEGACY_MOE_ROUTING = {"score": "softmax", "renormalize": False, "routed_scale": 1.0, "bias_rate": 0.0}
+"""The routing such a config was trained with."""
 
 
 @dataclass
@@ -89,6 +119,11 @@ class ModelConfig:
     """Initial standard deviation of the Engram table rows."""
     moe: MoEConfig | None = None
     """Routed experts (None: a dense decoder)."""
+    engram_addresses: Literal["hash", "random"] = "hash"
+    """Where the Engram layers read: ``hash``, the n-gram hash's rows; ``random``, rows drawn
+    uniformly at random over each (order, head) range, afresh at every training step and
+    evaluation batch (`condmem.models.addresses`): a control in which no row follows content,
+    with the same tables and FLOPs."""
 
     def __post_init__(self) -> None:
         if isinstance(self.engram, dict):
@@ -140,6 +175,10 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if self.engram_addresses not in ("hash", "random"):
+            raise ConfigError(f"ModelConfig.engram_addresses must be 'hash' or 'random', got {self.engram_addresses!r}")
+        if self.engram_addresses == "random" and self.engram is None:
+            raise ConfigError("ModelConfig.engram_addresses is 'random' but the model has no Engram (engram is None)")
         if self.engram is not None:
             if not isinstance(self.engram, EngramConfig):
                 raise ConfigError(
@@ -191,6 +230,8 @@ class ModelConfig:
         out["engram"] = None if self.engram is None else self.engram.to_dict("native")
         if self.moe is None:
             out.pop("moe")  # dense configs keep the keys they always had
+        if self.engram_addresses == "hash":
+            out.pop("engram_addresses")
         return out
 
     @classmethod
@@ -204,4 +245,7 @@ class ModelConfig:
         data = dict(data)
         if data.get("engram") is not None:
             data["engram"] = EngramConfig.from_dict(data["engram"])
+        if isinstance(data.get("moe"), dict) and set(data["moe"]) == LEGACY_MOE_KEYS:
+            # Written by `to_dict` before the routing knobs existed: trained with raw probabilities, no bias.
+            data["moe"] = {**data["moe"], **LEGACY_MOE_ROUTING}
         return cls(**data)

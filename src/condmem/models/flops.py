@@ -4,14 +4,22 @@ Counted: every matrix product (2 FLOPs per multiply-add), attention scores and v
 over the average causal context, the Engram's ``wkv`` GEMM, its depthwise ShortConv
 and its gate dot product, and in a block with routed experts the router (every expert's
 logit) and the ``top_k`` experts a token goes through. Not counted: embedding and table lookups (gathers, no
-arithmetic), norms, activations, softmax and other elementwise work, which is the
-same order for both models and small beside the GEMMs. Training costs 3x the
-forward (backward = 2x forward), the usual convention.
+arithmetic), norms, activations, softmax and other elementwise work (the router's
+renormalisation, routed scale and selection bias among them: a few operations per expert
+a token), which is the same order for both models and small beside the GEMMs. Training
+costs 3x the forward (backward = 2x forward), the usual convention.
+
+The study's controls keep these counts: `iso_flop_baseline` (no table, its FLOPs on the
+MLP), `tiny_table_control` (the same Engram with a table of a few rows per head) and
+`random_address_control` (the same table read at random rows).
 """
 
 from __future__ import annotations
 
 from condmem.models.config import ModelConfig
+
+TINY_TABLE_ROWS = 1024
+"""`tiny_table_control`'s default bound on the rows of one (order, head) column."""
 
 
 def engram_flops_per_token(cfg: ModelConfig) -> int:
@@ -108,3 +116,44 @@ def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
         "non_embedding": total - tables - embed,
         "active": total - tables - idle,
     }
+
+
+def tiny_table_control(cfg: ModelConfig, max_rows_per_head: int = TINY_TABLE_ROWS) -> ModelConfig:
+    """The same model with the largest uniform ``table_size`` whose every (order, head) column of
+    every Engram layer has at most `max_rows_per_head` rows, and never above the model's own
+    smallest size: the same Engram module and FLOPs, a table too small to memorise (it tells
+    memory from the extra pathway).
+
+    Raises ValueError without Engram, or when even the smallest table size exceeds the bound
+    (each column's prime is distinct, so many columns need a larger bound).
+    """
+    from condmem.layout import draw_primes
+
+    e = cfg.engram
+    if e is None:
+        raise ValueError("tiny_table_control: the model has no Engram (cfg.engram is None)")
+
+    def widest(size: int) -> int:
+        return max(max(cols) for cols in draw_primes(e.layer_ids, [size] * (e.max_ngram_size - 1), e.n_heads))
+
+    if widest(2) > max_rows_per_head:
+        raise ValueError(
+            f"tiny_table_control: {e.n_cols} columns per layer need rows up to {widest(2)} per column, "
+            f"above max_rows_per_head={max_rows_per_head}"
+        )
+    lo, hi = 2, max(2, max_rows_per_head)
+    while lo < hi:  # widest() grows with the size: the last size that fits
+        mid = (lo + hi + 1) // 2
+        if widest(mid) <= max_rows_per_head:
+            lo = mid
+        else:
+            hi = mid - 1
+    return cfg.replace(engram=e.replace(table_size=min(lo, *e.table_sizes), num_embeddings=None))
+
+
+def random_address_control(cfg: ModelConfig) -> ModelConfig:
+    """The same model (tables, parameters, FLOPs) reading random rows at every step instead of the
+    n-gram hash's (``engram_addresses="random"``, `condmem.models.addresses`). ValueError without Engram."""
+    if cfg.engram is None:
+        raise ValueError("random_address_control: the model has no Engram (cfg.engram is None)")
+    return cfg.replace(engram_addresses="random")

@@ -1,10 +1,21 @@
-"""Routed experts: a top-k mixture of SwiGLU experts with a load-balancing loss.
+"""Routed experts: a top-k mixture of SwiGLU experts, its balancing and its router statistics.
 
-    router: p = softmax(x W_r)                      [N, E], fp32
-    choose: the top_k experts of each token, weights g = their p (not renormalized)
-    experts: y = sum_j g_j * SwiGLU_{e_j}(x)          (+ the block's shared expert, outside)
-    balance: aux = E * sum_i f_i * P_i               f_i: share of the N*top_k choices that
-                                                     went to expert i, P_i: mean p_i
+    scores:  s = softmax(x W_r) or sigmoid(x W_r)       [N, E], fp32
+    choose:  the top_k experts of s + b                 b: per-expert bias, selection only
+    weights: g_j = s_j / sum_{chosen} s  (renormalize)  or g_j = s_j; times routed_scale
+    experts: y = sum_j g_j * SwiGLU_{e_j}(x)            (+ the block's shared expert, outside)
+
+Balancing (DeepSeek-V3's auxiliary-loss-free method): after each training forward the
+bias moves by ``bias_rate * sign(mean load - load_i)``, so an expert that got fewer tokens
+than the mean is chosen more often next time; it never enters the weights or a gradient.
+The Switch/DeepSeekMoE loss ``aux = E * sum_i f_i * P_i`` (f_i: share of the N*top_k
+choices on expert i, P_i: mean normalised score) is computed in every training forward,
+for the statistics and for `DecoderLM.aux_loss` (added to the training loss when its
+coefficient is above 0).
+
+`RouterStats` (``MoE.stats``) sums each expert's load, the chosen experts' score mass and
+the balancing loss over the training forwards since its last `reset`, without a
+device-to-host copy; `router_statistics` reads every layer of a model.
 
 The experts run as grouped GEMMs: the N*top_k (token, expert) pairs are sorted by expert
 into one buffer in which expert i owns a contiguous slice, padded to a multiple of 8 rows
@@ -29,12 +40,15 @@ GROUP_ALIGN = 8
 """Rows of a group are padded to a multiple of this: grouped GEMM kernels need 16-byte
 aligned groups in bf16, the weight gradient's contraction runs over them."""
 
+SCORES = ("softmax", "sigmoid")
+"""Router score functions (`MoEConfig.score`)."""
+
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     """``E * sum_i f_i * P_i`` (Switch Transformer, DeepSeekMoE's expert-level balance loss).
 
     Args:
-        probs: fp32 [N, E] router probabilities of N tokens.
+        probs: fp32 [N, E] router probabilities of N tokens (rows summing to 1).
         experts: int64 [N, top_k] the experts each token chose.
         n_experts: E.
 
@@ -68,11 +82,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, *,
     return torch.cat([x[bounds[i] : bounds[i + 1]] @ weight[i].T for i in range(weight.shape[0])])
 
 
-def dispatch_layout(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def dispatch_layout(
+    experts: torch.Tensor, n_experts: int, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Where each (token, expert) pair goes in the padded expert-sorted buffer.
 
     Args:
         experts: int64 [N, k] chosen experts.
+        counts: ``bincount(experts.flatten(), minlength=n_experts)`` if the caller has it.
 
     Returns (dest int64 [N*k]: each pair's row, pairs in token-major order; ends int32 [E]:
     the end of each expert's rows; rows: the buffer's size, N*k rounded up to GROUP_ALIGN plus
@@ -80,7 +97,8 @@ def dispatch_layout(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor
     """
     flat = experts.flatten()
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=n_experts)
+    if counts is None:
+        counts = torch.bincount(flat, minlength=n_experts)
     padded = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).clamp_min(GROUP_ALIGN)
     rows = -(-pairs // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * n_experts  # every group end aligned
     ends = torch.cumsum(padded, 0)
@@ -95,48 +113,207 @@ def dispatch_layout(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor
     return dest, ends.to(torch.int32), rows
 
 
+class RouterStats:
+    """Router statistics of one MoE layer, summed over the training forwards since `reset`.
+
+    `update` runs on the device (no host copy); `summary` reads the sums once. Not
+    thread-safe; one per layer (``MoE.stats``).
+    """
+
+    def __init__(self, n_experts: int, top_k: int):
+        self.n_experts, self.top_k = n_experts, top_k
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window."""
+        self.forwards = 0
+        self.tokens = 0
+        self.load: torch.Tensor | None = None
+        self.gate_mass: torch.Tensor | None = None
+        self.balance_loss: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def update(self, counts: torch.Tensor, chosen_mass: torch.Tensor, balance_loss: torch.Tensor | None) -> None:
+        """Add one forward.
+
+        Args:
+            counts: int64 [E] tokens each expert received (a token counts once per expert it chose).
+            chosen_mass: fp32 [N] each token's chosen experts' share of its total score (before
+                renormalisation; softmax: their summed probability).
+            balance_loss: the forward's `load_balancing_loss` (None: not computed).
+        """
+        if counts.shape != (self.n_experts,):
+            raise ValueError(f"RouterStats.update: counts has shape {tuple(counts.shape)}, want ({self.n_experts},)")
+        counts = counts.to(torch.int64)
+        mass = chosen_mass.detach().double().sum()
+        self.load = counts.clone() if self.load is None else self.load + counts
+        self.gate_mass = mass if self.gate_mass is None else self.gate_mass + mass
+        if balance_loss is not None:
+            loss = balance_loss.detach().double()
+            self.balance_loss = loss if self.balance_loss is None else self.balance_loss + loss
+        self.forwards += 1
+        self.tokens += chosen_mass.shape[0]
+
+    def summary(self) -> dict:
+        """The window's statistics (one host copy).
+
+        Returns a dict: ``forwards``, ``tokens``; ``load`` (tokens per expert), ``load_mean``,
+        ``load_max``, ``max_over_mean``, ``load_cv`` (population standard deviation / mean);
+        ``busiest_share``: share of the tokens that went to the busiest expert (uniform routing:
+        top_k / E); ``dead``: experts with load 0 and ``dead_experts`` their indices;
+        ``used_share``: experts with load > 0 over E; ``gate_mass``: mean share of a token's
+        score on its chosen experts, before renormalisation; ``balance_loss``: mean
+        `load_balancing_loss` per forward (None when none was computed). An empty window gives
+        ``tokens`` 0 and None for the rest.
+        """
+        out = {"forwards": self.forwards, "tokens": self.tokens, "experts": self.n_experts, "top_k": self.top_k}
+        if self.load is None or self.tokens == 0:
+            keys = ("load", "load_mean", "load_max", "max_over_mean", "load_cv", "busiest_share", "dead")
+            return {**out, **dict.fromkeys(keys), "dead_experts": None, "used_share": None, "gate_mass": None,
+                    "balance_loss": None}  # fmt: skip
+        load = self.load.cpu().tolist()
+        mean = sum(load) / self.n_experts
+        var = sum((v - mean) ** 2 for v in load) / self.n_experts
+        dead = [i for i, v in enumerate(load) if v == 0]
+        out.update(
+            load=load,
+            load_mean=mean,
+            load_max=max(load),
+            max_over_mean=max(load) / mean,
+            load_cv=math.sqrt(var) / mean,
+            busiest_share=max(load) / self.tokens,
+            dead=len(dead),
+            dead_experts=dead,
+            used_share=(self.n_experts - len(dead)) / self.n_experts,
+            gate_mass=float(self.gate_mass) / self.tokens,
+            balance_loss=None if self.balance_loss is None else float(self.balance_loss) / self.forwards,
+        )
+        return out
+
+
 class MoE(nn.Module):
     """The routed experts of one block.
 
     Args:
         dim: width of the residual stream.
-        n_experts, top_k, expert_hidden: see `MoEConfig`.
+        n_experts, top_k, expert_hidden, score, renormalize, routed_scale, bias_rate: see
+            `MoEConfig` (`from_config` takes one).
 
     Parameters: ``router.weight`` [E, dim], ``w13`` [E, 2*hidden, dim] (gate and up
-    projections of each expert, in nn.Linear layout), ``w2`` [E, dim, hidden].
+    projections of each expert, in nn.Linear layout), ``w2`` [E, dim, hidden]. Buffer (with
+    ``bias_rate`` > 0 only): ``expert_bias`` fp32 [E], the selection bias, saved with the weights.
 
     Shapes: x [..., dim] -> [..., dim]. In training mode the forward keeps its
-    load-balancing loss in ``aux_loss`` (read by `DecoderLM.aux_loss`).
+    load-balancing loss in ``aux_loss`` (read by `DecoderLM.aux_loss`), moves the selection
+    bias, and adds to ``stats``. With ``top_k`` 1 and ``renormalize``, every weight is 1:
+    the router then learns from the balancing loss only.
     """
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, expert_hidden: int, device=None, dtype=None):
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        expert_hidden: int,
+        *,
+        score: str = "softmax",
+        renormalize: bool = True,
+        routed_scale: float = 1.0,
+        bias_rate: float = 1e-3,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"MoE score must be one of {list(SCORES)}, got {score!r}")
         self.dim, self.n_experts, self.top_k, self.hidden = dim, n_experts, top_k, expert_hidden
+        self.score, self.renormalize, self.routed_scale, self.bias_rate = score, renormalize, routed_scale, bias_rate
         self.router = nn.Linear(dim, n_experts, bias=False, device=device, dtype=dtype)
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * expert_hidden, dim, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, expert_hidden, device=device, dtype=dtype))
         if self.w13.device.type != "meta":
             nn.init.normal_(self.w13, std=1 / math.sqrt(dim))
             nn.init.normal_(self.w2, std=1 / math.sqrt(expert_hidden))
+        bias = torch.zeros(n_experts, device=device, dtype=torch.float32) if bias_rate > 0 else None
+        self.register_buffer("expert_bias", bias)
         self.aux_loss: torch.Tensor | None = None
+        self.stats = RouterStats(n_experts, top_k)
         self.use_grouped_mm: bool | None = None
         """None: `torch._grouped_mm` where `grouped_mm_available`; True / False forces a backend."""
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router probabilities fp32 [N, E], chosen experts int64 [N, k] and their weights fp32 [N, k].
+    @classmethod
+    def from_config(cls, dim: int, cfg, device=None, dtype=None) -> MoE:
+        """The layer of a `MoEConfig` `cfg` at residual width `dim`."""
+        return cls(
+            dim,
+            cfg.n_experts,
+            cfg.top_k,
+            cfg.expert_hidden,
+            score=cfg.score,
+            renormalize=cfg.renormalize,
+            routed_scale=cfg.routed_scale,
+            bias_rate=cfg.bias_rate,
+            device=device,
+            dtype=dtype,
+        )
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits fp32 [N, E] of tokens x [N, dim].
 
         The router runs in fp32 even under autocast: a bf16 logit would flip near-tied choices."""
         with torch.autocast(x.device.type, enabled=False):
-            probs = torch.softmax(F.linear(x.float(), self.router.weight.float()), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        return probs, experts, weights
+            return F.linear(x.float(), self.router.weight.float())
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router scores fp32 [N, E], chosen experts int64 [N, k] and their weights fp32 [N, k].
+
+        Scores are the softmax or the sigmoid of the logits. Experts are the top_k of scores +
+        ``expert_bias`` (descending); weights are the chosen experts' scores, divided by their
+        sum when ``renormalize``, times ``routed_scale``. The renormalised weights are computed
+        as a softmax over the chosen experts' log-scores (the same function): a chosen score
+        that underflows to 0 (a saturated softmax, an expert the bias chose) gives no 0/0."""
+        logits = self.logits(x)
+        scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
+        select = scores if self.expert_bias is None else scores + self.expert_bias
+        experts = torch.topk(select, self.top_k, dim=-1).indices
+        if self.renormalize:
+            log_scores = logits if self.score == "softmax" else F.logsigmoid(logits)
+            weights = torch.softmax(log_scores.gather(-1, experts), dim=-1)
+        else:
+            weights = scores.gather(-1, experts)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
+        return scores, experts, weights
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """``expert_bias += bias_rate * sign(mean load - load)`` from one forward's `counts` (int [E]).
+
+        Across data-parallel ranks (torch.distributed initialised, world > 1) the counts are
+        summed first, so every rank moves its bias the same way."""
+        if self.expert_bias is None:
+            return
+        load = counts.to(torch.float32)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(load)
+        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        probs, experts, weights = self.route(x)
-        self.aux_loss = load_balancing_loss(probs, experts, self.n_experts) if self.training else None
-        dest, ends, rows = dispatch_layout(experts, self.n_experts)
+        scores, experts, weights = self.route(x)
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
+        if self.training:
+            total = scores.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            normed = scores if self.score == "softmax" else scores / total
+            self.aux_loss = load_balancing_loss(normed, experts, self.n_experts)
+            chosen = scores.detach().gather(-1, experts).sum(-1) / total.detach().squeeze(-1)
+            self.stats.update(counts, chosen, self.aux_loss)
+            self.update_bias(counts)  # after the choice: this forward used the bias as it was
+        else:
+            self.aux_loss = None
+        dest, ends, rows = dispatch_layout(experts, self.n_experts, counts)
         w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x.device.type):
             # Autocast does not cover the grouped GEMM: cast as it would for a Linear.
@@ -152,4 +329,40 @@ class MoE(nn.Module):
         return y.reshape(shape)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}"
+        return (
+            f"dim={self.dim}, experts={self.n_experts}, top_k={self.top_k}, hidden={self.hidden}, "
+            f"score={self.score}, renormalize={self.renormalize}, routed_scale={self.routed_scale}, "
+            f"bias_rate={self.bias_rate}"
+        )
+
+
+def router_statistics(model: nn.Module, *, reset: bool = False) -> dict:
+    """Every MoE layer's `RouterStats.summary` in `model`, and the worst over layers.
+
+    Returns ``{"layers": {module name: summary}, "max_over_mean": max, "load_cv": max,
+    "busiest_share": max, "dead": sum, "min_used_share": min, "gate_mass": mean,
+    "balance_loss": mean}`` (aggregates None when no layer saw a token; ``layers`` empty
+    without MoE layers). `reset`: start a new window in every layer after reading.
+    """
+    layers = {name: m.stats.summary() for name, m in model.named_modules() if isinstance(m, MoE)}
+    seen = [s for s in layers.values() if s["tokens"]]
+
+    def agg(key, fn):
+        values = [s[key] for s in seen if s[key] is not None]
+        return fn(values) if values else None
+
+    out = {
+        "layers": layers,
+        "max_over_mean": agg("max_over_mean", max),
+        "load_cv": agg("load_cv", max),
+        "busiest_share": agg("busiest_share", max),
+        "dead": agg("dead", sum),
+        "min_used_share": agg("used_share", min),
+        "gate_mass": agg("gate_mass", lambda v: sum(v) / len(v)),
+        "balance_loss": agg("balance_loss", lambda v: sum(v) / len(v)),
+    }
+    if reset:
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.stats.reset()
+    return out

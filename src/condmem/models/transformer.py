@@ -26,6 +26,7 @@ from torch import nn
 
 from condmem.hashing import NgramHasher
 from condmem.layout import EngramLayout
+from condmem.models.addresses import RandomAddresses
 from condmem.models.attention import Attention, KVCache
 from condmem.models.config import ModelConfig
 from condmem.models.layers import RMSNorm, Rotary, SwiGLU
@@ -92,11 +93,7 @@ class Block(nn.Module):
         width = cfg.ffn_width(layer_id)
         # With routed experts the SwiGLU is the shared expert (width 0: none).
         self.mlp = SwiGLU(cfg.dim, width, device=device) if width > 0 else None
-        self.moe = (
-            MoE(cfg.dim, cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_hidden, device=device)
-            if cfg.has_experts(layer_id)
-            else None
-        )
+        self.moe = MoE.from_config(cfg.dim, cfg.moe, device=device) if cfg.has_experts(layer_id) else None
 
     def forward(
         self,
@@ -163,10 +160,13 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.layout: EngramLayout | None = None
         self.hasher: NgramHasher | None = None
+        self.random_addresses: RandomAddresses | None = None
         rows_of: dict[int, int] = {}
         if cfg.engram is not None:
             self.layout = EngramLayout(cfg.engram)
             rows_of = dict(zip(self.layout.layer_ids, self.layout.num_embeddings))
+            if cfg.engram_addresses == "random":
+                self.random_addresses = RandomAddresses(self.layout, seed, device=device)
             if token_lookup is not None:
                 self.hasher = NgramHasher(self.layout, token_lookup=token_lookup, pad_id=cfg.engram.pad_id)
                 if self.hasher.vocab_size != cfg.vocab_size:
@@ -256,9 +256,14 @@ class DecoderLM(nn.Module):
 
     # ------------------------------------------------------------------ hashing
     def row_ids(self, input_ids: torch.Tensor, doc_starts: torch.Tensor | None = None) -> torch.Tensor | None:
-        """[B, T, n_engram_layers, n_cols] row ids, or None for a model without Engram."""
+        """[B, T, n_engram_layers, n_cols] row ids, or None for a model without Engram.
+
+        With ``cfg.engram_addresses == "random"``: random rows, new at each call
+        (`condmem.models.addresses`); `doc_starts` is then not read."""
         if self.cfg.engram is None:
             return None
+        if self.random_addresses is not None:  # the random-address control: no row follows content
+            return self.random_addresses(tuple(input_ids.shape), input_ids.device, self.training)
         if self.hasher is None:
             raise RuntimeError("this model has Engram layers but no tokenizer map: pass token_lookup= when building it")
         return self.hasher(input_ids, doc_starts=doc_starts, check=input_ids.device.type == "cpu")
