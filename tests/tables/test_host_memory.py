@@ -83,6 +83,19 @@ def _table_name(tag: str, layer_id: int = 1) -> str:
     return shared_table_name(content_fingerprint("test", os.getpid(), tag), layer_id)
 
 
+def _fill_with(*values: int):
+    """A `fill` that writes `values` at the start of the buffer (a table-named file is filled by its creator only)."""
+
+    def fill(t: torch.Tensor) -> None:
+        t[: len(values)] = torch.tensor(values, dtype=torch.uint8)
+
+    return fill
+
+
+def _never_filled(t: torch.Tensor) -> None:
+    raise AssertionError("a process attaching to a published copy must not fill it")
+
+
 def test_shared_buffer_needs_a_name():
     with pytest.raises(HostMemoryError, match="shared_table_name"):
         allocate_host(1 << 12, "shared")
@@ -91,9 +104,9 @@ def test_shared_buffer_needs_a_name():
 def test_same_content_attaches_and_the_last_user_removes_the_file():
     name = _table_name("last")
     path = SHM_DIR / name
-    a = allocate_host(1 << 16, "shared", name)
-    a.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    b = allocate_host(1 << 16, "shared", name)  # a second user (its own open file and lock)
+    a = allocate_host(1 << 16, "shared", name, fill=_fill_with(1, 2, 3, 4))
+    b = allocate_host(1 << 16, "shared", name, fill=_never_filled)  # a second user (its own open file and lock)
+    assert not a.attached and b.attached
     assert b.tensor[:4].tolist() == [1, 2, 3, 4]
     a.close()
     assert path.exists(), "removed while another user still maps it"
@@ -103,27 +116,24 @@ def test_same_content_attaches_and_the_last_user_removes_the_file():
 
 
 def test_other_content_or_layer_never_shares_a_file():
-    a = allocate_host(1 << 16, "shared", _table_name("one"))
-    b = allocate_host(1 << 16, "shared", _table_name("two"))
-    c = allocate_host(3 << 14, "shared", _table_name("one", layer_id=2))  # another layer, another size
+    a = allocate_host(1 << 16, "shared", _table_name("one"), fill=lambda t: t.fill_(1))
+    b = allocate_host(1 << 16, "shared", _table_name("two"), fill=lambda t: t.fill_(2))
+    c = allocate_host(3 << 14, "shared", _table_name("one", layer_id=2), fill=lambda t: t.fill_(3))  # another size
     try:
-        a.tensor.fill_(1)
-        b.tensor.fill_(2)
-        c.tensor.fill_(3)
         assert a.tensor.eq(1).all() and b.tensor.eq(2).all() and c.tensor.eq(3).all()
         assert len({a._path, b._path, c._path}) == 3
         with pytest.raises(HostMemoryError, match="another size"):
-            allocate_host(1 << 15, "shared", _table_name("one"))
+            allocate_host(1 << 15, "shared", _table_name("one"), fill=_never_filled)
     finally:
         for buf in (a, b, c):
             buf.close()
 
 
 def _hold_and_wait(name: str, nbytes: int, ready, value: int) -> None:
-    buf = allocate_host(nbytes, "shared", name)
-    buf.tensor[:8] = value
+    buf = allocate_host(nbytes, "shared", name, fill=_fill_with(*[value] * 8))
     ready.set()
     signal.pause()  # SIGKILLed here: no handler, no close()
+    buf.close()
 
 
 def _context():
@@ -152,8 +162,8 @@ def test_file_of_a_sigkilled_user_is_taken_over_by_the_next_user():
     _killed_user(name, 1 << 16, 9)
     path = SHM_DIR / name
     assert path.exists()  # left behind, holding memory
-    buf = allocate_host(1 << 16, "shared", name)  # no one holds it: taken over, same size and record
-    assert buf.tensor[:8].tolist() == [9] * 8
+    buf = allocate_host(1 << 16, "shared", name, fill=_never_filled)  # no one holds it: complete, attached as it is
+    assert buf.attached and buf.tensor[:8].tolist() == [9] * 8
     buf.close()
     assert not path.exists(), "the next (and last) user must remove it"
 
@@ -161,7 +171,7 @@ def test_file_of_a_sigkilled_user_is_taken_over_by_the_next_user():
 def test_stale_files_of_other_tables_are_swept():
     stale = _table_name("stale-other")
     _killed_user(stale, 1 << 16, 5)
-    live = allocate_host(1 << 12, "shared", _table_name("live"))
+    live = allocate_host(1 << 12, "shared", _table_name("live"), fill=_fill_with(1))
     try:
         assert (SHM_DIR / _table_name("live")).exists()
         assert not (SHM_DIR / stale).exists(), "a new shared table must remove stale files of dead users"

@@ -14,15 +14,24 @@ Strategies (`HostAlloc`):
   its content (`shared_table_name`: the table's fingerprint and layer), so two tables never
   share a file, and its users are known by an ``flock`` each holds while attached:
 
-  - the first process creates the file under an exclusive lock (and records the
-    fingerprint, layer and size in the file's first 2 MiB, kept apart so the rows stay
-    2 MiB-aligned for huge pages), then holds a shared lock; the others wait for that,
-    check the record and attach;
+  - one process creates the file and fills it under an exclusive lock: the record (the
+    fingerprint, layer and size, in the file's first 2 MiB, kept apart so the rows stay 2 MiB-aligned
+    for huge pages), then the rows, written and checked by the ``fill`` its caller gives
+    (`place_layer` checks every block of its table file as it lands), then its own mapping made
+    read-only, then a ready mark; only then does it let go of the exclusive lock (holding a
+    shared one), so no other process maps rows before they are complete and checked;
+  - the others wait for that, check the record and the ready mark, and map the rows read-only:
+    they never write them (``attached``; `place_layer` compares them with their own checked
+    rows, so a damaged table file of theirs, or a copy that differs from it, is refused without
+    touching what the others serve);
+  - a fill that fails removes the file before anyone maps it; a creator that dies mid-fill
+    (SIGKILL) leaves a file without the ready mark, which no one maps: the next process takes it
+    over and fills it again;
   - `close()` removes the file when no other process holds a lock on it (the last user);
   - a process that dies (SIGKILL included) drops its lock with its descriptors, so a
-    file no one holds a lock on is stale: the next user of the name takes it over, and
-    every new shared table first removes the stale files of other names
-    (`sweep_stale_shared`).
+    file no one holds a lock on is stale: the next user of the name takes it over (a complete
+    one is attached as it is, never rewritten), and every new shared table first removes the
+    stale files of other names (`sweep_stale_shared`).
 
   An explicitly named file (``shared_name`` not from `shared_table_name`, as the node
   tables of `condmem.distributed` use) has no locks: its creator removes it on `close()`
@@ -50,9 +59,10 @@ import os
 import random
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -61,6 +71,8 @@ log = logging.getLogger("condmem.tables")
 HostAlloc = Literal["mmap_register", "cuda_host_alloc", "shared", "pageable"]
 HOST_ALLOCS: tuple[str, ...] = ("mmap_register", "cuda_host_alloc", "shared", "pageable")
 _REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
+_REGISTER_READ_ONLY = 0x08
+"""cudaHostRegisterReadOnly: what registering a read-only mapping needs."""
 MADV_COLLAPSE = 25
 """Linux's madvise advice number (Python's mmap module does not name it)."""
 
@@ -122,6 +134,11 @@ class HostBuffer:
     _remove_on_close: bool = False
     _lock_fd: int | None = None
     """A shared table's descriptor holding this user's flock (closing it detaches)."""
+    read_only: bool = False
+    """The mapping is read-only (a published shared table): registered with cudaHostRegisterReadOnly."""
+    attached: bool = False
+    """A shared table another process filled and published: this process mapped it read-only and did not
+    run its ``fill`` (the caller checks it against its own rows)."""
 
     @property
     def nbytes(self) -> int:
@@ -133,11 +150,13 @@ class HostBuffer:
             return
         if not torch.cuda.is_available():
             raise HostMemoryError("page-locking needs CUDA; use host_alloc='pageable' on a CPU-only machine")
-        err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, _REGISTER_PORTABLE_MAPPED))
+        flags = _REGISTER_PORTABLE_MAPPED | (_REGISTER_READ_ONLY if self.read_only else 0)
+        err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, flags))
         if err != 0:
             raise HostMemoryError(
-                f"cudaHostRegister of {self.nbytes / 2**30:.1f} GiB failed (CUDA error {err}): the memlock limit "
-                "(ulimit -l) or free memory may be too small"
+                f"cudaHostRegister of {self.nbytes / 2**30:.1f} GiB"
+                f"{' (a read-only shared table: cudaHostRegisterReadOnly)' if self.read_only else ''} failed "
+                f"(CUDA error {err}): the memlock limit (ulimit -l) or free memory may be too small"
             )
         self._registered = True
         self.pinned = True
@@ -188,20 +207,29 @@ class HostBuffer:
 
 
 def allocate_host(
-    nbytes: int, strategy: HostAlloc = "mmap_register", shared_name: str | None = None, persist: bool = False
+    nbytes: int,
+    strategy: HostAlloc = "mmap_register",
+    shared_name: str | None = None,
+    persist: bool = False,
+    fill: Callable[[torch.Tensor], None] | None = None,
 ) -> HostBuffer:
-    """A host buffer of exactly `nbytes` (not yet page-locked for mmap strategies: call `pin()` after filling).
+    """A host buffer of exactly `nbytes`, filled by `fill` (not yet page-locked for mmap strategies: call `pin()`).
 
     Args:
         shared_name: the file name in /dev/shm (``shared``, required): `shared_table_name` of the
             table's content (attached while the fingerprint matches, removed by its last user,
             reclaimed when stale), or a name of the caller's (no locks; removed by its creator).
         persist: keep an explicitly named shared file this call creates after `close()`.
+        fill: writes (and checks) every byte of the uint8 tensor it is given; an error it raises is
+            raised here, the buffer released. Required for a table-named shared file, where only the
+            process that creates the file runs it (under the file's exclusive lock, before anyone
+            else maps it); a process that finds the file published maps it read-only and skips
+            `fill` (``attached``).
 
     Raises:
         HostMemoryError: more than ``MemAvailable`` (or, shared, /dev/shm's free space) asked, an
-            unknown strategy, a shared buffer without a name, or a shared file that holds another
-            table (or another size) than its name says.
+            unknown strategy, a shared buffer without a name, a table-named one without `fill`, or a
+            shared file that holds another table (or another size) than its name says.
     """
     if strategy not in HOST_ALLOCS:
         raise HostMemoryError(f"unknown host allocation {strategy!r}; choose one of {HOST_ALLOCS}")
@@ -211,16 +239,6 @@ def allocate_host(
             f"not enough host memory for a {nbytes / 2**30:.2f} GiB table: {available / 2**30:.2f} GiB available "
             "(MemAvailable); use the disk tier, a smaller table, or free memory"
         )
-    if strategy == "pageable":
-        return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), strategy, pinned=False)
-    if strategy == "cuda_host_alloc":
-        if not torch.cuda.is_available():
-            raise HostMemoryError("cuda_host_alloc needs CUDA; use host_alloc='pageable' on a CPU-only machine")
-        try:
-            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as exc:
-            raise HostMemoryError(f"cudaHostAlloc of {nbytes / 2**30:.2f} GiB failed: {exc}") from None
-        return HostBuffer(t, strategy, pinned=True)
     if strategy == "shared":
         if not shared_name:
             raise HostMemoryError(
@@ -233,7 +251,28 @@ def allocate_host(
                     f"{shared_name}: a table-named shared file is removed by its last user; "
                     "persist applies to explicitly named files"
                 )
-            return _attach_shared_table(nbytes, shared_name)
+            if fill is None:
+                raise HostMemoryError(
+                    f"{shared_name}: a table-named shared file is filled once, by the process that creates it: "
+                    "pass fill (place_layer does)"
+                )
+            return _attach_shared_table(nbytes, shared_name, fill)
+    return _filled(_allocate(nbytes, strategy, shared_name, persist), fill)
+
+
+def _allocate(nbytes: int, strategy: HostAlloc, shared_name: str | None, persist: bool) -> HostBuffer:
+    """The buffer of `allocate_host`, not yet filled (every strategy but a table-named shared file)."""
+    if strategy == "pageable":
+        return HostBuffer(torch.empty(nbytes, dtype=torch.uint8), strategy, pinned=False)
+    if strategy == "cuda_host_alloc":
+        if not torch.cuda.is_available():
+            raise HostMemoryError("cuda_host_alloc needs CUDA; use host_alloc='pageable' on a CPU-only machine")
+        try:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            raise HostMemoryError(f"cudaHostAlloc of {nbytes / 2**30:.2f} GiB failed: {exc}") from None
+        return HostBuffer(t, strategy, pinned=True)
+    if strategy == "shared":
         return _allocate_shared(nbytes, shared_name, persist)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -242,6 +281,17 @@ def allocate_host(
         except OSError as exc:  # THP disabled: still works, with 4 KiB pages
             log.warning("MADV_HUGEPAGE refused (%s): the table will use 4 KiB pages", exc)
     return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8), strategy, pinned=False, _mmap=mm)
+
+
+def _filled(buffer: HostBuffer, fill: Callable[[torch.Tensor], None] | None) -> HostBuffer:
+    """`buffer` after `fill` ran on its tensor; released (and the error raised) when `fill` fails."""
+    if fill is not None:
+        try:
+            fill(buffer.tensor)
+        except BaseException:
+            buffer.close()
+            raise
+    return buffer
 
 
 def _allocate_shared(nbytes: int, name: str, persist: bool) -> HostBuffer:
@@ -287,7 +337,7 @@ SHARED_TABLE_PREFIX = "condmem-shared-"
 _SHARED_TABLE_NAME = re.compile(r"^condmem-shared-([0-9a-f]{64})-l(\d+)$")
 SHARED_HEADER_BYTES = 2 * 2**20
 """A table-named shared file's record (first page) and the gap that keeps its rows 2 MiB-aligned."""
-_SHARED_MAGIC = b"condmem-shared-table/1\n"
+_SHARED_MAGIC = b"condmem-shared-table/2\n"
 
 
 def shared_table_name(fingerprint: str, layer_id: int) -> str:
@@ -340,12 +390,14 @@ def _shared_record(name: str, nbytes: int) -> bytes:
     return _SHARED_MAGIC + json.dumps(meta, sort_keys=True).encode() + b"\n"
 
 
-def _attach_shared_table(nbytes: int, name: str) -> HostBuffer:
-    """Create, take over (stale) or attach to the table-named file ``/dev/shm/<name>``; see the module docstring.
+def _attach_shared_table(nbytes: int, name: str, fill: Callable[[torch.Tensor], None]) -> HostBuffer:
+    """Create and fill, take over (stale and incomplete), or attach to the table-named file ``/dev/shm/<name>``;
+    see the module docstring.
 
     Each pass opens the path and locks it: exclusively without waiting when no one else holds
-    it (create or take over), else shared after waiting for a creator to finish. A file removed
-    or replaced between the open and the lock is a new pass.
+    it, else shared after waiting for a creator to finish. A published copy (record and ready
+    mark) is mapped read-only whatever the lock; anything else is filled again by an exclusive
+    holder only. A file removed or replaced between the open and the lock is a new pass.
     """
     path = SHM_DIR / name
     record = _shared_record(name, nbytes)
@@ -356,33 +408,27 @@ def _attach_shared_table(nbytes: int, name: str) -> HostBuffer:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             owner = _try_lock(fd, fcntl.LOCK_EX)
-            if not owner:
-                fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a creator (which holds it exclusively) sets it up
+            if not owner and not _try_lock(fd, fcntl.LOCK_SH):
+                log.info("%s: waiting for the process that fills it", path)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a creator (which holds it exclusively) fills it
             if _same_file(fd, path):
-                if owner:
-                    _init_shared_table(fd, path, record, total)
-                    # flock converts by release-then-lock: the file is checked again under the shared lock.
-                    fcntl.flock(fd, fcntl.LOCK_SH)
-                if _same_file(fd, path):
-                    size = os.fstat(fd).st_size
-                    head = os.pread(fd, len(record), 0)
-                    if size == total and head == record:
-                        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, offset=SHARED_HEADER_BYTES)
-                        return HostBuffer(
-                            torch.frombuffer(mm, dtype=torch.uint8),
-                            "shared",
-                            pinned=False,
-                            _mmap=mm,
-                            _path=path,
-                            _lock_fd=fd,
-                        )
-                    if head.startswith(_SHARED_MAGIC) and head != record:
-                        theirs = os.pread(fd, 4096, 0)[len(_SHARED_MAGIC) :].split(b"\n")[0]
-                        raise HostMemoryError(
-                            f"{path} holds {theirs.decode(errors='replace')}, not {nbytes:,} bytes: the same "
-                            "fingerprint and layer with another size (two tables given one fingerprint?)"
-                        )
-                    # Left half-made by a creator that died: the next pass takes it over once no one holds it.
+                state = _shared_state(fd, record, total)
+                if state == "ready":
+                    if owner:
+                        # flock converts by release-then-lock: the file is checked again under the shared lock.
+                        fcntl.flock(fd, fcntl.LOCK_SH)
+                    if _same_file(fd, path):
+                        return _map_published(fd, path, nbytes)
+                elif owner:
+                    return _create_shared_table(fd, path, record, total, nbytes, fill)
+                elif state == "other":
+                    theirs = os.pread(fd, 4096, 0)[len(_SHARED_MAGIC) :].split(b"\n")[0]
+                    raise HostMemoryError(
+                        f"{path} holds {theirs.decode(errors='replace')}, not {nbytes:,} bytes: the same "
+                        "fingerprint and layer with another size (two tables given one fingerprint?)"
+                    )
+                # Incomplete (its creator died mid-fill) and held by other waiters: never mapped; the next
+                # pass takes it over once no one holds it.
         except BaseException:
             os.close(fd)
             raise
@@ -395,12 +441,30 @@ def _attach_shared_table(nbytes: int, name: str) -> HostBuffer:
         time.sleep(random.uniform(0.002, 0.02))  # apart from other waiters, so that one of them gets it alone
 
 
-def _init_shared_table(fd: int, path: Path, record: bytes, total: int) -> None:
-    """Under the exclusive lock: a new or stale file gets its size (space checked and reserved) and record."""
-    if os.fstat(fd).st_size == total and os.pread(fd, len(record), 0) == record:
-        return  # stale but whole: its users died or left it; the rows are rewritten by the next fill anyway
+_READY_OFFSET = 4096
+_SHARED_READY = b"condmem-shared-table: rows complete and checked\n"
+"""The ready mark, written after the rows (and their check), before any other process may map them."""
+
+
+def _shared_state(fd: int, record: bytes, total: int) -> str:
+    """What the file holds: "ready" (this table's record and the ready mark), "other" (another table's
+    published record) or "incomplete"."""
+    ready = os.pread(fd, len(_SHARED_READY), _READY_OFFSET) == _SHARED_READY
+    head = os.pread(fd, len(record), 0)
+    if head == record and os.fstat(fd).st_size == total:
+        return "ready" if ready else "incomplete"
+    return "other" if ready and head.startswith(_SHARED_MAGIC) else "incomplete"
+
+
+def _create_shared_table(
+    fd: int, path: Path, record: bytes, total: int, nbytes: int, fill: Callable[[torch.Tensor], None]
+) -> HostBuffer:
+    """Under the exclusive lock: size (space checked and reserved), record, rows (`fill`), the mapping made
+    read-only, the ready mark; then the shared lock (the waiting processes map it now). A failure removes
+    the file: no one else has mapped it."""
+    mm = tensor = None
     try:
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 0)  # whatever a creator that died left is discarded
         vfs = os.fstatvfs(fd)
         free = vfs.f_bavail * vfs.f_frsize
         if total > free:
@@ -414,9 +478,42 @@ def _init_shared_table(fd: int, path: Path, record: bytes, total: int) -> None:
             raise HostMemoryError(f"cannot reserve {total / 2**30:.2f} GiB in /dev/shm ({exc.strerror})") from None
         os.ftruncate(fd, total)
         os.pwrite(fd, record, 0)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, offset=SHARED_HEADER_BYTES)
+        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        fill(tensor)
+        _protect_read_only(tensor, path)
+        os.pwrite(fd, _SHARED_READY, _READY_OFFSET)
     except BaseException:
-        path.unlink(missing_ok=True)  # still exclusively ours: no one else has it mapped
+        if _same_file(fd, path):
+            path.unlink(missing_ok=True)
+        tensor = None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # the failed fill's traceback still views it; unmapped when that goes
+                pass
         raise
+    fcntl.flock(fd, fcntl.LOCK_SH)  # published
+    return HostBuffer(tensor, "shared", pinned=False, _mmap=mm, _path=path, _lock_fd=fd, read_only=True)
+
+
+def _protect_read_only(t: torch.Tensor, path: Path) -> None:
+    """Make the filled rows read-only in this process too (``mprotect``): after publication no one writes them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = ctypes.c_size_t(t.numel())
+    if libc.mprotect(ctypes.c_void_p(t.data_ptr()), size, ctypes.c_int(mmap.PROT_READ)) != 0:
+        raise HostMemoryError(
+            f"{path}: mprotect(PROT_READ) of the filled rows failed ({os.strerror(ctypes.get_errno())})"
+        )
+
+
+def _map_published(fd: int, path: Path, nbytes: int) -> HostBuffer:
+    """A published copy's rows mapped read-only; `fd` (holding this user's shared lock) is kept."""
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=SHARED_HEADER_BYTES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch notes the buffer is read-only: that is the point
+        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+    return HostBuffer(tensor, "shared", pinned=False, _mmap=mm, _path=path, _lock_fd=fd, read_only=True, attached=True)
 
 
 def _detach_shared(fd: int, path: Path | None) -> None:

@@ -23,7 +23,10 @@ them into bf16 [.., head_dim] at the end.
 `place_layer` puts a layer's rows into a tier. Rows of a table file (`LayerRows.source`)
 are read with ``pread`` by parallel threads and every block is checked against its
 recorded CRC32C as it lands (the host and HBM tiers), or at each read (the disk tier), so
-a damaged or rewritten file is an error naming the file, tensor and block, never rows.
+a damaged or rewritten file is an error naming the file, tensor and block, never rows. A
+shared host copy (``host_alloc="shared"``) is filled and checked by the one process that
+creates it, before any other maps it; a process that attaches to it reads its own table file
+(checked) into a private buffer and compares, never writing the copy.
 """
 
 from __future__ import annotations
@@ -96,6 +99,10 @@ class LayerStore:
 
     Backends: `HbmStore`, `HostStore`, `DiskStore`, and `DramCachedStore`, a DRAM row cache
     wrapped around another store (`with_dram_cache`).
+
+    Threads: `gather_raw` may be called from several threads at once on every backend (each
+    call reads into buffers of its own; the DRAM cache is locked); `close()` only once no
+    other thread reads.
 
     Attributes:
         tier: the backend's name, for logs.
@@ -302,6 +309,8 @@ class DramCachedStore(LayerStore):
     hits skip the store (the file's reads and page faults), misses are read from it and admitted.
 
     Memory use is the cache's capacity, whatever the table's size. `cache.stats` counts DRAM hits.
+    Thread-safe: `gather_raw` probes and reads under the cache's lock; the misses are read
+    from the inner store outside it.
     """
 
     def __init__(self, inner: LayerStore, capacity_bytes: int, ways: int = 16):
@@ -331,12 +340,15 @@ class DramCachedStore(LayerStore):
         if int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_rows:
             bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
             raise StorageError(f"row id {bad} outside the table's 0..{self.num_rows - 1}")
-        slot = self.cache.probe(uniq)
-        hit = slot >= 0
         rows = torch.empty((uniq.numel(), self.row_bytes), dtype=torch.uint8)
-        rows[hit] = self.cache.read(slot[hit])
+        with self.cache.lock:  # no other thread's admission between the probe and the read of its slots
+            slot = self.cache.probe(uniq)
+            hit = slot >= 0
+            rows[hit] = self.cache.read(slot[hit])
         miss = torch.nonzero(~hit).flatten()
         if miss.numel():
+            # Read outside the lock (threads' file reads overlap); an id another thread admitted
+            # meanwhile is not admitted twice.
             fetched = self.inner.gather_raw(uniq[miss], None, threads)
             rows[miss] = fetched
             self.cache.admit(uniq[miss], fetched)
@@ -448,6 +460,48 @@ def _read_source(
         raise TableFileError(f"{source.path}: {exc}") from None
 
 
+_CHECK_STAGING_BYTES = 64 * 2**20
+"""Rows a process attached to a published shared copy reads and compares at a time (its private buffer)."""
+
+
+def _check_published(
+    rows: LayerRows,
+    raw: torch.Tensor,
+    buffer: HostBuffer,
+    bar: Progress,
+    threads: int | None,
+    drop_cache: bool,
+    chunk_rows: int,
+    name: str,
+) -> None:
+    """A shared copy another process filled and published, compared with this process's own rows: read (a table
+    file's blocks checked) into a private staging buffer, a chunk at a time, never into the copy, which is not
+    written. A damaged table file is a `TableFileError` naming it (tensor, block); rows that differ from the
+    copy are a `StorageError` naming the copy and the first row."""
+    n, row_bytes = raw.shape
+    step = max(1, min(n, chunk_rows, _CHECK_STAGING_BYTES // row_bytes))
+    staging = torch.empty((step, row_bytes), dtype=torch.uint8)
+    what = rows.source.path if rows.source is not None else "the rows given"
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        mine = staging[: e - s]
+        if rows.source is not None:
+            try:
+                rows.source.read(mine, start=s, threads=threads, progress=bar.update, drop_cache=drop_cache)
+            except integrity.IntegrityMismatch as exc:
+                raise TableFileError(
+                    f"{rows.source.path}: {exc}; refused (the shared copy {buffer._path} others serve is untouched)"
+                ) from None
+        else:
+            _copy_tensor_rows(rows.slice_rows(s, e), mine, bar, chunk_rows, drop_cache)
+        if not torch.equal(mine, raw[s:e]):
+            first = s + int(torch.nonzero((mine != raw[s:e]).any(dim=1))[0])
+            raise StorageError(
+                f"{name}: the shared copy {buffer._path} differs from {what} at row {first:,}: refused (the "
+                "copy is not written; its last user removes it)"
+            )
+
+
 def place_layer(
     rows: LayerRows,
     tier: Tier,
@@ -500,18 +554,30 @@ def place_layer(
     n = rows.num_rows
     start = time.perf_counter()
     bar = Progress(n * row_bytes, f"{name} -> {tier}", enabled=progress, unit="B", unit_scale=True)
+
+    def fill(raw: torch.Tensor) -> None:
+        if rows.source is not None:
+            _read_source(rows.source, raw, bar, threads, drop_source_cache, chunk_rows)
+        else:
+            _copy_tensor_rows(rows, raw, bar, chunk_rows, drop_source_cache)
+
     if tier == "hbm":
         raw, buffer = _allocate_hbm(n, row_bytes, device, name), None
+        fill(raw)
     else:
-        buffer = allocate_host(n * row_bytes, host_alloc, shared_name)
+        # A table-named shared buffer runs `fill` only in the process that creates it, before any other maps it.
+        buffer = allocate_host(n * row_bytes, host_alloc, shared_name, fill=lambda t: fill(t.view(n, row_bytes)))
         raw = buffer.tensor.view(n, row_bytes)
-    if rows.source is not None:
-        _read_source(rows.source, raw, bar, threads, drop_source_cache, chunk_rows)
-    else:
-        _copy_tensor_rows(rows, raw, bar, chunk_rows, drop_source_cache)
-    bar.close()
-    if buffer is not None:
-        _settle_host_buffer(buffer, name)
+    try:
+        if buffer is not None and buffer.attached:
+            _check_published(rows, raw, buffer, bar, threads, drop_source_cache, chunk_rows, name)
+        bar.close()
+        if buffer is not None:
+            _settle_host_buffer(buffer, name)
+    except BaseException:
+        if buffer is not None:
+            buffer.close()
+        raise
     log.info(
         "%s: %s rows (%.2f GiB) placed in %s (%s) in %.1f s",
         name,
