@@ -19,15 +19,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from condmem import EngramLayout, NgramHasher
+from condmem import Engram, EngramLayout, NgramHasher
 from condmem.cli import main
+from condmem.ops.block_fp8 import dequantize_block_fp8
 from condmem.serving import EngramMemory
 from condmem.tables import released
 from condmem.tables.released import ReleasedCheckpoint, ReleasedCheckpointError
 from condmem.tables.storage import StorageError, place_layer
 from condmem.tables.table_file import EngramTableFile
 from fault_harness import flip_byte, report, spread_offsets
-from released_fixtures import E8M0, engram_config, make_tensors, rows_f64, tensor_names, write_checkpoint
+from released_fixtures import (
+    E8M0,
+    engram_config,
+    make_tensors,
+    rows_f64,
+    tensor_names,
+    write_checkpoint,
+)
 
 CMD = "scripts/test tests/tables/test_released_faults.py -q"
 SHARD = "model.safetensors"
@@ -46,7 +54,8 @@ def _env():
 _LIVE = r"""
 import dataclasses, sys, torch
 sys.path.insert(0, sys.argv[2])
-from condmem import EngramLayout, NgramHasher
+from condmem import Engram, EngramLayout, NgramHasher
+from condmem.ops.block_fp8 import dequantize_block_fp8
 from condmem.serving import EngramMemory
 from condmem.tables.released import ReleasedCheckpoint
 from condmem.tables.storage import place_layer
@@ -336,6 +345,29 @@ def test_float32_nan_scales_were_mapped_to_the_nan_byte(tmp_path):
         assert torch.isnan(torch.tensor([0xFF], dtype=torch.uint8).view(E8M0).float()).all()
 
 
+WKV_BAD = [("e8m0", None), ("float32", float("nan")), ("float32", float("inf"))]
+
+
+@pytest.mark.parametrize("dtype,value", WKV_BAD, ids=["e8m0-0xFF", "float32-nan", "float32-inf"])
+def test_a_nan_or_inf_wkv_block_scale_is_refused(tmp_path, dtype, value):
+    tensors, _ = make_tensors("original", wkv_scale_dtype=dtype)
+    name = tensor_names(5, "original")["wkv_scale"]
+    good = tensors[name].clone()
+    if value is None:
+        tensors[name].view(torch.uint8)[1, 2] = 0xFF
+    else:
+        tensors[name][1, 2] = value
+    write_checkpoint(tmp_path / "bad", "original", 1, "flat", tensors=tensors)
+    with pytest.raises(ReleasedCheckpointError, match=rf"{name}.*block scale \[1, 2\]"):
+        Engram.from_released(tmp_path / "bad", 5)
+    # Negative control: the same checkpoint with that scale restored loads, and the planted one makes NaN weights.
+    w = tensors[tensor_names(5, "original")["wkv"]]
+    assert not torch.isfinite(dequantize_block_fp8(w, tensors[name], torch.float32)).all()
+    tensors[name] = good
+    write_checkpoint(tmp_path / "good", "original", 1, "flat", tensors=tensors)
+    assert torch.isfinite(Engram.from_released(tmp_path / "good", 5).wkv.weight).all()
+
+
 # --------------------------------------------------------------------------- inspect --full on damaged table files
 def _table_file(tmp_path: Path) -> Path:
     write_checkpoint(tmp_path / "ck", "original", 1, "flat")
@@ -381,6 +413,9 @@ def test_negative_control_inspect_full_through_the_mapping_passes_damaged_rows(t
     )
     codes, outcomes = _sweep(tmp_path, table, capsys)
     assert 0 < codes.count(0) < len(codes), outcomes
+    report(
+        "the same, statistics read through the mapping (negative control)", len(codes), outcomes, CMD + " -k mapping"
+    )
 
 
 def test_inspect_full_exits_zero_on_undamaged_checkpoints(tmp_path, capsys):

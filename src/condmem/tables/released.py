@@ -937,13 +937,25 @@ class ReleasedCheckpoint:
         return {lid: self.table(lid, layout) for lid in layout.layer_ids}
 
     def wkv_fp8(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-        """(fp8 weight [(hc+1)*D, n_cols*head_dim], its block scales as mapped, block shape)."""
+        """(fp8 weight [(hc+1)*D, n_cols*head_dim], its block scales as mapped, block shape).
+
+        The block scales (a few KiB) are read and checked: a NaN or inf one (e8m0 byte 0xFF) would
+        turn its whole block of ``wkv`` into NaN, and is a `ReleasedCheckpointError` naming it."""
         config = self.resolve_backbone(self.require_config())
         names = self.tensor_names(layer_id)
         w_name, s_name = names["wkv"], names["wkv_scale"]
         self.check_tensor(layer_id, "wkv", backbone=config)
         self.check_tensor(layer_id, "wkv_scale", backbone=config)
         weight, scales = mmap_tensor(self.headers[w_name], w_name), mmap_tensor(self.headers[s_name], s_name)
+        floats = scales.dtype in (torch.float32, torch.bfloat16)
+        bad = ~torch.isfinite(scales) if floats else scales.view(torch.uint8) == 255
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ReleasedCheckpointError(
+                f"tensor {s_name} in {self.where(s_name)}: block scale [{i}, {j}] is "
+                f"{float(scales[i, j]) if floats else 'byte 0xFF, e8m0' + chr(39) + 's NaN'}: its block of wkv "
+                "would be NaN; refused"
+            )
         return weight, scales, block_shape(tuple(weight.shape), tuple(scales.shape))
 
     def wkv(self, layer_id: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
