@@ -33,7 +33,7 @@ Two drivers run this path:
 from condmem.serving.cache import ServingCache
 from condmem.serving.graphs import GraphedDecoder
 from condmem.serving.memory import EngramMemory, EngramMemoryError, FetchTiming, Prepared, join_prepared
-from condmem.serving.scheduler import Request, Scheduler
+from condmem.serving.scheduler import Request, RequestFailed, Scheduler
 from condmem.serving.server import WaveObserver, WaveServer
 from condmem.serving.steps import (
     decode_step,
@@ -53,6 +53,7 @@ __all__ = [
     "Prepared",
     "join_prepared",
     "Request",
+    "RequestFailed",
     "Scheduler",
     "WaveObserver",
     "WaveServer",
