@@ -297,13 +297,17 @@ class EngramMemory:
             checkpoint: a checkpoint folder or safetensors file, or a `ReleasedCheckpoint`.
             hasher: the model's hasher; each table's row count must equal its layout's (the
                 sum of the layer's primes), else `TableMismatchError` naming tensor and file.
-            tier: ``disk`` serves the fp8 rows memory-mapped where they lie (two reads a row:
-                rows and scales); ``host`` copies them once into page-locked host memory as
+            tier: ``disk`` serves the fp8 rows where they lie, read with ``pread`` (two reads a
+                row: rows and scales); ``host`` copies them once into page-locked host memory as
                 interleaved rows (huge pages advised, collapsed where the kernel supports
-                ``MADV_COLLAPSE``, coverage logged); ``hbm`` into GPU memory.
-            drop_page_cache: while copying a layer into host or HBM memory, unmap the copied
-                source chunks and drop their cached pages (a second copy of the table in DRAM
-                would only crowd out huge pages and other processes).
+                ``MADV_COLLAPSE``, coverage logged); ``hbm`` into GPU memory. No tier maps the
+                shards: every read checks the scales it returns (a NaN / inf one is an error
+                naming tensor and row) and compares each shard's inode, size, mtime and ctime
+                with those it had when opened (`condmem.tables.released.FileStamp`), so a shard
+                truncated or rewritten under it is an error naming it, never a SIGBUS or new rows.
+            drop_page_cache: while copying a layer into host or HBM memory, drop the pages read
+                from the page cache (a second copy of the table in DRAM would only crowd out huge
+                pages and other processes).
             host_alloc, progress, kwargs: as in `from_table_file`.
         """
         from condmem.tables.released import open_checkpoint
