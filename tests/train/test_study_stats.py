@@ -1,0 +1,158 @@
+"""`condmem.train.study_stats`: t quantiles against published values, intervals against
+hand-computed cases, claims only where an interval excludes zero, and the quadratic optimum:
+rarely a minimum on flat noisy curves (measured rate under the test's 2.5% one-sided level),
+always one on a clear U, none where the lowest loss lies beyond the grid or on a slope."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from condmem.train.study_stats import (
+    compare,
+    linear_slope,
+    paired_difference,
+    quadratic_optimum,
+    regularized_incomplete_beta,
+    t_cdf,
+    t_interval,
+    t_quantile,
+)
+
+GRID = [0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("p", "df", "want"),
+    [
+        (0.975, 1, 12.706205),
+        (0.975, 2, 4.302653),
+        (0.975, 3, 3.182446),
+        (0.975, 4, 2.776445),
+        (0.975, 9, 2.262157),
+        (0.975, 30, 2.042272),
+        (0.995, 3, 5.840909),
+        (0.95, 10, 1.812461),
+        (0.975, 1e7, 1.959964),  # the normal's
+        (0.025, 4, -2.776445),
+        (0.5, 5, 0.0),
+    ],
+)
+def test_t_quantile_matches_published_values(p, df, want):
+    assert t_quantile(p, df) == pytest.approx(want, abs=2e-6)
+
+
+def test_t_cdf_and_incomplete_beta_hand_cases():
+    assert t_cdf(0.0, 3) == 0.5
+    assert t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi
+    assert t_cdf(2.0, 2) == pytest.approx(0.5 + 2 / (2 * math.sqrt(6)))  # df 2: 1/2 + t / (2 sqrt(2 + t^2))
+    assert regularized_incomplete_beta(1, 1, 0.3) == pytest.approx(0.3)  # uniform
+    assert regularized_incomplete_beta(2, 3, 0.4) == pytest.approx(0.5248)  # 1 - sum_{k<2} C(4,k) .4^k .6^(4-k)
+    for bad in (lambda: t_quantile(1.0, 3), lambda: t_quantile(0.9, 0), lambda: regularized_incomplete_beta(1, 1, 2)):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_t_interval_hand_case():
+    iv = t_interval([1.0, 2.0, 3.0, 4.0])
+    se = math.sqrt(5 / 3) / 2  # sample std sqrt(5/3), n 4
+    assert iv.mean == 2.5 and iv.n == 4 and iv.std == pytest.approx(math.sqrt(5 / 3))
+    assert iv.half_width == pytest.approx(3.182446 * se, rel=1e-6)
+    assert iv.low == pytest.approx(2.5 - 3.182446 * se, rel=1e-6) and iv.excludes_zero
+    one = t_interval([3.2])
+    assert one.half_width is None and one.low is None and not one.excludes_zero
+    with pytest.raises(ValueError, match="no values"):
+        t_interval([])
+    with pytest.raises(ValueError, match="finite"):
+        t_interval([1.0, float("nan")])
+
+
+def test_paired_difference_hand_case_and_why_pairing():
+    # Each seed moves both models alike (seed 1 worse): the pairs cancel it.
+    a = {0: 3.00, 1: 3.20, 2: 3.10}
+    b = {0: 3.10, 1: 3.35, 2: 3.30}
+    iv = paired_difference(a, b)  # differences -0.10, -0.15, -0.20: mean -0.15, std 0.05
+    assert iv.mean == pytest.approx(-0.15) and iv.std == pytest.approx(0.05) and iv.n == 3
+    assert iv.half_width == pytest.approx(4.302653 * 0.05 / math.sqrt(3), rel=1e-6)
+    verdict = compare("rho=0.8", "pure MoE", iv)
+    assert verdict["verdict"] == "lower" and verdict["claim"] and verdict["text"].startswith("rho=0.8 is lower than")
+    # Negative control: ignoring the pairing (two separate intervals) cannot tell them apart.
+    ia, ib = t_interval(list(a.values())), t_interval(list(b.values()))
+    assert ia.high > ib.low
+    with pytest.raises(ValueError, match=r"only in a \[3\]"):
+        paired_difference({**a, 3: 3.0}, b)
+
+
+def test_compare_claims_only_outside_zero():
+    higher = compare("A", "B", t_interval([0.2, 0.3, 0.25]))
+    assert higher["verdict"] == "higher" and higher["claim"]
+    unresolved = compare("A", "B", t_interval([0.2, -0.1, 0.05]))
+    assert unresolved["verdict"] == "unresolved" and not unresolved["claim"] and "not told apart" in unresolved["text"]
+    single = compare("A", "B", t_interval([-0.3]))
+    assert single["verdict"] == "no interval" and not single["claim"]
+
+
+def test_linear_slope_hand_case():
+    fit = linear_slope([0, 1, 2, 3], [1.0, 0.9, 0.85, 0.7])
+    # slope = sum(xc*y)/sxx = (-1.5*1 - .5*.9 + .5*.85 + 1.5*.7)/5 = -0.095
+    assert fit["slope"].mean == pytest.approx(-0.095)
+    assert fit["intercept"] == pytest.approx(0.8625 + 0.095 * 1.5)  # mean y 0.8625 at mean x 1.5
+    resid = np.array([1.0, 0.9, 0.85, 0.7]) - (fit["intercept"] - 0.095 * np.arange(4))
+    se = math.sqrt(float(resid @ resid) / 2 / 5)
+    assert fit["slope"].half_width == pytest.approx(4.302653 * se, rel=1e-6) and fit["slope"].excludes_zero
+    assert linear_slope([1, 2], [3, 4])["slope"].half_width is None
+    with pytest.raises(ValueError, match="distinct x"):
+        linear_slope([1, 1, 1], [1, 2, 3])
+
+
+def _curves(shape, n: int, seeds: int = 3, noise: float = 0.05, rng_seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(rng_seed)
+    return [{x: list(shape(x) + rng.normal(0, noise, seeds)) for x in GRID} for _ in range(n)]
+
+
+def test_no_minimum_claimed_on_flat_noisy_curves():
+    flat = _curves(lambda x: 3.0, 200)
+    results = [quadratic_optimum(pts, seed=k, n_boot=500) for k, pts in enumerate(flat)]
+    claimed = sum(r["claims_minimum"] for r in results)
+    assert claimed <= 5, claimed  # 200 curves at a 2.5% one-sided level: expect <= 5 (measured 4)
+    assert not any(r["claims_minimum"] for r in results[:20])
+    # Negative control: "the lowest mean lies inside the grid" would claim one most of the time.
+    naive = sum(GRID[0] < min(pts, key=lambda x: np.mean(pts[x])) < GRID[-1] for pts in flat)
+    assert naive > 100
+
+
+def test_a_minimum_claimed_on_a_clear_u():
+    for k, pts in enumerate(_curves(lambda x: 3.0 + 2.0 * (x - 0.6) ** 2, 50, noise=0.02, rng_seed=1)):
+        r = quadratic_optimum(pts, seed=k, n_boot=500)
+        assert r["claims_minimum"], r["reason"]
+        assert r["argmin_low"] < 0.6 < r["argmin_high"] and GRID[0] < r["argmin_low"]
+        assert r["curvature_positive"] and r["vertex"] == pytest.approx(0.6, abs=0.05)
+
+
+def test_no_minimum_beyond_the_grid_edge_or_on_a_slope():
+    edge = _curves(lambda x: 3.0 + 2.0 * (x - 0.1) ** 2, 20, noise=0.02, rng_seed=2)  # lowest below the grid
+    slope = _curves(lambda x: 3.0 - 0.5 * x, 20, noise=0.02, rng_seed=3)
+    for pts in edge + slope:
+        r = quadratic_optimum(pts, n_boot=500)
+        assert not r["claims_minimum"], r
+    r = quadratic_optimum(slope[0], n_boot=500)
+    assert r["argmin"] == pytest.approx(1.0)  # the lower end when the fit does not curve up
+
+
+def test_quadratic_optimum_fit_reproducibility_and_refusals():
+    exact = {x: [1.0 + 0.5 * x + 2.0 * x * x] * 2 for x in (0.0, 0.5, 1.0, 2.0)}
+    r = quadratic_optimum(exact, n_boot=200)
+    assert r["coefficients"] == pytest.approx([1.0, 0.5, 2.0], abs=1e-9)
+    pts = _curves(lambda x: 3.0 + (x - 0.6) ** 2, 1)[0]
+    assert quadratic_optimum(pts, seed=7) == quadratic_optimum(pts, seed=7)
+    one_seed = {x: v[:1] for x, v in pts.items()}
+    r = quadratic_optimum(one_seed, n_boot=200)
+    assert not r["claims_minimum"] and "fewer than two runs" in r["reason"]
+    with pytest.raises(ValueError, match="three or more grid points"):
+        quadratic_optimum({0.5: [1.0, 2.0], 1.0: [1.0, 1.1]})
+    with pytest.raises(ValueError, match="no runs at"):
+        quadratic_optimum({0.2: [1.0], 0.5: [], 1.0: [1.0]})
+    with pytest.raises(ValueError, match="n_boot"):
+        quadratic_optimum(pts, n_boot=10)
