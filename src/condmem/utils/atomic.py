@@ -53,7 +53,7 @@ _KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
     (stat.S_ISSOCK, "a socket"),
     (stat.S_ISDIR, "a directory"),
-    (stat.S_ISLNK, "a symbolic link that does not resolve (a loop)"),
+    (stat.S_ISLNK, "a symbolic link"),  # after resolving: a loop, or one made during the write
 )
 
 
