@@ -1,4 +1,4 @@
-"""The study's Engram controls (`condmem.models.flops`, `condmem.models.addresses`).
+"""The study's controls (`condmem.models.flops`, `condmem.models.addresses`).
 
 * Random addresses: every training step draws new row ids (in each column's range, the
   hash's shape and dtype), reproducibly from the model's seed, and resumes its sequence
@@ -6,6 +6,8 @@
   the hashed model's.
 * Tiny table: every (order, head) column at most the bound, the largest size that fits,
   the same Engram module and FLOPs.
+* Dense control: the MoE model's FLOPs and active parameters without routed experts
+  (exact when the expert count is a multiple of 3, else within one hidden unit a block).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from condmem.layout import EngramLayout
 from condmem.models import DecoderLM, forward_flops_per_token, train_flops_per_token
 from condmem.models.addresses import random_row_ids
 from condmem.models.config import ModelConfig, MoEConfig
-from condmem.models.flops import parameter_counts, random_address_control, tiny_table_control
+from condmem.models.flops import dense_control, parameter_counts, random_address_control, tiny_table_control
 
 V = 64
 LOOKUP = np.arange(V, dtype=np.int64) % 60
@@ -157,3 +159,20 @@ def test_tiny_table_refuses_a_bound_below_its_columns():
         tiny_table_control(_cfg(), 3)
     with pytest.raises(ValueError, match="no Engram"):
         tiny_table_control(_cfg().replace(engram=None))
+
+
+@pytest.mark.parametrize(("n_experts", "top_k", "layer_ids"), [(6, 2, None), (62, 2, None), (7, 3, [1])])
+def test_dense_control_matches_active_parameters_and_flops(n_experts, top_k, layer_ids):
+    cfg = _cfg().replace(moe=MoEConfig(n_experts=n_experts, top_k=top_k, expert_hidden=16, layer_ids=layer_ids))
+    dense = dense_control(cfg)
+    assert dense.moe is None and dense.engram == cfg.engram
+    blocks = len(cfg.moe_layer_ids)
+    exact = n_experts % 3 == 0
+    flops_gap = abs(forward_flops_per_token(dense)["total"] - forward_flops_per_token(cfg)["total"])
+    active_gap = abs(parameter_counts(dense)["active"] - parameter_counts(cfg)["active"])
+    assert flops_gap == 0 if exact else 0 < flops_gap < blocks * 2 * 3 * cfg.dim
+    assert active_gap == 0 if exact else 0 < active_gap < blocks * 3 * cfg.dim
+    d = parameter_counts(dense)
+    assert d["active"] == d["total"] - d["tables"]  # every parameter of a dense model is active
+    with pytest.raises(ValueError, match="no routed experts"):
+        dense_control(cfg.replace(moe=None))

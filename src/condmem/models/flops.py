@@ -10,8 +10,9 @@ a token), which is the same order for both models and small beside the GEMMs. Tr
 costs 3x the forward (backward = 2x forward), the usual convention.
 
 The study's controls keep these counts: `iso_flop_baseline` (no table, its FLOPs on the
-MLP), `tiny_table_control` (the same Engram with a table of a few rows per head) and
-`random_address_control` (the same table read at random rows).
+MLP), `tiny_table_control` (the same Engram with a table of a few rows per head),
+`random_address_control` (the same table read at random rows) and `dense_control` (no
+routed experts: their active width and the router's FLOPs on the MLP).
 """
 
 from __future__ import annotations
@@ -82,6 +83,22 @@ def iso_flop_baseline(cfg: ModelConfig) -> ModelConfig:
     extra = round(engram_flops_per_token(cfg) / (2 * 3 * cfg.dim))
     widths = [cfg.ffn_width(i) + (extra if i in cfg.engram_layer_ids else 0) for i in range(cfg.n_layers)]
     return cfg.replace(engram=None, ffn_hidden=widths)
+
+
+def dense_control(cfg: ModelConfig) -> ModelConfig:
+    """The same model without routed experts: each MoE block's SwiGLU as wide as its shared
+    expert plus the ``top_k`` experts a token goes through, plus round(E / 3) units for the
+    router (its 2*dim*E FLOPs and dim*E parameters are what E/3 SwiGLU units cost), so
+    FLOPs and active parameters per token match the MoE model's to within one hidden unit
+    per block (exactly when E is a multiple of 3). The Engram, if any, is kept.
+
+    Raises ValueError for a model without routed experts."""
+    m = cfg.moe
+    if m is None:
+        raise ValueError("dense_control: the model has no routed experts (cfg.moe is None)")
+    extra = m.top_k * m.expert_hidden + round(m.n_experts / 3)
+    widths = [cfg.ffn_width(i) + (extra if cfg.has_experts(i) else 0) for i in range(cfg.n_layers)]
+    return cfg.replace(moe=None, ffn_hidden=widths)
 
 
 def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
