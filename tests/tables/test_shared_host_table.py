@@ -7,9 +7,11 @@ any other process maps it, and a process that attaches never writes it.
 * A creator SIGKILLed mid-fill leaves a copy no one trusts: the next process fills it again; trusting
   it (the ready mark ignored, the attach-time comparison off) serves wrong rows.
 * Two processes racing to create, one with a damaged file: the good one's rows are exact, the other
-  is refused; exactly one of two good racers fills. The last user removes the file.
+  is refused; exactly one of two good racers fills each layer. The last user removes the file.
 
-Processes are started with multiprocessing's ``spawn`` (a fresh interpreter: nothing of this one's state).
+Other processes come from multiprocessing's ``forkserver``: a fresh interpreter started for them (as
+``spawn`` starts one), which imports torch once and forks each of them, so they share none of this
+process's mappings, locks or descriptors, and do not each pay torch's import (5 s on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ def _names(memory: EngramMemory) -> list[str]:
 
 
 def _ctx():
-    return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "condmem.runtime"])
+    return ctx
 
 
 # ---------------------------------------------------------------------------- the old order, for the controls
@@ -288,7 +292,7 @@ def _racer(good: str, path_per_round: list[str], start, results) -> None:
             results.put((r, p, type(exc).__name__, str(exc), None, None))
             start.wait(60)
             continue
-        filled = not any(store._buffer.attached for store in memory.stores.values())
+        filled = {lid: not store._buffer.attached for lid, store in memory.stores.items()}
         exact = _rows_exact(memory, expected, r)
         start.wait(60)  # both have opened (or been refused) before either closes
         results.put((r, p, "served", _names(memory), filled, exact))
@@ -329,8 +333,9 @@ def test_racing_creators_one_with_a_damaged_file(tmp_path):
     names = set()
     for r in range(rounds):
         good_one, bad_one = out[2 * r], out[2 * r + 1]
+        # The good process's rows are exact whoever filled each layer (the other one fills a layer whose
+        # blocks are all sound before reaching its damaged one).
         assert good_one[2] == "served" and good_one[5] is True, good_one
-        assert good_one[4] is True, "with the other refused, the good process filled its own copy"
         assert bad_one[2] == "TableFileError" and bad_one[1] in bad_one[3], bad_one
         names |= set(good_one[3])
     assert not any((SHM_DIR / n).exists() for n in names), "the last user must remove each file"
@@ -343,7 +348,10 @@ def test_racing_good_creators_fill_once(tmp_path):
         a, b = out[2 * r], out[2 * r + 1]
         assert a[2] == b[2] == "served" and a[5] and b[5], (a, b)
         assert a[3] == b[3], "both must map the same files"
-        assert a[4] != b[4], f"exactly one of the two racers fills (round {r}: {a[4]}, {b[4]})"
+        for lid in a[4]:
+            assert a[4][lid] != b[4][lid], (
+                f"exactly one of the two racers fills layer {lid} (round {r}: {a[4]}, {b[4]})"
+            )
         assert not any((SHM_DIR / n).exists() for n in a[3])
 
 
