@@ -158,7 +158,7 @@ def test_bias_moves_in_training_forwards_only():
     assert torch.equal(moe.expert_bias, before + 1e-3 * torch.sign(counts.mean() - counts))
 
 
-def _skewed_stream(bias_rate: float, steps: int = 120) -> dict:
+def _skewed_stream(bias_rate: float, aux_coef: float = 0.0, steps: int = 120) -> dict:
     """A router trained (with its experts) on a stream whose tokens all lean one way; the
     statistics of the last 20 steps."""
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def _skewed_stream(bias_rate: float, steps: int = 120) -> dict:
         if step == steps - 20:
             moe.stats.reset()
         x = skew + torch.randn(64, 8, generator=gen)
-        loss = (moe(x) - target(x).detach()).square().mean()
+        loss = (moe(x) - target(x).detach()).square().mean() + aux_coef * moe.aux_loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -188,6 +188,9 @@ def test_the_bias_keeps_experts_in_use_where_the_plain_router_collapses():
     assert balanced["max_over_mean"] < 2.0, balanced
     assert collapsed["used_share"] <= 0.6, collapsed
     assert collapsed["max_over_mean"] > 5.0, collapsed
+    # The Switch loss alone (weight 1.0) does not revive them: a saturated softmax gives it no gradient.
+    switch = _skewed_stream(bias_rate=0.0, aux_coef=1.0)
+    assert switch["used_share"] <= 0.6 and switch["balance_loss"] > 5.0, switch
 
 
 def test_router_stats_hand_computed():
