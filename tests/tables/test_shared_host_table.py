@@ -6,6 +6,8 @@ any other process maps it, and a process that attaches never writes it.
   order (write into the shared copy, then check), put back by a monkeypatch, serves wrong rows.
 * A creator SIGKILLed mid-fill leaves a copy no one trusts: the next process fills it again; trusting
   it (the ready mark ignored, the attach-time comparison off) serves wrong rows.
+* A published copy that differs from an attaching process's own (sound) rows is refused, not written;
+  attached unchecked (the comparison taken out), it serves wrong rows.
 * Two processes racing to create, one with a damaged file: the good one's rows are exact, the other
   is refused; exactly one of two good racers fills each layer. The last user removes the file.
 
@@ -353,6 +355,49 @@ def test_racing_good_creators_fill_once(tmp_path):
                 f"exactly one of the two racers fills layer {lid} (round {r}: {a[4]}, {b[4]})"
             )
         assert not any((SHM_DIR / n).exists() for n in a[3])
+
+
+# ---------------------------------------------------------------------------- a published copy damaged later
+def _damage_published_copy(memory: EngramMemory, lid: int, row: int) -> None:
+    """One bit of a published copy flipped from outside (as a stray writer of /dev/shm would)."""
+    buf = memory.stores[lid]._buffer
+    offset = SHARED_HEADER_BYTES + row * memory.stores[lid].row_bytes
+    fd = os.open(buf._path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0x04]), offset)
+    finally:
+        os.close(fd)
+
+
+def test_a_published_copy_that_differs_from_the_readers_rows_is_refused_untouched(tmp_path):
+    good = _write_table(tmp_path / "good.safetensors", seed=8)
+    expected = _expected_raw(good)
+    first = _open_shared(good)
+    try:
+        _damage_published_copy(first, 3, row=17)
+        damaged = first.stores[3].raw.clone()
+        assert not torch.equal(damaged, expected[3])
+        with pytest.raises(
+            storage.StorageError, match=r"layer 3: the shared copy /dev/shm/\S+ differs from .* at row 17:"
+        ):
+            _open_shared(good)  # a second user whose own file is sound
+        assert torch.equal(first.stores[3].raw, damaged), "the refused process must not write the copy"
+    finally:
+        first.close()
+
+
+def test_negative_control_a_damaged_copy_attached_unchecked_serves_wrong_rows(tmp_path, monkeypatch):
+    good = _write_table(tmp_path / "good.safetensors", seed=8)
+    expected = _expected_raw(good)
+    first = _open_shared(good)
+    try:
+        _damage_published_copy(first, 3, row=17)
+        monkeypatch.setattr(storage, "_check_published", lambda *a: None)
+        second = _open_shared(good)
+        assert second.stores[3]._buffer.attached and not _rows_exact(second, expected, 0)
+        second.close()
+    finally:
+        first.close()
 
 
 # ---------------------------------------------------------------------------- mappings
