@@ -18,7 +18,9 @@ def register(sub) -> None:
         description="Stream an Engram table file (or a released DeepSeek-V4.1 checkpoint's Engram tensors) into a new "
         "condmem table file in another row format, chunk by chunk: memory stays bounded whatever the table size; the "
         "output appears atomically when complete. bf16 -> fp8 quantizes (fp8 e4m3 + e8m0 scale per 32); fp8 <-> "
-        "fp8_interleaved only moves bytes (exact).",
+        "fp8_interleaved only moves bytes (exact). What is read is checked: a table file's blocks against their CRCs; "
+        "a released checkpoint's scales (NaN / inf refused, naming tensor and row) and its shards, which must lie "
+        "inside its folder.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
         "  condmem convert tables.safetensors tables-i.safetensors --to fp8_interleaved\n"

@@ -1,8 +1,8 @@
 """``condmem inspect``: what a checkpoint or table file holds, before committing memory to it.
 
 Also the validator: exit status 1 when the loaders would refuse the checkpoint (every error
-listed, each naming the tensor, the shape found and the shape expected), 0 otherwise
-(warnings included).
+listed, each naming the tensor, the shape found and the shape expected), or when a row it read
+was damaged (a block against its CRC32C; a NaN / inf scale), 0 otherwise (warnings included).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def register(sub) -> None:
         "tier, each table's row count against its primes, and a histogram of the scale exponents with all-zero / NaN "
         "/ inf rows counted (over a sample of rows, or every row with --full). It checks what the loaders check "
         "(every tensor's presence, dtype and shape, rows against primes, wkv's block divisibility, the config against "
-        "the tensors) and exits 1 when there is an error, 0 otherwise (warnings included).",
+        "the tensors, every table scale of a released checkpoint: NaN / inf refused) and every row it reads (a table "
+        "file's block CRCs), and exits 1 when there is an error, 0 otherwise (warnings included).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem inspect ./DeepSeek-V4.1-Flash\n"
         "  condmem inspect tables.safetensors --full --json\n"
@@ -30,7 +31,9 @@ def register(sub) -> None:
     p.add_argument("path", help="checkpoint folder, safetensors file, or condmem table file")
     p.add_argument("--config", help="Engram config for a checkpoint (default: its folder's config.json)")
     p.add_argument("--config-key", help="JSON section holding the Engram keys (default: top level or text_config)")
-    p.add_argument("--full", action="store_true", help="statistics over every row (streams the whole table)")
+    p.add_argument(
+        "--full", action="store_true", help="statistics over every row, each checked (streams the whole table)"
+    )
     p.add_argument("--sample", type=int, default=65536, help="rows sampled per layer without --full (default 65536)")
     p.add_argument(
         "--verify",

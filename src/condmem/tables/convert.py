@@ -1,15 +1,17 @@
 """Convert Engram tables between row formats, streaming, with bounded memory.
 
 Any of bf16 / fp8 (+ separate scales) / fp8_interleaved to any other, from a condmem
-table file or a released checkpoint's memory-mapped tensors, `chunk_rows` rows at a
-time (memory: a few chunks, whatever the table size). bf16 -> fp8 quantizes
+table file, a released checkpoint or tensors, `chunk_rows` rows at a time (memory: a few
+chunks, whatever the table size). bf16 -> fp8 quantizes
 (`quantize_fp8_e8m0`); fp8 -> bf16 dequantizes; fp8 <-> interleaved only moves bytes,
 so it is exact. The output is written atomically: an interrupted conversion leaves no
 partial file. Memory-mapped source pages are unmapped after each chunk (`release_pages`),
 so the resident set stays a few chunks even though the source is read through a mapping.
-Rows of a condmem table file (`LayerRows.source`) are read with ``pread`` and every block is
-checked against its recorded checksum as it streams past: a corrupted block stops the
-conversion, and nothing is written. The output records a CRC32C per block.
+Rows with a `LayerRows.source` are read with ``pread`` and checked as they stream past: a
+condmem table file's blocks against their recorded checksums, a released checkpoint's scales
+(a NaN or inf one, e8m0 byte 0xFF, is refused naming the tensor and row) and its shards'
+stamps; a failed check stops the conversion, and nothing is written. The output records a
+CRC32C per block.
 """
 
 from __future__ import annotations

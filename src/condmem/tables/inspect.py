@@ -12,16 +12,20 @@ JSON-ready report of:
 * row statistics: a histogram of the e8m0 scale exponents, and the rows that are all
   zero, hold a NaN, or dequantize to an inf. A sample of rows by default (spread over
   the table, sorted so the reads stay sequential); every row with ``full=True``,
-  streamed chunk by chunk with a progress bar.
+  streamed chunk by chunk with a progress bar. Rows are read as the tiers read them and
+  checked as they are (`row_stats`): a table file's blocks against their CRC32C, a released
+  checkpoint's scales (NaN / inf refused, naming the row); a released checkpoint's scales
+  are all read and checked even without ``full`` (1/33 of the table's bytes).
 
 It is also a validator: a released checkpoint is checked by the loaders' own routine
 (`ReleasedCheckpoint.validate`: every tensor's presence, dtype and shape, the rows
 against the primes, the wkv block divisibility, the config against the tensors), a table
-file's rows against its layout's primes. ``report["errors"]`` lists what the loaders
-would refuse (``condmem inspect`` then exits 1), ``report["warnings"]`` the rest, and
-``report["ok"]`` is true when there is no error.
+file's rows against its layout's primes; a damaged block or a bad scale met while reading
+is an error too. ``report["errors"]`` lists what the loaders would refuse (``condmem inspect``
+then exits 1), ``report["warnings"]`` the rest, and ``report["ok"]`` is true when there is no
+error.
 
-No tensor is read beyond what the statistics need; mapped pages are given back as it goes.
+No tensor is read beyond what the statistics and the scale checks need.
 """
 
 from __future__ import annotations

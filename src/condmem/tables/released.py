@@ -33,6 +33,13 @@ scales); the loaders (`ReleasedCheckpoint.table`, `wkv_fp8`, `gate_weights`, so
 `Engram.from_released` and `EngramMemory.from_released`) call it before mapping a tensor,
 and `ReleasedCheckpoint.validate` calls it for every tensor of every layer and collects
 the errors instead of raising the first (``condmem inspect`` prints them and exits 1).
+
+Rows are read with ``pread``, never through a mapping (`ReleasedRows`, the table's
+`LayerRows.source`, read by every tier, ``convert`` and ``inspect``): the shards listed must
+lie inside the checkpoint folder (`checkpoint_files`), every scale read is checked (NaN /
+inf refused, `check_scale_bytes`), and each shard's `FileStamp` (inode, size, mtime, ctime)
+is compared before and after each read, so a shard truncated or rewritten under a reader is
+an error naming it: released shards carry no checksums, the stamp is what can be checked.
 """
 
 from __future__ import annotations
