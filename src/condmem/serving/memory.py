@@ -22,11 +22,15 @@ slot; `commit` advances slots after speculative verification (`docs/engines.md`)
 
 Each layer has its own `LookupEngine` (tier, HBM cache, CPU/zero-copy split), so the
 layers' fetches proceed independently; waiting for one never waits for the host.
+
+One memory may serve several threads: its calls that hash, touch the decode history or start
+lookups take turns under the memory's lock, and each `Prepared` reads its own batch's rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Iterable, Mapping
@@ -34,11 +38,14 @@ from typing import Iterable, Mapping
 import torch
 
 from condmem.hashing import NgramHasher
-from condmem.tables.lookup import LookupConfig, LookupEngine, LookupHandle
+from condmem.tables.lookup import LookupConfig, LookupEngine, LookupHandle, locked
 from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows
 from condmem.utils.device_copy import to_device
+
+
+_UNLOCKED = contextlib.nullcontext()
 
 
 class EngramMemoryError(ValueError):
@@ -64,7 +71,10 @@ class FetchTiming:
 
 @dataclass
 class Prepared:
-    """Row ids of every Engram layer for one batch, and their lookups in flight."""
+    """Row ids of every Engram layer for one batch, and their lookups in flight.
+
+    Its rows are its own batch's, whichever threads prepare other batches of the same memory
+    meanwhile; `rows` may be called from any thread."""
 
     row_ids_all: torch.Tensor
     """int64 [B, T, n_layers, n_cols]."""
@@ -81,6 +91,8 @@ class Prepared:
     _started: torch.cuda.Event | None = None
     """Measured on a GPU: a timed event at the lookups' start."""
     _waits: dict[int, tuple] = field(default_factory=dict)
+    _lock: object = _UNLOCKED
+    """The memory's lock: the hasher's pending checks are shared with threads that hash."""
 
     def row_ids(self, layer_id: int) -> torch.Tensor:
         """[B, T, n_cols] row ids of one layer (sequence-parallel: this rank's tokens)."""
@@ -106,7 +118,8 @@ class Prepared:
             self._rows[layer_id] = rows
             if self.hasher is not None:
                 # Ids found out of range by a finished hash are raised here, where the caller waits anyway.
-                self.hasher.raise_pending(block=False)
+                with self._lock:
+                    self.hasher.raise_pending(block=False)
         return self._rows[layer_id]
 
     def _mark(self):
@@ -172,6 +185,17 @@ class EngramMemory:
             give that chunk).
         measure_fetch: time each batch's fetch against the compute it overlaps
             (`Prepared.fetch_timing`: how much of it was hidden); a few timed CUDA events per layer.
+
+    Thread-safe: one memory may be shared by threads. Its methods that hash, touch the decode
+    history or start lookups (`prepare*`, `lookup`, `commit`, `seed`, `allocate`, `free`) and
+    `flush`, `calibrate`, `warm_up`, `close` take turns under one lock; on a GPU the lookups they
+    start still overlap, and each `Prepared` delivers its own batch's rows to whichever thread
+    reads them. A sequence's history slot is one sequence's: two threads must not advance the
+    same slot. Call `warm_up` and `calibrate` before other threads of the process start lookups
+    (CUDA graph captures); `close()` once the others are done (their later calls raise).
+    `gather_into` takes no lock (it keeps no state: what a CUDA graph captures). With several
+    threads, an id found out of range by a deferred GPU check is raised by the next call that
+    checks, whichever thread makes it.
     """
 
     def __init__(
@@ -232,6 +256,7 @@ class EngramMemory:
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._layer_index = {lid: i for i, lid in enumerate(hasher.layer_ids)}
         self.measure_fetch = measure_fetch
+        self._lock = threading.RLock()  # the hasher, the histories and the engines' lookup starts
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -365,10 +390,12 @@ class EngramMemory:
         return self.hasher.layer_ids
 
     # ------------------------------------------------------------------ sequences
+    @locked
     def allocate(self) -> int:
         """A free decode-history slot for a new sequence."""
         return self.history.allocate()
 
+    @locked
     def free(self, slot: int) -> None:
         """Release a finished sequence's slot (it is reset when reused)."""
         self.history.free(slot)
@@ -382,7 +409,7 @@ class EngramMemory:
             started = torch.cuda.Event(enable_timing=True)
             started.record(torch.cuda.current_stream(self.device))
         prepared = self._start_lookups(row_ids, in_range)
-        prepared.measured, prepared._started = self.measure_fetch, started
+        prepared.measured, prepared._started, prepared._lock = self.measure_fetch, started, self._lock
         return prepared
 
     def _start_lookups(self, row_ids: torch.Tensor, in_range: bool) -> Prepared:
@@ -403,6 +430,7 @@ class EngramMemory:
             tokens = slice(*first.token_chunk(row_ids.shape[1]))
         return Prepared(row_ids, handles, self._layer_index, self.hasher, complete, tokens)
 
+    @locked
     def lookup(self, row_ids: torch.Tensor, *, in_range: bool = False) -> Prepared:
         """Start every layer's lookup of row ids hashed elsewhere: int64 [B, T, n_layers, n_cols]
         in this memory's layout (e.g. by an adapter that hashes inside a model's forward).
@@ -422,6 +450,7 @@ class EngramMemory:
             )
         return self._start(row_ids.to(self.device, non_blocking=True), in_range)
 
+    @locked
     def prepare(
         self,
         input_ids: torch.Tensor,
@@ -464,6 +493,7 @@ class EngramMemory:
             )
         return prepared
 
+    @locked
     def prepare_ragged(
         self,
         input_ids: torch.Tensor,
@@ -503,6 +533,7 @@ class EngramMemory:
         )
         return self._start(row_ids[None])
 
+    @locked
     def commit(
         self,
         slots: torch.Tensor,
@@ -524,11 +555,13 @@ class EngramMemory:
             blocked=None if blocked is None else to_device(blocked, dev),
         )
 
+    @locked
     def seed(self, slots: torch.Tensor, lookback_ids: torch.Tensor) -> None:
         """A prefix-cache hit: set slots' histories from the token ids before their first
         uncached token ([B, N-1], oldest first, -1 where the sequence has none)."""
         self.hasher.seed_history(self.history, to_device(slots, self.device), to_device(lookback_ids, self.device))
 
+    @locked
     def prepare_decode(
         self, slots: torch.Tensor, input_ids: torch.Tensor, *, valid: torch.Tensor | None = None
     ) -> Prepared:
@@ -541,6 +574,7 @@ class EngramMemory:
         )
         return self._start(row_ids[:, None])
 
+    @locked
     def calibrate(
         self, sample_ids: list[torch.Tensor], candidates: tuple[float, ...] | None = None
     ) -> dict[int, float]:
@@ -567,11 +601,13 @@ class EngramMemory:
         host work, capturable in a CUDA graph (`LookupEngine.gather_into`; HBM or page-locked tables)."""
         return self.engines[layer_id].gather_into(row_ids, out=out, max_programs=max_programs)
 
+    @locked
     def flush(self) -> None:
         """Wait for every layer's lookups in flight (their rows landed, misses admitted to the caches)."""
         for engine in self.engines.values():
             engine.flush()
 
+    @locked
     def warm_up(self, batch_tokens: Iterable[int]) -> None:
         """Capture every layer's lookup plans for batches of these many tokens as CUDA graphs
         (`LookupEngine.warm_up`): call it once before serving with the prefill sizes to come
@@ -588,6 +624,7 @@ class EngramMemory:
         """`close()` was called: the tables are released and no lookup may start."""
         return self._closed
 
+    @locked
     def close(self) -> None:
         self._closed = True
         for engine in self.engines.values():

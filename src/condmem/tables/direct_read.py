@@ -40,6 +40,9 @@ BLOCK = 4096
 class DirectRowReader:
     """Random rows of one tensor of a file, read with ``pread`` and checked.
 
+    Thread-safe: `read` may run on several threads at once (each call reads into buffers of its
+    own; a chunk digest checked by two at once is only checked twice); `close()` only after them.
+
     Args:
         path: the file (reopened through `source` when given).
         offset: byte offset of row 0 in the file.

@@ -40,6 +40,11 @@ deduplicated and probed, and batch i-1's last chunk is in DMA. `handle.wait()` m
 caller's stream wait for the rows' event, so layers queued before it overlap with the
 fetch. The rows are bit-identical whatever the path and timing (tested against a plain
 gather).
+
+Threads: one engine may serve lookups from several threads. Its stateful part (plan slots,
+lookups in flight, the cache's admissions, the direct path's pending range checks) runs under
+one lock (the cache's, when it has one), so lookups of several threads are planned one at a
+time; on a GPU their fetches still overlap, and each handle delivers its own lookup's rows.
 """
 
 from __future__ import annotations
@@ -153,7 +158,10 @@ class LookupStats:
 
 
 class LookupHandle:
-    """A lookup in flight. `wait()` returns the rows, ready on the caller's current stream."""
+    """A lookup in flight. `wait()` returns the rows, ready on the caller's current stream.
+
+    The rows are this lookup's own, whatever other threads look up meanwhile; a handle may be
+    waited for from any thread (each `wait()` readies them on that thread's current stream)."""
 
     def __init__(
         self,
@@ -212,6 +220,17 @@ def _rows_from_raw(
     return engram_gather(ids, raw, head_dim=head_dim, out=out, **kernel)
 
 
+def locked(method):
+    """`method` run under its object's ``_lock`` (`LookupEngine`, `EngramMemory`: one caller at a time)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 @dataclass
 class _Batch:
     """One lookup on its way through the pipeline (GPU path)."""
@@ -238,6 +257,16 @@ class LookupEngine:
     next batch's dedup and cache probe run while this one's rows are still being gathered
     on the CPU and copied. Use it as a context manager (or call `close()`): it holds a
     gather thread, pinned staging buffers and plan slots.
+
+    Thread-safe: `lookup`, `flush`, `warm_up`, `calibrate`, `raise_pending` and `close` may be
+    called from several threads; they run one at a time under the engine's lock (the cache's
+    `RowCache.lock` when there is a cache, so engines sharing a cache never interleave a probe
+    and an admission). Each handle delivers its own lookup's rows and may be waited for from
+    any thread. On the CPU a lookup runs inside `lookup`, so concurrent lookups of one engine
+    take turns. `warm_up` and `calibrate` capture CUDA graphs: call them before other threads
+    of the process start lookups (a synchronizing call on any thread spoils a capture).
+    `gather_into` keeps no state and takes no lock. An error of an earlier direct lookup
+    (ids outside the table) is raised by the next call that checks, whichever thread makes it.
 
     Args:
         store: the layer's rows (any tier).
@@ -300,7 +329,9 @@ class LookupEngine:
         else:
             self.stream = self.zero_copy_stream = self.copy_stream = self.finish_stream = None
             self._pool = None
-        self._settling = threading.Lock()  # handles may be waited for from other threads
+        # Plan slots, lookups in flight, admissions and pending checks; handles may be waited for
+        # from other threads. The cache's lock when there is one: probe -> hit read -> admission.
+        self._lock = cache.lock if cache is not None else threading.RLock()
         self._sender: StagedSender | None = None  # made on the first CPU share (pinned ring)
         self._plans: collections.OrderedDict[int, list[LookupPlan]] = collections.OrderedDict()  # by bucket, LRU
         self._plan_next: dict[int, int] = {}
@@ -317,6 +348,7 @@ class LookupEngine:
         return self._cpu_fraction
 
     @cpu_fraction.setter
+    @locked
     def cpu_fraction(self, fraction: float) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"cpu_fraction must be in [0, 1], got {fraction}")
@@ -359,6 +391,7 @@ class LookupEngine:
         return done
 
     # ------------------------------------------------------------------ the lookup
+    @locked
     def lookup(self, row_ids: torch.Tensor, *, in_range: bool = False) -> LookupHandle:
         """Start fetching rows for `row_ids` [..] (int64 on `device`); returns a handle at once.
 
@@ -405,7 +438,7 @@ class LookupEngine:
         if batch.expanded:
             return
         concurrent.futures.wait([batch.future])
-        with self._settling:
+        with self._lock:
             if batch.expanded:  # another waiter queued it
                 return
             if batch.future.exception() is not None:
@@ -433,6 +466,7 @@ class LookupEngine:
         if self.cache is not None and not batch.failed:
             batch.plan.admit()
 
+    @locked
     def flush(self) -> None:
         """Wait for every lookup in flight and admit its misses to the cache. Work the caller
         queues afterwards (on its current stream: reading, clearing the cache) follows the admissions."""
@@ -472,7 +506,7 @@ class LookupEngine:
             out = self.gather_into(row_ids)
             if label is not None:
                 self._direct_checks.submit_ids(row_ids, label)
-            return LookupHandle(out, None, None, stats, settle=self._direct_checks.raise_pending, home=stream)
+            return LookupHandle(out, None, None, stats, settle=self._raise_direct, home=stream)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         row_ids.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
@@ -481,13 +515,19 @@ class LookupEngine:
             event.record(self.stream)
             if label is not None:
                 self._direct_checks.submit_ids(row_ids, label)
-        return LookupHandle(out, event, None, stats, settle=self._direct_checks.raise_pending)
+        return LookupHandle(out, event, None, stats, settle=self._raise_direct)
 
+    @locked
     def raise_pending(self, block: bool = True) -> None:
         """Raise `StorageError` if an earlier direct (decode-sized) lookup read ids outside the
         table. Those lookups never wait for the GPU; their check lands later and is raised by
         the next `wait()` or `lookup()` once known, or here (``block=True`` waits for it)."""
         self._direct_checks.raise_pending(block=block)
+
+    def _raise_direct(self) -> None:
+        """A direct lookup's handle: raise an earlier direct lookup's bad ids once known (no wait)."""
+        with self._lock:
+            self._direct_checks.raise_pending()
 
     def gather_into(
         self, row_ids: torch.Tensor, out: torch.Tensor | None = None, *, max_programs: int | None = None
@@ -517,6 +557,7 @@ class LookupEngine:
         return self.cpu_fraction
 
     # ------------------------------------------------------------------ plan slots
+    @locked
     def warm_up(self, sizes: Iterable[int]) -> None:
         """Capture the plans (and cache admissions) of lookups of these many ids as CUDA graphs.
 
@@ -710,6 +751,7 @@ class LookupEngine:
         torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / max(1, len(batches))
 
+    @locked
     def calibrate(
         self,
         n_ids: int = 1 << 18,
@@ -789,6 +831,7 @@ class LookupEngine:
         self.calibration = results
         return self.cpu_fraction
 
+    @locked
     def close(self) -> None:
         """Finish the lookups in flight, stop the gather thread, free the plan slots and staging."""
         self._closed = True

@@ -22,10 +22,16 @@ Rows are stored as raw bytes (uint8 [slots, row_bytes]) in the table's own forma
 On CUDA, probe and admission run as Triton kernels (`condmem.ops.row_cache`: one launch for
 the probe, two for the admission; ~10x less device time than the torch ops, which remain
 the reference and the CPU path). Both give the same keys, counters, rows and slots.
+
+Threads: every method runs under the cache's reentrant `RowCache.lock`, so concurrent
+callers never tear its keys, counters or rows apart. A slot from `probe` names its row only
+until the next admission, so a caller that shares the cache with other threads holds
+``cache.lock`` from `probe` through `read` (`DramCachedStore` and `LookupEngine` do).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +70,11 @@ class CacheStats:
 
 class RowCache:
     """Fixed-capacity set-associative row cache.
+
+    Thread-safe: each method runs under `lock` (reentrant). A slot returned by `probe` stays
+    valid only until the next admission; callers sharing the cache across threads hold
+    ``with cache.lock:`` from `probe` through `read`. On CUDA the lock orders the host calls;
+    the kernels run in their streams' order, so a CUDA cache serves one `LookupEngine`.
 
     Args:
         capacity_rows: slots in total (rounded down to a multiple of `ways`, at least one set).
@@ -121,6 +132,8 @@ class RowCache:
         # Counters stay on the device so probing never waits for the host.
         self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)  # lookups, hits, admitted
         self._admissions = 0
+        self.lock = threading.RLock()
+        """Held by every method; hold it yourself across `probe` -> `read` when other threads admit."""
 
     @classmethod
     def from_bytes(cls, capacity_bytes: int, row_bytes: int, **kwargs) -> RowCache:
@@ -138,15 +151,18 @@ class RowCache:
     @property
     def stats(self) -> CacheStats:
         """Lookups, hits and admissions since the last `reset_stats` (reads device counters: a sync)."""
-        lookups, hits, admitted = (int(x) for x in self._counters.tolist())
+        with self.lock:
+            lookups, hits, admitted = (int(x) for x in self._counters.tolist())
         return CacheStats(lookups, hits, admitted)
 
     def reset_stats(self) -> None:
-        self._counters.zero_()
+        with self.lock:
+            self._counters.zero_()
 
     def clear(self) -> None:
-        self._keys_all.fill_(EMPTY)
-        self._freq_all.zero_()
+        with self.lock:
+            self._keys_all.fill_(EMPTY)
+            self._freq_all.zero_()
 
     # ------------------------------------------------------------------ operations
     def probe(self, ids: torch.Tensor, count: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,6 +172,10 @@ class RowCache:
         """
         if ids.numel() == 0:
             return ids.new_empty(0)
+        with self.lock:
+            return self._probe(ids, count, valid)
+
+    def _probe(self, ids: torch.Tensor, count: bool, valid: torch.Tensor | None) -> torch.Tensor:
         if self.backend == "triton":
             from condmem.ops.row_cache import triton as cache_kernels
 
@@ -180,8 +200,10 @@ class RowCache:
         return slot
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """Raw rows [n, row_bytes] at `slots`."""
-        return row_words(self.data).index_select(0, slots).view(torch.uint8)
+        """Raw rows [n, row_bytes] at `slots` (slots of a `probe` made under the same hold of `lock`
+        when other threads admit)."""
+        with self.lock:
+            return row_words(self.data).index_select(0, slots).view(torch.uint8)
 
     def admit(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Insert missed `ids` (unique, not cached) with their raw `rows`; returns the slot of each (-1: not admitted).
@@ -193,16 +215,18 @@ class RowCache:
         """
         if ids.numel() == 0:
             return ids.new_empty(0)
-        out = self.admit_rows(ids, rows)
-        self.note_admission()
+        with self.lock:
+            out = self.admit_rows(ids, rows)
+            self.note_admission()
         return out
 
     def note_admission(self) -> None:
         """Count one admission and decay the counters when due (host-side bookkeeping of `admit`,
         kept apart from `admit_rows` so that one can be captured in a CUDA graph)."""
-        self._admissions += 1
-        if self.decay_every and self._admissions % self.decay_every == 0:
-            self.freq.bitwise_right_shift_(1)
+        with self.lock:
+            self._admissions += 1
+            if self.decay_every and self._admissions % self.decay_every == 0:
+                self.freq.bitwise_right_shift_(1)
 
     def admit_rows(
         self,
@@ -220,6 +244,10 @@ class RowCache:
         gathered into a copy first).
         `return_slots`: False returns None (one scatter less).
         """
+        with self.lock:
+            return self._admit_rows(ids, rows, valid, row_index, return_slots)
+
+    def _admit_rows(self, ids, rows, valid, row_index, return_slots):
         n_rows = ids.numel() if row_index is None else rows.shape[0]
         if rows.dim() != 2 or rows.shape != (n_rows, self.row_bytes) or rows.dtype != torch.uint8:
             raise ValueError(
