@@ -529,6 +529,11 @@ def place_layer(
         tier: "hbm", "host" or "disk" (disk reads the rows where they are).
         device: the CUDA device for hbm (default: current).
         host_alloc: host strategy (see `condmem.tables.host_memory`); "pageable" on CPU-only machines.
+            "shared" (with `shared_name`): the process that creates the copy fills and checks it before
+            any other maps it; one that attaches compares it with its own rows (read and checked into a
+            private buffer) and never writes it: a damaged file is a `TableFileError`, a copy that
+            differs a `StorageError`.
+        shared_name: the copy's /dev/shm name (`host_memory.shared_table_name`) for "shared".
         chunk_rows: rows copied at a time (tensors without a source; the HBM tier's staging).
         progress: show a progress bar while copying / pinning.
         name: for logs.
