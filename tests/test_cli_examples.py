@@ -124,9 +124,9 @@ def sized(argv: list[str]) -> list[str]:
     if command == "generate":
         return argv + ["--max-new-tokens", "2", "--device", "cpu"]
     if command == "study":
-        # The gpu preset's sweeps take minutes on an H200: the tiny preset's (seconds on a CPU) instead; the
+        # The gpu and cpu presets' sweeps take minutes: the tiny preset's (seconds on a CPU) instead; the
         # user's corpus is the test's stdlib folder.
-        argv = ["tiny" if a == "gpu" else "corpus" if a == "/path/to/texts" else a for a in argv]
+        argv = ["tiny" if a in ("gpu", "cpu") else "corpus" if a == "/path/to/texts" else a for a in argv]
         return argv + ([] if "--replot" in argv or "--device" in argv else ["--device", "cpu"])
     if command == "bench":
         # GPU benchmarks at full size: --smoke runs them at tiny sizes (on a CPU, the kernels in the

@@ -1,5 +1,6 @@
 """`condmem study`: exact parameter / FLOP accounting of every point, the findings' logic, and
-the tiny sweeps end to end (well-formed study.json and PNG)."""
+the tiny sweeps end to end (well-formed study.json and PNGs). Runs, resume and selection:
+test_study_runs.py; config files: test_study_config.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from condmem.cli import main
 from condmem.models import DecoderLM, forward_flops_per_token
@@ -20,7 +20,6 @@ from condmem.train.study import (
     allocation_points,
     slot_points,
     slots_finding,
-    train_points,
 )
 
 
@@ -41,7 +40,7 @@ def test_allocation_accounting_is_exact_for_every_rho(preset):
     base = _base(preset)
     sp = STUDY_PRESETS[preset]
     points = allocation_points(base, sp.rhos)
-    assert [p.rho for p in points] == sorted(sp.rhos, reverse=True)
+    assert [p.rho_asked for p in points] == [[r] for r in sorted(sp.rhos, reverse=True)]
     ref = points[0]
     d, moe, layers = base.dim, base.moe, base.n_layers
     expert = 3 * d * moe.expert_hidden
@@ -51,7 +50,8 @@ def test_allocation_accounting_is_exact_for_every_rho(preset):
         # the formula equals the parameters of the model built (on meta: no memory)
         assert a["params"] == DecoderLM(cfg, device="meta").param_counts(), p.label
         n = cfg.moe.n_experts
-        assert n == moe.top_k + round(p.rho * (moe.n_experts - moe.top_k))
+        assert n == moe.top_k + round(p.rho_asked[0] * (moe.n_experts - moe.top_k))
+        assert p.rho == (n - moe.top_k) / (moe.n_experts - moe.top_k)  # the rho realised
         assert a["idle_expert_params"] == layers * (n - moe.top_k) * expert
         assert a["params"]["tables"] == a["table_rows"] * base.engram.head_dim
         # every point has the budget's total, less than one more step of the table's primes
@@ -111,33 +111,11 @@ def test_slots_finding_fits_a_line_in_log_rows():
     assert f["decades"] == pytest.approx(2) and f["no_engram_val_loss"] == 3.0
 
 
-def test_a_budget_cuts_the_first_run_and_every_run_follows(tiny_data):
-    sp = STUDY_PRESETS["tiny"]
-    base = build_model_config(sp.base, tiny_data)
-    points = allocation_points(base, [1.0, 0.5])
-    import numpy as np
-
-    seen = np.zeros(len(tiny_data.val) - 1, dtype=bool)
-    runs = train_points(
-        points,
-        tiny_data,
-        torch.device("cpu"),
-        sp.base.train,
-        steps=10**6,
-        seeds=1,
-        seed=0,
-        seen=seen,
-        budget_s=1.0,
-        progress=False,
-    )
-    assert runs[0]["steps"] < 10**6 and runs[0]["steps"] == runs[1]["steps"]
-
-
 def _check_study(path, kind, n_points, seeds):
     s = json.loads((path / "study.json").read_text())
     assert s["study"] == kind and s["same_tokens"] and s["passes"]["passes"] <= 1.0
     assert len(s["runs"]) == n_points * seeds and len(s["points"]) == n_points
-    assert s["seeds"] == list(range(seeds)) and s["data_seed"] == 0
+    assert s["seeds"] == list(range(seeds)) and s["data_seeds"] == list(range(seeds))
     for r in s["runs"]:
         for key in (
             "total_params",
@@ -151,10 +129,13 @@ def _check_study(path, kind, n_points, seeds):
         ):
             assert r[key] is not None and r[key] >= 0, key
         assert r["buckets"]["seen"]["tokens"] + r["buckets"]["unseen"]["tokens"] == r["val_tokens"]
-        assert r["val_tokens"] == s["data"]["validation"]["tokens"] - 1  # every held-out token, deduplicated
+        # every held-out token (deduplicated) when the split is under the cap, as here
+        assert r["val_tokens"] == s["data"]["validation"]["tokens"] - 1 and not r["val_capped"]
+        assert len(r["train_losses"]) == r["steps"]
     assert "orders of magnitude" in s["report"] and s["scale"]["orders_of_magnitude_below_paper"] > 3
     if importlib.util.find_spec("matplotlib") is not None:
         assert s["figure"] == f"{kind}.png" and (path / s["figure"]).stat().st_size > 1000
+        assert (path / s["curves_figure"]).stat().st_size > 1000
     return s
 
 
@@ -222,13 +203,45 @@ def test_tiny_slot_study_end_to_end(tiny_corpus, tmp_path):
 def test_study_refuses_bad_arguments(tiny_corpus, tmp_path, capsys):
     common = ["--preset", "tiny", "--corpus", str(tiny_corpus), "--no-progress", "--out", str(tmp_path / "x")]
     assert main(["study", "allocation", "--rhos", "1.5", *common]) == 1
-    assert "rho must be in [0, 1]" in capsys.readouterr().err
+    assert "rhos[0]: rho must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert main(["study", "allocation", "--rhos", "0", *common]) == 1
+    assert "rhos[0]: rho must be in (0, 1]" in capsys.readouterr().err
     assert main(["study", "slots", "--table-sizes", "100", *common]) == 1
     assert "two table sizes" in capsys.readouterr().err
-    assert main(["study", "allocation", "--seeds", "0", *common]) == 1
+    for flag in ("--seeds", "--steps", "--tokens", "--val-tokens"):
+        for value in ("0", "-3"):
+            assert main(["study", "allocation", flag, value, *common]) == 1
+            assert f"{flag} must be a positive integer, got {value}" in capsys.readouterr().err
+    assert main(["study", "allocation", "--minutes", "-1", *common]) == 1
+    assert "--minutes must be a positive number" in capsys.readouterr().err
+    assert main(["study", "allocation", "--only", "rho", *common]) == 1
+    assert "KEY=VALUE" in capsys.readouterr().err
+    assert main(["study", "allocation", "--only", "size=3", *common]) == 1
+    assert "unknown key 'size'" in capsys.readouterr().err
+    assert main(["study", "allocation", "--controls", "no_tabel", *common]) == 1
+    assert "controls[0]: unknown control 'no_tabel'" in capsys.readouterr().err
 
 
 def test_study_presets_are_typed():
     gpu = STUDY_PRESETS["gpu"]
-    assert gpu.minutes is not None and gpu.rhos[0] == 1.0 and len(gpu.rhos) >= 7
+    assert gpu.minutes is None and gpu.rhos[0] == 1.0 and len(gpu.rhos) >= 7 and gpu.deterministic
     assert dataclasses.replace(gpu.base.train, seed=3).seed == 3
+    assert sorted(STUDY_PRESETS) == ["cpu", "gpu", "tiny"]
+
+
+def test_points_are_labelled_by_the_rho_realised(tiny_data):
+    base = build_model_config(STUDY_PRESETS["tiny"].base, tiny_data)  # 6 experts, top-2: rho steps of 1/4
+    points = allocation_points(base, [0.8, 0.75, 0.6])
+    assert [(p.rho, p.rho_asked) for p in points] == [(1.0, [1.0]), (0.75, [0.8, 0.75]), (0.5, [0.6])]
+    assert [p.label for p in points] == ["rho=1.00 (pure MoE)", "rho=0.75 (asked 0.80, 0.75)", "rho=0.50 (asked 0.60)"]
+    # negative control: labelling by the rho asked (the old rule) names a model that was not trained
+    assert points[2].accounting["n_experts"] == 4 and round(0.6 * 4) / 4 != 0.6
+
+
+def test_replot_of_an_empty_study_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "study.json").write_text('{"study": "allocation", "runs": []}')
+    assert main(["study", "allocation", "--out", str(tmp_path), "--replot"]) == 1
+    assert "holds no runs: nothing to plot" in capsys.readouterr().err
+    # negative control: the finding code the old replot called first fails on it with no message
+    with pytest.raises((KeyError, StopIteration)):
+        allocation_finding(json.loads((tmp_path / "study.json").read_text())["points"])

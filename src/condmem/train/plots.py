@@ -1,4 +1,5 @@
-"""Figures of the demo: both models' loss curves, and the Engram gate over validation text.
+"""Figures of the demo (both models' loss curves, the Engram gate over validation text) and of
+`condmem study` (every run's loss curve on one figure per sweep).
 
 matplotlib is optional: without it the functions log a warning and return None (the
 numbers are in summary.json and gates.json either way).
@@ -237,4 +238,42 @@ def plot_gate_heatmap(
         y=1 - 0.12 / fh,
         va="top",
     )
+    return save_figure(fig, path, within=within)
+
+
+def plot_sweep_curves(summary: dict, path: str | Path, within: str | Path | None = None) -> Path | None:
+    """Every run of a `condmem study` sweep on one figure: its training loss (smoothed) against training
+    tokens, its final validation loss a marker at the end; one colour per point, one line per seed."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labels = list(dict.fromkeys(r["label"] for r in summary["runs"]))
+    colors = {label: plt.cm.viridis(i / max(1, len(labels) - 1)) for i, label in enumerate(labels)}
+    shown: set[str] = set()
+    lows, highs = [], []
+    for run in summary["runs"]:
+        losses = run.get("train_losses") or []
+        if not losses:
+            continue
+        per_step = run["train_tokens"] / max(1, run["steps"])
+        tokens = per_step * np.arange(1, len(losses) + 1)
+        smooth = _ema(losses, 0.9)
+        color, label = colors[run["label"]], run["label"]
+        dashed = run.get("control") is not None
+        ax.plot(tokens, smooth, color=color, lw=1, ls="--" if dashed else "-", label=None if label in shown else label)
+        ax.scatter([tokens[-1]], [run["val_loss"]], color=color, marker="*", s=40, zorder=3)
+        shown.add(label)
+        tail = smooth[len(smooth) // 5 :]
+        lows.append(min(float(np.min(tail)), run["val_loss"]))
+        highs.append(max(float(np.max(tail)), run["val_loss"]))
+    if lows:
+        pad = 0.1 * (max(highs) - min(lows) or 1.0)
+        ax.set_ylim(min(lows) - pad, max(highs) + pad)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("loss (nats / token): training, smoothed; star: final validation")
+    ax.set_title(f"condmem study {summary['study']} ({summary['preset']}): every run", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
     return save_figure(fig, path, within=within)

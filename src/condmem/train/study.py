@@ -7,17 +7,20 @@
   the table's rounding to the layout's primes, recorded) and the same parameters and
   FLOPs per token: top_k experts, the same attention and shared expert; the Engram's
   projection and gate cost FLOPs that the pure-MoE model spends on a wider shared expert
-  in the same block (`iso_flop_baseline`). Paper (arXiv 2601.07372): loss is U-shaped in
-  rho, lowest at rho ~ 0.75-0.8.
+  in the same block (`iso_flop_baseline`). A point is labelled by the rho its integer
+  expert count realises, the rho asked beside it. Controls (`CONTROLS`) run beside each
+  rho < 1. Paper (arXiv 2601.07372): loss is U-shaped in rho, lowest at rho ~ 0.75-0.8.
 * ``slots``: the backbone fixed (rho = 1's experts, with an Engram), the table's rows
   swept over two decades or more, plus the backbone without Engram (iso-FLOP) as a
   level. Paper: loss falls about linearly in log(rows).
 
-Every run of a sweep trains on the same batches in the same order (one data seed; the
-seeds vary the initialization only), for the same number of steps (at most one pass over
-the training split, recorded), and is validated on every token of the deduplicated
-held-out split, as in `condmem demo`. The report states the scale against the paper's and
-claims a minimum only where the seed spread allows it.
+A sweep is a set of runs (`condmem.train.study_runs`): each writes ``OUT/runs/<run-id>.json``
+when it ends, a re-run skips finished runs, ``--only`` splits a sweep over machines, and
+`merge` builds ``study.json`` and the figures once every run exists. Every run of a seed index
+trains on the same batches in the same order for the same number of steps (stated up front,
+at most ``max_passes`` over the training split), and is validated on the same held-out
+tokens (at most ``val_tokens``, said so). The report states the scale against the paper's
+and claims a minimum only where the seed spread allows it.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from condmem.config import EngramConfig
+from condmem.config import ConfigError, EngramConfig
 from condmem.layout import draw_primes
 from condmem.models import iso_flop_baseline
-from condmem.models.config import ModelConfig, MoEConfig
+from condmem.models.config import ModelConfig
 from condmem.models.flops import (
     forward_flops_per_token,
     parameter_counts,
@@ -47,19 +50,30 @@ from condmem.train.build import (
     build_model_config,
     build_trainer,
     cap_steps,
-    machine_info,
     prepare,
     resolve_device,
 )
-from condmem.train.demo import bucket_losses, mean_std
+from condmem.train.demo import mean_std
 from condmem.train.heldout import seen_in_training
-from condmem.train.loop import TrainConfig
-from condmem.train.pipeline import PreparedData
-from condmem.train.presets import DataPreset, EngramPreset, ModelPreset, Preset
+from condmem.train.study_config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig, load_study_config, study_preset
+from condmem.train.study_runs import (
+    RunStore,
+    SweepProgress,
+    data_identity,
+    determinism_record,
+    deterministic_mode,
+    differences,
+    parse_only,
+    plan_runs,
+    run_config,
+    run_train_config,
+    select_runs,
+    set_cublas_workspace,
+    train_run,
+)
 from condmem.utils.atomic import atomic_write_text, check_destination
+from condmem.train.plots import plot_sweep_curves
 from condmem.utils.plotting import pyplot, save_figure
-
-KINDS = ("allocation", "slots")
 
 PAPER = {
     "source": "arXiv 2601.07372 (figures as gathered in two public notes)",
@@ -80,90 +94,8 @@ PAPER = {
     },
 }
 
-
-@dataclass
-class StudyPreset:
-    """One size of `condmem study`."""
-
-    base: Preset
-    """The pure-MoE backbone (model.moe at rho = 1), the Engram's geometry (its table size is
-    derived per point), training and data settings."""
-    rhos: list[float]
-    """Allocation grid: share of the sparse parameters left to routed experts (1.0 = pure MoE)."""
-    table_sizes: list[int]
-    """Slot sweep: bucket range per (order, head); rows are about n_cols times this."""
-    allocation_steps: int
-    """Training steps of every allocation run (capped at one pass over the training split)."""
-    slots_steps: int
-    """Training steps of every slot run."""
-    minutes: float | None = None
-    """Wall-clock budget of one sweep, data preparation included: the first run's step count
-    is cut to fit it (never raised), and every run takes that count. None: no budget."""
-
-
-STUDY_PRESETS: dict[str, StudyPreset] = {
-    "tiny": StudyPreset(
-        Preset(
-            "tiny",
-            ModelPreset(
-                dim=32,
-                n_layers=2,
-                n_heads=2,
-                n_kv_heads=1,
-                ffn_hidden=32,
-                max_seq_len=64,
-                moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=32),
-            ),
-            EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=500),
-            TrainConfig(
-                steps=16, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_tokens=512, eval_every=0, log_every=8
-            ),
-            DataPreset(corpus="stdlib", vocab_size=320, max_train_bytes=2_000_000, tokenizer_train_bytes=1_000_000),
-        ),
-        rhos=[1.0, 0.75, 0.5],
-        table_sizes=[20, 300, 3000],
-        allocation_steps=16,
-        slots_steps=16,
-    ),
-    "gpu": StudyPreset(
-        Preset(
-            "gpu",
-            ModelPreset(
-                dim=512,
-                n_layers=6,
-                n_heads=8,
-                n_kv_heads=4,
-                ffn_hidden=512,
-                max_seq_len=512,
-                moe=MoEConfig(n_experts=62, top_k=2, expert_hidden=256),
-            ),
-            EngramPreset(layer_ids=[1], max_ngram_size=3, n_heads=8, head_dim=32, table_size=2_000_000),
-            TrainConfig(
-                steps=400,
-                batch_size=64,
-                seq_len=512,
-                lr=2e-3,
-                warmup_steps=40,
-                eval_tokens=65_536,
-                eval_every=0,
-                eval_batch_size=32,
-                log_every=100,
-            ),
-            DataPreset(
-                corpus="python",
-                vocab_size=8192,
-                max_train_bytes=150_000_000,
-                max_corpus_bytes=1_500_000_000,
-                tokenizer_train_bytes=20_000_000,
-            ),
-        ),
-        rhos=[1.0, 0.9, 0.8, 0.7, 0.6, 0.4, 0.2],
-        table_sizes=[2_500, 25_000, 250_000, 2_500_000],
-        allocation_steps=400,
-        slots_steps=1000,
-        minutes=9.0,
-    ),
-}
+STUDY_PRESETS: dict[str, StudyConfig] = {name: study_preset(name) for name in PRESET_NAMES}
+"""The shipped presets (``condmem/configs/study/*.toml``)."""
 
 
 @dataclass
@@ -173,17 +105,61 @@ class Point:
     label: str
     cfg: ModelConfig
     rho: float | None = None
-    """Allocation: the grid's rho (None in the slot sweep)."""
+    """Allocation: the rho the point's integer expert count realises (None in the slot sweep)."""
     accounting: dict = field(default_factory=dict)
+    rho_asked: list[float] = field(default_factory=list)
+    """Allocation: the grid's rhos that gave this point's expert count."""
+    control: str | None = None
+    """The control this point is (`CONTROLS`), None for a point of the sweep itself."""
+    key: str = ""
+    """The point's part of its runs' ids (file names)."""
+
+    def record_fields(self) -> dict:
+        """What each run's record says about its point."""
+        a = self.accounting
+        return {
+            "rho": self.rho,
+            "rho_asked": self.rho_asked,
+            "rho_realized": a["rho_realized"],
+            "n_experts": a["n_experts"],
+            "table_size": a["table_size"],
+            "table_rows": a["table_rows"],
+            "total_params": a["params"]["total"],
+            "active_params": a["params"]["active"],
+            "table_params": a["params"]["tables"],
+            "params": a["params"],
+            "flops_per_token": a["flops_per_token"],
+            "forward_flops": a["forward_flops"],
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "label": self.label,
+            "key": self.key,
+            "rho": self.rho,
+            "rho_asked": self.rho_asked,
+            "control": self.control,
+            "accounting": self.accounting,
+            "model": self.cfg.to_dict(),
+        }
 
 
 # ----------------------------------------------------------------------------- the sweeps' models
 
 
-def allocation_points(base: ModelConfig, rhos: list[float]) -> list[Point]:
-    """The pure-MoE reference and one model per rho < 1 at its total parameters.
+def _control_config(control: str, cfg: ModelConfig) -> ModelConfig:
+    """The model of `control` beside the allocation point `cfg` (same experts)."""
+    if control == "no_table":
+        return iso_flop_baseline(cfg)
+    raise ConfigError(f"control {control!r} is not available in this build; choose from ['no_table']")
 
-    `base`: the backbone at rho = 1 with the Engram geometry (its table size is replaced).
+
+def allocation_points(base: ModelConfig, rhos: list[float], controls: list[str] | tuple = ()) -> list[Point]:
+    """The pure-MoE reference and one model per realised rho < 1 at its total parameters, then the
+    controls of each rho < 1.
+
+    `base`: the backbone at rho = 1 with the Engram geometry (its table size is replaced). Rhos
+    that round to the same expert count are one point (its ``rho_asked`` lists them).
     """
     moe, engram = base.moe, base.engram
     if moe is None or engram is None:
@@ -191,20 +167,46 @@ def allocation_points(base: ModelConfig, rhos: list[float]) -> list[Point]:
     spare = moe.n_experts - moe.top_k
     if spare < 1:
         raise ValueError(f"model.moe has {moe.n_experts} experts for top_k {moe.top_k}: no sparse experts to trade")
-    bad = [r for r in rhos if not 0 <= r <= 1]
+    bad = [r for r in rhos if not 0 < r <= 1]
     if bad:
-        raise ValueError(f"rho must be in [0, 1], got {bad}")
+        raise ValueError(f"rho must be in (0, 1], got {bad}")
+    unknown = [c for c in controls if c not in CONTROLS]
+    if unknown:
+        raise ValueError(f"unknown control(s) {unknown}; choose from {list(CONTROLS)}")
     reference = iso_flop_baseline(base)
     budget = parameter_counts(reference)["total"]
-    points = [Point("rho=1.00 (pure MoE)", reference, 1.0)]
+    by_experts: dict[int, list[float]] = {}
+    for rho in sorted(set(rhos), reverse=True):
+        by_experts.setdefault(moe.top_k + round(rho * spare), []).append(rho)
+    asked_ref = by_experts.pop(moe.n_experts, [])
+    points = [
+        Point("rho=1.00 (pure MoE)", reference, 1.0, rho_asked=sorted({1.0, *asked_ref}, reverse=True), key="rho=1")
+    ]
     layers = len(engram.layer_ids)
-    for rho in sorted({r for r in rhos if r < 1}, reverse=True):
-        experts = moe.top_k + round(rho * spare)
+    mains = []
+    for experts, asked in sorted(by_experts.items(), reverse=True):
+        realised = (experts - moe.top_k) / spare
         cfg = base.replace(moe=dataclasses.replace(moe, n_experts=experts))
         counts = parameter_counts(cfg)
         rows = (budget - (counts["total"] - counts["tables"])) // (engram.head_dim * layers)
-        table_size = table_size_for(engram, rows)
-        points.append(Point(f"rho={rho:.2f}", cfg.replace(engram=engram.replace(table_size=table_size)), rho))
+        cfg = cfg.replace(engram=engram.replace(table_size=table_size_for(engram, rows)))
+        shown = ", ".join(f"{r:.2f}" for r in asked)
+        label = f"rho={realised:.2f}" + ("" if asked == [round(realised, 10)] else f" (asked {shown})")
+        mains.append(Point(label, cfg, realised, rho_asked=asked, key=f"rho={realised:.4f}_experts={experts}"))
+    points += mains
+    for control in controls:
+        for p in mains:
+            cfg = _control_config(control, p.cfg)
+            points.append(
+                Point(
+                    f"rho={p.rho:.2f} {control}",
+                    cfg,
+                    p.rho,
+                    rho_asked=p.rho_asked,
+                    control=control,
+                    key=f"{p.key}_{control}",
+                )
+            )
     for point in points:
         point.accounting = accounting(point.cfg, base.max_seq_len, budget)
     return points
@@ -231,9 +233,10 @@ def slot_points(base: ModelConfig, table_sizes: list[int]) -> list[Point]:
     """The backbone with tables of each size, and without Engram (its FLOPs on the shared expert)."""
     if base.engram is None:
         raise ValueError("the slot study needs an Engram geometry")
-    points = [Point("no Engram", iso_flop_baseline(base))]
+    points = [Point("no Engram", iso_flop_baseline(base), key="no_engram")]
     for size in sorted(set(table_sizes)):
-        points.append(Point(f"table_size={size:,}", base.replace(engram=base.engram.replace(table_size=size))))
+        cfg = base.replace(engram=base.engram.replace(table_size=size))
+        points.append(Point(f"table_size={size:,}", cfg, key=f"table_size={size}"))
     for point in points:
         point.accounting = accounting(point.cfg, base.max_seq_len)
     return points
@@ -262,6 +265,59 @@ def accounting(cfg: ModelConfig, seq_len: int, budget: int | None = None) -> dic
     return out
 
 
+# ----------------------------------------------------------------------------- configuration
+
+
+def resolve_config(
+    *,
+    preset: str = "tiny",
+    config: str | Path | StudyConfig | None = None,
+    seeds: int | None = None,
+    corpus=None,
+    steps: int | None = None,
+    tokens: int | None = None,
+    kind: str = "allocation",
+    minutes: float | None = None,
+    seed: int | None = None,
+    rhos: list[float] | None = None,
+    table_sizes: list[int] | None = None,
+    max_passes: float | None = None,
+    val_tokens: int | None = None,
+    controls: list[str] | None = None,
+    deterministic: bool | None = None,
+) -> StudyConfig:
+    """The sweep's config: the preset or `config` file, with the given values (None: kept) in place."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown study {kind!r}; choose one of {list(KINDS)}")
+    if isinstance(config, StudyConfig):
+        sc = config
+    elif config is not None:
+        sc = load_study_config(config)
+    else:
+        sc = study_preset(preset)
+    step_key, token_key = f"{kind}_steps", f"{kind}_tokens"
+    sc = sc.override(
+        "command line",
+        seeds=seeds,
+        seed=seed,
+        minutes=minutes,
+        rhos=list(rhos) if rhos else None,
+        table_sizes=list(table_sizes) if table_sizes else None,
+        max_passes=max_passes,
+        val_tokens=val_tokens,
+        controls=list(controls) if controls is not None else None,
+        deterministic=deterministic,
+        **{step_key: steps, token_key: tokens},
+    )
+    if steps is not None:  # --steps replaces a tokens budget of the file
+        sc = dataclasses.replace(sc, **{token_key: None})
+    if corpus is not None:
+        sc = sc.with_base(data={"corpus": corpus})
+    if kind == "slots" and len(set(sc.table_sizes)) < 2:
+        raise ValueError(f"the slot sweep needs two table sizes or more, got {sc.table_sizes}")
+    return sc
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -270,90 +326,199 @@ def run_study(
     out: str | Path | None = None,
     *,
     preset: str = "tiny",
-    seeds: int = 1,
+    config: str | Path | StudyConfig | None = None,
+    seeds: int | None = None,
     corpus=None,
     device: str | None = None,
     steps: int | None = None,
+    tokens: int | None = None,
     minutes: float | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     rhos: list[float] | None = None,
     table_sizes: list[int] | None = None,
-    max_passes: float = 1.0,
+    max_passes: float | None = None,
+    val_tokens: int | None = None,
+    controls: list[str] | None = None,
+    deterministic: bool | None = None,
+    only: list[str] | None = None,
+    overwrite: bool = False,
+    stop_after: float | None = None,
     progress: bool = True,
 ) -> dict:
-    """Run one sweep; writes ``study.json`` and ``<kind>.png`` into `out`, returns the summary.
+    """Run (or continue) one sweep in `out`; returns study.json's dict when every run exists, else a
+    status (``{"complete": False, "runs_left": [...]}``).
 
     Args:
         kind: ``allocation`` or ``slots``.
-        seeds: initialization seeds ``seed .. seed+seeds-1`` per point (one data order for all).
-        corpus: see `load_corpus`; None: the preset's.
-        steps, minutes, rhos, table_sizes: replace the preset's.
+        preset / config: a shipped preset (``tiny``, ``cpu``, ``gpu``) or a study config file.
+        seeds, corpus, steps (or tokens), minutes, seed, rhos, table_sizes, max_passes, val_tokens,
+            controls, deterministic: replace the config's.
+        only: ``--only`` filters: train only the runs they select.
+        overwrite: replace a sweep in `out` made with another config (and its runs that differ).
+        stop_after: minutes: start no run that would not finish within them (re-run to continue).
     """
     wall = time.perf_counter()
-    sp = _study_preset(kind, preset, seeds, corpus, rhos, table_sizes, minutes)
+    sc = resolve_config(
+        preset=preset,
+        config=config,
+        seeds=seeds,
+        corpus=corpus,
+        steps=steps,
+        tokens=tokens,
+        kind=kind,
+        minutes=minutes,
+        seed=seed,
+        rhos=rhos,
+        table_sizes=table_sizes,
+        max_passes=max_passes,
+        val_tokens=val_tokens,
+        controls=controls,
+        deterministic=deterministic,
+    )
+    parse_only(only)  # a malformed --only is refused before any work
+    cublas = set_cublas_workspace(sc.deterministic)  # before anything starts cuBLAS
     dev = resolve_device(device)
     out = Path(out or f"condmem-study/{kind}")
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("study.json", f"{kind}.png"):  # checked before the runs, not after them; written with the same check
+    for name in ("study.json", f"{kind}.png", "config.json", "sweep.json"):  # checked before the runs
         check_destination(out / name, within=out)
+    previous = _previous_sweep(out, kind, sc, overwrite)
     print(
-        f"condmem study {kind}: preset {preset!r} on {dev}, {seeds} seed{'s' if seeds > 1 else ''}; output in {out}/",
+        f"condmem study {kind}: {sc.name!r} on {dev}, {sc.seeds} seed{'s' if sc.seeds > 1 else ''}, deterministic "
+        f"mode {'on' if sc.deterministic else 'OFF'}; output in {out}/",
         flush=True,
     )
-    data = prepare(sp.base, seed=seed)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu" and sc.cpu_threads is not None:
+        torch.set_num_threads(sc.cpu_threads)
+    try:
+        with deterministic_mode(sc.deterministic):
+            return _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress) -> dict:
+    """`run_study` once its config, device and output folder are settled."""
+    data = prepare(sc.base, seed=sc.split_seed)
     seen = seen_in_training(
         data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"], pad_id=data.eos_id
     )
-    base = build_model_config(sp.base, data)
-    points = allocation_points(base, sp.rhos) if kind == "allocation" else slot_points(base, sp.table_sizes)
-    requested = steps or (sp.allocation_steps if kind == "allocation" else sp.slots_steps)
-    tc = sp.base.train
-    n_steps, passes = _capped_steps(requested, data.train, tc, max_passes)
-    budget_s = None if sp.minutes is None else sp.minutes * 60 - (time.perf_counter() - wall)
-    if budget_s is not None and budget_s <= 0:
-        raise ValueError(f"--minutes {sp.minutes}: data preparation alone took longer")
-    print_plan(kind, points, n_steps, tc, seeds)
-    runs = train_points(
-        points, data, dev, tc, steps=n_steps, seeds=seeds, seed=seed, seen=seen, budget_s=budget_s, progress=progress
+    base = build_model_config(sc.base, data)
+    points = (
+        allocation_points(base, sc.rhos, sc.controls) if kind == "allocation" else slot_points(base, sc.table_sizes)
     )
-    passes.update(steps=runs[0]["steps"], passes=runs[0]["passes"])
-    summary = summarize(kind, sp, points, runs, seeds=seeds, seed=seed, passes=passes, data=data, dev=dev)
-    print("\n" + summary["table"] + "\n\n" + summary["report"], flush=True)
-    _write_study(summary, out, kind, wall)
-    return summary
-
-
-def _study_preset(
-    kind: str,
-    preset: str,
-    seeds: int,
-    corpus,
-    rhos: list[float] | None,
-    table_sizes: list[int] | None,
-    minutes: float | None,
-) -> StudyPreset:
-    """The study preset with the caller's corpus, rhos, table sizes and minutes in place of its own;
-    `ValueError` for an unknown kind or preset, a seed count that is not positive, or a slot sweep
-    of fewer than two table sizes."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown study {kind!r}; choose one of {list(KINDS)}")
-    if not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"--seeds must be a positive integer, got {seeds!r}")
-    if preset not in STUDY_PRESETS:
-        raise ValueError(f"unknown study preset {preset!r}; choose one of {sorted(STUDY_PRESETS)}")
-    sp = dataclasses.replace(
-        STUDY_PRESETS[preset],
-        rhos=rhos or STUDY_PRESETS[preset].rhos,
-        table_sizes=table_sizes or STUDY_PRESETS[preset].table_sizes,
-        minutes=minutes if minutes is not None else STUDY_PRESETS[preset].minutes,
+    tc = sc.base.train
+    n_steps, passes = _capped_steps(sc.steps_for(kind), data.train, tc, sc.max_passes)
+    specs = plan_runs(points, sc.seeds, sc.seed)
+    if previous is not None:
+        n_steps, budget = previous["steps"], previous["budget"]
+    else:
+        n_steps, budget = _budgeted_steps(sc, kind, n_steps, points, data, dev, len(specs), wall)
+    passes.update(steps=n_steps, passes=data.train.passes(n_steps, tc.batch_size, tc.seq_len))
+    data_id = data_identity(data)
+    sweep = {
+        "study": kind,
+        "config": sc.to_dict(),
+        "steps": n_steps,
+        "budget": budget,
+        "passes": passes,
+        "data_id": data_id,
+        "data": data.info,
+        "determinism": {**determinism_record(sc.deterministic), "cublas_workspace_config": cublas},
+        "points": [p.to_dict() for p in points],
+        "runs": [s.run_id for s in specs],
+    }
+    atomic_write_text(out / "sweep.json", json.dumps(sweep, indent=1) + "\n", within=out)
+    sc.save(out / "config.json")
+    print_plan(kind, points, n_steps, tc, sc)
+    chosen = select_runs(specs, only)
+    _train_selected(
+        kind, sc, chosen, specs, out, data, dev, seen, n_steps, data_id, overwrite, stop_after, wall, progress
     )
-    sp.base = sp.base.override(data={"corpus": corpus})
-    if kind == "slots" and len(set(sp.table_sizes)) < 2:
-        raise ValueError(f"the slot sweep needs two table sizes or more, got {sp.table_sizes}")
-    return sp
+    store = RunStore(out)
+    left = [s.run_id for s in specs if not store.path(s.run_id).exists()]
+    if left:
+        print(
+            f"\n{len(specs) - len(left)} of {len(specs)} runs of the sweep are done, {len(left)} left: re-run the same "
+            f"command to continue (or `condmem study merge {out}` once every run exists)",
+            flush=True,
+        )
+        return {"complete": False, "runs_left": left, "out": str(out)}
+    return merge(out, wall=wall)
 
 
-def _capped_steps(requested: int, train, tc: TrainConfig, max_passes: float) -> tuple[int, dict]:
+def _previous_sweep(out: Path, kind: str, sc: StudyConfig, overwrite: bool) -> dict | None:
+    """The sweep already in `out` when it has this kind and config (its step count is reused); None when
+    there is none or `overwrite`; `ValueError` naming the keys when it differs."""
+    path = out / "sweep.json"
+    if not path.exists():
+        return None
+    try:
+        old = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a sweep record ({exc}); remove it or use another --out") from None
+    if overwrite:
+        return None
+    if old.get("study") != kind:
+        raise ValueError(
+            f"{out} holds a {old.get('study')!r} sweep, not {kind!r}: use another --out (or --overwrite to replace it)"
+        )
+    diff = differences(old.get("config", {}), sc.to_dict())
+    if diff:
+        shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
+        raise ValueError(
+            f"{out} holds a sweep made with another configuration ({shown}): re-run it with the same options, "
+            "use another --out, or --overwrite to replace the sweep (runs with the same configuration are kept)"
+        )
+    return old
+
+
+def _train_selected(
+    kind, sc, chosen, specs, out, data, dev, seen, n_steps, data_id, overwrite, stop_after, wall, progress
+) -> None:
+    """Train the chosen runs that have no result yet (a stored one is checked against its config)."""
+    store = RunStore(out)
+    tc = sc.base.train
+    todo = []
+    for spec in chosen:
+        run_tc = run_train_config(tc, n_steps, spec.data_seed)
+        wanted = run_config(
+            kind, spec, run_tc, data_id=data_id, val_tokens=sc.val_tokens, deterministic=sc.deterministic
+        )
+        if store.finished(spec.run_id, wanted, overwrite) is not None:
+            print(f"[sweep] {spec.run_id}: finished earlier ({store.path(spec.run_id)}), skipped", flush=True)
+            continue
+        todo.append((spec, run_tc, wanted))
+    done = sum(1 for s in specs if store.path(s.run_id).exists()) - sum(
+        1 for spec, _, _ in todo if store.path(spec.run_id).exists()
+    )
+    bar = SweepProgress(len(specs), done, progress)
+    try:
+        for spec, run_tc, wanted in todo:
+            mean = bar.mean_run_seconds()
+            if stop_after is not None and mean is not None:
+                if time.perf_counter() - wall + mean > stop_after * 60:
+                    print(
+                        banner(
+                            f"--stop-after {stop_after:g}: the next run would end after the limit; "
+                            f"{len(todo) - bar.trained} selected runs not started (re-run to continue)"
+                        ),
+                        flush=True,
+                    )
+                    break
+            t0 = time.perf_counter()
+            record = train_run(spec, data, dev, run_tc, seen=seen, val_tokens=sc.val_tokens, progress=progress)
+            record["run_config"] = wanted
+            store.write(record)
+            bar.finished(time.perf_counter() - t0)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        bar.close()
+
+
+def _capped_steps(requested: int, train, tc, max_passes: float) -> tuple[int, dict]:
     """`cap_steps` of the requested steps over the training split, with a banner when it capped them."""
     n_steps, passes = cap_steps(requested, train, tc.batch_size, tc.seq_len, max_passes)
     if passes["capped"]:
@@ -368,174 +533,193 @@ def _capped_steps(requested: int, train, tc: TrainConfig, max_passes: float) -> 
     return n_steps, passes
 
 
-def _write_study(summary: dict, out: Path, kind: str, wall: float) -> None:
-    """The figure (``<kind>.png``, when matplotlib is there) and ``study.json``, then where they went;
-    the summary gains the figure's name and the wall time since `wall`."""
+PROBE_STEPS = 6
+"""Steps of the budget probe (the first two are left out of its timing)."""
+
+
+def _budgeted_steps(sc: StudyConfig, kind, steps: int, points, data, dev, n_runs: int, wall: float):
+    """Steps of every run under ``sc.minutes``, decided before any run from a probe of the costliest
+    point (a few steps of a throwaway model): (steps, the record of the decision; None without a budget)."""
+    if sc.minutes is None:
+        return steps, None
+    tc = sc.base.train
+    costly = max(points, key=lambda p: (p.accounting["flops_per_token"], p.accounting["params"]["total"]))
+    step_s = _probe_step_seconds(costly, sc, data, dev)
+    available = sc.minutes * 60 - _since(wall)
+    # Validation reads its tokens ~3x cheaper than training (forward only); 10% is kept for the rest.
+    val = min(sc.val_tokens or len(data.val), len(data.val))
+    val_steps = val / (tc.batch_size * tc.seq_len) / 3
+    fit = int(0.9 * available / n_runs / step_s - val_steps)
+    if fit < 1:
+        raise ValueError(
+            f"--minutes {sc.minutes:g}: {n_runs} runs at {step_s:.3f} s a step (measured) do not fit one step each"
+        )
+    chosen = min(steps, fit)
+    record = {
+        "minutes": sc.minutes,
+        "probe_point": costly.label,
+        "probe_step_seconds": step_s,
+        "seconds_available": available,
+        "runs": n_runs,
+        "requested_steps": steps,
+        "steps": chosen,
+        "cut": chosen < steps,
+    }
+    if chosen < steps:
+        print(
+            banner(
+                f"--minutes {sc.minutes:g}: {n_runs} runs at {step_s:.3f} s a step (probe of {costly.label}) fit "
+                f"{chosen:,} of {steps:,} steps each: every run trains {chosen:,} steps, its learning-rate "
+                "schedule over those steps"
+            ),
+            flush=True,
+        )
+    return chosen, record
+
+
+def _since(wall: float) -> float:
+    return time.perf_counter() - wall
+
+
+def _probe_step_seconds(point: Point, sc: StudyConfig, data, dev) -> float:
+    """Median seconds of a training step of `point` (steps 3.. of `PROBE_STEPS`, a throwaway model)."""
+    probe_tc = run_train_config(sc.base.train, PROBE_STEPS, sc.seed)
+    model = build_model(point.cfg, data, seed=sc.seed, device=dev)
+    trainer = build_trainer(model, probe_tc, data, dev, label="budget probe", progress=False)
+    model.train()
+    times = []
+    for step in range(PROBE_STEPS):
+        t0 = time.perf_counter()
+        trainer.train_step(step)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[2:]))
+
+
+def merge(out: str | Path, wall: float | None = None) -> dict:
+    """``study.json`` and the figures of the sweep in `out` from its run files; `ValueError` naming the
+    runs that are missing."""
+    out = Path(out)
+    path = out / "sweep.json"
+    if not path.exists():
+        raise ValueError(f"{out}: no sweep.json: not the output folder of a `condmem study` sweep")
+    sweep = json.loads(path.read_text())
+    store = RunStore(out)
+    missing = [r for r in sweep["runs"] if not store.path(r).exists()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{out}: {len(missing)} of {len(sweep['runs'])} runs have no result yet ({shown})")
+    runs = [store.load(r) for r in sweep["runs"]]
+    summary = summarize(sweep, runs)
+    print("\n" + summary["table"] + "\n\n" + summary["report"], flush=True)
+    _write_study(summary, out, sweep["study"], wall)
+    return summary
+
+
+def _write_study(summary: dict, out: Path, kind: str, wall: float | None) -> None:
+    """The figures (``<kind>.png``, ``<kind>_curves.png``, when matplotlib is there) and ``study.json``."""
     figure = plot_study(summary, out / f"{kind}.png", within=out)
+    curves = plot_sweep_curves(summary, out / f"{kind}_curves.png", within=out)
     summary["figure"] = figure.name if figure else None
-    summary["wall_seconds"] = time.perf_counter() - wall
+    summary["curves_figure"] = curves.name if curves else None
+    summary["wall_seconds"] = None if wall is None else time.perf_counter() - wall
     atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n", within=out)
-    print(
-        f"\nwrote {out}/study.json{f', {figure.name}' if figure else ''} ({summary['wall_seconds']:.0f} s in all)",
-        flush=True,
-    )
+    took = "" if wall is None else f" ({summary['wall_seconds']:.0f} s in all)"
+    figs = "".join(f", {f.name}" for f in (figure, curves) if f)
+    print(f"\nwrote {out}/study.json{figs}{took}", flush=True)
 
 
 def replot(kind: str, out: str | Path | None = None) -> Path | None:
     """Draw ``<kind>.png`` again from ``out/study.json`` (a GPU run on a machine without matplotlib),
     and derive the finding and the report again from the runs it records."""
     out = Path(out or f"condmem-study/{kind}")
-    summary = json.loads((out / "study.json").read_text())
+    path = out / "study.json"
+    if not path.exists():
+        raise ValueError(f"{path}: no study.json (run the sweep, or `condmem study merge {out}` once its runs exist)")
+    summary = json.loads(path.read_text())
     if summary.get("study") != kind:
-        raise ValueError(f"{out / 'study.json'} holds a {summary.get('study')!r} study, not {kind!r}")
+        raise ValueError(f"{path} holds a {summary.get('study')!r} study, not {kind!r}")
+    if not summary.get("runs") or not summary.get("points"):
+        raise ValueError(f"{path} holds no runs: nothing to plot (run the sweep, or `condmem study merge {out}`)")
     summary["finding"] = find(kind, summary["points"], summary["runs"])
     summary["report"] = report_text(kind, summary)
     figure = plot_study(summary, out / f"{kind}.png", within=out)
     summary["figure"] = figure.name if figure is not None else summary.get("figure")
-    atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n", within=out)
+    atomic_write_text(path, json.dumps(summary, indent=1) + "\n", within=out)
     print(summary["report"], flush=True)
     if figure is not None:
         print(f"wrote {figure}", flush=True)
     return figure
 
 
-def print_plan(kind: str, points: list[Point], steps: int, tc: TrainConfig, seeds: int) -> None:
+def print_plan(kind: str, points: list[Point], steps: int, tc, sc: StudyConfig) -> None:
     """One line per point: experts, table rows, parameters, FLOPs."""
+    val = "every held-out token" if sc.val_tokens is None else f"at most {sc.val_tokens:,} held-out tokens"
     print(
-        f"{len(points)} models x {seeds} seed{'s' if seeds > 1 else ''}, each {steps:,} steps x "
-        f"{tc.batch_size * tc.seq_len:,} tokens, same batches in the same order:",
+        f"{len(points)} models x {sc.seeds} seed{'s' if sc.seeds > 1 else ''}, each {steps:,} steps x "
+        f"{tc.batch_size * tc.seq_len:,} tokens (the batches of each seed the same for every model), "
+        f"validated on {val}:",
         flush=True,
     )
     for p in points:
         a = p.accounting
         print(
-            f"  {p.label:<22} {a['n_experts']:>3} experts, {a['table_rows']:>12,} table rows, "
+            f"  {p.label:<26} {a['n_experts']:>3} experts, {a['table_rows']:>12,} table rows, "
             f"{a['params']['total']:>13,} params ({a['params']['active']:,} active), "
             f"{a['flops_per_token'] / 1e6:,.2f} MFLOPs/token",
             flush=True,
         )
 
 
-def train_points(
-    points: list[Point],
-    data: PreparedData,
-    dev: torch.device,
-    tc: TrainConfig,
-    *,
-    steps: int,
-    seeds: int,
-    seed: int,
-    seen: np.ndarray,
-    budget_s: float | None,
-    progress: bool,
-) -> list[dict]:
-    """Every point for every seed on the same batches; the first run sizes the steps to `budget_s`."""
-    runs: list[dict] = []
-    warmup = min(tc.warmup_steps, max(0, steps - 1))
-    for k in range(seeds):
-        for point in points:
-            first = not runs
-            # Only the first run may cut the step count (to fit the budget); the others take its count.
-            budget = budget_s * 0.8 / (len(points) * seeds) / 60 if first and budget_s is not None else None
-            run_cfg = dataclasses.replace(tc, seed=seed, steps=steps, warmup_steps=warmup, max_minutes=budget)
-            model = build_model(point.cfg, data, seed=seed + k, device=dev)
-            trainer = build_trainer(
-                model, run_cfg, data, dev, label=f"{point.label} seed {seed + k}", progress=progress
-            )
-            result = trainer.fit(token_losses=True)
-            if first and trainer.step < steps:
-                print(
-                    banner(
-                        f"the sweep's budget ({budget_s:.0f} s after data preparation) fits {trainer.step:,} of "
-                        f"{steps:,} steps per run: every run of this sweep trains that many"
-                    ),
-                    flush=True,
-                )
-                steps, warmup = trainer.step, trainer.cfg.warmup_steps
-            runs.append(_record(point, trainer, result, data, seen, seed + k))
-            del model, trainer
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-    return runs
-
-
-def _record(point: Point, trainer, result: dict, data: PreparedData, seen: np.ndarray, run_seed: int) -> dict:
-    tc = trainer.cfg
-    a = point.accounting
-    return {
-        "label": point.label,
-        "seed": run_seed,
-        "rho": point.rho,
-        "rho_realized": a["rho_realized"],
-        "n_experts": a["n_experts"],
-        "table_size": a["table_size"],
-        "table_rows": a["table_rows"],
-        "total_params": a["params"]["total"],
-        "active_params": a["params"]["active"],
-        "table_params": a["params"]["tables"],
-        "params": a["params"],
-        "flops_per_token": a["flops_per_token"],
-        "forward_flops": a["forward_flops"],
-        "steps": trainer.step,
-        "train_tokens": result["train_tokens"],
-        "passes": data.train.passes(trainer.step, tc.batch_size, tc.seq_len),
-        "val_loss": result["val_loss"],
-        "bits_per_byte": result["bits_per_byte"],
-        "val_tokens": result["val_tokens"],
-        "buckets": bucket_losses(trainer.token_losses, seen),
-        "tokens_per_s": result["tokens_per_s"],
-        "train_seconds": result["train_seconds"],
-        "final_train_loss": result["final_train_loss"],
-    }
-
-
 # ----------------------------------------------------------------------------- the report
 
 
-def summarize(
-    kind: str,
-    sp: StudyPreset,
-    points: list[Point],
-    runs: list[dict],
-    *,
-    seeds: int,
-    seed: int,
-    passes: dict,
-    data: PreparedData,
-    dev: torch.device,
-) -> dict:
-    """study.json: the runs, per-point means, the finding and how far the scale is from the paper's."""
+def summarize(sweep: dict, runs: list[dict]) -> dict:
+    """study.json from the sweep record and its runs: per-point means, the finding, the scale gap."""
+    kind = sweep["study"]
     per_point = []
-    for p in points:
-        mine = [r for r in runs if r["label"] == p.label]
-        row = {"label": p.label, "rho": p.rho, **{k: v for k, v in p.accounting.items() if k != "forward_flops"}}
+    for p in sweep["points"]:
+        mine = [r for r in runs if r["run_id"].startswith(p["key"] + "_seed=")]
+        row = {
+            "label": p["label"],
+            "key": p["key"],
+            "rho": p["rho"],
+            "rho_asked": p["rho_asked"],
+            "control": p["control"],
+            **{k: v for k, v in p["accounting"].items() if k != "forward_flops"},
+        }
         for key in ("val_loss", "bits_per_byte", "tokens_per_s"):
             mean, std = mean_std([r[key] for r in mine])
-            row[key] = {"mean": mean, "std": std, "values": [r[key] for r in mine]}
+            row[key] = {"mean": mean, "std": std, "values": [r[key] for r in mine], "seeds": [r["seed"] for r in mine]}
         for bucket in ("seen", "unseen"):
             row[f"val_loss_{bucket}"] = mean_std([r["buckets"][bucket]["loss"] for r in mine])[0]
         per_point.append(row)
-    finding = find(kind, per_point, runs)
-    scale = scale_gap(kind, runs[0])
+    config = sweep["config"]
+    seeds = sorted({r["init_seed"] for r in runs})
     summary = {
         "study": kind,
-        "preset": sp.base.name,
-        "seeds": [seed + k for k in range(seeds)],
-        "data_seed": seed,
+        "preset": config["name"],
+        "seeds": seeds,
+        "data_seeds": sorted({r["data_seed"] for r in runs}),
         "same_tokens": len({r["train_tokens"] for r in runs}) == 1,
-        "passes": passes,
+        "steps": sweep["steps"],
+        "budget": sweep["budget"],
+        "passes": sweep["passes"],
+        "validation": {
+            "tokens_cap": config["val_tokens"],
+            "tokens": runs[0]["val_tokens"],
+            "tokens_available": runs[0]["val_tokens_available"],
+            "capped": runs[0]["val_capped"],
+        },
+        "determinism": sweep["determinism"],
         "points": per_point,
         "runs": runs,
-        "finding": finding,
-        "scale": scale,
+        "finding": find(kind, per_point, runs),
+        "scale": scale_gap(kind, runs[0]),
         "paper": PAPER,
-        "config": {
-            "study": {k: v for k, v in dataclasses.asdict(sp).items() if k != "base"},
-            "preset": sp.base.to_dict(),
-            "models": {p.label: p.cfg.to_dict() for p in points},
-        },
-        "data": data.info,
-        "machine": machine_info(dev),
+        "config": config,
+        "models": {p["label"]: p["model"] for p in sweep["points"]},
+        "data": sweep["data"],
+        "machine": runs[0]["machine"],
     }
     summary["table"] = format_study_table(kind, per_point)
     summary["report"] = report_text(kind, summary)
@@ -555,7 +739,9 @@ def find(kind: str, points: list[dict], runs: list[dict]) -> dict:
 
 
 def allocation_finding(points: list[dict]) -> dict:
-    """The lowest-loss rho, its gap to pure MoE, and whether either is beyond the seed spread."""
+    """The lowest-loss rho, its gap to pure MoE, and whether either is beyond the seed spread (the
+    sweep's own points: controls left out)."""
+    points = [p for p in points if p.get("control") is None]
     ref = next(p for p in points if p["rho"] == 1.0)
     best = min(points, key=lambda p: p["val_loss"]["mean"])
     lowest_rho = min(points, key=lambda p: p["rho"])
@@ -731,8 +917,13 @@ def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs, points, f = summary["runs"], summary["points"], summary["finding"]
     if summary["study"] == "allocation":
-        ax.scatter([r["rho"] for r in runs], [r["val_loss"] for r in runs], s=18, alpha=0.6, label="each seed")
-        order = sorted(points, key=lambda p: p["rho"])
+        mains = [r for r in runs if r.get("control") is None]
+        ax.scatter([r["rho"] for r in mains], [r["val_loss"] for r in mains], s=18, alpha=0.6, label="each seed")
+        for i, control in enumerate(sorted({p["control"] for p in points if p.get("control")})):
+            mine = sorted((p for p in points if p.get("control") == control), key=lambda p: p["rho"])
+            marker = "sDv^"[i % 4]
+            ax.plot([p["rho"] for p in mine], [p["val_loss"]["mean"] for p in mine], marker + ":", label=control)
+        order = sorted((p for p in points if p.get("control") is None), key=lambda p: p["rho"])
         ax.plot([p["rho"] for p in order], [p["val_loss"]["mean"] for p in order], "o-", label="mean")
         ax.axhline(f["pure_moe_val_loss"], color="gray", ls="--", label="pure MoE (rho = 1)")
         ax.axvspan(0.75, 0.80, color="orange", alpha=0.15, label="paper's optimum")

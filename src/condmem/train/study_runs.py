@@ -1,0 +1,424 @@
+"""The runs of a `condmem study` sweep: identities, seeds, selection, deterministic training, result files.
+
+* **A run is its point, its control and its seed index**: `RunSpec.run_id` names it
+  (``rho=0.750_experts=5_seed=1``) and its result file ``OUT/runs/<run-id>.json``, written
+  atomically when the run ends. The seeds derive from the seed index alone (`run_seeds`),
+  never from the run's position in the sweep, the runs before it or global RNG state; every
+  point of a seed index shares its data order (differences are paired by seed).
+* **The stored run is checked, not trusted**: its ``run_config`` (model, training settings,
+  steps, seeds, data, validation cap, deterministic mode) must equal the one the sweep would
+  train, else `RunMismatchError` names the keys that differ.
+* **Selection** (`select_runs`): ``--only rho=0.8,seed=1`` style filters (a key repeated in one
+  filter is an OR, filters are OR-ed), so several machines or device calls share one sweep.
+* **Deterministic mode** (`deterministic_mode`): ``torch.use_deterministic_algorithms(True)``,
+  ``CUBLAS_WORKSPACE_CONFIG`` and deterministic cuDNN; the same run twice gives the same
+  per-step losses on the same machine type.
+* `train_run` trains one run for exactly the steps it states (one learning-rate schedule
+  over them) and validates it on at most the stated number of held-out tokens, with
+  progress bars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from condmem.config import ConfigError
+from condmem.train.build import build_model, build_trainer, machine_info
+from condmem.train.demo import bucket_losses
+from condmem.train.loop import TrainConfig, evaluate
+from condmem.train.pipeline import PreparedData
+from condmem.train.progress import format_duration
+from condmem.utils.atomic import atomic_write_text
+from condmem.utils.progress import Progress
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""``CUBLAS_WORKSPACE_CONFIG`` for deterministic cuBLAS (NVIDIA's documented value)."""
+
+
+class RunMismatchError(ValueError):
+    """A stored run was trained with another configuration than the sweep's."""
+
+
+@dataclass
+class RunSpec:
+    """One run of a sweep: a point (its model config and accounting), a control, a seed index."""
+
+    point: Any
+    """The `condmem.train.study.Point` (its ``cfg`` is the model trained)."""
+    seed_index: int
+    init_seed: int
+    data_seed: int
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.point.key}_seed={self.init_seed}"
+
+    def fields(self) -> dict[str, Any]:
+        """The values `select_runs` matches: rho (asked and realised), experts, table_size, control, seed."""
+        p = self.point
+        return {
+            "rho": [v for v in (p.rho, *p.rho_asked) if v is not None],
+            "experts": [p.accounting.get("n_experts")],
+            "table_size": [p.accounting.get("table_size")],
+            "control": [p.control or "none"],
+            "seed": [self.init_seed],
+        }
+
+
+def run_seeds(seed: int, seed_index: int) -> tuple[int, int]:
+    """(initialization seed, data-order seed) of seed index `seed_index` of a sweep starting at `seed`:
+    a function of these two numbers only, the same for every point (paired comparisons)."""
+    return seed + seed_index, seed + seed_index
+
+
+def plan_runs(points: list, seeds: int, seed: int) -> list[RunSpec]:
+    """Every (point, seed index) of a sweep, seed index major (a sweep stopped early has whole seeds)."""
+    specs = []
+    for k in range(seeds):
+        init, data = run_seeds(seed, k)
+        specs.extend(RunSpec(p, k, init, data) for p in points)
+    return specs
+
+
+_ONLY_KEYS = ("rho", "experts", "table_size", "control", "seed")
+
+
+def parse_only(filters: list[str] | None) -> list[dict[str, list[str]]]:
+    """``["rho=0.8,seed=1", ...]`` -> one dict per filter, key -> accepted values; `ValueError`
+    naming --only for a malformed filter or an unknown key."""
+    out = []
+    for text in filters or []:
+        parsed: dict[str, list[str]] = {}
+        for part in text.split(","):
+            key, eq, value = part.strip().partition("=")
+            if not eq or not key or not value:
+                raise ValueError(f"--only {text!r}: each condition is KEY=VALUE (e.g. rho=0.8,seed=1), got {part!r}")
+            if key not in _ONLY_KEYS:
+                raise ValueError(f"--only {text!r}: unknown key {key!r}; choose from {list(_ONLY_KEYS)}")
+            parsed.setdefault(key, []).append(value)
+        out.append(parsed)
+    return out
+
+
+def _matches(value: Any, wanted: str) -> bool:
+    if isinstance(value, str) or value is None:
+        return str(value) == wanted
+    try:
+        return math.isclose(float(value), float(wanted), rel_tol=0, abs_tol=1e-9)
+    except ValueError:
+        return False
+
+
+def select_runs(specs: list[RunSpec], filters: list[str] | None) -> list[RunSpec]:
+    """The runs any filter of ``--only`` accepts (all without filters); `ValueError` naming the filter
+    that accepts none of the sweep's runs."""
+    parsed = parse_only(filters)
+    if not parsed:
+        return list(specs)
+
+    def accepts(spec: RunSpec, f: dict[str, list[str]]) -> bool:
+        fields = spec.fields()
+        return all(any(_matches(v, w) for v in fields[key] for w in wanted) for key, wanted in f.items())
+
+    for text, f in zip(filters, parsed):
+        if not any(accepts(s, f) for s in specs):
+            raise ValueError(f"--only {text!r} selects none of the sweep's {len(specs)} runs")
+    return [s for s in specs if any(accepts(s, f) for f in parsed)]
+
+
+# ----------------------------------------------------------------------------- deterministic mode
+
+
+@contextlib.contextmanager
+def deterministic_mode(enabled: bool):
+    """Deterministic algorithms (and cuDNN) inside the block when `enabled`; the previous settings after.
+
+    ``CUBLAS_WORKSPACE_CONFIG`` must be set before cuBLAS starts: `set_cublas_workspace` does it
+    (the study calls it before it touches the device)."""
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    if enabled:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
+def set_cublas_workspace(enabled: bool) -> str | None:
+    """Set ``CUBLAS_WORKSPACE_CONFIG`` (unless the user did) when `enabled`; the value in force."""
+    if enabled and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+
+
+def determinism_record(enabled: bool) -> dict:
+    """What study.json says about the mode."""
+    return {
+        "enabled": enabled,
+        "torch_deterministic_algorithms": enabled,
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "cudnn_deterministic": enabled,
+    }
+
+
+# ----------------------------------------------------------------------------- run configs and files
+
+
+def data_identity(data: PreparedData) -> str:
+    """A digest of the token streams and the tokenizer: runs on other data do not match."""
+    h = hashlib.sha256()
+    h.update(str(data.info["tokenizer"]["json_sha256"]).encode())
+    for stream in (data.train, data.val):
+        tokens = np.ascontiguousarray(stream.tokens)
+        h.update(str((tokens.dtype.str, tokens.shape)).encode())
+        h.update(memoryview(tokens).cast("B"))
+    return h.hexdigest()[:24]
+
+
+def run_train_config(tc: TrainConfig, steps: int, data_seed: int) -> TrainConfig:
+    """The training settings of one run: its steps, its data seed, warm-up within the steps, no time budget."""
+    return dataclasses.replace(
+        tc, seed=data_seed, steps=steps, warmup_steps=min(tc.warmup_steps, max(0, steps - 1)), max_minutes=None
+    )
+
+
+def run_config(
+    kind: str, spec: RunSpec, tc: TrainConfig, *, data_id: str, val_tokens: int | None, deterministic: bool
+) -> dict:
+    """Everything a run's result depends on; a stored run must carry the same dict to be reused."""
+    return json.loads(
+        json.dumps(
+            {
+                "study": kind,
+                "point": spec.point.key,
+                "control": spec.point.control,
+                "model": spec.point.cfg.to_dict(),
+                "train": tc.to_dict(),
+                "init_seed": spec.init_seed,
+                "data_seed": spec.data_seed,
+                "data": data_id,
+                "val_tokens": val_tokens,
+                "deterministic": deterministic,
+            }
+        )
+    )
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted keys where two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b), key=str):
+            out += _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [f"{prefix.rstrip('.')} ({a!r} -> {b!r})"]
+
+
+def differences(stored: dict, wanted: dict) -> list[str]:
+    """Dotted keys (with the two values) where `stored` and `wanted` differ."""
+    return _differences(stored, wanted)
+
+
+class RunStore:
+    """``OUT/runs/<run-id>.json``: one finished run each."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.dir = self.out / "runs"
+
+    def path(self, run_id: str) -> Path:
+        return self.dir / f"{run_id}.json"
+
+    def load(self, run_id: str) -> dict | None:
+        path = self.path(run_id)
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a run result ({exc}); remove it to train the run again") from None
+
+    def finished(self, run_id: str, wanted: dict, overwrite: bool = False) -> dict | None:
+        """The stored result of `run_id` when its config equals `wanted`; None when there is none (or,
+        with `overwrite`, when it differs); `RunMismatchError` naming the keys otherwise."""
+        stored = self.load(run_id)
+        if stored is None:
+            return None
+        diff = differences(stored.get("run_config", {}), wanted)
+        if not diff:
+            return stored
+        if overwrite:
+            return None
+        shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
+        raise RunMismatchError(
+            f"{self.path(run_id)} was trained with another configuration ({shown}): use another --out, "
+            "or --overwrite to train it again"
+        )
+
+    def write(self, record: dict) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.path(record["run_id"])
+        atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+        return path
+
+
+# ----------------------------------------------------------------------------- training one run
+
+
+def train_run(
+    spec: RunSpec,
+    data: PreparedData,
+    dev: torch.device,
+    tc: TrainConfig,
+    *,
+    seen: np.ndarray,
+    val_tokens: int | None,
+    progress: bool,
+) -> dict:
+    """Train `spec` for ``tc.steps`` steps (`run_train_config`), validate on at most `val_tokens`
+    held-out tokens (None: every one); the run's result (per-step losses included)."""
+    point = spec.point
+    label = f"{point.label} seed {spec.init_seed}"
+    model = build_model(point.cfg, data, seed=spec.init_seed, device=dev)
+    trainer = build_trainer(model, tc, data, dev, label=label, progress=False)
+    model.train()
+    tokens_per_step = tc.batch_size * tc.seq_len
+    warm = min(3, max(0, tc.steps - 1))  # steps left out of tok/s (allocations, caches)
+    losses, timed_s, timed_steps = [], 0.0, 0
+    bar = Progress(tc.steps, label, enabled=progress)
+    start = time.perf_counter()
+    try:
+        for step in range(tc.steps):
+            t0 = time.perf_counter()
+            loss, lr = trainer.train_step(step)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"{label}: loss is {loss} at step {step + 1}")
+            dt = time.perf_counter() - t0
+            losses.append(loss)
+            if step >= warm:
+                timed_s += dt
+                timed_steps += 1
+            bar.update(1, loss=f"{loss:.3f}")
+            if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+                rate = timed_steps * tokens_per_step / timed_s if timed_s else tokens_per_step / dt
+                left = (tc.steps - step - 1) * tokens_per_step / max(rate, 1e-9)
+                bar.write(
+                    f"[{label}] step {step + 1}/{tc.steps} | loss {loss:7.4f} | lr {lr:.2e} | "
+                    f"{rate:>9,.0f} tok/s | eta {format_duration(left)}"
+                )
+    finally:
+        bar.close()
+    train_seconds = time.perf_counter() - start
+    available = max(0, len(data.val) - 1)
+    cap = None if val_tokens is None or val_tokens >= available else val_tokens
+    vbar = Progress(cap or available, f"{label}: validation", enabled=progress, unit="tok", unit_scale=True)
+    try:
+        ev = evaluate(
+            model,
+            data.val,
+            torch.as_tensor(np.asarray(data.token_bytes), dtype=torch.int64),
+            seq_len=tc.seq_len,
+            max_tokens=cap,
+            batch_size=tc.eval_batch_size,
+            device=dev,
+            precision=tc.precision,
+            token_losses=True,
+            on_batch=vbar.update,
+        )
+    finally:
+        vbar.close()
+    scored = ~np.isnan(ev["token_losses"])
+    buckets = bucket_losses(ev["token_losses"][scored], seen[scored])
+    stats = getattr(model, "router_stats", None)
+    record = {
+        "run_id": spec.run_id,
+        "label": point.label,
+        "control": point.control,
+        "seed": spec.init_seed,
+        "seed_index": spec.seed_index,
+        "init_seed": spec.init_seed,
+        "data_seed": spec.data_seed,
+        **point.record_fields(),
+        "steps": tc.steps,
+        "train_tokens": tc.steps * tokens_per_step,
+        "passes": data.train.passes(tc.steps, tc.batch_size, tc.seq_len),
+        "val_loss": ev["val_loss"],
+        "bits_per_byte": ev["bits_per_byte"],
+        "val_tokens": ev["val_tokens"],
+        "val_tokens_available": available,
+        "val_capped": cap is not None,
+        "buckets": buckets,
+        "tokens_per_s": timed_steps * tokens_per_step / timed_s if timed_s else 0.0,
+        "train_seconds": train_seconds,
+        "final_train_loss": float(np.mean(losses[-max(1, min(50, len(losses) // 10)) :])),
+        "final_lr": lr,
+        "train_losses": losses,
+        "router": stats() if callable(stats) else None,
+        "machine": machine_info(dev),
+    }
+    print(
+        f"[{label}] done: {tc.steps} steps, val loss {ev['val_loss']:.4f} over "
+        f"{'a capped ' if cap is not None else 'all '}{ev['val_tokens']:,} validation tokens"
+        f"{f' (of {available:,})' if cap is not None else ''}, {record['tokens_per_s']:,.0f} tok/s",
+        flush=True,
+    )
+    return record
+
+
+class SweepProgress:
+    """The sweep's bar: runs done / left and the time left (from this command's finished runs)."""
+
+    def __init__(self, total: int, done: int, enabled: bool):
+        self.total, self.done, self.trained, self.seconds = total, done, 0, 0.0
+        self.bar = Progress(total, "sweep", initial=done, enabled=enabled, unit="run")
+
+    def finished(self, seconds: float) -> str:
+        self.done += 1
+        self.trained += 1
+        self.seconds += seconds
+        left = self.total - self.done
+        eta = format_duration(self.seconds / self.trained * left)
+        self.bar.update(1, left=left, eta=eta)
+        line = f"[sweep] {self.done}/{self.total} runs done, {left} left" + (f", about {eta} to go" if left else "")
+        self.bar.write(line)
+        return line
+
+    def mean_run_seconds(self) -> float | None:
+        return self.seconds / self.trained if self.trained else None
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def require_positive(flag: str, value: Any, integer: bool = True) -> None:
+    """`ConfigError` naming the flag unless `value` (when given) is a positive int (or number)."""
+    if value is None:
+        return
+    ok = (
+        isinstance(value, int) and not isinstance(value, bool)
+        if integer
+        else isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    )
+    if not ok or value <= 0:
+        kind = "integer" if integer else "number"
+        raise ConfigError(f"{flag} must be a positive {kind}, got {value!r}")
