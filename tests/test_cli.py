@@ -153,5 +153,5 @@ def test_tokenizer_train_writes_a_tokenizer_json_engram_reads(tmp_path, capsys):
     config = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=101, pad_id=1)
     ids = torch.tensor([tok.encode("def add(x, y): return x").ids])
     assert NgramHasher.from_tokenizer(config, ctok)(ids).shape == (1, ids.shape[1], 1, 4)
-    assert main(["tokenizer", "train", "--corpus", str(corpus), "--out", str(out), "--vocab-size", "100"]) == 1
-    assert "too small for a byte-level BPE" in capsys.readouterr().err
+    assert main(["tokenizer", "train", "--corpus", str(corpus), "--out", str(out), "--vocab-size", "100"]) == 2
+    assert "--vocab-size must be in 259..1,048,576 (256 byte tokens" in capsys.readouterr().err

@@ -97,7 +97,7 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path):
 def test_generate_refuses_bad_sampling_flags(tmp_path, flag, value, capsys):
     # Refused before the checkpoint is even looked for.
     rc = main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x", f"{flag}={value}"])
-    assert rc == 1
+    assert rc == 2  # a usage error, as argparse's
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 

@@ -4,8 +4,9 @@ Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (called with the
 parsed namespace, returning an exit code). `SUBCOMMANDS` lists them in help order.
 
-`main` turns every error a user can cause (our ValueErrors, OS errors naming a path)
-into one line and exit status 1, and SIGTERM into the same unwinding as Ctrl-C
+`main` turns every error a user can cause into one line: a flag's value refused before any
+work (`UsageError`) exits 2, as argparse's own usage errors do; our ValueErrors and OS errors
+naming a path exit 1. SIGTERM unwinds as Ctrl-C does
 (`KeyboardInterrupt`: temp files of atomic writes are removed), exit status 128+signal.
 """
 
@@ -68,7 +69,11 @@ class CliParser(argparse.ArgumentParser):
 
 
 class CliError(Exception):
-    """An error the user can fix; printed without a traceback."""
+    """An error the user can fix; printed without a traceback (exit status 1)."""
+
+
+class UsageError(CliError):
+    """A flag's value that cannot work, refused before any work: exit status 2, as argparse's usage errors."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -114,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"condmem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except (CliError, ValueError, OSError) as exc:
         # Our validation errors are ValueErrors with messages written for the user; OS errors name their path.
         print(f"condmem {args.command}: error: {exc}", file=sys.stderr)

@@ -1,11 +1,13 @@
-"""Helpers shared by subcommands: load a config in any dialect, print JSON."""
+"""Helpers shared by subcommands: load a config in any dialect, check flags, print JSON and notes."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
+from condmem.cli import UsageError
 from condmem.config import ConfigError, EngramConfig
 
 
@@ -30,3 +32,44 @@ def load_config(path: str, flag: str = "--config", **kw) -> EngramConfig:
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=None, separators=(",", ":"))
     sys.stdout.write("\n")
+
+
+def check_int(value: int | None, flag: str, minimum: int = 1, maximum: int | None = None, why: str = "") -> None:
+    """Refuse `value` of `flag` (None: not given) outside ``minimum..maximum`` (a `UsageError`, exit 2)."""
+    if value is None:
+        return
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum:,}" if maximum is None else f"in {minimum:,}..{maximum:,}"
+        raise UsageError(f"{flag} must be {bound}{why}, got {value:,}")
+
+
+def check_float(value: float | None, flag: str, minimum: float = 0.0, strict: bool = False, why: str = "") -> None:
+    """Refuse `value` of `flag` (None: not given) that is NaN, infinite or below `minimum` (at it, with `strict`)."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        raise UsageError(f"{flag} must be a finite number {'>' if strict else '>='} {minimum:g}{why}, got {value}")
+
+
+def check_vocab_size(value: int | None, flag: str = "--vocab-size") -> None:
+    """The bounds of a byte-level BPE's vocabulary (`condmem.train.bpe`), checked before any corpus is read."""
+    from condmem.train.bpe import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE
+
+    why = " (256 byte tokens, the special tokens and a merge at least; the BPE trainer reserves ~70 B per id)"
+    check_int(value, flag, MIN_VOCAB_SIZE, MAX_VOCAB_SIZE, why=why)
+
+
+def device_flag(value: str, flag: str = "--device"):
+    """The torch device `flag` names (``auto``: CUDA when available); a name torch does not know or
+    a device it cannot see is a `UsageError`."""
+    from condmem.train.build import resolve_device
+
+    try:
+        return resolve_device(value)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("--device", flag)) from None
+
+
+def note(command: str, text: str) -> None:
+    """One line on stderr telling the user what was changed for them (a value capped, input cut)."""
+    print(f"condmem {command}: note: {text}", file=sys.stderr, flush=True)

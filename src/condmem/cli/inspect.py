@@ -34,7 +34,9 @@ def register(sub) -> None:
     p.add_argument(
         "--full", action="store_true", help="statistics over every row, each checked (streams the whole table)"
     )
-    p.add_argument("--sample", type=int, default=65536, help="rows sampled per layer without --full (default 65536)")
+    p.add_argument(
+        "--sample", type=int, default=65536, help="rows sampled per layer without --full (>= 1; default 65536)"
+    )
     p.add_argument(
         "--verify",
         action="store_true",
@@ -119,8 +121,11 @@ def format_report(r: dict) -> str:
 def run(args) -> int:
     from pathlib import Path
 
+    from condmem.cli.common import check_int
     from condmem.tables.inspect import inspect_tables
     from condmem.utils.atomic import sweep_stale
+
+    check_int(args.sample, "--sample", why=" (rows sampled per layer; --full reads every row)")
 
     folder = Path(args.path) if Path(args.path).is_dir() else Path(args.path).parent
     for temp in sweep_stale(folder):  # what writers killed mid-write left beside it

@@ -44,7 +44,7 @@ def register(sub) -> None:
         "--vocab-size",
         type=int,
         default=4096,
-        help="ids in the tokenizer, special and byte tokens included (default 4096)",
+        help="ids in the tokenizer, special and byte tokens included: 259..1,048,576 (default 4096)",
     )
     t.add_argument(
         "--max-bytes",
@@ -52,21 +52,24 @@ def register(sub) -> None:
         default=100_000_000,
         help="read at most this much text (default 100 MB; BPE training takes about a minute per 100 MB)",
     )
-    t.add_argument("--min-frequency", type=int, default=2, help="merge only pairs seen at least this often")
+    t.add_argument(
+        "--min-frequency", type=int, default=2, help="merge only pairs seen at least this often (>= 0; default 2)"
+    )
     t.set_defaults(func=run)
 
 
 def run(args) -> int:
     import time
 
-    from condmem.cli import CliError
+    from condmem.cli.common import check_int, check_vocab_size
     from condmem.train.bpe import PAD, train_bpe
     from condmem.train.data import load_corpus
     from condmem.utils.atomic import atomic_write_text
     from condmem.utils.preflight import check_output_file
 
-    if args.max_bytes <= 0:
-        raise CliError(f"--max-bytes must be positive, got {args.max_bytes}")
+    check_int(args.max_bytes, "--max-bytes")
+    check_vocab_size(args.vocab_size)
+    check_int(args.min_frequency, "--min-frequency", 0)
     out = check_output_file(args.out, "--out")
     start = time.perf_counter()
     corpus = load_corpus(args.corpus, max_bytes=args.max_bytes)

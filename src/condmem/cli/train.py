@@ -12,7 +12,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from condmem.cli import CliError
+from condmem.cli import CliError, UsageError
+from condmem.cli.common import note
 
 logger = logging.getLogger("condmem.train")
 
@@ -197,10 +198,55 @@ def preset_overrides(args) -> dict[str, dict]:
     return out
 
 
+def check_args(args) -> None:
+    """Refuse flag values that would crash or hang later, before the corpus is read (exit status 2);
+    say up front when --seq-len raises the preset's max_seq_len."""
+    from condmem.cli.common import check_float, check_vocab_size, device_flag
+    from condmem.train.presets import PRESETS, default_preset_name
+
+    device = device_flag(args.device)
+    check_vocab_size(args.vocab_size)
+    check_float(args.table_init_std, "--table-init-std", strict=True)
+    if args.seq_len is not None and args.max_seq_len is not None and args.seq_len > args.max_seq_len:
+        raise UsageError(
+            f"--seq-len {args.seq_len:,} is longer than --max-seq-len {args.max_seq_len:,}: a training window "
+            "must fit the model's positions"
+        )
+    preset = args.preset or default_preset_name(device.type)
+    limit = PRESETS[preset].model.max_seq_len
+    if not args.resume and args.seq_len is not None and args.max_seq_len is None and args.seq_len > limit:
+        note(
+            "train",
+            f"--seq-len {args.seq_len:,} is above the {preset} preset's max_seq_len {limit:,}: the model's "
+            f"max_seq_len is raised to {args.seq_len:,} (pass --max-seq-len to set it); a step attends over "
+            f"{args.seq_len:,} tokens a sequence, its cost growing with their square",
+        )
+
+
+def _corpus_name(corpus) -> str:
+    if not corpus:
+        return "stdlib"
+    return corpus if isinstance(corpus, str) else ", ".join(map(str, corpus))
+
+
+def _nothing_to_resume(out: Path) -> bool:
+    """Whether --out holds no checkpoint at all: no LATEST and no complete one (a run killed before
+    its first save completed leaves at most a temp folder, which the next save sweeps)."""
+    from condmem.train.checkpoint import newest_complete
+
+    root = out / "checkpoints"
+    return not (out / "state.json").exists() and not (root / "LATEST").exists() and newest_complete(root) is None
+
+
 def _claim(args, out) -> None:
     """Refuse a used --out unless resuming; with --overwrite, clear it."""
     used = sorted(p.name for p in out.iterdir() if p.name != ".lock")
     if used and not args.resume:
+        if not args.overwrite and _nothing_to_resume(out):
+            raise CliError(
+                f"--out {out} holds {', '.join(used[:5])} but no finished checkpoint (a run stopped before its first "
+                "save completed): --resume starts the run afresh there, --overwrite deletes what is there first"
+            )
         if not args.overwrite:
             raise CliError(
                 f"--out {out} already holds {', '.join(used[:5])}: continue that run with --resume, or "
@@ -230,7 +276,8 @@ def run(args) -> int:
     from condmem.utils.run_lock import RunLock
 
     if args.resume and args.overwrite:
-        raise CliError("--resume continues the run in --out, --overwrite replaces it: choose one")
+        raise UsageError("--resume continues the run in --out, --overwrite replaces it: choose one")
+    check_args(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_ranks(args)
     out = check_output_dir(args.out, "--out")
@@ -297,7 +344,16 @@ def _train(args, rank: int | None = None, world: int = 1) -> int:
     lead = rank in (None, 0)
     if args.no_engram and args.table_tier == "host":
         raise CliError("--table-tier host needs Engram tables; drop --no-engram")
-    run = _resume(args, device, rank, lead) if args.resume else _start(args, device, rank, lead)
+    fresh = not args.resume
+    if args.resume and _nothing_to_resume(Path(args.out)):
+        if lead:
+            note(
+                "train",
+                f"--resume: {args.out} holds no checkpoint yet (a run stopped before its first save completed): "
+                "starting the run afresh there with this command's options",
+            )
+        fresh = True
+    run = _start(args, device, rank, lead) if fresh else _resume(args, device, rank, lead)
     if run is None:
         return 0
     tables = _host_tables(args, run, device) if args.table_tier == "host" else None
@@ -356,6 +412,13 @@ def _start(args, device, rank: int | None, lead: bool) -> _Run:
     from condmem.train.presets import default_preset_name, get_preset
 
     preset = get_preset(args.preset or default_preset_name(device.type), preset_overrides(args))
+    tc = preset.train
+    _say(
+        lead,
+        f"preset {preset.name}: batches of {tc.batch_size} x {tc.seq_len:,} tokens, {tc.steps:,} "
+        f"step{'' if tc.steps == 1 else 's'}, on {device}; preparing the data ({args.tokenizer or 'a BPE'} over "
+        f"{_corpus_name(preset.data.corpus)}: read once, then cached)",
+    )
     data = prepare(preset, tokenizer=args.tokenizer, seed=args.seed, rank=rank)
     cfg = build_model_config(preset, data)
     label = "engram"

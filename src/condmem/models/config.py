@@ -10,6 +10,7 @@ field, as for `EngramConfig`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -173,8 +174,8 @@ class ModelConfig:
             )
         for name in ("rope_theta", "norm_eps", "init_std", "engram_table_init_std"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"ModelConfig.{name} must be a finite positive number, got {value!r}")
         if self.engram_addresses not in ("hash", "random"):
             raise ConfigError(f"ModelConfig.engram_addresses must be 'hash' or 'random', got {self.engram_addresses!r}")
         if self.engram_addresses == "random" and self.engram is None:

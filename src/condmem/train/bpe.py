@@ -25,6 +25,11 @@ logger = logging.getLogger("condmem.train.bpe")
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = (EOS, PAD)
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1
+"""The 256 byte tokens, the special tokens and one merge."""
+MAX_VOCAB_SIZE = 1 << 20
+"""The largest vocabulary trained (about 8x the largest released LLM vocabularies): the BPE trainer
+reserves ~70 bytes per id up front, so 10^9 ids would ask for ~70 GB and abort the process."""
 
 
 def train_bpe(
@@ -34,12 +39,20 @@ def train_bpe(
     special_tokens: Sequence[str] = SPECIAL_TOKENS,
     min_frequency: int = 2,
 ) -> Tokenizer:
-    """Train a byte-level BPE tokenizer of `vocab_size` ids (special tokens and the 256 bytes included)."""
+    """Train a byte-level BPE tokenizer of `vocab_size` ids (special tokens and the 256 bytes included;
+    at most `MAX_VOCAB_SIZE`); `min_frequency` >= 0."""
     if vocab_size < 256 + len(special_tokens) + 1:
         raise ValueError(
             f"vocab_size {vocab_size} is too small for a byte-level BPE: it needs 256 byte tokens, "
             f"{len(special_tokens)} special tokens and at least one merge"
         )
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size {vocab_size:,} is above the {MAX_VOCAB_SIZE:,} ids a byte-level BPE is trained to here "
+            "(the trainer reserves ~70 bytes per id up front)"
+        )
+    if min_frequency < 0:
+        raise ValueError(f"min_frequency must be >= 0, got {min_frequency}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -28,12 +28,20 @@ from condmem.train.presets import Preset
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """``auto`` / None: CUDA when available, else the CPU; a CUDA device torch cannot see is an error."""
+    """``auto`` / None: CUDA when available, else the CPU; a name torch does not know, or a CUDA
+    device torch cannot see, is a ValueError naming ``--device``."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r}: not a device (auto, cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: condmem runs on auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 
