@@ -150,8 +150,8 @@ def test_tiny_allocation_study_end_to_end(tiny_corpus, tmp_path, capsys):
                 "tiny",
                 "--corpus",
                 str(tiny_corpus),
-                "--seeds",
-                "2",
+                "--steps",
+                "4",
                 "--out",
                 str(out),
                 "--no-progress",
@@ -161,12 +161,20 @@ def test_tiny_allocation_study_end_to_end(tiny_corpus, tmp_path, capsys):
         )
         == 0
     )
-    s = _check_study(out, "allocation", 3, 2)
-    assert [r["rho"] for r in s["runs"][:3]] == [1.0, 0.75, 0.5]
-    assert s["runs"][0]["table_params"] == 0 and all(r["table_params"] > 0 for r in s["runs"][1:3])
-    totals = [r["total_params"] for r in s["runs"]]
+    # the preset's defaults: 2 seeds, every control (dense once, three per rho < 1)
+    s = _check_study(out, "allocation", 10, 2)
+    mains = [r for r in s["runs"] if r["control"] is None]
+    assert [r["rho"] for r in mains[:3]] == [1.0, 0.75, 0.5]
+    assert mains[0]["table_params"] == 0 and all(r["table_params"] > 0 for r in mains[1:3])
+    totals = [r["total_params"] for r in mains]
     assert max(totals) <= totals[0] and min(totals) > 0.99 * totals[0]
     assert s["finding"]["beyond_seed_spread"] is not None
+    st = s["statistics"]
+    assert sorted(st["controls"]) == ["no_table", "random_address", "tiny_table"] and st["dense"]["claim"] in (0, 1)
+    assert st["optimum"]["grid"] == [0.5, 0.75, 1.0] and len(st["vs_pure_moe"]) == 2
+    for r in s["runs"]:  # router statistics of every MoE run
+        assert (r["router"] is None) == (r["n_experts"] == 0)
+        assert r["router"] is None or r["router"]["dead"] is not None
     assert "Allocation at" in capsys.readouterr().out
 
 
@@ -183,6 +191,8 @@ def test_tiny_slot_study_end_to_end(tiny_corpus, tmp_path):
                 str(tiny_corpus),
                 "--out",
                 str(out),
+                "--seeds",
+                "1",
                 "--no-progress",
                 "--device",
                 "cpu",

@@ -39,6 +39,8 @@ def _sweep(tiny_corpus, out: Path, *extra: str) -> int:
             "--no-progress",
             "--device",
             "cpu",
+            "--controls",  # none: the runs' mechanics are the same with them
+            *([] if "--seeds" in extra else ["--seeds", "1"]),
             *extra,
         ]
     )
@@ -192,7 +194,7 @@ def test_only_selects_by_asked_or_realised_rho_and_refuses_what_selects_nothing(
 def test_a_sweep_killed_mid_run_finishes_without_repeating_runs(whole, tiny_corpus, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "condmem", "study", "allocation", "--preset", "tiny", "--corpus", str(tiny_corpus)]
-    cmd += ["--steps", STEPS, "--seeds", "2", "--out", str(out), "--no-progress", "--device", "cpu"]
+    cmd += ["--steps", STEPS, "--seeds", "2", "--out", str(out), "--no-progress", "--device", "cpu", "--controls"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

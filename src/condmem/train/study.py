@@ -35,13 +35,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from condmem.config import ConfigError, EngramConfig
+from condmem.config import EngramConfig
 from condmem.layout import draw_primes
 from condmem.models import iso_flop_baseline
 from condmem.models.config import ModelConfig
 from condmem.models.flops import (
+    dense_control,
     forward_flops_per_token,
     parameter_counts,
+    random_address_control,
+    tiny_table_control,
     train_flops_per_token,
 )
 from condmem.train.build import (
@@ -56,6 +59,7 @@ from condmem.train.build import (
 from condmem.train.demo import mean_std
 from condmem.train.heldout import seen_in_training
 from condmem.train.study_config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig, load_study_config, study_preset
+from condmem.train.study_stats import compare, linear_slope, paired_difference, quadratic_optimum
 from condmem.train.study_runs import (
     RunStore,
     SweepProgress,
@@ -147,11 +151,13 @@ class Point:
 # ----------------------------------------------------------------------------- the sweeps' models
 
 
-def _control_config(control: str, cfg: ModelConfig) -> ModelConfig:
-    """The model of `control` beside the allocation point `cfg` (same experts)."""
-    if control == "no_table":
-        return iso_flop_baseline(cfg)
-    raise ConfigError(f"control {control!r} is not available in this build; choose from ['no_table']")
+CONTROL_MODELS = {
+    "no_table": iso_flop_baseline,
+    "tiny_table": tiny_table_control,
+    "random_address": random_address_control,
+}
+"""The model of each per-rho control from its point's model (the same experts); ``dense`` is
+`dense_control` of the pure-MoE model, once."""
 
 
 def allocation_points(base: ModelConfig, rhos: list[float], controls: list[str] | tuple = ()) -> list[Point]:
@@ -194,9 +200,11 @@ def allocation_points(base: ModelConfig, rhos: list[float], controls: list[str] 
         label = f"rho={realised:.2f}" + ("" if asked == [round(realised, 10)] else f" (asked {shown})")
         mains.append(Point(label, cfg, realised, rho_asked=asked, key=f"rho={realised:.4f}_experts={experts}"))
     points += mains
-    for control in controls:
+    if "dense" in controls:
+        points.append(Point("dense (same active)", dense_control(reference), 1.0, control="dense", key="dense"))
+    for control in (c for c in controls if c != "dense"):
         for p in mains:
-            cfg = _control_config(control, p.cfg)
+            cfg = CONTROL_MODELS[control](p.cfg)
             points.append(
                 Point(
                     f"rho={p.rho:.2f} {control}",
@@ -714,6 +722,7 @@ def summarize(sweep: dict, runs: list[dict]) -> dict:
         "points": per_point,
         "runs": runs,
         "finding": find(kind, per_point, runs),
+        "statistics": statistics(kind, per_point, runs),
         "scale": scale_gap(kind, runs[0]),
         "paper": PAPER,
         "config": config,
@@ -724,6 +733,46 @@ def summarize(sweep: dict, runs: list[dict]) -> dict:
     summary["table"] = format_study_table(kind, per_point)
     summary["report"] = report_text(kind, summary)
     return summary
+
+
+CONTROL_EFFECTS = {
+    "no_table": "the table's own effect (same experts, no table)",
+    "tiny_table": "memory against the extra pathway (a table of ~1K rows per head)",
+    "random_address": "content addressing (rows drawn at random)",
+}
+
+
+def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
+    """Paired differences by seed with 95% t-intervals (`study_stats`), and the fitted optimum.
+
+    allocation: each rho < 1 against pure MoE; each rho against each of its controls; pure MoE
+    against the dense control; a quadratic in rho over the sweep's own points with its
+    bootstrap argmin. slots: the slope of loss in log10(rows) with its interval."""
+    by_key = {p["key"]: {r["init_seed"]: r["val_loss"] for r in runs if r["run_id"].startswith(p["key"] + "_seed=")}
+              for p in points}  # fmt: skip
+    if kind == "slots":
+        with_table = [r for r in runs if r["table_rows"] > 0]
+        fit = linear_slope([math.log10(r["table_rows"]) for r in with_table], [r["val_loss"] for r in with_table])
+        return {"slope_per_decade": fit["slope"].to_dict(), "intercept": fit["intercept"], "n": fit["n"]}
+    mains = [p for p in points if p["control"] is None]
+    ref = next(p for p in mains if p["rho"] == 1.0)
+    out = {"vs_pure_moe": {}, "controls": {}, "dense": None, "optimum": None}
+    for p in mains:
+        if p is not ref:
+            diff = paired_difference(by_key[p["key"]], by_key[ref["key"]])
+            out["vs_pure_moe"][p["label"]] = compare(p["label"], "pure MoE", diff)
+    for c in (p for p in points if p["control"] in CONTROL_EFFECTS):
+        main = next(p for p in mains if c["key"].startswith(p["key"] + "_"))
+        diff = paired_difference(by_key[main["key"]], by_key[c["key"]])
+        entry = compare(main["label"], c["label"], diff)
+        entry["what"] = CONTROL_EFFECTS[c["control"]]
+        out["controls"].setdefault(c["control"], {})[main["label"]] = entry
+    dense = next((p for p in points if p["control"] == "dense"), None)
+    if dense is not None:
+        out["dense"] = compare("pure MoE", "dense", paired_difference(by_key[ref["key"]], by_key[dense["key"]]))
+    if len(mains) >= 3:
+        out["optimum"] = quadratic_optimum({p["rho"]: p["val_loss"]["values"] for p in mains})
+    return out
 
 
 def _beyond(a: dict, b: dict) -> bool | None:
@@ -871,10 +920,10 @@ def report_text(kind: str, s: dict) -> str:
         if at_04 is not None:
             claim += f"; at rho = 0.40 the loss is {at_04:+.2f}% against pure MoE's (paper: about equal)"
         return (
-            f"Allocation at {flops}; {tokens}. Measured: {claim}. Paper: a U-shape with its minimum at rho "
-            "0.75-0.80, 0.8% below pure MoE at 6e20 FLOPs. This sweep tests the same trade (expert parameters "
-            "for table parameters at equal total and active parameters) at a far smaller scale: it can agree "
-            "or disagree with the paper's shape, not reproduce its numbers."
+            f"Allocation at {flops}; {tokens}{_validation_text(s)}. Measured: {claim}. Paper: a U-shape with its "
+            "minimum at rho 0.75-0.80, 0.8% below pure MoE at 6e20 FLOPs. This sweep tests the same trade (expert "
+            "parameters for table parameters at equal total and active parameters) at a far smaller scale: it "
+            "can agree or disagree with the paper's shape, not reproduce its numbers." + _statistics_text(s)
         )
     se = "" if f["slope_stderr"] is None else f" +- {f['slope_stderr']:.4f}"
     sign = "falls" if f["slope_per_decade"] < 0 else "does not fall"
@@ -885,6 +934,40 @@ def report_text(kind: str, s: dict) -> str:
         f"decade{_significance(f['slope_beyond_2se'])}; without Engram "
         f"{f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
     )
+
+
+def _validation_text(s: dict) -> str:
+    v = s.get("validation")
+    if not v:
+        return ""
+    if v["capped"]:
+        return f"; validated on {v['tokens']:,} of {v['tokens_available']:,} held-out tokens (capped)"
+    return f"; validated on all {v['tokens']:,} held-out tokens"
+
+
+def _statistics_text(s: dict) -> str:
+    """The intervals' verdicts (95%, paired by seed) in sentences; empty for a study.json without them."""
+    st = s.get("statistics")
+    if not st:
+        return ""
+    lines = []
+    if st.get("dense"):
+        lines.append(st["dense"]["text"])
+    lines += [c["text"] for c in st["vs_pure_moe"].values()]
+    for control in st["controls"].values():
+        lines += [f"{c['what']}: {c['text']}" for c in control.values()]
+    opt = st.get("optimum")
+    if opt:
+        span = f"[{opt['argmin_low']:.2f}, {opt['argmin_high']:.2f}]"
+        lines.append(
+            f"quadratic fit in rho: argmin {opt['argmin']:.2f}, 95% bootstrap interval {span}; "
+            + (
+                "a minimum inside the grid is claimed"
+                if opt["claims_minimum"]
+                else f"no minimum claimed ({opt['reason']})"
+            )
+        )
+    return "\nPaired by seed, 95% t-intervals:\n" + "\n".join(f"  * {line}" for line in lines)
 
 
 def _shape(f: dict) -> str:

@@ -31,11 +31,12 @@ from condmem.train.presets import DataPreset, EngramPreset, ModelPreset, Preset
 
 KINDS = ("allocation", "slots")
 
-CONTROLS = ("no_table", "tiny_table", "random_address")
-"""Controls of the allocation sweep, run beside every rho < 1 (docs/study.md#controls):
+CONTROLS = ("no_table", "tiny_table", "random_address", "dense")
+"""Controls of the allocation sweep (docs/study.md#controls), run beside every rho < 1:
 ``no_table``: the same experts without an Engram (its FLOPs on the shared expert);
 ``tiny_table``: the same Engram module and FLOPs with a table of at most ~1K rows per head;
-``random_address``: the same table and FLOPs, each token's row ids drawn afresh every step."""
+``random_address``: the same table and FLOPs, each token's row ids drawn afresh every step;
+and once, beside pure MoE: ``dense``: no routed experts, the same active parameters and FLOPs."""
 
 # Training keys a sweep sets per run: a study config that gives them is refused (the sweep's key is named).
 _SET_BY_SWEEP = {

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from condmem.config import ConfigError
+from condmem.models.moe import router_statistics
 from condmem.train.build import build_model, build_trainer, machine_info
 from condmem.train.demo import bucket_losses
 from condmem.train.loop import TrainConfig, evaluate
@@ -305,10 +306,13 @@ def train_run(
     tokens_per_step = tc.batch_size * tc.seq_len
     warm = min(3, max(0, tc.steps - 1))  # steps left out of tok/s (allocations, caches)
     losses, timed_s, timed_steps = [], 0.0, 0
+    stats_from = (3 * tc.steps) // 4  # router statistics over the last quarter of training
     bar = Progress(tc.steps, label, enabled=progress)
     start = time.perf_counter()
     try:
         for step in range(tc.steps):
+            if step == stats_from:
+                router_statistics(model, reset=True)
             t0 = time.perf_counter()
             loss, lr = trainer.train_step(step)
             if not math.isfinite(loss):
@@ -329,6 +333,9 @@ def train_run(
     finally:
         bar.close()
     train_seconds = time.perf_counter() - start
+    router = router_statistics(model) if point.cfg.moe is not None else None
+    if router is not None:
+        router["steps"] = [stats_from + 1, tc.steps]
     available = max(0, len(data.val) - 1)
     cap = None if val_tokens is None or val_tokens >= available else val_tokens
     vbar = Progress(cap or available, f"{label}: validation", enabled=progress, unit="tok", unit_scale=True)
@@ -349,7 +356,6 @@ def train_run(
         vbar.close()
     scored = ~np.isnan(ev["token_losses"])
     buckets = bucket_losses(ev["token_losses"][scored], seen[scored])
-    stats = getattr(model, "router_stats", None)
     record = {
         "run_id": spec.run_id,
         "label": point.label,
@@ -373,7 +379,7 @@ def train_run(
         "final_train_loss": float(np.mean(losses[-max(1, min(50, len(losses) // 10)) :])),
         "final_lr": lr,
         "train_losses": losses,
-        "router": stats() if callable(stats) else None,
+        "router": router,
         "machine": machine_info(dev),
     }
     print(
