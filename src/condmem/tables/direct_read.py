@@ -17,7 +17,10 @@ What it serves has been checked (`condmem.tables.integrity`):
   validated (one ``fstat``): a file rewritten in place (``cp`` over it, ``rsync --inplace``,
   ``truncate``) is a `StorageError` naming the file, and so is a read that ends early or a
   block that no longer matches, never new rows; nothing is memory-mapped, so a truncated
-  file cannot kill the process with SIGBUS.
+  file cannot kill the process with SIGBUS. A new mtime alone (``touch``) is not a change of
+  rows: with block CRCs every block read is still compared with the validated file's, and
+  chunk digests are checked again from the next read on; only a file read unchecked is
+  refused for it.
 
 The file is the validated one: a `RowSource` reopens the very inode it validated; a path
 given alone is checked against `identity` (device and inode).
@@ -87,7 +90,7 @@ class DirectRowReader:
                 ) from None
             raise StorageError(f"{path}: cannot be opened ({exc.strerror or exc})") from None
         st = os.fstat(self.fd)
-        self._stamp = (st.st_size, st.st_mtime_ns)
+        self._stamp = self._opened = (st.st_size, st.st_mtime_ns)
         if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
             self.close()
             raise StorageError(f"{path} is no longer the file that was validated (replaced since it was opened)")
@@ -159,16 +162,23 @@ class DirectRowReader:
         return out
 
     def _check_unchanged(self) -> None:
+        """Refuse a file whose size changed; a new mtime alone is taken where the rows read are checked
+        (block CRCs: every read; chunk digests: each chunk is checked again at its next read)."""
         st = os.fstat(self.fd)
-        if (st.st_size, st.st_mtime_ns) != self._stamp:
+        if (st.st_size, st.st_mtime_ns) == self._stamp:
+            return
+        if st.st_size != self._stamp[0] or self.checks is None:
             self._fail("")
+        if self._verified is not None:
+            self._verified = np.zeros_like(self._verified)
+        self._stamp = (st.st_size, st.st_mtime_ns)
 
     def _fail(self, what: str) -> None:
-        """Raise a `StorageError` naming the file; a size or mtime change, when there was one, comes first."""
+        """Raise a `StorageError` naming the file; a size or mtime change since it was opened comes first."""
         st = os.fstat(self.fd)
-        if st.st_size != self._stamp[0]:
-            change = f"its size went from {self._stamp[0]:,} to {st.st_size:,} bytes"
-        elif st.st_mtime_ns != self._stamp[1]:
+        if st.st_size != self._opened[0]:
+            change = f"its size went from {self._opened[0]:,} to {st.st_size:,} bytes"
+        elif st.st_mtime_ns != self._opened[1]:
             change = "it was modified (its mtime moved)"
         else:
             raise StorageError(f"{self.path}: {what}")
