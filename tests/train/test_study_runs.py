@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,16 +71,18 @@ def test_the_same_run_twice_gives_identical_losses(whole, tiny_corpus, tmp_path)
     assert _sweep(tiny_corpus, tmp_path, "--seeds", "2") == 0
     again, first = _runs(tmp_path), _runs(whole)
     assert sorted(again) == sorted(first) and len(first) == 6
+    # file names that every transport carries: letters, digits, '.', '_'
+    assert all(re.fullmatch(r"[A-Za-z0-9._]+", run_id) for run_id in first), sorted(first)
     for run_id in first:
         _same_results(again[run_id], first[run_id])
     # negative control: the comparison sees a change of data order
-    assert first["rho=1_seed=0"]["train_losses"] != first["rho=1_seed=1"]["train_losses"]
+    assert first["rho1_seed0"]["train_losses"] != first["rho1_seed1"]["train_losses"]
 
 
 def test_a_run_is_the_same_alone_and_inside_a_sweep_in_another_order(whole, tiny_corpus, tmp_path, monkeypatch):
     # rho 0.5 seed 1: 6th run of the whole sweep; here the 2nd of a sweep of rho 1 and 0.5 starting at seed 1
     assert _sweep(tiny_corpus, tmp_path / "alone", "--rhos", "0.5", "--seed", "1") == 0
-    run_id = "rho=0.5000_experts=4_seed=1"
+    run_id = "rho0.5000_experts4_seed1"
     _same_results(_runs(tmp_path / "alone")[run_id], _runs(whole)[run_id])
     # negative control: seeds drawn from the run's position in the sweep (not its seed index) change it
     real = study_runs.plan_runs
@@ -163,7 +166,7 @@ def test_a_reused_out_with_another_config_is_refused(whole, tiny_corpus, tmp_pat
     assert "another configuration" in err and "rhos" in err and "--overwrite" in err
     assert (out / "study.json").read_text() == before  # the finished study is untouched
     # a stored run whose config differs is refused by name (copied in from another sweep)
-    run_id = "rho=1_seed=0"
+    run_id = "rho1_seed0"
     record = json.loads((out / "runs" / f"{run_id}.json").read_text())
     record["run_config"]["train"]["lr"] = 1.0
     (out / "runs" / f"{run_id}.json").write_text(json.dumps(record))

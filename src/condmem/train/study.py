@@ -186,7 +186,7 @@ def allocation_points(base: ModelConfig, rhos: list[float], controls: list[str] 
         by_experts.setdefault(moe.top_k + round(rho * spare), []).append(rho)
     asked_ref = by_experts.pop(moe.n_experts, [])
     points = [
-        Point("rho=1.00 (pure MoE)", reference, 1.0, rho_asked=sorted({1.0, *asked_ref}, reverse=True), key="rho=1")
+        Point("rho=1.00 (pure MoE)", reference, 1.0, rho_asked=sorted({1.0, *asked_ref}, reverse=True), key="rho1")
     ]
     layers = len(engram.layer_ids)
     mains = []
@@ -198,7 +198,7 @@ def allocation_points(base: ModelConfig, rhos: list[float], controls: list[str] 
         cfg = cfg.replace(engram=engram.replace(table_size=table_size_for(engram, rows)))
         shown = ", ".join(f"{r:.2f}" for r in asked)
         label = f"rho={realised:.2f}" + ("" if asked == [round(realised, 10)] else f" (asked {shown})")
-        mains.append(Point(label, cfg, realised, rho_asked=asked, key=f"rho={realised:.4f}_experts={experts}"))
+        mains.append(Point(label, cfg, realised, rho_asked=asked, key=f"rho{realised:.4f}_experts{experts}"))
     points += mains
     if "dense" in controls:
         points.append(Point("dense (same active)", dense_control(reference), 1.0, control="dense", key="dense"))
@@ -244,7 +244,7 @@ def slot_points(base: ModelConfig, table_sizes: list[int]) -> list[Point]:
     points = [Point("no Engram", iso_flop_baseline(base), key="no_engram")]
     for size in sorted(set(table_sizes)):
         cfg = base.replace(engram=base.engram.replace(table_size=size))
-        points.append(Point(f"table_size={size:,}", cfg, key=f"table_size={size}"))
+        points.append(Point(f"table_size={size:,}", cfg, key=f"table_size{size}"))
     for point in points:
         point.accounting = accounting(point.cfg, base.max_seq_len)
     return points
@@ -686,7 +686,7 @@ def summarize(sweep: dict, runs: list[dict]) -> dict:
     kind = sweep["study"]
     per_point = []
     for p in sweep["points"]:
-        mine = [r for r in runs if r["run_id"].startswith(p["key"] + "_seed=")]
+        mine = [r for r in runs if r["run_id"].startswith(p["key"] + "_seed")]
         row = {
             "label": p["label"],
             "key": p["key"],
@@ -748,7 +748,7 @@ def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
     allocation: each rho < 1 against pure MoE; each rho against each of its controls; pure MoE
     against the dense control; a quadratic in rho over the sweep's own points with its
     bootstrap argmin. slots: the slope of loss in log10(rows) with its interval."""
-    by_key = {p["key"]: {r["init_seed"]: r["val_loss"] for r in runs if r["run_id"].startswith(p["key"] + "_seed=")}
+    by_key = {p["key"]: {r["init_seed"]: r["val_loss"] for r in runs if r["run_id"].startswith(p["key"] + "_seed")}
               for p in points}  # fmt: skip
     if kind == "slots":
         with_table = [r for r in runs if r["table_rows"] > 0]

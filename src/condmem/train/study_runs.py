@@ -1,7 +1,7 @@
 """The runs of a `condmem study` sweep: identities, seeds, selection, deterministic training, result files.
 
 * **A run is its point, its control and its seed index**: `RunSpec.run_id` names it
-  (``rho=0.750_experts=5_seed=1``) and its result file ``OUT/runs/<run-id>.json``, written
+  (``rho0.7500_experts5_seed1``: letters, digits, ``._`` only) and its result file ``OUT/runs/<run-id>.json``, written
   atomically when the run ends. The seeds derive from the seed index alone (`run_seeds`),
   never from the run's position in the sweep, the runs before it or global RNG state; every
   point of a seed index shares its data order (differences are paired by seed).
@@ -64,7 +64,7 @@ class RunSpec:
 
     @property
     def run_id(self) -> str:
-        return f"{self.point.key}_seed={self.init_seed}"
+        return f"{self.point.key}_seed{self.init_seed}"
 
     def fields(self) -> dict[str, Any]:
         """The values `select_runs` matches: rho (asked and realised), experts, table_size, control, seed."""
