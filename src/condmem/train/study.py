@@ -205,6 +205,9 @@ def allocation_points(base: ModelConfig, rhos: list[float], controls: list[str] 
     for control in (c for c in controls if c != "dense"):
         for p in mains:
             cfg = CONTROL_MODELS[control](p.cfg)
+            if cfg == p.cfg:  # a table already within the tiny table's bound: the control would repeat the point
+                print(f"  {control} control of {p.label}: the same model as the point (not run)", flush=True)
+                continue
             points.append(
                 Point(
                     f"rho={p.rho:.2f} {control}",
