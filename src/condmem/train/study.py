@@ -59,7 +59,7 @@ from condmem.train.build import (
 from condmem.train.demo import mean_std
 from condmem.train.heldout import seen_in_training
 from condmem.train.study_config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig, load_study_config, study_preset
-from condmem.train.study_stats import compare, linear_slope, paired_difference, quadratic_optimum
+from condmem.train.study_stats import compare, linear_slope, paired_difference, quadratic_optimum, t_interval
 from condmem.train.study_runs import (
     RunStore,
     SweepProgress,
@@ -1010,7 +1010,15 @@ def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | 
             marker = "sDv^"[i % 4]
             ax.plot([p["rho"] for p in mine], [p["val_loss"]["mean"] for p in mine], marker + ":", label=control)
         order = sorted((p for p in points if p.get("control") is None), key=lambda p: p["rho"])
-        ax.plot([p["rho"] for p in order], [p["val_loss"]["mean"] for p in order], "o-", label="mean")
+        halves = [t_interval(p["val_loss"]["values"]).half_width for p in order]
+        ax.errorbar(
+            [p["rho"] for p in order],
+            [p["val_loss"]["mean"] for p in order],
+            yerr=None if None in halves else halves,
+            fmt="o-",
+            capsize=3,
+            label="mean" + ("" if None in halves else ", 95% t-interval"),
+        )
         ax.axhline(f["pure_moe_val_loss"], color="gray", ls="--", label="pure MoE (rho = 1)")
         ax.axvspan(0.75, 0.80, color="orange", alpha=0.15, label="paper's optimum")
         ax.set_xlabel("rho: share of the sparse parameters in routed experts (rest: Engram table)")
