@@ -55,9 +55,21 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: i
     Returns a scalar: 1.0 when the choices and the probabilities are uniform, up to E when
     every token goes to one expert with probability 1. Gradients flow through `probs`.
     """
-    counts = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype)
+    counts = expert_counts(experts, n_experts).to(probs.dtype)
     share = counts / max(1, experts.numel())
     return n_experts * (share * probs.mean(0)).sum()
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """int64 [E]: how many of the (token, expert) pairs in `experts` (int [N, k], every id < E) went to each expert.
+
+    Under `torch.compile` a comparison with every expert id summed over the pairs (a fused
+    reduction of a fixed shape), since `bincount`'s output size depends on the data and would
+    break the graph; eager, `bincount`. Both count exactly."""
+    flat = experts.flatten()
+    if torch.compiler.is_compiling():
+        return (flat[:, None] == torch.arange(n_experts, device=flat.device)).sum(0)
+    return torch.bincount(flat, minlength=n_experts)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -78,6 +90,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, *,
     """
     if use_grouped_mm:
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    return _per_group_linear(x, weight, ends)
+
+
+@torch.compiler.disable  # the group bounds are read on the host: traced, every new routing would recompile
+def _per_group_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     bounds = [0, *ends.tolist()]
     return torch.cat([x[bounds[i] : bounds[i + 1]] @ weight[i].T for i in range(weight.shape[0])])
 
@@ -98,7 +115,7 @@ def dispatch_layout(
     flat = experts.flatten()
     pairs = flat.numel()
     if counts is None:
-        counts = torch.bincount(flat, minlength=n_experts)
+        counts = expert_counts(flat, n_experts)
     padded = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).clamp_min(GROUP_ALIGN)
     rows = -(-pairs // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * n_experts  # every group end aligned
     ends = torch.cumsum(padded, 0)
@@ -132,6 +149,7 @@ class RouterStats:
         self.gate_mass: torch.Tensor | None = None
         self.balance_loss: torch.Tensor | None = None
 
+    @torch.compiler.disable  # host-side counters: traced, each new value would recompile the caller
     @torch.no_grad()
     def update(self, counts: torch.Tensor, chosen_mass: torch.Tensor, balance_loss: torch.Tensor | None) -> None:
         """Add one forward.
@@ -285,6 +303,7 @@ class MoE(nn.Module):
             weights = weights * self.routed_scale
         return scores, experts, weights
 
+    @torch.compiler.disable  # a collective across ranks; a few tiny ops, left out of a compiled block
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor) -> None:
         """``expert_bias += bias_rate * sign(mean load - load)`` from one forward's `counts` (int [E]).
@@ -303,7 +322,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.dim)
         scores, experts, weights = self.route(x)
-        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
+        counts = expert_counts(experts, self.n_experts)
         if self.training:
             total = scores.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
             normed = scores if self.score == "softmax" else scores / total

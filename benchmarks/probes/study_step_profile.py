@@ -1,0 +1,172 @@
+"""Where the study's training step spends its time, and what compiling the blocks buys.
+
+The `condmem study` gpu preset's backbones (dense at the MoE's active size, pure MoE, rho 0.8
+with its Engram), trained by the library's `Trainer` on random tokens. For each: tokens/s and
+model FLOPs utilisation (training FLOPs per token x tokens/s over a bf16 matmul ceiling measured
+in the same run), eager and with every block compiled (`torch.compile`), and the eager step's
+top CUDA kernels by time (torch.profiler), with the GPU's busy share of the wall time.
+
+    PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_step import VOCAB, commit, variants  # noqa: E402
+
+from condmem.models import DecoderLM  # noqa: E402
+from condmem.models.flops import train_flops_per_token  # noqa: E402
+from condmem.train.data import TokenStream  # noqa: E402
+from condmem.train.loop import Trainer  # noqa: E402
+from condmem.train.study import STUDY_PRESETS, allocation_points  # noqa: E402
+
+
+def matmul_ceiling(device) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - t0)
+
+
+OPTIONS = {
+    "eager_foreach": {"foreach": True},
+    "eager": {},
+    "compiled_foreach": {"compile": True, "foreach": True},
+    "compiled": {"compile": True},
+    "compiled_loss": {"compile": True, "compile_loss": True},
+}
+"""eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
+trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy)."""
+
+
+def build(name, cfg, device, tc, steps, opts):
+    rng = np.random.default_rng(0)
+    train = TokenStream(rng.integers(2, VOCAB, size=tc.batch_size * tc.seq_len * (steps + 8) + 1).astype(np.int32), 0)
+    val = TokenStream(rng.integers(2, VOCAB, size=4 * tc.seq_len + 1).astype(np.int32), 0)
+    model = DecoderLM(cfg, token_lookup=np.arange(VOCAB, dtype=np.int64), seed=0, device=device)
+    if opts.get("compile_loss"):
+        model.loss = torch.compile(model.loss)
+    run = dataclasses.replace(
+        tc, steps=steps, warmup_steps=2, log_every=10**6, eval_tokens=tc.seq_len, compile=bool(opts.get("compile"))
+    )
+    trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
+    if opts.get("foreach"):
+        from condmem.train.optim import build_optimizers
+
+        c = run
+        betas = (c.beta1, c.beta2)
+        trainer.adamw, _ = build_optimizers(model, c.lr, c.lr * c.table_lr_mult, c.weight_decay, betas, betas, c.eps)
+    return model, trainer
+
+
+def timed(trainer, first, last):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    losses = [trainer.train_step(s)[0] for s in range(first, last)]
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, losses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--models", nargs="+", default=["dense", "moe", "moe_engram_rho0.8"])
+    ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
+    ap.add_argument("--profile", action="store_true", help="profile the eager step's kernels")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    tc = STUDY_PRESETS["gpu"].base.train
+    tokens = tc.batch_size * tc.seq_len
+    peak = matmul_ceiling(device)
+    result = {"commit": commit(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "peak": peak}
+    rows = {}
+    all_variants = variants(False)
+    rho08 = allocation_points(all_variants["moe_engram_big"], [1.0, 0.8])
+    all_variants["moe_engram_rho0.8"] = next(p.cfg for p in rho08 if p.rho == 0.8)
+    for name in args.models:
+        cfg = all_variants[name]
+        flops = train_flops_per_token(cfg, tc.seq_len)
+        for option in args.options:
+            opts = OPTIONS[option]
+            compiled = option.startswith("compiled")
+            key = f"{name}/{option}"
+            t0 = time.perf_counter()
+            try:
+                model, trainer = build(key, cfg, device, tc, 3 + 2 * args.steps + 3, opts)
+                for s in range(3):
+                    trainer.train_step(s)
+            except Exception as e:  # a variant that does not run is reported, the others go on
+                print(f"{key}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                rows[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            warm_s = time.perf_counter() - t0
+            secs, losses = timed(trainer, 3, 3 + args.steps)
+            row = {
+                "tokens_per_s": tokens * args.steps / secs,
+                "ms_per_step": 1e3 * secs / args.steps,
+                "train_flops_per_token": flops,
+                "losses": losses,
+                "warm_s": warm_s,
+            }
+            row["mfu"] = flops * row["tokens_per_s"] / peak
+            if not compiled and args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    wall, _ = timed(trainer, 3 + args.steps, 3 + args.steps + 3)
+                kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+                busy = sum(e.self_device_time_total for e in kernels) / 1e6
+                top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:18]
+                row["gpu_busy_share"] = busy / wall
+                row["kernels_per_step"] = sum(e.count for e in kernels) / 3
+                row["top_kernels_ms_per_step"] = {e.key[:90]: e.self_device_time_total / 3e3 for e in top}
+                print(
+                    f"\n{key}: wall {wall / 3 * 1e3:.1f} ms/step, GPU busy {busy / wall:.0%}, "
+                    f"{row['kernels_per_step']:.0f} kernels/step",
+                    flush=True,
+                )
+                for k, v in row["top_kernels_ms_per_step"].items():
+                    print(f"   {v:7.2f} ms  {k}", flush=True)
+            rows[key] = row
+            print(
+                f"{key}: {row['ms_per_step']:.1f} ms/step {row['tokens_per_s']:,.0f} tok/s MFU {row['mfu']:.1%} "
+                f"(warm-up {warm_s:.0f} s)",
+                flush=True,
+            )
+            del trainer, model
+            torch.cuda.empty_cache()
+    result["rows"] = rows
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "study_step_profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\n{result['gpu']}, bf16 matmul ceiling {peak / 1e12:.0f} TFLOP/s")
+    print(f"{'variant':<40} {'ms/step':>8} {'tok/s':>11} {'MFU':>6}")
+    for k, r in rows.items():
+        if "error" in r:
+            print(f"{k:<40} FAILED")
+            continue
+        base = rows.get(k.split("/")[0] + "/eager", {}).get("losses")
+        drift = max(abs(a - b) for a, b in zip(r["losses"], base)) if base else float("nan")
+        speed = f"{r['ms_per_step']:>8.1f} {r['tokens_per_s']:>11,.0f} {r['mfu']:>6.1%}"
+        print(f"{k:<40} {speed}  loss drift vs eager {drift:.2e}")
+
+
+if __name__ == "__main__":
+    main()
