@@ -441,7 +441,7 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
         "runs": [s.run_id for s in specs],
     }
     atomic_write_text(out / "sweep.json", json.dumps(sweep, indent=1) + "\n", within=out)
-    sc.save(out / "config.json")
+    sc.save(out / "config.json", within=out)
     print_plan(kind, points, n_steps, tc, sc)
     chosen = select_runs(specs, only)
     _train_selected(

@@ -169,12 +169,13 @@ class StudyConfig:
         top = {k: data[k] for k in _TOP if k in data}
         return cls(Preset(name, **sections), **top)
 
-    def save(self, path: str | Path) -> Path:
-        """Write the config as JSON (atomically); `load` reads it back equal."""
+    def save(self, path: str | Path, within: str | Path | None = None) -> Path:
+        """Write the config as JSON (atomically, inside `within` when given); `load_study_config` reads
+        it back equal."""
         from condmem.utils.atomic import atomic_write_text
 
         path = Path(path)
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n", within=within)
         return path
 
 

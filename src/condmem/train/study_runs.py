@@ -279,7 +279,7 @@ class RunStore:
     def write(self, record: dict) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(record["run_id"])
-        atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+        atomic_write_text(path, json.dumps(record, indent=1) + "\n", within=self.out)
         return path
 
 
@@ -336,24 +336,7 @@ def train_run(
     router = router_statistics(model) if point.cfg.moe is not None else None
     if router is not None:
         router["steps"] = [stats_from + 1, tc.steps]
-    available = max(0, len(data.val) - 1)
-    cap = None if val_tokens is None or val_tokens >= available else val_tokens
-    vbar = Progress(cap or available, f"{label}: validation", enabled=progress, unit="tok", unit_scale=True)
-    try:
-        ev = evaluate(
-            model,
-            data.val,
-            torch.as_tensor(np.asarray(data.token_bytes), dtype=torch.int64),
-            seq_len=tc.seq_len,
-            max_tokens=cap,
-            batch_size=tc.eval_batch_size,
-            device=dev,
-            precision=tc.precision,
-            token_losses=True,
-            on_batch=vbar.update,
-        )
-    finally:
-        vbar.close()
+    ev, available, cap = _final_validation(model, data, dev, tc, val_tokens, label, progress)
     scored = ~np.isnan(ev["token_losses"])
     buckets = bucket_losses(ev["token_losses"][scored], seen[scored])
     record = {
@@ -389,6 +372,30 @@ def train_run(
         flush=True,
     )
     return record
+
+
+def _final_validation(model, data: PreparedData, dev, tc: TrainConfig, val_tokens, label: str, progress: bool):
+    """The run's validation on at most `val_tokens` held-out tokens, with a progress bar:
+    (`evaluate`'s result with per-token losses, tokens available, the cap applied or None)."""
+    available = max(0, len(data.val) - 1)
+    cap = None if val_tokens is None or val_tokens >= available else val_tokens
+    vbar = Progress(cap or available, f"{label}: validation", enabled=progress, unit="tok", unit_scale=True)
+    try:
+        ev = evaluate(
+            model,
+            data.val,
+            torch.as_tensor(np.asarray(data.token_bytes), dtype=torch.int64),
+            seq_len=tc.seq_len,
+            max_tokens=cap,
+            batch_size=tc.eval_batch_size,
+            device=dev,
+            precision=tc.precision,
+            token_losses=True,
+            on_batch=vbar.update,
+        )
+    finally:
+        vbar.close()
+    return ev, available, cap
 
 
 class SweepProgress:
