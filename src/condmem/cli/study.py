@@ -21,9 +21,9 @@ def register(sub) -> None:
         "(or `condmem study merge OUT`). Method: docs/study.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem study allocation --preset tiny --out runs/allocation\n"
-        "  condmem study allocation --preset cpu                # a small real answer on a laptop\n"
-        "  condmem study allocation --preset gpu --seeds 3 --stop-after 9   # again until done (docs/study.md)\n"
-        "  condmem study allocation --preset gpu --seeds 3 --only seed=0    # one machine's share\n"
+        "  condmem study allocation --preset cpu --out runs/cpu      # a small real answer on a laptop\n"
+        "  condmem study allocation --preset gpu --out runs/gpu --stop-after 9   # again until done (docs/study.md)\n"
+        "  condmem study allocation --preset gpu --out runs/gpu --only seed=0    # one machine's share\n"
         "  condmem study merge runs/allocation                  # study.json once every run exists\n"
         "  condmem study slots --preset tiny --corpus /path/to/texts --table-sizes 20 300 3000\n"
         "  condmem study allocation --out runs/allocation --replot   # the PNG again from study.json",
