@@ -64,6 +64,8 @@ def test_compiled_training_follows_eager_losses_on_the_gpu():
             model, dataclasses.replace(tc, compile=compile), train, val, np.ones(512), "cuda", progress=False
         )
         losses[compile] = [trainer.train_step(s)[0] for s in range(10)]
-    # bf16 autocast either way; fused kernels round differently, so losses agree to bf16 noise only
-    assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 2e-2, losses
-    assert losses[True][-1] < losses[True][0]
+    # bf16 autocast either way; fused kernels round differently: the first loss (same weights) agrees to
+    # bf16 noise, and the rounding then compounds over steps, so later losses follow the same curve only
+    assert abs(losses[True][0] - losses[False][0]) < 5e-3, losses
+    assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 0.15, losses
+    assert losses[True][-1] < losses[True][0] - 0.1 and losses[False][-1] < losses[False][0] - 0.1, losses

@@ -224,7 +224,8 @@ def test_prepared_data_cache_gives_the_same_data(tiny_corpus, tmp_path):
 def test_moe_backbone_trains_and_resumes_exactly(tiny_data, tmp_path, monkeypatch):
     """Routed experts in both blocks (no shared expert): the loss falls, the balance loss is
     part of what is minimized, and a resumed run repeats an uninterrupted one."""
-    preset = get_preset("tiny", {"model": {"ffn_hidden": 0, "moe": {"n_experts": 4, "top_k": 2, "expert_hidden": 32}}})
+    moe = {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "aux_loss_coef": 0.01}  # the balance loss minimized
+    preset = get_preset("tiny", {"model": {"ffn_hidden": 0, "moe": moe}})
 
     def trainer(steps, run_dir=None, model=None):
         if model is None:

@@ -279,7 +279,6 @@ class Trainer:
             (cfg.beta1, cfg.beta2),
             (cfg.beta1, cfg.beta2),
             cfg.eps,
-            fused=True if self.device.type == "cuda" else None,
         )
         if cfg.compile:
             for block in model.blocks:

@@ -262,6 +262,52 @@ def _constrained_argmin(coef: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return np.where(c2 > 0, np.clip(vertex, lo, hi), ends)
 
 
+def _bootstrap_argmin_interval(
+    runs: dict[float, list[float]],
+    grid: list[float],
+    centre: float,
+    argmin: float,
+    confidence: float,
+    n_boot: int,
+    seed: int,
+) -> tuple[float, float]:
+    """`quadratic_optimum`'s argmin interval (in u = x - centre): each point's runs resampled, the
+    means fitted (the same x for every resample), small-sample corrected as its docstring says."""
+    lo, hi = grid[0] - centre, grid[-1] - centre
+    rng = np.random.default_rng(seed)
+    means = np.empty((n_boot, len(grid)))
+    for j, x in enumerate(grid):
+        vals = np.array(runs[x])
+        n = len(vals)
+        if n > 1:  # resampled means then vary as much as a mean of n runs does (s^2/n, not (n-1)/n of it)
+            vals = vals.mean() + (vals - vals.mean()) * math.sqrt(n / (n - 1))
+        means[:, j] = vals[rng.integers(0, n, size=(n_boot, n))].mean(1)
+    u = np.array(grid) - centre
+    fit = np.linalg.pinv(np.stack([np.ones_like(u), u, u * u], axis=1))  # [3, P]
+    boot = _constrained_argmin(fit @ means.T, lo, hi)
+    alpha = 1.0 - confidence
+    b_lo, b_hi = (float(q) for q in np.quantile(boot, [alpha / 2, 1 - alpha / 2]))
+    within_df = sum(len(v) - 1 for v in runs.values())
+    if within_df >= 1:  # a few runs per point: widen by t / z, as a t-interval is wider than a normal one
+        widen = t_quantile(1 - alpha / 2, within_df) / _normal_quantile(1 - alpha / 2)
+        b_lo = max(lo, argmin - (argmin - b_lo) * widen)
+        b_hi = min(hi, argmin + (b_hi - argmin) * widen)
+    return b_lo, b_hi
+
+
+def _minimum_verdict(few: list[float], positive: bool, vertex_inside: bool, interval_inside: bool) -> tuple[str, bool]:
+    """(reason, whether a minimum is claimed): the first of `quadratic_optimum`'s tests that fails."""
+    if few:
+        return f"fewer than two runs at x = {few}: no spread to test against", False
+    if not positive:
+        return "the curvature's interval does not lie above 0: no U-shape shown", False
+    if not vertex_inside:
+        return "the fitted minimum lies at or beyond the grid's edge", False
+    if not interval_inside:
+        return "the argmin's interval reaches the grid's edge", False
+    return "curvature above 0 and the argmin's interval inside the grid", True
+
+
 def quadratic_optimum(
     points: Mapping[float, Sequence[float]],
     *,
@@ -327,41 +373,12 @@ def quadratic_optimum(
     vertex = float(-coef[1] / (2 * coef[2])) if coef[2] > 0 else None
     argmin = float(_constrained_argmin(coef[:, None], lo, hi)[0])
 
-    # Bootstrap: resample each point's runs, fit the means (the same x for every resample).
-    rng = np.random.default_rng(seed)
-    means = np.empty((n_boot, len(grid)))
-    for j, x in enumerate(grid):
-        vals = np.array(runs[x])
-        n = len(vals)
-        if n > 1:  # resampled means then vary as much as a mean of n runs does (s^2/n, not (n-1)/n of it)
-            vals = vals.mean() + (vals - vals.mean()) * math.sqrt(n / (n - 1))
-        means[:, j] = vals[rng.integers(0, n, size=(n_boot, n))].mean(1)
-    u = np.array(grid) - centre
-    fit = np.linalg.pinv(np.stack([np.ones_like(u), u, u * u], axis=1))  # [3, P]
-    boot = _constrained_argmin(fit @ means.T, lo, hi)
-    alpha = 1.0 - confidence
-    b_lo, b_hi = (float(q) for q in np.quantile(boot, [alpha / 2, 1 - alpha / 2]))
-    within_df = sum(len(v) - 1 for v in runs.values())
-    if within_df >= 1:  # a few runs per point: widen by t / z, as a t-interval is wider than a normal one
-        widen = t_quantile(1 - alpha / 2, within_df) / _normal_quantile(1 - alpha / 2)
-        b_lo = max(lo, argmin - (argmin - b_lo) * widen)
-        b_hi = min(hi, argmin + (b_hi - argmin) * widen)
+    b_lo, b_hi = _bootstrap_argmin_interval(runs, grid, centre, argmin, confidence, n_boot, seed)
 
-    few = [x for x in grid if len(runs[x]) < 2]
     positive = curvature.half_width is not None and curvature.low > 0
     vertex_inside = vertex is not None and lo < vertex < hi
     interval_inside = lo < b_lo and b_hi < hi
-    if few:
-        reason = f"fewer than two runs at x = {few}: no spread to test against"
-    elif not positive:
-        reason = "the curvature's interval does not lie above 0: no U-shape shown"
-    elif not vertex_inside:
-        reason = "the fitted minimum lies at or beyond the grid's edge"
-    elif not interval_inside:
-        reason = "the argmin's interval reaches the grid's edge"
-    else:
-        reason = "curvature above 0 and the argmin's interval inside the grid"
-    claims = not few and positive and vertex_inside and interval_inside
+    reason, claims = _minimum_verdict([x for x in grid if len(runs[x]) < 2], positive, vertex_inside, interval_inside)
     # Back to x: c0 + c1 (x - m) + c2 (x - m)^2.
     c0, c1, c2 = (float(c) for c in coef)
     in_x = [c0 - c1 * centre + c2 * centre * centre, c1 - 2 * c2 * centre, c2]
