@@ -257,3 +257,15 @@ def test_replot_of_an_empty_study_is_a_clear_error(tmp_path, capsys):
     # negative control: the finding code the old replot called first fails on it with no message
     with pytest.raises((KeyError, StopIteration)):
         allocation_finding(json.loads((tmp_path / "study.json").read_text())["points"])
+
+
+@pytest.mark.slow
+def test_the_tiny_preset_finishes_within_a_minute_from_a_cold_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CONDMEM_CACHE_DIR", str(tmp_path / "cache"))  # data prepared from scratch
+    out = tmp_path / "tiny"
+    assert main(["study", "allocation", "--preset", "tiny", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    s = json.loads((out / "study.json").read_text())
+    assert s["wall_seconds"] <= 60, s["wall_seconds"]  # every control, 2 seeds, the statistics
+    assert s["statistics"]["controls"] and s["validation"]["capped"] and s["validation"]["tokens"] <= 8192
+    printed = capsys.readouterr().out
+    assert "validated on at most 8,192 held-out tokens" in printed and "(capped)" in printed

@@ -155,6 +155,13 @@ def test_two_only_halves_merged_equal_the_whole(whole, tiny_corpus, tmp_path, ca
     assert merged["finding"] == full["finding"]
     assert main(["study", "merge", str(out)]) == 0  # merge again: the same study.json
     assert json.loads((out / "study.json").read_text())["runs"] == merged["runs"]
+    # a run from a sweep of another step count (another machine's --minutes) is refused at the merge
+    path = out / "runs" / "rho1_seed1.json"
+    record = json.loads(path.read_text())
+    record["run_config"]["train"]["steps"] = 5
+    path.write_text(json.dumps(record))
+    assert main(["study", "merge", str(out)]) == 1
+    assert "rho1_seed1.json does not belong to this sweep (its steps 5" in capsys.readouterr().err
 
 
 def test_a_reused_out_with_another_config_is_refused(whole, tiny_corpus, tmp_path, capsys):

@@ -620,6 +620,14 @@ def merge(out: str | Path, wall: float | None = None) -> dict:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{out}: {len(missing)} of {len(sweep['runs'])} runs have no result yet ({shown})")
     runs = [store.load(r) for r in sweep["runs"]]
+    for run in runs:  # runs copied in from another machine's folder must belong to this plan
+        rc = run.get("run_config", {})
+        steps, data_id = rc.get("train", {}).get("steps"), rc.get("data")
+        if steps != sweep["steps"] or data_id != sweep["data_id"]:
+            raise ValueError(
+                f"{store.path(run['run_id'])} does not belong to this sweep (its steps {steps} and data "
+                f"{data_id}; the sweep's {sweep['steps']} and {sweep['data_id']}): train it again here"
+            )
     summary = summarize(sweep, runs)
     print("\n" + summary["table"] + "\n\n" + summary["report"], flush=True)
     _write_study(summary, out, sweep["study"], wall)
