@@ -36,6 +36,7 @@ ORDER = [
     "condmem",
     "tokenizer train",
     "layout",
+    "size",
     "hash",
     "convert",
     "inspect",

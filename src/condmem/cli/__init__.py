@@ -21,7 +21,19 @@ import threading
 
 # Module names under condmem.cli; a module that fails to import (a missing optional
 # dependency) is reported when its subcommand is used, not at start-up of the others.
-SUBCOMMANDS = ["demo", "train", "study", "generate", "tokenizer", "hash", "layout", "convert", "inspect", "bench"]
+SUBCOMMANDS = [
+    "demo",
+    "train",
+    "study",
+    "generate",
+    "tokenizer",
+    "hash",
+    "layout",
+    "size",
+    "convert",
+    "inspect",
+    "bench",
+]
 
 DESCRIPTION = """\
 condmem: Engram conditional memory (hashed n-gram tables) for PyTorch.
