@@ -106,6 +106,12 @@ def _add_run_arguments(p) -> None:
     p.add_argument("--preset", choices=["cpu", "gpu", "tiny"], help="base settings (default: gpu with CUDA, else cpu)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels: the same seed and options give bit-identical losses on one machine type "
+        "(costs GPU speed; docs/training.md)",
+    )
 
 
 def _add_data_arguments(d) -> None:
@@ -339,7 +345,9 @@ class _Run:
 def _train(args, rank: int | None = None, world: int = 1) -> int:
     """Train one model; `rank` is set when this process is one of `world` data-parallel ranks."""
     from condmem.train.build import build_trainer
+    from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
 
+    set_cublas_workspace(args.deterministic)  # before anything starts cuBLAS
     device = _device(args, rank)
     lead = rank in (None, 0)
     if args.no_engram and args.table_tier == "host":
@@ -375,13 +383,15 @@ def _train(args, rank: int | None = None, world: int = 1) -> int:
         )
         if run.checkpoint is not None:
             trainer.restore(run.checkpoint)
-        with contextlib.redirect_stdout(io.StringIO()) if not lead else contextlib.nullcontext():
+        quiet = contextlib.redirect_stdout(io.StringIO()) if not lead else contextlib.nullcontext()
+        with quiet, deterministic_mode(args.deterministic):
             summary = trainer.fit()
     finally:
         if tables is not None:
             tables.close()
     if lead:
-        _write_summary(args, run, trainer, dict(summary, params=params), rank, world)
+        summary = dict(summary, params=params, determinism=determinism_record(args.deterministic))
+        _write_summary(args, run, trainer, summary, rank, world)
     return 0
 
 

@@ -60,19 +60,17 @@ from condmem.train.demo import mean_std
 from condmem.train.heldout import seen_in_training
 from condmem.train.study_config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig, load_study_config, study_preset
 from condmem.train.study_stats import compare, linear_slope, paired_difference, quadratic_optimum, t_interval
+from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
 from condmem.train.study_runs import (
     RunStore,
     SweepProgress,
     data_identity,
-    determinism_record,
-    deterministic_mode,
     differences,
     parse_only,
     plan_runs,
     run_config,
     run_train_config,
     select_runs,
-    set_cublas_workspace,
     train_run,
 )
 from condmem.utils.atomic import atomic_write_text, check_destination

@@ -10,8 +10,7 @@
   train, else `RunMismatchError` names the keys that differ.
 * **Selection** (`select_runs`): ``--only rho=0.8,seed=1`` style filters (a key repeated in one
   filter is an OR, filters are OR-ed), so several machines or device calls share one sweep.
-* **Deterministic mode** (`deterministic_mode`): ``torch.use_deterministic_algorithms(True)``,
-  ``CUBLAS_WORKSPACE_CONFIG`` and deterministic cuDNN; the same run twice gives the same
+* **Deterministic mode** (`condmem.train.determinism`): the same run twice gives the same
   per-step losses on the same machine type.
 * `train_run` trains one run for exactly the steps it states (one learning-rate schedule
   over them) and validates it on at most the stated number of held-out tokens, with
@@ -20,12 +19,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +40,6 @@ from condmem.train.pipeline import PreparedData
 from condmem.train.progress import format_duration
 from condmem.utils.atomic import atomic_write_text
 from condmem.utils.progress import Progress
-
-CUBLAS_WORKSPACE = ":4096:8"
-"""``CUBLAS_WORKSPACE_CONFIG`` for deterministic cuBLAS (NVIDIA's documented value)."""
 
 
 class RunMismatchError(ValueError):
@@ -137,49 +131,6 @@ def select_runs(specs: list[RunSpec], filters: list[str] | None) -> list[RunSpec
         if not any(accepts(s, f) for s in specs):
             raise ValueError(f"--only {text!r} selects none of the sweep's {len(specs)} runs")
     return [s for s in specs if any(accepts(s, f) for f in parsed)]
-
-
-# ----------------------------------------------------------------------------- deterministic mode
-
-
-@contextlib.contextmanager
-def deterministic_mode(enabled: bool):
-    """Deterministic algorithms (and cuDNN) inside the block when `enabled`; the previous settings after.
-
-    ``CUBLAS_WORKSPACE_CONFIG`` must be set before cuBLAS starts: `set_cublas_workspace` does it
-    (the study calls it before it touches the device)."""
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.benchmark,
-    )
-    if enabled:
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
-
-
-def set_cublas_workspace(enabled: bool) -> str | None:
-    """Set ``CUBLAS_WORKSPACE_CONFIG`` (unless the user did) when `enabled`; the value in force."""
-    if enabled and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
-    return os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-
-
-def determinism_record(enabled: bool) -> dict:
-    """What study.json says about the mode."""
-    return {
-        "enabled": enabled,
-        "torch_deterministic_algorithms": enabled,
-        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "cudnn_deterministic": enabled,
-    }
 
 
 # ----------------------------------------------------------------------------- run configs and files

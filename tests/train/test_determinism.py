@@ -1,0 +1,47 @@
+"""`condmem train --deterministic`: deterministic kernels while training (and only then), recorded in
+summary.json, and the same options twice give the same losses."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from condmem.cli import main
+from condmem.train.determinism import deterministic_mode
+from condmem.train.loop import Trainer
+
+
+def _train(tiny_corpus, out, *extra):
+    args = ["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "4"]
+    assert main([*args, "--no-progress", "--out", str(out), *extra]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_train_deterministic_is_on_while_fitting_recorded_and_restored(tiny_corpus, tmp_path, monkeypatch):
+    seen = []
+    real_fit = Trainer.fit
+
+    def fit(self, *a, **k):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real_fit(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    first = _train(tiny_corpus, tmp_path / "a", "--deterministic")
+    second = _train(tiny_corpus, tmp_path / "b", "--deterministic")
+    plain = _train(tiny_corpus, tmp_path / "c")
+    assert seen == [True, True, False]  # negative control: without the flag the mode is off
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the run
+    assert first["summary"]["determinism"]["enabled"] and not plain["summary"]["determinism"]["enabled"]
+    assert [h["loss"] for h in first["history"]] == [h["loss"] for h in second["history"]]
+
+
+def test_deterministic_mode_restores_the_settings_before_it_even_after_an_error():
+    torch.use_deterministic_algorithms(False)
+    try:
+        with deterministic_mode(True):
+            assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+            raise RuntimeError("inside")
+    except RuntimeError:
+        pass
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
