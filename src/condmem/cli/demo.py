@@ -133,4 +133,4 @@ def run(args) -> int:
         max_corpus_bytes=args.max_corpus_bytes,
         overrides={"model": preset_overrides(args).get("model")},
     )
-    return 0 if summary["comparison"]["val_loss_gap_pct"] is not None else 1
+    return 0 if summary["comparison"]["verdict"] else 1  # "too short to compare" is a completed run too

@@ -7,8 +7,10 @@ removed), splits the validation loss by whether each token's trailing 3-gram occ
 the training data, prints a side-by-side table (mean +- std over seeds), writes
 ``summary.json``, the loss curves and the gate heat map as PNGs, and a completion
 sampled from the Engram model. Training never repeats data silently: the steps are
-capped at ``max_passes`` passes over the training split, loudly. Everything lands in
-one output directory.
+capped at ``max_passes`` passes over the training split, loudly. A run shorter than its
+learning-rate schedule needs (`min_comparable_steps`: twice the warm-up, at least 20
+steps), whether cut by ``--minutes``, ``--steps`` or the pass cap, is reported as "too
+short to compare", never as a gap. Everything lands in one output directory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +45,16 @@ from condmem.train.build import (
     resolve_device,
 )
 from condmem.train.heldout import DEDUP_THRESHOLD, seen_in_training
+from condmem.train.loop import MIN_COMPARABLE_STEPS, min_comparable_steps
 from condmem.train.pipeline import PreparedData
 from condmem.train.plots import plot_gate_heatmap, plot_loss_curves
 from condmem.train.presets import Preset, default_preset_name, get_preset
 from condmem.utils.atomic import atomic_write_text
 
 logger = logging.getLogger("condmem.demo")
+
+TOO_SHORT = "too short to compare"
+"""The verdict of a run shorter than its schedule needs (`min_comparable_steps`)."""
 
 DEFAULT_PROMPT = 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n'
 
@@ -75,8 +82,9 @@ def _gap(base: float, eng: float) -> float:
     return 100 * (1 - eng / base)
 
 
-def format_table(per_seed: list[dict]) -> str:
-    """The side-by-side table; with several seeds each value is mean +- std over seeds."""
+def format_table(per_seed: list[dict], comparable: bool = True) -> str:
+    """The side-by-side table; with several seeds each value is mean +- std over seeds. Not
+    `comparable` (a run too short for its schedule): the gap column says so instead of a gap."""
     base0, eng0 = per_seed[0]["baseline"], per_seed[0]["engram"]
     col = {
         label: {k: [r[label][k] for r in per_seed] for k in ("val_loss", "bits_per_byte", "tokens_per_s")}
@@ -84,14 +92,16 @@ def format_table(per_seed: list[dict]) -> str:
     }
     gaps = [_gap(r["baseline"]["val_loss"], r["engram"]["val_loss"]) for r in per_seed]
     bpb_gaps = [_gap(r["baseline"]["bits_per_byte"], r["engram"]["bits_per_byte"]) for r in per_seed]
+    n = len(per_seed)
     ratio = eng0["flops_per_token"] / base0["flops_per_token"]
 
     def gap_text(values: list[float]) -> str:
+        if not comparable:
+            return TOO_SHORT
         mean, std = mean_std(values)
         spread = "" if std is None else f" +- {std:.2f}"
         return f"{abs(mean):.2f}{spread}% {'lower' if mean >= 0 else 'HIGHER'}"
 
-    n = len(per_seed)
     rows = [
         ("", "baseline", "engram", ""),
         ("parameters (all)", _fmt_m(base0["params"]), _fmt_m(eng0["params"]), ""),
@@ -143,7 +153,7 @@ def format_table(per_seed: list[dict]) -> str:
             "tokens / s (train)",
             f"{tok_s['baseline']:,.0f}",
             f"{tok_s['engram']:,.0f}",
-            f"ratio {tok_s['engram'] / max(tok_s['baseline'], 1e-9):.3f}",
+            f"ratio {tok_s['engram'] / max(tok_s['baseline'], 1e-9):.3f} (*)",
         )
     )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -152,7 +162,12 @@ def format_table(per_seed: list[dict]) -> str:
         lines.append(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip())
         if i == 0:
             lines.append("-" * len(lines[0].ljust(sum(widths) + 8)))
+    lines.append(f"(*) tokens / s: {THROUGHPUT_CAVEAT}")
     return "\n".join(lines)
+
+
+THROUGHPUT_CAVEAT = "each model timed once, one after the other, on this machine as loaded: not a benchmark"
+"""What the demo's tokens/s ratio is: each model's training speed, measured once, in turn."""
 
 
 def bucket_losses(token_losses: np.ndarray, seen: np.ndarray) -> dict:
@@ -174,12 +189,16 @@ def plot_summary(summary: dict, path: str | Path, within: str | Path | None = No
     base, eng, comp = summary["baseline"], summary["engram"], summary["comparison"]
     gap, std = comp["val_loss_gap_pct"], comp.get("val_loss_gap_pct_std")
     n = len(summary["seeds"])
+    if comp.get("comparable", True):
+        verdict = f"Engram validation loss {-gap:+.2f}%" + (
+            f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else ""
+        )
+    else:
+        verdict = f"{TOO_SHORT.capitalize()}: {comp['steps']} steps < {comp['min_steps']} ({comp['rule']})"
     title = (
         f"baseline vs Engram on {summary['corpus_description']}: {_fmt_m(eng['train_tokens'])} training tokens "
         f"each ({base['passes']:.2f} passes), FLOPs/token ratio {comp['flops_per_token_ratio']:.3f}\n"
-        f"Engram validation loss {-gap:+.2f}%"
-        + (f" +- {std:.2f} (mean +- std of {n} seeds)" if std is not None else "")
-        + f" over all {eng['val_tokens']:,} deduplicated validation tokens"
+        f"{verdict} over all {eng['val_tokens']:,} deduplicated validation tokens"
     )
     buckets = {label: [r[label]["buckets"] for r in summary["seeds"]] for label in ("baseline", "engram")}
     return plot_loss_curves(summary["curves"], path, title=title, buckets=buckets, within=within)
@@ -218,6 +237,15 @@ class StepPlan:
     """`cap_steps`'s record (requested, capped, passes)."""
     budget_s: float | None
     """Seconds left for training with --minutes, else None."""
+    min_steps: int
+    """The fewest steps whose comparison is reported (`min_comparable_steps` of the preset's warm-up)."""
+    warmup_steps: int
+    """The preset's warm-up steps (before any cap to a short run)."""
+
+    @property
+    def rule(self) -> str:
+        """The minimum in words, for the summary and the messages."""
+        return schedule_rule(self.warmup_steps)
 
 
 def run_demo(
@@ -367,7 +395,7 @@ def _train_and_compare(
         run_root=out if checkpoint else None,
         progress=progress,
     )
-    table = report_comparison(per_seed, max_passes)
+    table = report_comparison(per_seed, max_passes, plan)
     samples = write_samples(models, data, out, prompt=prompt, max_new_tokens=max_new_tokens, seed=seed)
     summary = demo_summary(
         per_seed,
@@ -402,7 +430,8 @@ def _write_outputs(
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n", within=out)
     figures = summary["figures"]
     print(
-        f"\nwrote {out}/summary.json, {', '.join(figures.values()) or 'no figures (matplotlib missing)'}, "
+        f"\nresult: {summary['comparison']['verdict']}; wrote {out}/summary.json, "
+        f"{', '.join(figures.values()) or 'no figures (matplotlib missing)'}, "
         f"sample.txt, gates.json{f'; checkpoints in {out}/engram and {out}/baseline' if checkpoint else ''} "
         f"({summary['wall_seconds']:.0f} s in all)",
         flush=True,
@@ -455,11 +484,13 @@ def plan_steps(
         if budget_s <= 0:
             raise ValueError(f"--minutes {minutes}: data preparation alone took longer")
     requested = tc.steps if budget_s is None or steps is not None else 10**9
+    min_steps = min_comparable_steps(tc.warmup_steps)
     max_steps, passes = cap_steps(requested, data.train, tc.batch_size, tc.seq_len, max_passes)
     if budget_s is not None:
         print(
             f"steps: sized to the --minutes budget, at most {max_steps:,} ({max_passes:g} passes over the "
-            f"{len(data.train):,}-token training split)",
+            f"{len(data.train):,}-token training split); a comparison needs at least {min_steps:,} "
+            f"({schedule_rule(tc.warmup_steps)})",
             flush=True,
         )
     elif passes["capped"]:
@@ -473,7 +504,21 @@ def plan_steps(
             ),
             flush=True,
         )
-    return StepPlan(max_steps, passes, budget_s)
+    if budget_s is None and max_steps < min_steps:
+        print(
+            banner(
+                f"WARNING: {max_steps:,} steps are fewer than a comparison needs: "
+                f"{min_steps:,} ({schedule_rule(tc.warmup_steps)}).\n"
+                f"The models train and are validated, and the result is reported as {TOO_SHORT!r}, not as a gap."
+            ),
+            flush=True,
+        )
+    return StepPlan(max_steps, passes, budget_s, min_steps, tc.warmup_steps)
+
+
+def schedule_rule(warmup_steps: int) -> str:
+    """`min_comparable_steps` in words."""
+    return f"steps >= max(2 x the {warmup_steps}-step warm-up, {MIN_COMPARABLE_STEPS})"
 
 
 def train_pairs(
@@ -522,6 +567,8 @@ def train_pairs(
                 progress=progress,
             )
             results[label] = _fit(trainer, model, cfg, data, seen, run_seed)
+            if first is None and budget is not None:
+                _warn_if_budget_too_short(results[label], plan, seeds)
             curves[label].append({"seed": run_seed, "history": trainer.history, "evals": trainer.evals})
             configs[label] = {"model": cfg.to_dict(), "train": tc.to_dict()}
             if k == 0:
@@ -530,18 +577,42 @@ def train_pairs(
                 del model, trainer
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
-        results["val_loss_gap_pct"] = _gap(results["baseline"]["val_loss"], results["engram"]["val_loss"])
-        results["bits_per_byte_gap_pct"] = _gap(
-            results["baseline"]["bits_per_byte"], results["engram"]["bits_per_byte"]
+        # A run too short for its schedule has no gap: its losses are measured, never compared.
+        comparable = results["baseline"]["steps"] >= plan.min_steps
+        results["val_loss_gap_pct"] = (
+            _gap(results["baseline"]["val_loss"], results["engram"]["val_loss"]) if comparable else None
+        )
+        results["bits_per_byte_gap_pct"] = (
+            _gap(results["baseline"]["bits_per_byte"], results["engram"]["bits_per_byte"]) if comparable else None
         )
         per_seed.append(results)
         if seeds > 1:
+            gap = f"{results['val_loss_gap_pct']:+.2f}% lower" if comparable else TOO_SHORT
             print(
-                f"seed {run_seed}: Engram val loss {results['val_loss_gap_pct']:+.2f}% lower "
+                f"seed {run_seed}: Engram val loss {gap} "
                 f"({results['baseline']['val_loss']:.4f} -> {results['engram']['val_loss']:.4f})",
                 flush=True,
             )
     return per_seed, curves, configs, models
+
+
+def _warn_if_budget_too_short(first: dict, plan: StepPlan, seeds: int) -> None:
+    """Once the --minutes budget has fixed the step count (the first baseline): if it is below what a
+    comparison needs, say so before the other runs, with about the budget that would do."""
+    if first["steps"] >= plan.min_steps:
+        return
+    step_s = first["train_tokens"] / max(1, first["steps"]) / max(first["tokens_per_s"], 1e-9)
+    # The first baseline gets 44% of the budget, split over the seeds, and keeps 5% for validation.
+    needed_min = plan.min_steps * step_s * seeds / 0.44 / 0.95 / 60
+    print(
+        banner(
+            f"WARNING: the --minutes budget allows {first['steps']:,} steps at {step_s:.2f} s a step; a comparison "
+            f"needs {plan.min_steps:,} ({plan.rule}).\nBoth models still train and are validated; the result "
+            f"will be reported as {TOO_SHORT!r}. On this machine, about --minutes {max(1, math.ceil(needed_min))} "
+            "or more would compare them."
+        ),
+        flush=True,
+    )
 
 
 def _fit(trainer, model: DecoderLM, cfg: ModelConfig, data: PreparedData, seen: np.ndarray, run_seed: int) -> dict:
@@ -571,17 +642,24 @@ def _fit(trainer, model: DecoderLM, cfg: ModelConfig, data: PreparedData, seen: 
     return summary
 
 
-def report_comparison(per_seed: list[dict], max_passes: float) -> str:
-    """Print the side-by-side table and the verdict; returns the table."""
+def report_comparison(per_seed: list[dict], max_passes: float, plan: StepPlan) -> str:
+    """Print the side-by-side table and the verdict (or that the run is too short to compare); returns the table."""
     base, eng = per_seed[0]["baseline"], per_seed[0]["engram"]
-    table = format_table(per_seed)
+    comparable = base["steps"] >= plan.min_steps
+    table = format_table(per_seed, comparable=comparable)
     print("\n" + table + "\n", flush=True)
-    gap_mean, gap_std = mean_std([r["val_loss_gap_pct"] for r in per_seed])
-    verdict = "lower" if gap_mean > 0 else "NOT lower"
-    spread = f" (mean of {len(per_seed)} seeds, std {gap_std:.2f} points)" if gap_std is not None else ""
+    if comparable:
+        gap_mean, gap_std = mean_std([r["val_loss_gap_pct"] for r in per_seed])
+        verdict = "lower" if gap_mean > 0 else "NOT lower"
+        spread = f" (mean of {len(per_seed)} seeds, std {gap_std:.2f} points)" if gap_std is not None else ""
+        head = f"Engram validation loss is {abs(gap_mean):.2f}% {verdict} than the baseline's{spread} at the same"
+    else:
+        head = (
+            f"Engram validation loss: {TOO_SHORT}: {base['steps']:,} steps, fewer than the {plan.min_steps:,} "
+            f"its schedule needs ({plan.rule}), at the same"
+        )
     print(
-        f"Engram validation loss is {abs(gap_mean):.2f}% {verdict} than the baseline's{spread} at the same "
-        f"{eng['train_tokens']:,} training tokens ({base['passes']:.2f} passes over the training split; "
+        f"{head} {eng['train_tokens']:,} training tokens ({base['passes']:.2f} passes over the training split; "
         f"FLOPs/token ratio {eng['flops_per_token'] / base['flops_per_token']:.4f}), over all "
         f"{eng['val_tokens']:,} deduplicated validation tokens.",
         flush=True,
@@ -643,8 +721,10 @@ def demo_summary(
     """What summary.json holds (figures and wall time are added after)."""
     base, eng = per_seed[0]["baseline"], per_seed[0]["engram"]
     plan.passes.update(steps=base["steps"], passes=base["passes"])
-    gap_mean, gap_std = mean_std([r["val_loss_gap_pct"] for r in per_seed])
-    bpb_mean, bpb_std = mean_std([r["bits_per_byte_gap_pct"] for r in per_seed])
+    comparable = base["steps"] >= plan.min_steps
+    gap_mean, gap_std = mean_std([r["val_loss_gap_pct"] for r in per_seed]) if comparable else (None, None)
+    bpb_mean, bpb_std = mean_std([r["bits_per_byte_gap_pct"] for r in per_seed]) if comparable else (None, None)
+    verdict = TOO_SHORT if not comparable else ("lower" if gap_mean > 0 else "not lower")
 
     def spread_of(label: str, key: str) -> dict:
         values = [r[label][key] for r in per_seed]
@@ -657,6 +737,11 @@ def demo_summary(
         "engram": eng,
         "seeds": per_seed,
         "comparison": {
+            "verdict": verdict,
+            "comparable": comparable,
+            "steps": base["steps"],
+            "min_steps": plan.min_steps,
+            "rule": plan.rule,
             "seeds": [seed + k for k in range(len(per_seed))],
             "val_loss_gap_pct": gap_mean,
             "val_loss_gap_pct_std": gap_std,
@@ -666,6 +751,7 @@ def demo_summary(
             "bits_per_byte": {label: spread_of(label, "bits_per_byte") for label in ("baseline", "engram")},
             "flops_per_token_ratio": eng["flops_per_token"] / base["flops_per_token"],
             "tokens_per_s_ratio": eng["tokens_per_s"] / max(base["tokens_per_s"], 1e-9),
+            "tokens_per_s_ratio_note": THROUGHPUT_CAVEAT,
             "same_tokens": eng["train_tokens"] == base["train_tokens"],
             "val_tokens": eng["val_tokens"],
             "seen_3gram_fraction": float(seen.mean()),

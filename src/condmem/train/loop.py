@@ -41,6 +41,17 @@ logger = logging.getLogger("condmem.train")
 
 LN2 = math.log(2.0)
 
+MIN_COMPARABLE_STEPS = 20
+"""The fewest steps of a run whose result is compared with another's (`min_comparable_steps`)."""
+
+
+def min_comparable_steps(warmup_steps: int) -> int:
+    """The fewest steps at which a run's result means something: twice the warm-up (at least
+    half of the run on the decaying part of the schedule), and never fewer than
+    `MIN_COMPARABLE_STEPS`. Below it the models are compared mid-warm-up, at whatever
+    learning rate the cut left them: a difference there says nothing about either model."""
+    return max(2 * warmup_steps, MIN_COMPARABLE_STEPS)
+
 
 @dataclass
 class TrainConfig:
@@ -409,18 +420,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, full: bool = False, token_losses: bool = False) -> dict:
-        """Validate on the fixed subset (``eval_tokens``), or on the whole split (`full`)."""
-        result = evaluate(
-            self.model,
-            self.val_stream,
-            self.token_bytes,
-            seq_len=self.cfg.seq_len,
-            max_tokens=None if full else self.cfg.eval_tokens,
-            batch_size=self.cfg.eval_batch_size,
-            device=self.device,
-            precision=self.cfg.precision,
-            token_losses=token_losses,
-        )
+        """Validate on the fixed subset (``eval_tokens``), or on the whole split (`full`: with a
+        progress bar over its tokens, the longest evaluation)."""
+        bar = None
+        if full:
+            n = max(0, len(self.val_stream) - 1)
+            bar = Progress(n, f"{self.label}: validation", enabled=self.show_progress, unit="tok", unit_scale=True)
+        try:
+            result = evaluate(
+                self.model,
+                self.val_stream,
+                self.token_bytes,
+                seq_len=self.cfg.seq_len,
+                max_tokens=None if full else self.cfg.eval_tokens,
+                batch_size=self.cfg.eval_batch_size,
+                device=self.device,
+                precision=self.cfg.precision,
+                token_losses=token_losses,
+                on_batch=None if bar is None else bar.update,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
         losses = result.pop("token_losses", None)
         if losses is not None:
             self.token_losses = losses
@@ -430,12 +451,17 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ training
-    def _resolve_budget(self, step_seconds: float, elapsed: float) -> None:
+    def _budget_steps(self, step_seconds: float, elapsed: float) -> int:
+        """The step count that ``max_minutes`` allows at `step_seconds` a step, `elapsed` seconds in."""
         cfg = self.cfg
         remaining = cfg.max_minutes * 60 - elapsed
         # Keep ~5% for evaluation and checkpoints.
         fit = self.step + int(max(0.0, 0.95 * remaining) / max(step_seconds, 1e-9))
-        steps = max(self.step + 1, min(cfg.steps, fit))
+        return max(self.step + 1, min(cfg.steps, fit))
+
+    def _resolve_budget(self, step_seconds: float, elapsed: float) -> None:
+        cfg = self.cfg
+        steps = self._budget_steps(step_seconds, elapsed)
         if steps != cfg.steps:
             logger.info(
                 "%s: %.1f min budget at %.3f s/step -> %d steps", self.label, cfg.max_minutes, step_seconds, steps
@@ -532,7 +558,10 @@ class Trainer:
         warm = min(3, max(0, cfg.steps - self.step - 1))  # steps left out of tok/s (allocations, caches)
         probe_until = self.step + max(warm + 2, min(cfg.warmup_steps, 12))
         start = time.perf_counter()
-        bar = Progress(cfg.steps, self.label, initial=self.step, enabled=self.show_progress)
+        # Before a budget is resolved the step count is only an upper bound: no bar total yet.
+        bar = Progress(
+            cfg.steps if self.budget_resolved else None, self.label, initial=self.step, enabled=self.show_progress
+        )
         first = self.step
         try:
             while self.step < cfg.steps:
@@ -552,11 +581,17 @@ class Trainer:
                     bar.close()
                     bar = Progress(cfg.steps, self.label, initial=self.step, enabled=self.show_progress)
                 tok_s = self.timed_tokens / self.timed_seconds if self.timed_seconds else tokens_per_step / dt
-                eta = (cfg.steps - self.step) * tokens_per_step / max(tok_s, 1e-9)
+                # Until the budget is resolved, the steps it allows at the speed so far: the ETA and the
+                # total shown are the budget's from the first step, not the step cap's.
+                total = cfg.steps
+                if not self.budget_resolved:
+                    total = self._budget_steps(tokens_per_step / max(tok_s, 1e-9), time.perf_counter() - start)
+                eta = (total - self.step) * tokens_per_step / max(tok_s, 1e-9)
+                shown = f"{total}" if self.budget_resolved else f"~{total}"
                 bar.update(1, loss=f"{loss:.3f}")
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     bar.write(
-                        f"[{self.label}] step {self.step:>{len(str(cfg.steps))}}/{cfg.steps} | loss {loss:7.4f} | "
+                        f"[{self.label}] step {self.step:>{len(str(total))}}/{shown} | loss {loss:7.4f} | "
                         f"lr {lr:.2e} | {tok_s:>9,.0f} tok/s | mem {memory_gib(self.device):5.2f} GiB | "
                         f"eta {format_duration(eta)}"
                     )
@@ -571,6 +606,8 @@ class Trainer:
         finally:
             bar.close()
         self.evaluate()
+        if self.show_progress:
+            print(f"[{self.label}] validating on all {max(0, len(self.val_stream) - 1):,} held-out tokens", flush=True)
         ev = self.evaluate(full=True, token_losses=token_losses)
         print(
             f"[{self.label}] done: {self.step} steps, val loss {ev['val_loss']:.4f}, "
