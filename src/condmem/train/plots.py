@@ -171,6 +171,8 @@ def plot_gate_heatmap(
         pieces: the text of each token (decoded), in order.
         gates: [n_layers, n_tokens] gate values in (0, 1), one row per Engram layer (the
             first row colours the text; every row is summarised in the colour bar title).
+            The colour scale is the gate's whole range, 0 to 1 (an untrained gate near 0.5
+            looks uniform, as it is); the colour bar's label states the values' own range.
         within: the folder the figure must be written inside (a run's output folder).
     """
     plt = _pyplot()
@@ -198,7 +200,7 @@ def plot_gate_heatmap(
                 col += width
     n_lines = line + 1
     lo, hi = float(values.min()), float(values.max())
-    norm = mcolors.Normalize(vmin=lo, vmax=hi if hi > lo else lo + 1e-6)
+    norm = mcolors.Normalize(vmin=0.0, vmax=1.0)
     cmap = plt.get_cmap("Reds")
     # Cells are sized to the monospace font so that the text fills its coloured box.
     fontsize = 8.0
@@ -228,7 +230,7 @@ def plot_gate_heatmap(
     cax = fig.add_axes([(margin_l + text_w + 0.25) / fw, margin_b / fh, 0.15 / fw, text_h / fh])
     sm = cm.ScalarMappable(norm=norm, cmap=cmap)
     cbar = fig.colorbar(sm, cax=cax)
-    cbar.set_label("gate", fontsize=8)
+    cbar.set_label(f"gate (this text: {lo:.3f} to {hi:.3f})", fontsize=8)
     cbar.ax.tick_params(labelsize=7)
     fig.suptitle(
         title or "Engram gate per token over validation text (darker = more memory used)",
