@@ -5,10 +5,13 @@
   docs/benchmarks.md with their date, commit and command.
 * Every relative link of README.md and docs/*.md names a file of the repository and, with
   ``#anchor``, a heading of that file (GitHub's slugs).
+* Every ``condmem.<module>[.<name>]`` the pages name in code spans is a module of the package,
+  or a name its source defines or imports.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -64,6 +67,28 @@ def broken_links(page: Path) -> list[str]:
     return broken
 
 
+def names_resolve(name: str) -> bool:
+    """`name` (``condmem.a.b``) is a module, or its longest module prefix's source names what follows."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        try:
+            spec = importlib.util.find_spec(".".join(parts[:k]))
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            if k == len(parts):
+                return True
+            origin = spec.origin or ""
+            return origin.endswith(".py") and re.search(rf"\b{parts[k]}\b", Path(origin).read_text()) is not None
+    return False
+
+
+def unknown_modules(page: Path) -> list[str]:
+    return sorted(
+        n for n in set(re.findall(r"`(condmem(?:\.[A-Za-z_]\w*)+)", page.read_text())) if not names_resolve(n)
+    )
+
+
 @pytest.mark.parametrize("name", GUIDES)
 def test_user_guides_are_short_and_hold_no_dated_measurement(name):
     text = (ROOT / name).read_text()
@@ -82,8 +107,15 @@ def test_the_rules_catch_a_dated_measurement_and_a_broken_link(tmp_path):
         "# A title\n\n[ok](#a-title) [gone](b.md) [bad](a.md#nowhere) [web](https://x.y/z)\n"
     )
     assert broken_links(tmp_path / "a.md") == ["b.md (no such file)", "a.md#nowhere (no such heading)"]
+    (tmp_path / "b.md").write_text("`condmem.models.serving` and `condmem.serving.EngramMemory`, `condmem.sizing`\n")
+    assert unknown_modules(tmp_path / "b.md") == ["condmem.models.serving"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_relative_link_resolves(page):
     assert not broken_links(page), broken_links(page)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_condmem_module_a_page_names_exists(page):
+    assert not unknown_modules(page), unknown_modules(page)
