@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +145,10 @@ def test_the_command_refuses_bad_flags_in_one_line_naming_the_flag(argv, flag, c
     assert main(["size", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert flag in err and len(err.splitlines()) == 1, err
+
+
+def test_the_sizing_page_shows_what_the_command_prints(capsys):
+    page = (Path(__file__).resolve().parents[1] / "docs" / "sizing.md").read_text()
+    command, shown = re.search(r"```bash\n(condmem size [^\n]*)\n```\n\n```\n(.*?)```", page, flags=re.DOTALL).groups()
+    assert main(shlex.split(command)[1:]) == 0
+    assert capsys.readouterr().out == shown
