@@ -45,6 +45,21 @@ class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or inconsistent with another."""
 
 
+class _UnstatedPadId(int):
+    """The pad id a config gets when its source states none: 2 (the official demo's default), marked
+    as not stated so that a caller holding the tokenizer (`add_engram`) takes the tokenizer's own."""
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    def __reduce__(self):
+        return (_UnstatedPadId, (int(self),))
+
+
+DEFAULT_PAD_ID = _UnstatedPadId(2)
+"""`EngramConfig.pad_id` when not stated: id 2, with `EngramConfig.pad_id_stated` False."""
+
+
 LIMITS: dict[str, int] = {
     "layer_ids": 1024,  # Engram layers per model
     "layer_id": 100_000,
@@ -98,8 +113,9 @@ class EngramConfig:
     table_size: int | list[int] = 16_000
     """Bucket-range size per order (one int for all orders, or a list for orders 2..N).
     Each head's range is the next unused prime above it."""
-    pad_id: int = 2
-    """Token id whose compressed id stands in for look-backs before a sequence start."""
+    pad_id: int = DEFAULT_PAD_ID
+    """Token id whose compressed id stands in for look-backs before a sequence start. Not stated:
+    2, and `add_engram` takes the tokenizer's pad token instead (refusing a tokenizer without one)."""
     seed: int = 0
     """Seed of the per-layer hash multipliers (0 in all released models)."""
     hidden_size: int | None = 1024
@@ -246,6 +262,11 @@ class EngramConfig:
                 self.pad_id,
             )
 
+    @property
+    def pad_id_stated(self) -> bool:
+        """Whether `pad_id` was given (by the caller or the config's source), not left at its default."""
+        return not isinstance(self.pad_id, _UnstatedPadId)
+
     def require_backbone(self, what: str = "an Engram module") -> None:
         """Raise `ConfigError` naming every backbone field that is still None (unknown)."""
         missing = [n for n in ("hidden_size", "hc_mult", "rms_norm_eps") if getattr(self, n) is None]
@@ -319,7 +340,7 @@ class EngramConfig:
             n_heads=get("engram_n_heads"),
             head_dim=get("engram_head_dim"),
             table_size=get("engram_vocab_size"),
-            pad_id=get("engram_pad_token_id", 2),
+            pad_id=get("engram_pad_token_id", DEFAULT_PAD_ID),
             seed=get("engram_seed", 0),
             # Backbone dims: what the file states, else unknown (a checkpoint's tensors supply them).
             hidden_size=get("hidden_size", None),
@@ -353,7 +374,7 @@ class EngramConfig:
             n_heads=n_head,
             head_dim=n_embed // n_head,
             table_size=d["engram_vocab_size"],
-            pad_id=d.get("pad_id", 2),
+            pad_id=d.get("pad_id", DEFAULT_PAD_ID),
             seed=d.get("seed", 0),
             hidden_size=d.get("hidden_size", 1024),
             hc_mult=d.get("hc_mult", 1),

@@ -251,7 +251,7 @@ def rows_read(model, seqs) -> set[int]:
 
 def test_plain_loop_lowers_loss_and_moves_only_rows_it_read(tokenizer):
     model = tiny_model("llama", tokenizer.original_vocab_size).train()
-    add_engram(model, engram_config(), tokenizer, layers=[1])
+    add_engram(model, engram_config().replace(layer_ids=[1]), tokenizer)
     table = get_engram(model).engrams[1].table.weight
     start = table.detach().clone()
     ids, mask, labels, seqs = training_batch(tokenizer.original_vocab_size)
@@ -294,7 +294,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
 
 def test_trainer_lowers_loss_and_moves_only_rows_it_read(tokenizer, tmp_path):
     model = tiny_model("qwen2", tokenizer.original_vocab_size).train()
-    add_engram(model, engram_config(), tokenizer, layers=[1])
+    add_engram(model, engram_config().replace(layer_ids=[1]), tokenizer)
     table = get_engram(model).engrams[1].table.weight
     start = table.detach().clone()
     backbone = model.model.layers[1].mlp.up_proj.weight.detach().clone()
@@ -365,7 +365,7 @@ def test_refusals_name_the_problem(tokenizer):
     with pytest.raises(UnsupportedModelError, match="LlamaModel"):
         add_engram(tiny_model("llama", vocab).model, engram_config(), tokenizer)
     with pytest.raises(EngramModelError, match=r"\[5\] do not exist"):
-        add_engram(tiny_model("llama", vocab), engram_config(), tokenizer, layers=[1, 5])
+        add_engram(tiny_model("llama", vocab), engram_config().replace(layer_ids=[1, 5]), tokenizer)
     with pytest.raises(TokenizerMismatchError, match="silently rehashed"):
         add_engram(
             tiny_model("llama", vocab),
@@ -416,7 +416,7 @@ def test_a_failing_save_leaves_no_half_written_folder(tokenizer, tmp_path, monke
     model = tiny_model("llama", tokenizer.original_vocab_size)
     add_engram(model, engram_config(), tokenizer)
     model.save_pretrained(tmp_path / "ckpt")
-    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")  # saved beside the model earlier: kept
+    (tmp_path / "ckpt" / "notes.txt").write_text("{}")  # saved beside the model earlier, not by the save: kept
     before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
 
     def broken(*args, **kwargs):
@@ -432,7 +432,7 @@ def test_a_failing_save_leaves_no_half_written_folder(tokenizer, tmp_path, monke
     monkeypatch.undo()
     randomize_engram(model)
     model.save_pretrained(tmp_path / "ckpt")
-    assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == "{}"
+    assert (tmp_path / "ckpt" / "notes.txt").read_text() == "{}"
     assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() != before["model.safetensors"]
 
 
@@ -461,7 +461,7 @@ def test_plain_trainer_with_engram_optimizer_trains_and_clips_sparse_gradients(t
     # transformers.Trainer measures and clips with torch.nn.utils.clip_grad_norm_, which before torch 2.14 has no norm
     # for sparse gradients: engram_optimizer gives torch one (each row counted once), so a plain Trainer trains.
     model = tiny_model("llama", tokenizer.original_vocab_size).train()
-    add_engram(model, engram_config(), tokenizer, layers=[1])
+    add_engram(model, engram_config().replace(layer_ids=[1]), tokenizer)
     table = get_engram(model).engrams[1].table.weight
     start = table.detach().clone()
     ids, mask, labels, seqs = training_batch(tokenizer.original_vocab_size)
@@ -498,7 +498,7 @@ def test_sparse_gradient_norm_counts_each_row_once():
 
 def test_engram_trainer_builds_its_optimizer(tokenizer, tmp_path):
     model = tiny_model("llama", tokenizer.original_vocab_size).train()
-    add_engram(model, engram_config(), tokenizer, layers=[1])
+    add_engram(model, engram_config().replace(layer_ids=[1]), tokenizer)
     ids, mask, labels, _ = training_batch(tokenizer.original_vocab_size)
     data = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)] * 4
     trainer = EngramTrainer(model=model, args=_trainer_args(tmp_path, weight_decay=0.01), train_dataset=data)
@@ -556,7 +556,9 @@ def test_remove_engram_restores_the_model_and_add_engram_works_again(tokenizer, 
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), plain_tokens)
     with pytest.raises(EngramModelError, match="has no Engram"):
         get_engram(model)
-    add_engram(model, engram_config(short_conv=False), tokenizer, layers=[1])  # works again, another geometry
+    add_engram(
+        model, engram_config(short_conv=False).replace(layer_ids=[1]), tokenizer
+    )  # works again, another geometry
     assert sorted(get_engram(model).engrams) == [1]
     model.save_pretrained(tmp_path)
     assert load_pretrained(tmp_path, tokenizer) is not None

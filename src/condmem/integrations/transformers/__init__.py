@@ -5,7 +5,9 @@
     model.generate(...)                                   # n-gram history follows the cache
     trainer = EngramTrainer(model, args, ...)             # builds engram_optimizer from args
     trainer = Trainer(model, args, optimizers=(engram_optimizer(model, lr=1e-4), None), ...)  # or a plain one
-    model.save_pretrained(path); model = load_pretrained(path, tokenizer)
+    print(model); engram_summary(model)                   # what Engram added: layers, rows, parameters, tier
+    model.save_pretrained(path)                           # weights, tokenizer and modeling_condmem.py
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)  # or load_pretrained(path)
     remove_engram(model)                                  # the plain model again (add_engram works again)
 
 Supported families: llama, mistral, qwen2, qwen3, gpt2 (`families.FAMILIES`).
@@ -16,6 +18,7 @@ from condmem.integrations.transformers.adapter import (
     EngramAdapter,
     EngramModelError,
     add_engram,
+    engram_summary,
     get_engram,
     offload_tables,
     remove_engram,
@@ -52,6 +55,7 @@ __all__ = [
     "enable_sparse_grad_norm",
     "engram_optimizer",
     "engram_param_groups",
+    "engram_summary",
     "get_engram",
     "load_pretrained",
     "offload_tables",

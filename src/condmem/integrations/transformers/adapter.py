@@ -42,7 +42,7 @@ logger = logging.getLogger("condmem.integrations.transformers")
 CONFIG_KEY = "condmem_engram"
 """Attribute of the model's `PretrainedConfig` (a key of its config.json) holding the Engram section."""
 # Methods add_engram replaces on the model instance (remove_engram puts back what was there).
-_PATCHED = ("prepare_inputs_for_generation", "_reorder_cache", "save_pretrained")
+_PATCHED = ("prepare_inputs_for_generation", "_reorder_cache", "save_pretrained", "extra_repr")
 _UNSET = object()
 
 
@@ -70,6 +70,7 @@ class EngramAdapter:
     Attributes:
         config: the `EngramConfig` (``layer_ids`` are decoder-layer indices).
         tokenizer: the `CompressedTokenizer` whose map the hasher uses.
+        source_tokenizer: the tokenizer `add_engram` was given (``save_pretrained`` saves it beside the weights).
         hasher: the `NgramHasher` (its layout: `hasher.layout`).
         engrams: {layer id: `Engram`} (each also the child ``engram`` of its decoder layer).
         memory: the `EngramMemory` the tables are read from, or None (tables in the modules).
@@ -93,6 +94,7 @@ class EngramAdapter:
         self.family = family
         self.config = config
         self.tokenizer = tokenizer
+        self.source_tokenizer = tokenizer
         self.hasher = hasher
         self.engrams = engrams
         self.memory = None
@@ -392,6 +394,11 @@ def _pad_token_id(tokenizer) -> int | None:
     pad = getattr(tokenizer, "pad_token_id", None)
     if isinstance(pad, int):
         return pad
+    from tokenizers import Tokenizer
+
+    inner = getattr(tokenizer, "tokenizer", None)  # a CompressedTokenizer's tokenizers.Tokenizer
+    if isinstance(inner, Tokenizer):
+        tokenizer = inner
     padding = getattr(tokenizer, "padding", None)
     return padding.get("pad_id") if isinstance(padding, dict) else None
 
@@ -414,10 +421,12 @@ def add_engram(
             qwen2, qwen3, gpt2), loaded or built from a config.
         engram_config: the Engram geometry. ``hidden_size`` comes from the model; ``hc_mult``
             must be 1 (one residual stream); ``compressed_vocab_size`` is set from the
-            tokenizer, or checked against it when the config states it.
+            tokenizer, or checked against it when the config states it; ``pad_id``, when the
+            config does not state it, is the tokenizer's pad token (refused without one).
         tokenizer: the model's tokenizer: a transformers tokenizer, a `tokenizers.Tokenizer`,
             a tokenizer.json path, or a `CompressedTokenizer`.
-        layers: decoder-layer indices that get an Engram (default: ``engram_config.layer_ids``).
+        layers: optional, and then equal to ``engram_config.layer_ids`` (the one place the Engram
+            layers are stated; another list is refused).
         zero_init: start each Engram's value projection at zero, so that the model computes
             exactly what it computed before until training moves it.
         sparse_tables: tables produce sparse gradients (train them with `engram_optimizer`).
@@ -426,7 +435,8 @@ def add_engram(
 
     Raises:
         UnsupportedModelError: the model is not a causal LM of a supported family.
-        EngramModelError / ConfigError: bad layers, hc_mult != 1, Engram already added.
+        EngramModelError / ConfigError: bad layers (or `layers` disagreeing with the config),
+            hc_mult != 1, no pad id stated or derivable, Engram already added.
         TokenizerMismatchError: the tokenizer's compressed size disagrees with the config.
     """
     from condmem.tokenizer import CompressedTokenizer
@@ -447,8 +457,14 @@ def add_engram(
     patched = {name: vars(model).get(name, _UNSET) for name in _PATCHED}  # what remove_engram puts back
     adapter = EngramAdapter(model, family, base, decoder_layers, config, ctok, hasher, engrams)
     adapter.memory = memory
+    adapter.source_tokenizer = tokenizer
     adapter._patched = patched
     model._condmem_engram = adapter
+    if sparse_tables and memory is None:
+        from condmem.integrations.transformers.optim import guard_sparse_tables
+
+        guard_sparse_tables(model)  # a dense optimizer is refused with condmem's message, not torch's
+    model.extra_repr = _summary_repr(model)  # print(model) opens with what Engram added
     from condmem.integrations.transformers.pretrained import wrap_save_pretrained
 
     wrap_save_pretrained(model)  # offloaded tables saved from their tier; the folder written atomically
@@ -460,6 +476,7 @@ def add_engram(
             "config": config.to_dict(),
             "layout_fingerprint": layout.fingerprint,
             "tokenizer_fingerprint": ctok.fingerprint,
+            "backbone_model_type": family.model_type,
         },
     )
     return model
@@ -471,8 +488,11 @@ def _model_engram_config(
     """`engram_config` for this model: its `layers` (if given) checked against the model's `n_layers`,
     hc_mult 1, the compressed tokenizer's size and pad checked, hidden size and norm eps filled in."""
     config = engram_config
-    if layers is not None:
-        config = config.replace(layer_ids=[int(i) for i in layers])
+    if layers is not None and list(layers) != config.layer_ids:
+        raise ConfigError(
+            f"add_engram(layers={list(layers)}) disagrees with EngramConfig.layer_ids {config.layer_ids}: state the "
+            "Engram layers once, in EngramConfig.layer_ids (their order lays out the tables), and leave layers= out"
+        )
     bad = [i for i in config.layer_ids if i >= n_layers]
     if bad:
         raise EngramModelError(
@@ -486,7 +506,17 @@ def _model_engram_config(
         )
     if config.compressed_vocab_size is not None:
         ctok.check_config(config.compressed_vocab_size)
-    config.check_pad_id(ctok.original_vocab_size, _pad_token_id(tokenizer))
+    pad_token_id = _pad_token_id(tokenizer)
+    if not config.pad_id_stated:
+        if pad_token_id is None:
+            raise ConfigError(
+                f"EngramConfig states no pad_id and the tokenizer ({type(tokenizer).__name__}) has no pad token to "
+                "take it from: pass EngramConfig(pad_id=...), e.g. pad_id=tokenizer.eos_token_id for a GPT-2-style "
+                "tokenizer, or set tokenizer.pad_token. Engram hashes the pad id in place of the tokens before a "
+                "sequence's start, so a saved model must keep the one it was trained with"
+            )
+        config = config.replace(pad_id=pad_token_id)
+    config.check_pad_id(ctok.original_vocab_size, pad_token_id)
     return config.replace(
         hidden_size=int(model.config.hidden_size),
         hc_mult=1,
@@ -588,6 +618,52 @@ def get_engram(model: nn.Module) -> EngramAdapter:
     if adapter is None:
         raise EngramModelError(f"{type(model).__name__} has no Engram: call add_engram(model, ...) first")
     return adapter
+
+
+def engram_summary(model: nn.Module) -> str:
+    """What `add_engram` added to `model`: layers, n-grams, table rows, parameters, where the tables are.
+
+    ``print(model)`` opens with the same lines. Example::
+
+        Engram at decoder layers [0, 2] of LlamaForCausalLM: 2- to 3-grams, 2 heads, rows of 8
+          tables: 620 rows (layer 0: 272, layer 2: 348) = 4,960 parameters, in the modules (sparse gradients)
+          projections, norms and ShortConv: 2,368 parameters
+          Engram: 7,328 of 112,000 parameters (6.54%)
+    """
+    adapter = get_engram(model)
+    config, layout = adapter.config, adapter.layout
+    rows = {lid: layout.layer(lid).num_embeddings for lid in config.layer_ids}
+    table_params = sum(rows.values()) * config.head_dim
+    engram_params = sum(p.numel() for e in adapter.engrams.values() for p in e.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    if adapter.memory is not None:
+        stores = adapter.memory.stores.values()
+        tiers = ", ".join(sorted({f"{s.tier} ({s.format})" for s in stores}))
+        where = f"in an EngramMemory: {tiers}, rows delivered to {adapter.memory.device}; not trained"
+    else:
+        sparse = all(e.table.sparse for e in adapter.engrams.values())
+        where = f"in the modules ({'sparse' if sparse else 'dense'} gradients)"
+    orders = f"{2}- to {config.max_ngram_size}-grams" if config.max_ngram_size > 2 else "2-grams"
+    per_layer = ", ".join(f"layer {lid}: {n:,}" for lid, n in rows.items())
+    return (
+        f"Engram at decoder layers {list(config.layer_ids)} of {type(model).__name__}: {orders}, "
+        f"{config.n_heads} heads, rows of {config.head_dim}\n"
+        f"  tables: {sum(rows.values()):,} rows ({per_layer}) = {table_params:,} parameters, {where}\n"
+        f"  projections, norms{' and ShortConv' if config.short_conv else ''}: "
+        f"{engram_params - table_params:,} parameters\n"
+        f"  Engram: {engram_params:,} of {total:,} parameters ({100 * engram_params / max(total, 1):.2f}%)"
+    )
+
+
+def _summary_repr(model: nn.Module):
+    """An ``extra_repr`` for the model instance: `engram_summary` (through a weak reference: no cycle)."""
+    ref = weakref.ref(model)
+
+    def extra_repr() -> str:
+        target = ref()
+        return "" if target is None or getattr(target, "_condmem_engram", None) is None else engram_summary(target)
+
+    return extra_repr
 
 
 def offload_tables(model: nn.Module, tier: str = "host", device: str | torch.device | None = None, **memory_kwargs):

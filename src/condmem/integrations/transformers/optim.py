@@ -11,6 +11,11 @@ only for rows a batch has read. Gradient clipping: in a plain loop pass ``max_gr
 here, which clips dense and sparse gradients by one global norm before each step; with
 `Trainer` or `EngramTrainer` use their ``max_grad_norm``.
 
+An optimizer that cannot step sparse gradients (AdamW, what a plain `Trainer` builds) is
+refused at its first step, before any weight moves, with a message naming `EngramTrainer`
+and `engram_optimizer` (`guard_sparse_tables`), instead of torch's "Adam does not support
+sparse gradients".
+
 `Trainer` measures and clips with ``torch.nn.utils.clip_grad_norm_``, which before torch
 2.14 has no norm for a sparse gradient (``aten::linalg_vector_norm`` has no ``SparseCPU`` /
 ``SparseCUDA`` kernel). `enable_sparse_grad_norm` (called by `EngramOptimizer`) registers
@@ -21,16 +26,20 @@ to the dense gradient's norm. It adds a kernel where there was none; nothing els
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
 
-from condmem.integrations.transformers.adapter import get_engram
+from condmem.integrations.transformers.adapter import EngramModelError, get_engram
 from condmem.train.optim import SparseAdam, clip_grad_norm_
 
 
 log = logging.getLogger("condmem.integrations.transformers")
 _SPARSE_NORM_LIB = None  # the torch.library registration, kept alive for the process
+_STEP_GUARD = None  # the global optimizer step pre-hook of `guard_sparse_tables`
+_TABLE_NAME = "_condmem_table_name"  # attribute naming a sparse Engram table parameter
+_GUARDED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
 
 
 def _sparse_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -82,6 +91,60 @@ def enable_sparse_grad_norm() -> bool:
         ", ".join(keys),
     )
     return True
+
+
+def _accepts_sparse(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(
+        optimizer, (EngramOptimizer, SparseAdam, torch.optim.SparseAdam, torch.optim.SGD, torch.optim.Adagrad)
+    )
+
+
+def _tables_of(optimizer: torch.optim.Optimizer) -> list:
+    """The sparse Engram tables among `optimizer`'s parameters (found once per optimizer and group count)."""
+    groups = len(optimizer.param_groups)
+    known = _GUARDED.get(optimizer)
+    if known is None or known[0] != groups:
+        tables = [p for g in optimizer.param_groups for p in g["params"] if hasattr(p, _TABLE_NAME)]
+        known = (groups, tables)
+        _GUARDED[optimizer] = known
+    return known[1]
+
+
+def _refuse_dense_step(optimizer, args, kwargs) -> None:
+    """Global step pre-hook: an optimizer that cannot take sparse gradients meets an Engram table's."""
+    if _accepts_sparse(optimizer):
+        return
+    sparse = [getattr(p, _TABLE_NAME) for p in _tables_of(optimizer) if p.grad is not None and p.grad.is_sparse]
+    if sparse:
+        raise EngramModelError(
+            f"{type(optimizer).__name__} cannot step the sparse gradients of the Engram tables ({', '.join(sparse)}): "
+            "train with condmem's optimizer: transformers' EngramTrainer(model=..., args=...) (it builds one), "
+            "Trainer(..., optimizers=(engram_optimizer(model, lr=...), None)), or opt = engram_optimizer(model, "
+            "lr=...) in a plain loop; add_engram(..., sparse_tables=False) gives dense table gradients instead"
+        )
+
+
+def guard_sparse_tables(model: nn.Module) -> None:
+    """Mark `model`'s sparse Engram tables so that a dense optimizer stepping them raises condmem's message.
+
+    A global ``torch.optim`` step pre-hook (registered once) checks an optimizer's marked tables
+    before each step: with a sparse gradient and an optimizer that cannot take it (not
+    `engram_optimizer`'s, SparseAdam, SGD or Adagrad), it raises `EngramModelError` naming
+    `EngramTrainer` and `engram_optimizer`, before any weight moves. Also gives torch a sparse
+    gradient norm (`enable_sparse_grad_norm`): `Trainer` clips before it steps.
+    """
+    global _STEP_GUARD
+    adapter = get_engram(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    for engram in adapter.engrams.values():
+        weight = engram.table.weight
+        if engram.table.sparse and weight.device.type != "meta":
+            setattr(weight, _TABLE_NAME, names.get(id(weight), f"layer {engram.layer_id} table"))
+    enable_sparse_grad_norm()
+    if _STEP_GUARD is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_GUARD = register_optimizer_step_pre_hook(_refuse_dense_step)
 
 
 def engram_param_groups(model: nn.Module, *, weight_decay: float = 0.0) -> dict[str, list[dict]]:

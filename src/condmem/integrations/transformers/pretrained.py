@@ -17,9 +17,17 @@ their tensors (tables included) go into the model's safetensors files, sharded b
   failed save leaves the target as it was (and no new folder); files already in the target
   that the save does not write (a tokenizer saved there first) are kept.
 
+* beside the weights it writes the tokenizer Engram hashes with and ``modeling_condmem.py``,
+  and gives ``config.json`` the model type ``condmem_engram`` (the backbone's own type kept in
+  the section's ``backbone_model_type``) with an ``auto_map`` naming that file's classes, the way custom architectures
+  ship their code. So ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
+  loads the model with Engram (the file imports condmem, which must be installed), and without
+  ``trust_remote_code`` transformers refuses the folder instead of loading a plain backbone.
+
 `load_pretrained` reads the backbone with transformers, rebuilds the Engram modules from
 the section, refuses a tokenizer or layout whose fingerprint differs from the saved one
-(the tables would be read at the wrong rows), then reads the Engram tensors.
+(the tables would be read at the wrong rows), then reads the Engram tensors. Without a
+tokenizer it takes the one saved in the folder (checked against the saved fingerprint).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import contextlib
 import functools
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -36,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from condmem.config import EngramConfig
+from condmem.config import EngramConfig, read_json_file
 from condmem.integrations.transformers.adapter import (
     CONFIG_KEY,
     EngramModelError,
@@ -47,8 +56,36 @@ from condmem.integrations.transformers.adapter import (
 from condmem.layout import LayoutError
 from condmem.utils.atomic import fsync_dir, sweep_stale, temp_prefix
 
+logger = logging.getLogger("condmem.integrations.transformers")
+
 # What save_pretrained writes for the weights: an older save's such files are not carried over.
 _WEIGHT_FILE = re.compile(r"model(\.[\w-]+)?(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+ENGRAM_MODEL_TYPE = "condmem_engram"
+"""``model_type`` of a saved Engram folder's config.json (the backbone's: the section's ``backbone_model_type``)."""
+REMOTE_MODULE = "modeling_condmem.py"
+"""The remote-code file a save writes beside config.json; its ``auto_map`` names the classes below."""
+AUTO_MAP = {
+    "AutoConfig": "modeling_condmem.EngramAutoConfig",
+    "AutoModelForCausalLM": "modeling_condmem.EngramAutoModelForCausalLM",
+}
+_REMOTE_CODE = '''"""Engram (condmem) in this checkpoint: loaded by transformers with trust_remote_code=True.
+
+AutoConfig gives the backbone's own config; AutoModelForCausalLM loads the backbone and re-attaches
+its Engram layers through condmem.integrations.transformers.load_pretrained. Needs the condmem
+package (pip install "condmem[hf]").
+"""
+
+try:
+    from condmem.integrations.transformers.pretrained import EngramAutoConfig, EngramAutoModelForCausalLM
+except ImportError as exc:
+    raise ImportError(
+        "this checkpoint holds Engram layers (condmem): loading it needs the condmem package, "
+        'pip install "condmem[hf]"; without it the model would lose its Engram layers'
+    ) from exc
+
+__all__ = ["EngramAutoConfig", "EngramAutoModelForCausalLM"]
+'''
 
 
 def _engram_tensor_files(path: Path) -> dict[str, Path]:
@@ -68,46 +105,61 @@ def _engram_tensor_files(path: Path) -> dict[str, Path]:
 
 def load_pretrained(
     path: str | os.PathLike,
-    tokenizer,
+    tokenizer=None,
     *,
     model_class=None,
     sparse_tables: bool = True,
     tier: str | None = None,
     device=None,
+    config=None,
     **from_pretrained_kwargs,
 ):
-    """Reload a model saved with Engram.
+    """Reload a model saved with Engram (what ``AutoModelForCausalLM.from_pretrained(path,
+    trust_remote_code=True)`` calls through the folder's ``modeling_condmem.py``).
 
     Args:
-        path: the folder ``model.save_pretrained`` wrote.
-        tokenizer: the model's tokenizer (any source `add_engram` takes); its compressed
-            map must be the one the model was saved with.
-        model_class: the transformers class to load with (default `AutoModelForCausalLM`).
+        path: the local folder ``model.save_pretrained`` wrote.
+        tokenizer: the model's tokenizer (any source `add_engram` takes); its compressed map must
+            be the one the model was saved with. None: the tokenizer saved in the folder.
+        model_class: the transformers class to load with (default: the causal-LM class of the
+            backbone's config, e.g. `LlamaForCausalLM`).
         sparse_tables: as in `add_engram`.
         tier, device: also move the tables into an `EngramMemory` in this tier (see
             `offload_tables`); the memory is `get_engram(model).memory`.
-        from_pretrained_kwargs: passed to ``from_pretrained`` (``torch_dtype``, ...).
+        config: the backbone config, already read (default: read from ``path/config.json``).
+        from_pretrained_kwargs: passed to ``from_pretrained`` (``dtype``, ...).
 
     Raises:
-        EngramModelError: no Engram section in config.json, or Engram tensors missing.
+        EngramModelError: not a local folder, no Engram section in config.json, no tokenizer
+            given or saved, or Engram tensors missing.
         TokenizerMismatchError: the tokenizer's compressed map differs from the saved one.
         LayoutError: the rebuilt layout's fingerprint differs from the saved one.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from condmem.tokenizer import CompressedTokenizer
 
     path = Path(path)
-    config = AutoConfig.from_pretrained(path)
+    if not path.is_dir():
+        raise EngramModelError(
+            f"{path} is not a local folder: load_pretrained reads the folder save_pretrained wrote "
+            "(download a Hub repository first, e.g. huggingface_hub.snapshot_download)"
+        )
+    config = read_backbone_config(path) if config is None else config
     section = getattr(config, CONFIG_KEY, None)
     if not isinstance(section, dict):
         raise EngramModelError(f"{path / 'config.json'} has no '{CONFIG_KEY}' section: was it saved with Engram?")
-    ctok = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer.from_any(tokenizer)
+    if hasattr(config, "auto_map"):  # the backbone class loads it; a re-save writes the folder's own again
+        delattr(config, "auto_map")
+    if tokenizer is None:
+        tokenizer, ctok = _saved_tokenizer(path, section)
+    else:
+        ctok = tokenizer if isinstance(tokenizer, CompressedTokenizer) else CompressedTokenizer.from_any(tokenizer)
     _check_saved_tokenizer(ctok, section, path)
     engram_config = EngramConfig.from_dict(section["config"], dialect="native")
-    model = _load_backbone(model_class or AutoModelForCausalLM, path, config, from_pretrained_kwargs)
+    from_pretrained_kwargs.pop("trust_remote_code", None)  # the backbone is a transformers class
+    model = _load_backbone(model_class or _causal_lm_class(config), path, config, from_pretrained_kwargs)
     add_engram(model, engram_config, ctok, zero_init=False, sparse_tables=sparse_tables)
     adapter = get_engram(model)
+    adapter.source_tokenizer = tokenizer  # what a later save writes beside the weights
     if adapter.layout.fingerprint != section["layout_fingerprint"]:
         raise LayoutError(
             f"the Engram layout rebuilt from {path / 'config.json'} has fingerprint "
@@ -117,6 +169,115 @@ def load_pretrained(
     if tier is not None:
         offload_tables(model, tier=tier, device=device)
     return model
+
+
+def read_backbone_config(path: str | os.PathLike):
+    """The backbone's transformers config from a saved Engram folder's config.json (no remote code run).
+
+    The file's ``model_type`` is ``condmem_engram``; the backbone's (``llama``, ...) is the Engram
+    section's ``backbone_model_type``. A folder saved without it carries the backbone's type itself.
+    """
+    data = read_json_file(Path(path) / "config.json", "model config")
+    return _backbone_config_from_dict(data, Path(path))
+
+
+def _backbone_config_from_dict(data: dict, path: Path, **kwargs):
+    """``CONFIG_MAPPING[backbone type].from_dict`` of a saved config dict (`kwargs` as ``from_dict`` takes)."""
+    from transformers import CONFIG_MAPPING
+
+    section = data.get(CONFIG_KEY) if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise EngramModelError(f"{path / 'config.json'} has no '{CONFIG_KEY}' section: was it saved with Engram?")
+    model_type = section.get("backbone_model_type", data.get("model_type"))
+    if model_type in (None, ENGRAM_MODEL_TYPE) or model_type not in CONFIG_MAPPING:
+        raise EngramModelError(
+            f"{path / 'config.json'}: the Engram section names backbone model type {model_type!r}, which this "
+            "transformers does not know"
+        )
+    return CONFIG_MAPPING[model_type].from_dict({**data, "model_type": model_type}, **kwargs)
+
+
+def _causal_lm_class(config):
+    """The transformers causal-LM class of a backbone config (`LlamaForCausalLM`, `GPT2LMHeadModel`, ...)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def _saved_tokenizer(path: Path, section: dict):
+    """(tokenizer, CompressedTokenizer) saved in `path` whose compressed map is the saved one.
+
+    Tried in turn: the folder through ``AutoTokenizer`` (what the save wrote for a transformers
+    tokenizer; its decode can differ from the bare file's), then ``tokenizer.json`` itself.
+    """
+    from condmem.tokenizer import CompressedTokenizer, TokenizerMismatchError
+
+    candidates = []
+    if (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        # The backbone's config given: AutoTokenizer would otherwise read config.json's custom model type.
+        candidates.append(lambda: AutoTokenizer.from_pretrained(path, config=read_backbone_config(path)))
+    if (path / "tokenizer.json").is_file():
+        candidates.append(lambda: str(path / "tokenizer.json"))
+    if not candidates:
+        raise EngramModelError(
+            f"{path} holds no tokenizer (tokenizer.json): pass the model's tokenizer, load_pretrained({str(path)!r}, "
+            "tokenizer); a save by this condmem writes it beside the weights"
+        )
+    for make in candidates:
+        source = make()
+        ctok = CompressedTokenizer.from_any(source)
+        if ctok.fingerprint == section["tokenizer_fingerprint"]:
+            return source, ctok
+    raise TokenizerMismatchError(
+        f"the tokenizer saved in {path} does not give the compressed map the model was saved with "
+        f"({section['tokenizer_fingerprint'][:12]}): pass the model's own tokenizer, load_pretrained(path, tokenizer)"
+    )
+
+
+class EngramAutoConfig:
+    """What a saved Engram folder's ``auto_map`` names for ``AutoConfig``: the backbone's own config.
+
+    ``AutoConfig.from_pretrained(folder, trust_remote_code=True)`` returns e.g. a `LlamaConfig`
+    holding the Engram section and the folder's ``auto_map`` (so that ``AutoModelForCausalLM``
+    goes on to `EngramAutoModelForCausalLM`).
+    """
+
+    model_type = ENGRAM_MODEL_TYPE
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig") -> None:
+        """Nothing to register: the config returned is a transformers class."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        from transformers import PretrainedConfig
+
+        data, kwargs = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return _backbone_config_from_dict(data, Path(str(pretrained_model_name_or_path)), **kwargs)
+
+
+class EngramAutoModelForCausalLM:
+    """What a saved Engram folder's ``auto_map`` names for ``AutoModelForCausalLM``: `load_pretrained`.
+
+    ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs)`` returns
+    the backbone class (e.g. `LlamaForCausalLM`) with its Engram layers and tables, and the
+    tokenizer saved in the folder hashing its inputs; `load_pretrained`'s own keywords
+    (``tokenizer``, ``tier``, ``device``, ``sparse_tables``) may be passed too.
+    """
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM") -> None:
+        """Nothing to register: the model returned is a transformers class."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        if model_args:
+            raise TypeError(f"{cls.__name__}.from_pretrained takes keyword arguments only, got {len(model_args)} more")
+        for hub_only in ("_from_auto", "adapter_kwargs"):
+            kwargs.pop(hub_only, None)
+        return load_pretrained(pretrained_model_name_or_path, **kwargs)
 
 
 def _check_saved_tokenizer(ctok, section: dict, path: Path) -> None:
@@ -245,7 +406,8 @@ def _atomic_folder(target: Path):
 
 
 def wrap_save_pretrained(model) -> None:
-    """Make ``model.save_pretrained`` write offloaded tables and write atomically (see the module docstring)."""
+    """Make ``model.save_pretrained`` write offloaded tables, the tokenizer and the remote-code file, atomically
+    (see the module docstring)."""
     original = model.save_pretrained
     signature = inspect.signature(original)
 
@@ -257,11 +419,66 @@ def wrap_save_pretrained(model) -> None:
             return original(*bound.args, **bound.kwargs)  # this rank writes nothing
         arguments["state_dict"] = engram_state_dict(model, arguments.get("state_dict"))
         target = Path(save_directory)
-        if arguments.get("push_to_hub"):  # the repository is named after the folder, not the temp one
-            extra = arguments.setdefault("kwargs", {})
-            extra.setdefault("repo_id", target.name)
+        push = bool(arguments.get("push_to_hub"))
+        arguments["push_to_hub"] = False  # uploaded below, once the folder is complete
         with _atomic_folder(target) as tmp:
             arguments["save_directory"] = tmp
-            return original(*bound.args, **bound.kwargs)
+            result = original(*bound.args, **bound.kwargs)
+            _write_engram_files(model, tmp, target)
+        if push:
+            _push_folder(target, arguments.get("token"), dict(arguments.get("kwargs", {})))
+        return result
 
     model.save_pretrained = save_pretrained
+
+
+def _write_engram_files(model, folder: Path, target: Path) -> None:
+    """Beside what transformers wrote into `folder`: the tokenizer, ``modeling_condmem.py``, and config.json's
+    model type and ``auto_map`` (what loading through ``trust_remote_code`` needs)."""
+    config_path = folder / "config.json"
+    data = json.loads(config_path.read_text(encoding="utf-8"))
+    data["model_type"] = ENGRAM_MODEL_TYPE
+    data["auto_map"] = dict(AUTO_MAP)
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (folder / REMOTE_MODULE).write_text(_REMOTE_CODE, encoding="utf-8")
+    _save_tokenizer(get_engram(model), folder, target)
+
+
+def _save_tokenizer(adapter, folder: Path, target: Path) -> None:
+    """The tokenizer `add_engram` was given, saved into `folder`: a transformers tokenizer through its own
+    ``save_pretrained``; a bare one as ``tokenizer.json`` (with a ``tokenizer_config.json`` for
+    ``AutoTokenizer`` unless `target` holds one already, which is then kept)."""
+    source = adapter.source_tokenizer
+    if callable(getattr(source, "save_pretrained", None)):
+        source.save_pretrained(folder)
+        return
+    bare = source if isinstance(source, (str, os.PathLike)) else None
+    backend = adapter.tokenizer.tokenizer  # the CompressedTokenizer's tokenizers.Tokenizer, where it has one
+    if backend is None and bare is None:
+        logger.warning(
+            "the tokenizer (%s) has no tokenizer.json form, so none is saved beside the weights: pass it to "
+            "load_pretrained(path, tokenizer)",
+            type(source).__name__,
+        )
+        return
+    from transformers import PreTrainedTokenizerFast
+
+    from condmem.tokenizer import read_tokenizer_file
+
+    if backend is None:
+        backend = read_tokenizer_file(Path(bare) if Path(bare).is_file() else Path(bare) / "tokenizer.json")
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(folder)
+    if (target / "tokenizer_config.json").is_file():  # a tokenizer the user saved there: its settings kept
+        (folder / "tokenizer_config.json").unlink()
+
+
+def _push_folder(target: Path, token, extra: dict) -> None:
+    """Upload the saved folder to the Hub (``save_pretrained(push_to_hub=True)``), once it holds every file."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo_id = extra.pop("repo_id", target.name)
+    commit_message = extra.pop("commit_message", None) or "Upload model with Engram"
+    create_pr = extra.pop("create_pr", False)
+    repo_id = api.create_repo(repo_id, exist_ok=True, private=extra.pop("private", None)).repo_id
+    api.upload_folder(repo_id=repo_id, folder_path=str(target), commit_message=commit_message, create_pr=create_pr)
