@@ -1,7 +1,12 @@
-"""What a user needs to know about a checkpoint or table file before loading it: `inspect_tables`.
+"""What a user needs to know about Engram tables before loading them: one report format.
 
-For a released DeepSeek-V4.1 checkpoint (folder or file) or a condmem table file, a
-JSON-ready report of:
+`inspect_tables` reports on a condmem table file or a released DeepSeek-V4.1 checkpoint;
+`condmem.artefacts.inspect_artefact` gives the same report for every other artefact condmem
+writes (a training run or checkpoint, a Hugging Face model saved with Engram) with the helpers
+here. The report is JSON-ready: what it is (``kind``, ``path``, and ``resolved_from`` when the path
+given led to another, a run to its latest checkpoint), the tables' ``format`` (row format or
+dtype), ``file_bytes``, the ``layout``, per layer its rows against the sum of its primes, bytes
+and row statistics, the ``checks`` made, then ``errors``, ``warnings`` and ``ok``. In detail:
 
 * the layout (layer ids, rows per layer, fingerprint) and whether every table's row
   count equals the sum of its layer's primes;
@@ -39,13 +44,14 @@ import torch
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
 from condmem.fp8 import dequantize_fp8_e8m0, unpack_rows
 from condmem.tables import integrity
+from condmem.tables.released import CheckpointProblem
 from condmem.tables.safetensors_io import TableFileError, read_header, release_pages
 from condmem.tables.table_file import FORMAT_TAG, EngramTableFile, LayerRows
 from condmem.utils.progress import Progress
 
 
 def row_stats(
-    rows: LayerRows,
+    rows: LayerRows | torch.Tensor,
     sample: int | None = 65536,
     chunk_rows: int = 1 << 16,
     progress: bool = False,
@@ -61,10 +67,13 @@ def row_stats(
     Rows given as tensors alone are looked at as they are.
 
     Args:
-        rows: the layer's rows (any format).
+        rows: the layer's rows (any format), or a float tensor [rows, head_dim] (a trained model's table).
         sample: rows to look at, spread uniformly at random (None: every row).
         chunk_rows: rows dequantized at a time.
     """
+    if isinstance(rows, torch.Tensor):
+        rows = LayerRows(str(rows.dtype).removeprefix("torch."), rows)
+    scaled = rows.format in ("fp8", "fp8_interleaved")
     n = rows.num_rows
     if sample is not None and sample < n:
         gen = torch.Generator().manual_seed(seed)
@@ -103,7 +112,7 @@ def row_stats(
                 sel = ids[start:stop]
                 w = rows.weight.index_select(0, sel)
                 s = None if rows.scales is None else rows.scales.index_select(0, sel)
-            if fmt == "bf16":
+            if fmt == "bf16" or not scaled:
                 values = w.float()
             else:
                 q, e = unpack_rows(w.contiguous()) if fmt == "fp8_interleaved" else (w.contiguous(), s.contiguous())
@@ -129,13 +138,18 @@ def row_stats(
         "nan_rows": nan,
         "inf_rows": inf,
     }
-    if rows.format != "bf16":
+    if scaled:
         out["scale_exponents"] = {int(e): int(c) for e, c in enumerate(hist.tolist()) if c}
     return out
 
 
-def _tier_bytes(rows: int, head_dim: int) -> dict[str, int]:
-    return {"host_or_hbm_fp8_interleaved": rows * (head_dim + head_dim // FP8_SCALE_BLOCK), "bf16": rows * 2 * head_dim}
+def tier_bytes(rows: int, head_dim: int) -> dict[str, int]:
+    """What host or HBM memory holds per row format (fp8 only where head_dim is a multiple of its scale block)."""
+    out = {}
+    if head_dim % FP8_SCALE_BLOCK == 0:
+        out["host_or_hbm_fp8_interleaved"] = rows * (head_dim + head_dim // FP8_SCALE_BLOCK)
+    out["bf16"] = rows * 2 * head_dim
+    return out
 
 
 def _tensor_info(ckpt, name: str) -> dict[str, Any]:
@@ -148,7 +162,8 @@ def _tensor_info(ckpt, name: str) -> dict[str, Any]:
     return {"name": name, "file": header.path.name, "dtype": str(e.dtype).replace("torch.", ""), "shape": list(e.shape)}
 
 
-def _layout_summary(layout: EngramLayout) -> dict[str, Any]:
+def layout_summary(layout: EngramLayout) -> dict[str, Any]:
+    """What a report shows of a layout."""
     return {
         "layer_ids": layout.layer_ids,
         "num_embeddings": layout.num_embeddings,
@@ -157,7 +172,8 @@ def _layout_summary(layout: EngramLayout) -> dict[str, Any]:
     }
 
 
-def _problems(report: dict[str, Any], problems) -> dict[str, Any]:
+def finish_report(report: dict[str, Any], problems) -> dict[str, Any]:
+    """`report` with its ``errors``, ``warnings`` (from `problems`, `CheckpointProblem`s) and ``ok``."""
     report["errors"] = [p.to_dict() for p in problems if p.severity == "error"]
     report["warnings"] = [p.to_dict() for p in problems if p.severity == "warning"]
     report["ok"] = not report["errors"]
@@ -168,7 +184,7 @@ def inspect_checkpoint(
     path, config=None, config_key: str | None = None, full: bool = False, sample: int = 65536, progress: bool = True
 ) -> dict[str, Any]:
     """The report (see the module docstring) for a released checkpoint."""
-    from condmem.tables.released import CheckpointProblem, ReleasedCheckpoint
+    from condmem.tables.released import ReleasedCheckpoint
 
     ckpt = ReleasedCheckpoint(path, config, config_key=config_key)
     report: dict[str, Any] = {
@@ -180,6 +196,13 @@ def inspect_checkpoint(
         "prefix": ckpt.names.prefix,
         "engram_layers_in_tensors": ckpt.layer_ids,
         "config": str(ckpt.config_path) if ckpt.config_path else None,
+        "format": "fp8",
+        "checks": [
+            "every Engram tensor's presence, dtype and shape (the loaders' routine)",
+            "the config against the tensors; each table's rows against the sum of its primes; wkv's block shape",
+            "every table scale (NaN / inf refused)",
+            "rows read: all-zero / NaN / inf counted",
+        ],
     }
     problems = ckpt.validate()
     bad_tensors = {p.tensor for p in problems if p.severity == "error" and p.tensor}
@@ -189,7 +212,7 @@ def inspect_checkpoint(
         report["backbone"] = {k: getattr(cfg, k) for k in ("hidden_size", "hc_mult", "rms_norm_eps")}
         try:
             layout = ckpt.layout()
-            report["layout"] = _layout_summary(layout)
+            report["layout"] = layout_summary(layout)
         except ValueError:
             pass  # among the problems
     layers = []
@@ -205,7 +228,7 @@ def inspect_checkpoint(
         if embed.get("shape") and len(embed["shape"]) == 2:
             rows, d = embed["shape"]
             info["rows"] = rows
-            info["bytes"] = _tier_bytes(rows, d)
+            info["bytes"] = tier_bytes(rows, d)
             info["bytes"]["disk_as_stored"] = sum(
                 ckpt.entry(names[k]).nbytes for k in ("embed", "embed_scale") if not info["tensors"][k].get("missing")
             )
@@ -226,13 +249,11 @@ def inspect_checkpoint(
                     problems.append(CheckpointProblem("error", str(exc), names["embed_scale"], lid))
         layers.append(info)
     report["layers"] = layers
-    return _problems(report, problems)
+    return finish_report(report, problems)
 
 
 def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: bool = True) -> dict[str, Any]:
     """The report for a condmem table file."""
-    from condmem.tables.released import CheckpointProblem
-
     table = EngramTableFile(path)
     layout = table.layout()
     report: dict[str, Any] = {
@@ -241,8 +262,13 @@ def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: 
         "format": table.format,
         "file_bytes": Path(path).stat().st_size,
         "tokenizer_fingerprint": table.tokenizer_fingerprint,
-        "layout": _layout_summary(layout),
+        "layout": layout_summary(layout),
         "layers": [],
+        "checks": [
+            "the header's digest and the block checksums' sha256 (at open)",
+            "each table's rows against the sum of its primes",
+            "every row read against its blocks' CRC32C (all blocks: --verify); all-zero / NaN / inf counted",
+        ],
     }
     problems = []
     for lid, rows in zip(table.layer_ids, table.num_embeddings):
@@ -261,8 +287,9 @@ def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: 
             "rows": rows,
             "rows_expected": want,
             "rows_match_primes": rows == want,
-            "bytes": _tier_bytes(rows, table.head_dim),
+            "bytes": tier_bytes(rows, table.head_dim),
         }
+        info["bytes"]["disk_as_stored"] = rows * table.layer(lid).row_bytes
         try:  # every row read is checked against its blocks' CRCs
             info["row_stats"] = row_stats(
                 table.layer(lid), None if full else sample, progress=progress, name=f"layer {lid}"
@@ -270,7 +297,7 @@ def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: 
         except ValueError as exc:
             problems.append(CheckpointProblem("error", str(exc), None, lid))
         report["layers"].append(info)
-    return _problems(report, problems)
+    return finish_report(report, problems)
 
 
 def inspect_tables(
@@ -281,7 +308,11 @@ def inspect_tables(
     sample: int = 65536,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Report on `path`: a condmem table file, or a released checkpoint (folder or file)."""
+    """Report on `path`: a condmem table file, or a released checkpoint (folder or file).
+
+    Every other artefact condmem writes (a training run or checkpoint, a Hugging Face folder):
+    `condmem.artefacts.inspect_artefact`, which calls this for these two.
+    """
     path = Path(path)
     if path.is_file() and read_header(path).metadata.get("format") == FORMAT_TAG:
         return inspect_table_file(path, full, sample, progress)

@@ -487,16 +487,9 @@ def load_checkpoint(
         CorruptCheckpointError: a file is missing, truncated or altered.
         CheckpointMismatchError: the tokenizer does not match the tables / embeddings.
     """
-    folder = resolve_checkpoint(path)
-    state = read_state(folder)
-    _verify_files(folder, state, verify)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-        model_cfg = ModelConfig.from_dict(config["model"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{folder / 'config.json'} is not a valid checkpoint config ({exc})") from None
-    fp = state.get("fingerprints", {})
-    tok, ctok = _matching_tokenizer(folder, model_cfg, fp, tokenizer)
+    parts = check_checkpoint(path, tokenizer=tokenizer, verify=verify)
+    folder, state, config, model_cfg = parts.path, parts.state, parts.config, parts.model_cfg
+    tok, ctok = parts.tokenizer, parts.ctok
     device = torch.device(device)
     table_meta, weights, table_tensors = _read_weights(folder, device, tables_on_host)
     sharded = table_meta.get("sharded") == "true"
@@ -506,11 +499,6 @@ def load_checkpoint(
         device=device,
         table_device="meta" if (tables_on_host or sharded) else None,
     )
-    if model.layout is not None and table_meta.get("layout") != fp.get("layout"):
-        raise CheckpointMismatchError(
-            f"checkpoint {folder}: tables.safetensors was written for layout {table_meta.get('layout', '?')[:16]}..., "
-            f"state.json says {str(fp.get('layout'))[:16]}..."
-        )
     host_tables = _load_weights(folder, model, weights, table_tensors, sharded, tables_on_host)
     optimizer_tensors = {}
     if load_optimizer:
@@ -526,6 +514,56 @@ def load_checkpoint(
         host_tables if (tables_on_host and not sharded) else None,
         sharded,
     )
+
+
+@dataclass
+class CheckpointParts:
+    """A checkpoint's files as `check_checkpoint` checked them (no tensor loaded)."""
+
+    path: Path
+    state: dict
+    config: dict
+    """The resolved configs (model, train, data)."""
+    model_cfg: ModelConfig
+    tokenizer: Tokenizer
+    ctok: Any
+    """CompressedTokenizer (Engram models) or None."""
+    table_meta: dict
+    """tables.safetensors' header metadata (fingerprints, layer ids, ``sharded``)."""
+
+
+def check_checkpoint(
+    path: str | os.PathLike, *, tokenizer: Tokenizer | str | None = None, verify: bool = True
+) -> CheckpointParts:
+    """Check a checkpoint (a folder, or a run directory's latest) as `load_checkpoint` does, loading no tensor.
+
+    state.json's own hash; every file's size (and, with `verify`, its sha256); config.json; the
+    tokenizer against the fingerprints the tables were trained with; tables.safetensors' layout
+    against state.json's. Raises as `load_checkpoint`.
+    """
+    folder = resolve_checkpoint(path)
+    state = read_state(folder)
+    _verify_files(folder, state, verify)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        model_cfg = ModelConfig.from_dict(config["model"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{folder / 'config.json'} is not a valid checkpoint config ({exc})") from None
+    fp = state.get("fingerprints", {})
+    tok, ctok = _matching_tokenizer(folder, model_cfg, fp, tokenizer)
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "tables.safetensors"), framework="pt") as fh:
+            table_meta = fh.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for damaged headers
+        raise CorruptCheckpointError(f"checkpoint {folder}: cannot read tables.safetensors ({exc})") from None
+    if model_cfg.engram is not None and table_meta.get("layout") != fp.get("layout"):
+        raise CheckpointMismatchError(
+            f"checkpoint {folder}: tables.safetensors was written for layout {table_meta.get('layout', '?')[:16]}..., "
+            f"state.json says {str(fp.get('layout'))[:16]}..."
+        )
+    return CheckpointParts(folder, state, config, model_cfg, tok, ctok, table_meta)
 
 
 def _verify_files(folder: Path, state: dict, verify: bool) -> None:
