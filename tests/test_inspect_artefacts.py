@@ -4,6 +4,7 @@ checkpoint; convert's tables served by `EngramMemory` with the model's exact row
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -211,7 +212,7 @@ def test_convert_refuses_what_it_cannot_convert(made, tmp_path, capsys, monkeypa
 
     train_bpe(["a different corpus, a different tokenizer " * 50], vocab_size=300).save(str(other))
     refused(["convert", str(made / "run"), *common, "--to", "bf16", "--tokenizer", str(other)], 1, "tokenizer")
-    assert not out.exists() and not inside.exists()
+    assert not out.exists() and not inside.exists()  # nothing written by a refusal
 
     import condmem.train.checkpoint as checkpoint
 
@@ -222,9 +223,17 @@ def test_convert_refuses_what_it_cannot_convert(made, tmp_path, capsys, monkeypa
         parts.table_meta["sharded"] = "true"
         return parts
 
+    def random_addresses(*args, **kwargs):
+        parts = real(*args, **kwargs)
+        parts.model_cfg = dataclasses.replace(parts.model_cfg, engram_addresses="random")
+        return parts
+
     monkeypatch.setattr(checkpoint, "check_checkpoint", sharded)
     refused(["convert", str(made / "run"), *common, "--to", "bf16"], 1, "shards", "sharded_tables")
+    monkeypatch.setattr(checkpoint, "check_checkpoint", random_addresses)
+    refused(["convert", str(made / "run"), *common, "--to", "bf16"], 1, "random table addresses")
     monkeypatch.setattr(checkpoint, "check_checkpoint", real)
+    assert main(["convert", str(made / "run"), *common, "--to", "bf16"]) == 0  # negative control: the same run converts
     capsys.readouterr()
     # inspect reads both, and says why convert refuses them.
     report = _report(made / "base", capsys)

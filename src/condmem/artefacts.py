@@ -198,12 +198,12 @@ def open_trained_tables(artefact: Artefact, tokenizer=None, verify: bool = True)
 
 
 def trained_tables(artefact: Artefact, tokenizer=None) -> TrainedTables:
-    """`open_trained_tables`, raising on the first error or a refusal (`ArtefactError`)."""
+    """`open_trained_tables`, raising (`ArtefactError`) on a refusal or else on the first error."""
     found = open_trained_tables(artefact, tokenizer)
+    if found.refusal is not None:  # whatever else is wrong, these tables cannot be served
+        raise ArtefactError(found.refusal)
     if found.errors:
         raise ArtefactError(found.errors[0].message)
-    if found.refusal is not None:
-        raise ArtefactError(found.refusal)
     return found
 
 
