@@ -44,10 +44,10 @@ in host memory or on disk and be prefetched. Subcommands:
 """
 
 EPILOG = """\
-examples (config paths are the repository's configs/):
-  condmem demo                                              # baseline vs Engram on the stdlib source, compared
-  condmem layout --config configs/deepseek_v41_flash.json   # primes, rows and bytes per Engram layer
-  condmem hash --tokenizer deepseek-v4 --config configs/deepseek_v41_flash.json --text "Hello world"
+examples (deepseek_v41_flash, official_demo: configs shipped with condmem):
+  condmem demo                                 # baseline vs Engram on the stdlib source, compared
+  condmem layout --config deepseek_v41_flash   # primes, rows and bytes per Engram layer
+  condmem hash --tokenizer deepseek-v4 --config deepseek_v41_flash --text "Hello world"
 Run 'condmem <subcommand> --help' for each one's options.
 """
 

@@ -1,10 +1,13 @@
-"""Helpers shared by subcommands: load a config in any dialect, check flags, print JSON and notes."""
+"""Helpers shared by subcommands: load a config in any dialect (a file, or a shipped config by
+name), check flags, print JSON and notes."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from condmem.cli import UsageError
@@ -17,16 +20,40 @@ def add_config_argument(parser, required: bool = True) -> None:
         required=required,
         metavar="CONFIG.json",
         help="Engram config: a condmem config, a DeepSeek-V4.1 config.json (engram_* keys) "
-        "or the official demo's keys; the dialect is detected",
+        "or the official demo's keys; the dialect is detected. A shipped config by name: "
+        f"{', '.join(shipped_configs())}",
     )
 
 
+def shipped_configs() -> list[str]:
+    """The names of the Engram configs shipped with condmem (``condmem/configs/<name>.json``)."""
+    folder = resources.files("condmem").joinpath("configs")
+    return sorted(f.name[: -len(".json")] for f in folder.iterdir() if f.name.endswith(".json"))
+
+
+def resolve_config(value: str, flag: str = "--config") -> Path:
+    """The file a ``--config`` value names: a path that exists, else a shipped config's name (with or
+    without ``.json``); a bare name that is neither is a `ConfigError` listing the shipped ones."""
+    path = Path(value)
+    if path.exists():
+        return path
+    if len(path.parts) != 1:
+        if path.suffix == ".json" and path.stem in shipped_configs():
+            raise ConfigError(f"{flag}: {value}: no such file; the shipped config of that name is --config {path.stem}")
+        return path
+    name = value[: -len(".json")] if value.endswith(".json") else value
+    if name in shipped_configs():
+        return Path(str(resources.files("condmem").joinpath("configs", f"{name}.json")))
+    raise ConfigError(f"{flag}: {value}: no such file, nor a shipped config (shipped: {', '.join(shipped_configs())})")
+
+
 def load_config(path: str, flag: str = "--config", **kw) -> EngramConfig:
-    """`EngramConfig.load`, its errors prefixed with the flag that named the file."""
+    """`EngramConfig.load` of the file or shipped config `path` names (`resolve_config`), its errors
+    prefixed with the flag that named it."""
     try:
-        return EngramConfig.load(path, **kw)
+        return EngramConfig.load(resolve_config(path, flag), **kw)
     except ConfigError as exc:
-        raise ConfigError(f"{flag}: {exc}") from None
+        raise ConfigError(exc.args[0] if str(exc).startswith(f"{flag}: ") else f"{flag}: {exc}") from None
 
 
 def print_json(obj: Any) -> None:

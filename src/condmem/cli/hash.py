@@ -22,9 +22,9 @@ def register(sub) -> None:
         "bucket_ids {layer_id: [T][n_cols]} (within each head's prime range) and row_ids {layer_id: [T][n_cols]} "
         "(bucket + the column's offset in the layer's table). Columns are (order 2: heads 0..H-1), (order 3: ...), ...",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples (config paths are the repository's configs/):\n"
-        "  condmem hash --tokenizer deepseek-v4 --config configs/deepseek_v41_flash.json --text 'Hello world'\n"
-        "  condmem hash --tokenizer ./tokenizer.json --config configs/official_demo.json --ids 1,2,3",
+        epilog="examples (deepseek_v41_flash, official_demo: configs shipped with condmem):\n"
+        "  condmem hash --tokenizer deepseek-v4 --config deepseek_v41_flash --text 'Hello world'\n"
+        "  condmem hash --tokenizer ./tokenizer.json --config official_demo --ids 1,2,3",
     )
     p.add_argument(
         "--tokenizer",

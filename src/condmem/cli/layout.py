@@ -16,9 +16,9 @@ def register(sub) -> None:
         "rows per layer's table, and its size in bf16 and fp8+e8m0. Needs the compressed vocab size, from the config "
         "(engram_compressed_vocab_size) or --compressed-vocab-size or --tokenizer.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples (config paths are the repository's configs/):\n"
-        "  condmem layout --config configs/deepseek_v41_flash.json\n"
-        "  condmem layout --config configs/official_demo.json --tokenizer deepseek-v4   # V' from the tokenizer",
+        epilog="examples (deepseek_v41_flash, official_demo: configs shipped with condmem):\n"
+        "  condmem layout --config deepseek_v41_flash\n"
+        "  condmem layout --config official_demo --tokenizer deepseek-v4   # V' from the tokenizer",
     )
     add_config_argument(p)
     p.add_argument("--compressed-vocab-size", type=int, help="V' when the config does not state it")
