@@ -507,14 +507,21 @@ def add_arguments(p) -> None:
     _add_engine_arguments(p)
 
 
-def _add_table_arguments(p) -> None:
-    """The tables measured: their sizes per tier, and where the disk tier's file and cache go."""
+def add_table_arguments(p) -> None:
+    """The host table size and where a disk tier's file and cache go (``bench lookup`` and ``bench e2e``)."""
     p.add_argument(
         "--table-gib",
         type=float,
         default=None,
         help="host table size in GiB (default: 64, or half the available memory if less)",
     )
+    p.add_argument("--disk-dir", default=None, help="folder for the disk-tier file (default: the temp folder)")
+    p.add_argument("--dram-cache-gib", type=float, default=1.0, help="DRAM row cache in front of the disk tier")
+
+
+def _add_table_arguments(p) -> None:
+    """The tables measured: their sizes per tier, and where the disk tier's file and cache go."""
+    add_table_arguments(p)
     p.add_argument("--hbm-gib", type=float, default=16.0, help="HBM table size for the HBM tier (default 16)")
     p.add_argument(
         "--tiers",
@@ -526,8 +533,6 @@ def _add_table_arguments(p) -> None:
         "emptied; the text stream in steady state through the DRAM cache)",
     )
     p.add_argument("--disk-gib", type=float, default=8.0, help="disk-tier table size in GiB (default 8)")
-    p.add_argument("--disk-dir", default=None, help="folder for the disk-tier file (default: the temp folder)")
-    p.add_argument("--dram-cache-gib", type=float, default=1.0, help="DRAM row cache in front of the disk tier")
 
 
 def _add_stream_arguments(p) -> None:

@@ -20,65 +20,140 @@ from condmem.cli import CliError
 OPS = ("hash", "gather", "gate")
 
 
+_COMMON_EPILOG = "each op: condmem bench OP --help (its options and examples)"
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmark the GPU kernels (hash, gather, gate) against torch and the memory ceiling",
-        description="Time the Triton kernels with do_bench medians (warm-up excluded, rotating inputs), "
-        "measure the device-to-device copy bandwidth in the same run as the ceiling, append JSON rows with "
-        "machine info to <out>/kernels_<op>.json and print a table of ratios.",
+        help="benchmark the GPU kernels (hash, gather, gate), the table lookup engine and serving",
+        description="GPU benchmarks, one op each: time the code with do_bench medians (warm-up excluded, "
+        "rotating inputs), measure its ceiling in the same run, append JSON rows with machine info to "
+        "<out>/<name>.json and print a table. --smoke runs an op at tiny sizes (on the CPU without a GPU): "
+        "it checks the code runs and times nothing meaningful.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  condmem bench hash\n  condmem bench all --out benchmarks/results --variants\n"
-        "  condmem bench gather --table-mib 16384 --gather-ids 1048576\n"
-        "  condmem bench lookup --table-gib 64 --tiers hbm host --streams uniform text\n"
-        "  condmem bench lookup --tiers host --streams text uniform --batch-tokens 16384 --rounds 3\n"
-        "  condmem bench e2e --backbones 4b 8b --table-gib 64 --sequences 512",
+        epilog=_COMMON_EPILOG,
     )
-    p.add_argument(
-        "op",
-        choices=(*OPS, "all", "lookup", "e2e"),
-        help="which kernel to benchmark (all = hash, gather, gate); lookup: the table lookup engine; "
-        "e2e: serving throughput of 4B/8B decoders with the Engram table in HBM vs host memory",
+    p.set_defaults(func=run)
+    ops = p.add_subparsers(dest="op", metavar="OP", required=True)
+    kernels = {
+        "hash": ("the n-gram hash (prefill and decode) against torch on the GPU and numpy on the CPU", _hash_args),
+        "gather": ("the table row gather (HBM, pinned host; fp8 and bf16) against the D2D copy", _gather_args),
+        "gate": ("the fused gate (forward, backward, residual add) at fixed shapes against eager torch", None),
+    }
+    examples = {
+        "hash": ["condmem bench hash", "condmem bench hash --hash-tokens 65536 --decode-batch 64 --variants"],
+        "gather": ["condmem bench gather --table-mib 16384 --gather-ids 1048576"],
+        "gate": ["condmem bench gate --variants"],
+        "all": ["condmem bench all --out benchmarks/results --variants"],
+    }
+    for op, (what, add) in kernels.items():
+        q = _op_parser(ops, op, what, examples[op])
+        if add is not None:
+            add(q)
+        q.add_argument("--variants", action="store_true", help="also time tuning variants (block sizes, plain %%)")
+    q = _op_parser(ops, "all", "hash, gather and gate in turn (each op's options apply)", examples["all"])
+    _hash_args(q)
+    _gather_args(q)
+    q.add_argument("--variants", action="store_true", help="also time tuning variants (block sizes, plain %%)")
+    lookup = _op_parser(
+        ops,
+        "lookup",
+        "the table lookup engine per tier (HBM, pinned host, disk) against PCIe (H2D memcpy, D2D copy)",
+        [
+            "condmem bench lookup --table-gib 64 --tiers hbm host --streams uniform text",
+            "condmem bench lookup --tiers host --streams text uniform --batch-tokens 16384 --rounds 3",
+        ],
+        out="folder of the lookup result files",
     )
-    p.add_argument("--out", default="benchmarks/results", help="folder of the kernels_<op>.json result files")
-    p.add_argument("--variants", action="store_true", help="also time tuning variants (block sizes, plain %%)")
-    p.add_argument(
-        "--hash-tokens",
-        type=int,
-        nargs="+",
-        default=[16384, 262144, 1048576],
-        help="prefill sizes (tokens) for the hash",
+    e2e = _op_parser(
+        ops,
+        "e2e",
+        "serving throughput of 4B/8B decoders with the Engram table in HBM vs host memory (vs no Engram)",
+        ["condmem bench e2e --backbones 4b 8b --table-gib 64 --sequences 512"],
+        out="folder of e2e.json",
     )
-    p.add_argument("--cpu-tokens", type=int, default=65536, help="tokens for the CPU baselines of the hash")
-    p.add_argument("--decode-batch", type=int, nargs="+", default=[64, 512], help="sequences per decode step")
-    p.add_argument("--gather-ids", type=int, default=1 << 20, help="row ids per gather (1M = the 0.6 target size)")
-    p.add_argument("--table-mib", type=int, default=16384, help="HBM table size (MiB) for the gather")
-    p.add_argument("--host-mib", type=int, default=4096, help="pinned host table size (MiB) for the zero-copy gather")
-    p.add_argument("--host-ids", type=int, default=1 << 18, help="row ids per pinned-host gather")
-    p.add_argument(
+    # Their modules import torch: added when the op is used, not for 'condmem --help'.
+    for q, add in ((lookup, _lookup_args), (e2e, _e2e_args)):
+        if hasattr(q, "defer"):
+            q.defer(add)
+        else:
+            add(q)
+
+
+def _op_parser(ops, op: str, what: str, examples: list[str], out: str = ""):
+    """The parser of one op, with the options every op has (--out, --smoke) and its own examples."""
+    q = ops.add_parser(
+        op,
+        help=what,
+        description=f"condmem bench {op}: {what}.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
+    )
+    q.add_argument(
+        "--out", default="benchmarks/results", help=f"{out or f'folder of kernels_{op}.json'} (default %(default)s)"
+    )
+    q.add_argument(
         "--smoke",
         action="store_true",
-        help="tiny sizes, on the GPU where there is one, else on the CPU through the Triton interpreter "
-        "(sets TRITON_INTERPRET=1 itself): checks the benchmark code runs, times nothing meaningful",
+        help="tiny sizes, on the GPU where there is one, else on the CPU"
+        + (" through the Triton interpreter (sets TRITON_INTERPRET=1 itself)" if op in (*OPS, "all") else "")
+        + ": checks the benchmark code runs, times nothing meaningful",
     )
-    # Their modules import torch: added when 'condmem bench' is used, not for 'condmem --help'.
-    if hasattr(p, "defer"):
-        p.defer(_add_lookup_and_e2e_arguments)
-    else:
-        _add_lookup_and_e2e_arguments(p)
-    p.set_defaults(func=run)
+    return q
 
 
-def _add_lookup_and_e2e_arguments(p) -> None:
-    from condmem.bench.e2e import add_arguments as add_e2e_arguments
-    from condmem.bench.lookup import add_arguments as add_lookup_arguments
+def _hash_args(p) -> None:
+    g = p.add_argument_group("hash")
+    g.add_argument(
+        "--hash-tokens", type=int, nargs="+", default=[16384, 262144, 1048576], help="prefill sizes (tokens)"
+    )
+    g.add_argument("--cpu-tokens", type=int, default=65536, help="tokens for the CPU baselines of the hash")
+    g.add_argument("--decode-batch", type=int, nargs="+", default=[64, 512], help="sequences per decode step")
 
-    add_lookup_arguments(p.add_argument_group("lookup (condmem bench lookup)"))
-    add_e2e_arguments(p.add_argument_group("e2e (condmem bench e2e)"))
+
+def _gather_args(p) -> None:
+    g = p.add_argument_group("gather")
+    g.add_argument("--gather-ids", type=int, default=1 << 20, help="row ids per gather (1M = the 0.6 target size)")
+    g.add_argument("--table-mib", type=int, default=16384, help="HBM table size (MiB) for the gather")
+    g.add_argument("--host-mib", type=int, default=4096, help="pinned host table size (MiB) for the zero-copy gather")
+    g.add_argument("--host-ids", type=int, default=1 << 18, help="row ids per pinned-host gather")
 
 
-def _summary(op: str, rows: list[dict]) -> str:
+def _lookup_args(p) -> None:
+    from condmem.bench.lookup import add_arguments
+
+    add_arguments(p)
+
+
+def _e2e_args(p) -> None:
+    from condmem.bench.e2e import add_arguments
+    from condmem.bench.lookup import add_table_arguments
+
+    add_arguments(p)
+    add_table_arguments(p)
+
+
+_CEILING_FRACTIONS = ("hbm_fraction", "d2d_fraction")
+
+
+def _cpu_row(row: dict) -> dict:
+    """A row measured on the CPU (--smoke without a GPU): labelled as the CPU's, without fractions of a
+    ceiling that was not measured."""
+    row = {k: v for k, v in row.items() if k not in _CEILING_FRACTIONS}
+    if row.get("impl", "").endswith("-gpu"):  # torch on the device: here, the CPU
+        row["impl"] = row["impl"][: -len("-gpu")] + " (cpu)"
+    if row.get("tier") == "hbm":  # the device's memory: here, the CPU's
+        row["tier"] = "cpu"
+    if "speedup_vs_torch_gpu" in row:
+        row["speedup_vs_torch_cpu"] = row.pop("speedup_vs_torch_gpu")
+    return row
+
+
+def _summary(op: str, rows: list[dict], device: str = "cuda") -> str:
     from condmem.bench.harness import rows_table
+
+    cpu = device == "cpu"
 
     if op == "hash":
         cols = [
@@ -88,7 +163,7 @@ def _summary(op: str, rows: list[dict]) -> str:
             ("ms", "ms", ".4f"),
             ("tokens_per_s", "tok/s", ".3g"),
             ("hbm_fraction", "HBM frac", ".2f"),
-            ("speedup_vs_torch_gpu", "x torch-gpu", ".1f"),
+            ("speedup_vs_torch_cpu", "x torch (cpu)", ".1f") if cpu else ("speedup_vs_torch_gpu", "x torch-gpu", ".1f"),
             ("speedup_vs_numpy-demo-cpu", "x numpy", ".0f"),
         ]
     elif op == "gather":
@@ -119,6 +194,8 @@ def _summary(op: str, rows: list[dict]) -> str:
             ("x_unfused", "x gate+add", ".2f"),
             ("x_peer", "x peer", ".2f"),
         ]
+    if cpu:  # no ceiling was measured
+        cols = [c for c in cols if c[0] not in _CEILING_FRACTIONS]
     return rows_table(rows, cols)
 
 
@@ -130,7 +207,10 @@ def _interpret_kernels() -> None:
     """
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return
-    compiled = sorted(m for m in sys.modules if m.startswith("condmem.ops.") and m.endswith(".triton"))
+    # Modules defining Triton kernels (or @triton.jit helpers: condmem.ops.launch) imported before the switch.
+    compiled = sorted(
+        m for m in sys.modules if m.startswith("condmem.ops.") and (m.endswith(".triton") or m == "condmem.ops.launch")
+    )
     if compiled:
         raise CliError(
             f"--smoke runs the kernels in the Triton interpreter, but {compiled[0]} was imported before "
@@ -178,18 +258,26 @@ def run(args) -> int:
     modules = {"hash": bench_hash, "gather": bench_gather, "gate": bench_gate}
     ops = OPS if args.op == "all" else (args.op,)
     info = machine_info()
-    ceiling = copy_bandwidth_gbps(device=args.device) if not args.smoke else copy_bandwidth_gbps(1 << 20, args.device)
-    print(
-        f"{info.get('gpu')}: D2D copy {ceiling['d2d_gbps']:.0f} GB/s (read + write), torch {info['torch']}, "
-        f"triton {info['triton']}",
-        flush=True,
-    )
+    versions = f"torch {info['torch']}, triton {info['triton']}"
+    if args.device == "cpu":
+        # No GPU: no memory ceiling to measure, and nothing here is a GPU's number.
+        ceiling = {"d2d_gbps": float("nan")}
+        print(
+            f"no GPU: --smoke on the CPU, the kernels in the Triton interpreter; no ceiling, times mean nothing; "
+            f"{versions}",
+            flush=True,
+        )
+    else:
+        ceiling = copy_bandwidth_gbps(device=args.device) if not args.smoke else copy_bandwidth_gbps(1 << 20, "cuda")
+        print(f"{info['gpu']}: D2D copy {ceiling['d2d_gbps']:.0f} GB/s (read + write), {versions}", flush=True)
     tables = []
     for op in ops:
         rows = modules[op].run(args, ceiling)
-        stamped = [{**r, **ceiling, "machine": info} for r in rows]
+        if args.device == "cpu":
+            rows = [_cpu_row(r) for r in rows]
+        stamped = [{**r, **(ceiling if args.device != "cpu" else {}), "machine": info} for r in rows]
         path = append_rows(Path(args.out) / f"kernels_{op}.json", stamped)
-        table = _summary(op, rows)
+        table = _summary(op, rows, args.device)
         tables.append((op, table))
         print(f"\n== {op} ({len(rows)} rows -> {path})\n{table}", flush=True)
     sys.stdout.flush()
