@@ -186,6 +186,24 @@ def test_push_to_hub_uploads_the_complete_folder(hf_tok, tmp_path, monkeypatch):
     )
 
 
+def test_load_pretrained_downloads_a_hub_repository(hf_tok, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    model = saved_engram_model("llama", hf_tok, tmp_path / "ckpt")
+    asked, real = [], huggingface_hub.snapshot_download
+
+    def snapshot_download(repo_id, **kwargs):
+        asked.append((repo_id, kwargs["revision"]))
+        return str(tmp_path / "ckpt") if repo_id == "user/model" else real(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    ids, mask = batch(len(hf_tok))
+    loaded = load_pretrained("user/model", revision="v1")
+    assert asked == [("user/model", "v1")] and torch.equal(logits(loaded, ids, mask), logits(model, ids, mask))
+    with pytest.raises(EngramModelError, match="user/nothing is neither a folder nor a Hub repository"):
+        load_pretrained("user/nothing", local_files_only=True)  # (no network: not in the local cache)
+
+
 # ---------------------------------------------------------------------- a plain Trainer
 def _training_data(vocab: int):
     gen = torch.Generator().manual_seed(3)

@@ -118,7 +118,8 @@ def load_pretrained(
     trust_remote_code=True)`` calls through the folder's ``modeling_condmem.py``).
 
     Args:
-        path: the local folder ``model.save_pretrained`` wrote.
+        path: the folder ``model.save_pretrained`` wrote, or a Hub repository holding one
+            (downloaded with ``huggingface_hub.snapshot_download``).
         tokenizer: the model's tokenizer (any source `add_engram` takes); its compressed map must
             be the one the model was saved with. None: the tokenizer saved in the folder.
         model_class: the transformers class to load with (default: the causal-LM class of the
@@ -130,19 +131,14 @@ def load_pretrained(
         from_pretrained_kwargs: passed to ``from_pretrained`` (``dtype``, ...).
 
     Raises:
-        EngramModelError: not a local folder, no Engram section in config.json, no tokenizer
+        EngramModelError: neither a folder nor a repository to download, no Engram section in config.json, no tokenizer
             given or saved, or Engram tensors missing.
         TokenizerMismatchError: the tokenizer's compressed map differs from the saved one.
         LayoutError: the rebuilt layout's fingerprint differs from the saved one.
     """
     from condmem.tokenizer import CompressedTokenizer
 
-    path = Path(path)
-    if not path.is_dir():
-        raise EngramModelError(
-            f"{path} is not a local folder: load_pretrained reads the folder save_pretrained wrote "
-            "(download a Hub repository first, e.g. huggingface_hub.snapshot_download)"
-        )
+    path = _local_folder(path, from_pretrained_kwargs)
     config = read_backbone_config(path) if config is None else config
     section = getattr(config, CONFIG_KEY, None)
     if not isinstance(section, dict):
@@ -169,6 +165,29 @@ def load_pretrained(
     if tier is not None:
         offload_tables(model, tier=tier, device=device)
     return model
+
+
+def _local_folder(path, kwargs: dict) -> Path:
+    """`path` when it is a folder, else the local copy of the Hub repository it names (``revision``,
+    ``cache_dir``, ``token`` and ``local_files_only`` read from `kwargs`)."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                str(path),
+                revision=kwargs.get("revision"),
+                cache_dir=kwargs.get("cache_dir"),
+                token=kwargs.get("token"),
+                local_files_only=bool(kwargs.get("local_files_only", False)),
+            )
+        )
+    except (OSError, ValueError) as exc:
+        raise EngramModelError(
+            f"{path} is neither a folder nor a Hub repository that could be downloaded ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def read_backbone_config(path: str | os.PathLike):
