@@ -95,7 +95,8 @@ class NgramHasher:
             self.vocab_size = layout.compressed_vocab_size
             if not 0 <= pad_id < self.vocab_size:
                 raise HashInputError(f"pad_id {pad_id} is outside the compressed ids 0..{self.vocab_size - 1}")
-            self.pad_compressed_id = pad_id
+            # A plain int for the kernels: a config's unstated pad id is an int subclass.
+            self.pad_compressed_id = int(pad_id)
         self._host = {
             "lookup": lookup,
             "multipliers": torch.from_numpy(layout.multipliers_array()),
