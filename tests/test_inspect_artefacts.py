@@ -131,6 +131,9 @@ def test_a_folder_that_is_none_of_them_gets_one_line_naming_what_was_looked_for(
         for looked_for in ("checkpoints/LATEST", "state.json", "'condmem_engram' section", ".safetensors"):
             assert looked_for in err
     assert not (tmp_path.parent / "x.safetensors").exists()
+    (tmp_path / "notes.txt").write_text("not tensors")
+    assert main(["inspect", str(tmp_path / "notes.txt")]) == 1
+    assert "the files condmem reads are safetensors files" in capsys.readouterr().err
     # A folder of runs (the demo's) names them.
     demo = tmp_path / "demo"
     (demo / "engram" / "checkpoints").mkdir(parents=True)

@@ -35,7 +35,7 @@ from condmem.config import EngramConfig
 from condmem.layout import EngramLayout
 from condmem.tables.inspect import finish_report, inspect_tables, layout_summary, row_stats, tier_bytes
 from condmem.tables.released import INDEX_FILE, CheckpointProblem, checkpoint_files
-from condmem.tables.safetensors_io import Header, mmap_tensor, read_header
+from condmem.tables.safetensors_io import Header, TableFileError, mmap_tensor, read_header
 from condmem.tables.table_file import FORMAT_TAG
 
 KINDS = {
@@ -113,7 +113,13 @@ def find_artefact(path) -> Artefact:
 def _file_artefact(path: Path) -> Artefact:
     from condmem.train.checkpoint import FORMAT, TABLES_FORMAT
 
-    kind = read_header(path).metadata.get("format")  # TableFileError (naming the file) when not safetensors
+    try:
+        kind = read_header(path).metadata.get("format")
+    except TableFileError as exc:
+        raise ArtefactError(
+            f"{exc}; the files condmem reads are safetensors files (a table file, a checkpoint's or a Hugging "
+            "Face model's weights, a released checkpoint)"
+        ) from None
     if kind == FORMAT_TAG:
         return Artefact("table", path, path)
     folder = path.parent
