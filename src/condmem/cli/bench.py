@@ -285,7 +285,7 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":  # python -m condmem.cli.bench ... (without the other subcommands' imports)
-    _parser = argparse.ArgumentParser(prog="condmem bench")
+    _parser = argparse.ArgumentParser(prog="condmem")
     _sub = _parser.add_subparsers(dest="command")
     register(_sub)
     _args = _parser.parse_args(["bench", *sys.argv[1:]])
