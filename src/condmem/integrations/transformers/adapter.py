@@ -11,6 +11,10 @@ Nothing of the model is copied or changed: each Engram is a new child module
 Padding follows the attention mask: a masked position is blocked (a real token's n-gram
 never reaches it or anything before it) and its gate is closed.
 
+The Engram layers are ``EngramConfig.layer_ids`` (a differing ``layers=`` is refused); an unstated
+``pad_id`` is the tokenizer's pad token. ``print(model)`` opens with `engram_summary`, and a
+dense optimizer stepping the sparse tables is refused with condmem's message (`optim`).
+
 Cached decoding hashes each new token against the N-1 tokens before it. Those come from
 the state saved under the cache by the previous forward; inside ``generate()`` they are
 re-read from generate's own running sequences (so assisted decoding's cache crops and
