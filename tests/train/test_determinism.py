@@ -45,3 +45,24 @@ def test_deterministic_mode_restores_the_settings_before_it_even_after_an_error(
     except RuntimeError:
         pass
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+
+
+def test_demo_deterministic_trains_in_the_mode(tiny_corpus, tmp_path, monkeypatch):
+    from condmem.train import demo
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(*a, **k):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        raise Stop
+
+    monkeypatch.setattr(demo, "_train_and_compare", record)
+    for flag in (True, False):  # negative control: off without the flag
+        try:
+            demo.run_demo(tmp_path / str(flag), corpus=str(tiny_corpus), preset="tiny", steps=2, deterministic=flag)
+        except Stop:
+            pass
+    assert seen == [True, False] and not torch.are_deterministic_algorithms_enabled()

@@ -96,6 +96,11 @@ def _add_output_arguments(p) -> None:
     p.add_argument("--prompt", help="prompt of the generated completion (default: the start of a Python function)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels: the same options give bit-identical losses on one machine type (costs GPU speed)",
+    )
     p.add_argument("--log-every", type=int, help="a progress line every N steps (default 1 on CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the tokenizer/token caches")
@@ -132,5 +137,6 @@ def run(args) -> int:
         checkpoint=not args.no_checkpoint,
         max_corpus_bytes=args.max_corpus_bytes,
         overrides={"model": preset_overrides(args).get("model")},
+        deterministic=args.deterministic,
     )
     return 0 if summary["comparison"]["verdict"] else 1  # "too short to compare" is a completed run too

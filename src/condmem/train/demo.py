@@ -45,6 +45,7 @@ from condmem.train.build import (
     resolve_device,
 )
 from condmem.train.heldout import DEDUP_THRESHOLD, seen_in_training
+from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
 from condmem.train.loop import MIN_COMPARABLE_STEPS, min_comparable_steps
 from condmem.train.pipeline import PreparedData
 from condmem.train.plots import plot_gate_heatmap, plot_loss_curves
@@ -273,6 +274,7 @@ def run_demo(
     max_corpus_bytes: int | None = None,
     dedup_threshold: float | None = DEDUP_THRESHOLD,
     overrides: dict | None = None,
+    deterministic: bool = False,
 ) -> dict:
     """Train baseline and Engram on the same tokens for `seeds` seeds, compare, plot, generate.
 
@@ -285,11 +287,14 @@ def run_demo(
             13-token n-grams with the training split (None: keep all).
         overrides: preset values by section (``{"train": {"eval_every": 2}}``); the keyword
             options above win over them.
+        deterministic: deterministic kernels while training (`condmem.train.determinism`):
+            the same options give bit-identical losses on one machine type.
 
     Returns the summary written to ``summary.json``.
     """
     wall = time.perf_counter()
     _check_seeds_and_passes(seeds, max_passes)
+    set_cublas_workspace(deterministic)  # before anything starts cuBLAS
     dev = resolve_device(device)
     p = get_preset(preset or default_preset_name(dev.type)).override(
         overrides,
@@ -307,23 +312,25 @@ def run_demo(
     eng_cfg = build_model_config(p, data)
     cfgs = {"baseline": iso_flop_baseline(eng_cfg), "engram": eng_cfg}
     plan = plan_steps(p, data, steps=steps, minutes=minutes, max_passes=max_passes, wall=wall)
-    summary, engram_model = _train_and_compare(
-        p,
-        data,
-        dev,
-        cfgs,
-        plan,
-        out,
-        seeds=seeds,
-        seed=seed,
-        seen=seen,
-        src=src,
-        max_passes=max_passes,
-        prompt=prompt,
-        max_new_tokens=max_new_tokens,
-        checkpoint=checkpoint,
-        progress=progress,
-    )
+    with deterministic_mode(deterministic):
+        summary, engram_model = _train_and_compare(
+            p,
+            data,
+            dev,
+            cfgs,
+            plan,
+            out,
+            seeds=seeds,
+            seed=seed,
+            seen=seen,
+            src=src,
+            max_passes=max_passes,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            checkpoint=checkpoint,
+            progress=progress,
+        )
+    summary["determinism"] = determinism_record(deterministic)
     _write_outputs(summary, engram_model, data, dev, out, wall, checkpoint)
     return summary
 
