@@ -170,7 +170,7 @@ def test_resume_with_more_steps_continues_without_preparing_the_data_again(tiny_
     def read_again(*args, **kwargs):
         raise AssertionError("the resumed run read and prepared the corpus again")
 
-    monkeypatch.setattr(pipeline, "load_corpus", read_again)
+    monkeypatch.setattr(pipeline, "iter_corpus", read_again)
     resume = ["train", "--out", str(out), "--resume", "--no-progress"]
     capsys.readouterr()
     assert main(resume + ["--steps", "40"]) == 0

@@ -23,7 +23,7 @@ import os
 import platform
 import sys
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +40,7 @@ STDLIB = "stdlib"
 PYTHON = "python"
 """`load_corpus` name of the standard library plus every installed package's Python source."""
 
-DEFAULT_PATTERNS = ("*.py", "*.txt", "*.md", "*.rst")
+DEFAULT_PATTERNS = ("*.py", "*.txt", "*.md", "*.rst", "*.jsonl", "*.parquet", "*.arrow")
 """File name patterns read from a corpus directory."""
 
 # Bump when the token cache layout changes; older files are then simply not found.
@@ -180,8 +180,100 @@ def _source_info(source: str, info: dict) -> None:
             info["site_dirs"] = [str(d) for d in site_dirs()]
 
 
-def _file_documents(path: Path, jsonl_key: str) -> Iterable[tuple[str, str]]:
-    """A .jsonl file's records, or a text file cut at line ends into ~PIECE_CHARS pieces."""
+def _text_pieces(path: Path, size: int) -> Iterable[str]:
+    """The pieces `split_text` cuts a text file into, read line by line (the file is never
+    held whole: at most one piece and one line at a time)."""
+    with open(path, "rb") as fh:
+        buf: list[str] = []
+        n = 0
+        for raw in fh:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CorpusError(f"corpus file {path} is not UTF-8 text") from None
+            buf.append(line)
+            n += len(line)
+            if n > size and line.endswith("\n"):  # the first line end at or after `size` characters
+                yield "".join(buf)
+                buf, n = [], 0
+        if buf:
+            yield "".join(buf)
+
+
+TABLE_SUFFIXES = (".parquet", ".arrow")
+"""Files read as Hugging Face dataset tables (one document per row, needs ``pyarrow``)."""
+
+
+def is_dataset_dir(path: Path) -> bool:
+    """A folder written by ``datasets.Dataset.save_to_disk`` (its ``state.json`` names the arrow files)."""
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def _dataset_files(path: Path) -> list[Path]:
+    """The arrow files of a ``save_to_disk`` folder, in its order."""
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        files = [path / f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorpusError(f"corpus {path}: unreadable dataset state.json ({exc})") from None
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CorpusError(f"corpus {path}: dataset file(s) {missing} named in state.json are missing")
+    return files
+
+
+def _require_pyarrow(path: Path):
+    try:
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise CorpusError(
+            f"corpus {path} is a Hugging Face dataset (arrow/parquet): reading it needs the optional "
+            "package 'pyarrow' (pip install pyarrow)"
+        ) from None
+    return pyarrow
+
+
+def _table_documents(path: Path, key: str, label: str | None = None) -> Iterable[tuple[str, str]]:
+    """Rows of a .parquet or .arrow file, streamed a record batch at a time: (``label:row``, its
+    `key` column); `label` defaults to the file name."""
+    pa = _require_pyarrow(path)
+    if path.suffix == ".parquet":
+        pf = pa.parquet.ParquetFile(path)
+        if key not in pf.schema_arrow.names:
+            raise CorpusError(f"corpus {path} has no column {key!r} (columns {pf.schema_arrow.names})")
+        batches = pf.iter_batches(batch_size=1024, columns=[key])
+    else:
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_stream(source)
+            batches = iter(reader)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        if key not in reader.schema.names:
+            raise CorpusError(f"corpus {path} has no column {key!r} (columns {reader.schema.names})")
+    row = 0
+    for batch in batches:
+        for value in batch.column(batch.schema.get_field_index(key)).to_pylist():
+            if not isinstance(value, str):
+                raise CorpusError(f"{path}: row {row} column {key!r} is not text ({type(value).__name__})")
+            yield f"{label or path.name}:{row}", value
+            row += 1
+
+
+RECORD_SUFFIXES = (".jsonl", *TABLE_SUFFIXES)
+"""Files holding one document per record (a JSONL line, a table row), also inside a folder."""
+
+
+def _file_documents(path: Path, jsonl_key: str, label: str | None = None) -> Iterable[tuple[str, str]]:
+    """A .jsonl file's records, a .parquet/.arrow table's rows (named ``label:line`` /
+    ``label:row``, `label` defaulting to the file name), or a text file cut at line ends into
+    ~PIECE_CHARS pieces; each read as a stream."""
+    if path.suffix in TABLE_SUFFIXES:
+        yield from _table_documents(path, jsonl_key, label)
+        return
     if path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
@@ -193,30 +285,74 @@ def _file_documents(path: Path, jsonl_key: str) -> Iterable[tuple[str, str]]:
                     raise CorpusError(f"{path}:{lineno} is not valid JSON: {exc}") from None
                 if not isinstance(record, dict) or not isinstance(record.get(jsonl_key), str):
                     raise CorpusError(f"{path}:{lineno} has no string field {jsonl_key!r}")
-                yield f"{path.name}:{lineno}", record[jsonl_key]
+                yield f"{label or path.name}:{lineno}", record[jsonl_key]
         return
-    text = _read_text(path)
-    if text is None:
-        raise CorpusError(f"corpus file {path} is not UTF-8 text")
     # One long text (a book, a dump) becomes pieces of ~PIECE_CHARS cut at line ends, so
-    # that it can be split into training and validation like a folder of files.
-    pieces = split_text(text, PIECE_CHARS)
-    for k, piece in enumerate(pieces):
-        yield (path.name if len(pieces) == 1 else f"{path.name}#{k:06d}"), piece
+    # that it can be split into training and validation like a folder of files. The piece
+    # after the first is read before the first is named (a single piece keeps the file name).
+    pending, k = None, -1
+    for k, piece in enumerate(_text_pieces(path, PIECE_CHARS)):
+        if pending is not None:
+            yield f"{path.name}#{k - 1:06d}", pending
+        pending = piece
+    if pending is not None:
+        yield (path.name if k == 0 else f"{path.name}#{k:06d}"), pending
 
 
 def _documents(sources: list, patterns: Sequence[str], jsonl_key: str, info: dict) -> Iterable[tuple[str, str]]:
     """(name, text) of every document of `sources`, in order (files that are not UTF-8 skipped)."""
     for source in sources:
+        path = Path(source).expanduser() if source not in (STDLIB, PYTHON) else None
+        if path is not None and path.is_dir() and is_dataset_dir(path):
+            _require_pyarrow(path)
+            for f in _dataset_files(path):
+                yield from _table_documents(f, jsonl_key, f"{path.name}/{f.name}")
+            continue
         files = _tree_files(str(source), patterns)
         _source_info(str(source), info)
         if files is None:
-            yield from _file_documents(Path(source).expanduser(), jsonl_key)
+            yield from _file_documents(path, jsonl_key)
             continue
-        for name, path in files:
-            text = _read_text(path)
+        for name, fpath in files:
+            if fpath.suffix in RECORD_SUFFIXES:
+                yield from _file_documents(fpath, jsonl_key, name)
+                continue
+            text = _read_text(fpath)
             if text is not None:
                 yield name, text
+
+
+def iter_corpus(
+    sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    *,
+    patterns: Sequence[str] = DEFAULT_PATTERNS,
+    jsonl_key: str = "text",
+    max_bytes: int | None = None,
+    info: dict | None = None,
+) -> Iterator[Document]:
+    """The documents `load_corpus` reads, one at a time (memory: one document, or one piece of
+    a long text file). When the iteration ends, `info` (if given) holds what `load_corpus`
+    records: sources, n_documents, n_bytes, sha256, truncated."""
+    sources = _normalize_sources(sources)
+    info = {} if info is None else info
+    info["sources"] = [str(s) for s in sources]
+    digest = hashlib.sha256()
+    n_docs = n_bytes = 0
+    full = False
+    for name, text in _documents(sources, patterns, jsonl_key, info):
+        if not text:
+            continue
+        data = text.encode("utf-8")
+        if max_bytes is not None and n_bytes + len(data) > max_bytes and n_docs:
+            full = True
+            break
+        digest.update(name.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little") + data)
+        n_docs += 1
+        n_bytes += len(data)
+        yield Document(name, text)
+    if not n_docs:
+        raise CorpusError(f"the corpus {info['sources']} holds no text (patterns {list(patterns)})")
+    info.update(n_documents=n_docs, n_bytes=n_bytes, sha256=digest.hexdigest(), truncated=full)
 
 
 def load_corpus(
@@ -226,39 +362,25 @@ def load_corpus(
     jsonl_key: str = "text",
     max_bytes: int | None = None,
 ) -> Corpus:
-    """Read documents.
+    """Read documents (all in memory; `iter_corpus` streams them).
 
     Args:
         sources: None or ``"stdlib"`` (the interpreter's standard library ``*.py``),
             ``"python"`` (the standard library and every site-packages directory's ``*.py``), or
-            paths: a directory (files matching `patterns`, recursively), a ``.jsonl`` file
-            (one document per line, its `jsonl_key` field), or any other text file (one
-            document; cut at line ends into documents of ~64K characters when longer).
+            paths: a directory (files matching `patterns`, recursively; ``.jsonl``, ``.parquet``
+            and ``.arrow`` files in it give one document per record), a ``.jsonl`` file (one
+            document per line, its `jsonl_key` field), a ``.parquet`` / ``.arrow`` file or a
+            ``datasets.Dataset.save_to_disk`` folder (one document per row, its `jsonl_key`
+            column; needs the optional ``pyarrow``), or any other text file (cut at line ends
+            into documents of ~64K characters when longer).
         max_bytes: stop adding documents after this many UTF-8 bytes (files in sorted order).
 
     Returns:
         A `Corpus` whose ``info`` records the source, the Python version for the stdlib,
         and a sha256 over every (name, text) pair.
     """
-    sources = _normalize_sources(sources)
-    info: dict = {"sources": [str(s) for s in sources]}
-    docs: list[Document] = []
-    digest = hashlib.sha256()
-    n_bytes = 0
-    full = False
-    for name, text in _documents(sources, patterns, jsonl_key, info):
-        if not text:
-            continue
-        data = text.encode("utf-8")
-        if max_bytes is not None and n_bytes + len(data) > max_bytes and docs:
-            full = True
-            break
-        docs.append(Document(name, text))
-        digest.update(name.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little") + data)
-        n_bytes += len(data)
-    if not docs:
-        raise CorpusError(f"the corpus {info['sources']} holds no text (patterns {list(patterns)})")
-    info.update(n_documents=len(docs), n_bytes=n_bytes, sha256=digest.hexdigest(), truncated=full)
+    info: dict = {}
+    docs = list(iter_corpus(sources, patterns=patterns, jsonl_key=jsonl_key, max_bytes=max_bytes, info=info))
     return Corpus(docs, info)
 
 
@@ -276,8 +398,12 @@ def corpus_fingerprint(
         json.dumps([_TOKEN_CACHE_FORMAT, list(patterns), jsonl_key, max_bytes, sys.version]).encode()
     )
     for source in _normalize_sources(sources):
-        files = _tree_files(str(source), patterns)
-        paths = [Path(source).expanduser().resolve()] if files is None else [f for _, f in files]
+        path = Path(source).expanduser()
+        if source not in (STDLIB, PYTHON) and path.is_dir() and is_dataset_dir(path):
+            paths = [path / "state.json", *_dataset_files(path)]
+        else:
+            files = _tree_files(str(source), patterns)
+            paths = [path.resolve()] if files is None else [f for _, f in files]
         digest.update(f"\1{source}".encode())
         for path in paths:
             st = path.stat()
@@ -285,28 +411,32 @@ def corpus_fingerprint(
     return digest.hexdigest()[:32]
 
 
-def split_corpus(corpus: Corpus, val_fraction: float = 0.02, seed: int = 0) -> tuple[list[Document], list[Document]]:
-    """Deterministic (train, val) split by document: a document is in val when the hash of
-    (seed, its name) falls below `val_fraction`. Both splits are non-empty when there are
-    two documents or more."""
+def validation_flags(names: Sequence[str], val_fraction: float = 0.02, seed: int = 0) -> np.ndarray:
+    """bool per document name: is it in the validation split? (`split_corpus`'s rule, from the
+    names alone: a document is in val when the hash of (seed, its name) falls below
+    `val_fraction`; when that leaves a side empty, the ``round(val_fraction * n)`` lowest hashes.)"""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-
-    def score(doc: Document) -> float:
-        h = hashlib.sha256(f"{seed}:{doc.name}".encode()).digest()
-        return int.from_bytes(h[:8], "little") / 2**64
-
-    scored = [(score(d), d) for d in corpus.documents]
-    val = [d for s, d in scored if s < val_fraction]
-    train = [d for s, d in scored if s >= val_fraction]
-    if len(corpus.documents) >= 2 and (not val or not train):
-        ranked = sorted(scored, key=lambda sd: sd[0])
-        cut = max(1, min(len(ranked) - 1, round(val_fraction * len(ranked))))
-        val_names = {d.name for _, d in ranked[:cut]}
-        val = [d for d in corpus.documents if d.name in val_names]
-        train = [d for d in corpus.documents if d.name not in val_names]
-    if not val:
+    scores = np.array(
+        [int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") / 2**64 for name in names],
+        dtype=np.float64,
+    )
+    flags = scores < val_fraction
+    if len(names) >= 2 and (flags.all() or not flags.any()):
+        cut = max(1, min(len(names) - 1, round(val_fraction * len(names))))
+        flags = np.zeros(len(names), dtype=bool)
+        flags[np.argsort(scores, kind="stable")[:cut]] = True
+    if not flags.any():
         raise CorpusError("the corpus has a single document: it cannot be split into train and validation")
+    return flags
+
+
+def split_corpus(corpus: Corpus, val_fraction: float = 0.02, seed: int = 0) -> tuple[list[Document], list[Document]]:
+    """Deterministic (train, val) split by document (`validation_flags`). Both splits are
+    non-empty when there are two documents or more."""
+    flags = validation_flags([d.name for d in corpus.documents], val_fraction, seed)
+    train = [d for d, v in zip(corpus.documents, flags) if not v]
+    val = [d for d, v in zip(corpus.documents, flags) if v]
     return train, val
 
 

@@ -17,6 +17,7 @@ probability ~ n_keys / 2^64); 3-grams by their exact ids.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Sequence
 
 import numpy as np
@@ -53,27 +54,52 @@ def ngram_keys(tokens: np.ndarray, n: int, vocab_size: int | None = None) -> np.
     return key
 
 
-def member_of(queries: np.ndarray, stream_keys: np.ndarray) -> np.ndarray:
-    """bool per query: does it occur in `stream_keys` (both uint64)? Cost O(len(stream) log len(queries))."""
+def stream_ngram_keys(
+    tokens: np.ndarray | Iterable[np.ndarray], n: int, vocab_size: int | None = None
+) -> Iterator[np.ndarray]:
+    """`ngram_keys` of a token stream, a chunk of keys at a time: the stream is one array (a
+    memory map is read a slice at a time) or its consecutive pieces in order (a file read in
+    chunks). Concatenated, the chunks equal ``ngram_keys(whole stream, n, vocab_size)``."""
+    pieces = (
+        (tokens[i : i + _CHUNK] for i in range(0, len(tokens), _CHUNK)) if isinstance(tokens, np.ndarray) else tokens
+    )
+    carry = np.zeros(0, dtype=np.int64)
+    for piece in pieces:
+        joined = np.concatenate([carry, np.asarray(piece, dtype=np.int64)])
+        yield ngram_keys(joined, n, vocab_size)
+        carry = joined[max(0, len(joined) - (n - 1)) :] if n > 1 else joined[:0]
+
+
+def member_of(queries: np.ndarray, stream_keys: np.ndarray | Iterable[np.ndarray]) -> np.ndarray:
+    """bool per query: does it occur in `stream_keys` (uint64; one array or chunks of it)?
+    Cost O(len(stream) log len(queries))."""
     uniq, inverse = np.unique(queries, return_inverse=True)
     found = np.zeros(len(uniq), dtype=bool)
     if len(uniq) == 0:
         return found[inverse]
-    for i in range(0, len(stream_keys), _CHUNK):
-        chunk = stream_keys[i : i + _CHUNK]
+    chunks = (
+        (stream_keys[i : i + _CHUNK] for i in range(0, len(stream_keys), _CHUNK))
+        if isinstance(stream_keys, np.ndarray)
+        else stream_keys
+    )
+    for chunk in chunks:
         at = np.searchsorted(uniq, chunk)
         np.minimum(at, len(uniq) - 1, out=at)
         found[at[uniq[at] == chunk]] = True
     return found[inverse.reshape(-1)]
 
 
-def near_duplicate_fractions(train_tokens: np.ndarray, docs: Sequence[np.ndarray], n: int = DEDUP_NGRAM) -> np.ndarray:
-    """float per document: the fraction of its n-grams found in `train_tokens` (0 if it has none)."""
+def near_duplicate_fractions(
+    train_tokens: np.ndarray | Iterable[np.ndarray], docs: Sequence[np.ndarray], n: int = DEDUP_NGRAM
+) -> np.ndarray:
+    """float per document: the fraction of its n-grams found in `train_tokens` (0 if it has none).
+    `train_tokens`: the stream, or its consecutive pieces (`stream_ngram_keys`); memory is the
+    documents' keys plus one chunk of the stream's."""
     keys = [ngram_keys(d, n) for d in docs]
     sizes = np.array([len(k) for k in keys])
     if sizes.sum() == 0:
         return np.zeros(len(docs))
-    hit = member_of(np.concatenate(keys), ngram_keys(train_tokens, n))
+    hit = member_of(np.concatenate(keys), stream_ngram_keys(train_tokens, n))
     cum = np.concatenate([[0], np.cumsum(hit, dtype=np.int64)])
     ends = np.cumsum(sizes)
     per_doc = cum[ends] - cum[ends - sizes]
@@ -87,4 +113,4 @@ def seen_in_training(
     target occur in the training stream? Positions before the stream's start read `pad_id`."""
     padded = np.concatenate([np.full(n - 1, pad_id, dtype=np.int64), np.asarray(val_tokens, dtype=np.int64)])
     keys = ngram_keys(padded, n, vocab_size)  # key i ends at val position i
-    return member_of(keys[1:], ngram_keys(train_tokens, n, vocab_size))
+    return member_of(keys[1:], stream_ngram_keys(train_tokens, n, vocab_size))

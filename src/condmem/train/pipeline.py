@@ -3,9 +3,15 @@
 `prepare_data` is what `condmem train`, `condmem demo` and `condmem study` share: read
 the corpus, split it by document, train (or load) the tokenizer, build the compressed
 tokenizer whose V' goes into the Engram config, encode both splits, and drop validation
-documents that near-duplicate training text (`condmem.train.heldout`). The result is
-cached on disk as one file, keyed by the corpus files, the tokenizer and the settings, so
-a resumed run or a second command on the same data reads it back in a second.
+documents that near-duplicate training text (`condmem.train.heldout`).
+
+The corpus is streamed, never held whole: one pass reads document names and sizes (the
+split and the training sample are decided from them), one gathers the tokenizer's sample,
+one encodes the training documents in bounded batches into a token file that training
+reads as a memory map. Validation keeps its documents' tokens (at most a reserve above
+``max_val_tokens`` when capped). The result is cached on disk (a small ``.npz`` and the
+training ``.npy``), keyed by the corpus files, the tokenizer and the settings, so a
+resumed run or a second command on the same data reads it back in a second.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,15 +38,13 @@ from condmem.train.bpe import (
     tokenizer_sha256,
 )
 from condmem.train.data import (
-    Corpus,
     Document,
     TokenStream,
     cache_root,
-    cached_encode,
     corpus_fingerprint,
     docs_key,
-    load_corpus,
-    split_corpus,
+    iter_corpus,
+    validation_flags,
 )
 from condmem.train.heldout import DEDUP_NGRAM, DEDUP_THRESHOLD, near_duplicate_fractions
 from condmem.utils.atomic import atomic_path, atomic_write_text
@@ -64,30 +70,64 @@ class PreparedData:
     """Validation documents kept (near-duplicates of training text removed)."""
 
 
-def _sample_docs(docs: Sequence[Document], max_bytes: int | None, seed: int) -> list[Document]:
-    """A deterministic, order-independent sample of documents up to `max_bytes` (all when None)."""
+VAL_RESERVE = 4
+"""With ``max_val_tokens``, validation candidates are kept (best-ranked first) until they hold
+this many times the cap, so that removing near-duplicates rarely leaves fewer than the cap."""
+
+ENCODE_BATCH_BYTES = 8 << 20
+"""Training text tokenized per batch (at most 256 documents, or one larger document)."""
+
+
+def _rank(tag: str, seed: int, name: str) -> bytes:
+    return hashlib.sha256(f"{tag}:{seed}:{name}".encode()).digest()
+
+
+def _sample_order(names: Sequence[str], sizes: Sequence[int], candidates: Sequence[int], max_bytes, seed: int) -> list:
+    """A deterministic, order-independent sample of the documents `candidates` (indices into
+    `names` / `sizes`, bytes) up to `max_bytes`: documents in the order of the hash of
+    (seed, name), each taken when it still fits. None: all of them, in the given order."""
     if max_bytes is None:
-        return list(docs)
-    ranked = sorted(docs, key=lambda d: hashlib.sha256(f"sample:{seed}:{d.name}".encode()).digest())
+        return list(candidates)
     out, total = [], 0
-    for d in ranked:
-        size = len(d.text.encode("utf-8"))
-        if out and total + size > max_bytes:
+    for i in sorted(candidates, key=lambda i: _rank("sample", seed, names[i])):
+        if out and total + int(sizes[i]) > max_bytes:
             continue
-        out.append(d)
-        total += size
+        out.append(int(i))
+        total += int(sizes[i])
     return out
 
 
+def _sample_docs(docs: Sequence[Document], max_bytes: int | None, seed: int) -> list[Document]:
+    """`_sample_order` of documents held in memory."""
+    sizes = [len(d.text.encode("utf-8")) for d in docs]
+    return [docs[i] for i in _sample_order([d.name for d in docs], sizes, range(len(docs)), max_bytes, seed)]
+
+
+def _token_dtype(tok: Tokenizer):
+    return np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
+
+
+def _encode(tok: Tokenizer, texts: Sequence[str], dtype) -> list[np.ndarray]:
+    return [np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
 def _deduplicated_validation(
-    tok: Tokenizer, docs: Sequence[Document], train_tokens: np.ndarray, eos_id: int, threshold: float | None
+    docs: Sequence[Document],
+    encoded: Sequence[np.ndarray],
+    train_tokens,
+    eos_id: int,
+    threshold: float | None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    split_documents: int | None = None,
 ) -> tuple[list[Document], np.ndarray, dict]:
-    """Encode each validation document, drop near-duplicates of the training tokens, and
-    describe what was dropped. Returns (kept documents, their token stream, description)."""
-    dtype = np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
-    encoded = [
-        np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch([d.text for d in docs], add_special_tokens=False)
-    ]
+    """Drop validation documents (with their tokens `encoded`) that near-duplicate the training
+    tokens (an array or its consecutive pieces), cap what is left at `max_tokens`, and describe
+    both. Returns (kept documents, their token stream with EOS after each, description).
+
+    The cap takes whole documents in the order of the hash of (seed, name), each when it still
+    fits (the first one cut to the cap when none fits); the stream keeps the corpus order."""
+    dtype = encoded[0].dtype if encoded else np.uint16
     fractions = (
         near_duplicate_fractions(train_tokens, encoded, DEDUP_NGRAM) if threshold is not None else np.zeros(len(docs))
     )
@@ -105,23 +145,41 @@ def _deduplicated_validation(
         ),
         key=lambda r: -r["tokens"],
     )
+    kept = [i for i, k in enumerate(keep) if k]
+    tokens_kept = sum(len(encoded[i]) + 1 for i in kept)
+    cut = None
+    if max_tokens is not None and tokens_kept > max_tokens:
+        chosen, total = [], 0
+        for i in sorted(kept, key=lambda i: _rank("val", seed, docs[i].name)):
+            if total + len(encoded[i]) + 1 <= max_tokens:
+                chosen.append(i)
+                total += len(encoded[i]) + 1
+        if not chosen:  # every document is longer than the cap: the best-ranked one, cut
+            first = min(kept, key=lambda i: _rank("val", seed, docs[i].name))
+            chosen, cut = [first], first
+        kept = sorted(chosen)
     eos = np.asarray([eos_id], dtype=dtype)
-    stream = np.concatenate([part for e, k in zip(encoded, keep) if k for part in (e, eos)])
+    parts = [part for i in kept for part in ((encoded[i][: max_tokens - 1], eos) if i == cut else (encoded[i], eos))]
+    stream = np.concatenate(parts)
     description = {
         "dedup_ngram": DEDUP_NGRAM,
         "dedup_threshold": threshold,
+        "split_documents": len(docs) if split_documents is None else split_documents,
         "documents_before": len(docs),
         "tokens_before": int(sum(len(e) + 1 for e in encoded)),
         "removed_documents": len(removed),
         "removed_tokens": int(sum(r["tokens"] for r in removed)),
-        "documents": int(sum(keep)),
+        "max_tokens": max_tokens,
+        "tokens_before_cap": int(tokens_kept),
+        "capped": bool(max_tokens is not None and tokens_kept > max_tokens),
+        "documents": len(kept),
         "tokens": len(stream),
         "shared_fraction_quantiles": {str(q): round(float(np.quantile(fractions, q)), 4) for q in (0.5, 0.9, 0.99)}
         if len(fractions)
         else {},
         "removed": removed,
     }
-    return [d for d, k in zip(docs, keep) if k], stream, description
+    return [docs[i] for i in kept], stream, description
 
 
 def find_special(tokenizer: Tokenizer, candidates: Sequence[str], what: str, fallback: int | None = None) -> int:
@@ -145,26 +203,37 @@ def prepare_data(
     val_fraction: float = 0.02,
     seed: int = 0,
     dedup_threshold: float | None = DEDUP_THRESHOLD,
+    max_val_tokens: int | None = None,
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
 ) -> PreparedData:
-    """Corpus -> tokenizer, compressed tokenizer and train/val token streams.
+    """Corpus -> tokenizer, compressed tokenizer and train/val token streams, streamed.
 
     Args:
-        corpus: see `load_corpus` (None: the interpreter's standard library source).
+        corpus: see `load_corpus` (None: the interpreter's standard library source); any size:
+            it is read as a stream, a document at a time, three times at most.
         tokenizer: an existing tokenizer (Tokenizer, tokenizer.json path or 'deepseek-v4');
             None trains a byte-level BPE of `vocab_size` ids on the training split.
         max_corpus_bytes: read at most this much text.
-        max_train_bytes: encode at most this much of the training split (a deterministic sample
-            of its documents): a short run needs a few million tokens, not the whole corpus.
+        max_train_bytes: encode at most this much of the training split: a deterministic sample
+            of its documents (by the hash of seed and name, whatever the corpus order),
+            described in ``info["train_sample"]``. A corpus larger than the training budget is
+            sampled here; passes over what is sampled are the trainer's setting.
         tokenizer_train_bytes: train the BPE on a sample of this size.
         dedup_threshold: drop a validation document when more than this fraction of its
             13-token n-grams occur in the training tokens (None: keep every document).
+        max_val_tokens: keep at most this many validation tokens (whole documents chosen by the
+            hash of seed and name; None: the whole split); recorded in
+            ``info["validation"]["max_tokens"]``.
         use_cache: read and write the prepared data under ``cache_dir/prepared`` (default
             `cache_root`), keyed by the corpus files (path, size, modification time), the
             tokenizer and every argument above: a second call (a resumed run, the next run of a
-            study) reads nothing but that file. ``info["prepared_cache"]`` says which.
+            study) reads nothing but those files. ``info["prepared_cache"]`` says which. The
+            training tokens are a memory-mapped ``.npy`` there (without the cache: a temporary
+            file, removed once mapped).
     """
+    if max_val_tokens is not None and (isinstance(max_val_tokens, bool) or int(max_val_tokens) < 2):
+        raise ValueError(f"max_val_tokens must be an integer >= 2 or None, got {max_val_tokens!r}")
     source = None if tokenizer is None else ("given" if isinstance(tokenizer, Tokenizer) else str(tokenizer))
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer)
@@ -174,6 +243,7 @@ def prepare_data(
         "val_fraction": val_fraction,
         "seed": seed,
         "dedup_threshold": dedup_threshold,
+        "max_val_tokens": max_val_tokens,
     }
     record = {
         "corpus": None
@@ -186,10 +256,11 @@ def prepare_data(
         "val_fraction": val_fraction,
         "seed": seed,
         "dedup_threshold": dedup_threshold,
+        "max_val_tokens": max_val_tokens,
     }
     cache = Path(cache_dir) if cache_dir is not None else cache_root()
     if not use_cache:
-        return _prepare(corpus, tokenizer, source, vocab_size, tokenizer_train_bytes, settings, record, cache, False)
+        return _prepare(corpus, tokenizer, source, vocab_size, tokenizer_train_bytes, settings, record, cache, None)
     t0 = time.perf_counter()
     fingerprint = corpus_fingerprint(corpus, max_bytes=max_corpus_bytes)
     spec = (
@@ -198,12 +269,13 @@ def prepare_data(
         else {"tokenizer": tokenizer_sha256(tokenizer)}
     )
     key = _prepared_key(fingerprint, spec, settings)
-    data = _load_prepared(cache / "prepared", key)
+    folder = cache / "prepared"
+    data = _load_prepared(folder, key)
     if data is None:
-        data = _prepare(corpus, tokenizer, source, vocab_size, tokenizer_train_bytes, settings, record, cache, True)
+        data = _prepare(corpus, tokenizer, source, vocab_size, tokenizer_train_bytes, settings, record, cache, key)
         # Also findable by the tokenizer it ended with: a resumed run passes its checkpoint's tokenizer.
         alias = _prepared_key(fingerprint, {"tokenizer": data.info["tokenizer"]["json_sha256"]}, settings)
-        _save_prepared(cache / "prepared", key, alias if alias != key else None, data)
+        _save_prepared(folder, key, alias if alias != key else None, data)
         data.info["prepared_cache"] = {"key": key, "hit": False}
     else:
         # The record describes this call (a resumed run may name the tokenizer another way).
@@ -215,6 +287,26 @@ def prepare_data(
     return data
 
 
+def _scan(corpus, settings: dict) -> tuple[dict, list[str], np.ndarray]:
+    """The streaming first pass: the corpus description, every document's name and UTF-8 size."""
+    info: dict = {}
+    names, sizes = [], []
+    for d in iter_corpus(corpus, max_bytes=settings["max_corpus_bytes"], info=info):
+        names.append(d.name)
+        sizes.append(len(d.text.encode("utf-8")))
+    return info, names, np.asarray(sizes, dtype=np.int64)
+
+
+def _gather(corpus, settings: dict, order: Sequence[int]) -> list[Document]:
+    """The documents at corpus indices `order`, in that order (a pass that keeps only them)."""
+    where = {i: k for k, i in enumerate(order)}
+    out: list = [None] * len(order)
+    for i, d in enumerate(iter_corpus(corpus, max_bytes=settings["max_corpus_bytes"])):
+        if i in where:
+            out[where[i]] = d
+    return out
+
+
 def _prepare(
     corpus,
     tokenizer: Tokenizer | None,
@@ -224,38 +316,63 @@ def _prepare(
     settings: dict,
     record: dict,
     cache: Path,
-    use_cache: bool,
+    key: str | None,
 ) -> PreparedData:
-    """`prepare_data` without its own cache: read, split, tokenize, encode, deduplicate."""
+    """`prepare_data` without its own cache lookup: scan, split, tokenize, encode, deduplicate.
+    `key`: write the training tokens as the cache's ``prepared-<key>.train.npy`` (None: a temporary file)."""
     t0 = time.perf_counter()
-    data, train_docs, val_docs = _read_and_split(corpus, settings)
+    seed = settings["seed"]
+    corpus_info, names, sizes = _scan(corpus, settings)
+    is_val = validation_flags(names, settings["val_fraction"], seed)
+    train_all = np.flatnonzero(~is_val)
+    train_order = _sample_order(names, sizes, train_all, settings["max_train_bytes"], seed)
     t_read = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     if tokenizer is None:
-        tok, source = _train_tokenizer(
-            train_docs, vocab_size, tokenizer_train_bytes, settings["seed"], cache, use_cache
-        )
+        tok_order = _sample_order(names, sizes, train_order, tokenizer_train_bytes, seed)
+        tok, source = _train_tokenizer(_gather(corpus, settings, tok_order), vocab_size, cache, key is not None)
     else:
         tok = tokenizer
     ctok, eos_id, pad_id = _compressed_and_specials(tok)
     t_tok = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    tok_sha = tokenizer_sha256(tok)
-    train_tokens = cached_encode(tok, train_docs, eos_id, docs_key(train_docs, tok_sha), cache / "tokens", use_cache)
+    folder = cache / "prepared"
+    train_path = None if key is None else folder / f"prepared-{key}.train.npy"
+    train_tokens, val_docs, val_encoded = _encode_splits(
+        tok, eos_id, corpus, settings, is_val, train_order, train_path, folder
+    )
     t_enc = time.perf_counter() - t2
     t3 = time.perf_counter()
     val_docs, val_tokens, validation = _deduplicated_validation(
-        tok, val_docs, train_tokens, eos_id, settings["dedup_threshold"]
+        val_docs,
+        val_encoded,
+        _file_pieces(train_tokens),
+        eos_id,
+        settings["dedup_threshold"],
+        settings["max_val_tokens"],
+        seed,
+        split_documents=int(is_val.sum()),
     )
     t_dedup = time.perf_counter() - t3
+    train_bytes = int(sizes[train_order].sum()) if len(train_order) else 0
     info = {
         "args": record,
-        "corpus": data.info,
-        "train_documents": len(train_docs),
-        "train_bytes": sum(len(d.text.encode("utf-8")) for d in train_docs),
+        "corpus": corpus_info,
+        "train_documents": len(train_order),
+        "train_bytes": train_bytes,
         "train_tokens_available": len(train_tokens),
+        "train_sample": {
+            "max_train_bytes": settings["max_train_bytes"],
+            "split_documents": len(train_all),
+            "split_bytes": int(sizes[train_all].sum()),
+            "documents": len(train_order),
+            "bytes": train_bytes,
+            "rule": "all, in corpus order"
+            if settings["max_train_bytes"] is None
+            else "documents in the order of sha256('sample:<seed>:<name>'), each taken when it still fits",
+        },
         "val_documents": len(val_docs),
         "val_bytes": sum(len(d.text.encode("utf-8")) for d in val_docs),
         "val_tokens_available": len(val_tokens),
@@ -265,7 +382,7 @@ def _prepare(
             "vocab_size": tok.get_vocab_size(with_added_tokens=True),
             "compressed_vocab_size": ctok.vocab_size,
             "map_fingerprint": ctok.fingerprint,
-            "json_sha256": tok_sha,
+            "json_sha256": tokenizer_sha256(tok),
             "eos_id": eos_id,
             "pad_id": pad_id,
         },
@@ -290,14 +407,127 @@ def _prepare(
     )
 
 
-def _read_and_split(corpus, settings: dict) -> tuple[Corpus, list[Document], list[Document]]:
-    """The corpus read (up to ``max_corpus_bytes``), split by document, its training split sampled
-    down to ``max_train_bytes``: (corpus, training documents, validation documents)."""
-    seed = settings["seed"]
-    data: Corpus = load_corpus(corpus, max_bytes=settings["max_corpus_bytes"])
-    train_docs, val_docs = split_corpus(data, settings["val_fraction"], seed)
-    train_docs = _sample_docs(train_docs, settings["max_train_bytes"], seed)
-    return data, train_docs, val_docs
+def _encode_splits(
+    tok: Tokenizer,
+    eos_id: int,
+    corpus,
+    settings: dict,
+    is_val: np.ndarray,
+    train_order: Sequence[int],
+    train_path: Path | None,
+    folder: Path,
+) -> tuple[np.ndarray, list[Document], list[np.ndarray]]:
+    """The encoding pass: training documents tokenized in batches of at most
+    ``ENCODE_BATCH_BYTES`` and appended to a file, then laid out in `train_order` (EOS after
+    each) as a ``.npy`` returned memory-mapped; validation documents encoded and kept (with a
+    cap, only the best-ranked up to ``VAL_RESERVE`` times it). Returns (training tokens,
+    validation candidates in corpus order, their tokens)."""
+    dtype = _token_dtype(tok)
+    itemsize = np.dtype(dtype).itemsize
+    slot = np.full(len(is_val), -1, dtype=np.int64)
+    slot[np.asarray(train_order, dtype=np.int64)] = np.arange(len(train_order))
+    offsets = np.zeros(len(train_order), dtype=np.int64)
+    lengths = np.zeros(len(train_order), dtype=np.int64)
+    cap = settings["max_val_tokens"]
+    reserve = None if cap is None else VAL_RESERVE * cap
+    val: dict[int, tuple[Document, np.ndarray]] = {}
+    val_tokens = 0
+    eos = np.asarray([eos_id], dtype=dtype).tobytes()
+    if train_path is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder if train_path is not None else None) as raw:
+        batch: list[tuple[int, str]] = []
+        batch_bytes = 0
+        cursor = 0
+
+        def flush():
+            nonlocal cursor
+            for (k, _), ids in zip(batch, _encode(tok, [t for _, t in batch], dtype)):
+                raw.write(ids.tobytes())
+                raw.write(eos)
+                offsets[k], lengths[k] = cursor, len(ids) + 1
+                cursor += len(ids) + 1
+            batch.clear()
+
+        seed = settings["seed"]
+        for i, d in enumerate(iter_corpus(corpus, max_bytes=settings["max_corpus_bytes"])):
+            if is_val[i]:
+                (ids,) = _encode(tok, [d.text], dtype)
+                val[i] = (d, ids)
+                val_tokens += len(ids) + 1
+                if reserve is not None and val_tokens > 2 * reserve:
+                    val_tokens = _trim_candidates(val, reserve, seed)
+            elif slot[i] >= 0:
+                batch.append((int(slot[i]), d.text))
+                batch_bytes += len(d.text)
+                if len(batch) >= 256 or batch_bytes >= ENCODE_BATCH_BYTES:
+                    flush()
+                    batch_bytes = 0
+        flush()
+        if reserve is not None:
+            _trim_candidates(val, reserve, seed)
+        raw.flush()
+        train = _write_ordered(raw, offsets, lengths, dtype, itemsize, train_path, folder)
+    order = sorted(val)
+    return train, [val[i][0] for i in order], [val[i][1] for i in order]
+
+
+def _trim_candidates(val: dict, reserve: int, seed: int) -> int:
+    """Drop the worst-ranked validation candidates beyond those whose tokens reach `reserve`; their tokens left."""
+    total = 0
+    for i in sorted(val, key=lambda i: _rank("val", seed, val[i][0].name)):
+        if total >= reserve:
+            del val[i]
+        else:
+            total += len(val[i][1]) + 1
+    return total
+
+
+def _write_ordered(raw, offsets, lengths, dtype, itemsize: int, train_path: Path | None, folder: Path) -> np.ndarray:
+    """The documents of `raw` (at `offsets`, `lengths` tokens, in slot order) copied into one
+    ``.npy`` in slot order with plain reads and writes (adjacent documents in one copy, at most
+    64 MiB at a time); returned memory-mapped."""
+    total = int(lengths.sum())
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (total,)}
+
+    def write(fh):
+        np.lib.format.write_array_header_1_0(fh, header)
+        runs = _runs(offsets, lengths)
+        for start, count in runs:
+            done = 0
+            while done < count:
+                n = min(count - done, (64 << 20) // itemsize)
+                fh.write(os.pread(raw.fileno(), n * itemsize, (start + done) * itemsize))
+                done += n
+
+    if train_path is None:
+        fd, tmp = tempfile.mkstemp(suffix=".npy")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                write(fh)
+            return np.load(tmp, mmap_mode="r")
+        finally:
+            os.unlink(tmp)  # the map keeps the data until it is dropped
+    with atomic_path(train_path, wait=True) as tmp, open(tmp, "wb") as fh:
+        write(fh)
+    return np.load(train_path, mmap_mode="r")
+
+
+def _runs(offsets: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int]]:
+    """(start, count) of the raw file's ranges to copy, adjacent ranges merged."""
+    runs: list[tuple[int, int]] = []
+    for off, n in zip(offsets.tolist(), lengths.tolist()):
+        if runs and runs[-1][0] + runs[-1][1] == off:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((off, n))
+    return runs
+
+
+def _file_pieces(tokens: np.ndarray, chunk: int = 1 << 22):
+    """Consecutive pieces of a token array, each read into memory (a memory map's pages are not kept)."""
+    for i in range(0, len(tokens), chunk):
+        yield np.array(tokens[i : i + chunk])
 
 
 def _compressed_and_specials(tok: Tokenizer) -> tuple[object, int, int]:
@@ -326,11 +556,8 @@ def _log_prepared(info: dict, seconds: float) -> None:
     )
 
 
-def _train_tokenizer(
-    train_docs: list[Document], vocab_size: int, train_bytes: int | None, seed: int, cache: Path, use_cache: bool
-) -> tuple[Tokenizer, str]:
-    """A byte-level BPE trained on a sample of the training split (cached by the sample's hash)."""
-    sample = _sample_docs(train_docs, train_bytes, seed)
+def _train_tokenizer(sample: list[Document], vocab_size: int, cache: Path, use_cache: bool) -> tuple[Tokenizer, str]:
+    """A byte-level BPE trained on `sample`, the training split's sample (cached by its hash)."""
     tok = cached_train_bpe([d.text for d in sample], vocab_size, docs_key(sample), cache / "bpe") if use_cache else None
     if tok is None:
         from condmem.train.bpe import train_bpe
@@ -340,7 +567,7 @@ def _train_tokenizer(
 
 
 # Bump when what the prepared-data cache holds, or how it is computed, changes.
-_PREPARED_FORMAT = 1
+_PREPARED_FORMAT = 2
 
 
 def _prepared_key(fingerprint: str, tokenizer_spec: dict, settings: dict) -> str:
@@ -349,7 +576,8 @@ def _prepared_key(fingerprint: str, tokenizer_spec: dict, settings: dict) -> str
 
 
 def _save_prepared(folder: Path, key: str, alias: str | None, data: PreparedData) -> None:
-    """One .npz per key (written atomically); `alias` names a small file that points at it."""
+    """One .npz per key (written atomically) beside the training tokens' ``.train.npy`` (already
+    written by the encoding pass); `alias` names a small file that points at the key."""
     meta = {
         "info": data.info,
         "eos_id": data.eos_id,
@@ -357,7 +585,6 @@ def _save_prepared(folder: Path, key: str, alias: str | None, data: PreparedData
         "val_docs": [[d.name, d.text] for d in data.val_docs],
     }
     arrays = {
-        "train": data.train.tokens,
         "val": data.val.tokens,
         "token_bytes": np.asarray(data.token_bytes),
         "meta": np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8),
@@ -373,7 +600,8 @@ def _save_prepared(folder: Path, key: str, alias: str | None, data: PreparedData
 
 
 def _load_prepared(folder: Path, key: str) -> PreparedData | None:
-    """The prepared data cached under `key` (or the key an alias file names); None when absent or unreadable."""
+    """The prepared data cached under `key` (or the key an alias file names), its training tokens
+    memory-mapped; None when absent or unreadable."""
     from condmem.tokenizer import CompressedTokenizer
 
     alias = folder / f"prepared-{key}.key"
@@ -383,13 +611,17 @@ def _load_prepared(folder: Path, key: str) -> PreparedData | None:
         except OSError:
             return None
     path = folder / f"prepared-{key}.npz"
-    if not path.is_file():
+    train_path = folder / f"prepared-{key}.train.npy"
+    if not path.is_file() or not train_path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {name: z[name] for name in z.files}
+        train = np.load(train_path, mmap_mode="r", allow_pickle=False)
         meta = json.loads(arrays["meta"].tobytes().decode("utf-8"))
         tok = Tokenizer.from_str(arrays["tokenizer"].tobytes().decode("utf-8"))
+        if train.ndim != 1 or len(train) != meta["info"]["train_tokens_available"]:
+            raise ValueError(f"{train_path.name} holds {train.shape} tokens, the record says otherwise")
     except Exception as exc:  # noqa: BLE001 - a damaged cache file costs a fresh preparation, nothing more
         logger.warning("ignoring unreadable prepared-data cache %s (%s)", path, exc)
         return None
@@ -397,7 +629,7 @@ def _load_prepared(folder: Path, key: str) -> PreparedData | None:
     return PreparedData(
         tok,
         CompressedTokenizer.from_any(tok),
-        TokenStream(arrays["train"], eos_id),
+        TokenStream(train, eos_id),
         TokenStream(arrays["val"], eos_id),
         arrays["token_bytes"],
         eos_id,
