@@ -1,4 +1,5 @@
-"""``condmem study allocation|slots|merge``: the Engram paper's parameter-allocation and memory-slot sweeps, small."""
+"""``condmem study allocation|slots|tokens|merge``: the Engram paper's parameter-allocation and memory-slot
+sweeps, small, and the allocation's gaps against training tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ def register(sub) -> None:
         description="allocation: at fixed total and active parameters, move the sparse parameters of routed "
         "experts into an Engram table (rho = share left to experts; rho = 1 is pure MoE) and train one model "
         "per rho (labelled by the rho its integer expert count realises), with controls beside each rho < 1. "
-        "slots: a fixed MoE backbone with Engram tables over two decades of rows, and without Engram. "
+        "slots: a fixed MoE backbone with Engram tables over two decades of rows (at most the distinct n-grams a "
+        "run reads), and without Engram. tokens: pure MoE, each rho and its no-table control at each budget of "
+        "the config's tokens_grid (or --tokens-grid): the gaps against training tokens. "
         "Each run trains for the steps the sweep states (at most --max-passes over the data), seeds k share "
         "their batches across points, and is validated on at most the config's val_tokens held-out tokens. "
         "Each run writes OUT/runs/RUN.json when it ends; the same command again skips finished runs and "
@@ -25,10 +28,13 @@ def register(sub) -> None:
         "  condmem study allocation --preset gpu --out runs/gpu --stop-after 9   # again until done (docs/study.md)\n"
         "  condmem study allocation --preset gpu --out runs/gpu --only seed=0    # one machine's share\n"
         "  condmem study merge runs/allocation                  # study.json once every run exists\n"
+        "  condmem study tokens --preset gpu --out runs/tokens --stop-after 8   # the gap against tokens\n"
         "  condmem study slots --preset tiny --corpus /path/to/texts --table-sizes 20 300 3000\n"
         "  condmem study allocation --out runs/allocation --replot   # the PNG again from study.json",
     )
-    p.add_argument("kind", choices=["allocation", "slots", "merge"], help="which sweep (merge: build study.json)")
+    p.add_argument(
+        "kind", choices=["allocation", "slots", "tokens", "merge"], help="which sweep (merge: build study.json)"
+    )
     p.add_argument("path", nargs="?", metavar="OUT", help="merge: the sweep's output folder (or --out)")
     p.add_argument(
         "--preset",
@@ -64,10 +70,18 @@ def register(sub) -> None:
         action="append",
         metavar="KEY=VALUE[,...]",
         help="train only these runs: keys rho, experts, table_size, control (none for the sweep's own points), "
-        "seed; a key repeated is an OR, repeated --only flags add runs (e.g. --only rho=0.8,seed=1)",
+        "seed, tokens (the token sweep's budget); a key repeated is an OR, repeated --only flags add runs "
+        "(e.g. --only rho=0.8,seed=1)",
     )
     p.add_argument("--rhos", type=float, nargs="+", help="allocation grid, each in (0, 1] (1.0 is always run)")
     p.add_argument("--table-sizes", type=int, nargs="+", help="slot sweep: bucket range per (order, head)")
+    p.add_argument(
+        "--tokens-grid",
+        type=int,
+        nargs="+",
+        metavar="TOKENS",
+        help="token sweep: training tokens per run at each budget (two or more; --rhos gives its rhos)",
+    )
     p.add_argument("--controls", nargs="*", metavar="CONTROL", help="allocation controls (none: no controls)")
     p.add_argument("--val-tokens", type=int, help="validate each run on at most this many held-out tokens")
     p.add_argument("--max-passes", type=float, help="at most this many passes over the training split")
@@ -107,6 +121,8 @@ def run(args) -> int:
         require_positive(flag, value)
     for flag, value in (("--val-tokens", args.val_tokens),):
         require_positive(flag, value)
+    for value in args.tokens_grid or []:
+        require_positive("--tokens-grid", value)
     for flag, value in (
         ("--minutes", args.minutes),
         ("--stop-after", args.stop_after),
@@ -133,6 +149,7 @@ def run(args) -> int:
         val_tokens=args.val_tokens,
         controls=args.controls,
         deterministic=False if args.no_deterministic else None,
+        tokens_grid=args.tokens_grid,
         only=args.only,
         overwrite=args.overwrite,
         stop_after=args.stop_after,

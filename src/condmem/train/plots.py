@@ -1,5 +1,6 @@
 """Figures of the demo (both models' loss curves, the Engram gate over validation text) and of
-`condmem study` (every run's loss curve on one figure per sweep).
+`condmem study` (every run's loss curve, every run's router load per expert, and the token sweep's
+gaps against training tokens: one figure each per sweep).
 
 matplotlib is optional: without it the functions log a warning and return None (the
 numbers are in summary.json and gates.json either way).
@@ -277,5 +278,84 @@ def plot_sweep_curves(summary: dict, path: str | Path, within: str | Path | None
     ax.set_title(f"condmem study {summary['study']} ({summary['preset']}): every run", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save_figure(fig, path, within=within)
+
+
+def plot_router_load(summary: dict, path: str | Path, within: str | Path | None = None) -> Path | None:
+    """Every run's router load per expert (from its stored router statistics): one line per (run, MoE
+    layer), each expert's load over the mean load, experts sorted from busiest, against the expert's
+    rank as a share of the layer's experts (so layers of different expert counts share an axis); 1 is
+    uniform routing. None when no run has router statistics (or without matplotlib)."""
+    lines = []
+    for run in summary["runs"]:
+        for layer in ((run.get("router") or {}).get("layers") or {}).values():
+            load = layer.get("load")
+            if load and layer.get("load_mean"):
+                lines.append((run, sorted((v / layer["load_mean"] for v in load), reverse=True)))
+    if not lines:
+        return None
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labels = list(dict.fromkeys(run["label"] for run, _ in lines))
+    colors = {label: plt.cm.viridis(i / max(1, len(labels) - 1)) for i, label in enumerate(labels)}
+    shown: set[str] = set()
+    for run, rel in lines:
+        x = (np.arange(len(rel)) + 0.5) / len(rel)
+        label = run["label"]
+        ax.plot(x, rel, color=colors[label], lw=0.8, alpha=0.7, label=None if label in shown else label)
+        shown.add(label)
+    ax.axhline(1.0, color="gray", ls="--", lw=1, label="uniform")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("expert rank (busiest first), as a share of the layer's experts")
+    ax.set_ylabel("load / mean load (last quarter of training)")
+    ax.set_title(
+        f"condmem study {summary['study']} ({summary['preset']}): router load per expert, every run and MoE layer",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save_figure(fig, path, within=within)
+
+
+def plot_token_gaps(summary: dict, path: str | Path, within: str | Path | None = None) -> Path | None:
+    """The token sweep: each rho's paired difference to pure MoE (solid) and the table's own effect
+    against its no-table control (dashed), mean over seeds with 95% t-interval bars, against training
+    tokens on a log axis (the top axis: tokens per active parameter of pure MoE)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    budgets = summary["statistics"]["budgets"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    rhos = sorted({rho for b in budgets for rho in b["vs_pure_moe"]}, reverse=True)
+    for i, rho in enumerate(rhos):
+        color = plt.cm.tab10(i % 10)
+        for key, style, what in (("vs_pure_moe", "o-", "vs pure MoE"), ("table_effect", "s--", "vs no table")):
+            xs, ys, lo, hi = [], [], [], []
+            for b in budgets:
+                entry = b[key].get(rho)
+                if entry is None:
+                    continue
+                d = entry["difference"]
+                xs.append(b["train_tokens"])
+                ys.append(d["mean"])
+                lo.append(0.0 if d["low"] is None else d["mean"] - d["low"])
+                hi.append(0.0 if d["high"] is None else d["high"] - d["mean"])
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, color=color, capsize=3, label=f"rho {rho} {what}")
+    ax.axhline(0.0, color="gray", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens per run (log)")
+    ax.set_ylabel("paired loss difference (nats), 95% t-interval")
+    ratio = budgets[0]["tokens_per_active_param"] / budgets[0]["train_tokens"]
+    top = ax.secondary_xaxis("top", functions=(lambda t: t * ratio, lambda r: r / ratio))
+    top.set_xlabel("tokens per active parameter (pure MoE)", fontsize=8)
+    ax.set_title(f"condmem study tokens ({summary['preset']}): the gap against tokens", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, path, within=within)

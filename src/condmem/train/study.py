@@ -66,15 +66,17 @@ from condmem.train.study_runs import (
     SweepProgress,
     data_identity,
     differences,
+    distinct_ngrams,
     parse_only,
     plan_runs,
     run_config,
+    run_seeds,
     run_train_config,
     select_runs,
     train_run,
 )
 from condmem.utils.atomic import atomic_write_text, check_destination
-from condmem.train.plots import plot_sweep_curves
+from condmem.train.plots import plot_router_load, plot_sweep_curves, plot_token_gaps
 from condmem.utils.plotting import pyplot, save_figure
 
 PAPER = {
@@ -115,6 +117,10 @@ class Point:
     """The control this point is (`CONTROLS`), None for a point of the sweep itself."""
     key: str = ""
     """The point's part of its runs' ids (file names)."""
+    steps: int | None = None
+    """Token sweep: the steps of this point's runs (None: the sweep's)."""
+    train_tokens: int | None = None
+    """Token sweep: the training tokens of this point's runs (None: the sweep's)."""
 
     def record_fields(self) -> dict:
         """What each run's record says about its point."""
@@ -141,6 +147,8 @@ class Point:
             "rho": self.rho,
             "rho_asked": self.rho_asked,
             "control": self.control,
+            "steps": self.steps,
+            "train_tokens": self.train_tokens,
             "accounting": self.accounting,
             "model": self.cfg.to_dict(),
         }
@@ -251,6 +259,58 @@ def slot_points(base: ModelConfig, table_sizes: list[int]) -> list[Point]:
     return points
 
 
+def token_points(base: ModelConfig, rhos: list[float], steps: list[int], tokens_per_step: int) -> list[Point]:
+    """The allocation points of `rhos` (pure MoE, each rho < 1 and its ``no_table`` control) once per
+    budget of `steps`; a point's key and label name its training tokens (``tok2048_rho1``)."""
+    points = []
+    for n in sorted(steps):
+        tokens = n * tokens_per_step
+        for p in allocation_points(base, rhos, ["no_table"]):
+            p.label, p.key = f"{tokens:,} tok {p.label}", f"tok{tokens}_{p.key}"
+            p.steps, p.train_tokens = n, tokens
+            points.append(p)
+    return points
+
+
+def table_size_cap(engram: EngramConfig, distinct: int) -> int:
+    """The largest table size whose every (order, head) column has at most `distinct` rows (its prime)."""
+
+    def widest(size: int) -> int:
+        return max(max(p) for p in draw_primes(engram.layer_ids, [size] * (engram.max_ngram_size - 1), engram.n_heads))
+
+    lo, hi = 2, max(2, distinct)
+    while lo < hi:  # the widest column grows with the size: the last size that fits
+        mid = (lo + hi + 1) // 2
+        if widest(mid) <= distinct:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def cap_table_sizes(engram: EngramConfig, sizes: list[int], distinct: int) -> tuple[list[int], dict]:
+    """`sizes` with each above the n-gram cap replaced by the cap (a column never has more rows than
+    the `distinct` n-grams a run reads), and the record of the decision (``note``: None when none
+    was capped); `ValueError` when fewer than two sizes are left."""
+    cap = table_size_cap(engram, distinct)
+    capped = sorted({min(size, cap) for size in sizes})
+    over = sorted(size for size in set(sizes) if size > cap)
+    note = None
+    if over:
+        note = (
+            f"table sizes {', '.join(f'{s:,}' for s in over)} exceed the {distinct:,} distinct "
+            f"{engram.max_ngram_size}-grams a run reads: capped at table size {cap:,} (every (order, head) "
+            f"column at most {distinct:,} rows)"
+        )
+    if len(capped) < 2:
+        raise ValueError(
+            f"the slot sweep needs two table sizes or more at most {cap:,} (the {distinct:,} distinct "
+            f"{engram.max_ngram_size}-grams a run reads), got {sorted(set(sizes))}"
+        )
+    record = {"distinct_ngrams": distinct, "order": engram.max_ngram_size, "cap": cap, "capped": over, "note": note}
+    return capped, record
+
+
 def accounting(cfg: ModelConfig, seq_len: int, budget: int | None = None) -> dict:
     """Exact parameters and FLOPs of one point (what study.json records, before training)."""
     counts = parameter_counts(cfg)
@@ -294,17 +354,32 @@ def resolve_config(
     val_tokens: int | None = None,
     controls: list[str] | None = None,
     deterministic: bool | None = None,
+    tokens_grid: list[int] | None = None,
 ) -> StudyConfig:
     """The sweep's config: the preset or `config` file, with the given values (None: kept) in place."""
     if kind not in KINDS:
         raise ValueError(f"unknown study {kind!r}; choose one of {list(KINDS)}")
+    if kind == "tokens":
+        for flag, value in (("--steps", steps), ("--tokens", tokens), ("--minutes", minutes)):
+            if value is not None:
+                raise ValueError(f"{flag}: the token sweep's budgets are its tokens_grid (use --tokens-grid)")
+    elif tokens_grid:
+        raise ValueError(f"--tokens-grid is the token sweep's (condmem study tokens), not the {kind} sweep's")
     if isinstance(config, StudyConfig):
         sc = config
     elif config is not None:
         sc = load_study_config(config)
     else:
         sc = study_preset(preset)
-    step_key, token_key = f"{kind}_steps", f"{kind}_tokens"
+    if kind == "slots" and seeds is None and sc.slots_seeds is not None:
+        seeds = sc.slots_seeds
+    step_key, token_key = (
+        ("allocation_steps", "allocation_tokens") if kind == "tokens" else (f"{kind}_steps", f"{kind}_tokens")
+    )
+    if kind == "tokens" and rhos:
+        rhos, tokens_rhos = None, list(rhos)
+    else:
+        tokens_rhos = None
     sc = sc.override(
         "command line",
         seeds=seeds,
@@ -316,6 +391,8 @@ def resolve_config(
         val_tokens=val_tokens,
         controls=list(controls) if controls is not None else None,
         deterministic=deterministic,
+        tokens_grid=list(tokens_grid) if tokens_grid else None,
+        tokens_rhos=tokens_rhos,
         **{step_key: steps, token_key: tokens},
     )
     if steps is not None:  # --steps replaces a tokens budget of the file
@@ -324,6 +401,8 @@ def resolve_config(
         sc = sc.with_base(data={"corpus": corpus})
     if kind == "slots" and len(set(sc.table_sizes)) < 2:
         raise ValueError(f"the slot sweep needs two table sizes or more, got {sc.table_sizes}")
+    if kind == "tokens":
+        sc.token_steps()  # a missing or degenerate grid is refused before any work
     return sc
 
 
@@ -349,6 +428,7 @@ def run_study(
     val_tokens: int | None = None,
     controls: list[str] | None = None,
     deterministic: bool | None = None,
+    tokens_grid: list[int] | None = None,
     only: list[str] | None = None,
     overwrite: bool = False,
     stop_after: float | None = None,
@@ -358,10 +438,12 @@ def run_study(
     status (``{"complete": False, "runs_left": [...]}``).
 
     Args:
-        kind: ``allocation`` or ``slots``.
+        kind: ``allocation``, ``slots`` or ``tokens`` (the allocation's gaps at each budget of the
+            config's ``tokens_grid``).
         preset / config: a shipped preset (``tiny``, ``cpu``, ``gpu``) or a study config file.
         seeds, corpus, steps (or tokens), minutes, seed, rhos, table_sizes, max_passes, val_tokens,
-            controls, deterministic: replace the config's.
+            controls, deterministic, tokens_grid: replace the config's (``rhos`` the token sweep's
+            ``tokens_rhos`` for ``tokens``).
         only: ``--only`` filters: train only the runs they select.
         overwrite: replace a sweep in `out` made with another config (and its runs that differ).
         stop_after: minutes: start no run that would not finish within them (re-run to continue).
@@ -383,13 +465,14 @@ def run_study(
         val_tokens=val_tokens,
         controls=controls,
         deterministic=deterministic,
+        tokens_grid=tokens_grid,
     )
     parse_only(only)  # a malformed --only is refused before any work
     cublas = set_cublas_workspace(sc.deterministic)  # before anything starts cuBLAS
     dev = resolve_device(device)
     out = Path(out or f"condmem-study/{kind}")
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("study.json", f"{kind}.png", "config.json", "sweep.json"):  # checked before the runs
+    for name in ("study.json", f"{kind}.png", f"{kind}_router.png", "config.json", "sweep.json"):  # before the runs
         check_destination(out / name, within=out)
     previous = _previous_sweep(out, kind, sc, overwrite)
     print(
@@ -414,14 +497,32 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
         data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"], pad_id=data.eos_id
     )
     base = build_model_config(sc.base, data)
-    points = (
-        allocation_points(base, sc.rhos, sc.controls) if kind == "allocation" else slot_points(base, sc.table_sizes)
-    )
     tc = sc.base.train
     n_steps, passes = _capped_steps(sc.steps_for(kind), data.train, tc, sc.max_passes)
+    ngram_cap = None
+    if kind == "allocation":
+        points = allocation_points(base, sc.rhos, sc.controls)
+    elif kind == "tokens":
+        budgets = sorted({min(s, n_steps) for s in sc.token_steps()})
+        if len(budgets) < 2:
+            raise ValueError(f"tokens_grid {sc.tokens_grid}: capped at {n_steps:,} steps, fewer than two budgets left")
+        points = token_points(base, sc.tokens_rhos or sc.rhos, budgets, tc.batch_size * tc.seq_len)
+    else:
+        distinct = min(
+            distinct_ngrams(
+                data.train, n_steps, tc.batch_size, tc.seq_len, run_seeds(sc.seed, k)[1], base.engram.max_ngram_size
+            )
+            for k in range(sc.seeds)
+        )
+        sizes, ngram_cap = cap_table_sizes(base.engram, sc.table_sizes, distinct)
+        if ngram_cap["note"]:
+            print(banner(ngram_cap["note"]), flush=True)
+        points = slot_points(base, sizes)
     specs = plan_runs(points, sc.seeds, sc.seed)
     if previous is not None:
         n_steps, budget = previous["steps"], previous["budget"]
+    elif kind == "tokens":  # each budget's steps are the grid's
+        budget = None
     else:
         n_steps, budget = _budgeted_steps(sc, kind, n_steps, points, data, dev, len(specs), wall)
     passes.update(steps=n_steps, passes=data.train.passes(n_steps, tc.batch_size, tc.seq_len))
@@ -437,6 +538,7 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
         "determinism": {**determinism_record(sc.deterministic), "cublas_workspace_config": cublas},
         "points": [p.to_dict() for p in points],
         "runs": [s.run_id for s in specs],
+        "ngram_cap": ngram_cap,
     }
     atomic_write_text(out / "sweep.json", json.dumps(sweep, indent=1) + "\n", within=out)
     sc.save(out / "config.json", within=out)
@@ -491,7 +593,7 @@ def _train_selected(
     tc = sc.base.train
     todo = []
     for spec in chosen:
-        run_tc = run_train_config(tc, n_steps, spec.data_seed)
+        run_tc = run_train_config(tc, spec.point.steps or n_steps, spec.data_seed)
         wanted = run_config(
             kind, spec, run_tc, data_id=data_id, val_tokens=sc.val_tokens, deterministic=sc.deterministic
         )
@@ -618,13 +720,15 @@ def merge(out: str | Path, wall: float | None = None) -> dict:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{out}: {len(missing)} of {len(sweep['runs'])} runs have no result yet ({shown})")
     runs = [store.load(r) for r in sweep["runs"]]
+    point_steps = {p["key"]: p.get("steps") or sweep["steps"] for p in sweep["points"]}
     for run in runs:  # runs copied in from another machine's folder must belong to this plan
         rc = run.get("run_config", {})
         steps, data_id = rc.get("train", {}).get("steps"), rc.get("data")
-        if steps != sweep["steps"] or data_id != sweep["data_id"]:
+        wanted = point_steps.get(rc.get("point"), sweep["steps"])
+        if steps != wanted or data_id != sweep["data_id"]:
             raise ValueError(
                 f"{store.path(run['run_id'])} does not belong to this sweep (its steps {steps} and data "
-                f"{data_id}; the sweep's {sweep['steps']} and {sweep['data_id']}): train it again here"
+                f"{data_id}; the sweep's {wanted} and {sweep['data_id']}): train it again here"
             )
     summary = summarize(sweep, runs)
     print("\n" + summary["table"] + "\n\n" + summary["report"], flush=True)
@@ -636,12 +740,14 @@ def _write_study(summary: dict, out: Path, kind: str, wall: float | None) -> Non
     """The figures (``<kind>.png``, ``<kind>_curves.png``, when matplotlib is there) and ``study.json``."""
     figure = plot_study(summary, out / f"{kind}.png", within=out)
     curves = plot_sweep_curves(summary, out / f"{kind}_curves.png", within=out)
+    router = plot_router_load(summary, out / f"{kind}_router.png", within=out)
     summary["figure"] = figure.name if figure else None
     summary["curves_figure"] = curves.name if curves else None
+    summary["router_figure"] = router.name if router else None
     summary["wall_seconds"] = None if wall is None else time.perf_counter() - wall
     atomic_write_text(out / "study.json", json.dumps(summary, indent=1) + "\n", within=out)
     took = "" if wall is None else f" ({summary['wall_seconds']:.0f} s in all)"
-    figs = "".join(f", {f.name}" for f in (figure, curves) if f)
+    figs = "".join(f", {f.name}" for f in (figure, curves, router) if f)
     print(f"\nwrote {out}/study.json{figs}{took}", flush=True)
 
 
@@ -671,8 +777,13 @@ def replot(kind: str, out: str | Path | None = None) -> Path | None:
 def print_plan(kind: str, points: list[Point], steps: int, tc, sc: StudyConfig) -> None:
     """One line per point: experts, table rows, parameters, FLOPs."""
     val = "every held-out token" if sc.val_tokens is None else f"at most {sc.val_tokens:,} held-out tokens"
+    budgets = sorted({p.steps for p in points if p.steps is not None})
+    if budgets:
+        steps_text = "/".join(f"{n:,}" for n in budgets)
+        print(f"token budgets: {steps_text} steps (each point's runs train its budget's steps)", flush=True)
     print(
-        f"{len(points)} models x {sc.seeds} seed{'s' if sc.seeds > 1 else ''}, each {steps:,} steps x "
+        f"{len(points)} models x {sc.seeds} seed{'s' if sc.seeds > 1 else ''}, each "
+        f"{steps_text if budgets else f'{steps:,}'} steps x "
         f"{tc.batch_size * tc.seq_len:,} tokens (the batches of each seed the same for every model), "
         f"validated on {val}:",
         flush=True,
@@ -702,8 +813,15 @@ def summarize(sweep: dict, runs: list[dict]) -> dict:
             "rho": p["rho"],
             "rho_asked": p["rho_asked"],
             "control": p["control"],
+            "train_tokens": p.get("train_tokens") or (mine[0]["train_tokens"] if mine else None),
             **{k: v for k, v in p["accounting"].items() if k != "forward_flops"},
         }
+        touched = [r["rows_touched"] for r in mine if r.get("rows_touched")]
+        if touched:  # distinct rows read in training, per table, over seeds
+            row["rows_touched"] = {
+                name: {"rows": touched[0][name]["rows"], "touched": [t[name]["touched"] for t in touched]}
+                for name in touched[0]
+            }
         for key in ("val_loss", "bits_per_byte", "tokens_per_s"):
             mean, std = mean_std([r[key] for r in mine])
             row[key] = {"mean": mean, "std": std, "values": [r[key] for r in mine], "seeds": [r["seed"] for r in mine]}
@@ -728,11 +846,12 @@ def summarize(sweep: dict, runs: list[dict]) -> dict:
             "capped": runs[0]["val_capped"],
         },
         "determinism": sweep["determinism"],
+        "ngram_cap": sweep.get("ngram_cap"),
         "points": per_point,
         "runs": runs,
         "finding": find(kind, per_point, runs),
         "statistics": statistics(kind, per_point, runs),
-        "scale": scale_gap(kind, runs[0]),
+        "scale": scale_gap(kind, max(runs, key=lambda r: r["train_tokens"])),
         "paper": PAPER,
         "config": config,
         "models": {p["label"]: p["model"] for p in sweep["points"]},
@@ -762,7 +881,17 @@ def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
     if kind == "slots":
         with_table = [r for r in runs if r["table_rows"] > 0]
         fit = linear_slope([math.log10(r["table_rows"]) for r in with_table], [r["val_loss"] for r in with_table])
-        return {"slope_per_decade": fit["slope"].to_dict(), "intercept": fit["intercept"], "n": fit["n"]}
+        slope = fit["slope"]
+        claims = slope.half_width is not None and slope.excludes_zero
+        return {
+            "slope_per_decade": slope.to_dict(),
+            "intercept": fit["intercept"],
+            "n": fit["n"],
+            "claims_slope": claims,
+            "text": _slope_text(slope, claims),
+        }
+    if kind == "tokens":
+        return token_statistics(points, runs)
     mains = [p for p in points if p["control"] is None]
     ref = next(p for p in mains if p["rho"] == 1.0)
     out = {"vs_pure_moe": {}, "controls": {}, "dense": None, "optimum": None}
@@ -784,6 +913,43 @@ def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
     return out
 
 
+def _slope_text(slope, claims: bool) -> str:
+    if slope.half_width is None:
+        return f"slope {slope.mean:+.4f} nats per decade of rows from two runs: no interval, no claim"
+    span = f"{slope.mean:+.4f} [{slope.low:+.4f}, {slope.high:+.4f}] nats per decade of rows"
+    if claims:
+        return f"loss {'falls' if slope.mean < 0 else 'rises'} with log10(rows): {span} (the interval excludes zero)"
+    return f"no slope claimed: {span} (the interval includes zero)"
+
+
+def token_statistics(points: list[dict], runs: list[dict]) -> dict:
+    """Per training budget (ascending): each rho < 1 against pure MoE and against its ``no_table``
+    control (the table's own effect), paired by seed with 95% t-intervals; tokens per active parameter."""
+    budgets = []
+    for tokens in sorted({p["train_tokens"] for p in points}):
+        mine = [p for p in points if p["train_tokens"] == tokens]
+        keys = tuple(p["key"] + "_seed" for p in mine)
+        stats = statistics("allocation", mine, [r for r in runs if r["run_id"].startswith(keys)])
+        ref = next(p for p in mine if p["control"] is None and p["rho"] == 1.0)
+        entry = {
+            "train_tokens": tokens,
+            "steps": next((r["steps"] for r in runs if r["run_id"].startswith(ref["key"] + "_seed")), None),
+            "tokens_per_active_param": tokens / ref["params"]["active"],
+            "pure_moe_val_loss": ref["val_loss"]["mean"],
+            "vs_pure_moe": {},
+            "table_effect": {},
+        }
+        for p in mine:
+            if p["control"] is None and p is not ref:
+                rho = f"{p['rho']:.2f}"
+                entry["vs_pure_moe"][rho] = stats["vs_pure_moe"][p["label"]]
+                effect = stats["controls"].get("no_table", {}).get(p["label"])
+                if effect is not None:
+                    entry["table_effect"][rho] = effect
+        budgets.append(entry)
+    return {"budgets": budgets}
+
+
 def _beyond(a: dict, b: dict) -> bool | None:
     """Whether mean a is below mean b by more than the two seed spreads together (None: one seed)."""
     if a["std"] is None or b["std"] is None:
@@ -793,7 +959,29 @@ def _beyond(a: dict, b: dict) -> bool | None:
 
 def find(kind: str, points: list[dict], runs: list[dict]) -> dict:
     """The sweep's finding from its per-point means (`points`) and its runs."""
+    if kind == "tokens":
+        return token_finding(points, runs)
     return allocation_finding(points) if kind == "allocation" else slots_finding(points, runs)
+
+
+def token_finding(points: list[dict], runs: list[dict]) -> dict:
+    """Per budget: the best rho < 1 (lowest mean) and its gap to pure MoE, in percent."""
+    out = []
+    for tokens in sorted({p["train_tokens"] for p in points}):
+        mains = [p for p in points if p["train_tokens"] == tokens and p["control"] is None]
+        ref = next(p for p in mains if p["rho"] == 1.0)
+        others = [p for p in mains if p is not ref]
+        best = min(others, key=lambda p: p["val_loss"]["mean"]) if others else ref
+        out.append(
+            {
+                "train_tokens": tokens,
+                "best_rho": best["rho"],
+                "pure_moe_val_loss": ref["val_loss"]["mean"],
+                "best_val_loss": best["val_loss"]["mean"],
+                "gap_pct": 100 * (best["val_loss"]["mean"] / ref["val_loss"]["mean"] - 1),
+            }
+        )
+    return {"budgets": out}
 
 
 def allocation_finding(points: list[dict]) -> dict:
@@ -852,7 +1040,7 @@ def scale_gap(kind: str, run: dict) -> dict:
         "active_params": run["active_params"],
         "total_params_reference": run["total_params"],
     }
-    if kind == "allocation":
+    if kind in ("allocation", "tokens"):
         out["paper_flops"] = PAPER["allocation"]["compute_flops"]
         out["orders_of_magnitude_below_paper"] = math.log10(PAPER["allocation"]["compute_flops"][1] / flops)
     else:
@@ -902,6 +1090,8 @@ def format_study_table(kind: str, points: list[dict]) -> str:
 def report_text(kind: str, s: dict) -> str:
     """What the sweep shows, and what it cannot, in a few sentences."""
     f, sc, n = s["finding"], s["scale"], len(s["seeds"])
+    if kind == "tokens":
+        return token_report(s)
     tokens = f"{sc['train_tokens_per_run']:,} training tokens per run ({s['passes']['passes']:.2f} passes)"
     if kind == "allocation":
         flops = (
@@ -934,6 +1124,17 @@ def report_text(kind: str, s: dict) -> str:
             "parameters for table parameters at equal total and active parameters) at a far smaller scale: it "
             "can agree or disagree with the paper's shape, not reproduce its numbers." + _statistics_text(s)
         )
+    st = s.get("statistics") or {}
+    if "claims_slope" in st:
+        cap = (s.get("ngram_cap") or {}).get("note")
+        return (
+            f"Slots over {f['decades']:.1f} decades of table rows; {tokens}, "
+            f"{sc['orders_of_magnitude_below_paper']:.1f} orders of magnitude fewer tokens than the paper's 100B, "
+            f"{n} seed{'s' if n > 1 else ''}. Measured (95% t-interval over every run): {st['text']}; without "
+            f"Engram {f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
+            + (f" Note: {cap}." if cap else "")
+            + _touched_text(s)
+        )
     se = "" if f["slope_stderr"] is None else f" +- {f['slope_stderr']:.4f}"
     sign = "falls" if f["slope_per_decade"] < 0 else "does not fall"
     return (
@@ -942,6 +1143,39 @@ def report_text(kind: str, s: dict) -> str:
         f"Measured: validation loss {sign} with log10(rows), slope {f['slope_per_decade']:+.4f}{se} nats per "
         f"decade{_significance(f['slope_beyond_2se'])}; without Engram "
         f"{f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
+    )
+
+
+def _touched_text(s: dict) -> str:
+    """Rows read in training against the table's rows, per point (mean over seeds, all tables)."""
+    parts = []
+    for p in s["points"]:
+        t = p.get("rows_touched")
+        if t:
+            rows = sum(v["rows"] for v in t.values())
+            touched = sum(float(np.mean(v["touched"])) for v in t.values())
+            parts.append(f"{p['label']}: {touched:,.0f} of {rows:,} ({100 * touched / rows:.1f}%)")
+    return ("\nRows touched in training (mean over seeds): " + "; ".join(parts)) if parts else ""
+
+
+def token_report(s: dict) -> str:
+    """The token sweep's report: per budget, each rho's gap to pure MoE and the table's own effect."""
+    lines = []
+    for b in s["statistics"]["budgets"]:
+        lines.append(
+            f"{b['train_tokens']:,} tokens per run ({b['tokens_per_active_param']:.3g} tokens per active "
+            f"parameter), pure MoE {b['pure_moe_val_loss']:.4f}:"
+        )
+        for rho, c in b["vs_pure_moe"].items():
+            lines.append(f"  * rho {rho} vs pure MoE: {c['text']}")
+            effect = b["table_effect"].get(rho)
+            if effect is not None:
+                lines.append(f"  * rho {rho}, the table's own effect (vs no table): {effect['text']}")
+    return (
+        f"Token axis: the allocation's gaps at {len(s['statistics']['budgets'])} budgets from "
+        f"{s['statistics']['budgets'][0]['train_tokens']:,} to {s['statistics']['budgets'][-1]['train_tokens']:,} "
+        f"tokens per run{_validation_text(s)}, {len(s['seeds'])} seeds, paired by seed, 95% t-intervals (a "
+        "difference is claimed only where its interval excludes zero):\n" + "\n".join(lines)
     )
 
 
@@ -1006,6 +1240,8 @@ def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | 
     plt = pyplot()
     if plt is None:
         return None
+    if summary["study"] == "tokens":
+        return plot_token_gaps(summary, path, within=within)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs, points, f = summary["runs"], summary["points"], summary["finding"]
     if summary["study"] == "allocation":

@@ -29,7 +29,7 @@ from condmem.models.config import MoEConfig
 from condmem.train.loop import TrainConfig
 from condmem.train.presets import DataPreset, EngramPreset, ModelPreset, Preset
 
-KINDS = ("allocation", "slots")
+KINDS = ("allocation", "slots", "tokens")
 
 CONTROLS = ("no_table", "tiny_table", "random_address", "dense")
 """Controls of the allocation sweep (docs/study.md#controls), run beside every rho < 1:
@@ -66,6 +66,14 @@ class StudyConfig:
     """Training tokens of every allocation run instead of ``allocation_steps`` (rounded up to whole steps)."""
     slots_tokens: int | None = None
     """Training tokens of every slot run instead of ``slots_steps``."""
+    tokens_grid: list[int] | None = None
+    """Token sweep: training tokens of every run at each budget (rounded up to whole steps, at most
+    ``max_passes`` over the training split); None: no token sweep."""
+    tokens_rhos: list[float] | None = None
+    """Token sweep: the rhos trained at each budget (None: ``rhos``); each rho < 1 with its
+    ``no_table`` control."""
+    slots_seeds: int | None = None
+    """Seeds of the slot sweep (None: ``seeds``)."""
     seeds: int = 1
     """Seeds per point: seed index k trains with initialization and data-order seed ``seed + k``."""
     seed: int = 0
@@ -105,11 +113,23 @@ class StudyConfig:
 
     def steps_for(self, kind: str) -> int:
         """Training steps of every run of `kind` (tokens converted to whole steps)."""
+        if kind == "tokens":
+            return max(self.token_steps())
         tokens = self.allocation_tokens if kind == "allocation" else self.slots_tokens
         if tokens is not None:
             per_step = self.base.train.batch_size * self.base.train.seq_len
             return max(1, -(-tokens // per_step))
         return self.allocation_steps if kind == "allocation" else self.slots_steps
+
+    def token_steps(self) -> list[int]:
+        """Steps of each budget of ``tokens_grid`` (whole steps, ascending, distinct); `ConfigError` without one."""
+        if self.tokens_grid is None:
+            raise ConfigError("the token sweep needs tokens_grid (the config's) or --tokens-grid")
+        per_step = self.base.train.batch_size * self.base.train.seq_len
+        steps = sorted({max(1, -(-tokens // per_step)) for tokens in self.tokens_grid})
+        if len(steps) < 2:
+            raise ConfigError(f"tokens_grid {self.tokens_grid} gives one step count ({steps[0]}): two budgets or more")
+        return steps
 
     def override(self, where: str = "study config", **values: Any) -> StudyConfig:
         """A copy with top-level keys replaced (None: kept), validated."""
@@ -276,6 +296,20 @@ def _validate(c: StudyConfig) -> None:
         if getattr(c, key) is not None:
             _int(key, getattr(c, key), 1)
     _int("seeds", c.seeds, 1)
+    if c.slots_seeds is not None:
+        _int("slots_seeds", c.slots_seeds, 1)
+    if c.tokens_grid is not None:
+        if not isinstance(c.tokens_grid, list) or len(set(c.tokens_grid)) < 2:
+            raise ConfigError(f"tokens_grid must list two token budgets or more, got {c.tokens_grid!r}")
+        for i, tokens in enumerate(c.tokens_grid):
+            _int(f"tokens_grid[{i}]", tokens, 1)
+    if c.tokens_rhos is not None:
+        if not isinstance(c.tokens_rhos, list) or not c.tokens_rhos:
+            raise ConfigError(f"tokens_rhos must be a non-empty list, got {c.tokens_rhos!r}")
+        for i, rho in enumerate(c.tokens_rhos):
+            _number(f"tokens_rhos[{i}]", rho, positive=False)
+            if not 0 < rho <= 1:
+                raise ConfigError(f"tokens_rhos[{i}]: rho must be in (0, 1], got {rho}")
     _int("seed", c.seed, 0)
     _int("split_seed", c.split_seed, 0)
     if c.minutes is not None:

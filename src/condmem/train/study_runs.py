@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from condmem.config import ConfigError
+from condmem.module import EngramTable
 from condmem.models.moe import router_statistics
 from condmem.train.build import build_model, build_trainer, machine_info
 from condmem.train.demo import bucket_losses
@@ -61,7 +62,8 @@ class RunSpec:
         return f"{self.point.key}_seed{self.init_seed}"
 
     def fields(self) -> dict[str, Any]:
-        """The values `select_runs` matches: rho (asked and realised), experts, table_size, control, seed."""
+        """The values `select_runs` matches: rho (asked and realised), experts, table_size, control, seed,
+        tokens (the token sweep's budget)."""
         p = self.point
         return {
             "rho": [v for v in (p.rho, *p.rho_asked) if v is not None],
@@ -69,6 +71,7 @@ class RunSpec:
             "table_size": [p.accounting.get("table_size")],
             "control": [p.control or "none"],
             "seed": [self.init_seed],
+            "tokens": [getattr(p, "train_tokens", None)],
         }
 
 
@@ -87,7 +90,7 @@ def plan_runs(points: list, seeds: int, seed: int) -> list[RunSpec]:
     return specs
 
 
-_ONLY_KEYS = ("rho", "experts", "table_size", "control", "seed")
+_ONLY_KEYS = ("rho", "experts", "table_size", "control", "seed", "tokens")
 
 
 def parse_only(filters: list[str] | None) -> list[dict[str, list[str]]]:
@@ -259,6 +262,7 @@ def train_run(
     losses, timed_s, timed_steps = [], 0.0, 0
     stats_from = (3 * tc.steps) // 4  # router statistics over the last quarter of training
     bar = Progress(tc.steps, label, enabled=progress)
+    touched = RowsTouched(model)
     start = time.perf_counter()
     try:
         for step in range(tc.steps):
@@ -283,6 +287,7 @@ def train_run(
                 )
     finally:
         bar.close()
+        rows_touched = touched.close()
     train_seconds = time.perf_counter() - start
     router = router_statistics(model) if point.cfg.moe is not None else None
     if router is not None:
@@ -314,6 +319,7 @@ def train_run(
         "final_lr": lr,
         "train_losses": losses,
         "router": router,
+        "rows_touched": rows_touched,
         "machine": machine_info(dev),
     }
     print(
@@ -347,6 +353,71 @@ def _final_validation(model, data: PreparedData, dev, tc: TrainConfig, val_token
     finally:
         vbar.close()
     return ev, available, cap
+
+
+class RowsTouched:
+    """The distinct rows of each Engram table that training reads: a forward pre-hook on every
+    `EngramTable` marks the row ids it is given (a bool per row, on the table's device; no host copy
+    per step). `close` removes the hooks and returns ``{table name: {"rows", "touched", "share"}}``
+    (None for a model without Engram)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.marks: dict[str, torch.Tensor] = {}
+        self.hooks = []
+        for name, module in model.named_modules():
+            if isinstance(module, EngramTable):
+                mark = torch.zeros(module.num_embeddings, dtype=torch.bool, device=module.weight.device)
+                self.marks[name] = mark
+                self.hooks.append(module.register_forward_pre_hook(self._hook(mark)))
+
+    @staticmethod
+    def _hook(mark: torch.Tensor):
+        def hook(module, args):
+            if module.training:
+                mark.index_fill_(0, args[0].reshape(-1).to(mark.device), True)
+
+        return hook
+
+    def close(self) -> dict | None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        if not self.marks:
+            return None
+        out = {}
+        for name, mark in self.marks.items():
+            touched = int(mark.sum())
+            out[name] = {"rows": int(mark.numel()), "touched": touched, "share": touched / mark.numel()}
+        return out
+
+
+def distinct_ngrams(stream, steps: int, batch_size: int, seq_len: int, seed: int, n: int) -> int:
+    """Distinct n-grams (within a training window) in the inputs of batches ``0..steps-1`` of `seed`:
+    what a run of `steps` steps reads, replayed from the sampler (no model)."""
+    seen = np.zeros(0, dtype=np.uint64)
+    chunk: list[np.ndarray] = []
+    size = 0
+
+    def fold() -> None:
+        nonlocal seen, chunk, size
+        if chunk:
+            seen = np.unique(np.concatenate([seen, *chunk]))
+        chunk, size = [], 0
+
+    for step in range(steps):
+        inputs = stream.batch(step, batch_size, seq_len, seed).inputs.numpy().astype(np.uint64)
+        if inputs.shape[1] < n:
+            continue
+        key = inputs[:, : inputs.shape[1] - n + 1].copy()
+        with np.errstate(over="ignore"):
+            for j in range(1, n):
+                key = key * np.uint64(1_000_003) + inputs[:, j : j + key.shape[1]]
+        chunk.append(np.unique(key))
+        size += key.size
+        if size > 1 << 24:
+            fold()
+    fold()
+    return int(len(seen))
 
 
 class SweepProgress:
