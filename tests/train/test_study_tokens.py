@@ -1,0 +1,179 @@
+"""`condmem study tokens` (the allocation's gaps at several token budgets), the slot sweep's n-gram cap,
+rows touched and slope claim, and the router-load figure."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from condmem.cli import main
+from condmem.config import ConfigError, EngramConfig
+from condmem.layout import draw_primes
+from condmem.module import EngramTable
+from condmem.train import study
+from condmem.train.plots import plot_router_load
+from condmem.train.study import STUDY_PRESETS, cap_table_sizes, statistics
+from condmem.train.study_runs import RowsTouched, distinct_ngrams
+
+GRID = ["256", "512", "2048"]  # 2, 4 and 16 steps of the tiny preset's 128 tokens: 8x
+
+
+def _tokens(tiny_corpus, out, *extra: str) -> int:
+    return main(
+        ["study", "tokens", "--preset", "tiny", "--corpus", str(tiny_corpus), "--tokens-grid", *GRID]
+        + ["--out", str(out), "--no-progress", "--device", "cpu", *extra]
+    )
+
+
+def test_token_sweep_runs_each_budget_as_ordinary_runs_and_pairs_the_gaps(tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "tokens"
+    # one budget first (--only tokens=...): its runs are ordinary runs, the rest trained by the same command again
+    assert _tokens(tiny_corpus, out, "--only", "tokens=2048") == 0
+    first = sorted(p.stem for p in (out / "runs").glob("*.json"))
+    assert first == sorted(
+        f"tok2048_{key}_seed{k}"
+        for key in ("rho1", "rho0.5000_experts4", "rho0.5000_experts4_no_table")
+        for k in (0, 1)
+    )
+    assert not (out / "study.json").exists()
+    capsys.readouterr()
+    assert _tokens(tiny_corpus, out) == 0
+    assert capsys.readouterr().out.count("finished earlier") == 6
+    s = json.loads((out / "study.json").read_text())
+    assert s["study"] == "tokens" and len(s["runs"]) == 18 and len(s["points"]) == 9
+    for r in s["runs"]:  # steps scaled with the budget, the budget in the run's id
+        assert r["train_tokens"] == r["steps"] * 128 and r["run_id"].startswith(f"tok{r['train_tokens']}_")
+        assert len(r["train_losses"]) == r["steps"]
+    budgets = s["statistics"]["budgets"]
+    assert [b["train_tokens"] for b in budgets] == [256, 512, 2048] and [b["steps"] for b in budgets] == [2, 4, 16]
+    for b in budgets:
+        active = next(p for p in s["points"] if p["train_tokens"] == b["train_tokens"] and p["rho"] == 1.0)
+        assert b["tokens_per_active_param"] == pytest.approx(b["train_tokens"] / active["params"]["active"])
+        for entry in (b["vs_pure_moe"]["0.50"], b["table_effect"]["0.50"]):
+            d = entry["difference"]
+            assert d["n"] == 2 and d["low"] < d["mean"] < d["high"]
+            assert entry["claim"] == d["excludes_zero"]
+        # the table's own effect is the paired difference against the same budget's no-table runs
+        loss = {(r["run_id"].split("_seed")[0], r["seed"]): r["val_loss"] for r in s["runs"]}
+        t = b["train_tokens"]
+        diffs = [
+            loss[(f"tok{t}_rho0.5000_experts4", k)] - loss[(f"tok{t}_rho0.5000_experts4_no_table", k)] for k in (0, 1)
+        ]
+        assert b["table_effect"]["0.50"]["difference"]["mean"] == pytest.approx(np.mean(diffs))
+    assert "tokens per active parameter" in s["report"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("tokens.png", "tokens_curves.png", "tokens_router.png"):
+            assert (out / name).stat().st_size > 1000, name
+    # merge checks each run's steps against its own budget's: a run file of another budget is refused
+    assert main(["study", "merge", str(out)]) == 0
+    # negative control: the one step count of an allocation sweep would refuse two of the three budgets
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sum(r["steps"] != sweep["steps"] for r in s["runs"]) == 12
+    path = out / "runs" / "tok256_rho1_seed0.json"
+    run = json.loads(path.read_text())
+    run["run_config"]["train"]["steps"] = 16
+    path.write_text(json.dumps(run))
+    capsys.readouterr()
+    assert main(["study", "merge", str(out)]) == 1
+    assert "tok256_rho1_seed0.json does not belong to this sweep (its steps 16" in capsys.readouterr().err
+
+
+def test_the_token_sweep_refuses_what_it_cannot_do(tiny_corpus, tmp_path, capsys):
+    common = ["--preset", "tiny", "--corpus", str(tiny_corpus), "--no-progress", "--out", str(tmp_path / "x")]
+    assert main(["study", "tokens", "--steps", "8", *common]) == 1
+    assert "--steps: the token sweep's budgets are its tokens_grid" in capsys.readouterr().err
+    assert main(["study", "allocation", "--tokens-grid", "256", "2048", *common]) == 1
+    assert "--tokens-grid is the token sweep's" in capsys.readouterr().err
+    assert main(["study", "tokens", "--tokens-grid", "256", "0", *common]) == 1
+    assert "--tokens-grid must be a positive integer, got 0" in capsys.readouterr().err
+    assert main(["study", "tokens", "--tokens-grid", "200", "256", *common]) == 1  # both 2 steps of 128
+    assert "gives one step count (2)" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"tokens_grid\[1\] must be >= 1"):
+        STUDY_PRESETS["tiny"].override(tokens_grid=[256, -1])
+    with pytest.raises(ConfigError, match="tokens_rhos\\[0\\]: rho must be in \\(0, 1\\]"):
+        STUDY_PRESETS["tiny"].override(tokens_rhos=[1.5])
+
+
+@pytest.mark.parametrize("name", ["tiny", "cpu", "gpu"], ids=["tiny", "cpu", "one-card"])  # "gpu" marks a GPU test
+def test_presets_span_8x_of_tokens_and_the_slot_sweep_has_3_seeds(name):
+    sc = STUDY_PRESETS[name]
+    steps = sc.token_steps()
+    assert len(steps) >= 3 and steps[-1] / steps[0] >= 8
+    if name != "tiny":
+        assert (sc.slots_seeds or sc.seeds) >= 3
+    resolved = study.resolve_config(preset=name, kind="slots")
+    assert resolved.seeds == (sc.slots_seeds or sc.seeds)
+    assert study.resolve_config(preset=name, kind="slots", seeds=1).seeds == 1  # --seeds wins
+
+
+def _widest(engram: EngramConfig, size: int) -> int:
+    return max(max(p) for p in draw_primes(engram.layer_ids, [size] * (engram.max_ngram_size - 1), engram.n_heads))
+
+
+def test_table_sizes_are_capped_at_the_distinct_ngrams_read():
+    engram = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=500)
+    sizes, record = cap_table_sizes(engram, [20, 300, 100_000], 1501)
+    assert sizes[:2] == [20, 300] and record["capped"] == [100_000] and "100,000 exceed the 1,501" in record["note"]
+    assert _widest(engram, sizes[-1]) <= 1501 < _widest(engram, sizes[-1] + 1)  # the largest that fits
+    # negative control: the size asked (the old behaviour) gives columns of more rows than n-grams read
+    assert _widest(engram, 100_000) > 1501
+    assert cap_table_sizes(engram, [20, 300], 1501)[1]["note"] is None
+    with pytest.raises(ValueError, match="two table sizes or more at most"):
+        cap_table_sizes(engram, [50_000, 100_000], 1501)
+
+
+def test_distinct_ngrams_counts_what_a_run_reads(tiny_data):
+    stream, steps, batch, seq = tiny_data.train, 5, 4, 32
+    seen = set()
+    for step in range(steps):
+        for row in stream.batch(step, batch, seq, 3).inputs.tolist():
+            seen.update(tuple(row[i : i + 3]) for i in range(len(row) - 2))
+    assert distinct_ngrams(stream, steps, batch, seq, 3, 3) == len(seen)
+    # another data seed reads other windows: the count is the run's, not the split's
+    assert distinct_ngrams(stream, steps, batch, seq, 4, 3) != len(seen) or steps * batch * seq > len(stream)
+
+
+def test_rows_touched_counts_distinct_rows_read_in_training_only():
+    model = torch.nn.Module()
+    model.table = EngramTable(50, 4)
+    touched = RowsTouched(model)
+    model.train()
+    model.table(torch.tensor([[3, 7, 7], [49, 3, 0]]))
+    model.eval()
+    model.table(torch.tensor([11, 12, 13]))  # validation reads are not training reads
+    assert touched.close() == {"table": {"rows": 50, "touched": 4, "share": 4 / 50}}
+    model.train()
+    model.table(torch.tensor([20]))  # the hooks are gone after close
+    assert RowsTouched(torch.nn.Linear(2, 2)).close() is None
+
+
+def _slot_runs(losses):
+    rows = [100, 1000, 10_000, 100_000]
+    return [{"table_rows": r, "val_loss": v, "run_id": f"x{r}_seed0", "init_seed": 0} for r, v in zip(rows, losses)]
+
+
+def test_the_slot_slope_is_claimed_only_when_its_interval_excludes_zero():
+    clean = statistics("slots", [], _slot_runs([3.0, 2.95, 2.90, 2.85]))
+    assert clean["claims_slope"] and "falls with log10(rows)" in clean["text"]
+    # |slope| = 2.6 standard errors: beyond two (the old rule would claim) but inside the 95% t-interval (df 2)
+    noisy = statistics("slots", [], _slot_runs([3.0, 2.93, 2.95, 2.89]))
+    se = (noisy["slope_per_decade"]["high"] - noisy["slope_per_decade"]["mean"]) / noisy["slope_per_decade"]["t"]
+    assert 2 < abs(noisy["slope_per_decade"]["mean"]) / se < 4.3
+    assert not noisy["claims_slope"] and "no slope claimed" in noisy["text"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_router_load_figure_draws_every_run_with_router_statistics(tmp_path):
+    layer = {"load": [10, 30, 0, 20], "load_mean": 15.0}
+    runs = [
+        {"label": "rho=1.00", "router": {"layers": {"blocks.0.moe": layer, "blocks.1.moe": layer}}},
+        {"label": "dense", "router": None},
+    ]
+    summary = {"study": "allocation", "preset": "tiny", "runs": runs}
+    path = plot_router_load(summary, tmp_path / "allocation_router.png", within=tmp_path)
+    assert path is not None and path.stat().st_size > 1000
+    assert plot_router_load({**summary, "runs": runs[1:]}, tmp_path / "none.png", within=tmp_path) is None
