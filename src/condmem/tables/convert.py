@@ -54,13 +54,6 @@ def convert_rows(chunk: LayerRows, to_format: str) -> LayerRows:
     return LayerRows("fp8_interleaved", pack_rows(q.contiguous(), s.contiguous()))
 
 
-def iter_chunks(rows: LayerRows, chunk_rows: int) -> Iterator[LayerRows]:
-    """Slices of `rows` of at most `chunk_rows` rows (views of the source)."""
-    for start in range(0, rows.num_rows, chunk_rows):
-        stop = min(rows.num_rows, start + chunk_rows)
-        yield LayerRows(rows.format, rows.weight[start:stop], None if rows.scales is None else rows.scales[start:stop])
-
-
 def float_chunks(weight: torch.Tensor, to_format: str, chunk_rows: int) -> Iterator[LayerRows]:
     """A float table [rows, head_dim] in `to_format`, chunk by chunk (see the module docstring); the
     pages of a mapped `weight` are given back once each chunk is consumed."""
