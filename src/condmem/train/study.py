@@ -12,7 +12,10 @@
   rho < 1. Paper (arXiv 2601.07372): loss is U-shaped in rho, lowest at rho ~ 0.75-0.8.
 * ``slots``: the backbone fixed (rho = 1's experts, with an Engram), the table's rows
   swept over two decades or more, plus the backbone without Engram (iso-FLOP) as a
-  level. Paper: loss falls about linearly in log(rows).
+  level, table sizes capped at the distinct n-grams a run reads. Paper: loss falls about
+  linearly in log(rows).
+* ``tokens``: pure MoE, each rho and its ``no_table`` control at each budget of ``tokens_grid``
+  (each budget's runs ordinary runs with their own steps): the gaps against training tokens.
 
 A sweep is a set of runs (`condmem.train.study_runs`): each writes ``OUT/runs/<run-id>.json``
 when it ends, a re-run skips finished runs, ``--only`` splits a sweep over machines, and
@@ -20,7 +23,7 @@ when it ends, a re-run skips finished runs, ``--only`` splits a sweep over machi
 trains on the same batches in the same order for the same number of steps (stated up front,
 at most ``max_passes`` over the training split), and is validated on the same held-out
 tokens (at most ``val_tokens``, said so). The report states the scale against the paper's
-and claims a minimum only where the seed spread allows it.
+and claims a difference, a slope or a minimum only where its 95% interval allows it.
 """
 
 from __future__ import annotations

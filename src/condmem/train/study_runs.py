@@ -14,7 +14,9 @@
   per-step losses on the same machine type.
 * `train_run` trains one run for exactly the steps it states (one learning-rate schedule
   over them) and validates it on at most the stated number of held-out tokens, with
-  progress bars.
+  progress bars, and records the distinct rows of each Engram table training read (`RowsTouched`).
+* `distinct_ngrams`: the distinct n-grams in the batches a run reads, replayed from the sampler
+  (the slot sweep's cap on table sizes).
 """
 
 from __future__ import annotations
