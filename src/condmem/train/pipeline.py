@@ -74,8 +74,9 @@ VAL_RESERVE = 4
 """With ``max_val_tokens``, validation candidates are kept (best-ranked first) until they hold
 this many times the cap, so that removing near-duplicates rarely leaves fewer than the cap."""
 
-ENCODE_BATCH_BYTES = 8 << 20
-"""Training text tokenized per batch (at most 256 documents, or one larger document)."""
+ENCODE_BATCH_BYTES = 1 << 20
+"""Training text tokenized per batch (at most 256 documents, or one larger document): the
+tokenizer's per-token bookkeeping (offsets, strings) of a batch is what encoding holds."""
 
 
 def _rank(tag: str, seed: int, name: str) -> bytes:
