@@ -256,3 +256,27 @@ def test_damaged_training_token_file_is_prepared_again(small_corpus, tmp_path):
         fh.truncate(path.stat().st_size - 10)
     again = prepare_data(small_corpus, **kw)
     assert not again.info["prepared_cache"]["hit"] and _equal(again.train.tokens, expected)
+
+
+def test_preset_cap_reaches_the_data_and_a_resumed_run_gets_it_back(small_corpus):
+    from condmem.train.build import prepare, prepare_recorded
+    from condmem.train.presets import get_preset
+
+    preset = get_preset("tiny", {"data": {"corpus": small_corpus, "vocab_size": VOCAB, "max_val_tokens": 300}})
+    data = prepare(preset, use_cache=False)
+    assert data.info["validation"]["max_tokens"] == 300 and len(data.val) <= 300
+    again = prepare_recorded(data.info["args"], tokenizer=data.tokenizer)
+    assert again.info["validation"]["max_tokens"] == 300 and _equal(again.val.tokens, data.val.tokens)
+
+
+@pytest.mark.parametrize("bad, message", [(1, "must be >= 2, got 1"), (True, "must be an integer")])
+def test_study_config_refuses_a_bad_validation_cap_naming_it(bad, message):
+    from condmem.config import ConfigError
+    from condmem.train.study_config import StudyConfig, study_preset
+
+    d = study_preset("tiny").to_dict()
+    d["data"]["max_val_tokens"] = bad
+    with pytest.raises(ConfigError, match=f"data.max_val_tokens {message}"):
+        StudyConfig.from_dict(d)
+    d["data"]["max_val_tokens"] = 4096  # control: a valid cap loads and round-trips
+    assert StudyConfig.from_dict(d).to_dict()["data"]["max_val_tokens"] == 4096

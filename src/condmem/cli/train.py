@@ -48,6 +48,7 @@ _PRESET_OPTIONS = {
     "corpus": ("data", "corpus"),
     "vocab_size": ("data", "vocab_size"),
     "max_train_bytes": ("data", "max_train_bytes"),
+    "max_val_tokens": ("data", "max_val_tokens"),
     "experts": ("model", "moe.n_experts"),
     "top_k": ("model", "moe.top_k"),
     "expert_ffn": ("model", "moe.expert_hidden"),
@@ -116,10 +117,16 @@ def _add_run_arguments(p) -> None:
 
 def _add_data_arguments(d) -> None:
     """The corpus and the tokenizer."""
-    d.add_argument("--corpus", nargs="+", metavar="PATH", help="directories, text or .jsonl files (default: stdlib)")
+    d.add_argument(
+        "--corpus",
+        nargs="+",
+        metavar="PATH",
+        help="directories, text, .jsonl, .parquet/.arrow files or a save_to_disk folder, streamed (default: stdlib)",
+    )
     d.add_argument("--tokenizer", help="tokenizer.json / directory / 'deepseek-v4' instead of training a BPE")
     d.add_argument("--vocab-size", type=int, help="BPE vocabulary size")
     d.add_argument("--max-train-bytes", type=int, help="encode at most this much of the training split")
+    d.add_argument("--max-val-tokens", type=int, help="keep at most this many deduplicated validation tokens")
 
 
 def _add_model_arguments(m) -> None:

@@ -87,6 +87,7 @@ def prepare(
             seed=seed,
             use_cache=use_cache,
             dedup_threshold=dedup_threshold,
+            max_val_tokens=d.max_val_tokens,
         ),
     )
 
@@ -105,6 +106,7 @@ def prepare_recorded(args: dict, *, tokenizer, rank: int | None = None) -> Prepa
             val_fraction=args.get("val_fraction", 0.02),
             seed=args.get("seed", 0),
             dedup_threshold=args.get("dedup_threshold"),
+            max_val_tokens=args.get("max_val_tokens"),
         ),
     )
     data.info["args"] = args

@@ -86,6 +86,8 @@ class DataPreset:
     """Train the BPE on a sample of this size."""
     max_corpus_bytes: int | None = None
     """Read at most this much corpus text (None: all)."""
+    max_val_tokens: int | None = None
+    """Keep at most this many deduplicated validation tokens (None: the whole split)."""
 
 
 def _merged(current, values: dict[str, Any], where: str):

@@ -280,6 +280,8 @@ def _validate(c: StudyConfig) -> None:
     for key in ("max_train_bytes", "tokenizer_train_bytes", "max_corpus_bytes"):
         if getattr(d, key) is not None:
             _int(f"data.{key}", getattr(d, key), 1)
+    if d.max_val_tokens is not None:
+        _int("data.max_val_tokens", d.max_val_tokens, 2)
     if not isinstance(c.rhos, list) or not c.rhos:
         raise ConfigError(f"rhos must be a non-empty list, got {c.rhos!r}")
     for i, rho in enumerate(c.rhos):
