@@ -177,3 +177,25 @@ def test_router_load_figure_draws_every_run_with_router_statistics(tmp_path):
     path = plot_router_load(summary, tmp_path / "allocation_router.png", within=tmp_path)
     assert path is not None and path.stat().st_size > 1000
     assert plot_router_load({**summary, "runs": runs[1:]}, tmp_path / "none.png", within=tmp_path) is None
+
+
+def test_the_slot_sweep_counts_the_ngrams_once_per_sweep(tiny_corpus, tmp_path, monkeypatch):
+    def sweep(out):
+        return main(
+            ["study", "slots", "--preset", "tiny", "--corpus", str(tiny_corpus), "--steps", "4", "--seeds", "1"]
+            + ["--only", "table_size=20", "--out", str(out), "--no-progress", "--device", "cpu"]
+        )
+
+    assert sweep(tmp_path / "a") == 0
+    cap = json.loads((tmp_path / "a" / "sweep.json").read_text())["ngram_cap"]
+    assert cap["steps"] == 4 and cap["distinct_ngrams"] <= 4 * 128
+
+    def recount(*args):
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(study, "distinct_ngrams", recount)
+    assert sweep(tmp_path / "a") == 0  # the same command again: the count is the sweep's, reused
+    assert json.loads((tmp_path / "a" / "sweep.json").read_text())["ngram_cap"] == cap
+    # negative control: a new sweep counts (the patched counter is called)
+    with pytest.raises(AssertionError, match="counted again"):
+        sweep(tmp_path / "b")

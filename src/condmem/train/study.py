@@ -511,16 +511,9 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
             raise ValueError(f"tokens_grid {sc.tokens_grid}: capped at {n_steps:,} steps, fewer than two budgets left")
         points = token_points(base, sc.tokens_rhos or sc.rhos, budgets, tc.batch_size * tc.seq_len)
     else:
-        distinct = min(
-            distinct_ngrams(
-                data.train, n_steps, tc.batch_size, tc.seq_len, run_seeds(sc.seed, k)[1], base.engram.max_ngram_size
-            )
-            for k in range(sc.seeds)
-        )
-        sizes, ngram_cap = cap_table_sizes(base.engram, sc.table_sizes, distinct)
-        if ngram_cap["note"]:
-            print(banner(ngram_cap["note"]), flush=True)
-        points = slot_points(base, sizes)
+        if previous is not None:  # the steps (and so the n-grams read) of the sweep already in `out`
+            n_steps = previous["steps"]
+        points, ngram_cap = _slot_plan(sc, base, data, n_steps, previous)
     specs = plan_runs(points, sc.seeds, sc.seed)
     if previous is not None:
         n_steps, budget = previous["steps"], previous["budget"]
@@ -528,6 +521,9 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
         budget = None
     else:
         n_steps, budget = _budgeted_steps(sc, kind, n_steps, points, data, dev, len(specs), wall)
+        if kind == "slots" and budget is not None and budget["cut"]:  # fewer steps read fewer n-grams
+            points, ngram_cap = _slot_plan(sc, base, data, n_steps, None)
+            specs = plan_runs(points, sc.seeds, sc.seed)
     passes.update(steps=n_steps, passes=data.train.passes(n_steps, tc.batch_size, tc.seq_len))
     data_id = data_identity(data)
     sweep = {
@@ -560,6 +556,24 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
         )
         return {"complete": False, "runs_left": left, "out": str(out)}
     return merge(out, wall=wall)
+
+
+def _slot_plan(sc: StudyConfig, base: ModelConfig, data, n_steps: int, previous: dict | None):
+    """The slot sweep's points with table sizes capped at the distinct n-grams a run of `n_steps` reads
+    (the fewest over seed indices; reused from `previous` when it counted them), and the cap's record."""
+    tc = sc.base.train
+    old = (previous or {}).get("ngram_cap")
+    if old is not None:
+        distinct = old["distinct_ngrams"]
+    else:
+        order = base.engram.max_ngram_size
+        seeds = [run_seeds(sc.seed, k)[1] for k in range(sc.seeds)]
+        distinct = min(distinct_ngrams(data.train, n_steps, tc.batch_size, tc.seq_len, s, order) for s in seeds)
+    sizes, record = cap_table_sizes(base.engram, sc.table_sizes, distinct)
+    record["steps"] = n_steps
+    if record["note"]:
+        print(banner(record["note"]), flush=True)
+    return slot_points(base, sizes), record
 
 
 def _previous_sweep(out: Path, kind: str, sc: StudyConfig, overwrite: bool) -> dict | None:
