@@ -199,3 +199,24 @@ def test_the_slot_sweep_counts_the_ngrams_once_per_sweep(tiny_corpus, tmp_path, 
     # negative control: a new sweep counts (the patched counter is called)
     with pytest.raises(AssertionError, match="counted again"):
         sweep(tmp_path / "b")
+
+
+def test_stop_after_expects_a_larger_budget_to_take_longer(tiny_corpus, tmp_path, monkeypatch, capsys):
+    clock = [0.0]  # one second per training step, nothing else
+
+    def fake_run(spec, data, dev, tc, **kw):
+        clock[0] += tc.steps
+        return {"run_id": spec.run_id}
+
+    monkeypatch.setattr(study.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(study, "train_run", fake_run)
+    grid = [int(t) for t in GRID]  # 2, 4, 16 steps: runs in that order for one seed
+    status = study.run_study(
+        "tokens", tmp_path, preset="tiny", corpus=[str(tiny_corpus)], tokens_grid=grid, seeds=1,
+        device="cpu", stop_after=0.5, progress=False,
+    )  # fmt: skip
+    # after 3 x 2 + 3 x 4 = 18 s the next run (16 steps) would end at 34 s, past the 30 s limit: not started
+    assert len(status["runs_left"]) == 3 and all(r.startswith("tok2048_") for r in status["runs_left"])
+    assert "--stop-after 0.5: the next run would end after the limit" in capsys.readouterr().out
+    # negative control: the mean run so far (18 s / 6 runs) would have started it (18 + 3 < 30)
+    assert clock[0] == 18 and clock[0] + clock[0] / 6 < 30

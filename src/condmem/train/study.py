@@ -622,10 +622,13 @@ def _train_selected(
         1 for spec, _, _ in todo if store.path(spec.run_id).exists()
     )
     bar = SweepProgress(len(specs), done, progress)
+    trained_steps = 0
     try:
         for spec, run_tc, wanted in todo:
             mean = bar.mean_run_seconds()
             if stop_after is not None and mean is not None:
+                # a run of more steps than the mean so far (the token sweep's larger budgets) takes longer
+                mean *= max(1.0, run_tc.steps * bar.trained / trained_steps)
                 if time.perf_counter() - wall + mean > stop_after * 60:
                     print(
                         banner(
@@ -640,6 +643,7 @@ def _train_selected(
             record["run_config"] = wanted
             store.write(record)
             bar.finished(time.perf_counter() - t0)
+            trained_steps += run_tc.steps
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
