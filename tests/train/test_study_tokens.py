@@ -220,3 +220,19 @@ def test_stop_after_expects_a_larger_budget_to_take_longer(tiny_corpus, tmp_path
     assert "--stop-after 0.5: the next run would end after the limit" in capsys.readouterr().out
     # negative control: the mean run so far (18 s / 6 runs) would have started it (18 + 3 < 30)
     assert clock[0] == 18 and clock[0] + clock[0] / 6 < 30
+
+
+def test_a_minutes_cut_counts_the_ngrams_of_the_steps_trained(tiny_corpus, tmp_path, monkeypatch):
+    def sweep(out):
+        args = ["study", "slots", "--preset", "tiny", "--corpus", str(tiny_corpus), "--steps", "8", "--seeds", "1"]
+        assert main(args + ["--only", "table_size=20", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+        return json.loads((out / "sweep.json").read_text())
+
+    whole = sweep(tmp_path / "whole")
+    monkeypatch.setattr(study, "_budgeted_steps", lambda *a: (2, {"cut": True, "steps": 2, "requested_steps": 8}))
+    cut = sweep(tmp_path / "cut")
+    assert cut["steps"] == 2 and cut["ngram_cap"]["steps"] == 2
+    # negative control: the count of the 8 steps planned (before the cut) is larger than the one kept
+    assert (
+        whole["ngram_cap"]["steps"] == 8 and whole["ngram_cap"]["distinct_ngrams"] > cut["ngram_cap"]["distinct_ngrams"]
+    )
