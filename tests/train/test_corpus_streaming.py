@@ -280,3 +280,17 @@ def test_study_config_refuses_a_bad_validation_cap_naming_it(bad, message):
         StudyConfig.from_dict(d)
     d["data"]["max_val_tokens"] = 4096  # control: a valid cap loads and round-trips
     assert StudyConfig.from_dict(d).to_dict()["data"]["max_val_tokens"] == 4096
+
+
+def test_unwritable_cache_still_prepares_the_data(small_corpus, tmp_path, monkeypatch):
+    """A cache that cannot be written costs the cache, not the data (a warning; the same tokens)."""
+    kw = {"vocab_size": VOCAB, "val_fraction": 0.25}
+    expected = prepare_data(small_corpus, **kw, use_cache=False)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "atomic_path", full)
+    data = prepare_data(small_corpus, **kw, cache_dir=tmp_path / "c")
+    assert _equal(data.train.tokens, expected.train.tokens) and _equal(data.val.tokens, expected.val.tokens)
+    assert not list((tmp_path / "c" / "prepared").glob("*.train.npy"))

@@ -434,9 +434,14 @@ def _encode_splits(
     val: dict[int, tuple[Document, np.ndarray]] = {}
     val_tokens = 0
     eos = np.asarray([eos_id], dtype=dtype).tobytes()
+    scratch = None
     if train_path is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=folder if train_path is not None else None) as raw:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            scratch = folder if os.access(folder, os.W_OK) else None
+        except OSError:
+            pass
+    with tempfile.TemporaryFile(dir=scratch) as raw:
         batch: list[tuple[int, str]] = []
         batch_bytes = 0
         cursor = 0
@@ -509,8 +514,12 @@ def _write_ordered(raw, offsets, lengths, dtype, itemsize: int, train_path: Path
             return np.load(tmp, mmap_mode="r")
         finally:
             os.unlink(tmp)  # the map keeps the data until it is dropped
-    with atomic_path(train_path, wait=True) as tmp, open(tmp, "wb") as fh:
-        write(fh)
+    try:
+        with atomic_path(train_path, wait=True) as tmp, open(tmp, "wb") as fh:
+            write(fh)
+    except OSError as exc:
+        logger.warning("could not write the prepared-data cache %s (%s); using a temporary file", train_path, exc)
+        return _write_ordered(raw, offsets, lengths, dtype, itemsize, None, folder)
     return np.load(train_path, mmap_mode="r")
 
 
