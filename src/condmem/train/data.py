@@ -1,10 +1,12 @@
 """Corpus, train/validation split, token streams and batches.
 
-* `load_corpus`: text documents from directories, files or JSONL; by default the
-  standard library source of the running interpreter (real text on every machine,
-  no download), described by its Python version and a content hash; ``"python"`` adds
-  the source of every package installed beside it (a larger corpus, still no download).
-* `split_corpus`: a deterministic train/validation split by document name.
+* `iter_corpus` / `load_corpus`: text documents from directories, text files (a long one cut
+  at line ends into ~64K-character documents), JSONL, or Hugging Face dataset tables
+  (``.parquet``, ``.arrow``, a ``save_to_disk`` folder; optional ``pyarrow``), streamed one
+  document at a time or loaded whole; by default the standard library source of the running
+  interpreter (real text on every machine, no download), described by its Python version
+  and a content hash; ``"python"`` adds the source of every package installed beside it.
+* `split_corpus` / `validation_flags`: a deterministic train/validation split by document name.
 * `encode_corpus`: documents -> one token stream per split, EOS between documents,
   cached on disk keyed by (corpus hash, tokenizer hash).
 * `TokenStream`: training batches walk a seeded permutation of non-overlapping windows,

@@ -10,7 +10,8 @@
   be split into what the training data showed and what it did not.
 
 Membership is decided without sorting the (large) training stream: the (small) set of
-validation keys is sorted once and the training keys are looked up in it in chunks.
+validation keys is sorted once and the training keys are computed and looked up in it a
+chunk at a time (`stream_ngram_keys`), so the stream may be a memory map or a file's pieces.
 N-grams of more than 3 tokens are keyed by a 64-bit polynomial hash (a false match has
 probability ~ n_keys / 2^64); 3-grams by their exact ids.
 """
