@@ -39,6 +39,21 @@ def _private_cache(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _deterministic_settings_restored():
+    """torch's deterministic-algorithm and cuDNN settings are put back after every test, so a test that
+    left deterministic mode on (or off) does not decide what the next one sees."""
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
+@pytest.fixture(autouse=True)
 def _close_what_a_test_opened(monkeypatch):
     """Lookup engines (worker threads, plan slots) and host buffers (page-locked memory, shared
     files) a test opens are closed when it ends, passed or failed: a failing test must not leak

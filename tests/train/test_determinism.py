@@ -27,6 +27,7 @@ def test_train_deterministic_is_on_while_fitting_recorded_and_restored(tiny_corp
         return real_fit(self, *a, **k)
 
     monkeypatch.setattr(Trainer, "fit", fit)
+    torch.use_deterministic_algorithms(False)  # whatever the process had; the conftest puts it back
     first = _train(tiny_corpus, tmp_path / "a", "--deterministic")
     second = _train(tiny_corpus, tmp_path / "b", "--deterministic")
     plain = _train(tiny_corpus, tmp_path / "c")
@@ -60,6 +61,7 @@ def test_demo_deterministic_trains_in_the_mode(tiny_corpus, tmp_path, monkeypatc
         raise Stop
 
     monkeypatch.setattr(demo, "_train_and_compare", record)
+    torch.use_deterministic_algorithms(False)
     for flag in (True, False):  # negative control: off without the flag
         try:
             demo.run_demo(tmp_path / str(flag), corpus=str(tiny_corpus), preset="tiny", steps=2, deterministic=flag)
