@@ -92,40 +92,33 @@ class Sizing:
 
 def parse_bytes(value: int | str, name: str = "memory") -> int:
     """Bytes from an int or a string with a unit: ``10GB`` (10**9), ``8GiB`` (2**30), ``512MiB``."""
-    if isinstance(value, bool):
-        raise SizingError(f"{name} must be a number of bytes or a size like 10GB / 8GiB, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str):
-        m = re.fullmatch(_NUMBER + r"\s*([KMGT]i?B)", value.strip(), flags=re.IGNORECASE)
-        if not m:
-            raise SizingError(
-                f"{name} {value!r} is not a size: write a number and a unit, "
-                "e.g. 10GB (10^9 bytes) or 8GiB (2^30 bytes)"
-            )
-        n = _floor(float(m.group(1)) * _BYTE_UNITS[m.group(2).upper()], name, value)
-    else:
-        raise SizingError(f"{name} must be a number of bytes or a size like 10GB / 8GiB, got {value!r}")
-    if n < 1:
-        raise SizingError(f"{name} must be at least 1 byte, got {value!r}")
-    return n
+    return _parse_quantity(
+        value, name, r"([KMGT]i?B)", _BYTE_UNITS, "a size", "a number and a unit, e.g. 10GB (10^9 bytes) or "
+        "8GiB (2^30 bytes)", "a number of bytes or a size like 10GB / 8GiB", "1 byte"
+    )  # fmt: skip
 
 
 def parse_count(value: int | str, name: str = "params") -> int:
     """A count from an int or a string: ``2000000000``, ``2e9``, ``2B`` / ``2G`` (billion), ``500M``, ``1.5T``."""
-    if isinstance(value, bool):
-        raise SizingError(f"{name} must be a count like 2e9, 2B or 500M, got {value!r}")
+    return _parse_quantity(
+        value, name, r"([KMGBT]?)", _COUNT_UNITS, "a count", "e.g. 2e9, 2B (billion) or 500M",
+        "a count like 2e9, 2B or 500M", "1"
+    )  # fmt: skip
+
+
+def _parse_quantity(value, name: str, unit: str, units: dict, kind: str, how: str, like: str, least: str) -> int:
+    """`parse_bytes` / `parse_count`: an int, or a number followed by one of `units` (regex `unit`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SizingError(f"{name} must be {like}, got {value!r}")
     if isinstance(value, int):
         n = value
-    elif isinstance(value, str):
-        m = re.fullmatch(_NUMBER + r"\s*([KMGBT]?)", value.strip(), flags=re.IGNORECASE)
-        if not m:
-            raise SizingError(f"{name} {value!r} is not a count: write e.g. 2e9, 2B (billion) or 500M")
-        n = _floor(float(m.group(1)) * _COUNT_UNITS[m.group(2).upper()], name, value)
     else:
-        raise SizingError(f"{name} must be a count like 2e9, 2B or 500M, got {value!r}")
+        m = re.fullmatch(_NUMBER + r"\s*" + unit, value.strip(), flags=re.IGNORECASE)
+        if not m:
+            raise SizingError(f"{name} {value!r} is not {kind}: write {how}")
+        n = _floor(float(m.group(1)) * units[m.group(2).upper()], name, value)
     if n < 1:
-        raise SizingError(f"{name} must be at least 1, got {value!r}")
+        raise SizingError(f"{name} must be at least {least}, got {value!r}")
     return n
 
 

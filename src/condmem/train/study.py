@@ -416,26 +416,12 @@ def run_study(
     kind: str,
     out: str | Path | None = None,
     *,
-    preset: str = "tiny",
-    config: str | Path | StudyConfig | None = None,
-    seeds: int | None = None,
-    corpus=None,
     device: str | None = None,
-    steps: int | None = None,
-    tokens: int | None = None,
-    minutes: float | None = None,
-    seed: int | None = None,
-    rhos: list[float] | None = None,
-    table_sizes: list[int] | None = None,
-    max_passes: float | None = None,
-    val_tokens: int | None = None,
-    controls: list[str] | None = None,
-    deterministic: bool | None = None,
-    tokens_grid: list[int] | None = None,
     only: list[str] | None = None,
     overwrite: bool = False,
     stop_after: float | None = None,
     progress: bool = True,
+    **options,
 ) -> dict:
     """Run (or continue) one sweep in `out`; returns study.json's dict when every run exists, else a
     status (``{"complete": False, "runs_left": [...]}``).
@@ -443,33 +429,16 @@ def run_study(
     Args:
         kind: ``allocation``, ``slots`` or ``tokens`` (the allocation's gaps at each budget of the
             config's ``tokens_grid``).
-        preset / config: a shipped preset (``tiny``, ``cpu``, ``gpu``) or a study config file.
-        seeds, corpus, steps (or tokens), minutes, seed, rhos, table_sizes, max_passes, val_tokens,
-            controls, deterministic, tokens_grid: replace the config's (``rhos`` the token sweep's
-            ``tokens_rhos`` for ``tokens``).
+        options: `resolve_config`'s: ``preset`` / ``config`` (a shipped preset ``tiny``, ``cpu``,
+            ``gpu``, or a study config file) and the values that replace the config's (seeds,
+            corpus, steps or tokens, minutes, seed, rhos, table_sizes, max_passes, val_tokens,
+            controls, deterministic, tokens_grid; ``rhos`` the token sweep's ``tokens_rhos``).
         only: ``--only`` filters: train only the runs they select.
         overwrite: replace a sweep in `out` made with another config (and its runs that differ).
         stop_after: minutes: start no run that would not finish within them (re-run to continue).
     """
     wall = time.perf_counter()
-    sc = resolve_config(
-        preset=preset,
-        config=config,
-        seeds=seeds,
-        corpus=corpus,
-        steps=steps,
-        tokens=tokens,
-        kind=kind,
-        minutes=minutes,
-        seed=seed,
-        rhos=rhos,
-        table_sizes=table_sizes,
-        max_passes=max_passes,
-        val_tokens=val_tokens,
-        controls=controls,
-        deterministic=deterministic,
-        tokens_grid=tokens_grid,
-    )
+    sc = resolve_config(kind=kind, **options)
     parse_only(only)  # a malformed --only is refused before any work
     cublas = set_cublas_workspace(sc.deterministic)  # before anything starts cuBLAS
     dev = resolve_device(device)
