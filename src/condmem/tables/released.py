@@ -61,7 +61,7 @@ from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
 from condmem.ops.block_fp8 import BlockFp8Error, block_shape, dequantize_block_fp8
 from condmem.tables import integrity
 from condmem.tables.safetensors_io import Header, TableFileError, TensorEntry, mmap_tensor, read_header
-from condmem.tables.table_file import LayerRows, TableMismatchError
+from condmem.tables.table_file import LayerRows, TableMismatchError, check_read_range
 
 log = logging.getLogger("condmem.tables")
 
@@ -406,10 +406,7 @@ class ReleasedRows:
         """
 
         n = out.shape[0]
-        if out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1:] != (self.row_bytes,):
-            raise ValueError(f"out must be contiguous uint8 [n, {self.row_bytes}]")
-        if start < 0 or start + n > self.num_rows:
-            raise ValueError(f"rows {start}..{start + n} outside 0..{self.num_rows}")
+        check_read_range(out, start, self.num_rows, self.row_bytes)
         if n == 0:
             return
         spans = (self.weight, self.scales)

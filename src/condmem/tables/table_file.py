@@ -62,6 +62,15 @@ class TableMismatchError(TableFileError):
     """A table file was made for another layout, tokenizer or geometry than the one reading it."""
 
 
+def check_read_range(out: torch.Tensor, start: int, num_rows: int, row_bytes: int) -> None:
+    """A row source's `read_into` arguments: `out` contiguous uint8 [n, row_bytes], rows inside the table."""
+    n = out.shape[0]
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1:] != (row_bytes,):
+        raise ValueError(f"out must be contiguous uint8 [n, {row_bytes}]")
+    if start < 0 or start + n > num_rows:
+        raise ValueError(f"rows {start}..{start + n} outside 0..{num_rows}")
+
+
 @dataclass(frozen=True)
 class RowSource:
     """Where rows [r0, r1) of one layer lie in a table file, and how every byte of them is checked.
@@ -129,10 +138,7 @@ class RowSource:
         bytes from the page cache (a loader that keeps its own copy).
         """
         n = out.shape[0]
-        if out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1:] != (self.row_bytes,):
-            raise ValueError(f"out must be contiguous uint8 [n, {self.row_bytes}]")
-        if start < 0 or start + n > self.num_rows:
-            raise ValueError(f"rows {start}..{start + n} outside 0..{self.num_rows}")
+        check_read_range(out, start, self.num_rows, self.row_bytes)
         if n == 0:
             return
         threads = threads or integrity.default_threads()
