@@ -251,6 +251,16 @@ def _int(name: str, value: Any, minimum: int, maximum: int | None = None) -> Non
         raise ConfigError(f"{name} must be {bound}, got {value}")
 
 
+def _rhos(name: str, value: Any) -> None:
+    """A non-empty list of rhos, each in (0, 1]."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{name} must be a non-empty list, got {value!r}")
+    for i, rho in enumerate(value):
+        _number(f"{name}[{i}]", rho, positive=False)
+        if not 0 < rho <= 1:
+            raise ConfigError(f"{name}[{i}]: rho must be in (0, 1], got {rho}")
+
+
 def _number(name: str, value: Any, *, positive: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number, got {value!r}")
@@ -282,12 +292,7 @@ def _validate(c: StudyConfig) -> None:
             _int(f"data.{key}", getattr(d, key), 1)
     if d.max_val_tokens is not None:
         _int("data.max_val_tokens", d.max_val_tokens, 2)
-    if not isinstance(c.rhos, list) or not c.rhos:
-        raise ConfigError(f"rhos must be a non-empty list, got {c.rhos!r}")
-    for i, rho in enumerate(c.rhos):
-        _number(f"rhos[{i}]", rho, positive=False)
-        if not 0 < rho <= 1:
-            raise ConfigError(f"rhos[{i}]: rho must be in (0, 1], got {rho}")
+    _rhos("rhos", c.rhos)
     if not isinstance(c.table_sizes, list) or not c.table_sizes:
         raise ConfigError(f"table_sizes must be a non-empty list, got {c.table_sizes!r}")
     for i, size in enumerate(c.table_sizes):
@@ -306,12 +311,7 @@ def _validate(c: StudyConfig) -> None:
         for i, tokens in enumerate(c.tokens_grid):
             _int(f"tokens_grid[{i}]", tokens, 1)
     if c.tokens_rhos is not None:
-        if not isinstance(c.tokens_rhos, list) or not c.tokens_rhos:
-            raise ConfigError(f"tokens_rhos must be a non-empty list, got {c.tokens_rhos!r}")
-        for i, rho in enumerate(c.tokens_rhos):
-            _number(f"tokens_rhos[{i}]", rho, positive=False)
-            if not 0 < rho <= 1:
-                raise ConfigError(f"tokens_rhos[{i}]: rho must be in (0, 1], got {rho}")
+        _rhos("tokens_rhos", c.tokens_rhos)
     _int("seed", c.seed, 0)
     _int("split_seed", c.split_seed, 0)
     if c.minutes is not None:
