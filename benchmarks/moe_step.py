@@ -40,7 +40,7 @@ from condmem.models.config import ModelConfig
 from condmem.models.moe import MoE
 from condmem.train.data import TokenStream
 from condmem.train.loop import TrainConfig, Trainer
-from condmem.train.study import STUDY_PRESETS, allocation_points, slot_points
+from condmem.apps.study.sweep import STUDY_PRESETS, allocation_points, slot_points
 
 VOCAB = 8192
 

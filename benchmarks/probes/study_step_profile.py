@@ -29,7 +29,7 @@ from condmem.models import DecoderLM  # noqa: E402
 from condmem.models.flops import train_flops_per_token  # noqa: E402
 from condmem.train.data import TokenStream  # noqa: E402
 from condmem.train.loop import Trainer  # noqa: E402
-from condmem.train.study import STUDY_PRESETS, allocation_points  # noqa: E402
+from condmem.apps.study.sweep import STUDY_PRESETS, allocation_points  # noqa: E402
 
 
 def matmul_ceiling(device) -> float:

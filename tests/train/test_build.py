@@ -16,7 +16,7 @@ import torch
 from condmem.cli import main
 from condmem.config import ConfigError
 from condmem.train.build import build_model, build_model_config, build_trainer
-from condmem.train.demo import run_demo
+from condmem.apps.demo import run_demo
 from condmem.train.presets import PRESETS, get_preset
 
 

@@ -272,7 +272,7 @@ def test_preset_cap_reaches_the_data_and_a_resumed_run_gets_it_back(small_corpus
 @pytest.mark.parametrize("bad, message", [(1, "must be >= 2, got 1"), (True, "must be an integer")])
 def test_study_config_refuses_a_bad_validation_cap_naming_it(bad, message):
     from condmem.config import ConfigError
-    from condmem.train.study_config import StudyConfig, study_preset
+    from condmem.apps.study.config import StudyConfig, study_preset
 
     d = study_preset("tiny").to_dict()
     d["data"]["max_val_tokens"] = bad

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from condmem.cli import main
-from condmem.train.demo import run_demo
+from condmem.apps.demo import run_demo
 
 
 def test_demo_pipeline_on_a_tiny_corpus(tiny_corpus, tmp_path, capsys):

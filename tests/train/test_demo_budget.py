@@ -21,7 +21,7 @@ import pytest
 
 from condmem.cli import main
 from condmem.train import loop
-from condmem.train.demo import run_demo
+from condmem.apps.demo import run_demo
 from condmem.train.loop import MIN_COMPARABLE_STEPS, min_comparable_steps
 
 STEP_SECONDS = 10.0

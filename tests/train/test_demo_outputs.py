@@ -8,9 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from condmem.train import loop, plots
+from condmem.apps import plots
+from condmem.train import loop
 from condmem.train.build import build_model, build_model_config, build_trainer
-from condmem.train.demo import THROUGHPUT_CAVEAT, format_table
+from condmem.apps.demo import THROUGHPUT_CAVEAT, format_table
 from condmem.train.presets import get_preset
 
 

@@ -49,7 +49,7 @@ def test_deterministic_mode_restores_the_settings_before_it_even_after_an_error(
 
 
 def test_demo_deterministic_trains_in_the_mode(tiny_corpus, tmp_path, monkeypatch):
-    from condmem.train import demo
+    from condmem.apps import demo
 
     seen = []
 

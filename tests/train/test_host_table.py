@@ -18,7 +18,7 @@ import torch
 from condmem.cli import main
 from condmem.models import DecoderLM
 from condmem.train.checkpoint import load_checkpoint
-from condmem.train.demo import build_model_config
+from condmem.train.build import build_model_config
 from condmem.train.host_table import HostTableError, HostTables, HostTableView
 from condmem.train.host_table_optim import DeviceAdamTables, HostAdamTables
 from condmem.train.loop import Trainer

@@ -14,7 +14,7 @@ import pytest
 from condmem.cli import main
 from condmem.models import DecoderLM, forward_flops_per_token
 from condmem.train.build import build_model_config
-from condmem.train.study import (
+from condmem.apps.study.sweep import (
     STUDY_PRESETS,
     allocation_finding,
     allocation_points,

@@ -10,7 +10,7 @@ import pytest
 from condmem.cli import main
 from condmem.config import ConfigError
 from condmem.train.presets import ModelPreset
-from condmem.train.study_config import PRESET_NAMES, StudyConfig, load_study_config, preset_path, study_preset
+from condmem.apps.study.config import PRESET_NAMES, StudyConfig, load_study_config, preset_path, study_preset
 
 TOML = """\
 name = "mine"

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from condmem.cli import main
-from condmem.train import study, study_runs
+from condmem.apps.study import runs as study_runs
+from condmem.apps.study import sweep as study
 from condmem.train.optim import lr_factor
-from condmem.train.study_runs import RunSpec, parse_only, select_runs
+from condmem.apps.study.runs import RunSpec, parse_only, select_runs
 
 STEPS = "6"
 

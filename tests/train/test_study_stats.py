@@ -1,4 +1,4 @@
-"""`condmem.train.study_stats`: t quantiles against published values, intervals against
+"""`condmem.apps.study.stats`: t quantiles against published values, intervals against
 hand-computed cases, claims only where an interval excludes zero, and the quadratic optimum:
 rarely a minimum on flat noisy curves (measured rate under the test's 2.5% one-sided level),
 always one on a clear U, none where the lowest loss lies beyond the grid or on a slope."""
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from condmem.train.study_stats import (
+from condmem.apps.study.stats import (
     compare,
     linear_slope,
     paired_difference,

@@ -14,10 +14,10 @@ from condmem.cli import main
 from condmem.config import ConfigError, EngramConfig
 from condmem.layout import draw_primes
 from condmem.module import EngramTable
-from condmem.train import study
-from condmem.train.plots import plot_router_load
-from condmem.train.study import STUDY_PRESETS, cap_table_sizes, statistics
-from condmem.train.study_runs import RowsTouched, distinct_ngrams
+from condmem.apps.study import sweep as study
+from condmem.apps.plots import plot_router_load
+from condmem.apps.study.sweep import STUDY_PRESETS, cap_table_sizes, statistics
+from condmem.apps.study.runs import RowsTouched, distinct_ngrams
 
 GRID = ["256", "512", "2048"]  # 2, 4 and 16 steps of the tiny preset's 128 tokens: 8x
 

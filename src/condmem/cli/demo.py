@@ -109,7 +109,7 @@ def _add_output_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from condmem.train.demo import DEFAULT_PROMPT, run_demo
+    from condmem.apps.demo import DEFAULT_PROMPT, run_demo
     from condmem.train.heldout import DEDUP_THRESHOLD
     from condmem.cli.train import preset_overrides
 

@@ -102,8 +102,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from condmem.train.study import merge, replot, run_study
-    from condmem.train.study_runs import require_positive
+    from condmem.apps.study.sweep import merge, replot, run_study
+    from condmem.apps.study.runs import require_positive
 
     if args.kind == "merge":
         out = args.path or args.out

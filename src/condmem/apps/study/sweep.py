@@ -17,7 +17,7 @@
 * ``tokens``: pure MoE, each rho and its ``no_table`` control at each budget of ``tokens_grid``
   (each budget's runs ordinary runs with their own steps): the gaps against training tokens.
 
-A sweep is a set of runs (`condmem.train.study_runs`): each writes ``OUT/runs/<run-id>.json``
+A sweep is a set of runs (`condmem.apps.study.runs`): each writes ``OUT/runs/<run-id>.json``
 when it ends, a re-run skips finished runs, ``--only`` splits a sweep over machines, and
 `merge` builds ``study.json`` and the figures once every run exists. Every run of a seed index
 trains on the same batches in the same order for the same number of steps (stated up front,
@@ -59,12 +59,12 @@ from condmem.train.build import (
     prepare,
     resolve_device,
 )
-from condmem.train.demo import mean_std
+from condmem.apps.demo import mean_std
 from condmem.train.heldout import seen_in_training
-from condmem.train.study_config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig, load_study_config, study_preset
-from condmem.train.study_stats import compare, linear_slope, paired_difference, quadratic_optimum, t_interval
+from condmem.apps.study.config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig, load_study_config, study_preset
+from condmem.apps.study.stats import compare, linear_slope, paired_difference, quadratic_optimum, t_interval
 from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
-from condmem.train.study_runs import (
+from condmem.apps.study.runs import (
     RunStore,
     SweepProgress,
     data_identity,
@@ -79,7 +79,7 @@ from condmem.train.study_runs import (
     train_run,
 )
 from condmem.utils.atomic import atomic_write_text, check_destination
-from condmem.train.plots import plot_router_load, plot_sweep_curves, plot_token_gaps
+from condmem.apps.plots import plot_router_load, plot_sweep_curves, plot_token_gaps
 from condmem.utils.plotting import pyplot, save_figure
 
 PAPER = {

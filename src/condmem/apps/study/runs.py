@@ -37,7 +37,7 @@ from condmem.config import ConfigError
 from condmem.module import EngramTable
 from condmem.models.moe import router_statistics
 from condmem.train.build import build_model, build_trainer, machine_info
-from condmem.train.demo import bucket_losses
+from condmem.apps.demo import bucket_losses
 from condmem.train.loop import TrainConfig, evaluate
 from condmem.train.pipeline import PreparedData
 from condmem.train.progress import format_duration
@@ -54,7 +54,7 @@ class RunSpec:
     """One run of a sweep: a point (its model config and accounting), a control, a seed index."""
 
     point: Any
-    """The `condmem.train.study.Point` (its ``cfg`` is the model trained)."""
+    """The `condmem.apps.study.sweep.Point` (its ``cfg`` is the model trained)."""
     seed_index: int
     init_seed: int
     data_seed: int

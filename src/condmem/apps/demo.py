@@ -48,7 +48,7 @@ from condmem.train.heldout import DEDUP_THRESHOLD, seen_in_training
 from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
 from condmem.train.loop import MIN_COMPARABLE_STEPS, min_comparable_steps
 from condmem.train.pipeline import PreparedData
-from condmem.train.plots import plot_gate_heatmap, plot_loss_curves
+from condmem.apps.plots import plot_gate_heatmap, plot_loss_curves
 from condmem.train.presets import Preset, default_preset_name, get_preset
 from condmem.utils.atomic import atomic_write_text
 

@@ -17,7 +17,7 @@ import numpy as np
 from condmem.utils.plotting import pyplot as _pyplot
 from condmem.utils.plotting import save_figure
 
-logger = logging.getLogger("condmem.train.plots")
+logger = logging.getLogger("condmem.apps.plots")
 
 
 def _ema(values: Sequence[float], alpha: float) -> np.ndarray:
