@@ -42,7 +42,8 @@ from condmem.tables import integrity
 from condmem.tables.direct_read import DirectRowReader
 from condmem.tables.host_memory import allocate_host
 from condmem.tables.safetensors_io import release_pages
-from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file
 
 ROW_BYTES = 264

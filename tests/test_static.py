@@ -1,8 +1,9 @@
 """Static checks of the tree: `ruff format` applied, `ruff check` with the project's rules
 (pyproject.toml: pyflakes' undefined names, unused imports and variables, pycodestyle's errors,
 lines up to 120 characters), no function in `src/` over 100 lines, every `from condmem...
-import name` resolving (also those inside functions that run only on a GPU), and no package of
-condmem importing a package that imports it back."""
+import name` resolving (also those inside functions that run only on a GPU), no package of
+condmem importing a package that imports it back, and no module importing one that imports it
+back, however far round and wherever the import stands (inside a function too)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,121 @@ def test_no_package_imports_one_that_imports_it_back():
 
     cycles = sorted(f"{a} -> {b} -> ... -> {a}" for a in edges for b in edges[a] if reaches(b, a))
     assert not cycles, "import cycles between packages:\n" + "\n".join(cycles)
+
+
+def _module_name(path: Path, src: Path) -> str:
+    parts = (src.name, *path.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(src: Path) -> dict[str, set[str]]:
+    """{module: the modules of the package at `src` it imports}, from every ``import`` and
+    ``from ... import`` of each file, at its top or inside a function or class; relative imports
+    resolved; a package stands for its ``__init__``, ``from package import submodule`` for the
+    submodule."""
+    paths = {_module_name(path, src): path for path in sorted(src.rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = defaultdict(set)
+    for me, path in paths.items():
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = known(name) if name.split(".")[0] == src.name else None
+                if target and target != me:
+                    edges[me].add(target)
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each is a set of
+    modules every one of which imports, however far round, every other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+ALLOWED_IMPORTS = {
+    # The transformers adapter's own imports of its helpers that import it back: being taken apart.
+    ("condmem.integrations.transformers.adapter", "condmem.integrations.transformers.pretrained"),
+    ("condmem.integrations.transformers.adapter", "condmem.integrations.transformers.optim"),
+}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """Modules stay layered: no import circle, lazy imports inside functions included (a lazy
+    import hides a circle from Python, not from the design)."""
+    edges = module_imports(SRC)
+    for a, b in ALLOWED_IMPORTS:
+        edges[a].discard(b)
+    cycles = import_cycles(edges)
+    described = [
+        " <-> ".join(c) + "\n  " + "\n  ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a] & set(c)))
+        for c in cycles
+    ]
+    assert not cycles, "import cycles between modules:\n" + "\n".join(described)
+
+
+def test_the_module_cycle_finder_finds_circles_through_lazy_and_relative_imports(tmp_path):
+    """Negative control: a package whose modules close a circle only through a lazy import
+    inside a function, a relative import and an import of a package's ``__init__``."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg.sub import c\n")
+    (pkg / "a.py").write_text("def f():\n    from pkg import b\n    return b\n")
+    (pkg / "b.py").write_text("from .sub.c import g\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("import os\n\n\ndef g():\n    import pkg.a\n")
+    (pkg / "lone.py").write_text("import pkg\nfrom . import a\n")
+    edges = module_imports(pkg)
+    assert edges["pkg.a"] == {"pkg.b"} and edges["pkg.b"] == {"pkg.sub.c"} and edges["pkg.sub.c"] == {"pkg.a"}
+    assert edges["pkg.lone"] == {"pkg", "pkg.a"} and edges["pkg"] == {"pkg.sub.c"}
+    assert import_cycles(edges) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+    edges["pkg.sub.c"].clear()
+    assert import_cycles(edges) == []
+    assert import_cycles({"x": {"y"}, "y": {"x", "z"}, "z": {"w"}, "w": {"z"}}) == [["w", "z"], ["x", "y"]]
 
 
 def test_only_triton_modules_need_triton():

@@ -16,7 +16,8 @@ from condmem.fp8 import pack_rows, quantize_fp8_e8m0
 from condmem.serving import EngramMemory
 from condmem.tables.direct_read import DirectRowReader
 from condmem.tables.staged_transfer import StagedSender
-from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, tensor_names, write_table_file
 from page_cache import cached_fraction
 

@@ -13,7 +13,8 @@ import torch
 from condmem import EngramConfig, EngramLayout
 from condmem.tables.direct_read import DirectRowReader
 from condmem.tables.safetensors_io import StreamingWriter
-from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, table_metadata, tensor_names, write_table_file
 
 FORMAT = "fp8_interleaved"

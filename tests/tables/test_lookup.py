@@ -19,7 +19,8 @@ from condmem.tables import lookup as lookup_module
 from condmem.tables.lookup import LookupConfig, LookupEngine, run_pipelined
 from condmem.fp8 import quantize_fp8_e8m0
 from condmem.tables.row_cache import RowCache
-from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file
 
 D = 64

@@ -13,7 +13,8 @@ import torch
 
 from condmem import native
 from condmem.native import toolchain
-from condmem.tables.storage import HostStore, StorageError
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import HostStore
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"no native build: {native.build().reason}")
 

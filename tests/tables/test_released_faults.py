@@ -25,7 +25,8 @@ from condmem.ops.block_fp8 import dequantize_block_fp8
 from condmem.serving import EngramMemory
 from condmem.tables import released
 from condmem.tables.released import ReleasedCheckpoint, ReleasedCheckpointError
-from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import place_layer
 from condmem.tables.table_file import EngramTableFile
 from fault_harness import flip_byte, report, spread_offsets
 from released_fixtures import (

@@ -20,7 +20,8 @@ import torch
 from condmem import EngramConfig, EngramLayout
 from condmem.tables.convert import convert_tables
 from condmem.tables.safetensors_io import TableFileError, read_header
-from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file
 from condmem.utils.atomic import atomic_write_bytes
 from fault_harness import flip_byte, kill_during, kill_points, report, spread_offsets, timed
@@ -294,7 +295,8 @@ def test_flipped_row_bytes_are_never_served_by_the_disk_tier(small_table, tmp_pa
 
 _LIVE_READER = r"""
 import sys, time, torch
-from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import place_layer
 from condmem.tables.table_file import EngramTableFile
 args = [a.split("=") for a in sys.argv[1:]]   # path=0 (buffered) or path=1 (O_DIRECT)
 stores = [

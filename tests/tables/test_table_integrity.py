@@ -21,7 +21,8 @@ from condmem import EngramConfig, EngramLayout, native
 from condmem.cli import main
 from condmem.tables import integrity
 from condmem.tables.safetensors_io import StreamingWriter, TableFileError, read_header
-from condmem.tables.storage import StorageError, place_layer
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import place_layer
 from condmem.tables.table_file import (
     EngramTableFile,
     LayerRows,

@@ -19,8 +19,8 @@ from condmem.cli import main
 from condmem.models import DecoderLM
 from condmem.train.checkpoint import load_checkpoint
 from condmem.train.build import build_model_config
-from condmem.train.host_table import HostTableError, HostTables, HostTableView
-from condmem.train.host_table_optim import DeviceAdamTables, HostAdamTables
+from condmem.train.host_table import DeviceAdamTables, HostAdamTables, HostTables, HostTableView
+from condmem.train.host_table_state import HostTableError
 from condmem.train.loop import Trainer
 from condmem.train.presets import get_preset
 

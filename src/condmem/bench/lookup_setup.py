@@ -90,7 +90,8 @@ def _file_store(
     import numpy as np
 
     from condmem.tables.direct_read import DirectRowReader
-    from condmem.tables.storage import StorageError, place_layer
+    from condmem.tables.errors import StorageError
+    from condmem.tables.storage import place_layer
     from condmem.tables.table_file import LayerRows
 
     fd, path = tempfile.mkstemp(prefix="condmem-bench-", suffix=".rows", dir=directory)

@@ -35,7 +35,7 @@ import torch
 
 from condmem.native import pread_rows as native_pread_rows
 from condmem.tables import integrity
-from condmem.tables.storage import StorageError
+from condmem.tables.errors import StorageError
 
 BLOCK = 4096
 

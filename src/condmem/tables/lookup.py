@@ -77,7 +77,8 @@ from condmem.tables.lookup_plan import (
 )
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS, StagedSender
-from condmem.tables.storage import LayerStore, StorageError
+from condmem.tables.errors import StorageError
+from condmem.tables.storage import LayerStore
 
 log = logging.getLogger("condmem.tables")
 

@@ -60,6 +60,7 @@ from condmem.config import ConfigError, EngramConfig
 from condmem.layout import FP8_SCALE_BLOCK, EngramLayout
 from condmem.ops.block_fp8 import BlockFp8Error, block_shape, dequantize_block_fp8
 from condmem.tables import integrity
+from condmem.tables.errors import StorageError
 from condmem.tables.safetensors_io import Header, TableFileError, TensorEntry, mmap_tensor, read_header
 from condmem.tables.table_file import LayerRows, TableMismatchError, check_read_range
 
@@ -535,8 +536,6 @@ class ReleasedRowReader:
         return self.inner.threads
 
     def _check(self, when: str) -> None:
-        from condmem.tables.storage import StorageError
-
         if self.inner.fd < 0:
             raise StorageError(f"{self.span.header.path}: the reader is closed")
         change = self.span.stamp.change(self.inner.fd)
@@ -544,8 +543,6 @@ class ReleasedRowReader:
             raise StorageError(self.span.stamp.error(change, when))
 
     def read(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        from condmem.tables.storage import StorageError
-
         self._check("since it was opened")
         got = self.inner.read(ids, None if self.role == "scales" else out)
         self._check("while it was read")

@@ -41,6 +41,7 @@ import torch
 
 from condmem import native
 from condmem.tables import integrity
+from condmem.tables.errors import StorageError
 from condmem.tables.host_memory import HostAlloc, HostBuffer, allocate_host, collapse_huge_pages, report_coverage
 from condmem.fp8 import pack_rows
 from condmem.tables.row_cache import RowCache
@@ -74,10 +75,6 @@ def advise_random(t: torch.Tensor) -> bool:
             "madvise(MADV_RANDOM) refused (errno %d): the disk tier keeps the default read-around", ctypes.get_errno()
         )
     return ok
-
-
-class StorageError(ValueError):
-    """A table cannot be placed in the requested tier."""
 
 
 def raw_format(fmt: str) -> str:

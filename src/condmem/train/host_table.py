@@ -1,8 +1,10 @@
-"""Engram tables trained in host memory (`HostTables`): the part every optimizer mode shares.
+"""Engram tables trained in host memory: `HostTables`, the part every optimizer mode shares, and
+its two modes, `HostAdamTables` and `DeviceAdamTables`.
 
 Each layer's rows and Adam state live in (page-locked) host memory; the model's tables become
 views that return the step's rows on the device as a leaf tensor, prefetched by a worker thread
-while the step before computes. `condmem.train.host_table_optim` holds the optimizer modes.
+while the step before computes. The methods of each mode are in `condmem.train.host_table_optim`;
+the state both share is in `condmem.train.host_table_state`.
 """
 
 from __future__ import annotations
@@ -13,20 +15,17 @@ import logging
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from condmem.ops.row_grad import coalesced_gradient, sorted_runs
+from condmem.train.host_table_optim import DeviceAdam, HostAdam
+from condmem.train.host_table_state import HostLayer, HostTableError, StepPrefetch
 
 logger = logging.getLogger("condmem.train")
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class HostTableError(RuntimeError):
-    """Host-resident tables used against their contract (ids of another step, a closed tier)."""
 
 
 def _host_tensor(
@@ -114,54 +113,11 @@ class HostTableView(nn.Module):
         return f"{self.num_embeddings}, {self.head_dim}, host"
 
 
-@dataclass
-class _Layer:
-    """One table on the host, its Adam state and its transfer buffers."""
-
-    layer_id: int
-    weight: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    row_step: torch.Tensor
-    marker: torch.Tensor
-    """bool [rows]: True for the rows of the prefetched next step (which host Adam updates first)."""
-    keep: list = field(default_factory=list)
-    marked: torch.Tensor | None = None
-    steps: int = 0
-    """Adam steps taken (no row has taken more)."""
-    leaves: list = field(default_factory=list)
-    grad: torch.Tensor | None = None
-    consumed: list = field(default_factory=list)
-    grad_jobs: list = field(default_factory=lambda: [None, None])
-    buffers: dict = field(default_factory=dict)
-    """Named pairs of pinned / device transfer buffers (`HostTables._named`)."""
-    lookups: int = 0
-    """The most row ids one step has looked up in this table (a bound on its unique rows)."""
-    current: tuple | None = None
-    """Device Adam: (unique ids, rows, moments, steps, read slot, owned) on the device, as the running step
-    read them (owned: not the transfer buffers themselves)."""
-    last: tuple | None = None
-    """Device Adam: (ids, new rows, moments, steps) of the latest device Adam: the next gather's patch."""
-
-
-@dataclass
-class _Ticket:
-    """The prefetch of one step: its ids on the host and, per layer, the gathered rows on the device."""
-
-    step: int
-    ids_host: torch.Tensor
-    ids_dev: torch.Tensor
-    copied: object
-    gathered: concurrent.futures.Future | None = None
-    rows: dict = field(default_factory=dict)
-    used: set = field(default_factory=set)
-
-
 class HostTables(abc.ABC):
     """Every Engram table of a `DecoderLM` in host memory, with its Adam state; the tables' optimizer.
 
     ``HostTables(model, device, adam=...)`` builds the optimizer mode's class
-    (`condmem.train.host_table_optim.optimizer_mode`): `HostAdamTables` (``adam="host"``, the
+    (`optimizer_mode`): `HostAdamTables` (``adam="host"``, the
     default) or `DeviceAdamTables` (``adam="device"``); each can be built directly too. Both
     are exact: every step reads every earlier update. Every mode has the same interface: the views' rows,
     `prefetch` / `begin`, `gradients`, ``step``, ``zero_grad``, `set_lr` through
@@ -197,8 +153,6 @@ class HostTables(abc.ABC):
     def __new__(cls, *args, adam: str | None = None, **kwargs):
         mode = cls
         if cls is HostTables:
-            from condmem.train.host_table_optim import optimizer_mode
-
             mode = optimizer_mode("host" if adam is None else adam)
         return super().__new__(mode)
 
@@ -231,9 +185,9 @@ class HostTables(abc.ABC):
         self.state_dtype = STATE_DTYPES[state_dtype]
         self.threads = threads
         self.param_groups = [{"lr": lr, "base_lr": lr, "betas": tuple(betas), "eps": eps}]
-        self.layers: dict[int, _Layer] = {}
+        self.layers: dict[int, HostLayer] = {}
         self._views: list[HostTableView] = []
-        self._queue: deque[_Ticket] = deque()
+        self._queue: deque[StepPrefetch] = deque()
         self._jobs: deque[concurrent.futures.Future] = deque()
         self._closed = False
         self._step = 0
@@ -286,7 +240,7 @@ class HostTables(abc.ABC):
             keep.append(k)
         row_step, k = _host_tensor((rows,), torch.float32, self.pin, zero, self.setup_seconds)
         keep.append(k)
-        layer = _Layer(
+        layer = HostLayer(
             engram.layer_id,
             weight,
             moments[0],
@@ -369,7 +323,7 @@ class HostTables(abc.ABC):
         return torch.empty(n, dtype=dtype, device=self.device)
 
     def _named(
-        self, layer: _Layer, name: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool
+        self, layer: HostLayer, name: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool
     ) -> torch.Tensor:
         """Buffer `slot` of the layer's pair `name` (pinned host or device), grown as needed.
 
@@ -391,12 +345,12 @@ class HostTables(abc.ABC):
         )
 
     @staticmethod
-    def _wait_consumed(layer: _Layer, slot: int) -> None:
+    def _wait_consumed(layer: HostLayer, slot: int) -> None:
         """Worker: wait until the device has run past every read of device buffer `slot`."""
         if len(layer.consumed) > slot and layer.consumed[slot] is not None:
             layer.consumed[slot].synchronize()
 
-    def _mark_consumed(self, layer: _Layer, slot: int | None) -> None:
+    def _mark_consumed(self, layer: HostLayer, slot: int | None) -> None:
         """Record on the current stream that the work queued so far has read device buffer `slot`
         (a gather may overwrite it once the event has passed)."""
         if not self.cuda or slot is None:
@@ -439,12 +393,12 @@ class HostTables(abc.ABC):
         self._gathers += 1
         self._queue.append(ticket)
 
-    def _ticket(self, step: int, ids_host: torch.Tensor, ids_dev: torch.Tensor, copied) -> _Ticket:
+    def _ticket(self, step: int, ids_host: torch.Tensor, ids_dev: torch.Tensor, copied) -> StepPrefetch:
         """The record of one step's prefetch, before its gather is queued."""
-        return _Ticket(step, ids_host, ids_dev, copied)
+        return StepPrefetch(step, ids_host, ids_dev, copied)
 
     @abc.abstractmethod
-    def _gather(self, ticket: _Ticket, slot: int) -> None:
+    def _gather(self, ticket: StepPrefetch, slot: int) -> None:
         """Worker: what the step of `ticket` reads of each layer, to the device (buffers of `slot`)
         into ``ticket.rows``."""
 
@@ -475,16 +429,16 @@ class HostTables(abc.ABC):
         layer.leaves.append((row_ids, leaf, runs))
         return leaf
 
-    def _distinct_rows(self, layer: _Layer) -> torch.Tensor | None:
+    def _distinct_rows(self, layer: HostLayer) -> torch.Tensor | None:
         """The running step's distinct row ids of `layer` on the device (ascending) where the
         mode has them already, else None."""
         return None
 
-    def _fetched_now(self, layer: _Layer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:
+    def _fetched_now(self, layer: HostLayer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:
         """The rows of `row_ids` (`ids` flat on the host), read now: every update is applied."""
         return layer.weight.index_select(0, ids).to(self.device).view(*row_ids.shape, -1)
 
-    def _prefetched(self, ticket: _Ticket, layer: _Layer, row_ids: torch.Tensor) -> torch.Tensor:
+    def _prefetched(self, ticket: StepPrefetch, layer: HostLayer, row_ids: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         ticket.gathered.result()
         lid = layer.layer_id
@@ -499,7 +453,7 @@ class HostTables(abc.ABC):
         return self._gathered_rows(ticket, layer, row_ids, t0)
 
     @abc.abstractmethod
-    def _gathered_rows(self, ticket: _Ticket, layer: _Layer, row_ids: torch.Tensor, t0: float) -> torch.Tensor:
+    def _gathered_rows(self, ticket: StepPrefetch, layer: HostLayer, row_ids: torch.Tensor, t0: float) -> torch.Tensor:
         """Main thread: the rows of `row_ids` from the gather of `ticket` (done), up to date as the
         mode promises; adds the seconds waited since `t0` to ``wait_s``."""
 
@@ -540,7 +494,7 @@ class HostTables(abc.ABC):
 
     @staticmethod
     def _write(
-        layer: _Layer, ids: torch.Tensor, new: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: torch.Tensor
+        layer: HostLayer, ids: torch.Tensor, new: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: torch.Tensor
     ) -> None:
         """Store Adam's results for unique rows `ids`: rows, moments (in the state dtype), steps."""
         layer.weight.index_copy_(0, ids, new)
@@ -638,3 +592,22 @@ class HostTables(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def optimizer_mode(adam: str) -> type[HostTables]:
+    """The `HostTables` class of an optimizer mode: ``adam`` ``"host"`` or ``"device"``."""
+    if adam not in ("host", "device"):
+        raise ValueError(f"adam must be 'host' or 'device', got {adam!r}")
+    return DeviceAdamTables if adam == "device" else HostAdamTables
+
+
+class HostAdamTables(HostAdam, HostTables):
+    """`HostTables` with Adam on the host (``adam="host"``): the methods of `HostAdam`."""
+
+    adam = "host"
+
+
+class DeviceAdamTables(DeviceAdam, HostTables):
+    """`HostTables` with Adam on the device (``adam="device"``): the methods of `DeviceAdam`."""
+
+    adam = "device"

@@ -1,4 +1,6 @@
-"""The optimizer modes of `HostTables`: Adam on the host and Adam on the device, both exact."""
+"""The optimizer modes of `HostTables`, both exact: `HostAdam` (Adam on the host) and `DeviceAdam`
+(Adam on the device). Each holds the methods of its mode; `condmem.train.host_table` joins each
+with the part every mode shares into `HostAdamTables` and `DeviceAdamTables`."""
 
 from __future__ import annotations
 
@@ -10,19 +12,12 @@ import torch
 
 from condmem.ops.row_patch import patched_rows
 from condmem.ops.triton_util import triton_available
-from condmem.train.host_table import HostTableError, HostTables, _Layer, _Ticket
+from condmem.train.host_table_state import HostLayer, HostTableError, StepPrefetch
 from condmem.train.optim import adam_rows_delta, beta_powers
 
 
-def optimizer_mode(adam: str) -> type[HostTables]:
-    """The `HostTables` class of an optimizer mode: ``adam`` ``"host"`` or ``"device"``."""
-    if adam not in ("host", "device"):
-        raise ValueError(f"adam must be 'host' or 'device', got {adam!r}")
-    return DeviceAdamTables if adam == "device" else HostAdamTables
-
-
 @dataclass
-class _PatchedTicket(_Ticket):
+class _PatchedTicket(StepPrefetch):
     """A prefetch with the patch the host Adam of the step before sends (its new values of the rows
     this step reads)."""
 
@@ -32,8 +27,9 @@ class _PatchedTicket(_Ticket):
     patch_ready: dict = field(default_factory=dict)
 
 
-class HostAdamTables(HostTables):
-    """`HostTables` with Adam on the host: rows fetched to the device each step, updated on the host.
+class HostAdam:
+    """The methods of `HostTables` with Adam on the host (`HostAdamTables`): rows fetched to the
+    device each step, updated on the host.
 
     One worker thread does the host work in order::
 
@@ -56,8 +52,6 @@ class HostAdamTables(HostTables):
     gather, both copies and the Adam of rows step t+1 does not read; what it cannot hide is
     the Adam of rows it does read (the device waits for their patch).
     """
-
-    adam = "host"
 
     def _ticket(self, step: int, ids_host: torch.Tensor, ids_dev: torch.Tensor, copied) -> _PatchedTicket:
         ticket = _PatchedTicket(step, ids_host, ids_dev, copied)
@@ -88,7 +82,7 @@ class HostAdamTables(HostTables):
                 ticket.rows[lid] = (staging, None, slot)
 
     @staticmethod
-    def _mark_for_patch(layer: _Layer, ids: torch.Tensor) -> None:
+    def _mark_for_patch(layer: HostLayer, ids: torch.Tensor) -> None:
         """Worker: mark the gathered rows, which the Adam queued next updates first, for the patch."""
         layer.marker[ids] = True
         layer.marked = ids
@@ -97,7 +91,9 @@ class HostAdamTables(HostTables):
         """The prefetch of the next step, whose rows this step's Adam patches (None: no prefetch)."""
         return next((t for t in self._queue if t.step == self._step + 1), None)
 
-    def _gathered_rows(self, ticket: _PatchedTicket, layer: _Layer, row_ids: torch.Tensor, t0: float) -> torch.Tensor:
+    def _gathered_rows(
+        self, ticket: _PatchedTicket, layer: HostLayer, row_ids: torch.Tensor, t0: float
+    ) -> torch.Tensor:
         """Main thread: the gathered rows, with the patch of the Adam queued after the gather."""
         lid = layer.layer_id
         rows, done, slot = ticket.rows[lid]
@@ -191,7 +187,7 @@ class HostAdamTables(HostTables):
 
     @staticmethod
     def _update(
-        layer: _Layer,
+        layer: HostLayer,
         ids: torch.Tensor,
         grad: torch.Tensor,
         lr: float,
@@ -223,8 +219,9 @@ class HostAdamTables(HostTables):
         return d_ids, d_new, done
 
 
-class DeviceAdamTables(HostTables):
-    """`HostTables` with Adam on the device (``adam="device"``): the host only stores.
+class DeviceAdam:
+    """The methods of `HostTables` with Adam on the device (`DeviceAdamTables`, ``adam="device"``):
+    the host only stores.
 
     gather(t+1) sends the unique rows of step t+1 with their moments and step counts; the rows
     step t updates are patched from the device's own results of step t (rows and state), so no
@@ -236,9 +233,7 @@ class DeviceAdamTables(HostTables):
     and the kernels here to their torch ops: tests/train/test_train_fast_paths.py).
     """
 
-    adam = "device"
-
-    def _unique_state(self, layer: _Layer, ids: torch.Tensor, slot: int | None):
+    def _unique_state(self, layer: HostLayer, ids: torch.Tensor, slot: int | None):
         """Host: the unique rows of `ids` (sorted) with their moments and step counts, on the
         device, in the buffers of `slot` (None: fresh tensors, for a step that fetches its
         own rows while a prefetch may hold the slots). Returns (unique ids, inverse, rows, m,
@@ -277,7 +272,7 @@ class DeviceAdamTables(HostTables):
         done.synchronize()  # the pinned buffers are free again when this call ends
         return (dev["ids"], dev["inv"], dev["rows"], dev["m"], dev["v"], dev["step"], done)
 
-    def _gather(self, ticket: _Ticket, slot: int) -> None:
+    def _gather(self, ticket: StepPrefetch, slot: int) -> None:
         """Worker: each layer's unique rows of this step and their Adam state to the device."""
         if ticket.copied is not None:
             ticket.copied.synchronize()
@@ -289,21 +284,21 @@ class DeviceAdamTables(HostTables):
         for layer in self.layers.values():
             layer.current = None  # a forward of an earlier step that took no optimizer step
 
-    def _gathered_rows(self, ticket: _Ticket, layer: _Layer, row_ids: torch.Tensor, t0: float) -> torch.Tensor:
+    def _gathered_rows(self, ticket: StepPrefetch, layer: HostLayer, row_ids: torch.Tensor, t0: float) -> torch.Tensor:
         self.wait_s += time.perf_counter() - t0
         return self._device_rows(layer, ticket.rows[layer.layer_id], row_ids)
 
-    def _distinct_rows(self, layer: _Layer) -> torch.Tensor | None:
+    def _distinct_rows(self, layer: HostLayer) -> torch.Tensor | None:
         return layer.current[0] if layer.current is not None else None
 
-    def _fetched_now(self, layer: _Layer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:
+    def _fetched_now(self, layer: HostLayer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:
         """Training: the unique rows and their state, kept for `step`; otherwise the rows alone."""
         if not training:
             return super()._fetched_now(layer, ids, row_ids, training)
         layer.last = None  # flushed: the host holds every update
         return self._device_rows(layer, (*self._unique_state(layer, ids, None), None), row_ids)
 
-    def _device_rows(self, layer: _Layer, fetched, row_ids: torch.Tensor) -> torch.Tensor:
+    def _device_rows(self, layer: HostLayer, fetched, row_ids: torch.Tensor) -> torch.Tensor:
         """Main thread: the step's unique rows and state, patched with the latest device Adam's
         results (rows the host has not received yet), kept for `step`; returns the rows of `row_ids`."""
         if layer.current is not None:
@@ -375,7 +370,7 @@ class DeviceAdamTables(HostTables):
             job = (*job, copied)
             layer.grad_jobs[slot] = self._submit(self._writeback, layer, *job)
 
-    def _writeback(self, layer: _Layer, ids, new, m, v, st, copied) -> None:
+    def _writeback(self, layer: HostLayer, ids, new, m, v, st, copied) -> None:
         """Worker: the device's Adam results into the host's rows and state."""
         if copied is not None:
             copied.synchronize()
