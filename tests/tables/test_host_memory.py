@@ -140,7 +140,7 @@ def _context():
     # Not fork: a child forked from a process whose OpenMP pool has run hangs in its first parallel gather.
     # One forkserver imports torch once for every child.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "condmem.runtime"])
+    ctx.set_forkserver_preload(["torch", "condmem.serving.memory"])
     return ctx
 
 
@@ -182,7 +182,7 @@ def test_stale_files_of_other_tables_are_swept():
 
 def _serve(path: str, ready, go, results, tag: str) -> None:
     from condmem import NgramHasher
-    from condmem.runtime import EngramMemory
+    from condmem.serving.memory import EngramMemory
     from condmem.tables.table_file import EngramTableFile
 
     table = EngramTableFile(path)

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from condmem import EngramConfig, EngramLayout, NgramHasher
-from condmem.runtime import EngramMemory
+from condmem.serving.memory import EngramMemory
 from condmem.tables import host_memory, storage
 from condmem.tables.host_memory import SHARED_HEADER_BYTES, SHM_DIR
 from condmem.tables.table_file import EngramTableFile, LayerRows, write_table_file
@@ -119,7 +119,7 @@ def _names(memory: EngramMemory) -> list[str]:
 
 def _ctx():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "condmem.runtime"])
+    ctx.set_forkserver_preload(["torch", "condmem.serving.memory"])
     return ctx
 
 
