@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             model = shard_backbone(copy.deepcopy(full))
             assert model.blocks[0].attn.n_heads == 8 // world and model.blocks[0].attn.n_kv_heads == 4 // world
             assert model.blocks[0].mlp.w2.weight.shape == (64, 96 // world)
-            assert "_serving_joined" not in model.blocks[0].attn.wq.__dict__  # no whole joined weight kept
+            assert "_joined_weight" not in model.blocks[0].attn.__dict__  # no whole joined weight kept
             memory = None
             if tables is not None:  # the table sharded over the same group: rows completed by its collective
                 table = {1: model.blocks[1].engram.table.weight}

@@ -11,7 +11,7 @@ import torch
 from condmem.models.config import ModelConfig
 from condmem.models.transformer import DecoderLM
 from condmem.serving import ServingCache, decode_step, packed_ids, prefill, prefill_packed
-from condmem.serving.steps import _joined
+from condmem.models.layers import joined_weight
 from tests.helpers import assert_close
 
 VOCAB = 61
@@ -117,12 +117,12 @@ def test_joined_projections_are_views_and_follow_a_move():
     attn = model.blocks[0].attn
     ids = torch.randint(0, VOCAB, (1, 6))
     before = model(ids)
-    joined = _joined([attn.wq, attn.wk, attn.wv])
+    joined = joined_weight(attn, (attn.wq, attn.wk, attn.wv))
     assert attn.wk.weight.data_ptr() == joined[attn.wq.weight.shape[0] :].data_ptr()
-    assert _joined([attn.wq, attn.wk, attn.wv]) is joined
+    assert joined_weight(attn, (attn.wq, attn.wk, attn.wv)) is joined
     assert torch.equal(before, model(ids)), "joining must not change the model"
     model.double()
-    again = _joined([attn.wq, attn.wk, attn.wv])
+    again = joined_weight(attn, (attn.wq, attn.wk, attn.wv))
     assert again.dtype == torch.float64 and again.data_ptr() == attn.wq.weight.data_ptr()
 
 

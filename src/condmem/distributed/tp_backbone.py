@@ -4,12 +4,13 @@ Rank r of w keeps a contiguous run of H/w query heads with their KV/w KV heads (
 grouped-query pair stays on one rank) and a contiguous run of F/w SwiGLU hidden units. The
 q/k/v and gate/up projections are split by output rows, the attention output and down
 projections by input columns, so each of those two produces a partial sum that the serving
-forward (`condmem.serving.steps`: `decode_step`, `ragged_step`, `prefill_packed`,
-`GraphedDecoder`) completes with one all-reduce, before the residual add. Each rank's KV
+forward completes with one all-reduce before the residual add (the forward context's
+``tp_group``, which the serving steps `decode_step`, `ragged_step`, `prefill_packed` and
+`GraphedDecoder` set). Each rank's KV
 cache holds its own heads. The embedding, norms, output projection and Engram modules stay
 whole on every rank; Engram tables are sharded by `EngramMemory(process_group=...)`.
 
-The training forward (`DecoderLM.forward`) has no all-reduce and refuses a sharded model.
+The dense forward (`DecoderLM.dense_context`: training, `generate`) refuses a sharded model.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from condmem.distributed.sharding import ShardingError
+from condmem.models.layers import forget_joined
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +75,8 @@ def shard_backbone(model, group=None):
     slices = backbone_slices(model.cfg, world, rank)
     for block, units in zip(model.blocks, slices.ffn_units):
         attn, mlp = block.attn, block.mlp
-        for linear in (attn.wq, mlp.w1):  # a joined weight of the whole block would outlive it
-            linear.__dict__.pop("_serving_joined", None)
+        for module in (attn, mlp):  # a joined weight of the whole block would outlive it
+            forget_joined(module)
         hd = attn.head_dim
         q = slice(slices.q_heads[0] * hd, slices.q_heads[1] * hd)
         kv = slice(slices.kv_heads[0] * hd, slices.kv_heads[1] * hd)

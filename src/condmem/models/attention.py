@@ -1,9 +1,11 @@
-"""Grouped-query causal self-attention and its KV cache.
+"""Grouped-query causal self-attention: its projections, its dense backend and KV cache.
 
-Attention reads and writes the cache through one small interface (`KVCache.update`),
-so a static, preallocated cache for compiled decoding can replace this one without
-touching the block code. The cache here is already static in shape (buffers of
-``max_len`` positions); it hands attention the filled prefix.
+`Attention` holds the projections (``wq``, ``wk``, ``wv``, ``wo``); the attention itself is a
+backend the forward context supplies (`condmem.models.context`): `DenseAttention` here for
+dense [B, T] batches (training, evaluation, `generate`), the paged backends of
+`condmem.serving.steps` for serving. The dense backend reads and writes the cache through one
+small interface (`KVCache.update`); the cache is static in shape (buffers of ``max_len``
+positions) and hands attention the filled prefix.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from condmem.models.layers import apply_rotary
+from condmem.models.layers import apply_rotary, joined_weight
 
 # `enable_gqa` lets SDPA read shared K/V heads without copying them (torch >= 2.5).
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -71,7 +73,11 @@ def decode_attention(
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE and grouped-query heads (scaled_dot_product_attention)."""
+    """The projections of causal self-attention with RoPE and grouped-query heads.
+
+    `qkv` projects normed hidden states to queries, keys and values; the forward context's
+    backend attends (`DenseAttention`, or a paged one); ``wo`` projects the result back.
+    """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, device=None, dtype=None):
         super().__init__()
@@ -83,26 +89,51 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False, device=device, dtype=dtype)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False, device=device, dtype=dtype)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0
-    ) -> torch.Tensor:
-        batch, length, _ = x.shape
-        q = self.wq(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(start_pos, k, v)
+    def qkv(self, h: torch.Tensor, *, joined: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [B, T, H, hd], keys and values [B, T, KV, hd] (views) of normed hidden states h [B, T, D].
+
+        `joined`: one GEMM over the three projections' stacked weight (`joined_weight`; inference),
+        else the three modules (what autograd differentiates)."""
+        lead, hd = h.shape[:-1], self.head_dim
+        if not joined:
+            q = self.wq(h).view(*lead, self.n_heads, hd)
+            k = self.wk(h).view(*lead, self.n_kv_heads, hd)
+            v = self.wv(h).view(*lead, self.n_kv_heads, hd)
+            return q, k, v
+        qkv = F.linear(h.reshape(-1, h.shape[-1]), joined_weight(self, (self.wq, self.wk, self.wv)))
+        nq, nkv = self.n_heads * hd, self.n_kv_heads * hd
+        q = qkv[:, :nq].view(*lead, self.n_heads, hd)
+        k = qkv[:, nq : nq + nkv].view(*lead, self.n_kv_heads, hd)
+        v = qkv[:, nq + nkv :].view(*lead, self.n_kv_heads, hd)
+        return q, k, v
+
+
+class DenseAttention:
+    """Causal attention over dense [B, T] batches: RoPE at positions ``start..start+T-1``, then
+    SDPA over the whole sequence or, with `kv` (one `KVCache` per block), over the cached keys
+    and these (stored first)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, kv: list | None = None, start: int = 0):
+        self.cos, self.sin, self.kv, self.start = cos, sin, kv, start
+
+    def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, length, n_heads, _ = q.shape
+        n_kv = k.shape[2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        start = self.start
+        if self.kv is not None:
+            k, v = self.kv[i].update(start, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)
         mask, causal = None, True
         if k.shape[2] != length:
             causal = False
-            if length > 1:  # a chunk after a cached prefix: query i sees keys 0..start_pos+i
-                q_pos = torch.arange(start_pos, start_pos + length, device=x.device)
-                mask = torch.arange(k.shape[2], device=x.device)[None, :] <= q_pos[:, None]
-        if self.n_kv_heads != self.n_heads and not _SDPA_GQA:
-            rep = self.n_heads // self.n_kv_heads
+            if length > 1:  # a chunk after a cached prefix: query i sees keys 0..start+i
+                q_pos = torch.arange(start, start + length, device=q.device)
+                mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]
+        if n_kv != n_heads and not _SDPA_GQA:
+            rep = n_heads // n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        kwargs = {"enable_gqa": True} if self.n_kv_heads != self.n_heads and _SDPA_GQA else {}
+        kwargs = {"enable_gqa": True} if n_kv != n_heads and _SDPA_GQA else {}
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kwargs)
-        return self.wo(y.transpose(1, 2).reshape(batch, length, -1))
+        return y.transpose(1, 2).reshape(batch, length, -1)

@@ -1,10 +1,48 @@
-"""Backbone building blocks of the reference decoder: RMSNorm, rotary embedding, SwiGLU."""
+"""Backbone building blocks of the reference decoder: RMSNorm, rotary embedding, SwiGLU.
+
+The norm and SwiGLU run either as the modules' own composition (what autograd differentiates)
+or, with ``fused=True``, as the inference kernels of `condmem.ops.norm_act` (one launch each,
+the same numerics) and one GEMM over projections of the same input (`joined_weight`).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from condmem.ops.norm_act import rms_norm, silu_mul
+
+
+def joined_weight(owner: nn.Module, linears: tuple[nn.Linear, ...]) -> torch.Tensor:
+    """One weight for several projections of the same input, their rows stacked, kept by `owner`.
+
+    The linears' weights are made row views of it (the parameters stay the one copy), so an
+    inference step runs one GEMM where the modules run several. Joined again when a weight has
+    moved or been replaced since (``model.to(...)``, a tensor-parallel shard)."""
+    joined = owner.__dict__.get("_joined_weight")
+    if joined is not None and joined.shape[0] == sum(m.weight.shape[0] for m in linears):
+        start = 0
+        for m in linears:
+            if m.weight.data_ptr() != joined[start:].data_ptr() or m.weight.dtype != joined.dtype:
+                break
+            start += m.weight.shape[0]
+        else:
+            return joined
+    with torch.no_grad():
+        joined = torch.cat([m.weight.detach() for m in linears])
+        start = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = joined[start : start + n]
+            start += n
+    owner.__dict__["_joined_weight"] = joined
+    return joined
+
+
+def forget_joined(owner: nn.Module) -> None:
+    """Drop `owner`'s joined weight (its parameters were replaced: the old one would outlive them)."""
+    owner.__dict__.pop("_joined_weight", None)
 
 
 class RMSNorm(nn.Module):
@@ -15,9 +53,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, update: torch.Tensor, *, fused: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + update, the norm of it); `fused`: one kernel (no autograd)."""
+        if fused:
+            dim = x.shape[-1]
+            total, normed = rms_norm(update.reshape(-1, dim), self.weight, self.eps, residual=x.reshape(-1, dim))
+            return total.view(x.shape), normed.view(x.shape)
+        x = x + update
+        return x, self(x)
 
 
 class Rotary(nn.Module):
@@ -63,3 +114,25 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def add_to(self, x: torch.Tensor, h: torch.Tensor, *, fused: bool = False, reduce=None) -> torch.Tensor:
+        """``x + reduce(SwiGLU(h))`` (`reduce`: a tensor-parallel all-reduce of the partial sum).
+
+        `fused` (inference): w1 and w3 as one GEMM, silu(a) * b as one kernel, and without
+        `reduce` the residual add riding in the down projection's GEMM (in place on x)."""
+        if not fused:
+            y = self(h)
+            return x + (y if reduce is None else reduce(y))
+        dim = h.shape[-1]
+        gate_up = F.linear(h.reshape(-1, dim), joined_weight(self, (self.w1, self.w3)))
+        hidden = self.w1.weight.shape[0]
+        act = silu_mul(gate_up[:, :hidden], gate_up[:, hidden:])
+        flat = x.view(-1, dim)
+        if reduce is not None:
+            down = reduce(F.linear(act, self.w2.weight))
+            flat.add_(down)
+            return x
+        # beta = 1, in place: x is the block's own sum from the fused norm, so no copy of it is
+        # made for the GEMM to accumulate into.
+        flat.addmm_(act, self.w2.weight.t())
+        return x

@@ -27,8 +27,9 @@ from torch import nn
 from condmem.hashing import NgramHasher
 from condmem.layout import EngramLayout
 from condmem.models.addresses import RandomAddresses
-from condmem.models.attention import Attention, KVCache
+from condmem.models.attention import Attention, DenseAttention, KVCache
 from condmem.models.config import ModelConfig
+from condmem.models.context import ConvStates, EngramRows, ForwardContext, run_engram
 from condmem.models.layers import RMSNorm, Rotary, SwiGLU
 from condmem.models.moe import MoE
 from condmem.module import Engram
@@ -95,31 +96,17 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.dim, width, device=device) if width > 0 else None
         self.moe = MoE.from_config(cfg.dim, cfg.moe, device=device) if cfg.has_experts(layer_id) else None
 
-    def forward(
-        self,
-        x,
-        cos,
-        sin,
-        rows=None,
-        kv: KVCache | None = None,
-        start_pos: int = 0,
-        conv_state: torch.Tensor | None = None,
-        capture: GateCapture | None = None,
-        looked_up: torch.Tensor | None = None,
-    ):
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The block over hidden states x [B, T, D], with what differs between ways of running from
+        `ctx` (attention backend, Engram rows, ShortConv states, tensor-parallel reduction, kernels)."""
+        fused = ctx.fused
         if self.engram is not None:
-            x = self.engram(
-                x,
-                rows,
-                rows=looked_up,
-                residual=True,
-                conv_state=conv_state,
-                gates=None if capture is None else capture.gates,
-            )
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start_pos)
+            x = run_engram(self.engram, x, ctx)
+        q, k, v = self.attn.qkv(self.attn_norm(x, fused=fused), joined=fused)
+        y = self.attn.wo(ctx.attend(self.layer_id, q, k, v))
+        x, h = self.mlp_norm.add_norm(x, ctx.reduce(y), fused=fused)
         if self.moe is None:
-            return x + self.mlp(self.mlp_norm(x))
-        h = self.mlp_norm(x)
+            return self.mlp.add_to(x, h, fused=fused, reduce=None if ctx.tp_group is None else ctx.reduce)
         routed = self.moe(h)
         return x + (routed if self.mlp is None else self.mlp(h) + routed)
 
@@ -280,8 +267,9 @@ class DecoderLM(nn.Module):
         last_only: bool = False,
         logits_at: torch.Tensor | None = None,
         row_ids: torch.Tensor | None = None,
+        context: ForwardContext | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab] for token ids [B, T].
+        """Logits [B, T, vocab] for token ids [B, T]: the one loop over the blocks.
 
         Args:
             doc_starts: optional bool [B, T], True at the first token of each document of a
@@ -300,7 +288,40 @@ class DecoderLM(nn.Module):
                 e.g. the last real token of right-padded prompts.
             row_ids: `row_ids` of these ids (and `doc_starts`) computed already, e.g. for a
                 prefetch of host-resident tables; without a cache only.
+            context: a `ForwardContext` built by the caller (the paged serving steps); then the
+                arguments above but `last_only` and `logits_at` are not read. Default:
+                `dense_context` of these arguments.
         """
+        if context is None:
+            context = self.dense_context(
+                input_ids, doc_starts=doc_starts, cache=cache, capture=capture, prepared=prepared, row_ids=row_ids
+            )
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, context)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        if last_only:
+            x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at.to(x.device)][:, None]
+        elif context.keep is not None:
+            x = x.flatten(0, 1)[context.keep][None]
+        return self.lm_head(self.norm(x, fused=context.fused))
+
+    def dense_context(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        doc_starts: torch.Tensor | None = None,
+        cache: InferenceCache | None = None,
+        capture: GateCapture | None = None,
+        prepared=None,
+        row_ids: torch.Tensor | None = None,
+    ) -> ForwardContext:
+        """The `ForwardContext` of a dense forward of token ids [B, T] (`forward`'s arguments):
+        `DenseAttention` over the whole sequence or after `cache`'s positions, and each Engram
+        layer's rows hashed here, given (`row_ids`) or prefetched (`prepared`)."""
         if self.tp_group is not None:
             raise RuntimeError(
                 "this model's blocks are sharded for tensor-parallel serving (shard_backbone): "
@@ -322,42 +343,16 @@ class DecoderLM(nn.Module):
                 rows = self.row_ids(window)[:, back:]
         elif prepared is None:
             rows = row_ids if row_ids is not None else self.row_ids(input_ids, doc_starts)
-        x = self.embed(input_ids)
+        engram_rows = prepared
+        if rows is not None:
+            engram_rows = EngramRows(rows, self.layout.layer_ids)
         cos, sin = self.rotary(start, length)
-        slot = 0
-        for block in self.blocks:
-            layer_rows = looked_up = None
-            if block.engram is not None:
-                if prepared is not None:
-                    layer_rows = prepared.row_ids(block.layer_id)
-                    looked_up = prepared.rows(block.layer_id)  # waits for this layer's lookup only
-                else:
-                    layer_rows = rows[:, :, slot]
-                slot += 1
-            x = block(
-                x,
-                cos,
-                sin,
-                layer_rows,
-                looked_up=looked_up,
-                kv=None if cache is None else cache.kv[block.layer_id],
-                start_pos=start,
-                conv_state=self._conv_state(cache, block, batch),
-                capture=capture,
-            )
-        if cache is not None:
-            cache.length = start + length
-        if last_only:
-            x = x[:, -1:]
-        elif logits_at is not None:
-            x = x[torch.arange(batch, device=x.device), logits_at.to(x.device)][:, None]
-        return self.lm_head(self.norm(x))
-
-    @staticmethod
-    def _conv_state(cache: InferenceCache | None, block: Block, batch: int) -> torch.Tensor | None:
-        if cache is None or block.engram is None or cache.conv.get(block.layer_id) is None:
-            return None
-        return cache.conv[block.layer_id][:batch]
+        return ForwardContext(
+            attend=DenseAttention(cos, sin, None if cache is None else cache.kv, start),
+            engram_rows=engram_rows,
+            conv=None if cache is None else ConvStates(cache.conv, batch),
+            gates=None if capture is None else capture.gates,
+        )
 
     def loss(
         self,

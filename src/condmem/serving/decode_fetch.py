@@ -78,6 +78,9 @@ class SideBranchRows:
     def row_ids(self, layer_id: int) -> torch.Tensor:
         return self.row_ids_all[:, :, self.memory.hasher.layer_index(layer_id)]
 
+    def row_vectors(self, layer_id: int) -> torch.Tensor:
+        return self.rows(layer_id)
+
     def rows(self, layer_id: int) -> torch.Tensor:
         if self.join == "at_layer" or layer_id in self.sharded:
             torch.cuda.current_stream().wait_event(self.events[layer_id])

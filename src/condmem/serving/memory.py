@@ -98,6 +98,10 @@ class Prepared:
         """[B, T, n_cols] row ids of one layer (sequence-parallel: this rank's tokens)."""
         return self.row_ids_all[:, self.tokens, self.layer_index[layer_id]]
 
+    def row_vectors(self, layer_id: int) -> torch.Tensor:
+        """[B, T, n_cols, head_dim] bf16 rows of one layer, ready on the current stream (`rows`)."""
+        return self.rows(layer_id)
+
     def rows(self, layer_id: int, wait: bool = True) -> torch.Tensor:
         """[B, T, n_cols, head_dim] bf16 rows of one layer, ready on the current stream.
 
@@ -157,6 +161,9 @@ class JoinedPrepared:
 
     def rows(self, layer_id: int, wait: bool = True) -> torch.Tensor:
         return torch.cat([p.rows(layer_id, wait) for p in self.parts], dim=1)
+
+    def row_vectors(self, layer_id: int) -> torch.Tensor:
+        return self.rows(layer_id)
 
 
 def join_prepared(parts: list[Prepared]) -> Prepared | JoinedPrepared:

@@ -1,10 +1,11 @@
-"""The serving forward of `DecoderLM`: prefill and decode steps over the paged `ServingCache`, each slot
-at its own position.
+"""Serving steps of `DecoderLM`: prefill and decode over the paged `ServingCache`, each slot at its own
+position.
 
-Why a second forward beside `DecoderLM.forward`: serving runs flat batches of many sequences,
-each at its own length, with keys and values in a paged pool read through a block table, which
-the training forward's dense [B, T] shapes and contiguous `KVCache` cannot express. The blocks'
-modules (and their weights) are the model's own; only the way a step walks them differs.
+Serving runs flat batches of many sequences, each at its own length, with keys and values in a
+paged pool read through a block table. Each step builds a `ForwardContext` (its paged attention
+backend, the step's Engram rows, the ShortConv states of its slots, the tensor-parallel
+reduction, the fused inference kernels) and runs `DecoderLM.forward` with it: the blocks and
+their weights are the model's own, and so is the walk over them.
 
 Sequences join (`prefill_packed`: several prompts in one forward over their packed tokens;
 `prefill`: one prompt) and leave (`ServingCache.release`) between steps; `decode_step`
@@ -27,12 +28,10 @@ should be the same numbers as these cache slots).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
+from condmem.models.context import ConvStates, EngramRows, ForwardContext
 from condmem.models.transformer import DecoderLM
 from condmem.ops.attention import decode_attention_rope_store, paged_prefill_attention, rope_store
-from condmem.ops.norm_act import rms_norm, silu_mul
 from condmem.serving.cache import ServingCache
 
 
@@ -113,65 +112,6 @@ def _masked_put(dest: torch.Tensor, index: tuple, new: torch.Tensor, valid: torc
     dest[index] = new
 
 
-def _joined(linears: list[torch.nn.Linear]) -> torch.Tensor:
-    """One weight for several projections of the same input: the modules' weights become row
-    views of it (no copy kept), so serving runs one GEMM where the modules run several. Joined
-    again if a module's weight has moved (e.g. ``model.to(...)`` after the first join)."""
-    first = linears[0]
-    joined = getattr(first, "_serving_joined", None)
-    rows = sum(m.weight.shape[0] for m in linears)
-    start = 0
-    if joined is not None and joined.shape[0] == rows:
-        for m in linears:
-            if m.weight.data_ptr() != joined[start:].data_ptr() or m.weight.dtype != joined.dtype:
-                break
-            start += m.weight.shape[0]
-        else:
-            return joined
-    with torch.no_grad():
-        joined = torch.cat([m.weight.detach() for m in linears])
-        start = 0
-        for m in linears:
-            n = m.weight.shape[0]
-            m.weight.data = joined[start : start + n]
-            start += n
-    first._serving_joined = joined
-    return joined
-
-
-def _attention_mlp(block, i: int, x: torch.Tensor, attend, tp_group=None) -> torch.Tensor:
-    """A block's attention and SwiGLU over flat tokens x [n, D] (the serving form of `Block.forward`).
-
-    ``attend(i, q, k, v)`` rotates q [n, H, hd] and k [n, KV, hd], stores k and v in layer i's
-    paged cache and returns the attention outputs [n, H, hd] (decode: one launch for all of
-    it). q/k/v and w1/w3 run as one GEMM each (`_joined`), w2 with the residual add; norm and
-    silu(a) * b as one kernel each on CUDA (`condmem.ops`). With `tp_group` (a
-    backbone sharded by `condmem.distributed.shard_backbone`) the output and down projections
-    give partial sums, completed by one all-reduce each before the residual add.
-    """
-    attn, mlp, n = block.attn, block.mlp, x.shape[0]
-    h = rms_norm(x, block.attn_norm.weight, block.attn_norm.eps)
-    qkv = F.linear(h, _joined([attn.wq, attn.wk, attn.wv]))
-    nq, nkv = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
-    q = qkv[:, :nq].view(n, attn.n_heads, attn.head_dim)
-    k = qkv[:, nq : nq + nkv].view(n, attn.n_kv_heads, attn.head_dim)
-    v = qkv[:, nq + nkv :].view(n, attn.n_kv_heads, attn.head_dim)
-    y = attn.wo(attend(i, q, k, v).reshape(n, -1))
-    if tp_group is not None:
-        dist.all_reduce(y, group=tp_group)
-    x, h = rms_norm(y, block.mlp_norm.weight, block.mlp_norm.eps, residual=x)
-    gate_up = F.linear(h, _joined([mlp.w1, mlp.w3]))
-    hidden = mlp.w1.weight.shape[0]
-    act = silu_mul(gate_up[:, :hidden], gate_up[:, hidden:])
-    if tp_group is not None:
-        down = F.linear(act, mlp.w2.weight)
-        dist.all_reduce(down, group=tp_group)
-        return x.add_(down)
-    # The residual add rides in the down projection's GEMM (beta = 1), in place: x is this
-    # block's own sum from `rms_norm`, so no copy of it is made for the GEMM to accumulate into.
-    return x.addmm_(act, mlp.w2.weight.t())
-
-
 @torch.no_grad()
 def decode_step(
     model: DecoderLM,
@@ -210,7 +150,6 @@ def decode_step(
             raise ValueError(f"a sequence reached the cache's {cache.max_len} positions")
     at = pos.clamp(max=cache.max_len - 1)  # invalid rows may sit at a full slot
     _masked_put(cache.tokens, (rows, at), ids, valid)
-    x = model.embed(ids)  # [B, D]
     rows_all = None
     if cfg.engram is not None and prepared is None:
         # Each slot's last N tokens; look-backs before its start are blocked (read as pad).
@@ -223,29 +162,54 @@ def decode_step(
 
     def attend(i, q, k, v):
         # Row b's new token at position n_keys[b] - 1 = at[b]: rotated, stored, attended in one launch.
-        return decode_attention_rope_store(
-            q, k, v, model.rotary.cos, model.rotary.sin, cache.k_pool[i], cache.v_pool[i], table, n_keys
+        y = decode_attention_rope_store(
+            q.flatten(0, 1),
+            k.flatten(0, 1),
+            v.flatten(0, 1),
+            model.rotary.cos,
+            model.rotary.sin,
+            cache.k_pool[i],
+            cache.v_pool[i],
+            table,
+            n_keys,
         )
+        return y.reshape(batch, 1, -1)
 
-    layer_slot = 0
-    for i, block in enumerate(model.blocks):
-        if block.engram is not None:
-            lid = block.layer_id
-            if prepared is not None:
-                row_ids, looked_up = prepared.row_ids(lid), prepared.rows(lid)  # waits for this layer's rows
-            else:
-                row_ids, looked_up = rows_all[:, :, layer_slot], None
-            layer_slot += 1
-            conv = cache.conv[lid]
-            state = None if conv is None else conv[rows]
-            x = block.engram(x[:, None], row_ids, rows=looked_up, residual=True, conv_state=state)[:, 0]
-            if conv is not None:
-                _masked_put(conv, (rows,), state, valid)
-        x = _attention_mlp(block, i, x, attend, model.tp_group)
+    context = ForwardContext(
+        attend=attend,
+        engram_rows=_engram_rows(model, prepared, rows_all),
+        conv=_SlotConvStates(cache.conv, rows, valid),
+        tp_group=model.tp_group,
+        fused=True,
+    )
+    logits = model(ids[:, None], context=context)[:, 0]
     _masked_put(cache.lengths, (rows,), pos + 1, valid)
     if slots is not None:  # host mirror (a sync for device slots; graphs pass slots=None)
         cache.advance((slots if valid is None else slots[valid.to(slots.device)]).tolist())
-    return model.lm_head(rms_norm(x, model.norm.weight, model.norm.eps))
+    return logits
+
+
+def _engram_rows(model: DecoderLM, prepared, rows_all: torch.Tensor | None):
+    """A step's Engram rows: prefetched (`prepared`), or row ids hashed for the model's own tables."""
+    if prepared is not None or rows_all is None:
+        return prepared
+    return EngramRows(rows_all, model.layout.layer_ids)
+
+
+class _SlotConvStates(ConvStates):
+    """ShortConv states of the slots a decode step advances: gathered per row, stored back except
+    at invalid rows."""
+
+    def __init__(self, states: dict, rows: torch.Tensor, valid: torch.Tensor | None):
+        super().__init__(states, 0)
+        self.rows, self.valid = rows, valid
+
+    def get(self, layer_id: int) -> torch.Tensor | None:
+        conv = self.states.get(layer_id)
+        return None if conv is None else conv[self.rows]
+
+    def put(self, layer_id: int, state: torch.Tensor | None) -> None:
+        _masked_put(self.states[layer_id], (self.rows,), state, self.valid)
 
 
 @torch.no_grad()
@@ -286,12 +250,16 @@ def ragged_step(
     if cfg.engram is not None and prepared is None:
         rows_all = _own_engram_rows(model, cache, ids, cu_dev, slots, starts)
     table = cache.block_table[slots_dev]
-    attend = _packed_attention(model, cache, pos, slot_of, table, cu_dev, starts_dev, max(lengths))
-    x = _run_packed_blocks(model, model.embed(ids), attend, prepared, rows_all)  # [n, D]
+    context = ForwardContext(
+        attend=_packed_attention(model, cache, pos, slot_of, table, cu_dev, starts_dev, max(lengths)),
+        engram_rows=_engram_rows(model, prepared, None if rows_all is None else rows_all[None]),
+        tp_group=model.tp_group,
+        fused=True,
+        keep=cu_dev[1:].long() - 1 if last_only else None,
+    )
+    logits = model(ids[None], context=context)[0]
     _commit_lengths(cache, slots, slots_dev, starts, keep)
-    if last_only:
-        x = x[cu_dev[1:].long() - 1]
-    return model.lm_head(rms_norm(x, model.norm.weight, model.norm.eps))
+    return logits
 
 
 def _check_ragged_chunks(
@@ -358,10 +326,11 @@ def _packed_attention(model: DecoderLM, cache: ServingCache, pos, slot_of, table
     one varlen launch reading each slot's cached prefix and its chunk."""
 
     def attend(i, q, k, v):
+        n = q.shape[1]
         q = rope_store(
-            q,
-            k,
-            v,
+            q[0],
+            k[0],
+            v[0],
             model.rotary.cos,
             model.rotary.sin,
             pos,
@@ -370,25 +339,10 @@ def _packed_attention(model: DecoderLM, cache: ServingCache, pos, slot_of, table
             cache.k_pool[i],
             cache.v_pool[i],
         )
-        return paged_prefill_attention(q, cache.k_pool[i], cache.v_pool[i], table, cu_dev, starts_dev, max_q)
+        y = paged_prefill_attention(q, cache.k_pool[i], cache.v_pool[i], table, cu_dev, starts_dev, max_q)
+        return y.reshape(1, n, -1)
 
     return attend
-
-
-def _run_packed_blocks(model: DecoderLM, x: torch.Tensor, attend, prepared, rows_all) -> torch.Tensor:
-    """The model's blocks over the packed tokens `x` [n, D]: each Engram (rows from `prepared`, else
-    the step's `rows_all`), then attention and MLP."""
-    layer_slot = 0
-    for i, block in enumerate(model.blocks):
-        if block.engram is not None:
-            lid = block.layer_id
-            if prepared is not None:
-                x = block.engram(x[None], prepared.row_ids(lid), rows=prepared.rows(lid), residual=True)[0]
-            else:
-                x = block.engram(x[None], rows_all[None, :, layer_slot], residual=True)[0]
-            layer_slot += 1
-        x = _attention_mlp(block, i, x, attend, model.tp_group)
-    return x
 
 
 def _commit_lengths(

@@ -39,6 +39,7 @@ from condmem.integrations.transformers.decode_graph import DecodeGraphs, StepGra
 from condmem.integrations.transformers.decode_state import DecodeState, DecodeStates, last_columns
 from condmem.integrations.transformers.families import Family, locate
 from condmem.layout import EngramLayout
+from condmem.models.context import ConvStates, EngramRows, ForwardContext, run_engram
 from condmem.module import Engram
 
 logger = logging.getLogger("condmem.integrations.transformers")
@@ -56,14 +57,29 @@ class EngramModelError(ValueError):
 
 @dataclass
 class _Step:
-    """What one forward's Engram layers read: row ids, padding mask, prefetched rows, ShortConv inputs."""
+    """What one forward's Engram layers read (its forward context), and what it leaves for the next."""
 
-    layer_rows: tuple[torch.Tensor, ...] | None  # per layer int64 [B, T, n_cols]; None when a memory looks up
-    token_mask: torch.Tensor | None  # bool [B, T]; False at padding (gate closed)
-    prepared: object | None  # condmem.serving.Prepared when the tables sit in an EngramMemory
-    conv_in: dict[int, torch.Tensor] | None  # per ShortConv layer: inputs before this step (cached runs only)
+    context: ForwardContext | None  # row ids or prefetched rows, padding mask, ShortConv states
     next_state: DecodeState | None  # saved under the returned cache
-    graphs: StepGraphs | None = None  # a decode step replayed from CUDA graphs (then nothing above is read)
+    graphs: StepGraphs | None = None  # a decode step replayed from CUDA graphs (then no context is read)
+
+
+class _StepConvStates(ConvStates):
+    """Each ShortConv's inputs before a cached forward, handed to the layer as a copy (it advances it in
+    place, and the earlier state stays as it was) that becomes the next forward's state."""
+
+    def __init__(self, conv_in: dict[int, torch.Tensor], next_state: DecodeState | None):
+        super().__init__(conv_in, 0)
+        self.next_state = next_state
+
+    def get(self, layer_id: int) -> torch.Tensor | None:
+        state = self.states.get(layer_id)
+        if state is None:
+            return None
+        state = state.clone()
+        if self.next_state is not None:
+            self.next_state.conv[layer_id] = state
+        return state
 
 
 class EngramAdapter:
@@ -219,7 +235,7 @@ class EngramAdapter:
             graphs = self._graphs.front(window, window_mask)
             self.last_row_ids = graphs.row_ids
             next_state, _ = self._next_state(bound, module, cache, window, window_mask, past, new, batch, device)
-            self._step = _Step(None, None, None, None, next_state, graphs)
+            self._step = _Step(None, next_state, graphs)
             return
         if window is not None:
             # Inside generate(): the look-back and the new tokens are one slice of its sequences.
@@ -237,11 +253,11 @@ class EngramAdapter:
         if ids.shape[1] != new:  # the look-back's own rows are dropped
             rows = rows[:, ids.shape[1] - new :]
         self.last_row_ids = rows
-        prepared = self._start_lookups(rows) if self.memory is not None else None
-        # Each layer's rows as views made at once (one op, not one per layer).
-        layer_rows = rows.unbind(2) if prepared is None else None
+        engram_rows = self._start_lookups(rows) if self.memory is not None else EngramRows(rows, self.config.layer_ids)
         next_state, conv_in = self._next_state(bound, module, cache, ids, valid, past, new, batch, device)
-        self._step = _Step(layer_rows, current, prepared, conv_in, next_state)
+        conv = None if conv_in is None else _StepConvStates(conv_in, next_state)
+        context = ForwardContext(engram_rows=engram_rows, token_mask=current, conv=conv)
+        self._step = _Step(context, next_state)
 
     def _next_state(self, bound, module, cache, ids, valid, past: int, new: int, batch: int, device):
         """(DecodeState, ShortConv inputs) kept for the next forward, when this one fills a cache; else Nones."""
@@ -288,7 +304,6 @@ class EngramAdapter:
             self._states.put(cache, step.next_state)
 
     def _layer_hook(self, layer_id: int):
-        index = self._layer_index[layer_id]
         engram = self.engrams[layer_id]
 
         def hook(module, args, kwargs):
@@ -302,22 +317,10 @@ class EngramAdapter:
             if step.graphs is not None:
                 hidden = self._graphs.layer(step.graphs, layer_id, hidden)
             else:
-                hidden = run_eager(step, hidden)
+                hidden = run_engram(engram, hidden, step.context)
             if args:
                 return (hidden, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": hidden}
-
-        def run_eager(step: _Step, hidden: torch.Tensor) -> torch.Tensor:
-            # Rows fetched by the memory need no row ids (the memory checked them).
-            looked_up = None if step.prepared is None else step.prepared.rows(layer_id)
-            rows = step.layer_rows[index] if looked_up is None else None
-            conv = None
-            if step.conv_in is not None and layer_id in step.conv_in:
-                # A copy: the forward advances it in place, and the earlier state stays as it was.
-                conv = step.conv_in[layer_id].clone()
-                if step.next_state is not None:
-                    step.next_state.conv[layer_id] = conv
-            return engram(hidden, rows, token_mask=step.token_mask, rows=looked_up, residual=True, conv_state=conv)
 
         return hook
 

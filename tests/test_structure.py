@@ -1,0 +1,118 @@
+"""The shape of the model code: one block forward, one loop over the blocks.
+
+Read from the source (AST), so a second way of running the blocks fails here before it can
+drift from the first: training, generate, the serving steps, tensor parallelism and the
+Hugging Face hooks build a `ForwardContext` and run `DecoderLM.forward`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "condmem"
+
+
+def _functions():
+    """(module path, qualified name, function node) of every function in src/condmem."""
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        stack = [(tree, "")]
+        while stack:
+            node, prefix = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    name = f"{prefix}{child.name}"
+                    yield path.relative_to(SRC).as_posix(), name, child
+                    stack.append((child, name + "."))
+                elif isinstance(child, ast.ClassDef):
+                    stack.append((child, f"{prefix}{child.name}."))
+                else:
+                    stack.append((child, prefix))
+
+
+def _mentions(node: ast.AST, attr: str) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == attr for n in ast.walk(node))
+
+
+def _own_body(fn: ast.AST):
+    """The nodes of `fn` outside the functions nested in it."""
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def test_one_class_defines_the_decoder_block_forward():
+    """A block forward calls both pre-norms of a block (``attn_norm`` and ``mlp_norm``, or their
+    weights); only `Block.forward` does."""
+    found = []
+    for module, name, fn in _functions():
+        calls = [n for n in _own_body(fn) if isinstance(n, ast.Call)]
+        if any(_mentions(c, "attn_norm") for c in calls) and any(_mentions(c, "mlp_norm") for c in calls):
+            found.append(f"{module}:{name}")
+    assert found == ["models/transformer.py:Block.forward"], found
+
+
+def _iterates_blocks(loop: ast.For | ast.comprehension) -> bool:
+    return _mentions(loop.iter, "blocks")
+
+
+def _runs(target: ast.AST, body: list[ast.AST]) -> bool:
+    """Whether `body` runs the loop's block: calls it, one of its sub-modules, or hands it to a call."""
+    if not isinstance(target, (ast.Name, ast.Tuple)):
+        return False
+    names = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in names:
+                return True  # block(x, ...)
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr in ("engram", "attn", "mlp", "moe", "attn_norm", "mlp_norm", "forward")
+                and isinstance(func.value, ast.Name)
+                and func.value.id in names
+            ):
+                return True  # block.attn(...), block.engram(...)
+            if any(isinstance(a, ast.Name) and a.id in names for a in node.args):
+                return True  # a helper given the block
+    return False
+
+
+def test_one_loop_runs_the_blocks():
+    """The only loop over ``.blocks`` that runs them is `DecoderLM.forward`'s (loops that read the
+    blocks' modules or parameters are not counted)."""
+    found = []
+    for module, name, fn in _functions():
+        for node in _own_body(fn):
+            if isinstance(node, ast.For) and _iterates_blocks(node) and _runs(node.target, node.body):
+                found.append(f"{module}:{name}")
+            if isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)):
+                for gen in node.generators:
+                    elts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+                    if _iterates_blocks(gen) and _runs(gen.target, elts):
+                        found.append(f"{module}:{name}")
+    assert found == ["models/transformer.py:DecoderLM.forward"], found
+
+
+def test_the_checks_see_a_second_block_forward_and_loop():
+    """Negative control: a serving walk with its own loop and block forward is caught."""
+    tree = ast.parse(
+        "def _attention_mlp(block, x):\n"
+        "    h = rms_norm(x, block.attn_norm.weight)\n"
+        "    return rms_norm(h, block.mlp_norm.weight)\n"
+        "def run(model, x):\n"
+        "    for i, block in enumerate(model.blocks):\n"
+        "        x = _attention_mlp(block, x)\n"
+        "    return x\n"
+    )
+    fns = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    calls = [n for n in _own_body(fns["_attention_mlp"]) if isinstance(n, ast.Call)]
+    assert any(_mentions(c, "attn_norm") for c in calls) and any(_mentions(c, "mlp_norm") for c in calls)
+    loop = next(n for n in _own_body(fns["run"]) if isinstance(n, ast.For))
+    assert _iterates_blocks(loop) and _runs(loop.target, loop.body)
