@@ -24,7 +24,7 @@ import torch
 
 from condmem import EngramConfig, EngramLayout, NgramHasher
 from condmem.integrations.transformers.optim import enable_sparse_grad_norm
-from condmem.integrations.transformers.pretrained import memory_table
+from condmem.integrations.transformers.saving import memory_table
 from condmem.serving.memory import EngramMemory
 from condmem.train.optim import clip_grad_norm_
 

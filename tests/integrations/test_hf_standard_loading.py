@@ -29,7 +29,7 @@ from condmem.integrations.transformers import (  # noqa: E402
     remove_engram,
 )
 from condmem.integrations.transformers import optim as engram_optim  # noqa: E402
-from condmem.integrations.transformers import pretrained  # noqa: E402
+from condmem.integrations.transformers import pretrained, saving  # noqa: E402
 from condmem.tokenizer import CompressedTokenizer, TokenizerMismatchError  # noqa: E402
 from condmem.train.bpe import train_bpe  # noqa: E402
 from hf_fixtures import PAD, engram_config, tiny_model  # noqa: E402
@@ -122,7 +122,7 @@ def test_auto_model_without_trust_remote_code_refuses_instead_of_a_plain_model(h
 
     # Negative control: a folder written without the model type and auto_map (how it was saved
     # before) loads through the same call as a plain model, silently, with other logits.
-    monkeypatch.setattr(pretrained, "_write_engram_files", lambda model, folder, target: None)
+    monkeypatch.setattr(saving, "_write_engram_files", lambda model, folder, target: None)
     model = saved_engram_model("llama", hf_tok, tmp_path / "old")
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "old").eval()
     ids, mask = batch(len(hf_tok))
@@ -134,10 +134,10 @@ def test_auto_model_without_trust_remote_code_refuses_instead_of_a_plain_model(h
 def test_the_remote_code_file_names_condmem_when_it_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "condmem.integrations.transformers.pretrained", None)  # import fails
     with pytest.raises(ImportError, match=r"needs the condmem package.*pip install \"condmem\[hf\]\""):
-        exec(compile(pretrained._REMOTE_CODE, "modeling_condmem.py", "exec"), {})
+        exec(compile(saving._REMOTE_CODE, "modeling_condmem.py", "exec"), {})
     monkeypatch.undo()
     namespace: dict = {}
-    exec(compile(pretrained._REMOTE_CODE, "modeling_condmem.py", "exec"), namespace)
+    exec(compile(saving._REMOTE_CODE, "modeling_condmem.py", "exec"), namespace)
     assert namespace["EngramAutoModelForCausalLM"] is pretrained.EngramAutoModelForCausalLM
 
 

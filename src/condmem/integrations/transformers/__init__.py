@@ -17,12 +17,12 @@ from condmem.integrations.transformers.adapter import (
     CONFIG_KEY,
     EngramAdapter,
     EngramModelError,
-    add_engram,
     engram_summary,
     get_engram,
     offload_tables,
     remove_engram,
 )
+from condmem.integrations.transformers.attach import add_engram
 from condmem.integrations.transformers.families import FAMILIES, UnsupportedModelError
 from condmem.integrations.transformers.optim import (
     EngramOptimizer,
