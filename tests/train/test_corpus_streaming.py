@@ -21,7 +21,7 @@ from condmem.train.data import (
     split_text,
 )
 from condmem.train.heldout import DEDUP_NGRAM, near_duplicate_fractions, ngram_keys, stream_ngram_keys
-from condmem.train.pipeline import _sample_docs, prepare_data
+from condmem.train.pipeline import _sample_order, prepare_data
 
 VOCAB = 300
 
@@ -57,6 +57,12 @@ def small_corpus(tmp_path, monkeypatch):
     (tmp_path / "book.txt").write_text(_lines(rng, 300))
     (tmp_path / "recs.jsonl").write_text("".join(json.dumps({"text": _lines(rng, 5)}) + "\n" for _ in range(30)))
     return [str(folder), str(tmp_path / "book.txt"), str(tmp_path / "recs.jsonl")]
+
+
+def _sample_docs(docs, max_bytes, seed):
+    """`_sample_order` of documents held in memory."""
+    sizes = [len(d.text.encode("utf-8")) for d in docs]
+    return [docs[i] for i in _sample_order([d.name for d in docs], sizes, range(len(docs)), max_bytes, seed)]
 
 
 def _in_memory(corpus, tok, eos_id, max_train_bytes, seed, threshold, val_fraction):

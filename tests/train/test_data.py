@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from condmem.train.bpe import token_byte_lengths, train_bpe
-from condmem.train.data import CorpusError, Corpus, Document, TokenStream, cached_encode, load_corpus, split_corpus
+from condmem.train.data import CorpusError, Corpus, Document, TokenStream, load_corpus, split_corpus
 
 
 def test_load_directory_jsonl_and_file(tmp_path):
@@ -119,15 +119,6 @@ def test_bytes_per_token_are_exact_for_byte_level_bpe():
     ids = tok.encode(text).ids
     assert int(lengths[ids].sum()) == len(text.encode("utf-8"))
     assert lengths[tok.token_to_id("<|endoftext|>")] == 0
-
-
-def test_token_cache_roundtrip(tmp_path):
-    tok = train_bpe(["abc abd abe"] * 10, vocab_size=270)
-    docs = [Document("a", "abc abd"), Document("b", "abe")]
-    first = cached_encode(tok, docs, 0, "k", tmp_path)
-    assert list(tmp_path.glob("tokens-*k.npy"))
-    second = cached_encode(tok, docs, 0, "k", tmp_path)
-    assert np.array_equal(first, second) and first[-1] == 0
 
 
 def test_prepared_data(tiny_data):

@@ -66,7 +66,6 @@ from condmem.tables.table_file import LayerRows, TableMismatchError, check_read_
 
 log = logging.getLogger("condmem.tables")
 
-NameDialect = Literal["original", "hf"]
 NAME_DIALECTS: tuple[str, ...] = ("original", "hf")
 INDEX_FILE = "model.safetensors.index.json"
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -706,12 +705,6 @@ class ReleasedCheckpoint:
                 f"tensor {name} in {header.path} is {header.other[name]}, a dtype torch cannot read"
             )
         return header.tensors[name]
-
-    def _map(
-        self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None, what: str
-    ) -> torch.Tensor:
-        self._check_entry(name, dtypes, shape, what)
-        return mmap_tensor(self.headers[name], name)
 
     def _check_entry(
         self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...] | None, what: str

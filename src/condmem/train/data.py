@@ -32,7 +32,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from condmem.utils.atomic import atomic_path
 
 logger = logging.getLogger("condmem.train.data")
 
@@ -455,28 +454,6 @@ def encode_documents(tokenizer, docs: Sequence[Document], eos_id: int, batch_doc
             parts.append(np.asarray(enc.ids, dtype=dtype))
             parts.append(np.asarray([eos_id], dtype=dtype))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-
-def cached_encode(
-    tokenizer, docs: Sequence[Document], eos_id: int, key: str, cache_dir: Path | None = None, use_cache: bool = True
-) -> np.ndarray:
-    """`encode_documents`, cached at ``cache_dir/tokens-<key>.npy`` (written atomically)."""
-    if not use_cache:
-        return encode_documents(tokenizer, docs, eos_id)
-    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "tokens"
-    path = folder / f"tokens-v{_TOKEN_CACHE_FORMAT}-{key}.npy"
-    if path.is_file():
-        try:
-            return np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            logger.warning("ignoring unreadable token cache %s (%s)", path, exc)
-    tokens = encode_documents(tokenizer, docs, eos_id)
-    try:
-        with atomic_path(path, wait=True) as tmp, open(tmp, "wb") as fh:
-            np.save(fh, tokens, allow_pickle=False)
-    except OSError as exc:
-        logger.warning("could not write token cache %s (%s)", path, exc)
-    return tokens
 
 
 def docs_key(docs: Iterable[Document], *extra: str) -> str:

@@ -98,12 +98,6 @@ def _sample_order(names: Sequence[str], sizes: Sequence[int], candidates: Sequen
     return out
 
 
-def _sample_docs(docs: Sequence[Document], max_bytes: int | None, seed: int) -> list[Document]:
-    """`_sample_order` of documents held in memory."""
-    sizes = [len(d.text.encode("utf-8")) for d in docs]
-    return [docs[i] for i in _sample_order([d.name for d in docs], sizes, range(len(docs)), max_bytes, seed)]
-
-
 def _token_dtype(tok: Tokenizer):
     return np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
 
