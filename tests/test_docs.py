@@ -68,7 +68,11 @@ def broken_links(page: Path) -> list[str]:
 
 
 def names_resolve(name: str) -> bool:
-    """`name` (``condmem.a.b``) is a module, or its longest module prefix's source names what follows."""
+    """`name` (``condmem.a.b``) is a module, the native extension (named in `native/toolchain.py`, and
+    absent from a tree that was never built), or its longest module prefix's source names what follows."""
+    toolchain = (ROOT / "src/condmem/native/toolchain.py").read_text()
+    if re.search(rf"^MODULE = [\"']{re.escape(name)}[\"']", toolchain, re.M):
+        return True
     parts = name.split(".")
     for k in range(len(parts), 0, -1):
         try:

@@ -268,6 +268,30 @@ def test_checkpoint_bytes_bounds_the_checkpoint_written(tiny_data, tmp_path):
     assert written <= trainer.checkpoint_bytes() and written <= before
 
 
+def test_a_digit_flip_that_parses_to_the_same_float_is_refused(trained, tmp_path):
+    """The hash of state.json covers its parsed values, and 0.30000000000000004 and ...05 (one flipped
+    bit) parse to the same float: the bytes themselves must be as written."""
+    import json
+
+    from condmem.train.checkpoint import _state_digest
+
+    _, src = trained
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    path = resolve_checkpoint(run) / "state.json"
+    state = json.loads(path.read_text())
+    state["history"][0]["loss"] = 0.1 + 0.2
+    state["state_sha256"] = _state_digest(state)
+    path.write_text(json.dumps(state) + "\n")
+    assert load_checkpoint(run).state["step"] == 3  # the edit with its hash recomputed loads
+    text = path.read_text()
+    assert text.count("0.30000000000000004") == 1 and 0.30000000000000004 == 0.30000000000000005
+    path.write_text(text.replace("0.30000000000000004", "0.30000000000000005"))
+    assert json.loads(path.read_text()) == state  # negative control: the values (and so the hash) match
+    with pytest.raises(CheckpointError, match="byte for byte"):
+        load_checkpoint(run)
+
+
 # ---------------------------------------------------------------------------- values that were misread
 @pytest.mark.parametrize("step", ["3", 2.5, True, -1, None], ids=["str", "float", "bool", "negative", "null"])
 def test_state_json_with_a_step_that_is_not_an_integer_is_refused(trained, tmp_path, step):

@@ -130,10 +130,12 @@ def test_bf16_moments_train_close_to_fp32(tiny_data, reference):
     with trainer.host:
         assert trainer.host.layers[1].exp_avg.dtype == torch.bfloat16
         trainer.fit()
-    # bf16 moments round the Adam state (8 significand bits), and the rounding compounds over
-    # steps: the same curve (0.004 nats apart at most, measured), not equal.
-    diffs = [abs(a - b) for a, b in zip(_losses(trainer), _losses(reference))]
-    assert 0 < max(diffs) < 0.02, diffs
+    # bf16 moments round the Adam state (8 significand bits), and at lr 1e-2 the rounding compounds
+    # over 50 steps by an amount that depends on the CPU's vector arithmetic (0.004 nats apart at most on
+    # one machine, 0.040 on another): the same curve, well inside the 1+ nats the loss falls, not equal.
+    ours, theirs = _losses(trainer), _losses(reference)
+    diffs = [abs(a - b) for a, b in zip(ours, theirs)]
+    assert 0 < max(diffs) < 0.1 < (theirs[0] - theirs[-1]) / 10, (diffs, theirs[0], theirs[-1])
 
 
 @pytest.mark.parametrize("adam", ["host", "device"])

@@ -97,11 +97,16 @@ def read_state(folder: Path) -> dict:
     """A checkpoint's state.json, checked against its own hash; `CorruptCheckpointError` otherwise."""
     path = folder / "state.json"
     try:
-        state = json.loads(path.read_text())
+        text = path.read_text()
+        state = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is unreadable ({exc}): the checkpoint is damaged") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("files"), dict):
         raise CorruptCheckpointError(f"{path} is not a condmem checkpoint state")
+    # The hash covers the parsed values; the bytes must also be the ones `_write_state` writes, since a
+    # changed digit past a float's precision parses to the same value (0.30000000000000004 and ...05).
+    if text.removesuffix("\n") != _state_text(state).removesuffix("\n"):
+        raise CorruptCheckpointError(f"{path} is not byte for byte as written: it was altered or corrupted")
     if state.get("version") != FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{path}: checkpoint format version {state.get('version')!r}, this condmem reads "
@@ -382,7 +387,12 @@ def _write_state(tmp: Path, fingerprints: dict, trainer_state: dict) -> None:
         **trainer_state,
     }
     meta["state_sha256"] = _state_digest(json.loads(json.dumps(meta)))
-    atomic_write_text(tmp / "state.json", json.dumps(meta) + "\n")
+    atomic_write_text(tmp / "state.json", _state_text(meta))
+
+
+def _state_text(state: dict) -> str:
+    """state.json's bytes for `state` (its values round-trip through JSON unchanged)."""
+    return json.dumps(state) + "\n"
 
 
 def _point_latest(root: Path, final: Path, step: int, run_dir: Path) -> None:
