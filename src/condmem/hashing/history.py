@@ -1,10 +1,17 @@
-"""`NgramHistory`: the last N-1 compressed ids of every decoding sequence, one slot each.
+"""`NgramHistory`: the look-back of every sequence, one slot each: what hashing its next tokens reads.
 
-During decode a sequence grows by one token per step; its hash needs only the N-1
-tokens before the new one. The history keeps them on the device in a
-[n_slots, N-1] table (column j holds the id j+1 positions back, the pad where the
-sequence is shorter or a block hides it), so one kernel launch hashes one new token
-per sequence and writes the updated history with no host round trip.
+A token's rows depend on it and the N-1 tokens before it. Every owner of sequences keeps
+that look-back here, in one of two forms:
+
+* rolling (default): the last N-1 compressed ids of each slot on the device, in a
+  [n_slots, N-1] table (column j holds the id j+1 positions back, the pad where the
+  sequence is shorter or a block hides it), so one kernel launch hashes one new token
+  per sequence and writes the updated history with no host round trip (`EngramMemory`,
+  the Hugging Face decode state);
+* by position (``max_len``): each slot's token ids by position (`InferenceCache`,
+  `ServingCache`), whose look-back before any position is cut by `window`, so a cache
+  whose length is set back (speculative tokens rejected) or whose prefix is copied to
+  another slot (a prefix-cache hit) carries its look-back with it.
 
 Slots are handed out and taken back on the host (`allocate`, `free`); the device
 table is only touched by `reset`, `prefill` and the decode step. Padding rows of a
@@ -25,17 +32,20 @@ class HistoryError(ValueError):
 
 
 class NgramHistory:
-    """Per-sequence look-back state for decoding.
+    """Per-sequence look-back state (see the module docstring for its two forms).
 
     Args:
         n_slots: most sequences decoded at once.
-        max_ngram_size: N (the history keeps N-1 ids per slot).
+        max_ngram_size: N (the look-back is N-1 tokens).
         pad_id: compressed id of the pad (what a fresh or reset slot holds).
         device: where the table lives (the device of the decode batch).
+        max_len: keep each slot's token ids by position, up to `max_len` of them, instead
+            of the rolling last N-1 compressed ids.
 
     Attributes:
-        ids: int64 [n_slots, N-1]; ``ids[s, j]`` is the compressed id j+1 positions
-            before the next token of the sequence in slot s.
+        ids: rolling form: int64 [n_slots, N-1]; ``ids[s, j]`` is the compressed id j+1
+            positions before the next token of the sequence in slot s. None by position.
+        tokens: by position: int64 [n_slots, max_len] token ids; None when rolling.
 
     Example:
         >>> hist = hasher.new_history(n_slots=64, device="cuda")
@@ -44,7 +54,15 @@ class NgramHistory:
         >>> rows = hasher.decode(hist, torch.tensor([s], device="cuda"), next_token_ids)
     """
 
-    def __init__(self, n_slots: int, max_ngram_size: int, pad_id: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        n_slots: int,
+        max_ngram_size: int,
+        pad_id: int,
+        device: torch.device | str = "cpu",
+        *,
+        max_len: int | None = None,
+    ):
         if n_slots < 1:
             raise HistoryError(f"n_slots must be >= 1, got {n_slots}")
         if max_ngram_size < 2:
@@ -52,15 +70,66 @@ class NgramHistory:
         self.n_slots = int(n_slots)
         self.max_ngram_size = int(max_ngram_size)
         self.pad_id = int(pad_id)
-        self.ids = torch.full(
-            (self.n_slots, self.max_ngram_size - 1), self.pad_id, dtype=torch.int64, device=torch.device(device)
-        )
+        device = torch.device(device)
+        self.ids: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None
+        if max_len is None:
+            self.ids = torch.full(
+                (self.n_slots, self.max_ngram_size - 1), self.pad_id, dtype=torch.int64, device=device
+            )
+        else:
+            self.tokens = torch.zeros(self.n_slots, int(max_len), dtype=torch.int64, device=device)
         self._free = list(range(self.n_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._live: set[int] = set()
 
     @property
     def device(self) -> torch.device:
-        return self.ids.device
+        return (self.ids if self.ids is not None else self.tokens).device
+
+    @property
+    def max_len(self) -> int | None:
+        """Positions a slot holds in the by-position form (None when rolling)."""
+        return None if self.tokens is None else self.tokens.shape[1]
+
+    # ------------------------------------------------------------------ by position
+    def _positions(self) -> torch.Tensor:
+        if self.tokens is None:
+            raise HistoryError("this history keeps the rolling last N-1 ids, not token ids by position (max_len)")
+        return self.tokens
+
+    def record(
+        self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> None:
+        """By position: ``tokens[slots[b], positions[b]] = ids[b]``, except rows where `valid` is False."""
+        tokens = self._positions()
+        ids = ids.to(tokens.dtype)
+        if valid is not None:
+            ids = torch.where(valid, ids, tokens[slots, positions])
+        tokens[slots, positions] = ids
+
+    def write(self, batch: int, start: int, ids: torch.Tensor) -> None:
+        """By position: rows 0..batch-1 hold `ids` [batch, T] at positions start..start+T-1."""
+        self._positions()[:batch, start : start + ids.shape[1]] = ids
+
+    def window(self, slots: torch.Tensor, ends: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """By position: the token ids of slot ``slots[b]`` at positions ``ends[b]-width .. ends[b]-1``.
+
+        Returns:
+            (ids [B, width], before bool [B, width]: True where the position precedes the
+            sequence's start; its id there is position 0's, to be read as blocked).
+        """
+        tokens = self._positions()
+        back = ends.reshape(-1, 1) - torch.arange(width, 0, -1, device=ends.device)[None, :]  # oldest first
+        return tokens[slots.reshape(-1, 1), back.clamp(min=0)], back < 0
+
+    def copy_rows(self, slots: torch.Tensor, source: NgramHistory, width: int) -> None:
+        """By position: slots ``slots[j]`` take the first `width` positions of `source`'s row j."""
+        self._positions()[slots, :width] = source._positions()[: slots.numel(), :width]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """By position: slot `dst` takes the token ids of slot `src`'s first `n` positions."""
+        tokens = self._positions()
+        tokens[dst, :n] = tokens[src, :n]
 
     @property
     def depth(self) -> int:
@@ -77,7 +146,8 @@ class NgramHistory:
             raise HistoryError(f"all {self.n_slots} history slots are in use; free one or make a larger history")
         slot = self._free.pop()
         self._live.add(slot)
-        self.ids[slot].fill_(self.pad_id)
+        if self.ids is not None:
+            self.ids[slot].fill_(self.pad_id)
         return slot
 
     def free(self, slot: int) -> None:
@@ -90,6 +160,8 @@ class NgramHistory:
 
     def reset(self, slots: torch.Tensor | list[int]) -> None:
         """Fill the given slots with the pad (no host sync)."""
+        if self.ids is None:
+            return  # by position: a slot's look-back follows the length its owner keeps
         index = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
         self.ids.index_fill_(0, index, self.pad_id)
 
@@ -141,6 +213,8 @@ class NgramHistory:
             blocked: optional bool [B, T] blocked positions (see `NgramHasher.__call__`).
             lengths: optional [B] true prompt lengths.
         """
+        if self.ids is None:
+            raise HistoryError("prefill seeds the rolling form; a history by position records token ids (write)")
         index = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
         if compressed.dim() != 2 or compressed.shape[0] != index.numel():
             raise HistoryError(f"prefill needs [B={index.numel()}, T] compressed ids, got {tuple(compressed.shape)}")
@@ -154,6 +228,8 @@ class NgramHistory:
         self.ids.index_copy_(0, index, tail)
 
     def __repr__(self) -> str:
+        form = "rolling" if self.ids is not None else f"by position, max_len={self.max_len}"
         return (
-            f"NgramHistory(slots={self.n_slots}, N={self.max_ngram_size}, live={len(self._live)}, device={self.device})"
+            f"NgramHistory(slots={self.n_slots}, N={self.max_ngram_size}, {form}, live={len(self._live)}, "
+            f"device={self.device})"
         )

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from condmem.hashing import NgramHasher
+from condmem.hashing import NgramHasher, NgramHistory
 from condmem.layout import EngramLayout
 from condmem.models.addresses import RandomAddresses
 from condmem.models.attention import Attention, DenseAttention, KVCache
@@ -41,17 +41,18 @@ class InferenceCache:
 
     * ``kv``: one `KVCache` per block;
     * ``conv``: per Engram layer, the last (kernel-1)*dilation ShortConv inputs [B, pad, 1, D];
-    * ``tokens``: the token ids so far [B, max_len] (the hash of a new token looks back N-1 ids).
+    * ``history``: the sequences' look-back (an `NgramHistory` by position: row b is sequence b;
+      the hash of a new token looks back N-1 ids).
     """
 
     kv: list[KVCache]
     conv: dict[int, torch.Tensor]
-    tokens: torch.Tensor
+    history: NgramHistory
     length: int = 0
 
     @property
     def max_len(self) -> int:
-        return self.tokens.shape[1]
+        return self.kv[0].max_len
 
 
 @dataclass
@@ -335,11 +336,12 @@ class DecoderLM(nn.Module):
             start = cache.length
             if start + length > cache.max_len:
                 raise ValueError(f"the cache holds {cache.max_len} positions; {start + length} asked")
-            cache.tokens[:batch, start : start + length] = input_ids
+            cache.history.write(batch, start, input_ids)
             if self.cfg.engram is not None and prepared is None:
                 # A position's rows depend on it and the N-1 ids before: hash that window only.
                 back = min(start, self.cfg.engram.max_ngram_size - 1)
-                window = cache.tokens[:batch, start - back : start + length]
+                ends = torch.full((batch,), start + length, device=input_ids.device)
+                window, _ = cache.history.window(torch.arange(batch, device=input_ids.device), ends, back + length)
                 rows = self.row_ids(window)[:, back:]
         elif prepared is None:
             rows = row_ids if row_ids is not None else self.row_ids(input_ids, doc_starts)
@@ -387,8 +389,16 @@ class DecoderLM(nn.Module):
                 )
             elif block.engram is not None:
                 conv[block.layer_id] = None
-        tokens = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        return InferenceCache(kv=kv, conv=conv, tokens=tokens)
+        return InferenceCache(kv=kv, conv=conv, history=self.new_history(batch, max_len))
+
+    def new_history(self, n_slots: int, max_len: int) -> NgramHistory:
+        """The look-back of `n_slots` sequences of up to `max_len` tokens, by position (what a cache
+        keeps: `InferenceCache`, `condmem.serving.ServingCache`), on the model's device. A model
+        without Engram hashes nothing but keeps the token ids all the same (a cache's prefix copies
+        carry them)."""
+        engram = self.cfg.engram
+        n, pad = (engram.max_ngram_size, engram.pad_id) if engram is not None else (2, 0)
+        return NgramHistory(n_slots, n, pad, self.embed.weight.device, max_len=max_len)
 
     @torch.no_grad()
     def gate_values(self, input_ids: torch.Tensor, doc_starts: torch.Tensor | None = None) -> dict[int, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 Slot s owns the blocks listed in row s of the block table; the attention kernels
 (`condmem.ops.attention`) read through it, each slot only up to its own length. Besides the
-keys and values a slot holds its token history (what the model's own tables hash) and each
-Engram layer's ShortConv state. The step functions that fill and advance it are `steps.py`.
+keys and values a slot holds its look-back (an `NgramHistory` by position: what the model's own
+tables hash) and each Engram layer's ShortConv state. The step functions that fill and advance it are `steps.py`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from condmem.hashing import NgramHistory
 from condmem.models.transformer import DecoderLM
 from condmem.utils.device_copy import to_device
 
@@ -58,7 +59,9 @@ class ServingCache:
         self.block_table = torch.arange(n_slots * per_slot, dtype=torch.int32, device=device).view(n_slots, per_slot)
         self.lengths = torch.zeros(n_slots, dtype=torch.long, device=device)
         self.host_lengths = [0] * n_slots
-        self.tokens = torch.zeros(n_slots, self.max_len, dtype=torch.long, device=device)
+        self.device = device
+        self.history: NgramHistory = model.new_history(n_slots, self.max_len)
+        """The slots' look-back, by position."""
         self.conv: dict[int, torch.Tensor | None] = {}
         for block in model.blocks:
             if block.engram is not None:
@@ -71,6 +74,11 @@ class ServingCache:
                     )
                 )
         self.n_slots = n_slots
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """int64 [n_slots, max_len]: each slot's token ids by position (held by its look-back, `history`)."""
+        return self.history.tokens
 
     def live_kv_bytes(self, lengths) -> int:
         """Bytes of keys and values that attention reads for sequences of `lengths` tokens (all layers)."""
@@ -115,10 +123,10 @@ class ServingCache:
         """Take over what a model forward left in `temp` (an `InferenceCache` whose row j holds
         slot ``slots[j]``'s prompt from position 0): every layer's keys and values, the token
         ids and the ShortConv state; slot ``slots[j]`` then holds ``lengths[j]`` tokens."""
-        index = to_device(slots, self.tokens.device, torch.long)
+        index = to_device(slots, self.device, torch.long)
         for i, kv in enumerate(temp.kv):
             self.store_prefix(i, index, kv.k, kv.v)
-        self.tokens[index, : temp.tokens.shape[1]] = temp.tokens
+        self.history.copy_rows(index, temp.history, temp.max_len)
         for lid, c in self.conv.items():
             if c is not None:
                 c[index] = temp.conv[lid]
@@ -132,7 +140,7 @@ class ServingCache:
         src_ids, dst_ids = self._blocks(src, n), self._blocks(dst, n)
         for pool in (*self.k_pool, *self.v_pool):
             pool[dst_ids] = pool[src_ids]
-        self.tokens[dst, :n] = self.tokens[src, :n]
+        self.history.copy_prefix(src, dst, n)
 
     def release(self, slot: int) -> None:
         """Forget a finished sequence (its slot is reset; the next prefill overwrites it)."""

@@ -91,7 +91,7 @@ class GraphedDecoder:
         fetch_threads: int | None = None,
         warmup: int = 3,
     ):
-        if not torch.cuda.is_available() or cache.tokens.device.type != "cuda":
+        if not torch.cuda.is_available() or cache.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model and cache on a CUDA device")
         if wait not in WAIT_MODES:
             raise ValueError(f"wait must be one of {WAIT_MODES}, got {wait!r}")
@@ -122,7 +122,7 @@ class GraphedDecoder:
         if memory is None and model.cfg.engram is not None and model.engram_layers[0].table.weight.is_meta:
             raise ValueError("the model's Engram tables live outside it (meta): pass memory=")
         self.model, self.cache, self.memory = model, cache, memory
-        device = cache.tokens.device
+        device = cache.device
         n = cache.n_slots
         self.slots = torch.arange(n, device=device)
         self.ids = torch.zeros(n, dtype=torch.long, device=device)

@@ -246,7 +246,7 @@ class Scheduler:
                     else self._prepare([r for r, _ in prefill], [c for _, c in prefill])
                 )
             prepared = join_prepared(parts)
-        device = self.cache.tokens.device
+        device = self.cache.device
         logits = ragged_step(self.model, self.cache, slots, [c.to(device) for c in chunks], prepared=prepared)
         if lookahead:
             self._plan_ahead(prefill)

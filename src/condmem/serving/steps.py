@@ -45,7 +45,7 @@ def prefill(
     if ids.numel() > cache.max_len:
         raise ValueError(f"a prompt of {ids.numel()} tokens does not fit the cache's {cache.max_len} positions")
     temp = model.new_cache(1, ids.numel())
-    logits = model(ids[None].to(cache.tokens.device), cache=temp, prepared=prepared, last_only=last_only)[0]
+    logits = model(ids[None].to(cache.device), cache=temp, prepared=prepared, last_only=last_only)[0]
     cache.adopt([slot], temp, [ids.numel()])
     return logits
 
@@ -78,7 +78,7 @@ def prefill_batch(
         return torch.cat(
             [prefill(model, cache, s, p, prepared=prepared, last_only=True) for s, p in zip(slots, prompts)]
         )
-    device = cache.tokens.device
+    device = cache.device
     ids, lengths = padded_ids(prompts, pad_to, cache.max_len)
     temp = model.new_cache(*ids.shape)
     logits = model(ids.to(device), cache=temp, prepared=prepared, logits_at=lengths.to(device) - 1)[:, 0]
@@ -137,7 +137,7 @@ def decode_step(
     value): a step's cost follows the live lengths, not ``max_len``.
     """
     cfg = model.cfg
-    device = cache.tokens.device
+    device = cache.device
     ids = ids.to(device)
     batch = ids.numel()
     rows = torch.arange(batch, device=device) if slots is None else slots.to(device)
@@ -149,14 +149,12 @@ def decode_step(
         if bool(over.any()):
             raise ValueError(f"a sequence reached the cache's {cache.max_len} positions")
     at = pos.clamp(max=cache.max_len - 1)  # invalid rows may sit at a full slot
-    _masked_put(cache.tokens, (rows, at), ids, valid)
+    cache.history.record(rows, at, ids, valid)
     rows_all = None
     if cfg.engram is not None and prepared is None:
         # Each slot's last N tokens; look-backs before its start are blocked (read as pad).
-        n = cfg.engram.max_ngram_size
-        back = at[:, None] - torch.arange(n - 1, -1, -1, device=device)[None, :]  # [B, N]
-        window = cache.tokens[rows[:, None], back.clamp(min=0)]
-        rows_all = model.hasher(window, blocked=back < 0, check=False)[:, -1:]  # [B, 1, L, C]
+        window, before = cache.history.window(rows, at + 1, cfg.engram.max_ngram_size)
+        rows_all = model.hasher(window, blocked=before, check=False)[:, -1:]  # [B, 1, L, C]
     n_keys = at + 1 if valid is None else torch.where(valid, at + 1, 0)  # invalid rows read nothing
     table = cache.block_table[rows] if slots is not None else cache.block_table
 
@@ -242,10 +240,10 @@ def ragged_step(
     """
     cfg = model.cfg
     lengths, starts, keep = _check_ragged_chunks(cache, slots, chunks, n_commit)
-    device = cache.tokens.device
+    device = cache.device
     ids = torch.cat([c.reshape(-1) for c in chunks]).to(device)
     slot_of, pos, cu_dev, starts_dev, slots_dev = _packed_layout(slots, starts, lengths, len(ids), device)
-    cache.tokens[slot_of, pos] = ids
+    cache.history.record(slot_of, pos, ids)
     rows_all = None
     if cfg.engram is not None and prepared is None:
         rows_all = _own_engram_rows(model, cache, ids, cu_dev, slots, starts)
@@ -313,11 +311,10 @@ def _own_engram_rows(
 ) -> torch.Tensor:
     """Row ids of the packed tokens from the model's own hasher: each chunk looks back at the N-1
     tokens its slot holds before it."""
-    device = cache.tokens.device
-    depth = model.cfg.engram.max_ngram_size - 1
-    back = torch.tensor(starts)[:, None] - torch.arange(depth, 0, -1)[None, :]  # [B, N-1], oldest first
-    lookback = cache.tokens[torch.tensor(slots)[:, None].to(device), back.clamp(min=0).to(device)]
-    lookback = torch.where(back.to(device) >= 0, lookback, torch.full_like(lookback, -1))
+    device = cache.device
+    ends = torch.tensor(starts).to(device)
+    lookback, before = cache.history.window(torch.tensor(slots).to(device), ends, model.cfg.engram.max_ngram_size - 1)
+    lookback = torch.where(before, torch.full_like(lookback, -1), lookback)
     return model.hasher.hash_ragged(ids, cu_dev, lookback_ids=lookback, check=False)
 
 
@@ -352,7 +349,7 @@ def _commit_lengths(
     for s, st, k in zip(slots, starts, keep):
         cache.host_lengths[s] = st + k
     ends = torch.tensor([st + k for st, k in zip(starts, keep)])
-    cache.lengths[slots_dev] = ends.to(cache.tokens.device, non_blocking=True)
+    cache.lengths[slots_dev] = ends.to(cache.device, non_blocking=True)
 
 
 @torch.no_grad()
