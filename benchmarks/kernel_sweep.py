@@ -1,5 +1,5 @@
 """Launch-configuration sweep of two bandwidth-bound kernels on a GPU: the Engram gate with the
-residual add fused in (at the sizes of the peer figures in `condmem.bench.gate.PEER_MS`) and
+residual add fused in (at `condmem bench gate`'s sizes, beside the peer figures of its `PEER_FILE`) and
 the paged decode attention at the 4B backbone's decode step (block, warps, stages, splits; two pool
 layouts), beside two controls: a kernel that reads the same keys and values through the same
 addressing with no attention arithmetic, and a contiguous read of as many bytes. Every
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from condmem.bench.e2e import BACKBONES
-from condmem.bench.gate import PEER_MS
+from condmem.bench.gate import peer_figures
 from condmem.bench.harness import copy_bandwidth_gbps, graph_replay_ms, machine_info
 from condmem.ops.attention import reference as attn_ref
 from condmem.ops.attention import triton as attn_triton
@@ -54,7 +54,8 @@ def gate_rows(bw: float) -> list[dict]:
         f"c{c} w{w}": dict(chunk=c, num_warps=w)
         for c, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (2048, 8))
     }
-    for n, hc, dim in [*PEER_MS, (16384, 1, 2560)]:
+    peers = peer_figures(torch.cuda.get_device_name())
+    for n, hc, dim in ((8192, 4, 4096), (512, 4, 4096), (8192, 4, 7168), (16384, 1, 2560)):
         sets = [
             (
                 torch.randn((n, hc, dim), device="cuda", dtype=torch.bfloat16, generator=gen),
@@ -83,8 +84,8 @@ def gate_rows(bw: float) -> list[dict]:
                     "rel_err": err,
                     "default": (kw_["chunk"], kw_["num_warps"]) == default_launch(dim),
                     "x_bound": nbytes / (bw * 1e9) * 1e3 / ms,
-                    "peer_ms": PEER_MS.get((n, hc, dim)),
-                    "x_peer": PEER_MS[(n, hc, dim)] / ms if (n, hc, dim) in PEER_MS else None,
+                    "peer_ms": peers.get((n, hc, dim)),
+                    "x_peer": peers[(n, hc, dim)] / ms if (n, hc, dim) in peers else None,
                 }
             )
         ms = graph_replay_ms(lambda h, kv: h + gate_forward_triton(h, kv, qw, kw, 1e-6, 1e-6, None), sets)

@@ -88,12 +88,12 @@ def test_the_fallback_is_a_loud_warning_with_its_cost(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="condmem.native"):
         lib, found = native._find()
     assert lib is None and found.kind == "none" and "no C compiler" in found.reason
-    assert "NATIVE CPU CODE UNAVAILABLE" in caplog.text and "2.0 ms instead of 1.0 ms" in caplog.text
+    assert "NATIVE CPU CODE UNAVAILABLE" in caplog.text and "docs/lookup-engine.md#native-code" in caplog.text
     caplog.clear()
     monkeypatch.setenv("CONDMEM_NATIVE", "0")
     with caplog.at_level(logging.WARNING, logger="condmem.native"):
         lib, found = native._find()
-    assert lib is None and found.reason == "turned off by CONDMEM_NATIVE=0" and "1.3x slower" in caplog.text
+    assert lib is None and found.reason == "turned off by CONDMEM_NATIVE=0" and "slower" in caplog.text
 
 
 def test_gather_path_names_the_gather_that_runs(monkeypatch):

@@ -1,6 +1,7 @@
 """``condmem bench gate``: the fused gate (forward; forward + backward) against the eager torch composition,
 and the forward with the residual add fused in (``hidden + gate * v``, what the models run) against the
-gate followed by a separate add and against a peer's published figures.
+gate followed by a separate add and against a peer's figures measured on the same card, where a
+results file holds them (`PEER_FILE`).
 
 Bytes counted: hidden (hc*D) + kv ((hc+1)*D) read and the output (hc*D) written per token for the
 forward (the same with the residual fused in); the backward additionally reads dout and writes
@@ -9,6 +10,9 @@ d hidden and d kv (and re-reads hidden and the keys for the weight gradient).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from condmem.bench.harness import Rotator, time_ms
@@ -16,10 +20,10 @@ from condmem.ops.gate import engram_gate, engram_gate_reference
 from condmem.ops.gate.triton import gate_backward_triton, gate_forward_triton
 
 SHAPES = [(8192, 4, 4096), (512, 4, 4096), (8192, 4, 7168), (16384, 1, 2560), (256, 4, 4096)]
-PEER_MS = {(8192, 4, 4096): 0.227, (512, 4, 4096): 0.025, (8192, 4, 7168): 0.514}
-"""vLLM's fused post-`wkv` kernel of DeepSeek-V4.1 (gate and residual add in one pass), forward ms,
-measured beside condmem's kernels on the same inputs and GPU (docs/benchmarks.md says which and
-when): the figures the residual forward is compared with."""
+PEER_FILE = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "gate_peer.json"
+"""A peer's forward times of the gate with the residual add fused in, on one card (``gpu``), as
+``rows`` of tokens, hc, hidden and ms; in a source checkout. Without it, or on another card, the
+residual forward is compared with nothing but condmem's own forms."""
 SMOKE_SHAPES = [(16, 2, 96), (4, 1, 64)]
 
 
@@ -28,12 +32,14 @@ def run(args, ceiling: dict) -> list[dict]:
     rows = []
     dev = args.device
     gen = torch.Generator(device=dev).manual_seed(0)
+    peers = peer_figures(torch.cuda.get_device_name(dev) if dev == "cuda" else None)
+    print(f"gate: peer figures of {PEER_FILE.name} ({len(peers)} shapes)" if peers else _no_peer(dev), flush=True)
     for n, hc, dim in SMOKE_SHAPES if args.smoke else SHAPES:
         esz = 2  # bf16
         sets, weights = _inputs(n, hc, dim, dev, gen)
         fwd_bytes = n * (hc * dim + (hc + 1) * dim + hc * dim) * esz
         base = {"op": "gate", "tokens": n, "hc": hc, "hidden": dim, "dtype": "bf16"}
-        rows += _forward_rows(args, (n, hc, dim), sets, weights, base, fwd_bytes, ceiling)
+        rows += _forward_rows(args, sets, weights, base, fwd_bytes, ceiling, peers.get((n, hc, dim)))
         # forward + backward (training)
         if n >= 1024 or (args.smoke and n >= 16):
             # backward reads h, kv, dout, writes dh, dkv; the weight pass re-reads h and the keys.
@@ -44,6 +50,25 @@ def run(args, ceiling: dict) -> list[dict]:
         if dev == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def peer_figures(gpu: str | None, path: Path = PEER_FILE) -> dict[tuple[int, int, int], float]:
+    """{(tokens, hc, hidden): ms} of the peer's figures in `path` measured on `gpu` (a CUDA device
+    name); {} without the file, or for another card, or without a card (None)."""
+    if gpu is None or not path.is_file():
+        return {}
+    figures = json.loads(path.read_text())
+    if figures["gpu"] != gpu:
+        return {}
+    return {(r["tokens"], r["hc"], r["hidden"]): float(r["ms"]) for r in figures["rows"]}
+
+
+def _no_peer(dev: str) -> str:
+    if dev != "cuda":
+        return "gate: no peer figures on the CPU"
+    if not PEER_FILE.is_file():
+        return f"gate: no peer figures ({PEER_FILE} not found)"
+    return f"gate: no peer figures for {torch.cuda.get_device_name(dev)} in {PEER_FILE.name}"
 
 
 def _inputs(n: int, hc: int, dim: int, dev: str, gen) -> tuple[list[tuple], tuple]:
@@ -77,10 +102,10 @@ def _forward_impls(args, qw: torch.Tensor, kw: torch.Tensor, mask: torch.Tensor)
 
 
 def _forward_rows(
-    args, shape: tuple[int, int, int], sets: list, weights: tuple, base: dict, fwd_bytes: int, ceiling: dict
+    args, sets: list, weights: tuple, base: dict, fwd_bytes: int, ceiling: dict, peer_ms: float | None
 ) -> list[dict]:
     """Forward rows of one shape: every implementation checked against the eager composition, then
-    timed, with its speedups over the eager and unfused forms and over the peer's figure."""
+    timed, with its speedups over the eager and unfused forms and over the peer's figure (`peer_ms`)."""
     qw, kw, mask = weights
     impls = _forward_impls(args, qw, kw, mask)
     ref = impls["torch-eager"](*sets[0]).float()
@@ -108,9 +133,9 @@ def _forward_rows(
             row["speedup_vs_eager"] = res["torch-eager"]["ms"] / t["ms"]
         if name.startswith("triton-residual"):
             row["x_unfused"] = res["triton+add"]["ms"] / t["ms"]
-            if shape in PEER_MS:
-                row["peer_ms"] = PEER_MS[shape]
-                row["x_peer"] = PEER_MS[shape] / t["ms"]
+            if peer_ms is not None:
+                row["peer_ms"] = peer_ms
+                row["x_peer"] = peer_ms / t["ms"]
         rows.append(row)
     return rows
 

@@ -5,7 +5,7 @@ CRC32C of table blocks, the decode-step n-gram hash and the decode row server's 
 
 `available()` says whether it is loaded; `gather_path()` names the CPU gather that runs.
 Without it CPU gathers fall back to ``torch.index_select`` and staged sends to a Python
-loop, announced once by a warning with the measured cost (`FALLBACK_COST`).
+loop, announced once by a warning that says what that costs (`FALLBACK_COST`).
 
 The library is the extension built at install time (``setup.py``: `toolchain.MODULE`). Where
 there is none (a source tree on ``PYTHONPATH``, or an install whose build failed) or it was
@@ -54,10 +54,10 @@ __all__ = [
 log = logging.getLogger("condmem.native")
 
 FALLBACK_COST = (
-    "a text batch's staged send of 105K rows 2.0 ms instead of 1.0 ms, the bare gather 1.3x slower "
-    "(docs/lookup-engine.md#native-code)"
+    "gathers without the native code's prefetching threads and a send with a Python call per chunk are "
+    "slower; measured: docs/lookup-engine.md#native-code"
 )
-"""What the fallback costs, said by the warning when the native code is unavailable."""
+"""What the fallback costs and where it is measured, said by the warning when the native code is unavailable."""
 
 
 @dataclass(frozen=True)

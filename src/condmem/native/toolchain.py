@@ -5,9 +5,7 @@ Standard library only: ``setup.py`` loads this file by path before condmem's dep
 
 The target is the compiler's portable baseline (no ``-march``): an installed build runs on
 any CPU of its architecture, and the copies go through libc's ``memcpy``, which picks its
-vector width at run time. Measured on a 2-core AMD EPYC (131072 random 264 B rows of a
-4.2 GB table, 2 threads, median of 37): baseline 52.5 / 47.4 Mrows/s, ``-march=native``
-52.2 / 47.8 Mrows/s in two runs; ``torch.index_select`` 33.1 / 31.9 Mrows/s.
+vector width at run time (baseline against ``-march=native``: docs/lookup-engine.md#native-code).
 """
 
 from __future__ import annotations

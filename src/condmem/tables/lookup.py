@@ -694,8 +694,8 @@ class LookupEngine:
         Nothing queued on the GPU waits for this thread to act later: a device-wide
         synchronize (CUDA's loading of a kernel's module on first launch is one) would
         otherwise deadlock against a thread held back by the GIL. The expansion is queued by
-        the caller's thread (`_settle`): a third Python thread for it contends for the GIL
-        and measured slower."""
+        the caller's thread (`_settle`), not by a third Python thread, which would contend for
+        the GIL with these two."""
         plan = batch.plan
         with torch.cuda.device(self.device):
             batch.planned.synchronize()  # counts and CPU ids are on the host

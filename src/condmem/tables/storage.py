@@ -15,10 +15,8 @@ them into bf16 [.., head_dim] at the end.
   DRAM cache -> file is the paper's multi-level hierarchy). Rows given without a file
   (tensors, e.g. a released checkpoint's mapping) are read through their mapping, advised
   ``MADV_RANDOM``: a row is a few hundred bytes, and the kernel's default read-around
-  turns each cold row into ~100 KiB of disk reads (measured on a virtual disk, 20K random
-  rows of a 2 GiB file, page cache dropped: 79-103 KiB read per row and 1.7-2.3 s by
-  default, 2.2 KiB per row and 0.48 s advised). Separate fp8 + scales tensors are read
-  with two accesses per row.
+  turns each cold row into a read of many pages (measured in docs/tables-and-tiers.md).
+  Separate fp8 + scales tensors are read with two accesses per row.
 
 `place_layer` puts a layer's rows into a tier. Rows of a table file (`LayerRows.source`)
 are read with ``pread`` by parallel threads and every block is checked against its

@@ -29,9 +29,10 @@ from condmem.ops.triton_util import next_pow2
 BLOCK_IDS = 64
 SLOT_CHOICE_BLOCK = 32
 """Entries per program of `choose_slots_kernel`: its [BLOCK, WAYS, WAYS] eviction-order compare
-spilled at 64 (255 registers + 312 B of stack a thread at 16 ways, sm_90, Triton 3.6, measured
-offline with cuobjdump); 166 registers and no spill at 32. Its entries are independent, so the
-block size changes no slot."""
+lives in registers, BLOCK x WAYS x WAYS values over a program's 128 threads; at 16 ways, 32
+entries are 64 values a thread, within the 255 registers a thread holds beside the rest of the
+kernel, and 64 entries double that and spill to local memory. Its entries are independent, so
+the block size changes no slot."""
 
 
 @triton.jit
