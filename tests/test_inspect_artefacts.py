@@ -17,7 +17,7 @@ from condmem.artefacts import find_artefact
 from condmem.train.data import stdlib_dir
 
 MODULES = ["textwrap.py", "string.py", "heapq.py", "bisect.py", "colorsys.py", "keyword.py", "fnmatch.py"]
-TRAIN = ["--preset", "tiny", "--vocab-size", "320", "--steps", "2", "--device", "cpu", "--no-progress"]
+TRAIN = ["--preset", "tiny", "--set", "data.vocab_size=320", "--steps", "2", "--device", "cpu", "--no-progress"]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from condmem.cli import main
 from condmem.config import ConfigError
 from condmem.train.build import build_model, build_model_config, build_trainer
-from condmem.apps.demo import run_demo
+from condmem.apps.demo import DemoConfig, run_demo
 from condmem.train.presets import PRESETS, get_preset
 
 
@@ -41,17 +41,16 @@ def test_build_gives_identical_models_and_batches_for_a_seed(tiny_data):
 
 
 def test_demo_and_train_share_the_build(tiny_corpus, tmp_path):
-    summary = run_demo(
+    config = DemoConfig(
         tmp_path / "demo",
-        corpus=str(tiny_corpus),
         preset="tiny",
+        overrides={"train": {"steps": 3}, "data": {"corpus": str(tiny_corpus)}},
         device="cpu",
-        steps=3,
-        vocab_size=320,
         max_new_tokens=1,
         progress=False,
         checkpoint=False,
     )
+    summary = run_demo(config)
     assert (
         main(
             [
@@ -60,8 +59,8 @@ def test_demo_and_train_share_the_build(tiny_corpus, tmp_path):
                 "tiny",
                 "--corpus",
                 str(tiny_corpus),
-                "--vocab-size",
-                "320",
+                "--set",
+                "data.vocab_size=320",
                 "--steps",
                 "3",
                 "--no-progress",

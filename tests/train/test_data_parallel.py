@@ -60,17 +60,17 @@ def test_torchrun_ranks_train_like_one_process_and_resume_on_fewer_ranks(tiny_co
         "tiny",
         "--corpus",
         str(tiny_corpus),
-        "--vocab-size",
-        "320",
+        "--set",
+        "data.vocab_size=320",
         "--steps",
         "6",
-        "--checkpoint-every",
-        "3",
+        "--set",
+        "train.checkpoint_every=3",
         "--no-progress",
         "--device",
         "cpu",
-        "--precision",
-        "fp32",
+        "--set",
+        "train.precision=fp32",
     ]
     assert main(["train", "--out", str(tmp_path / "one")] + common) == 0
     one = _losses(tmp_path / "one")

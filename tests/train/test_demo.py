@@ -9,7 +9,7 @@ import time
 import pytest
 
 from condmem.cli import main
-from condmem.apps.demo import run_demo
+from condmem.apps.demo import DemoConfig, run_demo
 
 
 def test_demo_pipeline_on_a_tiny_corpus(tiny_corpus, tmp_path, capsys):
@@ -81,19 +81,17 @@ def test_demo_pipeline_on_a_tiny_corpus(tiny_corpus, tmp_path, capsys):
 def test_demo_caps_steps_at_one_pass_and_says_so(tiny_corpus, tmp_path, capsys):
     """A corpus too small for the requested steps is not repeated silently."""
     out = tmp_path / "capped"
-    summary = run_demo(
+    config = DemoConfig(
         out,
-        corpus=str(tiny_corpus),
         preset="tiny",
+        overrides={"train": {"steps": 10_000, "eval_every": 2}, "data": {"corpus": str(tiny_corpus)}},
         device="cpu",
-        steps=10_000,
-        vocab_size=320,
         max_new_tokens=4,
         progress=False,
         checkpoint=False,
         seeds=2,
-        overrides={"train": {"eval_every": 2}},
     )
+    summary = run_demo(config)
     printed = capsys.readouterr().out
     assert "WARNING" in printed and "passes over the" in printed and "Capped at" in printed
     passes = summary["passes"]
@@ -118,17 +116,16 @@ def test_demo_caps_steps_at_one_pass_and_says_so(tiny_corpus, tmp_path, capsys):
 
 
 def test_demo_with_more_passes_allowed_repeats_and_notes_it(tiny_corpus, tmp_path, capsys):
-    summary = run_demo(
+    config = DemoConfig(
         tmp_path / "repeat",
-        corpus=str(tiny_corpus),
         preset="tiny",
+        overrides={"train": {"steps": 1000}, "data": {"corpus": str(tiny_corpus)}},
         device="cpu",
-        steps=1000,
-        vocab_size=320,
         max_new_tokens=2,
         progress=False,
         checkpoint=False,
         max_passes=2.0,
     )
+    summary = run_demo(config)
     assert 1.0 < summary["passes"]["passes"] <= 2.0
     assert "saw its training data" in capsys.readouterr().out

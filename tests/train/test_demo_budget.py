@@ -21,7 +21,7 @@ import pytest
 
 from condmem.cli import main
 from condmem.train import loop
-from condmem.apps.demo import run_demo
+from condmem.apps.demo import DemoConfig, run_demo
 from condmem.train.loop import MIN_COMPARABLE_STEPS, min_comparable_steps
 
 STEP_SECONDS = 10.0
@@ -41,20 +41,19 @@ def slow_steps(monkeypatch):
     monkeypatch.setattr(loop.Trainer, "train_step", slow)
 
 
-def _budgeted_demo(tmp_path, tiny_corpus, **kw):
+def _budgeted_demo(tmp_path, tiny_corpus, minutes=None, steps=None):
     # The cpu preset's warm-up (24 steps) on the tiny model: the cut lands inside it.
-    return run_demo(
+    config = DemoConfig(
         tmp_path / "demo",
-        corpus=str(tiny_corpus),
         preset="tiny",
+        overrides={"train": {"warmup_steps": 24, "steps": steps}, "data": {"corpus": str(tiny_corpus)}},
         device="cpu",
-        vocab_size=320,
+        minutes=minutes,
         max_new_tokens=2,
         progress=False,
         checkpoint=False,
-        overrides={"train": {"warmup_steps": 24}},
-        **kw,
     )
+    return run_demo(config)
 
 
 def test_min_comparable_steps_is_twice_the_warmup_with_a_floor():

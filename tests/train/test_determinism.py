@@ -13,7 +13,7 @@ from condmem.train.loop import Trainer
 
 
 def _train(tiny_corpus, out, *extra):
-    args = ["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--vocab-size", "320", "--steps", "4"]
+    args = ["train", "--preset", "tiny", "--corpus", str(tiny_corpus), "--set", "data.vocab_size=320", "--steps", "4"]
     assert main([*args, "--no-progress", "--out", str(out), *extra]) == 0
     return json.loads((out / "summary.json").read_text())
 
@@ -64,7 +64,8 @@ def test_demo_deterministic_trains_in_the_mode(tiny_corpus, tmp_path, monkeypatc
     torch.use_deterministic_algorithms(False)
     for flag in (True, False):  # negative control: off without the flag
         try:
-            demo.run_demo(tmp_path / str(flag), corpus=str(tiny_corpus), preset="tiny", steps=2, deterministic=flag)
+            overrides = {"train": {"steps": 2}, "data": {"corpus": str(tiny_corpus)}}
+            demo.run_demo(demo.DemoConfig(tmp_path / str(flag), "tiny", overrides, deterministic=flag))
         except Stop:
             pass
     assert seen == [True, False] and not torch.are_deterministic_algorithms_enabled()

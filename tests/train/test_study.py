@@ -249,7 +249,13 @@ def test_study_refuses_bad_arguments(tiny_corpus, tmp_path, capsys):
 
 def test_study_presets_are_typed():
     gpu = STUDY_PRESETS["gpu"]
-    assert gpu.minutes is None and gpu.rhos[0] == 1.0 and len(gpu.rhos) >= 5 and gpu.deterministic and gpu.base.train.compile
+    assert (
+        gpu.minutes is None
+        and gpu.rhos[0] == 1.0
+        and len(gpu.rhos) >= 5
+        and gpu.deterministic
+        and gpu.base.train.compile
+    )
     assert dataclasses.replace(gpu.base.train, seed=3).seed == 3
     assert sorted(STUDY_PRESETS) == ["cpu", "gpu", "tiny"]
 

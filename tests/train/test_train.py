@@ -88,12 +88,12 @@ def test_cli_train_resume_and_generate(tiny_corpus, tmp_path, monkeypatch, capsy
         "tiny",
         "--corpus",
         str(tiny_corpus),
-        "--vocab-size",
-        "320",
+        "--set",
+        "data.vocab_size=320",
         "--steps",
         "6",
-        "--checkpoint-every",
-        "3",
+        "--set",
+        "train.checkpoint_every=3",
         "--no-progress",
     ]
     assert main(args + ["--out", str(tmp_path / "straight")]) == 0
@@ -152,8 +152,8 @@ def test_resume_with_more_steps_continues_without_preparing_the_data_again(tiny_
                 "tiny",
                 "--corpus",
                 str(tiny_corpus),
-                "--vocab-size",
-                "320",
+                "--set",
+                "data.vocab_size=320",
                 "--steps",
                 "30",
                 "--no-progress",
@@ -189,9 +189,9 @@ def test_resume_with_more_steps_continues_without_preparing_the_data_again(tiny_
     assert {f.name: f.stat().st_mtime_ns for f in (out / "checkpoints" / "step-0000040").iterdir()} == step40
     assert main(resume + ["--steps", "20"]) == 1
     assert "does not go back" in capsys.readouterr().err
-    assert main(resume + ["--steps", "50", "--lr", "0.1", "--batch-size", "8"]) == 1
+    assert main(resume + ["--steps", "50", "--set", "train.lr=0.1", "--set", "train.batch_size=8"]) == 1
     err = capsys.readouterr().err
-    assert "--batch-size, --lr: a resumed run keeps the settings of its checkpoint" in err
+    assert "train.batch_size, train.lr: a resumed run keeps the settings of its checkpoint" in err
 
 
 def test_prepared_data_cache_gives_the_same_data(tiny_corpus, tmp_path):

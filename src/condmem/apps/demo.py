@@ -1,6 +1,6 @@
 """The main job: train a baseline and an Engram LM on the same tokens and compare them.
 
-`run_demo` builds the tokenizer, trains the iso-FLOP baseline and then the Engram model
+`run_demo` runs one `DemoConfig`: it builds the tokenizer, trains the iso-FLOP baseline and then the Engram model
 on exactly the same batches (for each of ``seeds`` seeds: initialization and batch
 order), validates both on the whole held-out split (near-duplicates of training text
 removed), splits the validation loss by whether each token's trailing 3-gram occurs in
@@ -20,8 +20,9 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -249,70 +250,75 @@ class StepPlan:
         return schedule_rule(self.warmup_steps)
 
 
-def run_demo(
-    out: str | Path = "condmem-demo",
-    *,
-    corpus=None,
-    preset: str | None = None,
-    device: str | None = None,
-    steps: int | None = None,
-    minutes: float | None = None,
-    seeds: int = 1,
-    max_passes: float = 1.0,
-    vocab_size: int | None = None,
-    tokenizer: str | None = None,
-    prompt: str = DEFAULT_PROMPT,
-    max_new_tokens: int = 96,
-    seed: int = 0,
-    batch_size: int | None = None,
-    max_train_bytes: int | None = None,
-    table_size: int | None = None,
-    log_every: int | None = None,
-    progress: bool = True,
-    use_cache: bool = True,
-    checkpoint: bool = True,
-    max_corpus_bytes: int | None = None,
-    dedup_threshold: float | None = DEDUP_THRESHOLD,
-    overrides: dict | None = None,
-    deterministic: bool = False,
-) -> dict:
-    """Train baseline and Engram on the same tokens for `seeds` seeds, compare, plot, generate.
+@dataclass
+class DemoConfig:
+    """One `condmem demo` run: the preset and the values replaced in it, the seeds, the output."""
 
-    Args:
-        corpus: see `load_corpus`; None: the preset's (``stdlib`` on CPU, ``python`` on GPU).
-        seeds: train each model with seeds ``seed .. seed+seeds-1`` (initialization and batch
-            order; the data, split and tokenizer come from `seed`).
-        max_passes: cap the steps at this many passes over the training split.
-        dedup_threshold: drop validation documents sharing more than this fraction of their
-            13-token n-grams with the training split (None: keep all).
-        overrides: preset values by section (``{"train": {"eval_every": 2}}``); the keyword
-            options above win over them.
-        deterministic: deterministic kernels while training (`condmem.train.determinism`):
-            the same options give bit-identical losses on one machine type.
+    out: str | Path = "condmem-demo"
+    """Output directory: summary.json, figures, samples, checkpoints."""
+    preset: Literal["cpu", "gpu", "tiny"] | None = None
+    """Sizes of both models and their training (None: ``gpu`` with CUDA, else ``cpu``)."""
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Preset values replaced, by section (``{"train": {"steps": 6}, "data": {"corpus": "stdlib"}}``;
+    `Preset.override`). ``train.steps`` given: the steps asked for (still capped at ``max_passes``)."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu, cuda, cuda:N."""
+    seeds: int = 1
+    """Train each model with seeds ``seed .. seed+seeds-1`` (initialization and batch order; the data,
+    split and tokenizer come from `seed`)."""
+    seed: int = 0
+    """First seed; also seeds the data preparation."""
+    minutes: float | None = None
+    """Wall-clock budget of the whole demo: the baseline's step count is sized to it."""
+    max_passes: float = 1.0
+    """Cap the steps at this many passes over the training split."""
+    dedup_threshold: float | None = DEDUP_THRESHOLD
+    """Drop validation documents sharing more than this fraction of their 13-token n-grams with the
+    training split (None: keep all)."""
+    tokenizer: str | None = None
+    """A tokenizer.json, its directory or ``deepseek-v4`` instead of training a BPE."""
+    prompt: str = DEFAULT_PROMPT
+    """Prompt of the sampled completions."""
+    max_new_tokens: int = 96
+    """Tokens of each sampled completion."""
+    deterministic: bool = False
+    """Deterministic kernels while training (`condmem.train.determinism`): the same config gives
+    bit-identical losses on one machine type."""
+    progress: bool = True
+    """A progress bar per model."""
+    use_cache: bool = True
+    """Read and write the tokenizer and token caches."""
+    checkpoint: bool = True
+    """Write both models' checkpoints to ``out``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ValueError(f"--seeds must be a positive integer, got {self.seeds!r}")
+        if not self.max_passes > 0:
+            raise ValueError(f"--max-passes must be positive, got {self.max_passes!r}")
+
+    @property
+    def steps(self) -> int | None:
+        """The training steps asked for (``train.steps`` of `overrides`), None: the preset's."""
+        return (self.overrides.get("train") or {}).get("steps")
+
+
+def run_demo(config: DemoConfig) -> dict:
+    """Train baseline and Engram on the same tokens for ``config.seeds`` seeds, compare, plot, generate.
 
     Returns the summary written to ``summary.json``.
     """
+    c = config
     wall = time.perf_counter()
-    _check_seeds_and_passes(seeds, max_passes)
-    set_cublas_workspace(deterministic)  # before anything starts cuBLAS
-    dev = resolve_device(device)
-    p = get_preset(preset or default_preset_name(dev.type)).override(
-        overrides,
-        train={"steps": steps, "batch_size": batch_size, "log_every": log_every},
-        engram={"table_size": table_size},
-        data={
-            "vocab_size": vocab_size,
-            "max_train_bytes": max_train_bytes,
-            "max_corpus_bytes": max_corpus_bytes,
-            "corpus": corpus,
-        },
-    )
-    out = _open_output(out, p, dev, seeds, seed)
-    data, src, seen = _prepare_data(p, out, tokenizer, seed, use_cache, dedup_threshold)
+    set_cublas_workspace(c.deterministic)  # before anything starts cuBLAS
+    dev = resolve_device(c.device)
+    p = get_preset(c.preset or default_preset_name(dev.type), c.overrides)
+    out = _open_output(c.out, p, dev, c.seeds, c.seed)
+    data, src, seen = _prepare_data(p, out, c.tokenizer, c.seed, c.use_cache, c.dedup_threshold)
     eng_cfg = build_model_config(p, data)
     cfgs = {"baseline": iso_flop_baseline(eng_cfg), "engram": eng_cfg}
-    plan = plan_steps(p, data, steps=steps, minutes=minutes, max_passes=max_passes, wall=wall)
-    with deterministic_mode(deterministic):
+    plan = plan_steps(p, data, steps=c.steps, minutes=c.minutes, max_passes=c.max_passes, wall=wall)
+    with deterministic_mode(c.deterministic):
         summary, engram_model = _train_and_compare(
             p,
             data,
@@ -320,27 +326,19 @@ def run_demo(
             cfgs,
             plan,
             out,
-            seeds=seeds,
-            seed=seed,
+            seeds=c.seeds,
+            seed=c.seed,
             seen=seen,
             src=src,
-            max_passes=max_passes,
-            prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            checkpoint=checkpoint,
-            progress=progress,
+            max_passes=c.max_passes,
+            prompt=c.prompt,
+            max_new_tokens=c.max_new_tokens,
+            checkpoint=c.checkpoint,
+            progress=c.progress,
         )
-    summary["determinism"] = determinism_record(deterministic)
-    _write_outputs(summary, engram_model, data, dev, out, wall, checkpoint)
+    summary["determinism"] = determinism_record(c.deterministic)
+    _write_outputs(summary, engram_model, data, dev, out, wall, c.checkpoint)
     return summary
-
-
-def _check_seeds_and_passes(seeds: int, max_passes: float) -> None:
-    """--seeds must be a positive integer and --max-passes positive."""
-    if not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"--seeds must be a positive integer, got {seeds!r}")
-    if not max_passes > 0:
-        raise ValueError(f"--max-passes must be positive, got {max_passes!r}")
 
 
 def _open_output(out: str | Path, p: Preset, dev: torch.device, seeds: int, seed: int) -> Path:

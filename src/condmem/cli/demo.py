@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import argparse
 
-from condmem.cli.train import add_moe_arguments
+# The demo's flags that replace preset values, each with its key (`DemoConfig.overrides`).
+PRESET_FLAGS = {
+    "steps": "train.steps",
+    "batch_size": "train.batch_size",
+    "log_every": "train.log_every",
+    "table_size": "engram.table_size",
+    "corpus": "data.corpus",
+    "vocab_size": "data.vocab_size",
+    "max_train_bytes": "data.max_train_bytes",
+    "max_corpus_bytes": "data.max_corpus_bytes",
+    "experts": "model.moe.n_experts",
+    "top_k": "model.moe.top_k",
+    "expert_ffn": "model.moe.expert_hidden",
+    "moe_layers": "model.moe.layer_ids",
+}
 
 
 def register(sub) -> None:
@@ -94,8 +108,8 @@ def _add_training_arguments(p) -> None:
 def _add_output_arguments(p) -> None:
     """The generated completion, the seed, progress, caches, checkpoints and the corpus read cap."""
     p.add_argument("--prompt", help="prompt of the generated completion (default: the start of a Python function)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens of each sampled completion (default 96)")
+    p.add_argument("--seed", type=int, default=0, help="first seed; also seeds the data preparation (default 0)")
     p.add_argument(
         "--deterministic",
         action="store_true",
@@ -108,35 +122,48 @@ def _add_output_arguments(p) -> None:
     p.add_argument("--max-corpus-bytes", type=int, help="read at most this much corpus text")
 
 
-def run(args) -> int:
-    from condmem.apps.demo import DEFAULT_PROMPT, run_demo
-    from condmem.train.heldout import DEDUP_THRESHOLD
-    from condmem.cli.train import preset_overrides
+def add_moe_arguments(group) -> None:
+    """--experts, --top-k, --expert-ffn, --moe-layers: routed experts in both models."""
+    group.add_argument(
+        "--experts",
+        type=int,
+        help="routed experts per block: an MoE backbone (the preset's SwiGLU width is then the shared expert's)",
+    )
+    group.add_argument("--top-k", type=int, help="with --experts: routed experts per token (default 2)")
+    group.add_argument("--expert-ffn", type=int, help="with --experts: SwiGLU width of one routed expert (default 128)")
+    group.add_argument(
+        "--moe-layers", type=int, nargs="+", help="with --experts: blocks with routed experts (default: all)"
+    )
 
-    summary = run_demo(
-        args.out,
-        corpus=args.corpus,
+
+def demo_config(args):
+    """The `DemoConfig` the flags describe (the preset values they replace in its `overrides`)."""
+    from condmem.apps.demo import DEFAULT_PROMPT, DemoConfig
+    from condmem.train.heldout import DEDUP_THRESHOLD
+    from condmem.train.presets import nested
+
+    return DemoConfig(
+        out=args.out,
         preset=args.preset,
+        overrides=nested({key: getattr(args, flag) for flag, key in PRESET_FLAGS.items()}),
         device=args.device,
-        steps=args.steps,
-        minutes=args.minutes,
         seeds=args.seeds,
+        seed=args.seed,
+        minutes=args.minutes,
         max_passes=args.max_passes,
         dedup_threshold=None if args.no_dedup else DEDUP_THRESHOLD,
-        vocab_size=args.vocab_size,
         tokenizer=args.tokenizer,
         prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
         max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        max_train_bytes=args.max_train_bytes,
-        table_size=args.table_size,
-        log_every=args.log_every,
+        deterministic=args.deterministic,
         progress=not args.no_progress,
         use_cache=not args.no_cache,
         checkpoint=not args.no_checkpoint,
-        max_corpus_bytes=args.max_corpus_bytes,
-        overrides={"model": preset_overrides(args).get("model")},
-        deterministic=args.deterministic,
     )
+
+
+def run(args) -> int:
+    from condmem.apps.demo import run_demo
+
+    summary = run_demo(demo_config(args))
     return 0 if summary["comparison"]["verdict"] else 1  # "too short to compare" is a completed run too

@@ -32,9 +32,9 @@ def register(sub) -> None:
     p.add_argument(
         "--temperature", type=float, default=0.8, help=f"0 is greedy; else at least {MIN_TEMPERATURE:g} (default 0.8)"
     )
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    p.add_argument("--device", default="auto", help="auto (default: cuda when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--tokenizer", help="tokenizer to use instead of the checkpoint's own (must be the same one)")
     p.add_argument(
         "--tier",

@@ -50,7 +50,7 @@ def register(sub) -> None:
         metavar="PATH",
         help="directories, text or .jsonl files, 'stdlib' or 'python' (default: the config's)",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (default: cuda when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--steps", type=int, help="training steps of every run (default: the config's)")
     p.add_argument("--tokens", type=int, help="training tokens of every run, instead of --steps")
     p.add_argument(
@@ -92,7 +92,7 @@ def register(sub) -> None:
         help="allow nondeterministic kernels (faster on some GPUs; the same run may then differ)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a sweep in --out made with another config")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--replot",
         action="store_true",

@@ -13,14 +13,20 @@ on a wider MLP in the same block (`iso_flop_baseline`).
 
 A `Preset` is four typed sections (model, engram, train, data). `Preset.override` is the
 one place where a command's options replace preset values: `condmem demo`, `condmem
-train` and `condmem study` all pass their options through it.
+train` and `condmem study` all pass their options through it. Config files (TOML or JSON)
+hold the same sections: `read_config_file` parses one, `section_fields` checks a section's
+keys and `validate_preset` every value, each error naming the key (``model.dim``).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import math
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from condmem.config import ConfigError
@@ -142,8 +148,9 @@ class Preset:
                 if isinstance(value, dict):  # a nested section (model.moe): merged field by field
                     given[key] = _merged(getattr(parts[section], key), value, f"{section}.{key}")
             parts[section] = dataclasses.replace(parts[section], **given)
-        seq_len = parts["train"].seq_len
-        if seq_len > parts["model"].max_seq_len and merged.get("model", {}).get("max_seq_len") is None:
+        seq_len, max_seq_len = parts["train"].seq_len, parts["model"].max_seq_len
+        explicit = merged.get("model", {}).get("max_seq_len") is not None
+        if isinstance(max_seq_len, int) and seq_len > max_seq_len and not explicit:  # a bad type: validate_preset
             parts["model"] = dataclasses.replace(parts["model"], max_seq_len=seq_len)
         return Preset(self.name, **parts)
 
@@ -213,3 +220,127 @@ def get_preset(name: str, overrides: dict[str, dict[str, Any]] | None = None) ->
 def default_preset_name(device_type: str) -> str:
     """``gpu`` on CUDA, else ``cpu``."""
     return "gpu" if device_type == "cuda" else "cpu"
+
+
+SECTIONS = _SECTIONS
+"""A config file's sections, in the layout of `Preset.to_dict` (``model.moe`` nested in ``model``)."""
+
+
+def nested(values: dict[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Dotted keys as nested tables: ``{"train.lr": 1e-3, "seed": 1}`` -> ``{"train": {"lr": 1e-3}, "seed": 1}``
+    (merged into a copy of `into`); None values are left out (an option not given)."""
+    out = copy.deepcopy(into) if into is not None else {}
+    for key, value in values.items():
+        if value is None:
+            continue
+        *parents, leaf = key.split(".")
+        if not leaf or not all(parents):
+            raise ConfigError(f"{key!r} is not a key (section.key, or a top-level key)")
+        target = out
+        for part in parents:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{key}: {part} is not a section")
+        target[leaf] = value
+    return out
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The keys of a TOML (``.toml``) or JSON (``.json``) file; `ConfigError` naming the file when it does not parse."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
+    try:
+        if path.suffix == ".json":
+            return json.loads(text)
+        return tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        kind = "JSON" if path.suffix == ".json" else "TOML"
+        raise ConfigError(f"{path}: not valid {kind}: {exc}") from None
+
+
+def section_fields(section: str, values: Any, refused: dict[str, str] | None = None) -> dict[str, Any]:
+    """`values` of a config file's `section` (``model``, ``engram``, ``train``, ``data``), keys checked:
+    a key the section's dataclass lacks (``model.moe``'s included) or one of `refused` (key -> where it
+    is set instead) is a `ConfigError` naming ``section.key``. Returns a copy (``model.moe`` a dict)."""
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown section [{section}]; choose from {', '.join(_SECTIONS)}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
+    for key in refused or {}:
+        if key in values:
+            raise ConfigError(f"{section}.{key} is set by {refused[key]}")
+    known = {f.name for f in dataclasses.fields(_SECTIONS[section])} - set(refused or {})
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}")
+    values = dict(values)
+    if section == "model" and values.get("moe") is not None:
+        moe = values["moe"]
+        if not isinstance(moe, dict):
+            raise ConfigError("model.moe must be a table of keys")
+        bad = sorted(set(moe) - {f.name for f in dataclasses.fields(MoEConfig)})
+        if bad:
+            raise ConfigError(f"unknown key(s) {', '.join(f'model.moe.{k}' for k in bad)}")
+        values["moe"] = dict(moe)
+    return values
+
+
+def renamed_errors(build, prefix: str, to: str):
+    """`build()`, its `ConfigError` messages naming the file's key (``model.moe.top_k``) not the class."""
+    try:
+        return build()
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(prefix, to)) from None
+
+
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    """`ConfigError` naming the key unless `value` is an int (not a bool) in [minimum, maximum]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{name} must be {bound}, got {value}")
+
+
+def check_number(name: str, value: Any, *, positive: bool = True) -> None:
+    """`ConfigError` naming the key unless `value` is a finite number (positive, with `positive`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if positive and not value > 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+
+
+def validate_preset(p: Preset) -> None:
+    """Every value of `p`'s model, engram and data sections (its train section validates itself):
+    `ConfigError` naming the key (``model.dim``, ``engram.layer_ids[]``) of the first bad one."""
+    m, e, d = p.model, p.engram, p.data
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+        check_int(f"model.{key}", getattr(m, key), 1)
+    widths = m.ffn_hidden if isinstance(m.ffn_hidden, list) else [m.ffn_hidden]
+    for width in widths:
+        check_int("model.ffn_hidden", width, 0)
+    if not isinstance(e.layer_ids, list) or not e.layer_ids:
+        raise ConfigError(f"engram.layer_ids must be a non-empty list of block indices, got {e.layer_ids!r}")
+    for lid in e.layer_ids:
+        check_int("engram.layer_ids[]", lid, 0, m.n_layers - 1)
+    check_int("engram.max_ngram_size", e.max_ngram_size, 2)
+    check_int("engram.n_heads", e.n_heads, 1)
+    check_int("engram.head_dim", e.head_dim, 1)
+    check_int("engram.table_size", e.table_size, 2)
+    check_number("engram.table_init_std", e.table_init_std)
+    if not isinstance(e.short_conv, bool):
+        raise ConfigError(f"engram.short_conv must be true or false, got {e.short_conv!r}")
+    corpus = d.corpus
+    if not (corpus is None or isinstance(corpus, str) or (isinstance(corpus, list) and corpus)):
+        raise ConfigError(f"data.corpus must be a string or a non-empty list of paths, got {corpus!r}")
+    if isinstance(corpus, list) and not all(isinstance(c, str) and c for c in corpus):
+        raise ConfigError(f"data.corpus must list paths as strings, got {corpus!r}")
+    check_int("data.vocab_size", d.vocab_size, 257)
+    for key in ("max_train_bytes", "tokenizer_train_bytes", "max_corpus_bytes"):
+        if getattr(d, key) is not None:
+            check_int(f"data.{key}", getattr(d, key), 1)
+    if d.max_val_tokens is not None:
+        check_int("data.max_val_tokens", d.max_val_tokens, 2)

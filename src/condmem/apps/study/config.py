@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -27,7 +26,16 @@ from typing import Any
 from condmem.config import ConfigError
 from condmem.models.config import MoEConfig
 from condmem.train.loop import TrainConfig
-from condmem.train.presets import DataPreset, EngramPreset, ModelPreset, Preset
+from condmem.train.presets import (
+    SECTIONS,
+    Preset,
+    check_int,
+    check_number,
+    read_config_file,
+    renamed_errors,
+    section_fields,
+    validate_preset,
+)
 
 KINDS = ("allocation", "slots", "tokens")
 
@@ -200,55 +208,24 @@ class StudyConfig:
 
 
 _TOP = {f.name for f in dataclasses.fields(StudyConfig)} - {"base"}
-_SECTIONS = {"model": ModelPreset, "engram": EngramPreset, "train": TrainConfig, "data": DataPreset}
+_SECTIONS = SECTIONS
+_SET_BY_SWEEP_KEYS = {key: f"the sweep: use {where}" for key, where in _SET_BY_SWEEP.items()}
 
 
 def _section(section: str, cls_, values: dict[str, Any]):
     """One section's dataclass from its keys; unknown keys and the sweep's own keys are refused by name."""
-    known = {f.name for f in dataclasses.fields(cls_)}
-    if section == "train":
-        for key in _SET_BY_SWEEP:
-            if key in values:
-                raise ConfigError(f"train.{key} is set by the sweep: use {_SET_BY_SWEEP[key]}")
-        known -= set(_SET_BY_SWEEP)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}")
-    values = dict(values)
+    values = section_fields(section, values, refused=_SET_BY_SWEEP_KEYS if section == "train" else None)
     if section == "model" and values.get("moe") is not None:
         moe = values["moe"]
-        if not isinstance(moe, dict):
-            raise ConfigError("model.moe must be a table of keys")
-        moe_known = {f.name for f in dataclasses.fields(MoEConfig)}
-        bad = sorted(set(moe) - moe_known)
-        if bad:
-            raise ConfigError(f"unknown key(s) {', '.join(f'model.moe.{k}' for k in bad)}")
         if "n_experts" not in moe:
             raise ConfigError("model.moe.n_experts is missing")
-        values["moe"] = _renamed(lambda: MoEConfig(**moe), "MoEConfig.", "model.moe.")
+        values["moe"] = renamed_errors(lambda: MoEConfig(**moe), "MoEConfig.", "model.moe.")
     if section == "train":
-        return _renamed(lambda: TrainConfig(steps=1, **values), "TrainConfig.", "train.")
+        return renamed_errors(lambda: TrainConfig(steps=1, **values), "TrainConfig.", "train.")
     try:
         return cls_(**values)
     except TypeError as exc:  # a required key missing
         raise ConfigError(f"[{section}]: {exc}") from None
-
-
-def _renamed(build, prefix: str, to: str):
-    """`build()`, its `ConfigError` messages naming the file's key (``model.moe.top_k``) not the class."""
-    try:
-        return build()
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace(prefix, to)) from None
-
-
-def _int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    """`ConfigError` naming the key unless `value` is an int (not a bool) in [minimum, maximum]."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ConfigError(f"{name} must be {bound}, got {value}")
 
 
 def _rhos(name: str, value: Any) -> None:
@@ -256,67 +233,40 @@ def _rhos(name: str, value: Any) -> None:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{name} must be a non-empty list, got {value!r}")
     for i, rho in enumerate(value):
-        _number(f"{name}[{i}]", rho, positive=False)
+        check_number(f"{name}[{i}]", rho, positive=False)
         if not 0 < rho <= 1:
             raise ConfigError(f"{name}[{i}]: rho must be in (0, 1], got {rho}")
 
 
-def _number(name: str, value: Any, *, positive: bool = True) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
-    if positive and not value > 0:
-        raise ConfigError(f"{name} must be positive, got {value!r}")
-
-
 def _validate(c: StudyConfig) -> None:
-    m, e, d = c.base.model, c.base.engram, c.base.data
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
-        _int(f"model.{key}", getattr(m, key), 1)
-    widths = m.ffn_hidden if isinstance(m.ffn_hidden, list) else [m.ffn_hidden]
-    for width in widths:
-        _int("model.ffn_hidden", width, 0)
-    if m.moe is None:
+    validate_preset(c.base)
+    if c.base.model.moe is None:
         raise ConfigError("model.moe is missing: the study's backbone has routed experts")
-    if not isinstance(e.layer_ids, list) or not e.layer_ids:
-        raise ConfigError(f"engram.layer_ids must be a non-empty list of block indices, got {e.layer_ids!r}")
-    for lid in e.layer_ids:
-        _int("engram.layer_ids[]", lid, 0, m.n_layers - 1)
-    _int("engram.max_ngram_size", e.max_ngram_size, 2)
-    _int("engram.n_heads", e.n_heads, 1)
-    _int("engram.head_dim", e.head_dim, 1)
-    _int("engram.table_size", e.table_size, 2)
-    _number("engram.table_init_std", e.table_init_std)
-    _int("data.vocab_size", d.vocab_size, 257)
-    for key in ("max_train_bytes", "tokenizer_train_bytes", "max_corpus_bytes"):
-        if getattr(d, key) is not None:
-            _int(f"data.{key}", getattr(d, key), 1)
-    if d.max_val_tokens is not None:
-        _int("data.max_val_tokens", d.max_val_tokens, 2)
     _rhos("rhos", c.rhos)
     if not isinstance(c.table_sizes, list) or not c.table_sizes:
         raise ConfigError(f"table_sizes must be a non-empty list, got {c.table_sizes!r}")
     for i, size in enumerate(c.table_sizes):
-        _int(f"table_sizes[{i}]", size, 2)
+        check_int(f"table_sizes[{i}]", size, 2)
     for key in ("allocation_steps", "slots_steps"):
-        _int(key, getattr(c, key), 1)
+        check_int(key, getattr(c, key), 1)
     for key in ("allocation_tokens", "slots_tokens", "val_tokens"):
         if getattr(c, key) is not None:
-            _int(key, getattr(c, key), 1)
-    _int("seeds", c.seeds, 1)
+            check_int(key, getattr(c, key), 1)
+    check_int("seeds", c.seeds, 1)
     if c.slots_seeds is not None:
-        _int("slots_seeds", c.slots_seeds, 1)
+        check_int("slots_seeds", c.slots_seeds, 1)
     if c.tokens_grid is not None:
         if not isinstance(c.tokens_grid, list) or len(set(c.tokens_grid)) < 2:
             raise ConfigError(f"tokens_grid must list two token budgets or more, got {c.tokens_grid!r}")
         for i, tokens in enumerate(c.tokens_grid):
-            _int(f"tokens_grid[{i}]", tokens, 1)
+            check_int(f"tokens_grid[{i}]", tokens, 1)
     if c.tokens_rhos is not None:
         _rhos("tokens_rhos", c.tokens_rhos)
-    _int("seed", c.seed, 0)
-    _int("split_seed", c.split_seed, 0)
+    check_int("seed", c.seed, 0)
+    check_int("split_seed", c.split_seed, 0)
     if c.minutes is not None:
-        _number("minutes", c.minutes)
-    _number("max_passes", c.max_passes)
+        check_number("minutes", c.minutes)
+    check_number("max_passes", c.max_passes)
     if not isinstance(c.controls, list):
         raise ConfigError(f"controls must be a list of {list(CONTROLS)}, got {c.controls!r}")
     for i, control in enumerate(c.controls):
@@ -325,26 +275,10 @@ def _validate(c: StudyConfig) -> None:
     if len(set(c.controls)) != len(c.controls):
         raise ConfigError(f"controls has duplicates: {c.controls}")
     if c.cpu_threads is not None:
-        _int("cpu_threads", c.cpu_threads, 1)
+        check_int("cpu_threads", c.cpu_threads, 1)
     if not isinstance(c.deterministic, bool):
         raise ConfigError(f"deterministic must be true or false, got {c.deterministic!r}")
     c.base.train.validate()
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The keys of a TOML (``.toml``) or JSON file; `ConfigError` naming the file when it does not parse."""
-    path = Path(path)
-    try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the study config ({exc.strerror or exc})") from None
-    try:
-        if path.suffix == ".json":
-            return json.loads(text)
-        return tomllib.loads(text.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        kind = "JSON" if path.suffix == ".json" else "TOML"
-        raise ConfigError(f"{path}: not valid {kind}: {exc}") from None
 
 
 def load_study_config(path: str | Path) -> StudyConfig:
