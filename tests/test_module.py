@@ -220,6 +220,23 @@ def test_what_callers_hand_in_instead_of_row_ids():
         assert bool(((gates[1] > 0) & (gates[1] < 1)).all())
 
 
+def test_the_old_rows_keyword_works_for_one_release_with_a_deprecation_warning():
+    """``rows=`` is the deprecated name of ``row_vectors=``: same result, a `DeprecationWarning`
+    pointing at the caller's line, and an error when both are given."""
+    cfg = _config(hc=1, hidden=16)
+    n_rows = EngramLayout(cfg).layer(1).num_embeddings
+    module = Engram(cfg, n_rows, layer_id=1)
+    h = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        row_vectors = module.table(torch.randint(0, n_rows, (1, 3, cfg.n_cols)))
+        want = module(h, row_vectors=row_vectors)
+        with pytest.warns(DeprecationWarning, match=r"rows= is deprecated.*use row_vectors=") as caught:
+            got = module(h, rows=row_vectors)
+    assert torch.equal(got, want) and caught[0].filename == __file__
+    with pytest.raises(TypeError, match="pass row_vectors= only"):
+        module(h, row_vectors=row_vectors, rows=row_vectors)
+
+
 def test_bad_rows_kv_and_conv_state_are_named():
     cfg = _config(hc=1, hidden=16, short_conv=True)
     n_rows = EngramLayout(cfg).layer(1).num_embeddings
@@ -228,8 +245,8 @@ def test_bad_rows_kv_and_conv_state_are_named():
     rows = torch.zeros(1, 3, cfg.n_cols, dtype=torch.long)
     with pytest.raises(EngramInputError, match="pass row ids"):
         module(h)
-    with pytest.raises(EngramInputError, match=r"rows must be \[B, T, n_cols, head_dim\]"):
-        module(h, rows=torch.zeros(1, 3, cfg.n_cols, 5))
+    with pytest.raises(EngramInputError, match=r"row_vectors must be \[B, T, n_cols, head_dim\]"):
+        module(h, row_vectors=torch.zeros(1, 3, cfg.n_cols, 5))
     with pytest.raises(EngramInputError, match=r"kv must be \[B, T, \(hc\+1\)\*D\]"):
         module(h, kv=torch.zeros(1, 3, 16))
     with pytest.raises(EngramInputError, match="conv_state must be"):

@@ -4,7 +4,7 @@
 ``head_dim``; sparse gradients on request so optimizer work scales with rows read).
 `Engram` turns one layer's row ids into a residual update::
 
-    e   = concat of the n_cols rows at each position           [B, T, n_cols*head_dim]
+    e   = concat of the n_cols row vectors at each position    [B, T, n_cols*head_dim]
     kv  = wkv(e)                     hc keys, then one value     [B, T, (hc+1)*D]
     u_m = sigmoid(signed_sqrt(<RMSNorm(h_m), RMSNorm(k_m)>/sqrt D)) * v
     Y   = u + ShortConv(u)           (optional)
@@ -28,6 +28,7 @@ from condmem.config import ConfigError, EngramConfig
 from condmem.ops.gate import GATE_CLAMP, engram_gate, gate_values
 from condmem.ops.short_conv import ShortConv
 from condmem.ops.row_grad import table_lookup
+from condmem.utils.renamed import UNSET, renamed_keyword
 
 
 class EngramInputError(ValueError):
@@ -35,7 +36,7 @@ class EngramInputError(ValueError):
 
 
 class EngramTable(nn.Module):
-    """One layer's hashed table: row ids [...] -> rows [..., head_dim].
+    """One layer's hashed table: row ids [...] -> row vectors [..., head_dim].
 
     Args:
         num_embeddings: rows (the sum of the layer's primes).
@@ -89,7 +90,7 @@ class Engram(nn.Module):
         device, dtype: where and in what the parameters are made.
         table_device: where the table is made, if not `device`; ``"meta"`` describes it without
             memory, for tables that live elsewhere (host memory, disk) and are read through
-            `forward(..., rows=...)`.
+            `forward(..., row_vectors=...)`.
 
     Shapes:
         hidden: [B, T, hc, D] (or [B, T, D] when hc_mult == 1); row_ids: [B, T, n_cols]
@@ -98,8 +99,8 @@ class Engram(nn.Module):
     Example:
         >>> layout = EngramLayout(config)
         >>> engram = Engram(config, layout.layer(1).num_embeddings, layer_id=1)
-        >>> rows = hasher(input_ids)[:, :, layout.layer_index(1)]
-        >>> h = h + engram(h, rows)
+        >>> row_ids = hasher(input_ids)[:, :, layout.layer_index(1)]
+        >>> h = h + engram(h, row_ids)
     """
 
     def __init__(
@@ -194,8 +195,7 @@ class Engram(nn.Module):
         if layer_id not in cfg.layer_ids:
             raise ConfigError(f"layer {layer_id} has no Engram; the config's Engram layers are {cfg.layer_ids}")
         layout = EngramLayout(cfg)
-        rows = layout.layer(layer_id).num_embeddings
-        module = cls(cfg, rows, layer_id, device="meta", dtype=dtype)
+        module = cls(cfg, layout.layer(layer_id).num_embeddings, layer_id, device="meta", dtype=dtype)
         q, k = ckpt.gate_weights(layer_id)
         module.q_weight = nn.Parameter(q.to(device=device, dtype=dtype), requires_grad=False)
         module.k_weight = nn.Parameter(k.to(device=device, dtype=dtype), requires_grad=False)
@@ -230,7 +230,7 @@ class Engram(nn.Module):
         hidden: torch.Tensor,
         row_ids: torch.Tensor | None,
         token_mask: torch.Tensor | None,
-        rows: torch.Tensor | None,
+        row_vectors: torch.Tensor | None,
         kv: torch.Tensor | None,
     ) -> torch.Tensor:
         if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
@@ -246,14 +246,17 @@ class Engram(nn.Module):
                 f"{' or [B, T, D]' if self.hc_mult == 1 else ''}, got {tuple(hidden.shape)}"
             )
         lead = tuple(hidden.shape[:2])
-        if row_ids is None and rows is None and kv is None:
-            raise EngramInputError(f"Engram(layer {self.layer_id}): pass row ids (or looked-up rows, or projected kv)")
+        if row_ids is None and row_vectors is None and kv is None:
+            raise EngramInputError(
+                f"Engram(layer {self.layer_id}): pass row ids (or looked-up row vectors, or projected kv)"
+            )
         if row_ids is not None:
             self._check_row_ids(row_ids, lead)
-        if rows is not None and kv is None and rows.shape != (*lead, self.n_cols, self.config.head_dim):
+        shape = (*lead, self.n_cols, self.config.head_dim)
+        if row_vectors is not None and kv is None and row_vectors.shape != shape:
             raise EngramInputError(
-                f"Engram(layer {self.layer_id}): rows must be [B, T, n_cols, head_dim]="
-                f"{(*lead, self.n_cols, self.config.head_dim)}, got {tuple(rows.shape)}"
+                f"Engram(layer {self.layer_id}): row_vectors must be [B, T, n_cols, head_dim]="
+                f"{shape}, got {tuple(row_vectors.shape)}"
             )
         if kv is not None and kv.shape != (*lead, (self.hc_mult + 1) * self.hidden_size):
             raise EngramInputError(
@@ -290,13 +293,13 @@ class Engram(nn.Module):
                 )
 
     def embed(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """Row ids [B, T, n_cols] -> concatenated rows [B, T, n_cols * head_dim]."""
+        """Row ids [B, T, n_cols] -> concatenated row vectors [B, T, n_cols * head_dim]."""
         return self.table(row_ids).flatten(-2)
 
-    def project(self, rows: torch.Tensor, columns: tuple[int, int] | None = None) -> torch.Tensor:
-        """Rows [..., n_cols, head_dim] -> keys and value [..., (hc+1)*D] (``wkv``, in `compute_dtype`).
+    def project(self, row_vectors: torch.Tensor, columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """Row vectors [..., n_cols, head_dim] -> keys and value [..., (hc+1)*D] (``wkv``, in `compute_dtype`).
 
-        `columns` ``(c0, c1)``: `rows` hold only table columns c0..c1-1 ([..., c1-c0, head_dim]),
+        `columns` ``(c0, c1)``: `row_vectors` hold only table columns c0..c1-1 ([..., c1-c0, head_dim]),
         multiplied by the matching input columns of ``wkv``: a tensor-parallel rank's partial sum
         (`condmem.distributed.column_parallel_engram` all-reduces it into the full projection).
         """
@@ -304,7 +307,7 @@ class Engram(nn.Module):
         weight = wkv.weight
         fp8 = weight.dtype == torch.float8_e4m3fn
         dtype = self.q_weight.dtype if fp8 else weight.dtype  # `compute_dtype`, with fewer attribute reads
-        x = rows.flatten(-2)
+        x = row_vectors.flatten(-2)
         if x.dtype != dtype:
             x = x.to(dtype)
         if columns is None:
@@ -319,12 +322,13 @@ class Engram(nn.Module):
         hidden: torch.Tensor,
         row_ids: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
+        row_vectors: torch.Tensor | None = None,
         *,
         residual: bool = False,
         conv_state: torch.Tensor | None = None,
         kv: torch.Tensor | None = None,
         gates: dict | None = None,
+        rows=UNSET,
     ) -> torch.Tensor:
         """Residual update for `hidden` from this layer's `row_ids`: embed -> wkv -> gate (+ ShortConv).
 
@@ -334,10 +338,10 @@ class Engram(nn.Module):
         Args:
             hidden: [B, T, hc, D] (or [B, T, D] when hc_mult == 1).
             row_ids: [B, T, n_cols] int64/int32 (checked against the table on CPU); may be None
-                when `rows` or `kv` is given.
+                when `row_vectors` or `kv` is given.
             token_mask: optional bool [B, T]; False closes the gate (e.g. padding).
-            rows: rows already gathered elsewhere ([B, T, n_cols, head_dim], e.g. by a host-memory
-                lookup); then the table is not read.
+            row_vectors: the rows of `row_ids` already looked up elsewhere ([B, T, n_cols, head_dim],
+                e.g. by a host-memory lookup); then the table is not read.
             residual: return ``hidden + update`` (without a ShortConv, the add is fused into the gate
                 kernel: one pass less over the hidden state, and one rounding instead of two).
             conv_state: optional [B, (kernel-1)*dilation, hc, D]: the ShortConv's inputs at the
@@ -348,23 +352,26 @@ class Engram(nn.Module):
                 tensor-parallel ranks); then neither the table nor ``wkv`` is read.
             gates: optional dict; receives the gate values under ``layer_id`` (fp32 [B, T, hc],
                 [B, T] for [B, T, D] hidden; before the token mask), e.g. to inspect them.
+            rows: the deprecated name of `row_vectors` (a `DeprecationWarning`; removed in the next release).
 
         Returns:
             like `hidden`, in its dtype.
         """
+        if rows is not UNSET:  # called through nn.Module.__call__: the caller is 5 frames up
+            row_vectors = renamed_keyword("Engram.forward", "rows", "row_vectors", rows, row_vectors, stacklevel=5)
         squeeze = hidden.dim() == 3
-        hidden4 = self._check(hidden, row_ids, token_mask, rows, kv)
+        hidden4 = self._check(hidden, row_ids, token_mask, row_vectors, kv)
         if kv is None:
-            if rows is None:
+            if row_vectors is None:
                 table = self.table
                 if table.weight.is_meta:
                     raise EngramInputError(
                         f"Engram(layer {self.layer_id}): the table lives outside this module "
-                        "(meta); pass the looked-up rows (e.g. "
-                        "EngramMemory.prepare(...).rows(layer_id))"
+                        "(meta); pass the looked-up row vectors (e.g. "
+                        "row_vectors=EngramMemory.prepare(...).rows(layer_id))"
                     )
-                rows = table(row_ids)
-            kv = self.project(rows)
+                row_vectors = table(row_ids)
+            kv = self.project(row_vectors)
         q_weight, k_weight, short_conv = self.q_weight, self.k_weight, self.short_conv
         if gates is not None:
             keys = kv[..., : self.hc_mult * self.hidden_size].unflatten(-1, (self.hc_mult, self.hidden_size))

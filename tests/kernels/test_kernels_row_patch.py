@@ -81,7 +81,7 @@ def test_adam_rows_step_refuses_other_shapes_or_dtypes():
     t = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="row_step must be contiguous fp32"):
         adam_rows_step(t, t.clone(), t.clone(), t.clone(), torch.zeros(5), t, t, 0.1, 0.9, 0.9, 1e-8)
-    with pytest.raises(ValueError, match="rows must be contiguous fp32"):
+    with pytest.raises(ValueError, match="row_vectors must be contiguous fp32"):
         adam_rows_step(t, t.double(), t.clone(), t.clone(), torch.zeros(4), t, t, 0.1, 0.9, 0.9, 1e-8)
 
 

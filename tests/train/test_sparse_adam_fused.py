@@ -229,7 +229,7 @@ def _call(**changes):
 
     rows, dim, cap = 10, 4, 8
     args = dict(
-        rows=torch.tensor([0, 5, 9, -1, 10, 99]),
+        row_ids=torch.tensor([0, 5, 9, -1, 10, 99]),
         grad=torch.ones(6, dim),
         param=torch.zeros(rows, dim),
         slot_of_row=torch.full((rows,), -1, dtype=torch.int32),
@@ -258,7 +258,7 @@ def test_kernel_checks_its_arguments_and_skips_rows_outside_the_table():
     short = _call(exp_avg=torch.zeros(2, 4), exp_avg_sq=torch.zeros(2, 4), row_step=torch.zeros(2))
     assert short["slot_of_row"][9] == -1 and not short["param"][9].any(), "no room: skipped, not written past"
     for change, match in (
-        (dict(rows=torch.tensor([0, 1], dtype=torch.int32), grad=torch.ones(2, 4)), "rows must be int64"),
+        (dict(row_ids=torch.tensor([0, 1], dtype=torch.int32), grad=torch.ones(2, 4)), "row_ids must be int64"),
         (dict(grad=torch.ones(6, 3)), r"grad must be .* \[6, 4\]"),
         (dict(slot_of_row=torch.full((10,), -1)), "slot_of_row must be int32"),
         (dict(n_slots=torch.zeros(1, dtype=torch.int32)), "n_slots must be an int64"),
@@ -267,6 +267,14 @@ def test_kernel_checks_its_arguments_and_skips_rows_outside_the_table():
     ):
         with pytest.raises(ValueError, match=match):
             _call(**change)
+
+
+@interpreted
+def test_the_old_rows_keyword_works_for_one_release_with_a_deprecation_warning():
+    want = _call()
+    with pytest.warns(DeprecationWarning, match=r"sparse_adam_step: the keyword rows= is deprecated.*row_ids="):
+        got = _call(row_ids=None, rows=torch.tensor([0, 5, 9, -1, 10, 99]))  # the ids under the old name only
+    assert torch.equal(got["param"], want["param"]) and torch.equal(got["slot_of_row"], want["slot_of_row"])
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """The tables' lazy Adam step in two Triton launches and a scan, with no host sync.
 
 `condmem.train.optim.SparseAdam` keeps Adam state for the rows a gradient has touched:
-``slot_of_row`` int32 [rows] (-1: none yet), moments ``exp_avg``/``exp_avg_sq`` fp32
+``slot_of_row`` int32 [num_rows] (-1: none yet), moments ``exp_avg``/``exp_avg_sq`` fp32
 [capacity, dim], ``row_step`` fp32 [capacity] and ``n_slots`` (here an int64 [1] device
 tensor). For k unique rows and their summed gradient rows `sparse_adam_step` runs:
 
@@ -44,7 +44,7 @@ while the interpreter's ``np.sqrt`` is. Moments, steps and slots do not
 depend on a sqrt and stay equal; a row may differ by the rounding of its update (tests: equal
 with an IEEE sqrt in the torch path, within a bound from that rounding with torch's own).
 
-Rows outside ``[0, rows)`` (no valid sparse gradient has them) are skipped, not written.
+Rows outside ``[0, num_rows)`` (no valid sparse gradient has them) are skipped, not written.
 
 `adam_rows_step` is the same step for k rows already side by side (rows, moments and step
 counts gathered from wherever they live, as the host tier's device Adam holds them): one
@@ -62,6 +62,7 @@ import triton.language as tl
 
 from condmem.ops.gather.triton import _bf16_rne
 from condmem.ops.triton_util import cdiv, interpreting, next_pow2
+from condmem.utils.renamed import renamed_keywords
 
 _INTERPRET = interpreting()  # as triton decided when it was imported
 
@@ -205,16 +206,16 @@ def _adam_launch(dim: int, lr: float, beta1: float, beta2: float, eps: float, cu
     return block_r, (w, _f32(beta2), a, _f32(eps), _f32(-lr)), meta
 
 
-def _check(rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step) -> None:
+def _check(row_ids, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step) -> None:
     """Shapes, dtypes and devices, from metadata only (no sync)."""
     if param.dim() != 2 or param.dtype not in DTYPES or param.stride(1) != 1:
         raise ValueError(
             f"sparse_adam_step updates 2-D fp32/bf16/fp16 tables with contiguous rows, got "
             f"{param.dtype} {tuple(param.shape)} strides {param.stride()}"
         )
-    k, dim = rows.numel(), param.shape[1]
-    if rows.dim() != 1 or rows.dtype != torch.int64:
-        raise ValueError(f"rows must be int64 [k], got {rows.dtype} {tuple(rows.shape)}")
+    k, dim = row_ids.numel(), param.shape[1]
+    if row_ids.dim() != 1 or row_ids.dtype != torch.int64:
+        raise ValueError(f"row_ids must be int64 [k], got {row_ids.dtype} {tuple(row_ids.shape)}")
     if grad.shape != (k, dim) or grad.dtype not in DTYPES:
         raise ValueError(
             f"grad must be fp32/bf16/fp16 [{k}, {dim}] (one row per id), got {grad.dtype} {tuple(grad.shape)}"
@@ -233,13 +234,14 @@ def _check(rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_ste
     ):
         if t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous fp32 {shape}, got {t.dtype} {tuple(t.shape)}")
-    tensors = (rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step)
+    tensors = (row_ids, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step)
     if any(t.device != param.device for t in tensors):
         raise ValueError(f"sparse_adam_step: every tensor must be on the table's device {param.device}")
 
 
+@renamed_keywords(rows="row_ids")
 def sparse_adam_step(
-    rows: torch.Tensor,
+    row_ids: torch.Tensor,
     grad: torch.Tensor,
     param: torch.Tensor,
     slot_of_row: torch.Tensor,
@@ -254,25 +256,25 @@ def sparse_adam_step(
     beta2: float,
     eps: float,
 ) -> None:
-    """One lazy Adam step of `param`'s unique `rows` (int64 [k]) with their summed gradient
-    rows `grad` [k, dim], in place: the rows, their state and `n_slots` (int64 [1]).
+    """One lazy Adam step of `param`'s rows `row_ids` (unique, int64 [k]) with their summed
+    gradient rows `grad` [k, dim], in place: the rows, their state and `n_slots` (int64 [1]).
 
     The state buffers must hold the fresh rows' slots (they take the next ones after
     ``n_slots``; a row whose slot would fall outside is skipped, its slot not recorded);
     `pow1`, `pow2` are `condmem.train.optim.beta_powers` tables of beta1, beta2 longer than
     any row's step count after this step.
     """
-    _check(rows, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step)
-    k, dim = rows.numel(), param.shape[1]
+    _check(row_ids, grad, param, slot_of_row, n_slots, exp_avg, exp_avg_sq, row_step)
+    k, dim = row_ids.numel(), param.shape[1]
     if k == 0:
         return
-    rows, grad = rows.contiguous(), grad.contiguous()  # (as they come from a coalesced gradient)
-    fresh = torch.empty(k, dtype=torch.int32, device=rows.device)
-    _fresh_kernel[(cdiv(k, FRESH_BLOCK),)](rows, slot_of_row, fresh, k, param.shape[0], BLOCK=FRESH_BLOCK)
+    row_ids, grad = row_ids.contiguous(), grad.contiguous()  # (as they come from a coalesced gradient)
+    fresh = torch.empty(k, dtype=torch.int32, device=row_ids.device)
+    _fresh_kernel[(cdiv(k, FRESH_BLOCK),)](row_ids, slot_of_row, fresh, k, param.shape[0], BLOCK=FRESH_BLOCK)
     rank = fresh.cumsum_(0)
     block_r, scalars, meta = _adam_launch(dim, lr, beta1, beta2, eps, param.is_cuda)
     _adam_kernel[(cdiv(k, block_r),)](
-        rows,
+        row_ids,
         grad,
         param,
         slot_of_row,
@@ -334,9 +336,10 @@ def _rows_adam_kernel(
     tl.store(step_ptr + r, step, mask=live)
 
 
+@renamed_keywords(rows="row_vectors")
 def adam_rows_step(
     grad: torch.Tensor,
-    rows: torch.Tensor,
+    row_vectors: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     row_step: torch.Tensor,
@@ -347,15 +350,15 @@ def adam_rows_step(
     beta2: float,
     eps: float,
 ) -> None:
-    """One Adam step of k rows held side by side, in place: ``rows`` [k, dim], their moments and
+    """One Adam step of k rows held side by side, in place: `row_vectors` [k, dim], their moments and
     step counts ``row_step`` [k] (each + 1), with gradient rows `grad` [k, dim]; all fp32 and
     contiguous. The same arithmetic as `sparse_adam_step`, hence bit-equal on CUDA to
-    ``row_step += 1; rows += adam_rows_delta(grad, exp_avg, exp_avg_sq, row_step, ...)``.
+    ``row_step += 1; row_vectors += adam_rows_delta(grad, exp_avg, exp_avg_sq, row_step, ...)``.
     `pow1`, `pow2`: `beta_powers` tables longer than any step count after this step."""
     k, dim = grad.shape
     for name, t, shape in (
         ("grad", grad, (k, dim)),
-        ("rows", rows, (k, dim)),
+        ("row_vectors", row_vectors, (k, dim)),
         ("exp_avg", exp_avg, (k, dim)),
         ("exp_avg_sq", exp_avg_sq, (k, dim)),
         ("row_step", row_step, (k,)),
@@ -368,4 +371,6 @@ def adam_rows_step(
     if k == 0:
         return
     block_r, scalars, meta = _adam_launch(dim, lr, beta1, beta2, eps, grad.is_cuda)
-    _rows_adam_kernel[(cdiv(k, block_r),)](grad, rows, exp_avg, exp_avg_sq, row_step, pow1, pow2, k, *scalars, **meta)
+    _rows_adam_kernel[(cdiv(k, block_r),)](
+        grad, row_vectors, exp_avg, exp_avg_sq, row_step, pow1, pow2, k, *scalars, **meta
+    )

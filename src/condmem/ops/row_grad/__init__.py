@@ -26,31 +26,36 @@ import torch.nn.functional as F
 
 from condmem.ops.row_grad.reference import row_sums_reference
 from condmem.ops.triton_util import resolve_backend
+from condmem.utils.renamed import renamed_keywords
 
 
-def sorted_runs(row_ids: torch.Tensor, rows: torch.Tensor | None = None):
-    """(order, distinct rows, run ends) of the flattened ids: ``order`` int64 [n] sorts the
-    ids stably (equal ids keep their lookup order), ``rows`` int64 [k] ascending, ``ends``
-    int64 [k] the exclusive end of each row's run in ``order``.
+@renamed_keywords(rows="distinct_ids")
+def sorted_runs(row_ids: torch.Tensor, distinct_ids: torch.Tensor | None = None):
+    """(order, distinct ids, run ends) of the flattened row ids: ``order`` int64 [n] sorts the
+    ids stably (equal ids keep their lookup order), the distinct ids int64 [k] ascending,
+    ``ends`` int64 [k] the exclusive end of each distinct id's run in ``order``.
 
-    ``rows``, when the caller knows them already (every distinct id, ascending, on the ids'
-    device), spare the host sync of finding them."""
+    `distinct_ids`, when the caller knows them already (every distinct id, ascending, on the
+    ids' device), spare the host sync of finding them."""
     flat = row_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
-    if rows is not None:
-        return order, rows.long(), torch.searchsorted(sorted_ids, rows.to(sorted_ids.dtype), right=True)
-    rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    return order, rows.long(), counts.cumsum(0)  # int64 rows: the sparse gradient's indices as they are
+    if distinct_ids is not None:
+        ends = torch.searchsorted(sorted_ids, distinct_ids.to(sorted_ids.dtype), right=True)
+        return order, distinct_ids.long(), ends
+    distinct_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    return order, distinct_ids.long(), counts.cumsum(0)  # int64: the sparse gradient's indices as they are
 
 
 def coalesced_gradient(grad_rows: torch.Tensor, runs, shape, backend: str | None = None) -> torch.Tensor:
     """The sparse COO gradient [shape] of a lookup whose `sorted_runs` are `runs`, from the
     gradient of its rows (``grad_rows`` [..., dim], lookup order), flagged coalesced."""
-    order, rows, ends = runs
+    order, distinct_ids, ends = runs
     values = row_sums(grad_rows.reshape(-1, shape[1]), order, ends, backend)
-    with warnings.catch_warnings():  # rows are distinct, ascending ids of this table by construction
+    with warnings.catch_warnings():  # distinct, ascending ids of this table by construction
         warnings.filterwarnings("ignore", "Sparse invariant checks")
-        return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
+        return torch.sparse_coo_tensor(
+            distinct_ids.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False
+        )
 
 
 def row_sums(grad_rows: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, backend: str | None = None):
