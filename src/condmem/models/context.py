@@ -112,15 +112,8 @@ def run_engram(engram, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     row_ids = rows.row_ids(lid)
     row_vectors = rows.row_vectors(lid)  # a prefetched lookup: waits for this layer's rows only
     state = None if ctx.conv is None else ctx.conv.get(lid)
-    x = engram(
-        x,
-        row_ids,
-        token_mask=ctx.token_mask,
-        rows=row_vectors,
-        residual=True,
-        conv_state=state,
-        gates=ctx.gates,
-    )
+    # Row vectors passed by position: the fourth parameter of `Engram.forward`.
+    x = engram(x, row_ids, ctx.token_mask, row_vectors, residual=True, conv_state=state, gates=ctx.gates)
     if state is not None:
         ctx.conv.put(lid, state)
     return x

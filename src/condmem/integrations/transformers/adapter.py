@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from condmem.config import EngramConfig
-from condmem.hashing import NgramHasher
+from condmem.hashing import NgramHasher, NgramHistory
 from condmem.integrations.transformers.decode_graph import DecodeGraphs, StepGraphs
-from condmem.integrations.transformers.decode_state import DecodeState, DecodeStates, last_columns
+from condmem.integrations.transformers.decode_state import DecodeState, DecodeStates
 from condmem.integrations.transformers.families import Family, locate
 from condmem.layout import EngramLayout
 from condmem.models.context import ConvStates, EngramRows, ForwardContext, run_engram
@@ -175,24 +175,16 @@ class EngramAdapter:
             return None
         return full[:, past - self._depth :]
 
-    def _lookback(
-        self, batch: int, past: int, new_ids: torch.Tensor, cache, stash
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, valid) [B, N-1] before the new tokens of a cached forward."""
-        depth = self._depth
+    def _lookback(self, batch: int, past: int, new_ids: torch.Tensor, cache, stash) -> NgramHistory:
+        """The look-back before the new tokens of a cached forward (slot b: row b)."""
         if stash is not None:
             full, mask = stash[0].to(new_ids.device), stash[1]
             if full.shape == (batch, past + new_ids.shape[1]) and (
                 new_ids is stash[2] or torch.equal(full[:, past:], new_ids)
             ):
                 # Inside generate(): its running sequences are the truth (beams reordered, crops undone).
-                tokens = full[:, :past]
-                valid = (
-                    torch.ones_like(tokens, dtype=torch.bool)
-                    if mask is None
-                    else _as_valid(mask.to(new_ids.device)[:, :past])
-                )
-                return last_columns(tokens, valid, depth, self.config.pad_id)
+                valid = None if mask is None else mask.to(new_ids.device)[:, :past]
+                return DecodeState.of_window(self.hasher, full[:, :past], valid, past).history
         state = self._states.get(cache)
         if state is None or state.length != past or state.batch != batch:
             seen = "no Engram state" if state is None else f"state for {state.batch} rows x {state.length} positions"
@@ -201,7 +193,7 @@ class EngramAdapter:
                 "Engram hashes each new token with the N-1 tokens before it, so the cache must come from this "
                 "model's own forwards (pass the cache the previous call returned), or use generate()"
             )
-        return state.tokens, state.valid
+        return state.history
 
     def _bind(self, args: tuple, kwargs: dict) -> dict:
         """The base forward's arguments by name (keyword arguments it collects in ``**kwargs`` included)."""
@@ -236,39 +228,56 @@ class EngramAdapter:
             window_mask = None if mask is None else mask[:, past - depth :]
             graphs = self._graphs.front(window, window_mask)
             self.last_row_ids = graphs.row_ids
-            next_state, _ = self._next_state(bound, module, cache, window, window_mask, past, new, batch, device)
+            next_state, _ = self._next_state(bound, module, cache, past, new, batch, device, window, window_mask)
             self._step = _Step(None, next_state, graphs)
             return
+        before = None
         if window is not None:
             # Inside generate(): the look-back and the new tokens are one slice of its sequences.
             ids, valid = window, None if mask is None else _as_valid(mask[:, past - depth :], device)
         elif past == 0:
             ids, valid = input_ids, None if mask is None else _as_valid(mask, device)
-        else:
-            back_ids, back_valid = self._lookback(batch, past, input_ids, cache, stash if past < depth else None)
-            ids = torch.cat([back_ids.to(device), input_ids], dim=1)
-            now = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else _as_valid(mask[:, past:].to(device))
-            valid = torch.cat([back_valid.to(device), now], dim=1)
+        else:  # the new tokens after the look-back the cache's state (or generate) holds
+            before = self._lookback(batch, past, input_ids, cache, stash if past < depth else None)
+            ids = input_ids
+            valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else _as_valid(mask[:, past:], device)
         # Contiguous once here: each Engram layer's gate would otherwise copy the strided slice itself.
         current = None if valid is None else valid[:, valid.shape[1] - new :].contiguous()
-        rows = self.hasher(ids, blocked=None if valid is None else ~valid)
-        if ids.shape[1] != new:  # the look-back's own rows are dropped
-            rows = rows[:, ids.shape[1] - new :]
+        if before is None:
+            rows = self.hasher(ids, blocked=None if valid is None else ~valid)
+            if ids.shape[1] != new:  # the look-back's own rows are dropped
+                rows = rows[:, ids.shape[1] - new :]
+        else:
+            rows = self.hasher.hash_ragged(
+                input_ids.reshape(-1),
+                torch.arange(batch + 1, device=device) * new,
+                history=before,
+                slots=torch.arange(batch, device=device),
+                blocked=(~valid).reshape(-1),
+                commit=False,
+            )
+            rows = rows.view(batch, new, *rows.shape[1:])
         self.last_row_ids = rows
         engram_rows = self._start_lookups(rows) if self.memory is not None else EngramRows(rows, self.config.layer_ids)
-        next_state, conv_in = self._next_state(bound, module, cache, ids, valid, past, new, batch, device)
+        next_state, conv_in = self._next_state(bound, module, cache, past, new, batch, device, ids, valid, before)
         conv = None if conv_in is None else _StepConvStates(conv_in, next_state)
         context = ForwardContext(engram_rows=engram_rows, token_mask=current, conv=conv)
         self._step = _Step(context, next_state)
 
-    def _next_state(self, bound, module, cache, ids, valid, past: int, new: int, batch: int, device):
-        """(DecodeState, ShortConv inputs) kept for the next forward, when this one fills a cache; else Nones."""
+    def _next_state(
+        self, bound, module, cache, past: int, new: int, batch: int, device, ids, valid, before=None
+    ) -> tuple[DecodeState | None, dict | None]:
+        """(DecodeState, ShortConv inputs) kept for the next forward, when this one fills a cache; else Nones.
+        The state follows token ids `ids` (`valid`: their padding mask), after look-back `before` if given."""
         use_cache = bound.get("use_cache")
         if use_cache is None:
             use_cache = getattr(getattr(module, "config", None), "use_cache", False)
         if cache is None and not use_cache:
             return None, None
-        next_state = DecodeState(ids, valid, self._depth, self.config.pad_id, past + new)
+        if before is None:
+            next_state = DecodeState.of_window(self.hasher, ids, valid, past + new)
+        else:
+            next_state = DecodeState.after(self.hasher, before, ids, valid, past + new)
         conv_in = self._conv_inputs(cache, past, batch, device) if self._conv_layers else None
         return next_state, conv_in
 

@@ -169,7 +169,7 @@ class DecodeGraphs:
         row_ids = None if looked_up is not None else entry.row_ids[:, :, a._layer_index[layer_id]]
 
         def work() -> torch.Tensor:
-            return engram(static_hidden, row_ids, token_mask=mask, rows=looked_up, residual=True)
+            return engram(static_hidden, row_ids, mask, looked_up, residual=True)  # (row vectors 4th)
 
         graph, out = self._record(work, entry.pool)
         weights = tuple((t, t.data_ptr()) for t in _tensors(engram))

@@ -4,84 +4,94 @@ A cached forward sees only the new tokens. Their hashes need the N-1 tokens befo
 and the ShortConv needs the Engram outputs of the last (kernel-1)*dilation positions.
 Both are kept here, one entry per cache object, and advance with that cache: written
 after every forward under the cache the forward returns, and reordered with it when
-beam search reorders the cache. Entries hold only weak references to caches, so a
-finished generation leaves nothing behind.
+beam search reorders the cache. The look-back is an `NgramHistory` (one slot per batch
+row), the one look-back state of condmem. Entries hold only weak references to caches,
+so a finished generation leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
+
+from condmem.hashing import NgramHasher, NgramHistory
 
 
 class DecodeState:
     """What the next cached forward of a batch needs from the forwards before it.
 
-    The look-back is cut from the forward's ids only when first read (`tokens`, `valid`):
-    inside generate() the next forward reads generate's own sequences instead, so most states
-    are never read and a decode step queues no op for them.
+    The look-back (`history`) is made only when first read: inside generate() the next forward
+    reads generate's own sequences instead, so most states are never read and a decode step
+    queues no op for them. Make one with `of_window` or `after`.
 
     Args:
-        ids: int64 [B, L]: the forward's look-back and tokens (or a look-back alone).
-        valid: [B, L], False (0) at padding: bool, or an attention mask's 0/1 columns; None: every
-            position is a token.
-        depth: N-1, the look-back kept.
-        pad_id: the id left of a sequence shorter than `depth` (marked not valid).
+        batch: rows of the batch.
         length: positions the cache held after the forward that wrote this state.
+        make: builds the look-back when first read.
     """
 
-    def __init__(self, ids: torch.Tensor, valid: torch.Tensor | None, depth: int, pad_id: int, length: int):
-        self._window = (ids, valid, depth, pad_id)
-        self._tail: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.length = length
+    def __init__(self, batch: int, length: int, make: Callable[[], NgramHistory]):
+        self.batch, self.length = batch, length
+        self._make: Callable[[], NgramHistory] | None = make
+        self._history: NgramHistory | None = None
         self.conv: dict[int, torch.Tensor] = {}
         """Per Engram layer with ShortConv: its last (kernel-1)*dilation gated outputs [B, pad, 1, D]."""
 
-    @property
-    def tokens(self) -> torch.Tensor:
-        """int64 [B, N-1]: the last N-1 token ids, oldest first (any id where `valid` is False)."""
-        return self._look_back()[0]
+    @classmethod
+    def of_window(cls, hasher: NgramHasher, ids: torch.Tensor, valid: torch.Tensor | None, length: int) -> DecodeState:
+        """The state after token ids [B, L] (a forward's look-back and tokens, or its tokens alone);
+        `valid` [B, L] False (0) at padding: bool, or an attention mask's 0/1 columns; None: every
+        position is a token."""
+
+        return cls(ids.shape[0], length, lambda: last_columns(hasher, ids, valid))
+
+    @classmethod
+    def after(
+        cls, hasher: NgramHasher, before: NgramHistory, ids: torch.Tensor, valid: torch.Tensor | None, length: int
+    ) -> DecodeState:
+        """The state after new token ids [B, T] that followed look-back `before` (`valid`: bool [B, T],
+        False at padding; None: all tokens)."""
+
+        def make() -> NgramHistory:
+            batch, new = ids.shape
+            history = hasher.new_history(batch, ids.device)
+            history.ids.copy_(before.ids)
+            slots = torch.arange(batch, device=ids.device)
+            cu = torch.arange(batch + 1, device=ids.device) * new
+            blocked = None if valid is None else ~valid.reshape(-1)
+            hasher.commit(history, slots, ids.reshape(-1), cu, torch.full_like(slots, new), blocked=blocked)
+            return history
+
+        return cls(ids.shape[0], length, make)
 
     @property
-    def valid(self) -> torch.Tensor:
-        """bool [B, N-1]: False where there was no token yet, or it was padding (blocked)."""
-        return self._look_back()[1]
-
-    @property
-    def batch(self) -> int:
-        return self._window[0].shape[0]
-
-    def _look_back(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tail is None:
-            ids, valid, depth, pad_id = self._window
-            if valid is None:
-                valid = torch.ones_like(ids, dtype=torch.bool)
-            elif valid.dtype != torch.bool:
-                valid = valid != 0  # a 2-D attention mask's columns as given (0/1)
-            self._tail = last_columns(ids, valid, depth, pad_id)
-        return self._tail
+    def history(self) -> NgramHistory:
+        """The look-back of each row (slot b is row b)."""
+        if self._history is None:
+            self._history, self._make = self._make(), None
+        return self._history
 
     def select(self, index: torch.Tensor) -> DecodeState:
         """The state of batch rows `index` (beam search's reorder)."""
-        tokens, valid = self._look_back()
-        index = index.to(tokens.device)
-        _, _, depth, pad_id = self._window
-        state = DecodeState(tokens.index_select(0, index), valid.index_select(0, index), depth, pad_id, self.length)
+        history = self.history
+        index = index.to(history.device)
+        picked = NgramHistory(index.numel(), history.max_ngram_size, history.pad_id, history.device)
+        picked.ids.copy_(history.ids.index_select(0, index))
+        state = DecodeState(index.numel(), self.length, lambda: picked)
         state.conv = {lid: c.index_select(0, index.to(c.device)) for lid, c in self.conv.items()}
         return state
 
 
-def last_columns(
-    tokens: torch.Tensor, valid: torch.Tensor, depth: int, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last `depth` columns of [B, L] tokens / valid, left-filled with an invalid pad when L < depth."""
-    tokens, valid = tokens[:, max(0, tokens.shape[1] - depth) :], valid[:, max(0, valid.shape[1] - depth) :]
-    short = depth - tokens.shape[1]
-    if short > 0:
-        tokens = torch.cat([tokens.new_full((tokens.shape[0], short), pad_id), tokens], dim=1)
-        valid = torch.cat([valid.new_zeros((valid.shape[0], short)), valid], dim=1)
-    return tokens, valid
+def last_columns(hasher: NgramHasher, ids: torch.Tensor, valid: torch.Tensor | None) -> NgramHistory:
+    """The look-back after token ids [B, L]: their last N-1 columns (the pad before a row's start and
+    behind its padding) as an `NgramHistory`, slot b holding row b."""
+    blocked = None if valid is None else (~valid if valid.dtype == torch.bool else valid == 0)
+    history = hasher.new_history(ids.shape[0], ids.device)
+    slots = torch.arange(ids.shape[0], device=ids.device)
+    hasher.prefill_history(history, slots, ids, blocked=blocked, check=False)
+    return history
 
 
 class DecodeStates:
