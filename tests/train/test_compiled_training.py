@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from condmem.config import EngramConfig
 from condmem.models import DecoderLM
 from condmem.models.config import ModelConfig, MoEConfig
 from condmem.models.moe import MoE, expert_counts
@@ -41,8 +42,20 @@ def test_a_traced_moe_forward_equals_eager_and_keeps_its_statistics():
 
 
 @pytest.mark.gpu
-def test_compiled_training_follows_eager_losses_on_the_gpu():
+@pytest.mark.parametrize("engram", [False, True], ids=["moe", "moe+engram"])
+def test_compiled_training_follows_eager_losses_on_the_gpu(engram):
+    # with an Engram layer, its Triton kernels (gather, gate) run between the compiled parts
+    layer = EngramConfig(
+        layer_ids=[1],
+        max_ngram_size=3,
+        n_heads=2,
+        head_dim=16,
+        table_size=997,
+        hidden_size=64,
+        compressed_vocab_size=512,
+    )
     cfg = ModelConfig(
+        engram=layer if engram else None,
         vocab_size=512,
         dim=64,
         n_layers=2,
@@ -61,7 +74,7 @@ def test_compiled_training_follows_eager_losses_on_the_gpu():
     losses = {}
     for compile in (False, True):
         torch._dynamo.reset()
-        model = DecoderLM(cfg, seed=0, device="cuda")
+        model = DecoderLM(cfg, token_lookup=np.arange(512) if engram else None, seed=0, device="cuda")
         tc = TrainConfig(steps=10, batch_size=8, seq_len=64, warmup_steps=2, eval_tokens=64, log_every=100)
         trainer = Trainer(
             model, dataclasses.replace(tc, compile=compile), train, val, np.ones(512), "cuda", progress=False

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from condmem.config import ConfigError
+from condmem.module import Engram
 from condmem.train.data import TokenStream
 from condmem.train.optim import (
     build_optimizers,
@@ -293,6 +294,10 @@ class Trainer:
         )
         if cfg.compile:
             for block in model.blocks:
+                # The Engram layer runs as it is, between compiled parts: its Triton kernels (gather,
+                # gate) take float scalars that Dynamo's tracing of user kernels hands over as fp64.
+                for engram in (m for m in block.modules() if isinstance(m, Engram)):
+                    engram.forward = torch.compiler.disable(engram.forward, recursive=True)
                 block.compile()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.host = host_tables
