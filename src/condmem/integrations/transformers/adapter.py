@@ -151,6 +151,11 @@ class EngramAdapter:
     def layout(self) -> EngramLayout:
         return self.hasher.layout
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The model this adapter serves (None once it is gone: the adapter holds it weakly)."""
+        return self._model()
+
     def row_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Row ids [B, T, n_layers, n_cols] of a batch with no cache before it.
 

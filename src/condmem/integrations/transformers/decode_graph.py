@@ -75,7 +75,7 @@ class DecodeGraphs:
             not input_ids.is_cuda
             or input_ids.shape[1] != 1
             or torch.is_grad_enabled()
-            or a._conv_layers
+            or any(e.short_conv is not None for e in a.engrams.values())
             or not self._samples_in_range()
             or torch.compiler.is_compiling()
             or torch.cuda.is_current_stream_capturing()
@@ -94,7 +94,7 @@ class DecodeGraphs:
         """Every token the model can sample lies inside the hasher's ids (its output embedding's rows,
         read now: `resize_token_embeddings` may have grown it since `add_engram`)."""
         a = self.adapter
-        return _output_vocab(a._model()) <= a.hasher.vocab_size
+        return _output_vocab(a.model) <= a.hasher.vocab_size
 
     def front(self, window: torch.Tensor, valid: torch.Tensor | None) -> StepGraphs:
         """Replay (capturing first, for a new shape or memory) the hash and table reads of a step whose
@@ -144,15 +144,15 @@ class DecodeGraphs:
         static_valid = None if valid is None else torch.empty(valid.shape, dtype=torch.bool, device=window.device)
         if static_valid is not None:
             static_valid.copy_(valid)
-        depth = a._depth
+        depth = a.config.max_ngram_size - 1
         rows: dict[int, torch.Tensor] = {}
 
         def work() -> torch.Tensor:
             blocked = None if static_valid is None else ~static_valid
             row_ids = a.hasher(ids, blocked=blocked, check=False)[:, depth:]
             if memory is not None:
-                for lid, i in a._layer_index.items():
-                    rows[lid] = memory.gather_into(lid, row_ids[:, :, i])
+                for lid in a.config.layer_ids:
+                    rows[lid] = memory.gather_into(lid, row_ids[:, :, a.layout.layer_index(lid)])
             return row_ids
 
         pool = torch.cuda.graph_pool_handle()
@@ -163,10 +163,10 @@ class DecodeGraphs:
         a = self.adapter
         engram = a.engrams[layer_id]
         static_hidden = hidden.clone(memory_format=torch.contiguous_format)
-        depth = a._depth
+        depth = a.config.max_ngram_size - 1
         mask = None if entry.valid is None else entry.valid[:, depth:]
         looked_up = entry.rows.get(layer_id)
-        row_ids = None if looked_up is not None else entry.row_ids[:, :, a._layer_index[layer_id]]
+        row_ids = None if looked_up is not None else entry.row_ids[:, :, a.layout.layer_index(layer_id)]
 
         def work() -> torch.Tensor:
             return engram(static_hidden, row_ids, mask, looked_up, residual=True)  # (row vectors 4th)
