@@ -66,8 +66,8 @@ class NgramHasher:
 
     Example:
         >>> hasher = NgramHasher.from_tokenizer(config, CompressedTokenizer.from_any("deepseek-v4"))
-        >>> rows = hasher(input_ids)            # [B, T, n_layers, n_cols] int64
-        >>> rows_l1 = rows[:, :, hasher.layer_index(1)]
+        >>> row_ids = hasher(input_ids)         # [B, T, n_layers, n_cols] int64
+        >>> row_ids_l1 = row_ids[:, :, hasher.layer_index(1)]
     """
 
     def __init__(self, layout: EngramLayout, token_lookup=None, pad_id: int | None = None, backend: str = "auto"):
@@ -245,14 +245,14 @@ class NgramHasher:
             return f"hasher call on {tuple(shape)} ids"
 
         if self._backend(backend, device) == "triton":
-            # The kernel applies the compression map itself: one launch from token ids to rows,
+            # The kernel applies the compression map itself: one launch from token ids to row ids,
             # with the id range folded in on the device.
             n_tokens = input_ids.numel()
             id_range, slot = self._range_target(n_tokens, device) if check else (None, None)
-            rows = self._hash_triton(input_ids, True, blocked, with_offsets, id_range=id_range)
+            row_ids = self._hash_triton(input_ids, True, blocked, with_offsets, id_range=id_range)
             if id_range is not None:
                 self._submit_range(id_range, slot, n_tokens, call)
-            return rows
+            return row_ids
         if check:
             self._checks.submit_ids(input_ids, call)
         compressed = self.compress(input_ids, check=False)
@@ -283,7 +283,7 @@ class NgramHasher:
         On CUDA the range check of `__call__` / `hash_ragged` runs inside the hash kernel
         and is read back without waiting; the hasher's next call raises it if that work
         has finished, and this raises it now (``block=True`` waits for the GPU: call it
-        where you wait anyway; `EngramMemory` does so when rows are waited for).
+        where you wait anyway; `EngramMemory` does so when row vectors are waited for).
         """
         self._checks.raise_pending(block=block)
 
@@ -440,25 +440,25 @@ class NgramHasher:
 
         offsets = c["offsets"] if with_offsets else None
         if self._backend(backend, device) == "triton":
-            rows = self._hash_ragged_triton(
+            row_ids = self._hash_ragged_triton(
                 input_ids, cu_seqlens, c, offsets, history, slots, lookback, blocked, check, label
             )
         else:
-            rows = self._hash_ragged_torch(
+            row_ids = self._hash_ragged_torch(
                 input_ids, cu_seqlens, c, offsets, history, slots, lookback, blocked, check, label
             )
         if commit and history is not None:
             self._advance(history, slots, input_ids, cu_seqlens, None, blocked, backend)
-        return rows
+        return row_ids
 
     def _hash_ragged_triton(
         self, input_ids, cu_seqlens, c, offsets, history, slots, lookback, blocked, check: bool, label
     ) -> torch.Tensor:
-        """`hash_ragged`'s rows from the Triton kernel; ids and boundaries checked on the device, read later."""
+        """`hash_ragged`'s row ids from the Triton kernel; ids and boundaries checked on the device, read later."""
         device = input_ids.device
         n_tokens = input_ids.numel()
         id_range, slot = self._range_target(n_tokens, device) if check else (None, None)
-        rows = _kernels().hash_ragged_triton(
+        row_ids = _kernels().hash_ragged_triton(
             input_ids,
             cu_seqlens,
             multipliers=c["multipliers"],
@@ -478,12 +478,12 @@ class NgramHasher:
             self._submit_range(id_range, slot, n_tokens, label)
         if check and id_range is None:  # an empty batch: its boundaries still count
             self._check_boundaries(cu_seqlens, 0)
-        return rows
+        return row_ids
 
     def _hash_ragged_torch(
         self, input_ids, cu_seqlens, c, offsets, history, slots, lookback, blocked, check: bool, label
     ) -> torch.Tensor:
-        """`hash_ragged`'s rows from the torch reference, each chunk's look-back gathered first."""
+        """`hash_ragged`'s row ids from the torch reference, each chunk's look-back gathered first."""
         device = input_ids.device
         if check:
             self._check_boundaries(cu_seqlens, input_ids.numel())
@@ -675,9 +675,9 @@ class NgramHasher:
                 blocked=blocked,
             )
         if backend in (None, "auto") and device.type == "cpu" and history.ids.is_contiguous():
-            rows = self._decode_native(history, slots, input_ids, c, offsets, valid, blocked)
-            if rows is not None:  # the same numbers, without the reference's dozens of small ops
-                return rows
+            row_ids = self._decode_native(history, slots, input_ids, c, offsets, valid, blocked)
+            if row_ids is not None:  # the same numbers, without the reference's dozens of small ops
+                return row_ids
         return self._decode_reference(history, slots, input_ids, c, offsets, valid, blocked)
 
     def _check_decode(self, history: NgramHistory, slots, input_ids, valid, blocked) -> None:
@@ -699,7 +699,7 @@ class NgramHasher:
                 raise HashInputError(f"{name} must be bool {tuple(input_ids.shape)}, got {m.dtype} {tuple(m.shape)}")
 
     def _decode_native(self, history: NgramHistory, slots, input_ids, c, offsets, valid, blocked):
-        """`decode`'s rows from the native CPU hash, or None where it does not run (then the reference does)."""
+        """`decode`'s row ids from the native CPU hash, or None where it does not run (then the reference does)."""
         from condmem import native
 
         return native.hash_decode(
@@ -717,7 +717,7 @@ class NgramHasher:
         )
 
     def _decode_reference(self, history: NgramHistory, slots, input_ids, c, offsets, valid, blocked) -> torch.Tensor:
-        """`decode`'s rows from the torch reference (ids compressed here)."""
+        """`decode`'s row ids from the torch reference (ids compressed here)."""
         device = input_ids.device
         lookup = c["lookup"]
         ids = input_ids.long()

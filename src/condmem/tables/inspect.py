@@ -48,6 +48,7 @@ from condmem.tables.released import CheckpointProblem
 from condmem.tables.safetensors_io import TableFileError, read_header, release_pages
 from condmem.tables.table_file import FORMAT_TAG, EngramTableFile, LayerRows
 from condmem.utils.progress import Progress
+from condmem.utils.renamed import renamed_keywords
 
 
 def row_stats(
@@ -143,12 +144,14 @@ def row_stats(
     return out
 
 
-def tier_bytes(rows: int, head_dim: int) -> dict[str, int]:
-    """What host or HBM memory holds per row format (fp8 only where head_dim is a multiple of its scale block)."""
+@renamed_keywords(rows="num_rows")
+def tier_bytes(num_rows: int, head_dim: int) -> dict[str, int]:
+    """What host or HBM memory holds per row format for a table of `num_rows` rows (fp8 only where
+    head_dim is a multiple of its scale block)."""
     out = {}
     if head_dim % FP8_SCALE_BLOCK == 0:
-        out["host_or_hbm_fp8_interleaved"] = rows * (head_dim + head_dim // FP8_SCALE_BLOCK)
-    out["bf16"] = rows * 2 * head_dim
+        out["host_or_hbm_fp8_interleaved"] = num_rows * (head_dim + head_dim // FP8_SCALE_BLOCK)
+    out["bf16"] = num_rows * 2 * head_dim
     return out
 
 
@@ -226,9 +229,9 @@ def inspect_checkpoint(
             info["wkv_block"] = [a // b for a, b in zip(wkv["shape"], wkv_s["shape"])]
         embed = info["tensors"]["embed"]
         if embed.get("shape") and len(embed["shape"]) == 2:
-            rows, d = embed["shape"]
-            info["rows"] = rows
-            info["bytes"] = tier_bytes(rows, d)
+            num_rows, d = embed["shape"]
+            info["rows"] = num_rows
+            info["bytes"] = tier_bytes(num_rows, d)
             info["bytes"]["disk_as_stored"] = sum(
                 ckpt.entry(names[k]).nbytes for k in ("embed", "embed_scale") if not info["tensors"][k].get("missing")
             )
@@ -271,25 +274,26 @@ def inspect_table_file(path, full: bool = False, sample: int = 65536, progress: 
         ],
     }
     problems = []
-    for lid, rows in zip(table.layer_ids, table.num_embeddings):
+    for lid, num_rows in zip(table.layer_ids, table.num_embeddings):
         want = layout.layer(lid).num_embeddings
-        if rows != want:
+        if num_rows != want:
             problems.append(
                 CheckpointProblem(
                     "error",
-                    f"layer {lid} of {table.path} has {rows:,} rows but its layout has {want:,} (sum of its primes)",
+                    f"layer {lid} of {table.path} has {num_rows:,} rows but its layout has {want:,} "
+                    "(sum of its primes)",
                     None,
                     lid,
                 )
             )
         info = {
             "layer_id": lid,
-            "rows": rows,
+            "rows": num_rows,
             "rows_expected": want,
-            "rows_match_primes": rows == want,
-            "bytes": tier_bytes(rows, table.head_dim),
+            "rows_match_primes": num_rows == want,
+            "bytes": tier_bytes(num_rows, table.head_dim),
         }
-        info["bytes"]["disk_as_stored"] = rows * table.layer(lid).row_bytes
+        info["bytes"]["disk_as_stored"] = num_rows * table.layer(lid).row_bytes
         try:  # every row read is checked against its blocks' CRCs
             info["row_stats"] = row_stats(
                 table.layer(lid), None if full else sample, progress=progress, name=f"layer {lid}"

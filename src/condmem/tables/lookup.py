@@ -1,4 +1,4 @@
-"""The lookup engine: row ids of one batch -> bf16 rows, from any tier, overlappable with compute.
+"""The lookup engine: row ids of one batch -> bf16 row vectors, from any tier, overlappable with compute.
 
 For one batch of row ids [T, n_cols] (one Engram layer):
 
@@ -78,6 +78,7 @@ from condmem.tables.lookup_plan import (
 from condmem.tables.row_cache import RowCache, row_words
 from condmem.tables.staged_transfer import STAGING_CHUNK_ROWS, StagedSender
 from condmem.tables.errors import StorageError
+from condmem.utils.renamed import renamed_attribute
 from condmem.tables.storage import LayerStore
 
 log = logging.getLogger("condmem.tables")
@@ -154,19 +155,20 @@ class LookupStats:
     """Host seconds from the call until its CPU share was queued."""
     cpu_path: str = ""
     """How the CPU share was read: ``native`` (`condmem.native`: the staged send, or the gather on
-    the CPU), ``torch`` (the fallback, ~2x slower), ``store`` (the store's own reader: a DRAM
-    cache or O_DIRECT); empty when there was no CPU share."""
+    the CPU), ``torch`` (the fallback, slower: docs/lookup-engine.md#native-code), ``store`` (the
+    store's own reader: a DRAM cache or O_DIRECT); empty when there was no CPU share."""
 
 
 class LookupHandle:
-    """A lookup in flight. `wait()` returns the rows, ready on the caller's current stream.
+    """A lookup in flight. `wait()` returns its row vectors (``row_vectors``), ready on the
+    caller's current stream.
 
-    The rows are this lookup's own, whatever other threads look up meanwhile; a handle may be
-    waited for from any thread (each `wait()` readies them on that thread's current stream)."""
+    The row vectors are this lookup's own, whatever other threads look up meanwhile; a handle may
+    be waited for from any thread (each `wait()` readies them on that thread's current stream)."""
 
     def __init__(
         self,
-        rows: torch.Tensor,
+        row_vectors: torch.Tensor,
         event,
         future: concurrent.futures.Future | None,
         stats: LookupStats,
@@ -174,7 +176,7 @@ class LookupHandle:
         settle: Callable[[], None] | None = None,
         home: torch.cuda.Stream | None = None,
     ):
-        self.rows = rows
+        self.row_vectors = row_vectors
         self.event = event
         self._future = future
         self.stats = stats
@@ -183,24 +185,26 @@ class LookupHandle:
         self._home = home  # no event: the stream the rows were gathered on (the caller's, then)
 
     def wait(self) -> torch.Tensor:
-        """Rows [T, n_cols, head_dim] bf16. Blocks the host only until the CPU share is enqueued."""
+        """Row vectors [T, n_cols, head_dim] bf16. Blocks the host only until the CPU share is enqueued."""
         if self._future is not None:
             self._future.result()
             self._future = None
         if self._settle is not None:
             self._settle()
         if self.event is not None:
-            stream = torch.cuda.current_stream(self.rows.device)
+            stream = torch.cuda.current_stream(self.row_vectors.device)
             stream.wait_event(self.event)
-            self.rows.record_stream(stream)  # allocated on the lookup stream, used and freed on this one
+            self.row_vectors.record_stream(stream)  # allocated on the lookup stream, used and freed on this one
             if self._batch is not None:
                 self._batch.waited = True  # the caller's stream now waits for it: admitting it is free
         elif self._home is not None:
-            stream = torch.cuda.current_stream(self.rows.device)
+            stream = torch.cuda.current_stream(self.row_vectors.device)
             if stream != self._home:  # gathered on another stream than the one now reading them
                 stream.wait_stream(self._home)
-                self.rows.record_stream(stream)
-        return self.rows
+                self.row_vectors.record_stream(stream)
+        return self.row_vectors
+
+    rows = renamed_attribute("LookupHandle", "rows", "row_vectors")
 
     def done(self) -> bool:
         if self._future is not None and not self._future.done():

@@ -277,8 +277,8 @@ class LookupPlan:
 
     def _admit(self) -> None:
         ids = self.miss_ids[: self.n]
-        rows = self.row_of.index_select(0, self.miss_pos[: self.n])  # padding: row N, the spare
-        self.cache.admit_rows(ids, self.compact, valid=ids >= 0, row_index=rows, return_slots=False)
+        row_index = self.row_of.index_select(0, self.miss_pos[: self.n])  # padding: row N, the spare
+        self.cache.admit_rows(ids, self.compact, valid=ids >= 0, row_index=row_index, return_slots=False)
 
     # ------------------------------------------------------------------ running
     @property

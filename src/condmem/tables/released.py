@@ -206,32 +206,32 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, str
     return files, None
 
 
-def _row_of(rows: int | torch.Tensor, i: int) -> int:
-    """The tensor row of row `i` of a batch: `rows` is the first row's (a run) or every row's (ids)."""
-    return rows + i if isinstance(rows, int) else int(rows.reshape(-1)[i])
+def _row_of(row_ids: int | torch.Tensor, i: int) -> int:
+    """The tensor row of row `i` of a batch: `row_ids` is the first row's (a run) or every row's."""
+    return row_ids + i if isinstance(row_ids, int) else int(row_ids.reshape(-1)[i])
 
 
-def check_scale_bytes(exponents: torch.Tensor, what: str, rows: int | torch.Tensor = 0) -> torch.Tensor:
+def check_scale_bytes(exponents: torch.Tensor, what: str, row_ids: int | torch.Tensor = 0) -> torch.Tensor:
     """`exponents` (uint8 e8m0 bytes [n, d/32]) when none is 0xFF, e8m0's NaN; else `ReleasedCheckpointError`
-    naming `what` and the row (`rows`: the tensor row of ``exponents[0]``, or of each row). A NaN scale
+    naming `what` and the row (`row_ids`: the tensor row of ``exponents[0]``, or of each row). A NaN scale
     turns its row's values into NaN, so no loader, converter or reader passes one on."""
     if exponents.numel() == 0:
         return exponents
     bad = (exponents == 255).reshape(exponents.shape[0], -1).any(dim=1)
     if bool(bad.any()):
         raise ReleasedCheckpointError(
-            f"{what}: row {_row_of(rows, int(bad.nonzero()[0])):,} has scale byte 0xFF, e8m0's NaN "
+            f"{what}: row {_row_of(row_ids, int(bad.nonzero()[0])):,} has scale byte 0xFF, e8m0's NaN "
             f"({int(bad.sum()):,} such row(s) among the {exponents.shape[0]:,} read): its values would be NaN; refused"
         )
     return exponents
 
 
-def e8m0_bytes(scales: torch.Tensor, what: str, rows: int | torch.Tensor = 0) -> torch.Tensor:
+def e8m0_bytes(scales: torch.Tensor, what: str, row_ids: int | torch.Tensor = 0) -> torch.Tensor:
     """Per-32 row scales as uint8 exponents: e8m0 bytes as they are, float32 powers of two converted.
 
     float32 scales must be finite exact powers of two: NaN, inf or anything else (no e8m0
     byte represents it, or it would make its row NaN) is an error naming `what` and the row
-    (`rows`: the tensor row of ``scales[0]``, or of each row). e8m0 / uint8 bytes are returned as they are, unread:
+    (`row_ids`: the tensor row of ``scales[0]``, or of each row). e8m0 / uint8 bytes are returned as they are, unread:
     readers check them as they read them (`check_scale_bytes`).
     """
     if _E8M0 is not None and scales.dtype == _E8M0:
@@ -255,7 +255,7 @@ def e8m0_bytes(scales: torch.Tensor, what: str, rows: int | torch.Tensor = 0) ->
             else "not a power of two: no e8m0 exponent represents it"
         )
         raise ReleasedCheckpointError(
-            f"{what}: row {_row_of(rows, flat // cols):,} holds scale {bad!r}, {why}; refused"
+            f"{what}: row {_row_of(row_ids, flat // cols):,} holds scale {bad!r}, {why}; refused"
         )
     return torch.where(subnormal, torch.zeros_like(exponent), exponent).to(torch.uint8)
 
@@ -380,13 +380,13 @@ class ReleasedRows:
         start, stop, _ = slice(start, stop).indices(self.num_rows)
         return dataclasses.replace(self, r0=self.r0 + start, r1=self.r0 + max(start, stop))
 
-    def scale_bytes(self, raw: torch.Tensor, rows: int | torch.Tensor, checked: bool = True) -> torch.Tensor:
-        """Scale rows as read (uint8 [n, scale row bytes]) -> uint8 e8m0 bytes [n, d/32], checked; `rows`:
+    def scale_bytes(self, raw: torch.Tensor, row_ids: int | torch.Tensor, checked: bool = True) -> torch.Tensor:
+        """Scale rows as read (uint8 [n, scale row bytes]) -> uint8 e8m0 bytes [n, d/32], checked; `row_ids`:
         the tensor row of ``raw[0]`` or of each row, for messages."""
         what = f"tensor {self.scales.entry.name} in {self.scales.header.path}"
         if self.scales.entry.dtype == torch.float32:
-            return e8m0_bytes(raw.contiguous().view(torch.float32), what, rows)
-        return check_scale_bytes(raw, what, rows) if checked else raw
+            return e8m0_bytes(raw.contiguous().view(torch.float32), what, row_ids)
+        return check_scale_bytes(raw, what, row_ids) if checked else raw
 
     def read(
         self,

@@ -135,9 +135,9 @@ def hash_decode_reference(
     mixes = ngram_mixes(window[:, None, :], multipliers)[:, 0]  # [B, L, N-1]
     buckets = torch.remainder(mixes.repeat_interleave(n_heads, dim=-1), primes)
     buckets = torch.where(live[:, None, None], buckets, torch.zeros_like(buckets))
-    rows = buckets if offsets is None else buckets + offsets
+    row_ids = buckets if offsets is None else buckets + offsets
     new = torch.cat([c[:, None], hist[:, :-1]], dim=1)
     if blocked is not None:
         new = torch.where(blocked.to(history.device)[:, None], torch.full_like(new, pad_id), new)
     history[slots[live]] = new[live].to(history.dtype)
-    return rows
+    return row_ids
