@@ -175,3 +175,77 @@ def test_the_circle_check_sees_a_lazy_import_circle():
     """Negative control: add_engram's former lazy import of the save wrapper closes a circle."""
     graph = {"a.adapter": {"a.pretrained"}, "a.pretrained": {"a.adapter"}}
     assert _cycle(graph) == ["a.adapter", "a.pretrained", "a.adapter"]
+
+
+LOOK_BACK_NAMES = {"tokens", "lookback", "look_back", "window", "_window", "_tail"}
+
+
+# Attributes so named that hold no look-back: a count of routed tokens, the sequence-parallel slice of
+# tokens a rank keeps, the tokens a failed request generated (its result).
+NOT_LOOK_BACK = ["models/moe.py:RouterStats", "serving/memory.py:Prepared", "serving/scheduler.py:RequestFailed"]
+
+
+def _look_back_holders(src: Path = SRC) -> list[str]:
+    """Classes of the model, serving, HF and distributed packages that keep an attribute named like
+    a look-back (token ids before the next token)."""
+    found = []
+    for package in ("models", "serving", "integrations", "distributed"):
+        for path in sorted((src / package).rglob("*.py")):
+            for cls in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(cls, ast.ClassDef):
+                    continue
+                names = set()
+                for node in ast.walk(cls):
+                    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                        names.add(node.target.id)  # a dataclass field
+                    targets = node.targets if isinstance(node, ast.Assign) else []
+                    for t in targets:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            names.add(t.attr)
+                        if isinstance(t, ast.Tuple):
+                            names.update(
+                                e.attr
+                                for e in t.elts
+                                if isinstance(e, ast.Attribute)
+                                and isinstance(e.value, ast.Name)
+                                and e.value.id == "self"
+                            )
+                if names & LOOK_BACK_NAMES:
+                    found.append(f"{path.relative_to(src).as_posix()}:{cls.name}")
+    return found
+
+
+def test_one_class_holds_look_back_tokens():
+    """Every owner of sequences (the model's cache, the serving cache, the memory, the HF decode state)
+    keeps its look-back in an `NgramHistory`; no other class keeps token ids of its own."""
+    import numpy as np
+    import torch
+
+    from condmem import EngramConfig
+    from condmem.hashing import NgramHistory
+    from condmem.integrations.transformers.decode_state import DecodeState
+    from condmem.models import DecoderLM, ModelConfig
+    from condmem.serving import EngramMemory, ServingCache
+
+    assert _look_back_holders() == NOT_LOOK_BACK
+    ecfg = EngramConfig(
+        layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=53, hidden_size=32, compressed_vocab_size=40
+    )
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, engram=ecfg)
+    model = DecoderLM(cfg, token_lookup=np.arange(50) % 40)
+    tables = {1: model.blocks[1].engram.table.weight.detach()}
+    memory = EngramMemory.from_weights(model.hasher, tables, "host", "cpu", host_alloc="pageable", max_sequences=2)
+    state = DecodeState.of_window(model.hasher, torch.zeros(2, 3, dtype=torch.long), None, 3)
+    owners = [model.new_cache(2, 8).history, ServingCache(model, n_slots=2, max_len=8).history, memory.history]
+    assert all(isinstance(h, NgramHistory) for h in [*owners, state.history])
+    memory.close()
+
+
+def test_the_look_back_check_sees_a_token_copy(tmp_path):
+    """Negative control: a cache class with its own ``tokens`` tensor is found."""
+    package = tmp_path / "models"
+    package.mkdir()
+    (package / "cache.py").write_text("class Cache:\n    def __init__(self):\n        self.tokens = None\n")
+    for name in ("serving", "integrations", "distributed"):
+        (tmp_path / name).mkdir()
+    assert _look_back_holders(tmp_path) == ["models/cache.py:Cache"]
