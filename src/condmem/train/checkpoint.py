@@ -234,9 +234,9 @@ def checkpoint_bytes(
         # SparseAdam or HostTables: slot_of_row (int32) per row; exp_avg, exp_avg_sq, row_step (fp32)
         # per row with state.
         layout = model.layout
-        rows = sum(layout.num_embeddings)
-        slots = min(rows, sparse.state_rows() + tokens * layout.n_cols * layout.n_layers)
-        total += rows * 4 + slots * (2 * layout.config.head_dim + 1) * 4
+        num_rows = sum(layout.num_embeddings)
+        slots = min(num_rows, sparse.state_rows() + tokens * layout.n_cols * layout.n_layers)
+        total += num_rows * 4 + slots * (2 * layout.config.head_dim + 1) * 4
     if tokenizer is not None:
         total += len(tokenizer.to_str().encode("utf-8"))
     if trainer_state is not None:

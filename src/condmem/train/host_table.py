@@ -107,7 +107,7 @@ class HostTableView(nn.Module):
         self.weight = weight
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
-        return self.tier._rows(self.layer_id, row_ids)
+        return self.tier._row_vectors(self.layer_id, row_ids)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.head_dim}, host"
@@ -400,10 +400,10 @@ class HostTables(abc.ABC):
     @abc.abstractmethod
     def _gather(self, ticket: StepPrefetch, slot: int) -> None:
         """Worker: what the step of `ticket` reads of each layer, to the device (buffers of `slot`)
-        into ``ticket.rows``."""
+        into ``ticket.fetched``."""
 
     # ------------------------------------------------------------------ rows (main thread)
-    def _rows(self, layer_id: int, row_ids: torch.Tensor) -> torch.Tensor:
+    def _row_vectors(self, layer_id: int, row_ids: torch.Tensor) -> torch.Tensor:
         layer = self.layers[layer_id]
         training = torch.is_grad_enabled()
         ticket = self._queue[0] if (training and self._queue and self._queue[0].step == self._step) else None
@@ -425,11 +425,11 @@ class HostTables(abc.ABC):
         leaf = rows.detach().requires_grad_(True)
         # On the device the lookup's runs are found now, so `gradients` reduces per row with one
         # kernel and no sort (or host sync) between the backward and the optimizers.
-        runs = sorted_runs(row_ids, self._distinct_rows(layer)) if self.cuda else None
+        runs = sorted_runs(row_ids, self._distinct_ids(layer)) if self.cuda else None
         layer.leaves.append((row_ids, leaf, runs))
         return leaf
 
-    def _distinct_rows(self, layer: HostLayer) -> torch.Tensor | None:
+    def _distinct_ids(self, layer: HostLayer) -> torch.Tensor | None:
         """The running step's distinct row ids of `layer` on the device (ascending) where the
         mode has them already, else None."""
         return None

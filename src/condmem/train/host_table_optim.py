@@ -77,9 +77,9 @@ class HostAdam:
                     done = torch.cuda.Event()
                     done.record(self._h2d)
                 done.synchronize()  # the staging is free again when this job ends (the worker has time)
-                ticket.rows[lid] = (dev, done, slot)
+                ticket.fetched[lid] = (dev, done, slot)
             else:
-                ticket.rows[lid] = (staging, None, slot)
+                ticket.fetched[lid] = (staging, None, slot)
 
     @staticmethod
     def _mark_for_patch(layer: HostLayer, ids: torch.Tensor) -> None:
@@ -96,7 +96,7 @@ class HostAdam:
     ) -> torch.Tensor:
         """Main thread: the gathered rows, with the patch of the Adam queued after the gather."""
         lid = layer.layer_id
-        rows, done, slot = ticket.rows[lid]
+        rows, done, slot = ticket.fetched[lid]
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
         if done is not None:
             cur.wait_event(done)
@@ -277,7 +277,7 @@ class DeviceAdam:
         if ticket.copied is not None:
             ticket.copied.synchronize()
         for index, (lid, layer) in enumerate(self.layers.items()):
-            ticket.rows[lid] = (*self._unique_state(layer, ticket.ids_host[:, :, index].reshape(-1), slot), slot)
+            ticket.fetched[lid] = (*self._unique_state(layer, ticket.ids_host[:, :, index].reshape(-1), slot), slot)
 
     def begin(self, step: int) -> None:
         super().begin(step)
@@ -286,9 +286,9 @@ class DeviceAdam:
 
     def _gathered_rows(self, ticket: StepPrefetch, layer: HostLayer, row_ids: torch.Tensor, t0: float) -> torch.Tensor:
         self.wait_s += time.perf_counter() - t0
-        return self._device_rows(layer, ticket.rows[layer.layer_id], row_ids)
+        return self._device_rows(layer, ticket.fetched[layer.layer_id], row_ids)
 
-    def _distinct_rows(self, layer: HostLayer) -> torch.Tensor | None:
+    def _distinct_ids(self, layer: HostLayer) -> torch.Tensor | None:
         return layer.current[0] if layer.current is not None else None
 
     def _fetched_now(self, layer: HostLayer, ids: torch.Tensor, row_ids: torch.Tensor, training: bool) -> torch.Tensor:

@@ -46,12 +46,14 @@ class HostLayer:
 
 @dataclass
 class StepPrefetch:
-    """The prefetch of one step: its ids on the host and, per layer, the gathered rows on the device."""
+    """The prefetch of one step: its row ids on the host and, per layer, what the gather fetched to the device."""
 
     step: int
     ids_host: torch.Tensor
     ids_dev: torch.Tensor
     copied: object
     gathered: concurrent.futures.Future | None = None
-    rows: dict = field(default_factory=dict)
+    fetched: dict = field(default_factory=dict)
+    """Per layer, what the gather sent to the device: its row vectors (with device Adam, the unique
+    rows' state too), the event that marks them there and the buffers' slot."""
     used: set = field(default_factory=set)

@@ -99,7 +99,7 @@ class SparseAdam(torch.optim.Optimizer):
             always (on CPU tensors only under ``TRITON_INTERPRET=1``: how the tests compare
             it with the torch path); False: the torch path always.
 
-    State per parameter: ``slot_of_row`` int32 [rows] (-1: no state yet), ``exp_avg`` and
+    State per parameter: ``slot_of_row`` int32 [num_rows] (-1: no state yet), ``exp_avg`` and
     ``exp_avg_sq`` [capacity, dim], ``row_step`` fp32 [capacity], ``n_slots`` (an int on the
     torch path; an int64 [1] device tensor on the fused path, with ``n_slots_bound``, a host
     int no smaller than it), ``steps`` (steps this table took, at least any row's).
@@ -138,11 +138,11 @@ class SparseAdam(torch.optim.Optimizer):
         return int(n) if torch.is_tensor(n) else n
 
     @staticmethod
-    def _grow(state: dict, needed: int, rows: int) -> None:
+    def _grow(state: dict, needed: int, num_rows: int) -> None:
         capacity = state["exp_avg"].shape[0]
         if needed <= capacity:
             return
-        new_cap = min(rows, max(needed, 2 * capacity, 1024))
+        new_cap = min(num_rows, max(needed, 2 * capacity, 1024))
         for key in ("exp_avg", "exp_avg_sq", "row_step"):
             old = state[key]
             grown = old.new_zeros((new_cap, *old.shape[1:]))
@@ -155,8 +155,8 @@ class SparseAdam(torch.optim.Optimizer):
         if grad.is_sparse:
             grad = grad.coalesce()
             return grad.indices()[0], grad.values()
-        rows = grad.flatten(1).ne(0).any(dim=1).nonzero().squeeze(1)
-        return rows, grad[rows]
+        row_ids = grad.flatten(1).ne(0).any(dim=1).nonzero().squeeze(1)
+        return row_ids, grad[row_ids]
 
     @staticmethod
     def _check_grad(p: torch.Tensor) -> None:
@@ -197,24 +197,24 @@ class SparseAdam(torch.optim.Optimizer):
                     continue
                 self._check_grad(p)
                 fused = self._use_fused(p)
-                rows, grad = self.touched(p.grad)
-                if rows.numel() == 0:
+                row_ids, grad = self.touched(p.grad)
+                if row_ids.numel() == 0:
                     continue
                 state = self._state(p)
                 state["steps"] = state.get("steps", 0) + 1  # no row has taken more steps than this
                 if fused:
-                    self._fused_step(p, state, rows, grad, lr, beta1, beta2, eps)
+                    self._fused_step(p, state, row_ids, grad, lr, beta1, beta2, eps)
                 else:
-                    self._torch_step(p, state, rows, grad, lr, beta1, beta2, eps)
+                    self._torch_step(p, state, row_ids, grad, lr, beta1, beta2, eps)
         return loss
 
     @staticmethod
-    def _torch_step(p, state: dict, rows, grad, lr: float, beta1: float, beta2: float, eps: float) -> None:
+    def _torch_step(p, state: dict, row_ids, grad, lr: float, beta1: float, beta2: float, eps: float) -> None:
         """The step in torch ops (any device): one host sync for the count of new rows."""
         grad = grad.float()
         state["n_slots"] = SparseAdam.slot_count(state)  # after fused steps: the device count, read once
         slot_of_row = state["slot_of_row"]
-        slots = slot_of_row[rows].long()
+        slots = slot_of_row[row_ids].long()
         fresh = slots < 0
         n_fresh = int(fresh.sum())  # one host sync (the fused path keeps the count on the device)
         if n_fresh:
@@ -222,19 +222,19 @@ class SparseAdam(torch.optim.Optimizer):
             SparseAdam._grow(state, first + n_fresh, p.shape[0])
             new_slots = torch.arange(first, first + n_fresh, device=p.device)
             slots[fresh] = new_slots
-            slot_of_row[rows[fresh]] = new_slots.to(torch.int32)
+            slot_of_row[row_ids[fresh]] = new_slots.to(torch.int32)
             state["n_slots"] = first + n_fresh
         m = state["exp_avg"][slots]
         v = state["exp_avg_sq"][slots]
         t = state["row_step"][slots] + 1
         delta = adam_rows_delta(grad, m, v, t, lr, beta1, beta2, eps, state["steps"])
-        p.index_add_(0, rows, delta.to(p.dtype))
+        p.index_add_(0, row_ids, delta.to(p.dtype))
         state["exp_avg"][slots] = m
         state["exp_avg_sq"][slots] = v
         state["row_step"][slots] = t
 
     @staticmethod
-    def _reserve(state: dict, k: int, rows: int, device: torch.device) -> None:
+    def _reserve(state: dict, k: int, num_rows: int, device: torch.device) -> None:
         """Room for `k` more slots on the fused path: the host bound of ``n_slots`` grows by
         `k`; only when it could pass the capacity is the true count read (a host sync) and,
         when short of `HEADROOM_STEPS` steps' room, the buffers grown."""
@@ -242,22 +242,22 @@ class SparseAdam(torch.optim.Optimizer):
         if not torch.is_tensor(n):  # a fresh state, the torch path's or a checkpoint's count
             state["n_slots"] = torch.full((1,), n, dtype=torch.int64, device=device)
             state["n_slots_bound"] = n
-        bound = min(rows, state["n_slots_bound"] + k)
+        bound = min(num_rows, state["n_slots_bound"] + k)
         if bound > state["exp_avg"].shape[0]:
             n = SparseAdam.slot_count(state)
-            SparseAdam._grow(state, min(rows, n + HEADROOM_STEPS * k), rows)
-            bound = min(rows, n + k)
+            SparseAdam._grow(state, min(num_rows, n + HEADROOM_STEPS * k), num_rows)
+            bound = min(num_rows, n + k)
         state["n_slots_bound"] = bound
 
     @staticmethod
-    def _fused_step(p, state: dict, rows, grad, lr: float, beta1: float, beta2: float, eps: float) -> None:
+    def _fused_step(p, state: dict, row_ids, grad, lr: float, beta1: float, beta2: float, eps: float) -> None:
         """The step in Triton kernels: no host sync unless the buffers may have to grow."""
         from condmem.ops.sparse_adam_triton import sparse_adam_step
 
-        SparseAdam._reserve(state, rows.numel(), p.shape[0], p.device)
+        SparseAdam._reserve(state, row_ids.numel(), p.shape[0], p.device)
         steps = state["steps"]
         sparse_adam_step(
-            rows,
+            row_ids,
             grad,
             p,
             state["slot_of_row"],
