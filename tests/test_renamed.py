@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from condmem.ops.gather import table_format
 from condmem.tables.inspect import tier_bytes
 from condmem.tables.lookup import LookupHandle, LookupStats
 from condmem.utils.renamed import renamed_attribute, renamed_keywords
@@ -41,3 +42,6 @@ def test_an_old_attribute_reads_the_new_one_with_a_warning():
     handle = LookupHandle(vectors, None, None, LookupStats())
     with pytest.warns(DeprecationWarning, match="LookupHandle.rows is deprecated"):
         assert handle.rows is handle.row_vectors is vectors
+    fmt = table_format(torch.zeros(7, 4))
+    with pytest.warns(DeprecationWarning, match="TableFormat.rows is deprecated"):
+        assert fmt.rows == fmt.num_rows == 7

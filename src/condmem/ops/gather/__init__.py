@@ -60,15 +60,15 @@ def engram_gather(
             (a zero-copy gather's programs wait on PCIe while holding SMs).
 
     Returns:
-        [..., D] rows; zero rows for ids outside the table's range.
+        [..., D] row vectors; zero rows for ids outside the table's range.
 
     Example:
         >>> packed = pack_rows(*quantize_fp8_e8m0(weights)).pin_memory()   # host table
-        >>> rows = engram_gather(row_ids.cuda(), packed)                     # [T, n_cols, D] bf16
+        >>> row_vectors = engram_gather(row_ids.cuda(), packed)              # [T, n_cols, D] bf16
     """
     fmt = _format(table, scales, head_dim)
     scales = _scale_bytes(scales)
-    lo, _ = _local_ids(row_ids, row_range, fmt.rows)
+    lo, _ = _local_ids(row_ids, row_range, fmt.num_rows)
     if row_ids.is_floating_point() or row_ids.dtype == torch.bool:
         raise GatherError(f"row_ids must be integers, got {row_ids.dtype}")
     if not (

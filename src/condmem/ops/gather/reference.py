@@ -26,6 +26,7 @@ from condmem.fp8 import (
     dequantize_fp8_e8m0,
     head_dim_of_packed,
 )
+from condmem.utils.renamed import renamed_attribute
 
 PLAIN, FP8, PACKED = 0, 1, 2
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int16, torch.int32, torch.int64)
@@ -38,12 +39,14 @@ class GatherError(ValueError):
 
 @dataclass(frozen=True)
 class TableFormat:
-    """What a table tensor holds: format code, head_dim, rows, output dtype."""
+    """What a table tensor holds: format code, head_dim, its number of rows, output dtype."""
 
     mode: int
     head_dim: int
-    rows: int
+    num_rows: int
     out_dtype: torch.dtype
+
+    rows = renamed_attribute("TableFormat", "rows", "num_rows")
 
     @property
     def name(self) -> str:
@@ -119,10 +122,10 @@ def _check_out_index(
         raise GatherError("out_index and out must be on the row ids' device")
 
 
-def _local_ids(row_ids: torch.Tensor, row_range: tuple[int, int] | None, rows: int) -> tuple[int, int]:
-    lo, hi = (0, rows) if row_range is None else (int(row_range[0]), int(row_range[1]))
-    if hi - lo != rows:
-        raise GatherError(f"row_range {lo}..{hi} spans {hi - lo} rows but the table has {rows}")
+def _local_ids(row_ids: torch.Tensor, row_range: tuple[int, int] | None, num_rows: int) -> tuple[int, int]:
+    lo, hi = (0, num_rows) if row_range is None else (int(row_range[0]), int(row_range[1]))
+    if hi - lo != num_rows:
+        raise GatherError(f"row_range {lo}..{hi} spans {hi - lo} rows but the table has {num_rows}")
     return lo, hi
 
 
@@ -134,25 +137,25 @@ def gather_reference(
     head_dim: int | None = None,
     row_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """The plain-torch gather every kernel is compared with: [...] ids -> [..., head_dim] rows.
+    """The plain-torch gather every kernel is compared with: [...] ids -> [..., head_dim] row vectors.
 
     Indexing runs on the table's device; the result lands on the ids' device.
     """
     fmt = table_format(table, scales, head_dim)
     scales = _scale_bytes(scales)
-    lo, hi = _local_ids(row_ids, row_range, fmt.rows)
+    lo, hi = _local_ids(row_ids, row_range, fmt.num_rows)
     ids = row_ids.to(table.device).long()
     inside = (ids >= lo) & (ids < hi)
     local = torch.where(inside, ids - lo, torch.zeros_like(ids)).reshape(-1)
-    if fmt.rows == 0:
-        rows = torch.zeros((local.numel(), fmt.head_dim), dtype=fmt.out_dtype, device=table.device)
+    if fmt.num_rows == 0:
+        row_vectors = torch.zeros((local.numel(), fmt.head_dim), dtype=fmt.out_dtype, device=table.device)
     elif fmt.mode == PLAIN:
-        rows = table[local]
+        row_vectors = table[local]
     elif fmt.mode == FP8:
-        rows = dequantize_fp8_e8m0(table[local], scales[local])
+        row_vectors = dequantize_fp8_e8m0(table[local], scales[local])
     else:
         packed = table[local]
         d = fmt.head_dim
-        rows = dequantize_fp8_e8m0(packed[:, :d].contiguous().view(FP8_DTYPE), packed[:, d:].contiguous())
-    rows = torch.where(inside.reshape(-1, 1), rows, torch.zeros_like(rows))
-    return rows.reshape(*row_ids.shape, fmt.head_dim).to(row_ids.device)
+        row_vectors = dequantize_fp8_e8m0(packed[:, :d].contiguous().view(FP8_DTYPE), packed[:, d:].contiguous())
+    row_vectors = torch.where(inside.reshape(-1, 1), row_vectors, torch.zeros_like(row_vectors))
+    return row_vectors.reshape(*row_ids.shape, fmt.head_dim).to(row_ids.device)

@@ -175,7 +175,7 @@ def gather_triton(
         _GATHER(
             (programs,),
             (ids, _launch_table(table), _launch_table(scale_t), out, out_index if out_index is not None else ids),
-            (n_rows, lo, fmt.rows, out.shape[0] if out_index is not None else 0),
+            (n_rows, lo, fmt.num_rows, out.shape[0] if out_index is not None else 0),
             (),
             num_warps,
             ROW_STRIDE=row_stride,
