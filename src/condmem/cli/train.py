@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
-import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from condmem.cli import CliError, UsageError
 from condmem.cli.common import note
-
-logger = logging.getLogger("condmem.train")
 
 # The flags of `condmem train`, each the run config's key it replaces (`RunConfig.with_values`).
 FLAG_KEYS = {
@@ -142,12 +135,6 @@ def check_args(args, config) -> None:
         )
 
 
-def _corpus_name(corpus) -> str:
-    if not corpus:
-        return "stdlib"
-    return corpus if isinstance(corpus, str) else ", ".join(map(str, corpus))
-
-
 def _nothing_to_resume(out: Path) -> bool:
     """Whether --out holds no checkpoint at all: no LATEST and no complete one (a run killed before
     its first save completed leaves at most a temp folder, which the next save sweeps)."""
@@ -189,8 +176,6 @@ def run(args) -> int:
     Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank trains its slice of each batch
     with the Engram tables sharded over the ranks (`condmem.train.data_parallel`); rank 0
     checks and locks --out."""
-    import os
-
     from condmem.utils.preflight import check_output_dir
     from condmem.utils.run_lock import RunLock
 
@@ -228,9 +213,11 @@ def _run_ranks(args, rc, given: list[str]) -> int:
     from condmem.utils.run_lock import RunLock
 
     if rc.table_tier == "host":
-        raise CliError("--table-tier host is for one process; under torchrun the tables are sharded over the ranks")
+        raise CliError(
+            "table_tier host (--table-tier) is for one process; under torchrun the tables are sharded over the ranks"
+        )
     if rc.no_engram:
-        raise CliError("under torchrun condmem train shards Engram tables; drop --no-engram")
+        raise CliError("under torchrun condmem train shards Engram tables; drop no_engram (--no-engram)")
     cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
@@ -258,231 +245,22 @@ def _run_ranks(args, rc, given: list[str]) -> int:
         dist.destroy_process_group()
 
 
-@dataclass
-class _Run:
-    """What `_train` trains: a new model, or one resumed from its checkpoint."""
-
-    model: object
-    train_cfg: object
-    data: object
-    label: str
-    checkpoint: object = None
-    """The checkpoint resumed from (None: a new run)."""
-
-
 def _train(args, rc, given: list[str], rank: int | None = None, world: int = 1) -> int:
-    """Train one model; `rank` is set when this process is one of `world` data-parallel ranks."""
-    from condmem.train.build import build_trainer
-    from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
+    """Train one model (`condmem.train.run.train_run`): a new run, or with --resume the latest
+    checkpoint continued (a folder with none starts afresh, with a note)."""
+    from condmem.train.run import train_run
 
-    set_cublas_workspace(rc.deterministic)  # before anything starts cuBLAS
-    device = _device(args, rank)
-    lead = rank in (None, 0)
-    fresh = not args.resume
-    if args.resume and _nothing_to_resume(Path(args.out)):
-        if lead:
+    resume = args.resume
+    if resume and _nothing_to_resume(Path(args.out)):
+        if rank in (None, 0):
             note(
                 "train",
                 f"--resume: {args.out} holds no checkpoint yet (a run stopped before its first save completed): "
                 "starting the run afresh there with this command's options",
             )
-        fresh = True
-    if not fresh:
+        resume = False
+    if resume:
         _check_resumable(given)
-    run = _start(args, rc, device, rank, lead) if fresh else _resume(args, rc, device, rank, lead)
-    if run is None:
-        return 0
-    tables = _host_tables(rc, run, device) if rc.table_tier == "host" else None
-    dp = _data_parallel(args, run, rank, world, lead) if rank is not None else None
-    params = run.model.param_counts()
-    if tables is not None:
-        params.update(tables=tables.table_params, total=params["total"] + tables.table_params)
-    try:
-        trainer = build_trainer(
-            run.model,
-            run.train_cfg,
-            run.data,
-            device,
-            run_dir=args.out,
-            label=run.label,
-            progress=not args.no_progress and lead,
-            host_tables=tables,
-            data_parallel=dp,
-        )
-        if run.checkpoint is not None:
-            trainer.restore(run.checkpoint)
-        quiet = contextlib.redirect_stdout(io.StringIO()) if not lead else contextlib.nullcontext()
-        with quiet, deterministic_mode(rc.deterministic):
-            summary = trainer.fit()
-    finally:
-        if tables is not None:
-            tables.close()
-    if lead:
-        summary = dict(summary, params=params, determinism=determinism_record(rc.deterministic))
-        _write_summary(args, rc, run, trainer, summary, rank, world)
+    progress = not args.no_progress
+    train_run(rc, args.out, args.device, resume=resume, progress=progress, rank=rank, world=world)
     return 0
-
-
-def _say(lead: bool, text: str) -> None:
-    if lead:
-        print(text, flush=True)
-
-
-def _device(args, rank: int | None):
-    """--device; under torchrun on CUDA, this rank's GPU (LOCAL_RANK)."""
-    import torch
-
-    from condmem.train.build import resolve_device
-
-    device = resolve_device(args.device)
-    if rank is not None and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    return device
-
-
-def _start(args, rc, device, rank: int | None, lead: bool) -> _Run:
-    """A new model from the preset and the options (the build step `condmem demo` shares)."""
-    import dataclasses
-
-    from condmem.models import iso_flop_baseline, train_flops_per_token
-    from condmem.train.build import build_model, build_model_config, prepare
-
-    preset = rc.resolve(device.type)
-    tc = preset.train
-    _say(
-        lead,
-        f"preset {preset.name}: batches of {tc.batch_size} x {tc.seq_len:,} tokens, {tc.steps:,} "
-        f"step{'' if tc.steps == 1 else 's'}, on {device}; preparing the data ({rc.tokenizer or 'a BPE'} over "
-        f"{_corpus_name(preset.data.corpus)}: read once, then cached)",
-    )
-    data = prepare(preset, tokenizer=rc.tokenizer, seed=rc.seed, rank=rank)
-    cfg = build_model_config(preset, data)
-    label = "engram"
-    if rc.no_engram:
-        cfg = iso_flop_baseline(cfg) if rc.iso_flop else cfg.replace(engram=None)
-        label = "baseline"
-    tc = dataclasses.replace(preset.train, seed=rc.seed)
-    # Huge host tables are drawn on the host by HostTables; on the CPU the model's own draw is
-    # kept, so both tiers start from the same rows.
-    table_device = "meta" if rc.table_tier == "host" and device.type == "cuda" else None
-    model = build_model(cfg, data, seed=rc.seed, device=device, table_device=table_device)
-    _say(
-        lead,
-        f"[{label}] {model.param_counts()['total']:,} parameters, "
-        f"{train_flops_per_token(cfg, tc.seq_len) / 1e6:,.2f} MFLOPs/token (train)",
-    )
-    return _Run(model, tc, data, label)
-
-
-def _resume(args, rc, device, rank: int | None, lead: bool) -> _Run | None:
-    """The latest checkpoint in --out, with its data prepared again as it was (read from the
-    prepared-data cache when the corpus is unchanged). train.steps (--steps) moves the end of the
-    run; a run already at its end returns None (nothing to train, nothing rewritten)."""
-    import dataclasses
-
-    from condmem.train.build import prepare_recorded
-    from condmem.train.checkpoint import load_checkpoint
-    from condmem.train.loop import TrainConfig
-    from condmem.train.run_config import RESUMABLE
-
-    ckpt = load_checkpoint(args.out, device=device, tables_on_host=rc.table_tier == "host")
-    if ckpt.tables_sharded != (rank is not None):
-        how = (
-            "data-parallel ranks: resume it under torchrun"
-            if ckpt.tables_sharded
-            else "one process: resume it without torchrun"
-        )
-        raise CliError(f"{ckpt.path} was saved by {how}")
-    tc = TrainConfig.from_dict(ckpt.config["train"])
-    step = int(ckpt.state["step"])
-    resumable = {key.split(".")[1] for key in RESUMABLE}
-    changes = {k: v for k, v in rc.sections.get("train", {}).items() if k in resumable}
-    if changes.get("steps", step + 1) < step:
-        raise CliError(
-            f"--steps {changes['steps']}: {ckpt.path} is at step {step} already, and a run does not go back; "
-            "start afresh with --overwrite"
-        )
-    tc = dataclasses.replace(tc, **changes)
-    if step >= tc.steps:
-        _say(
-            lead,
-            f"{ckpt.path} is at step {step}, the end of the run: nothing to train "
-            f"(pass --steps N with N > {step} to continue it)",
-        )
-        return None
-    if "steps" in changes and changes["steps"] != TrainConfig.from_dict(ckpt.config["train"]).steps:
-        _say(
-            lead,
-            f"continuing to step {tc.steps}: the learning-rate schedule now ends there (steps "
-            f"{step + 1}-{tc.steps} follow a {tc.steps}-step warm-up + cosine; the steps before followed the "
-            "old end), so the run is not the same as one planned for that many steps from the start",
-        )
-    data = prepare_recorded(ckpt.config["data"].get("args", {}), tokenizer=ckpt.tokenizer, rank=rank)
-    _say(lead, f"resuming {ckpt.path} at step {step}/{tc.steps}")
-    return _Run(ckpt.model, tc, data, ckpt.state.get("label", "model"), ckpt)
-
-
-def _host_tables(rc, run: _Run, device):
-    """The model's Engram tables moved into host memory (--table-tier host)."""
-    from condmem.train.host_table import HostTables
-
-    tables = HostTables(
-        run.model,
-        device,
-        state_dtype=rc.host_state,
-        threads=rc.host_threads,
-        tables=run.checkpoint.tables if run.checkpoint is not None else None,
-        seed=rc.seed,
-        adam=rc.host_adam,
-    )
-    print(
-        f"[{run.label}] tables in host memory: {tables.table_params:,} parameters, "
-        f"{tables.host_bytes / 2**30:.2f} GiB with Adam state ({tables.setup_s:.1f} s to allocate)",
-        flush=True,
-    )
-    return tables
-
-
-def _data_parallel(args, run: _Run, rank: int, world: int, lead: bool):
-    """The Engram tables sharded over the ranks (a new sharding, or the checkpoint's shards)."""
-    from condmem.train.data_parallel import DataParallelTables
-
-    dp = (
-        DataParallelTables.load(args.out, run.model, int(run.checkpoint.state["step"]))
-        if run.checkpoint is not None
-        else DataParallelTables(run.model)
-    )
-    _say(lead, f"[{run.label}] tables sharded over {world} ranks, each holding its columns' rows and their Adam state")
-    return dp
-
-
-def _write_summary(args, rc, run: _Run, trainer, summary: dict, rank: int | None, world: int) -> None:
-    """--out/summary.json: the run's numbers, configs, data record and curves."""
-    from condmem.models import train_flops_per_token
-    from condmem.utils.atomic import atomic_write_text
-
-    cfg, tc = run.model.cfg, run.train_cfg
-    summary.update(
-        flops_per_token=train_flops_per_token(cfg, tc.seq_len),
-        checkpoint=str(trainer.last_checkpoint),
-        table_tier=rc.table_tier if rank is None else f"sharded over {world} ranks",
-    )
-    if rc.table_tier == "host":
-        summary.update(host_adam=rc.host_adam)
-    atomic_write_text(
-        Path(args.out) / "summary.json",
-        json.dumps(
-            {
-                "summary": summary,
-                "model": cfg.to_dict(),
-                "train": tc.to_dict(),
-                "data": run.data.info,
-                "history": trainer.history,
-                "evals": trainer.evals,
-            },
-            indent=1,
-        )
-        + "\n",
-        within=args.out,
-    )
