@@ -173,18 +173,18 @@ def quantize_table(
     Returns:
         (fp8 [R, D], uint8 [R, D/32]) or (uint8 [R, D*33/32], None).
     """
-    rows, d = table.shape
+    num_rows, d = table.shape
     work = torch.device(device) if device is not None else table.device
     home = table.device
     if interleaved:
-        out = torch.empty((rows, packed_row_bytes(d)), dtype=torch.uint8, device=home, pin_memory=pin_memory)
+        out = torch.empty((num_rows, packed_row_bytes(d)), dtype=torch.uint8, device=home, pin_memory=pin_memory)
         q_out = s_out = None
     else:
         packed_row_bytes(d)
-        q_out = torch.empty((rows, d), dtype=torch.uint8, device=home, pin_memory=pin_memory)
-        s_out = torch.empty((rows, d // SCALE_BLOCK), dtype=torch.uint8, device=home, pin_memory=pin_memory)
-    for start in range(0, rows, rows_per_chunk):
-        stop = min(rows, start + rows_per_chunk)
+        q_out = torch.empty((num_rows, d), dtype=torch.uint8, device=home, pin_memory=pin_memory)
+        s_out = torch.empty((num_rows, d // SCALE_BLOCK), dtype=torch.uint8, device=home, pin_memory=pin_memory)
+    for start in range(0, num_rows, rows_per_chunk):
+        stop = min(num_rows, start + rows_per_chunk)
         q, s = quantize_fp8_e8m0(table[start:stop].to(work))
         if interleaved:
             out[start:stop, :d].copy_(q.view(torch.uint8))

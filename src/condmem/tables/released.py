@@ -749,11 +749,11 @@ class ReleasedCheckpoint:
                     raise ReleasedCheckpointError(
                         f"tensor {name} in {where} is {list(entry.shape)}; table rows must be [rows, head_dim={d}]"
                     )
-                rows = layout.layer(layer_id).num_embeddings if layout is not None else None
-                if rows is not None and entry.shape[0] != rows:
+                num_rows = layout.layer(layer_id).num_embeddings if layout is not None else None
+                if num_rows is not None and entry.shape[0] != num_rows:
                     raise TableMismatchError(
                         f"tensor {name} in {where} has {entry.shape[0]:,} rows but layer {layer_id} of this layout "
-                        f"has {rows:,} (sum of its primes): the config's geometry does not match the checkpoint"
+                        f"has {num_rows:,} (sum of its primes): the config's geometry does not match the checkpoint"
                     )
                 return entry
             if layout is not None:

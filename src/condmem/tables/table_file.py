@@ -289,14 +289,14 @@ def _specs(layout: EngramLayout, fmt: str) -> dict[str, tuple[torch.dtype, tuple
     specs = {}
     for layer in layout.layers:
         names = tensor_names(layer.layer_id, fmt)
-        rows = layer.num_embeddings
+        num_rows = layer.num_embeddings
         if fmt == "bf16":
-            specs[names["weight"]] = (torch.bfloat16, (rows, d))
+            specs[names["weight"]] = (torch.bfloat16, (num_rows, d))
         elif fmt == "fp8":
-            specs[names["weight"]] = (torch.float8_e4m3fn, (rows, d))
-            specs[names["scales"]] = (torch.uint8, (rows, d // FP8_SCALE_BLOCK))
+            specs[names["weight"]] = (torch.float8_e4m3fn, (num_rows, d))
+            specs[names["scales"]] = (torch.uint8, (num_rows, d // FP8_SCALE_BLOCK))
         else:
-            specs[names["weight"]] = (torch.uint8, (rows, d + d // FP8_SCALE_BLOCK))
+            specs[names["weight"]] = (torch.uint8, (num_rows, d + d // FP8_SCALE_BLOCK))
     return specs
 
 
@@ -316,10 +316,10 @@ def table_metadata(layout: EngramLayout, fmt: str, tokenizer_fingerprint: str | 
 
 def file_bytes(layout: EngramLayout, fmt: str) -> int:
     """Bytes of a table file for `layout` in `fmt`: the rows, their block CRCs and a generous bound on the header."""
-    rows = sum(layout.num_embeddings)
+    num_rows = sum(layout.num_embeddings)
     d = layout.config.head_dim
-    data = rows * (2 * d if fmt == "bf16" else d + d // FP8_SCALE_BLOCK)
-    return data + 4 * (data // integrity.BLOCK_BYTES + 4 * len(layout.layers)) + (1 << 20) + rows * d // 2**19
+    data = num_rows * (2 * d if fmt == "bf16" else d + d // FP8_SCALE_BLOCK)
+    return data + 4 * (data // integrity.BLOCK_BYTES + 4 * len(layout.layers)) + (1 << 20) + num_rows * d // 2**19
 
 
 def write_table_file(
@@ -543,8 +543,8 @@ class EngramTableFile:
             e = self.header.tensors[name]
             spans[role] = (name, e.start, e.nbytes // e.shape[0] if e.shape[0] else 0)
         checks = {role: self._checks[name] for role, (name, _, _) in spans.items()} if self._checks else None
-        rows = self.num_embeddings[self.layer_ids.index(layer_id)]
-        return RowSource(self.header.file, self.format, spans, checks, 0, rows)
+        num_rows = self.num_embeddings[self.layer_ids.index(layer_id)]
+        return RowSource(self.header.file, self.format, spans, checks, 0, num_rows)
 
     def read_rows(self, layer_id: int, start: int, stop: int, threads: int | None = None) -> LayerRows:
         """Rows [start, stop) of one layer in memory, every block checked (raw rows: fp8 interleaved)."""

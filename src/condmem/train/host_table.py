@@ -222,7 +222,7 @@ class HostTables(abc.ABC):
     def _take_table(self, engram, tables: dict[int, torch.Tensor] | None, std: float, seed: int) -> None:
         """Move one Engram layer's table into host memory (rows, moments, steps) and put a view in its place."""
         table = engram.table
-        rows, dim = table.num_embeddings, table.head_dim
+        num_rows, dim = table.num_embeddings, table.head_dim
         src = tables[engram.layer_id] if tables is not None else table.weight
         fill = (
             _fill_normal(std, seed + engram.layer_id, self.threads or torch.get_num_threads())
@@ -230,15 +230,15 @@ class HostTables(abc.ABC):
             else (lambda t, s=src: t.copy_(s.detach()))
         )
         keep = []
-        weight, k = _host_tensor((rows, dim), torch.float32, self.pin, fill, self.setup_seconds)
+        weight, k = _host_tensor((num_rows, dim), torch.float32, self.pin, fill, self.setup_seconds)
         keep.append(k)
         moments = []
         zero = _fill_zero(self.threads or torch.get_num_threads()) if self.pin else None
         for _ in range(2):
-            m, k = _host_tensor((rows, dim), self.state_dtype, self.pin, zero, self.setup_seconds)
+            m, k = _host_tensor((num_rows, dim), self.state_dtype, self.pin, zero, self.setup_seconds)
             moments.append(m)
             keep.append(k)
-        row_step, k = _host_tensor((rows,), torch.float32, self.pin, zero, self.setup_seconds)
+        row_step, k = _host_tensor((num_rows,), torch.float32, self.pin, zero, self.setup_seconds)
         keep.append(k)
         layer = HostLayer(
             engram.layer_id,
@@ -246,7 +246,7 @@ class HostTables(abc.ABC):
             moments[0],
             moments[1],
             row_step,
-            torch.zeros(rows, dtype=torch.bool),
+            torch.zeros(num_rows, dtype=torch.bool),
             keep=keep,
         )
         self.layers[engram.layer_id] = layer
@@ -557,11 +557,11 @@ class HostTables(abc.ABC):
                 raise ValueError(
                     f"optimizer state for {base} has {slot_of_row.shape[0]} rows, the table {layer.weight.shape[0]}"
                 )
-            rows = (slot_of_row >= 0).nonzero().squeeze(1)
-            slots = slot_of_row[rows]
-            layer.exp_avg.index_copy_(0, rows, tensors[f"{base}.exp_avg"][slots].to(layer.exp_avg.dtype))
-            layer.exp_avg_sq.index_copy_(0, rows, tensors[f"{base}.exp_avg_sq"][slots].to(layer.exp_avg_sq.dtype))
-            layer.row_step.index_copy_(0, rows, tensors[f"{base}.row_step"][slots].float())
+            row_ids = (slot_of_row >= 0).nonzero().squeeze(1)
+            slots = slot_of_row[row_ids]
+            layer.exp_avg.index_copy_(0, row_ids, tensors[f"{base}.exp_avg"][slots].to(layer.exp_avg.dtype))
+            layer.exp_avg_sq.index_copy_(0, row_ids, tensors[f"{base}.exp_avg_sq"][slots].to(layer.exp_avg_sq.dtype))
+            layer.row_step.index_copy_(0, row_ids, tensors[f"{base}.row_step"][slots].float())
             layer.steps = int(layer.row_step.max()) if layer.row_step.numel() else 0
 
     # ------------------------------------------------------------------ lifetime
