@@ -1,6 +1,6 @@
 """`NgramHistory`: the look-back of every sequence, one slot each: what hashing its next tokens reads.
 
-A token's rows depend on it and the N-1 tokens before it. Every owner of sequences keeps
+A token's row ids depend on it and the N-1 tokens before it. Every owner of sequences keeps
 that look-back here, in one of two forms:
 
 * rolling (default): the last N-1 compressed ids of each slot on the device, in a
@@ -51,7 +51,7 @@ class NgramHistory:
         >>> hist = hasher.new_history(n_slots=64, device="cuda")
         >>> s = hist.allocate()
         >>> hist.prefill(torch.tensor([s]), prompt_compressed_ids)       # [1, T]
-        >>> rows = hasher.decode(hist, torch.tensor([s], device="cuda"), next_token_ids)
+        >>> row_ids = hasher.decode(hist, torch.tensor([s], device="cuda"), next_token_ids)
     """
 
     def __init__(
