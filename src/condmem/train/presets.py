@@ -107,7 +107,8 @@ def _merged(current, values: dict[str, Any], where: str):
     raise ConfigError(f"{where} is not a section of fields")
 
 
-_SECTIONS = {"model": ModelPreset, "engram": EngramPreset, "train": TrainConfig, "data": DataPreset}
+SECTIONS = {"model": ModelPreset, "engram": EngramPreset, "train": TrainConfig, "data": DataPreset}
+"""A preset's sections, as a config file holds them (``model.moe`` a table inside ``model``)."""
 
 
 @dataclass
@@ -135,11 +136,11 @@ class Preset:
             for section, fields in source.items():
                 if fields:
                     merged.setdefault(section, {}).update(fields)
-        parts = {name: copy.deepcopy(getattr(self, name)) for name in _SECTIONS}
+        parts = {name: copy.deepcopy(getattr(self, name)) for name in SECTIONS}
         for section, fields in merged.items():
-            if section not in _SECTIONS:
-                raise ConfigError(f"unknown preset section {section!r}; choose one of {sorted(_SECTIONS)}")
-            known = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+            if section not in SECTIONS:
+                raise ConfigError(f"unknown preset section {section!r}; choose one of {sorted(SECTIONS)}")
+            known = {f.name for f in dataclasses.fields(SECTIONS[section])}
             given = {k: v for k, v in fields.items() if v is not None}
             unknown = sorted(set(given) - known)
             if unknown:
@@ -222,10 +223,6 @@ def default_preset_name(device_type: str) -> str:
     return "gpu" if device_type == "cuda" else "cpu"
 
 
-SECTIONS = _SECTIONS
-"""A config file's sections, in the layout of `Preset.to_dict` (``model.moe`` nested in ``model``)."""
-
-
 def nested(values: dict[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
     """Dotted keys as nested tables: ``{"train.lr": 1e-3, "seed": 1}`` -> ``{"train": {"lr": 1e-3}, "seed": 1}``
     (merged into a copy of `into`); None values are left out (an option not given)."""
@@ -265,14 +262,14 @@ def section_fields(section: str, values: Any, refused: dict[str, str] | None = N
     """`values` of a config file's `section` (``model``, ``engram``, ``train``, ``data``), keys checked:
     a key the section's dataclass lacks (``model.moe``'s included) or one of `refused` (key -> where it
     is set instead) is a `ConfigError` naming ``section.key``. Returns a copy (``model.moe`` a dict)."""
-    if section not in _SECTIONS:
-        raise ConfigError(f"unknown section [{section}]; choose from {', '.join(_SECTIONS)}")
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section [{section}]; choose from {', '.join(SECTIONS)}")
     if not isinstance(values, dict):
         raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
     for key in refused or {}:
         if key in values:
             raise ConfigError(f"{section}.{key} is set by {refused[key]}")
-    known = {f.name for f in dataclasses.fields(_SECTIONS[section])} - set(refused or {})
+    known = {f.name for f in dataclasses.fields(SECTIONS[section])} - set(refused or {})
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}")
@@ -288,12 +285,19 @@ def section_fields(section: str, values: Any, refused: dict[str, str] | None = N
     return values
 
 
-def renamed_errors(build, prefix: str, to: str):
-    """`build()`, its `ConfigError` messages naming the file's key (``model.moe.top_k``) not the class."""
+KEY_NAMES = {"TrainConfig.": "train.", "MoEConfig.": "model.moe."}
+"""The classes' names in their `ConfigError` messages, and the config file's keys for them."""
+
+
+def renamed_errors(build):
+    """`build()`, its `ConfigError` messages naming the file's keys (``model.moe.top_k``), not the classes."""
     try:
         return build()
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace(prefix, to)) from None
+        message = str(exc)
+        for cls, key in KEY_NAMES.items():
+            message = message.replace(cls, key)
+        raise ConfigError(message) from None
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:

@@ -31,6 +31,7 @@ from condmem.train.presets import (
     check_int,
     get_preset,
     nested,
+    renamed_errors,
     read_config_file,
     section_fields,
     validate_preset,
@@ -91,12 +92,12 @@ class RunConfig:
         `ConfigError` names the key (``train.lr``, ``model.moe.top_k``)."""
         name = self.preset or ("gpu" if device_type == "cuda" else "cpu")
 
-        try:
+        def build() -> Preset:
             p = get_preset(name, self.sections)
             validate_preset(p)
-        except ConfigError as exc:
-            raise ConfigError(str(exc).replace("TrainConfig.", "train.").replace("MoEConfig.", "model.moe.")) from None
-        return p
+            return p
+
+        return renamed_errors(build)
 
     def with_values(self, values: dict[str, Any], where: str = "run config") -> RunConfig:
         """A copy with dotted keys replaced (``{"train.lr": 1e-3, "seed": 2}``), validated."""

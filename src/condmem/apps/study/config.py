@@ -179,14 +179,14 @@ class StudyConfig:
     def _from_dict(cls, data: dict[str, Any]) -> StudyConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a study config is a table of keys, got {type(data).__name__}")
-        unknown = sorted(set(data) - _TOP - set(_SECTIONS) - {"name"})
+        unknown = sorted(set(data) - _TOP - set(SECTIONS) - {"name"})
         if unknown:
-            raise ConfigError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_TOP | set(_SECTIONS)))}")
+            raise ConfigError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_TOP | set(SECTIONS)))}")
         name = data.get("name", "custom")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"name must be a non-empty string, got {name!r}")
         sections = {}
-        for section, cls_ in _SECTIONS.items():
+        for section, cls_ in SECTIONS.items():
             values = data.get(section)
             if not isinstance(values, dict):
                 raise ConfigError(f"[{section}] is missing or not a table of keys")
@@ -208,7 +208,6 @@ class StudyConfig:
 
 
 _TOP = {f.name for f in dataclasses.fields(StudyConfig)} - {"base"}
-_SECTIONS = SECTIONS
 _SET_BY_SWEEP_KEYS = {key: f"the sweep: use {where}" for key, where in _SET_BY_SWEEP.items()}
 
 
@@ -219,9 +218,9 @@ def _section(section: str, cls_, values: dict[str, Any]):
         moe = values["moe"]
         if "n_experts" not in moe:
             raise ConfigError("model.moe.n_experts is missing")
-        values["moe"] = renamed_errors(lambda: MoEConfig(**moe), "MoEConfig.", "model.moe.")
+        values["moe"] = renamed_errors(lambda: MoEConfig(**moe))
     if section == "train":
-        return renamed_errors(lambda: TrainConfig(steps=1, **values), "TrainConfig.", "train.")
+        return renamed_errors(lambda: TrainConfig(steps=1, **values))
     try:
         return cls_(**values)
     except TypeError as exc:  # a required key missing
