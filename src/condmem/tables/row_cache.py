@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from condmem.ops.triton_util import resolve_backend
+from condmem.utils.renamed import renamed_keywords
 
 EMPTY = -1
 
@@ -88,8 +89,8 @@ class RowCache:
     Example:
         >>> cache = RowCache.from_bytes(8 * 2**30, row_bytes=264, device="cuda")
         >>> slot = cache.probe(unique_ids)                  # -1 where missed
-        >>> cache.admit(unique_ids[slot < 0], fetched_rows)
-        >>> rows = cache.read(slot[slot >= 0])
+        >>> cache.admit(unique_ids[slot < 0], fetched_row_vectors)
+        >>> row_vectors = cache.read(slot[slot >= 0])
     """
 
     def __init__(
@@ -205,8 +206,10 @@ class RowCache:
         with self.lock:
             return row_words(self.data).index_select(0, slots).view(torch.uint8)
 
-    def admit(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Insert missed `ids` (unique, not cached) with their raw `rows`; returns the slot of each (-1: not admitted).
+    @renamed_keywords(rows="row_vectors")
+    def admit(self, ids: torch.Tensor, row_vectors: torch.Tensor) -> torch.Tensor:
+        """Insert missed `ids` (unique, not cached) with their raw `row_vectors`; returns the slot of each
+        (-1: not admitted).
 
         Within a set, newcomers take the least-frequent ways; when more ids than ways map
         to one set in a batch, the surplus is not admitted (a one-batch burst must not
@@ -216,7 +219,7 @@ class RowCache:
         if ids.numel() == 0:
             return ids.new_empty(0)
         with self.lock:
-            out = self.admit_rows(ids, rows)
+            out = self.admit_rows(ids, row_vectors)
             self.note_admission()
         return out
 
@@ -228,10 +231,11 @@ class RowCache:
             if self.decay_every and self._admissions % self.decay_every == 0:
                 self.freq.bitwise_right_shift_(1)
 
+    @renamed_keywords(rows="row_vectors")
     def admit_rows(
         self,
         ids: torch.Tensor,
-        rows: torch.Tensor,
+        row_vectors: torch.Tensor,
         valid: torch.Tensor | None = None,
         row_index: torch.Tensor | None = None,
         return_slots: bool = True,
@@ -240,18 +244,19 @@ class RowCache:
 
         `valid`: optional bool mask; ids where it is False (padding) are ignored: never
         admitted, and they take no way from a real newcomer.
-        `row_index`: optional; newcomer i's row is ``rows[row_index[i]]`` (read in place, not
+        `row_index`: optional; newcomer i's row is ``row_vectors[row_index[i]]`` (read in place, not
         gathered into a copy first).
         `return_slots`: False returns None (one scatter less).
         """
         with self.lock:
-            return self._admit_rows(ids, rows, valid, row_index, return_slots)
+            return self._admit_rows(ids, row_vectors, valid, row_index, return_slots)
 
-    def _admit_rows(self, ids, rows, valid, row_index, return_slots):
-        n_rows = ids.numel() if row_index is None else rows.shape[0]
-        if rows.dim() != 2 or rows.shape != (n_rows, self.row_bytes) or rows.dtype != torch.uint8:
+    def _admit_rows(self, ids, row_vectors, valid, row_index, return_slots):
+        n_rows = ids.numel() if row_index is None else row_vectors.shape[0]
+        if row_vectors.dim() != 2 or row_vectors.shape != (n_rows, self.row_bytes) or row_vectors.dtype != torch.uint8:
             raise ValueError(
-                f"admit: rows must be uint8 [{n_rows}, {self.row_bytes}], got {rows.dtype} {tuple(rows.shape)}"
+                f"admit: row_vectors must be uint8 [{n_rows}, {self.row_bytes}], "
+                f"got {row_vectors.dtype} {tuple(row_vectors.shape)}"
             )
         if row_index is not None and row_index.shape != ids.shape:
             raise ValueError(
@@ -266,7 +271,7 @@ class RowCache:
         # the first newcomer of the same set in the sorted order).
         idx = torch.arange(sorted_sets.numel(), device=ids.device)
         rank = idx - torch.searchsorted(sorted_sets, sorted_sets)
-        if self.backend == "triton" and rows.device == self.device:
+        if self.backend == "triton" and row_vectors.device == self.device:
             from condmem.ops.row_cache import triton as cache_kernels
 
             slot = cache_kernels.admit(
@@ -277,12 +282,12 @@ class RowCache:
                 self.keys,
                 self._freq_all,
                 row_words(self.data),
-                row_words(rows),
+                row_words(row_vectors),
                 row_index,
             )
             kept = slot >= 0
         else:
-            slot, kept = self._admit_sorted(ids, rows, row_index, sorted_sets, order, rank)
+            slot, kept = self._admit_sorted(ids, row_vectors, row_index, sorted_sets, order, rank)
         self._counters[2] += kept.sum()
         if not return_slots:
             return None
@@ -290,7 +295,7 @@ class RowCache:
         out[order] = slot
         return out
 
-    def _admit_sorted(self, ids, rows, row_index, sorted_sets, order, rank):
+    def _admit_sorted(self, ids, row_vectors, row_index, sorted_sets, order, rank):
         """The torch admission (reference and CPU path): (slot of each sorted newcomer or -1, kept mask).
         Padding sorts into set ``n_sets`` (see `admit_rows`)."""
         ids_sorted = ids.index_select(0, order)
@@ -317,7 +322,9 @@ class RowCache:
         self._freq_all.index_fill_(0, slot, 1)
         # Each kept newcomer's row, read once (through `row_index` when given).
         src = order if row_index is None else row_index.index_select(0, order)
-        row_words(self._data_all)[slot] = row_words(rows).index_select(0, src.to(rows.device)).to(self.device)
+        row_words(self._data_all)[slot] = (
+            row_words(row_vectors).index_select(0, src.to(row_vectors.device)).to(self.device)
+        )
         return torch.where(keep, slot, torch.full_like(slot, -1)), keep
 
     def __repr__(self) -> str:
