@@ -11,6 +11,7 @@ import pytest
 
 from condmem.cli import main
 from condmem.config import ConfigError
+from condmem.train.loop import TrainConfig
 from condmem.train.presets import PRESETS, SECTIONS
 from condmem.train.run_config import RunConfig, given_keys, load_run_config, parse_assignment
 
@@ -80,6 +81,8 @@ def test_train_reads_a_config_file_then_set_then_flags(tiny_corpus, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"]["dim"] == 48 and summary["train"]["lr"] == 1e-3 and summary["train"]["seed"] == 3
     assert summary["train"]["steps"] == 2  # --steps beats --set train.steps, which beats the file
+    again = RunConfig.from_dict(summary["run_config"])  # the run's config, saved beside its results
+    assert again.resolve("cpu").train == dataclasses.replace(TrainConfig.from_dict(summary["train"]), seed=0)
 
 
 def test_a_bad_set_or_config_is_a_usage_error_before_any_work(tmp_path, capsys):

@@ -224,7 +224,8 @@ def _data_parallel(out: str | Path, run: TrainRun, rank: int, world: int, lead: 
 def _write_summary(
     out: str | Path, rc: RunConfig, run: TrainRun, trainer, summary: dict, rank: int | None, world: int
 ) -> dict:
-    """``out/summary.json``: the run's numbers, configs, data record and curves; returns the summary."""
+    """``out/summary.json``: the run's numbers, its run config (as given: `RunConfig.from_dict` reads it
+    back), the resolved model and training configs, data record and curves; returns the summary."""
     cfg, tc = run.model.cfg, run.train_cfg
     summary.update(
         flops_per_token=train_flops_per_token(cfg, tc.seq_len),
@@ -238,6 +239,7 @@ def _write_summary(
         json.dumps(
             {
                 "summary": summary,
+                "run_config": rc.to_dict(),
                 "model": cfg.to_dict(),
                 "train": tc.to_dict(),
                 "data": run.data.info,
