@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from condmem.ops.gather import table_format
+from condmem.sizing import size_engram
 from condmem.tables.inspect import tier_bytes
 from condmem.tables.lookup import LookupHandle, LookupStats
 from condmem.utils.renamed import renamed_attribute, renamed_keywords
@@ -45,3 +46,6 @@ def test_an_old_attribute_reads_the_new_one_with_a_warning():
     fmt = table_format(torch.zeros(7, 4))
     with pytest.warns(DeprecationWarning, match="TableFormat.rows is deprecated"):
         assert fmt.rows == fmt.num_rows == 7
+    sizing = size_engram(256, params="1M", layer_ids=[1])
+    with pytest.warns(DeprecationWarning, match="Sizing.rows is deprecated"):
+        assert sizing.rows == sizing.num_rows == sizing.to_dict()["rows"]

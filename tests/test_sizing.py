@@ -40,13 +40,13 @@ def test_the_geometry_fits_its_budget_as_the_layout_counts_it(kwargs):
     s = size_engram(**kwargs)
     layout = real_layout(s.config)
     budget = next(iter(s.budget.values()))
-    assert layout.num_embeddings == s.rows
+    assert layout.num_embeddings == s.num_rows
     assert layout.n_params == s.params
     assert sum(layout.bytes_per_layer(s.dtype)) == s.bytes
     assert spent(layout, s) <= budget
     # The largest such size: one bucket more per head range no longer fits.
     assert spent(real_layout(s.config, s.config["table_size"] + 1), s) > budget
-    assert s.read_bytes_per_token == len(s.config["layer_ids"]) * layout.n_cols * s.bytes // sum(s.rows)
+    assert s.read_bytes_per_token == len(s.config["layer_ids"]) * layout.n_cols * s.bytes // sum(s.num_rows)
 
 
 def test_the_prime_rounding_is_what_keeps_it_within_budget():

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 from condmem.config import LIMITS, ConfigError, EngramConfig, require_int
+from condmem.utils.renamed import renamed_attribute
 
 Tier = Literal["hbm", "host", "disk"]
 TableDtype = Literal["bf16", "fp8", "fp32"]
@@ -67,7 +68,7 @@ class Sizing:
     dtype: str
     budget: dict[str, Any]
     """The budget asked for: ``{"memory_bytes": n}`` or ``{"params": n}``."""
-    rows: list[int] = field(default_factory=list)
+    num_rows: list[int] = field(default_factory=list)
     """Rows of each Engram layer's table (the sums of its primes)."""
     params: int = 0
     """Table parameters over all layers (rows x head_dim)."""
@@ -76,14 +77,17 @@ class Sizing:
     read_bytes_per_token: int = 0
     """Table bytes one token reads over all Engram layers (what the host tier moves per token)."""
 
+    rows = renamed_attribute("Sizing", "rows", "num_rows")
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field (what ``condmem size --json`` prints)."""
+        """A JSON-ready dict of every field (what ``condmem size --json`` prints; ``num_rows`` under
+        ``rows``, the key under which `condmem inspect` reports a table's rows too)."""
         return {
             "config": dict(self.config),
             "tier": self.tier,
             "dtype": self.dtype,
             "budget": dict(self.budget),
-            "rows": list(self.rows),
+            "rows": list(self.num_rows),
             "params": self.params,
             "bytes": self.bytes,
             "read_bytes_per_token": self.read_bytes_per_token,
@@ -220,7 +224,7 @@ def size_engram(
         tier=tier,
         dtype=dtype,
         budget={what: budget},
-        rows=layout.num_embeddings,
+        num_rows=layout.num_embeddings,
         params=layout.n_params,
         bytes=sum(layout.bytes_per_layer(dtype)),
         read_bytes_per_token=layout.n_layers * layout.n_cols * row_bytes,

@@ -84,7 +84,7 @@ def run(args) -> int:
         f"{c['n_heads']} heads, head_dim {c['head_dim']} ({n_cols} x {c['head_dim']} = {n_cols * c['head_dim']} "
         f"wide a token), table_size {c['table_size']:,}"
     )
-    print(f"rows per layer {', '.join(f'{r:,}' for r in s.rows)}; {s.params:,} parameters ({s.params:.3g})")
+    print(f"rows per layer {', '.join(f'{r:,}' for r in s.num_rows)}; {s.params:,} parameters ({s.params:.3g})")
     print(
         f"{s.dtype} in {s.tier}: {s.bytes:,} bytes ({s.bytes / 2**30:.3g} GiB) of a budget of {budget[1]:,} "
         f"{'bytes' if budget[0] == 'memory_bytes' else 'parameters'}; a token reads {s.read_bytes_per_token:,} bytes"
