@@ -86,7 +86,9 @@ class Recorder:
         self.handle.remove()  # the reference call is not recorded
         try:
             with torch.no_grad():
-                want = self.engram(cat("hidden"), cat("row_ids"), cat("token_mask"), rows=cat("rows"), residual=True)
+                want = self.engram(
+                    cat("hidden"), cat("row_ids"), cat("token_mask"), row_vectors=cat("row_vectors"), residual=True
+                )
         finally:
             self.handle = self.engram.register_forward_hook(self._hook, with_kwargs=True)
         return cat("out"), want
@@ -230,7 +232,7 @@ def test_hf_adapter_generate(wkv, tables):
         if memory is not None:
             memory.close()
     assert len(rec.calls) == 4 and rec.calls[0]["token_mask"] is not None
-    assert (rec.calls[0]["rows"] is not None) == (tables == "memory")
+    assert (rec.calls[0]["row_vectors"] is not None) == (tables == "memory")
     got, want = rec.one_pass()
     assert torch.equal(got, want), "HF adapter: prefill and cached steps (mask, ShortConv state)"
 

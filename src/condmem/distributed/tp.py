@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from condmem.distributed.collectives import all_to_all_equal, reduce_scatter_equal
 from condmem.distributed.sharding import ShardingError, ShardPlan
+from condmem.utils.renamed import renamed_keywords
 
 Mode = Literal["head", "row"]
 
@@ -36,7 +37,7 @@ class ShardedRows:
 
     Args:
         plan: the layer's `ShardPlan` (its world size is the group's).
-        lookup: local row ids (int64, any shape, in ``[0, rows owned)``) -> rows [..., head_dim].
+        lookup: local row ids (int64, any shape, in ``[0, rows owned)``) -> row vectors [..., head_dim].
         head_dim: row width.
         mode: ``head`` (all-gather) or ``row`` (zero-fill + all-reduce).
         sequence_parallel: return only this rank's share of the tokens (axis 1, split in
@@ -149,10 +150,11 @@ class ShardedRows:
         return out[:, : t1 - t0]
 
 
+@renamed_keywords(local_rows="local_row_vectors")
 def column_parallel_engram(
     engram,
     hidden: torch.Tensor,
-    local_rows: torch.Tensor,
+    local_row_vectors: torch.Tensor,
     plan: ShardPlan,
     *,
     token_mask: torch.Tensor | None = None,
@@ -163,14 +165,15 @@ def column_parallel_engram(
     """The Engram layer with `wkv` split by its input columns: this rank multiplies its own
     columns' rows by its slice of `wkv` (`Engram.project`), one all-reduce sums the keys and
     value, and the rest of the layer runs replicated (`Engram.forward` from the summed kv).
-    Equal to ``engram(hidden, rows=all rows)`` up to the order of the sum (fp32 tolerance).
+    Equal to ``engram(hidden, row_vectors=all row vectors)`` up to the order of the sum (fp32 tolerance).
 
     Args:
         engram: the (replicated) `Engram` module.
         hidden: [B, T, hc, D] or [B, T, D].
-        local_rows: this rank's columns' rows [B, T, C_r, head_dim] (`ShardedRows._local`).
+        local_row_vectors: this rank's columns' row vectors [B, T, C_r, head_dim] (`ShardedRows._local`);
+            ``local_rows=``, its former name, still works for one release (a `DeprecationWarning`).
         token_mask, residual, conv_state: as in `Engram.forward`.
     """
-    kv = engram.project(local_rows, columns=plan.columns(dist.get_rank(group)))
+    kv = engram.project(local_row_vectors, columns=plan.columns(dist.get_rank(group)))
     dist.all_reduce(kv, group=group)
     return engram(hidden, token_mask=token_mask, kv=kv, residual=residual, conv_state=conv_state)

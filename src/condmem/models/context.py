@@ -13,9 +13,10 @@ the blocks; each way of running the model builds a `ForwardContext` and hands it
 * the Hugging Face hooks (`condmem.integrations.transformers`): only the Engram part
   (`run_engram`), since the model's own layers run its attention.
 
-Every context supplies the Engram layers' inputs: each layer's row ids and, when a lookup
-already fetched them from some tier, its row vectors (`EngramRows`), the padding mask, the
-ShortConv states (`ConvStates`) and an optional dict that receives the gate values.
+Every context supplies the Engram layers' inputs (``engram_inputs``): each layer's row ids and,
+when a lookup already fetched them from some tier, its row vectors (`HashedRowIds` for ids hashed
+for the forward, or a lookup's `condmem.serving.Prepared`), the padding mask, the ShortConv
+states (`ConvStates`) and an optional dict that receives the gate values.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 -> attention outputs [B, T, H * hd] (before the output projection)."""
 
 
-class EngramRows:
+class HashedRowIds:
     """Each Engram layer's inputs for one forward: ``row_ids(layer_id)`` [B, T, n_cols] and
     ``row_vectors(layer_id)`` [B, T, n_cols, head_dim] (None: the module reads its own table).
 
     This one holds row ids hashed for the forward (int64 [B, T, n_layers, n_cols], the layers in
-    `layer_ids` order); a lookup that fetched the rows already (`condmem.serving.Prepared`, a
-    decode graph's fetch) offers the same two methods."""
+    `layer_ids` order); a lookup that fetched the row vectors already (`condmem.serving.Prepared`,
+    a decode graph's fetch) offers the same two methods."""
 
     def __init__(self, row_ids: torch.Tensor, layer_ids: list[int]):
         self.all = row_ids
@@ -76,7 +77,7 @@ class ForwardContext:
     Attributes:
         attend: the attention backend (`Attend`); None for a context that runs only Engram
             layers (the Hugging Face hooks).
-        engram_rows: the Engram layers' row ids / row vectors (`EngramRows` or a lookup with
+        engram_inputs: the Engram layers' row ids / row vectors (`HashedRowIds` or a lookup with
             the same two methods); None for a model without Engram.
         token_mask: optional bool [B, T]; False closes the Engram gate (padding).
         conv: the ShortConv states (`ConvStates`); None: every forward starts a sequence.
@@ -89,7 +90,7 @@ class ForwardContext:
     """
 
     attend: Attend | None = None
-    engram_rows: object | None = None
+    engram_inputs: object | None = None
     token_mask: torch.Tensor | None = None
     conv: ConvStates | None = None
     gates: dict | None = None
@@ -108,12 +109,11 @@ def run_engram(engram, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     """``x + Engram(x)`` of one layer with what `ctx` supplies for it: the one place an Engram
     layer runs inside a model (the decoder's blocks and the Hugging Face hooks)."""
     lid = engram.layer_id
-    rows = ctx.engram_rows
-    row_ids = rows.row_ids(lid)
-    row_vectors = rows.row_vectors(lid)  # a prefetched lookup: waits for this layer's rows only
+    inputs = ctx.engram_inputs
+    row_ids = inputs.row_ids(lid)
+    row_vectors = inputs.row_vectors(lid)  # a prefetched lookup: waits for this layer's rows only
     state = None if ctx.conv is None else ctx.conv.get(lid)
-    # Row vectors passed by position: the fourth parameter of `Engram.forward`.
-    x = engram(x, row_ids, ctx.token_mask, row_vectors, residual=True, conv_state=state, gates=ctx.gates)
+    x = engram(x, row_ids, ctx.token_mask, row_vectors=row_vectors, residual=True, conv_state=state, gates=ctx.gates)
     if state is not None:
         ctx.conv.put(lid, state)
     return x

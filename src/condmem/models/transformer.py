@@ -3,10 +3,16 @@
 Dense, or with routed experts (`condmem.models.moe`) beside a shared SwiGLU where the config says.
 
     token ids ──> NgramHasher ──> row ids for every Engram layer (once, before block 0)
-    embed ──> block 0 ──> block 1 [h += Engram(h, rows[1])] ──> ... ──> norm ──> logits
+    embed ──> block 0 ──> block 1 [h += Engram(h, row_ids[1])] ──> ... ──> norm ──> logits
 
-Each block is ``h += Engram(h, rows)`` (Engram layers only), ``h += Attn(norm(h))``,
+Each block is ``h += Engram(h, row_ids)`` (Engram layers only), ``h += Attn(norm(h))``,
 ``h += SwiGLU(norm(h))``. Without an Engram config the same code is a plain baseline.
+
+`Block.forward(x, ctx)` is the only block forward and `DecoderLM.forward` the only loop over
+the blocks: what differs between ways of running (attention over a dense or paged KV layout,
+each Engram layer's row ids or looked-up row vectors, the tensor-parallel reduction, fused
+inference kernels) comes from a `condmem.models.context.ForwardContext`. `dense_context` builds
+the one of training, evaluation and `generate`; the serving steps build their own.
 
 The Engram module is `condmem.module.Engram`, called as a whole everywhere: incremental
 decoding hands it the ShortConv's recent inputs (``conv_state``), gate capture a dict
@@ -29,7 +35,7 @@ from condmem.layout import EngramLayout
 from condmem.models.addresses import RandomAddresses
 from condmem.models.attention import Attention, DenseAttention, KVCache
 from condmem.models.config import ModelConfig
-from condmem.models.context import ConvStates, EngramRows, ForwardContext, run_engram
+from condmem.models.context import ConvStates, HashedRowIds, ForwardContext, run_engram
 from condmem.models.layers import RMSNorm, Rotary, SwiGLU
 from condmem.models.moe import MoE
 from condmem.module import Engram
@@ -69,7 +75,7 @@ class Block(nn.Module):
         self,
         cfg: ModelConfig,
         layer_id: int,
-        engram_rows: int | None,
+        engram_inputs: int | None,
         sparse_tables: bool,
         device=None,
         table_device=None,
@@ -79,14 +85,14 @@ class Block(nn.Module):
         self.engram = (
             Engram(
                 cfg.engram,
-                engram_rows,
+                engram_inputs,
                 layer_id=layer_id,
                 sparse=sparse_tables,
                 table_init_std=cfg.engram_table_init_std,
                 device=device,
                 table_device=table_device,
             )
-            if engram_rows is not None
+            if engram_inputs is not None
             else None
         )
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
@@ -99,7 +105,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The block over hidden states x [B, T, D], with what differs between ways of running from
-        `ctx` (attention backend, Engram rows, ShortConv states, tensor-parallel reduction, kernels)."""
+        `ctx` (attention backend, Engram inputs, ShortConv states, tensor-parallel reduction, kernels)."""
         fused = ctx.fused
         if self.engram is not None:
             x = run_engram(self.engram, x, ctx)
@@ -149,10 +155,10 @@ class DecoderLM(nn.Module):
         self.layout: EngramLayout | None = None
         self.hasher: NgramHasher | None = None
         self.random_addresses: RandomAddresses | None = None
-        rows_of: dict[int, int] = {}
+        num_rows_of: dict[int, int] = {}
         if cfg.engram is not None:
             self.layout = EngramLayout(cfg.engram)
-            rows_of = dict(zip(self.layout.layer_ids, self.layout.num_embeddings))
+            num_rows_of = dict(zip(self.layout.layer_ids, self.layout.num_embeddings))
             if cfg.engram_addresses == "random":
                 self.random_addresses = RandomAddresses(self.layout, seed, device=device)
             if token_lookup is not None:
@@ -165,7 +171,7 @@ class DecoderLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
         self.blocks = nn.ModuleList(
-            Block(cfg, i, rows_of.get(i), sparse_tables, device=device, table_device=table_device)
+            Block(cfg, i, num_rows_of.get(i), sparse_tables, device=device, table_device=table_device)
             for i in range(cfg.n_layers)
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
@@ -279,7 +285,7 @@ class DecoderLM(nn.Module):
                 ``cache.length`` and the cache advances.
             capture: records the Engram gate values.
             prepared: a `condmem.serving.Prepared` from `EngramMemory.prepare` /
-                `prepare_decode` for these ids: row ids and rows come from it (tables in
+                `prepare_decode` for these ids: row ids and row vectors come from it (tables in
                 host memory, fetched while the earlier blocks run), each Engram layer
                 waiting only for its own rows.
             last_only: logits of the last position only ([B, 1, vocab]): what a prefill
@@ -331,7 +337,7 @@ class DecoderLM(nn.Module):
             )
         batch, length = input_ids.shape
         start = 0
-        rows = None
+        row_ids_all = None
         if cache is not None:
             start = cache.length
             if start + length > cache.max_len:
@@ -342,16 +348,16 @@ class DecoderLM(nn.Module):
                 back = min(start, self.cfg.engram.max_ngram_size - 1)
                 ends = torch.full((batch,), start + length, device=input_ids.device)
                 window, _ = cache.history.window(torch.arange(batch, device=input_ids.device), ends, back + length)
-                rows = self.row_ids(window)[:, back:]
+                row_ids_all = self.row_ids(window)[:, back:]
         elif prepared is None:
-            rows = row_ids if row_ids is not None else self.row_ids(input_ids, doc_starts)
-        engram_rows = prepared
-        if rows is not None:
-            engram_rows = EngramRows(rows, self.layout.layer_ids)
+            row_ids_all = row_ids if row_ids is not None else self.row_ids(input_ids, doc_starts)
+        engram_inputs = prepared
+        if row_ids_all is not None:
+            engram_inputs = HashedRowIds(row_ids_all, self.layout.layer_ids)
         cos, sin = self.rotary(start, length)
         return ForwardContext(
             attend=DenseAttention(cos, sin, None if cache is None else cache.kv, start),
-            engram_rows=engram_rows,
+            engram_inputs=engram_inputs,
             conv=None if cache is None else ConvStates(cache.conv, batch),
             gates=None if capture is None else capture.gates,
         )

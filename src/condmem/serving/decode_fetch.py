@@ -3,8 +3,8 @@ zero-copy fetch.
 
 `SideBranchRows` hashes a step's new tokens on the main stream (updating the history), forks a
 side stream on which a subclass queues every layer's fetch and records one event per layer,
-and gives `decode_step` the `Prepared` interface: ``row_ids(layer)``, and ``rows(layer)``,
-which makes the main stream wait for that layer's event only (``join="at_layer"``; with
+and gives `decode_step` the `Prepared` interface: ``row_ids(layer)``, and ``row_vectors(layer)``
+(its ``rows(layer)``), which makes the main stream wait for that layer's event only (``join="at_layer"``; with
 ``"before_step"`` the main stream waits for every layer before block 0). Under tensor
 parallelism each layer's rows are this rank's columns, completed by the memory's collective on
 the main stream.
@@ -82,6 +82,8 @@ class SideBranchRows:
         return self.rows(layer_id)
 
     def rows(self, layer_id: int) -> torch.Tensor:
+        """A layer's row vectors in ``rows_buf``, once the main stream waits for its fetch (the wait a
+        negative-control test removes by replacing this method)."""
         if self.join == "at_layer" or layer_id in self.sharded:
             torch.cuda.current_stream().wait_event(self.events[layer_id])
         if layer_id in self.sharded:
@@ -93,12 +95,12 @@ class ZeroCopyRows(SideBranchRows):
     """Rows gathered in place by one kernel per layer (`EngramMemory.gather_into`); `max_programs`
     caps the kernel's grid (fewer SMs held by a fetch that runs beside other work)."""
 
-    def __init__(self, memory, n_rows: int, device, join: str, max_programs: int | None = None):
+    def __init__(self, memory, n_slots: int, device, join: str, max_programs: int | None = None):
         super().__init__(memory, device, join)
         self.max_programs = max_programs
         for lid in self.layer_ids:
             self.rows_buf[lid] = torch.zeros(
-                n_rows, 1, self.columns(lid), memory.stores[lid].head_dim, dtype=torch.bfloat16, device=device
+                n_slots, 1, self.columns(lid), memory.stores[lid].head_dim, dtype=torch.bfloat16, device=device
             )
 
     def _fetch(self, ids_by_layer: dict[int, torch.Tensor]) -> None:

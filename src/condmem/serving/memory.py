@@ -7,8 +7,8 @@ and start every layer's lookup before the first transformer layer runs::
     h = embed(input_ids)
     for block in blocks:                          # layers 0..k-1 run while rows arrive
         if block.layer_id in memory.layer_ids:
-            rows = prepared.rows(block.layer_id)  # waits for this layer's rows only
-            h = h + block.engram(h, prepared.row_ids(block.layer_id), rows=rows)
+            vectors = prepared.row_vectors(block.layer_id)  # waits for this layer's rows only
+            h = h + block.engram(h, prepared.row_ids(block.layer_id), row_vectors=vectors)
         h = block(h)
 
 Decode keeps the last N-1 compressed ids of each sequence in an `NgramHistory` slot
@@ -43,6 +43,7 @@ from condmem.tables.row_cache import RowCache
 from condmem.tables.storage import LayerStore, place_layer
 from condmem.tables.table_file import EngramTableFile, LayerRows
 from condmem.utils.device_copy import to_device
+from condmem.utils.renamed import renamed_attribute
 
 
 _UNLOCKED = contextlib.nullcontext()
@@ -74,7 +75,7 @@ class Prepared:
     """Row ids of every Engram layer for one batch, and their lookups in flight.
 
     Its rows are its own batch's, whichever threads prepare other batches of the same memory
-    meanwhile; `rows` may be called from any thread."""
+    meanwhile; `row_vectors` may be called from any thread."""
 
     row_ids_all: torch.Tensor
     """int64 [B, T, n_layers, n_cols]."""
@@ -85,7 +86,7 @@ class Prepared:
     """Tensor parallelism: per layer, this rank's rows -> the rows it needs (a collective)."""
     tokens: slice = field(default_factory=lambda: slice(None))
     """Sequence parallelism: the tokens this rank keeps."""
-    _rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    _row_vectors: dict[int, torch.Tensor] = field(default_factory=dict)
     measured: bool = False
     """`EngramMemory(measure_fetch=True)`: `fetch_timing` can say how much of the fetch was hidden."""
     _started: torch.cuda.Event | None = None
@@ -98,12 +99,8 @@ class Prepared:
         """[B, T, n_cols] row ids of one layer (sequence-parallel: this rank's tokens)."""
         return self.row_ids_all[:, self.tokens, self.layer_index[layer_id]]
 
-    def row_vectors(self, layer_id: int) -> torch.Tensor:
-        """[B, T, n_cols, head_dim] bf16 rows of one layer, ready on the current stream (`rows`)."""
-        return self.rows(layer_id)
-
-    def rows(self, layer_id: int, wait: bool = True) -> torch.Tensor:
-        """[B, T, n_cols, head_dim] bf16 rows of one layer, ready on the current stream.
+    def row_vectors(self, layer_id: int, wait: bool = True) -> torch.Tensor:
+        """[B, T, n_cols, head_dim] bf16 row vectors of one layer, ready on the current stream.
 
         `wait=False` hands out the buffer without waiting for the lookup: only for tests
         that prove the handoff matters (the result is then undefined).
@@ -111,20 +108,22 @@ class Prepared:
         if layer_id not in self.handles:
             raise EngramMemoryError(f"layer {layer_id} has no Engram; Engram layers are {sorted(self.handles)}")
         if not wait:
-            return self.handles[layer_id].rows
-        if layer_id not in self._rows:
+            return self.handles[layer_id].row_vectors
+        if layer_id not in self._row_vectors:
             need = self._mark()
-            rows = self.handles[layer_id].wait()
+            vectors = self.handles[layer_id].wait()
             if need is not None:
                 self._waits[layer_id] = (need, self._mark())
             if self.complete is not None:
-                rows = self.complete[layer_id](rows)
-            self._rows[layer_id] = rows
+                vectors = self.complete[layer_id](vectors)
+            self._row_vectors[layer_id] = vectors
             if self.hasher is not None:
                 # Ids found out of range by a finished hash are raised here, where the caller waits anyway.
                 with self._lock:
                     self.hasher.raise_pending(block=False)
-        return self._rows[layer_id]
+        return self._row_vectors[layer_id]
+
+    rows = renamed_attribute("Prepared", "rows", "row_vectors")
 
     def _mark(self):
         """A timed event on the current stream when this batch's fetch is measured on a GPU, else None."""
@@ -141,7 +140,7 @@ class Prepared:
         if not self.measured:
             raise EngramMemoryError("fetch timing needs EngramMemory(measure_fetch=True)")
         if self._started is None:
-            return {lid: FetchTiming(0.0, self.handles[lid].stats.seconds * 1e3) for lid in self._rows}
+            return {lid: FetchTiming(0.0, self.handles[lid].stats.seconds * 1e3) for lid in self._row_vectors}
         out = {}
         for lid, (need, got) in self._waits.items():
             got.synchronize()
@@ -159,11 +158,10 @@ class JoinedPrepared:
     def row_ids(self, layer_id: int) -> torch.Tensor:
         return torch.cat([p.row_ids(layer_id) for p in self.parts], dim=1)
 
-    def rows(self, layer_id: int, wait: bool = True) -> torch.Tensor:
-        return torch.cat([p.rows(layer_id, wait) for p in self.parts], dim=1)
+    def row_vectors(self, layer_id: int, wait: bool = True) -> torch.Tensor:
+        return torch.cat([p.row_vectors(layer_id, wait) for p in self.parts], dim=1)
 
-    def row_vectors(self, layer_id: int) -> torch.Tensor:
-        return self.rows(layer_id)
+    rows = renamed_attribute("JoinedPrepared", "rows", "row_vectors")
 
 
 def join_prepared(parts: list[Prepared]) -> Prepared | JoinedPrepared:
@@ -185,10 +183,10 @@ class EngramMemory:
         max_sequences: decode history slots.
         process_group: tensor parallelism over this `torch.distributed` group: each store holds
             only this rank's shard of its layer (`ShardPlan`; `from_table_file` and
-            `from_weights` load only that), and `Prepared.rows` completes the rows with one
+            `from_weights` load only that), and `Prepared.row_vectors` completes the rows with one
             collective (see `condmem.distributed`).
         tp_mode: ``head`` (all-gather) or ``row`` (zero-fill + all-reduce).
-        sequence_parallel: each rank keeps 1/world of the tokens (`Prepared.row_ids` / `rows`
+        sequence_parallel: each rank keeps 1/world of the tokens (`Prepared.row_ids` / `row_vectors`
             give that chunk).
         measure_fetch: time each batch's fetch against the compute it overlaps
             (`Prepared.fetch_timing`: how much of it was hidden); a few timed CUDA events per layer.
@@ -349,9 +347,9 @@ class EngramMemory:
             _check_same_geometry(ckpt, hasher)
         stores = {}
         for lid in hasher.layer_ids:
-            rows = _shard(ckpt.table(lid, hasher.layout), hasher, lid, kwargs.get("process_group"))
+            layer_rows = _shard(ckpt.table(lid, hasher.layout), hasher, lid, kwargs.get("process_group"))
             stores[lid] = place_layer(
-                rows,
+                layer_rows,
                 tier,
                 device=device if tier == "hbm" else None,
                 host_alloc=host_alloc,
@@ -380,8 +378,8 @@ class EngramMemory:
         stores = {}
         group = kwargs.get("process_group")
         for lid in hasher.layer_ids:
-            rows = _shard(LayerRows("bf16", weights[lid].detach()), hasher, lid, group)
-            w = rows.weight.to("cpu", torch.bfloat16).contiguous()
+            layer_rows = _shard(LayerRows("bf16", weights[lid].detach()), hasher, lid, group)
+            w = layer_rows.weight.to("cpu", torch.bfloat16).contiguous()
             stores[lid] = place_layer(
                 LayerRows("bf16", w),
                 tier,
@@ -649,14 +647,14 @@ def shard_plan(hasher: NgramHasher, layer_id: int, group):
     return ShardPlan.for_layer(hasher.layout.layer(layer_id), dist.get_world_size(group))
 
 
-def _shard(rows: LayerRows, hasher: NgramHasher, layer_id: int, group) -> LayerRows:
+def _shard(layer_rows: LayerRows, hasher: NgramHasher, layer_id: int, group) -> LayerRows:
     """This rank's rows of a layer (a view: a memory-mapped file is read only there), or all of them."""
     if group is None:
-        return rows
+        return layer_rows
     import torch.distributed as dist
 
     r0, r1 = shard_plan(hasher, layer_id, group).rows(dist.get_rank(group))
-    return rows.slice_rows(r0, r1)
+    return layer_rows.slice_rows(r0, r1)
 
 
 def _shared_name(table, layer_id: int, hasher: NgramHasher, group) -> str:

@@ -214,7 +214,7 @@ class WaveServer:
                 else:
                     prepared = start(g)
                     for lid in memory.layer_ids:
-                        prepared.rows(lid)  # the stream waits here, before block 0
+                        prepared.row_vectors(lid)  # the stream waits here, before block 0
                 alive.append(prepared)
             obs.batch_launching()
             logits = prefill_packed(

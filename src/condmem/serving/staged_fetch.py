@@ -62,7 +62,7 @@ def _cpu_rows(store) -> torch.Tensor | None:
 class StagedRows(SideBranchRows):
     """Row ids and rows of every Engram layer in fixed buffers, staged by host threads."""
 
-    def __init__(self, memory, n_rows: int, device, join: str, threads: int | None = None):
+    def __init__(self, memory, n_slots: int, device, join: str, threads: int | None = None):
         memops = stream_memops()
         if memops is None:
             raise RowServerError(
@@ -88,17 +88,17 @@ class StagedRows(SideBranchRows):
                 )
             tables.append(raw)
             self.formats.append((store.format, store.head_dim))
-        n_ids = n_rows * self.n_cols
+        n_ids = n_slots * self.n_cols
         self.server = RowServer(tables, n_ids, threads=threads or default_threads()).start()
-        self.ids_dev = torch.zeros(len(self.layer_ids), n_rows, self.n_cols, dtype=torch.long, device=device)
-        self.local = torch.arange(n_ids, device=device).view(n_rows, 1, self.n_cols)
+        self.ids_dev = torch.zeros(len(self.layer_ids), n_slots, self.n_cols, dtype=torch.long, device=device)
+        self.local = torch.arange(n_ids, device=device).view(n_slots, 1, self.n_cols)
         self.raw_dev = {}
         for lid, table, (fmt, head_dim) in zip(self.layer_ids, tables, self.formats):
-            rows = torch.zeros(n_rows, 1, self.n_cols, head_dim, dtype=torch.bfloat16, device=device)
-            self.rows_buf[lid] = rows
-            # bf16 raw rows are the rows themselves: the DMA lands in place, no kernel after it.
+            vectors = torch.zeros(n_slots, 1, self.n_cols, head_dim, dtype=torch.bfloat16, device=device)
+            self.rows_buf[lid] = vectors
+            # bf16 raw rows are the row vectors themselves: the DMA lands in place, no kernel after it.
             self.raw_dev[lid] = (
-                rows.view(torch.uint8).view(n_ids, table.shape[1])
+                vectors.view(torch.uint8).view(n_ids, table.shape[1])
                 if fmt == "bf16"
                 else torch.zeros(n_ids, table.shape[1], dtype=torch.uint8, device=device)
             )

@@ -3,7 +3,7 @@ position.
 
 Serving runs flat batches of many sequences, each at its own length, with keys and values in a
 paged pool read through a block table. Each step builds a `ForwardContext` (its paged attention
-backend, the step's Engram rows, the ShortConv states of its slots, the tensor-parallel
+backend, the step's Engram inputs, the ShortConv states of its slots, the tensor-parallel
 reduction, the fused inference kernels) and runs `DecoderLM.forward` with it: the blocks and
 their weights are the model's own, and so is the walk over them.
 
@@ -19,7 +19,7 @@ and speculative drafts of many slots (what an engine's scheduler packs under a t
 budget); each sequence appends its chunk at its own length, and with ``n_commit`` keeps
 only the accepted part (the rest of its KV entries are overwritten later, never read).
 
-Engram rows for a step come either from the model's own tables (hashing the last N-1
+Engram row vectors for a step come either from the model's own tables (hashing the last N-1
 tokens of each slot's history) or, with ``prepared=``, from an `EngramMemory` lookup
 started earlier (`EngramMemory.prepare_decode` / `prepare_ragged`, whose history slots
 should be the same numbers as these cache slots).
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from condmem.models.context import ConvStates, EngramRows, ForwardContext
+from condmem.models.context import ConvStates, HashedRowIds, ForwardContext
 from condmem.models.transformer import DecoderLM
 from condmem.ops.attention import decode_attention_rope_store, paged_prefill_attention, rope_store
 from condmem.serving.cache import ServingCache
@@ -140,23 +140,23 @@ def decode_step(
     device = cache.device
     ids = ids.to(device)
     batch = ids.numel()
-    rows = torch.arange(batch, device=device) if slots is None else slots.to(device)
+    live = torch.arange(batch, device=device) if slots is None else slots.to(device)  # the slot of each row
     if slots is None and batch != cache.n_slots:
         raise ValueError(f"slots=None covers all {cache.n_slots} slots; got {batch} ids")
-    pos = cache.lengths[rows]  # [B] position of the new token
+    pos = cache.lengths[live]  # [B] position of the new token
     if check:
         over = pos >= cache.max_len if valid is None else (pos >= cache.max_len) & valid
         if bool(over.any()):
             raise ValueError(f"a sequence reached the cache's {cache.max_len} positions")
     at = pos.clamp(max=cache.max_len - 1)  # invalid rows may sit at a full slot
-    cache.history.record(rows, at, ids, valid)
-    rows_all = None
+    cache.history.record(live, at, ids, valid)
+    row_ids_all = None
     if cfg.engram is not None and prepared is None:
         # Each slot's last N tokens; look-backs before its start are blocked (read as pad).
-        window, before = cache.history.window(rows, at + 1, cfg.engram.max_ngram_size)
-        rows_all = model.hasher(window, blocked=before, check=False)[:, -1:]  # [B, 1, L, C]
+        window, before = cache.history.window(live, at + 1, cfg.engram.max_ngram_size)
+        row_ids_all = model.hasher(window, blocked=before, check=False)[:, -1:]  # [B, 1, L, C]
     n_keys = at + 1 if valid is None else torch.where(valid, at + 1, 0)  # invalid rows read nothing
-    table = cache.block_table[rows] if slots is not None else cache.block_table
+    table = cache.block_table[live] if slots is not None else cache.block_table
 
     def attend(i, q, k, v):
         # Row b's new token at position n_keys[b] - 1 = at[b]: rotated, stored, attended in one launch.
@@ -175,39 +175,39 @@ def decode_step(
 
     context = ForwardContext(
         attend=attend,
-        engram_rows=_engram_rows(model, prepared, rows_all),
-        conv=_SlotConvStates(cache.conv, rows, valid),
+        engram_inputs=_engram_inputs(model, prepared, row_ids_all),
+        conv=_SlotConvStates(cache.conv, live, valid),
         tp_group=model.tp_group,
         fused=True,
     )
     logits = model(ids[:, None], context=context)[:, 0]
-    _masked_put(cache.lengths, (rows,), pos + 1, valid)
+    _masked_put(cache.lengths, (live,), pos + 1, valid)
     if slots is not None:  # host mirror (a sync for device slots; graphs pass slots=None)
         cache.advance((slots if valid is None else slots[valid.to(slots.device)]).tolist())
     return logits
 
 
-def _engram_rows(model: DecoderLM, prepared, rows_all: torch.Tensor | None):
-    """A step's Engram rows: prefetched (`prepared`), or row ids hashed for the model's own tables."""
-    if prepared is not None or rows_all is None:
+def _engram_inputs(model: DecoderLM, prepared, row_ids_all: torch.Tensor | None):
+    """A step's Engram inputs: row vectors prefetched (`prepared`), or row ids hashed for the model's own tables."""
+    if prepared is not None or row_ids_all is None:
         return prepared
-    return EngramRows(rows_all, model.layout.layer_ids)
+    return HashedRowIds(row_ids_all, model.layout.layer_ids)
 
 
 class _SlotConvStates(ConvStates):
     """ShortConv states of the slots a decode step advances: gathered per row, stored back except
     at invalid rows."""
 
-    def __init__(self, states: dict, rows: torch.Tensor, valid: torch.Tensor | None):
+    def __init__(self, states: dict, slots: torch.Tensor, valid: torch.Tensor | None):
         super().__init__(states, 0)
-        self.rows, self.valid = rows, valid
+        self.slots, self.valid = slots, valid
 
     def get(self, layer_id: int) -> torch.Tensor | None:
         conv = self.states.get(layer_id)
-        return None if conv is None else conv[self.rows]
+        return None if conv is None else conv[self.slots]
 
     def put(self, layer_id: int, state: torch.Tensor | None) -> None:
-        _masked_put(self.states[layer_id], (self.rows,), state, self.valid)
+        _masked_put(self.states[layer_id], (self.slots,), state, self.valid)
 
 
 @torch.no_grad()
@@ -244,13 +244,13 @@ def ragged_step(
     ids = torch.cat([c.reshape(-1) for c in chunks]).to(device)
     slot_of, pos, cu_dev, starts_dev, slots_dev = _packed_layout(slots, starts, lengths, len(ids), device)
     cache.history.record(slot_of, pos, ids)
-    rows_all = None
+    row_ids_all = None
     if cfg.engram is not None and prepared is None:
-        rows_all = _own_engram_rows(model, cache, ids, cu_dev, slots, starts)
+        row_ids_all = _own_row_ids(model, cache, ids, cu_dev, slots, starts)
     table = cache.block_table[slots_dev]
     context = ForwardContext(
         attend=_packed_attention(model, cache, pos, slot_of, table, cu_dev, starts_dev, max(lengths)),
-        engram_rows=_engram_rows(model, prepared, None if rows_all is None else rows_all[None]),
+        engram_inputs=_engram_inputs(model, prepared, None if row_ids_all is None else row_ids_all[None]),
         tp_group=model.tp_group,
         fused=True,
         keep=cu_dev[1:].long() - 1 if last_only else None,
@@ -306,7 +306,7 @@ def _packed_layout(
     return slot_of, pos, cu_dev, starts_dev, slots_dev
 
 
-def _own_engram_rows(
+def _own_row_ids(
     model: DecoderLM, cache: ServingCache, ids: torch.Tensor, cu_dev: torch.Tensor, slots: list[int], starts: list[int]
 ) -> torch.Tensor:
     """Row ids of the packed tokens from the model's own hasher: each chunk looks back at the N-1

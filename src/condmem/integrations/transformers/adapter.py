@@ -41,7 +41,7 @@ from condmem.integrations.transformers.decode_graph import DecodeGraphs, StepGra
 from condmem.integrations.transformers.decode_state import DecodeState, DecodeStates
 from condmem.integrations.transformers.families import Family, locate
 from condmem.layout import EngramLayout
-from condmem.models.context import ConvStates, EngramRows, ForwardContext, run_engram
+from condmem.models.context import ConvStates, HashedRowIds, ForwardContext, run_engram
 from condmem.module import Engram
 
 logger = logging.getLogger("condmem.integrations.transformers")
@@ -249,11 +249,11 @@ class EngramAdapter:
         # Contiguous once here: each Engram layer's gate would otherwise copy the strided slice itself.
         current = None if valid is None else valid[:, valid.shape[1] - new :].contiguous()
         if before is None:
-            rows = self.hasher(ids, blocked=None if valid is None else ~valid)
-            if ids.shape[1] != new:  # the look-back's own rows are dropped
-                rows = rows[:, ids.shape[1] - new :]
+            row_ids = self.hasher(ids, blocked=None if valid is None else ~valid)
+            if ids.shape[1] != new:  # the look-back's own row_ids are dropped
+                row_ids = row_ids[:, ids.shape[1] - new :]
         else:
-            rows = self.hasher.hash_ragged(
+            row_ids = self.hasher.hash_ragged(
                 input_ids.reshape(-1),
                 torch.arange(batch + 1, device=device) * new,
                 history=before,
@@ -261,12 +261,14 @@ class EngramAdapter:
                 blocked=(~valid).reshape(-1),
                 commit=False,
             )
-            rows = rows.view(batch, new, *rows.shape[1:])
-        self.last_row_ids = rows
-        engram_rows = self._start_lookups(rows) if self.memory is not None else EngramRows(rows, self.config.layer_ids)
+            row_ids = row_ids.view(batch, new, *row_ids.shape[1:])
+        self.last_row_ids = row_ids
+        engram_inputs = (
+            self._start_lookups(row_ids) if self.memory is not None else HashedRowIds(row_ids, self.config.layer_ids)
+        )
         next_state, conv_in = self._next_state(bound, module, cache, past, new, batch, device, ids, valid, before)
         conv = None if conv_in is None else _StepConvStates(conv_in, next_state)
-        context = ForwardContext(engram_rows=engram_rows, token_mask=current, conv=conv)
+        context = ForwardContext(engram_inputs=engram_inputs, token_mask=current, conv=conv)
         self._step = _Step(context, next_state)
 
     def _next_state(
@@ -363,9 +365,9 @@ class EngramAdapter:
             )
         return mask
 
-    def _start_lookups(self, rows: torch.Tensor):
-        # The memory's layout is this hasher's (checked when it was attached): the rows are in range.
-        return self.memory.lookup(rows, in_range=True)
+    def _start_lookups(self, row_ids: torch.Tensor):
+        # The memory's layout is this hasher's (checked when it was attached): the row ids are in range.
+        return self.memory.lookup(row_ids, in_range=True)
 
     def _wrap_generation(self, model: nn.Module) -> None:
         original = model.prepare_inputs_for_generation
@@ -460,8 +462,8 @@ def engram_summary(model: nn.Module) -> str:
     """
     adapter = get_engram(model)
     config, layout = adapter.config, adapter.layout
-    rows = {lid: layout.layer(lid).num_embeddings for lid in config.layer_ids}
-    table_params = sum(rows.values()) * config.head_dim
+    num_rows = {lid: layout.layer(lid).num_embeddings for lid in config.layer_ids}
+    table_params = sum(num_rows.values()) * config.head_dim
     engram_params = sum(p.numel() for e in adapter.engrams.values() for p in e.parameters())
     total = sum(p.numel() for p in model.parameters())
     if adapter.memory is not None:
@@ -472,11 +474,11 @@ def engram_summary(model: nn.Module) -> str:
         sparse = all(e.table.sparse for e in adapter.engrams.values())
         where = f"in the modules ({'sparse' if sparse else 'dense'} gradients)"
     orders = f"{2}- to {config.max_ngram_size}-grams" if config.max_ngram_size > 2 else "2-grams"
-    per_layer = ", ".join(f"layer {lid}: {n:,}" for lid, n in rows.items())
+    per_layer = ", ".join(f"layer {lid}: {n:,}" for lid, n in num_rows.items())
     return (
         f"Engram at decoder layers {list(config.layer_ids)} of {type(model).__name__}: {orders}, "
         f"{config.n_heads} heads, rows of {config.head_dim}\n"
-        f"  tables: {sum(rows.values()):,} rows ({per_layer}) = {table_params:,} parameters, {where}\n"
+        f"  tables: {sum(num_rows.values()):,} rows ({per_layer}) = {table_params:,} parameters, {where}\n"
         f"  projections, norms{' and ShortConv' if config.short_conv else ''}: "
         f"{engram_params - table_params:,} parameters\n"
         f"  Engram: {engram_params:,} of {total:,} parameters ({100 * engram_params / max(total, 1):.2f}%)"

@@ -6,7 +6,7 @@ queues a few hundred small kernels. Engram's share of a step is its own dozens o
 (hash, a lookup per layer, projection, gate, views, checks), each host work with no GPU
 work to hide it. Replayed from graphs, that share is a few copies and replays::
 
-    base pre-hook:   ids, mask ──copy──► [graph: hash ─► every layer's rows (table read)]
+    base pre-hook:   ids, mask ──copy──► [graph: hash ─► every layer's row vectors (table read)]
     layer k hook:    hidden ──copy──► [graph: wkv ─► gate + residual] ──clone──► layer k
 
 The graphs are captured at the first decode step of a batch shape and replayed while it
@@ -54,7 +54,7 @@ class StepGraphs:
     valid: torch.Tensor | None  # static bool [B, N-1+1]
     graph: torch.cuda.CUDAGraph
     row_ids: torch.Tensor  # int64 [B, 1, n_layers, n_cols], written by the front graph
-    rows: dict[int, torch.Tensor]  # per layer: bf16 rows read by the front graph (a memory's tables)
+    row_vectors: dict[int, torch.Tensor]  # per layer: bf16 row vectors read by the front graph (a memory's tables)
     memory: object
     pool: tuple
     layers: dict[int, _LayerGraph] = field(default_factory=dict)
@@ -145,19 +145,19 @@ class DecodeGraphs:
         if static_valid is not None:
             static_valid.copy_(valid)
         depth = a.config.max_ngram_size - 1
-        rows: dict[int, torch.Tensor] = {}
+        row_vectors: dict[int, torch.Tensor] = {}
 
         def work() -> torch.Tensor:
             blocked = None if static_valid is None else ~static_valid
             row_ids = a.hasher(ids, blocked=blocked, check=False)[:, depth:]
             if memory is not None:
                 for lid in a.config.layer_ids:
-                    rows[lid] = memory.gather_into(lid, row_ids[:, :, a.layout.layer_index(lid)])
+                    row_vectors[lid] = memory.gather_into(lid, row_ids[:, :, a.layout.layer_index(lid)])
             return row_ids
 
         pool = torch.cuda.graph_pool_handle()
         graph, row_ids = self._record(work, pool)
-        return StepGraphs(ids, static_valid, graph, row_ids, dict(rows), memory, pool)
+        return StepGraphs(ids, static_valid, graph, row_ids, dict(row_vectors), memory, pool)
 
     def _capture_layer(self, entry: StepGraphs, layer_id: int, hidden: torch.Tensor) -> _LayerGraph:
         a = self.adapter
@@ -165,11 +165,11 @@ class DecodeGraphs:
         static_hidden = hidden.clone(memory_format=torch.contiguous_format)
         depth = a.config.max_ngram_size - 1
         mask = None if entry.valid is None else entry.valid[:, depth:]
-        looked_up = entry.rows.get(layer_id)
+        looked_up = entry.row_vectors.get(layer_id)
         row_ids = None if looked_up is not None else entry.row_ids[:, :, a.layout.layer_index(layer_id)]
 
         def work() -> torch.Tensor:
-            return engram(static_hidden, row_ids, mask, looked_up, residual=True)  # (row vectors 4th)
+            return engram(static_hidden, row_ids, mask, row_vectors=looked_up, residual=True)
 
         graph, out = self._record(work, entry.pool)
         weights = tuple((t, t.data_ptr()) for t in _tensors(engram))
