@@ -111,6 +111,10 @@ class NgramHistory:
         """By position: rows 0..batch-1 hold `ids` [batch, T] at positions start..start+T-1."""
         self._positions()[:batch, start : start + ids.shape[1]] = ids
 
+    def span(self, batch: int, start: int, stop: int) -> torch.Tensor:
+        """By position: the token ids of rows 0..batch-1 at positions start..stop-1 (a view; 0 <= start)."""
+        return self._positions()[:batch, start:stop]
+
     def window(self, slots: torch.Tensor, ends: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """By position: the token ids of slot ``slots[b]`` at positions ``ends[b]-width .. ends[b]-1``.
 

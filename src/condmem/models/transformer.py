@@ -346,9 +346,7 @@ class DecoderLM(nn.Module):
             if self.cfg.engram is not None and prepared is None:
                 # A position's rows depend on it and the N-1 ids before: hash that window only.
                 back = min(start, self.cfg.engram.max_ngram_size - 1)
-                ends = torch.full((batch,), start + length, device=input_ids.device)
-                window, _ = cache.history.window(torch.arange(batch, device=input_ids.device), ends, back + length)
-                row_ids_all = self.row_ids(window)[:, back:]
+                row_ids_all = self.row_ids(cache.history.span(batch, start - back, start + length))[:, back:]
         elif prepared is None:
             row_ids_all = row_ids if row_ids is not None else self.row_ids(input_ids, doc_starts)
         engram_inputs = prepared
