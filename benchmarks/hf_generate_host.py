@@ -119,7 +119,7 @@ class RecordedMemory:
 
     def lookup(self, row_ids, **kwargs):
         prepared = self.memory.lookup(row_ids, **kwargs)
-        self.calls.append((row_ids.clone(), {lid: prepared.rows(lid).clone() for lid in self.layers}))
+        self.calls.append((row_ids.clone(), {lid: prepared.row_vectors(lid).clone() for lid in self.layers}))
         return prepared
 
 
@@ -527,7 +527,7 @@ def main() -> None:
             adapter.memory = memory
             prepared = memory.lookup(row_ids)
             forward[name] = (
-                {lid: prepared.rows(lid) for lid in args.engram_layers},
+                {lid: prepared.row_vectors(lid) for lid in args.engram_layers},
                 model(seq, attention_mask=torch.ones_like(seq)).logits,
             )
     result["forward_equal"] = {

@@ -148,7 +148,7 @@ def main() -> None:
         for _ in range(2):
             ids = torch.randint(0, layout.compressed_vocab_size, (2, 1024), generator=gen)
             prepared = memory.prepare(ids)
-            got = prepared.rows(1)
+            got = prepared.row_vectors(1)
             sync()
             rid = prepared.row_ids(1).cpu().flatten()
             want = dequantize_fp8_e8m0(
@@ -169,7 +169,7 @@ def main() -> None:
 
         module = Engram.from_released(ckpt, 1, device=device)
         hidden = torch.randn(2, 1024, module.hc_mult, module.hidden_size, device=device, dtype=torch.bfloat16)
-        y = module(hidden, prepared.row_ids(1), rows=prepared.rows(1))
+        y = module(hidden, prepared.row_ids(1), row_vectors=prepared.row_vectors(1))
         result["forward_finite"] = bool(torch.isfinite(y).all())
         result["module"] = {
             "hidden_size": module.hidden_size,

@@ -26,7 +26,7 @@ def timed(memory, batches, layer_ids) -> list[float]:
         t0 = time.perf_counter()
         prepared = memory.prepare(ids)
         for lid in layer_ids:
-            prepared.rows(lid)
+            prepared.row_vectors(lid)
         torch.cuda.synchronize()
         out.append((time.perf_counter() - t0) * 1e3)
     return out
@@ -55,7 +55,7 @@ def main() -> None:
     for ids in batches[:2]:
         a, b = plain.prepare(ids), sharded.prepare(ids)
         for lid in cfg.layer_ids:
-            assert torch.equal(a.rows(lid), b.rows(lid)), "sharded rows differ at world size 1"
+            assert torch.equal(a.row_vectors(lid), b.row_vectors(lid)), "sharded rows differ at world size 1"
     rounds = []
     for _ in range(3):  # interleaved, so drift hits both
         rounds.append(
