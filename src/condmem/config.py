@@ -74,7 +74,7 @@ LIMITS: dict[str, int] = {
     "seed": 2**32 - 1,
     "compressed_vocab_size": 2**31 - 1,
     "num_embeddings": 2**56,
-    "columns": 2**20,  # layers x (N-1) x heads: row ids per token; the layout draws one prime each (~2 us)
+    "columns": 2**20,  # layers x (N-1) x heads: row ids per token; the layout searches one prime each
 }
 """Upper bounds of each size. Rows per layer are at most (N-1) x heads x table_size plus the
 prime gaps: < 31 x 256 x 2^40 x 1.001 < 2^54, so row ids stay below 2^63 with a margin of 2^9."""

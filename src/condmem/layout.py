@@ -373,5 +373,5 @@ class EngramLayout:
 def _cached_primes(
     layer_ids: tuple[int, ...], table_sizes: tuple[int, ...], n_heads: int
 ) -> tuple[tuple[int, ...], ...]:
-    # The prime search is the slow part of a layout (~1.5 us a prime at 2**40); configs repeat.
+    # The prime search (primality tests near each table size) is the slow part of a layout; configs repeat.
     return tuple(tuple(cols) for cols in draw_primes(list(layer_ids), list(table_sizes), n_heads))

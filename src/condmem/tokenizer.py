@@ -193,9 +193,9 @@ def _source_from_tokenizers(tokenizer: Tokenizer, description: str) -> _Source:
     n = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def decode_all() -> list[str]:
-        # One decode call per id costs ~2 us (0.3 s for 129k ids), so there is nothing to
-        # gain from decode_batch, which would also start the Rust thread pool and make
-        # later forks (DataLoader workers) warn about tokenizers parallelism.
+        # One short decode call per id, once per vocabulary: nothing to gain from
+        # decode_batch, which would also start the Rust thread pool and make later forks
+        # (DataLoader workers) warn about tokenizers parallelism.
         decode = tokenizer.decode
         return [decode([t], skip_special_tokens=False) for t in range(n)]
 

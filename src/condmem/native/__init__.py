@@ -399,7 +399,7 @@ def hash_decode(
         raise ValueError(f"primes and offsets must be [{n_layers}, {n_cols}], got {tuple(primes.shape)}")
     batch = ids.numel()
 
-    def flat(t, dtype):  # no copy (and no torch op) when t already fits: a decode step is ~10 us of C
+    def flat(t, dtype):  # no copy (and no torch op) when t already fits: a decode step's C work is short
         if t is None:
             return None
         if t.dtype == torch.bool and dtype == torch.uint8 and t.is_contiguous():

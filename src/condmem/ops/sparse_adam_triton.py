@@ -38,9 +38,9 @@ rounded to fp32 on the host as torch rounds them.
 
 So on CUDA the rows, moments and steps equal the torch path's bit for bit (tests hold them
 ``torch.equal``). On the CPU, where the kernel runs only in the interpreter (tests), one op
-parts: torch's CPU ``sqrt`` of fp32 is not correctly rounded (torch 2.13, AVX512, measured:
-about 1 result in 5 is 1 ulp off the IEEE square root, the same wherever the element sits),
-while the interpreter's ``np.sqrt`` is. Moments, steps and slots do not
+parts: torch's CPU ``sqrt`` of fp32 is not correctly rounded on every CPU (its vectorized path
+can be 1 ulp off the IEEE square root, the same wherever the element sits), while the
+interpreter's ``np.sqrt`` is. Moments, steps and slots do not
 depend on a sqrt and stay equal; a row may differ by the rounding of its update (tests: equal
 with an IEEE sqrt in the torch path, within a bound from that rounding with torch's own).
 

@@ -10,7 +10,7 @@ no read-around, which would turn each cold row into ~100 KiB of reads).
 What it serves has been checked (`condmem.tables.integrity`):
 
 * with block CRCs, every 4 KiB block a row touches is read whole and its CRC32C compared
-  before the row is copied out (0.5-1 us of CRC per block against ~100 us for a cold read);
+  before the row is copied out (a CRC per block: a small part of a cold read of it);
 * with the chunk digests of older files, each chunk is read whole and hashed at its first
   read (a one-time cost per chunk), and the reader remembers it;
 * before every batch the file's size and mtime are compared with the ones it had when it was

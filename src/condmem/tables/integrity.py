@@ -12,9 +12,9 @@ in the header metadata key ``integrity``, one of two records:
        "sums": {name: "<name>.crc32c"}, "sums_sha256": {"<name>.crc32c": <sha256>}}
 
   A 4 KiB block is what a cold read fetches anyway (a page, an O_DIRECT unit), so the disk
-  tier checks every block it reads for the cost of a CRC of 4 KiB (~0.5 us with the SSE4.2
-  instruction, against ~100 us for a cold NVMe read); the host tier checks every block as it
-  loads the table.
+  tier checks every block it reads for the cost of a CRC of 4 KiB (the SSE4.2 instruction's:
+  a small part of a cold read of that block); the host tier checks every block as it loads
+  the table.
 * **chunk digests** (files written before the block CRCs, and other safetensors files of
   `StreamingWriter`): a sha256 for every ``chunk_bytes`` piece of every tensor, relative to
   the tensor's first byte::

@@ -567,7 +567,7 @@ class LookupEngine:
         """Capture the plans (and cache admissions) of lookups of these many ids as CUDA graphs.
 
         Lookups of a warmed-up size replay one graph for their whole plan; other sizes run the
-        same kernels one by one (the same rows, ~1-3 ms more host time per 16K-token lookup).
+        same kernels one by one (the same rows, each kernel launched from the host).
         Sizes are rounded up to `plan_bucket`s; decode-sized batches (direct path) need no
         plan. Captures happen only here (and again after `calibrate` changes the split),
         after the engine's own lookups are flushed: a capture is spoiled by a synchronizing

@@ -8,8 +8,8 @@ Two ways to run it, same result (the rows land in order at the destination):
 * **native** (where `condmem.native` is available and the CUDA runtime torch loaded is
   found): one call into ``condmem_gather_stream`` (``native/gather.c``): OpenMP threads
   stream 64-row pieces into the ring with no barriers, and the calling thread queues each
-  chunk's ``cudaMemcpyAsync`` as soon as the chunk is whole (~5 us a call, where a
-  ``Tensor.copy_`` cost ~30 us) and frees ring buffers by polling their events. Chunks ramp
+  chunk's ``cudaMemcpyAsync`` as soon as the chunk is whole (a C call, without the Python and
+  dispatcher work of a ``Tensor.copy_``) and frees ring buffers by polling their events. Chunks ramp
   up from `TAIL_CHUNK_ROWS` to the chunk size and back (`chunk_bounds`). It takes about half
   the time of the loop below (``docs/lookup-engine.md``), bound by the host's memory
   bandwidth, most of which the DMA itself takes.
@@ -31,9 +31,9 @@ STAGING_CHUNK_ROWS = 65536
 sizes tried (docs/benchmarks.md)."""
 
 TAIL_CHUNK_ROWS = 4096
-"""Rows of a native send's first and last chunks (`chunk_bounds`): the first DMA starts
-after ~30 us of gather, and the last row gathered is followed by a ~20 us DMA, not by the
-~0.3 ms of a full 65536-row chunk."""
+"""Rows of a native send's first and last chunks (`chunk_bounds`): a 16th of a full chunk, so the
+first DMA starts after a 16th of a full chunk's gather, and the last row gathered is followed by
+the DMA of 4096 rows, not of a full chunk (docs/lookup-engine.md)."""
 
 
 def chunk_times(timeline: torch.Tensor) -> dict[str, list[float]]:
