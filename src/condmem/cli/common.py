@@ -4,7 +4,6 @@ name), check flags, print JSON and notes."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 from importlib import resources
 from pathlib import Path
@@ -68,14 +67,6 @@ def check_int(value: int | None, flag: str, minimum: int = 1, maximum: int | Non
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum:,}" if maximum is None else f"in {minimum:,}..{maximum:,}"
         raise UsageError(f"{flag} must be {bound}{why}, got {value:,}")
-
-
-def check_float(value: float | None, flag: str, minimum: float = 0.0, strict: bool = False, why: str = "") -> None:
-    """Refuse `value` of `flag` (None: not given) that is NaN, infinite or below `minimum` (at it, with `strict`)."""
-    if value is None:
-        return
-    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        raise UsageError(f"{flag} must be a finite number {'>' if strict else '>='} {minimum:g}{why}, got {value}")
 
 
 def check_vocab_size(value: int | None, flag: str = "--vocab-size") -> None:

@@ -77,10 +77,6 @@ class Request:
     """The sampled token not yet fed back."""
 
 
-# A step's work: decode requests (one token each), prefill chunks, and the chunks' lookups if started ahead.
-_Plan = tuple[list[Request], list[tuple[Request, list[int]]], object]
-
-
 class Scheduler:
     """Serve requests with chunked prefill under `token_budget` tokens per forward.
 
