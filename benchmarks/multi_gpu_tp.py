@@ -78,7 +78,7 @@ def run(args, rank: int, world: int, device: torch.device) -> dict | None:
     row_ids = NgramHasher(layout)(ids)[:, :, 0]
     want = table[row_ids]
     plan = ShardPlan.for_layer(layer, world)
-    r0, r1 = plan.rows(rank)
+    r0, r1 = plan.row_range(rank)
     shard = table[r0:r1]
     tokens = row_ids.numel() // n_cols
     bw = bus_bandwidth_gbps(tokens * n_cols * dim * 2 // world, device, args.repeats)

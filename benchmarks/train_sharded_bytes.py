@@ -52,7 +52,7 @@ def worker(rank: int, world: int, init: str, args, out: str) -> None:
     layout = layout_for(args)
     hasher = NgramHasher(layout)
     plan = ShardPlan.for_layer(layout.layer(1), world)
-    r0, r1 = plan.rows(rank)
+    r0, r1 = plan.row_range(rank)
     before = rss()
     gen = torch.Generator().manual_seed(rank)
     shard = torch.empty(r1 - r0, args.head_dim).normal_(0, 0.02, generator=gen)

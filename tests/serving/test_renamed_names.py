@@ -60,3 +60,13 @@ def test_column_parallel_engram_takes_local_rows_with_a_warning(tmp_path):
         assert torch.equal(got, want)
     finally:
         dist.destroy_process_group()
+
+
+def test_shard_plan_rows_is_row_range_with_a_warning():
+    from condmem.distributed import ShardPlan
+
+    model, _ = tiny_engram_lm("cpu", short_conv=False)
+    plan = ShardPlan.for_layer(model.layout.layer(1), 2)
+    with pytest.warns(DeprecationWarning, match=r"ShardPlan\.rows is deprecated.*row_range"):
+        got = plan.rows(1)
+    assert got == plan.row_range(1) == (plan.row_bounds[1], plan.row_bounds[2])

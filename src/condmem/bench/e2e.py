@@ -371,7 +371,7 @@ def layer_rows(layer, groups: tuple) -> int:
     """Rows of `layer`'s table this rank holds: all of them, or under tensor parallelism its columns'."""
     if groups[0] is None:
         return layer.num_embeddings
-    r0, r1 = ShardPlan.for_layer(layer, dist.get_world_size()).rows(dist.get_rank())
+    r0, r1 = ShardPlan.for_layer(layer, dist.get_world_size()).row_range(dist.get_rank())
     return r1 - r0
 
 

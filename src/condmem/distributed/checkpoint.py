@@ -38,7 +38,7 @@ class ShardedCheckpointError(ValueError):
 
 
 def _state_by_row(opt: torch.optim.Optimizer, table: ShardedTable) -> dict[str, torch.Tensor]:
-    r0 = table.plan.rows(table.rank)[0]
+    r0 = table.plan.row_range(table.rank)[0]
     state = opt.state.get(table.weight)
     d = table.weight.shape[1]
     if not state:
@@ -49,10 +49,10 @@ def _state_by_row(opt: torch.optim.Optimizer, table: ShardedTable) -> dict[str, 
             "row_step": torch.zeros(0),
         }
     slot = state["slot_of_row"].long().cpu()
-    rows = (slot >= 0).nonzero().flatten()
-    slots = slot[rows]
+    row_ids = (slot >= 0).nonzero().flatten()  # this shard's rows with optimizer state
+    slots = slot[row_ids]
     return {
-        "state_rows": rows + r0,
+        "state_rows": row_ids + r0,
         "exp_avg": state["exp_avg"].cpu()[slots].contiguous(),
         "exp_avg_sq": state["exp_avg_sq"].cpu()[slots].contiguous(),
         "row_step": state["row_step"].cpu()[slots],
@@ -124,7 +124,7 @@ def load_sharded(
     old = manifest["row_bounds"]
     if old[-1] != plan.row_bounds[-1]:
         raise ShardedCheckpointError(f"{path} holds {old[-1]:,} rows, the plan {plan.row_bounds[-1]:,}")
-    r0, r1 = plan.rows(rank)
+    r0, r1 = plan.row_range(rank)
     weights, state_rows, avg, avg_sq, steps = [], [], [], [], []
     for q in range(manifest["world_size"]):
         a, b = old[q], old[q + 1]

@@ -42,12 +42,12 @@ class _Exchange(torch.autograd.Function):
         requests = []
         for q in range(w):
             c0, c1 = plan.columns(q)
-            ids = (row_ids[:, :, c0:c1] - plan.rows(q)[0]).reshape(-1)
+            ids = (row_ids[:, :, c0:c1] - plan.row_range(q)[0]).reshape(-1)
             requests.append(torch.cat([ids, ids.new_zeros(size - ids.numel())]))
         served = all_to_all_equal(requests, group=group)  # served[p]: ids rank p asks of me
         real = b * t * _width(plan, rank)
         served = [ids[:real] for ids in served]
-        r0, r1 = plan.rows(rank)
+        r0, r1 = plan.row_range(rank)
         for ids in served:  # checked on the CPU (free there); a GPU gather of a bad id raises on its own
             if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= r1 - r0):
                 raise ShardingError(
@@ -59,20 +59,20 @@ class _Exchange(torch.autograd.Function):
         ctx.plan, ctx.rank, ctx.group = plan, rank, group
         ctx.save_for_backward(*served)
         ctx.weight_shape = weight.shape
-        parts = [rows[: b * t * _width(plan, q)].view(b, t, _width(plan, q), d) for q, rows in enumerate(incoming)]
+        parts = [got[: b * t * _width(plan, q)].view(b, t, _width(plan, q), d) for q, got in enumerate(incoming)]
         return torch.cat(parts, dim=2)
 
     @staticmethod
-    def backward(ctx, grad_rows):
+    def backward(ctx, grad_row_vectors):
         plan, group = ctx.plan, ctx.group
         served = ctx.saved_tensors
-        w, d = plan.world_size, grad_rows.shape[-1]
-        b, t = grad_rows.shape[:2]
+        w, d = plan.world_size, grad_row_vectors.shape[-1]
+        b, t = grad_row_vectors.shape[:2]
         size = b * t * plan.max_columns
         outgoing = []
         for q in range(w):
             c0, c1 = plan.columns(q)
-            g = grad_rows[:, :, c0:c1].reshape(-1, d)
+            g = grad_row_vectors[:, :, c0:c1].reshape(-1, d)
             outgoing.append(torch.cat([g, g.new_zeros(size - g.shape[0], d)]))
         incoming = all_to_all_equal(outgoing, group=group)  # incoming[p]: gradients of the rows p read
         ids = torch.cat(served)
@@ -99,7 +99,7 @@ class ShardedTable(nn.Module):
         self.rank = dist.get_rank(group)
         if dist.get_world_size(group) != plan.world_size:
             raise ShardingError(f"the plan is for {plan.world_size} ranks, the group has {dist.get_world_size(group)}")
-        r0, r1 = plan.rows(self.rank)
+        r0, r1 = plan.row_range(self.rank)
         if shard.dim() != 2 or shard.shape[0] != r1 - r0:
             raise ShardingError(
                 f"rank {self.rank} owns rows {r0}..{r1 - 1} ({r1 - r0:,} rows); its shard has shape "

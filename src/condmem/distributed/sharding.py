@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from condmem.layout import LayerLayout
+from condmem.utils.renamed import renamed_attribute
 
 
 class ShardingError(ValueError):
@@ -53,8 +54,8 @@ class ShardPlan:
             c = int(np.argmin(np.abs(ends - target))) + 1
             cuts.append(min(max(c, cuts[-1] + 1), n_cols - (world_size - r)))
         cuts.append(n_cols)
-        rows = [0] + [int(ends[c - 1]) for c in cuts[1:]]
-        return cls(world_size, tuple(cuts), tuple(rows))
+        row_bounds = [0] + [int(ends[c - 1]) for c in cuts[1:]]
+        return cls(world_size, tuple(cuts), tuple(row_bounds))
 
     @property
     def n_cols(self) -> int:
@@ -63,8 +64,11 @@ class ShardPlan:
     def columns(self, rank: int) -> tuple[int, int]:
         return self.col_bounds[rank], self.col_bounds[rank + 1]
 
-    def rows(self, rank: int) -> tuple[int, int]:
+    def row_range(self, rank: int) -> tuple[int, int]:
+        """The table rows rank `rank` owns: ``[start, stop)``."""
         return self.row_bounds[rank], self.row_bounds[rank + 1]
+
+    rows = renamed_attribute("ShardPlan", "rows", "row_range")
 
     @property
     def max_columns(self) -> int:
@@ -93,9 +97,14 @@ def traffic_per_token(
       ``2 (w-1)/w * (hc+1) * hidden * kv_bytes`` (needs `hidden`).
     """
     w = world_size
-    rows = n_cols * head_dim * row_bytes
+    vectors = n_cols * head_dim * row_bytes  # one token's row vectors
     share = (w - 1) / w
-    out = {"head": share * rows, "row": 2 * share * rows, "head_sp": share * rows / w, "row_sp": share * rows}
+    out = {
+        "head": share * vectors,
+        "row": 2 * share * vectors,
+        "head_sp": share * vectors / w,
+        "row_sp": share * vectors,
+    }
     if hidden is not None:
         out["column_wkv"] = 2 * share * (hc_mult + 1) * hidden * kv_bytes
     return out

@@ -80,7 +80,7 @@ class ShardedRows:
         if row_ids.dim() != 3 or row_ids.shape[2] != self.plan.n_cols:
             raise ShardingError(f"row_ids must be [B, T, {self.plan.n_cols}], got {tuple(row_ids.shape)}")
         c0, c1 = self.plan.columns(self.rank)
-        r0, r1 = self.plan.rows(self.rank)
+        r0, r1 = self.plan.row_range(self.rank)
         ids = row_ids[:, :, c0:c1] - r0
         # Checked here on the CPU only (free there); on a GPU the lookup engine checks its ids
         # without stalling the host.

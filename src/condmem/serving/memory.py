@@ -244,7 +244,7 @@ class EngramMemory:
             store = self.stores[layer_id]
             expected = hasher.layout.layer(layer_id).num_embeddings
             if self.sharded is not None:
-                r0, r1 = self.sharded[layer_id].plan.rows(self.sharded[layer_id].rank)
+                r0, r1 = self.sharded[layer_id].plan.row_range(self.sharded[layer_id].rank)
                 expected = r1 - r0
             if store.num_rows != expected:
                 raise EngramMemoryError(
@@ -653,7 +653,7 @@ def _shard(layer_rows: LayerRows, hasher: NgramHasher, layer_id: int, group) -> 
         return layer_rows
     import torch.distributed as dist
 
-    r0, r1 = shard_plan(hasher, layer_id, group).rows(dist.get_rank(group))
+    r0, r1 = shard_plan(hasher, layer_id, group).row_range(dist.get_rank(group))
     return layer_rows.slice_rows(r0, r1)
 
 
@@ -668,12 +668,12 @@ def _shared_name(table, layer_id: int, hasher: NgramHasher, group) -> str:
             f"{table.path} records no checksums to name a shared host copy by its content: "
             "rewrite it with `condmem convert`, or use another host_alloc"
         )
-    rows = [0, table.num_embeddings[table.layer_ids.index(layer_id)]]
+    row_range = [0, table.num_embeddings[table.layer_ids.index(layer_id)]]
     if group is not None:
         import torch.distributed as dist
 
-        rows = list(shard_plan(hasher, layer_id, group).rows(dist.get_rank(group)))
-    return shared_table_name(content_fingerprint(record, table.format, layer_id, rows), layer_id)
+        row_range = list(shard_plan(hasher, layer_id, group).row_range(dist.get_rank(group)))
+    return shared_table_name(content_fingerprint(record, table.format, layer_id, row_range), layer_id)
 
 
 def _check_same_geometry(ckpt, hasher: NgramHasher) -> None:

@@ -52,7 +52,7 @@ class DataParallelTables:
                 if state is not None:
                     self.states[lid] = state
             else:
-                r0, r1 = plan.rows(self.rank)
+                r0, r1 = plan.row_range(self.rank)
                 rows = engram.table.weight.detach()[r0:r1]
             table = ShardedTable(plan, rows.to(device), group)
             table.num_embeddings, table.head_dim, table.sparse = plan.row_bounds[-1], rows.shape[1], True
