@@ -249,3 +249,25 @@ def test_the_look_back_check_sees_a_token_copy(tmp_path):
     for name in ("serving", "integrations", "distributed"):
         (tmp_path / name).mkdir()
     assert _look_back_holders(tmp_path) == ["models/cache.py:Cache"]
+
+
+def test_a_history_by_position_is_refused_by_the_hash_kernels():
+    """The two forms of the look-back state do not mix: the decode and ragged hashes name the form they need."""
+    import numpy as np
+    import pytest
+    import torch
+
+    from condmem import EngramConfig, EngramLayout, NgramHasher
+    from condmem.hashing import NgramHistory
+    from condmem.hashing.hasher import HashInputError
+
+    cfg = EngramConfig(layer_ids=[1], max_ngram_size=3, n_heads=2, head_dim=8, table_size=53, hidden_size=32)
+    hasher = NgramHasher(EngramLayout(cfg, compressed_vocab_size=40), token_lookup=np.arange(50) % 40, pad_id=0)
+    by_position = NgramHistory(2, 3, hasher.pad_compressed_id, max_len=8)
+    slots, ids = torch.tensor([0, 1]), torch.tensor([3, 4])
+    with pytest.raises(HashInputError, match="by position"):
+        hasher.decode(by_position, slots, ids)
+    with pytest.raises(HashInputError, match="by position"):
+        hasher.hash_ragged(ids, torch.tensor([0, 1, 2]), history=by_position, slots=slots)
+    rolling = hasher.new_history(2)
+    assert hasher.decode(rolling, slots, ids).shape == (2, 1, 4)

@@ -361,6 +361,8 @@ class NgramHasher:
         if history is not None:
             if history.max_ngram_size != self._depth + 1 or history.pad_id != self.pad_compressed_id:
                 raise HashInputError(f"{history!r} was not made for this hasher: use hasher.new_history")
+            if history.ids is None:
+                raise HashInputError(f"{history!r} keeps token ids by position; the hash kernels read the rolling form")
             if history.ids.device != device:
                 raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
             if not isinstance(slots, torch.Tensor) or slots.shape != (n_seqs,) or slots.device != device:
@@ -689,6 +691,8 @@ class NgramHasher:
                 f"{history!r} was not made for this hasher (N={self.layout.max_ngram_size}, "
                 f"pad={self.pad_compressed_id}): use hasher.new_history"
             )
+        if history.ids is None:
+            raise HashInputError(f"{history!r} keeps token ids by position; the hash kernels read the rolling form")
         device = input_ids.device
         if history.device != device:
             raise HashInputError(f"history lives on {history.device} but input_ids on {device}")
