@@ -498,9 +498,9 @@ class Trainer:
         cfg = self.cfg
         ahead, self._next_batch = self._next_batch, None
         if ahead is not None and ahead[0] == step:
-            _, batch, rows = ahead  # batch and row ids made for the prefetch: the forward does not hash again
+            _, batch, row_ids = ahead  # batch and row ids made for the prefetch: the forward does not hash again
         else:
-            batch, rows = self._batch(step), None
+            batch, row_ids = self._batch(step), None
         if self.dp is not None:
             batch = self.dp.local(batch)
         if self.host is not None:
@@ -508,7 +508,7 @@ class Trainer:
         lr_mult = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         set_lr(self.optimizers, lr_mult)
         with autocast_for(self.device, cfg.precision):
-            loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts, row_ids=rows)
+            loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts, row_ids=row_ids)
         if self.host is not None and step + 1 < cfg.steps and self.host.prefetch_enabled:
             # Once the forward is queued: the host's work here (the next batch, its hash, the
             # prefetch) overlaps the device's forward, so the device does not idle through it after

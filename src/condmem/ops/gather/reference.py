@@ -59,7 +59,7 @@ def table_format(table: torch.Tensor, scales: torch.Tensor | None = None, head_d
         raise GatherError(f"a table must be [rows, width], got shape {tuple(table.shape)}")
     if table.stride(1) != 1:
         raise GatherError("table rows must be contiguous (stride 1 along the row)")
-    rows, width = table.shape
+    num_rows, width = table.shape
     scales = _scale_bytes(scales)
     if table.dtype == FP8_DTYPE:
         if scales is None:
@@ -70,7 +70,7 @@ def table_format(table: torch.Tensor, scales: torch.Tensor | None = None, head_d
             raise GatherError(str(exc)) from None
         if scales.stride(1) != 1 or scales.device != table.device:
             raise GatherError("scales must be row-contiguous and on the table's device")
-        return TableFormat(FP8, width, rows, torch.bfloat16)
+        return TableFormat(FP8, width, num_rows, torch.bfloat16)
     if table.dtype == torch.uint8:
         if scales is not None:
             raise GatherError("a packed (uint8) table carries its scales in each row; pass scales=None")
@@ -82,11 +82,11 @@ def table_format(table: torch.Tensor, scales: torch.Tensor | None = None, head_d
             raise GatherError(
                 f"packed rows of {width} bytes do not hold head_dim {d} plus {d // SCALE_BLOCK} scale bytes"
             )
-        return TableFormat(PACKED, d, rows, torch.bfloat16)
+        return TableFormat(PACKED, d, num_rows, torch.bfloat16)
     if table.dtype in _PLAIN_DTYPES:
         if scales is not None:
             raise GatherError(f"a {table.dtype} table takes no scales")
-        return TableFormat(PLAIN, width, rows, table.dtype)
+        return TableFormat(PLAIN, width, num_rows, table.dtype)
     raise GatherError(
         f"unsupported table dtype {table.dtype}: use float8_e4m3fn (+scales), packed uint8, "
         "bf16/fp16/fp32, or int16/int32/int64 words of raw rows"

@@ -72,19 +72,19 @@ def row_sums(grad_rows: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, b
 # and values, without the coalesced flag; a hook after accumulation sets the flag again
 # when the parameter's gradient is exactly the one this lookup made (its indices are ours),
 # so clipping and the optimizer do not sort it again. A sum with another gradient has new
-# indices and stays uncoalesced. The rows a backward made are an attribute of the parameter
+# indices and stays uncoalesced. The distinct row ids a backward made are an attribute of the parameter
 # (tensors compare elementwise, so they cannot key a weak dictionary), dropped by the hook
 # and by the next forward.
-_ROWS = "_condmem_lookup_rows"
+_DISTINCT_IDS = "_condmem_lookup_ids"
 
 
 def _flag_coalesced(weight: torch.Tensor) -> None:
-    rows = weight.__dict__.pop(_ROWS, None)
+    distinct_ids = weight.__dict__.pop(_DISTINCT_IDS, None)
     grad = weight.grad
-    if rows is None or grad is None or not grad.is_sparse or grad.is_coalesced():
+    if distinct_ids is None or grad is None or not grad.is_sparse or grad.is_coalesced():
         return
     indices = grad._indices()
-    if indices.data_ptr() == rows.data_ptr() and indices.shape[1] == rows.numel():
+    if indices.data_ptr() == distinct_ids.data_ptr() and indices.shape[1] == distinct_ids.numel():
         grad._coalesced_(True)
 
 
@@ -105,7 +105,7 @@ class _TableLookup(torch.autograd.Function):
         ctx.backend = backend
         ctx.weight = None
         if weight.is_leaf and weight.requires_grad:
-            weight.__dict__.pop(_ROWS, None)  # a backward that never reached accumulation left it
+            weight.__dict__.pop(_DISTINCT_IDS, None)  # a backward that never reached accumulation left it
             ctx.weight = weight
             _hook_once(weight)
         return out
@@ -116,7 +116,7 @@ class _TableLookup(torch.autograd.Function):
         runs = ctx.saved_tensors
         grad = coalesced_gradient(grad_out, runs, ctx.weight_shape, ctx.backend)
         if ctx.weight is not None:
-            setattr(ctx.weight, _ROWS, runs[1])
+            setattr(ctx.weight, _DISTINCT_IDS, runs[1])
         return grad, None, None
 
 
