@@ -109,7 +109,7 @@ def run(args, rank: int, world: int, device: torch.device) -> dict | None:
     engram = Engram(cfg, layer.num_embeddings, layer_id=1, device=device, table_device="meta").to(torch.bfloat16)
     hidden = torch.randn((args.batch, args.tokens, args.hidden), generator=gen, device=device).to(torch.bfloat16)
     with torch.no_grad():
-        ref = engram(hidden, row_ids, rows=want).float()
+        ref = engram(hidden, row_ids, row_vectors=want).float()
         local = ShardedRows(plan, lambda local: shard[local], dim)._local(row_ids)
         out = column_parallel_engram(engram, hidden, local, plan).float()
         err = torch.tensor(float((out - ref).norm() / ref.norm()), device=device)
