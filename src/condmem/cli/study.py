@@ -4,6 +4,7 @@ sweeps, small, and the allocation's gaps against training tokens."""
 from __future__ import annotations
 
 import argparse
+import functools
 
 
 def register(sub) -> None:
@@ -27,6 +28,7 @@ def register(sub) -> None:
         "  condmem study allocation --preset cpu --out runs/cpu      # a small real answer on a laptop\n"
         "  condmem study allocation --preset gpu --out runs/gpu --stop-after 9   # again until done (docs/study.md)\n"
         "  condmem study allocation --preset gpu --out runs/gpu --only seed=0    # one machine's share\n"
+        "  condmem study allocation --preset gpu --out runs/gpu --parallel 3     # 3 runs at once on one GPU\n"
         "  condmem study merge runs/allocation                  # study.json once every run exists\n"
         "  condmem study tokens --preset gpu --out runs/tokens --stop-after 8   # the gap against tokens\n"
         "  condmem study slots --preset tiny --corpus /path/to/texts --table-sizes 20 300 3000\n"
@@ -70,8 +72,15 @@ def register(sub) -> None:
         action="append",
         metavar="KEY=VALUE[,...]",
         help="train only these runs: keys rho, experts, table_size, control (none for the sweep's own points), "
-        "seed, tokens (the token sweep's budget); a key repeated is an OR, repeated --only flags add runs "
-        "(e.g. --only rho=0.8,seed=1)",
+        "seed, tokens (the token sweep's budget), run (a run id); a key repeated is an OR, repeated --only "
+        "flags add runs (e.g. --only rho=0.8,seed=1)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        metavar="K",
+        help="train K runs at once, one process each, on the same device: a small model leaves a large GPU "
+        "idle between kernels, and K processes fill the gaps (logs in OUT/logs/; docs/study.md)",
     )
     p.add_argument("--rhos", type=float, nargs="+", help="allocation grid, each in (0, 1] (1.0 is always run)")
     p.add_argument("--table-sizes", type=int, nargs="+", help="slot sweep: bucket range per (order, head)")
@@ -102,8 +111,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from condmem.apps.study.sweep import merge, replot, run_study
+    from condmem.apps.study.parallel import run_parallel
     from condmem.apps.study.runs import require_positive
+    from condmem.apps.study.sweep import merge, replot, run_study
 
     if args.kind == "merge":
         out = args.path or args.out
@@ -131,7 +141,10 @@ def run(args) -> int:
         require_positive(flag, value, integer=False)
     if args.steps is not None and args.tokens is not None:
         raise ValueError("--steps and --tokens both given: choose one")
-    run_study(
+    if args.parallel is not None and (args.parallel < 1):
+        raise ValueError(f"--parallel must be 1 or more, got {args.parallel}")
+    sweep = run_study if (args.parallel or 1) == 1 else functools.partial(run_parallel, workers=args.parallel)
+    sweep(
         args.kind,
         args.out,
         preset=args.preset or "tiny",

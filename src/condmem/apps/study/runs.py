@@ -65,7 +65,7 @@ class RunSpec:
 
     def fields(self) -> dict[str, Any]:
         """The values `select_runs` matches: rho (asked and realised), experts, table_size, control, seed,
-        tokens (the token sweep's budget)."""
+        tokens (the token sweep's budget), run (the run id)."""
         p = self.point
         return {
             "rho": [v for v in (p.rho, *p.rho_asked) if v is not None],
@@ -74,6 +74,7 @@ class RunSpec:
             "control": [p.control or "none"],
             "seed": [self.init_seed],
             "tokens": [getattr(p, "train_tokens", None)],
+            "run": [self.run_id],
         }
 
 
@@ -92,7 +93,7 @@ def plan_runs(points: list, seeds: int, seed: int) -> list[RunSpec]:
     return specs
 
 
-_ONLY_KEYS = ("rho", "experts", "table_size", "control", "seed", "tokens")
+_ONLY_KEYS = ("rho", "experts", "table_size", "control", "seed", "tokens", "run")
 
 
 def parse_only(filters: list[str] | None) -> list[dict[str, list[str]]]:

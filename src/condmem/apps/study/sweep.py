@@ -421,6 +421,7 @@ def run_study(
     overwrite: bool = False,
     stop_after: float | None = None,
     progress: bool = True,
+    stage: str = "all",
     **options,
 ) -> dict:
     """Run (or continue) one sweep in `out`; returns study.json's dict when every run exists, else a
@@ -436,7 +437,12 @@ def run_study(
         only: ``--only`` filters: train only the runs they select.
         overwrite: replace a sweep in `out` made with another config (and its runs that differ).
         stop_after: minutes: start no run that would not finish within them (re-run to continue).
+        stage: ``all`` (plan, train, and merge once every run exists), ``plan`` (prepare the data, write
+            the plan and return the selected runs not yet trained as ``selected_left``; train nothing) or
+            ``train`` (train the selected runs, never merge: one of several processes sharing `out`).
     """
+    if stage not in ("all", "plan", "train"):
+        raise ValueError(f"run_study: stage must be 'all', 'plan' or 'train', got {stage!r}")
     wall = time.perf_counter()
     sc = resolve_config(kind=kind, **options)
     parse_only(only)  # a malformed --only is refused before any work
@@ -457,12 +463,12 @@ def run_study(
         torch.set_num_threads(sc.cpu_threads)
     try:
         with deterministic_mode(sc.deterministic):
-            return _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress)
+            return _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress, stage)
     finally:
         torch.set_num_threads(threads)
 
 
-def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress) -> dict:
+def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress, stage) -> dict:
     """`run_study` once its config, device and output folder are settled."""
     data = prepare(sc.base, seed=sc.split_seed)
     seen = seen_in_training(
@@ -512,11 +518,16 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
     sc.save(out / "config.json", within=out)
     print_plan(kind, points, n_steps, tc, sc)
     chosen = select_runs(specs, only)
+    store = RunStore(out)
+    if stage == "plan":
+        selected_left = [s.run_id for s in chosen if not store.path(s.run_id).exists()]
+        return {"complete": False, "selected_left": selected_left, "runs": len(specs), "out": str(out)}
     _train_selected(
         kind, sc, chosen, specs, out, data, dev, seen, n_steps, data_id, overwrite, stop_after, wall, progress
     )
-    store = RunStore(out)
     left = [s.run_id for s in specs if not store.path(s.run_id).exists()]
+    if stage == "train":
+        return {"complete": not left, "runs_left": left, "out": str(out)}
     if left:
         print(
             f"\n{len(specs) - len(left)} of {len(specs)} runs of the sweep are done, {len(left)} left: re-run the same "

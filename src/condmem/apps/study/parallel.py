@@ -1,0 +1,113 @@
+"""Several runs of one sweep at once on one device: `run_parallel` prepares the data and writes the
+plan once, deals the selected runs that are not finished yet to K worker processes (round robin, in
+plan order), shows the sweep's progress while they train, and merges once every run exists.
+
+A small model leaves a large GPU idle between its kernels, so K processes fill those gaps (the
+measured gain is in docs/benchmarks.md). Each worker is `run_study` with ``--only run=ID`` for its
+share and ``stage="train"``, its output in ``OUT/logs/worker-K.log``; results are the same run files
+a single process writes (deterministic mode gives the same losses alone and side by side)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+from condmem.apps.study.runs import RunStore, SweepProgress
+from condmem.apps.study.sweep import merge, run_study
+
+
+def deal(run_ids: list[str], workers: int) -> list[list[str]]:
+    """`run_ids` dealt round robin to at most `workers` non-empty shares (neighbours in plan order, often
+    of one cost, land on different workers)."""
+    shares = [run_ids[i::workers] for i in range(workers)]
+    return [s for s in shares if s]
+
+
+def _worker(kind: str, out: str, run_ids: list[str], log_path: str, options: dict) -> None:
+    """One worker process: its output to its log file (file descriptors, so compilers' and kernels'
+    messages land there too), then `run_study` on its share."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    run_study(kind, out, only=[f"run={r}" for r in run_ids], stage="train", progress=False, **options)
+
+
+def run_parallel(
+    kind: str,
+    out: str | Path | None,
+    workers: int,
+    *,
+    only: list[str] | None = None,
+    progress: bool = True,
+    poll_seconds: float = 2.0,
+    **options,
+) -> dict:
+    """`run_study` with its runs spread over `workers` processes on the same device.
+
+    Args:
+        workers: processes training at once (>= 2; 1 is `run_study` itself).
+        only, options: as `run_study`'s (``device``, ``stop_after``, ``overwrite``, ``preset``, ...);
+            every worker gets the same options, and its share of the runs as ``--only run=ID``.
+
+    Returns study.json's dict when every run exists, else ``{"complete": False, "runs_left": [...]}``.
+    Raises `RuntimeError` naming the workers that failed and their logs (the others' runs are kept).
+    """
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 2:
+        raise ValueError(f"--parallel must be an integer >= 2, got {workers!r}")
+    plan = run_study(kind, out, only=only, stage="plan", progress=progress, **options)
+    out = Path(plan["out"])
+    todo = plan["selected_left"]
+    shares = deal(todo, workers)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    print(
+        f"[sweep] {len(todo)} runs to train in {len(shares)} processes at once (logs: {logs}/worker-K.log)",
+        flush=True,
+    )
+    # spawn, not fork: the parent may hold CUDA and torch's thread pools, which a forked child cannot use
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for i, share in enumerate(shares):
+        log = logs / f"worker-{i}.log"
+        proc = ctx.Process(target=_worker, args=(kind, str(out), share, str(log), options), name=f"study-worker-{i}")
+        proc.start()
+        procs.append((proc, log))
+    store = RunStore(out)
+    planned = json.loads((out / "sweep.json").read_text())["runs"]
+    bar = SweepProgress(len(planned), sum(1 for r in planned if store.path(r).exists()), progress)
+    seen, last = set(), time.perf_counter()
+    try:
+        while True:
+            alive = any(p.is_alive() for p, _ in procs)
+            for run_id in todo:
+                if run_id not in seen and store.path(run_id).exists():
+                    seen.add(run_id)
+                    now = time.perf_counter()
+                    bar.finished(now - last)
+                    last = now
+            if not alive:
+                break
+            time.sleep(poll_seconds)
+    finally:
+        for proc, _ in procs:
+            proc.join()
+        bar.close()
+    failed = [(p.name, p.exitcode, log) for p, log in procs if p.exitcode != 0]
+    if failed:
+        names = ", ".join(f"{name} (exit code {code}, log {log})" for name, code, log in failed)
+        raise RuntimeError(
+            f"condmem study: {len(failed)} of {len(procs)} workers failed: {names}; finished runs are kept"
+        )
+    left = [r for r in planned if not store.path(r).exists()]
+    if left:
+        print(
+            f"\n{len(planned) - len(left)} of {len(planned)} runs of the sweep are done, {len(left)} left: re-run the "
+            f"same command to continue (or `condmem study merge {out}` once every run exists)",
+            flush=True,
+        )
+        return {"complete": False, "runs_left": left, "out": str(out)}
+    return merge(out)
