@@ -56,10 +56,10 @@ def backbone_slices(cfg, world: int, rank: int) -> BackboneSlices:
     return BackboneSlices(world, rank, (rank * q, (rank + 1) * q), (rank * kv, (rank + 1) * kv), units)
 
 
-def _keep(linear: nn.Linear, rows: slice | None = None, cols: slice | None = None) -> None:
-    """Replace a linear's weight by a copy of its rows (output features) or columns (inputs)."""
+def _keep(linear: nn.Linear, outputs: slice | None = None, inputs: slice | None = None) -> None:
+    """Replace a linear's weight by a copy of its `outputs` (weight rows) or `inputs` (weight columns)."""
     w = linear.weight.detach()
-    w = w[rows] if rows is not None else w[:, cols]
+    w = w[outputs] if outputs is not None else w[:, inputs]
     linear.weight = nn.Parameter(w.clone(), requires_grad=False)
     linear.out_features, linear.in_features = linear.weight.shape
 
@@ -80,15 +80,15 @@ def shard_backbone(model, group=None):
         hd = attn.head_dim
         q = slice(slices.q_heads[0] * hd, slices.q_heads[1] * hd)
         kv = slice(slices.kv_heads[0] * hd, slices.kv_heads[1] * hd)
-        _keep(attn.wq, rows=q)
-        _keep(attn.wk, rows=kv)
-        _keep(attn.wv, rows=kv)
-        _keep(attn.wo, cols=q)
+        _keep(attn.wq, outputs=q)
+        _keep(attn.wk, outputs=kv)
+        _keep(attn.wv, outputs=kv)
+        _keep(attn.wo, inputs=q)
         attn.n_heads = slices.q_heads[1] - slices.q_heads[0]
         attn.n_kv_heads = slices.kv_heads[1] - slices.kv_heads[0]
         ffn = slice(*units)
-        _keep(mlp.w1, rows=ffn)
-        _keep(mlp.w3, rows=ffn)
-        _keep(mlp.w2, cols=ffn)
+        _keep(mlp.w1, outputs=ffn)
+        _keep(mlp.w3, outputs=ffn)
+        _keep(mlp.w2, inputs=ffn)
     model.tp_group = group if group is not None else dist.group.WORLD
     return model

@@ -3,9 +3,9 @@
 `Block.forward(x, ctx)` is the only block forward and `DecoderLM.forward` the only loop over
 the blocks; each way of running the model builds a `ForwardContext` and hands it to them:
 
-* training, evaluation and `generate` (`DecoderLM.forward` builds it): dense attention over
-  [B, T] (`condmem.models.attention.DenseAttention`, with a contiguous `KVCache` when decoding), the module kernels
-  that autograd differentiates;
+* training, evaluation and `generate` (`DecoderLM.dense_context` builds it): dense attention
+  over [B, T] (`condmem.models.attention.DenseAttention`, with a contiguous `KVCache` when
+  decoding), the module kernels that autograd differentiates;
 * the paged serving steps (`condmem.serving.steps`): attention over the paged KV pool for one
   token per slot or for packed ragged chunks, the fused inference kernels
   (``fused=True``), and under tensor parallelism the all-reduce that completes each block's

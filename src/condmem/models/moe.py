@@ -109,7 +109,7 @@ def dispatch_layout(
         counts: ``bincount(experts.flatten(), minlength=n_experts)`` if the caller has it.
 
     Returns (dest int64 [N*k]: each pair's row, pairs in token-major order; ends int32 [E]:
-    the end of each expert's rows; rows: the buffer's size, N*k rounded up to GROUP_ALIGN plus
+    the end of each expert's rows; num_rows: the buffer's size, N*k rounded up to GROUP_ALIGN plus
     GROUP_ALIGN*E). Pairs of one expert keep their token order.
     """
     flat = experts.flatten()
@@ -117,9 +117,9 @@ def dispatch_layout(
     if counts is None:
         counts = expert_counts(flat, n_experts)
     padded = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).clamp_min(GROUP_ALIGN)
-    rows = -(-pairs // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * n_experts  # every group end aligned
+    num_rows = -(-pairs // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * n_experts  # every group end aligned
     ends = torch.cumsum(padded, 0)
-    ends[-1] = rows  # the last group takes the unused rows: the groups cover the buffer
+    ends[-1] = num_rows  # the last group takes the unused rows: the groups cover the buffer
     starts = ends - padded
     order = torch.argsort(flat, stable=True)
     first_pair = torch.cumsum(counts, 0) - counts
@@ -127,7 +127,7 @@ def dispatch_layout(
     rank = torch.arange(pairs, device=flat.device) - first_pair[sorted_experts]
     dest = torch.empty_like(flat)
     dest[order] = starts[sorted_experts] + rank
-    return dest, ends.to(torch.int32), rows
+    return dest, ends.to(torch.int32), num_rows
 
 
 class RouterStats:
@@ -332,7 +332,7 @@ class MoE(nn.Module):
             self.update_bias(counts)  # after the choice: this forward used the bias as it was
         else:
             self.aux_loss = None
-        dest, ends, rows = dispatch_layout(experts, self.n_experts, counts)
+        dest, ends, num_rows = dispatch_layout(experts, self.n_experts, counts)
         w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x.device.type):
             # Autocast does not cover the grouped GEMM: cast as it would for a Linear.
@@ -340,7 +340,7 @@ class MoE(nn.Module):
             x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         fast = grouped_mm_available(x) if self.use_grouped_mm is None else self.use_grouped_mm
         pairs = x.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, self.dim)
-        buffer = x.new_zeros(rows, self.dim).index_copy(0, dest, pairs)
+        buffer = x.new_zeros(num_rows, self.dim).index_copy(0, dest, pairs)
         gate, up = grouped_linear(buffer, w13, ends, use_grouped_mm=fast).chunk(2, dim=-1)
         out = grouped_linear(F.silu(gate) * up, w2, ends, use_grouped_mm=fast)
         routed = out.index_select(0, dest).view(-1, self.top_k, self.dim)

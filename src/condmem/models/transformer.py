@@ -295,13 +295,18 @@ class DecoderLM(nn.Module):
                 e.g. the last real token of right-padded prompts.
             row_ids: `row_ids` of these ids (and `doc_starts`) computed already, e.g. for a
                 prefetch of host-resident tables; without a cache only.
-            context: a `ForwardContext` built by the caller (the paged serving steps); then the
-                arguments above but `last_only` and `logits_at` are not read. Default:
-                `dense_context` of these arguments.
+            context: a `ForwardContext` built by the caller (the paged serving steps), instead of
+                the arguments above but `last_only` and `logits_at`. Default: `dense_context` of
+                those arguments.
         """
         if context is None:
             context = self.dense_context(
                 input_ids, doc_starts=doc_starts, cache=cache, capture=capture, prepared=prepared, row_ids=row_ids
+            )
+        elif any(a is not None for a in (doc_starts, cache, capture, prepared, row_ids)):
+            raise ValueError(
+                "DecoderLM.forward takes a context or the arguments a dense context is made of "
+                "(doc_starts, cache, capture, prepared, row_ids), not both"
             )
         x = self.embed(input_ids)
         for block in self.blocks:
