@@ -271,3 +271,49 @@ def test_a_history_by_position_is_refused_by_the_hash_kernels():
         hasher.hash_ragged(ids, torch.tensor([0, 1, 2]), history=by_position, slots=slots)
     rolling = hasher.new_history(2)
     assert hasher.decode(rolling, slots, ids).shape == (2, 1, 4)
+
+
+def _names_called_rows(src: Path = SRC) -> list[str]:
+    """Where the model, serving, HF and distributed packages bind the bare name ``rows`` (a variable,
+    a parameter, an attribute or a method), other than the deprecated aliases of renamed names."""
+    found = []
+    for package in ("models", "serving", "integrations", "distributed"):
+        for path in sorted((src / package).rglob("*.py")):
+            where = path.relative_to(src).as_posix()
+            tree = ast.parse(path.read_text())
+            aliases = {  # ``rows = renamed_attribute(...)``: a renamed name's deprecated alias
+                id(t)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", "") == "renamed_attribute"
+                for t in node.targets
+            }
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name) and node.id == "rows" and isinstance(node.ctx, ast.Store):
+                    if id(node) not in aliases:
+                        found.append(f"{where}:{node.lineno}")
+                elif isinstance(node, ast.arg) and node.arg == "rows":
+                    found.append(f"{where}:{node.lineno}")
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "rows":
+                    found.append(f"{where}:{node.lineno}:def")
+                elif isinstance(node, ast.keyword) and node.arg == "rows":
+                    found.append(f"{where}:{node.lineno}:rows=")
+    return sorted(set(found))
+
+
+def test_no_bare_rows_name():
+    """``rows`` said three things (a table's size, row ids, looked-up vectors): the names are now
+    ``num_rows``, ``row_ids`` and ``row_vectors``. The one ``rows`` left is the decode fetch's wait
+    hook, which its negative-control GPU test replaces by that name."""
+    found = _names_called_rows()
+    assert [f for f in found if not f.startswith("serving/decode_fetch.py:")] == [], found
+    assert len(found) == 1 and found[0].endswith(":def"), found
+
+
+def test_the_rows_check_sees_a_bare_rows(tmp_path):
+    """Negative control: a local ``rows`` and a ``rows=`` keyword are found."""
+    for name in ("models", "serving", "integrations", "distributed"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "models" / "m.py").write_text("def f(t):\n    rows = t(1)\n    return g(rows=rows)\n")
+    assert _names_called_rows(tmp_path) == ["models/m.py:2", "models/m.py:3:rows="]

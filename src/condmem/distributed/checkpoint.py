@@ -139,22 +139,22 @@ def load_sharded(
             raise ShardedCheckpointError(f"{f} does not match its sha256 in the manifest: damaged")
         with safe_open(str(f), "pt") as st:
             weights.append(st.get_slice("weight")[lo - a : hi - a])
-            rows = st.get_tensor("state_rows")
-            keep = (rows >= lo) & (rows < hi)
-            state_rows.append(rows[keep])
+            held = st.get_tensor("state_rows")  # global ids of the rows with optimizer state
+            keep = (held >= lo) & (held < hi)
+            state_rows.append(held[keep])
             avg.append(st.get_tensor("exp_avg")[keep])
             avg_sq.append(st.get_tensor("exp_avg_sq")[keep])
             steps.append(st.get_tensor("row_step")[keep])
     weight = torch.cat(weights).to(device)
-    rows = torch.cat(state_rows) - r0
+    row_ids = torch.cat(state_rows) - r0  # in this rank's shard
     slot_of_row = torch.full((r1 - r0,), -1, dtype=torch.int32)
-    slot_of_row[rows] = torch.arange(rows.numel(), dtype=torch.int32)
+    slot_of_row[row_ids] = torch.arange(row_ids.numel(), dtype=torch.int32)
     state = {
         "slot_of_row": slot_of_row.to(device),
         "exp_avg": torch.cat(avg).to(device),
         "exp_avg_sq": torch.cat(avg_sq).to(device),
         "row_step": torch.cat(steps).to(device),
-        "n_slots": int(rows.numel()),
+        "n_slots": int(row_ids.numel()),
         "steps": int(manifest["step"]),
     }  # no row took more steps
     return weight, state, int(manifest["step"])

@@ -246,14 +246,14 @@ class Scheduler:
         logits = ragged_step(self.model, self.cache, slots, [c.to(device) for c in chunks], prepared=prepared)
         if lookahead:
             self._plan_ahead(prefill)
-        samplers, rows, at = [], [], 0
+        samplers, last_tokens, at = [], [], 0
         for req, chunk, is_decode in plan:
             at += len(chunk)
             if is_decode or req.prefilled + len(chunk) == len(req.prompt):
                 samplers.append(req)
-                rows.append(at - 1)
+                last_tokens.append(at - 1)
         # Every sampled token in one read back: a read per request would wait for the GPU each time.
-        tokens = logits[to_device(rows, device)].argmax(-1).tolist() if rows else []
+        tokens = logits[to_device(last_tokens, device)].argmax(-1).tolist() if last_tokens else []
         for req, chunk, is_decode in plan:
             if is_decode:
                 req.generated.append(req.next_token)
