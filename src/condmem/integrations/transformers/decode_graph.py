@@ -7,7 +7,7 @@ queues a few hundred small kernels. Engram's share of a step is its own dozens o
 work to hide it. Replayed from graphs, that share is a few copies and replays::
 
     base pre-hook:   ids, mask ──copy──► [graph: hash ─► every layer's row vectors (table read)]
-    layer k hook:    hidden ──copy──► [graph: wkv ─► gate + residual] ──clone──► layer k
+    layer k hook:    hidden ──copy──► [graph: run_engram: wkv ─► gate + residual] ──clone──► layer k
 
 The graphs are captured at the first decode step of a batch shape and replayed while it
 lasts (the next generate() of the same shape replays them too). They run the very kernels
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from condmem.models.context import ForwardContext, run_engram
 from condmem.utils.graph_capture import warm_and_capture
 
 MAX_SHAPES = 4  # batch shapes whose graphs are kept (least recently used dropped)
@@ -165,11 +166,10 @@ class DecodeGraphs:
         static_hidden = hidden.clone(memory_format=torch.contiguous_format)
         depth = a.config.max_ngram_size - 1
         mask = None if entry.valid is None else entry.valid[:, depth:]
-        looked_up = entry.row_vectors.get(layer_id)
-        row_ids = None if looked_up is not None else entry.row_ids[:, :, a.layout.layer_index(layer_id)]
+        context = ForwardContext(engram_inputs=_FrontInputs(entry, a.layout), token_mask=mask)
 
         def work() -> torch.Tensor:
-            return engram(static_hidden, row_ids, mask, row_vectors=looked_up, residual=True)
+            return run_engram(engram, static_hidden, context)
 
         graph, out = self._record(work, entry.pool)
         weights = tuple((t, t.data_ptr()) for t in _tensors(engram))
@@ -181,6 +181,20 @@ class DecodeGraphs:
         graph.replay()
         self.captures += 1
         return graph, out
+
+
+class _FrontInputs:
+    """A step's Engram inputs as its front graph leaves them: each layer's row ids, and the row
+    vectors it read from a memory (None: the module reads its own table)."""
+
+    def __init__(self, entry: StepGraphs, layout):
+        self.entry, self.layout = entry, layout
+
+    def row_ids(self, layer_id: int) -> torch.Tensor:
+        return self.entry.row_ids[:, :, self.layout.layer_index(layer_id)]
+
+    def row_vectors(self, layer_id: int) -> torch.Tensor | None:
+        return self.entry.row_vectors.get(layer_id)
 
 
 def _output_vocab(model: nn.Module | None) -> int:
