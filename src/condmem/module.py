@@ -368,7 +368,7 @@ class Engram(nn.Module):
                     raise EngramInputError(
                         f"Engram(layer {self.layer_id}): the table lives outside this module "
                         "(meta); pass the looked-up row vectors (e.g. "
-                        "row_vectors=EngramMemory.prepare(...).rows(layer_id))"
+                        "row_vectors=EngramMemory.prepare(...).row_vectors(layer_id))"
                     )
                 row_vectors = table(row_ids)
             kv = self.project(row_vectors)

@@ -55,6 +55,37 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (default: cuda when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--steps", type=int, help="training steps of every run (default: the config's)")
     p.add_argument("--tokens", type=int, help="training tokens of every run, instead of --steps")
+    _add_schedule_flags(p)
+    p.add_argument("--rhos", type=float, nargs="+", help="allocation grid, each in (0, 1] (1.0 is always run)")
+    p.add_argument("--table-sizes", type=int, nargs="+", help="slot sweep: bucket range per (order, head)")
+    p.add_argument(
+        "--tokens-grid",
+        type=int,
+        nargs="+",
+        metavar="TOKENS",
+        help="token sweep: training tokens per run at each budget (two or more; --rhos gives its rhos)",
+    )
+    p.add_argument("--controls", nargs="*", metavar="CONTROL", help="allocation controls (none: no controls)")
+    p.add_argument("--val-tokens", type=int, help="validate each run on at most this many held-out tokens")
+    p.add_argument("--max-passes", type=float, help="at most this many passes over the training split")
+    p.add_argument("--seed", type=int, help="first seed of the runs (default: the config's)")
+    p.add_argument(
+        "--no-deterministic",
+        action="store_true",
+        help="allow nondeterministic kernels (faster on some GPUs; the same run may then differ)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a sweep in --out made with another config")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="only draw the PNG again from --out's study.json (after a run on a machine without matplotlib)",
+    )
+    p.set_defaults(func=run)
+
+
+def _add_schedule_flags(p) -> None:
+    """The flags that say which runs this command trains, how many at once, and for how long."""
     p.add_argument(
         "--minutes",
         type=float,
@@ -82,32 +113,6 @@ def register(sub) -> None:
         help="train K runs at once, one process each, on the same device: a small model leaves a large GPU "
         "idle between kernels, and K processes fill the gaps (logs in OUT/logs/; docs/study.md)",
     )
-    p.add_argument("--rhos", type=float, nargs="+", help="allocation grid, each in (0, 1] (1.0 is always run)")
-    p.add_argument("--table-sizes", type=int, nargs="+", help="slot sweep: bucket range per (order, head)")
-    p.add_argument(
-        "--tokens-grid",
-        type=int,
-        nargs="+",
-        metavar="TOKENS",
-        help="token sweep: training tokens per run at each budget (two or more; --rhos gives its rhos)",
-    )
-    p.add_argument("--controls", nargs="*", metavar="CONTROL", help="allocation controls (none: no controls)")
-    p.add_argument("--val-tokens", type=int, help="validate each run on at most this many held-out tokens")
-    p.add_argument("--max-passes", type=float, help="at most this many passes over the training split")
-    p.add_argument("--seed", type=int, help="first seed of the runs (default: the config's)")
-    p.add_argument(
-        "--no-deterministic",
-        action="store_true",
-        help="allow nondeterministic kernels (faster on some GPUs; the same run may then differ)",
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace a sweep in --out made with another config")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument(
-        "--replot",
-        action="store_true",
-        help="only draw the PNG again from --out's study.json (after a run on a machine without matplotlib)",
-    )
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:
