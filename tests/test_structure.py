@@ -1,4 +1,5 @@
-"""The shape of the model code: one block forward, one loop over the blocks.
+"""The shape of the model code: one block forward, one loop over the blocks, one class holding
+look-back tokens, no bare `rows` name (import circles: tests/test_static.py, every module).
 
 Read from the source (AST), so a second way of running the blocks fails here before it can
 drift from the first: training, generate, the serving steps, tensor parallelism and the
@@ -116,65 +117,6 @@ def test_the_checks_see_a_second_block_forward_and_loop():
     assert any(_mentions(c, "attn_norm") for c in calls) and any(_mentions(c, "mlp_norm") for c in calls)
     loop = next(n for n in _own_body(fns["run"]) if isinstance(n, ast.For))
     assert _iterates_blocks(loop) and _runs(loop.target, loop.body)
-
-
-def _imports(path: Path) -> set[str]:
-    """The condmem modules `path` imports, at its top or inside its functions."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("condmem"):
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("condmem"))
-    return out
-
-
-def _module_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
-    modules = {}
-    for package in packages:
-        for path in sorted((SRC / package).rglob("*.py")):
-            parts = path.relative_to(SRC.parent).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            modules[name] = path
-    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt) :] + [nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
-
-
-def test_no_import_circle_in_the_model_serving_and_hf_modules():
-    """No module of these packages reaches itself through imports, those inside functions included
-    (a package's ``__init__`` re-exporting its modules does not count as their import of it)."""
-    graph = _module_graph(("models", "serving", "integrations", "distributed", "hashing"))
-    packages = {name for name in graph if (SRC.parent / name.replace(".", "/") / "__init__.py").exists()}
-    graph = {name: {m for m in deps if m not in packages} for name, deps in graph.items()}
-    assert _cycle(graph) is None, _cycle(graph)
-
-
-def test_the_circle_check_sees_a_lazy_import_circle():
-    """Negative control: add_engram's former lazy import of the save wrapper closes a circle."""
-    graph = {"a.adapter": {"a.pretrained"}, "a.pretrained": {"a.adapter"}}
-    assert _cycle(graph) == ["a.adapter", "a.pretrained", "a.adapter"]
 
 
 LOOK_BACK_NAMES = {"tokens", "lookback", "look_back", "window", "_window", "_tail"}
