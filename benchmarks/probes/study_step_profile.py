@@ -3,10 +3,13 @@
 The `condmem study` gpu preset's backbones (dense at the MoE's active size, pure MoE, rho 0.8
 with its Engram), trained by the library's `Trainer` on random tokens. For each: tokens/s and
 model FLOPs utilisation (training FLOPs per token x tokens/s over a bf16 matmul ceiling measured
-in the same run), eager and with every block compiled (`torch.compile`), and the eager step's
-top CUDA kernels by time (torch.profiler), with the GPU's busy share of the wall time.
+in the same run), eager and with every block compiled (`torch.compile`), and with `--profile` each
+step's top CUDA kernels by time (torch.profiler), with the GPU's busy share of the wall time.
+`--deterministic` runs every variant in deterministic mode, as `condmem study` does by default.
 
     PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --out $OUT
+    PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --deterministic --profile \
+        --models moe --options eager compiled      # what the study's own step spends its time on
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from moe_step import VOCAB, commit, variants  # noqa: E402
 from condmem.models import DecoderLM  # noqa: E402
 from condmem.models.flops import train_flops_per_token  # noqa: E402
 from condmem.train.data import TokenStream  # noqa: E402
+from condmem.train.determinism import deterministic_mode, set_cublas_workspace  # noqa: E402
 from condmem.train.loop import Trainer  # noqa: E402
 from condmem.apps.study.sweep import STUDY_PRESETS, allocation_points  # noqa: E402
 
@@ -90,13 +94,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--models", nargs="+", default=["dense", "moe", "moe_engram_rho0.8"])
     ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
-    ap.add_argument("--profile", action="store_true", help="profile the eager step's kernels")
+    ap.add_argument("--profile", action="store_true", help="profile each variant's kernels")
+    ap.add_argument("--deterministic", action="store_true", help="deterministic mode, as the study runs")
     args = ap.parse_args()
+    set_cublas_workspace(args.deterministic)  # before cuBLAS starts
+    with deterministic_mode(args.deterministic):
+        run(args)
+
+
+def run(args) -> None:
     device = torch.device("cuda")
     tc = STUDY_PRESETS["gpu"].base.train
     tokens = tc.batch_size * tc.seq_len
     peak = matmul_ceiling(device)
-    result = {"commit": commit(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "peak": peak}
+    result = {
+        "commit": commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "peak": peak,
+        "deterministic": args.deterministic,
+    }
     rows = {}
     all_variants = variants(False)
     rho08 = allocation_points(all_variants["moe_engram_big"], [1.0, 0.8])
@@ -106,7 +123,6 @@ def main() -> None:
         flops = train_flops_per_token(cfg, tc.seq_len)
         for option in args.options:
             opts = OPTIONS[option]
-            compiled = option.startswith("compiled")
             key = f"{name}/{option}"
             t0 = time.perf_counter()
             try:
@@ -127,7 +143,7 @@ def main() -> None:
                 "warm_s": warm_s,
             }
             row["mfu"] = flops * row["tokens_per_s"] / peak
-            if not compiled and args.profile:
+            if args.profile:
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
