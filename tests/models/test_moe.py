@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from condmem.config import ConfigError
 from condmem.models import DecoderLM, forward_flops_per_token, iso_flop_baseline
 from condmem.models.config import ModelConfig, MoEConfig
-from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss
+from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss, source_rows
 
 BACKENDS = [
     False,
@@ -95,6 +95,49 @@ def test_moe_keeps_the_input_shape_and_is_batch_independent():
     y = moe(x)
     assert y.shape == x.shape
     assert_close("row alone", y[1], moe(x[1:])[0])
+
+
+def test_source_rows_inverts_dest_and_marks_padding():
+    experts = torch.randint(0, 7, (301, 2), generator=torch.Generator().manual_seed(0))
+    dest, _, num_rows = dispatch_layout(experts, 7)
+    src = source_rows(dest, num_rows)
+    pairs = dest.numel()
+    want = torch.full((num_rows,), pairs, dtype=torch.int64)
+    want[dest] = torch.arange(pairs)  # the plain scatter it replaces
+    assert torch.equal(src, want)
+    assert torch.equal(source_rows(dest[:0], 8), torch.zeros(8, dtype=torch.int64))  # no pairs: all padding
+
+
+def _scatter_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The same MoE forward with the pairs moved by index_copy / index_select (autograd's scatter-add
+    backward): the formulation the gathers replace."""
+    from condmem.models.moe import expert_counts, grouped_linear
+
+    scores, experts, weights = moe.route(x)
+    dest, ends, num_rows = dispatch_layout(experts, moe.n_experts, expert_counts(experts, moe.n_experts))
+    pairs = x.unsqueeze(1).expand(-1, moe.top_k, -1).reshape(-1, moe.dim)
+    buffer = x.new_zeros(num_rows, moe.dim).index_copy(0, dest, pairs)
+    gate, up = grouped_linear(buffer, moe.w13, ends, use_grouped_mm=False).chunk(2, dim=-1)
+    out = grouped_linear(torch.nn.functional.silu(gate) * up, moe.w2, ends, use_grouped_mm=False)
+    routed = out.index_select(0, dest).view(-1, moe.top_k, moe.dim)
+    return (routed * weights.unsqueeze(-1)).sum(1)
+
+
+def test_gathered_pairs_equal_scattered_pairs_forward_and_backward():
+    """Moving the pairs by gathers both ways gives bit-identical outputs and gradients."""
+    torch.manual_seed(0)
+    moe = MoE(16, 6, 2, 8).eval()  # eval: the bias stays put between the two runs (CPU: a matmul per expert)
+    x = torch.randn(53, 16, requires_grad=True)
+    ours = moe(x)
+    (ours * torch.linspace(-1, 1, 16)).sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in moe.parameters() if p.grad is not None]
+    x.grad = None
+    moe.zero_grad(set_to_none=True)
+    theirs = _scatter_moe(moe, x)
+    (theirs * torch.linspace(-1, 1, 16)).sum().backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in moe.parameters() if p.grad is not None]
+    assert torch.equal(ours, theirs)
+    assert len(got) == len(want) >= 3 and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_dispatch_layout_groups_pairs_by_expert():

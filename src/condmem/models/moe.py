@@ -25,7 +25,8 @@ layer needs no device-to-host copy. Each GEMM over the slices is either one
 `torch._grouped_mm` (CUDA, bf16 under autocast, compute capability 9.0+) or one matmul per
 expert over its slice (everywhere else). Padding rows are zeros, are never read back, and
 add nothing to any gradient. The combine gathers each pair's row back and sums a token's
-top_k rows in a fixed order.
+top_k rows in a fixed order. Pairs move into the buffer and back by gathers in both directions
+(`source_rows` inverts the layout), never by a scatter-add, which deterministic mode would sort.
 """
 
 from __future__ import annotations
@@ -128,6 +129,38 @@ def dispatch_layout(
     dest = torch.empty_like(flat)
     dest[order] = starts[sorted_experts] + rank
     return dest, ends.to(torch.int32), num_rows
+
+
+def source_rows(dest: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [num_rows]: the pair each buffer row holds (`dispatch_layout`'s `dest` inverted), and
+    ``len(dest)`` for a padding row. A sort and gathers, no scatter."""
+    pairs = dest.numel()
+    placed, pair_of = torch.sort(dest)
+    rows = torch.arange(num_rows, device=dest.device)
+    at = torch.searchsorted(placed, rows).clamp_max(max(pairs - 1, 0))
+    held = placed[at] == rows if pairs else torch.zeros_like(rows, dtype=torch.bool)
+    return torch.where(held, pair_of[at] if pairs else rows, pairs)
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+
+class _MoveRows(torch.autograd.Function):
+    """``y = x[take]``, where index ``len(x)`` reads a row of zeros; the gradient goes back the same
+    way, ``dx = dy[back]`` (index ``len(dy)`` reads zeros). `take` and `back` are each other's
+    inverse on the rows they move, each row moved at most once: both directions are gathers, where
+    autograd's backward of a gather is a scatter-add, which deterministic mode sorts on CUDA."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, take: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        return _with_zero_row(x).index_select(0, take)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (back,) = ctx.saved_tensors
+        return _with_zero_row(grad).index_select(0, back), None, None
 
 
 class RouterStats:
@@ -333,6 +366,7 @@ class MoE(nn.Module):
         else:
             self.aux_loss = None
         dest, ends, num_rows = dispatch_layout(experts, self.n_experts, counts)
+        src = source_rows(dest, num_rows)
         w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x.device.type):
             # Autocast does not cover the grouped GEMM: cast as it would for a Linear.
@@ -340,10 +374,10 @@ class MoE(nn.Module):
             x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         fast = grouped_mm_available(x) if self.use_grouped_mm is None else self.use_grouped_mm
         pairs = x.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, self.dim)
-        buffer = x.new_zeros(num_rows, self.dim).index_copy(0, dest, pairs)
+        buffer = _MoveRows.apply(pairs, src, dest)  # padding rows are zeros
         gate, up = grouped_linear(buffer, w13, ends, use_grouped_mm=fast).chunk(2, dim=-1)
         out = grouped_linear(F.silu(gate) * up, w2, ends, use_grouped_mm=fast)
-        routed = out.index_select(0, dest).view(-1, self.top_k, self.dim)
+        routed = _MoveRows.apply(out, dest, src).view(-1, self.top_k, self.dim)
         y = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
         return y.reshape(shape)
 
