@@ -136,10 +136,10 @@ def source_rows(dest: torch.Tensor, num_rows: int) -> torch.Tensor:
     ``len(dest)`` for a padding row. A sort and gathers, no scatter."""
     pairs = dest.numel()
     placed, pair_of = torch.sort(dest)
-    rows = torch.arange(num_rows, device=dest.device)
-    at = torch.searchsorted(placed, rows).clamp_max(max(pairs - 1, 0))
-    held = placed[at] == rows if pairs else torch.zeros_like(rows, dtype=torch.bool)
-    return torch.where(held, pair_of[at] if pairs else rows, pairs)
+    row_ids = torch.arange(num_rows, device=dest.device)
+    at = torch.searchsorted(placed, row_ids).clamp_max(max(pairs - 1, 0))
+    held = placed[at] == row_ids if pairs else torch.zeros_like(row_ids, dtype=torch.bool)
+    return torch.where(held, pair_of[at] if pairs else row_ids, pairs)
 
 
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
