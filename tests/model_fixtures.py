@@ -6,12 +6,13 @@ import numpy as np
 import torch
 
 from condmem import EngramConfig
-from condmem.models.config import ModelConfig
+from condmem.models.config import ModelConfig, MoEConfig
 from condmem.models.transformer import DecoderLM
 
 
-def tiny_engram_lm(device, short_conv: bool = True):
-    """(model, {layer_id: table weight}); table values are bf16-representable so host rows match exactly."""
+def tiny_engram_lm(device, short_conv: bool = True, moe: bool = False):
+    """(model, {layer_id: table weight}); table values are bf16-representable so host rows match exactly.
+    `moe`: routed experts in every block (6 of width 32, top-2) beside the shared MLP."""
     ecfg = EngramConfig(
         layer_ids=[1, 2],
         max_ngram_size=3,
@@ -22,7 +23,16 @@ def tiny_engram_lm(device, short_conv: bool = True):
         compressed_vocab_size=40,
         short_conv=short_conv,
     )
-    cfg = ModelConfig(vocab_size=50, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, engram=ecfg, max_seq_len=128)
+    cfg = ModelConfig(
+        vocab_size=50,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        engram=ecfg,
+        max_seq_len=128,
+        moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=32) if moe else None,
+    )
     model = DecoderLM(cfg, token_lookup=np.arange(50) % 40, sparse_tables=False).to(device).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

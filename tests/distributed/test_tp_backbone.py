@@ -6,6 +6,8 @@ Engram table whole in the model, or sharded over the same group by `EngramMemory
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 
 import numpy as np
@@ -147,6 +149,17 @@ def test_slices_keep_grouped_heads_together_and_refuse_uneven_splits():
         backbone_slices(
             ModelConfig(vocab_size=VOCAB, dim=80, n_layers=1, n_heads=10, n_kv_heads=5, ffn_hidden=96), 5, 0
         )
+
+
+def test_a_model_with_routed_experts_is_refused():
+    """Negative control beside it: the same config without experts splits."""
+    from condmem.models.config import MoEConfig
+
+    cfg = ModelConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    assert backbone_slices(cfg, 2, 0).q_heads == (0, 2)
+    moe = dataclasses.replace(cfg, moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32))
+    with pytest.raises(ShardingError, match="routed experts"):
+        backbone_slices(moe, 2, 0)
 
 
 def test_the_tensor_parallel_example_runs_on_two_gloo_ranks():

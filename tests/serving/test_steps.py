@@ -60,9 +60,11 @@ def _schedule(model, device, memory=None, steps=14, leave_b=3, join_c=3, join_d=
     return history
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("device", devices())
-def test_joins_and_leaves_match_full_forward(device):
-    model, _ = _model(device)
+def test_joins_and_leaves_match_full_forward(device, moe):
+    """With routed experts too: the serving steps run them through the one block forward."""
+    model, _ = _model(device, moe=moe)
     with torch.no_grad():
         # Sharpen attention (a fresh init attends almost uniformly, which would hide position errors).
         for block in model.blocks:

@@ -41,6 +41,12 @@ def backbone_slices(cfg, world: int, rank: int) -> BackboneSlices:
     """The slices of `rank`; a clear error when the heads or units do not split evenly."""
     if world < 1 or not 0 <= rank < world:
         raise ShardingError(f"rank {rank} of a world of {world}")
+    if getattr(cfg, "moe", None) is not None:
+        # the routed experts would run whole on every rank and be summed `world` times
+        raise ShardingError(
+            "this model has routed experts (ModelConfig.moe), which tensor parallelism does not shard: "
+            "serve it on one GPU"
+        )
     if cfg.n_kv_heads % world:
         raise ShardingError(
             f"{cfg.n_kv_heads} KV heads do not split over {world} ranks: tensor parallelism "
