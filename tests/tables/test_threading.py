@@ -352,14 +352,14 @@ def test_negative_control_a_dram_cached_store_without_the_cache_lock_serves_othe
     store = _store(table, STORES["disk-dram_cache"])
     try:
         store.cache.lock = _NoLock()
-        # a race: on a loaded machine threads interleave coarsely, so one round of 8 x 400 can miss it
+        # a race: on a loaded machine threads interleave coarsely, so one try of 8 x 400 calls can miss it
         for _ in range(5):
             wrong, failed = _check_store(store, table[2][1].view(torch.uint8), 400)
             if wrong:
                 break
     finally:
         store.close()
-    assert wrong > 0, f"no wrong rows without the cache's lock in 5 rounds ({failed} reads raised)"
+    assert wrong > 0, f"no wrong rows without the cache's lock in 5 tries ({failed} reads raised)"
 
 
 # ---------------------------------------------------------------------- RowCache

@@ -113,6 +113,13 @@ def dispatch_layout(
     the end of each expert's rows; num_rows: the buffer's size, N*k rounded up to GROUP_ALIGN plus
     GROUP_ALIGN*E). Pairs of one expert keep their token order.
     """
+    dest, _, _, ends, num_rows = _layout(experts, n_experts, counts)
+    return dest, ends, num_rows
+
+
+def _layout(experts: torch.Tensor, n_experts: int, counts: torch.Tensor | None):
+    """`dispatch_layout`'s (dest, ends, num_rows), and the pairs in buffer order: their rows
+    (`placed`, increasing) and their indices (`order`), which `source_rows` inverts without a sort."""
     flat = experts.flatten()
     pairs = flat.numel()
     if counts is None:
@@ -126,20 +133,22 @@ def dispatch_layout(
     first_pair = torch.cumsum(counts, 0) - counts
     sorted_experts = flat[order]
     rank = torch.arange(pairs, device=flat.device) - first_pair[sorted_experts]
+    placed = starts[sorted_experts] + rank  # increasing: by expert, then by rank within its group
     dest = torch.empty_like(flat)
-    dest[order] = starts[sorted_experts] + rank
-    return dest, ends.to(torch.int32), num_rows
+    dest[order] = placed
+    return dest, placed, order, ends.to(torch.int32), num_rows
 
 
-def source_rows(dest: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """int64 [num_rows]: the pair each buffer row holds (`dispatch_layout`'s `dest` inverted), and
-    ``len(dest)`` for a padding row. A sort and gathers, no scatter."""
-    pairs = dest.numel()
-    placed, pair_of = torch.sort(dest)
-    row_ids = torch.arange(num_rows, device=dest.device)
+def source_rows(placed: torch.Tensor, order: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [num_rows]: the pair each buffer row holds, and ``len(order)`` for a padding row.
+
+    `placed` (increasing) are the buffer rows of the pairs `order` (e.g. ``torch.sort(dest)``, or
+    `dispatch_layout`'s own sort): a search and gathers, no scatter."""
+    pairs = order.numel()
+    row_ids = torch.arange(num_rows, device=order.device)
     at = torch.searchsorted(placed, row_ids).clamp_max(max(pairs - 1, 0))
     held = placed[at] == row_ids if pairs else torch.zeros_like(row_ids, dtype=torch.bool)
-    return torch.where(held, pair_of[at] if pairs else row_ids, pairs)
+    return torch.where(held, order[at] if pairs else row_ids, pairs)
 
 
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
@@ -365,8 +374,8 @@ class MoE(nn.Module):
             self.update_bias(counts)  # after the choice: this forward used the bias as it was
         else:
             self.aux_loss = None
-        dest, ends, num_rows = dispatch_layout(experts, self.n_experts, counts)
-        src = source_rows(dest, num_rows)
+        dest, placed, order, ends, num_rows = _layout(experts, self.n_experts, counts)
+        src = source_rows(placed, order, num_rows)
         w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x.device.type):
             # Autocast does not cover the grouped GEMM: cast as it would for a Linear.

@@ -9,14 +9,13 @@ a single process writes (deterministic mode gives the same losses alone and side
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import time
 from pathlib import Path
 
 from condmem.apps.study.runs import RunStore, SweepProgress
-from condmem.apps.study.sweep import merge, run_study
+from condmem.apps.study.sweep import finish, run_study
 
 
 def deal(run_ids: list[str], workers: int) -> list[list[str]]:
@@ -77,7 +76,7 @@ def run_parallel(
         proc.start()
         procs.append((proc, log))
     store = RunStore(out)
-    planned = json.loads((out / "sweep.json").read_text())["runs"]
+    planned = plan["planned"]
     bar = SweepProgress(len(planned), sum(1 for r in planned if store.path(r).exists()), progress)
     seen, last = set(), time.perf_counter()
     try:
@@ -102,12 +101,4 @@ def run_parallel(
         raise RuntimeError(
             f"condmem study: {len(failed)} of {len(procs)} workers failed: {names}; finished runs are kept"
         )
-    left = [r for r in planned if not store.path(r).exists()]
-    if left:
-        print(
-            f"\n{len(planned) - len(left)} of {len(planned)} runs of the sweep are done, {len(left)} left: re-run the "
-            f"same command to continue (or `condmem study merge {out}` once every run exists)",
-            flush=True,
-        )
-        return {"complete": False, "runs_left": left, "out": str(out)}
-    return merge(out)
+    return finish(out, planned)

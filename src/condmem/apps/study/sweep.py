@@ -438,7 +438,8 @@ def run_study(
         overwrite: replace a sweep in `out` made with another config (and its runs that differ).
         stop_after: minutes: start no run that would not finish within them (re-run to continue).
         stage: ``all`` (plan, train, and merge once every run exists), ``plan`` (prepare the data, write
-            the plan and return the selected runs not yet trained as ``selected_left``; train nothing) or
+            the plan and return the selected runs not yet trained as ``selected_left`` and every run id
+            of the plan as ``planned``; train nothing) or
             ``train`` (train the selected runs, never merge: one of several processes sharing `out`).
     """
     if stage not in ("all", "plan", "train"):
@@ -521,21 +522,33 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
     store = RunStore(out)
     if stage == "plan":
         selected_left = [s.run_id for s in chosen if not store.path(s.run_id).exists()]
-        return {"complete": False, "selected_left": selected_left, "runs": len(specs), "out": str(out)}
+        return {
+            "complete": False,
+            "selected_left": selected_left,
+            "planned": [s.run_id for s in specs],
+            "out": str(out),
+        }
     _train_selected(
         kind, sc, chosen, specs, out, data, dev, seen, n_steps, data_id, overwrite, stop_after, wall, progress
     )
-    left = [s.run_id for s in specs if not store.path(s.run_id).exists()]
     if stage == "train":
-        return {"complete": not left, "runs_left": left, "out": str(out)}
-    if left:
-        print(
-            f"\n{len(specs) - len(left)} of {len(specs)} runs of the sweep are done, {len(left)} left: re-run the same "
-            f"command to continue (or `condmem study merge {out}` once every run exists)",
-            flush=True,
-        )
-        return {"complete": False, "runs_left": left, "out": str(out)}
-    return merge(out, wall=wall)
+        return {"complete": False, "out": str(out)}
+    return finish(out, [s.run_id for s in specs], wall=wall)
+
+
+def finish(out: Path, planned: list[str], wall: float | None = None) -> dict:
+    """study.json and the PNGs (`merge`) once every planned run exists; else say how many are left and
+    return ``{"complete": False, "runs_left": [...]}``."""
+    store = RunStore(out)
+    left = [r for r in planned if not store.path(r).exists()]
+    if not left:
+        return merge(out, wall=wall)
+    print(
+        f"\n{len(planned) - len(left)} of {len(planned)} runs of the sweep are done, {len(left)} left: re-run the same "
+        f"command to continue (or `condmem study merge {out}` once every run exists)",
+        flush=True,
+    )
+    return {"complete": False, "runs_left": left, "out": str(out)}
 
 
 def _slot_plan(sc: StudyConfig, base: ModelConfig, data, n_steps: int, previous: dict | None):

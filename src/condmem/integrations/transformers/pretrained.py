@@ -6,23 +6,12 @@ tokenizer's fingerprint), and the Engram modules are children of the decoder lay
 their tensors (tables included) go into the model's safetensors files, sharded by
 ``save_pretrained`` like every other weight (``max_shard_size``).
 
-`add_engram` also wraps the model's ``save_pretrained`` (`condmem.integrations.transformers.saving`):
-
-* tables offloaded to an `EngramMemory` (`offload_tables`, ``add_engram(memory=...)``) are
-  read back from their tier, chunk by chunk, into CPU tensors of the module's dtype: the
-  folder is the one an unoffloaded model writes (the rows as the memory holds them: bf16,
-  or fp8 dequantized). The whole table is in CPU memory while it is written, as it is for
-  an unoffloaded model.
-* the folder is written atomically: into a temp folder beside it, then renamed onto it. A
-  failed save leaves the target as it was (and no new folder); files already in the target
-  that the save does not write (a tokenizer saved there first) are kept.
-
-* beside the weights it writes the tokenizer Engram hashes with and ``modeling_condmem.py``,
-  and gives ``config.json`` the model type ``condmem_engram`` (the backbone's own type kept in
-  the section's ``backbone_model_type``) with an ``auto_map`` naming that file's classes, the way custom architectures
-  ship their code. So ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
-  loads the model with Engram (the file imports condmem, which must be installed), and without
-  ``trust_remote_code`` transformers refuses the folder instead of loading a plain backbone.
+`add_engram` also wraps the model's ``save_pretrained`` (`condmem.integrations.transformers.saving`:
+offloaded tables read back, the folder written atomically, the tokenizer and
+``modeling_condmem.py`` beside the weights, ``config.json`` with an ``auto_map``). So
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads the model with
+Engram (the file imports condmem, which must be installed), and without ``trust_remote_code``
+transformers refuses the folder instead of loading a plain backbone.
 
 `load_pretrained` reads the backbone with transformers, rebuilds the Engram modules from
 the section, refuses a tokenizer or layout whose fingerprint differs from the saved one
