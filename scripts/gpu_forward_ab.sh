@@ -4,7 +4,7 @@
 # and this tree): serving end to end (`condmem bench e2e`, 4B, host tables staged vs HBM, an A/A
 # control), Hugging Face greedy generate with decode graphs vs the plain model, and the training
 # step against its FLOPs-matched baseline. Each tool's JSON and log go to $OUT/{before,after}/; the
-# summary lines of both trees print last, side by side in time.
+# summary lines of both trees print last, side by side in time; the files are packed in $OUT/forward_ab.tgz.
 #
 #   BEFORE=.before TABLE_GIB=40 scripts/gpu_forward_ab.sh      # 40 GiB fits beside the 4B on an H100
 set -uo pipefail
@@ -30,7 +30,9 @@ run_tree "before" "$BEFORE"
 run_tree "after" .
 for name in before after; do
   echo "== $name"
-  grep -E "ratio|vs HBM|A/A|x of|tokens/s" "$OUT/$name/bench_e2e.log" | tail -n 8
+  grep -E "^ +(model|4b) " "$OUT/$name/bench_e2e.log" | tail -n 5   # the e2e table: x hbm per phase, none_again = A/A
   tail -n 6 "$OUT/$name/hf_generate.log"
   grep -E "^(step|tokens/s)" "$OUT/$name/train_step_profile.log"
 done
+# One archive: a device call returns a handful of files, and both trees write seven each.
+tar -C "$OUT" -czf "$OUT/forward_ab.tgz" before after && rm -rf "$OUT/before" "$OUT/after"

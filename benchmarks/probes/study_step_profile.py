@@ -10,8 +10,6 @@ step's top CUDA kernels by time (torch.profiler), with the GPU's busy share of t
     PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --out $OUT
     PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --deterministic --profile \
         --models moe --options eager compiled      # what the study's own step spends its time on
-    PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --deterministic \
-        --models moe --options compiled compiled_scatter   # the MoE's gathers vs scatters, A/B
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -31,7 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_step import VOCAB, commit, variants  # noqa: E402
 
-import condmem.models.moe as moe_module  # noqa: E402
 from condmem.models import DecoderLM  # noqa: E402
 from condmem.models.flops import train_flops_per_token  # noqa: E402
 from condmem.train.data import TokenStream  # noqa: E402
@@ -59,21 +55,9 @@ OPTIONS = {
     "compiled_foreach": {"compile": True, "foreach": True},
     "compiled": {"compile": True},
     "compiled_loss": {"compile": True, "compile_loss": True},
-    "eager_scatter": {"scatter": True},
-    "compiled_scatter": {"compile": True, "scatter": True},
 }
 """eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
-trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy);
-scatter: the MoE moves its (token, expert) pairs by index_copy / index_select (whose backward is a
-scatter-add, sorted in deterministic mode) instead of gathers both ways (`moe._MoveRows`)."""
-
-
-def _scatter_move(x, take, back):
-    """`moe._MoveRows.apply` as index_copy / index_select: the dispatch (take longer than x: padding
-    rows) scatters the pairs into a zero buffer; the combine gathers them back."""
-    if take.numel() > x.shape[0]:
-        return x.new_zeros(take.numel(), *x.shape[1:]).index_copy(0, back, x)
-    return x.index_select(0, take)
+trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy)."""
 
 
 def build(name, cfg, device, tc, steps, opts):
@@ -131,7 +115,6 @@ def run(args) -> None:
         "deterministic": args.deterministic,
     }
     rows = {}
-    move_rows = moe_module._MoveRows
     all_variants = variants(False)
     rho08 = allocation_points(all_variants["moe_engram_big"], [1.0, 0.8])
     all_variants["moe_engram_rho0.8"] = next(p.cfg for p in rho08 if p.rho == 0.8)
@@ -142,7 +125,6 @@ def run(args) -> None:
             opts = OPTIONS[option]
             key = f"{name}/{option}"
             t0 = time.perf_counter()
-            moe_module._MoveRows = SimpleNamespace(apply=_scatter_move) if opts.get("scatter") else move_rows
             try:
                 model, trainer = build(key, cfg, device, tc, 3 + 2 * args.steps + 3, opts)
                 for s in range(3):
