@@ -55,9 +55,12 @@ OPTIONS = {
     "compiled_foreach": {"compile": True, "foreach": True},
     "compiled": {"compile": True},
     "compiled_loss": {"compile": True, "compile_loss": True},
+    "compiled_queued": {"compile": True, "queued": True},
 }
 """eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
-trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy)."""
+trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy);
+queued: the steps queued by `Trainer.queue_step` and their losses read once at the end (the study's
+loop reads them at its log lines), instead of `train_step`'s read after every step."""
 
 
 def build(name, cfg, device, tc, steps, opts):
@@ -80,10 +83,13 @@ def build(name, cfg, device, tc, steps, opts):
     return model, trainer
 
 
-def timed(trainer, first, last):
+def timed(trainer, first, last, queued=False):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    losses = [trainer.train_step(s)[0] for s in range(first, last)]
+    if queued:
+        losses = trainer.read_losses([(s, trainer.queue_step(s)[0]) for s in range(first, last)])
+    else:
+        losses = [trainer.train_step(s)[0] for s in range(first, last)]
     torch.cuda.synchronize()
     return time.perf_counter() - t0, losses
 
@@ -134,7 +140,7 @@ def run(args) -> None:
                 rows[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 continue
             warm_s = time.perf_counter() - t0
-            secs, losses = timed(trainer, 3, 3 + args.steps)
+            secs, losses = timed(trainer, 3, 3 + args.steps, opts.get("queued", False))
             row = {
                 "tokens_per_s": tokens * args.steps / secs,
                 "ms_per_step": 1e3 * secs / args.steps,
@@ -147,7 +153,7 @@ def run(args) -> None:
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    wall, _ = timed(trainer, 3 + args.steps, 3 + args.steps + 3)
+                    wall, _ = timed(trainer, 3 + args.steps, 3 + args.steps + 3, opts.get("queued", False))
                 kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
                 busy = sum(e.self_device_time_total for e in kernels) / 1e6
                 top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:18]

@@ -484,8 +484,14 @@ class Batch:
     """int64 [B, T]: each target's index in its stream (validation only)."""
 
     def to(self, device, non_blocking: bool = False) -> Batch:
+        """The batch on `device`. ``non_blocking`` to a CUDA device pins host tensors first: a copy
+        from pageable memory can wait for the device's queued work, which would make the host
+        wait for the step before it before it can queue the next."""
+        pin = non_blocking and torch.device(device).type == "cuda"
         moved = [
-            None if t is None else t.to(device, non_blocking=non_blocking)
+            None
+            if t is None
+            else (t.pin_memory() if pin and t.device.type == "cpu" else t).to(device, non_blocking=non_blocking)
             for t in (self.inputs, self.targets, self.doc_starts, self.scored, self.positions)
         ]
         return Batch(*moved)

@@ -495,6 +495,19 @@ class Trainer:
         return out
 
     def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step; its loss read from the device (data-parallel: the ranks' mean) and
+        its learning rate."""
+        loss, lr = self.queue_step(step)
+        value = float(loss)
+        if self.dp is not None:
+            value = self.dp.mean(value, self.device)  # every rank's slice has as many tokens
+        return value, lr
+
+    def queue_step(self, step: int) -> tuple[torch.Tensor, float]:
+        """One optimizer step queued on the device, and its learning rate: the loss (this rank's)
+        comes back as a 0-d tensor, unread. The step waits for nothing on a model without tables in
+        host memory, so the host queues step + 1 while the device still runs step; a caller reads
+        the losses in batches (`read_losses`) instead of waiting once a step."""
         cfg = self.cfg
         ahead, self._next_batch = self._next_batch, None
         if ahead is not None and ahead[0] == step:
@@ -539,10 +552,19 @@ class Trainer:
             opt.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        value = float(loss.detach())
-        if self.dp is not None:
-            value = self.dp.mean(value, self.device)  # every rank's slice has as many tokens
-        return value, cfg.lr * lr_mult
+        return loss.detach(), cfg.lr * lr_mult
+
+    def read_losses(self, queued: list[tuple[int, torch.Tensor]]) -> list[float]:
+        """The losses of queued steps ``(step, loss)``, read with one wait for the device.
+
+        Raises FloatingPointError naming the first step whose loss is not finite."""
+        if not queued:
+            return []
+        values = torch.stack([loss.float() for _, loss in queued]).tolist()
+        for (step, _), value in zip(queued, values):
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{self.label}: loss is {value} at step {step + 1}")
+        return values
 
     def fit(self, token_losses: bool = False) -> dict:
         """Train up to ``cfg.steps`` (from the current step), validate (the fixed subset, for

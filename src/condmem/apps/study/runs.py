@@ -263,6 +263,7 @@ def train_run(
     tokens_per_step = tc.batch_size * tc.seq_len
     warm = min(3, max(0, tc.steps - 1))  # steps left out of tok/s (allocations, caches)
     losses, timed_s, timed_steps = [], 0.0, 0
+    queued = []  # (step, loss on the device): read in batches, so the host queues steps ahead
     stats_from = (3 * tc.steps) // 4  # router statistics over the last quarter of training
     bar = Progress(tc.steps, label, enabled=progress)
     touched = RowsTouched(model)
@@ -272,20 +273,24 @@ def train_run(
             if step == stats_from:
                 router_statistics(model, reset=True)
             t0 = time.perf_counter()
-            loss, lr = trainer.train_step(step)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"{label}: loss is {loss} at step {step + 1}")
+            loss, lr = trainer.queue_step(step)
+            queued.append((step, loss))
+            logged = (step + 1) % tc.log_every == 0 or step + 1 == tc.steps
+            # Read (one wait for the device) at each log line, and after the warm-up steps so that
+            # their device time stays out of tok/s.
+            if logged or step + 1 == warm:
+                losses += trainer.read_losses(queued)
+                queued.clear()
             dt = time.perf_counter() - t0
-            losses.append(loss)
             if step >= warm:
                 timed_s += dt
                 timed_steps += 1
-            bar.update(1, loss=f"{loss:.3f}")
-            if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+            bar.update(1, **({"loss": f"{losses[-1]:.3f}"} if losses else {}))
+            if logged:
                 rate = timed_steps * tokens_per_step / timed_s if timed_s else tokens_per_step / dt
                 left = (tc.steps - step - 1) * tokens_per_step / max(rate, 1e-9)
                 bar.write(
-                    f"[{label}] step {step + 1}/{tc.steps} | loss {loss:7.4f} | lr {lr:.2e} | "
+                    f"[{label}] step {step + 1}/{tc.steps} | loss {losses[-1]:7.4f} | lr {lr:.2e} | "
                     f"{rate:>9,.0f} tok/s | eta {format_duration(left)}"
                 )
     finally:
