@@ -56,14 +56,20 @@ OPTIONS = {
     "compiled": {"compile": True},
     "compiled_loss": {"compile": True, "compile_loss": True},
     "compiled_queued": {"compile": True, "queued": True},
+    "compiled_graphs": {"compile": True, "queued": True, "cudagraphs": True},
 }
 """eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
 trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy);
 queued: the steps queued by `Trainer.queue_step` and their losses read once at the end (the study's
-loop reads them at its log lines), instead of `train_step`'s read after every step."""
+loop reads them at its log lines), instead of `train_step`'s read after every step; cudagraphs: the
+compiled blocks also replayed as CUDA graphs (Inductor's ``triton.cudagraphs``, what
+``mode="reduce-overhead"`` sets), a graph a block where nothing breaks it."""
 
 
 def build(name, cfg, device, tc, steps, opts):
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.cudagraphs = bool(opts.get("cudagraphs"))
     rng = np.random.default_rng(0)
     train = TokenStream(rng.integers(2, VOCAB, size=tc.batch_size * tc.seq_len * (steps + 8) + 1).astype(np.int32), 0)
     val = TokenStream(rng.integers(2, VOCAB, size=4 * tc.seq_len + 1).astype(np.int32), 0)

@@ -12,7 +12,7 @@ import torch
 from condmem.config import EngramConfig
 from condmem.models import DecoderLM
 from condmem.models.config import ModelConfig, MoEConfig
-from condmem.models.moe import MoE, expert_counts
+from condmem.models.moe import MoE, RouterStats, expert_counts
 from condmem.train.data import TokenStream
 from condmem.train.loop import TrainConfig, Trainer
 
@@ -39,6 +39,37 @@ def test_a_traced_moe_forward_equals_eager_and_keeps_its_statistics():
         assert torch.equal(traced.expert_bias, eager.expert_bias)  # the bias moved the same way
     ours, theirs = traced.stats.summary(), eager.stats.summary()
     assert ours["tokens"] == theirs["tokens"] == 120 and ours["load"] == theirs["load"]
+
+
+def _whole_graph_moe_run():
+    torch.manual_seed(0)
+    eager, traced = (MoE(16, 6, 2, 16, dtype=torch.bfloat16) for _ in range(2))
+    traced.load_state_dict(eager.state_dict())
+    for m in (eager, traced):
+        m.use_grouped_mm = True  # the per-expert loop splits by host offsets: a break of its own
+    compiled = torch.compile(traced, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    for step in range(3):
+        x = torch.randn(40, 16, dtype=torch.bfloat16)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            y, y_traced = eager(x), compiled(x)
+        assert torch.equal(y_traced, y)  # aot_eager runs the same kernels
+        assert torch.equal(traced.expert_bias, eager.expert_bias)
+    assert traced.stats.summary() == eager.stats.summary()
+
+
+def test_a_moe_training_forward_traces_as_one_graph_statistics_and_bias_included():
+    """With grouped GEMMs, a training forward (routing, statistics, the balancing bias's update,
+    dispatch, experts, combine) is one graph: `fullgraph` fails on any break."""
+    _whole_graph_moe_run()
+
+
+def test_the_whole_graph_check_fails_on_a_break(monkeypatch):
+    # negative control: the statistics' update left out of the graph, as a host-side step
+    monkeypatch.setattr(RouterStats, "update", torch.compiler.disable(RouterStats.update))
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        _whole_graph_moe_run()
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

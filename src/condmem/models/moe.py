@@ -151,6 +151,12 @@ def source_rows(placed: torch.Tensor, order: torch.Tensor, num_rows: int) -> tor
     return torch.where(held, order[at] if pairs else row_ids, pairs)
 
 
+@torch.compiler.disable  # a collective: run as it is between compiled parts
+def _summed_over_ranks(load: torch.Tensor) -> torch.Tensor:
+    torch.distributed.all_reduce(load)
+    return load
+
+
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
@@ -172,26 +178,36 @@ class _MoveRows(torch.autograd.Function):
         return _with_zero_row(grad).index_select(0, back), None, None
 
 
-class RouterStats:
+class RouterStats(nn.Module):
     """Router statistics of one MoE layer, summed over the training forwards since `reset`.
 
-    `update` runs on the device (no host copy); `summary` reads the sums once. Not
-    thread-safe; one per layer (``MoE.stats``).
+    The sums are device buffers updated in place (not saved with the weights): `update` makes
+    no host copy and traces into a compiled block without a graph break; `summary` reads the
+    sums once. Not thread-safe; one per layer (``MoE.stats``).
     """
 
-    def __init__(self, n_experts: int, top_k: int):
+    def __init__(self, n_experts: int, top_k: int, device=None):
+        super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
-        self.reset()
+        i64, f64 = dict(dtype=torch.int64, device=device), dict(dtype=torch.float64, device=device)
+        self.register_buffer("load", torch.zeros(n_experts, **i64), persistent=False)
+        # forwards, tokens, forwards with a balancing loss; summed gate mass and balancing loss
+        self.register_buffer("counts", torch.zeros(3, **i64), persistent=False)
+        self.register_buffer("sums", torch.zeros(2, **f64), persistent=False)
+
+    @property
+    def forwards(self) -> int:
+        return int(self.counts[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.counts[1])
 
     def reset(self) -> None:
         """Start a new window."""
-        self.forwards = 0
-        self.tokens = 0
-        self.load: torch.Tensor | None = None
-        self.gate_mass: torch.Tensor | None = None
-        self.balance_loss: torch.Tensor | None = None
+        for t in (self.load, self.counts, self.sums):
+            t.zero_()
 
-    @torch.compiler.disable  # host-side counters: traced, each new value would recompile the caller
     @torch.no_grad()
     def update(self, counts: torch.Tensor, chosen_mass: torch.Tensor, balance_loss: torch.Tensor | None) -> None:
         """Add one forward.
@@ -204,15 +220,13 @@ class RouterStats:
         """
         if counts.shape != (self.n_experts,):
             raise ValueError(f"RouterStats.update: counts has shape {tuple(counts.shape)}, want ({self.n_experts},)")
-        counts = counts.to(torch.int64)
-        mass = chosen_mass.detach().double().sum()
-        self.load = counts.clone() if self.load is None else self.load + counts
-        self.gate_mass = mass if self.gate_mass is None else self.gate_mass + mass
+        self.load.add_(counts.to(torch.int64))
+        self.counts[0] += 1
+        self.counts[1] += chosen_mass.shape[0]
+        self.sums[0] += chosen_mass.detach().double().sum()
         if balance_loss is not None:
-            loss = balance_loss.detach().double()
-            self.balance_loss = loss if self.balance_loss is None else self.balance_loss + loss
-        self.forwards += 1
-        self.tokens += chosen_mass.shape[0]
+            self.counts[2] += 1
+            self.sums[1] += balance_loss.detach().double()
 
     def summary(self) -> dict:
         """The window's statistics (one host copy).
@@ -226,8 +240,9 @@ class RouterStats:
         `load_balancing_loss` per forward (None when none was computed). An empty window gives
         ``tokens`` 0 and None for the rest.
         """
-        out = {"forwards": self.forwards, "tokens": self.tokens, "experts": self.n_experts, "top_k": self.top_k}
-        if self.load is None or self.tokens == 0:
+        forwards, tokens, balanced = self.counts.tolist()
+        out = {"forwards": forwards, "tokens": tokens, "experts": self.n_experts, "top_k": self.top_k}
+        if tokens == 0:
             keys = ("load", "load_mean", "load_max", "max_over_mean", "load_cv", "busiest_share", "dead")
             return {**out, **dict.fromkeys(keys), "dead_experts": None, "used_share": None, "gate_mass": None,
                     "balance_loss": None}  # fmt: skip
@@ -241,12 +256,12 @@ class RouterStats:
             load_max=max(load),
             max_over_mean=max(load) / mean,
             load_cv=math.sqrt(var) / mean,
-            busiest_share=max(load) / self.tokens,
+            busiest_share=max(load) / tokens,
             dead=len(dead),
             dead_experts=dead,
             used_share=(self.n_experts - len(dead)) / self.n_experts,
-            gate_mass=float(self.gate_mass) / self.tokens,
-            balance_loss=None if self.balance_loss is None else float(self.balance_loss) / self.forwards,
+            gate_mass=float(self.sums[0]) / tokens,
+            balance_loss=float(self.sums[1]) / balanced if balanced else None,
         )
         return out
 
@@ -297,7 +312,7 @@ class MoE(nn.Module):
         bias = torch.zeros(n_experts, device=device, dtype=torch.float32) if bias_rate > 0 else None
         self.register_buffer("expert_bias", bias)
         self.aux_loss: torch.Tensor | None = None
-        self.stats = RouterStats(n_experts, top_k)
+        self.stats = RouterStats(n_experts, top_k, device=device)
         self.use_grouped_mm: bool | None = None
         """None: `torch._grouped_mm` where `grouped_mm_available`; True / False forces a backend."""
 
@@ -345,19 +360,19 @@ class MoE(nn.Module):
             weights = weights * self.routed_scale
         return scores, experts, weights
 
-    @torch.compiler.disable  # a collective across ranks; a few tiny ops, left out of a compiled block
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor) -> None:
         """``expert_bias += bias_rate * sign(mean load - load)`` from one forward's `counts` (int [E]).
 
         Across data-parallel ranks (torch.distributed initialised, world > 1) the counts are
-        summed first, so every rank moves its bias the same way."""
+        summed first, so every rank moves its bias the same way. In one process this traces
+        into a compiled block; the collective is left out of it."""
         if self.expert_bias is None:
             return
         load = counts.to(torch.float32)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             if torch.distributed.get_world_size() > 1:
-                torch.distributed.all_reduce(load)
+                load = _summed_over_ranks(load)
         self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
