@@ -1290,15 +1290,53 @@ def _significance(beyond: bool | None) -> str:
     return " (beyond two standard errors)" if beyond else " (NOT beyond two standard errors)"
 
 
+def _paired_rows(st: dict | None) -> list[tuple[str, dict, bool]]:
+    """The allocation's paired differences as (label, difference, claimed), in reading order:
+    pure MoE against dense, each rho against pure MoE, each control contrast, the rho-pooled ones."""
+    if not st:
+        return []
+    rows = []
+    if st.get("dense"):
+        rows.append(("pure MoE - dense", st["dense"]))
+    rows += [(f"{label} - pure MoE", c) for label, c in st["vs_pure_moe"].items()]
+    for control, entries in st["controls"].items():
+        rows += [(f"{label} - {control}", c) for label, c in entries.items()]
+    for c in st.get("pooled", {}).values():
+        rows.append((f"mean over rho: {c['a'].removeprefix('the ')} - {c['b'].removeprefix('the ')}", c))
+    return [(label, c["difference"], c["claim"]) for label, c in rows]
+
+
+def _plot_paired(ax, rows: list[tuple[str, dict, bool]]) -> None:
+    """A forest plot: each paired difference (A - B, nats) with its 95% interval; filled where the
+    interval excludes 0 (a claim), hollow where it does not."""
+    ys = np.arange(len(rows))[::-1]
+    for y, (label, d, claimed) in zip(ys, rows):
+        err = None if d.get("low") is None else [[d["mean"] - d["low"]], [d["high"] - d["mean"]]]
+        color = "tab:blue" if claimed else "tab:gray"
+        ax.errorbar(d["mean"], y, xerr=err, fmt="o", color=color, mfc=color if claimed else "white", capsize=2)
+    ax.axvline(0.0, color="black", lw=0.8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([label for label, _, _ in rows], fontsize=7)
+    ax.set_xlabel("paired difference A - B (nats; below 0: A lower), 95% t-interval")
+    ax.set_title("paired by seed; filled: the interval excludes 0", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+
+
 def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | None:
-    """allocation: val loss vs rho (every seed, the mean line, pure MoE marked); slots: val loss vs rows
-    (log axis) with the fitted line and the no-Engram level. Written inside `within` when given."""
+    """allocation: val loss vs rho (every seed, the mean line, pure MoE marked) and, where the study
+    has statistics, a forest plot of its paired differences; slots: val loss vs rows (log axis)
+    with the fitted line and the no-Engram level. Written inside `within` when given."""
     plt = pyplot()
     if plt is None:
         return None
     if summary["study"] == "tokens":
         return plot_token_gaps(summary, path, within=within)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    paired = _paired_rows(summary.get("statistics")) if summary["study"] == "allocation" else []
+    if paired:
+        fig, (ax, px) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.25, 1]})
+        _plot_paired(px, paired)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
     runs, points, f = summary["runs"], summary["points"], summary["finding"]
     if summary["study"] == "allocation":
         mains = [r for r in runs if r.get("control") is None]
