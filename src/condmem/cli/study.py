@@ -107,6 +107,14 @@ def _add_schedule_flags(p) -> None:
         "flags add runs (e.g. --only rho=0.8,seed=1)",
     )
     p.add_argument(
+        "--reuse",
+        nargs="+",
+        metavar="DIR",
+        help="copy in the finished runs of other sweeps (their --out folders) whose configuration equals a "
+        "planned run's instead of training them (a token sweep's budget an allocation sweep trained); each "
+        "copy names its source (reused_from)",
+    )
+    p.add_argument(
         "--parallel",
         type=int,
         metavar="K",
@@ -169,6 +177,7 @@ def run(args) -> int:
         deterministic=False if args.no_deterministic else None,
         tokens_grid=args.tokens_grid,
         only=args.only,
+        reuse=args.reuse,
         overwrite=args.overwrite,
         stop_after=args.stop_after,
         progress=not args.no_progress,

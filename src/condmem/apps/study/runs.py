@@ -63,6 +63,20 @@ class RunSpec:
     def run_id(self) -> str:
         return f"{self.point.key}_seed{self.init_seed}"
 
+    def identity(self) -> dict[str, Any]:
+        """What names this run in its result (id, label, seeds, the point's fields), apart from what it measured."""
+        point = self.point
+        return {
+            "run_id": self.run_id,
+            "label": point.label,
+            "control": point.control,
+            "seed": self.init_seed,
+            "seed_index": self.seed_index,
+            "init_seed": self.init_seed,
+            "data_seed": self.data_seed,
+            **point.record_fields(),
+        }
+
     def fields(self) -> dict[str, Any]:
         """The values `select_runs` matches: rho (asked and realised), experts, table_size, control, seed,
         tokens (the token sweep's budget), run (the run id)."""
@@ -197,6 +211,48 @@ def differences(stored: dict, wanted: dict) -> list[str]:
     return _differences(stored, wanted)
 
 
+REUSE_IGNORES = ("study", "point")
+"""Keys of a run's config that only name it in its sweep: two runs equal in the rest are the same run."""
+
+
+def reuse_key(run_config: dict) -> str:
+    """The part of a run's config that decides its result, as one comparable string."""
+    return json.dumps({k: v for k, v in run_config.items() if k not in REUSE_IGNORES}, sort_keys=True)
+
+
+class ReusableRuns:
+    """The finished runs of other sweeps' output folders, found by what decides their result.
+
+    A sweep given these folders (``--reuse``) copies in a stored run whose config equals a planned
+    run's in everything but the sweep kind and the point's name (`REUSE_IGNORES`): same model,
+    training settings, seeds, data and validation, so training it again would give the same result.
+    The copy carries this sweep's names for the run and ``reused_from`` (the source file and run id).
+    """
+
+    def __init__(self, folders: list[str | Path] | None):
+        self.found: dict[str, tuple[Path, dict]] = {}
+        for folder in folders or []:
+            runs = Path(folder) / "runs"
+            if not runs.is_dir():
+                raise ValueError(f"--reuse {folder}: no runs/ folder there (give a sweep's --out folder)")
+            for path in sorted(runs.glob("*.json")):
+                try:
+                    record = json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"--reuse: {path} is not a run result ({exc})") from None
+                if isinstance(record, dict) and isinstance(record.get("run_config"), dict):
+                    self.found.setdefault(reuse_key(record["run_config"]), (path, record))
+
+    def copy(self, spec: RunSpec, wanted: dict) -> dict | None:
+        """The stored run equal to `spec` with config `wanted`, renamed for this sweep; None if there is none."""
+        hit = self.found.get(reuse_key(wanted))
+        if hit is None:
+            return None
+        path, record = hit
+        reused = {"path": str(path), "run_id": record.get("run_id")}
+        return {**record, **spec.identity(), "run_config": wanted, "reused_from": reused}
+
+
 class RunStore:
     """``OUT/runs/<run-id>.json``: one finished run each."""
 
@@ -304,14 +360,7 @@ def train_run(
     scored = ~np.isnan(ev["token_losses"])
     buckets = bucket_losses(ev["token_losses"][scored], seen[scored])
     record = {
-        "run_id": spec.run_id,
-        "label": point.label,
-        "control": point.control,
-        "seed": spec.init_seed,
-        "seed_index": spec.seed_index,
-        "init_seed": spec.init_seed,
-        "data_seed": spec.data_seed,
-        **point.record_fields(),
+        **spec.identity(),
         "steps": tc.steps,
         "train_tokens": tc.steps * tokens_per_step,
         "passes": data.train.passes(tc.steps, tc.batch_size, tc.seq_len),

@@ -65,6 +65,7 @@ from condmem.apps.study.config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig
 from condmem.apps.study.stats import compare, linear_slope, paired_difference, quadratic_optimum, t_interval
 from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
 from condmem.apps.study.runs import (
+    ReusableRuns,
     RunStore,
     SweepProgress,
     data_identity,
@@ -422,6 +423,7 @@ def run_study(
     stop_after: float | None = None,
     progress: bool = True,
     stage: str = "all",
+    reuse: list[str | Path] | None = None,
     **options,
 ) -> dict:
     """Run (or continue) one sweep in `out`; returns study.json's dict when every run exists, else a
@@ -437,6 +439,8 @@ def run_study(
         only: ``--only`` filters: train only the runs they select.
         overwrite: replace a sweep in `out` made with another config (and its runs that differ).
         stop_after: minutes: start no run that would not finish within them (re-run to continue).
+        reuse: other sweeps' output folders: their finished runs equal to a selected run here are
+            copied in rather than trained (`ReusableRuns`).
         stage: ``all`` (plan, train, and merge once every run exists), ``plan`` (prepare the data, write
             the plan and return the selected runs not yet trained as ``selected_left`` and every run id
             of the plan as ``planned``; train nothing) or
@@ -464,12 +468,14 @@ def run_study(
         torch.set_num_threads(sc.cpu_threads)
     try:
         with deterministic_mode(sc.deterministic):
-            return _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress, stage)
+            return _sweep(
+                kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress, stage, reuse
+            )
     finally:
         torch.set_num_threads(threads)
 
 
-def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress, stage) -> dict:
+def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress, stage, reuse) -> dict:
     """`run_study` once its config, device and output folder are settled."""
     data = prepare(sc.base, seed=sc.split_seed)
     seen = seen_in_training(
@@ -520,6 +526,8 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
     print_plan(kind, points, n_steps, tc, sc)
     chosen = select_runs(specs, only)
     store = RunStore(out)
+    if reuse and stage != "train":  # a worker's share was planned (and copied in) by the plan stage
+        _copy_reused(kind, sc, chosen, store, n_steps, data_id, ReusableRuns(reuse))
     if stage == "plan":
         selected_left = [s.run_id for s in chosen if not store.path(s.run_id).exists()]
         return {
@@ -595,18 +603,35 @@ def _previous_sweep(out: Path, kind: str, sc: StudyConfig, overwrite: bool) -> d
     return old
 
 
+def _run_settings(kind: str, sc: StudyConfig, spec, n_steps: int, data_id: str) -> tuple:
+    """One run's training settings and its config (`run_config`: what its result depends on)."""
+    run_tc = run_train_config(sc.base.train, spec.point.steps or n_steps, spec.data_seed)
+    wanted = run_config(kind, spec, run_tc, data_id=data_id, val_tokens=sc.val_tokens, deterministic=sc.deterministic)
+    return run_tc, wanted
+
+
+def _copy_reused(kind, sc, chosen, store: RunStore, n_steps: int, data_id: str, reusable: ReusableRuns) -> None:
+    """Copy in each chosen run without a result here that another sweep finished with the same config."""
+    copied = 0
+    for spec in chosen:
+        if store.path(spec.run_id).exists():
+            continue
+        record = reusable.copy(spec, _run_settings(kind, sc, spec, n_steps, data_id)[1])
+        if record is not None:
+            store.write(record)
+            copied += 1
+            print(f"[sweep] {spec.run_id}: reused from {record['reused_from']['path']}", flush=True)
+    print(f"[sweep] --reuse: {copied} of the {len(chosen)} selected runs copied in from other sweeps", flush=True)
+
+
 def _train_selected(
     kind, sc, chosen, specs, out, data, dev, seen, n_steps, data_id, overwrite, stop_after, wall, progress
 ) -> None:
     """Train the chosen runs that have no result yet (a stored one is checked against its config)."""
     store = RunStore(out)
-    tc = sc.base.train
     todo = []
     for spec in chosen:
-        run_tc = run_train_config(tc, spec.point.steps or n_steps, spec.data_seed)
-        wanted = run_config(
-            kind, spec, run_tc, data_id=data_id, val_tokens=sc.val_tokens, deterministic=sc.deterministic
-        )
+        run_tc, wanted = _run_settings(kind, sc, spec, n_steps, data_id)
         if store.finished(spec.run_id, wanted, overwrite) is not None:
             print(f"[sweep] {spec.run_id}: finished earlier ({store.path(spec.run_id)}), skipped", flush=True)
             continue
