@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On a CUDA machine: one device call's share of the study's GPU runs (docs/study.md, "The next GPU
+# runs"). Each sweep resumes in its folder under benchmarks/results/, three runs at once, and starts no
+# run that would end after the call's time; a sweep starts once the one before it is complete. The
+# folders are packed into $OUT/study.tgz (a device call returns a handful of files): unpack it in the
+# repository root and call again with the folders carried, until every sweep has its study.json.
+#
+#   LIMIT=540 scripts/gpu_study.sh     # seconds this call may spend; the log is $OUT/study.log
+#
+# In order: the allocation at a second budget (100 steps); the token axis, whose 100- and 400-step
+# budgets are copied from the two allocation sweeps (--reuse); the slot sweep.
+set -uo pipefail
+# shellcheck disable=SC1091
+source "$(dirname "$0")/_device_env.sh"
+export CONDMEM_CACHE_DIR="${CONDMEM_CACHE_DIR:-/tmp/condmem-cache}"
+LIMIT="${LIMIT:-540}"
+T0=$(date +%s)
+R=benchmarks/results
+previous_done=1
+sweep() {  # kind, folder, flags...: resume it while this call has time, after the one before is complete
+  local kind=$1 out=$2 left minutes
+  shift 2
+  left=$((LIMIT - ($(date +%s) - T0)))
+  if [ "$previous_done" -eq 1 ] && [ "$left" -ge 120 ] && [ ! -f "$out/study.json" ]; then
+    minutes=$(python3 -c "print(round(($left - 60) / 60, 2))")
+    echo "== $kind -> $out (--stop-after $minutes)" | tee -a "$OUT/study.log"
+    timeout "$left" python3 -m condmem study "$kind" --preset gpu --parallel 3 --stop-after "$minutes" \
+      --no-progress --out "$out" "$@" >> "$OUT/study.log" 2>&1
+    tail -n 2 "$OUT/study.log"
+  fi
+  [ -f "$out/study.json" ] || previous_done=0
+}
+sweep allocation "$R/study_allocation_100steps_h100" --steps 100
+sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_h100" "$R/study_allocation_100steps_h100"
+sweep slots "$R/study_slots_h100"
+mapfile -t folders < <(ls -d "$R"/study_*_h100 2>/dev/null)
+tar -czf "$OUT/study.tgz" "${folders[@]}"
+echo "packed: ${folders[*]} -> $OUT/study.tgz ($(( $(date +%s) - T0 )) s)"
