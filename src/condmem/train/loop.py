@@ -505,9 +505,10 @@ class Trainer:
 
     def queue_step(self, step: int) -> tuple[torch.Tensor, float]:
         """One optimizer step queued on the device, and its learning rate: the loss (this rank's)
-        comes back as a 0-d tensor, unread. The step waits for nothing on a model without tables in
-        host memory, so the host queues step + 1 while the device still runs step; a caller reads
-        the losses in batches (`read_losses`) instead of waiting once a step."""
+        comes back as a 0-d tensor, unread, so the host can queue step + 1 while the device still
+        runs step; a caller reads the losses in batches (`read_losses`) instead of waiting once a
+        step. What still waits: tables in host memory (their rows), data-parallel reductions, and
+        the tables' fused Adam on the rare step its row buffers must grow."""
         cfg = self.cfg
         ahead, self._next_batch = self._next_batch, None
         if ahead is not None and ahead[0] == step:
