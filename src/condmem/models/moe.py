@@ -439,7 +439,12 @@ def router_statistics(model: nn.Module, *, reset: bool = False) -> dict:
         "balance_loss": agg("balance_loss", lambda v: sum(v) / len(v)),
     }
     if reset:
-        for m in model.modules():
-            if isinstance(m, MoE):
-                m.stats.reset()
+        reset_router_statistics(model)
     return out
+
+
+def reset_router_statistics(model: nn.Module) -> None:
+    """Start a new statistics window in every MoE layer of `model` (on the device: no host copy)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.stats.reset()

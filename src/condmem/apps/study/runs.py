@@ -35,7 +35,7 @@ import torch
 
 from condmem.config import ConfigError
 from condmem.module import EngramTable
-from condmem.models.moe import router_statistics
+from condmem.models.moe import reset_router_statistics, router_statistics
 from condmem.train.build import build_model, build_trainer, machine_info
 from condmem.apps.demo import bucket_losses
 from condmem.train.loop import TrainConfig, evaluate
@@ -327,7 +327,7 @@ def train_run(
     try:
         for step in range(tc.steps):
             if step == stats_from:
-                router_statistics(model, reset=True)
+                reset_router_statistics(model)
             t0 = time.perf_counter()
             loss, lr = trainer.queue_step(step)
             queued.append((step, loss))
