@@ -50,6 +50,7 @@ from condmem.models.flops import (
     tiny_table_control,
     train_flops_per_token,
 )
+from condmem.train.pipeline import PreparedData
 from condmem.train.build import (
     banner,
     build_model,
@@ -468,15 +469,52 @@ def run_study(
         torch.set_num_threads(sc.cpu_threads)
     try:
         with deterministic_mode(sc.deterministic):
-            return _sweep(
-                kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress, stage, reuse
-            )
+            call = _Call(kind, sc, out, dev, only, overwrite, stop_after, wall, progress, reuse)
+            return _sweep(call, previous, cublas, stage)
     finally:
         torch.set_num_threads(threads)
 
 
-def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wall, progress, stage, reuse) -> dict:
+@dataclass
+class _Call:
+    """One `run_study` call, its config, device and output folder settled (its arguments' meanings)."""
+
+    kind: str
+    sc: StudyConfig
+    out: Path
+    dev: torch.device
+    only: list[str] | None
+    overwrite: bool
+    stop_after: float | None
+    wall: float
+    progress: bool
+    reuse: list | None
+
+
+@dataclass
+class _Planned:
+    """What a sweep's plan settled for its runs: the data, its identity, the step count, the runs."""
+
+    data: PreparedData
+    seen: np.ndarray
+    n_steps: int
+    data_id: str
+    specs: list
+    chosen: list
+
+    def settings(self, call: _Call, spec) -> tuple:
+        """One run's training settings and its config (`run_config`: what its result depends on)."""
+        sc = call.sc
+        run_tc = run_train_config(sc.base.train, spec.point.steps or self.n_steps, spec.data_seed)
+        wanted = run_config(
+            call.kind, spec, run_tc, data_id=self.data_id, val_tokens=sc.val_tokens, deterministic=sc.deterministic
+        )
+        return run_tc, wanted
+
+
+def _sweep(call: _Call, previous: dict | None, cublas, stage: str) -> dict:
     """`run_study` once its config, device and output folder are settled."""
+    kind, sc, out, dev = call.kind, call.sc, call.out, call.dev
     data = prepare(sc.base, seed=sc.split_seed)
     seen = seen_in_training(
         data.train.tokens, data.val.tokens, data.info["tokenizer"]["vocab_size"], pad_id=data.eos_id
@@ -502,7 +540,7 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
     elif kind == "tokens":  # each budget's steps are the grid's
         budget = None
     else:
-        n_steps, budget = _budgeted_steps(sc, kind, n_steps, points, data, dev, len(specs), wall)
+        n_steps, budget = _budgeted_steps(sc, kind, n_steps, points, data, dev, len(specs), call.wall)
         if kind == "slots" and budget is not None and budget["cut"]:  # fewer steps read fewer n-grams
             points, ngram_cap = _slot_plan(sc, base, data, n_steps, None)
             specs = plan_runs(points, sc.seeds, sc.seed)
@@ -524,10 +562,11 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
     atomic_write_text(out / "sweep.json", json.dumps(sweep, indent=1) + "\n", within=out)
     sc.save(out / "config.json", within=out)
     print_plan(kind, points, n_steps, tc, sc)
-    chosen = select_runs(specs, only)
+    planned = _Planned(data, seen, n_steps, data_id, specs, select_runs(specs, call.only))
+    chosen = planned.chosen
     store = RunStore(out)
-    if reuse and stage != "train":  # a worker's share was planned (and copied in) by the plan stage
-        _copy_reused(kind, sc, chosen, store, n_steps, data_id, ReusableRuns(reuse))
+    if call.reuse and stage != "train":  # a worker's share was planned (and copied in) by the plan stage
+        _copy_reused(call, planned, store, ReusableRuns(call.reuse))
     if stage == "plan":
         selected_left = [s.run_id for s in chosen if not store.path(s.run_id).exists()]
         return {
@@ -536,12 +575,10 @@ def _sweep(kind, sc, out, dev, previous, cublas, only, overwrite, stop_after, wa
             "planned": [s.run_id for s in specs],
             "out": str(out),
         }
-    _train_selected(
-        kind, sc, chosen, specs, out, data, dev, seen, n_steps, data_id, overwrite, stop_after, wall, progress
-    )
+    _train_selected(call, planned)
     if stage == "train":
         return {"complete": False, "out": str(out)}
-    return finish(out, [s.run_id for s in specs], wall=wall)
+    return finish(out, [s.run_id for s in specs], wall=call.wall)
 
 
 def finish(out: Path, planned: list[str], wall: float | None = None) -> dict:
@@ -603,20 +640,14 @@ def _previous_sweep(out: Path, kind: str, sc: StudyConfig, overwrite: bool) -> d
     return old
 
 
-def _run_settings(kind: str, sc: StudyConfig, spec, n_steps: int, data_id: str) -> tuple:
-    """One run's training settings and its config (`run_config`: what its result depends on)."""
-    run_tc = run_train_config(sc.base.train, spec.point.steps or n_steps, spec.data_seed)
-    wanted = run_config(kind, spec, run_tc, data_id=data_id, val_tokens=sc.val_tokens, deterministic=sc.deterministic)
-    return run_tc, wanted
-
-
-def _copy_reused(kind, sc, chosen, store: RunStore, n_steps: int, data_id: str, reusable: ReusableRuns) -> None:
+def _copy_reused(call: _Call, planned: _Planned, store: RunStore, reusable: ReusableRuns) -> None:
     """Copy in each chosen run without a result here that another sweep finished with the same config."""
     copied = 0
+    chosen = planned.chosen
     for spec in chosen:
         if store.path(spec.run_id).exists():
             continue
-        record = reusable.copy(spec, _run_settings(kind, sc, spec, n_steps, data_id)[1])
+        record = reusable.copy(spec, planned.settings(call, spec)[1])
         if record is not None:
             store.write(record)
             copied += 1
@@ -624,22 +655,21 @@ def _copy_reused(kind, sc, chosen, store: RunStore, n_steps: int, data_id: str, 
     print(f"[sweep] --reuse: {copied} of the {len(chosen)} selected runs copied in from other sweeps", flush=True)
 
 
-def _train_selected(
-    kind, sc, chosen, specs, out, data, dev, seen, n_steps, data_id, overwrite, stop_after, wall, progress
-) -> None:
+def _train_selected(call: _Call, planned: _Planned) -> None:
     """Train the chosen runs that have no result yet (a stored one is checked against its config)."""
-    store = RunStore(out)
+    store = RunStore(call.out)
+    specs, stop_after, dev = planned.specs, call.stop_after, call.dev
     todo = []
-    for spec in chosen:
-        run_tc, wanted = _run_settings(kind, sc, spec, n_steps, data_id)
-        if store.finished(spec.run_id, wanted, overwrite) is not None:
+    for spec in planned.chosen:
+        run_tc, wanted = planned.settings(call, spec)
+        if store.finished(spec.run_id, wanted, call.overwrite) is not None:
             print(f"[sweep] {spec.run_id}: finished earlier ({store.path(spec.run_id)}), skipped", flush=True)
             continue
         todo.append((spec, run_tc, wanted))
     done = sum(1 for s in specs if store.path(s.run_id).exists()) - sum(
         1 for spec, _, _ in todo if store.path(spec.run_id).exists()
     )
-    bar = SweepProgress(len(specs), done, progress)
+    bar = SweepProgress(len(specs), done, call.progress)
     trained_steps = 0
     try:
         for spec, run_tc, wanted in todo:
@@ -647,7 +677,7 @@ def _train_selected(
             if stop_after is not None and mean is not None:
                 # a run of more steps than the mean so far (the token sweep's larger budgets) takes longer
                 mean *= max(1.0, run_tc.steps * bar.trained / trained_steps)
-                if time.perf_counter() - wall + mean > stop_after * 60:
+                if time.perf_counter() - call.wall + mean > stop_after * 60:
                     print(
                         banner(
                             f"--stop-after {stop_after:g}: the next run would end after the limit; "
@@ -657,7 +687,15 @@ def _train_selected(
                     )
                     break
             t0 = time.perf_counter()
-            record = train_run(spec, data, dev, run_tc, seen=seen, val_tokens=sc.val_tokens, progress=progress)
+            record = train_run(
+                spec,
+                planned.data,
+                dev,
+                run_tc,
+                seen=planned.seen,
+                val_tokens=call.sc.val_tokens,
+                progress=call.progress,
+            )
             record["run_config"] = wanted
             store.write(record)
             bar.finished(time.perf_counter() - t0)
