@@ -213,6 +213,15 @@ def test_router_stats_hand_computed():
         stats.update(torch.tensor([1, 2]), torch.tensor([0.5]), None)
 
 
+def test_router_stats_keep_their_dtypes_when_the_model_is_cast():
+    moe = MoE(4, 4, 1, 4, bias_rate=0.25).to(torch.bfloat16)
+    assert moe.expert_bias.dtype == torch.bfloat16  # the cast reached the layer's own buffers
+    assert moe.stats.sums.dtype == torch.float64 and moe.stats.load.dtype == moe.stats.counts.dtype == torch.int64
+    moe.train()
+    moe(torch.randn(6, 4, dtype=torch.bfloat16))
+    assert moe.stats.summary()["tokens"] == 6
+
+
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_router_stats_of_a_forward(score):
     moe, _ = _pair(6, 2, score=score)

@@ -195,6 +195,14 @@ class RouterStats(nn.Module):
         self.register_buffer("counts", torch.zeros(3, **i64), persistent=False)
         self.register_buffer("sums", torch.zeros(2, **f64), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # Moves with the model but keeps its dtypes: a model cast to bf16 still counts in int64 / fp64.
+        dtypes = {name: b.dtype for name, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for name, dtype in dtypes.items():
+            self._buffers[name] = self._buffers[name].to(dtype)
+        return self
+
     @property
     def forwards(self) -> int:
         return int(self.counts[0])
