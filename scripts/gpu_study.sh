@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a CUDA machine: one device call's share of the study's GPU runs (docs/study.md, "The next GPU
+# On a CUDA machine: one device call's share of the study's GPU runs (docs/study-guide.md, "The next GPU
 # runs"). Each sweep resumes in its folder under benchmarks/results/, three runs at once, and starts no
 # run that would end after the call's time; a sweep starts once the one before it is complete. The
 # folders are packed into $OUT/study.tgz (a device call returns a handful of files): unpack it in the

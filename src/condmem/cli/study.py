@@ -22,11 +22,11 @@ def register(sub) -> None:
         "Each run writes OUT/runs/RUN.json when it ends; the same command again skips finished runs and "
         "trains the rest (a run cut off starts again: deterministic mode gives it the same losses); --only "
         "splits a sweep over machines or calls; once every run exists, study.json and the PNGs are built "
-        "(or `condmem study merge OUT`). Method: docs/study.md.",
+        "(or `condmem study merge OUT`). Method: docs/study-guide.md; results: docs/study.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  condmem study allocation --preset tiny --out runs/allocation\n"
         "  condmem study allocation --preset cpu --out runs/cpu      # a small real answer on a laptop\n"
-        "  condmem study allocation --preset gpu --out runs/gpu --stop-after 9   # again until done (docs/study.md)\n"
+        "  condmem study allocation --preset gpu --out runs/gpu --stop-after 9   # again until done\n"
         "  condmem study allocation --preset gpu --out runs/gpu --only seed=0    # one machine's share\n"
         "  condmem study allocation --preset gpu --out runs/gpu --parallel 3     # 3 runs at once on one GPU\n"
         "  condmem study merge runs/allocation                  # study.json once every run exists\n"
@@ -43,7 +43,9 @@ def register(sub) -> None:
         choices=["tiny", "cpu", "gpu"],
         help="tiny: CPU, seconds (CI); cpu: a laptop, minutes; gpu: one GPU (default tiny)",
     )
-    p.add_argument("--config", metavar="FILE", help="a study config (TOML or JSON; docs/study.md) instead of --preset")
+    p.add_argument(
+        "--config", metavar="FILE", help="a study config (TOML or JSON; docs/study-guide.md) instead of --preset"
+    )
     p.add_argument("--out", help="output directory (default ./condmem-study/KIND)")
     p.add_argument("--seeds", type=int, help="seeds per point: initialization and data order (default: the config's)")
     p.add_argument(
@@ -119,7 +121,7 @@ def _add_schedule_flags(p) -> None:
         type=int,
         metavar="K",
         help="train K runs at once, one process each, on the same device: a small model leaves a large GPU "
-        "idle between kernels, and K processes fill the gaps (logs in OUT/logs/; docs/study.md)",
+        "idle between kernels, and K processes fill the gaps (logs in OUT/logs/; docs/study-guide.md)",
     )
 
 

@@ -40,7 +40,7 @@ from condmem.train.presets import (
 KINDS = ("allocation", "slots", "tokens")
 
 CONTROLS = ("no_table", "tiny_table", "random_address", "dense")
-"""Controls of the allocation sweep (docs/study.md#controls), run beside every rho < 1:
+"""Controls of the allocation sweep (docs/study-guide.md#controls), run beside every rho < 1:
 ``no_table``: the same experts without an Engram (its FLOPs on the shared expert);
 ``tiny_table``: the same Engram module and FLOPs with a table of at most ~1K rows per head;
 ``random_address``: the same table and FLOPs, each token's row ids drawn afresh every step;
