@@ -25,6 +25,14 @@ def deal(run_ids: list[str], workers: int) -> list[list[str]]:
     return [s for s in shares if s]
 
 
+def worker_options(options: dict, plan_seconds: float) -> dict:
+    """The workers' options: ``stop_after`` less the plan stage's time (the data's preparation), since
+    a worker counts its minutes from its own start and the limit is the command's."""
+    if options.get("stop_after") is None:
+        return options
+    return {**options, "stop_after": max(0.0, options["stop_after"] - plan_seconds / 60)}
+
+
 def _worker(kind: str, out: str, run_ids: list[str], log_path: str, options: dict) -> None:
     """One worker process: its output to its log file (file descriptors, so compilers' and kernels'
     messages land there too), then `run_study` on its share."""
@@ -57,7 +65,9 @@ def run_parallel(
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 2:
         raise ValueError(f"--parallel must be an integer >= 2, got {workers!r}")
+    started = time.perf_counter()
     plan = run_study(kind, out, only=only, stage="plan", progress=progress, **options)
+    options = worker_options(options, time.perf_counter() - started)
     out = Path(plan["out"])
     todo = plan["selected_left"]
     shares = deal(todo, workers)

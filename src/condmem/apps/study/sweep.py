@@ -671,12 +671,16 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
     )
     bar = SweepProgress(len(specs), done, call.progress)
     trained_steps = 0
+    prior = _stored_seconds_per_step(store, specs) if stop_after is not None else None
     try:
         for spec, run_tc, wanted in todo:
             mean = bar.mean_run_seconds()
-            if stop_after is not None and mean is not None:
+            if mean is not None:
                 # a run of more steps than the mean so far (the token sweep's larger budgets) takes longer
                 mean *= max(1.0, run_tc.steps * bar.trained / trained_steps)
+            elif prior is not None:  # no run finished in this command yet: the folder's finished ones
+                mean = prior * run_tc.steps * STORED_RUN_MARGIN
+            if stop_after is not None and mean is not None:
                 if time.perf_counter() - call.wall + mean > stop_after * 60:
                     print(
                         banner(
@@ -704,6 +708,22 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
                 torch.cuda.empty_cache()
     finally:
         bar.close()
+
+
+STORED_RUN_MARGIN = 1.25
+"""A stored run's training time leaves out its model's build and its final validation: the estimate
+of a run from stored ones is this much longer."""
+
+
+def _stored_seconds_per_step(store: RunStore, specs: list) -> float | None:
+    """The median training seconds a step of this sweep's finished runs took (None without one): what
+    `--stop-after` expects of a run before this command has finished one of its own."""
+    rates = []
+    for spec in specs:
+        record = store.load(spec.run_id) if store.path(spec.run_id).exists() else None
+        if record and record.get("train_seconds") and record.get("steps"):
+            rates.append(record["train_seconds"] / record["steps"])
+    return float(np.median(rates)) if rates else None
 
 
 def _capped_steps(requested: int, train, tc, max_passes: float) -> tuple[int, dict]:
