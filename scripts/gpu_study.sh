@@ -7,8 +7,11 @@
 #
 #   LIMIT=540 scripts/gpu_study.sh     # seconds this call may spend; the log is $OUT/study.log
 #
-# In order: the allocation at a second budget (100 steps); the token axis, whose 100- and 400-step
-# budgets are copied from the two allocation sweeps (--reuse); the slot sweep.
+# In order: once, the training step's speed A/B (compiled vs queued steps vs CUDA graphs, pure MoE,
+# rho 0.8, dense) and one committed allocation run trained again (are its losses the committed
+# ones?), both into benchmarks/results/; the allocation at a second budget (100 steps); the token
+# axis, whose 100- and 400-step budgets are copied from the two allocation sweeps (--reuse); the
+# slot sweep.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
@@ -30,9 +33,27 @@ sweep() {  # kind, folder, flags...: resume it while this call has time, after t
   fi
   [ -f "$out/study.json" ] || previous_done=0
 }
+if [ ! -f "$R/study_step_queued_h100.json" ]; then
+  echo "== speed A/B and a committed run trained again" | tee -a "$OUT/study.log"
+  timeout 300 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
+    --options compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_queued_h100.log" 2>&1
+  cp "$OUT/ab/study_step_profile.json" "$R/study_step_queued_h100.json" 2>/dev/null
+  tail -n 12 "$R/study_step_queued_h100.log"
+  timeout 240 python3 -m condmem study allocation --preset gpu --out /tmp/repro --only run=rho1_seed0 --no-progress \
+    >> "$OUT/study.log" 2>&1
+  python3 - "$R" <<'PY' | tee "$R/study_repro_h100.log"
+import json, sys
+committed = json.load(open(f"{sys.argv[1]}/study_allocation_h100/runs/rho1_seed0.json"))
+again = json.load(open("/tmp/repro/runs/rho1_seed0.json"))
+same = [a == b for a, b in zip(committed["train_losses"], again["train_losses"])]
+first = same.index(False) + 1 if False in same else None
+print(f"rho1_seed0 trained again: per-step losses {'bit-identical' if first is None else f'differ from step {first}'}; "
+      f"validation {committed['val_loss']:.6f} committed, {again['val_loss']:.6f} again")
+PY
+fi
 sweep allocation "$R/study_allocation_100steps_h100" --steps 100
 sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_h100" "$R/study_allocation_100steps_h100"
 sweep slots "$R/study_slots_h100"
-mapfile -t folders < <(ls -d "$R"/study_*_h100 2>/dev/null)
+mapfile -t folders < <(ls -d "$R"/study_*_h100 "$R"/study_*_h100.* 2>/dev/null)
 tar -czf "$OUT/study.tgz" "${folders[@]}"
 echo "packed: ${folders[*]} -> $OUT/study.tgz ($(( $(date +%s) - T0 )) s)"
