@@ -7,7 +7,7 @@
 #
 #   LIMIT=540 scripts/gpu_study.sh     # seconds this call may spend; the log is $OUT/study.log
 #
-# In order: once, the training step's speed A/B (compiled vs queued steps vs CUDA graphs, pure MoE,
+# In order: once, the training step's speed A/B (eager, compiled, queued steps, CUDA graphs; pure MoE,
 # rho 0.8, dense) and one committed allocation run trained again (are its losses the committed
 # ones?), both into benchmarks/results/; the allocation at a second budget (100 steps); the token
 # axis, whose 100- and 400-step budgets are copied from the two allocation sweeps (--reuse); the
@@ -35,8 +35,8 @@ sweep() {  # kind, folder, flags...: resume it while this call has time, after t
 }
 if [ ! -f "$R/study_step_queued_h100.json" ]; then
   echo "== speed A/B and a committed run trained again" | tee -a "$OUT/study.log"
-  timeout 300 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
-    --options compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_queued_h100.log" 2>&1
+  timeout 360 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
+    --options eager compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_queued_h100.log" 2>&1
   cp "$OUT/ab/study_step_profile.json" "$R/study_step_queued_h100.json" 2>/dev/null
   tail -n 12 "$R/study_step_queued_h100.log"
   timeout 240 python3 -m condmem study allocation --preset gpu --out /tmp/repro --only run=rho1_seed0 --no-progress \
