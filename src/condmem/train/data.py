@@ -485,8 +485,8 @@ class Batch:
 
     def to(self, device, non_blocking: bool = False) -> Batch:
         """The batch on `device`. ``non_blocking`` to a CUDA device pins host tensors first: a copy
-        from pageable memory can wait for the device's queued work, which would make the host
-        wait for the step before it before it can queue the next."""
+        from pageable memory can wait for the work already queued on the device, so the host could
+        not queue a step while the one before it runs."""
         pin = non_blocking and torch.device(device).type == "cuda"
         moved = [
             None

@@ -563,9 +563,12 @@ class Trainer:
             return []
         values = torch.stack([loss.float() for _, loss in queued]).tolist()
         for (step, _), value in zip(queued, values):
-            if not math.isfinite(value):
-                raise FloatingPointError(f"{self.label}: loss is {value} at step {step + 1}")
+            self._require_finite(value, step)
         return values
+
+    def _require_finite(self, loss: float, step: int) -> None:
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{self.label}: loss is {loss} at step {step + 1}")
 
     def fit(self, token_losses: bool = False) -> dict:
         """Train up to ``cfg.steps`` (from the current step), validate (the fixed subset, for
@@ -595,8 +598,7 @@ class Trainer:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
                 loss, lr = self.train_step(self.step)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"{self.label}: loss is {loss} at step {self.step + 1}")
+                self._require_finite(loss, self.step)
                 dt = time.perf_counter() - t0
                 self.step += 1
                 if self.step - first > warm:

@@ -659,11 +659,13 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
     """Train the chosen runs that have no result yet (a stored one is checked against its config)."""
     store = RunStore(call.out)
     specs, stop_after, dev = planned.specs, call.stop_after, call.dev
-    todo = []
+    todo, finished = [], []
     for spec in planned.chosen:
         run_tc, wanted = planned.settings(call, spec)
-        if store.finished(spec.run_id, wanted, call.overwrite) is not None:
+        stored = store.finished(spec.run_id, wanted, call.overwrite)
+        if stored is not None:
             print(f"[sweep] {spec.run_id}: finished earlier ({store.path(spec.run_id)}), skipped", flush=True)
+            finished.append(stored)
             continue
         todo.append((spec, run_tc, wanted))
     done = sum(1 for s in specs if store.path(s.run_id).exists()) - sum(
@@ -671,7 +673,11 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
     )
     bar = SweepProgress(len(specs), done, call.progress)
     trained_steps = 0
-    prior = _stored_seconds_per_step(store, specs) if stop_after is not None else None
+    prior = None
+    if stop_after is not None:  # the other workers' runs too: this command's share may have none yet
+        chosen = {spec.run_id for spec in planned.chosen}
+        others = (store.load(spec.run_id) for spec in specs if spec.run_id not in chosen)
+        prior = _seconds_per_step(finished + [r for r in others if r is not None])
     try:
         for spec, run_tc, wanted in todo:
             mean = bar.mean_run_seconds()
@@ -715,14 +721,10 @@ STORED_RUN_MARGIN = 1.25
 of a run from stored ones is this much longer."""
 
 
-def _stored_seconds_per_step(store: RunStore, specs: list) -> float | None:
-    """The median training seconds a step of this sweep's finished runs took (None without one): what
+def _seconds_per_step(records: list[dict]) -> float | None:
+    """The median training seconds a step of these finished runs took (None without one): what
     `--stop-after` expects of a run before this command has finished one of its own."""
-    rates = []
-    for spec in specs:
-        record = store.load(spec.run_id) if store.path(spec.run_id).exists() else None
-        if record and record.get("train_seconds") and record.get("steps"):
-            rates.append(record["train_seconds"] / record["steps"])
+    rates = [r["train_seconds"] / r["steps"] for r in records if r.get("train_seconds") and r.get("steps")]
     return float(np.median(rates)) if rates else None
 
 
