@@ -229,8 +229,8 @@ def read_header(path: str | os.PathLike) -> Header:
             )
         if data_start + end > size:
             raise TableFileError(
-                f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes: truncated "
-                "(an interrupted copy or download?)"
+                f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes: truncated, "
+                "incomplete (an interrupted write, copy or download?)"
             )
         tensors[name] = TensorEntry(name, dtype, shape, data_start + begin, expect)
         raw_tensors[name] = (info["dtype"], list(shape), begin, end)
