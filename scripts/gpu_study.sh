@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine: one device call's share of the study's GPU runs (docs/study-guide.md, "The next GPU
-# runs"). Each sweep resumes in its folder under benchmarks/results/, three runs at once, and starts no
+# runs"). Each sweep resumes in its folder under benchmarks/results/, $PARALLEL runs at once (default 5), and starts no
 # run that would end after the call's time; a sweep starts once the one before it is complete. The
 # folders are packed into $OUT/study.tgz (a device call returns a handful of files): unpack it in the
 # repository root and call again with the folders carried, until every sweep has its study.json.
@@ -17,31 +17,36 @@ set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 export CONDMEM_CACHE_DIR="${CONDMEM_CACHE_DIR:-/tmp/condmem-cache}"
 LIMIT="${LIMIT:-540}"
+PARALLEL="${PARALLEL:-5}"  # runs at once: short compiled runs are bound by compiling, on the CPU
 T0=$(date +%s)
 R=benchmarks/results
 previous_done=1
+left() { echo $((LIMIT - ($(date +%s) - T0))); }  # seconds this call has left
 sweep() {  # kind, folder, flags...: resume it while this call has time, after the one before is complete
   local kind=$1 out=$2 left minutes
   shift 2
-  left=$((LIMIT - ($(date +%s) - T0)))
+  left=$(left)
   if [ "$previous_done" -eq 1 ] && [ "$left" -ge 120 ] && [ ! -f "$out/study.json" ]; then
     minutes=$(python3 -c "print(round(($left - 60) / 60, 2))")
     echo "== $kind -> $out (--stop-after $minutes)" | tee -a "$OUT/study.log"
-    timeout "$left" python3 -m condmem study "$kind" --preset gpu --parallel 3 --stop-after "$minutes" \
+    timeout "$left" python3 -m condmem study "$kind" --preset gpu --parallel "$PARALLEL" --stop-after "$minutes" \
       --no-progress --out "$out" "$@" >> "$OUT/study.log" 2>&1
     tail -n 2 "$OUT/study.log"
   fi
   [ -f "$out/study.json" ] || previous_done=0
 }
-if [ ! -f "$R/study_step_queued_h100.json" ]; then
-  echo "== speed A/B and a committed run trained again" | tee -a "$OUT/study.log"
-  timeout 360 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
+if [ ! -f "$R/study_step_queued_h100.json" ] && [ "$(left)" -ge 300 ]; then
+  echo "== speed A/B" | tee -a "$OUT/study.log"
+  timeout 300 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
     --options eager compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_queued_h100.log" 2>&1
   cp "$OUT/ab/study_step_profile.json" "$R/study_step_queued_h100.json" 2>/dev/null
-  tail -n 12 "$R/study_step_queued_h100.log"
-  timeout 240 python3 -m condmem study allocation --preset gpu --out /tmp/repro --only run=rho1_seed0 --no-progress \
+  tail -n 14 "$R/study_step_queued_h100.log"
+fi
+if [ ! -f "$R/study_repro_h100.log" ] && [ "$(left)" -ge 240 ]; then
+  echo "== a committed run trained again" | tee -a "$OUT/study.log"
+  timeout 220 python3 -m condmem study allocation --preset gpu --out /tmp/repro --only run=rho1_seed0 --no-progress \
     >> "$OUT/study.log" 2>&1
-  python3 - "$R" <<'PY' | tee "$R/study_repro_h100.log"
+  python3 - "$R" > /tmp/repro.txt <<'PY' && mv /tmp/repro.txt "$R/study_repro_h100.log"
 import json, sys
 committed = json.load(open(f"{sys.argv[1]}/study_allocation_h100/runs/rho1_seed0.json"))
 again = json.load(open("/tmp/repro/runs/rho1_seed0.json"))
@@ -50,6 +55,7 @@ first = same.index(False) + 1 if False in same else None
 print(f"rho1_seed0 trained again: per-step losses {'bit-identical' if first is None else f'differ from step {first}'}; "
       f"validation {committed['val_loss']:.6f} committed, {again['val_loss']:.6f} again")
 PY
+  cat "$R/study_repro_h100.log"
 fi
 sweep allocation "$R/study_allocation_100steps_h100" --steps 100
 sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_h100" "$R/study_allocation_100steps_h100"
