@@ -25,6 +25,7 @@ from condmem.train.heldout import DEDUP_THRESHOLD
 from condmem.train.loop import TrainConfig, Trainer
 from condmem.train.pipeline import PreparedData, prepare_data
 from condmem.train.presets import Preset
+from condmem.utils.code_version import code_commit
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -46,8 +47,9 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def machine_info(device: torch.device) -> dict:
-    """Versions, threads and the device, for a summary."""
+    """Versions, the code's commit, threads and the device, for a summary."""
     info = {
+        "commit": code_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -863,6 +864,7 @@ def replot(kind: str, out: str | Path | None = None) -> Path | None:
     if not summary.get("runs") or not summary.get("points"):
         raise ValueError(f"{path} holds no runs: nothing to plot (run the sweep, or `condmem study merge {out}`)")
     summary["finding"] = find(kind, summary["points"], summary["runs"])
+    summary["provenance"] = provenance(summary["runs"])
     summary["report"] = report_text(kind, summary)
     figure = plot_study(summary, out / f"{kind}.png", within=out)
     summary["figure"] = figure.name if figure is not None else summary.get("figure")
@@ -956,6 +958,7 @@ def summarize(sweep: dict, runs: list[dict]) -> dict:
         "models": {p["label"]: p["model"] for p in sweep["points"]},
         "data": sweep["data"],
         "machine": runs[0]["machine"],
+        "provenance": provenance(runs),
     }
     summary["table"] = format_study_table(kind, per_point)
     summary["report"] = report_text(kind, summary)
@@ -1226,8 +1229,39 @@ def format_study_table(kind: str, points: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def provenance(runs: list[dict]) -> dict:
+    """How many runs each commit and each device trained (``unrecorded`` for runs that predate the
+    record): a sweep whose runs come from several (copied in, resumed after a pull) says so."""
+    def count(names) -> dict:
+        return dict(Counter(name or "unrecorded" for name in names).most_common())
+
+    machines = [r["machine"] for r in runs]
+    return {
+        "commits": count(m.get("commit") for m in machines),
+        "devices": count(m.get("gpu") or m.get("device") for m in machines),
+    }
+
+
+def _provenance_text(s: dict) -> str:
+    parts = []
+    for what, counts in (s.get("provenance") or {}).items():
+        if len(counts) > 1:
+            each = "; ".join(f"{name[:12] if what == 'commits' else name}: {n}" for name, n in counts.items())
+            parts.append(f"{len(counts)} {what} ({each} runs)")
+    if not parts:
+        return ""
+    return (
+        f" The runs come from {' and from '.join(parts)}: other code or another card can move a run's last "
+        "bits, so a difference between such runs holds that change too."
+    )
+
+
 def report_text(kind: str, s: dict) -> str:
     """What the sweep shows, and what it cannot, in a few sentences."""
+    return _report_body(kind, s) + _provenance_text(s)
+
+
+def _report_body(kind: str, s: dict) -> str:
     f, sc, n = s["finding"], s["scale"], len(s["seeds"])
     if kind == "tokens":
         return token_report(s)
