@@ -1232,6 +1232,7 @@ def format_study_table(kind: str, points: list[dict]) -> str:
 def provenance(runs: list[dict]) -> dict:
     """How many runs each commit and each device trained (``unrecorded`` for runs that predate the
     record): a sweep whose runs come from several (copied in, resumed after a pull) says so."""
+
     def count(names) -> dict:
         return dict(Counter(name or "unrecorded" for name in names).most_common())
 
