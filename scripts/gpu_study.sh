@@ -11,7 +11,8 @@
 # rho 0.8, dense) and one committed allocation run trained again (are its losses the committed
 # ones?), both into benchmarks/results/; the allocation at a second budget (100 steps); the token
 # axis, whose 100- and 400-step budgets are copied from the two allocation sweeps (--reuse); the
-# slot sweep.
+# slot sweep; then, once, a sweep's tokens over wall time, one eager run at a time against $PARALLEL
+# compiled runs at once (benchmarks/probes/study_concurrency.sh, 400 steps).
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
@@ -60,6 +61,12 @@ fi
 sweep allocation "$R/study_allocation_100steps_h100" --steps 100
 sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_h100" "$R/study_allocation_100steps_h100"
 sweep slots "$R/study_slots_h100"
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_h100.json" ] && [ "$(left)" -ge 420 ]; then
+  echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"
+  OUT=/tmp/concurrency STEPS=400 K="$PARALLEL" timeout 400 benchmarks/probes/study_concurrency.sh \
+    > "$R/study_concurrency_k${PARALLEL}_h100.log" 2>&1 && cp /tmp/concurrency/summary.json "$R/study_concurrency_k${PARALLEL}_h100.json"
+  tail -n 4 "$R/study_concurrency_k${PARALLEL}_h100.log"
+fi
 mapfile -t folders < <(ls -d "$R"/study_*_h100 "$R"/study_*_h100.* 2>/dev/null)
 tar -czf "$OUT/study.tgz" "${folders[@]}"
 echo "packed: ${folders[*]} -> $OUT/study.tgz ($(( $(date +%s) - T0 )) s)"
