@@ -69,7 +69,11 @@ def test_provenance_counts_commits_and_devices_and_speaks_only_of_a_mix():
     same = provenance(_runs(["a" * 40] * 3, ["H100"] * 3))
     assert same == {"commits": {"a" * 40: 3}, "devices": {"H100": 3}}
     assert _provenance_text({"provenance": same}) == ""
-    mixed = provenance(_runs(["a" * 40, None, "a" * 40], ["H100", "H100", "H200"]))
-    assert mixed == {"commits": {"a" * 40: 2, "unrecorded": 1}, "devices": {"H100": 2, "H200": 1}}
+    mixed = provenance(_runs(["a" * 40, None, "a" * 40, "b" * 40 + "+dirty"], ["H100", "H100", "H200", "H100"]))
+    assert mixed == {
+        "commits": {"a" * 40: 2, "unrecorded": 1, "b" * 40 + "+dirty": 1},
+        "devices": {"H100": 3, "H200": 1},
+    }
     text = _provenance_text({"provenance": mixed})
-    assert "2 commits (aaaaaaaaaaaa: 2; unrecorded: 1 runs)" in text and "2 devices (H100: 2; H200: 1 runs)" in text
+    assert "3 commits (aaaaaaaaaaaa: 2; unrecorded: 1; bbbbbbbbbbbb+dirty: 1 runs)" in text
+    assert "2 devices (H100: 3; H200: 1 runs)" in text

@@ -1243,11 +1243,15 @@ def provenance(runs: list[dict]) -> dict:
     }
 
 
+def _short(commit: str) -> str:
+    return commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")
+
+
 def _provenance_text(s: dict) -> str:
     parts = []
     for what, counts in (s.get("provenance") or {}).items():
         if len(counts) > 1:
-            each = "; ".join(f"{name[:12] if what == 'commits' else name}: {n}" for name, n in counts.items())
+            each = "; ".join(f"{_short(name) if what == 'commits' else name}: {n}" for name, n in counts.items())
             parts.append(f"{len(counts)} {what} ({each} runs)")
     if not parts:
         return ""
