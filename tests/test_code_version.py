@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from condmem.utils import code_version
-from condmem.apps.study.sweep import _provenance_text, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE = "src/condmem/utils/code_version.py"
@@ -59,21 +58,3 @@ def test_a_copy_inside_another_repository_does_not_take_its_head(tmp_path):
     inner.parent.mkdir(parents=True)
     shutil.copy(ROOT / FILE, inner)
     assert _load(inner).code_commit() is None
-
-
-def _runs(commits, devices):
-    return [{"machine": {"commit": c, "device": "cuda", "gpu": g}} for c, g in zip(commits, devices)]
-
-
-def test_provenance_counts_commits_and_devices_and_speaks_only_of_a_mix():
-    same = provenance(_runs(["a" * 40] * 3, ["H100"] * 3))
-    assert same == {"commits": {"a" * 40: 3}, "devices": {"H100": 3}}
-    assert _provenance_text({"provenance": same}) == ""
-    mixed = provenance(_runs(["a" * 40, None, "a" * 40, "b" * 40 + "+dirty"], ["H100", "H100", "H200", "H100"]))
-    assert mixed == {
-        "commits": {"a" * 40: 2, "unrecorded": 1, "b" * 40 + "+dirty": 1},
-        "devices": {"H100": 3, "H200": 1},
-    }
-    text = _provenance_text({"provenance": mixed})
-    assert "3 commits (aaaaaaaaaaaa: 2; unrecorded: 1; bbbbbbbbbbbb+dirty: 1 runs)" in text
-    assert "2 devices (H100: 3; H200: 1 runs)" in text

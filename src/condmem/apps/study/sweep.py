@@ -68,6 +68,7 @@ from condmem.apps.study.stats import compare, linear_slope, paired_difference, q
 from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
 from condmem.apps.study.runs import (
     ReusableRuns,
+    RunSpec,
     RunStore,
     SweepProgress,
     data_identity,
@@ -82,6 +83,7 @@ from condmem.apps.study.runs import (
     train_run,
 )
 from condmem.utils.atomic import atomic_write_text, check_destination
+from condmem.utils.code_version import code_commit
 from condmem.apps.plots import plot_router_load, plot_sweep_curves, plot_token_gaps
 from condmem.utils.plotting import pyplot, save_figure
 
@@ -568,6 +570,8 @@ def _sweep(call: _Call, previous: dict | None, cublas, stage: str) -> dict:
     store = RunStore(out)
     if call.reuse and stage != "train":  # a worker's share was planned (and copied in) by the plan stage
         _copy_reused(call, planned, store, ReusableRuns(call.reuse))
+    if stage != "train":
+        _say_other_commits(store, chosen)
     if stage == "plan":
         selected_left = [s.run_id for s in chosen if not store.path(s.run_id).exists()]
         return {
@@ -654,6 +658,24 @@ def _copy_reused(call: _Call, planned: _Planned, store: RunStore, reusable: Reus
             copied += 1
             print(f"[sweep] {spec.run_id}: reused from {record['reused_from']['path']}", flush=True)
     print(f"[sweep] --reuse: {copied} of the {len(chosen)} selected runs copied in from other sweeps", flush=True)
+
+
+def _say_other_commits(store: RunStore, chosen: list[RunSpec]) -> None:
+    """Say so when runs left to train will join runs of other code (a sweep resumed after a pull, or
+    runs copied in): study.json's provenance will count them, and this tells it before the hours."""
+    stored = [store.load(s.run_id) for s in chosen]
+    if all(r is not None for r in stored):
+        return
+    here = code_commit()
+    other = Counter(r["machine"].get("commit") or "unrecorded" for r in stored if r is not None)
+    other.pop(here, None)
+    if here is not None and other:
+        each = "; ".join(f"{_short(c)}: {n}" for c, n in other.most_common())
+        print(
+            f"[sweep] {sum(other.values())} finished runs here come from other code ({each}); this code is "
+            f"{_short(here)}: the sweep will mix commits, and study.json's provenance counts them",
+            flush=True,
+        )
 
 
 def _train_selected(call: _Call, planned: _Planned) -> None:

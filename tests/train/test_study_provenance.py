@@ -1,0 +1,52 @@
+"""A sweep's provenance: how many runs each commit and each device trained, said in the report when
+they are several, and said before training when runs left to train join runs of other code."""
+
+from __future__ import annotations
+
+import json
+
+from condmem.apps.study.sweep import _provenance_text, provenance
+from condmem.cli import main
+
+
+def _runs(commits, devices):
+    return [{"machine": {"commit": c, "device": "cuda", "gpu": g}} for c, g in zip(commits, devices)]
+
+
+def test_provenance_counts_commits_and_devices_and_speaks_only_of_a_mix():
+    same = provenance(_runs(["a" * 40] * 3, ["H100"] * 3))
+    assert same == {"commits": {"a" * 40: 3}, "devices": {"H100": 3}}
+    assert _provenance_text({"provenance": same}) == ""
+    mixed = provenance(_runs(["a" * 40, None, "a" * 40, "b" * 40 + "+dirty"], ["H100", "H100", "H200", "H100"]))
+    assert mixed == {
+        "commits": {"a" * 40: 2, "unrecorded": 1, "b" * 40 + "+dirty": 1},
+        "devices": {"H100": 3, "H200": 1},
+    }
+    text = _provenance_text({"provenance": mixed})
+    assert "3 commits (aaaaaaaaaaaa: 2; unrecorded: 1; bbbbbbbbbbbb+dirty: 1 runs)" in text
+    assert "2 devices (H100: 3; H200: 1 runs)" in text
+
+
+def _allocation(tiny_corpus, out, *extra):
+    common = ["--preset", "tiny", "--corpus", str(tiny_corpus), "--out", str(out), "--no-progress", "--device", "cpu"]
+    return main(["study", "allocation", *common, "--controls", "no_table", *extra])
+
+
+def test_a_resumed_sweep_says_when_its_finished_runs_come_from_other_code(tiny_corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("condmem.apps.study.sweep.code_commit", lambda: "c" * 40)
+    monkeypatch.setattr("condmem.train.build.code_commit", lambda: "c" * 40)
+    out = tmp_path / "sweep"
+    assert _allocation(tiny_corpus, out, "--only", "seed=0,rho=1.0") == 0
+    assert _allocation(tiny_corpus, out, "--only", "seed=0,rho=0.5") == 0
+    assert "other code" not in capsys.readouterr().out  # negative control: one commit so far
+    record = out / "runs" / "rho1_seed0.json"
+    run = json.loads(record.read_text())
+    assert run["machine"]["commit"] == "c" * 40
+    run["machine"]["commit"] = "f" * 40
+    record.write_text(json.dumps(run))
+    assert _allocation(tiny_corpus, out) == 0
+    said = capsys.readouterr().out
+    assert "finished runs here come from other code (ffffffffffff: 1); this code is cccccccccccc" in said
+    study = json.loads((out / "study.json").read_text())
+    assert study["provenance"]["commits"] == {"c" * 40: len(study["runs"]) - 1, "f" * 40: 1}
+    assert "2 commits (cccccccccccc:" in study["report"]
