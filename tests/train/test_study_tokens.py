@@ -16,7 +16,7 @@ from condmem.layout import draw_primes
 from condmem.module import EngramTable
 from condmem.apps.study import sweep as study
 from condmem.apps.plots import plot_router_load
-from condmem.apps.study.sweep import STUDY_PRESETS, cap_table_sizes, statistics
+from condmem.apps.study.sweep import STUDY_PRESETS, cap_table_sizes, statistics, token_trend
 from condmem.apps.study.runs import RowsTouched, distinct_ngrams
 
 GRID = ["256", "512", "2048"]  # 2, 4 and 16 steps of the tiny preset's 128 tokens: 8x
@@ -65,6 +65,9 @@ def test_token_sweep_runs_each_budget_as_ordinary_runs_and_pairs_the_gaps(tiny_c
         ]
         assert b["table_effect"]["0.50"]["difference"]["mean"] == pytest.approx(np.mean(diffs))
     assert "tokens per active parameter" in s["report"]
+    for contrast in ("vs_pure_moe", "table_effect"):  # the trend over the three budgets, per seed
+        trend = s["statistics"]["trend"][contrast]["0.50"]
+        assert trend["budgets"] == [256, 512, 2048] and trend["seeds"] == [0, 1] and trend["text"] in s["report"]
     if importlib.util.find_spec("matplotlib") is not None:
         for name in ("tokens.png", "tokens_curves.png", "tokens_router.png"):
             assert (out / name).stat().st_size > 1000, name
@@ -236,3 +239,42 @@ def test_a_minutes_cut_counts_the_ngrams_of_the_steps_trained(tiny_corpus, tmp_p
     assert (
         whole["ngram_cap"]["steps"] == 8 and whole["ngram_cap"]["distinct_ngrams"] > cut["ngram_cap"]["distinct_ngrams"]
     )
+
+
+def _token_sweep(gap_of, seeds=(0, 1, 2), budgets=(1_000, 4_000, 16_000)):
+    """Points and runs of a token sweep whose rho 0.5 - pure MoE and rho 0.5 - no-table differences are
+    gap_of(budget, seed) (pure MoE and the no-table control at one loss)."""
+    points, runs = [], []
+    for t in budgets:
+        for key, rho, control in ((f"tok{t}_rho1", 1.0, None), (f"tok{t}_rho0.5", 0.5, None),
+                                  (f"tok{t}_rho0.5_no_table", 0.5, "no_table")):  # fmt: skip
+            points.append({"key": key, "train_tokens": t, "rho": rho, "control": control})
+            for s in seeds:
+                loss = 3.0 + (gap_of(t, s) if key.endswith("rho0.5") else 0.0)
+                runs.append({"run_id": f"{key}_seed{s}", "init_seed": s, "val_loss": loss})
+    return points, runs
+
+
+def test_the_token_trend_is_a_per_seed_slope_claimed_only_beyond_its_interval():
+    noise = {0: 0.004, 1: -0.006, 2: 0.002}
+    points, runs = _token_sweep(lambda t, s: -0.1 * np.log10(t) + noise[s] * np.log10(t) ** 2)
+    trend = token_trend(points, runs)
+    for contrast in ("vs_pure_moe", "table_effect"):
+        entry = trend[contrast]["0.50"]
+        x = np.log10([1_000, 4_000, 16_000])
+        slopes = [np.polyfit(x, -0.1 * x + noise[s] * x**2, 1)[0] for s in (0, 1, 2)]
+        half = 4.302652729911275 * np.std(slopes, ddof=1) / np.sqrt(3)  # t(0.975, df 2)
+        assert entry["slope_per_decade"]["mean"] == pytest.approx(np.mean(slopes))
+        assert entry["slope_per_decade"]["half_width"] == pytest.approx(half)
+        assert entry["claim"] and "falls with log10(tokens)" in entry["text"] and entry["seeds"] == [0, 1, 2]
+    # negative control: a flat gap whose seeds tilt either way claims nothing
+    tilt = {0: 0.05, 1: -0.06, 2: 0.02}
+    flat = token_trend(*_token_sweep(lambda t, s: -0.1 + tilt[s] * np.log10(t)))
+    assert (
+        not flat["vs_pure_moe"]["0.50"]["claim"]
+        and "no change with tokens claimed" in flat["vs_pure_moe"]["0.50"]["text"]
+    )
+    # a seed missing at one budget leaves the trend to the seeds present at every budget
+    points, runs = _token_sweep(lambda t, s: -0.1 * np.log10(t) + noise[s])
+    runs = [r for r in runs if r["run_id"] != "tok4000_rho0.5_seed2"]
+    assert token_trend(points, runs)["vs_pure_moe"]["0.50"]["seeds"] == [0, 1]

@@ -325,7 +325,8 @@ def plot_router_load(summary: dict, path: str | Path, within: str | Path | None 
 def plot_token_gaps(summary: dict, path: str | Path, within: str | Path | None = None) -> Path | None:
     """The token sweep: each rho's paired difference to pure MoE (solid) and the table's own effect
     against its no-table control (dashed), mean over seeds with 95% t-interval bars, against training
-    tokens on a log axis (the top axis: tokens per active parameter of pure MoE)."""
+    tokens on a log axis (the top axis: tokens per active parameter of pure MoE); the legend gives each
+    line's slope per decade of tokens with its 95% interval over seeds (`token_trend`)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -346,7 +347,12 @@ def plot_token_gaps(summary: dict, path: str | Path, within: str | Path | None =
                 lo.append(0.0 if d["low"] is None else d["mean"] - d["low"])
                 hi.append(0.0 if d["high"] is None else d["high"] - d["mean"])
             if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, color=color, capsize=3, label=f"rho {rho} {what}")
+                label = f"rho {rho} {what}"
+                trend = (summary["statistics"].get("trend") or {}).get(key, {}).get(rho)
+                if trend is not None and trend["slope_per_decade"]["half_width"] is not None:
+                    sl = trend["slope_per_decade"]
+                    label += f"; per decade {sl['mean']:+.3f} [{sl['low']:+.3f}, {sl['high']:+.3f}]"
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, color=color, capsize=3, label=label)
     ax.axhline(0.0, color="gray", lw=1)
     ax.set_xscale("log")
     ax.set_xlabel("training tokens per run (log)")

@@ -1111,7 +1111,63 @@ def token_statistics(points: list[dict], runs: list[dict]) -> dict:
                 if effect is not None:
                     entry["table_effect"][rho] = effect
         budgets.append(entry)
-    return {"budgets": budgets}
+    return {"budgets": budgets, "trend": token_trend(points, runs)}
+
+
+def token_trend(points: list[dict], runs: list[dict]) -> dict:
+    """Whether each gap changes with tokens: per seed, the least-squares slope of its paired
+    difference in log10(tokens per run) over every budget; then a t-interval over seeds.
+
+    A seed's runs share initialisation and data order at every budget, so the seeds are the
+    independent units (as in `pooled_controls`). ``{"vs_pure_moe" | "table_effect": {rho: entry}}``,
+    an entry with the slope's interval (nats per decade of tokens), the budgets and seeds used, and
+    ``claim``: True only where the interval excludes zero."""
+    loss = {p["key"]: {r["init_seed"]: r["val_loss"] for r in runs if r["run_id"].startswith(p["key"] + "_seed")}
+            for p in points}  # fmt: skip
+    by_budget = {}
+    for t in sorted({p["train_tokens"] for p in points}):
+        mine = [p for p in points if p["train_tokens"] == t]
+        mains = [p for p in mine if p["control"] is None]
+        ref = next((p for p in mains if p["rho"] == 1.0), None)
+        for p in mains:
+            if p is ref or ref is None:
+                continue
+            rho = f"{p['rho']:.2f}"
+            by_budget.setdefault(("vs_pure_moe", rho), {})[t] = (loss[p["key"]], loss[ref["key"]])
+            ctl = next((c for c in mine if c["control"] == "no_table" and c["key"].startswith(p["key"] + "_")), None)
+            if ctl is not None:
+                by_budget.setdefault(("table_effect", rho), {})[t] = (loss[p["key"]], loss[ctl["key"]])
+    out = {"vs_pure_moe": {}, "table_effect": {}}
+    for (contrast, rho), pairs in by_budget.items():
+        if len(pairs) < 2:
+            continue
+        seeds = sorted(set.intersection(*(set(a) & set(b) for a, b in pairs.values())))
+        x = np.log10(np.array(sorted(pairs), dtype=np.float64))
+        slopes = []
+        for seed in seeds:
+            y = np.array([pairs[t][0][seed] - pairs[t][1][seed] for t in sorted(pairs)])
+            xc = x - x.mean()
+            slopes.append(float(xc @ (y - y.mean()) / (xc @ xc)))
+        if not slopes:
+            continue
+        interval = t_interval(slopes)
+        out[contrast][rho] = {
+            "slope_per_decade": interval.to_dict(),
+            "budgets": sorted(pairs),
+            "seeds": seeds,
+            "claim": interval.excludes_zero,
+            "text": _trend_text(interval),
+        }
+    return out
+
+
+def _trend_text(slope) -> str:
+    if slope.half_width is None:
+        return f"{slope.mean:+.4f} nats per decade of tokens from one seed: no interval, no claim"
+    span = f"{slope.mean:+.4f} nats per decade of tokens, 95% CI [{slope.low:+.4f}, {slope.high:+.4f}], {slope.n} seeds"
+    if not slope.excludes_zero:
+        return f"no change with tokens claimed: {span} (the interval includes zero)"
+    return f"the difference {'falls' if slope.mean < 0 else 'rises'} with log10(tokens): {span}"
 
 
 def _beyond(a: dict, b: dict) -> bool | None:
@@ -1360,6 +1416,12 @@ def token_report(s: dict) -> str:
             effect = b["table_effect"].get(rho)
             if effect is not None:
                 lines.append(f"  * rho {rho}, the table's own effect (vs no table): {effect['text']}")
+    trend = s["statistics"].get("trend") or {}
+    names = {"vs_pure_moe": "vs pure MoE", "table_effect": "the table's own effect"}
+    said = [f"  * rho {rho} {names[c]}: {e['text']}" for c in names for rho, e in trend.get(c, {}).items()]
+    if said:
+        lines += ["Against tokens (per seed, the slope of the paired difference in log10(tokens); a difference "
+                  "below zero that falls is a gain that grows):", *said]  # fmt: skip
     return (
         f"Token axis: the allocation's gaps at {len(s['statistics']['budgets'])} budgets from "
         f"{s['statistics']['budgets'][0]['train_tokens']:,} to {s['statistics']['budgets'][-1]['train_tokens']:,} "
