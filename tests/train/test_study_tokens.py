@@ -17,6 +17,7 @@ from condmem.module import EngramTable
 from condmem.apps.study import sweep as study
 from condmem.apps.plots import plot_router_load
 from condmem.apps.study.sweep import STUDY_PRESETS, cap_table_sizes, statistics, token_trend
+from condmem.apps.study.stats import slope_over_seeds
 from condmem.apps.study.runs import RowsTouched, distinct_ngrams
 
 GRID = ["256", "512", "2048"]  # 2, 4 and 16 steps of the tiny preset's 128 tokens: 8x
@@ -278,3 +279,22 @@ def test_the_token_trend_is_a_per_seed_slope_claimed_only_beyond_its_interval():
     points, runs = _token_sweep(lambda t, s: -0.1 * np.log10(t) + noise[s])
     runs = [r for r in runs if r["run_id"] != "tok4000_rho0.5_seed2"]
     assert token_trend(points, runs)["vs_pure_moe"]["0.50"]["seeds"] == [0, 1]
+
+
+def test_the_slot_slope_with_seeds_is_each_seeds_slope_then_over_seeds():
+    rows = [100, 1000, 10_000]
+    tilt = {0: -0.05, 1: -0.07, 2: -0.06}
+    runs = [{"table_rows": r, "val_loss": 3.0 + s * 0.3 + tilt[s] * np.log10(r), "run_id": f"x{r}_seed{s}",
+             "init_seed": s} for s in (0, 1, 2) for r in rows]  # fmt: skip
+    st = statistics("slots", [], runs)
+    assert st["method"] == "each seed's slope, then over seeds" and st["claims_slope"]
+    slope = st["slope_per_decade"]
+    assert slope["mean"] == pytest.approx(-0.06) and slope["n"] == 3
+    assert slope["half_width"] == pytest.approx(4.302652729911275 * np.std(list(tilt.values()), ddof=1) / np.sqrt(3))
+    # negative control: seeds that tilt either way claim no slope
+    both = {0: 0.05, 1: -0.07, 2: 0.01}
+    for r in runs:
+        r["val_loss"] = 3.0 + r["init_seed"] * 0.3 + both[r["init_seed"]] * np.log10(r["table_rows"])
+    assert not statistics("slots", [], runs)["claims_slope"]
+    with pytest.raises(ValueError, match="seed 0 needs two or more points"):
+        slope_over_seeds({0: ([1.0], [2.0])})

@@ -238,6 +238,27 @@ def linear_slope(xs: Sequence[float], ys: Sequence[float], confidence: float = 0
     return {"slope": Interval(slope, t * se, n, None, t, confidence), "intercept": intercept, "n": n}
 
 
+def slope_over_seeds(
+    curves: Mapping[Hashable, tuple[Sequence[float], Sequence[float]]], confidence: float = 0.95
+) -> Interval:
+    """Each seed's least-squares slope of y on x, then their mean with its t-interval over seeds.
+
+    A seed's runs share initialisation and data order all along a curve (every table size, every
+    token budget), so the seeds, not the runs, are the independent units: a line through every run
+    would count each seed's shared part as many times as it has points. Raises ValueError for a
+    seed with fewer than two distinct x."""
+    slopes = []
+    for seed, (xs, ys) in sorted(curves.items(), key=lambda kv: str(kv[0])):
+        x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+        if x.shape != y.shape or x.ndim != 1 or len(x) < 2 or np.ptp(x) == 0:
+            raise ValueError(f"slope_over_seeds: seed {seed!r} needs two or more points at distinct x")
+        xc = x - x.mean()
+        slopes.append(float(xc @ (y - y.mean())) / float(xc @ xc))
+    if not slopes:
+        raise ValueError("slope_over_seeds: no seeds")
+    return t_interval(slopes, confidence)
+
+
 # ----------------------------------------------------------------------------- the optimum of a curve
 
 

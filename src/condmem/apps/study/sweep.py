@@ -64,7 +64,14 @@ from condmem.train.build import (
 from condmem.apps.demo import mean_std
 from condmem.train.heldout import seen_in_training
 from condmem.apps.study.config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig, load_study_config, study_preset
-from condmem.apps.study.stats import compare, linear_slope, paired_difference, quadratic_optimum, t_interval
+from condmem.apps.study.stats import (
+    compare,
+    linear_slope,
+    paired_difference,
+    quadratic_optimum,
+    slope_over_seeds,
+    t_interval,
+)
 from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
 from condmem.apps.study.runs import (
     ReusableRuns,
@@ -1005,10 +1012,18 @@ def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
     if kind == "slots":
         with_table = [r for r in runs if r["table_rows"] > 0]
         fit = linear_slope([math.log10(r["table_rows"]) for r in with_table], [r["val_loss"] for r in with_table])
-        slope = fit["slope"]
+        curves = {}
+        for r in with_table:
+            xs, ys = curves.setdefault(r["init_seed"], ([], []))
+            xs.append(math.log10(r["table_rows"]))
+            ys.append(r["val_loss"])
+        per_seed = len(curves) > 1 and all(len(set(xs)) > 1 for xs, _ in curves.values())
+        # Seeds are paired along the curve: with two or more, each seed's slope, then over seeds.
+        slope = slope_over_seeds(curves) if per_seed else fit["slope"]
         claims = slope.half_width is not None and slope.excludes_zero
         return {
             "slope_per_decade": slope.to_dict(),
+            "method": "each seed's slope, then over seeds" if per_seed else "one line through every run",
             "intercept": fit["intercept"],
             "n": fit["n"],
             "claims_slope": claims,
@@ -1077,6 +1092,15 @@ def pooled_controls(rho_points: list[dict], points: list[dict], by_key: dict) ->
     return out
 
 
+def _slope_label(finding: dict, st: dict) -> str:
+    """The slot figure's fit line: its slope, and the statistics' slope with its 95% interval."""
+    label = f"fit: {finding['slope_per_decade']:+.4f} nats / decade"
+    sl = st.get("slope_per_decade")
+    if sl and sl.get("half_width") is not None:
+        label += f"; 95% CI [{sl['low']:+.4f}, {sl['high']:+.4f}] ({st.get('method', 'one line through every run')})"
+    return label
+
+
 def _slope_text(slope, claims: bool) -> str:
     if slope.half_width is None:
         return f"slope {slope.mean:+.4f} nats per decade of rows from two runs: no interval, no claim"
@@ -1142,15 +1166,10 @@ def token_trend(points: list[dict], runs: list[dict]) -> dict:
         if len(pairs) < 2:
             continue
         seeds = sorted(set.intersection(*(set(a) & set(b) for a, b in pairs.values())))
-        x = np.log10(np.array(sorted(pairs), dtype=np.float64))
-        slopes = []
-        for seed in seeds:
-            y = np.array([pairs[t][0][seed] - pairs[t][1][seed] for t in sorted(pairs)])
-            xc = x - x.mean()
-            slopes.append(float(xc @ (y - y.mean()) / (xc @ xc)))
-        if not slopes:
+        if not seeds:
             continue
-        interval = t_interval(slopes)
+        x = [math.log10(t) for t in sorted(pairs)]
+        interval = slope_over_seeds({s: (x, [pairs[t][0][s] - pairs[t][1][s] for t in sorted(pairs)]) for s in seeds})
         out[contrast][rho] = {
             "slope_per_decade": interval.to_dict(),
             "budgets": sorted(pairs),
@@ -1375,7 +1394,8 @@ def _report_body(kind: str, s: dict) -> str:
         return (
             f"Slots over {f['decades']:.1f} decades of table rows; {tokens}, "
             f"{sc['orders_of_magnitude_below_paper']:.1f} orders of magnitude fewer tokens than the paper's 100B, "
-            f"{n} seed{'s' if n > 1 else ''}. Measured (95% t-interval over every run): {st['text']}; without "
+            f"{n} seed{'s' if n > 1 else ''}. Measured (95% t-interval; "
+            f"{st.get('method', 'one line through every run')}): {st['text']}; without "
             f"Engram {f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
             + (f" Note: {cap}." if cap else "")
             + _touched_text(s)
@@ -1563,7 +1583,7 @@ def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | 
         ax.plot(
             xs,
             f["intercept"] + f["slope_per_decade"] * np.log10(xs),
-            label=f"fit: {f['slope_per_decade']:+.4f} nats / decade",
+            label=_slope_label(f, summary.get("statistics") or {}),
         )
         ax.axhline(f["no_engram_val_loss"], color="gray", ls="--", label="no Engram (same FLOPs)")
         ax.set_xscale("log")
@@ -1575,6 +1595,7 @@ def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | 
         fontsize=9,
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # slots: loss falls to the right, so the lower left is free
+    ax.legend(fontsize=8, loc="best" if summary["study"] == "allocation" else "lower left")
     fig.tight_layout()
     return save_figure(fig, path, within=within)
