@@ -15,6 +15,7 @@ from condmem.models.config import ModelConfig, MoEConfig
 from condmem.models.moe import MoE, RouterStats, expert_counts
 from condmem.train.data import TokenStream
 from condmem.train.loop import TrainConfig, Trainer
+from tests.helpers import devices
 
 
 def test_expert_counts_traced_equal_bincount_with_no_graph_break():
@@ -116,3 +117,41 @@ def test_compiled_training_follows_eager_losses_on_the_gpu(engram):
     assert abs(losses[True][0] - losses[False][0]) < 5e-3, losses
     assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) < 0.15, losses
     assert losses[True][-1] < losses[True][0] - 0.1 and losses[False][-1] < losses[False][0] - 0.1, losses
+
+
+def _train_compiled(n_experts: int, device: str) -> tuple[list[float], int]:
+    """Six compiled steps of a small MoE with `n_experts`: its losses, and the graphs compiled meanwhile."""
+    cfg = ModelConfig(
+        vocab_size=256,
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_hidden=32,
+        max_seq_len=32,
+        moe=MoEConfig(n_experts=n_experts, top_k=2, expert_hidden=16),
+    )
+    rng = np.random.default_rng(0)
+    train = TokenStream(np.tile(rng.integers(0, 256, size=33), 50)[: 4 * 32 * 8 + 1].astype(np.int32), 0)
+    val = TokenStream(rng.integers(0, 256, size=4 * 32 + 1).astype(np.int32), 0)
+    tc = TrainConfig(steps=6, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=32, log_every=100, compile=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    trainer = Trainer(DecoderLM(cfg, seed=0, device=device), tc, train, val, np.ones(256), device, progress=False)
+    losses = [trainer.train_step(s)[0] for s in range(6)]
+    return losses, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_compiled_run_is_the_same_whatever_its_process_compiled_before(device, monkeypatch):
+    # a sweep's worker trains model after model: each must compile as in a fresh process
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # reached by the first model's graphs
+    fresh, fresh_graphs = _train_compiled(6, device)
+    _train_compiled(4, device)
+    after, after_graphs = _train_compiled(6, device)
+    assert fresh_graphs > 0 and after_graphs == fresh_graphs
+    assert after == fresh  # bit for bit (on the GPU too: bf16 autocast, the same kernels)
+    # negative control: without the reset, the third model finds the limit reached and its blocks run
+    # eager (no graph compiled for it)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+    _train_compiled(4, device)
+    assert _train_compiled(5, device)[1] == 0

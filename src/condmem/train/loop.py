@@ -100,7 +100,9 @@ class TrainConfig:
     compile: bool = False
     """Compile each decoder block with `torch.compile` (fused norms, rotary, SwiGLU, routing;
     on CUDA about 2x the eager step at the study's sizes, after seconds of compilation per
-    shape). Same arithmetic up to rounding: losses match eager to bf16 noise, not bit for bit."""
+    shape). Same arithmetic up to rounding: losses match eager to bf16 noise, not bit for bit.
+    Compiling starts from empty compiler caches (`torch._dynamo.reset`), so a model's graphs are
+    those of a fresh process, whatever the process trained before."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -293,6 +295,11 @@ class Trainer:
             cfg.eps,
         )
         if cfg.compile:
+            # A process that trains several models (a sweep's worker) would otherwise compile each
+            # against the graphs of the ones before: past torch's recompile limit a block silently
+            # runs eager, and a block recompiled for new shapes gets dynamic-shape kernels. Either
+            # changes a run's speed and its last bits by what ran earlier in its process.
+            torch._dynamo.reset()
             for block in model.blocks:
                 # The Engram layer runs as it is, between compiled parts: its Triton kernels (gather,
                 # gate) take float scalars that Dynamo's tracing of user kernels hands over as fp64.
