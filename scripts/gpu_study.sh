@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a CUDA machine: one device call's share of the study's GPU runs (docs/study-guide.md, "The next GPU
-# runs"). Each sweep resumes in its folder under benchmarks/results/, $PARALLEL runs at once (default 5), and starts no
+# On a CUDA machine: one device call's share of the study's GPU runs (docs/study-guide.md, "The GPU
+# runs, where they stand"). Each sweep resumes in its folder under benchmarks/results/, $PARALLEL runs at once (default 5), and starts no
 # run that would end after the call's time; a sweep starts once the one before it is complete. The
 # folders are packed into $OUT/study.tgz (a device call returns a handful of files): unpack it in the
 # repository root and call again with the folders carried, until every sweep has its study.json.
@@ -9,8 +9,9 @@
 #
 # In order: once, the training step's speed A/B (eager, compiled, queued steps, CUDA graphs; pure MoE,
 # rho 0.8, dense) and one committed allocation run trained again (are its losses the committed
-# ones?), both into benchmarks/results/; the allocation at a second budget (100 steps); the token
-# axis, whose 100- and 400-step budgets are copied from the two allocation sweeps (--reuse); the
+# ones?), both into benchmarks/results/; the allocation at 100 and at 400 steps (the preset's budget,
+# trained again since every compiled run starts from empty compiler caches); the token axis,
+# whose 100- and 400-step budgets are copied from the two allocation sweeps (--reuse); the
 # slot sweep; then, once, a sweep's tokens over wall time, one eager run at a time against $PARALLEL
 # compiled runs at once (benchmarks/probes/study_concurrency.sh, 400 steps).
 set -uo pipefail
@@ -59,7 +60,8 @@ PY
   cat "$R/study_repro_h100.log"
 fi
 sweep allocation "$R/study_allocation_100steps_h100" --steps 100
-sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_h100" "$R/study_allocation_100steps_h100"
+sweep allocation "$R/study_allocation_400steps_h100"
+sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_400steps_h100" "$R/study_allocation_100steps_h100"
 sweep slots "$R/study_slots_h100"
 if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_h100.json" ] && [ "$(left)" -ge 420 ]; then
   echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"
