@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from condmem.apps.study.sweep import _provenance_text, provenance
+from condmem.apps.study.provenance import provenance, provenance_text
 from condmem.cli import main
 
 
@@ -16,13 +16,13 @@ def _runs(commits, devices):
 def test_provenance_counts_commits_and_devices_and_speaks_only_of_a_mix():
     same = provenance(_runs(["a" * 40] * 3, ["H100"] * 3))
     assert same == {"commits": {"a" * 40: 3}, "devices": {"H100": 3}}
-    assert _provenance_text({"provenance": same}) == ""
+    assert provenance_text({"provenance": same}) == ""
     mixed = provenance(_runs(["a" * 40, None, "a" * 40, "b" * 40 + "+dirty"], ["H100", "H100", "H200", "H100"]))
     assert mixed == {
         "commits": {"a" * 40: 2, "unrecorded": 1, "b" * 40 + "+dirty": 1},
         "devices": {"H100": 3, "H200": 1},
     }
-    text = _provenance_text({"provenance": mixed})
+    text = provenance_text({"provenance": mixed})
     assert "3 commits (aaaaaaaaaaaa: 2; unrecorded: 1; bbbbbbbbbbbb+dirty: 1 runs)" in text
     assert "2 devices (H100: 3; H200: 1 runs)" in text
 
@@ -33,7 +33,7 @@ def _allocation(tiny_corpus, out, *extra):
 
 
 def test_a_resumed_sweep_says_when_its_finished_runs_come_from_other_code(tiny_corpus, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("condmem.apps.study.sweep.code_commit", lambda: "c" * 40)
+    monkeypatch.setattr("condmem.apps.study.provenance.code_commit", lambda: "c" * 40)
     monkeypatch.setattr("condmem.train.build.code_commit", lambda: "c" * 40)
     out = tmp_path / "sweep"
     assert _allocation(tiny_corpus, out, "--only", "seed=0,rho=1.0") == 0

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,9 +72,9 @@ from condmem.apps.study.stats import (
     t_interval,
 )
 from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
+from condmem.apps.study.provenance import provenance, provenance_text, say_other_commits
 from condmem.apps.study.runs import (
     ReusableRuns,
-    RunSpec,
     RunStore,
     SweepProgress,
     data_identity,
@@ -90,7 +89,6 @@ from condmem.apps.study.runs import (
     train_run,
 )
 from condmem.utils.atomic import atomic_write_text, check_destination
-from condmem.utils.code_version import code_commit
 from condmem.apps.plots import plot_router_load, plot_sweep_curves, plot_token_gaps
 from condmem.utils.plotting import pyplot, save_figure
 
@@ -578,7 +576,7 @@ def _sweep(call: _Call, previous: dict | None, cublas, stage: str) -> dict:
     if call.reuse and stage != "train":  # a worker's share was planned (and copied in) by the plan stage
         _copy_reused(call, planned, store, ReusableRuns(call.reuse))
     if stage != "train":
-        _say_other_commits(store, chosen)
+        say_other_commits(store, chosen)
     if stage == "plan":
         selected_left = [s.run_id for s in chosen if not store.path(s.run_id).exists()]
         return {
@@ -665,24 +663,6 @@ def _copy_reused(call: _Call, planned: _Planned, store: RunStore, reusable: Reus
             copied += 1
             print(f"[sweep] {spec.run_id}: reused from {record['reused_from']['path']}", flush=True)
     print(f"[sweep] --reuse: {copied} of the {len(chosen)} selected runs copied in from other sweeps", flush=True)
-
-
-def _say_other_commits(store: RunStore, chosen: list[RunSpec]) -> None:
-    """Say so when runs left to train will join runs of other code (a sweep resumed after a pull, or
-    runs copied in): study.json's provenance will count them, and this tells it before the hours."""
-    stored = [store.load(s.run_id) for s in chosen]
-    if all(r is not None for r in stored):
-        return
-    here = code_commit()
-    other = Counter(r["machine"].get("commit") or "unrecorded" for r in stored if r is not None)
-    other.pop(here, None)
-    if here is not None and other:
-        each = "; ".join(f"{_short(c)}: {n}" for c, n in other.most_common())
-        print(
-            f"[sweep] {sum(other.values())} finished runs here come from other code ({each}); this code is "
-            f"{_short(here)}: the sweep will mix commits, and study.json's provenance counts them",
-            flush=True,
-        )
 
 
 def _train_selected(call: _Call, planned: _Planned) -> None:
@@ -1001,14 +981,21 @@ CONTROL_EFFECTS = {
 }
 
 
+def losses_by_seed(points: list[dict], runs: list[dict]) -> dict:
+    """Each point's validation loss per initialisation seed: ``{point key: {seed: loss}}``."""
+    return {
+        p["key"]: {r["init_seed"]: r["val_loss"] for r in runs if r["run_id"].startswith(p["key"] + "_seed")}
+        for p in points
+    }
+
+
 def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
     """Paired differences by seed with 95% t-intervals (`study_stats`), and the fitted optimum.
 
     allocation: each rho < 1 against pure MoE; each rho against each of its controls; pure MoE
     against the dense control; a quadratic in rho over the sweep's own points with its
     bootstrap argmin. slots: the slope of loss in log10(rows) with its interval."""
-    by_key = {p["key"]: {r["init_seed"]: r["val_loss"] for r in runs if r["run_id"].startswith(p["key"] + "_seed")}
-              for p in points}  # fmt: skip
+    by_key = losses_by_seed(points, runs)
     if kind == "slots":
         with_table = [r for r in runs if r["table_rows"] > 0]
         fit = linear_slope([math.log10(r["table_rows"]) for r in with_table], [r["val_loss"] for r in with_table])
@@ -1146,8 +1133,7 @@ def token_trend(points: list[dict], runs: list[dict]) -> dict:
     independent units (as in `pooled_controls`). ``{"vs_pure_moe" | "table_effect": {rho: entry}}``,
     an entry with the slope's interval (nats per decade of tokens), the budgets and seeds used, and
     ``claim``: True only where the interval excludes zero."""
-    loss = {p["key"]: {r["init_seed"]: r["val_loss"] for r in runs if r["run_id"].startswith(p["key"] + "_seed")}
-            for p in points}  # fmt: skip
+    loss = losses_by_seed(points, runs)
     by_budget = {}
     for t in sorted({p["train_tokens"] for p in points}):
         mine = [p for p in points if p["train_tokens"] == t]
@@ -1326,41 +1312,9 @@ def format_study_table(kind: str, points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def provenance(runs: list[dict]) -> dict:
-    """How many runs each commit and each device trained (``unrecorded`` for runs that predate the
-    record): a sweep whose runs come from several (copied in, resumed after a pull) says so."""
-
-    def count(names) -> dict:
-        return dict(Counter(name or "unrecorded" for name in names).most_common())
-
-    machines = [r["machine"] for r in runs]
-    return {
-        "commits": count(m.get("commit") for m in machines),
-        "devices": count(m.get("gpu") or m.get("device") for m in machines),
-    }
-
-
-def _short(commit: str) -> str:
-    return commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")
-
-
-def _provenance_text(s: dict) -> str:
-    parts = []
-    for what, counts in (s.get("provenance") or {}).items():
-        if len(counts) > 1:
-            each = "; ".join(f"{_short(name) if what == 'commits' else name}: {n}" for name, n in counts.items())
-            parts.append(f"{len(counts)} {what} ({each} runs)")
-    if not parts:
-        return ""
-    return (
-        f" The runs come from {' and from '.join(parts)}: other code or another card can move a run's last "
-        "bits, so a difference between such runs holds that change too."
-    )
-
-
 def report_text(kind: str, s: dict) -> str:
     """What the sweep shows, and what it cannot, in a few sentences."""
-    return _report_body(kind, s) + _provenance_text(s)
+    return _report_body(kind, s) + provenance_text(s)
 
 
 def _report_body(kind: str, s: dict) -> str:
