@@ -15,7 +15,8 @@
   level, table sizes capped at the distinct n-grams a run reads. Paper: loss falls about
   linearly in log(rows).
 * ``tokens``: pure MoE, each rho and its ``no_table`` control at each budget of ``tokens_grid``
-  (each budget's runs ordinary runs with their own steps): the gaps against training tokens.
+  (each budget's runs ordinary runs with their own steps): the gaps against training tokens, and
+  each gap's slope in log10(tokens), per seed then over seeds.
 
 A sweep is a set of runs (`condmem.apps.study.runs`): each writes ``OUT/runs/<run-id>.json``
 when it ends, a re-run skips finished runs, ``--only`` splits a sweep over machines, and
