@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from condmem.config import ConfigError
 from condmem.models import DecoderLM, forward_flops_per_token
 from condmem.models.config import ModelConfig, MoEConfig
-from condmem.models.moe import MoE, RouterStats, router_statistics
+from condmem.models.moe import MoE, RouterStats, reset_router_statistics, router_statistics
 from ranks import spawn_ranks
 
 BACKENDS = [
@@ -261,7 +261,7 @@ def test_model_statistics_bias_checkpoint_and_flops():
     assert stats["dead"] == sum(s["dead"] for s in stats["layers"].values())
     assert stats["max_over_mean"] == max(s["max_over_mean"] for s in stats["layers"].values())
     assert model.aux_loss() is None  # computed and recorded, not added (aux_loss_coef 0)
-    router_statistics(model, reset=True)
+    reset_router_statistics(model)
     assert router_statistics(model)["max_over_mean"] is None
     # the bias is saved with the weights and restored
     state = model.state_dict()

@@ -421,13 +421,13 @@ class MoE(nn.Module):
         )
 
 
-def router_statistics(model: nn.Module, *, reset: bool = False) -> dict:
+def router_statistics(model: nn.Module) -> dict:
     """Every MoE layer's `RouterStats.summary` in `model`, and the worst over layers.
 
     Returns ``{"layers": {module name: summary}, "max_over_mean": max, "load_cv": max,
     "busiest_share": max, "dead": sum, "min_used_share": min, "gate_mass": mean,
     "balance_loss": mean}`` (aggregates None when no layer saw a token; ``layers`` empty
-    without MoE layers). `reset`: start a new window in every layer after reading.
+    without MoE layers). `reset_router_statistics` starts a new window.
     """
     layers = {name: m.stats.summary() for name, m in model.named_modules() if isinstance(m, MoE)}
     seen = [s for s in layers.values() if s["tokens"]]
@@ -446,8 +446,6 @@ def router_statistics(model: nn.Module, *, reset: bool = False) -> dict:
         "gate_mass": agg("gate_mass", lambda v: sum(v) / len(v)),
         "balance_loss": agg("balance_loss", lambda v: sum(v) / len(v)),
     }
-    if reset:
-        reset_router_statistics(model)
     return out
 
 

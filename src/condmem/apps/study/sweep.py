@@ -982,6 +982,10 @@ CONTROL_EFFECTS = {
 }
 
 
+ONE_LINE = "one line through every run"
+"""The slot slope's method with one seed (and in a study.json that predates ``statistics.method``)."""
+
+
 def losses_by_seed(points: list[dict], runs: list[dict]) -> dict:
     """Each point's validation loss per initialisation seed: ``{point key: {seed: loss}}``."""
     return {
@@ -1011,7 +1015,7 @@ def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
         claims = slope.half_width is not None and slope.excludes_zero
         return {
             "slope_per_decade": slope.to_dict(),
-            "method": "each seed's slope, then over seeds" if per_seed else "one line through every run",
+            "method": "each seed's slope, then over seeds" if per_seed else ONE_LINE,
             "intercept": fit["intercept"],
             "n": fit["n"],
             "claims_slope": claims,
@@ -1085,7 +1089,7 @@ def _slope_label(finding: dict, st: dict) -> str:
     label = f"fit: {finding['slope_per_decade']:+.4f} nats / decade"
     sl = st.get("slope_per_decade")
     if sl and sl.get("half_width") is not None:
-        label += f"; 95% CI [{sl['low']:+.4f}, {sl['high']:+.4f}] ({st.get('method', 'one line through every run')})"
+        label += f"; 95% CI [{sl['low']:+.4f}, {sl['high']:+.4f}] ({st.get('method', ONE_LINE)})"
     return label
 
 
@@ -1098,15 +1102,27 @@ def _slope_text(slope, claims: bool) -> str:
     return f"no slope claimed: {span} (the interval includes zero)"
 
 
+def _budgets(points: list[dict]):
+    """A token sweep's budgets, ascending: ``(tokens, its points, pure MoE, {rho: (point, no_table
+    control or None)})`` for each rho < 1 of the budget."""
+    for tokens in sorted({p["train_tokens"] for p in points}):
+        mine = [p for p in points if p["train_tokens"] == tokens]
+        ref = next(p for p in mine if p["control"] is None and p["rho"] == 1.0)
+        rhos = {}
+        for p in mine:
+            if p["control"] is None and p is not ref:
+                own = (c for c in mine if c["control"] == "no_table" and c["key"].startswith(p["key"] + "_"))
+                rhos[f"{p['rho']:.2f}"] = (p, next(own, None))
+        yield tokens, mine, ref, rhos
+
+
 def token_statistics(points: list[dict], runs: list[dict]) -> dict:
     """Per training budget (ascending): each rho < 1 against pure MoE and against its ``no_table``
     control (the table's own effect), paired by seed with 95% t-intervals; tokens per active parameter."""
     budgets = []
-    for tokens in sorted({p["train_tokens"] for p in points}):
-        mine = [p for p in points if p["train_tokens"] == tokens]
+    for tokens, mine, ref, rhos in _budgets(points):
         keys = tuple(p["key"] + "_seed" for p in mine)
         stats = statistics("allocation", mine, [r for r in runs if r["run_id"].startswith(keys)])
-        ref = next(p for p in mine if p["control"] is None and p["rho"] == 1.0)
         entry = {
             "train_tokens": tokens,
             "steps": next((r["steps"] for r in runs if r["run_id"].startswith(ref["key"] + "_seed")), None),
@@ -1115,13 +1131,11 @@ def token_statistics(points: list[dict], runs: list[dict]) -> dict:
             "vs_pure_moe": {},
             "table_effect": {},
         }
-        for p in mine:
-            if p["control"] is None and p is not ref:
-                rho = f"{p['rho']:.2f}"
-                entry["vs_pure_moe"][rho] = stats["vs_pure_moe"][p["label"]]
-                effect = stats["controls"].get("no_table", {}).get(p["label"])
-                if effect is not None:
-                    entry["table_effect"][rho] = effect
+        for rho, (p, _) in rhos.items():
+            entry["vs_pure_moe"][rho] = stats["vs_pure_moe"][p["label"]]
+            effect = stats["controls"].get("no_table", {}).get(p["label"])
+            if effect is not None:
+                entry["table_effect"][rho] = effect
         budgets.append(entry)
     return {"budgets": budgets, "trend": token_trend(points, runs)}
 
@@ -1136,18 +1150,11 @@ def token_trend(points: list[dict], runs: list[dict]) -> dict:
     ``claim``: True only where the interval excludes zero."""
     loss = losses_by_seed(points, runs)
     by_budget = {}
-    for t in sorted({p["train_tokens"] for p in points}):
-        mine = [p for p in points if p["train_tokens"] == t]
-        mains = [p for p in mine if p["control"] is None]
-        ref = next((p for p in mains if p["rho"] == 1.0), None)
-        for p in mains:
-            if p is ref or ref is None:
-                continue
-            rho = f"{p['rho']:.2f}"
-            by_budget.setdefault(("vs_pure_moe", rho), {})[t] = (loss[p["key"]], loss[ref["key"]])
-            ctl = next((c for c in mine if c["control"] == "no_table" and c["key"].startswith(p["key"] + "_")), None)
+    for tokens, _, ref, rhos in _budgets(points):
+        for rho, (p, ctl) in rhos.items():
+            by_budget.setdefault(("vs_pure_moe", rho), {})[tokens] = (loss[p["key"]], loss[ref["key"]])
             if ctl is not None:
-                by_budget.setdefault(("table_effect", rho), {})[t] = (loss[p["key"]], loss[ctl["key"]])
+                by_budget.setdefault(("table_effect", rho), {})[tokens] = (loss[p["key"]], loss[ctl["key"]])
     out = {"vs_pure_moe": {}, "table_effect": {}}
     for (contrast, rho), pairs in by_budget.items():
         if len(pairs) < 2:
@@ -1350,7 +1357,7 @@ def _report_body(kind: str, s: dict) -> str:
             f"Slots over {f['decades']:.1f} decades of table rows; {tokens}, "
             f"{sc['orders_of_magnitude_below_paper']:.1f} orders of magnitude fewer tokens than the paper's 100B, "
             f"{n} seed{'s' if n > 1 else ''}. Measured (95% t-interval; "
-            f"{st.get('method', 'one line through every run')}): {st['text']}; without "
+            f"{st.get('method', ONE_LINE)}): {st['text']}; without "
             f"Engram {f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
             + (f" Note: {cap}." if cap else "")
             + _touched_text(s)
