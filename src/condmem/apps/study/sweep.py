@@ -1357,7 +1357,7 @@ def _report_body(kind: str, s: dict) -> str:
             f"Slots over {f['decades']:.1f} decades of table rows; {tokens}, "
             f"{sc['orders_of_magnitude_below_paper']:.1f} orders of magnitude fewer tokens than the paper's 100B, "
             f"{n} seed{'s' if n > 1 else ''}. Measured (95% t-interval; "
-            f"{st.get('method', ONE_LINE)}): {st['text']}; without "
+            f"{st.get('method', ONE_LINE)}): {st['text']}; {_noise_floor(s)}; without "
             f"Engram {f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
             + (f" Note: {cap}." if cap else "")
             + _touched_text(s)
@@ -1408,7 +1408,7 @@ def token_report(s: dict) -> str:
         f"Token axis: the allocation's gaps at {len(s['statistics']['budgets'])} budgets from "
         f"{s['statistics']['budgets'][0]['train_tokens']:,} to {s['statistics']['budgets'][-1]['train_tokens']:,} "
         f"tokens per run{_validation_text(s)}, {len(s['seeds'])} seeds, paired by seed, 95% t-intervals (a "
-        "difference is claimed only where its interval excludes zero):\n" + "\n".join(lines)
+        f"difference is claimed only where its interval excludes zero; {_noise_floor(s)}):\n" + "\n".join(lines)
     )
 
 
@@ -1456,7 +1456,7 @@ def _noise_floor(s: dict) -> str:
         return "one seed: no noise floor measured, no interval, no claim"
     return (
         f"noise floor: a point's seed standard deviation is {min(stds):.3f}-{max(stds):.3f} nats; "
-        "claims rest only on the paired 95% intervals below"
+        "claims rest only on the 95% intervals"
     )
 
 
