@@ -1,5 +1,6 @@
 """The allocation study's control contrasts averaged over rho: one mean per seed, then a t-interval
-over seeds (checked against a hand computation), only over the rho points that have both sides."""
+over seeds (checked against a hand computation), only over the rho points that have both sides; the
+primary ones corrected together (Holm), a claim that fails the correction withdrawn."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 
 import pytest
 
-from condmem.apps.study.sweep import statistics
+from condmem.apps.study.stats import compare, t_interval
+from condmem.apps.study.sweep import UNFAIR, _intervals, correct_family, statistics
 
 SEEDS = (0, 1, 2)
 # key -> validation loss per seed; r5 and r25 have no_table controls, only r5 a random-address one
@@ -25,13 +27,17 @@ def _point(key: str, rho: float, control: str | None) -> dict:
     return {"key": key, "label": key, "rho": rho, "control": control, "val_loss": {"values": LOSSES[key]}}
 
 
-def _study() -> dict:
+def _study(dense: list[float] | None = None) -> dict:
+    """The fixture's statistics; with `dense`, a dense control of those losses per seed."""
+    losses = LOSSES if dense is None else {**LOSSES, "dense": dense}
     points = [_point("rho1", 1.0, None), _point("r5", 0.5, None), _point("r25", 0.25, None)]
     points += [_point("r5_no_table", 0.5, "no_table"), _point("r25_no_table", 0.25, "no_table")]
     points += [_point("r5_random_address", 0.5, "random_address")]
+    if dense is not None:
+        points.append({"key": "dense", "label": "dense", "rho": 1.0, "control": "dense", "val_loss": {"values": dense}})
     runs = [
-        {"run_id": f"{key}_seed{s}", "init_seed": s, "val_loss": losses[s]}
-        for key, losses in LOSSES.items()
+        {"run_id": f"{key}_seed{s}", "init_seed": s, "val_loss": values[s]}
+        for key, values in losses.items()
         for s in SEEDS
     ]
     return statistics("allocation", points, runs)
@@ -58,3 +64,41 @@ def test_pooled_contrasts_use_only_rho_points_with_both_sides():
     # random rows against no table at r5: +0.01, +0.02, -0.02: no claim
     assert pooled["random_address_vs_no_table"]["verdict"] == "unresolved"
     assert not any("tiny_table" in k for k in pooled)  # no tiny-table runs: no such contrast
+
+
+def test_the_primary_comparisons_are_corrected_together():
+    st = _study()
+    family = st["multiplicity"]
+    assert family["method"] == "Holm" and sorted(family["members"]) == ["table_vs_no_table", "table_vs_random_address"]
+    table = st["pooled"]["table_vs_no_table"]  # p 0.0198 (t = 7 at df 2) and 0.099: 2 x 0.0198 holds
+    assert table["holm"]["p_adjusted"] == pytest.approx(2 * table["p"]) and table["holm"]["holds"] and table["claim"]
+    assert table["p"] == pytest.approx(1 - 7 / math.sqrt(51), rel=1e-6)
+    # the secondary intervals stay as they are: 2 rho against pure MoE, 3 per-rho controls, random against none
+    assert family["secondary"] == 6 and all("holm" not in c for c in st["vs_pure_moe"].values())
+
+
+def test_a_claim_that_fails_the_correction_is_withdrawn_and_says_so():
+    # two intervals below zero, each at p = 0.04 (t = 2.8 sqrt 3 at df 2): Holm adjusts both to 0.08
+    entries = {k: compare(k, "B", t_interval([-1.8, -2.8, -3.8])) for k in ("x", "y")}
+    assert all(e["claim"] and 0.03 < e["p"] < 0.05 for e in entries.values())
+    record = correct_family(entries, "the 2 primary comparisons")
+    assert record["members"] == ["x", "y"]
+    for e in entries.values():
+        assert not e["claim"] and e["verdict"] == "lower" and e["holm"]["p_adjusted"] == pytest.approx(2 * e["p"])
+        assert e["text"].endswith(
+            "after Holm's correction over the 2 primary comparisons (adjusted p 0.080): not claimed"
+        )
+
+
+def test_nothing_about_rho_or_the_table_is_claimed_unless_pure_moe_beats_dense():
+    assert _study()["multiplicity"]["gate"] is None  # no dense control: no gate
+    fair = _study(dense=[3.60, 3.50, 3.55])  # pure MoE 0.30-0.35 below dense: the gate holds
+    assert fair["multiplicity"]["gate"] == {"test": "pure MoE below dense", "holds": True}
+    assert fair["pooled"]["table_vs_no_table"]["claim"] and fair["multiplicity"]["secondary"] == 6
+    unfair = _study(dense=[3.00, 2.95, 3.05])  # dense 0.20-0.30 below pure MoE: the gate fails
+    assert unfair["dense"]["verdict"] == "higher" and unfair["multiplicity"]["gate"]["holds"] is False
+    withdrawn = [e for key, e in _intervals(unfair) if key != "dense"]
+    assert not any(e["claim"] for e in withdrawn) and not unfair["optimum"]["claims_minimum"]
+    # the same intervals, withdrawn where the fair backbone claimed them, and saying why
+    claimed = [e["text"] for key, e in _intervals(fair) if key != "dense" and e["claim"]]
+    assert claimed and sum(e["text"].endswith(UNFAIR) for e in withdrawn) == len(claimed)

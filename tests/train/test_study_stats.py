@@ -1,5 +1,6 @@
 """`condmem.apps.study.stats`: t quantiles against published values, intervals against
-hand-computed cases, claims only where an interval excludes zero, and the quadratic optimum:
+hand-computed cases, claims only where an interval excludes zero, p-values and Holm's correction
+against hand computations, and the quadratic optimum:
 rarely a minimum on flat noisy curves (measured rate under the test's 2.5% one-sided level),
 always one on a clear U, none where the lowest loss lies beyond the grid or on a slope."""
 
@@ -12,7 +13,9 @@ import pytest
 
 from condmem.apps.study.stats import (
     compare,
+    holm,
     linear_slope,
+    p_value,
     paired_difference,
     quadratic_optimum,
     regularized_incomplete_beta,
@@ -156,3 +159,26 @@ def test_quadratic_optimum_fit_reproducibility_and_refusals():
         quadratic_optimum({0.2: [1.0], 0.5: [], 1.0: [1.0]})
     with pytest.raises(ValueError, match="n_boot"):
         quadratic_optimum(pts, n_boot=10)
+
+
+def test_p_value_is_the_two_sided_t_test_of_the_mean():
+    iv = t_interval([-0.10, -0.12, -0.15])
+    t = abs(iv.mean) / (iv.std / math.sqrt(3))
+    assert p_value(iv) == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)  # closed form at df 2
+    assert p_value(t_interval([0.3])) is None  # one value: no spread, no test
+    assert compare("A", "B", iv)["p"] == p_value(iv)
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # the test and the interval agree: p < 5% exactly where the 95% interval excludes 0
+        draw = t_interval(rng.normal(rng.normal(0.0, 1.0), 1.0, size=int(rng.integers(2, 8))))
+        assert (p_value(draw) < 0.05) == draw.excludes_zero
+
+
+def test_holm_against_a_hand_computation():
+    out = holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+    # ranked d, a, c, b: 4 x 0.005 = 0.02; 3 x 0.01 = 0.03; 2 x 0.03 = 0.06; max(0.06, 1 x 0.04) = 0.06
+    assert {k: v["p_adjusted"] for k, v in out.items()} == pytest.approx({"d": 0.02, "a": 0.03, "c": 0.06, "b": 0.06})
+    assert sorted(k for k, v in out.items() if v["holds"]) == ["a", "d"]
+    # negative control: every raw p under 0.05, yet two of the four do not hold together
+    assert all(v["p"] < 0.05 and v["family"] == 4 for v in out.values())
+    only = holm({"a": 0.01, "one seed": None})  # a test without a p is not in the family
+    assert list(only) == ["a"] and only["a"]["family"] == 1 and only["a"]["p_adjusted"] == 0.01

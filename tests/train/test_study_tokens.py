@@ -16,7 +16,7 @@ from condmem.layout import draw_primes
 from condmem.module import EngramTable
 from condmem.apps.study import sweep as study
 from condmem.apps.plots import plot_router_load
-from condmem.apps.study.sweep import STUDY_PRESETS, cap_table_sizes, statistics, token_trend
+from condmem.apps.study.sweep import STUDY_PRESETS, cap_table_sizes, correct_trends, statistics, token_trend
 from condmem.apps.study.stats import slope_over_seeds
 from condmem.apps.study.runs import RowsTouched, distinct_ngrams
 
@@ -275,6 +275,17 @@ def test_the_token_trend_is_a_per_seed_slope_claimed_only_beyond_its_interval():
         not flat["vs_pure_moe"]["0.50"]["claim"]
         and "no change with tokens claimed" in flat["vs_pure_moe"]["0.50"]["text"]
     )
+    # the sweep's trends are corrected together (Holm): two at p = 0.045 adjust to 0.09 and are withdrawn
+    record = correct_trends(trend)
+    assert sorted(record["members"]) == ["table_effect rho 0.50", "vs_pure_moe rho 0.50"]
+    corrected = [e for by_rho in trend.values() for e in by_rho.values()]
+    assert all(e["p"] == pytest.approx(0.0452, abs=1e-4) and not e["claim"] for e in corrected)
+    assert all(
+        e["holm"]["p_adjusted"] == pytest.approx(2 * e["p"]) and e["text"].endswith("not claimed") for e in corrected
+    )
+    tight = token_trend(*_token_sweep(lambda t, s: -0.1 * np.log10(t) + noise[s] / 10 * np.log10(t) ** 2))
+    correct_trends(tight)  # a tenth of the seeds' spread: both hold
+    assert all(e["claim"] and e["holm"]["holds"] for by_rho in tight.values() for e in by_rho.values())
     # a seed missing at one budget leaves the trend to the seeds present at every budget
     points, runs = _token_sweep(lambda t, s: -0.1 * np.log10(t) + noise[s])
     runs = [r for r in runs if r["run_id"] != "tok4000_rho0.5_seed2"]

@@ -5,6 +5,9 @@ made only where an interval allows them.
   two models trained with the same seeds) with its Student-t confidence interval.
 * `compare`: says "A lower than B" only when the interval of A - B lies below zero (and
   "higher" only above); otherwise that the runs do not tell them apart.
+* `p_value`, `holm`: the two-sided t-test p of an interval's mean, and Holm's step-down
+  correction over a family of such tests (a claim in the family holds only where its adjusted
+  p stays within the family-wise error).
 * `linear_slope`: least-squares slope with its t-interval (e.g. loss per decade of rows).
 * `quadratic_optimum`: a quadratic fitted to loss against a grid (rho), its argmin with a
   bootstrap interval (seeds resampled within each point), and whether a minimum may be
@@ -183,10 +186,39 @@ def paired_difference(a: Mapping[Hashable, float], b: Mapping[Hashable, float], 
     return t_interval([a[s] - b[s] for s in seeds], confidence)
 
 
+def p_value(diff: Interval) -> float | None:
+    """Two-sided p of the t-test that the mean behind `diff` is 0 (df = n - 1): the chance of a
+    mean at least this far from 0 if there were no effect. None with one value (no spread)."""
+    if diff.std is None:
+        return None
+    if diff.std == 0.0:
+        return 1.0 if diff.mean == 0.0 else 0.0
+    t = abs(diff.mean) / (diff.std / math.sqrt(diff.n))
+    return 2.0 * t_cdf(-t, diff.n - 1)
+
+
+def holm(p_values: Mapping[Hashable, float | None], alpha: float = 0.05) -> dict[Hashable, dict]:
+    """Holm's step-down correction over one family of tests, at family-wise error `alpha`.
+
+    Ranked by p (smallest first), the test of rank k (from 1) among m has the adjusted p
+    ``max over ranks j <= k of min(1, (m - j + 1) p_j)``, and holds where that is <= alpha: the
+    chance that any test of the family holds where no effect exists stays within alpha, whatever
+    their dependence. Tests without a p (one seed) are left out of the family. Returns
+    ``{key: {"p", "p_adjusted", "holds", "family"}}`` for the keys with a p."""
+    _check_confidence(1.0 - alpha)
+    ranked = sorted(((p, k) for k, p in p_values.items() if p is not None), key=lambda pk: pk[0])
+    m, running, out = len(ranked), 0.0, {}
+    for j, (p, key) in enumerate(ranked):
+        running = max(running, min(1.0, (m - j) * p))
+        out[key] = {"p": p, "p_adjusted": running, "holds": running <= alpha, "family": m}
+    return out
+
+
 def compare(a_name: str, b_name: str, diff: Interval, *, unit: str = "nats") -> dict:
     """A claim about ``diff`` = A - B (e.g. `paired_difference` of losses), in words and fields.
 
-    Returns ``{"a", "b", "difference": diff.to_dict(), "verdict", "claim", "text"}``: verdict
+    Returns ``{"a", "b", "difference": diff.to_dict(), "p", "verdict", "claim", "text"}`` (``p``:
+    `p_value`); verdict
     ``lower`` (A below B: the interval lies below 0), ``higher`` (above 0), ``unresolved``
     (the interval contains 0) or ``no interval`` (one seed); ``claim`` is True only for
     ``lower`` / ``higher``.
@@ -207,6 +239,7 @@ def compare(a_name: str, b_name: str, diff: Interval, *, unit: str = "nats") -> 
         "a": a_name,
         "b": b_name,
         "difference": diff.to_dict(),
+        "p": p_value(diff),
         "verdict": verdict,
         "claim": verdict in ("lower", "higher"),
         "text": text,

@@ -66,7 +66,9 @@ from condmem.train.heldout import seen_in_training
 from condmem.apps.study.config import CONTROLS, KINDS, PRESET_NAMES, StudyConfig, load_study_config, study_preset
 from condmem.apps.study.stats import (
     compare,
+    holm,
     linear_slope,
+    p_value,
     paired_difference,
     quadratic_optimum,
     slope_over_seeds,
@@ -982,6 +984,15 @@ CONTROL_EFFECTS = {
 }
 
 
+PRIMARY_POOLED = ("table_vs_no_table", "table_vs_tiny_table", "table_vs_random_address")
+"""The allocation's primary comparisons, corrected together (Holm): is the gain the table's own,
+memory beyond the extra pathway, and content. They are tested only once the gate holds, pure MoE
+below the dense control at 95% (a fair MoE backbone); otherwise nothing about rho or the table is
+claimed. Testing the gate first, then the family, keeps the chance of any false claim within 5%.
+Every other interval is secondary: each at 95%, not corrected for multiplicity."""
+
+UNFAIR = "not claimed: pure MoE is not below the dense control, so the backbone is not shown to be a fair MoE"
+
 ONE_LINE = "one line through every run"
 """The slot slope's method with one seed (and in a study.json that predates ``statistics.method``)."""
 
@@ -994,12 +1005,14 @@ def losses_by_seed(points: list[dict], runs: list[dict]) -> dict:
     }
 
 
-def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
+def statistics(kind: str, points: list[dict], runs: list[dict], *, primary: bool = True) -> dict:
     """Paired differences by seed with 95% t-intervals (`study_stats`), and the fitted optimum.
 
     allocation: each rho < 1 against pure MoE; each rho against each of its controls; pure MoE
     against the dense control; a quadratic in rho over the sweep's own points with its
-    bootstrap argmin. slots: the slope of loss in log10(rows) with its interval."""
+    bootstrap argmin; with `primary`, Holm's correction over the primary comparisons
+    (`PRIMARY_POOLED`, dense) in ``multiplicity``. slots: the slope of loss in log10(rows) with
+    its interval."""
     by_key = losses_by_seed(points, runs)
     if kind == "slots":
         with_table = [r for r in runs if r["table_rows"] > 0]
@@ -1042,7 +1055,49 @@ def statistics(kind: str, points: list[dict], runs: list[dict]) -> dict:
         out["dense"] = compare("pure MoE", "dense", paired_difference(by_key[ref["key"]], by_key[dense["key"]]))
     if len(mains) >= 3:
         out["optimum"] = quadratic_optimum({p["rho"]: p["val_loss"]["values"] for p in mains})
+    if primary:
+        family = {k: out["pooled"][k] for k in PRIMARY_POOLED if k in out["pooled"]}
+        record = correct_family(family, f"the {len(family)} primary comparisons")
+        fair = out["dense"] is None or out["dense"]["verdict"] == "lower"
+        record["gate"] = None if out["dense"] is None else {"test": "pure MoE below dense", "holds": fair}
+        record["secondary"] = sum(k not in family and k != "dense" for k, _ in _intervals(out))
+        out["multiplicity"] = record
+        if not fair:  # the gate fails: withdraw every claim about rho and the table
+            for key, e in _intervals(out):
+                if key != "dense" and e["claim"]:
+                    e["claim"], e["text"] = False, f"{e['text']}; {UNFAIR}"
+            if out["optimum"] and out["optimum"]["claims_minimum"]:
+                out["optimum"].update(claims_minimum=False, reason=UNFAIR)
     return out
+
+
+def correct_family(entries: dict[str, dict], family: str, alpha: float = 0.05) -> dict:
+    """Holm's correction over `entries` (each with ``p``, ``claim`` and ``text``), in place: each
+    gains ``holm``; a claim stands only where Holm holds, and its text says so. Returns the family's
+    record: ``{"method", "alpha", "family", "members"}``."""
+    verdicts = holm({k: e["p"] for k, e in entries.items()}, alpha)
+    for key, e in entries.items():
+        h = verdicts.get(key)
+        if h is None:
+            continue
+        e["holm"] = h
+        if e["claim"] and not h["holds"]:
+            e["claim"] = False
+            e["text"] += f"; after Holm's correction over {family} (adjusted p {h['p_adjusted']:.3f}): not claimed"
+        else:
+            e["text"] += f"; Holm over {family}: adjusted p {h['p_adjusted']:.3f}" + (", holds" if h["holds"] else "")
+    return {"method": "Holm", "alpha": alpha, "family": family, "members": list(verdicts)}
+
+
+def _intervals(st: dict) -> list[tuple[str, dict]]:
+    """Every paired comparison of an allocation's statistics as (key, entry), in reading order: pure
+    MoE against dense, each rho against pure MoE, each control at each rho, the rho-pooled ones (keyed
+    as in ``multiplicity.members``)."""
+    out = [("dense", st["dense"])] if st.get("dense") else []
+    out += [(f"vs_pure_moe {label}", c) for label, c in st["vs_pure_moe"].items()]
+    for control, entries in st["controls"].items():
+        out += [(f"{control} {label}", c) for label, c in entries.items()]
+    return out + list(st.get("pooled", {}).items())
 
 
 # (A, B, what A - B measures): None is a rho point itself, a name its control of that kind.
@@ -1122,7 +1177,7 @@ def token_statistics(points: list[dict], runs: list[dict]) -> dict:
     budgets = []
     for tokens, mine, ref, rhos in _budgets(points):
         keys = tuple(p["key"] + "_seed" for p in mine)
-        stats = statistics("allocation", mine, [r for r in runs if r["run_id"].startswith(keys)])
+        stats = statistics("allocation", mine, [r for r in runs if r["run_id"].startswith(keys)], primary=False)
         entry = {
             "train_tokens": tokens,
             "steps": next((r["steps"] for r in runs if r["run_id"].startswith(ref["key"] + "_seed")), None),
@@ -1137,7 +1192,15 @@ def token_statistics(points: list[dict], runs: list[dict]) -> dict:
             if effect is not None:
                 entry["table_effect"][rho] = effect
         budgets.append(entry)
-    return {"budgets": budgets, "trend": token_trend(points, runs)}
+    trend = token_trend(points, runs)
+    return {"budgets": budgets, "trend": trend, "multiplicity": correct_trends(trend)}
+
+
+def correct_trends(trend: dict) -> dict:
+    """Holm's correction over a token sweep's trends (`token_trend`), in place: they are the sweep's
+    question (does a gap change with tokens?), so they form its primary family."""
+    family = {f"{contrast} rho {rho}": e for contrast, by_rho in trend.items() for rho, e in by_rho.items()}
+    return correct_family(family, f"the {len(family)} trends")
 
 
 def token_trend(points: list[dict], runs: list[dict]) -> dict:
@@ -1168,6 +1231,7 @@ def token_trend(points: list[dict], runs: list[dict]) -> dict:
             "slope_per_decade": interval.to_dict(),
             "budgets": sorted(pairs),
             "seeds": seeds,
+            "p": p_value(interval),
             "claim": interval.excludes_zero,
             "text": _trend_text(interval),
         }
@@ -1402,13 +1466,15 @@ def token_report(s: dict) -> str:
     names = {"vs_pure_moe": "vs pure MoE", "table_effect": "the table's own effect"}
     said = [f"  * rho {rho} {names[c]}: {e['text']}" for c in names for rho, e in trend.get(c, {}).items()]
     if said:
-        lines += ["Against tokens (per seed, the slope of the paired difference in log10(tokens); a difference "
-                  "below zero that falls is a gain that grows):", *said]  # fmt: skip
+        lines += ["Against tokens, the sweep's primary question (per seed, the slope of the paired difference in "
+                  "log10(tokens), then over seeds; a difference below zero that falls is a gain that grows; Holm's "
+                  f"correction over the {len(said)} trends at family-wise 5%):", *said]  # fmt: skip
     return (
         f"Token axis: the allocation's gaps at {len(s['statistics']['budgets'])} budgets from "
         f"{s['statistics']['budgets'][0]['train_tokens']:,} to {s['statistics']['budgets'][-1]['train_tokens']:,} "
-        f"tokens per run{_validation_text(s)}, {len(s['seeds'])} seeds, paired by seed, 95% t-intervals (a "
-        f"difference is claimed only where its interval excludes zero; {_noise_floor(s)}):\n" + "\n".join(lines)
+        f"tokens per run{_validation_text(s)}, {len(s['seeds'])} seeds, paired by seed, 95% t-intervals (at each "
+        f"budget a difference is claimed only where its interval excludes zero, each interval on its own; "
+        f"{_noise_floor(s)}):\n" + "\n".join(lines)
     )
 
 
@@ -1426,26 +1492,43 @@ def _statistics_text(s: dict) -> str:
     st = s.get("statistics")
     if not st:
         return ""
-    lines = []
-    if st.get("dense"):
-        lines.append(st["dense"]["text"])
-    lines += [c["text"] for c in st["vs_pure_moe"].values()]
-    for control in st["controls"].values():
-        lines += [f"{c['what']}: {c['text']}" for c in control.values()]
-    for c in st.get("pooled", {}).values():
-        lines.append(f"{c['what']}, mean over {c['rho_points']} rho points: {c['text']}")
+
+    def said(c: dict) -> str:
+        if "rho_points" in c:
+            return f"{c['what']}, mean over {c['rho_points']} rho points: {c['text']}"
+        return f"{c['what']}: {c['text']}" if "what" in c else c["text"]
+
+    family = st.get("multiplicity") or {"members": []}  # none: merged before the correction
+    gate = family.get("gate")
+    primary = [c for k, c in _intervals(st) if k in family["members"]]
+    secondary = [c for k, c in _intervals(st) if k not in family["members"] and not (gate and k == "dense")]
+    text = ""
+    if gate:
+        text += (
+            "\nThe gate, pure MoE against dense at 95% (only if pure MoE is lower is anything about rho or the "
+            f"table claimed): {st['dense']['text']}" + ("" if gate["holds"] else f"; {UNFAIR}")
+        )
+    if primary:
+        text += (
+            f"\nPrimary comparisons, paired by seed, 95% t-intervals, Holm's correction over the {len(primary)} "
+            f"at family-wise {round(100 * family['alpha'])}%:\n" + "\n".join(f"  * {said(c)}" for c in primary)
+        )
+    n = len(secondary)
+    head = (
+        f"Secondary, paired by seed, each a 95% t-interval not corrected for multiplicity (of {n} such "
+        f"intervals, about {n / 20:.1f} would exclude 0 by chance were there no effect):"
+        if primary
+        else "Paired by seed, 95% t-intervals:"
+    )
+    text += f"\n{head}\n" + "\n".join(f"  * {said(c)}" for c in secondary)
     opt = st.get("optimum")
     if opt:
         span = f"[{opt['argmin_low']:.2f}, {opt['argmin_high']:.2f}]"
-        lines.append(
-            f"quadratic fit in rho: argmin {opt['argmin']:.2f}, 95% bootstrap interval {span}; "
-            + (
-                "a minimum inside the grid is claimed"
-                if opt["claims_minimum"]
-                else f"no minimum claimed ({opt['reason']})"
-            )
+        verdict = (
+            "a minimum inside the grid is claimed" if opt["claims_minimum"] else f"no minimum claimed ({opt['reason']})"
         )
-    return "\nPaired by seed, 95% t-intervals:\n" + "\n".join(f"  * {line}" for line in lines)
+        text += f"\nThe optimum, a quadratic fit in rho: argmin {opt['argmin']:.2f}, 95% bootstrap {span}; {verdict}"
+    return text
 
 
 def _noise_floor(s: dict) -> str:
@@ -1473,12 +1556,14 @@ def _paired_rows(st: dict | None) -> list[tuple[str, dict, bool]]:
         return []
     rows = []
     if st.get("dense"):
-        rows.append(("pure MoE - dense", st["dense"]))
+        gate = (st.get("multiplicity") or {}).get("gate")
+        rows.append(("pure MoE - dense" + (" (gate)" if gate else ""), st["dense"]))
     rows += [(f"{label} - pure MoE", c) for label, c in st["vs_pure_moe"].items()]
     for control, entries in st["controls"].items():
         rows += [(f"{label} - {control}", c) for label, c in entries.items()]
     for c in st.get("pooled", {}).values():
-        rows.append((f"mean over rho: {c['a'].removeprefix('the ')} - {c['b'].removeprefix('the ')}", c))
+        label = f"mean over rho: {c['a'].removeprefix('the ')} - {c['b'].removeprefix('the ')}"
+        rows.append((label + (" (primary)" if c.get("holm") else ""), c))
     return [(label, c["difference"], c["claim"]) for label, c in rows]
 
 
@@ -1494,7 +1579,7 @@ def _plot_paired(ax, rows: list[tuple[str, dict, bool]]) -> None:
     ax.set_yticks(ys)
     ax.set_yticklabels([label for label, _, _ in rows], fontsize=7)
     ax.set_xlabel("paired difference A - B (nats; below 0: A lower), 95% t-interval")
-    ax.set_title("paired by seed; filled: the interval excludes 0", fontsize=9)
+    ax.set_title("paired by seed; filled: claimed (primary: after Holm's correction)", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
 
 
