@@ -9,7 +9,7 @@ import math
 import pytest
 
 from condmem.apps.study.stats import compare, t_interval
-from condmem.apps.study.sweep import UNFAIR, _intervals, correct_family, statistics
+from condmem.apps.study.sweep import UNFAIR, comparisons, correct_family, statistics
 
 SEEDS = (0, 1, 2)
 # key -> validation loss per seed; r5 and r25 have no_table controls, only r5 a random-address one
@@ -97,8 +97,8 @@ def test_nothing_about_rho_or_the_table_is_claimed_unless_pure_moe_beats_dense()
     assert fair["pooled"]["table_vs_no_table"]["claim"] and fair["multiplicity"]["secondary"] == 6
     unfair = _study(dense=[3.00, 2.95, 3.05])  # dense 0.20-0.30 below pure MoE: the gate fails
     assert unfair["dense"]["verdict"] == "higher" and unfair["multiplicity"]["gate"]["holds"] is False
-    withdrawn = [e for key, e in _intervals(unfair) if key != "dense"]
+    withdrawn = [e for key, _, e in comparisons(unfair) if key != "dense"]
     assert not any(e["claim"] for e in withdrawn) and not unfair["optimum"]["claims_minimum"]
     # the same intervals, withdrawn where the fair backbone claimed them, and saying why
-    claimed = [e["text"] for key, e in _intervals(fair) if key != "dense" and e["claim"]]
+    claimed = [e["text"] for key, _, e in comparisons(fair) if key != "dense" and e["claim"]]
     assert claimed and sum(e["text"].endswith(UNFAIR) for e in withdrawn) == len(claimed)

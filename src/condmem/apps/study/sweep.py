@@ -1010,9 +1010,9 @@ def statistics(kind: str, points: list[dict], runs: list[dict], *, primary: bool
 
     allocation: each rho < 1 against pure MoE; each rho against each of its controls; pure MoE
     against the dense control; a quadratic in rho over the sweep's own points with its
-    bootstrap argmin; with `primary`, Holm's correction over the primary comparisons
-    (`PRIMARY_POOLED`, dense) in ``multiplicity``. slots: the slope of loss in log10(rows) with
-    its interval."""
+    bootstrap argmin; with `primary`, the gate (pure MoE below dense) and Holm's correction over
+    the primary comparisons (`PRIMARY_POOLED`), recorded in ``multiplicity``. slots: the slope of
+    loss in log10(rows) with its interval."""
     by_key = losses_by_seed(points, runs)
     if kind == "slots":
         with_table = [r for r in runs if r["table_rows"] > 0]
@@ -1060,10 +1060,10 @@ def statistics(kind: str, points: list[dict], runs: list[dict], *, primary: bool
         record = correct_family(family, f"the {len(family)} primary comparisons")
         fair = out["dense"] is None or out["dense"]["verdict"] == "lower"
         record["gate"] = None if out["dense"] is None else {"test": "pure MoE below dense", "holds": fair}
-        record["secondary"] = sum(k not in family and k != "dense" for k, _ in _intervals(out))
+        record["secondary"] = sum(k not in family and k != "dense" for k, _, _ in comparisons(out))
         out["multiplicity"] = record
         if not fair:  # the gate fails: withdraw every claim about rho and the table
-            for key, e in _intervals(out):
+            for key, _, e in comparisons(out):
                 if key != "dense" and e["claim"]:
                     e["claim"], e["text"] = False, f"{e['text']}; {UNFAIR}"
             if out["optimum"] and out["optimum"]["claims_minimum"]:
@@ -1089,15 +1089,17 @@ def correct_family(entries: dict[str, dict], family: str, alpha: float = 0.05) -
     return {"method": "Holm", "alpha": alpha, "family": family, "members": list(verdicts)}
 
 
-def _intervals(st: dict) -> list[tuple[str, dict]]:
-    """Every paired comparison of an allocation's statistics as (key, entry), in reading order: pure
-    MoE against dense, each rho against pure MoE, each control at each rho, the rho-pooled ones (keyed
-    as in ``multiplicity.members``)."""
-    out = [("dense", st["dense"])] if st.get("dense") else []
-    out += [(f"vs_pure_moe {label}", c) for label, c in st["vs_pure_moe"].items()]
+def comparisons(st: dict) -> list[tuple[str, str, dict]]:
+    """Every paired comparison of an allocation's statistics as (key, "A - B", entry), in reading
+    order: pure MoE against dense, each rho against pure MoE, each control at each rho, the
+    rho-pooled ones (keyed as in ``multiplicity.members``)."""
+    out = [("dense", "pure MoE - dense", st["dense"])] if st.get("dense") else []
+    out += [(f"vs_pure_moe {label}", f"{label} - pure MoE", c) for label, c in st["vs_pure_moe"].items()]
     for control, entries in st["controls"].items():
-        out += [(f"{control} {label}", c) for label, c in entries.items()]
-    return out + list(st.get("pooled", {}).items())
+        out += [(f"{control} {label}", f"{label} - {control}", c) for label, c in entries.items()]
+    for key, c in st.get("pooled", {}).items():
+        out.append((key, f"mean over rho: {c['a'].removeprefix('the ')} - {c['b'].removeprefix('the ')}", c))
+    return out
 
 
 # (A, B, what A - B measures): None is a rho point itself, a name its control of that kind.
@@ -1500,8 +1502,8 @@ def _statistics_text(s: dict) -> str:
 
     family = st.get("multiplicity") or {"members": []}  # none: merged before the correction
     gate = family.get("gate")
-    primary = [c for k, c in _intervals(st) if k in family["members"]]
-    secondary = [c for k, c in _intervals(st) if k not in family["members"] and not (gate and k == "dense")]
+    primary = [c for k, _, c in comparisons(st) if k in family["members"]]
+    secondary = [c for k, _, c in comparisons(st) if k not in family["members"] and not (gate and k == "dense")]
     text = ""
     if gate:
         text += (
@@ -1539,7 +1541,7 @@ def _noise_floor(s: dict) -> str:
         return "one seed: no noise floor measured, no interval, no claim"
     return (
         f"noise floor: a point's seed standard deviation is {min(stds):.3f}-{max(stds):.3f} nats; "
-        "claims rest only on the 95% intervals"
+        "claims rest only on the 95% intervals and the corrections stated, never on the means"
     )
 
 
@@ -1550,21 +1552,13 @@ def _significance(beyond: bool | None) -> str:
 
 
 def _paired_rows(st: dict | None) -> list[tuple[str, dict, bool]]:
-    """The allocation's paired differences as (label, difference, claimed), in reading order:
-    pure MoE against dense, each rho against pure MoE, each control contrast, the rho-pooled ones."""
+    """The allocation's paired differences as (label, difference, claimed), in reading order
+    (`comparisons`), the gate and the primary family marked."""
     if not st:
         return []
-    rows = []
-    if st.get("dense"):
-        gate = (st.get("multiplicity") or {}).get("gate")
-        rows.append(("pure MoE - dense" + (" (gate)" if gate else ""), st["dense"]))
-    rows += [(f"{label} - pure MoE", c) for label, c in st["vs_pure_moe"].items()]
-    for control, entries in st["controls"].items():
-        rows += [(f"{label} - {control}", c) for label, c in entries.items()]
-    for c in st.get("pooled", {}).values():
-        label = f"mean over rho: {c['a'].removeprefix('the ')} - {c['b'].removeprefix('the ')}"
-        rows.append((label + (" (primary)" if c.get("holm") else ""), c))
-    return [(label, c["difference"], c["claim"]) for label, c in rows]
+    family = st.get("multiplicity") or {"members": [], "gate": None}
+    marks = {"dense": " (gate)" if family["gate"] else "", **{k: " (primary)" for k in family["members"]}}
+    return [(label + marks.get(key, ""), c["difference"], c["claim"]) for key, label, c in comparisons(st)]
 
 
 def _plot_paired(ax, rows: list[tuple[str, dict, bool]]) -> None:
