@@ -102,3 +102,38 @@ def test_nothing_about_rho_or_the_table_is_claimed_unless_pure_moe_beats_dense()
     # the same intervals, withdrawn where the fair backbone claimed them, and saying why
     claimed = [e["text"] for key, _, e in comparisons(fair) if key != "dense" and e["claim"]]
     assert claimed and sum(e["text"].endswith(UNFAIR) for e in withdrawn) == len(claimed)
+
+
+def _bucketed_study(seen_effect: list[float], unseen_effect: list[float]) -> dict:
+    """Two rho points and their no_table controls whose table effect (rho - no_table, per seed) is
+    `seen_effect` on seen 3-grams and `unseen_effect` on unseen ones, at both rho points."""
+    points = [{"key": k, "label": k, "rho": rho, "control": c, "val_loss": {"values": [3.0] * 3}}
+              for k, rho, c in (("rho1", 1.0, None), ("r5", 0.5, None), ("r25", 0.25, None),
+                                ("r5_no_table", 0.5, "no_table"), ("r25_no_table", 0.25, "no_table"))]  # fmt: skip
+    runs = []
+    for p in points:
+        for s in SEEDS:
+            table = p["key"] in ("r5", "r25")
+            seen = 3.0 + (seen_effect[s] if table else 0.0)
+            unseen = 6.0 + (unseen_effect[s] if table else 0.0)
+            buckets = {"seen": {"loss": seen}, "unseen": {"loss": unseen}}
+            runs.append({"run_id": f"{p['key']}_seed{s}", "init_seed": s, "val_loss": 3.0, "buckets": buckets})
+    return statistics("allocation", points, runs)
+
+
+def test_the_table_effect_by_bucket_is_the_seed_means_t_interval():
+    st = _bucketed_study(seen_effect=[-0.30, -0.25, -0.35], unseen_effect=[-0.10, -0.05, -0.09])
+    by = st["by_bucket"]
+    assert by["seen"]["difference"]["mean"] == pytest.approx(-0.30) and by["seen"]["verdict"] == "lower"
+    assert by["unseen"]["difference"]["mean"] == pytest.approx(-0.08) and by["seen"]["rho_points"] == 2
+    gaps = [-0.20, -0.20, -0.26]  # seen minus unseen, per seed
+    mean = sum(gaps) / 3
+    half = 4.302652729911275 * math.sqrt(sum((g - mean) ** 2 for g in gaps) / 2) / math.sqrt(3)
+    gap = by["seen_minus_unseen"]["difference"]
+    assert gap["mean"] == pytest.approx(mean) and gap["half_width"] == pytest.approx(half)
+    assert by["seen_minus_unseen"]["verdict"] == "lower"  # the gain falls mostly on seen 3-grams
+    assert st["multiplicity"]["secondary"] == 2 + 2 + 3  # 2 rho vs pure MoE, 2 no_table controls, 3 by bucket
+    # negative control: the same effect on both buckets tells them apart nowhere
+    flat = _bucketed_study(seen_effect=[-0.30, -0.25, -0.35], unseen_effect=[-0.31, -0.24, -0.33])
+    assert flat["by_bucket"]["seen_minus_unseen"]["verdict"] == "unresolved"
+    assert _study()["by_bucket"] == {}  # runs without buckets: nothing by bucket

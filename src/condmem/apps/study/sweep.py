@@ -997,11 +997,15 @@ ONE_LINE = "one line through every run"
 """The slot slope's method with one seed (and in a study.json that predates ``statistics.method``)."""
 
 
-def losses_by_seed(points: list[dict], runs: list[dict]) -> dict:
-    """Each point's validation loss per initialisation seed: ``{point key: {seed: loss}}``."""
+def losses_by_seed(points: list[dict], runs: list[dict], bucket: str | None = None) -> dict:
+    """Each point's validation loss per initialisation seed: ``{point key: {seed: loss}}``; with
+    `bucket` (``seen`` / ``unseen``), the loss over that bucket's targets (`bucket_losses`)."""
+
+    def loss(r: dict) -> float:
+        return r["val_loss"] if bucket is None else r["buckets"][bucket]["loss"]
+
     return {
-        p["key"]: {r["init_seed"]: r["val_loss"] for r in runs if r["run_id"].startswith(p["key"] + "_seed")}
-        for p in points
+        p["key"]: {r["init_seed"]: loss(r) for r in runs if r["run_id"].startswith(p["key"] + "_seed")} for p in points
     }
 
 
@@ -1050,6 +1054,7 @@ def statistics(kind: str, points: list[dict], runs: list[dict], *, primary: bool
         entry["what"] = CONTROL_EFFECTS[c["control"]]
         out["controls"].setdefault(c["control"], {})[main["label"]] = entry
     out["pooled"] = pooled_controls([p for p in mains if p is not ref], points, by_key)
+    out["by_bucket"] = table_effect_by_bucket([p for p in mains if p is not ref], points, runs)
     dense = next((p for p in points if p["control"] == "dense"), None)
     if dense is not None:
         out["dense"] = compare("pure MoE", "dense", paired_difference(by_key[ref["key"]], by_key[dense["key"]]))
@@ -1092,13 +1097,20 @@ def correct_family(entries: dict[str, dict], family: str, alpha: float = 0.05) -
 def comparisons(st: dict) -> list[tuple[str, str, dict]]:
     """Every paired comparison of an allocation's statistics as (key, "A - B", entry), in reading
     order: pure MoE against dense, each rho against pure MoE, each control at each rho, the
-    rho-pooled ones (keyed as in ``multiplicity.members``)."""
+    rho-pooled ones (keyed as in ``multiplicity.members``), the table's own effect by bucket."""
     out = [("dense", "pure MoE - dense", st["dense"])] if st.get("dense") else []
     out += [(f"vs_pure_moe {label}", f"{label} - pure MoE", c) for label, c in st["vs_pure_moe"].items()]
     for control, entries in st["controls"].items():
         out += [(f"{control} {label}", f"{label} - {control}", c) for label, c in entries.items()]
     for key, c in st.get("pooled", {}).items():
         out.append((key, f"mean over rho: {c['a'].removeprefix('the ')} - {c['b'].removeprefix('the ')}", c))
+    for key, c in st.get("by_bucket", {}).items():
+        label = (
+            "mean over rho: table effect, seen - unseen"
+            if key == "seen_minus_unseen"
+            else f"mean over rho, {key} 3-grams: full table - no_table control"
+        )
+        out.append((f"by_bucket {key}", label, c))
     return out
 
 
@@ -1138,6 +1150,32 @@ def pooled_controls(rho_points: list[dict], points: list[dict], by_key: dict) ->
         entry = compare(name_a, f"the {b} control", t_interval([per_seed[s] for s in sorted(seeds, key=str)]))
         entry.update(what=what, a_control=a, b_control=b, rho_points=len(pairs))
         out[f"{a or 'table'}_vs_{b}"] = entry
+    return out
+
+
+def table_effect_by_bucket(rho_points: list[dict], points: list[dict], runs: list[dict]) -> dict:
+    """Where the table's own effect falls: each rho against its ``no_table`` control, averaged over
+    rho per seed (as in `pooled_controls`), on the validation targets whose 3-gram ending at the
+    target occurs in the training split (``seen``: a row could have learned it) and on the rest
+    (``unseen``), and ``seen_minus_unseen``, their paired difference. A gain that is memory should
+    fall mostly on seen targets. Empty without no-table controls, or where a run has no buckets."""
+    keys = {p["key"] for p in points}
+    pairs = [(p["key"], f"{p['key']}_no_table") for p in rho_points if f"{p['key']}_no_table" in keys]
+    if not pairs or any("buckets" not in r for r in runs):
+        return {}
+    loss = {b: losses_by_seed(points, runs, bucket=b) for b in ("seen", "unseen")}
+    seeds = sorted(loss["seen"][pairs[0][0]], key=str)
+    if any(sorted(loss[b][k], key=str) != seeds for b in loss for pair in pairs for k in pair):
+        return {}  # an unfinished run on one side: the per-rho comparisons name it
+    effect = {b: [sum(loss[b][a][s] - loss[b][c][s] for a, c in pairs) / len(pairs) for s in seeds] for b in loss}
+    out = {b: compare(f"the full table on {b} 3-grams", "the no_table control", t_interval(effect[b])) for b in loss}
+    gap = t_interval([seen - unseen for seen, unseen in zip(effect["seen"], effect["unseen"])])
+    out["seen_minus_unseen"] = compare("the table's own effect on seen 3-grams", "its effect on unseen ones", gap)
+    for b, entry in out.items():
+        what = (
+            "where the table's own effect falls" if b == "seen_minus_unseen" else f"the table's own effect, {b} 3-grams"
+        )
+        entry.update(what=what, rho_points=len(pairs))
     return out
 
 
