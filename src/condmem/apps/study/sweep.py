@@ -1124,14 +1124,23 @@ POOLED_CONTRASTS = (
 )
 
 
+def pooled_over_rho(pairs: list[tuple[str, str]], by_key: dict) -> dict | None:
+    """Per seed, the mean over `pairs` (one (A, B) pair of point keys per rho) of A - B; None where a
+    run is missing on one side (an unfinished run: the per-rho comparisons name it)."""
+    seeds = set(by_key[pairs[0][0]])
+    if any(set(by_key[k]) != seeds for pair in pairs for k in pair):
+        return None
+    return {s: sum(by_key[a][s] - by_key[b][s] for a, b in pairs) / len(pairs) for s in sorted(seeds, key=str)}
+
+
 def pooled_controls(rho_points: list[dict], points: list[dict], by_key: dict) -> dict:
     """Each control contrast averaged over the rho points that have both sides, paired by seed.
 
-    One value per seed (the mean over rho of A - B), then a t-interval over seeds: a seed's
-    runs share initialisation and data order at every rho, so the seeds, not the (rho, seed)
-    pairs, are the independent units. One rho point's interval from 3 seeds is wide (t = 4.30
-    at 2 degrees of freedom); averaging the points first narrows the spread each seed brings
-    without pretending the pairs are independent."""
+    One value per seed (the mean over rho of A - B, `pooled_over_rho`), then a t-interval over
+    seeds: a seed's runs share initialisation and data order at every rho, so the seeds, not the
+    (rho, seed) pairs, are the independent units. One rho point's interval from 3 seeds is wide
+    (t = 4.30 at 2 degrees of freedom); averaging the points first narrows the spread each seed
+    brings without pretending the pairs are independent."""
     keys = {p["key"] for p in points}
     out = {}
     for a, b, what in POOLED_CONTRASTS:
@@ -1140,14 +1149,11 @@ def pooled_controls(rho_points: list[dict], points: list[dict], by_key: dict) ->
             for p in rho_points
             if (a is None or f"{p['key']}_{a}" in keys) and f"{p['key']}_{b}" in keys
         ]
-        if not pairs:
+        per_seed = pooled_over_rho(pairs, by_key) if pairs else None
+        if per_seed is None:
             continue
-        seeds = set(by_key[pairs[0][0]])
-        if any(set(by_key[k]) != seeds for pair in pairs for k in pair):
-            continue  # an unfinished run on one side: the per-rho comparisons name it
-        per_seed = {s: sum(by_key[ka][s] - by_key[kb][s] for ka, kb in pairs) / len(pairs) for s in seeds}
         name_a = "the full table" if a is None else f"the {a} control"
-        entry = compare(name_a, f"the {b} control", t_interval([per_seed[s] for s in sorted(seeds, key=str)]))
+        entry = compare(name_a, f"the {b} control", t_interval(list(per_seed.values())))
         entry.update(what=what, a_control=a, b_control=b, rho_points=len(pairs))
         out[f"{a or 'table'}_vs_{b}"] = entry
     return out
@@ -1155,21 +1161,22 @@ def pooled_controls(rho_points: list[dict], points: list[dict], by_key: dict) ->
 
 def table_effect_by_bucket(rho_points: list[dict], points: list[dict], runs: list[dict]) -> dict:
     """Where the table's own effect falls: each rho against its ``no_table`` control, averaged over
-    rho per seed (as in `pooled_controls`), on the validation targets whose 3-gram ending at the
-    target occurs in the training split (``seen``: a row could have learned it) and on the rest
+    rho per seed (`pooled_over_rho`), on the validation targets whose 3-gram ending at the target
+    occurs in the training split (``seen``: a row could have learned it) and on the rest
     (``unseen``), and ``seen_minus_unseen``, their paired difference. A gain that is memory should
     fall mostly on seen targets. Empty without no-table controls, or where a run has no buckets."""
     keys = {p["key"] for p in points}
     pairs = [(p["key"], f"{p['key']}_no_table") for p in rho_points if f"{p['key']}_no_table" in keys]
     if not pairs or any("buckets" not in r for r in runs):
         return {}
-    loss = {b: losses_by_seed(points, runs, bucket=b) for b in ("seen", "unseen")}
-    seeds = sorted(loss["seen"][pairs[0][0]], key=str)
-    if any(sorted(loss[b][k], key=str) != seeds for b in loss for pair in pairs for k in pair):
-        return {}  # an unfinished run on one side: the per-rho comparisons name it
-    effect = {b: [sum(loss[b][a][s] - loss[b][c][s] for a, c in pairs) / len(pairs) for s in seeds] for b in loss}
-    out = {b: compare(f"the full table on {b} 3-grams", "the no_table control", t_interval(effect[b])) for b in loss}
-    gap = t_interval([seen - unseen for seen, unseen in zip(effect["seen"], effect["unseen"])])
+    effect = {b: pooled_over_rho(pairs, losses_by_seed(points, runs, bucket=b)) for b in ("seen", "unseen")}
+    if None in effect.values():
+        return {}
+    out = {
+        b: compare(f"the full table on {b} 3-grams", "the no_table control", t_interval(list(e.values())))
+        for b, e in effect.items()
+    }
+    gap = t_interval([effect["seen"][s] - effect["unseen"][s] for s in effect["seen"]])
     out["seen_minus_unseen"] = compare("the table's own effect on seen 3-grams", "its effect on unseen ones", gap)
     for b, entry in out.items():
         what = (
