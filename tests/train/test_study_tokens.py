@@ -65,6 +65,25 @@ def test_token_sweep_runs_each_budget_as_ordinary_runs_and_pairs_the_gaps(tiny_c
             loss[(f"tok{t}_rho0.5000_experts4", k)] - loss[(f"tok{t}_rho0.5000_experts4_no_table", k)] for k in (0, 1)
         ]
         assert b["table_effect"]["0.50"]["difference"]["mean"] == pytest.approx(np.mean(diffs))
+        # where that effect falls: the same pairs on seen minus on unseen 3-grams
+        bucket = {
+            (r["run_id"].split("_seed")[0], r["seed"], k): r["buckets"][k]["loss"]
+            for r in s["runs"]
+            for k in ("seen", "unseen")
+        }
+        gaps = [
+            (
+                bucket[(f"tok{t}_rho0.5000_experts4", k, "seen")]
+                - bucket[(f"tok{t}_rho0.5000_experts4_no_table", k, "seen")]
+            )
+            - (
+                bucket[(f"tok{t}_rho0.5000_experts4", k, "unseen")]
+                - bucket[(f"tok{t}_rho0.5000_experts4_no_table", k, "unseen")]
+            )
+            for k in (0, 1)
+        ]
+        falls = b["where_gain_falls"]
+        assert falls["difference"]["mean"] == pytest.approx(np.mean(gaps)) and falls["text"] in s["report"]
     assert "tokens per active parameter" in s["report"]
     for contrast in ("vs_pure_moe", "table_effect"):  # the trend over the three budgets, per seed
         trend = s["statistics"]["trend"][contrast]["0.50"]

@@ -1220,7 +1220,8 @@ def _budgets(points: list[dict]):
 
 def token_statistics(points: list[dict], runs: list[dict]) -> dict:
     """Per training budget (ascending): each rho < 1 against pure MoE and against its ``no_table``
-    control (the table's own effect), paired by seed with 95% t-intervals; tokens per active parameter."""
+    control (the table's own effect), paired by seed with 95% t-intervals, and where that effect
+    falls (`table_effect_by_bucket`, seen minus unseen 3-grams); tokens per active parameter."""
     budgets = []
     for tokens, mine, ref, rhos in _budgets(points):
         keys = tuple(p["key"] + "_seed" for p in mine)
@@ -1232,6 +1233,7 @@ def token_statistics(points: list[dict], runs: list[dict]) -> dict:
             "pure_moe_val_loss": ref["val_loss"]["mean"],
             "vs_pure_moe": {},
             "table_effect": {},
+            "where_gain_falls": stats["by_bucket"].get("seen_minus_unseen"),
         }
         for rho, (p, _) in rhos.items():
             entry["vs_pure_moe"][rho] = stats["vs_pure_moe"][p["label"]]
@@ -1509,6 +1511,9 @@ def token_report(s: dict) -> str:
             effect = b["table_effect"].get(rho)
             if effect is not None:
                 lines.append(f"  * rho {rho}, the table's own effect (vs no table): {effect['text']}")
+        falls = b.get("where_gain_falls")
+        if falls:
+            lines.append(f"  * {_pooled_text(falls)}")
     trend = s["statistics"].get("trend") or {}
     names = {"vs_pure_moe": "vs pure MoE", "table_effect": "the table's own effect"}
     said = [f"  * rho {rho} {names[c]}: {e['text']}" for c in names for rho, e in trend.get(c, {}).items()]
@@ -1534,6 +1539,12 @@ def _validation_text(s: dict) -> str:
     return f"; validated on all {v['tokens']:,} held-out tokens"
 
 
+def _pooled_text(c: dict) -> str:
+    """A rho-pooled comparison in words: what it measures, over how many rho points, its verdict."""
+    n = c["rho_points"]
+    return f"{c['what']}, mean over {n} rho point{'s' if n != 1 else ''}: {c['text']}"
+
+
 def _statistics_text(s: dict) -> str:
     """The intervals' verdicts (95%, paired by seed) in sentences; empty for a study.json without them."""
     st = s.get("statistics")
@@ -1542,7 +1553,7 @@ def _statistics_text(s: dict) -> str:
 
     def said(c: dict) -> str:
         if "rho_points" in c:
-            return f"{c['what']}, mean over {c['rho_points']} rho points: {c['text']}"
+            return _pooled_text(c)
         return f"{c['what']}: {c['text']}" if "what" in c else c["text"]
 
     family = st.get("multiplicity") or {"members": []}  # none: merged before the correction
