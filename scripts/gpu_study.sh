@@ -25,10 +25,13 @@ R=benchmarks/results
 previous_done=1
 left() { echo $((LIMIT - ($(date +%s) - T0))); }  # seconds this call has left
 sweep() {  # kind, folder, flags...: resume it while this call has time, after the one before is complete
-  local kind=$1 out=$2 left minutes
+  local kind=$1 out=$2 left minutes need=120
   shift 2
   left=$(left)
-  if [ "$previous_done" -eq 1 ] && [ "$left" -ge 120 ] && [ ! -f "$out/study.json" ]; then
+  # a sweep with no finished run cannot tell how long one takes, so it would start runs that the
+  # call's timeout then kills: give its first wave (5-7 runs of 1,000 steps at once) the time it needs
+  compgen -G "$out/runs/*.json" > /dev/null || need=450
+  if [ "$previous_done" -eq 1 ] && [ "$left" -ge "$need" ] && [ ! -f "$out/study.json" ]; then
     minutes=$(python3 -c "print(round(($left - 60) / 60, 2))")
     echo "== $kind -> $out (--stop-after $minutes)" | tee -a "$OUT/study.log"
     timeout "$left" python3 -m condmem study "$kind" --preset gpu --parallel "$PARALLEL" --stop-after "$minutes" \
