@@ -2,7 +2,8 @@
 hand-computed cases, claims only where an interval excludes zero, p-values and Holm's correction
 against hand computations, and the quadratic optimum:
 rarely a minimum on flat noisy curves (measured rate under the test's 2.5% one-sided level),
-always one on a clear U, none where the lowest loss lies beyond the grid or on a slope."""
+always one on a clear U, none where the lowest loss lies beyond the grid or on a slope, and none on
+a step (flat, higher at one end) that the quadratic alone reads as a U: the two-lines test."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from condmem.apps.study.stats import (
     t_cdf,
     t_interval,
     t_quantile,
+    two_lines,
 )
 
 GRID = [0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -130,6 +132,7 @@ def test_a_minimum_claimed_on_a_clear_u():
     for k, pts in enumerate(_curves(lambda x: 3.0 + 2.0 * (x - 0.6) ** 2, 50, noise=0.02, rng_seed=1)):
         r = quadratic_optimum(pts, seed=k, n_boot=500)
         assert r["claims_minimum"], r["reason"]
+        assert r["two_lines"]["break"] == 0.6 and r["two_lines"]["u_shape"]
         assert r["argmin_low"] < 0.6 < r["argmin_high"] and GRID[0] < r["argmin_low"]
         assert r["curvature_positive"] and r["vertex"] == pytest.approx(0.6, abs=0.05)
 
@@ -142,6 +145,35 @@ def test_no_minimum_beyond_the_grid_edge_or_on_a_slope():
         assert not r["claims_minimum"], r
     r = quadratic_optimum(slope[0], n_boot=500)
     assert r["argmin"] == pytest.approx(1.0)  # the lower end when the fit does not curve up
+
+
+def test_two_lines_hand_case():
+    # two seeds; left of 0.6 each seed's slope is its own (hand) OLS slope, then their mean
+    curves = {
+        0: {0.2: 3.4, 0.4: 3.2, 0.6: 3.0, 0.8: 3.1, 1.0: 3.3},  # left -1.0, right +0.75
+        1: {0.2: 3.5, 0.4: 3.2, 0.6: 3.1, 0.8: 3.2, 1.0: 3.4},  # left -1.0, right +0.75
+        2: {0.2: 3.3, 0.4: 3.2, 0.6: 3.0, 0.8: 3.0, 1.0: 3.2},  # left -0.75, right +0.5
+    }
+    r = two_lines(curves, 0.6)
+    assert r["left"]["mean"] == pytest.approx(-11 / 12) and r["right"]["mean"] == pytest.approx(2 / 3)
+    sd = float(np.std([-1.0, -1.0, -0.75], ddof=1))
+    assert r["left"]["half_width"] == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-6)
+    assert r["u_shape"] and r["break"] == 0.6
+    # a seed with one point on a side is left out of that side's line
+    r = two_lines({0: {0.2: 3.0, 0.6: 2.0, 1.0: 3.0}, 1: {0.6: 2.0, 1.0: 3.0}}, 0.6)
+    assert r["left"]["n"] == 1 and r["right"]["n"] == 2 and not r["u_shape"]
+    with pytest.raises(ValueError, match="no seed has two points left"):
+        two_lines({0: {0.6: 2.0, 1.0: 3.0}}, 0.6)
+
+
+def test_no_minimum_claimed_on_a_step_that_a_quadratic_reads_as_a_u():
+    # Every table size beats none by the same amount: flat below x = 1, higher at 1 (the shape of
+    # an allocation sweep where any table helps). Negative control: the quadratic's own tests pass.
+    steps = _curves(lambda x: 3.0 + 0.3 * (x == 1.0), 50, noise=0.02, rng_seed=4)
+    results = [quadratic_optimum(pts, seed=k, n_boot=500) for k, pts in enumerate(steps)]
+    assert sum(r["curvature_positive"] and r["minimum_inside"] for r in results) >= 45
+    assert sum(r["claims_minimum"] for r in results) <= 2, [r["reason"] for r in results if r["claims_minimum"]]
+    assert all(r["two_lines"]["right"]["low"] > 0 for r in results if r["two_lines"])  # the rise at 1 is seen
 
 
 def test_quadratic_optimum_fit_reproducibility_and_refusals():

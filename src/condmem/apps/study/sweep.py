@@ -1059,7 +1059,7 @@ def statistics(kind: str, points: list[dict], runs: list[dict], *, primary: bool
     if dense is not None:
         out["dense"] = compare("pure MoE", "dense", paired_difference(by_key[ref["key"]], by_key[dense["key"]]))
     if len(mains) >= 3:
-        out["optimum"] = quadratic_optimum({p["rho"]: p["val_loss"]["values"] for p in mains})
+        out["optimum"] = quadratic_optimum({p["rho"]: by_key[p["key"]] for p in mains})
     if primary:
         family = {k: out["pooled"][k] for k in PRIMARY_POOLED if k in out["pooled"]}
         record = correct_family(family, f"the {len(family)} primary comparisons")
