@@ -1,11 +1,14 @@
 """A sweep's provenance: how many runs each commit and each device trained, said in the report when
-they are several, and said before training when runs left to train join runs of other code."""
+they are several, and said before training when runs left to train join runs of other code; and its
+throughput, tokens over the wall time with a run in progress, against a hand computation."""
 
 from __future__ import annotations
 
 import json
 
-from condmem.apps.study.provenance import provenance, provenance_text
+import pytest
+
+from condmem.apps.study.provenance import provenance, provenance_text, throughput, throughput_text
 from condmem.cli import main
 
 
@@ -25,6 +28,26 @@ def test_provenance_counts_commits_and_devices_and_speaks_only_of_a_mix():
     text = provenance_text({"provenance": mixed})
     assert "3 commits (aaaaaaaaaaaa: 2; unrecorded: 1; bbbbbbbbbbbb+dirty: 1 runs)" in text
     assert "2 devices (H100: 3; H200: 1 runs)" in text
+
+
+def _timed(started, ended, tokens=100, **extra):
+    return {"wall_clock": {"started": started, "ended": ended}, "train_tokens": tokens, **extra}
+
+
+def test_throughput_merges_overlapping_runs_and_leaves_out_gaps_and_copies():
+    runs = [
+        _timed(0, 10),
+        _timed(5, 12),  # overlaps the first: 0-12 busy
+        _timed(100, 110),  # after a gap (another device call): 10 s more
+        _timed(101, 104),  # inside the third
+        _timed(0, 500, reused_from={"path": "elsewhere"}),  # copied in from another sweep: not counted
+        {"train_tokens": 100},  # predates the record
+    ]
+    t = throughput(runs)
+    assert t["runs"] == 4 and t["train_tokens"] == 400 and t["busy_seconds"] == pytest.approx(22)
+    assert t["tokens_per_s"] == pytest.approx(400 / 22) and t["runs_at_once"] == pytest.approx(30 / 22)
+    assert "4 runs trained here, 400 tokens over 22 s" in throughput_text({"throughput": t})
+    assert throughput([{"train_tokens": 1}]) is None and throughput_text({"throughput": None}) == ""
 
 
 def _allocation(tiny_corpus, out, *extra):
@@ -50,3 +73,6 @@ def test_a_resumed_sweep_says_when_its_finished_runs_come_from_other_code(tiny_c
     study = json.loads((out / "study.json").read_text())
     assert study["provenance"]["commits"] == {"c" * 40: len(study["runs"]) - 1, "f" * 40: 1}
     assert "2 commits (cccccccccccc:" in study["report"]
+    t = study["throughput"]  # every run trained here, one at a time: never more than one at once
+    assert t["runs"] == len(study["runs"]) and t["tokens_per_s"] > 0 and t["runs_at_once"] <= 1.0 + 1e-9
+    assert "Throughput:" in study["report"]

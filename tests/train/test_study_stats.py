@@ -148,7 +148,7 @@ def test_no_minimum_beyond_the_grid_edge_or_on_a_slope():
 
 
 def test_two_lines_hand_case():
-    # two seeds; left of 0.6 each seed's slope is its own (hand) OLS slope, then their mean
+    # three seeds; left of 0.6 each seed's slope is its own (hand) OLS slope, then their mean
     curves = {
         0: {0.2: 3.4, 0.4: 3.2, 0.6: 3.0, 0.8: 3.1, 1.0: 3.3},  # left -1.0, right +0.75
         1: {0.2: 3.5, 0.4: 3.2, 0.6: 3.1, 0.8: 3.2, 1.0: 3.4},  # left -1.0, right +0.75

@@ -1,5 +1,6 @@
-"""Which code and which device trained a sweep's runs: counted in study.json, said in its report when
-they are several, and said before training when runs left to train will join runs of other code."""
+"""Which code and which device trained a sweep's runs, and at what rate: counted in study.json, said
+in its report (the code and devices when they are several), and said before training when runs left
+to train will join runs of other code."""
 
 from __future__ import annotations
 
@@ -21,6 +22,50 @@ def provenance(runs: list[dict]) -> dict:
         "commits": count(m.get("commit") for m in machines),
         "devices": count(m.get("gpu") or m.get("device") for m in machines),
     }
+
+
+def throughput(runs: list[dict]) -> dict | None:
+    """A sweep's training tokens over the wall time during which one of its runs was in progress
+    (model build, compiling, training, validation): the runs' clock intervals merged, so runs
+    trained at once count once, and the gaps between device calls and each process's start-up
+    (data loading) are left out. Runs copied in from another sweep (``reused_from``), and runs
+    that predate the record, are not counted; None when no run is left."""
+    spans = sorted(
+        (r["wall_clock"]["started"], r["wall_clock"]["ended"], r["train_tokens"])
+        for r in runs
+        if r.get("wall_clock") and not r.get("reused_from")
+    )
+    if not spans:
+        return None
+    busy, run_seconds, end = 0.0, 0.0, None
+    for started, ended, _ in spans:
+        run_seconds += ended - started
+        if end is None or started > end:  # a new stretch of work
+            busy += ended - started
+            end = ended
+        elif ended > end:
+            busy += ended - end
+            end = ended
+    tokens = sum(t for _, _, t in spans)
+    return {
+        "runs": len(spans),
+        "train_tokens": tokens,
+        "busy_seconds": busy,
+        "tokens_per_s": tokens / busy if busy > 0 else None,
+        "runs_at_once": run_seconds / busy if busy > 0 else None,
+    }
+
+
+def throughput_text(s: dict) -> str:
+    """The report's sentence on `throughput` (study.json's), or "" without one."""
+    t = s.get("throughput")
+    if not t or not t["tokens_per_s"]:
+        return ""
+    return (
+        f" Throughput: {t['runs']} runs trained here, {t['train_tokens']:,} tokens over {t['busy_seconds']:,.0f} s "
+        f"of wall time with a run in progress ({t['runs_at_once']:.1f} at once on average; building, compiling "
+        f"and validation included, each process's start-up left out): {t['tokens_per_s']:,.0f} tokens/s."
+    )
 
 
 def _short(commit: str) -> str:

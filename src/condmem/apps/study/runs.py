@@ -313,6 +313,7 @@ def train_run(
     held-out tokens (None: every one); the run's result (per-step losses included)."""
     point = spec.point
     label = f"{point.label} seed {spec.init_seed}"
+    started = time.time()  # wall clock, for a sweep's tokens over the time a run was in progress
     model = build_model(point.cfg, data, seed=spec.init_seed, device=dev)
     trainer = build_trainer(model, tc, data, dev, label=label, progress=False)
     model.train()
@@ -378,6 +379,7 @@ def train_run(
         "router": router,
         "rows_touched": rows_touched,
         "machine": machine_info(dev),
+        "wall_clock": {"started": started, "ended": time.time()},
     }
     print(
         f"[{label}] done: {tc.steps} steps, val loss {ev['val_loss']:.4f} over "

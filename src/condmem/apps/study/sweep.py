@@ -75,7 +75,7 @@ from condmem.apps.study.stats import (
     t_interval,
 )
 from condmem.train.determinism import determinism_record, deterministic_mode, set_cublas_workspace
-from condmem.apps.study.provenance import provenance, provenance_text, say_other_commits
+from condmem.apps.study.provenance import provenance, provenance_text, say_other_commits, throughput, throughput_text
 from condmem.apps.study.runs import (
     ReusableRuns,
     RunStore,
@@ -877,6 +877,7 @@ def replot(kind: str, out: str | Path | None = None) -> Path | None:
         raise ValueError(f"{path} holds no runs: nothing to plot (run the sweep, or `condmem study merge {out}`)")
     summary["finding"] = find(kind, summary["points"], summary["runs"])
     summary["provenance"] = provenance(summary["runs"])
+    summary["throughput"] = throughput(summary["runs"])
     summary["report"] = report_text(kind, summary)
     figure = plot_study(summary, out / f"{kind}.png", within=out)
     summary["figure"] = figure.name if figure is not None else summary.get("figure")
@@ -971,6 +972,7 @@ def summarize(sweep: dict, runs: list[dict]) -> dict:
         "data": sweep["data"],
         "machine": runs[0]["machine"],
         "provenance": provenance(runs),
+        "throughput": throughput(runs),
     }
     summary["table"] = format_study_table(kind, per_point)
     summary["report"] = report_text(kind, summary)
@@ -1435,7 +1437,7 @@ def format_study_table(kind: str, points: list[dict]) -> str:
 
 def report_text(kind: str, s: dict) -> str:
     """What the sweep shows, and what it cannot, in a few sentences."""
-    return _report_body(kind, s) + provenance_text(s)
+    return _report_body(kind, s) + throughput_text(s) + provenance_text(s)
 
 
 def _report_body(kind: str, s: dict) -> str:
