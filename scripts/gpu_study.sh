@@ -7,13 +7,13 @@
 #
 #   LIMIT=540 scripts/gpu_study.sh     # seconds this call may spend; the log is $OUT/study.log
 #
-# In order: once, the training step's speed A/B (eager, compiled, queued steps, CUDA graphs; pure MoE,
-# rho 0.8, dense) and one committed allocation run trained again (are its losses the committed
-# ones?), both into benchmarks/results/; the allocation at 100 and at 400 steps (the preset's budget,
-# trained again since every compiled run starts from empty compiler caches); the token axis,
-# whose 100- and 400-step budgets are copied from the two allocation sweeps (--reuse); the
-# slot sweep; then, once, a sweep's tokens over wall time, one eager run at a time against $PARALLEL
-# compiled runs at once (benchmarks/probes/study_concurrency.sh, 400 steps).
+# In order: once, one committed allocation run trained again (are its losses the committed ones?);
+# the allocation at 100 and at 400 steps; the token axis, whose 100- and 400-step budgets are
+# copied from the two allocation sweeps (--reuse); the slot sweep; then, once each, a sweep's tokens
+# over wall time, one eager run at a time against $PARALLEL compiled runs at once
+# (benchmarks/probes/study_concurrency.sh, 400 steps), and the training step's speed A/B (eager,
+# compiled, queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler
+# caches), all into benchmarks/results/.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
@@ -40,13 +40,6 @@ sweep() {  # kind, folder, flags...: resume it while this call has time, after t
   fi
   [ -f "$out/study.json" ] || previous_done=0
 }
-if [ ! -f "$R/study_step_queued_h100.json" ] && [ "$(left)" -ge 300 ]; then
-  echo "== speed A/B" | tee -a "$OUT/study.log"
-  timeout 300 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
-    --options eager compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_queued_h100.log" 2>&1
-  cp "$OUT/ab/study_step_profile.json" "$R/study_step_queued_h100.json" 2>/dev/null
-  tail -n 14 "$R/study_step_queued_h100.log"
-fi
 if [ ! -f "$R/study_repro_h100.log" ] && [ "$(left)" -ge 240 ]; then
   echo "== a committed run trained again" | tee -a "$OUT/study.log"
   timeout 220 python3 -m condmem study allocation --preset gpu --out /tmp/repro --only run=rho1_seed0 --no-progress \
@@ -71,6 +64,13 @@ if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_h100.
   OUT=/tmp/concurrency STEPS=400 K="$PARALLEL" timeout 400 benchmarks/probes/study_concurrency.sh \
     > "$R/study_concurrency_k${PARALLEL}_h100.log" 2>&1 && cp /tmp/concurrency/summary.json "$R/study_concurrency_k${PARALLEL}_h100.json"
   tail -n 4 "$R/study_concurrency_k${PARALLEL}_h100.log"
+fi
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_fresh_h100.json" ] && [ "$(left)" -ge 300 ]; then
+  echo "== speed A/B" | tee -a "$OUT/study.log"
+  timeout 300 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
+    --options eager compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_fresh_h100.log" 2>&1
+  cp "$OUT/ab/study_step_profile.json" "$R/study_step_fresh_h100.json" 2>/dev/null
+  tail -n 14 "$R/study_step_fresh_h100.log"
 fi
 mapfile -t folders < <(ls -d "$R"/study_*_h100 "$R"/study_*_h100.* 2>/dev/null)
 tar -czf "$OUT/study.tgz" "${folders[@]}"
