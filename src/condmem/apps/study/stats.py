@@ -383,6 +383,16 @@ def two_lines(curves: Mapping[Hashable, Mapping[float, float]], break_x: float, 
     return {"break": break_x, "left": left.to_dict(), "right": right.to_dict(), "u_shape": falls and rises}
 
 
+def _two_lines_at_argmin(by_seed: dict[float, dict], grid: list[float], argmin: float) -> dict:
+    """`two_lines` over `quadratic_optimum`'s runs ({x: {seed: loss}}), the lines meeting at the
+    interior grid point nearest the fitted minimum."""
+    curves: dict[Hashable, dict[float, float]] = {}
+    for x, vs in by_seed.items():
+        for seed, v in vs.items():
+            curves.setdefault(seed, {})[x] = float(v)
+    return two_lines(curves, min(grid[1:-1], key=lambda x: abs(x - argmin)))
+
+
 def _two_lines_text(test: dict) -> str:
     def said(iv: dict) -> str:
         span = "" if iv["half_width"] is None else f" [{iv['low']:+.3f}, {iv['high']:+.3f}]"
@@ -484,13 +494,7 @@ def quadratic_optimum(
     positive = curvature.half_width is not None and curvature.low > 0
     vertex_inside = vertex is not None and lo < vertex < hi
     interval_inside = lo < b_lo and b_hi < hi
-    lines = None
-    if vertex_inside:  # the lines meet at the interior grid point nearest the fitted minimum
-        curves: dict[Hashable, dict[float, float]] = {}
-        for x, vs in by_seed.items():
-            for s, v in vs.items():
-                curves.setdefault(s, {})[x] = float(v)
-        lines = two_lines(curves, min(grid[1:-1], key=lambda x: abs(x - centre - argmin)))
+    lines = _two_lines_at_argmin(by_seed, grid, argmin + centre) if vertex_inside else None
     few = [x for x in grid if len(runs[x]) < 2]
     reason, claims = _minimum_verdict(few, positive, vertex_inside, interval_inside, lines)
     # Back to x: c0 + c1 (x - m) + c2 (x - m)^2.
