@@ -1,6 +1,7 @@
 """`--stop-after` before the command has finished a run of its own: the estimate comes from the
-folder's finished runs, so a call with too little time left starts none; `--parallel`'s workers
-get the limit less the plan stage's time."""
+folder's finished runs, so a call with too little time left starts none, and a folder with none
+says that its first run starts regardless; `--parallel`'s workers get the limit less the plan
+stage's time."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def test_the_first_run_of_a_call_is_judged_by_the_folders_finished_runs(
         assert trained
     else:
         assert trained == [] and "--stop-after 1: the next run would end after the limit" in capsys.readouterr().out
+
+
+def test_a_folder_with_no_finished_run_says_its_first_run_starts_regardless(tiny_corpus, tmp_path, trained, capsys):
+    out = tmp_path / "allocation"
+    assert _allocation(tiny_corpus, out, "--only", "seed=0,rho=1", "--stop-after", "1") == 0
+    said = capsys.readouterr().out
+    assert trained and "no finished run here to time yet, so the first run starts whatever it takes" in said
+    del trained[:]
+    assert _allocation(tiny_corpus, out, "--only", "seed=0,rho=0.5", "--stop-after", "1") == 0
+    assert trained and "no finished run here to time yet" not in capsys.readouterr().out  # one to time now
 
 
 def test_parallel_workers_get_the_limit_less_the_plan_stage():

@@ -691,6 +691,12 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
         chosen = {spec.run_id for spec in planned.chosen}
         others = (store.load(spec.run_id) for spec in specs if spec.run_id not in chosen)
         prior = _seconds_per_step(finished + [r for r in others if r is not None])
+        if prior is None and todo:
+            print(
+                f"[sweep] --stop-after {stop_after:g}: no finished run here to time yet, so the first run "
+                "starts whatever it takes; the limit applies from the next one",
+                flush=True,
+            )
     try:
         for spec, run_tc, wanted in todo:
             mean = bar.mean_run_seconds()
