@@ -37,15 +37,11 @@ def throughput(runs: list[dict]) -> dict | None:
     )
     if not spans:
         return None
-    busy, run_seconds, end = 0.0, 0.0, None
-    for started, ended, _ in spans:
+    busy, run_seconds, end = 0.0, 0.0, float("-inf")
+    for started, ended, _ in spans:  # by start: each run adds what it reaches past the work before it
         run_seconds += ended - started
-        if end is None or started > end:  # a new stretch of work
-            busy += ended - started
-            end = ended
-        elif ended > end:
-            busy += ended - end
-            end = ended
+        busy += max(0.0, ended - max(started, end))
+        end = max(end, ended)
     tokens = sum(t for _, _, t in spans)
     return {
         "runs": len(spans),

@@ -1566,8 +1566,9 @@ def _statistics_text(s: dict) -> str:
 
     family = st.get("multiplicity") or {"members": []}  # none: merged before the correction
     gate = family.get("gate")
-    primary = [c for k, _, c in comparisons(st) if k in family["members"]]
-    secondary = [c for k, _, c in comparisons(st) if k not in family["members"] and not (gate and k == "dense")]
+    rows = comparisons(st)
+    primary = [c for k, _, c in rows if k in family["members"]]
+    secondary = [c for k, _, c in rows if k not in family["members"] and not (gate and k == "dense")]
     text = ""
     if gate:
         text += (
