@@ -9,17 +9,20 @@
 #
 # In order: once, one committed allocation run trained again (are its losses the committed ones?);
 # the allocation at 100 and at 400 steps; the token axis, whose 100- and 400-step budgets are
-# copied from the two allocation sweeps (--reuse); the slot sweep; then, once each, a sweep's tokens
-# over wall time, one eager run at a time against $PARALLEL compiled runs at once
-# (benchmarks/probes/study_concurrency.sh, 400 steps), and the training step's speed A/B (eager,
-# compiled, queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler
-# caches), all into benchmarks/results/.
+# copied from the two allocation sweeps (--reuse); the slot sweep; then, once each, the compiled
+# step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager, compiled,
+# queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler caches), and
+# a sweep's tokens over wall time, one eager run at a time against $PARALLEL compiled runs at once
+# (benchmarks/probes/study_concurrency.sh, 400 steps), all into benchmarks/results/.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
 export CONDMEM_CACHE_DIR="${CONDMEM_CACHE_DIR:-/tmp/condmem-cache}"
 LIMIT="${LIMIT:-540}"
 PARALLEL="${PARALLEL:-5}"  # runs at once: short compiled runs are bound by compiling, on the CPU
+# the card (h100, h200), in the names of the slot sweep and the probes this call writes
+CARD="${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9][0-9]*' | head -1 | tr H h)}"
+CARD="${CARD:-h100}"
 T0=$(date +%s)
 R=benchmarks/results
 previous_done=1
@@ -58,20 +61,27 @@ fi
 sweep allocation "$R/study_allocation_100steps_h100" --steps 100
 sweep allocation "$R/study_allocation_400steps_h100"
 sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_400steps_h100" "$R/study_allocation_100steps_h100"
-sweep slots "$R/study_slots_h100"
-if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_h100.json" ] && [ "$(left)" -ge 420 ]; then
-  echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"
-  OUT=/tmp/concurrency STEPS=400 K="$PARALLEL" timeout 400 benchmarks/probes/study_concurrency.sh \
-    > "$R/study_concurrency_k${PARALLEL}_h100.log" 2>&1 && cp /tmp/concurrency/summary.json "$R/study_concurrency_k${PARALLEL}_h100.json"
-  tail -n 4 "$R/study_concurrency_k${PARALLEL}_h100.log"
+sweep slots "$R/study_slots_$CARD"
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_kernels_$CARD.json" ] && [ "$(left)" -ge 200 ]; then
+  echo "== the compiled step's kernels: pure MoE against dense" | tee -a "$OUT/study.log"
+  timeout 200 python3 benchmarks/probes/study_step_profile.py --deterministic --models moe dense --options compiled_queued \
+    --steps 10 --profile --out "$OUT/kernels" > "$R/study_step_kernels_$CARD.log" 2>&1
+  cp "$OUT/kernels/study_step_profile.json" "$R/study_step_kernels_$CARD.json" 2>/dev/null
+  tail -n 4 "$R/study_step_kernels_$CARD.log"
 fi
-if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_fresh_h100.json" ] && [ "$(left)" -ge 300 ]; then
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_fresh_$CARD.json" ] && [ "$(left)" -ge 300 ]; then
   echo "== speed A/B" | tee -a "$OUT/study.log"
   timeout 300 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
-    --options eager compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_fresh_h100.log" 2>&1
-  cp "$OUT/ab/study_step_profile.json" "$R/study_step_fresh_h100.json" 2>/dev/null
-  tail -n 14 "$R/study_step_fresh_h100.log"
+    --options eager compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_fresh_$CARD.log" 2>&1
+  cp "$OUT/ab/study_step_profile.json" "$R/study_step_fresh_$CARD.json" 2>/dev/null
+  tail -n 14 "$R/study_step_fresh_$CARD.log"
 fi
-mapfile -t folders < <(ls -d "$R"/study_*_h100 "$R"/study_*_h100.* 2>/dev/null)
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_$CARD.json" ] && [ "$(left)" -ge 420 ]; then
+  echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"
+  OUT=/tmp/concurrency STEPS=400 K="$PARALLEL" timeout 400 benchmarks/probes/study_concurrency.sh \
+    > "$R/study_concurrency_k${PARALLEL}_$CARD.log" 2>&1 && cp /tmp/concurrency/summary.json "$R/study_concurrency_k${PARALLEL}_$CARD.json"
+  tail -n 4 "$R/study_concurrency_k${PARALLEL}_$CARD.log"
+fi
+mapfile -t folders < <(ls -d "$R"/study_*_h100 "$R"/study_*_h100.* "$R"/study_*_"$CARD" "$R"/study_*_"$CARD".* 2>/dev/null)
 tar -czf "$OUT/study.tgz" "${folders[@]}"
 echo "packed: ${folders[*]} -> $OUT/study.tgz ($(( $(date +%s) - T0 )) s)"

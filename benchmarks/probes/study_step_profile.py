@@ -162,7 +162,7 @@ def run(args) -> None:
                     wall, _ = timed(trainer, 3 + args.steps, 3 + args.steps + 3, opts.get("queued", False))
                 kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
                 busy = sum(e.self_device_time_total for e in kernels) / 1e6
-                top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:18]
+                top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]
                 row["gpu_busy_share"] = busy / wall
                 row["kernels_per_step"] = sum(e.count for e in kernels) / 3
                 row["top_kernels_ms_per_step"] = {e.key[:90]: e.self_device_time_total / 3e3 for e in top}
@@ -171,7 +171,7 @@ def run(args) -> None:
                     f"{row['kernels_per_step']:.0f} kernels/step",
                     flush=True,
                 )
-                for k, v in row["top_kernels_ms_per_step"].items():
+                for k, v in list(row["top_kernels_ms_per_step"].items())[:25]:
                     print(f"   {v:7.2f} ms  {k}", flush=True)
             rows[key] = row
             print(
