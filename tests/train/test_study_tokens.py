@@ -328,3 +328,27 @@ def test_the_slot_slope_with_seeds_is_each_seeds_slope_then_over_seeds():
     assert not statistics("slots", [], runs)["claims_slope"]
     with pytest.raises(ValueError, match="seed 0 needs two or more points"):
         slope_over_seeds({0: ([1.0], [2.0])})
+
+
+def test_slot_tables_are_paired_against_no_table_and_the_next_smaller_under_holm():
+    rows = {"none": 0, "t1": 100, "t2": 1000, "t3": 10_000}
+    offset = {0: 0.0, 1: 0.3, 2: -0.2}  # seed effects far larger than the table's: pairing removes them
+    step = {0: 0.001, 1: -0.002, 2: 0.0015}
+    gain = {"none": 0.0, "t1": -0.10, "t2": -0.15, "t3": -0.15}  # falls, then flat from t2 to t3
+    points = [{"key": k, "label": k, "table_rows": r} for k, r in rows.items()]
+    runs = [{"table_rows": r, "val_loss": 3.0 + offset[s] + gain[k] + (step[s] if k != "none" else 0.0),
+             "run_id": f"{k}_seed{s}", "init_seed": s} for k, r in rows.items() for s in offset]  # fmt: skip
+    st = statistics("slots", points, runs)
+    vs_none = st["vs_no_table"]
+    assert list(vs_none) == ["t1", "t2", "t3"] and all(e["claim"] and e["holm"]["holds"] for e in vs_none.values())
+    assert vs_none["t2"]["difference"]["mean"] == pytest.approx(-0.15 + np.mean(list(step.values())))
+    steps = st["vs_smaller"]
+    assert list(steps) == ["t2", "t3"] and steps["t2"]["b"] == "t1"
+    assert steps["t2"]["claim"] and steps["t2"]["difference"]["mean"] == pytest.approx(-0.05)
+    # negative control: where the curve is flat the step is not claimed (the differences are exactly 0)
+    assert not steps["t3"]["claim"] and steps["t3"]["verdict"] != "lower"
+    assert st["multiplicity"]["vs_no_table"]["family"] == "the 3 tables against no table"
+    assert "Holm over the 2 tables against the next smaller" in steps["t2"]["text"]
+    # a sweep without a no-table point has no such family
+    bare = statistics("slots", points[1:], [r for r in runs if r["table_rows"] > 0])
+    assert bare["vs_no_table"] == {} and "vs_no_table" not in bare["multiplicity"]

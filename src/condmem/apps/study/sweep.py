@@ -1023,29 +1023,11 @@ def statistics(kind: str, points: list[dict], runs: list[dict], *, primary: bool
     allocation: each rho < 1 against pure MoE; each rho against each of its controls; pure MoE
     against the dense control; a quadratic in rho over the sweep's own points with its
     bootstrap argmin; with `primary`, the gate (pure MoE below dense) and Holm's correction over
-    the primary comparisons (`PRIMARY_POOLED`), recorded in ``multiplicity``. slots: the slope of
-    loss in log10(rows) with its interval."""
-    by_key = losses_by_seed(points, runs)
+    the primary comparisons (`PRIMARY_POOLED`), recorded in ``multiplicity``. slots:
+    `slots_statistics`; tokens: `token_statistics`."""
     if kind == "slots":
-        with_table = [r for r in runs if r["table_rows"] > 0]
-        fit = linear_slope([math.log10(r["table_rows"]) for r in with_table], [r["val_loss"] for r in with_table])
-        curves = {}
-        for r in with_table:
-            xs, ys = curves.setdefault(r["init_seed"], ([], []))
-            xs.append(math.log10(r["table_rows"]))
-            ys.append(r["val_loss"])
-        per_seed = len(curves) > 1 and all(len(set(xs)) > 1 for xs, _ in curves.values())
-        # Seeds are paired along the curve: with two or more, each seed's slope, then over seeds.
-        slope = slope_over_seeds(curves) if per_seed else fit["slope"]
-        claims = slope.half_width is not None and slope.excludes_zero
-        return {
-            "slope_per_decade": slope.to_dict(),
-            "method": "each seed's slope, then over seeds" if per_seed else ONE_LINE,
-            "intercept": fit["intercept"],
-            "n": fit["n"],
-            "claims_slope": claims,
-            "text": _slope_text(slope, claims),
-        }
+        return slots_statistics(points, runs)
+    by_key = losses_by_seed(points, runs)
     if kind == "tokens":
         return token_statistics(points, runs)
     mains = [p for p in points if p["control"] is None]
@@ -1081,6 +1063,53 @@ def statistics(kind: str, points: list[dict], runs: list[dict], *, primary: bool
                     e["claim"], e["text"] = False, f"{e['text']}; {UNFAIR}"
             if out["optimum"] and out["optimum"]["claims_minimum"]:
                 out["optimum"].update(claims_minimum=False, reason=UNFAIR)
+    return out
+
+
+SLOT_FAMILIES = {
+    "vs_no_table": "tables against no table",
+    "vs_smaller": "tables against the next smaller",
+}
+"""The slot sweep's secondary comparisons, each family under Holm's correction: what a table of each
+size gains over the backbone alone, and where along the rows the curve stops falling."""
+
+
+def slots_statistics(points: list[dict], runs: list[dict]) -> dict:
+    """The slot sweep's primary test, the slope of loss in log10(rows): with two seeds or more, each
+    seed's slope, then over seeds (a seed's runs share initialisation and data order at every size),
+    else one line through every run. Secondary (`SLOT_FAMILIES`, from `points`): each table against
+    no table and against the next smaller table, paired by seed; Holm's correction within each family
+    is recorded in ``multiplicity``."""
+    with_table = [r for r in runs if r["table_rows"] > 0]
+    fit = linear_slope([math.log10(r["table_rows"]) for r in with_table], [r["val_loss"] for r in with_table])
+    curves = {}
+    for r in with_table:
+        xs, ys = curves.setdefault(r["init_seed"], ([], []))
+        xs.append(math.log10(r["table_rows"]))
+        ys.append(r["val_loss"])
+    per_seed = len(curves) > 1 and all(len(set(xs)) > 1 for xs, _ in curves.values())
+    slope = slope_over_seeds(curves) if per_seed else fit["slope"]
+    claims = slope.half_width is not None and slope.excludes_zero
+    out = {
+        "slope_per_decade": slope.to_dict(),
+        "method": "each seed's slope, then over seeds" if per_seed else ONE_LINE,
+        "intercept": fit["intercept"],
+        "n": fit["n"],
+        "claims_slope": claims,
+        "text": _slope_text(slope, claims),
+    }
+    by_key = losses_by_seed(points, runs)
+    tables = sorted((p for p in points if p["table_rows"] > 0), key=lambda p: p["table_rows"])
+    none = next((p for p in points if p["table_rows"] == 0), None)
+
+    def pair(a: dict, b: dict) -> dict:
+        return compare(a["label"], b["label"], paired_difference(by_key[a["key"]], by_key[b["key"]]))
+
+    out["vs_no_table"] = {p["label"]: pair(p, none) for p in tables} if none else {}
+    out["vs_smaller"] = {p["label"]: pair(p, q) for q, p in zip(tables, tables[1:])}
+    out["multiplicity"] = {
+        key: correct_family(out[key], f"the {len(out[key])} {name}") for key, name in SLOT_FAMILIES.items() if out[key]
+    }
     return out
 
 
@@ -1482,6 +1511,11 @@ def _report_body(kind: str, s: dict) -> str:
             f"Engram {f['no_engram_val_loss']:.4f}. Paper: roughly linear in log(rows) from 2.58e5 to 1e7 rows."
             + (f" Note: {cap}." if cap else "")
             + _touched_text(s)
+            + "".join(
+                f"\n{name.capitalize()}:" + "".join(f"\n  * {e['text']}" for e in st[key].values())
+                for key, name in SLOT_FAMILIES.items()
+                if st.get(key)
+            )
         )
     se = "" if f["slope_stderr"] is None else f" +- {f['slope_stderr']:.4f}"
     sign = "falls" if f["slope_per_decade"] < 0 else "does not fall"
@@ -1644,8 +1678,9 @@ def _plot_paired(ax, rows: list[tuple[str, dict, bool]]) -> None:
 
 def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | None:
     """allocation: val loss vs rho (every seed, the mean line, pure MoE marked) and, where the study
-    has statistics, a forest plot of its paired differences; slots: val loss vs rows (log axis)
-    with the fitted line and the no-Engram level. Written inside `within` when given."""
+    has statistics, a forest plot of its paired differences; slots: val loss vs rows (log axis),
+    each seed's curve (the slope's interval pairs by seed), each size's mean, the fitted line with
+    its interval, and the no-Engram level. Written inside `within` when given."""
     plt = pyplot()
     if plt is None:
         return None
@@ -1656,7 +1691,7 @@ def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | 
         fig, (ax, px) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.25, 1]})
         _plot_paired(px, paired)
     else:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(7, 4.5 if summary["study"] == "allocation" else 5.2))
     runs, points, f = summary["runs"], summary["points"], summary["finding"]
     if summary["study"] == "allocation":
         mains = [r for r in runs if r.get("control") is None]
@@ -1680,7 +1715,13 @@ def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | 
         ax.set_xlabel("rho: share of the sparse parameters in routed experts (rest: Engram table)")
     else:
         with_table = [r for r in runs if r["table_rows"] > 0]
-        ax.scatter([r["table_rows"] for r in with_table], [r["val_loss"] for r in with_table], s=18, label="each run")
+        for i, seed in enumerate(sorted({r["init_seed"] for r in with_table})):  # the seeds pair along the curve
+            mine = sorted((r for r in with_table if r["init_seed"] == seed), key=lambda r: r["table_rows"])
+            ax.plot([r["table_rows"] for r in mine], [r["val_loss"] for r in mine], ".-", lw=0.8, alpha=0.5,
+                    color="tab:blue", label="each seed" if i == 0 else None)  # fmt: skip
+        sizes = sorted((p for p in points if p["table_rows"] > 0), key=lambda p: p["table_rows"])
+        ax.plot([p["table_rows"] for p in sizes], [p["val_loss"]["mean"] for p in sizes], "s", color="black",
+                label="mean over seeds")  # fmt: skip
         xs = np.logspace(
             math.log10(min(r["table_rows"] for r in with_table)),
             math.log10(max(r["table_rows"] for r in with_table)),
@@ -1701,7 +1742,9 @@ def plot_study(summary: dict, path: Path, within: Path | None = None) -> Path | 
         fontsize=9,
     )
     ax.grid(alpha=0.3)
-    # slots: loss falls to the right, so the lower left is free
-    ax.legend(fontsize=8, loc="best" if summary["study"] == "allocation" else "lower left")
+    if summary["study"] == "allocation":
+        ax.legend(fontsize=8, loc="best")
+    else:  # below the axes: the no-Engram level runs across the top
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     return save_figure(fig, path, within=within)
