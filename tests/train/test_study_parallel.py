@@ -1,20 +1,39 @@
-"""`condmem study --parallel K`: the runs dealt to K processes on one device give the same run files
-(losses equal, deterministic mode) and the same study.json as one process; a bad K is refused."""
+"""`condmem study --parallel K`: K processes on one device taking runs from one queue give the same run
+files (losses equal, deterministic mode) and the same study.json as one process; a run claimed by one
+process is trained by no other; a bad K is refused."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import pytest
 
-from condmem.apps.study.parallel import deal, run_parallel
+from condmem.apps.study.parallel import run_parallel
+from condmem.apps.study.runs import claim_run
+from condmem.apps.study.sweep import run_study
 from condmem.cli import main
 
 
-def test_deal_spreads_runs_round_robin_and_drops_empty_shares():
-    assert deal(list("abcde"), 2) == [["a", "c", "e"], ["b", "d"]]
-    assert deal(["a"], 3) == [["a"]]
-    assert deal([], 3) == []
+def test_a_run_is_claimed_once_across_processes(tmp_path):
+    assert claim_run(tmp_path, "rho1_seed0") and not claim_run(tmp_path, "rho1_seed0")
+    assert claim_run(tmp_path, "rho1_seed1")  # another run is still free
+    with concurrent.futures.ProcessPoolExecutor(4) as pool:  # a race between processes: one winner
+        won = list(pool.map(claim_run, [tmp_path] * 8, ["rho0.5_seed0"] * 8))
+    assert won.count(True) == 1
+
+
+def test_a_worker_skips_the_runs_another_has_claimed(tmp_path):
+    out, claims = tmp_path / "sweep", tmp_path / "claims"
+    claims.mkdir()
+    common = {"preset": "tiny", "seeds": 1, "progress": False, "only": ["control=none"]}
+    plan = run_study("allocation", out, stage="plan", **common)
+    taken = plan["selected_left"][0]
+    assert claim_run(claims, taken)  # as if another worker were training it
+    run_study("allocation", out, stage="train", claims=claims, **common)
+    trained = set(_results(out))
+    assert trained == {f"{r}.json" for r in plan["selected_left"][1:]}
+    assert sorted(p.name for p in claims.iterdir()) == sorted(plan["selected_left"])
 
 
 def _results(out):

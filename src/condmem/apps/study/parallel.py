@@ -1,28 +1,26 @@
 """Several runs of one sweep at once on one device: `run_parallel` prepares the data and writes the
-plan once, deals the selected runs that are not finished yet to K worker processes (round robin, in
+plan once, starts K worker processes that take the selected runs not finished yet from one queue (in
 plan order), shows the sweep's progress while they train, and merges once every run exists.
 
 A small model leaves a large GPU idle between its kernels, so K processes fill those gaps (the
-measured gain is in docs/benchmarks.md). Each worker is `run_study` with ``--only run=ID`` for its
-share and ``stage="train"``, its output in ``OUT/logs/worker-K.log``; results are the same run files
-a single process writes (deterministic mode gives the same losses alone and side by side)."""
+measured gain is in docs/benchmarks.md). Each worker is `run_study` with ``stage="train"`` over every
+run left, its output in ``OUT/logs/worker-K.log``; a run is trained by the worker that claims it
+first (`claim_run`, in a folder of this command's), so a worker that is free takes the next run,
+runs of unequal cost balance themselves, and a worker that fails (out of memory beside the others)
+loses only the run it was training while the rest of the queue goes on. Results are the same run
+files a single process writes (deterministic mode gives the same losses alone and side by side)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 from condmem.apps.study.runs import RunStore, SweepProgress
 from condmem.apps.study.sweep import finish, run_study
-
-
-def deal(run_ids: list[str], workers: int) -> list[list[str]]:
-    """`run_ids` dealt round robin to at most `workers` non-empty shares (neighbours in plan order, often
-    of one cost, land on different workers)."""
-    shares = [run_ids[i::workers] for i in range(workers)]
-    return [s for s in shares if s]
 
 
 def worker_options(options: dict, plan_seconds: float) -> dict:
@@ -33,14 +31,30 @@ def worker_options(options: dict, plan_seconds: float) -> dict:
     return {**options, "stop_after": max(0.0, options["stop_after"] - plan_seconds / 60)}
 
 
-def _worker(kind: str, out: str, run_ids: list[str], log_path: str, options: dict) -> None:
+def _worker(kind: str, out: str, run_ids: list[str], claims: str, log_path: str, options: dict) -> None:
     """One worker process: its output to its log file (file descriptors, so compilers' and kernels'
-    messages land there too), then `run_study` on its share."""
+    messages land there too), then `run_study` over the queue of `run_ids`, claimed in `claims`."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    run_study(kind, out, only=[f"run={r}" for r in run_ids], stage="train", progress=False, **options)
+    run_study(kind, out, only=[f"run={r}" for r in run_ids], stage="train", progress=False, claims=claims, **options)
+
+
+def _follow(procs: list, todo: list[str], store: RunStore, bar: SweepProgress, poll_seconds: float) -> None:
+    """Tick `bar` as the runs of `todo` appear in `store`, until every worker has exited."""
+    seen, last = set(), time.perf_counter()
+    while True:
+        alive = any(p.is_alive() for p, _ in procs)
+        for run_id in todo:
+            if run_id not in seen and store.path(run_id).exists():
+                seen.add(run_id)
+                now = time.perf_counter()
+                bar.finished(now - last)
+                last = now
+        if not alive:
+            return
+        time.sleep(poll_seconds)
 
 
 def run_parallel(
@@ -58,7 +72,7 @@ def run_parallel(
     Args:
         workers: processes training at once (>= 2; 1 is `run_study` itself).
         only, options: as `run_study`'s (``device``, ``stop_after``, ``overwrite``, ``preset``, ...);
-            every worker gets the same options, and its share of the runs as ``--only run=ID``.
+            every worker gets the same options and the same queue of runs.
 
     Returns study.json's dict when every run exists, else ``{"complete": False, "runs_left": [...]}``.
     Raises `RuntimeError` naming the workers that failed and their logs (the others' runs are kept).
@@ -70,41 +84,30 @@ def run_parallel(
     options = worker_options(options, time.perf_counter() - started)
     out = Path(plan["out"])
     todo = plan["selected_left"]
-    shares = deal(todo, workers)
+    count = min(workers, len(todo))
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    print(
-        f"[sweep] {len(todo)} runs to train in {len(shares)} processes at once (logs: {logs}/worker-K.log)",
-        flush=True,
-    )
+    print(f"[sweep] {len(todo)} runs to train in {count} processes at once (logs: {logs}/worker-K.log)", flush=True)
+    claims = tempfile.mkdtemp(prefix="condmem-claims-")  # outside OUT: a killed command's claims bind no other
     # spawn, not fork: the parent may hold CUDA and torch's thread pools, which a forked child cannot use
     ctx = multiprocessing.get_context("spawn")
     procs = []
-    for i, share in enumerate(shares):
-        log = logs / f"worker-{i}.log"
-        proc = ctx.Process(target=_worker, args=(kind, str(out), share, str(log), options), name=f"study-worker-{i}")
-        proc.start()
-        procs.append((proc, log))
     store = RunStore(out)
     planned = plan["planned"]
     bar = SweepProgress(len(planned), sum(1 for r in planned if store.path(r).exists()), progress)
-    seen, last = set(), time.perf_counter()
     try:
-        while True:
-            alive = any(p.is_alive() for p, _ in procs)
-            for run_id in todo:
-                if run_id not in seen and store.path(run_id).exists():
-                    seen.add(run_id)
-                    now = time.perf_counter()
-                    bar.finished(now - last)
-                    last = now
-            if not alive:
-                break
-            time.sleep(poll_seconds)
+        for i in range(count):
+            log = logs / f"worker-{i}.log"
+            args = (kind, str(out), todo, claims, str(log), options)
+            proc = ctx.Process(target=_worker, args=args, name=f"study-worker-{i}")
+            proc.start()
+            procs.append((proc, log))
+        _follow(procs, todo, store, bar, poll_seconds)
     finally:
         for proc, _ in procs:
             proc.join()
         bar.close()
+        shutil.rmtree(claims, ignore_errors=True)
     failed = [(p.name, p.exitcode, log) for p, log in procs if p.exitcode != 0]
     if failed:
         names = ", ".join(f"{name} (exit code {code}, log {log})" for name, code, log in failed)

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,6 +295,18 @@ class RunStore:
         path = self.path(record["run_id"])
         atomic_write_text(path, json.dumps(record, indent=1) + "\n", within=self.out)
         return path
+
+
+def claim_run(claims: Path, run_id: str) -> bool:
+    """Take `run_id` for this process among the processes sharing the folder `claims`: True for the
+    first to ask, False for every other (an exclusive create, atomic on a local file system)."""
+    try:
+        fd = os.open(Path(claims) / run_id, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.close(fd)
+    return True
 
 
 # ----------------------------------------------------------------------------- training one run

@@ -80,6 +80,7 @@ from condmem.apps.study.runs import (
     ReusableRuns,
     RunStore,
     SweepProgress,
+    claim_run,
     data_identity,
     differences,
     distinct_ngrams,
@@ -436,6 +437,7 @@ def run_study(
     progress: bool = True,
     stage: str = "all",
     reuse: list[str | Path] | None = None,
+    claims: str | Path | None = None,
     **options,
 ) -> dict:
     """Run (or continue) one sweep in `out`; returns study.json's dict when every run exists, else a
@@ -457,6 +459,9 @@ def run_study(
             the plan and return the selected runs not yet trained as ``selected_left`` and every run id
             of the plan as ``planned``; train nothing) or
             ``train`` (train the selected runs, never merge: one of several processes sharing `out`).
+        claims: with ``stage="train"``, a folder shared with the other processes training the same
+            runs: each run is trained by the first process to claim it (`claim_run`), so the runs
+            form one queue and a process that fails loses only the run it was training.
     """
     if stage not in ("all", "plan", "train"):
         raise ValueError(f"run_study: stage must be 'all', 'plan' or 'train', got {stage!r}")
@@ -480,7 +485,7 @@ def run_study(
         torch.set_num_threads(sc.cpu_threads)
     try:
         with deterministic_mode(sc.deterministic):
-            call = _Call(kind, sc, out, dev, only, overwrite, stop_after, wall, progress, reuse)
+            call = _Call(kind, sc, out, dev, only, overwrite, stop_after, wall, progress, reuse, claims)
             return _sweep(call, previous, cublas, stage)
     finally:
         torch.set_num_threads(threads)
@@ -500,6 +505,7 @@ class _Call:
     wall: float
     progress: bool
     reuse: list | None
+    claims: str | Path | None = None
 
 
 @dataclass
@@ -697,8 +703,11 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
                 "starts whatever it takes; the limit applies from the next one",
                 flush=True,
             )
+    claims = None if call.claims is None else Path(call.claims)
     try:
         for spec, run_tc, wanted in todo:
+            if claims is not None and (claims / spec.run_id).exists():
+                continue  # another process of this command has it
             mean = bar.mean_run_seconds()
             if mean is not None:
                 # a run of more steps than the mean so far (the token sweep's larger budgets) takes longer
@@ -707,14 +716,18 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
                 mean = prior * run_tc.steps * STORED_RUN_MARGIN
             if stop_after is not None and mean is not None:
                 if time.perf_counter() - call.wall + mean > stop_after * 60:
+                    taken = sum((claims / s.run_id).exists() for s, _, _ in todo) if claims else bar.trained
+                    left = len(todo) - taken
                     print(
                         banner(
                             f"--stop-after {stop_after:g}: the next run would end after the limit; "
-                            f"{len(todo) - bar.trained} selected runs not started (re-run to continue)"
+                            f"{left} selected runs not started here (re-run to continue)"
                         ),
                         flush=True,
                     )
                     break
+            if claims is not None and not claim_run(claims, spec.run_id):
+                continue
             t0 = time.perf_counter()
             record = train_run(
                 spec,
