@@ -8,7 +8,9 @@ import concurrent.futures
 import json
 
 import pytest
+import torch
 
+from condmem.apps.study import sweep
 from condmem.apps.study.parallel import run_parallel
 from condmem.apps.study.runs import claim_run
 from condmem.apps.study.sweep import run_study
@@ -34,6 +36,44 @@ def test_a_worker_skips_the_runs_another_has_claimed(tmp_path):
     trained = set(_results(out))
     assert trained == {f"{r}.json" for r in plan["selected_left"][1:]}
     assert sorted(p.name for p in claims.iterdir()) == sorted(plan["selected_left"])
+
+
+def test_a_run_given_back_out_of_memory_is_taken_by_a_worker_still_running(tmp_path, monkeypatch):
+    out, claims = tmp_path / "sweep", tmp_path / "claims"
+    claims.mkdir()
+    common = {"preset": "tiny", "seeds": 1, "progress": False, "only": ["control=none"]}
+    runs = run_study("allocation", out, stage="plan", **common)["selected_left"]
+    first = runs[0]
+    real = sweep.train_run
+
+    def out_of_memory_on(run_id):
+        def train(spec, *args, **kwargs):
+            if spec.run_id == run_id:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real(spec, *args, **kwargs)
+
+        return train
+
+    # a worker out of memory on the first run gives it back and stops
+    monkeypatch.setattr(sweep, "train_run", out_of_memory_on(first))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        run_study("allocation", out, stage="train", claims=claims, **common)
+    assert not (claims / first).exists() and not _results(out)
+    # another worker took the first run meanwhile and runs out of memory on it too, after this worker
+    # has moved past it: this worker comes back for it
+    assert claim_run(claims, first)
+    taken = []
+
+    def train_then_released(spec, *args, **kwargs):
+        taken.append(spec.run_id)
+        if len(taken) == 1:
+            (claims / first).unlink()
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "train_run", train_then_released)
+    run_study("allocation", out, stage="train", claims=claims, **common)
+    assert taken[:2] == [runs[1], first] and sorted(taken) == sorted(runs)
+    assert set(_results(out)) == {f"{r}.json" for r in runs}
 
 
 def _results(out):

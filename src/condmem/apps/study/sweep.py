@@ -705,9 +705,7 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
             )
     claims = None if call.claims is None else Path(call.claims)
     try:
-        for spec, run_tc, wanted in todo:
-            if claims is not None and (claims / spec.run_id).exists():
-                continue  # another process of this command has it
+        for spec, run_tc, wanted in _queue(todo, claims, store):
             mean = bar.mean_run_seconds()
             if mean is not None:
                 # a run of more steps than the mean so far (the token sweep's larger budgets) takes longer
@@ -729,15 +727,16 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
             if claims is not None and not claim_run(claims, spec.run_id):
                 continue
             t0 = time.perf_counter()
-            record = train_run(
-                spec,
-                planned.data,
-                dev,
-                run_tc,
-                seen=planned.seen,
-                val_tokens=call.sc.val_tokens,
-                progress=call.progress,
-            )
+            try:
+                record = train_run(
+                    spec, planned.data, dev, run_tc, seen=planned.seen, val_tokens=call.sc.val_tokens,
+                    progress=call.progress,
+                )  # fmt: skip
+            except torch.cuda.OutOfMemoryError:
+                if claims is not None:  # give it back: a worker with one process fewer beside it takes it
+                    (claims / spec.run_id).unlink(missing_ok=True)
+                    print(f"[sweep] {spec.run_id}: out of memory; given back to the other workers", flush=True)
+                raise
             record["run_config"] = wanted
             store.write(record)
             bar.finished(time.perf_counter() - t0)
@@ -746,6 +745,21 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
                 torch.cuda.empty_cache()
     finally:
         bar.close()
+
+
+def _queue(todo: list, claims: Path | None, store: RunStore):
+    """The runs of `todo` (``(spec, ...)`` tuples) in order; with `claims` (one worker of
+    `run_parallel`), the first that no process has claimed and none has finished, looked up again
+    after each run until none is left, so a run another worker gave back is taken here."""
+    if claims is None:
+        yield from todo
+        return
+    while True:
+        free = (t for t in todo if not (claims / t[0].run_id).exists() and not store.path(t[0].run_id).exists())
+        nxt = next(free, None)
+        if nxt is None:
+            return
+        yield nxt
 
 
 STORED_RUN_MARGIN = 1.25
