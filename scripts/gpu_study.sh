@@ -82,6 +82,6 @@ if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_$CARD
     > "$R/study_concurrency_k${PARALLEL}_$CARD.log" 2>&1 && cp /tmp/concurrency/summary.json "$R/study_concurrency_k${PARALLEL}_$CARD.json"
   tail -n 4 "$R/study_concurrency_k${PARALLEL}_$CARD.log"
 fi
-mapfile -t folders < <(ls -d "$R"/study_*_h100 "$R"/study_*_h100.* "$R"/study_*_"$CARD" "$R"/study_*_"$CARD".* 2>/dev/null)
+mapfile -t folders < <(ls -d "$R"/study_*_h100 "$R"/study_*_h100.* "$R"/study_*_"$CARD" "$R"/study_*_"$CARD".* 2>/dev/null | sort -u)
 tar -czf "$OUT/study.tgz" "${folders[@]}"
 echo "packed: ${folders[*]} -> $OUT/study.tgz ($(( $(date +%s) - T0 )) s)"

@@ -1054,9 +1054,9 @@ def statistics(kind: str, points: list[dict], runs: list[dict], *, primary: bool
     `slots_statistics`; tokens: `token_statistics`."""
     if kind == "slots":
         return slots_statistics(points, runs)
-    by_key = losses_by_seed(points, runs)
     if kind == "tokens":
         return token_statistics(points, runs)
+    by_key = losses_by_seed(points, runs)
     mains = [p for p in points if p["control"] is None]
     ref = next(p for p in mains if p["rho"] == 1.0)
     out = {"vs_pure_moe": {}, "controls": {}, "dense": None, "optimum": None}
