@@ -9,6 +9,7 @@ import json
 import pytest
 
 from condmem.apps.study.provenance import provenance, provenance_text, throughput, throughput_text
+from condmem.apps.study.sweep import format_study_table
 from condmem.cli import main
 
 
@@ -76,3 +77,14 @@ def test_a_resumed_sweep_says_when_its_finished_runs_come_from_other_code(tiny_c
     t = study["throughput"]  # every run trained here, one at a time: never more than one at once
     assert t["runs"] == len(study["runs"]) and t["tokens_per_s"] > 0 and t["runs_at_once"] <= 1.0 + 1e-9
     assert "Throughput:" in study["report"]
+    assert "tok/s: each run's training rate while other runs" not in study["table"]  # one at a time: no caveat
+
+
+def test_the_table_says_what_tok_s_means_when_runs_shared_the_device():
+    point = {"label": "rho 1", "n_experts": 4, "table_rows": 0, "params": {"total": 10, "active": 5},
+             "flops_per_token": 1e6, "val_loss": {"mean": 3.0, "std": None}, "bits_per_byte": {"mean": 1.0},
+             "val_loss_seen": 2.0, "val_loss_unseen": 4.0, "tokens_per_s": {"mean": 1000.0}}  # fmt: skip
+    alone = format_study_table("allocation", [point])
+    shared = format_study_table("allocation", [point], shared=True)
+    assert shared.startswith(alone) and "other runs may have shared its device" in shared.splitlines()[-1]
+    assert "shared" not in alone

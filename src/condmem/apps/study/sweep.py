@@ -1007,7 +1007,8 @@ def summarize(sweep: dict, runs: list[dict]) -> dict:
         "provenance": provenance(runs),
         "throughput": throughput(runs),
     }
-    summary["table"] = format_study_table(kind, per_point)
+    together = summary["throughput"] is None or summary["throughput"]["runs_at_once"] > SHARED_AT_ONCE
+    summary["table"] = format_study_table(kind, per_point, shared=together)
     summary["report"] = report_text(kind, summary)
     return summary
 
@@ -1459,7 +1460,13 @@ def scale_gap(kind: str, run: dict) -> dict:
     return out
 
 
-def format_study_table(kind: str, points: list[dict]) -> str:
+SHARED_AT_ONCE = 1.05
+"""Runs at once on average (`throughput`) above which a sweep's runs are taken to have shared the device."""
+
+
+def format_study_table(kind: str, points: list[dict], *, shared: bool = False) -> str:
+    """The points as a text table; `shared` (runs trained at once, or a sweep that cannot tell) adds
+    a line on what tok/s then means."""
     head = [
         "point",
         "experts",
@@ -1494,6 +1501,11 @@ def format_study_table(kind: str, points: list[dict]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    if shared:
+        lines.append(
+            "tok/s: each run's training rate while other runs may have shared its device (--parallel): "
+            "it says how many ran beside it as much as what the point costs"
+        )
     return "\n".join(lines)
 
 
