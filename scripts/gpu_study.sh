@@ -20,7 +20,7 @@ source "$(dirname "$0")/_device_env.sh"
 export CONDMEM_CACHE_DIR="${CONDMEM_CACHE_DIR:-/tmp/condmem-cache}"
 LIMIT="${LIMIT:-540}"
 PARALLEL="${PARALLEL:-5}"  # runs at once: short compiled runs are bound by compiling, on the CPU
-# the card (h100, h200), in the names of the slot sweep and the probes this call writes
+# the card (h100, h200), in the names of the probes this call writes (the sweeps keep the folders they began in)
 CARD="${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9][0-9]*' | head -1 | tr H h)}"
 CARD="${CARD:-h100}"
 T0=$(date +%s)
@@ -61,7 +61,7 @@ fi
 sweep allocation "$R/study_allocation_100steps_h100" --steps 100
 sweep allocation "$R/study_allocation_400steps_h100"
 sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_400steps_h100" "$R/study_allocation_100steps_h100"
-sweep slots "$R/study_slots_$CARD"
+sweep slots "$R/study_slots_h100"
 if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_kernels_$CARD.json" ] && [ "$(left)" -ge 200 ]; then
   echo "== the compiled step's kernels: pure MoE against dense" | tee -a "$OUT/study.log"
   timeout 200 python3 benchmarks/probes/study_step_profile.py --deterministic --models moe dense --options compiled_queued \

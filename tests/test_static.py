@@ -2,13 +2,15 @@
 (pyproject.toml: pyflakes' undefined names, unused imports and variables, pycodestyle's errors,
 lines up to 120 characters), no function in `src/` over 100 lines, every `from condmem...
 import name` resolving (also those inside functions that run only on a GPU), no package of
-condmem importing a package that imports it back, and no module importing one that imports it
-back, however far round and wherever the import stands (inside a function too)."""
+condmem importing a package that imports it back, no module importing one that imports it
+back, however far round and wherever the import stands (inside a function too), and every
+script with a ``#!`` line executable (scripts call each other directly)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -254,3 +256,14 @@ def test_only_triton_modules_need_triton():
     )
     assert done.returncode == 0, done.stderr
     assert not done.stdout.strip(), "modules that need Triton but are not kernel files:\n" + done.stdout
+
+
+def test_every_script_with_a_shebang_is_executable():
+    scripts = [
+        path
+        for folder in ("scripts", "benchmarks", ".ci")
+        for path in (ROOT / folder).rglob("*")
+        if path.is_file() and path.suffix in ("", ".sh", ".py") and path.read_bytes()[:2] == b"#!"
+    ]
+    assert scripts
+    assert [str(p.relative_to(ROOT)) for p in scripts if not os.access(p, os.X_OK)] == []
