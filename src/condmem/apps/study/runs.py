@@ -301,11 +301,9 @@ def claim_run(claims: Path, run_id: str) -> bool:
     """Take `run_id` for this process among the processes sharing the folder `claims`: True for the
     first to ask, False for every other (an exclusive create, atomic on a local file system)."""
     try:
-        fd = os.open(Path(claims) / run_id, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.close(os.open(Path(claims) / run_id, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
         return False
-    os.write(fd, f"{os.getpid()}\n".encode())
-    os.close(fd)
     return True
 
 

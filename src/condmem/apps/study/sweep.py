@@ -714,12 +714,11 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
                 mean = prior * run_tc.steps * STORED_RUN_MARGIN
             if stop_after is not None and mean is not None:
                 if time.perf_counter() - call.wall + mean > stop_after * 60:
-                    taken = sum((claims / s.run_id).exists() for s, _, _ in todo) if claims else bar.trained
-                    left = len(todo) - taken
                     print(
                         banner(
                             f"--stop-after {stop_after:g}: the next run would end after the limit; "
-                            f"{left} selected runs not started here (re-run to continue)"
+                            f"{len(_free_runs(todo, claims, store))} selected runs not started here "
+                            "(re-run to continue)"
                         ),
                         flush=True,
                     )
@@ -747,19 +746,24 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
         bar.close()
 
 
+def _free_runs(todo: list, claims: Path | None, store: RunStore) -> list:
+    """The runs of `todo` (``(spec, ...)`` tuples) that no process has finished, nor claimed (with `claims`)."""
+
+    def free(run_id: str) -> bool:
+        return not store.path(run_id).exists() and not (claims is not None and (claims / run_id).exists())
+
+    return [t for t in todo if free(t[0].run_id)]
+
+
 def _queue(todo: list, claims: Path | None, store: RunStore):
-    """The runs of `todo` (``(spec, ...)`` tuples) in order; with `claims` (one worker of
-    `run_parallel`), the first that no process has claimed and none has finished, looked up again
-    after each run until none is left, so a run another worker gave back is taken here."""
+    """The runs of `todo` in order; with `claims` (one worker of `run_parallel`), the first of the
+    `_free_runs`, looked up again after each run until none is left, so a run another worker gave
+    back is taken here."""
     if claims is None:
         yield from todo
         return
-    while True:
-        free = (t for t in todo if not (claims / t[0].run_id).exists() and not store.path(t[0].run_id).exists())
-        nxt = next(free, None)
-        if nxt is None:
-            return
-        yield nxt
+    while free := _free_runs(todo, claims, store):
+        yield free[0]
 
 
 STORED_RUN_MARGIN = 1.25
