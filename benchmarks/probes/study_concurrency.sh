@@ -13,10 +13,10 @@ VAL="${VAL:-262144}" MODES="${MODES:-eager compiled}"
 export CONDMEM_CACHE_DIR="${CONDMEM_CACHE_DIR:-/tmp/condmem-cache}" PYTHONPATH="${PYTHONPATH:-src}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 preset="$(python3 -c "import condmem, pathlib; print(pathlib.Path(condmem.__file__).parent / 'configs/study/$PRESET.toml')")"
-for mode in eager compiled; do  # the preset's own compile line (if any) replaced by the mode's
-  flag=$([ "$mode" = compiled ] && echo true || echo false)
-  sed -e '/^compile *=/d' -e "s/^\[train\]\$/[train]\ncompile = $flag/" "$preset" > "$OUT/$mode.toml"
-done
+# the preset's own compile line (if any) replaced by the mode's; eager also drops the CUDA graphs
+# (which replay compiled blocks), compiled keeps the preset's choice
+sed -e '/^compile *=/d' -e '/^cuda_graphs *=/d' -e "s/^\[train\]\$/[train]\ncompile = false/" "$preset" > "$OUT/eager.toml"
+sed -e '/^compile *=/d' -e "s/^\[train\]\$/[train]\ncompile = true/" "$preset" > "$OUT/compiled.toml"
 
 study() {  # config out-dir only-filter steps
   python3 -m condmem study allocation --config "$1" --out "$2" --only "$3" --steps "$4" --seeds "$K" \

@@ -56,20 +56,16 @@ OPTIONS = {
     "compiled": {"compile": True},
     "compiled_loss": {"compile": True, "compile_loss": True},
     "compiled_queued": {"compile": True, "queued": True},
-    "compiled_graphs": {"compile": True, "queued": True, "cudagraphs": True},
+    "compiled_graphs": {"compile": True, "queued": True, "cuda_graphs": True},
 }
 """eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
 trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy);
 queued: the steps queued by `Trainer.queue_step` and their losses read once at the end (the study's
-loop reads them at its log lines), instead of `train_step`'s read after every step; cudagraphs: the
-compiled blocks also replayed as CUDA graphs (Inductor's ``triton.cudagraphs``, what
-``mode="reduce-overhead"`` sets), a graph a block where nothing breaks it."""
+loop reads them at its log lines), instead of `train_step`'s read after every step; cuda_graphs:
+`TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs."""
 
 
 def build(name, cfg, device, tc, steps, opts):
-    import torch._inductor.config as inductor_config
-
-    inductor_config.triton.cudagraphs = bool(opts.get("cudagraphs"))
     rng = np.random.default_rng(0)
     train = TokenStream(rng.integers(2, VOCAB, size=tc.batch_size * tc.seq_len * (steps + 8) + 1).astype(np.int32), 0)
     val = TokenStream(rng.integers(2, VOCAB, size=4 * tc.seq_len + 1).astype(np.int32), 0)
@@ -77,7 +73,13 @@ def build(name, cfg, device, tc, steps, opts):
     if opts.get("compile_loss"):
         model.loss = torch.compile(model.loss)
     run = dataclasses.replace(
-        tc, steps=steps, warmup_steps=2, log_every=10**6, eval_tokens=tc.seq_len, compile=bool(opts.get("compile"))
+        tc,
+        steps=steps,
+        warmup_steps=2,
+        log_every=10**6,
+        eval_tokens=tc.seq_len,
+        compile=bool(opts.get("compile")),
+        cuda_graphs=bool(opts.get("cuda_graphs")),
     )
     trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
     if opts.get("foreach"):

@@ -155,3 +155,44 @@ def test_a_compiled_run_is_the_same_whatever_its_process_compiled_before(device,
     monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
     _train_compiled(4, device)
     assert _train_compiled(5, device)[1] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_compiled_blocks_with_the_same_losses_bit_for_bit():
+    # queued steps (the study's loop), a validation between them (the graphs of a no-grad forward) and
+    # the router's statistics and bias (buffers the graphs update in place)
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    cfg = ModelConfig(
+        vocab_size=512,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=64,
+        max_seq_len=64,
+        moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=32),
+    )
+    rng = np.random.default_rng(0)
+    train = TokenStream(np.tile(rng.integers(0, 512, size=65), 100)[: 8 * 64 * 12 + 1].astype(np.int32), 0)
+    val = TokenStream(rng.integers(0, 512, size=4 * 64 + 1).astype(np.int32), 0)
+    tc = TrainConfig(steps=8, batch_size=8, seq_len=64, warmup_steps=2, eval_tokens=128, log_every=100, compile=True)
+    runs = {}
+    for graphs in (False, True):
+        counters.clear()
+        model = DecoderLM(cfg, seed=0, device="cuda")
+        trainer = Trainer(
+            model, dataclasses.replace(tc, cuda_graphs=graphs), train, val, np.ones(512), "cuda", progress=False
+        )
+        queued = [(s, trainer.queue_step(s)[0]) for s in range(4)]
+        val_loss = trainer.evaluate()["val_loss"]
+        queued += [(s, trainer.queue_step(s)[0]) for s in range(4, 8)]
+        stats = [block.moe.stats.summary() for block in model.blocks if getattr(block, "moe", None) is not None]
+        bias = [block.moe.expert_bias.clone() for block in model.blocks if getattr(block, "moe", None) is not None]
+        runs[graphs] = (trainer.read_losses(queued), val_loss, stats, bias)
+        assert counters["inductor"]["cudagraph_skips"] == 0
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        assert (manager is not None and any(manager.roots.values())) == graphs  # graphs recorded only when asked
+    assert runs[True][:3] == runs[False][:3] and len(runs[True][2]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][3], runs[False][3]))

@@ -44,6 +44,7 @@ def test_the_shipped_example_names_every_key_and_is_the_cpu_preset():
         ({"iso_flop": True}, "iso_flop widens the baseline: it needs no_engram"),
         ({"no_engram": "yes"}, "no_engram must be true or false"),
         ({"host_threads": 0}, "host_threads must be >= 1"),
+        ({"train": {"cuda_graphs": True}}, "cuda_graphs replays compiled blocks: it needs compile = true"),
     ],
 )
 def test_a_bad_key_is_refused_naming_it_and_the_file(tmp_path, data, message):

@@ -103,6 +103,12 @@ class TrainConfig:
     shape). Same arithmetic up to rounding: losses match eager to bf16 noise, not bit for bit.
     Compiling starts from empty compiler caches (`torch._dynamo.reset`), so a model's graphs are
     those of a fresh process, whatever the process trained before."""
+    cuda_graphs: bool = False
+    """Replay each compiled block's kernels as CUDA graphs (Inductor's CUDA graph trees, what
+    ``mode="reduce-overhead"`` sets): one launch a block instead of hundreds, for steps bound by
+    the host's launches (the study's MoE). The same kernels, so the same losses bit for bit as
+    `compile` alone; more device memory (the graphs' pools). Needs `compile`; on a device other
+    than CUDA the blocks compile without graphs."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,6 +140,8 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.precision must be auto, fp32 or bf16, got {self.precision!r}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ConfigError(f"TrainConfig.max_minutes must be positive, got {self.max_minutes!r}")
+        if self.cuda_graphs and not self.compile:
+            raise ConfigError("TrainConfig.cuda_graphs replays compiled blocks: it needs compile = true")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -199,6 +207,7 @@ def evaluate(
         for batch in stream.eval_batches(seq_len, max_tokens, batch_size):
             positions = batch.positions
             batch = batch.to(device)
+            torch.compiler.cudagraph_mark_step_begin()  # blocks replayed as CUDA graphs: a new forward
             with autocast_for(device, precision):
                 losses = model.loss(batch.inputs, batch.targets, batch.doc_starts, reduction="none")
             losses = losses.float().masked_fill(~batch.scored, 0.0)
@@ -305,7 +314,7 @@ class Trainer:
                 # gate) take float scalars that Dynamo's tracing of user kernels hands over as fp64.
                 for engram in (m for m in block.modules() if isinstance(m, Engram)):
                     engram.forward = torch.compiler.disable(engram.forward, recursive=True)
-                block.compile()
+                block.compile(mode="reduce-overhead" if cfg.cuda_graphs and self.device.type == "cuda" else None)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.host = host_tables
         self.dp = data_parallel
@@ -528,6 +537,8 @@ class Trainer:
             self.host.begin(step)
         lr_mult = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         set_lr(self.optimizers, lr_mult)
+        # With `cuda_graphs` a step's graphs may overwrite the outputs of the step before: none is kept
+        torch.compiler.cudagraph_mark_step_begin()
         with autocast_for(self.device, cfg.precision):
             loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts, row_ids=row_ids)
         if self.host is not None and step + 1 < cfg.steps and self.host.prefetch_enabled:
