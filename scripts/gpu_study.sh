@@ -11,8 +11,9 @@
 # the allocation at 100 and at 400 steps; the token axis, whose 100- and 400-step budgets are
 # copied from the two allocation sweeps (--reuse); the slot sweep; then, once each, the compiled
 # step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager, compiled,
-# queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler caches), and
-# a sweep's tokens over wall time, one eager run at a time against $PARALLEL compiled runs at once
+# queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler caches), the
+# trainer's CUDA graphs (their GPU tests, their A/B, the kernels by family with them), and a sweep's
+# tokens over wall time, one eager run at a time against $PARALLEL compiled runs at once
 # (benchmarks/probes/study_concurrency.sh, 400 steps), all into benchmarks/results/.
 set -uo pipefail
 # shellcheck disable=SC1091
@@ -75,6 +76,25 @@ if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_fresh_$CARD.json" ] && [ 
     --options eager compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_fresh_$CARD.log" 2>&1
   cp "$OUT/ab/study_step_profile.json" "$R/study_step_fresh_$CARD.json" 2>/dev/null
   tail -n 14 "$R/study_step_fresh_$CARD.log"
+fi
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_graphs_$CARD.json" ] && [ "$(left)" -ge 300 ]; then
+  echo "== the trainer's CUDA graphs: tests, then the A/B (and with the loss compiled too)" | tee -a "$OUT/study.log"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_compiled_training.py \
+    tests/train/test_queued_steps.py > "$R/study_step_graphs_tests_$CARD.log" 2>&1
+  tail -n 1 "$R/study_step_graphs_tests_$CARD.log"
+  timeout 240 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
+    --options eager compiled_queued compiled_graphs compiled_graphs_loss --steps 30 --out "$OUT/graphs" \
+    > "$R/study_step_graphs_$CARD.log" 2>&1
+  cp "$OUT/graphs/study_step_profile.json" "$R/study_step_graphs_$CARD.json" 2>/dev/null
+  tail -n 14 "$R/study_step_graphs_$CARD.log"
+fi
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_kernel_kinds_$CARD.json" ] && [ "$(left)" -ge 180 ]; then
+  echo "== the step's kernels by family, without and with CUDA graphs: pure MoE against dense" | tee -a "$OUT/study.log"
+  timeout 180 python3 benchmarks/probes/study_step_profile.py --deterministic --models moe dense \
+    --options compiled_queued compiled_graphs \
+    --steps 10 --profile --out "$OUT/kinds" > "$R/study_step_kernel_kinds_$CARD.log" 2>&1
+  cp "$OUT/kinds/study_step_profile.json" "$R/study_step_kernel_kinds_$CARD.json" 2>/dev/null
+  grep -E "kernels/step| kernels  " "$R/study_step_kernel_kinds_$CARD.log" | head -48
 fi
 if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_$CARD.json" ] && [ "$(left)" -ge 420 ]; then
   echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"

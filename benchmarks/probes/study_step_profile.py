@@ -57,12 +57,34 @@ OPTIONS = {
     "compiled_loss": {"compile": True, "compile_loss": True},
     "compiled_queued": {"compile": True, "queued": True},
     "compiled_graphs": {"compile": True, "queued": True, "cuda_graphs": True},
+    "compiled_graphs_loss": {"compile": True, "queued": True, "cuda_graphs": True, "compile_loss": True},
 }
 """eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
 trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy);
 queued: the steps queued by `Trainer.queue_step` and their losses read once at the end (the study's
 loop reads them at its log lines), instead of `train_step`'s read after every step; cuda_graphs:
-`TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs."""
+`TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs (and with compile_loss,
+the compiled loss too)."""
+
+KERNEL_KINDS = (
+    ("optimizer", ("multi_tensor_apply", "adam")),
+    ("attention", ("flash",)),
+    ("gemm", ("gemm", "nvjet", "cutlass", "cublas", "xmma", "grouped")),
+    ("softmax / cross-entropy", ("softmax", "nll_loss", "cross_entropy")),
+    ("sort / top-k / search", ("sort", "topk", "searchsorted", "cub::")),
+    ("index / gather / scatter", ("index", "gather", "scatter")),
+    ("fused by Inductor (triton)", ("triton_",)),
+    ("fill / copy", ("fill", "copy")),
+    ("reduction (aten)", ("reduce_kernel",)),
+    ("elementwise (aten)", ("elementwise",)),
+)
+"""Kernel families by name (the first that matches; a Triton kernel is named after the ops it fuses,
+so one that fuses an index_select counts as index), for the profile's time per family."""
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
 def build(name, cfg, device, tc, steps, opts):
@@ -71,7 +93,7 @@ def build(name, cfg, device, tc, steps, opts):
     val = TokenStream(rng.integers(2, VOCAB, size=4 * tc.seq_len + 1).astype(np.int32), 0)
     model = DecoderLM(cfg, token_lookup=np.arange(VOCAB, dtype=np.int64), seed=0, device=device)
     if opts.get("compile_loss"):
-        model.loss = torch.compile(model.loss)
+        model.loss = torch.compile(model.loss, mode="reduce-overhead" if opts.get("cuda_graphs") else None)
     run = dataclasses.replace(
         tc,
         steps=steps,
@@ -162,12 +184,20 @@ def run(args) -> None:
 
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     wall, _ = timed(trainer, 3 + args.steps, 3 + args.steps + 3, opts.get("queued", False))
-                kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+                kernels = [
+                    e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.is_user_annotation
+                ]  # a range named on the host (the optimizer's step) spans kernels: not one of them
                 busy = sum(e.self_device_time_total for e in kernels) / 1e6
                 top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]
                 row["gpu_busy_share"] = busy / wall
                 row["kernels_per_step"] = sum(e.count for e in kernels) / 3
                 row["top_kernels_ms_per_step"] = {e.key[:90]: e.self_device_time_total / 3e3 for e in top}
+                kinds = {}
+                for e in kernels:
+                    kind = kinds.setdefault(kernel_kind(e.key), {"ms_per_step": 0.0, "kernels_per_step": 0.0})
+                    kind["ms_per_step"] += e.self_device_time_total / 3e3
+                    kind["kernels_per_step"] += e.count / 3
+                row["kernel_kinds"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]["ms_per_step"]))
                 print(
                     f"\n{key}: wall {wall / 3 * 1e3:.1f} ms/step, GPU busy {busy / wall:.0%}, "
                     f"{row['kernels_per_step']:.0f} kernels/step",
@@ -175,6 +205,8 @@ def run(args) -> None:
                 )
                 for k, v in list(row["top_kernels_ms_per_step"].items())[:25]:
                     print(f"   {v:7.2f} ms  {k}", flush=True)
+                for k, v in row["kernel_kinds"].items():
+                    print(f"   {v['ms_per_step']:7.2f} ms {v['kernels_per_step']:6.0f} kernels  {k}", flush=True)
             rows[key] = row
             print(
                 f"{key}: {row['ms_per_step']:.1f} ms/step {row['tokens_per_s']:,.0f} tok/s MFU {row['mfu']:.1%} "
