@@ -188,10 +188,11 @@ def run(args) -> None:
                     e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.is_user_annotation
                 ]  # a range named on the host (the optimizer's step) spans kernels: not one of them
                 busy = sum(e.self_device_time_total for e in kernels) / 1e6
-                top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]
+                top = sorted(kernels, key=lambda e: -e.self_device_time_total)  # every kernel, the longest first
                 row["gpu_busy_share"] = busy / wall
                 row["kernels_per_step"] = sum(e.count for e in kernels) / 3
-                row["top_kernels_ms_per_step"] = {e.key[:90]: e.self_device_time_total / 3e3 for e in top}
+                row["kernels_ms_per_step"] = {e.key[:160]: e.self_device_time_total / 3e3 for e in top}
+                row["kernel_counts_per_step"] = {e.key[:160]: e.count / 3 for e in top}
                 kinds = {}
                 for e in kernels:
                     kind = kinds.setdefault(kernel_kind(e.key), {"ms_per_step": 0.0, "kernels_per_step": 0.0})
@@ -203,8 +204,8 @@ def run(args) -> None:
                     f"{row['kernels_per_step']:.0f} kernels/step",
                     flush=True,
                 )
-                for k, v in list(row["top_kernels_ms_per_step"].items())[:25]:
-                    print(f"   {v:7.2f} ms  {k}", flush=True)
+                for k, v in list(row["kernels_ms_per_step"].items())[:25]:
+                    print(f"   {v:7.2f} ms  {k[:90]}", flush=True)
                 for k, v in row["kernel_kinds"].items():
                     print(f"   {v['ms_per_step']:7.2f} ms {v['kernels_per_step']:6.0f} kernels  {k}", flush=True)
             rows[key] = row
