@@ -12,9 +12,10 @@
 # copied from the two allocation sweeps (--reuse); the slot sweep; then, once each, the compiled
 # step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager, compiled,
 # queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler caches), the
-# trainer's CUDA graphs (their GPU tests, their A/B, the kernels by family with them), and a sweep's
-# tokens over wall time, one eager run at a time against $PARALLEL compiled runs at once
-# (benchmarks/probes/study_concurrency.sh, 400 steps), all into benchmarks/results/.
+# trainer's CUDA graphs (their GPU tests, their A/B, the kernels by family with them, the compiled
+# step without deterministic mode), and a sweep's tokens over wall time, one eager run at a time
+# against $PARALLEL compiled runs at once (benchmarks/probes/study_concurrency.sh, 400 steps), all
+# into benchmarks/results/.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
@@ -95,6 +96,13 @@ if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_kernel_kinds_$CARD.json" 
     --steps 10 --profile --out "$OUT/kinds" > "$R/study_step_kernel_kinds_$CARD.log" 2>&1
   cp "$OUT/kinds/study_step_profile.json" "$R/study_step_kernel_kinds_$CARD.json" 2>/dev/null
   grep -E "kernels/step| kernels  " "$R/study_step_kernel_kinds_$CARD.log" | head -48
+fi
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_nondeterministic_$CARD.json" ] && [ "$(left)" -ge 120 ]; then
+  echo "== what deterministic mode costs: the graphs A/B's compiled steps again, without it" | tee -a "$OUT/study.log"
+  timeout 120 python3 benchmarks/probes/study_step_profile.py --models dense moe --options compiled_graphs --steps 30 \
+    --out "$OUT/nondet" > "$R/study_step_nondeterministic_$CARD.log" 2>&1
+  cp "$OUT/nondet/study_step_profile.json" "$R/study_step_nondeterministic_$CARD.json" 2>/dev/null
+  tail -n 3 "$R/study_step_nondeterministic_$CARD.log"
 fi
 if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_$CARD.json" ] && [ "$(left)" -ge 420 ]; then
   echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"
