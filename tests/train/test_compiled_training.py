@@ -119,7 +119,7 @@ def test_compiled_training_follows_eager_losses_on_the_gpu(engram):
     assert losses[True][-1] < losses[True][0] - 0.1 and losses[False][-1] < losses[False][0] - 0.1, losses
 
 
-def _train_compiled(n_experts: int, device: str) -> tuple[list[float], int]:
+def _train_compiled(n_experts: int, device: str, cuda_graphs: bool = False) -> tuple[list[float], int]:
     """Six compiled steps of a small MoE with `n_experts`: its losses, and the graphs compiled meanwhile."""
     cfg = ModelConfig(
         vocab_size=256,
@@ -134,7 +134,10 @@ def _train_compiled(n_experts: int, device: str) -> tuple[list[float], int]:
     rng = np.random.default_rng(0)
     train = TokenStream(np.tile(rng.integers(0, 256, size=33), 50)[: 4 * 32 * 8 + 1].astype(np.int32), 0)
     val = TokenStream(rng.integers(0, 256, size=4 * 32 + 1).astype(np.int32), 0)
-    tc = TrainConfig(steps=6, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=32, log_every=100, compile=True)
+    tc = TrainConfig(
+        steps=6, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=32, log_every=100, compile=True,
+        cuda_graphs=cuda_graphs,
+    )  # fmt: skip
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     trainer = Trainer(DecoderLM(cfg, seed=0, device=device), tc, train, val, np.ones(256), device, progress=False)
     losses = [trainer.train_step(s)[0] for s in range(6)]
@@ -144,17 +147,19 @@ def _train_compiled(n_experts: int, device: str) -> tuple[list[float], int]:
 @pytest.mark.parametrize("device", devices())
 def test_a_compiled_run_is_the_same_whatever_its_process_compiled_before(device, monkeypatch):
     # a sweep's worker trains model after model: each must compile as in a fresh process
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # reached by the first model's graphs
-    fresh, fresh_graphs = _train_compiled(6, device)
-    _train_compiled(4, device)
-    after, after_graphs = _train_compiled(6, device)
-    assert fresh_graphs > 0 and after_graphs == fresh_graphs
-    assert after == fresh  # bit for bit (on the GPU too: bf16 autocast, the same kernels)
-    # negative control: without the reset, the third model finds the limit reached and its blocks run
-    # eager (no graph compiled for it)
-    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
-    _train_compiled(4, device)
-    assert _train_compiled(5, device)[1] == 0
+    # the limit is reached by the first model's graphs (a config patch: monkeypatch's undo of a config
+    # attribute deletes it, and every later compile in the process then fails)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        fresh, fresh_graphs = _train_compiled(6, device)
+        _train_compiled(4, device)
+        after, after_graphs = _train_compiled(6, device)
+        assert fresh_graphs > 0 and after_graphs == fresh_graphs
+        assert after == fresh  # bit for bit (on the GPU too: bf16 autocast, the same kernels)
+        # negative control: without the reset, the third model finds the limit reached and its blocks
+        # run eager (no graph compiled for it)
+        monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+        _train_compiled(4, device)
+        assert _train_compiled(5, device)[1] == 0
 
 
 @pytest.mark.gpu
@@ -196,3 +201,9 @@ def test_cuda_graphs_replay_the_compiled_blocks_with_the_same_losses_bit_for_bit
         assert (manager is not None and any(manager.roots.values())) == graphs  # graphs recorded only when asked
     assert runs[True][:3] == runs[False][:3] and len(runs[True][2]) == 2
     assert all(torch.equal(a, b) for a, b in zip(runs[True][3], runs[False][3]))
+
+
+def test_cuda_graphs_off_cuda_compile_the_blocks_as_compile_alone():
+    # on the CPU there is no graph to replay: the same compiled blocks, the same losses bit for bit
+    torch._dynamo.reset()
+    assert _train_compiled(6, "cpu", cuda_graphs=True) == _train_compiled(6, "cpu")
