@@ -225,3 +225,16 @@ def test_a_sweep_killed_mid_run_finishes_without_repeating_runs(whole, tiny_corp
     resumed, full = json.loads((out / "study.json").read_text()), json.loads((whole / "study.json").read_text())
     for a, b in zip(resumed["runs"], full["runs"], strict=True):
         _same_results(a, b)
+
+
+def test_settings_that_leave_the_result_as_it_is_do_not_make_another_run():
+    # a run (or sweep) recorded before `train.cuda_graphs` existed, or with the other value, is the same
+    # result; any other key that differs is still named (negative control: compile rounds differently)
+    stored = {"study": "allocation", "point": "rho1", "train": {"compile": True, "lr": 1e-3}, "data": "d"}
+    for graphs in (False, True):
+        wanted = {**stored, "train": {**stored["train"], "cuda_graphs": graphs}}
+        assert study_runs.differences(stored, wanted) == []
+        assert study_runs.reuse_key(stored) == study_runs.reuse_key(wanted)
+    other = {**stored, "train": {"compile": False, "lr": 1e-3, "cuda_graphs": False}}
+    assert study_runs.differences(stored, other) == ["train.compile (True -> False)"]
+    assert study_runs.reuse_key(stored) != study_runs.reuse_key(other)

@@ -207,9 +207,24 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix.rstrip('.')} ({a!r} -> {b!r})"]
 
 
+RESULT_FREE = (("train", "cuda_graphs"),)
+"""(section, key) of settings that leave a run's result as it is: CUDA graphs replay the compiled
+blocks' own kernels (the same losses bit for bit), so runs made with either value, or before the
+setting existed, are one result."""
+
+
+def _result_config(config: dict) -> dict:
+    """`config` (a run's or a sweep's) without its `RESULT_FREE` keys."""
+    out = dict(config)
+    for section, key in RESULT_FREE:
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k != key}
+    return out
+
+
 def differences(stored: dict, wanted: dict) -> list[str]:
-    """Dotted keys (with the two values) where `stored` and `wanted` differ."""
-    return _differences(stored, wanted)
+    """Dotted keys (with the two values) where `stored` and `wanted` differ in what decides a result."""
+    return _differences(_result_config(stored), _result_config(wanted))
 
 
 REUSE_IGNORES = ("study", "point")
@@ -218,7 +233,7 @@ REUSE_IGNORES = ("study", "point")
 
 def reuse_key(run_config: dict) -> str:
     """The part of a run's config that decides its result, as one comparable string."""
-    return json.dumps({k: v for k, v in run_config.items() if k not in REUSE_IGNORES}, sort_keys=True)
+    return json.dumps({k: v for k, v in _result_config(run_config).items() if k not in REUSE_IGNORES}, sort_keys=True)
 
 
 class ReusableRuns:
