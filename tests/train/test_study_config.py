@@ -136,3 +136,13 @@ def test_the_cli_takes_a_config_file_saves_it_beside_the_results_and_names_bad_k
     assert "model.dim must be >= 1, got -32" in err and str(path) in err and "Traceback" not in err
     assert main([*args, "--preset", "gpu"]) == 1
     assert "--preset and --config both given" in capsys.readouterr().err
+
+
+def test_the_guides_config_example_is_a_valid_study_config():
+    import tomllib
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "study-guide.md").read_text()
+    example = guide[guide.index("### Config files") :].split("```toml", 1)[1].split("```", 1)[0]
+    sc = StudyConfig.from_dict(tomllib.loads(example), where="docs/study-guide.md")
+    assert sc.base.train.compile and sc.base.train.cuda_graphs and sc.base.model.moe.n_experts == 62
