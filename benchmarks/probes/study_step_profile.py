@@ -60,11 +60,11 @@ OPTIONS = {
     "compiled_graphs_loss": {"compile": True, "queued": True, "cuda_graphs": True, "compile_loss": True},
 }
 """eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
-trainer picks on CUDA; compiled_loss: also `torch.compile(model.loss)` (embedding, head, cross-entropy);
+trainer picks on CUDA; compiled_loss: the loss's cross-entropy compiled too (`DecoderLM.cross_entropy`:
+the fp32 logits' copy, softmax and their backward fused);
 queued: the steps queued by `Trainer.queue_step` and their losses read once at the end (the study's
 loop reads them at its log lines), instead of `train_step`'s read after every step; cuda_graphs:
-`TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs (and with compile_loss,
-the compiled loss too)."""
+`TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs."""
 
 KERNEL_KINDS = (
     ("optimizer", ("multi_tensor_apply", "adam")),
@@ -93,7 +93,7 @@ def build(name, cfg, device, tc, steps, opts):
     val = TokenStream(rng.integers(2, VOCAB, size=4 * tc.seq_len + 1).astype(np.int32), 0)
     model = DecoderLM(cfg, token_lookup=np.arange(VOCAB, dtype=np.int64), seed=0, device=device)
     if opts.get("compile_loss"):
-        model.loss = torch.compile(model.loss, mode="reduce-overhead" if opts.get("cuda_graphs") else None)
+        model.cross_entropy = torch.compile(model.cross_entropy)  # no CUDA graph: it returns the queued loss
     run = dataclasses.replace(
         tc,
         steps=steps,

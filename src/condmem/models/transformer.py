@@ -376,8 +376,14 @@ class DecoderLM(nn.Module):
         """Cross-entropy (nats) of `targets` [B, T] given `input_ids` [B, T]; -100 targets are ignored.
         ``row_ids``: as `forward`'s."""
         logits = self(input_ids, doc_starts=doc_starts, row_ids=row_ids)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+        loss = self.cross_entropy(logits, targets, reduction)
         return loss if reduction != "none" else loss.view_as(targets)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy (nats) of `targets` [B, T] under `logits` [B, T, V], in fp32; -100 targets are
+        ignored. Its own method, so that it can be compiled apart from the blocks (its output is the
+        step's loss, which a CUDA graph's next replay would overwrite)."""
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
 
     # ------------------------------------------------------------------ inference helpers
     def new_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> InferenceCache:
