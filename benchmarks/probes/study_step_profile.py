@@ -20,15 +20,18 @@ import json
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_step import VOCAB, commit, variants  # noqa: E402
 
 from condmem.models import DecoderLM  # noqa: E402
+from condmem.models.layers import SwiGLU  # noqa: E402
 from condmem.models.flops import train_flops_per_token  # noqa: E402
 from condmem.train.data import TokenStream  # noqa: E402
 from condmem.train.determinism import deterministic_mode, set_cublas_workspace  # noqa: E402
@@ -58,13 +61,17 @@ OPTIONS = {
     "compiled_queued": {"compile": True, "queued": True},
     "compiled_graphs": {"compile": True, "queued": True, "cuda_graphs": True},
     "compiled_graphs_loss": {"compile": True, "queued": True, "cuda_graphs": True, "compile_loss": True},
+    "compiled_graphs_aligned": {"compile": True, "queued": True, "cuda_graphs": True, "aligned": True},
 }
 """eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
 trainer picks on CUDA; compiled_loss: the loss's cross-entropy compiled too (`DecoderLM.cross_entropy`:
 the fp32 logits' copy, softmax and their backward fused);
 queued: the steps queued by `Trainer.queue_step` and their losses read once at the end (the study's
 loop reads them at its log lines), instead of `train_step`'s read after every step; cuda_graphs:
-`TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs."""
+`TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs; aligned: each SwiGLU whose
+hidden width is not a multiple of 8 (the dense control's, a pure MoE's widened shared expert) runs
+with it padded by zero units (`aligned_swiglu`): the same function, on GEMM kernels for aligned
+shapes."""
 
 KERNEL_KINDS = (
     ("optimizer", ("multi_tensor_apply", "adam")),
@@ -87,6 +94,14 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
+def aligned_swiglu(mlp: SwiGLU, x: torch.Tensor) -> torch.Tensor:
+    """`mlp`'s forward with its hidden width padded to a multiple of 8 by zero units: silu(0) * 0 adds
+    nothing to the down projection, so the function is the same and only the GEMMs' shapes change."""
+    pad = -mlp.w1.weight.shape[0] % 8
+    w1, w3 = (F.pad(w.weight, (0, 0, 0, pad)) for w in (mlp.w1, mlp.w3))
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), F.pad(mlp.w2.weight, (0, pad)))
+
+
 def build(name, cfg, device, tc, steps, opts):
     rng = np.random.default_rng(0)
     train = TokenStream(rng.integers(2, VOCAB, size=tc.batch_size * tc.seq_len * (steps + 8) + 1).astype(np.int32), 0)
@@ -94,6 +109,10 @@ def build(name, cfg, device, tc, steps, opts):
     model = DecoderLM(cfg, token_lookup=np.arange(VOCAB, dtype=np.int64), seed=0, device=device)
     if opts.get("compile_loss"):
         model.cross_entropy = torch.compile(model.cross_entropy)  # no CUDA graph: it returns the queued loss
+    if opts.get("aligned"):
+        for mlp in model.modules():
+            if isinstance(mlp, SwiGLU) and mlp.w1.weight.shape[0] % 8:
+                mlp.forward = types.MethodType(aligned_swiglu, mlp)
     run = dataclasses.replace(
         tc,
         steps=steps,
