@@ -79,17 +79,16 @@ if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_fresh_$CARD.json" ] && [ 
   tail -n 14 "$R/study_step_fresh_$CARD.log"
 fi
 if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_graphs_$CARD.json" ] && [ "$(left)" -ge 400 ]; then
-  echo "== the trainer's CUDA graphs: tests, then the A/B (and with the cross-entropy compiled, or widths aligned)" \
+  echo "== the trainer's CUDA graphs: tests, then the A/B (also: cross-entropy compiled, widths aligned, masked route)" \
     | tee -a "$OUT/study.log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_compiled_training.py \
     tests/train/test_queued_steps.py > "$R/study_step_graphs_tests_$CARD.log" 2>&1
   tail -n 1 "$R/study_step_graphs_tests_$CARD.log"
   timeout 270 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
-    --options eager compiled_queued compiled_graphs compiled_graphs_loss compiled_graphs_aligned --steps 30 \
-    --out "$OUT/graphs" \
-    > "$R/study_step_graphs_$CARD.log" 2>&1
+    --options eager compiled_queued compiled_graphs compiled_graphs_loss compiled_graphs_aligned compiled_graphs_route \
+    --steps 30 --out "$OUT/graphs" > "$R/study_step_graphs_$CARD.log" 2>&1
   cp "$OUT/graphs/study_step_profile.json" "$R/study_step_graphs_$CARD.json" 2>/dev/null
-  tail -n 17 "$R/study_step_graphs_$CARD.log"
+  tail -n 20 "$R/study_step_graphs_$CARD.log"
 fi
 if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_kernel_kinds_$CARD.json" ] && [ "$(left)" -ge 180 ]; then
   echo "== the step's kernels by family, without and with CUDA graphs: pure MoE against dense" | tee -a "$OUT/study.log"

@@ -32,6 +32,7 @@ from moe_step import VOCAB, commit, variants  # noqa: E402
 
 from condmem.models import DecoderLM  # noqa: E402
 from condmem.models.layers import SwiGLU  # noqa: E402
+from condmem.models.moe import MoE  # noqa: E402
 from condmem.models.flops import train_flops_per_token  # noqa: E402
 from condmem.train.data import TokenStream  # noqa: E402
 from condmem.train.determinism import deterministic_mode, set_cublas_workspace  # noqa: E402
@@ -62,6 +63,7 @@ OPTIONS = {
     "compiled_graphs": {"compile": True, "queued": True, "cuda_graphs": True},
     "compiled_graphs_loss": {"compile": True, "queued": True, "cuda_graphs": True, "compile_loss": True},
     "compiled_graphs_aligned": {"compile": True, "queued": True, "cuda_graphs": True, "aligned": True},
+    "compiled_graphs_route": {"compile": True, "queued": True, "cuda_graphs": True, "masked_route": True},
 }
 """eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
 trainer picks on CUDA; compiled_loss: the loss's cross-entropy compiled too (`DecoderLM.cross_entropy`:
@@ -71,7 +73,8 @@ loop reads them at its log lines), instead of `train_step`'s read after every st
 `TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs; aligned: each SwiGLU whose
 hidden width is not a multiple of 8 (the dense control's, a pure MoE's widened shared expert) runs
 with it padded by zero units (`aligned_swiglu`): the same function, on GEMM kernels for aligned
-shapes."""
+shapes; masked_route: the router's chosen log-scores picked by a mask, not a gather (`masked_route`),
+whose backward (a scatter-add) deterministic mode sorts on CUDA."""
 
 KERNEL_KINDS = (
     ("optimizer", ("multi_tensor_apply", "adam")),
@@ -102,6 +105,26 @@ def aligned_swiglu(mlp: SwiGLU, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), F.pad(mlp.w2.weight, (0, pad)))
 
 
+def masked_route(moe: MoE, x: torch.Tensor):
+    """`MoE.route` with each chosen expert's log-score (and score) picked as a masked sum over the
+    experts instead of a gather: the same values (one term and exact zeros), a gradient with no
+    scatter-add."""
+    logits = moe.logits(x)
+    scores = torch.softmax(logits, dim=-1) if moe.score == "softmax" else torch.sigmoid(logits)
+    select = scores if moe.expert_bias is None else scores + moe.expert_bias
+    experts = torch.topk(select, moe.top_k, dim=-1).indices
+    chosen = experts.unsqueeze(-1) == torch.arange(moe.n_experts, device=x.device)  # [N, k, E]
+
+    def pick(values):
+        return torch.where(chosen, values.unsqueeze(1), 0.0).sum(-1)
+
+    if moe.renormalize:
+        weights = torch.softmax(pick(logits if moe.score == "softmax" else F.logsigmoid(logits)), dim=-1)
+    else:
+        weights = pick(scores)
+    return scores, experts, weights * moe.routed_scale if moe.routed_scale != 1.0 else weights
+
+
 def build(name, cfg, device, tc, steps, opts):
     rng = np.random.default_rng(0)
     train = TokenStream(rng.integers(2, VOCAB, size=tc.batch_size * tc.seq_len * (steps + 8) + 1).astype(np.int32), 0)
@@ -109,6 +132,10 @@ def build(name, cfg, device, tc, steps, opts):
     model = DecoderLM(cfg, token_lookup=np.arange(VOCAB, dtype=np.int64), seed=0, device=device)
     if opts.get("compile_loss"):
         model.cross_entropy = torch.compile(model.cross_entropy)  # no CUDA graph: it returns the queued loss
+    if opts.get("masked_route"):
+        for moe in model.modules():
+            if isinstance(moe, MoE):
+                moe.route = types.MethodType(masked_route, moe)
     if opts.get("aligned"):
         for mlp in model.modules():
             if isinstance(mlp, SwiGLU) and mlp.w1.weight.shape[0] % 8:
