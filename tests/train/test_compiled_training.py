@@ -4,6 +4,8 @@ host counters, counts exactly, and a compiled run's losses follow the eager run'
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -207,3 +209,24 @@ def test_cuda_graphs_off_cuda_compile_the_blocks_as_compile_alone():
     # on the CPU there is no graph to replay: the same compiled blocks, the same losses bit for bit
     torch._dynamo.reset()
     assert _train_compiled(6, "cpu", cuda_graphs=True) == _train_compiled(6, "cpu")
+
+
+def test_a_run_without_cuda_graphs_never_starts_a_graph_step():
+    # the graph step's first call imports Inductor's CUDA graph trees (seconds): an eager step and a
+    # validation, in a fresh process, must not load them
+    code = """
+import sys, numpy as np
+from condmem.models import DecoderLM
+from condmem.models.config import ModelConfig
+from condmem.train.data import TokenStream
+from condmem.train.loop import TrainConfig, Trainer
+cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=16)
+tokens = TokenStream(np.arange(4 * 16 * 4 + 1, dtype=np.int32) % 64, 0)
+tc = TrainConfig(steps=2, batch_size=4, seq_len=16, warmup_steps=1, eval_tokens=16, log_every=100)
+trainer = Trainer(DecoderLM(cfg, seed=0), tc, tokens, tokens, np.ones(64), "cpu", progress=False)
+trainer.train_step(0)
+trainer.evaluate()
+print("torch._inductor.cudagraph_trees" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "False", done.stderr[-2000:]

@@ -143,6 +143,10 @@ class TrainConfig:
         if self.cuda_graphs and not self.compile:
             raise ConfigError("TrainConfig.cuda_graphs replays compiled blocks: it needs compile = true")
 
+    def graphs_on(self, device: torch.device | str) -> bool:
+        """Whether the compiled blocks are replayed as CUDA graphs on `device` (`cuda_graphs`, CUDA only)."""
+        return self.cuda_graphs and torch.device(device).type == "cuda"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -183,6 +187,7 @@ def evaluate(
     precision: str = "auto",
     token_losses: bool = False,
     on_batch=None,
+    cuda_graphs: bool = False,
 ) -> dict:
     """Validation loss (nats per token) and bits per byte.
 
@@ -192,6 +197,8 @@ def evaluate(
         token_losses: also return ``token_losses``, float32 [len(stream) - 1], the loss of
             each target (index = target position - 1; NaN where not evaluated).
         on_batch: called with each batch's scored targets once it is evaluated (a progress bar).
+        cuda_graphs: the model's blocks are replayed as CUDA graphs (`TrainConfig.graphs_on`): each
+            batch starts a new graph step, so one batch's graphs never overwrite outputs still in use.
 
     Bits per byte = total NLL / (ln 2 x the UTF-8 bytes of the predicted tokens), so models
     with different tokenizers are comparable.
@@ -207,7 +214,8 @@ def evaluate(
         for batch in stream.eval_batches(seq_len, max_tokens, batch_size):
             positions = batch.positions
             batch = batch.to(device)
-            torch.compiler.cudagraph_mark_step_begin()  # blocks replayed as CUDA graphs: a new forward
+            if cuda_graphs:  # (only then: its first call imports Inductor, seconds)
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast_for(device, precision):
                 losses = model.loss(batch.inputs, batch.targets, batch.doc_starts, reduction="none")
             losses = losses.float().masked_fill(~batch.scored, 0.0)
@@ -314,7 +322,7 @@ class Trainer:
                 # gate) take float scalars that Dynamo's tracing of user kernels hands over as fp64.
                 for engram in (m for m in block.modules() if isinstance(m, Engram)):
                     engram.forward = torch.compiler.disable(engram.forward, recursive=True)
-                block.compile(mode="reduce-overhead" if cfg.cuda_graphs and self.device.type == "cuda" else None)
+                block.compile(mode="reduce-overhead" if cfg.graphs_on(self.device) else None)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.host = host_tables
         self.dp = data_parallel
@@ -459,6 +467,7 @@ class Trainer:
                 precision=self.cfg.precision,
                 token_losses=token_losses,
                 on_batch=None if bar is None else bar.update,
+                cuda_graphs=self.cfg.graphs_on(self.device),
             )
         finally:
             if bar is not None:
@@ -537,8 +546,8 @@ class Trainer:
             self.host.begin(step)
         lr_mult = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         set_lr(self.optimizers, lr_mult)
-        # With `cuda_graphs` a step's graphs may overwrite the outputs of the step before: none is kept
-        torch.compiler.cudagraph_mark_step_begin()
+        if cfg.graphs_on(self.device):  # a new graph step: it may overwrite the step before's outputs, none kept
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast_for(self.device, cfg.precision):
             loss = self.model.loss(batch.inputs, batch.targets, batch.doc_starts, row_ids=row_ids)
         if self.host is not None and step + 1 < cfg.steps and self.host.prefetch_enabled:

@@ -434,6 +434,7 @@ def _final_validation(model, data: PreparedData, dev, tc: TrainConfig, val_token
             precision=tc.precision,
             token_losses=True,
             on_batch=vbar.update,
+            cuda_graphs=tc.graphs_on(dev),
         )
     finally:
         vbar.close()
