@@ -322,6 +322,16 @@ def claim_run(claims: Path, run_id: str) -> bool:
     return True
 
 
+def is_claimed(claims: Path, run_id: str) -> bool:
+    """Whether a process sharing `claims` has taken `run_id` (`claim_run`) and not given it back."""
+    return (Path(claims) / run_id).exists()
+
+
+def release_run(claims: Path, run_id: str) -> None:
+    """Give `run_id` back (a run this process claimed but could not train): the next to ask takes it."""
+    (Path(claims) / run_id).unlink(missing_ok=True)
+
+
 # ----------------------------------------------------------------------------- training one run
 
 

@@ -81,11 +81,13 @@ from condmem.apps.study.runs import (
     RunStore,
     SweepProgress,
     claim_run,
+    is_claimed,
     data_identity,
     differences,
     distinct_ngrams,
     parse_only,
     plan_runs,
+    release_run,
     run_config,
     run_seeds,
     run_train_config,
@@ -733,7 +735,7 @@ def _train_selected(call: _Call, planned: _Planned) -> None:
                 )  # fmt: skip
             except torch.cuda.OutOfMemoryError:
                 if claims is not None:  # give it back: a worker with one process fewer beside it takes it
-                    (claims / spec.run_id).unlink(missing_ok=True)
+                    release_run(claims, spec.run_id)
                     print(f"[sweep] {spec.run_id}: out of memory; given back to the other workers", flush=True)
                 raise
             record["run_config"] = wanted
@@ -750,7 +752,7 @@ def _free_runs(todo: list, claims: Path | None, store: RunStore) -> list:
     """The runs of `todo` (``(spec, ...)`` tuples) that no process has finished, nor claimed (with `claims`)."""
 
     def free(run_id: str) -> bool:
-        return not store.path(run_id).exists() and not (claims is not None and (claims / run_id).exists())
+        return not store.path(run_id).exists() and not (claims is not None and is_claimed(claims, run_id))
 
     return [t for t in todo if free(t[0].run_id)]
 
