@@ -75,10 +75,10 @@ def test_the_whole_graph_check_fails_on_a_break(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("engram", [False, True], ids=["moe", "moe+engram"])
-def test_compiled_training_follows_eager_losses_on_the_gpu(engram):
-    # with an Engram layer, its Triton kernels (gather, gate) run between the compiled parts
+def _small_moe(engram: bool = False) -> tuple[ModelConfig, TokenStream, TokenStream]:
+    """A two-block MoE (8 experts, top-2; an Engram in block 1 with `engram`) and its training and
+    validation streams. The training stream repeats a 65-token sequence, so a loss can fall: uniform
+    random tokens start at their entropy, ln 512."""
     layer = EngramConfig(
         layer_ids=[1],
         max_ngram_size=3,
@@ -100,11 +100,17 @@ def test_compiled_training_follows_eager_losses_on_the_gpu(engram):
         moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=32),
     )
     rng = np.random.default_rng(0)
-    # a stream with something to learn (a 65-token sequence repeated): uniform random tokens start at
-    # their entropy, ln 512, and no loss can fall
     period = rng.integers(0, 512, size=65)
     train = TokenStream(np.tile(period, 8 * 12 + 1)[: 8 * 64 * 12 + 1].astype(np.int32), 0)
     val = TokenStream(rng.integers(0, 512, size=4 * 64 + 1).astype(np.int32), 0)
+    return cfg, train, val
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engram", [False, True], ids=["moe", "moe+engram"])
+def test_compiled_training_follows_eager_losses_on_the_gpu(engram):
+    # with an Engram layer, its Triton kernels (gather, gate) run between the compiled parts
+    cfg, train, val = _small_moe(engram)
     losses = {}
     for compile in (False, True):
         torch._dynamo.reset()
@@ -171,19 +177,7 @@ def test_cuda_graphs_replay_the_compiled_blocks_with_the_same_losses_bit_for_bit
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
-    cfg = ModelConfig(
-        vocab_size=512,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=64,
-        max_seq_len=64,
-        moe=MoEConfig(n_experts=8, top_k=2, expert_hidden=32),
-    )
-    rng = np.random.default_rng(0)
-    train = TokenStream(np.tile(rng.integers(0, 512, size=65), 100)[: 8 * 64 * 12 + 1].astype(np.int32), 0)
-    val = TokenStream(rng.integers(0, 512, size=4 * 64 + 1).astype(np.int32), 0)
+    cfg, train, val = _small_moe()
     tc = TrainConfig(steps=8, batch_size=8, seq_len=64, warmup_steps=2, eval_tokens=128, log_every=100, compile=True)
     runs = {}
     for graphs in (False, True):
