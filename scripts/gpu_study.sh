@@ -64,47 +64,35 @@ sweep allocation "$R/study_allocation_100steps_h100" --steps 100
 sweep allocation "$R/study_allocation_400steps_h100"
 sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_400steps_h100" "$R/study_allocation_100steps_h100"
 sweep slots "$R/study_slots_h100"
-if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_kernels_$CARD.json" ] && [ "$(left)" -ge 200 ]; then
-  echo "== the compiled step's kernels: pure MoE against dense" | tee -a "$OUT/study.log"
-  timeout 200 python3 benchmarks/probes/study_step_profile.py --deterministic --models moe dense --options compiled_queued \
-    --steps 10 --profile --out "$OUT/kernels" > "$R/study_step_kernels_$CARD.log" 2>&1
-  cp "$OUT/kernels/study_step_profile.json" "$R/study_step_kernels_$CARD.json" 2>/dev/null
-  tail -n 4 "$R/study_step_kernels_$CARD.log"
-fi
-if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_fresh_$CARD.json" ] && [ "$(left)" -ge 300 ]; then
-  echo "== speed A/B" | tee -a "$OUT/study.log"
-  timeout 300 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
-    --options eager compiled compiled_queued compiled_graphs --steps 30 --out "$OUT/ab" > "$R/study_step_fresh_$CARD.log" 2>&1
-  cp "$OUT/ab/study_step_profile.json" "$R/study_step_fresh_$CARD.json" 2>/dev/null
-  tail -n 14 "$R/study_step_fresh_$CARD.log"
-fi
-if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_graphs_$CARD.json" ] && [ "$(left)" -ge 400 ]; then
-  echo "== the trainer's CUDA graphs: tests, then the A/B (also: cross-entropy compiled, widths aligned, masked route)" \
-    | tee -a "$OUT/study.log"
+probe() {  # name, seconds (needed, and its timeout), what it measures, study_step_profile.py flags...:
+  # once, after the sweeps, into $R/<name>_$CARD.{json,log}
+  local name=$1 seconds=$2 what=$3
+  shift 3
+  if [ "$previous_done" -eq 1 ] && [ ! -f "$R/${name}_$CARD.json" ] && [ "$(left)" -ge "$seconds" ]; then
+    echo "== $what" | tee -a "$OUT/study.log"
+    timeout "$seconds" python3 benchmarks/probes/study_step_profile.py "$@" --out "$OUT/$name" \
+      > "$R/${name}_$CARD.log" 2>&1
+    cp "$OUT/$name/study_step_profile.json" "$R/${name}_$CARD.json" 2>/dev/null
+    tail -n 20 "$R/${name}_$CARD.log"
+  fi
+}
+probe study_step_kernels 200 "the compiled step's kernels: pure MoE against dense" \
+  --deterministic --models moe dense --options compiled_queued --steps 10 --profile
+probe study_step_fresh 300 "speed A/B" --deterministic --models dense moe moe_engram_rho0.8 \
+  --options eager compiled compiled_queued compiled_graphs --steps 30
+if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_graphs_tests_$CARD.log" ] && [ "$(left)" -ge 400 ]; then
+  echo "== the trainer's CUDA graphs: their GPU tests" | tee -a "$OUT/study.log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_compiled_training.py \
     tests/train/test_queued_steps.py > "$R/study_step_graphs_tests_$CARD.log" 2>&1
   tail -n 1 "$R/study_step_graphs_tests_$CARD.log"
-  timeout 270 python3 benchmarks/probes/study_step_profile.py --deterministic --models dense moe moe_engram_rho0.8 \
-    --options eager compiled_queued compiled_graphs compiled_graphs_loss compiled_graphs_aligned compiled_graphs_route \
-    --steps 30 --out "$OUT/graphs" > "$R/study_step_graphs_$CARD.log" 2>&1
-  cp "$OUT/graphs/study_step_profile.json" "$R/study_step_graphs_$CARD.json" 2>/dev/null
-  tail -n 20 "$R/study_step_graphs_$CARD.log"
 fi
-if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_kernel_kinds_$CARD.json" ] && [ "$(left)" -ge 180 ]; then
-  echo "== the step's kernels by family, without and with CUDA graphs: pure MoE against dense" | tee -a "$OUT/study.log"
-  timeout 180 python3 benchmarks/probes/study_step_profile.py --deterministic --models moe dense \
-    --options compiled_queued compiled_graphs \
-    --steps 10 --profile --out "$OUT/kinds" > "$R/study_step_kernel_kinds_$CARD.log" 2>&1
-  cp "$OUT/kinds/study_step_profile.json" "$R/study_step_kernel_kinds_$CARD.json" 2>/dev/null
-  grep -E "kernels/step| kernels  " "$R/study_step_kernel_kinds_$CARD.log" | head -48
-fi
-if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_step_nondeterministic_$CARD.json" ] && [ "$(left)" -ge 120 ]; then
-  echo "== what deterministic mode costs: the graphs A/B's compiled steps again, without it" | tee -a "$OUT/study.log"
-  timeout 120 python3 benchmarks/probes/study_step_profile.py --models dense moe --options compiled_graphs --steps 30 \
-    --out "$OUT/nondet" > "$R/study_step_nondeterministic_$CARD.log" 2>&1
-  cp "$OUT/nondet/study_step_profile.json" "$R/study_step_nondeterministic_$CARD.json" 2>/dev/null
-  tail -n 3 "$R/study_step_nondeterministic_$CARD.log"
-fi
+probe study_step_graphs 280 "the trainer's CUDA graphs A/B (and cross-entropy compiled, widths aligned, masked route)" \
+  --deterministic --models dense moe moe_engram_rho0.8 --steps 30 \
+  --options eager compiled_queued compiled_graphs compiled_graphs_loss compiled_graphs_aligned compiled_graphs_route
+probe study_step_kernel_kinds 180 "the step's kernels by family, without and with CUDA graphs: pure MoE against dense" \
+  --deterministic --models moe dense --options compiled_queued compiled_graphs --steps 10 --profile
+probe study_step_nondeterministic 120 "what deterministic mode costs: the graphs A/B's compiled steps, without it" \
+  --models dense moe --options compiled_graphs --steps 30
 if [ "$previous_done" -eq 1 ] && [ ! -f "$R/study_concurrency_k${PARALLEL}_$CARD.json" ] && [ "$(left)" -ge 420 ]; then
   echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"
   OUT=/tmp/concurrency STEPS=400 K="$PARALLEL" timeout 400 benchmarks/probes/study_concurrency.sh \
