@@ -214,7 +214,7 @@ def evaluate(
         for batch in stream.eval_batches(seq_len, max_tokens, batch_size):
             positions = batch.positions
             batch = batch.to(device)
-            if cuda_graphs:  # (only then: its first call imports Inductor, seconds)
+            if cuda_graphs:  # only then: its first call imports Inductor's graph trees (seconds)
                 torch.compiler.cudagraph_mark_step_begin()
             with autocast_for(device, precision):
                 losses = model.loss(batch.inputs, batch.targets, batch.doc_starts, reduction="none")
