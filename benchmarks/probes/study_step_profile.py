@@ -54,9 +54,7 @@ def matmul_ceiling(device) -> float:
 
 
 OPTIONS = {
-    "eager_foreach": {"foreach": True},
     "eager": {},
-    "compiled_foreach": {"compile": True, "foreach": True},
     "compiled": {"compile": True},
     "compiled_loss": {"compile": True, "compile_loss": True},
     "compiled_queued": {"compile": True, "queued": True},
@@ -65,9 +63,8 @@ OPTIONS = {
     "compiled_graphs_aligned": {"compile": True, "queued": True, "cuda_graphs": True, "aligned": True},
     "compiled_graphs_route": {"compile": True, "queued": True, "cuda_graphs": True, "masked_route": True},
 }
-"""eager / compiled: `TrainConfig.compile`; foreach: AdamW's foreach step instead of the fused one the
-trainer picks on CUDA; compiled_loss: the loss's cross-entropy compiled too (`DecoderLM.cross_entropy`:
-the fp32 logits' copy, softmax and their backward fused);
+"""eager / compiled: `TrainConfig.compile`; compiled_loss: the loss's cross-entropy compiled too
+(`DecoderLM.cross_entropy`: the fp32 logits' copy, softmax and their backward fused);
 queued: the steps queued by `Trainer.queue_step` and their losses read once at the end (the study's
 loop reads them at its log lines), instead of `train_step`'s read after every step; cuda_graphs:
 `TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs; aligned: each SwiGLU whose
@@ -150,12 +147,6 @@ def build(name, cfg, device, tc, steps, opts):
         cuda_graphs=bool(opts.get("cuda_graphs")),
     )
     trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
-    if opts.get("foreach"):
-        from condmem.train.optim import build_optimizers
-
-        c = run
-        betas = (c.beta1, c.beta2)
-        trainer.adamw, _ = build_optimizers(model, c.lr, c.lr * c.table_lr_mult, c.weight_decay, betas, betas, c.eps)
     return model, trainer
 
 
