@@ -62,6 +62,7 @@ OPTIONS = {
     "compiled_graphs_loss": {"compile": True, "queued": True, "cuda_graphs": True, "compile_loss": True},
     "compiled_graphs_aligned": {"compile": True, "queued": True, "cuda_graphs": True, "aligned": True},
     "compiled_graphs_route": {"compile": True, "queued": True, "cuda_graphs": True, "masked_route": True},
+    "compiled_graphs_whole": {"compile": True, "queued": True, "cuda_graphs": True, "whole": True},
 }
 """eager / compiled: `TrainConfig.compile`; compiled_loss: the loss's cross-entropy compiled too
 (`DecoderLM.cross_entropy`: the fp32 logits' copy, softmax and their backward fused);
@@ -71,7 +72,9 @@ loop reads them at its log lines), instead of `train_step`'s read after every st
 hidden width is not a multiple of 8 (the dense control's, a pure MoE's widened shared expert) runs
 with it padded by zero units (`aligned_swiglu`): the same function, on GEMM kernels for aligned
 shapes; masked_route: the router's chosen log-scores picked by a mask, not a gather (`masked_route`),
-whose backward (a scatter-add) deterministic mode sorts on CUDA."""
+whose backward (a scatter-add) deterministic mode sorts on CUDA; whole: the model's whole loss (embedding,
+every block, head, cross-entropy) compiled and replayed as one CUDA graph forward and one backward,
+instead of one pair per block: fewer replays, less host work between them."""
 
 KERNEL_KINDS = (
     ("optimizer", ("multi_tensor_apply", "adam")),
@@ -147,6 +150,11 @@ def build(name, cfg, device, tc, steps, opts):
         cuda_graphs=bool(opts.get("cuda_graphs")),
     )
     trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
+    if opts.get("whole"):
+        for block in model.blocks:
+            block._compiled_call_impl = None  # the blocks trace into the whole loss's graph instead
+        graphed = torch.compile(model.loss, mode="reduce-overhead")
+        model.loss = lambda *a, **k: graphed(*a, **k).clone()  # the queued loss outlives the next replay
     return model, trainer
 
 
@@ -159,6 +167,13 @@ def timed(trainer, first, last, queued=False):
         losses = [trainer.train_step(s)[0] for s in range(first, last)]
     torch.cuda.synchronize()
     return time.perf_counter() - t0, losses
+
+
+def save(out: str, result: dict) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    tmp = Path(out) / "study_step_profile.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(Path(out) / "study_step_profile.json")
 
 
 def main() -> None:
@@ -253,9 +268,7 @@ def run(args) -> None:
             )
             del trainer, model
             torch.cuda.empty_cache()
-    result["rows"] = rows
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "study_step_profile.json").write_text(json.dumps(result, indent=1) + "\n")
+            save(args.out, {**result, "rows": rows})  # after each variant: a call's timeout keeps those done
     print(f"\n{result['gpu']}, bf16 matmul ceiling {peak / 1e12:.0f} TFLOP/s")
     print(f"{'variant':<40} {'ms/step':>8} {'tok/s':>11} {'MFU':>6}")
     for k, r in rows.items():
