@@ -89,9 +89,9 @@ fi
 probe study_step_graphs 300 "the trainer's CUDA graphs A/B, and the whole loss as one graph" \
   --deterministic --models moe dense moe_engram_rho0.8 --steps 20 \
   --options eager compiled_queued compiled_graphs compiled_graphs_whole
-probe study_step_graph_variants 240 "with CUDA graphs: cross-entropy compiled, widths aligned, masked route" \
-  --deterministic --models moe dense --steps 20 \
-  --options compiled_graphs compiled_graphs_loss compiled_graphs_aligned compiled_graphs_route
+probe study_step_graph_variants 330 "with CUDA graphs: cross-entropy compiled, widths aligned, masked route, fused AdamW, foreach clipping" \
+  --deterministic --models moe dense --steps 20 --options compiled_graphs compiled_graphs_loss compiled_graphs_aligned \
+  compiled_graphs_route compiled_graphs_fused compiled_graphs_clip
 probe study_step_kernel_kinds 180 "the step's kernels by family, without and with CUDA graphs: pure MoE against dense" \
   --deterministic --models moe dense --options compiled_queued compiled_graphs --steps 10 --profile
 probe study_step_nondeterministic 120 "what deterministic mode costs: the graphs A/B's compiled steps, without it" \

@@ -36,7 +36,9 @@ from condmem.models.moe import MoE  # noqa: E402
 from condmem.models.flops import train_flops_per_token  # noqa: E402
 from condmem.train.data import TokenStream  # noqa: E402
 from condmem.train.determinism import deterministic_mode, set_cublas_workspace  # noqa: E402
+from condmem.train import loop  # noqa: E402
 from condmem.train.loop import Trainer  # noqa: E402
+from condmem.train.optim import build_optimizers, clip_grad_norm_  # noqa: E402
 from condmem.apps.study.sweep import STUDY_PRESETS, allocation_points  # noqa: E402
 
 
@@ -63,6 +65,8 @@ OPTIONS = {
     "compiled_graphs_aligned": {"compile": True, "queued": True, "cuda_graphs": True, "aligned": True},
     "compiled_graphs_route": {"compile": True, "queued": True, "cuda_graphs": True, "masked_route": True},
     "compiled_graphs_whole": {"compile": True, "queued": True, "cuda_graphs": True, "whole": True},
+    "compiled_graphs_fused": {"compile": True, "queued": True, "cuda_graphs": True, "fused_adamw": True},
+    "compiled_graphs_clip": {"compile": True, "queued": True, "cuda_graphs": True, "foreach_clip": True},
 }
 """eager / compiled: `TrainConfig.compile`; compiled_loss: the loss's cross-entropy compiled too
 (`DecoderLM.cross_entropy`: the fp32 logits' copy, softmax and their backward fused);
@@ -74,7 +78,9 @@ with it padded by zero units (`aligned_swiglu`): the same function, on GEMM kern
 shapes; masked_route: the router's chosen log-scores picked by a mask, not a gather (`masked_route`),
 whose backward (a scatter-add) deterministic mode sorts on CUDA; whole: the model's whole loss (embedding,
 every block, head, cross-entropy) compiled and replayed as one CUDA graph forward and one backward,
-instead of one pair per block: fewer replays, less host work between them."""
+instead of one pair per block: fewer replays, less host work between them; fused_adamw: AdamW's fused
+step (one pass over weights, gradients and moments) instead of its foreach ops; foreach_clip: the
+gradients' norm and their scaling by foreach kernels (`foreach_clip`), not ~4 launches a tensor."""
 
 KERNEL_KINDS = (
     ("optimizer", ("multi_tensor_apply", "adam")),
@@ -125,6 +131,18 @@ def masked_route(moe: MoE, x: torch.Tensor):
     return scores, experts, weights * moe.routed_scale if moe.routed_scale != 1.0 else weights
 
 
+@torch.no_grad()
+def foreach_clip(params, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` for dense gradients: the per-tensor norms in one multi-tensor kernel, the
+    scaling in another. The same norm up to rounding (per-tensor norms, then their norm)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(g.is_sparse for g in grads):
+        return clip_grad_norm_(params, max_norm)
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
+
+
 def build(name, cfg, device, tc, steps, opts):
     rng = np.random.default_rng(0)
     train = TokenStream(rng.integers(2, VOCAB, size=tc.batch_size * tc.seq_len * (steps + 8) + 1).astype(np.int32), 0)
@@ -150,6 +168,13 @@ def build(name, cfg, device, tc, steps, opts):
         cuda_graphs=bool(opts.get("cuda_graphs")),
     )
     trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
+    if opts.get("fused_adamw"):
+        betas = (run.beta1, run.beta2)
+        trainer.adamw, _ = build_optimizers(
+            model, run.lr, run.lr * run.table_lr_mult, run.weight_decay, betas, betas, run.eps, fused=True
+        )
+    # the trainer's name for it, set for every variant: one process trains them one after another
+    loop.clip_grad_norm_ = foreach_clip if opts.get("foreach_clip") else clip_grad_norm_
     if opts.get("whole"):
         for block in model.blocks:
             block._compiled_call_impl = None  # the blocks trace into the whole loss's graph instead
