@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from condmem.train.optim import SparseAdam, clip_grad_norm_, lr_factor
-from tests.helpers import assert_close
+from condmem.train.optim import SparseAdam, clip_grad_norm_, export_adamw_state, import_adamw_state, lr_factor
+from tests.helpers import assert_close, devices
 
 ROWS, DIM = 40, 6
 
@@ -117,3 +117,36 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(a >= b for a, b in zip(f[10:], f[11:])), "monotone decay after warm-up"
     assert f[-1] == pytest.approx(0.1, abs=1e-3)
     assert lr_factor(200, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fused", [False, True])
+def test_adamw_state_resumes_bit_for_bit_from_a_checkpoint_copy(device, fused):
+    """An AdamW (foreach or fused) resumed from its exported state, read back on the CPU as a
+    checkpoint is, takes the same next step as the optimizer that never stopped: a fused one's step
+    count goes back beside its weights (on CUDA a CPU count fails the fused kernel)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, device=device)
+
+    def model_and_optimizer():
+        m = torch.nn.Linear(8, 4, device=device)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused)
+
+    def step(m, opt):
+        m(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    m, opt = model_and_optimizer()
+    for _ in range(3):
+        step(m, opt)
+    saved = {k: v.cpu() for k, v in export_adamw_state(opt, {p: n for n, p in m.named_parameters()}).items()}
+    resumed, opt2 = model_and_optimizer()
+    resumed.load_state_dict(m.state_dict())
+    import_adamw_state(opt2, saved, {p: n for n, p in resumed.named_parameters()})
+    for p in resumed.parameters():
+        count = opt2.state[p]["step"]
+        assert count.dtype == torch.float32 and count.device == (p.device if fused else torch.device("cpu"))
+    step(m, opt)
+    step(resumed, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), resumed.parameters()))

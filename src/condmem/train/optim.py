@@ -328,14 +328,19 @@ def import_adamw_state(
     opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], names: dict[nn.Parameter, str]
 ) -> None:
     for group in opt.param_groups:
+        # Adam keeps `step` on the CPU, unless fused or capturable: then fp32 beside its weight,
+        # where the step kernels read it (a CPU step there fails the first step after a resume).
+        step_device = None if group.get("fused") or group.get("capturable") else torch.device("cpu")
         for p in group["params"]:
             base = names[p]
             state = {}
             for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                 if f"{base}.{key}" in tensors:
                     value = tensors[f"{base}.{key}"]
-                    # Adam keeps `step` on the CPU unless it is fused/capturable.
-                    state[key] = value.clone() if key == "step" else value.to(p.device, p.dtype).clone()
+                    if key == "step":
+                        state[key] = value.to(step_device or p.device, torch.float32).clone()
+                    else:
+                        state[key] = value.to(p.device, p.dtype).clone()
             if state:
                 opt.state[p] = state
 
