@@ -40,6 +40,7 @@ from condmem.train import loop  # noqa: E402
 from condmem.train.loop import Trainer  # noqa: E402
 from condmem.train.optim import build_optimizers, clip_grad_norm_  # noqa: E402
 from condmem.apps.study.sweep import STUDY_PRESETS, allocation_points  # noqa: E402
+from condmem.utils.atomic import atomic_write_text  # noqa: E402
 
 
 def matmul_ceiling(device) -> float:
@@ -194,13 +195,6 @@ def timed(trainer, first, last, queued=False):
     return time.perf_counter() - t0, losses
 
 
-def save(out: str, result: dict) -> None:
-    Path(out).mkdir(parents=True, exist_ok=True)
-    tmp = Path(out) / "study_step_profile.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(Path(out) / "study_step_profile.json")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -293,17 +287,23 @@ def run(args) -> None:
             )
             del trainer, model
             torch.cuda.empty_cache()
-            save(args.out, {**result, "rows": rows})  # after each variant: a call's timeout keeps those done
+            # after each variant: a call's timeout keeps those done
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            saved = json.dumps({**result, "rows": rows}, indent=1)
+            atomic_write_text(Path(args.out) / "study_step_profile.json", saved)
     print(f"\n{result['gpu']}, bf16 matmul ceiling {peak / 1e12:.0f} TFLOP/s")
     print(f"{'variant':<40} {'ms/step':>8} {'tok/s':>11} {'MFU':>6}")
     for k, r in rows.items():
         if "error" in r:
             print(f"{k:<40} FAILED")
             continue
-        base = rows.get(k.split("/")[0] + "/eager", {}).get("losses")
-        drift = max(abs(a - b) for a, b in zip(r["losses"], base)) if base else float("nan")
         speed = f"{r['ms_per_step']:>8.1f} {r['tokens_per_s']:>11,.0f} {r['mfu']:>6.1%}"
-        print(f"{k:<40} {speed}  loss drift vs eager {drift:.2e}")
+        drifts = []
+        for ref in ("eager", "compiled_graphs"):  # the losses' largest difference from each reference run
+            base = rows.get(f"{k.split('/')[0]}/{ref}", {}).get("losses")
+            if base and not k.endswith(f"/{ref}"):
+                drifts.append(f"vs {ref} {max(abs(a - b) for a, b in zip(r['losses'], base)):.2e}")
+        print(f"{k:<40} {speed}  loss drift {', '.join(drifts) or '-'}")
 
 
 if __name__ == "__main__":
