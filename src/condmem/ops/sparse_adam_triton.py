@@ -96,19 +96,35 @@ def _bias_corrections(pow1_ptr, pow2_ptr, step, live):
     return bias1, bias2_sqrt
 
 
+_FMA_IN_FP64 = tl.constexpr(_INTERPRET)
+"""Whether `_fma` sums in fp64: in the interpreter, whose ``tl.fma`` rounds twice on some Triton
+releases (3.8)."""
+
+
+@triton.jit
+def _fma(a, b, c):
+    """``a * b + c`` (fp32) rounded once, as ``tl.fma`` compiles on a GPU. In the interpreter: the fp32
+    product is exact in fp64 and the sum is rounded there, then to fp32; rounding twice differs from
+    once only where the fp64 sum is a fp32 midpoint (about 2^-28 of sums)."""
+    if _FMA_IN_FP64:
+        return (b.to(tl.float64) * a + c.to(tl.float64)).to(tl.float32)  # `a` may be a scalar argument
+    else:
+        return tl.fma(a, b, c)
+
+
 @triton.jit
 def _adam_math(
     g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL: tl.constexpr, V_CUDA: tl.constexpr
 ):
     """One Adam step of fp32 tiles: (new m, new v, the row's change) with torch's roundings (module docstring)."""
     if LERP_SMALL:
-        m = tl.fma(w, g - m, m)
+        m = _fma(w, g - m, m)
     else:
-        m = tl.fma(w - 1.0, g - m, g)
+        m = _fma(w - 1.0, g - m, g)
     if V_CUDA:
-        v = tl.fma(one_minus_beta2, g * g, v * beta2)
+        v = _fma(one_minus_beta2, g * g, v * beta2)
     else:
-        v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+        v = _fma(one_minus_beta2 * g, g, v * beta2)
     update = tl.div_rn(tl.div_rn(m, bias1), tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps)
     return m, v, update * neg_lr
 
