@@ -9,11 +9,13 @@
 #
 # In order: once, one committed allocation run trained again (are its losses the committed ones?);
 # the allocation at 100 and at 400 steps; the token axis, whose 100- and 400-step budgets are
-# copied from the two allocation sweeps (--reuse); the slot sweep; then, once each, the compiled
-# step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager, compiled,
-# queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler caches), the
-# trainer's CUDA graphs (their GPU tests, their A/B, the kernels by family with them, the compiled
-# step without deterministic mode), and a sweep's tokens over wall time, one eager run at a time
+# copied from the two allocation sweeps (--reuse); the slot sweep; then, once each on any card, the
+# compiled step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager,
+# compiled, queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler
+# caches), the trainer's CUDA graphs (their GPU tests, their A/B beside the whole loss as one graph,
+# then with graphs: cross-entropy compiled, widths aligned, masked route, fused AdamW, foreach
+# clipping; the kernels by family with them, the compiled step without deterministic mode), and a
+# sweep's tokens over wall time, one eager run at a time
 # against $PARALLEL compiled runs at once (benchmarks/probes/study_concurrency.sh, 400 steps), all
 # into benchmarks/results/.
 set -uo pipefail
