@@ -96,17 +96,13 @@ def _bias_corrections(pow1_ptr, pow2_ptr, step, live):
     return bias1, bias2_sqrt
 
 
-_FMA_IN_FP64 = tl.constexpr(_INTERPRET)
-"""Whether `_fma` sums in fp64: in the interpreter, whose ``tl.fma`` rounds twice on some Triton
-releases (3.8)."""
-
-
 @triton.jit
-def _fma(a, b, c):
-    """``a * b + c`` (fp32) rounded once, as ``tl.fma`` compiles on a GPU. In the interpreter: the fp32
-    product is exact in fp64 and the sum is rounded there, then to fp32; rounding twice differs from
-    once only where the fp64 sum is a fp32 midpoint (about 2^-28 of sums)."""
-    if _FMA_IN_FP64:
+def _fma(a, b, c, EXACT: tl.constexpr):
+    """``a * b + c`` (fp32) rounded once, as ``tl.fma`` compiles on a GPU. With `EXACT` (the
+    interpreter, whose ``tl.fma`` rounds twice on some Triton releases, 3.8): the fp32 product is
+    exact in fp64 and the sum is rounded there, then to fp32; rounding twice differs from once only
+    where the fp64 sum is a fp32 midpoint (about 2^-28 of sums)."""
+    if EXACT:
         return (b.to(tl.float64) * a + c.to(tl.float64)).to(tl.float32)  # `a` may be a scalar argument
     else:
         return tl.fma(a, b, c)
@@ -114,17 +110,29 @@ def _fma(a, b, c):
 
 @triton.jit
 def _adam_math(
-    g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL: tl.constexpr, V_CUDA: tl.constexpr
+    g,
+    m,
+    v,
+    bias1,
+    bias2_sqrt,
+    w,
+    beta2,
+    one_minus_beta2,
+    eps,
+    neg_lr,
+    LERP_SMALL: tl.constexpr,
+    V_CUDA: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """One Adam step of fp32 tiles: (new m, new v, the row's change) with torch's roundings (module docstring)."""
     if LERP_SMALL:
-        m = _fma(w, g - m, m)
+        m = _fma(w, g - m, m, EXACT)
     else:
-        m = _fma(w - 1.0, g - m, g)
+        m = _fma(w - 1.0, g - m, g, EXACT)
     if V_CUDA:
-        v = _fma(one_minus_beta2, g * g, v * beta2)
+        v = _fma(one_minus_beta2, g * g, v * beta2, EXACT)
     else:
-        v = _fma(one_minus_beta2 * g, g, v * beta2)
+        v = _fma(one_minus_beta2 * g, g, v * beta2, EXACT)
     update = tl.div_rn(tl.div_rn(m, bias1), tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps)
     return m, v, update * neg_lr
 
@@ -180,7 +188,9 @@ def _adam_kernel(
     g = tl.load(grad_ptr + r * D + c, mask=cm, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + at, mask=cm & kept, other=0.0)
     v = tl.load(v_ptr + at, mask=cm & kept, other=0.0)
-    m, v, delta = _adam_math(g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL, V_CUDA)
+    m, v, delta = _adam_math(
+        g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL, V_CUDA, EXACT
+    )
 
     pa = p_ptr + row * p_stride + c
     p = tl.load(pa, mask=cm, other=0.0)
@@ -216,6 +226,7 @@ def _adam_launch(dim: int, lr: float, beta1: float, beta2: float, eps: float, cu
         BLOCK_D=block_d,
         LERP_SMALL=abs(w) < 0.5,
         V_CUDA=cuda and a != 1.0,  # with a == 1 both orders are fma(g, g, v * beta2)
+        EXACT=_INTERPRET,
         num_warps=4,
         **COMPILE_OPTIONS,
     )
@@ -307,7 +318,6 @@ def sparse_adam_step(
         param.stride(0),
         *scalars,
         P_KIND=DTYPES[param.dtype],
-        EXACT=_INTERPRET,
         **meta,
     )
     n_slots.add_(rank[-1])
@@ -333,6 +343,7 @@ def _rows_adam_kernel(
     BLOCK_D: tl.constexpr,
     LERP_SMALL: tl.constexpr,
     V_CUDA: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     c = tl.arange(0, BLOCK_D)[None, :]
@@ -344,7 +355,9 @@ def _rows_adam_kernel(
     g = tl.load(grad_ptr + at, mask=cm, other=0.0)
     m = tl.load(m_ptr + at, mask=cm, other=0.0)
     v = tl.load(v_ptr + at, mask=cm, other=0.0)
-    m, v, delta = _adam_math(g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL, V_CUDA)
+    m, v, delta = _adam_math(
+        g, m, v, bias1, bias2_sqrt, w, beta2, one_minus_beta2, eps, neg_lr, LERP_SMALL, V_CUDA, EXACT
+    )
     p = tl.load(p_ptr + at, mask=cm, other=0.0)
     tl.store(p_ptr + at, p + delta, mask=cm)
     tl.store(m_ptr + at, m, mask=cm)
