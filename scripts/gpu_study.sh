@@ -66,11 +66,14 @@ sweep allocation "$R/study_allocation_100steps_h100" --steps 100
 sweep allocation "$R/study_allocation_400steps_h100"
 sweep tokens "$R/study_tokens_h100" --reuse "$R/study_allocation_400steps_h100" "$R/study_allocation_100steps_h100"
 sweep slots "$R/study_slots_h100"
+ran() {  # name, extension: whether $R/<name>_<card>.<extension> exists for some card (each runs once)
+  compgen -G "$R/$1_h[0-9]*.$2" > /dev/null
+}
 probe() {  # name, seconds (needed, and its timeout), what it measures, study_step_profile.py flags...:
   # once on any card, after the sweeps, into $R/<name>_$CARD.{json,log}
   local name=$1 seconds=$2 what=$3
   shift 3
-  if [ "$previous_done" -eq 1 ] && ! compgen -G "$R/${name}_h[0-9]*.json" > /dev/null && [ "$(left)" -ge "$seconds" ]; then
+  if [ "$previous_done" -eq 1 ] && ! ran "$name" json && [ "$(left)" -ge "$seconds" ]; then
     echo "== $what" | tee -a "$OUT/study.log"
     timeout "$seconds" python3 benchmarks/probes/study_step_profile.py "$@" --out "$OUT/$name" \
       > "$R/${name}_$CARD.log" 2>&1
@@ -82,7 +85,7 @@ probe study_step_kernels 200 "the compiled step's kernels: pure MoE against dens
   --deterministic --models moe dense --options compiled_queued --steps 10 --profile
 probe study_step_fresh 300 "speed A/B" --deterministic --models dense moe moe_engram_rho0.8 \
   --options eager compiled compiled_queued compiled_graphs --steps 30
-if [ "$previous_done" -eq 1 ] && ! compgen -G "$R/study_step_graphs_tests_h[0-9]*.log" > /dev/null && [ "$(left)" -ge 400 ]; then
+if [ "$previous_done" -eq 1 ] && ! ran study_step_graphs_tests log && [ "$(left)" -ge 400 ]; then
   echo "== the trainer's CUDA graphs: their GPU tests" | tee -a "$OUT/study.log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_compiled_training.py \
     tests/train/test_queued_steps.py > "$R/study_step_graphs_tests_$CARD.log" 2>&1
@@ -98,7 +101,7 @@ probe study_step_kernel_kinds 180 "the step's kernels by family, without and wit
   --deterministic --models moe dense --options compiled_queued compiled_graphs --steps 10 --profile
 probe study_step_nondeterministic 120 "what deterministic mode costs: the graphs A/B's compiled steps, without it" \
   --models dense moe --options compiled_graphs --steps 30
-if [ "$previous_done" -eq 1 ] && ! compgen -G "$R/study_concurrency_k${PARALLEL}_h[0-9]*.json" > /dev/null && [ "$(left)" -ge 420 ]; then
+if [ "$previous_done" -eq 1 ] && ! ran "study_concurrency_k$PARALLEL" json && [ "$(left)" -ge 420 ]; then
   echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"
   OUT=/tmp/concurrency STEPS=400 K="$PARALLEL" timeout 400 benchmarks/probes/study_concurrency.sh \
     > "$R/study_concurrency_k${PARALLEL}_$CARD.log" 2>&1 && cp /tmp/concurrency/summary.json "$R/study_concurrency_k${PARALLEL}_$CARD.json"
