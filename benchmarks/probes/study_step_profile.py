@@ -20,25 +20,19 @@ import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_step import VOCAB, commit, variants  # noqa: E402
 
 from condmem.models import DecoderLM  # noqa: E402
-from condmem.models.layers import SwiGLU  # noqa: E402
-from condmem.models.moe import MoE  # noqa: E402
 from condmem.models.flops import train_flops_per_token  # noqa: E402
 from condmem.train.data import TokenStream  # noqa: E402
 from condmem.train.determinism import deterministic_mode, set_cublas_workspace  # noqa: E402
-from condmem.train import loop  # noqa: E402
 from condmem.train.loop import Trainer  # noqa: E402
-from condmem.train.optim import build_optimizers, clip_grad_norm_  # noqa: E402
 from condmem.apps.study.sweep import STUDY_PRESETS, allocation_points  # noqa: E402
 from condmem.utils.atomic import atomic_write_text  # noqa: E402
 
@@ -59,29 +53,13 @@ def matmul_ceiling(device) -> float:
 OPTIONS = {
     "eager": {},
     "compiled": {"compile": True},
-    "compiled_loss": {"compile": True, "compile_loss": True},
     "compiled_queued": {"compile": True, "queued": True},
     "compiled_graphs": {"compile": True, "queued": True, "cuda_graphs": True},
-    "compiled_graphs_loss": {"compile": True, "queued": True, "cuda_graphs": True, "compile_loss": True},
-    "compiled_graphs_aligned": {"compile": True, "queued": True, "cuda_graphs": True, "aligned": True},
-    "compiled_graphs_route": {"compile": True, "queued": True, "cuda_graphs": True, "masked_route": True},
-    "compiled_graphs_whole": {"compile": True, "queued": True, "cuda_graphs": True, "whole": True},
-    "compiled_graphs_fused": {"compile": True, "queued": True, "cuda_graphs": True, "fused_adamw": True},
-    "compiled_graphs_clip": {"compile": True, "queued": True, "cuda_graphs": True, "foreach_clip": True},
 }
-"""eager / compiled: `TrainConfig.compile`; compiled_loss: the loss's cross-entropy compiled too
-(`DecoderLM.cross_entropy`: the fp32 logits' copy, softmax and their backward fused);
-queued: the steps queued by `Trainer.queue_step` and their losses read once at the end (the study's
-loop reads them at its log lines), instead of `train_step`'s read after every step; cuda_graphs:
-`TrainConfig.cuda_graphs`, the compiled blocks also replayed as CUDA graphs; aligned: each SwiGLU whose
-hidden width is not a multiple of 8 (the dense control's, a pure MoE's widened shared expert) runs
-with it padded by zero units (`aligned_swiglu`): the same function, on GEMM kernels for aligned
-shapes; masked_route: the router's chosen log-scores picked by a mask, not a gather (`masked_route`),
-whose backward (a scatter-add) deterministic mode sorts on CUDA; whole: the model's whole loss (embedding,
-every block, head, cross-entropy) compiled and replayed as one CUDA graph forward and one backward,
-instead of one pair per block: fewer replays, less host work between them; fused_adamw: AdamW's fused
-step (one pass over weights, gradients and moments) instead of its foreach ops; foreach_clip: the
-gradients' norm and their scaling by foreach kernels (`foreach_clip`), not ~4 launches a tensor."""
+"""eager / compiled: `TrainConfig.compile` (the blocks and the cross-entropy); queued: the steps queued
+by `Trainer.queue_step` and their losses read once at the end (the study's loop reads them at its log
+lines), instead of `train_step`'s read after every step; cuda_graphs: `TrainConfig.cuda_graphs`, the
+compiled blocks also replayed as CUDA graphs (the gpu preset's step)."""
 
 KERNEL_KINDS = (
     ("optimizer", ("multi_tensor_apply", "adam")),
@@ -104,61 +82,11 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def aligned_swiglu(mlp: SwiGLU, x: torch.Tensor) -> torch.Tensor:
-    """`mlp`'s forward with its hidden width padded to a multiple of 8 by zero units: silu(0) * 0 adds
-    nothing to the down projection, so the function is the same and only the GEMMs' shapes change."""
-    pad = -mlp.w1.weight.shape[0] % 8
-    w1, w3 = (F.pad(w.weight, (0, 0, 0, pad)) for w in (mlp.w1, mlp.w3))
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), F.pad(mlp.w2.weight, (0, pad)))
-
-
-def masked_route(moe: MoE, x: torch.Tensor):
-    """`MoE.route` with each chosen expert's log-score (and score) picked as a masked sum over the
-    experts instead of a gather: the same values (one term and exact zeros), a gradient with no
-    scatter-add."""
-    logits = moe.logits(x)
-    scores = torch.softmax(logits, dim=-1) if moe.score == "softmax" else torch.sigmoid(logits)
-    select = scores if moe.expert_bias is None else scores + moe.expert_bias
-    experts = torch.topk(select, moe.top_k, dim=-1).indices
-    chosen = experts.unsqueeze(-1) == torch.arange(moe.n_experts, device=x.device)  # [N, k, E]
-
-    def pick(values):
-        return torch.where(chosen, values.unsqueeze(1), 0.0).sum(-1)
-
-    if moe.renormalize:
-        weights = torch.softmax(pick(logits if moe.score == "softmax" else F.logsigmoid(logits)), dim=-1)
-    else:
-        weights = pick(scores)
-    return scores, experts, weights * moe.routed_scale if moe.routed_scale != 1.0 else weights
-
-
-@torch.no_grad()
-def foreach_clip(params, max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` for dense gradients: the per-tensor norms in one multi-tensor kernel, the
-    scaling in another. The same norm up to rounding (per-tensor norms, then their norm)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if any(g.is_sparse for g in grads):
-        return clip_grad_norm_(params, max_norm)
-    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
-    return total
-
-
 def build(name, cfg, device, tc, steps, opts):
     rng = np.random.default_rng(0)
     train = TokenStream(rng.integers(2, VOCAB, size=tc.batch_size * tc.seq_len * (steps + 8) + 1).astype(np.int32), 0)
     val = TokenStream(rng.integers(2, VOCAB, size=4 * tc.seq_len + 1).astype(np.int32), 0)
     model = DecoderLM(cfg, token_lookup=np.arange(VOCAB, dtype=np.int64), seed=0, device=device)
-    if opts.get("compile_loss"):
-        model.cross_entropy = torch.compile(model.cross_entropy)  # no CUDA graph: it returns the queued loss
-    if opts.get("masked_route"):
-        for moe in model.modules():
-            if isinstance(moe, MoE):
-                moe.route = types.MethodType(masked_route, moe)
-    if opts.get("aligned"):
-        for mlp in model.modules():
-            if isinstance(mlp, SwiGLU) and mlp.w1.weight.shape[0] % 8:
-                mlp.forward = types.MethodType(aligned_swiglu, mlp)
     run = dataclasses.replace(
         tc,
         steps=steps,
@@ -169,18 +97,6 @@ def build(name, cfg, device, tc, steps, opts):
         cuda_graphs=bool(opts.get("cuda_graphs")),
     )
     trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
-    if opts.get("fused_adamw"):
-        betas = (run.beta1, run.beta2)
-        trainer.adamw, _ = build_optimizers(
-            model, run.lr, run.lr * run.table_lr_mult, run.weight_decay, betas, betas, run.eps, fused=True
-        )
-    # the trainer's name for it, set for every variant: one process trains them one after another
-    loop.clip_grad_norm_ = foreach_clip if opts.get("foreach_clip") else clip_grad_norm_
-    if opts.get("whole"):
-        for block in model.blocks:
-            block._compiled_call_impl = None  # the blocks trace into the whole loss's graph instead
-        graphed = torch.compile(model.loss, mode="reduce-overhead")
-        model.loss = lambda *a, **k: graphed(*a, **k).clone()  # the queued loss outlives the next replay
     return model, trainer
 
 

@@ -16,6 +16,7 @@ from condmem.models import (
     iso_flop_baseline,
     train_flops_per_token,
 )
+from condmem.models.layers import SwiGLU
 from tests.helpers import assert_close
 
 VOCAB = 97
@@ -159,6 +160,28 @@ def test_generate_is_deterministic_and_respects_length():
     assert greedy[0] == logits.argmax()
     # The model's context is 40: a long prompt keeps its tail and still generates.
     assert generate(model, torch.randint(0, VOCAB, (60,)), 10, seed=0).shape == (10,)
+
+
+@pytest.mark.parametrize("hidden", [13, 16])
+def test_swiglu_of_an_unaligned_width_trains_padded_to_the_same_function(hidden):
+    """In training, a hidden width that is not a multiple of 8 runs padded with zero units: in
+    fp64 the output and every gradient equal the unpadded forward's to 1e-12 (eval mode runs
+    unpadded); an aligned width runs as it is, bit for bit."""
+    torch.manual_seed(0)
+    mlp = SwiGLU(12, hidden, dtype=torch.float64)
+    x = torch.randn(5, 7, 12, dtype=torch.float64, requires_grad=True)
+    got = mlp.train()(x)
+    got.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    x.grad = None
+    mlp.zero_grad()
+    want = mlp.eval()(x)
+    want.square().sum().backward()
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    for g, w in zip(grads, [x.grad] + [p.grad for p in mlp.parameters()]):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=0, atol=1e-12)
+    if hidden % 8 == 0:
+        assert torch.equal(got, want)
 
 
 def test_config_validation_names_the_field():

@@ -101,6 +101,29 @@ def test_routing_matches_a_plain_loop(grouped, shape, knobs):
         assert_close(f"grad {name}", ref_moe.get_parameter(name).grad, moe.get_parameter(name).grad)
 
 
+@pytest.mark.parametrize(("shape", "knobs"), CASES, ids=CASE_IDS)
+def test_routing_picks_the_chosen_experts_as_a_gather_would_bit_for_bit(shape, knobs):
+    """`MoE.route` picks each chosen expert's log-score (or score) by a mask over the experts:
+    the weights and the router's gradient equal a gather's (`torch.equal`)."""
+    tokens, n_experts, top_k = shape
+    moe, _ = _pair(n_experts, top_k, **knobs)
+    x = torch.randn(tokens, 16)
+    _, experts, weights = moe.route(x)
+    (weights * torch.linspace(-1, 2, weights.numel()).view_as(weights)).sum().backward()
+    got = moe.router.weight.grad.clone()
+    moe.router.weight.grad = None
+    logits = moe.logits(x)  # the gather, written out
+    if moe.renormalize:
+        log_scores = logits if moe.score == "softmax" else F.logsigmoid(logits)
+        want = torch.softmax(log_scores.gather(-1, experts), dim=-1)
+    else:
+        want = (torch.softmax(logits, -1) if moe.score == "softmax" else torch.sigmoid(logits)).gather(-1, experts)
+    want = want * moe.routed_scale if moe.routed_scale != 1.0 else want
+    (want * torch.linspace(-1, 2, want.numel()).view_as(want)).sum().backward()
+    assert torch.equal(weights, want)
+    assert torch.equal(got, moe.router.weight.grad)
+
+
 def test_the_loop_comparison_tells_renormalised_from_raw_weights():
     """Negative control: raw-probability weights (the old routing) miss the renormalised loop."""
     moe, ref_moe = _pair(6, 2, bias_rate=0.0)

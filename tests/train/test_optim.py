@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from condmem.train.optim import SparseAdam, clip_grad_norm_, export_adamw_state, import_adamw_state, lr_factor
+from condmem.train.optim import (
+    SparseAdam,
+    clip_grad_norm_,
+    clip_gradients_,
+    export_adamw_state,
+    import_adamw_state,
+    lr_factor,
+)
 from tests.helpers import assert_close, devices
 
 ROWS, DIM = 40, 6
@@ -109,6 +116,26 @@ def test_clip_grad_norm_counts_sparse_rows_once():
     small.grad = torch.tensor([0.1, 0.0])
     clip_grad_norm_([small], max_norm=1.0)
     assert torch.equal(small.grad, torch.tensor([0.1, 0.0])), "below the limit nothing changes"
+
+
+def test_clip_gradients_of_mixed_dtypes_against_fp64():
+    """Dense fp32 and bf16 gradients (multi-tensor norms and scaling) beside a sparse one: the
+    norm to fp64's within 1e-6, and each gradient scaled as one multiply by the clip factor."""
+    g = torch.Generator().manual_seed(0)
+    grads = [
+        torch.randn(7, 5, generator=g),
+        torch.randn(3, generator=g).bfloat16(),
+        sparse_grad(torch.tensor([1, 4, 4]), torch.randn(3, DIM, generator=g)).coalesce(),
+        torch.randn(11, generator=g),
+    ]
+    dense = [x.values() if x.is_sparse else x for x in grads]
+    want = math.sqrt(sum(float(x.double().pow(2).sum()) for x in dense))
+    before = [x.clone() for x in dense]
+    total = clip_gradients_(grads, max_norm=1.0)
+    assert abs(float(total) - want) < 1e-6 * want
+    scale = (1.0 / (total + 1e-6)).clamp(max=1.0)
+    for x, old in zip(grads, before):
+        assert torch.equal(x.values() if x.is_sparse else x, old * scale.to(old.dtype))
 
 
 def test_lr_schedule_warmup_then_cosine():

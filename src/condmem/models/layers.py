@@ -113,7 +113,15 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        pad = -self.w1.weight.shape[0] % 8 if self.training else 0
+        if not pad:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        # A hidden width that is not a multiple of 8 leaves cuBLAS its slowest GEMMs (operands
+        # aligned to one element). Zero units padded on add nothing (silu(0) * 0 meets zero
+        # columns of w2): the same function, other roundings. In training only, where the batch
+        # is large beside the weights' padded copies.
+        w1, w3 = (F.pad(m.weight, (0, 0, 0, pad)) for m in (self.w1, self.w3))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), F.pad(self.w2.weight, (0, pad)))
 
     def add_to(self, x: torch.Tensor, h: torch.Tensor, *, fused: bool = False, reduce=None) -> torch.Tensor:
         """``x + reduce(SwiGLU(h))`` (`reduce`: a tensor-parallel all-reduce of the partial sum).

@@ -354,16 +354,24 @@ class MoE(nn.Module):
         ``expert_bias`` (descending); weights are the chosen experts' scores, divided by their
         sum when ``renormalize``, times ``routed_scale``. The renormalised weights are computed
         as a softmax over the chosen experts' log-scores (the same function): a chosen score
-        that underflows to 0 (a saturated softmax, an expert the bias chose) gives no 0/0."""
+        that underflows to 0 (a saturated softmax, an expert the bias chose) gives no 0/0.
+
+        A chosen expert's value is picked by a mask over the experts, not a gather: one term
+        plus exact zeros, so the same bits forward and backward, and a backward with no
+        scatter-add (which deterministic mode sorts on CUDA)."""
         logits = self.logits(x)
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         select = scores if self.expert_bias is None else scores + self.expert_bias
         experts = torch.topk(select, self.top_k, dim=-1).indices
+        chosen = experts.unsqueeze(-1) == torch.arange(self.n_experts, device=x.device)  # [N, k, E]
+
+        def pick(values: torch.Tensor) -> torch.Tensor:  # values [N, E] -> the chosen experts' [N, k]
+            return torch.where(chosen, values.unsqueeze(1), 0.0).sum(-1)
+
         if self.renormalize:
-            log_scores = logits if self.score == "softmax" else F.logsigmoid(logits)
-            weights = torch.softmax(log_scores.gather(-1, experts), dim=-1)
+            weights = torch.softmax(pick(logits if self.score == "softmax" else F.logsigmoid(logits)), dim=-1)
         else:
-            weights = scores.gather(-1, experts)
+            weights = pick(scores)
         if self.routed_scale != 1.0:
             weights = weights * self.routed_scale
         return scores, experts, weights

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from condmem.distributed import ShardedTable, ShardPlan
 from condmem.distributed.checkpoint import load_sharded, save_sharded
+from condmem.train.optim import scale_gradients_, squared_norm
 
 
 class DataParallelTables:
@@ -90,20 +91,16 @@ class DataParallelTables:
     def clip_(self, replicated: list[torch.Tensor], sharded: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the global norm: the replicated gradients' squares once, the shards' summed
         over the ranks (sparse ones coalesced). Returns the norm before clipping."""
+        device = self._device(replicated, sharded)
 
         def squares(grads):
-            return sum(
-                ((g.values() if g.is_sparse else g).float().pow(2).sum() for g in grads),
-                torch.zeros((), device=self._device(replicated, sharded)),
-            )
+            return squared_norm(grads).to(device) if grads else torch.zeros((), device=device)
 
         shard_sq = squares(sharded)
         dist.all_reduce(shard_sq, group=self.group)
         total = (squares(replicated) + shard_sq).sqrt()
         if max_norm and max_norm > 0:
-            scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for g in replicated + sharded:
-                (g._values() if g.is_sparse else g).mul_(scale.to(g.dtype))
+            scale_gradients_(replicated + sharded, (max_norm / (total + 1e-6)).clamp(max=1.0))
         return total
 
     @staticmethod

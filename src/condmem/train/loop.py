@@ -18,12 +18,14 @@ import logging
 import math
 import resource
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch import nn
 
 from condmem.config import ConfigError
 from condmem.module import Engram
@@ -236,6 +238,28 @@ def evaluate(
     return out
 
 
+def compile_model(model: nn.Module, cuda_graphs: bool) -> None:
+    """Compile `model`'s decoder blocks (replayed as CUDA graphs with `cuda_graphs`) and its
+    cross-entropy, in place, from empty compiler caches.
+
+    A process that trains several models (a sweep's worker) would otherwise compile each against
+    the graphs of the ones before: past torch's recompile limit a block silently runs eager, and a
+    block recompiled for new shapes gets dynamic-shape kernels. Either changes a run's speed and
+    its last bits by what ran earlier in its process."""
+    torch._dynamo.reset()
+    for block in model.blocks:
+        # The Engram layer runs as it is, between compiled parts: its Triton kernels (gather,
+        # gate) take float scalars that Dynamo's tracing of user kernels hands over as fp64.
+        for engram in (m for m in block.modules() if isinstance(m, Engram)):
+            engram.forward = torch.compiler.disable(engram.forward, recursive=True)
+        block.compile(mode="reduce-overhead" if cuda_graphs else None)
+    if hasattr(type(model), "cross_entropy"):
+        # The fp32 logits' upcast, softmax and their backward as a few fused kernels. Never as a
+        # graph: its output is the step's loss, which the host reads steps later (queued steps)
+        # and a graph's next replay would overwrite.
+        model.cross_entropy = types.MethodType(torch.compile(type(model).cross_entropy), model)
+
+
 def _grad_sources(model) -> list:
     """The model's trainable parameters in ``model.parameters()`` order, with the layer id of
     each host-resident table where its parameter would be (the clipping norm sums in this order)."""
@@ -310,19 +334,12 @@ class Trainer:
             (cfg.beta1, cfg.beta2),
             (cfg.beta1, cfg.beta2),
             cfg.eps,
+            # One pass over weights, gradients and moments instead of a dozen foreach ops: it
+            # matters where the GPU bounds the step (compiled, replayed as graphs; docs/benchmarks.md).
+            fused=self.device.type == "cuda",
         )
         if cfg.compile:
-            # A process that trains several models (a sweep's worker) would otherwise compile each
-            # against the graphs of the ones before: past torch's recompile limit a block silently
-            # runs eager, and a block recompiled for new shapes gets dynamic-shape kernels. Either
-            # changes a run's speed and its last bits by what ran earlier in its process.
-            torch._dynamo.reset()
-            for block in model.blocks:
-                # The Engram layer runs as it is, between compiled parts: its Triton kernels (gather,
-                # gate) take float scalars that Dynamo's tracing of user kernels hands over as fp64.
-                for engram in (m for m in block.modules() if isinstance(m, Engram)):
-                    engram.forward = torch.compiler.disable(engram.forward, recursive=True)
-                block.compile(mode="reduce-overhead" if cfg.graphs_on(self.device) else None)
+            compile_model(model, cfg.graphs_on(self.device))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.host = host_tables
         self.dp = data_parallel
