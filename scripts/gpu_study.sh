@@ -12,9 +12,7 @@
 # copied from the two allocation sweeps (--reuse); the slot sweep; then, once each on any card, the
 # compiled step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager,
 # compiled, queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler
-# caches), the trainer's CUDA graphs (their GPU tests, their A/B beside the whole loss as one graph,
-# then with graphs: cross-entropy compiled, widths aligned, masked route, fused AdamW, foreach
-# clipping; the kernels by family with them, the compiled step without deterministic mode), and a
+# caches), the kernels by family with graphs, the compiled step without deterministic mode, and a
 # sweep's tokens over wall time, one eager run at a time
 # against $PARALLEL compiled runs at once (benchmarks/probes/study_concurrency.sh, 400 steps), all
 # into benchmarks/results/.
@@ -85,18 +83,6 @@ probe study_step_kernels 200 "the compiled step's kernels: pure MoE against dens
   --deterministic --models moe dense --options compiled_queued --steps 10 --profile
 probe study_step_fresh 300 "speed A/B" --deterministic --models dense moe moe_engram_rho0.8 \
   --options eager compiled compiled_queued compiled_graphs --steps 30
-if [ "$previous_done" -eq 1 ] && ! ran study_step_graphs_tests log && [ "$(left)" -ge 400 ]; then
-  echo "== the trainer's CUDA graphs: their GPU tests" | tee -a "$OUT/study.log"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/train/test_compiled_training.py \
-    tests/train/test_queued_steps.py > "$R/study_step_graphs_tests_$CARD.log" 2>&1
-  tail -n 1 "$R/study_step_graphs_tests_$CARD.log"
-fi
-probe study_step_graphs 300 "the trainer's CUDA graphs A/B, and the whole loss as one graph" \
-  --deterministic --models moe dense moe_engram_rho0.8 --steps 20 \
-  --options eager compiled_queued compiled_graphs compiled_graphs_whole
-probe study_step_graph_variants 330 "with CUDA graphs: cross-entropy compiled, widths aligned, masked route, fused AdamW, foreach clipping" \
-  --deterministic --models moe dense --steps 20 --options compiled_graphs compiled_graphs_loss compiled_graphs_aligned \
-  compiled_graphs_route compiled_graphs_fused compiled_graphs_clip
 probe study_step_kernel_kinds 180 "the step's kernels by family, without and with CUDA graphs: pure MoE against dense" \
   --deterministic --models moe dense --options compiled_queued compiled_graphs --steps 10 --profile
 probe study_step_nondeterministic 120 "what deterministic mode costs: the graphs A/B's compiled steps, without it" \
