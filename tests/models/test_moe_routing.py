@@ -103,12 +103,15 @@ def test_routing_matches_a_plain_loop(grouped, shape, knobs):
 
 @pytest.mark.parametrize(("shape", "knobs"), CASES, ids=CASE_IDS)
 def test_routing_picks_the_chosen_experts_as_a_gather_would_bit_for_bit(shape, knobs):
-    """`MoE.route` picks each chosen expert's log-score (or score) by a mask over the experts:
-    the weights and the router's gradient equal a gather's (`torch.equal`)."""
+    """`MoE.route` picks each chosen expert's log-score (or score) by a mask over the experts
+    where gradients flow: the weights and the router's gradient equal a gather's, and the
+    route without gradients (a gather) gives the same bits (`torch.equal`)."""
     tokens, n_experts, top_k = shape
     moe, _ = _pair(n_experts, top_k, **knobs)
     x = torch.randn(tokens, 16)
     _, experts, weights = moe.route(x)
+    with torch.no_grad():
+        assert torch.equal(moe.route(x)[2], weights)
     (weights * torch.linspace(-1, 2, weights.numel()).view_as(weights)).sum().backward()
     got = moe.router.weight.grad.clone()
     moe.router.weight.grad = None

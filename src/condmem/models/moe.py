@@ -274,6 +274,19 @@ class RouterStats(nn.Module):
         return out
 
 
+def _chosen(values: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """`values` [N, E] at the chosen `experts` [N, k]: [N, k].
+
+    Where gradients flow, picked by a mask over the experts instead of a gather: one term plus
+    exact zeros, so the same bits forward and backward, and a backward with no scatter-add
+    (which deterministic mode sorts on CUDA). Without gradients (inference), the gather: the
+    same bits with no [N, k, E] temporary."""
+    if not torch.is_grad_enabled():
+        return values.gather(-1, experts)
+    mask = experts.unsqueeze(-1) == torch.arange(values.shape[-1], device=values.device)
+    return torch.where(mask, values.unsqueeze(1), 0.0).sum(-1)
+
+
 class MoE(nn.Module):
     """The routed experts of one block.
 
@@ -356,22 +369,16 @@ class MoE(nn.Module):
         as a softmax over the chosen experts' log-scores (the same function): a chosen score
         that underflows to 0 (a saturated softmax, an expert the bias chose) gives no 0/0.
 
-        A chosen expert's value is picked by a mask over the experts, not a gather: one term
-        plus exact zeros, so the same bits forward and backward, and a backward with no
-        scatter-add (which deterministic mode sorts on CUDA)."""
+        The chosen experts' values are picked by `_chosen` (a mask where gradients flow)."""
         logits = self.logits(x)
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         select = scores if self.expert_bias is None else scores + self.expert_bias
         experts = torch.topk(select, self.top_k, dim=-1).indices
-        chosen = experts.unsqueeze(-1) == torch.arange(self.n_experts, device=x.device)  # [N, k, E]
-
-        def pick(values: torch.Tensor) -> torch.Tensor:  # values [N, E] -> the chosen experts' [N, k]
-            return torch.where(chosen, values.unsqueeze(1), 0.0).sum(-1)
-
         if self.renormalize:
-            weights = torch.softmax(pick(logits if self.score == "softmax" else F.logsigmoid(logits)), dim=-1)
+            log_scores = logits if self.score == "softmax" else F.logsigmoid(logits)
+            weights = torch.softmax(_chosen(log_scores, experts), dim=-1)
         else:
-            weights = pick(scores)
+            weights = _chosen(scores, experts)
         if self.routed_scale != 1.0:
             weights = weights * self.routed_scale
         return scores, experts, weights
