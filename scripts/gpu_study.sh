@@ -13,10 +13,9 @@
 # compiled step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager,
 # compiled, queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler
 # caches), the kernels by family with graphs, those of rho 0.8 against pure MoE (the gpu preset's
-# step), the compiled step without deterministic mode, and a
-# sweep's tokens over wall time, one eager run at a time
-# against $PARALLEL compiled runs at once (benchmarks/probes/study_concurrency.sh, 400 steps), all
-# into benchmarks/results/.
+# step), the compiled step without deterministic mode, and a sweep's tokens over wall time, one
+# eager run at a time against $PARALLEL compiled runs at once (benchmarks/probes/study_concurrency.sh,
+# 400 steps), all into benchmarks/results/.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"

@@ -253,16 +253,16 @@ def compile_model(model: nn.Module, cuda_graphs: bool) -> None:
         for engram in (m for m in block.modules() if isinstance(m, Engram)):
             engram.forward = torch.compiler.disable(engram.forward, recursive=True)
         block.compile(mode="reduce-overhead" if cuda_graphs else None)
-    if hasattr(type(model), "cross_entropy"):
-        # The fp32 logits' upcast, softmax and their backward as a few fused kernels. Never as a
-        # graph: its output is the step's loss, which the host reads steps later (queued steps)
-        # and a graph's next replay would overwrite.
-        model.cross_entropy = types.MethodType(torch.compile(type(model).cross_entropy), model)
+    # The fp32 logits' upcast, softmax and their backward as a few fused kernels. Never as a graph:
+    # its output is the step's loss, which the host reads steps later (queued steps) and a graph's
+    # next replay would overwrite. The class's function, so a model compiled again is wrapped once.
+    model.cross_entropy = types.MethodType(torch.compile(type(model).cross_entropy), model)
 
 
 def _grad_sources(model) -> list:
     """The model's trainable parameters in ``model.parameters()`` order, with the layer id of
-    each host-resident table where its parameter would be (the clipping norm sums in this order)."""
+    each host-resident table where its parameter would be (the clipping norm's last bits follow
+    this order: `squared_norm`)."""
     from condmem.train.host_table import HostTableView
 
     seen, out = set(), []
