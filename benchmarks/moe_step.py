@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from condmem.config import EngramConfig
+from condmem.utils.code_version import code_commit
 from condmem.models import DecoderLM
 from condmem.models.config import ModelConfig
 from condmem.models.moe import MoE
@@ -46,12 +46,9 @@ VOCAB = 8192
 
 
 def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The running code's commit, short (``+dirty`` for changed tracked files), or "unknown"."""
+    full = code_commit()
+    return "unknown" if full is None else full[:7] + full[40:]
 
 
 def check_layer(device: torch.device, tiny: bool) -> dict:

@@ -124,6 +124,17 @@ def test_gate_auto_backend_on_cpu_is_reference():
         engram_gate(*inputs, backend="cuda")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_traced_gate_is_the_reference(device):
+    # under torch.compile the auto backend traces the reference's plain ops (no Triton call in the
+    # graph: its float scalars would be traced as fp64 tensors); "eager" runs the traced ops as they are
+    inputs, mask = _inputs(4, 2, 64, torch.float32, device, seed=3)
+    traced = torch.compile(engram_gate, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    out = traced(*inputs, token_mask=mask, residual=True)
+    assert torch.equal(out, engram_gate_reference(*inputs, token_mask=mask, residual=True))
+
+
 @pytest.mark.gpu
 def test_engram_module_uses_kernel_on_gpu():
     """The Engram module's forward and backward on CUDA (auto -> Triton) match the torch backend."""

@@ -1,8 +1,11 @@
 """The Engram gate: `engram_gate` runs the fused Triton kernel (`triton.py`, forward and
-backward) on CUDA tensors and the fp32 reference (`reference.py`) elsewhere; ``backend=``
+backward) on CUDA tensors and the fp32 reference (`reference.py`) elsewhere and under
+`torch.compile` (Inductor fuses its plain ops with the ones around them); ``backend=``
 forces either."""
 
 from __future__ import annotations
+
+import torch
 
 from condmem.ops.gate.reference import GATE_CLAMP, engram_gate_reference, gate_values
 from condmem.ops.triton_util import resolve_backend, triton_available
@@ -20,6 +23,10 @@ def engram_gate(
     ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``) or ``"torch"``. Both are
     differentiable.
     """
+    if backend in (None, "auto") and torch.compiler.is_compiling():
+        # Traced, the Triton kernel's float scalars would reach it as fp64 tensors; the
+        # reference's ops compile into fused kernels of their own.
+        return engram_gate_reference(hidden, kv, q_weight, k_weight, eps, clamp, token_mask, residual)
     if (backend is None and hidden.is_cuda and triton_available()) or resolve_backend(
         backend, hidden.device, "engram_gate"
     ) == "triton":
