@@ -13,11 +13,16 @@ import os
 import pytest
 import torch
 
+from condmem.train.determinism import set_cublas_workspace
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     # Before any test imports triton: its kernels run on the CPU through the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Deterministic cuBLAS, as the study sets it, for tests that train in deterministic mode: cuBLAS
+# reads it once, when it starts, so here, before any test touches the GPU.
+set_cublas_workspace(True)
 
 pytest_plugins = ["pytester"]
 

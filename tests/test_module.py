@@ -164,6 +164,37 @@ def test_sparse_and_dense_gradients_agree():
     assert_close("table grad", dense.table.weight.grad, sparse.table.weight.grad.to_dense(), atol=1e-6)
 
 
+def test_compiled_engram_traces_all_but_its_table_read():
+    """Under torch.compile the projection, gate and ShortConv are traced (Inductor fuses them with
+    the block around them); the table's read runs as it is, so its gradient stays sparse."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = _config(hc=2, hidden=48, short_conv=True)
+    n_rows = EngramLayout(cfg).layer(1).num_embeddings
+    module = Engram(cfg, n_rows, layer_id=1, sparse=True)
+    _randomize(module, gen)
+    rows = torch.randint(0, n_rows, (2, 6, cfg.n_cols), generator=gen)
+    h = torch.randn(2, 6, 2, 48, generator=gen)
+    traced_ops = []
+
+    def backend(gm, example_inputs):  # records the ops, runs them as they are
+        traced_ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(module, backend=backend)(h, rows)
+    out.square().sum().backward()
+    compiled_grads = {name: p.grad for name, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    module(h, rows).square().sum().backward()
+    torch._dynamo.reset()
+    assert any("linear" in op for op in traced_ops) and any("conv1d" in op for op in traced_ops), traced_ops
+    assert any("sigmoid" in op for op in traced_ops) and not any("embedding" in op for op in traced_ops)
+    assert torch.equal(out, module(h, rows))  # the same ops, run by the backend: the same bits
+    assert compiled_grads["table.weight"].is_sparse
+    for name, p in module.named_parameters():
+        assert torch.equal(compiled_grads[name].to_dense(), p.grad.to_dense()), name
+
+
 def test_meta_device_describes_huge_table_without_memory():
     # The preset states no backbone dims (a checkpoint supplies them): these are arbitrary.
     cfg = EngramConfig.deepseek_v41_flash().replace(hidden_size=512, hc_mult=2, rms_norm_eps=1e-6)

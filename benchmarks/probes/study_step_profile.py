@@ -55,28 +55,13 @@ OPTIONS = {
     "compiled": {"compile": True},
     "compiled_queued": {"compile": True, "queued": True},
     "compiled_graphs": {"compile": True, "queued": True, "cuda_graphs": True},
-    "compiled_graphs_engram": {"compile": True, "queued": True, "cuda_graphs": True, "engram": True},
+    "compiled_graphs_engram_outside": {"compile": True, "queued": True, "cuda_graphs": True, "engram_outside": True},
 }
 """eager / compiled: `TrainConfig.compile` (the blocks and the cross-entropy); queued: the steps queued
 by `Trainer.queue_step` and their losses read once at the end (the study's loop reads them at its log
 lines), instead of `train_step`'s read after every step; cuda_graphs: `TrainConfig.cuda_graphs`, the
-compiled blocks also replayed as CUDA graphs (the gpu preset's step); engram: the Engram layer compiled
-with its block, all but the table's lookup (`compile_with_engram`)."""
-
-
-def compile_with_engram(model, cuda_graphs: bool) -> None:
-    """`loop.compile_model`, with each Engram layer's projection, gate and ShortConv compiled into
-    its block: only the table's lookup (sparse gradients, a host sync) runs outside the graphs."""
-    import types
-
-    from condmem.module import Engram
-
-    torch._dynamo.reset()
-    for block in model.blocks:
-        for engram in (m for m in block.modules() if isinstance(m, Engram)):
-            engram.table.forward = torch.compiler.disable(engram.table.forward, recursive=True)
-        block.compile(mode="reduce-overhead" if cuda_graphs else None)
-    model.cross_entropy = types.MethodType(torch.compile(type(model).cross_entropy), model)
+compiled blocks also replayed as CUDA graphs (the gpu preset's step); engram_outside: each Engram layer
+run as it is between the compiled graphs (the A/B's control: the library compiles it with its block)."""
 
 
 KERNEL_KINDS = (
@@ -114,14 +99,10 @@ def build(name, cfg, device, tc, steps, opts):
         compile=bool(opts.get("compile")),
         cuda_graphs=bool(opts.get("cuda_graphs")),
     )
-    import condmem.train.loop as loop
-
-    chosen, library = (compile_with_engram if opts.get("engram") else loop.compile_model), loop.compile_model
-    loop.compile_model = chosen
-    try:
-        trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
-    finally:
-        loop.compile_model = library
+    if opts.get("engram_outside"):
+        for engram in model.engram_layers:
+            engram.forward = torch.compiler.disable(engram.forward, recursive=True)
+    trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
     return model, trainer
 
 

@@ -31,6 +31,14 @@ from condmem.ops.row_grad import table_lookup
 from condmem.utils.renamed import UNSET, renamed_keyword
 
 
+@torch.compiler.disable
+def _read_table(table: nn.Module, row_ids: torch.Tensor) -> torch.Tensor:
+    """The table's rows of `row_ids`, run as it is under `torch.compile` (whose graphs then hold
+    the projection, gate and ShortConv around it): the lookup's sparse gradient is nothing
+    Inductor makes, and a host-memory or sharded table's read is host work and collectives."""
+    return table(row_ids)
+
+
 class EngramInputError(ValueError):
     """Hidden states or row ids handed to an Engram layer have the wrong shape, dtype or range."""
 
@@ -370,7 +378,7 @@ class Engram(nn.Module):
                         "(meta); pass the looked-up row vectors (e.g. "
                         "row_vectors=EngramMemory.prepare(...).row_vectors(layer_id))"
                     )
-                row_vectors = table(row_ids)
+                row_vectors = _read_table(table, row_ids)
             kv = self.project(row_vectors)
         q_weight, k_weight, short_conv = self.q_weight, self.k_weight, self.short_conv
         if gates is not None:

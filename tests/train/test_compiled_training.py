@@ -109,7 +109,7 @@ def _small_moe(engram: bool = False) -> tuple[ModelConfig, TokenStream, TokenStr
 @pytest.mark.gpu
 @pytest.mark.parametrize("engram", [False, True], ids=["moe", "moe+engram"])
 def test_compiled_training_follows_eager_losses_on_the_gpu(engram):
-    # with an Engram layer, its Triton kernels (gather, gate) run between the compiled parts
+    # with an Engram layer, compiled with its block but for the table read (`module._read_table`)
     cfg, train, val = _small_moe(engram)
     losses = {}
     for compile in (False, True):

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from condmem.config import ConfigError
-from condmem.module import Engram
 from condmem.train.data import TokenStream
 from condmem.train.optim import (
     build_optimizers,
@@ -248,10 +247,7 @@ def compile_model(model: nn.Module, cuda_graphs: bool) -> None:
     its last bits by what ran earlier in its process."""
     torch._dynamo.reset()
     for block in model.blocks:
-        # The Engram layer runs as it is, between compiled parts: its Triton kernels (gather,
-        # gate) take float scalars that Dynamo's tracing of user kernels hands over as fp64.
-        for engram in (m for m in block.modules() if isinstance(m, Engram)):
-            engram.forward = torch.compiler.disable(engram.forward, recursive=True)
+        # An Engram layer compiles with its block, all but its table's read (`module._read_table`).
         block.compile(mode="reduce-overhead" if cuda_graphs else None)
     # The fp32 logits' upcast, softmax and their backward as a few fused kernels. Never as a graph:
     # its output is the step's loss, which the host reads steps later (queued steps) and a graph's
