@@ -55,13 +55,11 @@ OPTIONS = {
     "compiled": {"compile": True},
     "compiled_queued": {"compile": True, "queued": True},
     "compiled_graphs": {"compile": True, "queued": True, "cuda_graphs": True},
-    "compiled_graphs_engram_outside": {"compile": True, "queued": True, "cuda_graphs": True, "engram_outside": True},
 }
 """eager / compiled: `TrainConfig.compile` (the blocks and the cross-entropy); queued: the steps queued
 by `Trainer.queue_step` and their losses read once at the end (the study's loop reads them at its log
 lines), instead of `train_step`'s read after every step; cuda_graphs: `TrainConfig.cuda_graphs`, the
-compiled blocks also replayed as CUDA graphs (the gpu preset's step); engram_outside: each Engram layer
-run as it is between the compiled graphs (the A/B's control: the library compiles it with its block)."""
+compiled blocks also replayed as CUDA graphs (the gpu preset's step)."""
 
 
 KERNEL_KINDS = (
@@ -99,9 +97,6 @@ def build(name, cfg, device, tc, steps, opts):
         compile=bool(opts.get("compile")),
         cuda_graphs=bool(opts.get("cuda_graphs")),
     )
-    if opts.get("engram_outside"):
-        for engram in model.engram_layers:
-            engram.forward = torch.compiler.disable(engram.forward, recursive=True)
     trainer = Trainer(model, run, train, val, np.ones(VOCAB, dtype=np.int64), device, label=name, progress=False)
     return model, trainer
 
