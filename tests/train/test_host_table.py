@@ -294,7 +294,7 @@ def test_host_tables_on_a_gpu_train_like_model_tables(tiny_data, adam):
     rows are held to the set of rows changed (exact) and to their total change (norm).
 
     Both runs are deterministic (the study's mode), so the comparison repeats bit for bit
-    (without it, about one suite run in six had the losses 1e-2 apart by step 30; the cause was
+    (without it, one of the suite's recent runs had the losses 1e-2 apart by step 30; the cause was
     not isolated). It also holds host Adam in that mode, where new buffers start as NaN."""
     with deterministic_mode(True):
         ref = _trainer(tiny_data, steps=30, device="cuda", precision="fp32")
