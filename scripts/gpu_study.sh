@@ -12,10 +12,9 @@
 # copied from the two allocation sweeps (--reuse); the slot sweep; then, once each on any card, the
 # compiled step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager,
 # compiled, queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler
-# caches), the kernels by family with graphs, those of rho 0.8 against pure MoE (the gpu preset's
-# step), the compiled step without deterministic mode, and a sweep's tokens over wall time, one
-# eager run at a time against $PARALLEL compiled runs at once (benchmarks/probes/study_concurrency.sh,
-# 400 steps), all into benchmarks/results/.
+# caches), the kernels by family with graphs, the compiled step without deterministic mode, and a
+# sweep's tokens over wall time, one eager run at a time against $PARALLEL compiled runs at once
+# (benchmarks/probes/study_concurrency.sh, 400 steps), all into benchmarks/results/.
 set -uo pipefail
 # shellcheck disable=SC1091
 source "$(dirname "$0")/_device_env.sh"
@@ -85,8 +84,6 @@ probe study_step_fresh 300 "speed A/B" --deterministic --models dense moe moe_en
   --options eager compiled compiled_queued compiled_graphs --steps 30
 probe study_step_kernel_kinds 180 "the step's kernels by family, without and with CUDA graphs: pure MoE against dense" \
   --deterministic --models moe dense --options compiled_queued compiled_graphs --steps 10 --profile
-probe study_step_engram_kernels 150 "where a table's step spends its time over pure MoE's: rho 0.8 against pure MoE, graphs, profiled" \
-  --deterministic --models moe_engram_rho0.8 moe --options compiled_graphs --steps 10 --profile
 probe study_step_nondeterministic 120 "what deterministic mode costs: the graphs A/B's compiled steps, without it" \
   --models dense moe --options compiled_graphs --steps 30
 if [ "$previous_done" -eq 1 ] && ! ran "study_concurrency_k$PARALLEL" json && [ "$(left)" -ge 420 ]; then
