@@ -32,7 +32,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -45,6 +44,7 @@ from condmem.ops.gather import engram_gather
 from condmem.tables.direct_read import DirectRowReader
 from condmem.tables.storage import place_layer
 from condmem.tables.table_file import LayerRows
+from condmem.utils.code_version import short_commit
 
 BLOCK = 4096
 CHUNK_ROWS = 4096 * 62  # a write chunk: 64 MiB - 0.06 MiB, whole rows and whole 4 KiB blocks
@@ -316,15 +316,7 @@ def main() -> None:
         "row_bytes": ROW_BYTES,
         "meminfo_start": meminfo(),
     }
-    try:
-        result["commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-            ).stdout.strip()
-            or None
-        )
-    except OSError:
-        result["commit"] = None
+    result["commit"] = short_commit()
     log(f"writing up to {want / 2**30:.1f} GiB to {path} (free {free / 2**30:.1f} GiB)")
     result["write"] = write_file(path, want, args.write_budget_s)
     nbytes = result["write"]["bytes"]

@@ -47,7 +47,6 @@ import platform
 import pstats
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -60,6 +59,7 @@ from condmem.bench.lookup_setup import stdlib_sources  # noqa: E402
 from condmem.integrations.transformers import add_engram, get_engram, offload_tables  # noqa: E402
 from condmem.serving.memory import EngramMemory  # noqa: E402
 from condmem.tokenizer import CompressedTokenizer  # noqa: E402
+from condmem.utils.code_version import short_commit  # noqa: E402
 
 
 def log(*args) -> None:
@@ -319,12 +319,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "args": vars(args),
     }
-    result["commit"] = (
-        subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        or None
-    )
+    result["commit"] = short_commit()
     from condmem.ops import launch
 
     # Whether the Engram kernels launch through condmem's shortcut here (docs/kernels.md): rows

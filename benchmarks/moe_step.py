@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from condmem.config import EngramConfig
-from condmem.utils.code_version import code_commit
+from condmem.utils.code_version import short_commit
 from condmem.models import DecoderLM
 from condmem.models.config import ModelConfig
 from condmem.models.moe import MoE
@@ -47,8 +47,7 @@ VOCAB = 8192
 
 def commit() -> str:
     """The running code's commit, short (``+dirty`` for changed tracked files), or "unknown"."""
-    full = code_commit()
-    return "unknown" if full is None else full[:7] + full[40:]
+    return short_commit() or "unknown"
 
 
 def check_layer(device: torch.device, tiny: bool) -> dict:

@@ -29,6 +29,7 @@ from released_synth import write_synthetic_checkpoint  # noqa: E402
 
 from condmem.tables.released import ReleasedCheckpoint  # noqa: E402
 from condmem.tables.table_file import EngramTableFile  # noqa: E402
+from condmem.utils.code_version import short_commit  # noqa: E402
 
 
 def peak_rss_kib(cmd: list[str]) -> int:
@@ -87,9 +88,7 @@ def main() -> None:
             "what": "condmem convert --released, synthetic V4.1-geometry checkpoint (2 layers, 3 shards + index, "
             "original tensor names), peak RSS of the converting process",
             "date": datetime.date.today().isoformat(),
-            "commit": subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-            ).stdout.strip(),
+            "commit": short_commit(),
             "command": " ".join(["condmem"] + cmd[3:]),
             "machine": f"{os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} "
             "GiB RAM",

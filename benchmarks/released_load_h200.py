@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from condmem.fp8 import dequantize_fp8_e8m0, pack_rows  # noqa: E402
 from condmem.tables.released import ReleasedCheckpoint  # noqa: E402
 from condmem.tables.safetensors_io import drop_page_cache  # noqa: E402
 from condmem.tables.storage import advise_random  # noqa: E402
+from condmem.utils.code_version import short_commit  # noqa: E402
 
 
 class Collect(logging.Handler):
@@ -76,8 +76,7 @@ def main() -> None:
         "what": "synthetic released-format V4.1-geometry layer loaded by EngramMemory.from_released into page-locked "
         "host memory, served on the GPU",
         "date": datetime.date.today().isoformat(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        or os.environ.get("CONDMEM_COMMIT", "unknown"),
+        "commit": short_commit() or os.environ.get("CONDMEM_COMMIT", "unknown"),
         "command": "scripts/gpu_released_load.sh " + " ".join(sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU smoke run)",
         "torch": torch.__version__,

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ from condmem.bench.lookup_setup import HEAD_DIM, ROW_BYTES, host_store  # noqa: 
 from condmem.ops.gather import gather_reference  # noqa: E402
 from condmem.tables.lookup import LookupEngine  # noqa: E402
 from condmem.tables.storage import HbmStore, LayerStore  # noqa: E402
+from condmem.utils.code_version import code_commit  # noqa: E402
 
 COLS = 24  # row ids per token: (N-1) x heads of DeepSeek-V4.1 (orders 2..4, 8 heads)
 
@@ -189,7 +189,7 @@ def main() -> int:
         xs = sorted(xs)
         return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    commit = code_commit()
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,

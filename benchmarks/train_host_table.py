@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from condmem.train.host_table import HostTables
 from condmem.train.loop import TrainConfig, Trainer
 from condmem.train.pipeline import prepare_data
 from condmem.train.presets import Preset, get_preset
+from condmem.utils.code_version import short_commit
 
 GiB = 2**30
 
@@ -56,12 +56,7 @@ def rss_bytes() -> int:
 
 
 def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return short_commit() or "unknown"
 
 
 def preset_for(args, table_size: int) -> Preset:

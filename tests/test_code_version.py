@@ -58,3 +58,12 @@ def test_a_copy_inside_another_repository_does_not_take_its_head(tmp_path):
     inner.parent.mkdir(parents=True)
     shutil.copy(ROOT / FILE, inner)
     assert _load(inner).code_commit() is None
+
+
+def test_the_short_form_keeps_seven_digits_and_the_dirty_mark(monkeypatch):
+    monkeypatch.setattr(code_version, "code_commit", lambda: "a" * 40 + "+dirty")
+    assert code_version.short_commit() == "aaaaaaa+dirty"
+    monkeypatch.setattr(code_version, "code_commit", lambda: "b" * 40)
+    assert code_version.short_commit() == "bbbbbbb"
+    monkeypatch.setattr(code_version, "code_commit", lambda: None)
+    assert code_version.short_commit() is None

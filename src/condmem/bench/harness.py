@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from condmem.utils.code_version import short_commit
+
 
 def machine_info() -> dict:
     """GPU, versions, host and commit: stored in every result row."""
@@ -58,26 +60,9 @@ def machine_info() -> dict:
     for f in sorted(pkg.rglob("*.py")):
         digest.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes())
     info["source_sha256"] = digest.hexdigest()[:16]
-    try:
-        root = Path(__file__).resolve().parents[3]
-        info["commit"] = (
-            subprocess.run(
-                ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            or None
-        )
-        # A tree that differs from its commit (e.g. a copy whose .git is older than its files)
-        # says so: then only source_sha256 identifies the code.
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        if info["commit"] and dirty:
-            info["commit"] += "+dirty"
-    except (OSError, subprocess.SubprocessError):
-        info["commit"] = None
+    # A tree that differs from its commit (e.g. a copy whose .git is older than its files) says
+    # so (+dirty): then only source_sha256 identifies the code.
+    info["commit"] = short_commit()
     return info
 
 

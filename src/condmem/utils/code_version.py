@@ -38,3 +38,9 @@ def code_commit() -> str | None:
         return None
     changed = git("status", "--porcelain", "--untracked-files=no")
     return head + ("+dirty" if changed else "")
+
+
+def short_commit() -> str | None:
+    """`code_commit` as results print it: the first 7 hex digits (``+dirty`` kept), or ``None``."""
+    full = code_commit()
+    return None if full is None else full[:7] + full[40:]
