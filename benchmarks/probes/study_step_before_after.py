@@ -27,17 +27,25 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+from condmem.utils.atomic import atomic_write_text  # noqa: E402
+
 PROBE = "benchmarks/probes/study_step_profile.py"
 STEPS = 20
 
 
 def probe(tree: Path, args: str, out: Path) -> dict:
-    """One run of the step probe in `tree`: its JSON (rows keyed model/option)."""
+    """One run of the step probe in `tree`: its JSON (rows keyed model/option); no rows where the
+    probe wrote none (every variant failed, or the process did: its output says why)."""
     cmd = [sys.executable, PROBE, "--deterministic", "--steps", str(STEPS), *shlex.split(args), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     print(done.stdout[-1500:], done.stderr[-1500:] if done.returncode else "", flush=True)
-    return json.loads((out / "study_step_profile.json").read_text())
+    saved = out / "study_step_profile.json"
+    if not saved.exists():
+        print(f"{tree.name}: the probe wrote no result (exit {done.returncode})", flush=True)
+        return {"rows": {}, "gpu": None, "peak": None, "commit": None}
+    return json.loads(saved.read_text())
 
 
 def summarise(reps: list[dict], targets: list[str]) -> dict:
@@ -89,7 +97,7 @@ def main() -> None:
             for i, after_args in enumerate(args.after):
                 result = probe(ROOT, after_args, Path(tmp) / f"after{rep}_{i}")
                 row["after"].update(result["rows"])
-                row["gpu"], row["peak"] = result["gpu"], result["peak"]
+                row["gpu"], row["peak"] = result["gpu"] or row.get("gpu"), result["peak"] or row.get("peak")
             reps.append(row)
             summary = summarise(reps, args.target)
             record = {
@@ -102,7 +110,7 @@ def main() -> None:
                 "summary": summary,
             }
             out.mkdir(parents=True, exist_ok=True)
-            (out / "study_step_before_after.json").write_text(json.dumps(record, indent=1))
+            atomic_write_text(out / "study_step_before_after.json", json.dumps(record, indent=1))
     print(f"\n{row['gpu']}; before {args.before} ({args.before_args}); after {record['after_commit']}")
     print(f"{'model / after':<42} {'before ms':>20} {'after ms':>20} {'ratio':>6} {'MFU':>6} {'loss drift':>10}")
     for name, s in summary.items():
