@@ -106,18 +106,25 @@ def _small_moe(engram: bool = False) -> tuple[ModelConfig, TokenStream, TokenStr
     return cfg, train, val
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("engram", [False, True], ids=["moe", "moe+engram"])
-def test_compiled_training_follows_eager_losses_on_the_gpu(engram):
-    # with an Engram layer, compiled with its block but for the table read (`module._read_table`)
+@pytest.mark.parametrize(
+    "engram, device",
+    [
+        pytest.param(False, "cuda", id="moe-cuda", marks=pytest.mark.gpu),
+        pytest.param(True, "cuda", id="moe+engram-cuda", marks=pytest.mark.gpu),
+        pytest.param(True, "cpu", id="moe+engram-cpu"),
+    ],
+)
+def test_compiled_training_follows_eager_losses(engram, device):
+    # with an Engram layer, compiled with its block but for the table read (`module._read_table`);
+    # on the CPU too (Inductor's C++ kernels): CI compiles the layer's projection, gate and ShortConv
     cfg, train, val = _small_moe(engram)
     losses = {}
     for compile in (False, True):
         torch._dynamo.reset()
-        model = DecoderLM(cfg, token_lookup=np.arange(512) if engram else None, seed=0, device="cuda")
+        model = DecoderLM(cfg, token_lookup=np.arange(512) if engram else None, seed=0, device=device)
         tc = TrainConfig(steps=10, batch_size=8, seq_len=64, warmup_steps=2, eval_tokens=64, log_every=100)
         trainer = Trainer(
-            model, dataclasses.replace(tc, compile=compile), train, val, np.ones(512), "cuda", progress=False
+            model, dataclasses.replace(tc, compile=compile), train, val, np.ones(512), device, progress=False
         )
         losses[compile] = [trainer.train_step(s)[0] for s in range(10)]
     # bf16 autocast either way; fused kernels round differently: the first loss (same weights) agrees to
