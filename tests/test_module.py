@@ -125,15 +125,22 @@ def test_fresh_short_conv_is_identity_and_mask_closes_gate():
     assert out[0, 0].abs().sum() > 0
 
 
+def _random_layer(seed: int, sparse: bool) -> tuple[Engram, torch.Tensor, torch.Tensor]:
+    """A randomized layer (hc 2, width 48, ShortConv) with row ids [2, 6, n_cols] and hidden
+    states [2, 6, 2, 48] drawn after it from one generator."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = _config(hc=2, hidden=48, short_conv=True)
+    module = Engram(cfg, EngramLayout(cfg).layer(1).num_embeddings, layer_id=1, sparse=sparse)
+    _randomize(module, gen)
+    rows = torch.randint(0, module.table.num_embeddings, (2, 6, cfg.n_cols), generator=gen)
+    return module, rows, torch.randn(2, 6, 2, 48, generator=gen)
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-grad", "sparse-grad"])
 def test_gradients_reach_only_rows_read(sparse):
-    gen = torch.Generator().manual_seed(3)
-    cfg = _config(hc=2, hidden=48, short_conv=True)
-    n_rows = EngramLayout(cfg).layer(1).num_embeddings
-    module = Engram(cfg, n_rows, layer_id=1, sparse=sparse)
-    _randomize(module, gen)
-    rows = torch.randint(0, n_rows, (2, 6, cfg.n_cols), generator=gen)
-    h = torch.randn(2, 6, 2, 48, generator=gen, requires_grad=True)
+    module, rows, h = _random_layer(3, sparse)
+    n_rows = module.table.num_embeddings
+    h.requires_grad_(True)
     module(h, rows).square().sum().backward()
     grad = module.table.weight.grad
     if sparse:
@@ -167,13 +174,7 @@ def test_sparse_and_dense_gradients_agree():
 def test_compiled_engram_traces_all_but_its_table_read():
     """Under torch.compile the projection, gate and ShortConv are traced (Inductor fuses them with
     the block around them); the table's read runs as it is, so its gradient stays sparse."""
-    gen = torch.Generator().manual_seed(7)
-    cfg = _config(hc=2, hidden=48, short_conv=True)
-    n_rows = EngramLayout(cfg).layer(1).num_embeddings
-    module = Engram(cfg, n_rows, layer_id=1, sparse=True)
-    _randomize(module, gen)
-    rows = torch.randint(0, n_rows, (2, 6, cfg.n_cols), generator=gen)
-    h = torch.randn(2, 6, 2, 48, generator=gen)
+    module, rows, h = _random_layer(7, sparse=True)
     traced_ops = []
 
     def backend(gm, example_inputs):  # records the ops, runs them as they are

@@ -320,7 +320,12 @@ class HostTables(abc.ABC):
         return torch.empty(n, dtype=dtype, pin_memory=self.pin)
 
     def _on_device(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(n, dtype=dtype, device=self.device)
+        if not self.cuda:
+            return torch.empty(n, dtype=dtype, device=self.device)
+        # Made on the transfer stream, whose copies fill device buffers: in deterministic mode a new
+        # buffer is filled with NaN by a kernel on the stream current at its making, before them.
+        with torch.cuda.stream(self._h2d):
+            return torch.empty(n, dtype=dtype, device=self.device)
 
     def _named(
         self, layer: HostLayer, name: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool

@@ -70,11 +70,9 @@ class HostAdam:
             torch.index_select(layer.weight, 0, ids, out=staging)
             self._mark_for_patch(layer, ids)
             if self.cuda:
-                self._wait_consumed(layer, slot)
+                self._wait_consumed(layer, slot)  # first: a buffer grown here frees the one the device read
+                dev = self._named(layer, "rows", slot, (n, d), torch.float32, pinned=False)
                 with torch.cuda.stream(self._h2d):
-                    # Made on the copy's stream: in deterministic mode a new buffer is filled with
-                    # NaN by a kernel on the stream current at its making, which must precede the copy.
-                    dev = self._named(layer, "rows", slot, (n, d), torch.float32, pinned=False)
                     dev.copy_(staging, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(self._h2d)
