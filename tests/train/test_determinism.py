@@ -39,13 +39,16 @@ def test_train_deterministic_is_on_while_fitting_recorded_and_restored(tiny_corp
 
 def test_deterministic_mode_restores_the_settings_before_it_even_after_an_error():
     torch.use_deterministic_algorithms(False)
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     try:
         with deterministic_mode(True):
             assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+            assert not torch.utils.deterministic.fill_uninitialized_memory  # no NaN fill of new tensors
             raise RuntimeError("inside")
     except RuntimeError:
         pass
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    assert torch.utils.deterministic.fill_uninitialized_memory == fill
 
 
 def test_demo_deterministic_trains_in_the_mode(tiny_corpus, tmp_path, monkeypatch):
