@@ -15,15 +15,7 @@ import torch.nn.functional as F
 from condmem.config import ConfigError
 from condmem.models import DecoderLM, forward_flops_per_token, iso_flop_baseline
 from condmem.models.config import ModelConfig, MoEConfig
-from condmem.models.moe import (
-    GROUP_ALIGN,
-    MoE,
-    _layout,
-    dispatch_layout,
-    load_balancing_loss,
-    source_rows,
-    top_experts,
-)
+from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss, source_rows
 
 BACKENDS = [
     False,
@@ -114,43 +106,6 @@ def test_source_rows_inverts_dest_and_marks_padding():
     want[dest] = torch.arange(pairs)  # the plain scatter it replaces
     assert torch.equal(src, want)
     assert torch.equal(source_rows(dest[:0], dest[:0], 8), torch.zeros(8, dtype=torch.int64))  # no pairs: all padding
-
-
-TRACERS = [
-    pytest.param("cpu", "eager", id="traced"),
-    # Inductor's GPU kernels (a search over a computed sequence is lowered there, not on the CPU)
-    pytest.param("cuda", "inductor", id="inductor-cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device")),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("device, backend", TRACERS)
-@pytest.mark.parametrize("tokens, top_k, n_experts", [(301, 2, 7), (64, 3, 62), (5, 2, 16), (0, 2, 4), (1, 1, 1)])
-def test_the_traced_layout_is_the_sorted_one(tokens, top_k, n_experts, device, backend):
-    # under torch.compile the layout is counted, not sorted: the same rows for every pair and buffer
-    # row (16 experts for 10 pairs: idle experts; 0 tokens: every row padding)
-    gen = torch.Generator().manual_seed(tokens + n_experts)
-    rows = [torch.randperm(n_experts, generator=gen)[:top_k] for _ in range(tokens)]
-    experts = (torch.stack(rows) if rows else torch.empty(0, top_k, dtype=torch.int64)).to(device)
-    sorted_layout = _layout(experts, n_experts, None)
-    traced = torch.compile(_layout, backend=backend, fullgraph=True, dynamic=False)
-    torch._dynamo.reset()
-    counted = traced(experts, n_experts, None)
-    torch._dynamo.reset()
-    assert sorted_layout[3] == counted[3]
-    for a, b in zip(sorted_layout[:3], counted[:3]):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-@pytest.mark.parametrize("device, backend", TRACERS)
-def test_traced_top_experts_are_topk(device, backend):
-    # under torch.compile, k argmax passes: topk's experts, largest first, where no scores tie
-    select = torch.randn(97, 62, generator=torch.Generator().manual_seed(1)).to(device)
-    traced = torch.compile(top_experts, backend=backend, fullgraph=True)
-    torch._dynamo.reset()
-    for k in (1, 2, 6):
-        assert torch.equal(traced(select, k), torch.topk(select, k, dim=-1).indices)
-    torch._dynamo.reset()
 
 
 def _scatter_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -113,16 +113,13 @@ def dispatch_layout(
     the end of each expert's rows; num_rows: the buffer's size, N*k rounded up to GROUP_ALIGN plus
     GROUP_ALIGN*E). Pairs of one expert keep their token order.
     """
-    dest, _, ends, num_rows = _layout(experts, n_experts, counts)
+    dest, _, _, ends, num_rows = _layout(experts, n_experts, counts)
     return dest, ends, num_rows
 
 
 def _layout(experts: torch.Tensor, n_experts: int, counts: torch.Tensor | None):
-    """`dispatch_layout`'s (dest, ends, num_rows), with `source_rows`'s inverse of it (src).
-
-    Eager, by a stable sort of the pairs' experts. Under `torch.compile`, by counting
-    (`_counted_layout`): no sort, no index_put (deterministic mode sorts for one). The same
-    integers either way."""
+    """`dispatch_layout`'s (dest, ends, num_rows), and the pairs in buffer order: their rows
+    (`placed`, increasing) and their indices (`order`), which `source_rows` inverts without a sort."""
     flat = experts.flatten()
     pairs = flat.numel()
     if counts is None:
@@ -132,9 +129,6 @@ def _layout(experts: torch.Tensor, n_experts: int, counts: torch.Tensor | None):
     ends = torch.cumsum(padded, 0)
     ends[-1] = num_rows  # the last group takes the unused rows: the groups cover the buffer
     starts = ends - padded
-    if torch.compiler.is_compiling():
-        dest, src = _counted_layout(flat, n_experts, counts, starts, ends, num_rows)
-        return dest, src, ends.to(torch.int32), num_rows
     order = torch.argsort(flat, stable=True)
     first_pair = torch.cumsum(counts, 0) - counts
     sorted_experts = flat[order]
@@ -142,31 +136,7 @@ def _layout(experts: torch.Tensor, n_experts: int, counts: torch.Tensor | None):
     placed = starts[sorted_experts] + rank  # increasing: by expert, then by rank within its group
     dest = torch.empty_like(flat)
     dest[order] = placed
-    return dest, source_rows(placed, order, num_rows), ends.to(torch.int32), num_rows
-
-
-def _counted_layout(flat, n_experts: int, counts, starts, ends, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dest, src) of `_layout` from a running count of each expert's pairs (fused scans,
-    gathers and one search, where the sort is a library kernel of several launches).
-
-    ``seen[i, e]`` counts the pairs of expert e among pairs 0..i: pair i goes to row
-    ``starts[e_i] + seen[i, e_i] - 1``; buffer row r of group e at offset j holds the pair where
-    ``seen[:, e]`` first reaches j + 1, found in every column at once by offsetting column e by
-    e * (pairs + 1), which makes the columns, one after another, one ascending sequence. That
-    sequence is gathered into a 1-D tensor of its own: Inductor's GPU search takes no reshaped
-    view (of ``seen.T``) as its sorted sequence."""
-    pairs = flat.numel()
-    seen = (flat[:, None] == torch.arange(n_experts, device=flat.device)).cumsum(0, dtype=torch.int32)  # [pairs, E]
-    dest = starts[flat] + seen.gather(1, flat[:, None]).squeeze(1) - 1
-    rows = torch.arange(num_rows, device=flat.device)
-    group = torch.searchsorted(ends, rows, right=True)
-    offset = rows - starts[group]
-    at = torch.arange(n_experts * pairs, device=flat.device)
-    column = at // max(pairs, 1)
-    keys = seen.view(-1)[(at % max(pairs, 1)) * n_experts + column].long() + column * (pairs + 1)
-    found = torch.searchsorted(keys, group * (pairs + 1) + offset + 1) - group * pairs
-    # the last group's rows before its start are padding too (its start keeps its own padded size)
-    return dest, torch.where((offset >= 0) & (offset < counts[group]), found, pairs)
+    return dest, placed, order, ends.to(torch.int32), num_rows
 
 
 def source_rows(placed: torch.Tensor, order: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -304,24 +274,6 @@ class RouterStats(nn.Module):
         return out
 
 
-def top_experts(select: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 [N, k]: each row's k largest entries of `select` [N, E], largest first, as
-    ``torch.topk(select, k).indices``.
-
-    Under `torch.compile`, k passes of an argmax, each masking the pick before: reductions that
-    fuse with the scores', where topk is a library kernel and a sort of its own. The same
-    experts wherever no two of a row's values tie exactly (a tie goes to the lower id)."""
-    if not torch.compiler.is_compiling():
-        return torch.topk(select, k, dim=-1).indices
-    ids = torch.arange(select.shape[-1], device=select.device)
-    picks = []
-    for _ in range(k):
-        pick = select.argmax(-1)
-        picks.append(pick)
-        select = torch.where(ids == pick[:, None], float("-inf"), select)
-    return torch.stack(picks, -1)
-
-
 def _chosen(values: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """`values` [N, E] at the chosen `experts` [N, k]: [N, k].
 
@@ -421,7 +373,7 @@ class MoE(nn.Module):
         logits = self.logits(x)
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         select = scores if self.expert_bias is None else scores + self.expert_bias
-        experts = top_experts(select, self.top_k)
+        experts = torch.topk(select, self.top_k, dim=-1).indices
         if self.renormalize:
             log_scores = logits if self.score == "softmax" else F.logsigmoid(logits)
             weights = torch.softmax(_chosen(log_scores, experts), dim=-1)
@@ -460,7 +412,8 @@ class MoE(nn.Module):
             self.update_bias(counts)  # after the choice: this forward used the bias as it was
         else:
             self.aux_loss = None
-        dest, src, ends, num_rows = _layout(experts, self.n_experts, counts)
+        dest, placed, order, ends, num_rows = _layout(experts, self.n_experts, counts)
+        src = source_rows(placed, order, num_rows)
         w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x.device.type):
             # Autocast does not cover the grouped GEMM: cast as it would for a Linear.
