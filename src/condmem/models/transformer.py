@@ -319,7 +319,12 @@ class DecoderLM(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), logits_at.to(x.device)][:, None]
         elif context.keep is not None:
             x = x.flatten(0, 1)[context.keep][None]
-        return self.lm_head(self.norm(x, fused=context.fused))
+        return self.head(x, fused=context.fused)
+
+    def head(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        """Logits of the last block's hidden states x [..., dim]: the final norm, then the output
+        projection. Its own method, so that training compiles it apart from the blocks."""
+        return self.lm_head(self.norm(x, fused=fused))
 
     def dense_context(
         self,

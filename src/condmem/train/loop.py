@@ -238,8 +238,8 @@ def evaluate(
 
 
 def compile_model(model: nn.Module, cuda_graphs: bool) -> None:
-    """Compile `model`'s decoder blocks (replayed as CUDA graphs with `cuda_graphs`) and its
-    cross-entropy, in place, from empty compiler caches.
+    """Compile `model`'s decoder blocks (replayed as CUDA graphs with `cuda_graphs`), its head
+    (final norm and output projection) and its cross-entropy, in place, from empty compiler caches.
 
     A process that trains several models (a sweep's worker) would otherwise compile each against
     the graphs of the ones before: past torch's recompile limit a block silently runs eager, and a
@@ -249,10 +249,12 @@ def compile_model(model: nn.Module, cuda_graphs: bool) -> None:
     for block in model.blocks:
         # An Engram layer compiles with its block, all but its table's read (`module._read_table`).
         block.compile(mode="reduce-overhead" if cuda_graphs else None)
-    # The fp32 logits' upcast, softmax and their backward as a few fused kernels. Never as a graph:
-    # its output is the step's loss, which the host reads steps later (queued steps) and a graph's
-    # next replay would overwrite. The class's function, so a model compiled again is wrapped once.
-    model.cross_entropy = types.MethodType(torch.compile(type(model).cross_entropy), model)
+    # The head's fp32 norm and casts as one kernel each way around the projection's GEMM; the fp32
+    # logits' upcast, softmax and their backward as a few fused kernels. Never as graphs: the loss is
+    # read by the host steps later (queued steps), and a graph's next replay would overwrite it. The
+    # class's functions, so a model compiled again is wrapped once.
+    for name in ("head", "cross_entropy"):
+        setattr(model, name, types.MethodType(torch.compile(getattr(type(model), name)), model))
 
 
 def _grad_sources(model) -> list:
