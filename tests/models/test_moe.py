@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from condmem.config import ConfigError
 from condmem.models import DecoderLM, forward_flops_per_token, iso_flop_baseline
 from condmem.models.config import ModelConfig, MoEConfig
-from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss, source_rows
+from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss, source_rows, top_experts
 
 BACKENDS = [
     False,
@@ -106,6 +106,23 @@ def test_source_rows_inverts_dest_and_marks_padding():
     want[dest] = torch.arange(pairs)  # the plain scatter it replaces
     assert torch.equal(src, want)
     assert torch.equal(source_rows(dest[:0], dest[:0], 8), torch.zeros(8, dtype=torch.int64))  # no pairs: all padding
+
+
+@pytest.mark.parametrize(
+    "device, backend",
+    [
+        pytest.param("cpu", "eager", id="traced"),
+        pytest.param("cuda", "inductor", id="inductor-cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_traced_top_experts_are_topk(device, backend):
+    # under torch.compile, k argmax passes: topk's experts, largest first, where no scores tie
+    select = torch.randn(97, 62, generator=torch.Generator().manual_seed(1)).to(device)
+    torch._dynamo.reset()
+    traced = torch.compile(top_experts, backend=backend, fullgraph=True)
+    for k in (1, 2, 6):
+        assert torch.equal(traced(select, k), torch.topk(select, k, dim=-1).indices)
+    torch._dynamo.reset()
 
 
 def _scatter_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -274,6 +274,24 @@ class RouterStats(nn.Module):
         return out
 
 
+def top_experts(select: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [N, k]: each row's k largest entries of `select` [N, E], largest first, as
+    ``torch.topk(select, k).indices``.
+
+    Under `torch.compile`, k passes of an argmax, each masking the pick before: reductions that
+    fuse with the scores', where topk is a library kernel and a sort of its own. The same
+    experts wherever no two of a row's values tie exactly (a tie goes to the lower id)."""
+    if not torch.compiler.is_compiling():
+        return torch.topk(select, k, dim=-1).indices
+    ids = torch.arange(select.shape[-1], device=select.device)
+    picks = []
+    for _ in range(k):
+        pick = select.argmax(-1)
+        picks.append(pick)
+        select = torch.where(ids == pick[:, None], float("-inf"), select)
+    return torch.stack(picks, -1)
+
+
 def _chosen(values: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """`values` [N, E] at the chosen `experts` [N, k]: [N, k].
 
@@ -373,7 +391,7 @@ class MoE(nn.Module):
         logits = self.logits(x)
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         select = scores if self.expert_bias is None else scores + self.expert_bias
-        experts = torch.topk(select, self.top_k, dim=-1).indices
+        experts = top_experts(select, self.top_k)
         if self.renormalize:
             log_scores = logits if self.score == "softmax" else F.logsigmoid(logits)
             weights = torch.softmax(_chosen(log_scores, experts), dim=-1)
