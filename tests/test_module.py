@@ -188,12 +188,15 @@ def test_compiled_engram_traces_all_but_its_table_read():
     module.zero_grad(set_to_none=True)
     module(h, rows).square().sum().backward()
     torch._dynamo.reset()
-    assert any("linear" in op for op in traced_ops) and any("conv1d" in op for op in traced_ops), traced_ops
+    assert any("linear" in op for op in traced_ops) and any("silu" in op for op in traced_ops), traced_ops
     assert any("sigmoid" in op for op in traced_ops) and not any("embedding" in op for op in traced_ops)
-    assert torch.equal(out, module(h, rows))  # the same ops, run by the backend: the same bits
+    # the same maths (ShortConv's taps as shifted products when traced: tests/test_short_conv.py), fp32
+    eager = module(h, rows)
+    assert (out - eager).abs().max() <= 1e-5 * eager.abs().max()
     assert compiled_grads["table.weight"].is_sparse
     for name, p in module.named_parameters():
-        assert torch.equal(compiled_grads[name].to_dense(), p.grad.to_dense()), name
+        a, b = compiled_grads[name].to_dense(), p.grad.to_dense()
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), name
 
 
 def test_meta_device_describes_huge_table_without_memory():

@@ -42,7 +42,17 @@ class ShortConv(nn.Module):
         batch, length, hc, dim = u.shape
         x = u.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
-        x = x.to(u.dtype).reshape(batch, length, hc * dim).transpose(1, 2)  # [B, C, T]
+        x = x.to(u.dtype).reshape(batch, length, hc * dim)
         pad = (self.kernel_size - 1) * self.dilation
-        y = F.conv1d(F.pad(x, (pad, 0)), self.weight.to(x.dtype), dilation=self.dilation, groups=hc * dim)
+        if torch.compiler.is_compiling():
+            # The taps as shifted products, which Inductor fuses with the norm and the SiLU (a conv
+            # is a library kernel of its own each way, with transposes around it): the same sums,
+            # accumulated in fp32 and rounded once, as the conv does.
+            w = self.weight.to(x.dtype).float()[:, 0]  # [C, K]: the conv's weights, in fp32
+            xp = F.pad(x, (0, 0, pad, 0)).float()
+            y = sum(xp[:, k * self.dilation : k * self.dilation + length] * w[:, k] for k in range(self.kernel_size))
+            return F.silu(y.to(x.dtype)).view(batch, length, hc, dim)
+        y = F.conv1d(
+            F.pad(x.transpose(1, 2), (pad, 0)), self.weight.to(x.dtype), dilation=self.dilation, groups=hc * dim
+        )
         return F.silu(y).transpose(1, 2).reshape(batch, length, hc, dim)
