@@ -16,6 +16,7 @@ from condmem.models import DecoderLM
 from condmem.models.config import ModelConfig, MoEConfig
 from condmem.models.moe import MoE, RouterStats, expert_counts
 from condmem.train.data import TokenStream
+from condmem.train.determinism import deterministic_mode
 from condmem.train.loop import TrainConfig, Trainer
 from tests.helpers import devices
 
@@ -180,7 +181,9 @@ def test_a_compiled_run_is_the_same_whatever_its_process_compiled_before(device,
 @pytest.mark.gpu
 def test_cuda_graphs_replay_the_compiled_blocks_with_the_same_losses_bit_for_bit():
     # queued steps (the study's loop), a validation between them (the graphs of a no-grad forward) and
-    # the router's statistics and bias (buffers the graphs update in place)
+    # the router's statistics and bias (buffers the graphs update in place). In deterministic mode, as the
+    # study trains: without it Inductor picks each reduction's launch configuration by timing it when it
+    # compiles, so two compiles (on a GPU shared with other tests) can add in different orders.
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
@@ -193,9 +196,10 @@ def test_cuda_graphs_replay_the_compiled_blocks_with_the_same_losses_bit_for_bit
         trainer = Trainer(
             model, dataclasses.replace(tc, cuda_graphs=graphs), train, val, np.ones(512), "cuda", progress=False
         )
-        queued = [(s, trainer.queue_step(s)[0]) for s in range(4)]
-        val_loss = trainer.evaluate()["val_loss"]
-        queued += [(s, trainer.queue_step(s)[0]) for s in range(4, 8)]
+        with deterministic_mode(True):
+            queued = [(s, trainer.queue_step(s)[0]) for s in range(4)]
+            val_loss = trainer.evaluate()["val_loss"]
+            queued += [(s, trainer.queue_step(s)[0]) for s in range(4, 8)]
         stats = [block.moe.stats.summary() for block in model.blocks if getattr(block, "moe", None) is not None]
         bias = [block.moe.expert_bias.clone() for block in model.blocks if getattr(block, "moe", None) is not None]
         runs[graphs] = (trainer.read_losses(queued), val_loss, stats, bias)
