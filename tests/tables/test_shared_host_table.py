@@ -43,7 +43,11 @@ TRIES = 20
 
 # ---------------------------------------------------------------------------- tables and damage
 def _write_table(path: Path, seed: int) -> Path:
-    """A small two-layer bf16 table (a few dozen 4 KiB blocks) whose rows depend on `seed`."""
+    """A small two-layer bf16 table (a few dozen 4 KiB blocks) whose rows depend on `seed`.
+
+    SEEDS: each test writes a table no other test writes. Shared copies are named by the table's
+    content, so two tests with one table, run at once (pytest-xdist), would share one copy, and
+    the one that expects to fill it would find it filled."""
     cfg = EngramConfig(
         layer_ids=[1, 3], max_ngram_size=3, n_heads=2, head_dim=32, table_size=211, compressed_vocab_size=50
     )
@@ -155,7 +159,7 @@ def _second_process(paths: list[str], results, acks, old_order: bool) -> None:
 def _refusals_while_the_first_serves(tmp_path: Path, tries: int, old_order: bool, seed: int):
     """The test process serves a table (shared); a spawned process opens `tries` damaged copies of its file,
     one at a time. Returns [(error type, message, first's rows exact, damaged path)], the first's shm names."""
-    good = _write_table(tmp_path / "good.safetensors", seed=1)
+    good = _write_table(tmp_path / "good.safetensors", seed=10 + seed)  # a table of its own per test: see SEEDS
     expected = _expected_raw(good)
     offsets = _damaged_offsets(good, tries, seed)
     assert len(offsets) == tries
@@ -387,7 +391,7 @@ def test_a_published_copy_that_differs_from_the_readers_rows_is_refused_untouche
 
 
 def test_negative_control_a_damaged_copy_attached_unchecked_serves_wrong_rows(tmp_path, monkeypatch):
-    good = _write_table(tmp_path / "good.safetensors", seed=8)
+    good = _write_table(tmp_path / "good.safetensors", seed=9)
     expected = _expected_raw(good)
     first = _open_shared(good)
     try:
