@@ -10,6 +10,8 @@ step's top CUDA kernels by time (torch.profiler), with the GPU's busy share of t
     PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --out $OUT
     PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --deterministic --profile \
         --models moe --options eager compiled      # what the study's own step spends its time on
+    PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --deterministic --profile --sources \
+        --models moe --options compiled            # which op launched each kernel (graphs hide it)
 """
 
 from __future__ import annotations
@@ -112,6 +114,68 @@ def timed(trainer, first, last, queued=False):
     return time.perf_counter() - t0, losses
 
 
+def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -> dict:
+    """Three steps under torch.profiler: the GPU's busy share of the wall time, kernels a step, each kernel's
+    ms a step, per family (`KERNEL_KINDS`); with `sources`, the CPU ops that launched each kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, _ = timed(trainer, first, first + 3, queued)
+    kernels = [
+        e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.is_user_annotation
+    ]  # a range named on the host (the optimizer's step) spans kernels: not one of them
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)  # every kernel, the longest first
+    out = {
+        "gpu_busy_share": busy / wall,
+        "kernels_per_step": sum(e.count for e in kernels) / 3,
+        "kernels_ms_per_step": {e.key[:160]: e.self_device_time_total / 3e3 for e in top},
+        "kernel_counts_per_step": {e.key[:160]: e.count / 3 for e in top},
+    }
+    kinds = {}
+    for e in kernels:
+        kind = kinds.setdefault(kernel_kind(e.key), {"ms_per_step": 0.0, "kernels_per_step": 0.0})
+        kind["ms_per_step"] += e.self_device_time_total / 3e3
+        kind["kernels_per_step"] += e.count / 3
+    out["kernel_kinds"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]["ms_per_step"]))
+    print(
+        f"\n{key}: wall {wall / 3 * 1e3:.1f} ms/step, GPU busy {busy / wall:.0%}, "
+        f"{out['kernels_per_step']:.0f} kernels/step",
+        flush=True,
+    )
+    for k, v in list(out["kernels_ms_per_step"].items())[:25]:
+        print(f"   {v:7.2f} ms  {k[:90]}", flush=True)
+    for k, v in out["kernel_kinds"].items():
+        print(f"   {v['ms_per_step']:7.2f} ms {v['kernels_per_step']:6.0f} kernels  {k}", flush=True)
+    if sources:
+        out["kernel_sources"] = kernel_sources(prof.events(), steps=3)
+        for name, chains in list(out["kernel_sources"].items())[:30]:
+            print(f"   {name[:90]}", flush=True)
+            for chain, ms in list(chains.items())[:3]:
+                print(f"       {ms:7.3f} ms  {chain[:150]}", flush=True)
+    return out
+
+
+def kernel_sources(events, steps: int, depth: int = 4) -> dict:
+    """Per CUDA kernel name, longest first: the CPU ops that launched it, each as its chain of enclosing
+    ops (innermost first, `depth` deep, e.g. ``aten::sum < aten::sum < autograd::engine::evaluate_function:
+    SumBackward1``), with the ms a step it launched. Kernels replayed by a CUDA graph have no launching op:
+    profile a variant without graphs (``compiled``) to place them."""
+    by_kernel: dict[str, dict[str, float]] = {}
+    for evt in events:
+        if evt.device_type.name != "CPU" or not evt.kernels:
+            continue
+        chain, parent = [], evt
+        while parent is not None and len(chain) < depth:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        for kernel in evt.kernels:
+            chains = by_kernel.setdefault(kernel.name[:160], {})
+            chains[" < ".join(chain)] = chains.get(" < ".join(chain), 0.0) + kernel.duration / 1e3 / steps
+    ordered = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1].values()))
+    return {name: dict(sorted(chains.items(), key=lambda kv: -kv[1])) for name, chains in ordered}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -119,6 +183,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["dense", "moe", "moe_engram_rho0.8"])
     ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     ap.add_argument("--profile", action="store_true", help="profile each variant's kernels")
+    ap.add_argument(
+        "--sources", action="store_true", help="with --profile: the CPU ops that launched each kernel (no graphs)"
+    )
     ap.add_argument("--deterministic", action="store_true", help="deterministic mode, as the study runs")
     args = ap.parse_args()
     set_cublas_workspace(args.deterministic)  # before cuBLAS starts
@@ -168,34 +235,7 @@ def run(args) -> None:
             }
             row["mfu"] = flops * row["tokens_per_s"] / peak
             if args.profile:
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    wall, _ = timed(trainer, 3 + args.steps, 3 + args.steps + 3, opts.get("queued", False))
-                kernels = [
-                    e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.is_user_annotation
-                ]  # a range named on the host (the optimizer's step) spans kernels: not one of them
-                busy = sum(e.self_device_time_total for e in kernels) / 1e6
-                top = sorted(kernels, key=lambda e: -e.self_device_time_total)  # every kernel, the longest first
-                row["gpu_busy_share"] = busy / wall
-                row["kernels_per_step"] = sum(e.count for e in kernels) / 3
-                row["kernels_ms_per_step"] = {e.key[:160]: e.self_device_time_total / 3e3 for e in top}
-                row["kernel_counts_per_step"] = {e.key[:160]: e.count / 3 for e in top}
-                kinds = {}
-                for e in kernels:
-                    kind = kinds.setdefault(kernel_kind(e.key), {"ms_per_step": 0.0, "kernels_per_step": 0.0})
-                    kind["ms_per_step"] += e.self_device_time_total / 3e3
-                    kind["kernels_per_step"] += e.count / 3
-                row["kernel_kinds"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]["ms_per_step"]))
-                print(
-                    f"\n{key}: wall {wall / 3 * 1e3:.1f} ms/step, GPU busy {busy / wall:.0%}, "
-                    f"{row['kernels_per_step']:.0f} kernels/step",
-                    flush=True,
-                )
-                for k, v in list(row["kernels_ms_per_step"].items())[:25]:
-                    print(f"   {v:7.2f} ms  {k[:90]}", flush=True)
-                for k, v in row["kernel_kinds"].items():
-                    print(f"   {v['ms_per_step']:7.2f} ms {v['kernels_per_step']:6.0f} kernels  {k}", flush=True)
+                row.update(kernel_profile(key, trainer, 3 + args.steps, opts.get("queued", False), args.sources))
             rows[key] = row
             print(
                 f"{key}: {row['ms_per_step']:.1f} ms/step {row['tokens_per_s']:,.0f} tok/s MFU {row['mfu']:.1%} "

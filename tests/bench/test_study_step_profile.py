@@ -1,0 +1,35 @@
+"""The study-step probe's kernel attribution (`kernel_sources`): each kernel's launching ops, on events
+shaped as torch.profiler's, and on a real CPU profile (whose events have the attributes it reads)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "study_step_profile.py"
+
+
+def _event(name, parent=None, kernels=(), device="CPU"):
+    return SimpleNamespace(
+        name=name, cpu_parent=parent, device_type=SimpleNamespace(name=device), kernels=list(kernels)
+    )
+
+
+def test_kernels_are_placed_under_the_ops_that_launched_them():
+    kernel_sources = runpy.run_path(str(PROBE))["kernel_sources"]
+    kernel = lambda name, us: SimpleNamespace(name=name, duration=us)  # noqa: E731
+    backward = _event("autograd::engine::evaluate_function: SumBackward1")
+    sums = _event("aten::sum", backward, [kernel("reduce_kernel", 300.0), kernel("reduce_kernel", 300.0)])
+    fill = _event("aten::fill_", _event("aten::zeros"), [kernel("FillFunctor", 900.0)])
+    events = [backward, sums, fill, _event("cudaLaunchKernel"), _event("gpu", device="CUDA", kernels=[kernel("x", 1)])]
+    out = kernel_sources(events, steps=3)
+    assert list(out) == ["FillFunctor", "reduce_kernel"]  # the longest first
+    assert out["reduce_kernel"] == {"aten::sum < autograd::engine::evaluate_function: SumBackward1": 600 / 1e3 / 3}
+    assert out["FillFunctor"] == {"aten::fill_ < aten::zeros": 900 / 1e3 / 3}
+    # torch.profiler's own events carry what it reads (no GPU here: no kernels, nothing placed)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8).sum()
+    assert kernel_sources(prof.events(), steps=1) == {}
