@@ -12,7 +12,8 @@
 # copied from the two allocation sweeps (--reuse); the slot sweep; then, once each on any card, the
 # compiled step's CUDA kernels (pure MoE and dense, profiled), the training step's speed A/B (eager,
 # compiled, queued steps, CUDA graphs; pure MoE, rho 0.8, dense; each variant from empty compiler
-# caches), the kernels by family with graphs, the compiled step without deterministic mode, and a
+# caches), the kernels by family with graphs, the compiled step without deterministic mode, the
+# ops that launch each kernel of the compiled step (--sources), and a
 # sweep's tokens over wall time, one eager run at a time against $PARALLEL compiled runs at once
 # (benchmarks/probes/study_concurrency.sh, 400 steps), all into benchmarks/results/.
 set -uo pipefail
@@ -86,6 +87,8 @@ probe study_step_kernel_kinds 180 "the step's kernels by family, without and wit
   --deterministic --models moe dense --options compiled_queued compiled_graphs --steps 10 --profile
 probe study_step_nondeterministic 120 "what deterministic mode costs: the graphs A/B's compiled steps, without it" \
   --models dense moe --options compiled_graphs --steps 30
+probe study_step_sources 240 "which op launched each kernel (compiled, no graphs): pure MoE and rho 0.8" \
+  --deterministic --models moe moe_engram_rho0.8 --options compiled --steps 10 --profile --sources
 if [ "$previous_done" -eq 1 ] && ! ran "study_concurrency_k$PARALLEL" json && [ "$(left)" -ge 420 ]; then
   echo "== a sweep's throughput: one eager run at a time against $PARALLEL compiled at once" | tee -a "$OUT/study.log"
   OUT=/tmp/concurrency STEPS=400 K="$PARALLEL" timeout 400 benchmarks/probes/study_concurrency.sh \
