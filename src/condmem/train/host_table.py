@@ -322,8 +322,9 @@ class HostTables(abc.ABC):
     def _on_device(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         if not self.cuda:
             return torch.empty(n, dtype=dtype, device=self.device)
-        # Made on the transfer stream, whose copies fill device buffers: in deterministic mode a new
-        # buffer is filled with NaN by a kernel on the stream current at its making, before them.
+        # Made on the transfer stream, whose copies fill device buffers: where torch's deterministic
+        # algorithms fill new memory with NaN (their default; `deterministic_mode` turns the fill off),
+        # the fill runs on the stream current at the making, and so before the copies.
         with torch.cuda.stream(self._h2d):
             return torch.empty(n, dtype=dtype, device=self.device)
 
