@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from condmem.config import ConfigError
 from condmem.models import DecoderLM, forward_flops_per_token, iso_flop_baseline
 from condmem.models.config import ModelConfig, MoEConfig
-from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss, source_rows, top_experts
+from condmem.models.moe import GROUP_ALIGN, MoE, dispatch_layout, load_balancing_loss, top_experts
 
 BACKENDS = [
     False,
@@ -95,17 +95,6 @@ def test_moe_keeps_the_input_shape_and_is_batch_independent():
     y = moe(x)
     assert y.shape == x.shape
     assert_close("row alone", y[1], moe(x[1:])[0])
-
-
-def test_source_rows_inverts_dest_and_marks_padding():
-    experts = torch.randint(0, 7, (301, 2), generator=torch.Generator().manual_seed(0))
-    dest, _, num_rows = dispatch_layout(experts, 7)
-    src = source_rows(*torch.sort(dest), num_rows)
-    pairs = dest.numel()
-    want = torch.full((num_rows,), pairs, dtype=torch.int64)
-    want[dest] = torch.arange(pairs)  # the plain scatter it replaces
-    assert torch.equal(src, want)
-    assert torch.equal(source_rows(dest[:0], dest[:0], 8), torch.zeros(8, dtype=torch.int64))  # no pairs: all padding
 
 
 @pytest.mark.parametrize(

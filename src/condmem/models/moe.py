@@ -25,8 +25,10 @@ layer needs no device-to-host copy. Each GEMM over the slices is either one
 `torch._grouped_mm` (CUDA, bf16 under autocast, compute capability 9.0+) or one matmul per
 expert over its slice (everywhere else). Padding rows are zeros, are never read back, and
 add nothing to any gradient. The combine gathers each pair's row back and sums a token's
-top_k rows in a fixed order. Pairs move into the buffer and back by gathers in both directions
-(`source_rows` inverts the layout), never by a scatter-add, which deterministic mode would sort.
+top_k rows in a fixed order. The layout (each pair's row, and each row's pair) is a counting sort
+by expert (`condmem.ops.moe_layout`: Triton on CUDA, inside a compiled graph too). Pairs move into the
+buffer and back by gathers in both directions, never by a scatter-add, which deterministic mode
+would sort.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from condmem.ops.moe_layout import expert_layout
 
 GROUP_ALIGN = 8
 """Rows of a group are padded to a multiple of this: grouped GEMM kernels need 16-byte
@@ -113,13 +117,13 @@ def dispatch_layout(
     the end of each expert's rows; num_rows: the buffer's size, N*k rounded up to GROUP_ALIGN plus
     GROUP_ALIGN*E). Pairs of one expert keep their token order.
     """
-    dest, _, _, ends, num_rows = _layout(experts, n_experts, counts)
+    dest, _, ends, num_rows = _layout(experts, n_experts, counts)
     return dest, ends, num_rows
 
 
 def _layout(experts: torch.Tensor, n_experts: int, counts: torch.Tensor | None):
-    """`dispatch_layout`'s (dest, ends, num_rows), and the pairs in buffer order: their rows
-    (`placed`, increasing) and their indices (`order`), which `source_rows` inverts without a sort."""
+    """`dispatch_layout`'s (dest, ends, num_rows) and, after dest, the pair each buffer row holds
+    (int64 [num_rows], N*k for a padding row): `expert_layout`'s inverse of dest."""
     flat = experts.flatten()
     pairs = flat.numel()
     if counts is None:
@@ -128,27 +132,8 @@ def _layout(experts: torch.Tensor, n_experts: int, counts: torch.Tensor | None):
     num_rows = -(-pairs // GROUP_ALIGN) * GROUP_ALIGN + GROUP_ALIGN * n_experts  # every group end aligned
     ends = torch.cumsum(padded, 0)
     ends[-1] = num_rows  # the last group takes the unused rows: the groups cover the buffer
-    starts = ends - padded
-    order = torch.argsort(flat, stable=True)
-    first_pair = torch.cumsum(counts, 0) - counts
-    sorted_experts = flat[order]
-    rank = torch.arange(pairs, device=flat.device) - first_pair[sorted_experts]
-    placed = starts[sorted_experts] + rank  # increasing: by expert, then by rank within its group
-    dest = torch.empty_like(flat)
-    dest[order] = placed
-    return dest, placed, order, ends.to(torch.int32), num_rows
-
-
-def source_rows(placed: torch.Tensor, order: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """int64 [num_rows]: the pair each buffer row holds, and ``len(order)`` for a padding row.
-
-    `placed` (increasing) are the buffer rows of the pairs `order` (e.g. ``torch.sort(dest)``, or
-    `dispatch_layout`'s own sort): a search and gathers, no scatter."""
-    pairs = order.numel()
-    row_ids = torch.arange(num_rows, device=order.device)
-    at = torch.searchsorted(placed, row_ids).clamp_max(max(pairs - 1, 0))
-    held = placed[at] == row_ids if pairs else torch.zeros_like(row_ids, dtype=torch.bool)
-    return torch.where(held, order[at] if pairs else row_ids, pairs)
+    dest, src = expert_layout(flat, ends - padded, num_rows)
+    return dest, src, ends.to(torch.int32), num_rows
 
 
 @torch.compiler.disable  # a collective: run as it is between compiled parts
@@ -430,8 +415,7 @@ class MoE(nn.Module):
             self.update_bias(counts)  # after the choice: this forward used the bias as it was
         else:
             self.aux_loss = None
-        dest, placed, order, ends, num_rows = _layout(experts, self.n_experts, counts)
-        src = source_rows(placed, order, num_rows)
+        dest, src, ends, num_rows = _layout(experts, self.n_experts, counts)
         w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x.device.type):
             # Autocast does not cover the grouped GEMM: cast as it would for a Linear.
