@@ -108,6 +108,23 @@ class Attention(nn.Module):
         return q, k, v
 
 
+def _flex_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [B, H, T, hd] over k, v [B, KV, T, hd] by FlexAttention: kernels that
+    Inductor generates inside the compiled block, reading the shared K/V heads in place, whose
+    backward adds in a fixed order. SDPA's flash backward is nondeterministic, and in deterministic
+    mode it runs a slower form (dq in a separate pass) after copying each K/V head to its queries,
+    then sums those heads' gradients back; cuDNN's is not offered at all."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    length = q.shape[2]
+    blocks = create_block_mask(_causal, None, None, length, length, device=q.device)
+    return flex_attention(q, k, v, block_mask=blocks, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _causal(batch, head, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
 class DenseAttention:
     """Causal attention over dense [B, T] batches: RoPE at positions ``start..start+T-1``, then
     SDPA over the whole sequence or, with `kv` (one `KVCache` per block), over the cached keys
@@ -131,6 +148,9 @@ class DenseAttention:
             if length > 1:  # a chunk after a cached prefix: query i sees keys 0..start+i
                 q_pos = torch.arange(start, start + length, device=q.device)
                 mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]
+        if mask is None and causal and q.is_cuda and torch.compiler.is_compiling():
+            y = _flex_causal(q, k, v)
+            return y.transpose(1, 2).reshape(batch, length, -1)
         if n_kv != n_heads and not _SDPA_GQA:
             rep = n_heads // n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
