@@ -7,7 +7,10 @@ deterministic mode, where a backend without a deterministic backward is refused.
     PYTHONPATH=src python3 benchmarks/probes/attention_backends.py det|nondet   # writes $OUT/attn_<mode>.json
 """
 
-import os, sys, time, json
+import os
+import sys
+import time
+import json
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
