@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 ONE_HOT = 8192
 """Elements of a program's [pairs, experts] one-hot (128 pairs of up to 64 experts): it stays in registers."""
@@ -42,11 +41,13 @@ def _place(experts_ptr, base_ptr, dest_ptr, src_ptr, pairs, n_blocks, BLOCK: tl.
     tl.store(src_ptr + row, offs.to(tl.int64), mask=live)
 
 
-@torch.library.triton_op("condmem::expert_layout", mutates_args=())
+# An opaque op: a compiled graph calls it as it is. Inductor does not read the kernels (as it would
+# through torch.library.triton_op, which failed its test under Inductor on CUDA without deterministic mode).
+@torch.library.custom_op("condmem::expert_layout", mutates_args=())
 def expert_layout_triton(
     experts: torch.Tensor, starts: torch.Tensor, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`expert_layout`'s (dest, src) by the kernels: an op that `torch.compile` keeps in its graph."""
+    """`expert_layout`'s (dest, src) by the kernels: an op that `torch.compile` keeps in its graph, unbroken."""
     pairs, n_experts = experts.numel(), starts.numel()
     dest = torch.empty_like(experts)
     src = torch.full((num_rows,), pairs, dtype=torch.int64, device=experts.device)
@@ -56,14 +57,13 @@ def expert_layout_triton(
     block = max(16, ONE_HOT // width)
     n_blocks = triton.cdiv(pairs, block)
     counts = torch.empty(n_experts, n_blocks, dtype=torch.int32, device=experts.device)
-    wrap_triton(_block_counts)[(n_blocks,)](experts, counts, pairs, n_blocks, n_experts, BLOCK=block, EXPERTS=width)
+    _block_counts[(n_blocks,)](experts, counts, pairs, n_blocks, n_experts, BLOCK=block, EXPERTS=width)
     base = starts[:, None] + (torch.cumsum(counts, 1, dtype=torch.int64) - counts)  # [E, blocks]
-    wrap_triton(_place)[(n_blocks,)](experts, base, dest, src, pairs, n_blocks, BLOCK=block, EXPERTS=width)
+    _place[(n_blocks,)](experts, base, dest, src, pairs, n_blocks, BLOCK=block, EXPERTS=width)
     return dest, src
 
 
 @expert_layout_triton.register_fake
 def _(experts: torch.Tensor, starts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # The shapes alone, declared: tracing the body with fake tensors would launch the kernels
-    # in the interpreter (TRITON_INTERPRET=1), which reads the tensors' data.
+    # the outputs' shapes, for tracing
     return torch.empty_like(experts), experts.new_empty(num_rows)
