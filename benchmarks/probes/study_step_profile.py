@@ -66,7 +66,7 @@ compiled blocks also replayed as CUDA graphs (the gpu preset's step)."""
 
 KERNEL_KINDS = (
     ("optimizer", ("multi_tensor_apply", "adam")),
-    ("attention", ("flash",)),
+    ("attention", ("flash", "flex_attention")),  # SDPA's kernels; FlexAttention's as Inductor names them
     ("gemm", ("gemm", "nvjet", "cutlass", "cublas", "xmma", "grouped")),
     ("softmax / cross-entropy", ("softmax", "nll_loss", "cross_entropy")),
     ("sort / top-k / search", ("sort", "topk", "searchsorted", "cub::")),
