@@ -27,9 +27,10 @@ def expert_layout(
     `num_rows` rows whose group e begins at ``starts[e]`` (int64 [E]); `backend`: see
     `triton_util.resolve_backend`."""
     if backend in (None, "auto") and torch.compiler.is_compiling():
-        # resolve_backend's choice, without tracing its cached check that Triton imports
-        backend = "triton" if experts.is_cuda else "torch"
-    if resolve_backend(backend, experts.device, "expert_layout") == "torch":
+        kernel = experts.is_cuda  # resolve_backend's choice, without tracing its cached import check
+    else:
+        kernel = resolve_backend(backend, experts.device, "expert_layout") == "triton"
+    if not kernel:
         return expert_layout_reference(experts, starts, num_rows)
     from condmem.ops.moe_layout.triton import expert_layout_triton
 
