@@ -10,10 +10,11 @@ def expert_layout_reference(experts: torch.Tensor, starts: torch.Tensor, num_row
     rows where expert e's group begins at ``starts[e]``: a stable sort by expert, each pair's rank
     among its expert's pairs, then the inverse by a search over the sorted rows (no scatter)."""
     pairs = experts.numel()
-    counts = torch.bincount(experts, minlength=starts.numel())
     order = torch.argsort(experts, stable=True)
     sorted_experts = experts[order]
-    rank = torch.arange(pairs, device=experts.device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    ids = torch.arange(starts.numel(), device=experts.device)
+    first = torch.searchsorted(sorted_experts, ids)  # each expert's first place in the sort (shapes fixed: traceable)
+    rank = torch.arange(pairs, device=experts.device) - first[sorted_experts]
     placed = starts[sorted_experts] + rank  # increasing: by expert, then by rank within its group
     dest = torch.empty_like(experts)
     dest[order] = placed
