@@ -100,9 +100,9 @@ class TrainConfig:
     """Wall-clock budget: the step count is resolved from the measured step time during warm-up."""
     compile: bool = False
     """Compile each decoder block, the head and the cross-entropy with `torch.compile` (fused norms,
-    rotary, SwiGLU, routing; on CUDA about 2x the eager step at the study's sizes, after seconds of
-    compilation per shape). Same arithmetic up to rounding: losses match eager to bf16 noise, not
-    bit for bit.
+    rotary, SwiGLU, routing; on CUDA, causal attention by FlexAttention, deterministic in either
+    mode; about 2x the eager step at the study's sizes, after seconds of compilation per shape).
+    Same arithmetic up to rounding: losses match eager to bf16 noise, not bit for bit.
     Compiling starts from empty compiler caches (`torch._dynamo.reset`), so a model's graphs are
     those of a fresh process, whatever the process trained before."""
     cuda_graphs: bool = False
