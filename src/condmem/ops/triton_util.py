@@ -22,13 +22,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=1)
+_TRITON_IMPORTS: bool | None = None
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether ``import triton`` works (tried once). Cached in a module global, not a
+    ``functools.lru_cache``: torch.compile traces a global's read plainly, and warns of a cache."""
+    global _TRITON_IMPORTS
+    if _TRITON_IMPORTS is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON_IMPORTS = True
+        except ImportError:
+            _TRITON_IMPORTS = False
+    return _TRITON_IMPORTS
 
 
 def resolve_backend(backend: str | None, device: torch.device, what: str) -> str:

@@ -26,11 +26,7 @@ def expert_layout(
     """(dest, src) of the pairs `experts` (int64 [P], every id < ``len(starts)``) in a buffer of
     `num_rows` rows whose group e begins at ``starts[e]`` (int64 [E]); `backend`: see
     `triton_util.resolve_backend`."""
-    if backend in (None, "auto") and torch.compiler.is_compiling():
-        kernel = experts.is_cuda  # resolve_backend's choice, without tracing its cached import check
-    else:
-        kernel = resolve_backend(backend, experts.device, "expert_layout") == "triton"
-    if not kernel:
+    if resolve_backend(backend, experts.device, "expert_layout") == "torch":
         return expert_layout_reference(experts, starts, num_rows)
     from condmem.ops.moe_layout.triton import expert_layout_triton
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from condmem.ops.launch import FastLaunch
+
 ONE_HOT = 8192
 """Elements of a program's [pairs, experts] one-hot (128 pairs of up to 64 experts): it stays in registers."""
 
@@ -41,6 +43,11 @@ def _place(experts_ptr, base_ptr, dest_ptr, src_ptr, pairs, n_blocks, BLOCK: tl.
     tl.store(src_ptr + row, offs.to(tl.int64), mask=live)
 
 
+# Launched at the cost of the launch (`FastLaunch`): once a MoE layer in each forward, on the host's
+# path wherever the step is not replayed as a CUDA graph.
+_COUNTS, _PLACE = FastLaunch(_block_counts), FastLaunch(_place)
+
+
 # An opaque op: a compiled graph calls it as it is. Inductor does not read the kernels (as it would
 # through torch.library.triton_op, which failed its test under Inductor on CUDA without deterministic mode).
 @torch.library.custom_op("condmem::expert_layout", mutates_args=())
@@ -57,9 +64,9 @@ def expert_layout_triton(
     block = max(16, ONE_HOT // width)
     n_blocks = triton.cdiv(pairs, block)
     counts = torch.empty(n_experts, n_blocks, dtype=torch.int32, device=experts.device)
-    _block_counts[(n_blocks,)](experts, counts, pairs, n_blocks, n_experts, BLOCK=block, EXPERTS=width)
+    _COUNTS((n_blocks,), (experts, counts), (pairs, n_blocks, n_experts), (), 4, BLOCK=block, EXPERTS=width)
     base = starts[:, None] + (torch.cumsum(counts, 1, dtype=torch.int64) - counts)  # [E, blocks]
-    _place[(n_blocks,)](experts, base, dest, src, pairs, n_blocks, BLOCK=block, EXPERTS=width)
+    _PLACE((n_blocks,), (experts, base, dest, src), (pairs, n_blocks), (), 4, BLOCK=block, EXPERTS=width)
     return dest, src
 
 
