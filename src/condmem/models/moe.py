@@ -147,20 +147,28 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
 
 
 class _MoveRows(torch.autograd.Function):
-    """``y = x[take]``, where index ``len(x)`` reads a row of zeros; the gradient goes back the same
-    way, ``dx = dy[back]`` (index ``len(dy)`` reads zeros). `take` and `back` are each other's
-    inverse on the rows they move, each row moved at most once: both directions are gathers, where
-    autograd's backward of a gather is a scatter-add, which deterministic mode sorts on CUDA."""
+    """``y = x[take]``; the gradient goes back the same way, ``dx = dy[back]``. `take` and `back` are
+    each other's inverse on the rows they move, each row moved at most once: both directions are
+    gathers, where autograd's backward of a gather is a scatter-add, which deterministic mode sorts
+    on CUDA. With `take_pads`, `take` may hold ``len(x)``, which reads a row of zeros (a padding row
+    of the expert buffer), and `back` holds no such index; without it, the reverse."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, take: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, take: torch.Tensor, back: torch.Tensor, take_pads: bool) -> torch.Tensor:
         ctx.save_for_backward(back)
-        return _with_zero_row(x).index_select(0, take)
+        ctx.back_pads = not take_pads
+        return _rows(x, take, take_pads)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (back,) = ctx.saved_tensors
-        return _with_zero_row(grad).index_select(0, back), None, None
+        return _rows(grad, back, ctx.back_pads), None, None, None
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor, pads: bool) -> torch.Tensor:
+    # Only the side that may read padding pays for the zero row: appending it copies x whole
+    # wherever x comes from a kernel a compiled graph cannot fuse into the gather (a GEMM's output).
+    return (_with_zero_row(x) if pads else x).index_select(0, index)
 
 
 class RouterStats(nn.Module):
@@ -423,10 +431,10 @@ class MoE(nn.Module):
             x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         fast = grouped_mm_available(x) if self.use_grouped_mm is None else self.use_grouped_mm
         pairs = x.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, self.dim)
-        buffer = _MoveRows.apply(pairs, src, dest)  # padding rows are zeros
+        buffer = _MoveRows.apply(pairs, src, dest, True)  # padding rows are zeros
         gate, up = grouped_linear(buffer, w13, ends, use_grouped_mm=fast).chunk(2, dim=-1)
         out = grouped_linear(F.silu(gate) * up, w2, ends, use_grouped_mm=fast)
-        routed = _MoveRows.apply(out, dest, src).view(-1, self.top_k, self.dim)
+        routed = _MoveRows.apply(out, dest, src, False).view(-1, self.top_k, self.dim)
         y = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
         return y.reshape(shape)
 
