@@ -8,6 +8,7 @@ import torch
 _INT_POISON = -0x2A2A2A2A  # not a row id, not a compressed id
 
 
+@torch.no_grad()  # an empty made to require grad (Inductor's pattern set-up makes some) is filled like any other
 def _poison(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "meta" or t.numel() == 0:
         return t
