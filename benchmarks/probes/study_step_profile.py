@@ -125,12 +125,18 @@ def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -
         e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.is_user_annotation
     ]  # a range named on the host (the optimizer's step) spans kernels: not one of them
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)  # every kernel, the longest first
+    # Summed by the name's first 160 characters: templated kernels (CUTLASS's) that differ only
+    # past them count together instead of the last one standing for all.
+    ms, counts = {}, {}
+    for e in kernels:
+        ms[e.key[:160]] = ms.get(e.key[:160], 0.0) + e.self_device_time_total / 3e3
+        counts[e.key[:160]] = counts.get(e.key[:160], 0.0) + e.count / 3
+    top = sorted(ms, key=lambda k: -ms[k])  # every kernel, the longest first
     out = {
         "gpu_busy_share": busy / wall,
         "kernels_per_step": sum(e.count for e in kernels) / 3,
-        "kernels_ms_per_step": {e.key[:160]: e.self_device_time_total / 3e3 for e in top},
-        "kernel_counts_per_step": {e.key[:160]: e.count / 3 for e in top},
+        "kernels_ms_per_step": {k: ms[k] for k in top},
+        "kernel_counts_per_step": {k: counts[k] for k in top},
     }
     kinds = {}
     for e in kernels:
