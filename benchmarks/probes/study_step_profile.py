@@ -4,7 +4,9 @@ The `condmem study` gpu preset's backbones (dense at the MoE's active size, pure
 with its Engram), trained by the library's `Trainer` on random tokens. For each: tokens/s and
 model FLOPs utilisation (training FLOPs per token x tokens/s over a bf16 matmul ceiling measured
 in the same run), eager and with every block compiled (`torch.compile`), and with `--profile` each
-step's top CUDA kernels by time (torch.profiler), with the GPU's busy share of the wall time.
+step's top CUDA kernels by time (torch.profiler), with the GPU's busy share of the wall time and its
+idle gaps by size (a step bound by its kernels' hand-overs shows many short ones; one waiting on the host,
+a few long ones).
 `--deterministic` runs every variant in deterministic mode, as `condmem study` does by default.
 
     PYTHONPATH=src python3 benchmarks/probes/study_step_profile.py --out $OUT
@@ -116,7 +118,8 @@ def timed(trainer, first, last, queued=False):
 
 def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -> dict:
     """Three steps under torch.profiler: the GPU's busy share of the wall time, kernels a step, each kernel's
-    ms a step, per family (`KERNEL_KINDS`); with `sources`, the CPU ops that launched each kernel."""
+    ms a step, per family (`KERNEL_KINDS`), the idle gaps between its activities (`idle_gaps`); with
+    `sources`, the CPU ops that launched each kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -138,6 +141,12 @@ def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -
         "kernels_ms_per_step": {k: ms[k] for k in top},
         "kernel_counts_per_step": {k: counts[k] for k in top},
     }
+    spans = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and not e.is_user_annotation
+    ]
+    out["idle"] = idle_gaps(spans, steps=3)
     kinds = {}
     for e in kernels:
         kind = kinds.setdefault(kernel_kind(e.key), {"ms_per_step": 0.0, "kernels_per_step": 0.0})
@@ -153,6 +162,12 @@ def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -
         print(f"   {v:7.2f} ms  {k[:90]}", flush=True)
     for k, v in out["kernel_kinds"].items():
         print(f"   {v['ms_per_step']:7.2f} ms {v['kernels_per_step']:6.0f} kernels  {k}", flush=True)
+    idle = out["idle"]
+    print(f"   idle {idle['ms_per_step']:.2f} ms a step between GPU activities:", flush=True)
+    for size, g in idle["by_size"].items():
+        print(f"      gaps {size:>12}: {g['per_step']:7.1f} a step, {g['ms_per_step']:6.2f} ms", flush=True)
+    for g in idle["largest"][:8]:
+        print(f"      {g['us']:8.1f} us after {g['after'][:60]} | before {g['before'][:60]}", flush=True)
     if sources:
         out["kernel_sources"] = kernel_sources(prof.events(), steps=3)
         for name, chains in list(out["kernel_sources"].items())[:30]:
@@ -160,6 +175,38 @@ def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -
             for chain, ms in list(chains.items())[:3]:
                 print(f"       {ms:7.3f} ms  {chain[:150]}", flush=True)
     return out
+
+
+GAP_SIZES = ((0.0, 2.0), (2.0, 5.0), (5.0, 20.0), (20.0, 100.0), (100.0, float("inf")))
+"""Idle gaps by size, in microseconds: under ~2 us is one kernel's hand-over to the next; longer ones are
+where the device waited for work."""
+
+
+def idle_gaps(spans, steps: int, largest: int = 10) -> dict:
+    """Where the GPU had nothing to run: the gaps between its activities (kernels, copies, fills), given as
+    ``(start_us, end_us, name)`` spans on any streams (overlapping spans count as busy together), from the
+    first one's start to the last one's end. Returns the idle ms a step, the gaps by size (`GAP_SIZES`: how
+    many a step and their ms a step) and the `largest` gaps with the activity before and after each."""
+    spans = sorted(spans)
+    by_size = {f"{lo:g}-{hi:g} us": {"per_step": 0.0, "ms_per_step": 0.0} for lo, hi in GAP_SIZES}
+    gaps = []
+    if spans:
+        end, last = spans[0][1], spans[0][2]
+        for start, stop, name in spans[1:]:
+            if start > end:
+                gaps.append((start - end, last, name))
+            if stop > end:
+                end, last = stop, name
+    for us, _, _ in gaps:
+        lo, hi = next(size for size in GAP_SIZES if size[0] <= us < size[1])
+        bucket = by_size[f"{lo:g}-{hi:g} us"]
+        bucket["per_step"] += 1 / steps
+        bucket["ms_per_step"] += us / 1e3 / steps
+    return {
+        "ms_per_step": sum(us for us, _, _ in gaps) / 1e3 / steps,
+        "by_size": by_size,
+        "largest": [{"us": us, "after": a, "before": b} for us, a, b in sorted(gaps, key=lambda g: -g[0])[:largest]],
+    }
 
 
 def kernel_sources(events, steps: int, depth: int = 4) -> dict:

@@ -33,3 +33,24 @@ def test_kernels_are_placed_under_the_ops_that_launched_them():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.ones(8).sum()
     assert kernel_sources(prof.events(), steps=1) == {}
+
+
+def test_idle_gaps_count_only_time_no_activity_covers():
+    idle_gaps = runpy.run_path(str(PROBE))["idle_gaps"]
+    spans = [
+        (0.0, 10.0, "a"),
+        (5.0, 20.0, "b"),  # overlaps a (another stream): no gap
+        (21.0, 30.0, "c"),  # 1 us after b
+        (22.0, 25.0, "d"),  # inside c
+        (60.0, 70.0, "e"),  # 30 us after c, not after d
+        (70.0, 80.0, "f"),  # back to back
+        (380.0, 400.0, "g"),  # 300 us after f
+    ]
+    out = idle_gaps(spans[::-1], steps=2)  # any order
+    assert out["ms_per_step"] == (1 + 30 + 300) / 1e3 / 2
+    assert [g["us"] for g in out["largest"]] == [300.0, 30.0, 1.0]
+    assert out["largest"][1] == {"us": 30.0, "after": "c", "before": "e"}
+    sizes = {k: v["per_step"] for k, v in out["by_size"].items()}
+    assert sizes == {"0-2 us": 0.5, "2-5 us": 0.0, "5-20 us": 0.0, "20-100 us": 0.5, "100-inf us": 0.5}
+    assert out["by_size"]["100-inf us"]["ms_per_step"] == 0.15
+    assert idle_gaps([], steps=1)["ms_per_step"] == 0.0
