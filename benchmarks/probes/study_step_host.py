@@ -9,6 +9,7 @@ host's own time per step, by function. Prints what it finds; needs a CUDA device
     PYTHONPATH=src python3 benchmarks/probes/study_step_host.py
 """
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -68,6 +69,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     set_cublas_workspace(True)  # before cuBLAS starts
     with deterministic_mode(True):
         main()
