@@ -7,9 +7,10 @@ row holds, ``P`` for a row no pair fills). Both are exact permutations: the kern
 reference give the same integers.
 
 On CUDA, a counting sort in Triton (`triton.py`: two passes over blocks of pairs and one scan
-between them), registered as an op that `torch.compile` keeps inside its graph; elsewhere, the
-reference (`reference.py`): a stable sort, and a search that inverts it. Neither scatters through
-an index_put, which deterministic mode would sort as well.
+between them, each pair's row and each row's pair written directly), registered as an op that
+`torch.compile` keeps inside its graph; no sort, and no index_put, which deterministic mode would
+sort as well. Elsewhere, the reference (`reference.py`): a stable sort, its ranks written back to
+the pairs by an index_put, and a search over the sorted rows for the inverse.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import torch
 def expert_layout_reference(experts: torch.Tensor, starts: torch.Tensor, num_rows: int):
     """(dest, src) of the pairs `experts` (int64 [P], each < len(starts)) in a buffer of `num_rows`
     rows where expert e's group begins at ``starts[e]``: a stable sort by expert, each pair's rank
-    among its expert's pairs, then the inverse by a search over the sorted rows (no scatter)."""
+    among its expert's pairs written back to the pairs (an index_put), then the inverse by a search
+    over the sorted rows."""
     pairs = experts.numel()
     order = torch.argsort(experts, stable=True)
     sorted_experts = experts[order]
