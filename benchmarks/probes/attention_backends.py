@@ -7,19 +7,22 @@ deterministic mode, where a backend without a deterministic backward is refused.
     PYTHONPATH=src python3 benchmarks/probes/attention_backends.py det|nondet   # writes $OUT/attn_<mode>.json
 """
 
+import json
 import os
 import sys
 import time
-import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from condmem.models.attention import _causal
+from condmem.train.determinism import deterministic_mode, set_cublas_workspace
+from condmem.utils.atomic import atomic_write_text
+
 det = sys.argv[1] == "det"
-if det:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
+set_cublas_workspace(det)  # before cuBLAS starts
 B, S, H, KV, D = 64, 512, 8, 4, 64
 g = torch.Generator(device="cuda").manual_seed(0)
 q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
@@ -43,7 +46,7 @@ def sdpa(backend, gqa):
 def flex():
     from torch.nn.attention.flex_attention import flex_attention, create_block_mask
 
-    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
+    bm = create_block_mask(_causal, None, None, S, S, device="cuda")  # the model's mask
     fa = torch.compile(flex_attention)
     return lambda q, k, v: fa(q, k, v, block_mask=bm, enable_gqa=True)
 
@@ -56,7 +59,6 @@ def run(f):
     return [t.grad.clone() for t in (q, k, v)]
 
 
-out = {}
 cands = {
     "flash_gqa": lambda: sdpa(SDPBackend.FLASH_ATTENTION, True),
     "flash_rep": lambda: sdpa(SDPBackend.FLASH_ATTENTION, False),
@@ -65,26 +67,33 @@ cands = {
     "efficient_gqa": lambda: sdpa(SDPBackend.EFFICIENT_ATTENTION, True),
     "flex": flex,
 }
-ref = None
-for name, mk in cands.items():
-    try:
-        f = mk()
-        a = run(f)
-        b = run(f)
-        same = all(torch.equal(x, y) for x, y in zip(a, b))
-        if ref is None:
-            ref = a
-        err = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, ref))
-        for _ in range(3):
-            run(f)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            run(f)
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / 20 * 1e3
-        out[name] = dict(ms=ms, repeatable=same, max_diff_vs_first=err)
-    except Exception as e:
-        out[name] = dict(error=str(e)[:200])
-    print(f"{'det' if det else 'nondet'} {name:14s} {out[name]}", flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"attn_{sys.argv[1]}.json"), "w"), indent=1)
+
+
+def measure(make) -> dict:
+    """Two backwards (the same bits?), the largest gradient difference from the first backend's, ms a step."""
+    global ref
+    f = make()
+    a, b = run(f), run(f)
+    same = all(torch.equal(x, y) for x, y in zip(a, b))
+    if ref is None:
+        ref = a
+    err = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, ref))
+    for _ in range(3):
+        run(f)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        run(f)
+    torch.cuda.synchronize()
+    return dict(ms=(time.perf_counter() - t0) / 20 * 1e3, repeatable=same, max_diff_vs_first=err)
+
+
+out, ref = {}, None
+with deterministic_mode(det):
+    for name, make in cands.items():
+        try:
+            out[name] = measure(make)
+        except Exception as e:  # a backend refused (e.g. no deterministic backward) is reported, the rest go on
+            out[name] = dict(error=str(e)[:200])
+        print(f"{'det' if det else 'nondet'} {name:14s} {out[name]}", flush=True)
+atomic_write_text(Path(os.environ.get("OUT", ".")) / f"attn_{sys.argv[1]}.json", json.dumps(out, indent=1))
