@@ -251,3 +251,40 @@ def test_grouped_mm_matches_the_loop_on_the_gpu():
     y_loop.float().square().sum().backward()
     for name in ("router.weight", "w13", "w2"):
         assert_close(f"grad {name}", loop.get_parameter(name).grad, moe.get_parameter(name).grad, tol=3e-2)
+
+
+def _cpu_grouped_mm() -> bool:
+    one, offs = torch.ones(8, 8, dtype=torch.bfloat16), torch.tensor([8], dtype=torch.int32)
+    try:
+        torch._grouped_mm(one, one.unsqueeze(0).transpose(-2, -1), offs=offs)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grouped_gemm_backward_is_torchs_but_for_the_weight_gradient(device):
+    """`grouped_linear`'s grouped form: output and input gradient are torch._grouped_mm's own bits; the
+    fp32 weight's gradient is summed in fp32 and written as fp32, so it is nearer the exact sum than
+    autograd's (rounded to bf16, then widened)."""
+    from condmem.models.moe import grouped_linear
+
+    if device == "cpu" and not _cpu_grouped_mm():
+        pytest.skip("this torch has no CPU _grouped_mm")
+    torch.manual_seed(0)
+    ends = torch.tensor([8, 16, 16, 64, 96], dtype=torch.int32, device=device)  # one group empty
+    x = torch.randn(96, 32, device=device).bfloat16().requires_grad_()
+    w = torch.randn(5, 24, 32, device=device, requires_grad=True)
+    dy = torch.randn(96, 24, device=device).bfloat16()
+    y = grouped_linear(x, w, ends, use_grouped_mm=True)
+    y.backward(dy)
+    x_t, w_t = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y_t = torch._grouped_mm(x_t, w_t.bfloat16().transpose(-2, -1), offs=ends)
+    y_t.backward(dy)
+    assert torch.equal(y, y_t) and torch.equal(x.grad, x_t.grad)
+    assert w.grad.dtype == torch.float32
+    bounds = [0, *ends.tolist()]
+    exact = torch.stack([dy[a:b].double().T @ x[a:b].double() for a, b in zip(bounds, bounds[1:])]).float()
+    assert (w.grad - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert (w.grad - exact).abs().max() < (w_t.grad - exact).abs().max()
