@@ -138,6 +138,50 @@ def test_clip_gradients_of_mixed_dtypes_against_fp64():
         assert torch.equal(x.values() if x.is_sparse else x, old * scale.to(old.dtype))
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 100.0], ids=["clipped", "not-clipped"])
+def test_clipping_folded_into_fused_adamw(max_norm):
+    """A fused AdamW given to the clipping divides its gradients by 1/scale as it steps: the same
+    parameters as multiplying first (bit for bit where no clipping happens; within a rounding of each
+    parameter where it does), and the gradients it does not own are still multiplied."""
+    if not _fused_adamw_here():
+        pytest.skip("this torch has no fused AdamW on CPU")
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(64, 16, generator=g), torch.randn(16, generator=g)]
+    grads = [torch.randn(64, 16, generator=g), torch.randn(16, generator=g)]
+    other_grad = torch.randn(8, generator=g)
+    params = []
+    for _ in range(2):
+        ps = [torch.nn.Parameter(x.clone()) for x in start]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        params.append(ps)
+    plain = torch.optim.AdamW(params[0], lr=1e-2, fused=True)
+    folded = torch.optim.AdamW(params[1], lr=1e-2, fused=True)
+    other = [other_grad.clone(), other_grad.clone()]
+    norm_a = clip_gradients_([p.grad for p in params[0]] + [other[0]], max_norm)
+    norm_b = clip_gradients_([p.grad for p in params[1]] + [other[1]], max_norm, folded)
+    assert torch.equal(norm_a, norm_b) and torch.equal(other[0], other[1])
+    assert (folded.grad_scale is not None) and torch.equal(params[1][0].grad, grads[0]), "left for the step"
+    plain.step()
+    folded.step()
+    eps = torch.finfo(torch.float32).eps
+    for a, b, s in zip(params[0], params[1], start):
+        if max_norm > float(norm_a):
+            assert torch.equal(a, b)
+        else:  # the update off by its last bits, then the parameter rounded
+            assert bool(((a - b).abs() <= 2 * eps * ((a - s).abs() + a.abs())).all())
+
+
+def _fused_adamw_here() -> bool:
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    try:
+        torch.optim.AdamW([p], fused=True).step()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def test_lr_schedule_warmup_then_cosine():
     f = [lr_factor(s, 100, 10, 0.1) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)

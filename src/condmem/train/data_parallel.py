@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from condmem.distributed import ShardedTable, ShardPlan
 from condmem.distributed.checkpoint import load_sharded, save_sharded
-from condmem.train.optim import scale_gradients_, squared_norm
+from condmem.train.optim import clip_scale, scale_gradients_, squared_norm
 
 
 class DataParallelTables:
@@ -88,9 +88,12 @@ class DataParallelTables:
                 p.grad.div_(self.world)
 
     @torch.no_grad()
-    def clip_(self, replicated: list[torch.Tensor], sharded: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip_(
+        self, replicated: list[torch.Tensor], sharded: list[torch.Tensor], max_norm: float, adamw=None
+    ) -> torch.Tensor:
         """Clip by the global norm: the replicated gradients' squares once, the shards' summed
-        over the ranks (sparse ones coalesced). Returns the norm before clipping."""
+        over the ranks (sparse ones coalesced). Returns the norm before clipping. `adamw`: see
+        `optim.scale_gradients_`."""
         device = self._device(replicated, sharded)
 
         def squares(grads):
@@ -100,7 +103,7 @@ class DataParallelTables:
         dist.all_reduce(shard_sq, group=self.group)
         total = (squares(replicated) + shard_sq).sqrt()
         if max_norm and max_norm > 0:
-            scale_gradients_(replicated + sharded, (max_norm / (total + 1e-6)).clamp(max=1.0))
+            scale_gradients_(replicated + sharded, clip_scale(total, max_norm), adamw)
         return total
 
     @staticmethod

@@ -578,8 +578,9 @@ class Trainer:
         # reported stays the cross-entropy, comparable across models.
         aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
         (loss if aux is None else loss + aux).backward()
+        # The backbone's fused AdamW applies the clipping scale as it reads its gradients (scale_gradients_).
         if self.host is not None:
-            clip_gradients_(self._gradients(), cfg.grad_clip)
+            clip_gradients_(self._gradients(), cfg.grad_clip, self.adamw)
         elif self.dp is not None:
             self.dp.average_gradients(self._replicated)
             for p in self._sharded:
@@ -589,11 +590,13 @@ class Trainer:
                 [p.grad for p in self._replicated if p.grad is not None],
                 [p.grad for p in self._sharded if p.grad is not None],
                 cfg.grad_clip,
+                self.adamw,
             )
         else:
-            clip_grad_norm_(self.params, cfg.grad_clip)
+            clip_grad_norm_(self.params, cfg.grad_clip, self.adamw)
         for opt in self.optimizers:
             opt.step()
+        self.adamw.grad_scale = None  # this step's
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return loss.detach(), cfg.lr * lr_mult

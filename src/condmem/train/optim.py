@@ -361,11 +361,11 @@ def set_lr(optimizers, factor: float) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, adamw: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most `max_norm`; returns the norm before.
 
     Sparse gradients are coalesced (in place of the parameter's ``.grad``) so that each row
-    counts once. No host sync: the scale is a tensor.
+    counts once. No host sync: the scale is a tensor. `adamw`: see `scale_gradients_`.
     """
     grads = []
     for p in params:
@@ -374,11 +374,13 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
         if p.grad.is_sparse:
             p.grad = p.grad.coalesce()
         grads.append(p.grad)
-    return clip_gradients_(grads, max_norm)
+    return clip_gradients_(grads, max_norm, adamw)
 
 
 @torch.no_grad()
-def clip_gradients_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_gradients_(
+    grads: list[torch.Tensor], max_norm: float, adamw: torch.optim.Optimizer | None = None
+) -> torch.Tensor:
     """`clip_grad_norm_` on gradient tensors themselves (sparse ones already coalesced); the
     order given decides the last bits of the norm (`squared_norm`)."""
     if not grads:
@@ -386,8 +388,13 @@ def clip_gradients_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     total = squared_norm(grads).sqrt()
     if max_norm is None or max_norm <= 0:
         return total
-    scale_gradients_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    scale_gradients_(grads, clip_scale(total, max_norm), adamw)
     return total
+
+
+def clip_scale(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that brings a global norm `total` (0-d) down to `max_norm`, at most 1."""
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
 
 
 def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -411,14 +418,27 @@ def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def scale_gradients_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+def scale_gradients_(
+    grads: list[torch.Tensor], scale: torch.Tensor, adamw: torch.optim.Optimizer | None = None
+) -> None:
     """Multiply `grads` in place by `scale` (0-d): dense ones by one multi-tensor kernel per
-    device and dtype, sparse (coalesced) ones through their value storage."""
+    device and dtype, sparse (coalesced) ones through their value storage.
+
+    `adamw`: a fused `torch.optim.AdamW` whose step comes next. The dense gradients of its
+    parameters are not multiplied here: it divides them by ``1 / scale`` as it reads them (its
+    ``grad_scale``, the hook torch's gradient scaler uses), a pass over nearly every gradient less.
+    Where no clipping happens (scale 1) that gives the same bits; where it does, a gradient may
+    differ from the multiplied one in its last bit. The caller clears ``grad_scale`` after the step.
+    """
+    deferred: set[int] = set()
+    if adamw is not None and adamw.defaults.get("fused"):
+        deferred = {id(p.grad) for group in adamw.param_groups for p in group["params"] if p.grad is not None}
+        adamw.grad_scale = scale.reciprocal()
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         if g.is_sparse:
             g._values().mul_(scale.to(g.device, g.dtype))
-        else:
+        elif id(g) not in deferred:
             groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, dtype), dense in groups.items():
         torch._foreach_mul_(dense, scale.to(device, dtype))
