@@ -305,7 +305,10 @@ def test_host_tables_on_a_gpu_train_like_model_tables(tiny_data, adam):
             trainer.fit()
             tables = _tables(trainer)
     diffs = [abs(a - b) / abs(b) for a, b in zip(_losses(trainer), _losses(ref))]
-    assert max(diffs) < 1e-4, diffs
+    # Device Adam: the same losses (0 apart on an H100). Host Adam's roundings compound over the 30
+    # steps, and how far depends on the trajectory: 4.8e-5 and 1.0e-4 on an H100 for two that differ
+    # only in the last bits of the clipped gradients (multiplied, or divided inside the fused AdamW).
+    assert max(diffs) < (1e-4 if adam == "device" else 3e-4), diffs
     want = _tables(ref)
     for lid in want:
         got, ref_rows = tables[lid].cpu(), want[lid].cpu()
