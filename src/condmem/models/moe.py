@@ -103,11 +103,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, *,
 class _GroupedGemm(torch.autograd.Function):
     """`grouped_linear` by `torch._grouped_mm`, with the weight's gradient by `grouped_weight_grad`.
 
-    torch's own backward computes the weight gradient as a GEMM grouped along its contraction,
-    which runs at well under half the forward's rate at a MoE's shapes (a few hundred rows per
-    group), then rounds it to bf16 and autograd widens it to the fp32 weight's dtype. Here it is
-    one kernel that accumulates in fp32 and writes the weight's dtype directly. The input's gradient
-    is torch's grouped GEMM, as in its own backward."""
+    torch's own backward computes the weight gradient in bf16 (a GEMM grouped along its
+    contraction), and autograd then widens it to the fp32 weight's dtype: a rounding and a pass
+    over every expert weight's gradient. Here one kernel accumulates in fp32 and writes the
+    weight's dtype directly. The input's gradient is torch's grouped GEMM, as in its own backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

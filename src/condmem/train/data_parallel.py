@@ -89,7 +89,11 @@ class DataParallelTables:
 
     @torch.no_grad()
     def clip_(
-        self, replicated: list[torch.Tensor], sharded: list[torch.Tensor], max_norm: float, adamw=None
+        self,
+        replicated: list[torch.Tensor],
+        sharded: list[torch.Tensor],
+        max_norm: float,
+        adamw: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor:
         """Clip by the global norm: the replicated gradients' squares once, the shards' summed
         over the ranks (sparse ones coalesced). Returns the norm before clipping. `adamw`: see

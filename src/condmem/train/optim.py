@@ -426,9 +426,10 @@ def scale_gradients_(
 
     `adamw`: a fused `torch.optim.AdamW` whose step comes next. The dense gradients of its
     parameters are not multiplied here: it divides them by ``1 / scale`` as it reads them (its
-    ``grad_scale``, the hook torch's gradient scaler uses), a pass over nearly every gradient less.
-    Where no clipping happens (scale 1) that gives the same bits; where it does, a gradient may
-    differ from the multiplied one in its last bit. The caller clears ``grad_scale`` after the step.
+    ``grad_scale``, the hook torch's gradient scaler uses, with which it also writes them back
+    divided), so nearly every gradient is read once less. Where no clipping happens (scale 1) that
+    gives the same bits; where it does, a gradient may differ from the multiplied one in its last
+    bit. The caller clears ``grad_scale`` after the step.
     """
     deferred: set[int] = set()
     if adamw is not None and adamw.defaults.get("fused"):
