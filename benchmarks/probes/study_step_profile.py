@@ -69,7 +69,8 @@ compiled blocks also replayed as CUDA graphs (the gpu preset's step)."""
 KERNEL_KINDS = (
     ("optimizer", ("multi_tensor_apply", "adam")),
     ("attention", ("flash", "flex_attention")),  # SDPA's kernels; FlexAttention's as Inductor names them
-    ("gemm", ("gemm", "nvjet", "cutlass", "cublas", "xmma", "grouped")),
+    # "_weight_grad": condmem.ops.grouped_weight_grad
+    ("gemm", ("gemm", "nvjet", "cutlass", "cublas", "xmma", "grouped", "_weight_grad")),
     ("softmax / cross-entropy", ("softmax", "nll_loss", "cross_entropy")),
     ("sort / top-k / search", ("sort", "topk", "searchsorted", "cub::")),
     ("index / gather / scatter", ("index", "gather", "scatter")),

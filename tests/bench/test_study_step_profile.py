@@ -54,3 +54,9 @@ def test_idle_gaps_count_only_time_no_activity_covers():
     assert sizes == {"0-2 us": 0.5, "2-5 us": 0.0, "5-20 us": 0.0, "20-100 us": 0.5, "100-inf us": 0.5}
     assert out["by_size"]["100-inf us"]["ms_per_step"] == 0.15
     assert idle_gaps([], steps=1)["ms_per_step"] == 0.0
+
+
+def test_kernel_families_count_our_grouped_gemm_kernel_as_gemm():
+    kernel_kind = runpy.run_path(str(PROBE))["kernel_kind"]
+    assert kernel_kind("_weight_grad") == "gemm"
+    assert kernel_kind("triton_poi_fused_index_select_0") == "index / gather / scatter"
