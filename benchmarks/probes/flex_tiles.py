@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from condmem.bench.harness import event_times_ms
 from condmem.models.attention import _causal
 from condmem.train.determinism import deterministic_mode, set_cublas_workspace
 from condmem.utils.atomic import atomic_write_text
@@ -58,17 +60,7 @@ def run(options, q, k, v, dy, blocks):
     first = step()
     again = step()
     repeatable = all(torch.equal(a, b) for a, b in zip(first[1], again[1]))
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[10], repeatable, first
+    return statistics.median(event_times_ms(step, 23)[3:]), repeatable, first  # the first 3 warm up
 
 
 def main() -> None:

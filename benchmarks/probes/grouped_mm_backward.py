@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
 
+from condmem.bench.harness import event_times_ms
 from condmem.models.moe import _layout
 from condmem.ops.grouped_weight_grad.reference import grouped_weight_grad_reference
 from condmem.ops.grouped_weight_grad.triton import weight_grad_tiled
@@ -34,18 +36,8 @@ CONFIGS = [  # block_n, block_k, block_m, warps, stages
 ]
 
 
-def timed(fn, reps: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
+def timed(fn) -> float:
+    return statistics.median(event_times_ms(fn, 35)[5:])  # the first 5 warm up
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

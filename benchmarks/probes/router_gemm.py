@@ -10,28 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from condmem.bench.harness import event_times_ms
 from condmem.utils.atomic import atomic_write_text
 
 TOKENS, DIM, EXPERTS = 32768, 512, 62
 
 
-def timed(fn, reps: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
+def timed(fn) -> float:
+    return statistics.median(event_times_ms(fn, 35)[5:])  # the first 5 warm up
 
 
 def main() -> None:
