@@ -168,10 +168,6 @@ def _summed_over_ranks(load: torch.Tensor) -> torch.Tensor:
     return load
 
 
-def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-
-
 class _MoveRows(torch.autograd.Function):
     """``y = x[take]``; the gradient goes back the same way, ``dx = dy[back]``. `take` and `back` are
     each other's inverse on the rows they move, each row moved at most once: both directions are
@@ -194,7 +190,7 @@ class _MoveRows(torch.autograd.Function):
 def _rows(x: torch.Tensor, index: torch.Tensor, pads: bool) -> torch.Tensor:
     # Only the side that may read padding pays for the zero row: appending it copies x whole
     # wherever x comes from a kernel a compiled graph cannot fuse into the gather (a GEMM's output).
-    return (_with_zero_row(x) if pads else x).index_select(0, index)
+    return (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) if pads else x).index_select(0, index)
 
 
 class RouterStats(nn.Module):
