@@ -60,6 +60,18 @@ def test_kernel_equals_reference(device, sizes, n, k, out_dtype):
     _close(got, want, 1e-5 if out_dtype == torch.float32 else 8e-3)
 
 
+def test_bad_input_is_refused_by_name():
+    grad_out, x, ends = _case(*CASES[0])
+    with pytest.raises(ValueError, match="same rows"):
+        grouped_weight_grad(grad_out[:-1], x, ends, torch.float32)
+    with pytest.raises(ValueError, match="ends must be 1-D"):
+        grouped_weight_grad(grad_out, x, ends.float(), torch.float32)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        grouped_weight_grad(grad_out, x.t().contiguous().t(), ends, torch.float32)
+    with pytest.raises(ValueError, match="out_dtype"):
+        grouped_weight_grad(grad_out, x, ends, torch.int32)
+
+
 @pytest.mark.gpu
 def test_study_size_is_the_same_bits_every_run():
     # the gpu preset's layer: ~66K rows over 62 groups, 512 x 512; each tile is one program's: no atomics
