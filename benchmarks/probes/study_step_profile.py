@@ -107,14 +107,19 @@ def build(name, cfg, device, tc, steps, opts):
 
 
 def timed(trainer, first, last, queued=False):
+    """Seconds for steps first..last-1 (synchronized at both ends), the host's seconds to queue them
+    (queued: before the one read of their losses; near the total, the host bounds the step), and the losses."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     if queued:
-        losses = trainer.read_losses([(s, trainer.queue_step(s)[0]) for s in range(first, last)])
+        steps = [(s, trainer.queue_step(s)[0]) for s in range(first, last)]
+        host = time.perf_counter() - t0
+        losses = trainer.read_losses(steps)
     else:
         losses = [trainer.train_step(s)[0] for s in range(first, last)]
+        host = None
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, losses
+    return time.perf_counter() - t0, host, losses
 
 
 def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -> dict:
@@ -124,7 +129,7 @@ def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall, _ = timed(trainer, first, first + 3, queued)
+        wall, _, _ = timed(trainer, first, first + 3, queued)
     kernels = [
         e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.is_user_annotation
     ]  # a range named on the host (the optimizer's step) spans kernels: not one of them
@@ -279,10 +284,11 @@ def run(args) -> None:
                 rows[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 continue
             warm_s = time.perf_counter() - t0
-            secs, losses = timed(trainer, 3, 3 + args.steps, opts.get("queued", False))
+            secs, host_s, losses = timed(trainer, 3, 3 + args.steps, opts.get("queued", False))
             row = {
                 "tokens_per_s": tokens * args.steps / secs,
                 "ms_per_step": 1e3 * secs / args.steps,
+                "host_ms_per_step": None if host_s is None else 1e3 * host_s / args.steps,
                 "train_flops_per_token": flops,
                 "losses": losses,
                 "warm_s": warm_s,
@@ -293,7 +299,8 @@ def run(args) -> None:
             rows[key] = row
             print(
                 f"{key}: {row['ms_per_step']:.1f} ms/step {row['tokens_per_s']:,.0f} tok/s MFU {row['mfu']:.1%} "
-                f"(warm-up {warm_s:.0f} s)",
+                f"(warm-up {warm_s:.0f} s)"
+                + ("" if host_s is None else f", host {row['host_ms_per_step']:.1f} ms/step to queue"),
                 flush=True,
             )
             del trainer, model
