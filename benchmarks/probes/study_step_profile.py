@@ -122,6 +122,49 @@ def timed(trainer, first, last, queued=False):
     return time.perf_counter() - t0, host, losses
 
 
+def host_phases(trainer, first: int, last: int) -> dict:
+    """The host's ms a step in each phase of queued steps first..last-1 (the forward's call, the backward's,
+    clipping, the optimizers' steps, zero_grad, the rest), by wrapping each; the device is not waited on,
+    so a phase's time is what the host spends queuing it. Their sum near the wall's ms a step: the host
+    bounds the step."""
+    import condmem.train.loop as loop
+
+    spent: dict[str, float] = {}
+
+    def timing(name, fn):
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+        return wrapped
+
+    saved = (torch.Tensor.backward, loop.clip_grad_norm_)
+    trainer.model.loss = timing("forward", trainer.model.loss)
+    torch.Tensor.backward = timing("backward", torch.Tensor.backward)
+    loop.clip_grad_norm_ = timing("clip", loop.clip_grad_norm_)
+    for opt in trainer.optimizers:
+        opt.step, opt.zero_grad = timing("optimizer step", opt.step), timing("zero_grad", opt.zero_grad)
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        queued = [(s, trainer.queue_step(s)[0]) for s in range(first, last)]
+        host = time.perf_counter() - t0
+        trainer.read_losses(queued)
+    finally:
+        torch.Tensor.backward, loop.clip_grad_norm_ = saved
+        del trainer.model.loss  # the instance's wrappers: the class's methods again
+        for opt in trainer.optimizers:
+            del opt.step, opt.zero_grad
+    n = last - first
+    out = {name: 1e3 * t / n for name, t in spent.items()}
+    out["rest"] = 1e3 * host / n - sum(out.values())
+    return {"host_ms_per_step_by_phase": out}
+
+
 def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -> dict:
     """Three steps under torch.profiler: the GPU's busy share of the wall time, kernels a step, each kernel's
     ms a step, per family (`KERNEL_KINDS`), the idle gaps between its activities (`idle_gaps`); with
@@ -246,6 +289,9 @@ def main() -> None:
         "--sources", action="store_true", help="with --profile: the CPU ops that launched each kernel (no graphs)"
     )
     ap.add_argument("--deterministic", action="store_true", help="deterministic mode, as the study runs")
+    ap.add_argument(
+        "--host-phases", action="store_true", help="queued options: the host's ms a step in each phase of the step"
+    )
     args = ap.parse_args()
     set_cublas_workspace(args.deterministic)  # before cuBLAS starts
     with deterministic_mode(args.deterministic):
@@ -276,7 +322,7 @@ def run(args) -> None:
             key = f"{name}/{option}"
             t0 = time.perf_counter()
             try:
-                model, trainer = build(key, cfg, device, tc, 3 + 2 * args.steps + 3, opts)
+                model, trainer = build(key, cfg, device, tc, 3 + 3 * args.steps + 3, opts)
                 for s in range(3):
                     trainer.train_step(s)
             except Exception as e:  # a variant that does not run is reported, the others go on
@@ -294,8 +340,17 @@ def run(args) -> None:
                 "warm_s": warm_s,
             }
             row["mfu"] = flops * row["tokens_per_s"] / peak
+            first = 3 + args.steps
+            if args.host_phases and opts.get("queued"):
+                row.update(host_phases(trainer, first, first + args.steps))
+                first += args.steps
+                print(
+                    f"{key}: host ms a step by phase "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in row["host_ms_per_step_by_phase"].items()),
+                    flush=True,
+                )
             if args.profile:
-                row.update(kernel_profile(key, trainer, 3 + args.steps, opts.get("queued", False), args.sources))
+                row.update(kernel_profile(key, trainer, first, opts.get("queued", False), args.sources))
             rows[key] = row
             print(
                 f"{key}: {row['ms_per_step']:.1f} ms/step {row['tokens_per_s']:,.0f} tok/s MFU {row['mfu']:.1%} "

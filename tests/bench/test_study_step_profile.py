@@ -60,3 +60,25 @@ def test_kernel_families_count_our_grouped_gemm_kernel_as_gemm():
     kernel_kind = runpy.run_path(str(PROBE))["kernel_kind"]
     assert kernel_kind("_weight_grad") == "gemm"
     assert kernel_kind("triton_poi_fused_index_select_0") == "index / gather / scatter"
+
+
+def test_host_phases_split_the_hosts_time_and_unwrap_after():
+    import numpy as np
+
+    from condmem.models import DecoderLM
+    from condmem.models.config import ModelConfig
+    from condmem.train.data import TokenStream
+    from condmem.train.loop import TrainConfig, Trainer
+
+    host_phases = runpy.run_path(str(PROBE))["host_phases"]
+    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=16, max_seq_len=16)
+    tokens = TokenStream(np.arange(4 * 16 * 8 + 1, dtype=np.int32) % 64, 0)
+    tc = TrainConfig(steps=6, batch_size=4, seq_len=16, warmup_steps=1, eval_tokens=16, log_every=100)
+    trainer = Trainer(DecoderLM(cfg, seed=0), tc, tokens, tokens, np.ones(64), "cpu", progress=False)
+    out = host_phases(trainer, 0, 3)["host_ms_per_step_by_phase"]
+    assert {"forward", "backward", "clip", "optimizer step", "zero_grad", "rest"} <= set(out)
+    assert all(v > 0 for k, v in out.items() if k != "rest")
+    # the wrappers are gone: the class's methods and the module's function again
+    assert "step" not in vars(trainer.adamw) and "loss" not in vars(trainer.model)
+    assert torch.Tensor.backward.__name__ == "backward"
+    trainer.queue_step(3)
