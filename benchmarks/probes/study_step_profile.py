@@ -107,26 +107,22 @@ def build(name, cfg, device, tc, steps, opts):
 
 
 def timed(trainer, first, last, queued=False):
-    """Seconds for steps first..last-1 (synchronized at both ends), the host's seconds to queue them
-    (queued: before the one read of their losses; near the total, the host bounds the step), and the losses."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     if queued:
-        steps = [(s, trainer.queue_step(s)[0]) for s in range(first, last)]
-        host = time.perf_counter() - t0
-        losses = trainer.read_losses(steps)
+        losses = trainer.read_losses([(s, trainer.queue_step(s)[0]) for s in range(first, last)])
     else:
         losses = [trainer.train_step(s)[0] for s in range(first, last)]
-        host = None
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, host, losses
+    return time.perf_counter() - t0, losses
 
 
 def host_phases(trainer, first: int, last: int) -> dict:
-    """The host's ms a step in each phase of queued steps first..last-1 (the forward's call, the backward's,
-    clipping, the optimizers' steps, zero_grad, the rest), by wrapping each; the device is not waited on,
-    so a phase's time is what the host spends queuing it. Their sum near the wall's ms a step: the host
-    bounds the step."""
+    """The host's ms a step in each phase of steps first..last-1 (the forward's call, the backward's,
+    clipping, the optimizers' steps, zero_grad, the rest; "total" their sum), by wrapping each. Each
+    step is queued onto an idle device and its loss read before the next: queued back to back, the
+    host would soon wait for room in the launch queue, and that wait would count as its own time.
+    A total well below the wall's ms a step: the device bounds the step."""
     import condmem.train.loop as loop
 
     spent: dict[str, float] = {}
@@ -147,13 +143,15 @@ def host_phases(trainer, first: int, last: int) -> dict:
     loop.clip_grad_norm_ = timing("clip", loop.clip_grad_norm_)
     for opt in trainer.optimizers:
         opt.step, opt.zero_grad = timing("optimizer step", opt.step), timing("zero_grad", opt.zero_grad)
+    host = 0.0
     try:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        queued = [(s, trainer.queue_step(s)[0]) for s in range(first, last)]
-        host = time.perf_counter() - t0
-        trainer.read_losses(queued)
+        for s in range(first, last):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = trainer.queue_step(s)[0]
+            host += time.perf_counter() - t0
+            trainer.read_losses([(s, loss)])
     finally:
         torch.Tensor.backward, loop.clip_grad_norm_ = saved
         del trainer.model.loss  # the instance's wrappers: the class's methods again
@@ -162,6 +160,7 @@ def host_phases(trainer, first: int, last: int) -> dict:
     n = last - first
     out = {name: 1e3 * t / n for name, t in spent.items()}
     out["rest"] = 1e3 * host / n - sum(out.values())
+    out["total"] = 1e3 * host / n
     return {"host_ms_per_step_by_phase": out}
 
 
@@ -172,7 +171,7 @@ def kernel_profile(key: str, trainer, first: int, queued: bool, sources: bool) -
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall, _, _ = timed(trainer, first, first + 3, queued)
+        wall, _ = timed(trainer, first, first + 3, queued)
     kernels = [
         e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.is_user_annotation
     ]  # a range named on the host (the optimizer's step) spans kernels: not one of them
@@ -290,7 +289,9 @@ def main() -> None:
     )
     ap.add_argument("--deterministic", action="store_true", help="deterministic mode, as the study runs")
     ap.add_argument(
-        "--host-phases", action="store_true", help="queued options: the host's ms a step in each phase of the step"
+        "--host-phases",
+        action="store_true",
+        help="queued options: the host's ms to queue a step onto an idle device, by phase",
     )
     args = ap.parse_args()
     set_cublas_workspace(args.deterministic)  # before cuBLAS starts
@@ -330,11 +331,10 @@ def run(args) -> None:
                 rows[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 continue
             warm_s = time.perf_counter() - t0
-            secs, host_s, losses = timed(trainer, 3, 3 + args.steps, opts.get("queued", False))
+            secs, losses = timed(trainer, 3, 3 + args.steps, opts.get("queued", False))
             row = {
                 "tokens_per_s": tokens * args.steps / secs,
                 "ms_per_step": 1e3 * secs / args.steps,
-                "host_ms_per_step": None if host_s is None else 1e3 * host_s / args.steps,
                 "train_flops_per_token": flops,
                 "losses": losses,
                 "warm_s": warm_s,
@@ -354,8 +354,7 @@ def run(args) -> None:
             rows[key] = row
             print(
                 f"{key}: {row['ms_per_step']:.1f} ms/step {row['tokens_per_s']:,.0f} tok/s MFU {row['mfu']:.1%} "
-                f"(warm-up {warm_s:.0f} s)"
-                + ("" if host_s is None else f", host {row['host_ms_per_step']:.1f} ms/step to queue"),
+                f"(warm-up {warm_s:.0f} s)",
                 flush=True,
             )
             del trainer, model

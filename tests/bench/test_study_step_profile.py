@@ -76,7 +76,8 @@ def test_host_phases_split_the_hosts_time_and_unwrap_after():
     tc = TrainConfig(steps=6, batch_size=4, seq_len=16, warmup_steps=1, eval_tokens=16, log_every=100)
     trainer = Trainer(DecoderLM(cfg, seed=0), tc, tokens, tokens, np.ones(64), "cpu", progress=False)
     out = host_phases(trainer, 0, 3)["host_ms_per_step_by_phase"]
-    assert {"forward", "backward", "clip", "optimizer step", "zero_grad", "rest"} <= set(out)
+    assert {"forward", "backward", "clip", "optimizer step", "zero_grad", "rest", "total"} <= set(out)
+    assert abs(sum(v for k, v in out.items() if k != "total") - out["total"]) < 1e-9
     assert all(v > 0 for k, v in out.items() if k != "rest")
     # the wrappers are gone: the class's methods and the module's function again
     assert "step" not in vars(trainer.adamw) and "loss" not in vars(trainer.model)
