@@ -44,6 +44,16 @@ def kernel_devices_here() -> list[str]:
 needs_kernels = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 
+def compiled_graph_backends() -> list:
+    """Parameters ``(device, backend)`` for a test of an op registered opaque to `torch.compile`: eager
+    and aot_eager on CPU (through the interpreter), and on CUDA eager, aot_eager and inductor, marked `gpu`."""
+    interpreted = pytest.mark.skipif(not INTERPRET, reason="CPU kernels run in the Triton interpreter")
+    cpu = [pytest.param("cpu", b, marks=interpreted, id=f"cpu-{b}") for b in ("eager", "aot_eager")]
+    return cpu + [
+        pytest.param("cuda", b, marks=pytest.mark.gpu, id=f"cuda-{b}") for b in ("eager", "aot_eager", "inductor")
+    ]
+
+
 def assert_bits_equal(name: str, ref: torch.Tensor, got: torch.Tensor) -> None:
     """Bit-for-bit equality of float tensors; NaN matches NaN whatever its payload."""
     assert ref.shape == got.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"

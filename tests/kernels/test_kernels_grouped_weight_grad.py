@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import INTERPRET, assert_bits_equal, kernel_devices, needs_kernels
+from kernel_helpers import assert_bits_equal, compiled_graph_backends, kernel_devices, needs_kernels
 
 from condmem.ops.grouped_weight_grad import grouped_weight_grad, grouped_weight_grad_reference
 
 pytestmark = needs_kernels
 DEVICES = kernel_devices()
-INTERPRETED = pytest.mark.skipif(not INTERPRET, reason="CPU kernels run in the Triton interpreter")
 CASES = [  # rows of each group, N, K
     ([8, 16, 0, 24, 72], 48, 40),
     ([0, 0, 8], 16, 16),
@@ -60,6 +59,15 @@ def test_kernel_equals_reference(device, sizes, n, k, out_dtype):
     _close(got, want, 1e-5 if out_dtype == torch.float32 else 8e-3)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_groups_give_an_empty_gradient(device):
+    grad_out, x = torch.zeros(0, 16, dtype=torch.bfloat16), torch.zeros(0, 8, dtype=torch.bfloat16)
+    ends = torch.zeros(0, dtype=torch.int32)
+    want = grouped_weight_grad_reference(grad_out, x, ends)
+    got = grouped_weight_grad(grad_out.to(device), x.to(device), ends.to(device), torch.float32, backend="triton")
+    assert want.shape == got.shape == (0, 16, 8) and got.dtype == torch.float32
+
+
 def test_bad_input_is_refused_by_name():
     grad_out, x, ends = _case(*CASES[0])
     with pytest.raises(ValueError, match="same rows"):
@@ -85,15 +93,7 @@ def test_study_size_is_the_same_bits_every_run():
         )
 
 
-@pytest.mark.parametrize(
-    "device, backend",
-    [
-        pytest.param("cpu", "eager", marks=INTERPRETED, id="cpu-eager"),
-        pytest.param("cpu", "aot_eager", marks=INTERPRETED, id="cpu-aot_eager"),
-        pytest.param("cuda", "aot_eager", marks=pytest.mark.gpu, id="cuda-aot_eager"),
-        pytest.param("cuda", "inductor", marks=pytest.mark.gpu, id="cuda-inductor"),
-    ],
-)
+@pytest.mark.parametrize("device, backend", compiled_graph_backends())
 def test_kernel_inside_a_compiled_graph(device, backend):
     grad_out, x, ends = (t.to(device) for t in _case(*CASES[0]))
     torch._dynamo.reset()

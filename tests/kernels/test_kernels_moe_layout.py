@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import INTERPRET, kernel_devices, needs_kernels
+from kernel_helpers import compiled_graph_backends, kernel_devices, needs_kernels
 
 from condmem.ops.moe_layout import expert_layout, expert_layout_reference
 
 pytestmark = needs_kernels
 DEVICES = kernel_devices()
-INTERPRETED = pytest.mark.skipif(not INTERPRET, reason="CPU kernels run in the Triton interpreter")
 
 
 def _case(pairs: int, n_experts: int, kind: str, seed: int = 0):
@@ -63,16 +62,7 @@ def test_kernel_equals_reference(device, pairs, n_experts, kind):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize(
-    "device, backend",
-    [
-        pytest.param("cpu", "eager", marks=INTERPRETED, id="cpu-eager"),
-        pytest.param("cpu", "aot_eager", marks=INTERPRETED, id="cpu-aot_eager"),
-        pytest.param("cuda", "eager", marks=pytest.mark.gpu, id="cuda-eager"),
-        pytest.param("cuda", "aot_eager", marks=pytest.mark.gpu, id="cuda-aot_eager"),
-        pytest.param("cuda", "inductor", marks=pytest.mark.gpu, id="cuda-inductor"),
-    ],
-)
+@pytest.mark.parametrize("device, backend", compiled_graph_backends())
 @pytest.mark.parametrize("choice", ["auto", "triton"])
 def test_kernel_inside_a_compiled_graph(device, backend, choice):
     # one opaque op in the traced graph, no break (fullgraph), under every backend
