@@ -1,5 +1,5 @@
-"""Compile the lookup path's (and the tables' sparse Adam's) Triton kernels for a GPU architecture on a machine
-without a GPU.
+"""Compile the lookup path's, the tables' sparse Adam's and the MoE training step's Triton kernels for a GPU
+architecture on a machine without a GPU.
 
 CI has no GPU and runs kernels through the interpreter, which never invokes Triton's
 compiler, so a kernel the compiler rejects passes every CPU test (Triton 3.6, for one, fails
@@ -22,9 +22,9 @@ import sys
 
 def variants() -> list[tuple[str, object, dict, dict, dict]]:
     """(name, kernel, signature, constexprs, compile options) of every kernel variant the lookup
-    path and the sparse Adam compile."""
+    path, the sparse Adam and the MoE training step compile."""
     plain = [(*v, {}) for v in _gather_variants() + _row_cache_variants()]
-    return plain + _sparse_adam_variants()
+    return plain + _sparse_adam_variants() + _moe_variants()
 
 
 def _gather_variants() -> list[tuple[str, object, dict, dict]]:
@@ -158,6 +158,38 @@ def _sparse_adam_variants() -> list[tuple[str, object, dict, dict, dict]]:
         consts = {"D": 64, "BLOCK_R": 32, "BLOCK_D": 64, "LERP_SMALL": True, "V_CUDA": True, "P_KIND": kind}
         sig = dict(adam_sig, p_ptr=f"*{dtype}", grad_ptr=f"*{dtype}")
         out.append((f"sparse adam step {dtype}", sa._adam_kernel, sig, {**consts, "EXACT": False}, sa.COMPILE_OPTIONS))
+    return out
+
+
+def _moe_variants() -> list[tuple[str, object, dict, dict, dict]]:
+    """The MoE step's: the layout's two passes (64 and 256 experts' one-hot) and the experts' weight
+    gradient in the tilings of both of a layer's GEMMs (fp32 and bf16 out, int32 and int64 ends)."""
+    from condmem.ops.grouped_weight_grad import triton as wg
+    from condmem.ops.moe_layout.triton import ONE_HOT, _block_counts, _place
+
+    out = []
+    for width in (64, 256):
+        consts = {"BLOCK": max(16, ONE_HOT // width), "EXPERTS": width}
+        counts_sig = {
+            "experts_ptr": "*i64",
+            "counts_ptr": "*i32",
+            "pairs": "i32",
+            "n_blocks": "i32",
+            "n_experts": "i32",
+        }
+        place_sig = {f"{name}_ptr": "*i64" for name in ("experts", "base", "dest", "src")}
+        out.append((f"moe layout counts E<={width}", _block_counts, counts_sig, consts, {}))
+        out.append(
+            (f"moe layout place E<={width}", _place, {**place_sig, "pairs": "i32", "n_blocks": "i32"}, consts, {})
+        )
+    for k in (256, 512):
+        block_n, block_k, block_m, warps, stages = wg.tiling(k)
+        consts = {"BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCK_M": block_m, "UPCAST": False}
+        for out_dtype, ends in (("fp32", "i32"), ("bf16", "i64")):
+            sig = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "ends_ptr": f"*{ends}", "out_ptr": f"*{out_dtype}"}
+            sig.update({name: "i32" for name in ("n", "k", "stride_dy", "stride_x")})
+            options = {"num_warps": warps, "num_stages": stages}
+            out.append((f"weight grad k={k} {out_dtype} ends {ends}", wg._weight_grad, sig, consts, options))
     return out
 
 
