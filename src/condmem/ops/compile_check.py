@@ -221,11 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    failed = 0
-    for name, error in compile_all(args.arch):
+    results = compile_all(args.arch)
+    for name, error in results:
         print(f"{'ok    ' if error is None else 'FAILED'} {name}" + (f": {error}" if error else ""))
-        failed += error is not None
-    print(f"triton {triton.__version__}, sm_{args.arch}: {failed} of the variants failed to compile")
+    failed = sum(error is not None for _, error in results)
+    print(f"triton {triton.__version__}, sm_{args.arch}: {failed} of {len(results)} variants failed to compile")
     return 1 if failed else 0
 
 
