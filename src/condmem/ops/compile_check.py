@@ -165,11 +165,12 @@ def _moe_variants() -> list[tuple[str, object, dict, dict, dict]]:
     """The MoE step's: the layout's two passes (64 and 256 experts' one-hot) and the experts' weight
     gradient in the tilings of both of a layer's GEMMs (fp32 and bf16 out, int32 and int64 ends)."""
     from condmem.ops.grouped_weight_grad import triton as wg
-    from condmem.ops.moe_layout.triton import ONE_HOT, _block_counts, _place
+    from condmem.ops.moe_layout.triton import _block_counts, _place, one_hot_shape
 
     out = []
-    for width in (64, 256):
-        consts = {"BLOCK": max(16, ONE_HOT // width), "EXPERTS": width}
+    for n_experts in (62, 256):
+        width, block = one_hot_shape(n_experts)
+        consts = {"BLOCK": block, "EXPERTS": width}
         counts_sig = {
             "experts_ptr": "*i64",
             "counts_ptr": "*i32",

@@ -43,6 +43,13 @@ def _place(experts_ptr, base_ptr, dest_ptr, src_ptr, pairs, n_blocks, BLOCK: tl.
     tl.store(src_ptr + row, offs.to(tl.int64), mask=live)
 
 
+def one_hot_shape(n_experts: int) -> tuple[int, int]:
+    """(EXPERTS, BLOCK) of the kernels for `n_experts`: the one-hot's width, a power of two, and the
+    pairs a program takes, so that the one-hot holds ONE_HOT elements."""
+    width = max(16, triton.next_power_of_2(n_experts))
+    return width, max(16, ONE_HOT // width)
+
+
 # Launched at the cost of the launch (`FastLaunch`): once a MoE layer in each forward, on the host's
 # path wherever the step is not replayed as a CUDA graph.
 _COUNTS, _PLACE = FastLaunch(_block_counts), FastLaunch(_place)
@@ -60,8 +67,7 @@ def expert_layout_triton(
     src = torch.full((num_rows,), pairs, dtype=torch.int64, device=experts.device)
     if pairs == 0:
         return dest, src
-    width = max(16, triton.next_power_of_2(n_experts))
-    block = max(16, ONE_HOT // width)
+    width, block = one_hot_shape(n_experts)
     n_blocks = triton.cdiv(pairs, block)
     counts = torch.empty(n_experts, n_blocks, dtype=torch.int32, device=experts.device)
     _COUNTS((n_blocks,), (experts, counts), (pairs, n_blocks, n_experts), (), 4, BLOCK=block, EXPERTS=width)
