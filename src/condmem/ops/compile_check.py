@@ -162,7 +162,7 @@ def _sparse_adam_variants() -> list[tuple[str, object, dict, dict, dict]]:
 
 
 def _moe_variants() -> list[tuple[str, object, dict, dict, dict]]:
-    """The MoE step's: the layout's two passes (64 and 256 experts' one-hot) and the experts' weight
+    """The MoE step's: the layout's two passes (62 and 256 experts: one-hot widths 64 and 256) and the experts' weight
     gradient in the tilings of both of a layer's GEMMs (fp32 and bf16 out, int32 and int64 ends)."""
     from condmem.ops.grouped_weight_grad import triton as wg
     from condmem.ops.moe_layout.triton import _block_counts, _place, one_hot_shape
